@@ -1,0 +1,1 @@
+"""jaxtune: plan, run and export fine-tuning of Llama-family language models in JAX."""

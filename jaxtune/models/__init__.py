@@ -1,0 +1,1 @@
+"""Llama-family models: abstract parameters, the forward, Hugging Face import/export."""

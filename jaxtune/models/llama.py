@@ -1,0 +1,168 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) as pure functions over the parameter tree of `params.py`.
+
+One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
+depth; `jax.checkpoint` wraps the block under a `Remat` policy. Numerics follow transformers: RMSNorm and
+softmax in float32, RoPE angles in float32 cast to the compute dtype, everything else in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.config import ModelConfig
+from jaxtune.models.rope import apply_rope, rope_angles
+
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+
+
+@dataclass(frozen=True)
+class Remat:
+    """What a layer keeps for the backward pass.
+
+    "none": every activation is kept. "full": only the layer input; the block is recomputed.
+    "save_matmuls": outputs of the weight matmuls are kept, attention and elementwise work is recomputed.
+    """
+
+    policy: str = "none"
+
+    def __post_init__(self):
+        policy = self.policy.replace("-", "_")
+        if policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.policy!r}; choose one of {', '.join(REMAT_POLICIES)}")
+        object.__setattr__(self, "policy", policy)
+
+    def wrap(self, fn):
+        if self.policy == "none":
+            return fn
+        if self.policy == "full":
+            return jax.checkpoint(fn, prevent_cse=False)
+        return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How (not what) the forward computes. Hashable, so it can be a static argument under `jax.jit`."""
+
+    compute_dtype: str = "float32"
+    remat: Remat = field(default_factory=Remat)
+    scan_layers: bool = True
+
+
+def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * weight, the statistics in float32, the product in the input dtype."""
+    x32 = x_BxTxD.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
+
+
+def dense(x: jax.Array, module: dict) -> jax.Array:
+    """x @ kernel (+ bias), in x's dtype. `module` is one linear module's leaves for one layer."""
+    y = x @ module["kernel"].astype(x.dtype)
+    if "bias" in module:
+        y = y + module["bias"].astype(x.dtype)
+    return y
+
+
+def attention_mask(
+    tokens_BxT: jax.Array, attention_mask_BxT: jax.Array | None, segment_ids_BxT: jax.Array | None
+) -> jax.Array:
+    """[B, 1, 1, T, T] boolean: causal by index, keys that are not padding, and (if packed) the same segment."""
+    T = tokens_BxT.shape[1]
+    idx = jnp.arange(T)
+    mask_BxTxS = jnp.broadcast_to(idx[:, None] >= idx[None, :], (tokens_BxT.shape[0], T, T))
+    if attention_mask_BxT is not None:
+        mask_BxTxS = mask_BxTxS & (attention_mask_BxT[:, None, :] > 0)
+    if segment_ids_BxT is not None:
+        mask_BxTxS = mask_BxTxS & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+    return mask_BxTxS[:, None, None]
+
+
+def sliding_window_mask(T: int, window: jax.Array) -> jax.Array:
+    """[T, T] boolean: key index j is within `window` of query index i (everything when window is 0)."""
+    idx = jnp.arange(T)
+    return (window == 0) | (idx[:, None] - idx[None, :] < window)
+
+
+def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool):
+    """Grouped-query self-attention of one layer; returns [B, T, D]."""
+    B, T, _ = x_BxTxD.shape
+    K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    q_BxTxHxh = apply_rope(dense(x_BxTxD, layer["q_proj"]).reshape(B, T, K * G, hd), cos, sin)
+    k_BxSxKxh = apply_rope(dense(x_BxTxD, layer["k_proj"]).reshape(B, T, K, hd), cos, sin)
+    v_BxSxKxh = dense(x_BxTxD, layer["v_proj"]).reshape(B, T, K, hd)
+    q_BxTxKxGxh = q_BxTxHxh.reshape(B, T, K, G, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxh, k_BxSxKxh, preferred_element_type=jnp.float32)
+    scores = scores * (hd**-0.5)
+    if windowed:
+        mask = mask & sliding_window_mask(T, window)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x_BxTxD.dtype)
+    out_BxTxKxGxh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxh)
+    return dense(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer["o_proj"])
+
+
+def mlp(x_BxTxD: jax.Array, layer: dict) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return dense(jax.nn.silu(dense(x_BxTxD, layer["gate_proj"])) * dense(x_BxTxD, layer["up_proj"]), layer["down_proj"])
+
+
+def decoder(
+    params: dict,
+    tokens_BxT: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions_BxT: jax.Array | None = None,
+    attention_mask_BxT: jax.Array | None = None,
+    segment_ids_BxT: jax.Array | None = None,
+    options: ForwardOptions = ForwardOptions(),
+) -> jax.Array:
+    """Final-norm hidden states [B, T, D] in the compute dtype.
+
+    positions_BxT: RoPE positions (default 0..T-1; pass them for left padding or packed rows).
+    attention_mask_BxT: 1 for real tokens, 0 for padding (keys that nobody attends to).
+    segment_ids_BxT: packed rows; a token attends only to earlier tokens of its own segment.
+    """
+    dtype = jnp.dtype(options.compute_dtype)
+    B, T = tokens_BxT.shape
+    if positions_BxT is None:
+        positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    cos, sin = rope_angles(positions_BxT, cfg, dtype)
+    mask = attention_mask(tokens_BxT, attention_mask_BxT, segment_ids_BxT)
+    windowed = any(cfg.sliding_windows)
+
+    def block(x_BxTxD, layer_and_window):
+        layer, window = layer_and_window
+        with jax.named_scope("attention"):
+            h = rms_norm(x_BxTxD, layer["input_layernorm"], cfg.rms_norm_eps)
+            x_BxTxD = x_BxTxD + attention(h, layer, cos, sin, mask, window, cfg, windowed)
+        with jax.named_scope("mlp"):
+            h = rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+            x_BxTxD = x_BxTxD + mlp(h, layer)
+        return x_BxTxD, None
+
+    block = options.remat.wrap(block)
+    x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]
+    windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
+    if options.scan_layers:
+        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, (params["layers"], windows_L))
+    else:
+        for i in range(cfg.num_layers):
+            x_BxTxD, _ = block(x_BxTxD, (jax.tree.map(lambda a: a[i], params["layers"]), windows_L[i]))
+    return rms_norm(x_BxTxD, params["norm"], cfg.rms_norm_eps)
+
+
+def lm_head(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Float32 logits [B, T, V] from final hidden states (the embedding matrix when tied)."""
+    if cfg.tie_word_embeddings:
+        kernel_DxV = params["embed_tokens"].T
+    else:
+        kernel_DxV = params["lm_head"]["kernel"]
+    return jnp.matmul(hidden_BxTxD, kernel_DxV.astype(hidden_BxTxD.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
+    """Logits [B, T, V] float32. Keyword arguments as for `decoder`. Jit with `static_argnames=("cfg", "options")`."""
+    return lm_head(params, decoder(params, tokens_BxT, cfg, **kwargs), cfg)

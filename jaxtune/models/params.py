@@ -1,0 +1,129 @@
+"""Parameters declared before they exist.
+
+`param_specs(cfg)` is the single source of truth for the parameter tree: every leaf's shape, logical axis
+names and initialiser. Everything else derives from it without allocating: `abstract_params` for the planner
+and `jax.eval_shape`, `logical_axes` for sharding rules, `init_params` for random weights.
+
+The tree mirrors Hugging Face module names so that methods can target `q_proj`, `v_proj`, ... directly:
+
+    {"embed_tokens": [V, D],
+     "layers": {"input_layernorm": [L, D], "post_attention_layernorm": [L, D],
+                "q_proj": {"kernel": [L, D, H*hd], "bias"?: [L, H*hd]},
+                "k_proj" / "v_proj": {"kernel": [L, D, K*hd], "bias"?: [L, K*hd]},
+                "o_proj": {"kernel": [L, H*hd, D]},
+                "gate_proj" / "up_proj": {"kernel": [L, D, F]}, "down_proj": {"kernel": [L, F, D]}},
+     "norm": [D],
+     "lm_head"?: {"kernel": [D, V]}}            # absent when the embeddings are tied
+
+Kernels are stored [in, out] (x @ kernel); Hugging Face stores [out, in]. Layer weights are stacked on a
+leading axis so the forward can `lax.scan` over them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.config import ModelConfig
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One leaf: its shape, a logical name per axis, and how to initialise it ("normal", "ones", "zeros")."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    init: str = "normal"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool) -> dict:
+    L = cfg.num_layers
+    spec = {"kernel": ParamSpec((L, d_in, d_out), ("layers",) + axes)}
+    if bias:
+        spec["bias"] = ParamSpec((L, d_out), ("layers", axes[1]), "zeros")
+    return spec
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str, str]]]:
+    """(in, out, logical axes) of each per-layer linear module, keyed by its Hugging Face name."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": (D, cfg.q_size, ("embed", "q_heads")),
+        "k_proj": (D, cfg.kv_size, ("embed", "kv_heads")),
+        "v_proj": (D, cfg.kv_size, ("embed", "kv_heads")),
+        "o_proj": (cfg.q_size, D, ("q_heads", "embed")),
+        "gate_proj": (D, F, ("embed", "mlp")),
+        "up_proj": (D, F, ("embed", "mlp")),
+        "down_proj": (F, D, ("mlp", "embed")),
+    }
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The parameter tree of `cfg` as `ParamSpec` leaves."""
+    L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias,
+            "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "down_proj": cfg.mlp_bias}
+    layers = {
+        "input_layernorm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "post_attention_layernorm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+    }
+    for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
+        layers[name] = _linear(cfg, d_in, d_out, axes, bias[name])
+    specs = {
+        "embed_tokens": ParamSpec((V, D), ("vocab", "embed")),
+        "layers": layers,
+        "norm": ParamSpec((D,), ("embed",), "ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"))}
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """The parameter tree as `jax.ShapeDtypeStruct`s: nothing is allocated."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), param_specs(cfg), is_leaf=_is_spec)
+
+
+def logical_axes(cfg: ModelConfig) -> dict:
+    """The parameter tree with a tuple of logical axis names at each leaf."""
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random weights: normal(0, initializer_range) for matrices, ones for norms, zeros for biases.
+
+    Wrap in `jax.jit(..., static_argnums=(0, 2), out_shardings=...)` to create sharded weights in place, or in
+    `jax.eval_shape` to count parameters without allocating.
+    """
+    specs, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
+    keys = jax.random.split(key, len(specs))
+    dtype = jnp.dtype(dtype)
+
+    def make(spec: ParamSpec, k):
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dtype)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dtype)
+        return (cfg.initializer_range * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
+
+
+def count_params(tree) -> int:
+    """Number of scalars in a tree of arrays, `ShapeDtypeStruct`s or `ParamSpec`s."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree, is_leaf=_is_spec))

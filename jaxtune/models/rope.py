@@ -1,0 +1,48 @@
+"""Rotary position embeddings with Hugging Face's conventions (half-split rotation, float32 angles)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[hd/2] float32 inverse frequencies, after `rope_scaling` (none, linear or llama3)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, each [B, T, hd], computed in float32 and cast to the compute dtype (as transformers does)."""
+    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+    freqs_BxTxH = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs_BxTxH, freqs_BxTxH], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array) -> jax.Array:
+    """Rotate each head's vector: x * cos + rotate_half(x) * sin."""
+    half = x_BxTxNxH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxNxH[..., half:], x_BxTxNxH[..., :half]], axis=-1)
+    return x_BxTxNxH * cos_BxTxH[:, :, None, :] + rotated * sin_BxTxH[:, :, None, :]
