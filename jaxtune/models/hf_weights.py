@@ -55,7 +55,7 @@ def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
     return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
 
 
-def _open_checkpoint(directory: Path) -> dict[str, tuple]:
+def open_checkpoint(directory: Path) -> dict[str, tuple]:
     """tensor name -> (open safetensors handle, file path)."""
     if (directory / INDEX_FILE).is_file():
         index = read_json(directory / INDEX_FILE)
@@ -81,47 +81,63 @@ def _open_checkpoint(directory: Path) -> dict[str, tuple]:
     return tensors
 
 
-def read_hf_weights(directory: str | Path, cfg: ModelConfig, dtype=None) -> dict:
-    """The parameter tree as host numpy arrays, read from the safetensors files of `directory`.
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape in torch's layout ([out, in] for kernels), for every parameter."""
+    expected = {}
+    for path, spec in _leaf_paths(param_specs(cfg)):
+        shape = spec.shape[::-1] if path[-1] == "kernel" else spec.shape
+        if path[0] != "layers":
+            expected[hf_tensor_name(path, None)] = shape
+        else:
+            per_layer = spec.shape[1:][::-1] if path[-1] == "kernel" else spec.shape[1:]
+            expected.update({hf_tensor_name(path, i): per_layer for i in range(cfg.num_layers)})
+    return expected
 
-    dtype: the parameter dtype (default: the checkpoint's own, taken from its embedding matrix).
-    """
+
+def check_checkpoint(directory: str | Path, cfg: ModelConfig) -> dict[str, tuple]:
+    """Open a checkpoint and check, from the file headers alone, that it holds exactly the tensors `cfg` needs
+    with the right shapes. Returns tensor name -> (handle, file path)."""
     directory = model_dir(directory)
-    tensors = _open_checkpoint(directory)
-    used = set()
-
-    def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    tensors = open_checkpoint(directory)
+    for name, shape in expected_tensors(cfg).items():
         if name not in tensors:
             raise JaxtuneError(f"{directory}: tensor {name} is missing from the checkpoint")
         handle, path = tensors[name]
         found = tuple(handle.get_slice(name).get_shape())
         if found != shape:
             raise JaxtuneError(f"{path}: tensor {name} has shape {found}, expected {shape}")
-        used.add(name)
-        return handle.get_tensor(name)
-
-    if dtype is None:
-        dtype = read("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).dtype
-    dtype = np.dtype(dtype)
-
-    def load_leaf(path: tuple[str, ...], spec: ParamSpec) -> np.ndarray:
-        is_kernel = path[-1] == "kernel"
-        if path[0] != "layers":
-            shape = spec.shape[::-1] if is_kernel else spec.shape
-            value = read(hf_tensor_name(path, None), shape)
-            return (value.T if is_kernel else value).astype(dtype)
-        stacked = np.empty(spec.shape, dtype)
-        per_layer = spec.shape[1:][::-1] if is_kernel else spec.shape[1:]
-        for i in range(cfg.num_layers):
-            value = read(hf_tensor_name(path, i), per_layer)
-            stacked[i] = value.T if is_kernel else value
-        return stacked
-
-    leaves = [load_leaf(path, spec) for path, spec in _leaf_paths(param_specs(cfg))]
-    unused = sorted(n for n in set(tensors) - used if "rotary_emb" not in n and n != "lm_head.weight")
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unused = sorted(n for n in set(tensors) - set(expected_tensors(cfg)) - ignorable if "rotary_emb" not in n)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise JaxtuneError(f"{directory}: unexpected tensors {', '.join(unused[:3])}{more} for {cfg.architecture}")
+    return tensors
+
+
+def read_hf_weights(directory: str | Path, cfg: ModelConfig, dtype=None) -> dict:
+    """The parameter tree as host numpy arrays, read from the safetensors files of `directory`.
+
+    dtype: the parameter dtype (default: the checkpoint's own, taken from its embedding matrix).
+    """
+    tensors = check_checkpoint(directory, cfg)
+
+    def read(name: str) -> np.ndarray:
+        return tensors[name][0].get_tensor(name)
+
+    dtype = np.dtype(dtype if dtype is not None else read("model.embed_tokens.weight").dtype)
+
+    def load_leaf(path: tuple[str, ...], spec: ParamSpec) -> np.ndarray:
+        transpose = path[-1] == "kernel"
+        if path[0] != "layers":
+            value = read(hf_tensor_name(path, None))
+            return (value.T if transpose else value).astype(dtype)
+        stacked = np.empty(spec.shape, dtype)
+        for i in range(cfg.num_layers):
+            value = read(hf_tensor_name(path, i))
+            stacked[i] = value.T if transpose else value
+        return stacked
+
+    leaves = [load_leaf(path, spec) for path, spec in _leaf_paths(param_specs(cfg))]
     treedef = jax.tree.structure(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
     return jax.tree.unflatten(treedef, leaves)
 

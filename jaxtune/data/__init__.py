@@ -1,0 +1,1 @@
+"""Data: tokenizers, JSONL instruction formats, masking and batching."""

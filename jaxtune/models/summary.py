@@ -1,0 +1,53 @@
+"""What a model directory holds, read from its config and safetensors headers (no weights are loaded)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import jax
+
+from jaxtune.models.hf_config import load_config
+from jaxtune.models.hf_weights import check_checkpoint
+from jaxtune.models.params import ATTENTION_MODULES, MLP_MODULES, ParamSpec, param_specs
+
+
+def _group(path: tuple[str, ...]) -> str:
+    if path[0] in ("embed_tokens", "lm_head"):
+        return path[0]
+    if path[-1] == "norm" or path[1].endswith("layernorm"):
+        return "norms"
+    return "attention" if path[1] in ATTENTION_MODULES else "mlp" if path[1] in MLP_MODULES else path[1]
+
+
+def model_summary(directory: str | Path) -> dict:
+    """Architecture, parameter counts by group, stored dtypes and bytes of weights of a Hugging Face model.
+
+    Every tensor's name and shape is checked against the config on the way (headers only, no data read).
+    """
+    cfg = load_config(directory)
+    counts = Counter()
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+    for path, spec in flat:
+        counts[_group(tuple(k.key for k in path))] += spec.size
+    dtypes, weight_bytes = Counter(), 0
+    for name, (handle, _) in check_checkpoint(directory, cfg).items():
+        tensor = handle.get_slice(name)
+        size = 1
+        for dim in tensor.get_shape():
+            size *= dim
+        dtypes[tensor.get_dtype()] += size
+        weight_bytes += size * {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I8": 1, "U8": 1}.get(tensor.get_dtype(), 4)
+    return {
+        "architecture": cfg.architecture,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "parameters": sum(counts.values()),
+        "parameters_by_group": dict(counts),
+        "dtypes": dict(dtypes),
+        "weights_bytes": weight_bytes,
+    }

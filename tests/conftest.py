@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random transformers models saved as Hugging Face directories (no network)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+# Weights scaled so activations and logits are O(1): parity at 1e-4 then means something.
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}}),
+    "llama_tied_bias_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, "head_dim": 32,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 5}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2_sliding": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {
+        "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1), biases ~ N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(noise / np.sqrt(p.shape[-1]))
+    return model.eval()
+
+
+def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
+    """A random transformers model of `arch`, saved with save_pretrained into `directory`; returns the model."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = randomize(model_cls(config), seed)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """Factory: arch name -> (directory, transformers model), cached for the session."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            directory = tmp_path_factory.mktemp(arch)
+            cache[arch] = (directory, make_hf_model(arch, directory))
+        return cache[arch]
+
+    return get
+
+
+def padded_batch(vocab: int, seed: int = 0):
+    """Token ids [3, 12], a left-padded row and a right-padded row, mask and HF-style positions."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(0, vocab, (3, 12))
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return ids, mask, positions

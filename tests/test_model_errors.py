@@ -1,0 +1,103 @@
+"""Bad model input gives one clear line naming the file, tensor or architecture; the CLI prints no traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxtune.errors import JaxtuneError
+from jaxtune.models.hf_weights import load_model
+
+
+@pytest.fixture
+def model_copy(hf_model_dir, tmp_path):
+    directory, _ = hf_model_dir("llama")
+    shutil.copytree(directory, tmp_path / "m")
+    return tmp_path / "m"
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxtune.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(JaxtuneError, match=f"{tmp_path / 'nope'}: model directory not found"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config_is_named(model_copy):
+    (model_copy / "config.json").unlink()
+    with pytest.raises(JaxtuneError, match="config.json: file not found"):
+        load_model(model_copy)
+
+
+def test_missing_weights_list_what_is_there(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(JaxtuneError, match=r"no model.safetensors or model.safetensors.index.json \(found: config.json"):
+        load_model(model_copy)
+
+
+def test_unsupported_architecture_lists_supported(model_copy):
+    config = json.loads((model_copy / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JaxtuneError, match="unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, "
+                                           "MistralForCausalLM, Qwen2ForCausalLM"):
+        load_model(model_copy)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(model_copy):
+    tensors = load_file(str(model_copy / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    save_file(tensors, str(model_copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JaxtuneError, match=r"model.layers.1.self_attn.k_proj.weight has shape \(16, 64\), "
+                                           r"expected \(32, 64\)"):
+        load_model(model_copy)
+
+
+def test_missing_and_unexpected_tensors_are_named(model_copy):
+    tensors = load_file(str(model_copy / "model.safetensors"))
+    tensors["model.layers.0.mlp.extra.weight"] = tensors.pop("model.layers.2.mlp.up_proj.weight")
+    save_file(tensors, str(model_copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JaxtuneError, match="tensor model.layers.2.mlp.up_proj.weight is missing"):
+        load_model(model_copy)
+    tensors["model.layers.2.mlp.up_proj.weight"] = np.zeros((112, 64), np.float32)
+    save_file(tensors, str(model_copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JaxtuneError, match="unexpected tensors model.layers.0.mlp.extra.weight"):
+        load_model(model_copy)
+
+
+def test_corrupt_safetensors_is_named(model_copy):
+    (model_copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(JaxtuneError, match="model.safetensors: not a readable safetensors file"):
+        load_model(model_copy)
+
+
+def test_invalid_config_json_names_line(model_copy):
+    (model_copy / "config.json").write_text('{\n  "vocab_size": 96,\n  oops\n}')
+    with pytest.raises(JaxtuneError, match=r"config.json: invalid JSON at line 3"):
+        load_model(model_copy)
+
+
+@pytest.mark.parametrize("case", ["missing", "architecture", "shape"])
+def test_cli_prints_one_line_without_traceback(case, model_copy, tmp_path):
+    if case == "missing":
+        target, expected = tmp_path / "absent", "model directory not found"
+    elif case == "architecture":
+        config = json.loads((model_copy / "config.json").read_text())
+        config["architectures"] = ["FalconForCausalLM"]
+        (model_copy / "config.json").write_text(json.dumps(config))
+        target, expected = model_copy, "unsupported architecture FalconForCausalLM"
+    else:
+        tensors = load_file(str(model_copy / "model.safetensors"))
+        tensors["model.layers.0.input_layernorm.weight"] = np.zeros((65,), np.float32)
+        save_file(tensors, str(model_copy / "model.safetensors"), metadata={"format": "pt"})
+        target, expected = model_copy, "input_layernorm.weight has shape (65,), expected (64,)"
+    result = run_cli("info", "--model", target)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert expected in result.stderr

@@ -1,0 +1,84 @@
+"""Properties the forward must have whatever the weights: scan == loop, remat == no remat, causality, packing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtune.config import tiny_config
+from jaxtune.models.llama import ForwardOptions, Remat, forward
+from jaxtune.models.params import init_params
+
+CFG = tiny_config(num_layers=3, vocab_size=101, sliding_windows=(0, 5, 0), qkv_bias=True, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0))
+
+
+def tokens(seed=0, shape=(2, 16)):
+    return jax.random.randint(jax.random.key(seed), shape, 0, CFG.vocab_size)
+
+
+def loss(params, ids, options):
+    logits = forward(params, ids, CFG, options=options)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
+
+
+def test_scan_equals_unrolled_loop(params):
+    ids = tokens()
+    scanned = forward(params, ids, CFG)
+    looped = forward(params, ids, CFG, options=ForwardOptions(scan_layers=False))
+    np.testing.assert_allclose(scanned, looped, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "save_matmuls"])
+def test_remat_equals_no_remat_in_values_and_gradients(params, policy):
+    ids = tokens(1)
+    base_value, base_grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(params, ids, ForwardOptions())
+    value, grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(params, ids,
+                                                                       ForwardOptions(remat=Remat(policy)))
+    np.testing.assert_allclose(value, base_value, rtol=1e-6)
+    flat_base, flat = jax.tree.leaves(base_grads), jax.tree.leaves(grads)
+    assert any(float(jnp.abs(g).max()) > 1e-4 for g in flat_base)
+    for g0, g1 in zip(flat_base, flat):  # float32 sums in another order: equal up to rounding of the largest entry
+        assert float(jnp.abs(g1 - g0).max()) <= 1e-5 * float(jnp.abs(g0).max())
+
+
+def test_remat_policy_changes_what_is_saved(params):
+    """The policies differ in the compiled program: full remat recomputes, so it saves fewer residuals."""
+    ids = tokens(1, (4, 64))
+
+    def temp_bytes(policy):
+        fn = jax.jit(jax.grad(loss), static_argnums=2)
+        compiled = fn.lower(params, ids, ForwardOptions(remat=Remat(policy))).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes("full") < temp_bytes("none")
+
+
+def test_unknown_remat_policy_is_named():
+    with pytest.raises(ValueError, match="'sometimes'.*none, full, save_matmuls"):
+        Remat("sometimes")
+
+
+def test_causality(params):
+    """Changing token t changes no logit before t (and does change logits at t)."""
+    ids = tokens(2, (1, 16))
+    base = forward(params, ids, CFG)
+    for t in (0, 7, 15):
+        changed = forward(params, ids.at[0, t].set((ids[0, t] + 1) % CFG.vocab_size), CFG)
+        np.testing.assert_array_equal(changed[:, :t], base[:, :t])
+        assert float(jnp.abs(changed[:, t:] - base[:, t:]).max()) > 1e-3
+
+
+def test_packed_segments_equal_separate_rows(params):
+    """Two sequences packed in one row, with segment ids and restarted positions, have their own logits."""
+    a, b = tokens(3, (1, 9)), tokens(4, (1, 7))
+    packed = jnp.concatenate([a, b], axis=1)
+    segments = jnp.asarray([[1] * 9 + [2] * 7])
+    positions = jnp.asarray([list(range(9)) + list(range(7))])
+    out = forward(params, packed, CFG, positions_BxT=positions, segment_ids_BxT=segments)
+    np.testing.assert_allclose(out[:, :9], forward(params, a, CFG), atol=1e-5)
+    np.testing.assert_allclose(out[:, 9:], forward(params, b, CFG), atol=1e-5)
