@@ -6,15 +6,18 @@ import numpy as np
 import pytest
 
 from jaxtune.config import tiny_config
-from jaxtune.models.llama import ForwardOptions, Remat, forward
+from jaxtune.models.llama import ForwardOptions, Remat
+from jaxtune.models.llama import forward as _forward
 from jaxtune.models.params import init_params
+
+forward = jax.jit(_forward, static_argnames=("cfg", "options"))
 
 CFG = tiny_config(num_layers=3, vocab_size=101, sliding_windows=(0, 5, 0), qkv_bias=True, initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(CFG, jax.random.key(0))
+    return jax.jit(init_params, static_argnums=0)(CFG, jax.random.key(0))
 
 
 def tokens(seed=0, shape=(2, 16)):
@@ -22,7 +25,7 @@ def tokens(seed=0, shape=(2, 16)):
 
 
 def loss(params, ids, options):
-    logits = forward(params, ids, CFG, options=options)
+    logits = _forward(params, ids, CFG, options=options)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
 
 
