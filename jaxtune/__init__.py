@@ -1,1 +1,36 @@
-"""jaxtune: plan, run and export fine-tuning of Llama-family language models in JAX."""
+"""jaxtune: plan, run and export fine-tuning of Llama-family language models in JAX.
+
+The public API, one name a line; everything else is internal.
+"""
+
+from jaxtune.config import MethodConfig as MethodConfig
+from jaxtune.config import ModelConfig as ModelConfig
+from jaxtune.config import RopeScaling as RopeScaling
+from jaxtune.data.tokenizer import Tokenizer as Tokenizer
+from jaxtune.data.tokenizer import load_tokenizer as load_tokenizer
+from jaxtune.errors import JaxtuneError as JaxtuneError
+from jaxtune.methods.lora import merge as merge
+from jaxtune.methods.lora import unmerge as unmerge
+from jaxtune.methods.peft import export_merged as export_merged
+from jaxtune.methods.peft import load_model_with_adapter as load_model_with_adapter
+from jaxtune.methods.peft import load_peft_adapter as load_peft_adapter
+from jaxtune.methods.peft import save_peft_adapter as save_peft_adapter
+from jaxtune.methods.quant import dequantize as dequantize
+from jaxtune.methods.quant import quantize_int8 as quantize_int8
+from jaxtune.methods.quant import quantize_nf4 as quantize_nf4
+from jaxtune.methods.transform import apply_method as apply_method
+from jaxtune.methods.transform import combine as combine
+from jaxtune.methods.transform import parameter_report as parameter_report
+from jaxtune.methods.transform import partition as partition
+from jaxtune.methods.transform import trainable_mask as trainable_mask
+from jaxtune.models.hf_config import load_config as load_config
+from jaxtune.models.hf_weights import load_model as load_model
+from jaxtune.models.hf_weights import save_model as save_model
+from jaxtune.models.llama import ForwardOptions as ForwardOptions
+from jaxtune.models.llama import Remat as Remat
+from jaxtune.models.llama import decoder as decoder
+from jaxtune.models.llama import forward as forward
+from jaxtune.models.params import abstract_params as abstract_params
+from jaxtune.models.params import init_params as init_params
+from jaxtune.models.params import logical_axes as logical_axes
+from jaxtune.models.params import param_specs as param_specs

@@ -21,6 +21,10 @@ def cmd_info(args) -> None:
     from jaxtune.models.summary import model_summary
 
     summary = model_summary(args.model)
+    if args.adapter:
+        from jaxtune.methods.peft import adapter_summary
+
+        summary["adapter"] = adapter_summary(args.model, args.adapter)
     if args.json:
         print(json.dumps(summary, indent=2))
         return
@@ -32,6 +36,10 @@ def cmd_info(args) -> None:
         print(f"  {group:<14}{count:>16,}  {100 * count / summary['parameters']:5.1f}%")
     print("dtypes: " + ", ".join(f"{k} ({v:,})" for k, v in summary["dtypes"].items()))
     print(f"weights: {_human_bytes(summary['weights_bytes'])}")
+    if "adapter" in summary:
+        a = summary["adapter"]
+        print(f"adapter: {a['method']} — trainable params: {a['trainable']:,} || all params: {a['total']:,} "
+              f"|| trainable%: {a['percent']:.4f}")
 
 
 def cmd_init(args) -> None:
@@ -41,12 +49,26 @@ def cmd_init(args) -> None:
     print(f"wrote a random {args.arch} model to {path}")
 
 
+def cmd_export(args) -> None:
+    from jaxtune.methods.peft import export_merged, load_model_with_adapter, save_peft_adapter
+
+    if args.merged:
+        path = export_merged(args.model, args.adapter, args.merged)
+        print(f"wrote the merged model to {path}")
+        return
+    cfg, params, method = load_model_with_adapter(args.model, args.adapter)
+    path = save_peft_adapter(args.peft, params, cfg, method, base_model=str(args.model))
+    print(f"wrote the {method.kind} adapter in PEFT format to {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxtune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="jaxtune", description="Plan, run and export fine-tuning of Llama-family models in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="describe a Hugging Face model directory")
     info.add_argument("--model", required=True, help="directory with config.json and *.safetensors")
+    info.add_argument("--adapter", help="a PEFT adapter directory: report its method and trainable parameters")
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(run=cmd_info)
 
@@ -55,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--arch", default="llama", choices=("llama", "mistral", "qwen2"))
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(run=cmd_init)
+
+    export = sub.add_parser("export", help="write an adapter in PEFT format, or merge it into an HF model directory")
+    export.add_argument("--model", required=True, help="the base model directory")
+    export.add_argument("--adapter", required=True, help="a PEFT adapter directory (as jaxtune train writes)")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--peft", metavar="OUT", help="write the adapter, in PEFT format, to OUT")
+    target.add_argument("--merged", metavar="OUT", help="merge LoRA/DoRA into the weights; write an HF model to OUT")
+    export.set_defaults(run=cmd_export)
     return parser
 
 

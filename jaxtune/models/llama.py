@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jaxtune.config import ModelConfig
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.models.linear import dense
 from jaxtune.models.rope import apply_rope, rope_angles
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
@@ -58,55 +59,66 @@ def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
 
 
-def dense(x: jax.Array, module: dict) -> jax.Array:
-    """x @ kernel (+ bias), in x's dtype. `module` is one linear module's leaves for one layer."""
-    y = x @ module["kernel"].astype(x.dtype)
-    if "bias" in module:
-        y = y + module["bias"].astype(x.dtype)
-    return y
-
-
 def attention_mask(
-    tokens_BxT: jax.Array, attention_mask_BxT: jax.Array | None, segment_ids_BxT: jax.Array | None
+    tokens_BxT: jax.Array, attention_mask_BxT: jax.Array | None, segment_ids_BxT: jax.Array | None, prefix: int
 ) -> jax.Array:
-    """[B, 1, 1, T, T] boolean: causal by index, keys that are not padding, and (if packed) the same segment."""
-    T = tokens_BxT.shape[1]
+    """[B, 1, 1, T, P+T] boolean: causal by index, keys that are not padding, and (if packed) the same segment.
+
+    The P prefix-tuning keys come first and every query sees them (PEFT passes them as a key/value cache).
+    """
+    B, T = tokens_BxT.shape
     idx = jnp.arange(T)
-    mask_BxTxS = jnp.broadcast_to(idx[:, None] >= idx[None, :], (tokens_BxT.shape[0], T, T))
+    mask_BxTxS = jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, T, T))
     if attention_mask_BxT is not None:
         mask_BxTxS = mask_BxTxS & (attention_mask_BxT[:, None, :] > 0)
     if segment_ids_BxT is not None:
         mask_BxTxS = mask_BxTxS & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+    mask_BxTxS = jnp.concatenate([jnp.ones((B, T, prefix), bool), mask_BxTxS], axis=-1)
     return mask_BxTxS[:, None, None]
 
 
-def sliding_window_mask(T: int, window: jax.Array) -> jax.Array:
-    """[T, T] boolean: key index j is within `window` of query index i (everything when window is 0)."""
-    idx = jnp.arange(T)
-    return (window == 0) | (idx[:, None] - idx[None, :] < window)
+def sliding_window_mask(T: int, prefix: int, window: jax.Array) -> jax.Array:
+    """[T, P+T] boolean: key index j is within `window` of query index i (everything when window is 0).
+
+    Indices count the prefix first, as a key/value cache does in transformers.
+    """
+    q_idx, k_idx = prefix + jnp.arange(T), jnp.arange(prefix + T)
+    return (window == 0) | (q_idx[:, None] - k_idx[None, :] < window)
 
 
-def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool):
-    """Grouped-query self-attention of one layer; returns [B, T, D]."""
+def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool, lora_scale: float):
+    """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D]."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q_BxTxHxh = apply_rope(dense(x_BxTxD, layer["q_proj"]).reshape(B, T, K * G, hd), cos, sin)
-    k_BxSxKxh = apply_rope(dense(x_BxTxD, layer["k_proj"]).reshape(B, T, K, hd), cos, sin)
-    v_BxSxKxh = dense(x_BxTxD, layer["v_proj"]).reshape(B, T, K, hd)
+    q_BxTxHxh = apply_rope(dense(x_BxTxD, layer["q_proj"], lora_scale).reshape(B, T, K * G, hd), cos, sin)
+    k_BxSxKxh = apply_rope(dense(x_BxTxD, layer["k_proj"], lora_scale).reshape(B, T, K, hd), cos, sin)
+    v_BxSxKxh = dense(x_BxTxD, layer["v_proj"], lora_scale).reshape(B, T, K, hd)
+    prefix = 0
+    if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
+        prefix = layer["prefix"]["key"].shape[0]
+        as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)
+        k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
+        v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
     q_BxTxKxGxh = q_BxTxHxh.reshape(B, T, K, G, hd)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxh, k_BxSxKxh, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
     if windowed:
-        mask = mask & sliding_window_mask(T, window)
+        mask = mask & sliding_window_mask(T, prefix, window)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x_BxTxD.dtype)
     out_BxTxKxGxh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxh)
-    return dense(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer["o_proj"])
+    return dense(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer["o_proj"], lora_scale)
 
 
-def mlp(x_BxTxD: jax.Array, layer: dict) -> jax.Array:
+def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return dense(jax.nn.silu(dense(x_BxTxD, layer["gate_proj"])) * dense(x_BxTxD, layer["up_proj"]), layer["down_proj"])
+    gate = jax.nn.silu(dense(x_BxTxD, layer["gate_proj"], lora_scale))
+    return dense(gate * dense(x_BxTxD, layer["up_proj"], lora_scale), layer["down_proj"], lora_scale)
+
+
+def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
+    """Houlsby adapter on a sub-layer's output: x + up(silu(down(x)))."""
+    return x_BxTxD + dense(jax.nn.silu(dense(x_BxTxD, adapter["down"])), adapter["up"])
 
 
 def decoder(
@@ -117,30 +129,35 @@ def decoder(
     positions_BxT: jax.Array | None = None,
     attention_mask_BxT: jax.Array | None = None,
     segment_ids_BxT: jax.Array | None = None,
+    method: MethodConfig | None = None,
     options: ForwardOptions = ForwardOptions(),
 ) -> jax.Array:
     """Final-norm hidden states [B, T, D] in the compute dtype.
 
-    positions_BxT: RoPE positions (default 0..T-1; pass them for left padding or packed rows).
+    positions_BxT: RoPE positions (default P..P+T-1 after P prefix tokens; pass them for left padding or packing).
     attention_mask_BxT: 1 for real tokens, 0 for padding (keys that nobody attends to).
     segment_ids_BxT: packed rows; a token attends only to earlier tokens of its own segment.
+    method: the fine-tuning method whose leaves `params` carries (its LoRA scaling is static).
     """
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
+    lora_scale = method.lora_scale if method is not None else 1.0
+    prefix = params["layers"]["prefix"]["key"].shape[1] if "prefix" in params["layers"] else 0
     if positions_BxT is None:
-        positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
     cos, sin = rope_angles(positions_BxT, cfg, dtype)
-    mask = attention_mask(tokens_BxT, attention_mask_BxT, segment_ids_BxT)
+    mask = attention_mask(tokens_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
     windowed = any(cfg.sliding_windows)
 
     def block(x_BxTxD, layer_and_window):
         layer, window = layer_and_window
         with jax.named_scope("attention"):
             h = rms_norm(x_BxTxD, layer["input_layernorm"], cfg.rms_norm_eps)
-            x_BxTxD = x_BxTxD + attention(h, layer, cos, sin, mask, window, cfg, windowed)
+            h = attention(h, layer, cos, sin, mask, window, cfg, windowed, lora_scale)
+            x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
         with jax.named_scope("mlp"):
-            h = rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-            x_BxTxD = x_BxTxD + mlp(h, layer)
+            h = mlp(rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps), layer, lora_scale)
+            x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
         return x_BxTxD, None
 
     block = options.remat.wrap(block)
@@ -164,5 +181,8 @@ def lm_head(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Arra
 
 
 def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
-    """Logits [B, T, V] float32. Keyword arguments as for `decoder`. Jit with `static_argnames=("cfg", "options")`."""
+    """Logits [B, T, V] float32. Keyword arguments as for `decoder`.
+
+    Jit with `static_argnames=("cfg", "method", "options")`.
+    """
     return lm_head(params, decoder(params, tokens_BxT, cfg, **kwargs), cfg)

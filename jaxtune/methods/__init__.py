@@ -1,0 +1,1 @@
+"""Fine-tuning methods as transforms of the parameter tree."""

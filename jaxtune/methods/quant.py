@@ -1,0 +1,210 @@
+"""Frozen base weights for QLoRA: NF4 and int8 weights as their own pytree types.
+
+QLoRA (Dettmers et al. 2023, arXiv:2305.14314) stores each frozen linear weight as 4-bit NormalFloat codes,
+one absmax per block of 64 values; double quantisation stores those absmax values as 8-bit codes in turn.
+`quantize_nf4` restates bitsandbytes' `quantize_4bit(quant_type="nf4", compress_statistics=...)` so that the
+packed bytes are the ones bitsandbytes stores for the same Hugging Face weight: blocks run over the torch
+layout [out, in] row-major (our kernels are [in, out], so each matrix is transposed first), and each byte holds
+two codes, the first in the high nibble. `quantize_int8` is LLM.int8()'s row-wise absmax quantisation
+(Dettmers et al. 2022, arXiv:2208.07339) without the outlier decomposition.
+
+A quantised weight is a registered dataclass: its children are arrays with any stacking axes leading
+(codes [L, n_bytes], absmax [L, n_blocks], ...) and its static fields hold the shape of one matrix. `lax.scan`
+over a stacked weight slices the layer axis off every child, and `dequantize` reads the leading axes from the
+children, so it works on both. Quantising is jax.numpy too: `jax.eval_shape(quantize_nf4, w)` plans memory
+without allocating, and a weight is quantised on whichever device holds it.
+
+Fidelity to bitsandbytes 0.50 (`backends/default/ops.py`, the torch reference, and `csrc/kernels.cu`):
+values are scaled by the float32 reciprocal of their block's absmax; a value exactly on a float32 midpoint
+between two codes takes the lower code (`torch.bucketize`; `x > midpoint` in the CUDA NF4 decision tree); an
+all-zero block has absmax 0 and the code of 0.0. The double-quantisation offset is the mean of the absmax as
+torch computes it on CUDA (the float32 sum times float32 1/K), with the sum rounded once to float32 where torch's
+depends on the reduction order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# bitsandbytes `get_4bit_type("nf4")`: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
+NF4_CODE = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], np.float32)
+NF4_BLOCKSIZE = 64
+ABSMAX_BLOCKSIZE = 256  # double quantisation: bitsandbytes quantises the absmax in blocks of 256
+INT8_INVERSE_SCALE = np.float32(1 / 127)  # bitsandbytes `int8_vectorwise_dequant` multiplies by this
+
+
+def _dynamic_map() -> np.ndarray:
+    """bitsandbytes `create_dynamic_map(signed=True)`: 256 sorted float32 codes (Dettmers 2015, arXiv:1511.04561).
+
+    For e = 0..6 the 2**e midpoints of `torch.linspace(0.1, 1, 2**e + 1)`, times 10**(e - 6), with both signs;
+    then 0 and 1. The float32 steps are torch's: linspace is a fused multiply-add from the nearer end, and the
+    scale is rounded to float32 before the multiply.
+    """
+    codes = [np.float32(0), np.float32(1)]
+    start, end = np.float32(0.1), np.float32(1)
+    for e in range(7):
+        steps = 2**e + 1
+        step = (end - start) / np.float32(steps - 1)
+        i = np.arange(steps)
+        # float64 holds these products and sums exactly, so one rounding to float32 is the fused multiply-add's.
+        bounds = np.where(i < steps // 2, start + np.float64(step) * i, end - np.float64(step) * (steps - 1 - i))
+        bounds = bounds.astype(np.float32)
+        scaled = np.float32(10.0 ** (e - 6)) * ((bounds[:-1] + bounds[1:]) / np.float32(2))
+        codes += [*scaled, *-scaled]
+    return np.sort(np.array(codes, np.float32))
+
+
+DYNAMIC_CODE = _dynamic_map()
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class NF4Array:
+    """An NF4 weight [..., in, out]: children carry the leading (layer) axes, `shape` is one matrix's [in, out].
+
+    codes: uint8 [..., ceil(in*out / 2)], two codes per byte over the transposed matrix, first code high.
+    absmax: float32 [..., n_blocks]; with double quantisation, uint8 codes of `absmax - offset` in DYNAMIC_CODE.
+    absmax2: float32 [..., ceil(n_blocks / 256)], the absmax of those codes' blocks (double quantisation only).
+    offset: float32 [...], the mean absmax (double quantisation only).
+    """
+
+    codes: jax.Array
+    absmax: jax.Array
+    absmax2: jax.Array | None
+    offset: jax.Array | None
+    shape: tuple[int, int] = field(metadata=dict(static=True))
+    dtype: np.dtype = field(metadata=dict(static=True))
+    blocksize: int = field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class Int8Array:
+    """An int8 weight [..., in, out]: codes int8 [..., in, out], absmax float32 [..., out] per output channel."""
+
+    codes: jax.Array
+    absmax: jax.Array
+    dtype: np.dtype = field(metadata=dict(static=True))
+
+
+QuantizedArray = NF4Array | Int8Array
+
+
+def _rounded(x: jax.Array) -> jax.Array:
+    """x, unchanged, as an operand XLA cannot contract into a fused multiply-add with the next add.
+
+    Under jit XLA turns a * b + c into fma(a, b, c), rounding once (openxla/xla#41579); bitsandbytes rounds the
+    product first. A select on x == x hides the product from that rewrite and keeps NaN as NaN.
+    """
+    return jnp.where(x == x, x, jnp.nan)
+
+
+def _sum_f32(x_BxN: jax.Array) -> jax.Array:
+    """[B, N] -> [B]: the sum rounded once to float32 (to 2**-48 relative), whatever the backend's order.
+
+    Adds pairwise and carries each addition's rounding error with TwoSum (Knuth, TAOCP vol. 2, 4.2.2).
+    """
+    hi_BxN, lo_BxN = x_BxN, jnp.zeros_like(x_BxN)
+    while hi_BxN.shape[-1] > 1:
+        if hi_BxN.shape[-1] % 2:
+            hi_BxN, lo_BxN = (jnp.pad(t, ((0, 0), (0, 1))) for t in (hi_BxN, lo_BxN))
+        a, b = hi_BxN[:, 0::2], hi_BxN[:, 1::2]
+        s = a + b
+        b_virtual = s - a
+        error = (a - (s - b_virtual)) + (b - b_virtual)
+        hi_BxN, lo_BxN = s, lo_BxN[:, 0::2] + lo_BxN[:, 1::2] + error
+    return hi_BxN[:, 0] + lo_BxN[:, 0]
+
+
+def _quantize_blocks(x_BxN: jax.Array, code: np.ndarray, blocksize: int) -> tuple[jax.Array, jax.Array]:
+    """bitsandbytes' blockwise absmax quantisation of each row to the nearest value of the sorted `code`.
+
+    Returns code indices int32 [B, K * blocksize] (the zero padding of the last block gets the code of 0.0)
+    and absmax float32 [B, K], with K = ceil(N / blocksize).
+    """
+    B, N = x_BxN.shape
+    K = -(-N // blocksize)
+    x_BxKxS = jnp.pad(x_BxN, ((0, 0), (0, K * blocksize - N))).reshape(B, K, blocksize)
+    absmax_BxK = jnp.max(jnp.abs(x_BxKxS), axis=-1)
+    inverse_BxK = jnp.where(absmax_BxK > 0, 1 / absmax_BxK, 0)  # an all-zero block maps to the code of 0.0
+    midpoints = (code[:-1] + code[1:]) / np.float32(2)  # float32, like bitsandbytes' bounds
+    # side="left" counts midpoints strictly below the value: a value on a midpoint takes the lower code.
+    # compare_all fuses into one pass (about 10x the default binary search on CPU for NF4's 15 midpoints).
+    idx_BxKxS = jnp.searchsorted(jnp.asarray(midpoints), x_BxKxS * inverse_BxK[..., None], side="left",
+                                 method="compare_all")
+    return idx_BxKxS.reshape(B, K * blocksize), absmax_BxK
+
+
+def _dequantize_blocks(idx_xN: jax.Array, absmax_xK: jax.Array, code: np.ndarray, blocksize: int) -> jax.Array:
+    """[..., N] code indices and [..., K] absmax -> [..., N] float32 values code[idx] * absmax of the block."""
+    *lead, N = idx_xN.shape
+    K = absmax_xK.shape[-1]
+    values_xN = jnp.asarray(code)[idx_xN]
+    values_xP = jnp.pad(values_xN, [(0, 0)] * len(lead) + [(0, K * blocksize - N)])
+    values_xKxS = values_xP.reshape(*lead, K, blocksize) * absmax_xK[..., None]
+    return values_xKxS.reshape(*lead, K * blocksize)[..., :N]
+
+
+@partial(jax.jit, static_argnames=("double_quant", "blocksize"))
+def quantize_nf4(w: jax.Array, double_quant: bool = False, blocksize: int = NF4_BLOCKSIZE) -> NF4Array:
+    """[..., in, out] weight -> NF4Array, each [in, out] matrix quantised as bitsandbytes quantises its [out, in].
+
+    Leading axes (layers) are kept on every child.
+    """
+    *lead, d_in, d_out = w.shape
+    n = d_in * d_out
+    x_BxN = jnp.swapaxes(w, -1, -2).reshape(-1, n).astype(jnp.float32)
+    idx_BxP, absmax_BxK = _quantize_blocks(x_BxN, NF4_CODE, blocksize)
+    idx_BxE = idx_BxP[:, : n + n % 2].astype(jnp.uint8)  # an odd count is padded with the code of 0.0
+    codes_BxH = (idx_BxE[:, 0::2] << 4) | idx_BxE[:, 1::2]
+    absmax2 = offset = None
+    if double_quant:
+        K = absmax_BxK.shape[-1]
+        offset_B = _rounded(_sum_f32(absmax_BxK) * np.float32(1 / K))  # torch's CUDA mean: sum * float32 1/K
+        idx2_BxP, absmax2_BxJ = _quantize_blocks(absmax_BxK - offset_B[:, None], DYNAMIC_CODE, ABSMAX_BLOCKSIZE)
+        absmax_BxK = idx2_BxP[:, :K].astype(jnp.uint8)
+        absmax2, offset = absmax2_BxJ.reshape(*lead, -1), offset_B.reshape(lead)
+    return NF4Array(codes=codes_BxH.reshape(*lead, -1), absmax=absmax_BxK.reshape(*lead, -1), absmax2=absmax2,
+                    offset=offset, shape=(d_in, d_out), dtype=np.dtype(w.dtype), blocksize=blocksize)
+
+
+@jax.jit
+def quantize_int8(w: jax.Array) -> Int8Array:
+    """[..., in, out] weight -> Int8Array: per output channel, round(x * 127 / absmax) (bitsandbytes'
+    `int8_vectorwise_quant` on the torch rows, i.e. scale = absmax / 127 and round half to even)."""
+    x = w.astype(jnp.float32)
+    absmax_xO = jnp.max(jnp.abs(x), axis=-2)
+    multiplier_xO = jnp.where(absmax_xO > 0, np.float32(127) / absmax_xO, 0)
+    codes = jnp.round(x * multiplier_xO[..., None, :]).astype(jnp.int8)
+    return Int8Array(codes=codes, absmax=absmax_xO, dtype=np.dtype(w.dtype))
+
+
+def dequantize(q: QuantizedArray) -> jax.Array:
+    """The weight [..., in, out] in `q.dtype`, computed in float32 as bitsandbytes dequantises; jit-able, and
+    correct on a stacked weight and on one layer of it sliced off by `lax.scan`."""
+    if isinstance(q, Int8Array):
+        return (q.codes.astype(jnp.float32) * q.absmax[..., None, :] * INT8_INVERSE_SCALE).astype(q.dtype)
+    lead = q.codes.shape[:-1]
+    d_in, d_out = q.shape
+    absmax = q.absmax
+    if q.offset is not None:
+        centred_xK = _dequantize_blocks(q.absmax, q.absmax2, DYNAMIC_CODE, ABSMAX_BLOCKSIZE)
+        absmax = _rounded(centred_xK) + q.offset[..., None]
+    idx_xE = jnp.stack([q.codes >> 4, q.codes & 0xF], axis=-1).reshape(*lead, -1)
+    x_xN = _dequantize_blocks(idx_xE, absmax, NF4_CODE, q.blocksize)[..., : d_in * d_out]
+    return jnp.swapaxes(x_xN.reshape(*lead, d_out, d_in), -1, -2).astype(q.dtype)
+
+
+def nbytes(q: QuantizedArray) -> int:
+    """Bytes held by q's arrays (works on `jax.eval_shape` output too)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(q))

@@ -1,0 +1,136 @@
+"""Methods as pure transforms of the parameter tree: add adapter leaves, swap frozen kernels for quantised ones.
+
+    params = apply_method(base_params, cfg, MethodConfig(kind="lora", rank=8), key)
+    mask = trainable_mask(params, method)                  # True at leaves the optimiser updates
+    trainable, frozen = partition(params, mask)            # differentiate w.r.t. `trainable` only
+    logits = forward(combine(trainable, frozen), tokens, cfg, method=method)
+
+New leaves stack on the layer axis like the base weights, so the forward still scans one block:
+LoRA `lora_a` [L, in, r] (PEFT's kaiming-uniform init) and `lora_b` [L, r, out] (zeros); DoRA `magnitude`
+[L, out] (the column norms of the base weight); IA3 `ia3_in` [L, in] for down_proj and `ia3_out` [L, out] for
+other modules (ones); prefix `prefix.key` / `prefix.value` [L, P, K, hd] (N(0, 1), as PEFT's embedding);
+bottleneck adapters `attn_adapter` / `mlp_adapter` with `down` [L, D, m] (N(0, 0.02)) and `up` [L, m, D] (zeros).
+Each starts as the identity on the base model except prefix tuning, which adds attended keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
+from jaxtune.methods.quant import Int8Array, NF4Array, QuantizedArray, dequantize, quantize_int8, quantize_nf4
+
+ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "ia3_in", "ia3_out", "prefix", "attn_adapter", "mlp_adapter")
+
+
+def full_shape(leaf) -> tuple[int, ...]:
+    """A leaf's logical shape: [L, in, out] for a stacked quantised kernel (whose `shape` is one layer's)."""
+    if isinstance(leaf, NF4Array):
+        return tuple(leaf.codes.shape[:-1]) + tuple(leaf.shape)
+    return tuple(leaf.codes.shape if isinstance(leaf, Int8Array) else leaf.shape)
+
+
+def _lora_leaves(kernel, method: MethodConfig, key) -> dict:
+    L, d_in, d_out = full_shape(kernel)
+    bound = 1 / math.sqrt(d_in)  # torch kaiming_uniform_(a=sqrt(5)) on lora_A.weight [r, in]
+    leaves = {
+        "lora_a": jax.random.uniform(key, (L, d_in, method.rank), jnp.float32, -bound, bound),
+        "lora_b": jnp.zeros((L, method.rank, d_out), jnp.float32),
+    }
+    if method.dora:
+        base = dequantize(kernel) if isinstance(kernel, QuantizedArray) else kernel
+        leaves["magnitude"] = jnp.linalg.norm(base.astype(jnp.float32), axis=1)
+    return leaves
+
+
+def _adapter(L: int, D: int, size: int, key) -> dict:
+    return {
+        "down": {"kernel": 0.02 * jax.random.normal(key, (L, D, size), jnp.float32), "bias": jnp.zeros((L, size))},
+        "up": {"kernel": jnp.zeros((L, size, D), jnp.float32), "bias": jnp.zeros((L, D), jnp.float32)},
+    }
+
+
+def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
+    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised).
+
+    Pure and traceable: `jax.eval_shape(apply_method, ...)` gives the transformed abstract tree.
+    """
+    layers = dict(params["layers"])
+    L = cfg.num_layers
+    keys = dict(zip(LINEAR_MODULE_NAMES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
+    if method.kind == "qlora":
+        quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
+        for name in LINEAR_MODULE_NAMES:
+            layers[name] = {**layers[name], "kernel": quantize(layers[name]["kernel"])}
+    if method.kind in ("lora", "qlora"):
+        for name in method.target_modules:
+            layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], method, keys[name])}
+    elif method.kind == "ia3":
+        for name in method.target_modules:
+            d_in, d_out = full_shape(layers[name]["kernel"])[1:]
+            leaf = {"ia3_in": jnp.ones((L, d_in))} if name == "down_proj" else {"ia3_out": jnp.ones((L, d_out))}
+            layers[name] = {**layers[name], **leaf}
+    elif method.kind == "prefix":
+        shape = (L, method.num_virtual_tokens, cfg.num_kv_heads, cfg.head_dim)
+        k_key, v_key = jax.random.split(keys["prefix"])
+        layers["prefix"] = {"key": jax.random.normal(k_key, shape), "value": jax.random.normal(v_key, shape)}
+    elif method.kind == "adapter":
+        layers["attn_adapter"] = _adapter(L, cfg.hidden_size, method.adapter_size, keys["attn"])
+        layers["mlp_adapter"] = _adapter(L, cfg.hidden_size, method.adapter_size, keys["mlp"])
+    return {**params, "layers": layers}
+
+
+def _path_keys(path) -> list[str]:
+    return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+def trainable_mask(params: dict, method: MethodConfig) -> dict:
+    """True at the leaves the optimiser updates: everything for a full fine-tune, else only the method's leaves."""
+
+    def trainable(path, leaf) -> bool:
+        if method.kind == "full":
+            return jnp.issubdtype(leaf.dtype, jnp.floating)
+        return any(k in ADAPTER_KEYS for k in _path_keys(path))
+
+    return jax.tree_util.tree_map_with_path(trainable, params)
+
+
+def partition(params: dict, mask: dict) -> tuple[dict, dict]:
+    """(trainable, frozen): the same tree twice, with None where the other one holds the leaf."""
+    trainable = jax.tree.map(lambda p, m: p if m else None, params, mask)
+    frozen = jax.tree.map(lambda p, m: None if m else p, params, mask)
+    return trainable, frozen
+
+
+def combine(trainable: dict, frozen: dict) -> dict:
+    """Inverse of `partition`."""
+    return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=lambda x: x is None)
+
+
+@dataclass(frozen=True)
+class ParameterReport:
+    """Exact trainable and total parameter counts (quantised weights counted by their original elements)."""
+
+    trainable: int
+    total: int
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.trainable / self.total
+
+    def __str__(self) -> str:
+        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable%: {self.percent:.4f}"
+
+
+def parameter_report(params: dict, method: MethodConfig) -> ParameterReport:
+    """Counts as PEFT's `get_nb_trainable_parameters` gives them, for a tree of arrays or ShapeDtypeStructs."""
+    is_quantized = lambda x: isinstance(x, QuantizedArray)
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized)
+    total = sum(math.prod(full_shape(leaf)) for _, leaf in leaves)
+    trainable = sum(math.prod(full_shape(leaf)) for path, leaf in leaves
+                    if method.kind == "full" or any(k in ADAPTER_KEYS for k in _path_keys(path)))
+    return ParameterReport(trainable, total)
