@@ -61,6 +61,31 @@ def cmd_export(args) -> None:
     print(f"wrote the {method.kind} adapter in PEFT format to {path}")
 
 
+def cmd_train(args) -> None:
+    from jaxtune.run_config import load_run_config
+    from jaxtune.train.loop import train
+
+    result = train(load_run_config(args.config, args.set))
+    if result.interrupted:
+        sys.exit(0)
+
+
+def cmd_eval(args) -> None:
+    from jaxtune.train.evaluation import evaluate_file
+
+    result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  ({result['tokens']} completion tokens)")
+
+
+def cmd_demo(args) -> None:
+    from jaxtune.demo import run_demo
+
+    run_demo(args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxtune", description="Plan, run and export fine-tuning of Llama-family models in JAX.")
@@ -77,6 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--arch", default="llama", choices=("llama", "mistral", "qwen2"))
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(run=cmd_init)
+
+    train = sub.add_parser("train", help="fine-tune from a TOML run config; re-running resumes from the last checkpoint")
+    train.add_argument("config", help="run config (TOML with [model], [method], [data], [train])")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
+    train.set_defaults(run=cmd_train)
+
+    evaluate = sub.add_parser("eval", help="mean completion-token loss and perplexity on a JSONL file")
+    evaluate.add_argument("--model", required=True, help="Hugging Face model directory")
+    evaluate.add_argument("--adapter", help="PEFT adapter directory to apply")
+    evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages")
+    evaluate.add_argument("--max-seq-len", type=int, help="default: the model's context length")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    evaluate.set_defaults(run=cmd_eval)
+
+    demo = sub.add_parser("demo", help="a LoRA fine-tune of a tiny model on the bundled instructions (CPU, minutes)")
+    demo.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    demo.set_defaults(run=cmd_demo)
 
     export = sub.add_parser("export", help="write an adapter in PEFT format, or merge it into an HF model directory")
     export.add_argument("--model", required=True, help="the base model directory")

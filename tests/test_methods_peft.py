@@ -141,7 +141,7 @@ def test_cli_peft_export_round_trips(base, tmp_path):
 def test_unknown_peft_kind_is_named(base, tmp_path):
     directory, cfg, params = base
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LOHA", "r": 8}))
-    with pytest.raises(JaxtuneError, match="adapter type 'LOHA' is not supported \\(readable: LORA, IA3, PREFIX_TUNING\\)"):
+    with pytest.raises(JaxtuneError, match="adapter type 'LOHA' is not supported \\(readable: LORA, IA3, PREFIX_TUNING, JAXTUNE_BOTTLENECK\\)"):
         load_peft_adapter(tmp_path, params, cfg)
 
 

@@ -9,6 +9,8 @@ Key names and layouts follow what PEFT itself saves (peft `save_pretrained`, `ge
     prefix prompt_embeddings   [P, L * 2 * K * hd], per virtual token: layer-major, key then value, head, dim
 
 rsLoRA is LoRA with `use_rslora`; QLoRA adapters are LoRA adapters (the quantisation belongs to the base).
+PEFT has no bottleneck adapters: jaxtune writes them in the same layout under its own `peft_type`
+"JAXTUNE_BOTTLENECK" (`...layers.{i}.attn_adapter.down.weight` [m, D], ...), which only jaxtune reads.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from jaxtune.models.hf_weights import hf_module_path
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-READABLE = ("LORA", "IA3", "PREFIX_TUNING")
+READABLE = ("LORA", "IA3", "PREFIX_TUNING", "JAXTUNE_BOTTLENECK")
+BOTTLENECK_LEAVES = [(a, p, leaf) for a in ("attn_adapter", "mlp_adapter") for p in ("down", "up")
+                     for leaf in ("kernel", "bias")]
 
 
 def _prefix(module: str, layer: int) -> str:
@@ -52,6 +56,8 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
         return {**common, "peft_type": "PREFIX_TUNING", "num_virtual_tokens": method.num_virtual_tokens,
                 "num_layers": cfg.num_layers, "num_attention_heads": cfg.num_kv_heads, "token_dim": cfg.kv_size,
                 "encoder_hidden_size": cfg.kv_size, "num_transformer_submodules": 1, "prefix_projection": False}
+    if method.kind == "adapter":
+        return {**common, "peft_type": "JAXTUNE_BOTTLENECK", "adapter_size": method.adapter_size}
     raise JaxtuneError(f"method {method.kind!r} has no PEFT format (PEFT has LoRA, rsLoRA, DoRA, IA3 and prefix)")
 
 
@@ -65,6 +71,13 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
         stacked = np.stack([key, value], axis=1)  # [L, 2, P, K, hd]
         state["prompt_embeddings"] = np.ascontiguousarray(
             stacked.transpose(2, 0, 1, 3, 4).reshape(method.num_virtual_tokens, -1))
+        return state
+    if method.kind == "adapter":
+        for adapter, proj, leaf in BOTTLENECK_LEAVES:
+            value = f32(layers[adapter][proj][leaf])
+            for i in range(cfg.num_layers):
+                name = f"base_model.model.model.layers.{i}.{adapter}.{proj}.{'weight' if leaf == 'kernel' else 'bias'}"
+                state[name] = np.ascontiguousarray(value[i].T if leaf == "kernel" else value[i])
         return state
     for name in method.target_modules:
         module = {k: f32(v) for k, v in layers[name].items() if k in ("lora_a", "lora_b", "magnitude", "ia3_in",
@@ -122,6 +135,8 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
                 raise JaxtuneError(f"{where}: IA3 feedforward_modules {sorted(feedforward)} are not supported "
                                    "(jaxtune scales the input of down_proj and the output of other modules)")
             return MethodConfig(kind="ia3", target_modules=targets)
+        if kind == "JAXTUNE_BOTTLENECK":
+            return MethodConfig(kind="adapter", adapter_size=int(config["adapter_size"]))
         if config.get("prefix_projection"):
             raise JaxtuneError(f"{where}: prefix tuning with prefix_projection=true is not supported")
         return MethodConfig(kind="prefix", num_virtual_tokens=int(config["num_virtual_tokens"]))
@@ -172,6 +187,13 @@ def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[st
         emb = state["prompt_embeddings"].reshape(method.num_virtual_tokens, L, 2, cfg.num_kv_heads, cfg.head_dim)
         stacked = emb.transpose(1, 2, 0, 3, 4)  # [L, 2, P, K, hd]
         layers["prefix"] = {"key": jnp.asarray(stacked[:, 0]), "value": jnp.asarray(stacked[:, 1])}
+        return {**params, "layers": layers}
+    if method.kind == "adapter":
+        for adapter, proj, leaf in BOTTLENECK_LEAVES:
+            suffix = "weight" if leaf == "kernel" else "bias"
+            value = np.stack([state[f"base_model.model.model.layers.{i}.{adapter}.{proj}.{suffix}"] for i in range(L)])
+            layers[adapter] = {**layers[adapter], proj: {**layers[adapter][proj],
+                                                          leaf: jnp.asarray(np.swapaxes(value, 1, 2) if leaf == "kernel" else value)}}
         return {**params, "layers": layers}
     for name in method.target_modules:
         module = dict(layers[name])

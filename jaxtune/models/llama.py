@@ -77,37 +77,55 @@ def attention_mask(
     return mask_BxTxS[:, None, None]
 
 
-def sliding_window_mask(T: int, prefix: int, window: jax.Array) -> jax.Array:
-    """[T, P+T] boolean: key index j is within `window` of query index i (everything when window is 0).
+def window_mask(q_idx_T: jax.Array, k_idx_S: jax.Array, window: jax.Array) -> jax.Array:
+    """[T, S] boolean: key index j is within `window` of query index i, i - w < j (everything when window is 0).
 
-    Indices count the prefix first, as a key/value cache does in transformers.
+    Indices are cache slots, padding and prefix included, as transformers' `sliding_window_overlay` counts them.
     """
-    q_idx, k_idx = prefix + jnp.arange(T), jnp.arange(prefix + T)
-    return (window == 0) | (q_idx[:, None] - k_idx[None, :] < window)
+    return (window == 0) | (q_idx_T[:, None] - k_idx_S[None, :] < window)
+
+
+def sliding_window_mask(T: int, prefix: int, window: jax.Array) -> jax.Array:
+    """[T, P+T] `window_mask` for T queries after P prefix keys (indices count the prefix first)."""
+    return window_mask(prefix + jnp.arange(T), jnp.arange(prefix + T), window)
+
+
+def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float):
+    """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
+    values [B, T, K, hd]."""
+    B, T, _ = x_BxTxD.shape
+    K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    q_BxTxHxh = apply_rope(dense(x_BxTxD, layer["q_proj"], lora_scale).reshape(B, T, K * G, hd), cos, sin)
+    k_BxTxKxh = apply_rope(dense(x_BxTxD, layer["k_proj"], lora_scale).reshape(B, T, K, hd), cos, sin)
+    v_BxTxKxh = dense(x_BxTxD, layer["v_proj"], lora_scale).reshape(B, T, K, hd)
+    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
+
+
+def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale: float) -> jax.Array:
+    """The attention core shared by the full forward and the cached decode: softmax(q k^T / sqrt(hd)) v over the
+    S keys that `mask` (broadcastable to [B, 1, 1, T, S]) allows, then o_proj; returns [B, T, D]."""
+    B, T, K, G, hd = q_BxTxKxGxh.shape
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxh, k_BxSxKxh, preferred_element_type=jnp.float32)
+    scores = scores * (hd**-0.5)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxh.dtype)
+    out_BxTxKxGxh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxh)
+    return dense(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer["o_proj"], lora_scale)
 
 
 def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool, lora_scale: float):
     """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D]."""
     B, T, _ = x_BxTxD.shape
-    K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q_BxTxHxh = apply_rope(dense(x_BxTxD, layer["q_proj"], lora_scale).reshape(B, T, K * G, hd), cos, sin)
-    k_BxSxKxh = apply_rope(dense(x_BxTxD, layer["k_proj"], lora_scale).reshape(B, T, K, hd), cos, sin)
-    v_BxSxKxh = dense(x_BxTxD, layer["v_proj"], lora_scale).reshape(B, T, K, hd)
+    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale)
     prefix = 0
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         prefix = layer["prefix"]["key"].shape[0]
         as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    q_BxTxKxGxh = q_BxTxHxh.reshape(B, T, K, G, hd)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxh, k_BxSxKxh, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
     if windowed:
         mask = mask & sliding_window_mask(T, prefix, window)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x_BxTxD.dtype)
-    out_BxTxKxGxh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxh)
-    return dense(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer["o_proj"], lora_scale)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale)
 
 
 def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float) -> jax.Array:
@@ -119,6 +137,21 @@ def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float) -> jax.Array:
 def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
     """Houlsby adapter on a sub-layer's output: x + up(silu(down(x)))."""
     return x_BxTxD + dense(jax.nn.silu(dense(x_BxTxD, adapter["down"])), adapter["up"])
+
+
+def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float):
+    """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
+
+    attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
+    aux (the layer's new keys and values) is returned beside the new x.
+    """
+    with jax.named_scope("attention"):
+        h, aux = attend_fn(rms_norm(x_BxTxD, layer["input_layernorm"], cfg.rms_norm_eps))
+        x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
+    with jax.named_scope("mlp"):
+        h = mlp(rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps), layer, lora_scale)
+        x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
+    return x_BxTxD, aux
 
 
 def decoder(
@@ -151,14 +184,8 @@ def decoder(
 
     def block(x_BxTxD, layer_and_window):
         layer, window = layer_and_window
-        with jax.named_scope("attention"):
-            h = rms_norm(x_BxTxD, layer["input_layernorm"], cfg.rms_norm_eps)
-            h = attention(h, layer, cos, sin, mask, window, cfg, windowed, lora_scale)
-            x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
-        with jax.named_scope("mlp"):
-            h = mlp(rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps), layer, lora_scale)
-            x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
-        return x_BxTxD, None
+        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, cfg, windowed, lora_scale), None)
+        return decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale)
 
     block = options.remat.wrap(block)
     x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]

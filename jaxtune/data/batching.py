@@ -1,0 +1,125 @@
+"""Fixed-shape batches of packed rows, so the train step compiles once.
+
+An example of ids x (length n) takes n - 1 input positions: inputs x[:-1], labels x[1:], loss mask
+loss_mask[1:]. Several examples share a row of `seq_len` positions; each gets its own segment id (1, 2, ...
+within the row; 0 is padding) and positions restarting at 0, so with `forward(..., segment_ids_BxT=,
+positions_BxT=)` no example attends to another and each gets the logits it would get alone.
+
+Packing is best-fit decreasing on lengths alone (longest first, each into the fullest row it fits), so it
+does not depend on the shuffle: the rows, and hence the number of steps per epoch, are the same every epoch
+(`count_epoch_batches` is exact). What changes per epoch is the order of the rows, drawn from (seed, epoch);
+examples packed together always share a batch, which does not change their gradients since they never
+attend to each other. The last batch is filled with empty rows (loss mask 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxtune.data.formats import Example
+from jaxtune.errors import JaxtuneError
+
+DTYPES = {"input_ids": np.int32, "labels": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
+          "positions": np.int32}
+
+
+def _lengths(examples: Sequence[Example], seq_len: int) -> list[int]:
+    """Input positions each example takes (len(ids) - 1), checked against seq_len."""
+    if seq_len < 1:
+        raise JaxtuneError(f"seq_len={seq_len} must be at least 1")
+    lengths = [len(ex.ids) - 1 for ex in examples]
+    longest = max(lengths, default=0)
+    if longest > seq_len:
+        raise JaxtuneError(f"an example of {longest + 1} tokens does not fit seq_len={seq_len} "
+                           f"(it takes {longest} positions); load the data with max_seq_len <= seq_len + 1")
+    return lengths
+
+
+def pack_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Rows as lists of example indices: best-fit decreasing bin packing of `lengths` into bins of seq_len.
+
+    A function of the lengths alone (ties broken by index). Items of length 0 (a lone token: nothing to
+    predict) are left out.
+    """
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    spaces: list[int] = []  # sorted distinct free space of the open rows
+    rows_with: dict[int, list[int]] = {}  # free space -> rows with that much
+    for i in order:
+        n = lengths[i]
+        k = bisect.bisect_left(spaces, n)
+        if k == len(spaces):  # fits no open row
+            r, space = len(rows), seq_len
+            rows.append([])
+        else:
+            space = spaces[k]
+            r = rows_with[space].pop()
+            if not rows_with[space]:
+                del rows_with[space], spaces[k]
+        rows[r].append(i)
+        left = space - n
+        if left:
+            if left not in rows_with:
+                bisect.insort(spaces, left)
+                rows_with[left] = []
+            rows_with[left].append(r)
+    return rows
+
+
+def _plan(examples: Sequence[Example], seq_len: int, pack: bool) -> list[list[int]]:
+    lengths = _lengths(examples, seq_len)
+    if pack:
+        return pack_plan(lengths, seq_len)
+    return [[i] for i, n in enumerate(lengths) if n > 0]
+
+
+def _fill(examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: int, num_rows: int) -> dict:
+    """Arrays [num_rows, seq_len] holding `rows` (lists of example indices) then empty rows."""
+    out = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in DTYPES.items()}
+    for r, row in enumerate(rows):
+        t = 0
+        for segment, i in enumerate(row, 1):
+            ids, mask = examples[i].ids, examples[i].loss_mask
+            n = len(ids) - 1
+            out["input_ids"][r, t:t + n] = ids[:-1]
+            out["labels"][r, t:t + n] = ids[1:]
+            out["loss_mask"][r, t:t + n] = mask[1:]
+            out["segment_ids"][r, t:t + n] = segment
+            out["positions"][r, t:t + n] = np.arange(n)
+            t += n
+    return out
+
+
+def pack_rows(examples: Sequence[Example], seq_len: int) -> dict[str, np.ndarray]:
+    """All examples packed into rows: a dict of [N, seq_len] arrays (input_ids, labels, loss_mask float32,
+    segment_ids, positions; zeros on padding), in `pack_plan` order."""
+    rows = _plan(examples, seq_len, pack=True)
+    return _fill(examples, rows, seq_len, len(rows))
+
+
+def epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, seed: int, epoch: int,
+                  pack: bool = True) -> list[dict[str, np.ndarray]]:
+    """One epoch of batches, each a dict of [batch_size, seq_len] arrays (see `pack_rows`).
+
+    Rows are packed (or one example a row when pack=False) independently of the shuffle, then ordered by a
+    permutation from numpy's Generator seeded with (seed, epoch): same seed and epoch, same batches.
+    """
+    if batch_size < 1:
+        raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
+    rows = _plan(examples, seq_len, pack)
+    order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+    num_batches = math.ceil(len(rows) / batch_size)
+    arrays = _fill(examples, [rows[j] for j in order], seq_len, num_batches * batch_size)
+    # Views of one array per field: the last batch's empty rows are already zeros.
+    return [{k: a[b * batch_size:(b + 1) * batch_size] for k, a in arrays.items()} for b in range(num_batches)]
+
+
+def count_epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, pack: bool = True) -> int:
+    """The number of batches `epoch_batches` returns, the same for every seed and epoch (steps per epoch)."""
+    if batch_size < 1:
+        raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
+    return math.ceil(len(_plan(examples, seq_len, pack)) / batch_size)

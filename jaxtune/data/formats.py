@@ -1,0 +1,386 @@
+"""Instruction data from JSONL: one example a line, turned into token ids and a loss mask.
+
+Formats, detected per line (a file may mix the first three):
+  alpaca             {"instruction", "input" (optional), "output"}: the Stanford Alpaca prompt, output as completion
+  prompt/completion  {"prompt", "completion"}
+  chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template
+  preference         {"prompt", "chosen", "rejected"}: only through `load_preference_examples`
+
+A prompt/completion pair becomes `encode(prompt)` (with the model's special tokens, e.g. BOS) +
+`encode(completion, add_special_tokens=False)` + [EOS]; the loss covers the completion and the EOS.
+A chat is rendered to text by its Jinja template as transformers' `apply_chat_template` does, then tokenized
+without special tokens (the template writes them); the loss covers each assistant message's content and the
+text that closes it (EOS / end-of-turn token), found by rendering the conversation up to each assistant turn.
+
+max_seq_len bounds len(ids). An example whose prompt (every token before the first trained one) has
+max_seq_len tokens or more is dropped, as it leaves nothing to predict; a longer one is cut to max_seq_len
+(losing its EOS). Both are counted in `DataStats`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import numpy as np
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.errors import JaxtuneError
+
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT).
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+# For models that ship no chat template (Zephyr's layout): every turn is "<|role|>\n" + content, closed by EOS,
+# so a model trained on it stops at EOS. The role markers are plain text for any tokenizer.
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    """Token ids [n] and a loss mask [n]: 1 where the token is a prediction target (completion, EOS), else 0."""
+
+    ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.ids) != len(self.loss_mask):
+            raise ValueError(f"{len(self.ids)} ids but {len(self.loss_mask)} loss mask entries")
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """A prompt's ids (with special tokens) and two completions, each completion ids + [EOS]."""
+
+    prompt: tuple[int, ...]
+    chosen: tuple[int, ...]
+    rejected: tuple[int, ...]
+
+
+@dataclass
+class DataStats:
+    """What loading did. `formats`: records per format, before the max_seq_len policy; `loss_tokens`: targets
+    kept (sum of loss_mask[1:]; for preferences, chosen + rejected tokens)."""
+
+    examples: int = 0
+    dropped_prompt_too_long: int = 0
+    truncated: int = 0
+    dropped_empty: int = 0  # nothing left to predict (e.g. a lone token)
+    loss_tokens: int = 0
+    formats: dict[str, int] = field(default_factory=dict)
+
+    def summary(self, max_seq_len: int) -> str:
+        """One line for logs: "120 examples (alpaca 120), 2 dropped: prompt >= max_seq_len=512, 5 truncated, ..."."""
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.formats.items()))
+        return (f"{self.examples} examples ({kinds}), {self.dropped_prompt_too_long} dropped: prompt >= "
+                f"max_seq_len={max_seq_len}, {self.truncated} truncated, {self.loss_tokens} loss tokens")
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, record) for every non-blank line; JaxtuneError "file:line: ..." for a bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise JaxtuneError(f"{path}: data file not found")
+    records = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise JaxtuneError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
+                if not isinstance(record, dict):
+                    raise JaxtuneError(f"{path}:{n}: expected a JSON object, got {_json_type(record)}")
+                records.append((n, record))
+    except UnicodeDecodeError as e:
+        raise JaxtuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not records:
+        raise JaxtuneError(f"{path}: no examples")
+    return records
+
+
+def _text(where: str, record: dict, fmt: str, name: str, optional: bool = False) -> str:
+    """record[name], which must be a string (optional: absent or null reads as "")."""
+    value = record.get(name)
+    if value is None and optional:
+        return ""
+    if name not in record:
+        raise JaxtuneError(f"{where}: {fmt} record is missing field '{name}'")
+    if not isinstance(value, str):
+        raise JaxtuneError(f"{where}: {fmt} field '{name}' must be a string, got {_json_type(value)}")
+    return value
+
+
+def detect_format(record: dict) -> str | None:
+    """"chat", "alpaca", "preference", "prompt/completion" or None, from the record's keys."""
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record:
+        return "alpaca"
+    if "chosen" in record or "rejected" in record:
+        return "preference"
+    if "prompt" in record or "completion" in record:
+        return "prompt/completion"
+    return None
+
+
+def alpaca_prompt(instruction: str, input: str = "") -> str:
+    """The Stanford Alpaca prompt, with the input section only when `input` is non-empty."""
+    if input:
+        return ALPACA_PROMPT.format(instruction=instruction, input=input)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+# --- chat templates -------------------------------------------------------------------------------------------
+
+class _Generation(Extension):
+    """Accepts transformers' `{% generation %}...{% endgeneration %}` blocks and renders their body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' filter: jinja's own escapes HTML characters
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A template compiled in the sandboxed environment transformers uses (same options, filters and globals)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise JaxtuneError(f"chat template is not valid Jinja: line {e.lineno}: {e.message}") from None
+
+
+def render_chat(messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False) -> str:
+    """The conversation as text, by the tokenizer's chat template (else `DEFAULT_CHAT_TEMPLATE`).
+
+    Like `apply_chat_template(..., tokenize=False)`: variables `messages` (null-valued keys dropped),
+    `add_generation_prompt` and the special tokens the tokenizer has (`bos_token`, `eos_token`, `pad_token`).
+    Raises jinja2.TemplateError when the template does (e.g. `raise_exception`).
+    """
+    template = compile_chat_template(tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE)
+    special = {name: tokenizer.backend.id_to_token(i) for name, i in
+               (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
+               if i is not None}
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+
+
+def _check_messages(where: str, record: dict) -> list[dict]:
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise JaxtuneError(f"{where}: chat field 'messages' must be a non-empty array, got {_json_type(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise JaxtuneError(f"{where}: chat field 'messages[{i}]' must be an object, got {_json_type(m)}")
+        for name in ("role", "content"):
+            if name not in m:
+                raise JaxtuneError(f"{where}: chat record is missing field 'messages[{i}].{name}'")
+            if not isinstance(m[name], str):
+                raise JaxtuneError(f"{where}: chat field 'messages[{i}].{name}' must be a string, "
+                                   f"got {_json_type(m[name])}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise JaxtuneError(f"{where}: chat record has no assistant message to train on")
+    return messages
+
+
+def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans [start, end) the loss covers.
+
+    Assistant message i is trained from the end of the render of messages[:i] with the generation prompt to the
+    end of the render of messages[:i+1], trailing whitespace excluded: its content and what closes it.
+    """
+    try:
+        text = render_chat(messages, tokenizer)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = render_chat(messages[:i], tokenizer, add_generation_prompt=True)
+            through = render_chat(messages[: i + 1], tokenizer).rstrip()
+            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+                raise JaxtuneError(f"{where}: the chat template does not render the conversation before assistant "
+                                   f"message {i} as a prefix of the whole, so the loss mask cannot be found")
+            spans.append((len(before), len(through)))
+    except (jinja2.TemplateError, TypeError) as e:  # a template's own error, or one it hits (e.g. str + int)
+        raise JaxtuneError(f"{where}: chat template: {e}") from None
+    return text, spans
+
+
+def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters overlap a span (a token that starts in the prompt and ends in the
+    response is trained: the model must produce it)."""
+    return [int(any(s < end and e > start for start, end in spans)) for s, e in offsets]
+
+
+# --- loading --------------------------------------------------------------------------------------------------
+
+def _eos(tokenizer: Tokenizer) -> int:
+    if tokenizer.eos_id is None:
+        raise JaxtuneError("the tokenizer has no EOS token; set eos_token in tokenizer_config.json")
+    return tokenizer.eos_id
+
+
+def _check_max_seq_len(max_seq_len: int) -> None:
+    if max_seq_len < 2:
+        raise JaxtuneError(f"max_seq_len={max_seq_len} must be at least 2")
+
+
+def _fit(example: Example, max_seq_len: int, stats: DataStats) -> Example | None:
+    """The max_seq_len policy: drop when the prompt fills it, else cut the tail; counted in `stats`."""
+    ids, mask = example.ids, example.loss_mask
+    first = mask.index(1) if 1 in mask else len(mask)
+    if first >= max_seq_len:
+        stats.dropped_prompt_too_long += 1
+        return None
+    if len(ids) > max_seq_len:
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        stats.truncated += 1
+    trained = sum(mask[1:])  # the first token is never a target: nothing precedes it
+    if trained == 0:
+        stats.dropped_empty += 1
+        return None
+    stats.examples += 1
+    stats.loss_tokens += trained
+    return Example(ids, mask)
+
+
+def _encode_batch(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool):
+    """Encodings with `.ids` (no offsets: the fast path where the tokenizers library has one)."""
+    encode = getattr(tokenizer.backend, "encode_batch_fast", tokenizer.backend.encode_batch)
+    return encode(texts, add_special_tokens=add_special_tokens)
+
+
+def _chunks(items: list, size: int = 1024):
+    return (items[k:k + size] for k in range(0, len(items), size))
+
+
+def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int) -> tuple[list[Example], DataStats]:
+    """Examples of an alpaca / prompt-completion / chat JSONL file, in file order, after the max_seq_len policy."""
+    _check_max_seq_len(max_seq_len)
+    eos = _eos(tokenizer)
+    records = read_jsonl(path)
+    stats = DataStats()
+    pairs: list[tuple[int, str, str]] = []  # (record index, prompt, completion)
+    chats: list[tuple[int, str, list[tuple[int, int]]]] = []  # (record index, text, trained spans)
+    for k, (n, record) in enumerate(records):
+        where, fmt = f"{path}:{n}", detect_format(record)
+        if fmt == "alpaca":
+            prompt = alpaca_prompt(_text(where, record, fmt, "instruction"), _text(where, record, fmt, "input", True))
+            pairs.append((k, prompt, _text(where, record, fmt, "output")))
+        elif fmt == "prompt/completion":
+            pairs.append((k, _text(where, record, fmt, "prompt"), _text(where, record, fmt, "completion")))
+        elif fmt == "chat":
+            chats.append((k, *_chat_text(where, _check_messages(where, record), tokenizer)))
+        elif fmt == "preference":
+            raise JaxtuneError(f"{where}: a preference record {{prompt, chosen, rejected}} in supervised data; "
+                               "train it with a preference objective (load_preference_examples)")
+        else:
+            raise JaxtuneError(f"{where}: unknown record with keys {sorted(record)}; expected alpaca "
+                               "{instruction, input, output}, {prompt, completion} or chat {messages}")
+        stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
+
+    built: list[Example | None] = [None] * len(records)
+    for chunk in _chunks(pairs):  # encode_batch runs in parallel; chunks keep few Encoding objects alive
+        prompts = _encode_batch(tokenizer, [p for _, p, _ in chunk], add_special_tokens=True)
+        completions = _encode_batch(tokenizer, [c for _, _, c in chunk], add_special_tokens=False)
+        for (k, _, _), p, c in zip(chunk, prompts, completions):
+            built[k] = Example((*p.ids, *c.ids, eos), (0,) * len(p.ids) + (1,) * (len(c.ids) + 1))
+    for chunk in _chunks(chats):  # the full encode: the loss mask needs character offsets
+        encodings = tokenizer.backend.encode_batch([t for _, t, _ in chunk], add_special_tokens=False)
+        for (k, _, spans), enc in zip(chunk, encodings):
+            built[k] = Example(tuple(enc.ids), tuple(_span_mask(enc.offsets, spans)))
+
+    examples = [ex for ex in (_fit(b, max_seq_len, stats) for b in built) if ex is not None]
+    if not examples:
+        raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
+                           f"({stats.dropped_prompt_too_long} prompts too long)")
+    return examples, stats
+
+
+def load_preference_examples(path: str | Path, tokenizer: Tokenizer,
+                             max_seq_len: int) -> tuple[list[PreferenceExample], DataStats]:
+    """Preference pairs {prompt, chosen, rejected}; len(prompt) + len(completion) <= max_seq_len for each side."""
+    _check_max_seq_len(max_seq_len)
+    eos = _eos(tokenizer)
+    stats = DataStats()
+    texts = []
+    for n, record in read_jsonl(path):
+        where = f"{path}:{n}"
+        texts.append(tuple(_text(where, record, "preference", name) for name in ("prompt", "chosen", "rejected")))
+    stats.formats["preference"] = len(texts)
+    prompts = _encode_batch(tokenizer, [t[0] for t in texts], add_special_tokens=True)
+    chosen = _encode_batch(tokenizer, [t[1] for t in texts], add_special_tokens=False)
+    rejected = _encode_batch(tokenizer, [t[2] for t in texts], add_special_tokens=False)
+    examples = []
+    for p, c, r in zip(prompts, chosen, rejected):
+        room = max_seq_len - len(p.ids)
+        if room <= 0:
+            stats.dropped_prompt_too_long += 1
+            continue
+        c_ids, r_ids = (*c.ids, eos), (*r.ids, eos)
+        if len(c_ids) > room or len(r_ids) > room:
+            stats.truncated += 1
+        examples.append(PreferenceExample(tuple(p.ids), c_ids[:room], r_ids[:room]))
+        stats.loss_tokens += min(len(c_ids), room) + min(len(r_ids), room)
+    stats.examples = len(examples)
+    if not examples:
+        raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
+                           f"({stats.dropped_prompt_too_long} prompts too long)")
+    return examples, stats
+
+
+def train_eval_split(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """A deterministic split: round(eval_fraction * n) examples (at least 1 when the fraction is > 0) drawn by
+    `seed` go to eval; both parts keep file order."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise JaxtuneError(f"eval_fraction={eval_fraction} must be in [0, 1)")
+    n = len(examples)
+    n_eval = 0 if eval_fraction == 0 else max(1, round(eval_fraction * n))
+    if n_eval >= n and n_eval > 0:
+        raise JaxtuneError(f"eval_fraction={eval_fraction} of {n} examples leaves none to train on")
+    is_eval = np.zeros(n, bool)
+    is_eval[np.random.default_rng(seed).permutation(n)[:n_eval]] = True
+    return [e for e, v in zip(examples, is_eval) if not v], [e for e, v in zip(examples, is_eval) if v]

@@ -1,0 +1,212 @@
+"""Text generation: batched prompts, a key/value cache, greedy or sampled decoding, EOS and stop tokens.
+
+    ids = generate(params, cfg, [[1, 5, 9], [1, 7]], SamplingConfig(max_new_tokens=32))
+    texts = generate_text(params, cfg, tokenizer, ["Once upon"], SamplingConfig(temperature=0.7, top_p=0.9))
+
+Prompts are padded on the left to one length, so every row writes its next token to the same cache slot (see
+`models/kv_cache.py`). Prefill and the whole decode loop are one jitted function (a `lax.while_loop` that stops
+when every row has finished), compiled once per shape bucket: the batch is padded to a power of two and the
+prompt length to a power of two (at least 16), so calls with other prompts of similar size reuse the compiled
+code. Temperature, top-k, top-p and the seed are traced values: changing them does not recompile; greedy
+decoding (temperature 0) and `max_new_tokens` are static.
+
+Sampling follows transformers' logits processors in their order: divide by the temperature, keep the top k,
+then keep the smallest set of tokens whose probability reaches top_p (`TopPLogitsWarper`, at least one token).
+The returned tokens stop before the first EOS or stop token (transformers' `generate` would include it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.errors import JaxtuneError
+from jaxtune.models.kv_cache import decode_step, prefill, prefix_length
+from jaxtune.models.llama import ForwardOptions
+
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick each new token.
+
+    temperature: 0 picks the most likely token (greedy); > 0 samples from softmax(logits / temperature).
+    top_k: sample among the k most likely tokens (0: all). top_p: among the smallest set whose probability
+    reaches top_p (1: all). seed: of the sampling key; the same seed and prompts give the same tokens.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise JaxtuneError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise JaxtuneError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise JaxtuneError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise JaxtuneError(f"top_p must be in [0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes) -> SamplingConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Logits with -inf outside the top-k tokens, then outside the top-p nucleus of what is left.
+
+    top_k 0 keeps every token. Thresholds are values, so tokens tied with the last kept one are kept too.
+    """
+    V = logits_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)  # descending
+    rank_V = jnp.arange(V)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    in_top_k_BxV = rank_V < k
+    probs_BxV = jax.nn.softmax(jnp.where(in_top_k_BxV, sorted_BxV, -jnp.inf), axis=-1)
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # probability of the better-ranked tokens
+    keep_BxV = in_top_k_BxV & ((mass_before_BxV < top_p) | (rank_V == 0))
+    n_kept_B = jnp.sum(keep_BxV, axis=-1)  # keep is a prefix of the ranking: mass_before only grows
+    threshold_Bx1 = jnp.take_along_axis(sorted_BxV, n_kept_B[:, None] - 1, axis=-1)
+    return jnp.where(logits_BxV >= threshold_Bx1, logits_BxV, -jnp.inf)
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+    """Token ids [B] drawn from the filtered, temperature-scaled distribution."""
+    filtered = filter_logits(logits_BxV / temperature, top_k, top_p)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "options", "cache_size", "max_new_tokens", "greedy"))
+def _generate(params, tokens_BxT, mask_BxT, live_B, is_stop_V, temperature, top_k, top_p, key, *,
+              cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, cache_size: int,
+              max_new_tokens: int, greedy: bool) -> jax.Array:
+    """New tokens [B, N]: each row's tokens up to and including its first stop token, then -1."""
+    B = tokens_BxT.shape[0]
+
+    def pick(logits_BxV, step):
+        if greedy:
+            return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        return sample(logits_BxV, jax.random.fold_in(key, step), temperature, top_k, top_p)
+
+    logits_BxV, cache = prefill(params, tokens_BxT, cfg, mask_BxT, cache_size=cache_size, method=method,
+                                options=options)
+
+    def unfinished(carry):
+        step, _, _, _, done_B = carry
+        return (step < max_new_tokens) & ~jnp.all(done_B)
+
+    # Each step picks token `step` from the logits so far, then runs it. The last run's logits are never read:
+    # one wasted decode, so that the picking code (slow to compile when sampling) appears once, not twice.
+    def step_fn(carry):
+        step, logits_BxV, cache, out_BxN, done_B = carry
+        token_B = pick(logits_BxV, step)
+        out_BxN = out_BxN.at[:, step].set(jnp.where(done_B, -1, token_B))
+        logits_BxV, cache = decode_step(params, token_B, cache, cfg, method=method, options=options)
+        return step + 1, logits_BxV, cache, out_BxN, done_B | is_stop_V[token_B]
+
+    out_BxN = jnp.full((B, max_new_tokens), -1, jnp.int32)
+    carry = (jnp.asarray(0, jnp.int32), logits_BxV, cache, out_BxN, ~live_B)
+    return jax.lax.while_loop(unfinished, step_fn, carry)[3]
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The padded size for n: the next power of two, at least `minimum`."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(n))))
+
+
+def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
+    bad = [i for i in ids if not 0 <= int(i) < vocab]
+    if bad:
+        raise JaxtuneError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+             sampling: SamplingConfig = SamplingConfig(), *, eos_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
+             method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions()) -> list[list[int]]:
+    """The new tokens of each prompt: at most `max_new_tokens`, ending before the first EOS or stop token.
+
+    prompts: token ids, BOS included if the model wants one. eos_ids: default the model's `eos_token_id`.
+    method: the `MethodConfig` whose leaves `params` carries (for its LoRA scale; prefix tuning is found in
+    `params`). Raises JaxtuneError for no prompts, an empty prompt, an id outside the vocabulary, or a prompt
+    that with `max_new_tokens` would run past the model's context (`max_position_embeddings`).
+    """
+    if not prompts:
+        raise JaxtuneError("no prompts to generate from")
+    P = prefix_length(params)
+    context = cfg.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise JaxtuneError(f"prompt {i} is empty (it needs at least one token, e.g. BOS)")
+        _check_ids(prompt, cfg.vocab_size, f"prompt {i}")
+        if P + len(prompt) > context:
+            raise JaxtuneError(f"prompt {i} has {len(prompt)} tokens{f' after {P} prefix tokens' if P else ''}, "
+                               f"more than the model's context of {context} (max_position_embeddings)")
+        if P + len(prompt) + sampling.max_new_tokens > context:
+            raise JaxtuneError(f"prompt {i} has {len(prompt)} tokens{f' after {P} prefix tokens' if P else ''}: "
+                               f"with max_new_tokens={sampling.max_new_tokens} it would pass the model's context "
+                               f"of {context} (max_position_embeddings); lower max_new_tokens")
+    stops = tuple(cfg.eos_token_id if eos_ids is None else eos_ids) + tuple(stop_token_ids)
+    _check_ids(stops, cfg.vocab_size, "EOS and stop tokens")
+
+    B, T = bucket(len(prompts)), bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    tokens_BxT, mask_BxT = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for row, prompt in enumerate(prompts):  # left padding: every row's last prompt token at index T - 1
+        tokens_BxT[row, T - len(prompt):] = prompt
+        mask_BxT[row, T - len(prompt):] = 1
+    live_B = np.arange(B) < len(prompts)  # rows added to fill the batch bucket start finished
+    is_stop_V = np.zeros(cfg.vocab_size, bool)
+    is_stop_V[list(stops)] = True
+    out_BxN = _generate(
+        params, tokens_BxT, mask_BxT, live_B, is_stop_V, np.float32(max(sampling.temperature, 1e-6)),
+        np.int32(sampling.top_k), np.float32(sampling.top_p), jax.random.key(sampling.seed),
+        cfg=cfg, method=method, options=options, cache_size=P + T + sampling.max_new_tokens,
+        max_new_tokens=sampling.max_new_tokens, greedy=sampling.greedy)
+    results = []
+    for row in np.asarray(out_BxN)[: len(prompts)]:  # the one device -> host transfer
+        tokens = []
+        for token in row.tolist():
+            if token < 0 or is_stop_V[token]:
+                break
+            tokens.append(token)
+        results.append(tokens)
+    return results
+
+
+def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts: Sequence[str],
+                  sampling: SamplingConfig = SamplingConfig(), stop_strings: Sequence[str] = (),
+                  method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions()) -> list[str]:
+    """The text each prompt continues with, cut before the first of `stop_strings`.
+
+    Prompts are encoded with special tokens (BOS when the tokenizer adds one); generation stops at the
+    tokenizer's or the model's EOS. Stop strings are found in the decoded text after generation, so they
+    shorten the answer, not the decode loop.
+    """
+    if isinstance(prompts, str):
+        raise JaxtuneError("generate_text takes a list of prompts, got a single string")
+    eos = {*cfg.eos_token_id, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
+    ids = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), method=method, options=options)
+    texts = []
+    for tokens in new:
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop_strings if s and s in text]
+        texts.append(text[: min(cuts)] if cuts else text)
+    return texts

@@ -1,0 +1,169 @@
+"""A training run's configuration: four small frozen dataclasses, read from TOML with dotted overrides.
+
+    [model]   path, dtype, compute_dtype, remat
+    [method]  MethodConfig: kind, rank, alpha, dropout, target_modules, rslora, dora, bits, double_quant, ...
+    [data]    train, eval, eval_fraction, max_seq_len, pack, seed
+    [train]   output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, schedule, ...
+
+Every key must be a field: an unknown key is an error naming it and its section. `--set train.lr=1e-4`-style
+overrides are parsed as TOML values (strings may go unquoted). The resolved config is written back as TOML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jaxtune.config import MethodConfig
+from jaxtune.errors import JaxtuneError
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
+    always float32 master weights; compute_dtype "bfloat16" gives mixed precision."""
+
+    path: str = ""
+    dtype: str = "auto"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """train/eval: JSONL files. Without an eval file, `eval_fraction` of train is held out (by `seed`)."""
+
+    train: str = ""
+    eval: str = ""
+    eval_fraction: float = 0.1
+    max_seq_len: int = 256
+    pack: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows.
+
+    schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
+    max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
+    max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
+    """
+
+    output_dir: str = "runs/run"
+    epochs: int = 1
+    max_steps: int = 0
+    batch_size: int = 8
+    grad_accum: int = 1
+    learning_rate: float = 2e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    max_nonfinite_steps: int = 10
+    resume_step: int = -1
+
+    def __post_init__(self):
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule {self.schedule!r}: choose cosine, linear or constant")
+        for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # an unquoted string
+
+
+def _build(raw: dict, where: str) -> RunConfig:
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise JaxtuneError(f"{where}: unknown section [{name}] (sections: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise JaxtuneError(f"{where}: [{name}] must be a table")
+        cls = type(SECTIONS[name]())
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in values.items():
+            if key not in known:
+                raise JaxtuneError(f"{where}: unknown key {key!r} in section [{name}] (known: {', '.join(known)})")
+            expected = type(getattr(cls(), key))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                values[key] = float(value)
+            elif expected is tuple and isinstance(value, (list, str)):
+                values[key] = tuple([value] if isinstance(value, str) else value)
+            elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise JaxtuneError(f"{where}: [{name}] {key} = {value!r} should be a {expected.__name__}")
+        try:
+            sections[name] = cls(**values)
+        except ValueError as e:
+            raise JaxtuneError(f"{where}: [{name}] {e}") from None
+    return RunConfig(**sections)
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML run config (or start from defaults when `path` is None) and apply "section.key=value" overrides."""
+    raw: dict = {}
+    where = "config"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise JaxtuneError(f"{path}: config file not found")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise JaxtuneError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise JaxtuneError(f"--set {item!r}: expected section.key=value")
+        raw.setdefault(section, {})[name] = _parse_value(value.strip())
+    return _build(raw, where)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def dump_run_config(config: RunConfig) -> str:
+    """The config as TOML text that `load_run_config` reads back to an equal config."""
+    lines = []
+    for name in SECTIONS:
+        lines.append(f"[{name}]")
+        section = getattr(config, name)
+        lines += [f"{f.name} = {_toml_value(getattr(section, f.name))}" for f in dataclasses.fields(section)]
+        lines.append("")
+    return "\n".join(lines)

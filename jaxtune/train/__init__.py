@@ -1,0 +1,1 @@
+"""Training: the state and jitted step, checkpoints, metrics, and the loop that drives them."""

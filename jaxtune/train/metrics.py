@@ -1,0 +1,55 @@
+"""`metrics.jsonl` (one JSON object a line) and the loss plot drawn from it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLog:
+    """Appends records to a JSONL file. On resume from step S, records after S are dropped first, so the file
+    of a resumed run reads like that of a run never interrupted."""
+
+    def __init__(self, path: str | Path, resume_step: int = 0):
+        self.path = Path(path)
+        kept = []
+        if self.path.is_file() and resume_step > 0:
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def perplexity(mean_loss: float) -> float:
+    return math.exp(mean_loss) if mean_loss < 700 else math.inf
+
+
+def plot_losses(records: list[dict], path: str | Path) -> Path:
+    """Training loss per logged step and eval loss per evaluation, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss (completion tokens)")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean token loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

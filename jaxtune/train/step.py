@@ -1,0 +1,130 @@
+"""The train state, the optimiser, and the one jitted step.
+
+The state is a plain dict pytree, so orbax saves and restores it as it is:
+
+    {"step": int32, "params": trainable tree (None where frozen), "opt_state": optax state,
+     "rng": uint32[2], "skipped": int32 (non-finite steps so far), "bad_streak": int32 (in a row)}
+
+Frozen weights are a separate argument: never donated, never differentiated, never checkpointed.
+
+`train_step(state, frozen, batch)` takes `grad_accum` micro-batches stacked on a leading axis ([A, B, T] arrays);
+see `accumulated_gradients`. A step whose loss or gradients are not finite leaves params and optimiser state
+untouched and is counted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.methods.transform import combine
+from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.objectives import masked_nll_sum
+from jaxtune.run_config import TrainConfig
+
+
+def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0, then cosine / linear decay to min_lr_ratio * lr at `total_steps`, or constant."""
+    lr, warmup = train.learning_rate, min(train.warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup, 1)
+    if train.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=train.min_lr_ratio)
+    elif train.schedule == "linear":
+        decay = optax.linear_schedule(lr, lr * train.min_lr_ratio, decay_steps)
+    else:
+        decay = optax.constant_schedule(lr)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+
+
+def weight_decay_mask(trainable: dict) -> dict:
+    """False for norm scales and biases (as transformers' Trainer does), True for every other trainable leaf."""
+
+    def decays(path, _) -> bool:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return not (names[-1] == "bias" or names[-1] == "norm" or any(n.endswith("layernorm") for n in names))
+
+    return jax.tree_util.tree_map_with_path(decays, trainable)
+
+
+def make_optimizer(train: TrainConfig, total_steps: int, trainable: dict) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the schedule and no decay on norms and biases."""
+    return optax.chain(
+        optax.clip_by_global_norm(train.max_grad_norm),
+        optax.adamw(learning_rate_schedule(train, total_steps), b1=train.adam_b1, b2=train.adam_b2,
+                    eps=train.adam_eps, weight_decay=train.weight_decay, mask=weight_decay_mask(trainable)),
+    )
+
+
+def init_state(trainable: dict, optimizer: optax.GradientTransformation, seed: int) -> dict:
+    """Step 0: float32 master copies of the trainable leaves and a fresh optimiser state."""
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), trainable)
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated leaf by leaf
+    return {"step": zero(), "params": params, "opt_state": optimizer.init(params),
+            "rng": jax.random.PRNGKey(seed), "skipped": zero(), "bad_streak": zero()}
+
+
+def batch_loss(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
+               options: ForwardOptions) -> tuple[jax.Array, jax.Array]:
+    """(sum of completion-token losses, number of completion tokens) of one [B, T] batch."""
+    logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+    return masked_nll_sum(logits, batch["labels"], batch["loss_mask"])
+
+
+def accumulated_gradients(trainable: dict, frozen: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
+                          options: ForwardOptions) -> tuple[jax.Array, jax.Array, dict]:
+    """(mean loss, loss tokens, gradients of the mean) over A micro-batches stacked as [A, B, T] arrays.
+
+    Scans the micro-batches adding loss sums and gradients of sums, then divides once by the token count, so
+    the result equals one batch of A*B rows.
+    """
+
+    def loss_sum(params, micro):
+        return batch_loss(combine(params, frozen), micro, cfg, method, options)
+
+    def accumulate(carry, micro):
+        grads_sum, loss_total, count_total = carry
+        (loss, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(trainable, micro)
+        return (jax.tree.map(jnp.add, grads_sum, grads), loss_total + loss, count_total + count), None
+
+    zeros = jax.tree.map(jnp.zeros_like, trainable)
+    (grads, loss_total, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
+    denom = jnp.maximum(count, 1.0)
+    return loss_total / denom, count, jax.tree.map(lambda g: g / denom, grads)
+
+
+def make_train_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
+                    optimizer: optax.GradientTransformation, schedule: optax.Schedule):
+    """The jitted `train_step(state, frozen, batch) -> (state, metrics)`, state donated."""
+
+    def train_step(state: dict, frozen: dict, batch: dict) -> tuple[dict, dict]:
+        loss, count, grads = accumulated_gradients(state["params"], frozen, batch, cfg, method, options)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        bad = (~finite).astype(jnp.int32)
+        new_state = {
+            "step": state["step"] + 1,
+            "params": keep(params, state["params"]),
+            "opt_state": keep(opt_state, state["opt_state"]),
+            "rng": jax.random.split(state["rng"])[0],
+            "skipped": state["skipped"] + bad,
+            "bad_streak": (state["bad_streak"] + bad) * bad,
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
+                   "tokens": jnp.sum(batch["segment_ids"] > 0), "loss_tokens": count,
+                   "skipped_steps": new_state["skipped"], "bad_streak": new_state["bad_streak"]}
+        return new_state, metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions):
+    """The jitted `eval_step(params, batch) -> (loss sum, token count)` for one [B, T] batch."""
+    return jax.jit(lambda params, batch: batch_loss(params, batch, cfg, method, options))
