@@ -34,3 +34,10 @@ from jaxtune.models.params import abstract_params as abstract_params
 from jaxtune.models.params import init_params as init_params
 from jaxtune.models.params import logical_axes as logical_axes
 from jaxtune.models.params import param_specs as param_specs
+from jaxtune.generation import SamplingConfig as SamplingConfig
+from jaxtune.generation import generate as generate
+from jaxtune.generation import generate_text as generate_text
+from jaxtune.run_config import RunConfig as RunConfig
+from jaxtune.run_config import load_run_config as load_run_config
+from jaxtune.train.evaluation import evaluate_file as evaluate_file
+from jaxtune.train.loop import fine_tune as fine_tune

@@ -63,9 +63,9 @@ def cmd_export(args) -> None:
 
 def cmd_train(args) -> None:
     from jaxtune.run_config import load_run_config
-    from jaxtune.train.loop import train
+    from jaxtune.train.loop import fine_tune
 
-    result = train(load_run_config(args.config, args.set))
+    result = fine_tune(load_run_config(args.config, args.set))
     if result.interrupted:
         sys.exit(0)
 
@@ -78,6 +78,45 @@ def cmd_eval(args) -> None:
         print(json.dumps(result))
     else:
         print(f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  ({result['tokens']} completion tokens)")
+
+
+def _read_prompts(path: str) -> list[str]:
+    """A .jsonl file's "prompt" fields, or any other file's non-empty lines."""
+    from pathlib import Path
+
+    from jaxtune.data.formats import read_jsonl
+
+    if path.endswith(".jsonl"):
+        prompts = []
+        for line, record in read_jsonl(path):
+            if not isinstance(record.get("prompt"), str):
+                raise JaxtuneError(f"{path}:{line}: expected a string field 'prompt'")
+            prompts.append(record["prompt"])
+        return prompts
+    if not Path(path).is_file():
+        raise JaxtuneError(f"{path}: file not found")
+    prompts = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise JaxtuneError(f"{path}: no prompts")
+    return prompts
+
+
+def cmd_generate(args) -> None:
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.generation import SamplingConfig, generate_text
+    from jaxtune.methods.peft import load_model_with_adapter
+
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    cfg, params, method = load_model_with_adapter(args.model, args.adapter)
+    texts = generate_text(params, cfg, load_tokenizer(args.model), prompts, sampling, stop_strings=args.stop,
+                          method=method)
+    if args.json:
+        print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)], indent=2))
+        return
+    for prompt, text in zip(prompts, texts):
+        print(text if len(prompts) == 1 else f"{prompt!r} -> {text!r}")
 
 
 def cmd_demo(args) -> None:
@@ -117,6 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
     evaluate.set_defaults(run=cmd_eval)
+
+    gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    gen.add_argument("--adapter", help="PEFT adapter directory to apply")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument("--prompts", help="a file: one prompt a line, or JSONL with a 'prompt' field")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
+    gen.add_argument("--json", action="store_true", help='print [{"prompt", "completion"}, ...]')
+    gen.set_defaults(run=cmd_generate)
 
     demo = sub.add_parser("demo", help="a LoRA fine-tune of a tiny model on the bundled instructions (CPU, minutes)")
     demo.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")

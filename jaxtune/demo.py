@@ -15,11 +15,11 @@ from pathlib import Path
 
 from jaxtune.config import MethodConfig
 from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.generate import SamplingConfig, generate_text
+from jaxtune.generation import SamplingConfig, generate_text
 from jaxtune.methods.peft import load_model_with_adapter
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import DataConfig, ModelSection, RunConfig, TrainConfig
-from jaxtune.train.loop import train
+from jaxtune.train.loop import fine_tune
 
 ASSETS = Path(__file__).parent / "assets"
 BASE_SHAPE = dict(hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -40,7 +40,7 @@ def run_demo(out: str | Path = "runs/demo", log=print) -> dict:
     started = time.perf_counter()
     base_dir = write_random_model(out / "random-init", "llama", seed=0, **BASE_SHAPE)
     log(f"[1/3] built a tiny Llama ({base_dir}); training its base on plain text (full fine-tune) ...")
-    base = train(RunConfig(
+    base = fine_tune(RunConfig(
         model=ModelSection(path=str(base_dir)), method=MethodConfig("full"),
         data=DataConfig(train=str(ASSETS / "demo_corpus.jsonl"), eval_fraction=0.02, max_seq_len=128),
         train=TrainConfig(output_dir=str(out / "base"), max_steps=100, batch_size=16, learning_rate=3e-3,
@@ -48,7 +48,7 @@ def run_demo(out: str | Path = "runs/demo", log=print) -> dict:
     log(f"      base text loss {base.eval_loss:.3f} (perplexity {base.eval_perplexity:.2f})")
 
     log("[2/3] LoRA fine-tune (all linear layers, rank 16) on the bundled instructions ...")
-    lora = train(RunConfig(
+    lora = fine_tune(RunConfig(
         model=ModelSection(path=str(base.result_path)),
         method=MethodConfig("lora", rank=16, alpha=16, target_modules=("all-linear",)),
         data=DataConfig(train=str(ASSETS / "demo_instructions.jsonl"), eval_fraction=0.1, max_seq_len=128),

@@ -13,7 +13,7 @@ from conftest import padded_batch
 from jaxtune.config import MethodConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.generate import SamplingConfig, _generate, filter_logits, generate, generate_text
+from jaxtune.generation import SamplingConfig, _generate, filter_logits, generate, generate_text
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter
 from jaxtune.methods.transform import apply_method

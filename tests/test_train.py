@@ -27,7 +27,7 @@ from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.evaluation import evaluate_file
-from jaxtune.train.loop import stack_micro_batches, train
+from jaxtune.train.loop import fine_tune, stack_micro_batches
 from jaxtune.train.step import accumulated_gradients, init_state, learning_rate_schedule, make_optimizer, make_train_step
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
@@ -124,13 +124,13 @@ def test_run_stops_after_n_non_finite_steps_in_a_row(setup, tmp_path):
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", learning_rate=1e30, max_grad_norm=1e30,
                           max_nonfinite_steps=2, max_steps=20, checkpoint_every=0)
     with pytest.raises(JaxtuneError, match="non-finite steps in a row"):
-        train(load_run_config(config), log=lambda _: None)
+        fine_tune(load_run_config(config), log=lambda _: None)
 
 
 def test_run_directory_and_sigterm_resume_equal_an_uninterrupted_run(setup, tmp_path):
     root, model, data = setup
     full = write_config(tmp_path / "full.toml", model, data, tmp_path / "full")
-    result = train(load_run_config(full), log=lambda _: None)
+    result = fine_tune(load_run_config(full), log=lambda _: None)
     run = tmp_path / "full"
     assert result.step == 6 and result.result_path == run / "adapter"
     assert {p.name for p in run.iterdir()} >= {"config.toml", "metrics.jsonl", "loss.png", "checkpoints", "adapter"}
@@ -149,9 +149,9 @@ def test_run_directory_and_sigterm_resume_equal_an_uninterrupted_run(setup, tmp_
         if line.startswith("training"):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    first = train(load_run_config(interrupted), log=log)
+    first = fine_tune(load_run_config(interrupted), log=log)
     assert first.interrupted and first.step == 1
-    second = train(load_run_config(interrupted), log=lambda _: None)
+    second = fine_tune(load_run_config(interrupted), log=lambda _: None)
     assert second.step == 6 and not second.interrupted
     assert metric_lines(tmp_path / "int") == records
 
@@ -161,7 +161,7 @@ def test_killed_process_resumes_with_the_same_metrics(setup, tmp_path):
     """SIGKILL (no chance to save) after the step-4 checkpoint; the same command again ends as an unbroken run."""
     root, model, data = setup
     reference = write_config(tmp_path / "ref.toml", model, data, tmp_path / "ref", max_steps=10)
-    train(load_run_config(reference), log=lambda _: None)
+    fine_tune(load_run_config(reference), log=lambda _: None)
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=10)
     command = [sys.executable, "-m", "jaxtune.cli", "train", str(config)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -178,14 +178,14 @@ def test_killed_process_resumes_with_the_same_metrics(setup, tmp_path):
 def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp_path):
     root, model, data = setup
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=4)
-    train(load_run_config(config), log=lambda _: None)
+    fine_tune(load_run_config(config), log=lambda _: None)
     latest = tmp_path / "run" / "checkpoints" / "4"
     for path in latest.rglob("*"):
         if path.is_file() and path.stat().st_size > 0 and "state" in str(path):
             path.write_bytes(b"garbage")
     with pytest.raises(JaxtuneError, match=r"checkpoint for step 4 is unreadable .*--set train.resume_step=2"):
-        train(load_run_config(config), log=lambda _: None)
-    result = train(load_run_config(config, ["train.resume_step=2"]), log=lambda _: None)
+        fine_tune(load_run_config(config), log=lambda _: None)
+    result = fine_tune(load_run_config(config, ["train.resume_step=2"]), log=lambda _: None)
     assert result.step == 4
 
 

@@ -1,4 +1,4 @@
-"""`train(config)`: the whole supervised fine-tuning run, as `jaxtune train` runs it and a notebook can call it.
+"""`fine_tune(config)`: the whole supervised fine-tuning run, as `jaxtune train` runs it and a notebook can call it.
 
 The loop is deterministic given the config: the batches of epoch e depend only on (data.seed, e), so the data
 position is just the step, and a run resumed from a checkpoint replays exactly what an uninterrupted run does.
@@ -77,7 +77,7 @@ def _progress(total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-def train(config: RunConfig, log=print) -> RunResult:
+def fine_tune(config: RunConfig, log=print) -> RunResult:
     """Fine-tune `config.model.path` on `config.data.train` and write the run directory.
 
     run_dir = config.train.output_dir: config.toml, metrics.jsonl, loss.png, checkpoints/, and the result

@@ -1,0 +1,76 @@
+"""One jaxtune configuration, measured in this process: the library's own jitted train step, nothing re-written.
+
+A random model from `init_params`, the method applied with `apply_method`, `partition` into trainable and frozen,
+`make_optimizer` (global-norm clipping + AdamW, grad_accum 1) and `make_train_step`, as `jaxtune train` runs them.
+Compile time is `train_step.lower(...).compile()`, timed explicitly, so no step includes compilation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import _measure as M
+
+
+def run(name: str, warmup: int, steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxtune.config import MethodConfig, ModelConfig
+    from jaxtune.methods.transform import apply_method, partition, trainable_mask
+    from jaxtune.models.llama import ForwardOptions
+    from jaxtune.models.params import init_params
+    from jaxtune.run_config import TrainConfig
+    from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer, make_train_step
+
+    kind, targets = M.METHODS[name]
+    cfg = ModelConfig(**M.SHAPE, max_position_embeddings=2048)
+    method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
+    key = jax.random.key(0)
+    params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    del params
+    tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
+    total_steps = warmup + steps
+    optimizer = make_optimizer(tc, total_steps, trainable)
+    train_step = make_train_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, total_steps))
+    state = init_state(trainable, optimizer, seed=0)
+    del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated
+
+    tokens = M.fixed_tokens()
+    ones = np.ones((M.BATCH, M.SEQ), np.int32)
+    batch = {  # [A=1, B, T]: loss on every token, one segment per row
+        "input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:], "loss_mask": ones[None].astype(np.float32),
+        "segment_ids": ones[None], "positions": np.broadcast_to(np.arange(M.SEQ, dtype=np.int32), ones.shape)[None],
+    }
+    batch = jax.device_put(batch)
+    jax.block_until_ready((state, frozen, batch))
+    baseline = M.rss_mib()
+    M.reset_peak_rss()
+
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, frozen, batch).compile()
+    compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+
+    holder = {"state": state}
+    del state
+    losses = []
+
+    def step():
+        holder["state"], metrics = compiled(holder["state"], frozen, batch)
+        losses.append(metrics["loss"])
+        jax.block_until_ready(holder["state"])
+
+    timing = M.time_steps(step, warmup, steps)
+    losses = [float(x) for x in losses]
+    frozen_bytes = sum(x.nbytes for x in jax.tree.leaves(frozen))
+    return {
+        "framework": "jax", "config": name, "variant": "jaxtune", "compile_s": compile_s, **timing,
+        "baseline_rss_mib": baseline, "train_peak_rss_mib": M.window_peak_rss_mib(), "peak_rss_mib": M.peak_rss_mib(),
+        "xla_temp_mib": memory.temp_size_in_bytes / 2**20, "xla_argument_mib": memory.argument_size_in_bytes / 2**20,
+        "xla_output_mib": memory.output_size_in_bytes / 2**20, "xla_alias_mib": memory.alias_size_in_bytes / 2**20,
+        "frozen_mib": frozen_bytes / 2**20, "loss_first": losses[0], "loss_last": losses[-1],
+        "jax_version": jax.__version__, "float_dtype": str(jnp.result_type(float)),
+    }

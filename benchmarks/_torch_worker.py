@@ -1,0 +1,74 @@
+"""One PyTorch (+PEFT) configuration, measured in this process, the way a transformers user trains it.
+
+`transformers.LlamaForCausalLM` of the same shape in float32, `peft.get_peft_model` with `LoraConfig` (rank 8,
+alpha 16, no dropout) for LoRA, `torch.optim.AdamW` on the trainable parameters and `clip_grad_norm_` at 1.0;
+labels = input_ids with transformers' own shift. Torch gets its best eager settings: two intra-op threads
+(the machine's cores), the attention implementation chosen by the caller ("sdpa" or "eager"; the runner keeps the
+faster), and the fastest AdamW implementation (`fused=True` where the build has the CPU kernel, else foreach).
+QLoRA needs bitsandbytes' 4-bit layers: where `import bitsandbytes` fails the result says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+import _measure as M
+
+
+def run(name: str, attn: str, warmup: int, steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    import peft
+    import transformers
+
+    kind, targets = M.METHODS[name]
+    if kind == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            return {"framework": "torch", "config": name, "variant": attn, "unavailable": f"bitsandbytes: {e}"}
+        return {"framework": "torch", "config": name, "variant": attn,
+                "unavailable": "bitsandbytes is installed but 4-bit training on CPU is not benchmarked here"}
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=M.SHAPE["vocab_size"], hidden_size=M.SHAPE["hidden_size"],
+        intermediate_size=M.SHAPE["intermediate_size"], num_hidden_layers=M.SHAPE["num_layers"],
+        num_attention_heads=M.SHAPE["num_heads"], num_key_value_heads=M.SHAPE["num_kv_heads"],
+        head_dim=M.SHAPE["head_dim"], max_position_embeddings=2048, tie_word_embeddings=False, use_cache=False)
+    config._attn_implementation = attn
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    if kind == "lora":
+        lora = peft.LoraConfig(r=M.RANK, lora_alpha=M.ALPHA, lora_dropout=0.0, target_modules=list(targets),
+                               bias="none", task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, lora)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        optimizer = torch.optim.AdamW(params, lr=M.LEARNING_RATE, weight_decay=0.0, fused=True)
+        adamw = "fused"
+    except (RuntimeError, TypeError):
+        optimizer = torch.optim.AdamW(params, lr=M.LEARNING_RATE, weight_decay=0.0, foreach=True)
+        adamw = "foreach"
+    input_ids = torch.from_numpy(M.fixed_tokens()[:, :-1].copy()).long()
+    baseline = M.rss_mib()
+    M.reset_peak_rss()
+    losses = []
+
+    def step():
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, M.MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    timing = M.time_steps(step, warmup, steps)
+    return {
+        "framework": "torch", "config": name, "variant": attn, "compile_s": None, **timing,
+        "baseline_rss_mib": baseline, "train_peak_rss_mib": M.window_peak_rss_mib(), "peak_rss_mib": M.peak_rss_mib(),
+        "loss_first": losses[0], "loss_last": losses[-1], "adamw": adamw, "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "peft_version": peft.__version__, "attn_implementation": model.config._attn_implementation,
+    }
