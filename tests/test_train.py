@@ -245,3 +245,23 @@ def test_unknown_config_key_names_key_and_section(setup, tmp_path, capsys):
     config = write_config(tmp_path / "ok.toml", model, data, tmp_path / "run")
     assert main(["train", str(config), "--set", "optim.lr=1"]) == 2
     assert "unknown section [optim]" in capsys.readouterr().err
+
+
+def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path):
+    """bf16 frozen base and bf16 compute; trainable leaves and Adam moments stay float32, and the loss falls."""
+    _, model, data = setup
+    config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=8, learning_rate=2e-2)
+    config = load_run_config(config, ["model.dtype=bfloat16", "model.compute_dtype=bfloat16", "model.remat=full"])
+    cfg, base = load_model(model, "bfloat16")
+    params = apply_method(base, cfg, config.method, jax.random.key(0))
+    trainable, frozen = partition(params, trainable_mask(params, config.method))
+    optimizer = make_optimizer(config.train, 8, trainable)
+    state = init_state(trainable, optimizer, 0)
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype("bfloat16")}
+    result = fine_tune(config, log=lambda _: None)
+    evals = [r for r in metric_lines(tmp_path / "run") if "eval_loss" in r]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.1
+    from safetensors.numpy import load_file
+
+    assert {v.dtype for v in load_file(str(result.result_path / "adapter_model.safetensors")).values()} == {np.dtype("float32")}
