@@ -65,9 +65,7 @@ def cmd_train(args) -> None:
     from jaxtune.run_config import load_run_config
     from jaxtune.train.loop import fine_tune
 
-    result = fine_tune(load_run_config(args.config, args.set))
-    if result.interrupted:
-        sys.exit(0)
+    fine_tune(load_run_config(args.config, args.set))
 
 
 def cmd_eval(args) -> None:
@@ -123,6 +121,14 @@ def cmd_demo(args) -> None:
     from jaxtune.demo import run_demo
 
     run_demo(args.out)
+
+
+def cmd_launch(args) -> int:
+    from jaxtune.launch import TpuTarget, launch_tpu
+
+    rest = args.rest
+    target = TpuTarget(args.name, args.zone, args.accelerator, args.project, args.spot, args.queued)
+    return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,17 +189,35 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--peft", metavar="OUT", help="write the adapter, in PEFT format, to OUT")
     target.add_argument("--merged", metavar="OUT", help="merge LoRA/DoRA into the weights; write an HF model to OUT")
     export.set_defaults(run=cmd_export)
+
+    launch = sub.add_parser("launch", help="run `jaxtune train` on every worker of a Cloud TPU VM via gcloud",
+                            usage="jaxtune launch tpu --name N --zone Z --accelerator TYPE [--project P] [--spot] "
+                                  "[--queued] [--dry-run] -- train CONFIG.toml [--set k=v ...]")
+    launch.add_argument("platform", choices=("tpu",))
+    launch.add_argument("--name", required=True, help="TPU VM (or queued resource) name")
+    launch.add_argument("--zone", required=True)
+    launch.add_argument("--accelerator", required=True, help="e.g. v5e-8, v5p-32, v6e-16, v4-8")
+    launch.add_argument("--project")
+    launch.add_argument("--spot", action="store_true", help="spot capacity; needs train.output_dir on gs://")
+    launch.add_argument("--queued", action="store_true", help="create through a queued resource")
+    launch.add_argument("--max-restarts", type=int, default=5, help="re-creations after preemption")
+    launch.add_argument("--dry-run", action="store_true", help="print every gcloud command, run none")
+    launch.set_defaults(run=cmd_launch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = []
+    if "--" in argv:  # `launch ... -- train CONFIG.toml`: what follows is the remote command
+        rest, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args = build_parser().parse_args(argv)
+    args.rest = rest
     try:
-        args.run(args)
+        return args.run(args) or 0
     except JaxtuneError as e:
         print(f"jaxtune: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

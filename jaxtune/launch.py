@@ -1,0 +1,188 @@
+"""`jaxtune launch tpu`: run `jaxtune train` on every worker of a Cloud TPU VM, through gcloud.
+
+The same program runs on every host (JAX's multi-controller model): each worker calls
+`jax.distributed.initialize()`, which on a TPU VM finds its peers by itself. The launcher only has to
+
+    1. create the TPU VM (or a queued resource for spot capacity), or reuse it if it exists and is READY;
+    2. ship this package and the run config (`gcloud compute tpus tpu-vm scp --worker=all`);
+    3. install it with JAX's TPU wheels (`pip install 'jax[tpu]' ./jaxtune`);
+    4. run `jaxtune train` on all workers at once (`ssh --worker=all`), streaming their logs;
+    5. when the VM is preempted mid-run, delete it, create it again, ship, install and run the *same* train
+       command: `jaxtune train` resumes from the latest checkpoint in `train.output_dir`.
+
+Step 5 only works if the checkpoints outlive the VM, so with `--spot` the run's `train.output_dir` must be a
+`gs://` path (orbax writes there directly); the launcher refuses a local one. `--dry-run` prints every command.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxtune.errors import JaxtuneError
+from jaxtune.run_config import load_run_config
+
+REMOTE_DIR = "jaxtune-run"
+# TPU VM software versions by generation (cloud.google.com/tpu/docs/runtimes) and gcloud's accelerator names.
+RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5litepod": "v2-alpha-tpuv5-lite",
+            "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
+GCLOUD_NAMES = {"v5e": "v5litepod"}
+
+
+@dataclass(frozen=True)
+class TpuTarget:
+    name: str
+    zone: str
+    accelerator: str
+    project: str | None = None
+    spot: bool = False
+    queued: bool = False
+    runtime_version: str = ""
+
+    def __post_init__(self):
+        generation, _, chips = self.accelerator.partition("-")
+        if not chips.isdigit() or generation not in RUNTIMES:
+            raise JaxtuneError(f"--accelerator {self.accelerator!r}: expected TYPE-CORES with TYPE one of "
+                               f"{', '.join(RUNTIMES)} (e.g. v5e-8, v5p-32)")
+        object.__setattr__(self, "accelerator", f"{GCLOUD_NAMES.get(generation, generation)}-{chips}")
+        object.__setattr__(self, "runtime_version", self.runtime_version or RUNTIMES[generation])
+
+    def flags(self) -> list[str]:
+        return [f"--zone={self.zone}"] + ([f"--project={self.project}"] if self.project else [])
+
+
+def create_commands(t: TpuTarget) -> list[list[str]]:
+    """A queued resource when asked (the usual way to get spot capacity), else a plain TPU VM."""
+    if t.queued:
+        return [["gcloud", "compute", "tpus", "queued-resources", "create", t.name, f"--node-id={t.name}",
+                 f"--accelerator-type={t.accelerator}", f"--runtime-version={t.runtime_version}", *t.flags(),
+                 *(["--spot"] if t.spot else [])]]
+    return [["gcloud", "compute", "tpus", "tpu-vm", "create", t.name, f"--accelerator-type={t.accelerator}",
+             f"--version={t.runtime_version}", *t.flags(), *(["--spot"] if t.spot else [])]]
+
+
+def describe_command(t: TpuTarget) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", "describe", t.name, *t.flags(), "--format=value(state)"]
+
+
+def delete_commands(t: TpuTarget) -> list[list[str]]:
+    if t.queued:
+        return [["gcloud", "compute", "tpus", "queued-resources", "delete", t.name, *t.flags(), "--force", "--quiet"]]
+    return [["gcloud", "compute", "tpus", "tpu-vm", "delete", t.name, *t.flags(), "--quiet"]]
+
+
+def ssh_command(t: TpuTarget, command: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", t.name, *t.flags(), "--worker=all", f"--command={command}"]
+
+
+def ship_commands(t: TpuTarget, archive: str) -> list[list[str]]:
+    return [
+        ["gcloud", "compute", "tpus", "tpu-vm", "scp", archive, f"{t.name}:~/{REMOTE_DIR}.tar.gz", *t.flags(),
+         "--worker=all"],
+        ssh_command(t, f"rm -rf ~/{REMOTE_DIR} && mkdir -p ~/{REMOTE_DIR} && tar -xzf ~/{REMOTE_DIR}.tar.gz "
+                       f"-C ~/{REMOTE_DIR}"),
+    ]
+
+
+def install_command(t: TpuTarget) -> list[str]:
+    return ssh_command(t, f"cd ~/{REMOTE_DIR} && python3 -m pip install -q 'jax[tpu]' ./jaxtune")
+
+
+def train_command(t: TpuTarget, config_name: str, overrides: list[str]) -> list[str]:
+    args = " ".join(shlex.quote(a) for a in ["train", f"config/{config_name}", *sum((["--set", o] for o in overrides), [])])
+    return ssh_command(t, f"cd ~/{REMOTE_DIR} && python3 -m jaxtune.cli {args}")
+
+
+def pack_sources(config: Path, data_files: dict[str, Path], archive: Path) -> None:
+    """The jaxtune package (with pyproject), the run config and its local data files, as one tar.gz."""
+    root = Path(__file__).resolve().parents[1]
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("pyproject.toml", "README.md", "jaxtune"):
+            tar.add(root / name, arcname=f"jaxtune/{name}",
+                    filter=lambda info: None if "__pycache__" in info.name else info)
+        tar.add(config, arcname=f"config/{config.name}")
+        for key, path in data_files.items():
+            tar.add(path, arcname=f"data/{key}-{path.name}")
+
+
+def local_data_files(run) -> dict[str, Path]:
+    """[data] files that exist here: they are shipped, and the remote run is pointed at the copies."""
+    files = {key: Path(getattr(run.data, key)) for key in ("train", "eval") if getattr(run.data, key)}
+    return {key: path for key, path in files.items() if path.is_file()}
+
+
+def parse_train_args(rest: list[str]) -> tuple[Path, list[str]]:
+    """`train CONFIG.toml [--set k=v ...]` after `--`."""
+    if len(rest) < 2 or rest[0] != "train":
+        raise JaxtuneError("launch tpu runs `-- train CONFIG.toml [--set section.key=value ...]`")
+    config, overrides, items = Path(rest[1]), [], rest[2:]
+    while items:
+        if items[0] != "--set" or len(items) < 2:
+            raise JaxtuneError(f"unexpected train argument {items[0]!r} (only --set section.key=value)")
+        overrides.append(items[1])
+        items = items[2:]
+    return config, overrides
+
+
+class Gcloud:
+    """Runs (or, dry, prints) gcloud commands; `run` streams output and returns the exit status."""
+
+    def __init__(self, dry_run: bool, out=sys.stdout):
+        self.dry_run, self.out = dry_run, out
+
+    def run(self, command: list[str]) -> int:
+        print("+ " + shlex.join(command), file=self.out, flush=True)
+        return 0 if self.dry_run else subprocess.run(command).returncode
+
+    def state(self, t: TpuTarget) -> str:
+        """READY, CREATING, PREEMPTED, ... or "" when the VM does not exist (or in a dry run)."""
+        print("+ " + shlex.join(describe_command(t)), file=self.out, flush=True)
+        if self.dry_run:
+            return ""
+        result = subprocess.run(describe_command(t), capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    def check(self, command: list[str]) -> None:
+        if self.run(command) != 0:
+            raise JaxtuneError(f"command failed: {shlex.join(command)}")
+
+
+def launch_tpu(t: TpuTarget, rest: list[str], dry_run: bool = False, max_restarts: int = 5, out=sys.stdout) -> int:
+    """Create/reuse, ship, install and train on every worker; re-create and resume after preemptions."""
+    config_path, overrides = parse_train_args(rest)
+    run = load_run_config(config_path, overrides)  # fail here, not on the TPU, for a bad config
+    output_dir = run.train.output_dir
+    if t.spot and not output_dir.startswith("gs://"):
+        raise JaxtuneError(f"--spot needs train.output_dir on gs:// to resume after a preemption, got {output_dir!r}")
+    gcloud = Gcloud(dry_run, out)
+    data_files = local_data_files(run)
+    overrides = overrides + [f"data.{key}=data/{key}-{path.name}" for key, path in data_files.items()]
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / f"{REMOTE_DIR}.tar.gz"
+        pack_sources(config_path, data_files, archive)
+        for attempt in range(max_restarts + 1):
+            state = gcloud.state(t)
+            if state in ("PREEMPTED", "TERMINATED", "FAILED"):
+                for command in delete_commands(t):
+                    gcloud.check(command)
+                state = ""
+            if state != "READY":
+                for command in create_commands(t):
+                    gcloud.check(command)
+            for command in ship_commands(t, str(archive)):
+                gcloud.check(command)
+            gcloud.check(install_command(t))
+            print(f"# attempt {attempt + 1}: training; checkpoints and resume point: {output_dir}/checkpoints",
+                  file=out, flush=True)
+            if gcloud.run(train_command(t, config_path.name, overrides)) == 0:
+                return 0
+            if gcloud.state(t) == "READY":
+                raise JaxtuneError("training failed on a healthy TPU VM (not a preemption); see the log above")
+            print(f"# {t.name} was preempted: re-creating it; `jaxtune train` resumes from {output_dir}/checkpoints",
+                  file=out, flush=True)
+    raise JaxtuneError(f"{t.name}: preempted {max_restarts + 1} times; giving up (re-run to continue)")
