@@ -1,0 +1,87 @@
+"""Objectives against float64 numpy re-statements of the published formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtune.objectives import (bradley_terry_loss, distillation_kl, grpo_advantages, grpo_token_loss,
+                                preference_loss, sequence_logps)
+
+RNG = np.random.default_rng(0)
+PC, PR, RC, RR = (RNG.normal(-40, 8, 16) for _ in range(4))  # sequence log-probs of a fixed batch of 16 pairs
+
+
+def log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+@pytest.mark.parametrize("kind, beta, smoothing", [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.1), ("ipo", 0.1, 0.0),
+                                                   ("hinge", 0.2, 0.0)])
+def test_preference_losses_equal_the_published_formulas(kind, beta, smoothing):
+    h = (PC - RC) - (PR - RR)  # float64
+    if kind == "sigmoid":  # DPO eq. 7, with cDPO label smoothing
+        expected = -(1 - smoothing) * log_sigmoid(beta * h) - smoothing * log_sigmoid(-beta * h)
+    elif kind == "ipo":  # IPO eq. 17
+        expected = (h - 1 / (2 * beta)) ** 2
+    else:  # SLiC hinge
+        expected = np.maximum(0.0, 1 - beta * h)
+    with jax.enable_x64(True):
+        losses, metrics = preference_loss(*(jnp.asarray(x) for x in (PC, PR, RC, RR)), beta, kind, smoothing)
+        np.testing.assert_allclose(losses, expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(metrics["rewards/chosen"], beta * (PC - RC), rtol=1e-6)
+        np.testing.assert_allclose(metrics["rewards/rejected"], beta * (PR - RR), rtol=1e-6)
+        np.testing.assert_allclose(metrics["rewards/margin"], beta * h, rtol=1e-6, atol=1e-9)
+        np.testing.assert_array_equal(metrics["rewards/accuracy"], (h > 0).astype(float))
+    # float32 on the same batch, as training computes it
+    losses32, _ = preference_loss(*(jnp.asarray(x, jnp.float32) for x in (PC, PR, RC, RR)), beta, kind, smoothing)
+    np.testing.assert_allclose(losses32, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_preference_loss_is_named():
+    with pytest.raises(ValueError, match="unknown preference loss 'kto'"):
+        preference_loss(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), 0.1, "kto")
+
+
+def test_sequence_logps_sum_masked_token_logps():
+    logits = RNG.normal(size=(2, 5, 7))
+    labels = RNG.integers(0, 7, (2, 5))
+    mask = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]])
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = (np.take_along_axis(logp, labels[..., None], -1)[..., 0] * mask).sum(-1)
+    total, count = sequence_logps(jnp.asarray(logits, jnp.float32), jnp.asarray(labels), jnp.asarray(mask))
+    np.testing.assert_allclose(total, expected, rtol=1e-5)
+    np.testing.assert_array_equal(count, [3, 2])
+
+
+def test_bradley_terry():
+    a, b = RNG.normal(size=8), RNG.normal(size=8)
+    np.testing.assert_allclose(bradley_terry_loss(jnp.asarray(a), jnp.asarray(b)), -log_sigmoid(a - b), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_distillation_kl(reverse):
+    s, t = RNG.normal(size=(2, 4, 9)), RNG.normal(size=(2, 4, 9))
+    mask = np.array([[1, 1, 0, 1], [0, 1, 1, 1]])
+    temperature = 2.0
+    log_softmax = lambda x: x / temperature - np.log(np.exp(x / temperature).sum(-1, keepdims=True))
+    ls, lt = log_softmax(s), log_softmax(t)
+    p, lp, lq = (np.exp(ls), ls, lt) if reverse else (np.exp(lt), lt, ls)
+    expected = ((p * (lp - lq)).sum(-1) * temperature**2 * mask).sum()
+    total, count = distillation_kl(jnp.asarray(s), jnp.asarray(t), jnp.asarray(mask), temperature, reverse)
+    np.testing.assert_allclose(total, expected, rtol=1e-5)
+    assert count == 6
+
+
+def test_grpo_advantages_and_loss():
+    rewards = RNG.normal(size=(3, 4))
+    expected = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, ddof=1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(grpo_advantages(jnp.asarray(rewards)), expected, rtol=1e-5)
+    logp, old, ref = (RNG.normal(-2, 0.3, (4, 6)) for _ in range(3))
+    adv, mask = RNG.normal(size=4), (RNG.random((4, 6)) > 0.3).astype(float)
+    ratio = np.exp(logp - old)
+    surrogate = np.minimum(ratio * adv[:, None], np.clip(ratio, 0.8, 1.2) * adv[:, None])
+    kl = np.exp(ref - logp) - (ref - logp) - 1
+    total, count = grpo_token_loss(*(jnp.asarray(x) for x in (logp, old, ref, adv, mask)))
+    np.testing.assert_allclose(total, ((-surrogate + 0.04 * kl) * mask).sum(), rtol=1e-5)
+    assert count == mask.sum()
