@@ -1,0 +1,147 @@
+"""Preference optimisation (DPO, IPO, hinge): batches of (chosen, rejected) pairs and the jitted step.
+
+A batch holds B pairs as 2B rows, chosen rows first: each row is prompt + completion + EOS, one pair member a row,
+with `loss_mask` on the completion and EOS, so a row's masked sum of log-probabilities is log pi(completion |
+prompt). The reference model is the frozen base with the adapters switched off: the same arrays the policy
+reads, so LoRA-family DPO holds no second copy. For a full fine-tune (or a separate reference model) the
+reference is a tree of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.data.formats import PreferenceExample
+from jaxtune.methods.transform import ADAPTER_KEYS, combine
+from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.objectives import preference_loss, sequence_logps
+
+PAIR_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "positions")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """loss: sigmoid (DPO) | ipo | hinge; beta: the KL strength; label_smoothing: cDPO's noise rate.
+    IPO uses each sequence's mean per-token log-probability (as TRL does), the others the sum."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+
+def _row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
+    n = len(ids) - 1
+    row = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
+    row["input_ids"][:n] = ids[:-1]
+    row["labels"][:n] = ids[1:]
+    row["loss_mask"][prompt_len - 1:n] = 1.0
+    row["segment_ids"][:n] = 1
+    row["positions"][:n] = np.arange(n)
+    return row
+
+
+def preference_batches(examples: list[PreferenceExample], batch_size: int, seq_len: int, seed: int,
+                       epoch: int) -> list[dict]:
+    """Batches of `batch_size` pairs as [2 * batch_size, seq_len] arrays (chosen rows, then rejected rows),
+    shuffled from (seed, epoch); the last batch is filled with empty pairs (no loss tokens)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+    empty = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
+    batches = []
+    for start in range(0, len(order), batch_size):
+        pairs = [examples[i] for i in order[start:start + batch_size]]
+        chosen = [_row(p.prompt + p.chosen, len(p.prompt), seq_len) for p in pairs]
+        rejected = [_row(p.prompt + p.rejected, len(p.prompt), seq_len) for p in pairs]
+        pad = [empty] * (batch_size - len(pairs))
+        rows = chosen + pad + rejected + pad
+        batches.append({k: np.stack([r[k] for r in rows]) for k in PAIR_FIELDS})
+    return batches
+
+
+def strip_adapters(params: dict) -> dict:
+    """The base model inside a method's tree: adapter leaves (and the None holes of `partition`) removed."""
+    if not isinstance(params, dict):
+        return params
+    return {k: strip_adapters(v) for k, v in params.items() if k not in ADAPTER_KEYS and v is not None}
+
+
+def pair_logps(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
+               options: ForwardOptions, mean: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen log-probs [B], rejected log-probs [B], real-pair mask [B]) of a [2B, T] pair batch."""
+    logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+    total, count = sequence_logps(logits, batch["labels"], batch["loss_mask"])
+    logps = total / jnp.maximum(count, 1.0) if mean else total
+    B = logps.shape[0] // 2
+    return logps[:B], logps[B:], (count[:B] > 0).astype(jnp.float32)
+
+
+def make_preference_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
+                         optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                         preference: PreferenceConfig):
+    """The jitted `step(state, frozen, reference, batch[A, 2B, T]) -> (state, metrics)`, state donated.
+
+    `reference` is `strip_adapters(frozen)` for adapter methods (no copy) or the reference model's params.
+    """
+    mean = preference.loss == "ipo"
+
+    def pair_losses(trainable, frozen, reference, micro):
+        ref_chosen, ref_rejected, _ = pair_logps(reference, micro, cfg, None, options, mean)
+        ref_chosen, ref_rejected = jax.lax.stop_gradient((ref_chosen, ref_rejected))
+        chosen, rejected, real = pair_logps(combine(trainable, frozen), micro, cfg, method, options, mean)
+        losses, metrics = preference_loss(chosen, rejected, ref_chosen, ref_rejected, preference.beta,
+                                          preference.loss, preference.label_smoothing)
+        sums = {k: jnp.sum(v * real) for k, v in metrics.items()}
+        return jnp.sum(losses * real), (jnp.sum(real), sums)
+
+    def step(state, frozen, reference, batch):
+        def accumulate(carry, micro):
+            grads_sum, loss_sum, pairs, metric_sums = carry
+            (loss, (n, sums)), grads = jax.value_and_grad(pair_losses, has_aux=True)(
+                state["params"], frozen, reference, micro)
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            return (add(grads_sum, grads), loss_sum + loss, pairs + n, add(metric_sums, sums)), None
+
+        zero_metrics = {k: jnp.zeros(()) for k in ("rewards/chosen", "rewards/rejected", "rewards/margin",
+                                                    "rewards/accuracy")}
+        init = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, zero_metrics)
+        (grads, loss_sum, pairs, metric_sums), _ = jax.lax.scan(accumulate, init, batch)
+        denom = jnp.maximum(pairs, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        bad = (~finite).astype(jnp.int32)
+        new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
+                     "opt_state": keep(opt_state, state["opt_state"]), "rng": jax.random.split(state["rng"])[0],
+                     "skipped": state["skipped"] + bad, "bad_streak": (state["bad_streak"] + bad) * bad}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
+                   "tokens": jnp.sum(batch["segment_ids"] > 0), "skipped_steps": new_state["skipped"],
+                   "bad_streak": new_state["bad_streak"], **{k: v / denom for k, v in metric_sums.items()}}
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_preference_eval(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
+                         preference: PreferenceConfig):
+    """Jitted `(params, reference, batch) -> sums of loss and metrics and the pair count` for held-out pairs."""
+    mean = preference.loss == "ipo"
+
+    def evaluate(params, reference, batch):
+        ref_chosen, ref_rejected, _ = pair_logps(reference, batch, cfg, None, options, mean)
+        chosen, rejected, real = pair_logps(params, batch, cfg, method, options, mean)
+        losses, metrics = preference_loss(chosen, rejected, ref_chosen, ref_rejected, preference.beta,
+                                          preference.loss, preference.label_smoothing)
+        return {"loss": jnp.sum(losses * real), "pairs": jnp.sum(real),
+                **{k: jnp.sum(v * real) for k, v in metrics.items()}}
+
+    return jax.jit(evaluate)

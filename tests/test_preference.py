@@ -1,0 +1,86 @@
+"""DPO/IPO training: batches, the reference without a copy, and a tiny run that learns held-out preferences."""
+
+import json
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtune.config import MethodConfig
+from jaxtune.data.formats import load_preference_examples
+from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.methods.transform import apply_method, partition, trainable_mask
+from jaxtune.models.llama import ForwardOptions
+from jaxtune.models.params import init_params
+from jaxtune.config import tiny_config
+from jaxtune.run_config import TrainConfig
+from jaxtune.train.preference import (PreferenceConfig, make_preference_eval, make_preference_step,
+                                      preference_batches, strip_adapters)
+from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "light", "music", "table", "paper", "tiger", "horse", "eagle"]
+
+
+def write_pairs(path, n, seed):
+    """Prompt: a word; chosen: the word in capitals; rejected: it reversed. A rule that generalises."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            w = rng.choice(WORDS) + rng.choice(WORDS)
+            f.write(json.dumps({"prompt": f"{w} ->", "chosen": " " + w.upper(), "rejected": " " + w[::-1]}) + "\n")
+
+
+def test_batches_pair_chosen_and_rejected_rows(tmp_path):
+    write_pairs(tmp_path / "p.jsonl", 5, 0)
+    tokenizer = Tokenizer.byte_level()
+    examples, _ = load_preference_examples(tmp_path / "p.jsonl", tokenizer, 64)
+    batches = preference_batches(examples, 4, 64, seed=0, epoch=0)
+    assert len(batches) == 2 and batches[0]["input_ids"].shape == (8, 64)
+    first = batches[0]
+    order = np.random.default_rng([0, 0]).permutation(5)
+    pair = examples[order[0]]
+    n = len(pair.prompt) + len(pair.chosen) - 1
+    np.testing.assert_array_equal(first["input_ids"][0, :n], (pair.prompt + pair.chosen)[:-1])
+    assert first["loss_mask"][0].sum() == len(pair.chosen)
+    assert first["loss_mask"][4].sum() == len(pair.rejected)
+    assert batches[1]["loss_mask"][1:4].sum() == 0  # empty pairs fill the last batch
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
+    write_pairs(tmp_path / "train.jsonl", 64, 0)
+    write_pairs(tmp_path / "eval.jsonl", 32, 1)
+    tokenizer = Tokenizer.byte_level()
+    train, _ = load_preference_examples(tmp_path / "train.jsonl", tokenizer, 48)
+    held_out, _ = load_preference_examples(tmp_path / "eval.jsonl", tokenizer, 48)
+    cfg = tiny_config(vocab_size=259, initializer_range=0.1)
+    method = MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
+                          jax.random.key(1))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    reference = strip_adapters(frozen)
+    assert all(a is b for a, b in zip(jax.tree.leaves(reference["layers"]["q_proj"]),
+                                      jax.tree.leaves(frozen["layers"]["q_proj"])))  # the same buffers, no copy
+    tc = TrainConfig(learning_rate=5e-3, schedule="constant")
+    optimizer = make_optimizer(tc, 40, trainable)
+    preference = PreferenceConfig(loss=loss, beta=0.1 if loss == "sigmoid" else 0.5)
+    step = make_preference_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 40), preference)
+    evaluate = make_preference_eval(cfg, method, ForwardOptions(), preference)
+
+    def accuracy(state):
+        from jaxtune.methods.transform import combine
+
+        sums = [evaluate(combine(state["params"], frozen), reference, b)
+                for b in preference_batches(held_out, 16, 48, 0, 0)]
+        return sum(float(s["rewards/accuracy"]) for s in sums) / sum(float(s["pairs"]) for s in sums)
+
+    state = init_state(trainable, optimizer, 0)
+    before = accuracy(state)
+    for epoch in range(10):
+        for batch in preference_batches(train, 16, 48, 0, epoch):
+            state, metrics = step(state, frozen, reference, {k: v[None] for k, v in batch.items()})
+    after = accuracy(state)
+    assert before == 0.0  # at step 0 the policy is the reference: no pair is won yet
+    assert after >= 0.9, (before, after)
+    assert float(metrics["rewards/margin"]) > 0
