@@ -21,6 +21,7 @@ from jaxtune.data.formats import PreferenceExample
 from jaxtune.methods.transform import ADAPTER_KEYS, combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import preference_loss, sequence_logps
+from jaxtune.train.update import accumulate, apply_update
 
 PAIR_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "positions")
 
@@ -100,33 +101,10 @@ def make_preference_step(cfg: ModelConfig, method: MethodConfig, options: Forwar
         return jnp.sum(losses * real), (jnp.sum(real), sums)
 
     def step(state, frozen, reference, batch):
-        def accumulate(carry, micro):
-            grads_sum, loss_sum, pairs, metric_sums = carry
-            (loss, (n, sums)), grads = jax.value_and_grad(pair_losses, has_aux=True)(
-                state["params"], frozen, reference, micro)
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            return (add(grads_sum, grads), loss_sum + loss, pairs + n, add(metric_sums, sums)), None
-
-        zero_metrics = {k: jnp.zeros(()) for k in ("rewards/chosen", "rewards/rejected", "rewards/margin",
-                                                    "rewards/accuracy")}
-        init = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, zero_metrics)
-        (grads, loss_sum, pairs, metric_sums), _ = jax.lax.scan(accumulate, init, batch)
-        denom = jnp.maximum(pairs, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        loss = loss_sum / denom
-        grad_norm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        bad = (~finite).astype(jnp.int32)
-        new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
-                     "opt_state": keep(opt_state, state["opt_state"]), "rng": jax.random.split(state["rng"])[0],
-                     "skipped": state["skipped"] + bad, "bad_streak": (state["bad_streak"] + bad) * bad}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
-                   "tokens": jnp.sum(batch["segment_ids"] > 0), "skipped_steps": new_state["skipped"],
-                   "bad_streak": new_state["bad_streak"], **{k: v / denom for k, v in metric_sums.items()}}
-        return new_state, metrics
+        loss_fn = lambda trainable, micro: pair_losses(trainable, frozen, reference, micro)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
+        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
+        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
 
     return jax.jit(step, donate_argnums=0)
 

@@ -1,0 +1,51 @@
+"""What every objective's step shares: accumulate micro-batches, then apply the update or skip a non-finite one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def accumulate(loss_fn, trainable: dict, batch: dict) -> tuple[jax.Array, jax.Array, dict, dict]:
+    """Scan `loss_fn(trainable, micro) -> (loss sum, (count, metric sums))` over the leading micro-batch axis.
+
+    Returns (mean loss, count, gradients of the mean, metric means): sums first and one division by the total
+    count, so A micro-batches of B rows equal one batch of A*B rows.
+    """
+
+    def body(carry, micro):
+        (loss, (count, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, micro)
+        return jax.tree.map(jnp.add, carry, (grads, loss, count, metrics)), None
+
+    first = jax.tree.map(lambda x: x[0], batch)
+    shapes = jax.eval_shape(lambda p, m: jax.value_and_grad(loss_fn, has_aux=True)(p, m), trainable, first)
+    (_, (_, metric_shapes)), _ = shapes
+    zeros = (jax.tree.map(jnp.zeros_like, trainable), jnp.zeros(()), jnp.zeros(()),
+             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+    (grads, loss, count, metrics), _ = jax.lax.scan(body, zeros, batch)
+    denom = jnp.maximum(count, 1.0)
+    return loss / denom, count, jax.tree.map(lambda g: g / denom, grads), {k: v / denom for k, v in metrics.items()}
+
+
+def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.GradientTransformation,
+                 schedule: optax.Schedule) -> tuple[dict, dict]:
+    """The next state, or the same params and optimizer state when loss or gradients are not finite (counted in
+    `skipped`, and in `bad_streak` until a finite step). Returns (state, metrics)."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    bad = (~finite).astype(jnp.int32)
+    new_state = {
+        "step": state["step"] + 1,
+        "params": keep(params, state["params"]),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "rng": jax.random.split(state["rng"])[0],
+        "skipped": state["skipped"] + bad,
+        "bad_streak": (state["bad_streak"] + bad) * bad,
+    }
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
+               "skipped_steps": new_state["skipped"], "bad_streak": new_state["bad_streak"]}
+    return new_state, metrics
