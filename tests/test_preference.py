@@ -84,3 +84,35 @@ def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
     assert before == 0.0  # at step 0 the policy is the reference: no pair is won yet
     assert after >= 0.9, (before, after)
     assert float(metrics["rewards/margin"]) > 0
+
+
+def test_reward_model_learns_held_out_pairwise_accuracy(tmp_path):
+    from jaxtune.methods.transform import combine
+    from jaxtune.train.reward import add_reward_head, make_reward_eval, make_reward_step
+
+    write_pairs(tmp_path / "train.jsonl", 64, 0)
+    write_pairs(tmp_path / "eval.jsonl", 32, 1)
+    tokenizer = Tokenizer.byte_level()
+    train, _ = load_preference_examples(tmp_path / "train.jsonl", tokenizer, 48)
+    held_out, _ = load_preference_examples(tmp_path / "eval.jsonl", tokenizer, 48)
+    cfg = tiny_config(vocab_size=259, initializer_range=0.1)
+    method = MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    params = add_reward_head(apply_method(base, cfg, method, jax.random.key(1)), cfg, jax.random.key(2))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    assert trainable["score"]["kernel"].shape == (cfg.hidden_size,)
+    tc = TrainConfig(learning_rate=5e-3, schedule="constant")
+    optimizer = make_optimizer(tc, 40, trainable)
+    step = make_reward_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 40))
+    evaluate = make_reward_eval(cfg, method, ForwardOptions())
+
+    def accuracy(state):
+        sums = [evaluate(combine(state["params"], frozen), b) for b in preference_batches(held_out, 16, 48, 0, 0)]
+        return sum(float(s["accuracy"]) for s in sums) / sum(float(s["pairs"]) for s in sums)
+
+    state = init_state(trainable, optimizer, 0)
+    before = accuracy(state)
+    for epoch in range(8):
+        for batch in preference_batches(train, 16, 48, 0, epoch):
+            state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
+    assert accuracy(state) >= 0.9 > before

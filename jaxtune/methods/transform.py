@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
 from jaxtune.methods.quant import Int8Array, NF4Array, QuantizedArray, dequantize, quantize_int8, quantize_nf4
 
-ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "ia3_in", "ia3_out", "prefix", "attn_adapter", "mlp_adapter")
+ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "ia3_in", "ia3_out", "prefix", "attn_adapter", "mlp_adapter",
+                "score")  # score: a reward model's head, trained with any method
 
 
 def full_shape(leaf) -> tuple[int, ...]:
