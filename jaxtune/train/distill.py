@@ -1,0 +1,74 @@
+"""Distillation: a student (full or any adapter method) learns a teacher's next-token distributions on the SFT
+data, mixed with the SFT loss: alpha * KL + (1 - alpha) * cross-entropy, both over completion tokens. The teacher
+is any loadable model with the student's vocabulary; it runs in the same step, under stop_gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.transform import combine
+from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.objectives import distillation_kl, masked_nll_sum
+from jaxtune.train.update import accumulate, apply_update
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """teacher: a model directory; temperature softens both distributions; reverse: KL(student || teacher)."""
+
+    teacher: str = ""
+    alpha: float = 0.5
+    temperature: float = 1.0
+    reverse: bool = False
+
+
+def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> None:
+    if teacher.vocab_size != student.vocab_size:
+        raise JaxtuneError(f"{where}: teacher vocabulary has {teacher.vocab_size} tokens, the student's "
+                           f"{student.vocab_size}; distillation needs the same tokenizer")
+
+
+def _logits(params, cfg, batch, method, options):
+    return forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
+                   segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+
+
+def make_distill_step(cfg: ModelConfig, teacher_cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
+                      optimizer: optax.GradientTransformation, schedule: optax.Schedule, distill: DistillConfig):
+    """The jitted `step(state, frozen, teacher_params, batch[A, B, T]) -> (state, metrics)`, state donated."""
+
+    def loss_terms(trainable, frozen, teacher, micro):
+        teacher_logits = jax.lax.stop_gradient(_logits(teacher, teacher_cfg, micro, None, options))
+        student_logits = _logits(combine(trainable, frozen), cfg, micro, method, options)
+        kl, count = distillation_kl(student_logits, teacher_logits, micro["loss_mask"], distill.temperature,
+                                    distill.reverse)
+        nll, _ = masked_nll_sum(student_logits, micro["labels"], micro["loss_mask"])
+        loss = distill.alpha * kl + (1 - distill.alpha) * nll
+        return loss, (count, {"kl": kl, "nll": nll})
+
+    def step(state, frozen, teacher, batch):
+        loss_fn = lambda trainable, micro: loss_terms(trainable, frozen, teacher, micro)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
+        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
+        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_kl_eval(cfg: ModelConfig, teacher_cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions,
+                 distill: DistillConfig):
+    """Jitted `(student params, teacher params, batch) -> (KL sum, token count)` on held-out data."""
+
+    def evaluate(params, teacher, batch):
+        return distillation_kl(_logits(params, cfg, batch, method, options),
+                               _logits(teacher, teacher_cfg, batch, None, options), batch["loss_mask"],
+                               distill.temperature, distill.reverse)
+
+    return jax.jit(evaluate)
