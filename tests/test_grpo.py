@@ -1,0 +1,52 @@
+"""GRPO raises the mean reward of a verifiable task within minutes on CPU; bad reward paths are named."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
+from jaxtune.models.llama import ForwardOptions
+from jaxtune.models.params import init_params
+from jaxtune.run_config import TrainConfig
+from jaxtune.train.grpo import (GRPOConfig, group_advantages, load_reward_function, make_grpo_step, rollout_batch,
+                                sample_group)
+from jaxtune.train.preference import strip_adapters
+from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
+
+
+def test_grpo_raises_mean_reward():
+    tokenizer = Tokenizer.byte_level()
+    reward = load_reward_function("grpo_rewards.count_letter_a")
+    prompts_text = ["Write:", "Say:", "Go:", "Now:"]
+    prompts = [tokenizer.encode(p) for p in prompts_text]
+    cfg = tiny_config(vocab_size=259, initializer_range=0.3, eos_token_id=(2,), max_position_embeddings=64)
+    method = MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
+                          jax.random.key(1))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    reference = strip_adapters(frozen)
+    grpo = GRPOConfig(group_size=8, max_new_tokens=8, temperature=1.0, kl_coef=0.0)
+    tc = TrainConfig(learning_rate=2e-2, schedule="constant")
+    optimizer = make_optimizer(tc, 100, trainable)
+    step = make_grpo_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 100), grpo)
+    state = init_state(trainable, optimizer, 0)
+    means = []
+    for it in range(25):
+        rows, completions = sample_group(combine(state["params"], frozen), cfg, method, prompts, grpo, it, (2,))
+        texts = [tokenizer.decode(c) for c in completions]
+        rewards = reward([tokenizer.decode(r) for r in rows], texts)
+        means.append(float(np.mean(rewards)))
+        batch = rollout_batch(rows, completions, group_advantages(rewards, grpo.group_size), 24)
+        state, metrics = step(state, frozen, reference, {k: v[None] for k, v in batch.items()})
+    assert np.mean(means[-5:]) > max(0.2, 3 * np.mean(means[:5])), means
+
+
+@pytest.mark.parametrize("path, message", [("nowhere.module.fn", "cannot be imported"),
+                                           ("grpo_rewards.missing", "cannot be imported"),
+                                           ("justaname", "expected a dotted path")])
+def test_reward_that_cannot_be_imported_is_named(path, message):
+    with pytest.raises(JaxtuneError, match=f"reward '{path}'.*{message}"):
+        load_reward_function(path)
