@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.hf_config import read_json
 
 BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -95,12 +96,7 @@ def _token_content(value) -> str | None:
 
 
 def _read(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise JaxtuneError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    return read_json(path) if path.is_file() else {}
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
