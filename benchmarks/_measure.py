@@ -74,11 +74,13 @@ def time_steps(step, warmup: int, steps: int) -> dict:
     for _ in range(warmup):
         step()
     first = time.perf_counter() - t0
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     median = statistics.median(times)
+    # CPU seconds (all threads) per step: a check on the wall time when other processes share the cores.
     return {"warmup_s": first, "step_s_median": median, "step_s_min": min(times), "step_s_max": max(times),
-            "step_s_all": times, "tokens_per_s": BATCH * SEQ / median}
+            "step_s_all": times, "cpu_s_per_step": statistics.median(cpu), "tokens_per_s": BATCH * SEQ / median}

@@ -131,6 +131,17 @@ def cmd_launch(args) -> int:
     return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts)
 
 
+def cmd_plan(args) -> None:
+    from jaxtune.planner.command import public, render, run_plan
+
+    result = run_plan(model=args.model, params=args.params, method=args.method, target=args.target,
+                      batch=args.batch, seq=args.seq, accum=args.accum, remat=args.remat, mesh=args.mesh,
+                      offload=args.offload, rank=args.rank, bits=args.bits, compute_dtype=args.compute_dtype,
+                      param_dtype=args.param_dtype, objective=args.objective, generate_tokens=args.generate_tokens,
+                      search_plans=args.search, confirm=args.confirm)
+    print(json.dumps(public(result), indent=2) if args.json else render(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxtune", description="Plan, run and export fine-tuning of Llama-family models in JAX.")
@@ -203,6 +214,33 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=int, default=5, help="re-creations after preemption")
     launch.add_argument("--dry-run", action="store_true", help="print every gcloud command, run none")
     launch.set_defaults(run=cmd_launch)
+
+    plan = sub.add_parser("plan", help="will a fine-tune fit: per-device memory, the best layouts, XLA's own figure")
+    model = plan.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read)")
+    model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
+    plan.add_argument("--method", default="lora", help="full, lora, qlora, ia3, prefix or adapter (default: lora)")
+    plan.add_argument("--target", required=True, metavar="DEVICE[-N]", help="e.g. h100-80gb, h100-80gb-8, v5e-8, "
+                      "v5p-32, gaudi3, cpu (an unknown name lists the known ones)")
+    plan.add_argument("--batch", type=int, default=1, help="rows per micro-batch over all devices (default 1)")
+    plan.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    plan.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    plan.add_argument("--remat", choices=("none", "full", "save_matmuls"), help="default none; --search tries all")
+    plan.add_argument("--mesh", help="data=D,fsdp=F,tensor=T or DxFxT (default: every device on fsdp)")
+    plan.add_argument("--offload", action="append", default=[], metavar="WHAT",
+                      help="optimizer, params, moments-bf16 (repeatable or comma-separated)")
+    plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16, on all linear layers)")
+    plan.add_argument("--bits", type=int, default=4, help="QLoRA bits, 4 or 8 (default 4)")
+    plan.add_argument("--compute-dtype", help="default bfloat16 on accelerators, float32 on cpu")
+    plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; bfloat16 with --params)")
+    plan.add_argument("--objective", default="sft", choices=("sft", "dpo", "rlhf", "distill"))
+    plan.add_argument("--generate-tokens", type=int, default=0, help="rlhf: tokens generated per row")
+    plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "
+                      "rank what fits by predicted step time")
+    plan.add_argument("--confirm", action="store_true", help="compile the real train step ahead of time on this "
+                      "backend and print XLA's memory analysis beside the estimate")
+    plan.add_argument("--json", action="store_true", help='print {"per_device", "device", "fits", ...}')
+    plan.set_defaults(run=cmd_plan)
     return parser
 
 

@@ -4,6 +4,8 @@
     [method]  MethodConfig: kind, rank, alpha, dropout, target_modules, rslora, dora, bits, double_quant, ...
     [data]    train, eval, eval_fraction, max_seq_len, pack, seed
     [train]   output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, schedule, ...
+    [mesh]    MeshConfig: data, fsdp, tensor (device mesh sizes; -1 takes the rest)
+    [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
 
 Every key must be a field: an unknown key is an error naming it and its section. `--set train.lr=1e-4`-style
 overrides are parsed as TOML values (strings may go unquoted). The resolved config is written back as TOML.
@@ -18,6 +20,8 @@ from pathlib import Path
 
 from jaxtune.config import MethodConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.parallel.mesh import MeshConfig
+from jaxtune.parallel.offload import OffloadConfig
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class RunConfig:
     method: MethodConfig = field(default_factory=MethodConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}

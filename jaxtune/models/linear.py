@@ -31,7 +31,17 @@ def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magn
 
 
 def dense(x: jax.Array, module: dict, lora_scale: float = 1.0) -> jax.Array:
-    """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype."""
+    """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype.
+
+    A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
+    x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model.
+    """
+    if isinstance(module["kernel"], QuantizedArray):
+        return jax.checkpoint(_dense, static_argnums=2)(x, module, lora_scale)
+    return _dense(x, module, lora_scale)
+
+
+def _dense(x: jax.Array, module: dict, lora_scale: float) -> jax.Array:
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
     kernel = kernel_of(module, x.dtype)

@@ -101,16 +101,32 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float):
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
 
 
+def _softmax_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask):
+    """softmax(q k^T / sqrt(hd)) v per (row, KV head) over the keys `mask` ([B, 1, 1, T, S]-broadcastable) allows.
+
+    Heads lead, so each (b, k) is one plain [G*T, hd] x [hd, S] matmul for XLA (no transposes around the dots).
+    """
+    hd = q_BxKxGxTxh.shape[-1]
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxh, k_BxKxSxh, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores * (hd**-0.5), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxh.dtype)
+    return jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxh)
+
+
+# The backward pass recomputes the [B, K, G, T, S] scores and probabilities from q and k (one extra q k^T matmul)
+# instead of keeping both per layer: without it they were most of what a training step keeps for the backward.
+_softmax_attention_remat = jax.checkpoint(_softmax_attention)
+
+
 def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale: float) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T / sqrt(hd)) v over the
     S keys that `mask` (broadcastable to [B, 1, 1, T, S]) allows, then o_proj; returns [B, T, D]."""
     B, T, K, G, hd = q_BxTxKxGxh.shape
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxh, k_BxSxKxh, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxh.dtype)
-    out_BxTxKxGxh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxh)
-    return dense(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer["o_proj"], lora_scale)
+    q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
+    k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
+    out_BxKxGxTxh = _softmax_attention_remat(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask)
+    out_BxTxD = jnp.transpose(out_BxKxGxTxh, (0, 3, 1, 2, 4)).reshape(B, T, K * G * hd)
+    return dense(out_BxTxD, layer["o_proj"], lora_scale)
 
 
 def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool, lora_scale: float):
@@ -128,10 +144,19 @@ def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed
     return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale)
 
 
+def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate_BxTxF) * up_BxTxF
+
+
+# Elementwise, so the backward recomputes it from gate and up (fused into the gradient's own pass) rather than
+# keeping silu(gate), its sigmoid and the product as three more [B, T, F] arrays per layer.
+_swiglu_remat = jax.checkpoint(_swiglu)
+
+
 def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = jax.nn.silu(dense(x_BxTxD, layer["gate_proj"], lora_scale))
-    return dense(gate * dense(x_BxTxD, layer["up_proj"], lora_scale), layer["down_proj"], lora_scale)
+    hidden = _swiglu_remat(dense(x_BxTxD, layer["gate_proj"], lora_scale), dense(x_BxTxD, layer["up_proj"], lora_scale))
+    return dense(hidden, layer["down_proj"], lora_scale)
 
 
 def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:

@@ -3,6 +3,8 @@
 The loop is deterministic given the config: the batches of epoch e depend only on (data.seed, e), so the data
 position is just the step, and a run resumed from a checkpoint replays exactly what an uninterrupted run does.
 Metrics are pulled to the host one step late (the only host sync), so the device is never idle waiting on a log.
+The run is placed on the `[mesh]` (one device by default) with `jaxtune.parallel`: the state, frozen weights and
+batches get their shardings (and, with `[offload]`, host memory) before the first step.
 SIGTERM and SIGINT finish the current step, save a checkpoint and return.
 """
 
@@ -26,12 +28,15 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import ForwardOptions, Remat
+from jaxtune.parallel.mesh import make_mesh
+from jaxtune.parallel.offload import low_precision_moments, on_device
+from jaxtune.parallel.placement import init_sharded_state, shard_eval_step, shard_train_step, train_shardings
 from jaxtune.run_config import RunConfig, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.export import export_result
 from jaxtune.train.evaluation import evaluate
 from jaxtune.train.metrics import MetricsLog, plot_losses
-from jaxtune.train.step import init_state, learning_rate_schedule, make_eval_step, make_optimizer, make_train_step
+from jaxtune.train.step import learning_rate_schedule, make_eval_step, make_optimizer, make_train_step
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
         raise JaxtuneError("[data] train is not set")
     if method.dropout > 0:
         raise JaxtuneError(f"[method] dropout = {method.dropout}: adapter dropout is not implemented; set it to 0")
+    mesh = make_mesh(config.mesh)
     cfg, base = load_model(config.model.path, None if config.model.dtype == "auto" else config.model.dtype)
     tokenizer = load_tokenizer(config.model.path)
     seq_len = config.data.max_seq_len
@@ -119,10 +125,15 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     params = apply_method(base, cfg, method, jax.random.key(tc.seed))
     trainable, frozen = partition(params, trainable_mask(params, method))
     optimizer = make_optimizer(tc, total_steps, trainable)
+    if config.offload.moments_dtype != "float32":
+        optimizer = low_precision_moments(optimizer, config.offload.moments_dtype)
     schedule = learning_rate_schedule(tc, total_steps)
-    state = init_state(trainable, optimizer, tc.seed)
-    train_step = make_train_step(cfg, method, options, optimizer, schedule)
-    eval_step = make_eval_step(cfg, method, options)
+    shardings = train_shardings(mesh, cfg, trainable, frozen, optimizer, tc.batch_size, config.offload)
+    state = init_sharded_state(trainable, optimizer, tc.seed, shardings)
+    frozen = jax.device_put(frozen, shardings.frozen)
+    del base, params, trainable  # the unsharded copies: each device now holds only its part
+    train_step = shard_train_step(make_train_step(cfg, method, options, optimizer, schedule), shardings)
+    eval_step = shard_eval_step(make_eval_step(cfg, method, options), shardings)
     eval_batches = (epoch_batches(eval_examples, tc.batch_size, seq_len, config.data.seed, 0, config.data.pack)
                     if eval_examples else [])
 
@@ -130,6 +141,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     start = tc.resume_step if tc.resume_step >= 0 else (checkpoints.steps() or [0])[-1]
     if start > 0:
         state, meta = checkpoints.restore(start, state)
+        state = jax.device_put(state, shardings.state)
         checkpoints.discard_after(start)
         log(f"resumed from step {start} (epoch {meta['epoch']}, batch {meta['batch']})")
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start)
@@ -206,7 +218,8 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     if interrupted:
         log(f"interrupted at step {final_step}: checkpoint saved; run the same command again to resume")
         return RunResult(run_dir, final_step, train_loss, None, None, int(state["skipped"]), None, True)
-    result_path = export_result(run_dir, config, cfg, combine(state["params"], frozen), method)
+    params = on_device(combine(state["params"], frozen), shardings.params)  # out of host memory, if offloaded
+    result_path = export_result(run_dir, config, cfg, params, method)
     evals = [r for r in records if "eval_loss" in r]
     log(f"done: {final_step} steps, {int(state['skipped'])} skipped; result in {result_path}")
     return RunResult(run_dir, final_step, train_loss, evals[-1]["eval_loss"] if evals else None,

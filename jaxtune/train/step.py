@@ -21,7 +21,6 @@ import optax
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
-from jaxtune.objectives import masked_nll_sum
 from jaxtune.run_config import TrainConfig
 
 
@@ -67,12 +66,41 @@ def init_state(trainable: dict, optimizer: optax.GradientTransformation, seed: i
             "rng": jax.random.PRNGKey(seed), "skipped": zero(), "bad_streak": zero()}
 
 
+def _nll_sum_fwd(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Array):
+    logits = logits_BxTxV.astype(jnp.float32)
+    lse_BxT = jax.nn.logsumexp(logits, axis=-1)
+    label_logit_BxT = jnp.take_along_axis(logits, labels_BxT[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse_BxT - label_logit_BxT) * weights_BxT), (logits_BxTxV, lse_BxT, labels_BxT, weights_BxT)
+
+
+def _nll_sum_bwd(residuals, g):
+    logits_BxTxV, lse_BxT, labels_BxT, weights_BxT = residuals
+    vocab_V = jax.lax.broadcasted_iota(labels_BxT.dtype, logits_BxTxV.shape, logits_BxTxV.ndim - 1)
+    softmax = jnp.exp(logits_BxTxV.astype(jnp.float32) - lse_BxT[..., None])
+    dlogits_BxTxV = (softmax - (vocab_V == labels_BxT[..., None])) * (weights_BxT * g)[..., None]
+    return dlogits_BxTxV.astype(logits_BxTxV.dtype), None, None
+
+
+@jax.custom_vjp
+def nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Array) -> jax.Array:
+    """sum(weights * -log softmax(logits)[label]): `objectives.masked_nll_sum`'s value, with a hand-written gradient.
+
+    The gradient is one fused pass, (softmax - onehot(label)) * weight, from the logits and the saved logsumexp;
+    autodiff would also keep exp(logits - max) ([B, T, V] float32) for the backward and scatter the one-hot.
+    """
+    return _nll_sum_fwd(logits_BxTxV, labels_BxT, weights_BxT)[0]
+
+
+nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
+
+
 def batch_loss(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
                options: ForwardOptions) -> tuple[jax.Array, jax.Array]:
     """(sum of completion-token losses, number of completion tokens) of one [B, T] batch."""
     logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=options)
-    return masked_nll_sum(logits, batch["labels"], batch["loss_mask"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return nll_sum(logits, batch["labels"], mask), jnp.sum(mask)
 
 
 def accumulated_gradients(trainable: dict, frozen: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,

@@ -1,0 +1,98 @@
+"""ZeRO-offload the JAX way: optimizer state and frozen weights kept in host memory between steps.
+
+JAX exposes a device's memories as *memory kinds* ("device", "pinned_host", ...). An array whose sharding says
+`memory_kind="pinned_host"` lives in page-locked host RAM, with the same mesh split as on the devices. The jitted
+step takes such arrays as arguments, copies them to device memory where it first reads them
+(`jax.device_put(x, sharding.with_memory_kind("device"))` inside the jit, so XLA schedules the copies), and its
+out_shardings write the new optimizer state straight back to host memory. Device memory then holds the offloaded
+trees only while a step runs. Backends without a "pinned_host" memory get an error that says so, never a silent
+fallback.
+
+Optimizer moments can also be stored in bfloat16 (`low_precision_moments`): the update itself still runs in float32,
+only what is kept between steps is rounded. With round-to-nearest, Adam's second moment stops moving once
+(1 - b2) * g^2 falls below half a bfloat16 ulp of itself (relative 2^-9), i.e. after ~500 steps of b2 = 0.999 at a
+steady gradient scale; the README reports the measured effect on the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AbstractMesh, Mesh
+
+from jaxtune.errors import JaxtuneError
+
+HOST = "pinned_host"
+DEVICE = "device"
+MOMENT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """optimizer_state: keep the optimizer state in host memory. frozen_params: keep the frozen (non-trainable)
+    weights in host memory. moments_dtype: "float32" or "bfloat16" storage for the optimizer's moments."""
+
+    optimizer_state: bool = False
+    frozen_params: bool = False
+    moments_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.moments_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"moments_dtype {self.moments_dtype!r}: choose {' or '.join(MOMENT_DTYPES)}")
+
+
+def memory_kinds(mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:
+    """The memory kinds the devices of `mesh` have; None for an AbstractMesh (no devices to ask)."""
+    if isinstance(mesh, AbstractMesh):
+        return None
+    try:
+        return tuple(m.kind for m in mesh.devices.flat[0].addressable_memories())
+    except Exception:  # backends without the memories API
+        return ()
+
+
+def check_host_memory(mesh: Mesh | AbstractMesh, what: str) -> None:
+    """A JaxtuneError naming the backend and its memory kinds when it cannot hold arrays in pinned host memory."""
+    kinds = memory_kinds(mesh)
+    if kinds is not None and HOST not in kinds:
+        platform = mesh.devices.flat[0].platform
+        raise JaxtuneError(f"[offload] {what} = true: the {platform} backend has no {HOST!r} memory "
+                           f"(memory kinds: {', '.join(kinds) or 'none'}); set it to false")
+
+
+def with_memory_kind(shardings, kind: str):
+    """The same tree of shardings, every one placed in memory `kind`."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def on_device(tree, shardings):
+    """Inside a jit: the arrays of `tree` whose sharding is in host memory, copied to device memory (others as is)."""
+
+    def fetch(x, sharding):
+        return jax.device_put(x, sharding.with_memory_kind(DEVICE)) if sharding.memory_kind == HOST else x
+
+    return jax.tree.map(fetch, tree, shardings)
+
+
+def low_precision_moments(optimizer: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`optimizer` with every floating leaf of its state (Adam's mu and nu) stored in `dtype`.
+
+    The wrapped update reads the state as float32 and rounds only the state it returns, so each step's arithmetic
+    is unchanged; integer counters are left alone. optax's own `mu_dtype` covers only the first moment.
+    """
+    dtype = jnp.dtype(dtype)
+
+    def cast(tree, to):
+        return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return cast(optimizer.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = optimizer.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)

@@ -1,0 +1,100 @@
+"""One table from logical axis names to mesh axes, and the function that turns a leaf's axes into a PartitionSpec.
+
+Every parameter dimension has a logical name (`jaxtune/models/params.py`; method and quantised leaves derive theirs
+in `sharding.py`). `RULES` gives each name the mesh axes that split it, and fallback axes that split it only when
+no other dimension of the same leaf has taken them:
+
+    logical axis          split over       fallback
+    batch                 data, fsdp       -          the batch is split over every data-parallel device
+    embed                 fsdp             tensor     ZeRO-3: weights are split along the hidden size
+    vocab, q_heads,
+    kv_heads, mlp,
+    adapter               tensor           fsdp       tensor parallelism splits heads, MLP columns, vocabulary
+    head_dim              -                fsdp, tensor
+    layers, lora_rank,
+    prefix                -                -          never split: `lax.scan` slices the layer axis each step
+
+So a q_proj kernel (layers, embed, q_heads) is split (-, fsdp, tensor), Megatron's column split inside ZeRO-3,
+while a leaf with only one of those dimensions still spreads over every device: LoRA B of q_proj
+(layers, lora_rank, q_heads) is split (-, -, tensor x fsdp), LoRA A (layers, embed, lora_rank) (-, fsdp x tensor),
+a norm scale (layers, embed) (-, fsdp x tensor). Per-device bytes are then 1/N of the total for every leaf whose
+dimensions divide, which `tests/test_parallel.py` checks on the real Llama-3-8B shapes.
+
+`partition_spec(axes, shape, mesh_shape)` assigns in two passes, first the split-over axes and then the
+fallbacks, each pass in table order. A dimension takes a mesh axis only if (a) its size is above 1, (b) no other
+dimension of the leaf already has it (a mesh axis splits one dimension), and (c) it divides the dimension together
+with the axes the dimension already has. Skipping never changes a value, only where it lives: a dimension that
+cannot be split evenly stays whole (replicated over that mesh axis) rather than padded. Axes a dimension takes in
+order are major to minor, so the tensor shards of LoRA B cover the same output columns as the kernel's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+Rule = tuple[str, tuple[str, ...], tuple[str, ...]]
+
+RULES: tuple[Rule, ...] = (
+    # logical axis   split over          fallback
+    ("batch", ("data", "fsdp"), ()),
+    ("embed", ("fsdp",), ("tensor",)),
+    ("vocab", ("tensor",), ("fsdp",)),
+    ("q_heads", ("tensor",), ("fsdp",)),
+    ("kv_heads", ("tensor",), ("fsdp",)),
+    ("mlp", ("tensor",), ("fsdp",)),
+    ("adapter", ("tensor",), ("fsdp",)),
+    ("head_dim", (), ("fsdp", "tensor")),
+    ("layers", (), ()),
+    ("lora_rank", (), ()),
+    ("prefix", (), ()),
+)
+
+
+def mesh_axes_of(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int],
+                 rules: Sequence[Rule] = RULES) -> list[tuple[str, ...]]:
+    """The mesh axes splitting each dimension (an empty tuple: not split), by the procedure in the module doc.
+
+    axes: one logical name (or None: never split) per dimension of `shape`.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+    known = {rule[0] for rule in rules}
+    unknown = [a for a in axes if a is not None and a not in known]
+    if unknown:
+        raise ValueError(f"no sharding rule for logical axis {unknown[0]!r} (rules: {', '.join(sorted(known))})")
+    taken: list[list[str]] = [[] for _ in axes]
+    used: set[str] = set()
+    for pass_ in (1, 2):
+        for name, *candidates in rules:
+            for dim, axis in enumerate(axes):
+                if axis != name:
+                    continue
+                for mesh_axis in candidates[pass_ - 1]:
+                    size = mesh_shape[mesh_axis]
+                    split = math.prod(mesh_shape[a] for a in taken[dim]) * size
+                    if size > 1 and mesh_axis not in used and shape[dim] % split == 0:
+                        taken[dim].append(mesh_axis)
+                        used.add(mesh_axis)
+    return [tuple(t) for t in taken]
+
+
+def to_spec(mesh_axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
+    """[(), ("fsdp",), ("tensor", "fsdp")] -> P(None, "fsdp", ("tensor", "fsdp"))."""
+    return PartitionSpec(*[None if not m else m[0] if len(m) == 1 else tuple(m) for m in mesh_axes])
+
+
+def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int],
+                   rules: Sequence[Rule] = RULES) -> PartitionSpec:
+    """The PartitionSpec of a leaf with logical `axes` and `shape` on a mesh of `mesh_shape` (name -> size).
+
+    >>> partition_spec(("layers", "embed", "q_heads"), (32, 4096, 4096), {"data": 1, "fsdp": 4, "tensor": 2})
+    P(None, 'fsdp', 'tensor')
+    >>> partition_spec(("layers", "lora_rank", "q_heads"), (32, 16, 4096), {"data": 1, "fsdp": 4, "tensor": 2})
+    P(None, None, ('tensor', 'fsdp'))
+    >>> partition_spec(("layers", "embed", "lora_rank"), (32, 4096, 16), {"data": 1, "fsdp": 4, "tensor": 2})
+    P(None, ('fsdp', 'tensor'), None)
+    """
+    return to_spec(mesh_axes_of(axes, shape, mesh_shape, rules))

@@ -1,0 +1,186 @@
+"""Shardings of everything a training run holds: parameters (method and quantised leaves included), optimizer
+state and batches, all from the one rules table in `rules.py`.
+
+Logical axes come from `param_specs` for the base weights. Method leaves take theirs from the kernel they adapt, so
+they split the way their base weight does:
+
+    kernel      [L, in, out]   (layers, IN, OUT)          e.g. q_proj: (layers, embed, q_heads)
+    lora_a      [L, in, r]     (layers, IN, lora_rank)
+    lora_b      [L, r, out]    (layers, lora_rank, OUT)
+    magnitude, ia3_out [L, out]  (layers, OUT);   ia3_in [L, in]  (layers, IN)
+    prefix key/value [L, P, K, hd]  (layers, prefix, kv_heads, head_dim)
+    adapter down [L, D, m] (layers, embed, adapter), up [L, m, D] (layers, adapter, embed), biases likewise
+
+Quantised kernels. An `Int8Array` keeps the kernel's layout: its codes [L, in, out] split exactly as the kernel
+would, its per-column absmax [L, out] as the kernel's output axis (like DoRA's magnitude). An `NF4Array` stores each layer's matrix
+flattened in bitsandbytes' order (the transposed [out, in] matrix, row-major, two codes a byte) with one absmax per
+block of 64 values. The only splits of that flat axis that keep every block whole with its absmax are contiguous
+ranges of whole blocks, so codes [L, n_bytes] and absmax [L, n_blocks] are split the same way over the mesh axes
+of the kernel's output dimension, then those of its input dimension (the flat order is out-major): the tensor
+split of the output columns is then exactly the float kernel's, and `fsdp`, which would split the input rows of a
+float kernel, splits the output rows instead (a ZeRO-3 weight is all-gathered before use either way). Mesh axes
+that don't divide the block count are dropped, and a matrix whose size is not a multiple of the block size is
+kept whole. Double quantisation's second-level scales (absmax2 [L, n_blocks/256], one per 256 absmax codes) split
+the same way when each device's absmax range is whole groups of 256, else they are replicated (1/16384 of the
+weight), as is the per-layer offset [L].
+
+Optimizer state: every params-shaped subtree of the optax state (Adam's mu and nu) gets the parameters' shardings
+(`optax.tree_utils.tree_map_params`); counters are replicated. Batches [A, B, T] split B over ("data", "fsdp").
+A leaf none of these names (a method added later) is replicated: correct everywhere, just not partitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from jaxtune.config import ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.quant import ABSMAX_BLOCKSIZE, Int8Array, QuantizedArray
+from jaxtune.methods.transform import full_shape
+from jaxtune.models.params import logical_axes
+from jaxtune.parallel.rules import mesh_axes_of, partition_spec, to_spec
+
+AnyMesh = Mesh | AbstractMesh  # shardings on an AbstractMesh give shapes for planning without devices
+
+_HEAD_AXES = {("score", "kernel"): ("embed",)}  # a reward model's scalar head [D]
+_ADAPTER_AXES = {
+    ("down", "kernel"): ("layers", "embed", "adapter"),
+    ("down", "bias"): ("layers", "adapter"),
+    ("up", "kernel"): ("layers", "adapter", "embed"),
+    ("up", "bias"): ("layers", "embed"),
+}
+
+
+def _is_quantized(x) -> bool:
+    return isinstance(x, QuantizedArray)
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def leaf_axes(keys: tuple[str, ...], base_axes: dict) -> tuple[str | None, ...] | None:
+    """Logical axes of the leaf at dict path `keys` (a quantised kernel counts as its [L, in, out] kernel), or None
+    for a leaf no rule knows (it is then replicated).
+
+    base_axes: `logical_axes(cfg)`, the base model's tree of axes.
+    """
+    node = base_axes
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            break
+        node = node[key]
+    else:
+        return node if isinstance(node, tuple) else None
+    if len(keys) == 3 and keys[0] == "layers":
+        module, name = base_axes["layers"].get(keys[1]), keys[2]
+        if isinstance(module, dict) and "kernel" in module:  # a leaf a method added to a linear module
+            layers, d_in, d_out = module["kernel"]
+            return {"lora_a": (layers, d_in, "lora_rank"), "lora_b": (layers, "lora_rank", d_out),
+                    "magnitude": (layers, d_out), "ia3_in": (layers, d_in), "ia3_out": (layers, d_out)}.get(name)
+        if keys[1] == "prefix" and name in ("key", "value"):
+            return ("layers", "prefix", "kv_heads", "head_dim")
+    if len(keys) == 4 and keys[0] == "layers" and keys[1] in ("attn_adapter", "mlp_adapter"):
+        return _ADAPTER_AXES.get(keys[2:])
+    return _HEAD_AXES.get(keys)
+
+
+def replicated(mesh: AnyMesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _quantized_sharding(q: QuantizedArray, kernel_axes: tuple, mesh: AnyMesh) -> QuantizedArray:
+    """The quantised leaf with a NamedSharding in place of each array child (see the module docstring)."""
+    shape = full_shape(q)
+    split = mesh_axes_of(kernel_axes, shape, mesh.shape)
+    named = lambda spec: NamedSharding(mesh, spec)
+    if isinstance(q, Int8Array):  # absmax [L, out] as the kernel's output axis, like DoRA's magnitude
+        absmax_axes = tuple(kernel_axes[:-2]) + tuple(kernel_axes[-1:])
+        absmax = partition_spec(absmax_axes, q.absmax.shape, mesh.shape)
+        return dataclasses.replace(q, codes=named(to_spec(split)), absmax=named(absmax))
+    d_in, d_out = q.shape
+    n_blocks = q.absmax.shape[-1]
+    flat: list[str] = []
+    if (d_in * d_out) % q.blocksize == 0:
+        for axis in split[-1] + split[-2]:  # output dimension first: the blocks run over the [out, in] matrix
+            if n_blocks % (math.prod(mesh.shape[a] for a in flat) * mesh.shape[axis]) == 0:
+                flat.append(axis)
+    blocks = named(to_spec([()] * (q.codes.ndim - 1) + [tuple(flat)]))
+    ways = math.prod(mesh.shape[a] for a in flat)
+    groups = blocks if n_blocks % (ABSMAX_BLOCKSIZE * ways) == 0 else replicated(mesh)
+    return dataclasses.replace(q, codes=blocks, absmax=blocks, absmax2=None if q.absmax2 is None else groups,
+                               offset=None if q.offset is None else replicated(mesh))
+
+
+def param_shardings(params: dict, cfg: ModelConfig, mesh: AnyMesh) -> dict:
+    """A NamedSharding for every array of `params` (arrays or ShapeDtypeStructs; None leaves stay None), in the
+    tree's structure: a quantised leaf becomes the same NF4Array/Int8Array holding shardings."""
+    base_axes = logical_axes(cfg)
+
+    def sharding(path, leaf):
+        axes = leaf_axes(_keys(path), base_axes)
+        if isinstance(leaf, QuantizedArray):
+            if leaf.codes is None:  # the trainable half of `partition`: a quantised leaf with no arrays
+                return leaf
+            if axes is None:
+                return jax.tree.map(lambda _: replicated(mesh), leaf)
+            return _quantized_sharding(leaf, axes, mesh)
+        if axes is None or len(axes) != leaf.ndim:
+            return replicated(mesh)
+        return NamedSharding(mesh, partition_spec(axes, leaf.shape, mesh.shape))
+
+    return jax.tree_util.tree_map_with_path(sharding, params, is_leaf=_is_quantized)
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, params: dict, shardings: dict, mesh: AnyMesh):
+    """Shardings of `optimizer.init(params)`: params-shaped subtrees (Adam's mu, nu) as `shardings`, the rest
+    (step counters) replicated. `params` may be abstract."""
+    abstract = jax.eval_shape(optimizer.init, params)
+    rep = replicated(mesh)
+
+    def like_param(state_leaf, param, sharding):
+        return sharding if tuple(state_leaf.shape) == tuple(param.shape) else rep
+
+    return optax.tree_utils.tree_map_params(optimizer, like_param, abstract, params, shardings,
+                                            transform_non_params=lambda _: rep)
+
+
+def batch_sharding(mesh: AnyMesh, batch_size: int) -> NamedSharding:
+    """Sharding of [A, B, T] micro-batch stacks: rows split over ("data", "fsdp"), every row whole on a device.
+
+    The loss is a sum over all rows divided by the global token count, so the split changes nothing numerically
+    (beyond summation order); a batch that does not divide is an error, not a silent replication.
+    """
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch_size % ways:
+        raise JaxtuneError(f"train.batch_size = {batch_size} rows cannot be split over the mesh's data x fsdp = "
+                           f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {ways} devices; use a multiple of {ways}")
+    return NamedSharding(mesh, partition_spec((None, "batch", None), (1, batch_size, 1), mesh.shape))
+
+
+def sharded_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `shardings` (same structure);
+    works on an `abstract_mesh`, so nothing needs to exist."""
+    held = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings)
+    return sum(jax.tree.leaves(held))
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes of `tree`'s arrays held there}, read from each array's addressable shards."""
+    held: dict = defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return dict(held)
+
+
+def total_bytes(tree) -> int:
+    """Bytes of `tree`'s arrays counted once (their global shapes); arrays or ShapeDtypeStructs."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -1,0 +1,32 @@
+"""The memory planner: will this fine-tune fit, how should it be laid out, and how fast will it run.
+
+    from jaxtune.planner import TrainPlan, estimate, get_device, standard_config
+    cfg = standard_config(7000)                                    # or models.hf_config.load_config(dir)
+    plan = TrainPlan(MethodConfig("lora"), batch_size=8, seq_len=2048, remat="full")
+    est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated
+    est.to_dict()["per_device"]["total_bytes"], est.fits
+    search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits
+    compile_step(cfg, plan)                                        # XLA's own figure, ahead of time
+
+`devices.py` is the catalogue, `estimate.py` and `activations.py` the arithmetic, `timing.py` the step time,
+`search.py` the plan search, `confirm.py` the compile check, `report.py` the table. The public API, one name a line.
+"""
+
+from jaxtune.planner.confirm import CompiledMemory as CompiledMemory
+from jaxtune.planner.confirm import compile_step as compile_step
+from jaxtune.planner.devices import CATALOGUE as CATALOGUE
+from jaxtune.planner.devices import Device as Device
+from jaxtune.planner.devices import get_device as get_device
+from jaxtune.planner.devices import known_targets as known_targets
+from jaxtune.planner.estimate import Estimate as Estimate
+from jaxtune.planner.estimate import estimate as estimate
+from jaxtune.planner.plan import TrainPlan as TrainPlan
+from jaxtune.planner.report import format_estimate as format_estimate
+from jaxtune.planner.report import format_search as format_search
+from jaxtune.planner.report import plan_dict as plan_dict
+from jaxtune.planner.search import SearchResult as SearchResult
+from jaxtune.planner.search import search as search
+from jaxtune.planner.shapes import model_from_directory as model_from_directory
+from jaxtune.planner.shapes import standard_config as standard_config
+from jaxtune.planner.timing import StepTime as StepTime
+from jaxtune.planner.timing import step_time as step_time

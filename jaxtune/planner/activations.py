@@ -1,0 +1,141 @@
+"""What one training step keeps for its backward pass, and what the backward pass of one layer needs on top.
+
+The counts follow jaxtune's own forward (`models/llama.py`): layers run under `lax.scan`, so whatever the backward
+needs from a layer is stacked [L, ...] for all layers at once; the attention core (scores, softmax, probs @ v)
+and SwiGLU are always recomputed in the backward from their inputs, so scores are never kept per layer.
+
+Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv = kv_heads x head_dim, F MLP):
+
+  none          x, x after attention, rotated q and k, v, gate and up        (always: the chain rule needs them)
+                + each norm's output when a module reading it has trainable weights or adapters (dW = h^T dy)
+                + each normalised x when the norm scales train (full fine-tuning)
+                + the attention output when o_proj trains, SwiGLU's output when down_proj trains
+                + LoRA's x A [r] per adapted module, adapter and IA3 inputs
+                full fine-tuning: 6 D + 2 q + 2 kv + 3 F;  LoRA on q, v: 3 D + q + 2 kv + 2 F + 2 r
+  save_matmuls  x and the outputs of the weight matmuls the backward reads: q, k, v, o_proj's output, gate, up
+                (+ LoRA's x A and x A B per adapted module)
+  full          x only
+
+The backward of one layer then needs: its attention scores recomputed, their softmax and the gradient of both
+([b, H, T, S]: two float32 and one in the compute dtype), and part of the layer's activations and their
+gradients. That share, BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of
+the no-remat set when the layer's activations are already saved, 2.25 when a remat'd layer recomputes them first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxtune.config import ModelConfig
+
+# One layer's backward workspace, as a multiple of that layer's no-remat activation set (measured on XLA:CPU).
+BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 2.25}
+ATTENTION_COPIES_F32 = 2  # scores and their gradient; the probabilities are in the compute dtype
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Per-device sizes of one micro-batch: rows b, tokens T, keys S (prefix + T), and the tensor-split widths."""
+
+    b: int
+    T: int
+    S: int
+    D: int
+    q: int
+    kv: int
+    F: int
+    V: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int) -> Widths:
+    """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
+    as jaxtune.parallel's rules split the weights)."""
+    split = lambda n: n // tensor if n % tensor == 0 else n
+    heads_split = cfg.num_kv_heads % tensor == 0
+    return Widths(rows, seq_len, prefix + seq_len, cfg.hidden_size, split(cfg.q_size), split(cfg.kv_size),
+                  split(cfg.intermediate_size), split(cfg.vocab_size),
+                  cfg.num_heads // tensor if heads_split else cfg.num_heads,
+                  cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim)
+
+
+def _trains_input(method, module: str) -> bool:
+    """Whether the backward needs `module`'s input: its weights train, or an adapter on it reads it."""
+    if method.kind == "full":
+        return True
+    if method.kind in ("lora", "qlora"):
+        return module in method.target_modules
+    if method.kind == "ia3":
+        return module == "down_proj" and module in method.target_modules
+    return False
+
+
+def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
+    """One layer's saved activations as (name, shape, is_float32) with shapes [b, T, ...] on one device."""
+    b, T = w.b, w.T
+    hd = w.head_dim
+    q_shape, kv_shape = (b, T, w.heads, hd), (b, T, w.kv_heads, hd)
+    out_width = {"q_proj": q_shape, "k_proj": kv_shape, "v_proj": kv_shape, "o_proj": (b, T, w.D),
+                 "gate_proj": (b, T, w.F), "up_proj": (b, T, w.F), "down_proj": (b, T, w.D)}
+    lora = method.target_modules if method.kind in ("lora", "qlora") else ()
+    saved = [("x", (b, T, w.D), False)]
+    if policy == "full":
+        return saved
+    if policy == "save_matmuls":
+        saved += [("q", q_shape, False), ("k", kv_shape, False), ("v", kv_shape, False),
+                  ("o_proj out", (b, T, w.D), False), ("gate", (b, T, w.F), False), ("up", (b, T, w.F), False)]
+        for m in lora:
+            saved += [(f"{m} x A", (b, T, method.rank), False), (f"{m} x A B", out_width[m], False)]
+    else:
+        saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
+                  ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),
+                  ("up", (b, T, w.F), False), ("norm statistics", (b, T, 2), True)]
+        if any(_trains_input(method, m) for m in ("q_proj", "k_proj", "v_proj")):
+            saved.append(("input norm output", (b, T, w.D), False))
+        if any(_trains_input(method, m) for m in ("gate_proj", "up_proj")):
+            saved.append(("post-attention norm output", (b, T, w.D), False))
+        if method.kind == "full":
+            saved += [("normalised x", (b, T, w.D), False), ("normalised x after attention", (b, T, w.D), False)]
+        if _trains_input(method, "o_proj"):
+            saved.append(("attention output", q_shape, False))
+        if _trains_input(method, "down_proj"):
+            saved.append(("SwiGLU output", (b, T, w.F), False))
+        saved += [(f"{m} x A", (b, T, method.rank), False) for m in lora]
+    if method.kind == "ia3":
+        saved += [(f"{m} output", out_width[m], False) for m in method.target_modules if m != "down_proj"]
+    if method.kind == "adapter":
+        for where in ("attention", "mlp"):
+            saved += [(f"{where} adapter input", (b, T, w.D), False),
+                      (f"{where} adapter hidden", (b, T, 2 * method.adapter_size), False)]
+    return saved
+
+
+def attention_elements(w: Widths) -> int:
+    """Elements of one layer's attention scores on one device: [b, H, T, S]."""
+    return w.b * w.heads * w.T * w.S
+
+
+def logits_copies(method) -> int:
+    """[b, T, V] float32 buffers alive at the loss: the logits and their gradient (one more when lm_head trains,
+    for its weight gradient) - measured on XLA:CPU."""
+    return 3 if method.kind == "full" else 2
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights each token multiplies through (2 FLOPs each in the forward): every linear layer and the head."""
+    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    per_layer = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * F
+    return L * per_layer + D * cfg.vocab_size
+
+
+def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int) -> int:
+    """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers (the causal half is still
+    computed: the mask is applied to full scores)."""
+    return cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
+
+
+def prod(shape) -> int:
+    return math.prod(shape)

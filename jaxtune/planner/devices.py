@@ -1,0 +1,190 @@
+"""The device catalogue: memory, the share of it a JAX program can use, bandwidth and peak FLOP/s per device.
+
+Every figure carries its source. Vendors quote tensor-core FLOP/s "with sparsity" for recent NVIDIA parts; the
+figures here are dense (half the sparse figure), which is what a training step can reach. Memory is the
+datasheet capacity (HBM and GDDR capacities are powers of two, so "80 GB" is 80 GiB); the usable share then
+removes what the driver, ECC and the runtime keep for themselves.
+
+A target is a catalogue name with an optional device count: `h100-80gb`, `h100-80gb-8`, `v5e-8`, `v5p-32`.
+TPU slice names count chips for v5e and v6e but TensorCores for v4 and v5p (two per chip, one JAX device per
+chip), so `v5p-32` is 16 devices (Cloud TPU docs, "TPU versions" / accelerator types).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+from jaxtune.errors import JaxtuneError
+
+GiB = 1 << 30
+T = 1e12
+
+_NVIDIA_USABLE = ("0.90: the CUDA context, cuBLAS/cuDNN workspaces and the driver's reservations; JAX preallocates "
+                  "0.75 of memory unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised (JAX docs, 'GPU memory "
+                  "allocation'), so the plan assumes XLA_PYTHON_CLIENT_MEM_FRACTION=.90")
+_TPU_USABLE = ("0.94: the TPU runtime keeps part of HBM for programs and collectives (our assumption, checked "
+               "against XLA:TPU's reported free HBM in typical runs; not a published figure)")
+_GAUDI_USABLE = "0.90: HBM left after the Habana runtime and graph recipe cache (our assumption, not published)"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or this host's CPU) and how many of them.
+
+    family: "gpu" | "tpu" | "gaudi" | "cpu", which selects the memory rules of `estimate.py`.
+    memory_bytes: per device. usable_fraction: the share a JAX program's buffers can have.
+    bandwidth: memory bytes/s. peak_bf16 / peak_fp32: dense matmul FLOP/s.
+    interconnect: bytes/s one device can send to its peers (NVLink, ICI, RoCE), for collective time.
+    host_link: bytes/s between host and device memory, for offload (PCIe 4.0 x16: 32 GB/s raw, about 25 usable;
+    PCIe 5.0 on H100/H200: about 50), an approximation.
+    sources: field name -> where the figure comes from.
+    """
+
+    name: str
+    family: str
+    memory_bytes: int
+    usable_fraction: float
+    bandwidth: float
+    peak_bf16: float
+    peak_fp32: float
+    interconnect: float
+    sources: tuple[tuple[str, str], ...]
+    count: int = 1
+    host_link: float = 25e9
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_bytes * self.usable_fraction)
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_fp32 if dtype == "float32" else self.peak_bf16
+
+    @property
+    def target(self) -> str:
+        return self.name if self.count == 1 else f"{self.name}-{self.count}"
+
+    def with_count(self, count: int) -> Device:
+        return replace(self, count=count)
+
+
+def _nvidia(name, gib, bandwidth_gbs, bf16_dense_tflops, fp32_tflops, nvlink_gbs, datasheet, pcie5=False) -> Device:
+    return Device(name, "gpu", gib * GiB, 0.90, bandwidth_gbs * 1e9, bf16_dense_tflops * T, fp32_tflops * T,
+                  nvlink_gbs * 1e9, host_link=50e9 if pcie5 else 25e9, sources=(
+                      ("memory", f"{datasheet}: {gib} GB"),
+                      ("usable_fraction", _NVIDIA_USABLE),
+                      ("bandwidth", f"{datasheet}: {bandwidth_gbs:,} GB/s"),
+                      ("peak_bf16", f"{datasheet}: {2 * bf16_dense_tflops:g} TFLOPS with sparsity, "
+                                    f"{bf16_dense_tflops:g} dense"),
+                      ("peak_fp32", f"{datasheet}: {fp32_tflops:g} TFLOPS FP32 (non-tensor)"),
+                      ("interconnect", f"{datasheet}: {nvlink_gbs:g} GB/s per GPU (NVLink, or PCIe where none)"),
+                  ))
+
+
+def _tpu(name, gib, bandwidth_gbs, bf16_tflops, ici_gbs, doc) -> Device:
+    return Device(name, "tpu", gib * GiB, 0.94, bandwidth_gbs * 1e9, bf16_tflops * T, bf16_tflops * T / 6,
+                  ici_gbs * 1e9, sources=(
+                      ("memory", f"{doc}: {gib} GiB HBM per chip"),
+                      ("usable_fraction", _TPU_USABLE),
+                      ("bandwidth", f"{doc}: {bandwidth_gbs:,} GB/s HBM per chip"),
+                      ("peak_bf16", f"{doc}: {bf16_tflops:g} TFLOPS bf16 per chip"),
+                      ("peak_fp32", "derived: the MXU is bf16-native; a float32 matmul at HIGHEST precision is six "
+                                    "bf16 passes, so peak_bf16 / 6"),
+                      ("interconnect", f"{doc}: {ici_gbs:g} GB/s ICI per chip"),
+                  ))
+
+
+def _gaudi(name, gib, bandwidth_tbs, bf16_tflops, fp32_tflops, net_gbs, doc) -> Device:
+    return Device(name, "gaudi", gib * GiB, 0.90, bandwidth_tbs * 1e12, bf16_tflops * T, fp32_tflops * T,
+                  net_gbs * 1e9, sources=(
+                      ("memory", f"{doc}: {gib} GB HBM2e"),
+                      ("usable_fraction", _GAUDI_USABLE),
+                      ("bandwidth", f"{doc}: {bandwidth_tbs} TB/s"),
+                      ("peak_bf16", f"{doc}: {bf16_tflops:g} TFLOPS bf16 (MME)"),
+                      ("peak_fp32", f"approximate: {fp32_tflops:g} TFLOPS, a quarter of the bf16 MME rate "
+                                    "(our assumption; Intel publishes no single dense FP32 matmul figure)"),
+                      ("interconnect", f"{doc}: {net_gbs:g} GB/s RoCE per card"),
+                  ))
+
+
+A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"
+H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
+H200_DATASHEET = "NVIDIA H200 Tensor Core GPU product brief (SXM)"
+
+CATALOGUE: dict[str, Device] = {d.name: d for d in (
+    _nvidia("a100-40gb", 40, 1555, 312, 19.5, 600, A100_DATASHEET),
+    _nvidia("a100-80gb", 80, 2039, 312, 19.5, 600, A100_DATASHEET),
+    _nvidia("h100-80gb", 80, 3350, 989.5, 67, 900, H100_DATASHEET, pcie5=True),
+    _nvidia("h200-141gb", 141, 4800, 989.5, 67, 900, H200_DATASHEET, pcie5=True),
+    _nvidia("l4", 24, 300, 121, 30.3, 64, "NVIDIA L4 Tensor Core GPU datasheet"),
+    _nvidia("rtx-4090", 24, 1008, 165.2, 82.6, 64,
+            "NVIDIA Ada GPU architecture whitepaper, appendix A (GeForce RTX 4090; FP16/BF16 with FP32 accumulate)"),
+    _nvidia("rtx-a6000", 48, 768, 154.8, 38.7, 112, "NVIDIA RTX A6000 datasheet"),
+    _nvidia("l40s", 48, 864, 362, 91.6, 64, "NVIDIA L40S datasheet"),
+    _tpu("v4", 32, 1200, 275, 300, "Cloud TPU docs, 'TPU v4'"),
+    _tpu("v5e", 16, 819, 197, 200, "Cloud TPU docs, 'TPU v5e'"),
+    _tpu("v5p", 95, 2765, 459, 600, "Cloud TPU docs, 'TPU v5p'"),
+    _tpu("v6e", 32, 1640, 918, 400, "Cloud TPU docs, 'TPU v6e'"),
+    _gaudi("gaudi2", 96, 2.45, 432, 108, 300, "Intel Gaudi 3 AI accelerator white paper (2024), Gaudi 2 column"),
+    _gaudi("gaudi3", 128, 3.7, 1835, 459, 600, "Intel Gaudi 3 AI accelerator white paper (2024)"),
+)}
+
+ALIASES = {"a100": "a100-40gb", "h100": "h100-80gb", "h200": "h200-141gb", "4090": "rtx-4090", "a6000": "rtx-a6000",
+           "gaudi-2": "gaudi2", "gaudi-3": "gaudi3", "tpu-v4": "v4", "tpu-v5e": "v5e", "tpu-v5p": "v5p",
+           "tpu-v6e": "v6e", "v5litepod": "v5e"}
+CORES_PER_CHIP = {"v4": 2, "v5p": 2}  # slice names count TensorCores on these; JAX sees one device per chip
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, read now."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_device() -> Device:
+    """This host as a device: its memory read at run time, nominal rates (the CPU is for checks, not speed)."""
+    cores = os.cpu_count() or 1
+    flops = cores * 2.5e9 * 32  # two 8-wide fp32 FMA units a core
+    return Device("cpu", "cpu", host_memory_bytes(), 0.90, 20e9, flops, flops, 20e9, sources=(
+        ("memory", "this host: os.sysconf(SC_PHYS_PAGES) x SC_PAGE_SIZE, read at run time"),
+        ("usable_fraction", "0.90: the OS, page cache and other processes (our assumption)"),
+        ("bandwidth", "nominal 20 GB/s (one socket's DRAM, not measured)"),
+        ("peak_bf16", f"nominal: {cores} cores x 2.5 GHz x 32 fp32 FLOP/cycle (AVX2 FMA); XLA:CPU computes bf16 "
+                      "in fp32"),
+        ("peak_fp32", "as peak_bf16"),
+        ("interconnect", "nominal 20 GB/s (fake devices share one memory)"),
+    ))
+
+
+def known_targets() -> list[str]:
+    return sorted(CATALOGUE) + ["cpu"]
+
+
+def get_device(target: str) -> Device:
+    """`NAME` or `NAME-N` (N devices; TPU slice names as Google writes them) -> a Device with its count.
+
+    An unknown name is an error that lists the known ones.
+    """
+    text = target.strip().lower()
+    match = re.fullmatch(r"(.+?)(?:-(\d+))?", text)
+    name, count = match.group(1), match.group(2)
+    if name not in CATALOGUE and name != "cpu" and name not in ALIASES and count is not None:
+        name, count = text, None  # a name that ends in digits, like "a100-80gb" without a count
+    name = ALIASES.get(name, name)
+    if name == "cpu":
+        device = cpu_device()
+    elif name in CATALOGUE:
+        device = CATALOGUE[name]
+    else:
+        raise JaxtuneError(f"unknown device {target!r}; known devices: {', '.join(known_targets())} "
+                           "(add -N for N of them, e.g. h100-80gb-8, v5e-8, v5p-32)")
+    if count is None:
+        return device
+    n = int(count)
+    if name == "cpu":  # fake devices (--xla_force_host_platform_device_count) share the host's memory
+        return replace(device, count=n, memory_bytes=device.memory_bytes // max(n, 1))
+    per_chip = CORES_PER_CHIP.get(name, 1)
+    if n < 1 or n % per_chip:
+        raise JaxtuneError(f"{target!r}: {name} slices count TensorCores, {per_chip} a chip; "
+                           f"use a multiple of {per_chip}")
+    return device.with_count(n // per_chip)

@@ -1,0 +1,397 @@
+"""The analytical memory estimate of one training step, per device, from the abstract parameter tree.
+
+Nothing is allocated: the trees are `jax.eval_shape` of the same functions the training loop calls, and their
+per-device share comes from jaxtune.parallel's own shardings on an `AbstractMesh`. A step holds:
+
+  persistent, the step's arguments (exact):
+    frozen weights   in their dtype (QLoRA's NF4/int8 leaves as their packed arrays), split as the run splits them
+    trainable        float32 master copies (`init_state`)
+    optimizer        Adam's mu and nu (optax.adamw), float32 or bfloat16 (`offload.moments_dtype`)
+    batch            five [A, b, T] int32/float32 arrays
+  transient, the largest of three moments (XLA gives things not alive together the same buffer):
+    loss        every layer's saved activations + logits and their gradients [b, T, V] float32 + 2 gradients
+    backward    the saved activations + one layer's backward workspace (see activations.py) + 2 gradients
+    update      3 trainable-sized float32 buffers: the gradients, the clipped gradients, Adam's update
+  beside them: weight copies a dtype cast makes, the all-gathered layer under fsdp, objective extras (a DPO
+  reference, RLHF reference and reward models and the generation KV cache, a distillation teacher), and the
+  runtime reserve of the hardware family.
+
+"2 gradients" are the micro-batch's gradients and the accumulator `accumulated_gradients` scans with; the counts
+of copies were measured against XLA:CPU's compiled memory (experiments/planner_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.config import ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.transform import apply_method, parameter_report, partition, trainable_mask
+from jaxtune.models.params import abstract_params
+from jaxtune.planner import activations as act
+from jaxtune.planner.devices import Device, GiB
+from jaxtune.planner.plan import TrainPlan
+
+MiB = 1 << 20
+BATCH_BYTES_PER_TOKEN = 20  # input_ids, labels, segment_ids, positions int32 + loss_mask float32
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
+    tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
+    upcasts_bf16: bf16 matmuls run in float32 on float32 copies of their weights (XLA:CPU).
+    reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
+
+    activation_itemsize: int | None
+    tiled: bool
+    upcasts_bf16: bool
+    reserve_fixed: int
+    reserve_fraction: float
+    reserve_note: str
+
+
+RULES = {
+    "gpu": FamilyRules(None, False, False, 256 * MiB, 0.05,
+                       "allocator slack: 5% for the BFC allocator's fragmentation + 256 MiB of cuBLAS/cuDNN workspace "
+                       "and autotuning scratch (our assumption)"),
+    "tpu": FamilyRules(None, True, False, 128 * MiB, 0.0,
+                       "128 MiB for the program and collective buffers (our assumption); padding to (8, 128) tiles "
+                       "is counted in every array"),
+    "gaudi": FamilyRules(None, False, False, 1 * GiB, 0.05,
+                         "graph mode: 1 GiB + 5% for the compiled graphs' recipe cache and workspace (our "
+                         "assumption)"),
+    "cpu": FamilyRules(4, False, True, 700 * MiB, 0.0,
+                       "runtime baseline: 700 MiB for Python, jaxlib, the tokenizer and XLA's compiler, measured "
+                       "as a tiny model's `jaxtune train` peak RSS; XLA:CPU keeps activations in float32 and "
+                       "computes bf16 matmuls in float32"),
+}
+
+
+def _tiled_bytes(shape, itemsize: int) -> int:
+    """Bytes of an array laid out in (rows, 128) tiles over its last two dimensions."""
+    shape = tuple(shape) or (1,)
+    rows = 8 * max(1, 4 // itemsize)
+    *lead, last = shape
+    second = lead.pop() if lead else 1
+    return math.prod(lead) * (-(-second // rows) * rows) * (-(-last // 128) * 128) * itemsize
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes on one device at the step's peak, and where they go. `phases` holds the transient bytes of each of the
+    three moments; the breakdown fields are those of the largest (`peak_phase`)."""
+
+    device: Device
+    plan: TrainPlan
+    model: ModelConfig
+    mesh: dict
+    parameters: int
+    trainable_parameters: int
+    frozen_bytes: int
+    trainable_bytes: int
+    extra_models_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    saved_activations_bytes: int
+    attention_bytes: int
+    logits_bytes: int
+    workspace_bytes: int
+    weight_copies_bytes: int
+    kv_cache_bytes: int
+    batch_bytes: int
+    reserve_bytes: int
+    host_bytes: int
+    peak_phase: str
+    phases: dict
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.frozen_bytes + self.trainable_bytes + self.extra_models_bytes
+
+    @property
+    def activations_bytes(self) -> int:
+        return self.saved_activations_bytes + self.attention_bytes + self.logits_bytes + self.workspace_bytes
+
+    @property
+    def other_bytes(self) -> int:
+        return self.weight_copies_bytes + self.kv_cache_bytes + self.batch_bytes + self.reserve_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.other_bytes)
+
+    @property
+    def compiled_bytes(self) -> int:
+        """The part XLA's memory analysis of the step sees: everything but the reserve and the objective's extras."""
+        return self.total_bytes - self.reserve_bytes
+
+    @property
+    def model_states_bytes(self) -> int:
+        """Weights + one gradient + optimizer state: the ZeRO paper's "model states"."""
+        one_gradient = 4 * self.trainable_parameters // max(1, self.mesh["fsdp"] * self.mesh["tensor"])
+        return self.frozen_bytes + self.trainable_bytes + one_gradient + self.optimizer_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.device.usable_bytes
+
+    def to_dict(self) -> dict:
+        per_device = {
+            "weights_bytes": self.weights_bytes, "gradients_bytes": self.gradients_bytes,
+            "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
+            "other_bytes": self.other_bytes, "total_bytes": self.total_bytes,
+            "frozen_weights_bytes": self.frozen_bytes, "trainable_weights_bytes": self.trainable_bytes,
+            "extra_models_bytes": self.extra_models_bytes,
+            "saved_activations_bytes": self.saved_activations_bytes, "attention_scores_bytes": self.attention_bytes,
+            "logits_bytes": self.logits_bytes, "backward_workspace_bytes": self.workspace_bytes,
+            "weight_copies_bytes": self.weight_copies_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+            "batch_bytes": self.batch_bytes, "reserve_bytes": self.reserve_bytes,
+            "model_states_bytes": self.model_states_bytes,
+        }
+        p = self.plan
+        return {
+            "per_device": per_device,
+            "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes, "count": self.device.count,
+                       "usable_bytes": self.device.usable_bytes, "family": self.device.family},
+            "fits": self.fits,
+            "peak_phase": self.peak_phase,
+            "phases": self.phases,
+            "host_bytes": self.host_bytes,
+            "plan": {"method": p.method.kind, "rank": p.method.rank, "bits": p.method.bits,
+                     "batch_size": p.batch_size, "seq_len": p.seq_len, "grad_accum": p.grad_accum,
+                     "remat": p.remat, "compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype,
+                     "mesh": self.mesh, "offload": {"optimizer_state": p.offload.optimizer_state,
+                                                    "frozen_params": p.offload.frozen_params,
+                                                    "moments_dtype": p.offload.moments_dtype},
+                     "objective": p.objective},
+            "model": {"parameters": self.parameters, "trainable_parameters": self.trainable_parameters,
+                      "layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
+                      "vocab_size": self.model.vocab_size},
+            "notes": list(self.notes),
+        }
+
+
+@functools.lru_cache(maxsize=64)
+def abstract_trees(cfg: ModelConfig, method, param_dtype: str):
+    """(trainable as float32 masters, frozen, parameter count) as `fine_tune` builds them: ShapeDtypeStructs."""
+    base = abstract_params(cfg, jnp.dtype(param_dtype))
+    params = jax.eval_shape(lambda p, k: apply_method(p, cfg, method, k), base, jax.random.key(0))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
+    return trainable, frozen, parameter_report(params, method).total
+
+
+def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
+    """{"data", "fsdp", "tensor"} sizes for the plan's mesh on `device.count` devices."""
+    try:
+        return plan.mesh.resolve(device.count)
+    except JaxtuneError:
+        sizes = plan.mesh.sizes()
+        fixed = math.prod(s for s in sizes.values() if s != -1)
+        described = " x ".join(f"{k}={v}" for k, v in sizes.items())
+        raise JaxtuneError(f"mesh {described} does not divide the {device.count} device(s) of {device.target}: the "
+                           f"fixed axes need {fixed}; use sizes whose product is {device.count}, or -1 for one axis"
+                           ) from None
+
+
+def _abstract_mesh(sizes: dict):
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def _device_bytes(tree, shardings, tiled: bool) -> int:
+    """Bytes of one device's shard of every array in `tree` (shardings: the same structure)."""
+    leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+    assert len(leaves) == len(shards), (len(leaves), len(shards))
+    total = 0
+    for leaf, sharding in zip(leaves, shards):
+        shape = sharding.shard_shape(tuple(leaf.shape))
+        itemsize = np.dtype(leaf.dtype).itemsize
+        total += _tiled_bytes(shape, itemsize) if tiled else math.prod(shape) * itemsize
+    return total
+
+
+def _sharded_state(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> tuple[int, int, int, int]:
+    """Per-device bytes of (frozen, trainable masters, optimizer state, one float32 gradient)."""
+    from jaxtune.parallel.offload import low_precision_moments
+    from jaxtune.parallel.sharding import optimizer_shardings, param_shardings
+    from jaxtune.run_config import TrainConfig
+    from jaxtune.train.step import make_optimizer
+
+    trainable, frozen, _ = abstract_trees(cfg, plan.method, plan.param_dtype)
+    mesh = _abstract_mesh(sizes)
+    optimizer = make_optimizer(TrainConfig(), 1000, trainable)
+    if plan.offload.moments_dtype != "float32":
+        optimizer = low_precision_moments(optimizer, plan.offload.moments_dtype)
+    opt_state = jax.eval_shape(optimizer.init, trainable)
+    trainable_sh = param_shardings(trainable, cfg, mesh)
+    frozen_b = _device_bytes(frozen, param_shardings(frozen, cfg, mesh), tiled)
+    trainable_b = _device_bytes(trainable, trainable_sh, tiled)
+    optimizer_b = _device_bytes(opt_state, optimizer_shardings(optimizer, trainable, trainable_sh, mesh), tiled)
+    return frozen_b, trainable_b, optimizer_b, trainable_b
+
+
+def _full_size(tree, tiled: bool) -> int:
+    return sum((_tiled_bytes(x.shape, np.dtype(x.dtype).itemsize) if tiled
+                else math.prod(x.shape) * np.dtype(x.dtype).itemsize) for x in jax.tree.leaves(tree))
+
+
+def _kernel_elements(cfg: ModelConfig) -> tuple[int, int]:
+    """(elements of all layers' linear kernels, of the output head)."""
+    per_layer = act.matmul_params_per_token(cfg) - cfg.hidden_size * cfg.vocab_size
+    return per_layer, cfg.hidden_size * cfg.vocab_size
+
+
+def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_kernel: int, a: int) -> tuple[int, int]:
+    """(bytes kept for the backward, bytes alive all step) of weight copies that dtype casts make, before sharding.
+
+    Everywhere: under remat "none", JAX keeps `kernel.astype(compute dtype)` of every layer for the backward when
+    the kernel's dtype differs (float32 masters under bf16 compute; frozen bf16 weights under float32 compute).
+    QLoRA's dequantised kernels are recomputed in the backward instead (models/linear.py).
+    XLA:CPU (measured): it multiplies in float32 and converts a frozen bfloat16 weight stack once for the whole
+    loop, so a float32 copy of the frozen layers and head appears whenever bfloat16 is involved.
+    """
+    frozen = plan.method.kind != "full"
+    kernel_dtype = plan.param_dtype if frozen else "float32"
+    residual = copies = 0
+    if plan.remat == "none" and plan.method.kind != "qlora" and kernel_dtype != plan.compute_dtype:
+        # a frozen copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters cast to
+        # bf16 stay bf16
+        residual = layer_kernels * (a if frozen else jnp.dtype(plan.compute_dtype).itemsize)
+    if rules.upcasts_bf16 and frozen:
+        layers = 0 if plan.method.kind == "qlora" else layer_kernels
+        if plan.param_dtype != "float32":
+            copies += (layers + head_kernel) * 4
+        elif plan.compute_dtype != "float32":
+            copies += head_kernel * 4
+    return residual, copies
+
+
+def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
+    """Per-device memory of `plan`'s training step for `cfg` on `device` (with its count), without allocating."""
+    rules = RULES[device.family]
+    sizes = resolve_mesh(plan, device)
+    data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
+    method, tiled = plan.method, rules.tiled
+    notes: list[str] = []
+    ways = data * fsdp
+    if plan.batch_size % ways:
+        raise JaxtuneError(f"batch {plan.batch_size} rows cannot be split over data x fsdp = {data} x {fsdp} = {ways} "
+                           f"devices; use a multiple of {ways}")
+    rows = plan.batch_size // ways * (2 if plan.objective == "dpo" else 1)  # DPO: chosen and rejected rows
+    prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
+    w = act.widths(cfg, rows, plan.seq_len, prefix, tensor)
+    a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
+    nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
+
+    frozen_b, trainable_b, optimizer_b, grad_b = _sharded_state(cfg, plan, sizes, tiled)
+    trainable, _, n_total = abstract_trees(cfg, method, plan.param_dtype)
+    n_trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
+
+    # Activations: every layer's saved set, stacked by the scan.
+    saved_layer = sum(nbytes(shape, 4 if f32 else a) for _, shape, f32 in act.saved_tensors(cfg, method, plan.remat, w))
+    none_layer = sum(nbytes(shape, 4 if f32 else a) for _, shape, f32 in act.saved_tensors(cfg, method, "none", w))
+    saved_b = cfg.num_layers * saved_layer
+    scores_shape = (w.b, w.heads, w.T, w.S)
+    attention_b = act.ATTENTION_COPIES_F32 * nbytes(scores_shape, 4) + nbytes(scores_shape, a)
+    layer_workspace = int(act.BACKWARD_SHARE[plan.remat] * none_layer)
+    logits_one = nbytes((w.b, w.T, w.V), 4)
+    logits_b = act.logits_copies(method) * logits_one
+    if plan.objective == "distill":
+        logits_b += 2 * logits_one  # the teacher's logits, kept for the KL, and its softmax
+        notes.append("distillation: the teacher's logits and softmax [b, T, V] float32 sit beside the student's")
+
+    # Weight copies made by dtype casts.
+    layer_kernels, head_kernel = _kernel_elements(cfg)
+    shard = fsdp * tensor
+    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, rules, layer_kernels, head_kernel, a))
+    if copies_b and rules.upcasts_bf16:
+        notes.append("XLA:CPU multiplies bfloat16 in float32: float32 copies of the frozen weights are counted")
+    if fsdp > 1:
+        # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan, and
+        # the output head whole (measured on fake CPU devices).
+        copies_b += (layer_kernels // cfg.num_layers + head_kernel) * a // tensor
+
+    # Objective extras.
+    extra_models_b = kv_b = 0
+    frozen_copy = _full_size(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(plan.param_dtype)),
+                                          abstract_params(cfg)), tiled) // shard
+    if plan.objective in ("dpo", "rlhf") and method.kind == "full":
+        extra_models_b += frozen_copy
+        notes.append(f"{plan.objective}: a frozen reference copy of the weights (adapter methods use the base "
+                     "weights with adapters off instead)")
+    if plan.objective == "rlhf":
+        extra_models_b += frozen_copy
+        tokens = plan.seq_len + plan.generate_tokens
+        kv_b = 2 * cfg.num_layers * nbytes((w.b, tokens, w.kv_heads, cfg.head_dim), jnp.dtype(plan.compute_dtype)
+                                          .itemsize)
+        notes.append("rlhf: a frozen reward model (the policy's architecture) and the rollout KV cache")
+    if plan.objective == "distill":
+        extra_models_b += frozen_copy
+        notes.append("distillation: a frozen teacher of the student's architecture")
+
+    # The three moments of the step.
+    grads_in_flight = 2 * grad_b
+    phases = {
+        "loss": {"activations": saved_b + logits_b, "gradients": grads_in_flight, "weight_copies": residual_copies},
+        "backward": {"activations": saved_b + attention_b + layer_workspace, "gradients": grads_in_flight,
+                     "weight_copies": residual_copies},
+        "update": {"activations": 0, "gradients": 3 * grad_b, "weight_copies": 0},
+    }
+    offload = plan.offload
+    if device.family == "cpu" and (offload.optimizer_state or offload.frozen_params):
+        offload = replace(offload, optimizer_state=False, frozen_params=False)
+        notes.append("on CPU host and device memory are the same RAM: offloading moves nothing")
+    if offload.optimizer_state:
+        phases["update"]["optimizer"] = optimizer_b  # copied in for the update, written back to host after
+    if plan.objective == "rlhf":
+        phases["generate"] = {"activations": kv_b + logits_one // max(1, plan.seq_len), "gradients": 0,
+                              "weight_copies": 0}
+    for p in phases.values():
+        p["total"] = sum(p.values())
+    peak = max(phases, key=lambda k: phases[k]["total"])
+    at_peak = phases[peak]
+
+    host_b = 0
+    optimizer_dev = optimizer_b
+    if offload.optimizer_state:
+        host_b += optimizer_b
+        optimizer_dev = at_peak.get("optimizer", 0)
+        notes.append("offloaded optimizer state is on the device only during the update")
+    if offload.frozen_params:
+        host_b += frozen_b
+        notes.append("offloaded frozen weights are copied to the device whole for each step: they save device "
+                     "memory between steps, not at the step's peak")
+
+    batch_b = plan.grad_accum * nbytes((w.b // (2 if plan.objective == "dpo" else 1) or 1, plan.seq_len), 1) \
+        * BATCH_BYTES_PER_TOKEN
+    if peak == "loss":
+        saved, attention, logits, workspace = saved_b, 0, logits_b, 0
+    elif peak == "backward":
+        saved, attention, logits, workspace = saved_b, attention_b, 0, layer_workspace
+    else:
+        saved = attention = logits = workspace = 0
+    kv_at_peak = kv_b if peak == "generate" else 0
+    if peak == "generate":
+        saved = phases["generate"]["activations"] - kv_b
+    copies_b += at_peak["weight_copies"]
+    device_side = (frozen_b + trainable_b + extra_models_b + at_peak["gradients"] + optimizer_dev + saved
+                   + attention + logits + workspace + copies_b + kv_at_peak + batch_b)
+    reserve = rules.reserve_fixed + int(rules.reserve_fraction * device_side)
+    return Estimate(
+        device=device, plan=plan, model=cfg, mesh=sizes, parameters=n_total, trainable_parameters=n_trainable,
+        frozen_bytes=frozen_b, trainable_bytes=trainable_b, extra_models_bytes=extra_models_b,
+        gradients_bytes=at_peak["gradients"], optimizer_bytes=optimizer_dev, saved_activations_bytes=saved,
+        attention_bytes=attention, logits_bytes=logits, workspace_bytes=workspace, weight_copies_bytes=copies_b,
+        kv_cache_bytes=kv_at_peak, batch_bytes=batch_b, reserve_bytes=reserve, host_bytes=host_b,
+        peak_phase=peak, phases=phases, notes=tuple(notes + [rules.reserve_note]))

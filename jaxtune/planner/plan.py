@@ -1,0 +1,70 @@
+"""What a plan is: the run's shape, as the planner sees it.
+
+A `TrainPlan` holds every choice that changes memory or speed and nothing else: the method, dtypes, the global
+micro-batch and sequence length, accumulation, the remat policy, the mesh, what lives in host memory, and the
+objective (which decides how many extra model copies a step holds). It is a frozen dataclass, so plans can be
+compared, hashed, and varied with `replace` by the search.
+
+Batch sizes are global, as in the run config: `batch_size` rows per micro-batch over the whole mesh, split over
+`data x fsdp` devices (as jaxtune.parallel splits the batch axis); `grad_accum` micro-batches make one optimizer
+step. The mesh and offload are the run config's own `MeshConfig` and `OffloadConfig` (the default mesh puts every
+device on `fsdp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from jaxtune.config import MethodConfig
+from jaxtune.models.llama import REMAT_POLICIES
+from jaxtune.parallel.mesh import MeshConfig
+from jaxtune.parallel.offload import OffloadConfig
+
+OBJECTIVES = ("sft", "dpo", "rlhf", "distill")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One configuration of a fine-tuning step.
+
+    param_dtype: the frozen base weights' dtype (trainable leaves are always float32 master copies, as
+    `init_state` makes them). compute_dtype: activations and matmuls. objective: "sft" (one model), "dpo"
+    (chosen and rejected rows through the policy, plus a frozen reference), "rlhf" (PPO: a policy that also
+    generates `generate_tokens` tokens per row with a KV cache, a frozen reference and a frozen reward model),
+    "distill" (a frozen teacher's forward beside the student's).
+    """
+
+    method: MethodConfig = field(default_factory=lambda: MethodConfig("full"))
+    batch_size: int = 1
+    seq_len: int = 512
+    grad_accum: int = 1
+    remat: str = "none"
+    compute_dtype: str = "bfloat16"
+    param_dtype: str = "bfloat16"
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    objective: str = "sft"
+    generate_tokens: int = 0
+
+    def __post_init__(self):
+        for name in ("batch_size", "seq_len", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        object.__setattr__(self, "remat", self.remat.replace("-", "_"))
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+        for name in ("compute_dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+
+    @property
+    def global_batch(self) -> int:
+        """Rows per optimizer step."""
+        return self.batch_size * self.grad_accum
+
+    def replace(self, **changes) -> TrainPlan:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,109 @@
+"""Plans as people read them (a table) and as scripts read them (a JSON-ready dict)."""
+
+from __future__ import annotations
+
+from jaxtune.planner.confirm import CompiledMemory
+from jaxtune.planner.estimate import Estimate
+from jaxtune.planner.search import SearchResult, explain
+from jaxtune.planner.timing import StepTime
+
+GiB = 1 << 30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:10.2f}"
+
+
+def plan_dict(est: Estimate, time: StepTime | None = None, compiled: CompiledMemory | None = None) -> dict:
+    """`est.to_dict()` with the predicted step time and, if given, XLA's compiled memory of the same plan."""
+    out = est.to_dict()
+    if time is not None:
+        out["step"] = time.to_dict()
+    if compiled is not None:
+        out["compiled"] = {**compiled.to_dict(), "estimate_bytes": est.compiled_bytes,
+                           "relative_error": est.compiled_bytes / compiled.total_bytes - 1}
+    return out
+
+
+def _describe(est: Estimate) -> list[str]:
+    p, cfg, mesh = est.plan, est.model, est.mesh
+    method = p.method.kind + (f" r={p.method.rank}" if p.method.kind in ("lora", "qlora") else "") + \
+        (f" {p.method.bits}-bit" if p.method.kind == "qlora" else "")
+    return [
+        f"model: {est.parameters / 1e9:.3g}B parameters ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}); trainable {est.trainable_parameters:,}",
+        f"plan: {method}, {p.objective}; batch {p.batch_size} x {p.grad_accum} accumulation, sequence {p.seq_len}, "
+        f"remat {p.remat}, compute {p.compute_dtype}, weights {p.param_dtype}",
+        f"target: {est.device.count} x {est.device.name} (mesh data={mesh['data']} fsdp={mesh['fsdp']} "
+        f"tensor={mesh['tensor']}){', offload ' + _offload(est) if _offload(est) else ''}",
+    ]
+
+
+def _offload(est: Estimate) -> str:
+    o = est.plan.offload
+    parts = [name for name, on in (("optimizer state", o.optimizer_state), ("frozen weights", o.frozen_params)) if on]
+    if o.moments_dtype != "float32":
+        parts.append(f"moments in {o.moments_dtype}")
+    return ", ".join(parts)
+
+
+def format_compiled(compiled: CompiledMemory, est: Estimate) -> str:
+    """XLA's memory analysis of the compiled step beside the planner's figure for the same plan and backend."""
+    return "\n".join([
+        f"XLA ({compiled.backend}, compiled in {compiled.compile_seconds:.1f} s, per device): arguments "
+        f"{compiled.argument_bytes / GiB:.3f} + temporaries {compiled.temp_bytes / GiB:.3f} + outputs "
+        f"{compiled.output_bytes / GiB:.3f} - aliased {compiled.alias_bytes / GiB:.3f} = {compiled.total_bytes / GiB:.3f} GiB",
+        f"planner, the same plan on {est.device.target}, without the runtime reserve: {est.compiled_bytes / GiB:.3f} "
+        f"GiB ({100 * (est.compiled_bytes / compiled.total_bytes - 1):+.1f}%)"])
+
+
+def format_estimate(est: Estimate, time: StepTime | None = None) -> str:
+    """The per-device breakdown as a table, with the step time when given."""
+    d = est.device
+    rows = [
+        ("weights", est.weights_bytes, f"frozen {est.frozen_bytes / GiB:.2f} + trainable float32 "
+                                       f"{est.trainable_bytes / GiB:.2f} + extra models {est.extra_models_bytes / GiB:.2f}"),
+        ("gradients", est.gradients_bytes, "float32, the copies alive at the peak"),
+        ("optimizer", est.optimizer_bytes, "Adam mu and nu" + (" (in host memory between steps)"
+                                                                if est.plan.offload.optimizer_state else "")),
+        ("activations", est.activations_bytes, f"saved {est.saved_activations_bytes / GiB:.2f} + attention "
+                                               f"{est.attention_bytes / GiB:.2f} + logits {est.logits_bytes / GiB:.2f}"
+                                               f" + backward workspace {est.workspace_bytes / GiB:.2f}"),
+        ("other", est.other_bytes, f"weight copies {est.weight_copies_bytes / GiB:.2f} + KV cache "
+                                   f"{est.kv_cache_bytes / GiB:.2f} + batch {est.batch_bytes / GiB:.2f} + reserve "
+                                   f"{est.reserve_bytes / GiB:.2f}"),
+    ]
+    lines = _describe(est) + ["", f"  {'per device':<12}{'GiB':>10}"]
+    lines += [f"  {name:<12}{_gib(value)}   {detail}" for name, value, detail in rows]
+    verdict = "fits" if est.fits else "does NOT fit"
+    lines.append(f"  {'total':<12}{_gib(est.total_bytes)}   of {d.usable_bytes / GiB:.2f} usable "
+                 f"({d.memory_bytes / GiB:.0f} GiB x {d.usable_fraction}): {verdict}")
+    transient = ", ".join(f"{k} {v['total'] / GiB:.2f}" for k, v in est.phases.items())
+    lines.append(f"  peak in the {est.peak_phase} (transient GiB by moment: {transient})")
+    if est.host_bytes:
+        lines.append(f"  host memory: {est.host_bytes / GiB:.2f} GiB a device")
+    if time is not None:
+        lines.append(f"  step: {time.step_s:.3g} s, {time.tokens_per_s:,.0f} tokens/s, {time.bound}-bound "
+                     f"(compute {time.compute_s:.3g} s, memory {time.memory_s:.3g} s, communication "
+                     f"{time.comm_s:.3g} s a micro-batch)")
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def format_search(result: SearchResult, top: int = 3) -> str:
+    """The best `top` fitting plans with why they win, or the smallest change that would make one fit."""
+    if not result.candidates:
+        lines = [f"no plan fits ({result.tried} tried)."]
+        lines.append(f"smallest change that fits: {result.suggestion}")
+        if result.suggested is not None:
+            lines += ["", format_estimate(result.suggested.estimate, result.suggested.time)]
+        return "\n".join(lines)
+    lines = [f"{len(result.candidates)} of {result.tried} plans fit; the fastest:"]
+    for i, c in enumerate(result.candidates[:top], 1):
+        p, m = c.plan, c.estimate.mesh
+        lines += ["", f"#{i}: batch {p.batch_size} x {p.grad_accum}, remat {p.remat}, mesh data={m['data']} "
+                      f"fsdp={m['fsdp']} tensor={m['tensor']}"
+                      + (f", QLoRA {p.method.bits}-bit" if p.method.kind == "qlora" else "")
+                      + (", optimizer state in host memory" if p.offload.optimizer_state else "")]
+        lines += [f"    {line}" for line in explain(c, result.candidates)]
+    return "\n".join(lines)

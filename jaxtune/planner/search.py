@@ -1,0 +1,198 @@
+"""Plan search: every way of running a fine-tune on a target that fits, ranked by predicted step time.
+
+For a model, a base plan (method, sequence length, dtypes) and a target with its device count, the search tries
+the split of the requested global batch into micro-batch x accumulation, the remat policies, every (data, fsdp,
+tensor) mesh the devices factor into, QLoRA's 4 and 8 bits when the method is QLoRA, and keeping the optimizer
+state in host memory. It keeps the plans that fit, ranks them by predicted step time (timing.py) and says why the
+best ones win. When nothing fits it looks for the smallest change that would: offloading, a lighter method,
+a shorter sequence, more devices, a device with more memory - in that order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.parallel.mesh import MeshConfig
+from jaxtune.parallel.offload import OffloadConfig
+from jaxtune.planner.devices import CATALOGUE, Device
+from jaxtune.planner.estimate import Estimate, estimate
+from jaxtune.planner.plan import TrainPlan
+from jaxtune.planner.timing import StepTime, step_time
+
+REMATS = ("none", "save_matmuls", "full")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    estimate: Estimate
+    time: StepTime
+
+    @property
+    def plan(self) -> TrainPlan:
+        return self.estimate.plan
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Fitting candidates, fastest first; `tried` counts every plan estimated. When none fits, `suggestion` is the
+    smallest change found that makes one fit (or says that none was found)."""
+
+    candidates: tuple[Candidate, ...]
+    tried: int
+    suggestion: str | None = None
+    suggested: Candidate | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(cfg: ModelConfig, count: int) -> list[MeshConfig]:
+    """Every (data, fsdp, tensor) split of `count` devices whose tensor axis divides the kv heads (and is at most 8,
+    one host's NVLink/ICI neighbourhood)."""
+    out = []
+    for tensor in _divisors(count):
+        if tensor > 8 or cfg.num_kv_heads % tensor:
+            continue
+        for fsdp in _divisors(count // tensor):
+            out.append(MeshConfig(count // (tensor * fsdp), fsdp, tensor))
+    return out
+
+
+def _batch_splits(global_batch: int, ways: int) -> list[tuple[int, int]]:
+    """(micro-batch rows over the mesh, accumulation steps) with rows a multiple of `ways` and rows x steps equal to
+    the global batch."""
+    if global_batch % ways:
+        return []
+    per = global_batch // ways
+    return [(ways * k, per // k) for k in _divisors(per)]
+
+
+def _variants(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
+    mesh_options = [base.mesh] if "mesh" in fixed else meshes(cfg, device.count)
+    remat_options = [base.remat] if "remat" in fixed else list(REMATS)
+    methods = [base.method]
+    if base.method.kind == "qlora" and "bits" not in fixed:
+        methods = [replace(base.method, bits=b) for b in (4, 8)]
+    offloads = [base.offload] if "offload" in fixed else [base.offload, replace(base.offload, optimizer_state=True)]
+    for mesh, remat, method, offload in itertools.product(mesh_options, remat_options, methods, offloads):
+        try:
+            sizes = mesh.resolve(device.count)
+        except JaxtuneError:
+            continue
+        ways = sizes["data"] * sizes["fsdp"]
+        splits = [(base.batch_size, base.grad_accum)] if "batch" in fixed else _batch_splits(global_batch, ways)
+        for rows, accum in splits:
+            yield base.replace(mesh=MeshConfig(**sizes), remat=remat, method=method, offload=offload,
+                               batch_size=rows, grad_accum=accum)
+
+
+def search(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int | None = None,
+           fixed: tuple[str, ...] = ()) -> SearchResult:
+    """Fitting plans for `cfg` on `device`, fastest first.
+
+    global_batch: rows per optimizer step (default: the base plan's batch_size x grad_accum).
+    fixed: choices the search must keep from `base`: any of "mesh", "remat", "bits", "offload", "batch".
+    """
+    global_batch = global_batch or base.global_batch
+    fitting, tried = _fitting(cfg, base, device, global_batch, set(fixed))
+    if fitting:
+        return SearchResult(tuple(fitting), tried)
+    suggestion, suggested = smallest_change(cfg, base, device, global_batch, fixed)
+    return SearchResult((), tried, suggestion, suggested)
+
+
+def _fitting(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
+    """(fitting candidates, number of plans estimated) over every variant of `base`."""
+    seen, fitting = set(), []
+    for plan in _variants(cfg, base, device, global_batch, fixed):
+        if plan in seen:
+            continue
+        seen.add(plan)
+        try:
+            est = estimate(cfg, plan, device)
+        except JaxtuneError:
+            continue
+        if est.fits:
+            fitting.append(Candidate(est, step_time(est)))
+    # Equal times (compute-bound plans often tie): less recomputation, fewer accumulation steps, less memory.
+    fitting.sort(key=lambda c: (float(f"{c.time.step_s:.3g}"), REMATS.index(c.plan.remat), c.plan.grad_accum,
+                                c.estimate.total_bytes))
+    return fitting, len(seen)
+
+
+def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int,
+                    fixed: tuple[str, ...] = ()) -> tuple[str, Candidate | None]:
+    """The first change, in order of how little it changes the run, under which some plan fits."""
+    free = tuple(f for f in fixed if f not in ("offload", "remat", "batch"))
+    tries: list[tuple[str, TrainPlan, Device, int]] = []
+    tries.append(("keep Adam's moments in bfloat16 and the optimizer state in host memory",
+                  base.replace(offload=OffloadConfig(True, base.offload.frozen_params, "bfloat16")), device,
+                  global_batch))
+    lighter = {"full": [MethodConfig("lora", target_modules=("all-linear",)), MethodConfig("qlora", bits=4)],
+               "lora": [replace(base.method, kind="qlora", bits=4)], "dora": [], "ia3": [], "prefix": [],
+               "adapter": []}.get(base.method.kind, [])
+    if base.method.kind == "qlora" and base.method.bits == 8:
+        lighter = [replace(base.method, bits=4)]
+    for m in lighter:
+        label = "QLoRA 4-bit" if m.kind == "qlora" else "LoRA on all linear layers"
+        tries.append((f"{label} instead of {base.method.kind}", base.replace(method=m), device, global_batch))
+    seq = base.seq_len // 2
+    while seq >= 128:
+        tries.append((f"sequence length {seq} instead of {base.seq_len}", base.replace(seq_len=seq), device,
+                      global_batch))
+        seq //= 2
+    if global_batch > 1:
+        tries.append((f"global batch 1 instead of {global_batch}", base.replace(batch_size=1, grad_accum=1), device,
+                      1))
+    unit = 2 if device.family == "tpu" and device.name in ("v4", "v5p") else 1
+    limit = 512 if device.family == "tpu" else 64
+    count = device.count * 2
+    while count <= limit:
+        target = device.with_count(count)
+        tries.append((f"{count} x {device.name} instead of {device.count} (target {device.name}-{count * unit})",
+                      base.replace(mesh=MeshConfig()), target, max(global_batch, count)))
+        count *= 2
+    for other in sorted(CATALOGUE.values(), key=lambda d: d.usable_bytes):
+        if other.usable_bytes > device.usable_bytes:
+            tries.append((f"{device.count} x {other.name} ({other.memory_bytes / GiB:.0f} GiB) instead of "
+                          f"{device.name}", base, other.with_count(device.count), global_batch))
+    for label, plan, target, batch in tries:
+        fitting, _ = _fitting(cfg, plan, target, batch, set(free))
+        if fitting:
+            return label, fitting[0]
+    return "no change tried fits (offload, lighter methods, shorter sequences, up to 64 devices, larger devices)", None
+
+
+def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[str]:
+    """Why this plan: what bounds it, where its memory goes, what each choice buys."""
+    est, t, plan = candidate.estimate, candidate.time, candidate.plan
+    usable = est.device.usable_bytes
+    lines = [f"{est.total_bytes / GiB:.1f} of {usable / GiB:.1f} GiB usable per device "
+             f"({100 * (1 - est.total_bytes / usable):.0f}% headroom); peak in the {est.peak_phase}; "
+             f"{t.step_s:.3g} s a step, {t.tokens_per_s:,.0f} tokens/s, {t.bound}-bound"]
+    mesh = est.mesh
+    if mesh["fsdp"] > 1:
+        lines.append(f"fsdp={mesh['fsdp']} splits weights, gradients and optimizer state {mesh['fsdp']} ways "
+                     f"(model states {est.model_states_bytes / GiB:.1f} GiB a device)")
+    if mesh["tensor"] > 1:
+        lines.append(f"tensor={mesh['tensor']} splits heads, MLP and vocabulary: activations per device shrink, at "
+                     f"the cost of per-layer all-reduces")
+    if mesh["data"] > 1:
+        lines.append(f"data={mesh['data']} replicates the weights: no gathers, one gradient all-reduce a step")
+    if plan.grad_accum > 1:
+        lines.append(f"{plan.batch_size} rows a micro-batch x {plan.grad_accum} accumulation steps reach the global "
+                     f"batch of {plan.global_batch} without holding it all at once")
+    if plan.remat != "none":
+        lighter = estimate(est.model, plan.replace(remat="none"), est.device)
+        verdict = "does not fit" if not lighter.fits else "fits but ranks lower"
+        lines.append(f"remat {plan.remat}: without remat the step needs {lighter.total_bytes / GiB:.1f} GiB "
+                     f"({verdict})")
+    if plan.offload.optimizer_state:
+        lines.append(f"optimizer state in host memory ({est.host_bytes / GiB:.1f} GiB), moved each step over the "
+                     f"host link ({t.host_s:.3g} s)")
+    return lines

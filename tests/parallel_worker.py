@@ -1,0 +1,147 @@
+"""Sharded training on 8 fake CPU devices, run by tests/test_parallel.py in a subprocess.
+
+XLA fixes the number of host devices when jax is first imported, which a pytest worker has already done, so the
+sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=8, and print one JSON object:
+
+    python tests/parallel_worker.py full|lora|qlora
+    python tests/parallel_worker.py loop CONFIG.toml [section.key=value ...]
+
+For one method: 10 steps on one device, then on each mesh (fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2);
+the per-device bytes under fsdp=8; bfloat16 moments (LoRA). `loop` runs `fine_tune` on the 8 devices (the
+host-offload check) and prints its metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+if "jax" not in sys.modules:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.methods.transform import apply_method, partition, trainable_mask
+from jaxtune.models.llama import ForwardOptions
+from jaxtune.models.params import init_params
+from jaxtune.parallel import (MeshConfig, OffloadConfig, bytes_per_device, init_sharded_state, low_precision_moments,
+                              make_mesh, shard_train_step, total_bytes, train_shardings)
+from jaxtune.run_config import TrainConfig
+from jaxtune.train.step import learning_rate_schedule, make_optimizer, make_train_step
+
+STEPS, ACCUM, ROWS, SEQ = 10, 2, 8, 32
+CFG = tiny_config(initializer_range=0.1)
+METHODS = {
+    "full": MethodConfig("full"),
+    "lora": MethodConfig("lora", rank=4, target_modules=("all-linear",)),
+    "qlora": MethodConfig("qlora", rank=4, target_modules=("all-linear",), bits=4, double_quant=True),
+}
+MESHES = {
+    "fsdp=8": MeshConfig(fsdp=8),
+    "data=8": MeshConfig(data=8, fsdp=1),
+    "data=2 x fsdp=4": MeshConfig(data=2, fsdp=4),
+    "fsdp=4 x tensor=2": MeshConfig(fsdp=4, tensor=2),
+}
+TRAIN = TrainConfig(learning_rate=1e-2, grad_accum=ACCUM, batch_size=ROWS, warmup_steps=2)
+
+
+def batches(seed: int = 0) -> list[dict]:
+    """STEPS stacks of [A, B, T]: two packed segments per row, a padded tail, a loss mask on about half the tokens,
+    and labels a fixed function of the input token, a rule the model learns within the 10 steps."""
+    rng = np.random.default_rng(seed)
+    shape = (STEPS, ACCUM, ROWS, SEQ)
+    split = SEQ // 2 - 3
+    idx = np.arange(SEQ)
+    segment_ids = np.where(idx < split, 1, np.where(idx < SEQ - 4, 2, 0)) * np.ones(shape, np.int32)
+    positions = np.where(idx < split, idx, idx - split) * (segment_ids > 0)
+    input_ids = rng.integers(3, CFG.vocab_size, shape, dtype=np.int32)
+    data = {"input_ids": input_ids, "labels": (input_ids * 7 + 3) % CFG.vocab_size,
+            "loss_mask": ((rng.random(shape) < 0.5) & (segment_ids > 0)).astype(np.float32),
+            "segment_ids": segment_ids.astype(np.int32), "positions": positions.astype(np.int32)}
+    return [{k: v[i] for k, v in data.items()} for i in range(STEPS)]
+
+
+@functools.cache  # the same starting point for every mesh (nothing below mutates it)
+def setup(method: MethodConfig):
+    # one jit rather than dozens of eagerly compiled ops: CPU compile time is this test's cost
+    base = jax.jit(init_params, static_argnums=0)(CFG, jax.random.key(0))
+    params = jax.jit(apply_method, static_argnums=(1, 2))(base, CFG, method, jax.random.key(1))
+    if method.kind in ("lora", "qlora"):  # B != 0, so every adapter leaf trains from step 1
+        params["layers"] = {name: ({**m, "lora_b": m["lora_b"] + 0.01} if isinstance(m, dict) and "lora_b" in m
+                                   else m) for name, m in params["layers"].items()}
+    # numpy leaves: placing them on a mesh is a plain copy (a jax array is resharded by a compiled program)
+    return partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+
+
+def train(method_name: str, mesh_config: MeshConfig, devices=None, offload=OffloadConfig(), keep=False):
+    """Losses of STEPS steps (and, with keep, the final state and shardings)."""
+    method = METHODS[method_name]
+    mesh = make_mesh(mesh_config, devices)
+    trainable, frozen = setup(method)
+    optimizer = make_optimizer(TRAIN, STEPS, trainable)
+    if offload.moments_dtype != "float32":
+        optimizer = low_precision_moments(optimizer, offload.moments_dtype)
+    shardings = train_shardings(mesh, CFG, trainable, frozen, optimizer, ROWS, offload)
+    state = init_sharded_state(trainable, optimizer, 0, shardings)
+    frozen = jax.device_put(frozen, shardings.frozen)
+    step = shard_train_step(make_train_step(CFG, method, ForwardOptions(), optimizer,
+                                            learning_rate_schedule(TRAIN, STEPS)), shardings)
+    losses = []
+    for batch in batches():
+        state, metrics = step(state, frozen, jax.device_put(batch, shardings.batch))
+        losses.append(float(metrics["loss"]))
+    assert step._cache_size() == 1, "the sharded step compiled more than once"
+    return (losses, state, frozen, shardings) if keep else losses
+
+
+def relative_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def run(method: str) -> dict:
+    """One method: the single-device losses, every mesh's largest relative loss difference, and extras."""
+    reference = train(method, MeshConfig(fsdp=1), jax.devices()[:1])
+    out = {"single": reference}
+    for mesh, config in MESHES.items():
+        losses, state, frozen, shardings = train(method, config, keep=True)
+        out[mesh] = relative_diff(losses, reference)
+        if mesh == "fsdp=8":
+            fsdp8_losses = losses
+            for part, tree in (("params", state["params"]), ("opt_state", state["opt_state"]), ("frozen", frozen)):
+                held = bytes_per_device(tree)
+                out[f"{part}_bytes"] = {
+                    "total": total_bytes(tree), "per_device": sorted(set(held.values())), "devices": len(held),
+                    "replicated": total_bytes([x for x in jax.tree.leaves(tree) if x.sharding.is_fully_replicated])}
+        if mesh == "fsdp=4 x tensor=2":
+            q_proj = shardings.params["layers"]["q_proj"]
+            out["specs"] = {name: str(jax.tree.map(lambda s: tuple(s.spec), q_proj[name])) for name in q_proj}
+    if method == "lora":  # bfloat16 moments against float32 moments, same mesh and batches
+        losses, state, _, _ = train(method, MeshConfig(fsdp=8), offload=OffloadConfig(moments_dtype="bfloat16"),
+                                    keep=True)
+        out["bf16_moments"] = {"losses": losses, "fp32_losses": fsdp8_losses,
+                               "relative_diff": relative_diff(losses, fsdp8_losses),
+                               "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(state["opt_state"])})}
+    return out
+
+
+def loop(config: str, overrides: list[str]) -> dict:
+    """`fine_tune` as `jaxtune train CONFIG --set ...` runs it on this process's 8 devices: its metrics records."""
+    from jaxtune.run_config import load_run_config
+    from jaxtune.train.loop import fine_tune
+
+    result = fine_tune(load_run_config(config, overrides), log=lambda *_: None)
+    lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    return {"records": [json.loads(line) for line in lines], "result": str(result.result_path)}
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.devices()
+    if sys.argv[1] == "loop":
+        print(json.dumps(loop(sys.argv[2], sys.argv[3:])))
+    else:
+        print(json.dumps(run(sys.argv[1])))

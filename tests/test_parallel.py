@@ -1,0 +1,297 @@
+"""Scale-out: the mesh config, the rules table, shardings of every kind of leaf, ZeRO-3 bytes, host offload,
+bfloat16 moments, and sharded training equal to one device.
+
+The 8-device checks run in a subprocess (tests/parallel_worker.py) under
+XLA_FLAGS=--xla_force_host_platform_device_count=8: a pytest worker has imported jax with one device already.
+The worker's backend optimisation level is 0, which halves XLA's compile time on CPU; the single-device reference
+runs in the same process with the same flags. Shape-level checks use an `abstract_mesh` of the real Llama-3-8B
+config: nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.transform import apply_method, partition, trainable_mask
+from jaxtune.models.params import init_params
+from jaxtune.models.presets import write_random_model
+from jaxtune.parallel import (MeshConfig, OffloadConfig, abstract_mesh, batch_sharding, init_sharded_state,
+                              low_precision_moments, make_mesh, param_shardings, partition_spec, shard_train_step,
+                              sharded_bytes, total_bytes, train_shardings)
+from jaxtune.parallel import offload as offload_module
+from jaxtune.run_config import TrainConfig, dump_run_config, load_run_config
+from jaxtune.train.checkpoint import Checkpoints
+from jaxtune.train.loop import fine_tune
+from jaxtune.train.step import init_state, make_optimizer
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
+MESHES = ("fsdp=8", "data=8", "data=2 x fsdp=4", "fsdp=4 x tensor=2")
+TINY = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                   head_dim=4)
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                        num_kv_heads=8, head_dim=128, rope_theta=500000.0)
+
+
+def run_worker(*args: str) -> dict:
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- 8 fake devices ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_sharded_training_on_8_devices(method):
+    """One subprocess per method (its compiles dominate), checking:
+
+    - every mesh trains like one device: 10 steps of 2 accumulated micro-batches x 8 rows, loss within 1e-5;
+    - ZeRO-3 under fsdp=8, read from the arrays' shards: each device holds 1/8 of the params, optimizer state and
+      frozen weights; only scalars (Adam's counter, QLoRA's per-layer offsets) are replicated;
+    - on fsdp=4 x tensor=2 the kernel is (-, fsdp, tensor), LoRA A splits its input axis the same way first, LoRA B
+      its output axis, NF4 codes and absmax their block axis output-major (tensor first);
+    - LoRA with bfloat16 moments stores bfloat16 and moves the 10-step loss by ~1e-6.
+    """
+    out = run_worker(method)
+    assert len(out["single"]) == 10 and len(set(out["single"])) > 1
+    for mesh in MESHES:
+        assert out[mesh] <= 1e-5, (mesh, out[mesh])
+
+    for part in ("params", "opt_state") + (("frozen",) if method != "full" else ()):
+        b = out[f"{part}_bytes"]
+        assert b["devices"] == 8 and len(b["per_device"]) == 1, b
+        assert b["per_device"][0] == (b["total"] - b["replicated"]) // 8 + b["replicated"], (part, b)
+        assert b["replicated"] <= 0.001 * b["total"], (part, b)
+
+    specs = out["specs"]
+    if method == "qlora":
+        assert "codes=(None, ('tensor', 'fsdp'))" in specs["kernel"]
+        assert "absmax=(None, ('tensor', 'fsdp'))" in specs["kernel"]
+    else:
+        assert specs["kernel"] == "(None, 'fsdp', 'tensor')"
+    if method != "full":
+        assert specs["lora_a"] == "(None, ('fsdp', 'tensor'), None)"
+        assert specs["lora_b"] == "(None, None, ('tensor', 'fsdp'))"
+
+    if method == "lora":
+        bf16 = out["bf16_moments"]
+        assert bf16["dtypes"] == ["bfloat16", "int32"]
+        assert bf16["relative_diff"] <= 1e-4  # measured 2.4e-6 over these 10 steps; the README has longer runs
+
+
+def test_fine_tune_on_8_devices_with_offload_equals_one_device(tmp_path):
+    """`jaxtune train` of QLoRA with [mesh] data=2 fsdp=4 and [offload] optimizer state and (NF4) frozen weights in
+    pinned host memory, against the same config on one device: train and eval losses, checkpoints, the adapter."""
+    model = write_random_model(tmp_path / "model", "llama", seed=0, initializer_range=0.1)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:40]))
+    config = tmp_path / "run.toml"
+    config.write_text("\n".join([
+        "[model]", f'path = "{model}"', "[method]", 'kind = "qlora"', "rank = 4", 'target_modules = ["all-linear"]',
+        "[data]", f'train = "{data}"', "max_seq_len = 96", "eval_fraction = 0.25",
+        "[train]", "max_steps = 3", "batch_size = 8", "grad_accum = 2", "learning_rate = 1e-2", "log_every = 1",
+        "checkpoint_every = 2"]) + "\n")
+    single = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'one'}"]), log=lambda *_: None)
+    records = [json.loads(line) for line in (single.run_dir / "metrics.jsonl").read_text().splitlines()]
+    sharded = run_worker("loop", str(config), f"train.output_dir={tmp_path / 'eight'}", "mesh.data=2",
+                         "offload.optimizer_state=true", "offload.frozen_params=true")
+    assert Path(sharded["result"], "adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "eight" / "checkpoints").iterdir()) == ["2", "3"]
+    assert len(sharded["records"]) == len(records) and any("eval_loss" in r for r in records)
+    for a, b in zip(sharded["records"], records):
+        for key in ("loss", "eval_loss", "grad_norm"):
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+
+
+def test_offloaded_state_stays_in_host_memory_through_steps_and_checkpoints(tmp_path):
+    """Placement mechanics on this process's one CPU device: the optimizer state and frozen weights start, stay and
+    are restored in pinned host memory, the trainable params on the device, and the step computes what it would
+    without offload."""
+    mesh = make_mesh(MeshConfig())
+    trainable = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
+    frozen = {"v": jnp.cos(jnp.arange(64.0)).reshape(8, 8)}
+    optimizer = optax.adam(0.1)
+    shardings = train_shardings(mesh, TINY, trainable, frozen, optimizer, 8,
+                                OffloadConfig(optimizer_state=True, frozen_params=True))
+
+    def step(state, frozen, batch):
+        grads = {"w": frozen["v"] * jnp.sum(batch["x"])}
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return {**state, "params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, {}
+
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    state = init_sharded_state(trainable, optimizer, 0, shardings)
+    host_frozen = jax.device_put(frozen, shardings.frozen)
+    assert kinds(state["opt_state"]) == kinds(host_frozen) == {"pinned_host"}
+    assert kinds(state["params"]) == {"device"}
+    sharded_step = shard_train_step(jax.jit(step), shardings)
+    reference = init_state(trainable, optimizer, 0)
+    for i in range(2):
+        batch = {"x": np.full((1, 8, 2), 0.5 + i, np.float32)}
+        state, _ = sharded_step(state, host_frozen, batch)
+        reference, _ = step(reference, frozen, batch)
+    assert kinds(state["opt_state"]) == {"pinned_host"} and kinds(state["params"]) == {"device"}
+    np.testing.assert_allclose(state["params"]["w"], reference["params"]["w"], rtol=1e-6)
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=1)
+    checkpoints.save(2, state, {})
+    restored, _ = checkpoints.restore(2, state)
+    checkpoints.close()
+    assert kinds(restored["opt_state"]) == {"pinned_host"}
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert a.sharding == b.sharding and np.array_equal(a, b)
+
+
+# -- the rules, on abstract meshes (no devices) --------------------------------------------------------------------
+
+def test_rules_split_heads_and_hidden_and_drop_what_does_not_divide():
+    mesh = {"data": 2, "fsdp": 4, "tensor": 2}
+    assert partition_spec(("layers", "embed", "mlp"), (32, 4096, 14336), mesh) == P(None, "fsdp", "tensor")
+    assert partition_spec(("vocab", "embed"), (128256, 4096), mesh) == P("tensor", "fsdp")
+    assert partition_spec(("layers", "embed"), (32, 4096), mesh) == P(None, ("fsdp", "tensor"))
+    # 259 (a byte-level vocabulary) divides by nothing: kept whole, and fsdp still splits the hidden axis
+    assert partition_spec(("vocab", "embed"), (259, 64), mesh) == P(None, ("fsdp", "tensor"))
+    # 2 kv heads x 64 on tensor=2 x fsdp=4 would be fine; 6 columns take tensor but not fsdp
+    assert partition_spec(("layers", "lora_rank", "kv_heads"), (2, 4, 6), mesh) == P(None, None, "tensor")
+    assert partition_spec((None, "batch", None), (4, 8, 128), mesh) == P(None, ("data", "fsdp"), None)
+    assert partition_spec((None, "batch", None), (4, 8, 128), {"data": 8, "fsdp": 1, "tensor": 1}) == P(None, "data", None)
+    with pytest.raises(ValueError, match="no sharding rule for logical axis 'heads'"):
+        partition_spec(("layers", "heads"), (2, 8), mesh)
+
+
+METHODS_8B = {
+    "full": MethodConfig("full"),
+    "lora": MethodConfig("lora", rank=16, target_modules=("all-linear",)),
+    "dora": MethodConfig("lora", rank=16, target_modules=("all-linear",), dora=True),
+    "qlora": MethodConfig("qlora", rank=16, target_modules=("all-linear",)),
+    "qlora8": MethodConfig("qlora", rank=16, target_modules=("all-linear",), bits=8),
+    "ia3": MethodConfig("ia3"),
+    "prefix": MethodConfig("prefix"),
+    "adapter": MethodConfig("adapter"),
+}
+
+
+@pytest.mark.parametrize("kind", list(METHODS_8B))
+@pytest.mark.parametrize("mesh_config", [MeshConfig(fsdp=8), MeshConfig(fsdp=4, tensor=2), MeshConfig(data=2, fsdp=4)])
+def test_llama3_8b_every_leaf_kind_is_partitioned(kind, mesh_config):
+    """Per-device bytes of trainable params, optimizer state and frozen weights are 1/(fsdp x tensor) of the total,
+    for every method's leaves on the real Llama-3-8B shapes (from `NamedSharding.shard_shape`, nothing allocated)."""
+    method = METHODS_8B[kind]
+    params = jax.eval_shape(lambda k: apply_method(init_params(LLAMA3_8B, k, "bfloat16"), LLAMA3_8B, method, k),
+                            jax.random.key(0))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    optimizer = make_optimizer(TrainConfig(), 10, trainable)
+    shardings = train_shardings(abstract_mesh(mesh_config, 8), LLAMA3_8B, trainable, frozen, optimizer, 8)
+    ways = mesh_config.resolve(8)["fsdp"] * mesh_config.resolve(8)["tensor"]
+    state = jax.eval_shape(lambda t: {"params": t, "opt_state": optimizer.init(t)}, trainable)
+    for name, tree, sh in (("params", state["params"], shardings.state["params"]),
+                           ("opt_state", state["opt_state"], shardings.state["opt_state"]),
+                           ("frozen", frozen, shardings.frozen)):
+        total = total_bytes(tree)
+        assert sharded_bytes(tree, sh) <= total / ways * 1.0001 + 64, (name, total, sharded_bytes(tree, sh))
+
+
+def test_method_leaves_follow_their_base_kernel():
+    """The mesh axes of LoRA A's input axis and LoRA B's output axis begin with the kernel's; DoRA's magnitude and
+    IA3's vectors take the output (input) axis's."""
+    cfg = LLAMA3_8B
+    mesh = abstract_mesh(MeshConfig(fsdp=4, tensor=2), 8)
+    method = MethodConfig("lora", rank=16, target_modules=("all-linear",), dora=True)
+    params = jax.eval_shape(lambda k: apply_method(init_params(cfg, k), cfg, method, k), jax.random.key(0))
+    shardings = param_shardings(params, cfg, mesh)
+    as_tuple = lambda spec: [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
+    for name, module in shardings["layers"].items():
+        if not isinstance(module, dict) or "kernel" not in module:
+            continue
+        _, k_in, k_out = as_tuple(module["kernel"].spec)
+        _, a_in, _ = as_tuple(module["lora_a"].spec)
+        _, _, b_out = as_tuple(module["lora_b"].spec)
+        _, m_out = as_tuple(module["magnitude"].spec)
+        assert a_in[:len(k_in)] == k_in and b_out[:len(k_out)] == k_out and m_out[:len(k_out)] == k_out, name
+
+
+def test_nf4_blocks_stay_whole_on_every_device():
+    """Each device's codes are exactly the blocks its absmax entries describe: the flat split is whole blocks."""
+    cfg = LLAMA3_8B
+    method = MethodConfig("qlora", rank=16, target_modules=("all-linear",))
+    params = jax.eval_shape(lambda k: apply_method(init_params(cfg, k), cfg, method, k), jax.random.key(0))
+    for mesh_config in (MeshConfig(fsdp=8), MeshConfig(fsdp=4, tensor=2)):
+        shardings = param_shardings(params, cfg, abstract_mesh(mesh_config, 8))
+        for name in ("q_proj", "k_proj", "gate_proj", "down_proj"):
+            q, s = params["layers"][name]["kernel"], shardings["layers"][name]["kernel"]
+            codes = s.codes.shard_shape(q.codes.shape)[-1]
+            blocks = s.absmax.shard_shape(q.absmax.shape)[-1]
+            assert codes == blocks * q.blocksize // 2 and blocks < q.absmax.shape[-1], (name, codes, blocks)
+            assert s.absmax2.shard_shape(q.absmax2.shape)[-1] * 256 == blocks  # double-quant groups too
+
+
+# -- configs and errors --------------------------------------------------------------------------------------------
+
+def test_mesh_sizes_that_do_not_fit_the_devices_are_errors_naming_both():
+    assert MeshConfig().resolve(8) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert MeshConfig(data=2, tensor=2).resolve(8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    with pytest.raises(JaxtuneError, match=r"data=3 x fsdp=-1 x tensor=1: 3 devices .* do not divide the 8 devices"):
+        MeshConfig(data=3).resolve(8)
+    with pytest.raises(JaxtuneError, match=r"data=2 x fsdp=2 x tensor=1 needs 4 devices, but 8 are available"):
+        MeshConfig(data=2, fsdp=2).resolve(8)
+    with pytest.raises(JaxtuneError, match=r"needs 2 devices, but 1 are available"):
+        make_mesh(MeshConfig(data=2, fsdp=1))  # this process has one CPU device
+    with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
+        MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(JaxtuneError, match=r"\[mesh\] tensor = 0: a mesh axis size is a positive integer"):
+        load_run_config(None, ["mesh.tensor=0"])
+    with pytest.raises(JaxtuneError, match=r"batch_size = 6 rows cannot be split .* data x fsdp = 2 x 4 = 8"):
+        batch_sharding(abstract_mesh(MeshConfig(data=2, fsdp=4), 8), 6)
+
+
+def test_offload_where_the_backend_has_no_host_memory_says_so(monkeypatch):
+    mesh = make_mesh(MeshConfig())
+    trainable = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    optimizer = optax.adam(1e-3)
+    assert "pinned_host" in offload_module.memory_kinds(mesh)  # the CPU backend has it
+    monkeypatch.setattr(offload_module, "memory_kinds", lambda mesh: ("device",))
+    with pytest.raises(JaxtuneError, match=r"\[offload\] optimizer_state = true: the cpu backend has no "
+                                           r"'pinned_host' memory \(memory kinds: device\); set it to false"):
+        train_shardings(mesh, TINY, trainable, {}, optimizer, 8, OffloadConfig(optimizer_state=True))
+
+
+def test_run_config_reads_and_writes_mesh_and_offload():
+    config = load_run_config(None, ["mesh.data=2", "mesh.tensor=2", "offload.optimizer_state=true",
+                                    "offload.moments_dtype=bfloat16"])
+    assert config.mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
+    assert config.offload == OffloadConfig(optimizer_state=True, moments_dtype="bfloat16")
+    text = dump_run_config(config)
+    assert "[mesh]\ndata = 2\nfsdp = -1\ntensor = 2\n" in text and 'moments_dtype = "bfloat16"' in text
+    with pytest.raises(JaxtuneError, match="moments_dtype 'float16': choose float32 or bfloat16"):
+        load_run_config(None, ["offload.moments_dtype=float16"])
+
+
+def test_bf16_moments_store_bfloat16_and_update_in_float32():
+    params = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
+    grads = {"w": jnp.cos(jnp.arange(64.0)).reshape(8, 8)}
+    fp32, bf16 = optax.adamw(1e-2), low_precision_moments(optax.adamw(1e-2), "bfloat16")
+    s32, s16 = fp32.init(params), bf16.init(params)
+    for _ in range(3):
+        u32, s32 = fp32.update(grads, s32, params)
+        u16, s16 = bf16.update(grads, s16, params)
+    assert {str(x.dtype) for x in jax.tree.leaves(s16)} == {"bfloat16", "int32"}
+    mu32, mu16 = s32[0].mu["w"], s16[0].mu["w"]
+    np.testing.assert_allclose(np.asarray(mu16, np.float32), mu32, rtol=3 * 2**-8)  # a rounding per step
+    np.testing.assert_allclose(u16["w"], u32["w"], rtol=1e-2)
+    assert math.isclose(float(jnp.abs(u16["w"]).max()), 1e-2, rel_tol=1e-2)

@@ -1,0 +1,233 @@
+"""The memory planner: catalogue, estimate against the compiler, published cases, search, CLI and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.parallel.mesh import MeshConfig
+from jaxtune.planner import (CATALOGUE, TrainPlan, compile_step, estimate, get_device, search, standard_config)
+from jaxtune.planner.command import run_plan, public
+
+GB, GiB = 1e9, 1 << 30
+LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                        num_kv_heads=32, head_dim=128)
+LLAMA_65B = ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_layers=80, num_heads=64,
+                        num_kv_heads=64, head_dim=128)
+SMALL = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
+                    num_kv_heads=2, head_dim=32)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxtune.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+# --- the catalogue ------------------------------------------------------------------------------------------------
+
+def test_catalogue_has_every_device_with_a_source_for_every_figure():
+    for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4", "rtx-4090", "v4", "v5e", "v5p", "v6e",
+                 "gaudi2", "gaudi3"):
+        device = CATALOGUE[name]
+        assert device.memory_bytes > 0 and 0 < device.usable_fraction < 1
+        assert device.bandwidth > 0 and device.peak_bf16 >= device.peak_fp32 > 0
+        sources = dict(device.sources)
+        assert set(sources) >= {"memory", "usable_fraction", "bandwidth", "peak_bf16", "peak_fp32"}
+        assert all(len(text) > 10 for text in sources.values())
+    assert CATALOGUE["h100-80gb"].memory_bytes == 80 * GiB and CATALOGUE["v5e"].memory_bytes == 16 * GiB
+
+
+def test_targets_count_devices_and_tpu_slices_count_chips():
+    assert get_device("h100-80gb").count == 1 and get_device("h100-80gb-8").count == 8
+    assert get_device("v5e-8").count == 8 and get_device("v6e-16").count == 16
+    assert get_device("v5p-32").count == 16 and get_device("v4-8").count == 4  # TensorCores, two a chip
+    assert get_device("a100-80gb-4").name == "a100-80gb"
+
+
+def test_cpu_is_this_host_read_at_run_time():
+    assert get_device("cpu").memory_bytes == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --- against the compiler -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, remat, batch, seq", [("full", "none", 2, 128), ("lora", "full", 4, 256),
+                                                     ("qlora", "save_matmuls", 2, 256)])
+def test_estimate_is_within_ten_percent_of_the_compiled_step(kind, remat, batch, seq):
+    plan = TrainPlan(MethodConfig(kind), batch, seq, 1, remat, "float32", "float32", mesh=MeshConfig(1, 1, 1))
+    compiled = compile_step(SMALL, plan)
+    est = estimate(SMALL, plan, get_device("cpu"))
+    assert abs(est.compiled_bytes / compiled.total_bytes - 1) < 0.10, (est.compiled_bytes, compiled.total_bytes)
+
+
+def test_arguments_are_exact():
+    """Frozen + trainable + optimizer + batch bytes equal what XLA counts as the step's arguments."""
+    plan = TrainPlan(MethodConfig("qlora", target_modules=("all-linear",)), 2, 64, 2, "full", "float32", "bfloat16",
+                     mesh=MeshConfig(1, 1, 1))
+    compiled = compile_step(SMALL, plan)
+    est = estimate(SMALL, plan, get_device("cpu"))
+    args = est.frozen_bytes + est.trainable_bytes + est.optimizer_bytes + est.batch_bytes
+    assert abs(args - compiled.argument_bytes) < 64  # step counters and the RNG key
+
+
+# --- published cases ----------------------------------------------------------------------------------------------
+
+def test_zero_paper_7_5b_model_states_120gb_and_1_9gb_each_under_zero3_over_64():
+    """Rajbhandari et al. 2020 (ZeRO), section 3.1 and figure 1: mixed-precision Adam holds 16 bytes a parameter,
+    120 GB for a 7.5B model; ZeRO-3 over 64 devices leaves 1.9 GB each. jaxtune's 16 bytes are float32 masters (4),
+    one float32 gradient (4) and Adam's float32 moments (8) instead of fp16 weights and gradients + fp32 masters."""
+    cfg = standard_config(7500)
+    plan = TrainPlan(MethodConfig("full"), 64, 512, 1, "full", "bfloat16", "bfloat16")
+    one = estimate(cfg, plan, get_device("a100-80gb"))
+    assert abs(one.parameters / 7.5e9 - 1) < 0.01
+    assert abs(one.model_states_bytes / 120e9 - 1) < 0.02
+    sharded = estimate(cfg, plan, get_device("a100-80gb-64"))
+    assert sharded.mesh["fsdp"] == 64
+    assert abs(sharded.model_states_bytes / 1.9e9 - 1) < 0.03
+
+
+def test_qlora_paper_65b_fits_one_48gb_gpu_at_batch_1_with_remat():
+    """Dettmers et al. 2023 (QLoRA): a 65B model fine-tuned on a single 48 GB GPU. NF4 + double quantisation, LoRA on
+    every linear layer (rank 16: the paper's rank 64 needs 52.7 GiB in jaxtune, see the README), remat full."""
+    plan = TrainPlan(MethodConfig("qlora", rank=16, target_modules=("all-linear",)), 1, 512, 1, "full",
+                     "bfloat16", "bfloat16")
+    est = estimate(LLAMA_65B, plan, get_device("rtx-a6000"))
+    assert est.fits and est.device.memory_bytes == 48 * GiB
+    assert 0.5 < est.frozen_bytes / LLAMA_65B_PARAMS < 0.53  # NF4 with double-quantised scales, bf16 embeddings
+    sixteen_bit = estimate(LLAMA_65B, plan.replace(method=MethodConfig("lora", rank=16, target_modules=("all-linear",))),
+                           get_device("rtx-a6000"))
+    assert not sixteen_bit.fits and sixteen_bit.total_bytes > 120 * GiB
+
+
+LLAMA_65B_PARAMS = 65_285_660_672
+
+
+def test_llama2_7b_full_fine_tune_needs_more_than_one_h100_and_fits_eight_with_fsdp():
+    plan = TrainPlan(MethodConfig("full"), 8, 2048, 1, "full", "bfloat16", "bfloat16")
+    one = estimate(LLAMA2_7B, plan, get_device("h100-80gb"))
+    assert one.parameters == 6_738_415_616 and not one.fits
+    eight = estimate(LLAMA2_7B, plan, get_device("h100-80gb-8"))
+    assert eight.mesh == {"data": 1, "fsdp": 8, "tensor": 1} and eight.fits
+    assert eight.total_bytes < one.total_bytes / 5
+
+
+# --- hardware rules -----------------------------------------------------------------------------------------------
+
+def test_tpu_pads_small_dimensions_to_tiles():
+    """LoRA's rank-8 matrices occupy whole 128-wide tiles on a TPU: 16x their bytes."""
+    plan = TrainPlan(MethodConfig("lora", rank=8), 8, 1024, 1, "full", "bfloat16", "bfloat16", mesh=MeshConfig(1, 1, 1))
+    gpu = estimate(LLAMA2_7B, plan, get_device("a100-80gb"))
+    tpu = estimate(LLAMA2_7B, plan, get_device("v5p"))
+    assert tpu.trainable_bytes > 4 * gpu.trainable_bytes
+    assert tpu.frozen_bytes == pytest.approx(gpu.frozen_bytes, rel=0.01)  # big matrices are whole tiles already
+
+
+def test_family_reserves_differ():
+    plan = TrainPlan(MethodConfig("lora"), 1, 512, 1, "full")
+    reserves = {name: estimate(LLAMA2_7B, plan, get_device(name)).reserve_bytes for name in ("h100-80gb", "v5p",
+                                                                                             "gaudi3")}
+    assert reserves["gaudi3"] > reserves["h100-80gb"] > reserves["v5p"] > 0
+
+
+# --- objectives ---------------------------------------------------------------------------------------------------
+
+def test_objectives_add_their_extra_models():
+    base = TrainPlan(MethodConfig("full"), 8, 1024, 1, "full")
+    device = get_device("h100-80gb-8")
+    sft = estimate(LLAMA2_7B, base, device)
+    dpo = estimate(LLAMA2_7B, base.replace(objective="dpo"), device)
+    rlhf = estimate(LLAMA2_7B, base.replace(objective="rlhf", generate_tokens=256), device)
+    distill = estimate(LLAMA2_7B, base.replace(objective="distill"), device)
+    copy = 2 * LLAMA2_7B_PARAMS / 8  # one bf16 copy of the model, split 8 ways
+    assert dpo.extra_models_bytes == pytest.approx(copy, rel=0.01)  # the frozen reference
+    assert rlhf.extra_models_bytes == pytest.approx(2 * copy, rel=0.01)  # reference + reward model
+    assert distill.extra_models_bytes == pytest.approx(copy, rel=0.01)  # the teacher
+    assert rlhf.phases["generate"]["activations"] > 0  # the rollout's KV cache
+    assert sft.extra_models_bytes == 0
+    lora_dpo = estimate(LLAMA2_7B, base.replace(objective="dpo", method=MethodConfig("lora")), device)
+    assert lora_dpo.extra_models_bytes == 0  # the reference is the base with adapters off
+
+
+LLAMA2_7B_PARAMS = 6_738_415_616
+
+
+# --- search -------------------------------------------------------------------------------------------------------
+
+def test_search_ranks_only_fitting_plans_by_time():
+    result = search(LLAMA2_7B, TrainPlan(MethodConfig("full"), 32, 2048), get_device("h100-80gb-8"))
+    assert result.candidates and all(c.estimate.fits for c in result.candidates)
+    times = [float(f"{c.time.step_s:.3g}") for c in result.candidates]
+    assert times == sorted(times)
+    assert all(c.plan.global_batch == 32 for c in result.candidates)
+
+
+def test_no_plan_fits_says_the_smallest_change_that_would():
+    result = search(LLAMA2_7B, TrainPlan(MethodConfig("full"), 8, 2048), get_device("l4"))
+    assert not result.candidates
+    assert "instead of" in result.suggestion and result.suggested.estimate.fits
+
+
+# --- command line and bad input -----------------------------------------------------------------------------------
+
+def test_cli_json_has_the_promised_fields():
+    out = run_cli("--params", "125", "--method", "lora", "--target", "h100-80gb", "--batch", "8", "--seq", "1024",
+                  "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result["per_device"]) >= {"weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+                                         "other_bytes", "total_bytes"}
+    parts = sum(result["per_device"][k] for k in ("weights_bytes", "gradients_bytes", "optimizer_bytes",
+                                                  "activations_bytes", "other_bytes"))
+    assert parts == result["per_device"]["total_bytes"]
+    assert result["device"] == {**result["device"], "name": "h100-80gb", "memory_bytes": 80 * GiB, "count": 1}
+    assert result["fits"] is True
+
+
+def test_the_same_from_python():
+    result = public(run_plan(params=125, method="lora", target="h100-80gb", batch=8, seq=1024))
+    assert result["fits"] and result["per_device"]["total_bytes"] > 0
+
+
+def test_cli_table_search_and_confirm(tmp_path):
+    from jaxtune.models.presets import write_random_model
+
+    write_random_model(tmp_path / "m", "llama")
+    out = run_cli("--model", str(tmp_path / "m"), "--method", "lora", "--target", "cpu", "--batch", "2", "--seq",
+                  "64", "--confirm")
+    assert out.returncode == 0, out.stderr
+    assert "per device" in out.stdout and "XLA (cpu" in out.stdout and "fits" in out.stdout
+    out = run_cli("--params", "7000", "--method", "full", "--target", "h100-80gb-8", "--batch", "16", "--seq",
+                  "2048", "--search")
+    assert out.returncode == 0, out.stderr
+    assert "#1:" in out.stdout and "fsdp=" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--params", "7000", "--target", "h100-90gb"), "unknown device 'h100-90gb'; known devices: a100-40gb"),
+    (("--params", "7000", "--target", "h100-80gb-8", "--mesh", "data=3"), "does not divide the 8 device(s)"),
+    (("--params", "7000", "--target", "h100-80gb-8", "--mesh", "data=2,fsdp=2"), "does not divide"),
+    (("--params", "7000", "--target", "v5p-3"), "use a multiple of 2"),
+    (("--params", "7000", "--target", "h100-80gb-2", "--batch", "3"), "cannot be split over"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert message in out.stderr
+
+
+def test_cli_no_plan_fits_names_the_change():
+    out = run_cli("--params", "70000", "--method", "full", "--target", "rtx-4090", "--search")
+    assert out.returncode == 0, out.stderr
+    assert "no plan fits" in out.stdout and "smallest change that fits:" in out.stdout
+
+
+def test_standard_shapes_hit_their_size():
+    for millions in (125, 1300, 7000, 13000, 65000):
+        cfg = standard_config(millions)
+        est = estimate(cfg, TrainPlan(MethodConfig("lora")), get_device("h100-80gb"))
+        assert abs(est.parameters / (millions * 1e6) - 1) < 0.05
+    with pytest.raises(JaxtuneError):
+        standard_config(0)
