@@ -134,11 +134,9 @@ def cmd_launch(args) -> int:
 def cmd_plan(args) -> None:
     from jaxtune.planner.command import public, render, run_plan
 
-    result = run_plan(model=args.model, params=args.params, method=args.method, target=args.target,
-                      batch=args.batch, seq=args.seq, accum=args.accum, remat=args.remat, mesh=args.mesh,
-                      offload=args.offload, rank=args.rank, bits=args.bits, compute_dtype=args.compute_dtype,
-                      param_dtype=args.param_dtype, objective=args.objective, generate_tokens=args.generate_tokens,
-                      search_plans=args.search, confirm=args.confirm)
+    names = ("model", "params", "config", "method", "target", "batch", "seq", "accum", "remat", "mesh", "offload",
+             "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens")
+    result = run_plan(search_plans=args.search, confirm=args.confirm, **{name: getattr(args, name) for name in names})
     print(json.dumps(public(result), indent=2) if args.json else render(result))
 
 
@@ -219,10 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     model = plan.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read)")
     model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
+    model.add_argument("--config", metavar="RUN.toml", help="a `jaxtune train` config: its model, method, batch, "
+                       "sequence, remat, mesh and offload")
     plan.add_argument("--method", default="lora", help="full, lora, qlora, ia3, prefix or adapter (default: lora)")
     plan.add_argument("--target", required=True, metavar="DEVICE[-N]", help="e.g. h100-80gb, h100-80gb-8, v5e-8, "
                       "v5p-32, gaudi3, cpu (an unknown name lists the known ones)")
-    plan.add_argument("--batch", type=int, default=1, help="rows per micro-batch over all devices (default 1)")
+    plan.add_argument("--batch", type=int, help="rows per micro-batch over all devices (default: one a device)")
     plan.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     plan.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     plan.add_argument("--remat", choices=("none", "full", "save_matmuls"), help="default none; --search tries all")
@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16, on all linear layers)")
     plan.add_argument("--bits", type=int, default=4, help="QLoRA bits, 4 or 8 (default 4)")
     plan.add_argument("--compute-dtype", help="default bfloat16 on accelerators, float32 on cpu")
-    plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; bfloat16 with --params)")
+    plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; with --params bfloat16, on cpu "
+                      "float32)")
     plan.add_argument("--objective", default="sft", choices=("sft", "dpo", "rlhf", "distill"))
     plan.add_argument("--generate-tokens", type=int, default=0, help="rlhf: tokens generated per row")
     plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "

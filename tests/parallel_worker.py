@@ -22,7 +22,6 @@ if "jax" not in sys.modules:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import MethodConfig, tiny_config

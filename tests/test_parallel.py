@@ -57,6 +57,7 @@ def run_worker(*args: str) -> dict:
 
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_sharded_training_on_8_devices(method):
     """One subprocess per method (its compiles dominate), checking:
@@ -66,7 +67,7 @@ def test_sharded_training_on_8_devices(method):
       frozen weights; only scalars (Adam's counter, QLoRA's per-layer offsets) are replicated;
     - on fsdp=4 x tensor=2 the kernel is (-, fsdp, tensor), LoRA A splits its input axis the same way first, LoRA B
       its output axis, NF4 codes and absmax their block axis output-major (tensor first);
-    - LoRA with bfloat16 moments stores bfloat16 and moves the 10-step loss by ~1e-6.
+    - LoRA with bfloat16 moments stores bfloat16 and moves the 10-step loss by ~1e-5.
     """
     out = run_worker(method)
     assert len(out["single"]) == 10 and len(set(out["single"])) > 1
@@ -92,9 +93,10 @@ def test_sharded_training_on_8_devices(method):
     if method == "lora":
         bf16 = out["bf16_moments"]
         assert bf16["dtypes"] == ["bfloat16", "int32"]
-        assert bf16["relative_diff"] <= 1e-4  # measured 2.4e-6 over these 10 steps; the README has longer runs
+        assert bf16["relative_diff"] <= 1e-4  # measured 1.5e-5 over these 10 steps; the README has longer runs
 
 
+@pytest.mark.slow
 def test_fine_tune_on_8_devices_with_offload_equals_one_device(tmp_path):
     """`jaxtune train` of QLoRA with [mesh] data=2 fsdp=4 and [offload] optimizer state and (NF4) frozen weights in
     pinned host memory, against the same config on one device: train and eval losses, checkpoints, the adapter."""

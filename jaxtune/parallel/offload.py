@@ -9,9 +9,10 @@ trees only while a step runs. Backends without a "pinned_host" memory get an err
 fallback.
 
 Optimizer moments can also be stored in bfloat16 (`low_precision_moments`): the update itself still runs in float32,
-only what is kept between steps is rounded. With round-to-nearest, Adam's second moment stops moving once
-(1 - b2) * g^2 falls below half a bfloat16 ulp of itself (relative 2^-9), i.e. after ~500 steps of b2 = 0.999 at a
-steady gradient scale; the README reports the measured effect on the loss.
+only what is kept between steps is rounded (to nearest). A moment whose change in a step is below half a bfloat16
+ulp of itself (2^-9 to 2^-8 relative) does not move, so Adam's second moment (b2 = 0.999: a change of 1e-3 per
+step) stops following slow drifts of the gradient scale; `experiments/bf16_moments.py` measures what that does to
+the loss (README, "Scale-out").
 """
 
 from __future__ import annotations

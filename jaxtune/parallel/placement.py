@@ -59,15 +59,18 @@ def train_shardings(mesh: AnyMesh, cfg: ModelConfig, trainable: dict, frozen: di
     if offload.frozen_params:
         check_host_memory(mesh, "frozen_params")
         frozen_sh = with_memory_kind(frozen_sh, HOST)
-    rep = replicated(mesh)
-    state = {"step": rep, "params": trainable_sh, "opt_state": opt_sh, "rng": rep, "skipped": rep, "bad_streak": rep}
+    from jaxtune.train.step import init_state  # not at the top: train.step -> run_config -> jaxtune.parallel
+
+    # the state's other entries (step, rng, counters) are small and replicated, whatever train.step puts there
+    state = jax.tree.map(lambda _: replicated(mesh), jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable))
+    state.update(params=trainable_sh, opt_state=opt_sh)
     return TrainShardings(mesh, state, frozen_sh, batch_sharding(mesh, batch_size))
 
 
 def init_sharded_state(trainable: dict, optimizer: optax.GradientTransformation, seed: int,
                        shardings: TrainShardings) -> dict:
     """`init_state`, created directly in its shardings (each device allocates only its part)."""
-    from jaxtune.train.step import init_state  # not at the top: train.step -> run_config -> jaxtune.parallel
+    from jaxtune.train.step import init_state
 
     return jax.jit(lambda t: init_state(t, optimizer, seed), out_shardings=shardings.state)(trainable)
 

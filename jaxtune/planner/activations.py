@@ -24,7 +24,6 @@ the no-remat set when the layer's activations are already saved, 2.25 when a rem
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from jaxtune.config import ModelConfig
@@ -113,6 +112,16 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
     return saved
 
 
+def adapter_backward_elements(method, w: Widths) -> int:
+    """Extra [b, T, F] elements one layer's backward holds for each MLP module with a LoRA branch: the branch's own
+    gradient beside the frozen matmul's, about 1.6 of them a module (measured on XLA:CPU; attention modules' branches
+    are narrow enough to hide in BACKWARD_SHARE)."""
+    if method.kind not in ("lora", "qlora"):
+        return 0
+    mlp_adapted = sum(m in method.target_modules for m in ("gate_proj", "up_proj", "down_proj"))
+    return int(1.6 * mlp_adapted * w.b * w.T * w.F)
+
+
 def attention_elements(w: Widths) -> int:
     """Elements of one layer's attention scores on one device: [b, H, T, S]."""
     return w.b * w.heads * w.T * w.S
@@ -137,5 +146,26 @@ def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int) -> int:
     return cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
 
 
-def prod(shape) -> int:
-    return math.prod(shape)
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Per device: every layer's saved activations, one layer's attention scores and their gradient, the rest of
+    that layer's backward workspace, one [b, T, V] float32 logits buffer and all logits buffers alive at the loss."""
+
+    saved: int
+    attention: int
+    workspace: int
+    logits_one: int
+    logits: int
+
+
+def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes) -> ActivationBytes:
+    """The activation terms for `policy`, with `itemsize` bytes per activation value and `nbytes(shape, itemsize)`
+    the bytes an array of that shape occupies on the device (tiles on TPU)."""
+    size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
+    scores = (w.b, w.heads, w.T, w.S)
+    attention = ATTENTION_COPIES_F32 * nbytes(scores, 4) + nbytes(scores, itemsize)
+    workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w)))
+    workspace += adapter_backward_elements(method, w) * itemsize
+    logits_one = nbytes((w.b, w.T, w.V), 4)
+    return ActivationBytes(cfg.num_layers * size(saved_tensors(cfg, method, policy, w)), attention, workspace,
+                           logits_one, logits_copies(method) * logits_one)

@@ -15,7 +15,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.parallel.mesh import MESH_AXES, MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
 from jaxtune.planner.devices import Device, get_device
-from jaxtune.planner.estimate import estimate
+from jaxtune.planner.estimate import estimate, resolve_mesh
 from jaxtune.planner.plan import TrainPlan
 from jaxtune.planner.report import format_compiled, format_estimate, format_search, plan_dict
 from jaxtune.planner.search import search
@@ -26,12 +26,12 @@ OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
 
 
 def parse_mesh(text: str | None) -> MeshConfig | None:
-    """"data=2,fsdp=4,tensor=1" (axes left out are 1, or -1 for the rest) or "2x4x1" -> MeshConfig."""
+    """"data=2,fsdp=4,tensor=1" or "2x4x1" -> MeshConfig; axes left out are 1, fsdp takes the rest (-1)."""
     if not text:
         return None
     try:
         if "=" in text:
-            sizes = {axis: 1 for axis in MESH_AXES}
+            sizes = {"data": 1, "fsdp": -1, "tensor": 1}
             for part in text.split(","):
                 name, _, value = part.partition("=")
                 name = name.strip()
@@ -52,37 +52,65 @@ def parse_offload(items) -> OffloadConfig:
     return OffloadConfig("optimizer" in items, "params" in items, "bfloat16" if "moments-bf16" in items else "float32")
 
 
-def make_plan(*, model: str | None = None, params: float | None = None, method: str = "lora", target: str = "cpu",
-              batch: int = 1, seq: int = 512, accum: int = 1, remat: str | None = None, mesh: str | None = None,
+def make_plan(*, model: str | None = None, params: float | None = None, config: str | None = None,
+              method: str = "lora", target: str = "cpu",
+              batch: int | None = None, seq: int = 512, accum: int = 1, remat: str | None = None,
+              mesh: str | None = None,
               offload=(), rank: int = 16, bits: int = 4, targets: str = "all-linear",
               compute_dtype: str | None = None, param_dtype: str | None = None, objective: str = "sft",
               generate_tokens: int = 0) -> tuple[ModelConfig, TrainPlan, Device]:
     """(model config, plan, device) from the values `jaxtune plan` takes. Exactly one of `model` (a Hugging Face
-    directory) or `params` (millions, for a standard Llama shape) names the model."""
-    if (model is None) == (params is None):
-        raise JaxtuneError("give exactly one of --model DIR or --params MILLIONS")
+    directory), `params` (millions, for a standard Llama shape) or `config` (a `jaxtune train` TOML, which then
+    gives every other value) names the model. `batch` (rows per micro-batch
+    over all devices) defaults to one row per data x fsdp device."""
+    if sum(x is not None for x in (model, params, config)) != 1:
+        raise JaxtuneError("give exactly one of --model DIR, --params MILLIONS or --config RUN.toml")
     device = get_device(target)
+    if config is not None:
+        from jaxtune.run_config import load_run_config
+
+        cfg, plan = plan_from_run_config(load_run_config(config))
+        return cfg, plan, device
     if model is not None:
         cfg, stored = model_from_directory(model)
     else:
-        cfg, stored = standard_config(params), "bfloat16"
+        cfg, stored = standard_config(params), ("bfloat16" if device.family != "cpu" else "float32")
     accelerator = device.family != "cpu"
     try:
         method_cfg = MethodConfig(method, rank=rank, alpha=2.0 * rank, bits=bits,
                                   target_modules=tuple(targets.split(",")) if method in ("lora", "qlora") else ())
+        mesh_cfg = parse_mesh(mesh) or MeshConfig()
+        if batch is None:
+            sizes = resolve_mesh(TrainPlan(mesh=mesh_cfg), device)
+            batch = sizes["data"] * sizes["fsdp"]
         plan = TrainPlan(method_cfg, batch, seq, accum, remat or "none",
                          compute_dtype or ("bfloat16" if accelerator else "float32"), param_dtype or stored,
-                         mesh=parse_mesh(mesh) or MeshConfig(), offload=parse_offload(offload), objective=objective,
+                         mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
                          generate_tokens=generate_tokens)
     except ValueError as e:
         raise JaxtuneError(str(e)) from None
     return cfg, plan, device
 
 
+def plan_from_run_config(config) -> tuple[ModelConfig, TrainPlan]:
+    """(model config, plan) of a `RunConfig` (`jaxtune train`'s TOML): its model, method, dtypes, batch, sequence
+    length, accumulation, remat, mesh and offload, as `fine_tune` will run them."""
+    if not config.model.path:
+        raise JaxtuneError("[model] path is not set")
+    cfg, stored = model_from_directory(config.model.path)
+    plan = TrainPlan(config.method, config.train.batch_size, config.data.max_seq_len, config.train.grad_accum,
+                     config.model.remat, config.model.compute_dtype,
+                     stored if config.model.dtype == "auto" else config.model.dtype, mesh=config.mesh,
+                     offload=config.offload)
+    return cfg, plan
+
+
 def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3, **values) -> dict:
     """The JSON object `jaxtune plan --json` prints: the plan's (or the best found plan's) per-device breakdown,
     device and `fits`; with search, the `candidates` and, when none fits, the `suggestion`; with confirm, XLA's
     `compiled` memory beside the estimate."""
+    if confirm:
+        _fake_cpu_devices(get_device(values.get("target", "cpu")).count)
     cfg, plan, device = make_plan(**values)
     if search_plans:
         fixed = tuple(name for name, given in (("remat", values.get("remat")), ("mesh", values.get("mesh")),
@@ -94,8 +122,9 @@ def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3,
             out["_estimate"] = (best.estimate, best.time)
         else:
             est = estimate(cfg, plan, device)
-            out = plan_dict(est, step_time(est))
-            out["_estimate"] = (est, step_time(est))
+            time = step_time(est)
+            out = plan_dict(est, time)
+            out["_estimate"] = (est, time)
             out["suggestion"] = result.suggestion
             if result.suggested is not None:
                 out["suggested"] = plan_dict(result.suggested.estimate, result.suggested.time)
@@ -104,11 +133,13 @@ def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3,
         out["_search"] = result
     else:
         est = estimate(cfg, plan, device)
-        out = plan_dict(est, step_time(est))
-        out["_estimate"] = (est, step_time(est))
+        time = step_time(est)
+        out = plan_dict(est, time)
+        out["_estimate"] = (est, time)
     if confirm:
         chosen = out["_search"].candidates[0].plan if search_plans and out["_search"].candidates else plan
-        compiled, backend_est = confirm_plan(cfg, chosen)
+        chosen = chosen.replace(mesh=MeshConfig(**resolve_mesh(chosen, device)))  # the target's device count
+        compiled, backend_est = confirm_plan(cfg, chosen, device)
         out["compiled"] = {**compiled.to_dict(), "estimate_bytes": backend_est.compiled_bytes,
                            "estimate_device": backend_est.device.target,
                            "relative_error": backend_est.compiled_bytes / compiled.total_bytes - 1}
@@ -116,27 +147,30 @@ def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3,
     return out
 
 
-def confirm_plan(cfg: ModelConfig, plan: TrainPlan):
-    """(XLA's compiled memory of the real step on this backend, the estimate of the same plan for this backend)."""
+def _fake_cpu_devices(count: int) -> None:
+    """Ask for `count` fake CPU devices (for compiling a sharded plan on CPU). XLA reads the flag when the CPU backend
+    starts, so this must run before anything touches JAX's backends; accelerators ignore it."""
+    if count > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={count}").strip()
+
+
+def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device):
+    """(XLA's compiled memory of the real step on this backend, the planner's estimate of the same plan with this
+    backend's rules: the target's when it is of the backend's family, else a stand-in of that family)."""
     import jax
 
     from jaxtune.planner.confirm import compile_step
 
-    n = plan.mesh.sizes()
-    count = max(1, abs(n["data"] * n["fsdp"] * n["tensor"]))
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and count > 1:
-        # fake CPU devices for a sharded plan; read when the CPU backend starts, ignored by accelerators
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={count}").strip()
-    backend = jax.default_backend()
-    devices = jax.devices()
-    if -1 in n.values():
-        count = len(devices)
-    here = get_device(f"cpu-{count}" if count > 1 else "cpu") if backend == "cpu" else None
-    compiled = compile_step(cfg, plan, devices[:count] if count <= len(devices) else devices)
-    if here is None:
-        family = {"gpu": "h100-80gb", "cuda": "h100-80gb", "rocm": "h100-80gb", "tpu": "v5p"}.get(backend, "cpu")
-        here = get_device(family).with_count(count)
+    sizes = plan.mesh.sizes()
+    count = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    family = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
+    compiled = compile_step(cfg, plan)
+    if target.family == family:
+        here = target.with_count(count)
+    else:
+        here = get_device({"cpu": "cpu", "gpu": "h100-80gb", "tpu": "v5p"}[family])
+        here = get_device(f"cpu-{count}") if family == "cpu" and count > 1 else here.with_count(count)
     return compiled, estimate(cfg, plan, here)
 
 

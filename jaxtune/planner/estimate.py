@@ -67,10 +67,9 @@ RULES = {
     "gaudi": FamilyRules(None, False, False, 1 * GiB, 0.05,
                          "graph mode: 1 GiB + 5% for the compiled graphs' recipe cache and workspace (our "
                          "assumption)"),
-    "cpu": FamilyRules(4, False, True, 700 * MiB, 0.0,
-                       "runtime baseline: 700 MiB for Python, jaxlib, the tokenizer and XLA's compiler, measured "
-                       "as a tiny model's `jaxtune train` peak RSS; XLA:CPU keeps activations in float32 and "
-                       "computes bf16 matmuls in float32"),
+    "cpu": FamilyRules(4, False, True, 520 * MiB, 0.0,
+                       "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
+                       "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU keeps activations in float32"),
 }
 
 
@@ -203,12 +202,6 @@ def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
                            ) from None
 
 
-def _abstract_mesh(sizes: dict):
-    from jax.sharding import AbstractMesh, AxisType
-
-    return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-
-
 def _device_bytes(tree, shardings, tiled: bool) -> int:
     """Bytes of one device's shard of every array in `tree` (shardings: the same structure)."""
     leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(shardings)
@@ -223,16 +216,24 @@ def _device_bytes(tree, shardings, tiled: bool) -> int:
 
 def _sharded_state(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> tuple[int, int, int, int]:
     """Per-device bytes of (frozen, trainable masters, optimizer state, one float32 gradient)."""
+    return _sharded_state_cached(cfg, plan.method, plan.param_dtype, plan.offload.moments_dtype,
+                                 tuple(sizes.items()), tiled)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_state_cached(cfg, method, param_dtype, moments_dtype, sizes, tiled):
+    from jaxtune.parallel.mesh import MeshConfig, abstract_mesh
     from jaxtune.parallel.offload import low_precision_moments
     from jaxtune.parallel.sharding import optimizer_shardings, param_shardings
     from jaxtune.run_config import TrainConfig
     from jaxtune.train.step import make_optimizer
 
-    trainable, frozen, _ = abstract_trees(cfg, plan.method, plan.param_dtype)
-    mesh = _abstract_mesh(sizes)
+    trainable, frozen, _ = abstract_trees(cfg, method, param_dtype)
+    sizes = dict(sizes)
+    mesh = abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
     optimizer = make_optimizer(TrainConfig(), 1000, trainable)
-    if plan.offload.moments_dtype != "float32":
-        optimizer = low_precision_moments(optimizer, plan.offload.moments_dtype)
+    if moments_dtype != "float32":
+        optimizer = low_precision_moments(optimizer, moments_dtype)
     opt_state = jax.eval_shape(optimizer.init, trainable)
     trainable_sh = param_shardings(trainable, cfg, mesh)
     frozen_b = _device_bytes(frozen, param_shardings(frozen, cfg, mesh), tiled)
@@ -277,6 +278,30 @@ def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_k
     return residual, copies
 
 
+def _objective_extras(cfg: ModelConfig, plan: TrainPlan, w, nbytes, shard: int, tiled: bool,
+                      notes: list[str]) -> tuple[int, int]:
+    """(bytes of extra frozen models, bytes of the rollout KV cache) per device, for the plan's objective."""
+    if plan.objective == "sft":
+        return 0, 0
+    extra_models_b = kv_b = 0
+    one_copy = _full_size(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(plan.param_dtype)),
+                                       abstract_params(cfg)), tiled) // shard
+    if plan.objective in ("dpo", "rlhf") and plan.method.kind == "full":
+        extra_models_b += one_copy
+        notes.append(f"{plan.objective}: a frozen reference copy of the weights (adapter methods use the base "
+                     "weights with adapters off instead)")
+    if plan.objective == "rlhf":
+        extra_models_b += one_copy
+        tokens = plan.seq_len + plan.generate_tokens
+        kv_b = 2 * cfg.num_layers * nbytes((w.b, tokens, w.kv_heads, cfg.head_dim),
+                                           jnp.dtype(plan.compute_dtype).itemsize)
+        notes.append("rlhf: a frozen reward model (the policy's architecture) and the rollout KV cache")
+    if plan.objective == "distill":
+        extra_models_b += one_copy
+        notes.append("distillation: a frozen teacher of the student's architecture")
+    return extra_models_b, kv_b
+
+
 def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     """Per-device memory of `plan`'s training step for `cfg` on `device` (with its count), without allocating."""
     rules = RULES[device.family]
@@ -298,17 +323,10 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     trainable, _, n_total = abstract_trees(cfg, method, plan.param_dtype)
     n_trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
 
-    # Activations: every layer's saved set, stacked by the scan.
-    saved_layer = sum(nbytes(shape, 4 if f32 else a) for _, shape, f32 in act.saved_tensors(cfg, method, plan.remat, w))
-    none_layer = sum(nbytes(shape, 4 if f32 else a) for _, shape, f32 in act.saved_tensors(cfg, method, "none", w))
-    saved_b = cfg.num_layers * saved_layer
-    scores_shape = (w.b, w.heads, w.T, w.S)
-    attention_b = act.ATTENTION_COPIES_F32 * nbytes(scores_shape, 4) + nbytes(scores_shape, a)
-    layer_workspace = int(act.BACKWARD_SHARE[plan.remat] * none_layer)
-    logits_one = nbytes((w.b, w.T, w.V), 4)
-    logits_b = act.logits_copies(method) * logits_one
+    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes)
+    logits_b = acts.logits
     if plan.objective == "distill":
-        logits_b += 2 * logits_one  # the teacher's logits, kept for the KL, and its softmax
+        logits_b += 2 * acts.logits_one  # the teacher's logits, kept for the KL, and its softmax
         notes.append("distillation: the teacher's logits and softmax [b, T, V] float32 sit beside the student's")
 
     # Weight copies made by dtype casts.
@@ -322,29 +340,14 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # the output head whole (measured on fake CPU devices).
         copies_b += (layer_kernels // cfg.num_layers + head_kernel) * a // tensor
 
-    # Objective extras.
-    extra_models_b = kv_b = 0
-    frozen_copy = _full_size(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(plan.param_dtype)),
-                                          abstract_params(cfg)), tiled) // shard
-    if plan.objective in ("dpo", "rlhf") and method.kind == "full":
-        extra_models_b += frozen_copy
-        notes.append(f"{plan.objective}: a frozen reference copy of the weights (adapter methods use the base "
-                     "weights with adapters off instead)")
-    if plan.objective == "rlhf":
-        extra_models_b += frozen_copy
-        tokens = plan.seq_len + plan.generate_tokens
-        kv_b = 2 * cfg.num_layers * nbytes((w.b, tokens, w.kv_heads, cfg.head_dim), jnp.dtype(plan.compute_dtype)
-                                          .itemsize)
-        notes.append("rlhf: a frozen reward model (the policy's architecture) and the rollout KV cache")
-    if plan.objective == "distill":
-        extra_models_b += frozen_copy
-        notes.append("distillation: a frozen teacher of the student's architecture")
+    extra_models_b, kv_b = _objective_extras(cfg, plan, w, nbytes, fsdp * tensor, tiled, notes)
 
     # The three moments of the step.
     grads_in_flight = 2 * grad_b
     phases = {
-        "loss": {"activations": saved_b + logits_b, "gradients": grads_in_flight, "weight_copies": residual_copies},
-        "backward": {"activations": saved_b + attention_b + layer_workspace, "gradients": grads_in_flight,
+        "loss": {"activations": acts.saved + logits_b, "gradients": grads_in_flight,
+                 "weight_copies": residual_copies},
+        "backward": {"activations": acts.saved + acts.attention + acts.workspace, "gradients": grads_in_flight,
                      "weight_copies": residual_copies},
         "update": {"activations": 0, "gradients": 3 * grad_b, "weight_copies": 0},
     }
@@ -355,7 +358,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if offload.optimizer_state:
         phases["update"]["optimizer"] = optimizer_b  # copied in for the update, written back to host after
     if plan.objective == "rlhf":
-        phases["generate"] = {"activations": kv_b + logits_one // max(1, plan.seq_len), "gradients": 0,
+        phases["generate"] = {"activations": kv_b + acts.logits_one // max(1, plan.seq_len), "gradients": 0,
                               "weight_copies": 0}
     for p in phases.values():
         p["total"] = sum(p.values())
@@ -376,9 +379,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     batch_b = plan.grad_accum * nbytes((w.b // (2 if plan.objective == "dpo" else 1) or 1, plan.seq_len), 1) \
         * BATCH_BYTES_PER_TOKEN
     if peak == "loss":
-        saved, attention, logits, workspace = saved_b, 0, logits_b, 0
+        saved, attention, logits, workspace = acts.saved, 0, logits_b, 0
     elif peak == "backward":
-        saved, attention, logits, workspace = saved_b, attention_b, 0, layer_workspace
+        saved, attention, logits, workspace = acts.saved, acts.attention, 0, acts.workspace
     else:
         saved = attention = logits = workspace = 0
     kv_at_peak = kv_b if peak == "generate" else 0

@@ -8,10 +8,14 @@ from jaxtune.planner.search import SearchResult, explain
 from jaxtune.planner.timing import StepTime
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:10.2f}"
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
 
 
 def plan_dict(est: Estimate, time: StepTime | None = None, compiled: CompiledMemory | None = None) -> dict:
@@ -30,7 +34,7 @@ def _describe(est: Estimate) -> list[str]:
     method = p.method.kind + (f" r={p.method.rank}" if p.method.kind in ("lora", "qlora") else "") + \
         (f" {p.method.bits}-bit" if p.method.kind == "qlora" else "")
     return [
-        f"model: {est.parameters / 1e9:.3g}B parameters ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"model: {_count(est.parameters)} parameters ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}); trainable {est.trainable_parameters:,}",
         f"plan: {method}, {p.objective}; batch {p.batch_size} x {p.grad_accum} accumulation, sequence {p.seq_len}, "
         f"remat {p.remat}, compute {p.compute_dtype}, weights {p.param_dtype}",
@@ -49,37 +53,41 @@ def _offload(est: Estimate) -> str:
 
 def format_compiled(compiled: CompiledMemory, est: Estimate) -> str:
     """XLA's memory analysis of the compiled step beside the planner's figure for the same plan and backend."""
+    scale, unit = (GiB, "GiB") if compiled.total_bytes >= GiB else (MiB, "MiB")
+    c = {k: v / scale for k, v in compiled.to_dict().items() if k.endswith("_bytes")}
     return "\n".join([
         f"XLA ({compiled.backend}, compiled in {compiled.compile_seconds:.1f} s, per device): arguments "
-        f"{compiled.argument_bytes / GiB:.3f} + temporaries {compiled.temp_bytes / GiB:.3f} + outputs "
-        f"{compiled.output_bytes / GiB:.3f} - aliased {compiled.alias_bytes / GiB:.3f} = {compiled.total_bytes / GiB:.3f} GiB",
-        f"planner, the same plan on {est.device.target}, without the runtime reserve: {est.compiled_bytes / GiB:.3f} "
-        f"GiB ({100 * (est.compiled_bytes / compiled.total_bytes - 1):+.1f}%)"])
+        f"{c['argument_bytes']:.3f} + temporaries {c['temp_bytes']:.3f} + outputs {c['output_bytes']:.3f} - aliased "
+        f"{c['alias_bytes']:.3f} = {c['total_bytes']:.3f} {unit}",
+        f"planner, the same plan on {est.device.target}, without the runtime reserve: {est.compiled_bytes / scale:.3f} "
+        f"{unit} ({100 * (est.compiled_bytes / compiled.total_bytes - 1):+.1f}%)"])
 
 
 def format_estimate(est: Estimate, time: StepTime | None = None) -> str:
     """The per-device breakdown as a table, with the step time when given."""
     d = est.device
+    scale, unit = (GiB, "GiB") if est.total_bytes >= GiB else (MiB, "MiB")
+    size = lambda n: f"{n / scale:.2f}"
     rows = [
-        ("weights", est.weights_bytes, f"frozen {est.frozen_bytes / GiB:.2f} + trainable float32 "
-                                       f"{est.trainable_bytes / GiB:.2f} + extra models {est.extra_models_bytes / GiB:.2f}"),
+        ("weights", est.weights_bytes, f"frozen {size(est.frozen_bytes)} + trainable float32 "
+                                       f"{size(est.trainable_bytes)} + extra models {size(est.extra_models_bytes)}"),
         ("gradients", est.gradients_bytes, "float32, the copies alive at the peak"),
         ("optimizer", est.optimizer_bytes, "Adam mu and nu" + (" (in host memory between steps)"
                                                                 if est.plan.offload.optimizer_state else "")),
-        ("activations", est.activations_bytes, f"saved {est.saved_activations_bytes / GiB:.2f} + attention "
-                                               f"{est.attention_bytes / GiB:.2f} + logits {est.logits_bytes / GiB:.2f}"
-                                               f" + backward workspace {est.workspace_bytes / GiB:.2f}"),
-        ("other", est.other_bytes, f"weight copies {est.weight_copies_bytes / GiB:.2f} + KV cache "
-                                   f"{est.kv_cache_bytes / GiB:.2f} + batch {est.batch_bytes / GiB:.2f} + reserve "
-                                   f"{est.reserve_bytes / GiB:.2f}"),
+        ("activations", est.activations_bytes, f"saved {size(est.saved_activations_bytes)} + attention "
+                                               f"{size(est.attention_bytes)} + logits {size(est.logits_bytes)}"
+                                               f" + backward workspace {size(est.workspace_bytes)}"),
+        ("other", est.other_bytes, f"weight copies {size(est.weight_copies_bytes)} + KV cache "
+                                   f"{size(est.kv_cache_bytes)} + batch {size(est.batch_bytes)} + reserve "
+                                   f"{size(est.reserve_bytes)}"),
     ]
-    lines = _describe(est) + ["", f"  {'per device':<12}{'GiB':>10}"]
-    lines += [f"  {name:<12}{_gib(value)}   {detail}" for name, value, detail in rows]
+    lines = _describe(est) + ["", f"  {'per device':<12}{unit:>10}"]
+    lines += [f"  {name:<12}{size(value):>10}   {detail}" for name, value, detail in rows]
     verdict = "fits" if est.fits else "does NOT fit"
-    lines.append(f"  {'total':<12}{_gib(est.total_bytes)}   of {d.usable_bytes / GiB:.2f} usable "
+    lines.append(f"  {'total':<12}{size(est.total_bytes):>10}   of {d.usable_bytes / GiB:.2f} GiB usable "
                  f"({d.memory_bytes / GiB:.0f} GiB x {d.usable_fraction}): {verdict}")
-    transient = ", ".join(f"{k} {v['total'] / GiB:.2f}" for k, v in est.phases.items())
-    lines.append(f"  peak in the {est.peak_phase} (transient GiB by moment: {transient})")
+    transient = ", ".join(f"{k} {size(v['total'])}" for k, v in est.phases.items())
+    lines.append(f"  peak in the {est.peak_phase} (transient {unit} by moment: {transient})")
     if est.host_bytes:
         lines.append(f"  host memory: {est.host_bytes / GiB:.2f} GiB a device")
     if time is not None:
@@ -94,7 +102,8 @@ def format_search(result: SearchResult, top: int = 3) -> str:
     """The best `top` fitting plans with why they win, or the smallest change that would make one fit."""
     if not result.candidates:
         lines = [f"no plan fits ({result.tried} tried)."]
-        lines.append(f"smallest change that fits: {result.suggestion}")
+        lines.append(f"smallest change that fits: {result.suggestion}" if result.suggested is not None
+                     else result.suggestion)
         if result.suggested is not None:
             lines += ["", format_estimate(result.suggested.estimate, result.suggested.time)]
         return "\n".join(lines)

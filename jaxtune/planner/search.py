@@ -134,8 +134,7 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
                   base.replace(offload=OffloadConfig(True, base.offload.frozen_params, "bfloat16")), device,
                   global_batch))
     lighter = {"full": [MethodConfig("lora", target_modules=("all-linear",)), MethodConfig("qlora", bits=4)],
-               "lora": [replace(base.method, kind="qlora", bits=4)], "dora": [], "ia3": [], "prefix": [],
-               "adapter": []}.get(base.method.kind, [])
+               "lora": [replace(base.method, kind="qlora", bits=4)]}.get(base.method.kind, [])
     if base.method.kind == "qlora" and base.method.bits == 8:
         lighter = [replace(base.method, bits=4)]
     for m in lighter:
@@ -155,17 +154,31 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
     while count <= limit:
         target = device.with_count(count)
         tries.append((f"{count} x {device.name} instead of {device.count} (target {device.name}-{count * unit})",
-                      base.replace(mesh=MeshConfig()), target, max(global_batch, count)))
+                      base.replace(mesh=MeshConfig()), target, -(-global_batch // count) * count))
         count *= 2
     for other in sorted(CATALOGUE.values(), key=lambda d: d.usable_bytes):
         if other.usable_bytes > device.usable_bytes:
             tries.append((f"{device.count} x {other.name} ({other.memory_bytes / GiB:.0f} GiB) instead of "
                           f"{device.name}", base, other.with_count(device.count), global_batch))
-    for label, plan, target, batch in tries:
+    for i, (label, plan, target, batch) in enumerate(tries):
         fitting, _ = _fitting(cfg, plan, target, batch, set(free))
         if fitting:
+            if plan.method != base.method:  # also say what keeping the method would take
+                for more_label, more_plan, more_target, more_batch in tries[i + 1:]:
+                    if more_target is not device and _fitting(cfg, more_plan, more_target, more_batch, set(free))[0]:
+                        return f"{label}; keeping {base.method.kind}: {more_label}", fitting[0]
             return label, fitting[0]
-    return "no change tried fits (offload, lighter methods, shorter sequences, up to 64 devices, larger devices)", None
+    # No single change: a lighter method together with more devices or a larger device.
+    for m in lighter:
+        for label, plan, target, batch in tries:
+            if target is device or plan.method != base.method:
+                continue
+            fitting, _ = _fitting(cfg, plan.replace(method=m), target, batch, set(free))
+            if fitting:
+                name = "QLoRA 4-bit" if m.kind == "qlora" else "LoRA on all linear layers"
+                return f"{name} instead of {base.method.kind}, and {label}", fitting[0]
+    return ("nothing tried fits: offloading, lighter methods, shorter sequences, a batch of 1, up to "
+            f"{limit} devices, every larger device, and a lighter method with more or larger devices"), None
 
 
 def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[str]:

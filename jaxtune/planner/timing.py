@@ -12,8 +12,9 @@ Per micro-batch on one device (n = rows x T tokens, P = matmul weights a token p
 and per step: the AdamW update (7 float32 reads/writes a trainable parameter) and, with offload, host transfers.
 
 time = accumulation x (max(compute, memory) + tensor all-reduces + the part of the fsdp/data collectives that
-       does not hide behind half of the compute) + update + host transfers. Compute runs at MFU_CEILING of peak and memory at BANDWIDTH_CEILING of peak:
-well-tuned training steps reach about half of peak FLOP/s (PaLM's 46% MFU, Llama 2's reported ~40-50%).
+       does not hide behind half of the compute) + update + host transfers.
+Compute runs at MFU_CEILING of peak and memory at BANDWIDTH_CEILING of peak: well-tuned training steps reach about
+half of peak FLOP/s (PaLM: 46% model-FLOPs utilisation, Chowdhery et al. 2022).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def step_time(est: Estimate) -> StepTime:
     if plan.method.kind in ("lora", "qlora"):
         lora_params = sum(plan.method.rank * 2 * cfg.hidden_size for _ in plan.method.target_modules) * cfg.num_layers
         flops += 2 * n * lora_params * 3
-    extra_forwards = {"dpo": 1 if plan.method.kind == "full" else 1, "rlhf": 2, "distill": 1}.get(plan.objective, 0)
-    flops += extra_forwards * (2 * n * matmul + attention)  # reference / reward / teacher forwards
+    # the reference's forward (DPO; with adapters off for adapter methods), reference + reward (RLHF), the teacher's
+    extra_forwards = {"dpo": 1, "rlhf": 2, "distill": 1}.get(plan.objective, 0)
+    flops += extra_forwards * (2 * n * matmul + attention)
     if plan.objective == "rlhf":
         flops += 2 * rows * plan.generate_tokens * matmul  # rollout decode
     compute_dtype = plan.compute_dtype
