@@ -1,12 +1,13 @@
 """How close is the planner to the compiler, and to a real run?
 
-    python experiments/planner_accuracy.py            # estimate vs XLA's compiled memory, 28 configurations (~5 min)
+    python experiments/planner_accuracy.py            # estimate vs XLA's compiled memory, 43 configurations (~6 min)
     python experiments/planner_accuracy.py --rss      # estimate vs peak RSS of `jaxtune train`, a 134M model (~3 min)
 
-Compiler: for small Llama shapes across methods, batch, sequence, remat, dtypes and meshes (on 8 fake CPU
-devices), the planner's per-device estimate for the `cpu` target without the runtime reserve
-(`Estimate.compiled_bytes`) against XLA's memory analysis of the real sharded train step compiled ahead of time
-(arguments + temporaries + outputs - aliased; `jaxtune.planner.compile_step`). Nothing is allocated.
+Compiler: for small Llama shapes across methods, batch, sequence, remat, dtypes, meshes (on 8 fake CPU devices)
+and objectives, the planner's per-device estimate for the `cpu` target without the runtime reserve
+(`Estimate.compiled_bytes`) against XLA's memory analysis of the trainer's real sharded step compiled ahead of time
+(arguments + temporaries + outputs - aliased; `jaxtune.planner.compile_step`), and for GRPO of its rollout too
+(`compile_rollout`). Nothing is allocated.
 
 Reality: `jaxtune train` of a 134M-parameter Llama (hidden 768, 12 layers, vocabulary 32,000, float32) for two
 steps, full and LoRA, in a subprocess; its peak resident set size (ru_maxrss) against the `cpu` estimate, which
@@ -30,7 +31,7 @@ from pathlib import Path
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.parallel.mesh import MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
-from jaxtune.planner import TrainPlan, compile_step, estimate, get_device
+from jaxtune.planner import TrainPlan, compile_peak, estimate, get_device
 
 MiB = 1 << 20
 SMALL = ModelConfig(vocab_size=8000, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
@@ -42,13 +43,16 @@ SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
-    """(label, model, plan): methods x batch x sequence x remat x dtypes x mesh, fixed in advance."""
+    """(label, model, plan): methods x batch x sequence x remat x dtypes x mesh x objective, fixed in advance."""
     m = MethodConfig
     f32 = dict(compute_dtype="float32", param_dtype="float32")
     bf16 = dict(compute_dtype="bfloat16", param_dtype="bfloat16")
     mixed = dict(compute_dtype="float32", param_dtype="bfloat16")
-    one = MeshConfig(1, 1, 1)
+    one, fsdp8, data8 = MeshConfig(1, 1, 1), MeshConfig(1, 8, 1), MeshConfig(8, 1, 1)
+    dp2_fsdp4, fsdp4_tp2 = MeshConfig(2, 4, 1), MeshConfig(1, 4, 2)
+    offload = OffloadConfig(optimizer_state=True)
     rows = [
+        # one device: every method, remat policy, dtype mix, accumulation, offload
         ("small", SMALL, m("full"), 2, 256, 1, "none", f32, one),
         ("small", SMALL, m("full"), 4, 512, 1, "full", f32, one),
         ("small", SMALL, m("full"), 8, 128, 1, "save_matmuls", f32, one),
@@ -69,19 +73,38 @@ def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
         ("gqa", GQA, m("lora"), 4, 512, 1, "none", bf16, one),
         ("gqa", GQA, m("lora"), 8, 256, 1, "full", mixed, one),
         ("gqa", GQA, m("full"), 2, 512, 4, "full", f32, one),
-        ("small", SMALL, m("full"), 8, 256, 1, "none", f32, MeshConfig(1, 2, 1)),
+        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, offload),
+        # 8 fake devices: the four meshes of tests/test_parallel.py, and smaller ones
+        ("small", SMALL, m("full"), 8, 256, 1, "none", f32, fsdp8),
+        ("gqa", GQA, m("lora"), 8, 256, 1, "none", f32, fsdp8),
+        ("gqa", GQA, m("qlora", target_modules=ALL), 16, 256, 1, "full", f32, fsdp8),
+        ("small", SMALL, m("full"), 8, 256, 1, "save_matmuls", f32, data8),
+        ("gqa", GQA, m("lora"), 8, 512, 1, "full", f32, data8),
+        ("small", SMALL, m("full"), 8, 256, 1, "none", f32, dp2_fsdp4),
+        ("gqa", GQA, m("lora"), 8, 512, 1, "full", f32, dp2_fsdp4),
+        ("small", SMALL, m("full"), 8, 256, 1, "none", f32, fsdp4_tp2),
+        ("gqa", GQA, m("qlora", target_modules=ALL), 8, 256, 1, "full", f32, fsdp4_tp2),
         ("small", SMALL, m("full"), 8, 512, 1, "full", f32, MeshConfig(1, 4, 1)),
-        ("gqa", GQA, m("lora"), 8, 256, 1, "none", f32, MeshConfig(1, 8, 1)),
-        ("gqa", GQA, m("lora"), 8, 512, 1, "full", f32, MeshConfig(2, 4, 1)),
         ("small", SMALL, m("full"), 4, 256, 1, "save_matmuls", f32, MeshConfig(2, 2, 1)),
-        ("gqa", GQA, m("qlora", target_modules=ALL), 8, 256, 1, "full", f32, MeshConfig(1, 4, 1)),
         ("small", SMALL, m("full"), 4, 256, 1, "none", f32, MeshConfig(1, 2, 2)),
-        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one),
+        # objectives: the trainer's steps (and GRPO's rollout), batch = pairs for dpo and reward
+        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, None, "dpo"),
+        ("gqa", GQA, m("lora"), 4, 256, 1, "full", f32, one, None, "dpo"),
+        ("gqa", GQA, m("lora"), 8, 256, 1, "none", f32, fsdp8, None, "dpo"),
+        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, None, "reward"),
+        ("gqa", GQA, m("lora"), 4, 512, 1, "save_matmuls", f32, one, None, "reward"),
+        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, None, "grpo", 64),
+        ("gqa", GQA, m("lora"), 8, 256, 1, "full", f32, one, None, "grpo", 64),
+        ("small", SMALL, m("lora"), 2, 1024, 4, "full", f32, one, None, "grpo", 256),
+        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, None, "distill"),
+        ("gqa", GQA, m("lora"), 4, 256, 1, "full", f32, one, None, "distill"),
     ]
     out = []
-    for i, (name, cfg, method, batch, seq, accum, remat, dtypes, mesh) in enumerate(rows):
-        offload = OffloadConfig(optimizer_state=True) if i == len(rows) - 1 else OffloadConfig()
-        out.append((name, cfg, TrainPlan(method, batch, seq, accum, remat, mesh=mesh, offload=offload, **dtypes)))
+    for name, cfg, method, batch, seq, accum, remat, dtypes, mesh, *rest in rows:
+        offload_cfg, objective, generate = (rest + [None, "sft", 0][len(rest):])
+        out.append((name, cfg, TrainPlan(method, batch, seq, accum, remat, mesh=mesh, objective=objective,
+                                         offload=offload_cfg or OffloadConfig(), generate_tokens=generate,
+                                         **dtypes)))
     return out
 
 
@@ -93,28 +116,7 @@ def _method_label(method: MethodConfig) -> str:
     return method.kind
 
 
-def _compile_with_rows_split(cfg: ModelConfig, plan: TrainPlan):
-    """Diagnostic only: the same step with every layer input constrained to split its rows over ("data", "fsdp"),
-    as a sharded step is meant to split activations. jaxtune.parallel does not constrain activations, and XLA then
-    takes the embedding table's hidden-size split for them (see the README)."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    import jaxtune.models.llama as llama
-    from jaxtune.parallel.mesh import make_mesh
-
-    norm = llama.rms_norm
-    llama.rms_norm = lambda x, w, eps: norm(jax.lax.with_sharding_constraint(x, PartitionSpec(("data", "fsdp"))),
-                                            w, eps)
-    try:
-        n = plan.mesh.data * plan.mesh.fsdp * plan.mesh.tensor
-        with jax.set_mesh(make_mesh(plan.mesh, jax.devices()[:n])):
-            return compile_step(cfg, plan)
-    finally:
-        llama.rms_norm = norm
-
-
-def compiler_table(only: list[int] | None = None, rows_split: bool = False) -> list[dict]:
+def compiler_table(only: list[int] | None = None) -> list[dict]:
     rows = []
     for i, (name, cfg, plan) in enumerate(configurations(), 1):
         if only and i not in only:
@@ -122,49 +124,49 @@ def compiler_table(only: list[int] | None = None, rows_split: bool = False) -> l
         sizes = plan.mesh.sizes()
         n = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
         est = estimate(cfg, plan, get_device("cpu" if n == 1 else f"cpu-{n}"))
-        xla = compile_step(cfg, plan)
-        err = est.compiled_bytes / xla.total_bytes - 1
-        split = _compile_with_rows_split(cfg, plan) if rows_split and n > 1 else None
-        rows.append(dict(i=i, model=name, method=_method_label(plan.method), remat=plan.remat,
+        xla, program = compile_peak(cfg, plan)
+        err = est.compiled_bytes / xla - 1
+        objective = plan.objective + (f" +{plan.generate_tokens} ({program})" if plan.generate_tokens else "")
+        rows.append(dict(i=i, model=name, method=_method_label(plan.method), objective=objective, remat=plan.remat,
                          batch=f"{plan.batch_size}x{plan.seq_len}" + (f" A{plan.grad_accum}" if plan.grad_accum > 1
                                                                       else ""),
                          dtypes="/".join(SHORT[d] for d in (plan.compute_dtype, plan.param_dtype)),
                          mesh="1" if n == 1 else f"{sizes['data']}/{sizes['fsdp']}/{sizes['tensor']}",
                          offload="optimizer" if plan.offload.optimizer_state else "",
-                         xla_mib=xla.total_bytes / MiB, estimate_mib=est.compiled_bytes / MiB, error=err,
-                         peak=est.peak_phase))
+                         xla_mib=xla / MiB, estimate_mib=est.compiled_bytes / MiB, error=err, peak=est.peak_phase))
         r = rows[-1]
-        if split is not None:
-            r.update(rows_split_mib=split.total_bytes / MiB,
-                     rows_split_error=est.compiled_bytes / split.total_bytes - 1)
-        print(f"{i:2d} {r['model']:5s} {r['method']:20s} {r['remat']:12s} {r['batch']:10s} {r['dtypes']} "
-              f"mesh {r['mesh']:6s} {r['offload']:9s} XLA {r['xla_mib']:8.1f} MiB  estimate {r['estimate_mib']:8.1f}"
-              f"  {100 * err:+6.1f}%  ({r['peak']})"
-              + (f"  | rows split: XLA {r['rows_split_mib']:.1f} MiB, {100 * r['rows_split_error']:+.1f}%"
-                 if split is not None else ""), flush=True)
-    errors = [abs(r["error"]) for r in rows]
-    print(f"\n{len(rows)} configurations: median |error| {100 * statistics.median(errors):.1f}%, "
-          f"worst {100 * max(errors):.1f}%")
-    split = [abs(r.get("rows_split_error", r["error"])) for r in rows]
-    if rows_split:
-        print(f"with activation rows split on sharded meshes: median |error| {100 * statistics.median(split):.1f}%, "
-              f"worst {100 * max(split):.1f}%")
+        print(f"{i:2d} {r['model']:5s} {r['method']:20s} {r['objective']:20s} {r['remat']:12s} {r['batch']:10s} "
+              f"{r['dtypes']} mesh {r['mesh']:6s} {r['offload']:9s} XLA {r['xla_mib']:8.1f} MiB  estimate "
+              f"{r['estimate_mib']:8.1f}  {100 * err:+6.1f}%  ({r['peak']})", flush=True)
+    print("\n" + summary(rows))
     return rows
 
 
+def summary(rows: list[dict]) -> str:
+    """Median and worst |error|, over all rows and by group (one device, each mesh, objectives)."""
+    groups = {"all": rows, "one device, SFT": [r for r in rows if r["mesh"] == "1" and r["objective"] == "sft"],
+              **{f"mesh {mesh}": [r for r in rows if r["mesh"] == mesh] for mesh in sorted({r["mesh"] for r in rows})
+                 if mesh != "1"},
+              "objectives": [r for r in rows if r["objective"] != "sft"]}
+    lines = []
+    for name, group in groups.items():
+        if group:
+            errors = [abs(r["error"]) for r in group]
+            worst = max(group, key=lambda r: abs(r["error"]))["error"]
+            lines.append(f"{name}: {len(group)} configurations, median |error| {100 * statistics.median(errors):.1f}%, "
+                         f"worst {100 * worst:+.1f}%")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
-    split = any("rows_split_mib" in r for r in rows)
-    lines = ["| # | model | method | remat | batch x seq | compute/weights | mesh d/f/t | XLA MiB | estimate MiB | "
-             "error |" + (" XLA, rows split | error |" if split else ""),
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
+    lines = ["| # | model | method | objective | remat | batch x seq | compute/weights | mesh d/f/t | XLA MiB | "
+             "estimate MiB | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mesh = r["mesh"] + (" + offload" if r["offload"] else "")
-        extra = ""
-        if split:
-            extra = (f" {r['rows_split_mib']:.1f} | {100 * r['rows_split_error']:+.1f}% |" if "rows_split_mib" in r
-                     else " | |")
-        lines.append(f"| {r['i']} | {r['model']} | {r['method']} | {r['remat']} | {r['batch']} | {r['dtypes']} | "
-                     f"{mesh} | {r['xla_mib']:.1f} | {r['estimate_mib']:.1f} | {100 * r['error']:+.1f}% |" + extra)
+        lines.append(f"| {r['i']} | {r['model']} | {r['method']} | {r['objective']} | {r['remat']} | {r['batch']} | "
+                     f"{r['dtypes']} | {mesh} | {r['xla_mib']:.1f} | {r['estimate_mib']:.1f} | "
+                     f"{100 * r['error']:+.1f}% |")
     return "\n".join(lines)
 
 
@@ -221,10 +223,8 @@ def main() -> None:
     parser.add_argument("--rss", action="store_true", help="peak RSS of jaxtune train instead of compiled memory")
     parser.add_argument("--only", type=int, nargs="*", help="configuration numbers to run")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--rows-split", action="store_true",
-                        help="diagnostic: also compile sharded plans with activation rows split over data x fsdp")
     args = parser.parse_args()
-    rows = rss_table() if args.rss else compiler_table(args.only, args.rows_split)
+    rows = rss_table() if args.rss else compiler_table(args.only)
     if not args.rss:
         print("\n" + markdown(rows))
     if args.json:

@@ -41,3 +41,9 @@ from jaxtune.run_config import RunConfig as RunConfig
 from jaxtune.run_config import load_run_config as load_run_config
 from jaxtune.train.evaluation import evaluate_file as evaluate_file
 from jaxtune.train.loop import fine_tune as fine_tune
+from jaxtune.train.evaluation import evaluate_preference_file as evaluate_preference_file
+from jaxtune.train.reward import load_reward_model as load_reward_model
+from jaxtune.train.reward import save_reward_model as save_reward_model
+from jaxtune.parallel.distributed import ClusterConfig as ClusterConfig
+from jaxtune.parallel.distributed import join_cluster as join_cluster
+from jaxtune.parallel.mesh import MeshConfig as MeshConfig

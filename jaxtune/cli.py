@@ -62,20 +62,27 @@ def cmd_export(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from jaxtune.parallel.distributed import cluster_from_env, join_cluster
     from jaxtune.run_config import load_run_config
     from jaxtune.train.loop import fine_tune
 
-    fine_tune(load_run_config(args.config, args.set))
+    config = load_run_config(args.config, args.set)
+    join_cluster(cluster_from_env(args.coordinator, args.num_processes, args.process_id, args.auto_cluster))
+    fine_tune(config)
 
 
 def cmd_eval(args) -> None:
-    from jaxtune.train.evaluation import evaluate_file
+    from jaxtune.data.formats import is_preference_file
+    from jaxtune.train.evaluation import evaluate_file, evaluate_preference_file
 
-    result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size)
-    if args.json:
-        print(json.dumps(result))
+    if is_preference_file(args.data):
+        result = evaluate_preference_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size)
+        text = (f"{result['kind']}: pairwise accuracy {result['accuracy']:.4f}  margin {result['margin']:.4f}  "
+                f"loss {result['loss']:.6f}  ({result['pairs']} pairs)")
     else:
-        print(f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  ({result['tokens']} completion tokens)")
+        result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size)
+        text = f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  ({result['tokens']} completion tokens)"
+    print(json.dumps(result) if args.json else text)
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -157,19 +164,33 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(run=cmd_init)
 
-    train = sub.add_parser("train", help="fine-tune from a TOML run config; re-running resumes from the last checkpoint")
-    train.add_argument("config", help="run config (TOML with [model], [method], [data], [train])")
+    train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: sft, dpo, reward, grpo or "
+                           "distill); re-running resumes from the last checkpoint")
+    train.add_argument("config", help="run config (TOML with [model], [method], [data], [train], and [dpo], [grpo] "
+                       "or [distill] for those objectives)")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
+    cluster = train.add_argument_group("multi-process (jax.distributed); default: one process, or JAXTUNE_* env")
+    cluster.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env JAXTUNE_COORDINATOR)")
+    cluster.add_argument("--num-processes", type=int, help="processes in the cluster (env JAXTUNE_NUM_PROCESSES)")
+    cluster.add_argument("--process-id", type=int, help="this process, 0..N-1 (env JAXTUNE_PROCESS_ID)")
+    cluster.add_argument("--auto-cluster", action="store_true",
+                         help="let JAX detect the cluster (Cloud TPU VM workers, SLURM, Open MPI)")
     train.set_defaults(run=cmd_train)
 
-    evaluate = sub.add_parser("eval", help="mean completion-token loss and perplexity on a JSONL file")
-    evaluate.add_argument("--model", required=True, help="Hugging Face model directory")
-    evaluate.add_argument("--adapter", help="PEFT adapter directory to apply")
-    evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages")
+    evaluate = sub.add_parser("eval", help="completion-token loss and perplexity on SFT data; pairwise accuracy on "
+                              "preference data")
+    evaluate.add_argument("--model", required=True, help="Hugging Face model directory, or a reward model as "
+                          "`objective = \"reward\"` exports it")
+    evaluate.add_argument("--adapter", help="PEFT adapter directory to apply (on preference data: scored against "
+                          "--model alone as the DPO reference)")
+    evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages; or "
+                          "{prompt, chosen, rejected} pairs")
     evaluate.add_argument("--max-seq-len", type=int, help="default: the model's context length")
     evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens", "examples", '
+                          '"dropped"}; on preference data {"kind": "reward"|"policy", "pairs", "accuracy", "margin", '
+                          '"loss", "dropped"}')
     evaluate.set_defaults(run=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")
@@ -234,8 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compute-dtype", help="default bfloat16 on accelerators, float32 on cpu")
     plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; with --params bfloat16, on cpu "
                       "float32)")
-    plan.add_argument("--objective", default="sft", choices=("sft", "dpo", "rlhf", "distill"))
-    plan.add_argument("--generate-tokens", type=int, default=0, help="rlhf: tokens generated per row")
+    plan.add_argument("--objective", default="sft", choices=("sft", "dpo", "reward", "grpo", "distill", "rlhf"),
+                      help="the trainer's objective (rlhf: grpo); --batch counts pairs for dpo and reward")
+    plan.add_argument("--generate-tokens", type=int, default=0,
+                      help="grpo: tokens each rollout samples, of the --seq tokens of a row")
     plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "
                       "rank what fits by predicted step time")
     plan.add_argument("--confirm", action="store_true", help="compile the real train step ahead of time on this "

@@ -140,8 +140,10 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
 
 def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              sampling: SamplingConfig = SamplingConfig(), *, eos_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
-             method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions()) -> list[list[int]]:
-    """The new tokens of each prompt: at most `max_new_tokens`, ending before the first EOS or stop token.
+             method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions(),
+             include_stop: bool = False) -> list[list[int]]:
+    """The new tokens of each prompt: at most `max_new_tokens`, ending before the first EOS or stop token (with
+    `include_stop`, ending with it: what a policy-gradient step must credit for stopping).
 
     prompts: token ids, BOS included if the model wants one. eos_ids: default the model's `eos_token_id`.
     method: the `MethodConfig` whose leaves `params` carries (for its LoRA scale; prefix tuning is found in
@@ -183,7 +185,10 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     for row in np.asarray(out_BxN)[: len(prompts)]:  # the one device -> host transfer
         tokens = []
         for token in row.tolist():
-            if token < 0 or is_stop_V[token]:
+            if token < 0:
+                break
+            if is_stop_V[token]:
+                tokens += [token] if include_stop else []
                 break
             tokens.append(token)
         results.append(tokens)

@@ -1,7 +1,8 @@
 """`jaxtune launch tpu`: run `jaxtune train` on every worker of a Cloud TPU VM, through gcloud.
 
-The same program runs on every host (JAX's multi-controller model): each worker calls
-`jax.distributed.initialize()`, which on a TPU VM finds its peers by itself. The launcher only has to
+The same program runs on every host (JAX's multi-controller model): each worker runs `jaxtune train
+--auto-cluster`, whose `jax.distributed.initialize()` finds its peers from the TPU VM's metadata. The launcher
+only has to
 
     1. create the TPU VM (or a queued resource for spot capacity), or reuse it if it exists and is READY;
     2. ship this package and the run config (`gcloud compute tpus tpu-vm scp --worker=all`);
@@ -94,7 +95,8 @@ def install_command(t: TpuTarget) -> list[str]:
 
 
 def train_command(t: TpuTarget, config_name: str, overrides: list[str]) -> list[str]:
-    args = " ".join(shlex.quote(a) for a in ["train", f"config/{config_name}", *sum((["--set", o] for o in overrides), [])])
+    train = ["train", f"config/{config_name}", "--auto-cluster", *sum((["--set", o] for o in overrides), [])]
+    args = " ".join(shlex.quote(a) for a in train)
     return ssh_command(t, f"cd ~/{REMOTE_DIR} && python3 -m jaxtune.cli {args}")
 
 

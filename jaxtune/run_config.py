@@ -1,11 +1,16 @@
-"""A training run's configuration: four small frozen dataclasses, read from TOML with dotted overrides.
+"""A training run's configuration: small frozen dataclasses, one per TOML section, with dotted overrides.
 
     [model]   path, dtype, compute_dtype, remat
     [method]  MethodConfig: kind, rank, alpha, dropout, target_modules, rslora, dora, bits, double_quant, ...
     [data]    train, eval, eval_fraction, max_seq_len, pack, seed
-    [train]   output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, schedule, ...
+    [train]   objective (sft | dpo | reward | grpo | distill), output_dir, epochs, max_steps, batch_size, ...
     [mesh]    MeshConfig: data, fsdp, tensor (device mesh sizes; -1 takes the rest)
     [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
+    [dpo]     PreferenceConfig: loss (sigmoid | ipo | hinge), beta, label_smoothing, reference, precompute_reference
+    [grpo]    GRPOConfig: reward or reward_model, group_size, max_new_tokens, temperature, top_k, top_p, clip, kl_coef
+    [distill] DistillConfig: teacher, alpha, temperature, reverse
+
+Only the section of the chosen objective is read; the others keep their defaults (and are written out as such).
 
 Every key must be a field: an unknown key is an error naming it and its section. `--set train.lr=1e-4`-style
 overrides are parsed as TOML values (strings may go unquoted). The resolved config is written back as TOML.
@@ -22,6 +27,11 @@ from jaxtune.config import MethodConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.parallel.mesh import MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
+from jaxtune.train.distill import DistillConfig
+from jaxtune.train.grpo import GRPOConfig
+from jaxtune.train.preference import PreferenceConfig
+
+OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")
 
 
 @dataclass(frozen=True)
@@ -49,13 +59,18 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows.
+    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows (for dpo and
+    reward: pairs; for grpo: prompts, each sampled `group_size` times).
+
+    objective: sft (masked cross-entropy), dpo (preference optimisation, [dpo]), reward (a Bradley-Terry reward
+    model), grpo (online RL against a reward, [grpo]) or distill (from a teacher, [distill]).
 
     schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
     max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
     max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
     """
 
+    objective: str = "sft"
     output_dir: str = "runs/run"
     epochs: int = 1
     max_steps: int = 0
@@ -79,6 +94,8 @@ class TrainConfig:
     resume_step: int = -1
 
     def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} does not exist; choose one of {', '.join(OBJECTIVES)}")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"schedule {self.schedule!r}: choose cosine, linear or constant")
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
@@ -94,6 +111,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}

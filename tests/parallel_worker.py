@@ -5,10 +5,12 @@ sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=
 
     python tests/parallel_worker.py full|lora|qlora
     python tests/parallel_worker.py loop CONFIG.toml [section.key=value ...]
+    python tests/parallel_worker.py planner
 
 For one method: 10 steps on one device, then on each mesh (fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2);
 the per-device bytes under fsdp=8; bfloat16 moments (LoRA). `loop` runs `fine_tune` on the 8 devices (the
-host-offload check) and prints its metrics.
+host-offload check) and prints its metrics. `planner` compiles a small model's sharded step on each mesh and prints
+the planner's per-device estimate beside XLA's figure.
 """
 
 from __future__ import annotations
@@ -138,9 +140,33 @@ def loop(config: str, overrides: list[str]) -> dict:
     return {"records": [json.loads(line) for line in lines], "result": str(result.result_path)}
 
 
+def planner() -> dict:
+    """{mesh: (the planner's per-device bytes, XLA's compiled bytes of the sharded step)} for a small Llama on each
+    mesh, nothing allocated (`jaxtune.planner.compile_step` from ShapeDtypeStructs)."""
+    from jaxtune.config import ModelConfig
+    from jaxtune.planner import TrainPlan, compile_step, estimate, get_device
+
+    cfg = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=32)
+    plans = {
+        "fsdp=8": TrainPlan(MethodConfig("full"), 16, 128, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"]),
+        "data=8": TrainPlan(METHODS["lora"], 16, 128, 1, "full", "float32", "float32", mesh=MESHES["data=8"]),
+        "data=2 x fsdp=4": TrainPlan(MethodConfig("full"), 16, 128, 1, "save_matmuls", "float32", "float32",
+                                     mesh=MESHES["data=2 x fsdp=4"]),
+        "fsdp=4 x tensor=2": TrainPlan(METHODS["qlora"], 16, 128, 1, "none", "float32", "float32",
+                                       mesh=MESHES["fsdp=4 x tensor=2"]),
+        "dpo, fsdp=8": TrainPlan(METHODS["lora"], 8, 128, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"],
+                                 objective="dpo"),
+    }
+    return {name: (estimate(cfg, plan, get_device("cpu-8")).compiled_bytes, compile_step(cfg, plan).total_bytes)
+            for name, plan in plans.items()}
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     if sys.argv[1] == "loop":
         print(json.dumps(loop(sys.argv[2], sys.argv[3:])))
+    elif sys.argv[1] == "planner":
+        print(json.dumps(planner()))
     else:
         print(json.dumps(run(sys.argv[1])))

@@ -14,7 +14,7 @@ from jaxtune.methods.transform import apply_method, combine, partition, trainabl
 from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.params import init_params
 from jaxtune.run_config import TrainConfig
-from jaxtune.train.distill import DistillConfig, check_teacher, make_distill_step, make_kl_eval
+from jaxtune.train.distill import DistillConfig, check_teacher, make_distill_eval, make_distill_step
 from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
 
 DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
@@ -37,11 +37,11 @@ def test_distillation_lowers_held_out_kl(tmp_path, reverse):
     optimizer = make_optimizer(tc, 40, trainable)
     step = make_distill_step(cfg, teacher_cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 40),
                              distill)
-    kl_eval = make_kl_eval(cfg, teacher_cfg, method, ForwardOptions(), distill)
+    kl_eval = make_distill_eval(cfg, teacher_cfg, method, ForwardOptions(), distill)
 
     def held_out_kl(state):
         sums = [kl_eval(combine(state["params"], frozen), teacher, b) for b in epoch_batches(held_out, 8, 64, 0, 0)]
-        return sum(float(k) for k, _ in sums) / sum(float(c) for _, c in sums)
+        return sum(float(s["kl"]) for s in sums) / sum(float(s["tokens"]) for s in sums)
 
     state = init_state(trainable, optimizer, 0)
     before = held_out_kl(state)

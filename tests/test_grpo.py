@@ -11,8 +11,7 @@ from jaxtune.methods.transform import apply_method, combine, partition, trainabl
 from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.params import init_params
 from jaxtune.run_config import TrainConfig
-from jaxtune.train.grpo import (GRPOConfig, group_advantages, load_reward_function, make_grpo_step, rollout_batch,
-                                sample_group)
+from jaxtune.train.grpo import GRPOConfig, load_reward_function, make_grpo_step, rollout_batch, sample_group
 from jaxtune.train.preference import strip_adapters
 from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
 
@@ -39,9 +38,10 @@ def test_grpo_raises_mean_reward():
         texts = [tokenizer.decode(c) for c in completions]
         rewards = reward([tokenizer.decode(r) for r in rows], texts)
         means.append(float(np.mean(rewards)))
-        batch = rollout_batch(rows, completions, group_advantages(rewards, grpo.group_size), 24)
+        batch = rollout_batch(rows, completions, rewards, grpo.group_size, 24)
         state, metrics = step(state, frozen, reference, {k: v[None] for k, v in batch.items()})
     assert np.mean(means[-5:]) > max(0.2, 3 * np.mean(means[:5])), means
+    assert float(metrics["reward"]) == pytest.approx(means[-1], rel=1e-6)
 
 
 @pytest.mark.parametrize("path, message", [("nowhere.module.fn", "cannot be imported"),

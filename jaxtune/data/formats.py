@@ -5,6 +5,7 @@ Formats, detected per line (a file may mix the first three):
   prompt/completion  {"prompt", "completion"}
   chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template
   preference         {"prompt", "chosen", "rejected"}: only through `load_preference_examples`
+  prompts            {"prompt", ...any other fields}: GRPO's prompts, through `load_prompt_examples`
 
 A prompt/completion pair becomes `encode(prompt)` (with the model's special tokens, e.g. BOS) +
 `encode(completion, add_special_tokens=False)` + [EOS]; the loss covers the completion and the EOS.
@@ -73,6 +74,14 @@ class PreferenceExample:
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]
     rejected: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """A GRPO prompt and the record's other fields (e.g. an "answer" a verifiable reward checks)."""
+
+    prompt: str
+    fields: dict
 
 
 @dataclass
@@ -370,6 +379,20 @@ def load_preference_examples(path: str | Path, tokenizer: Tokenizer,
         raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
                            f"({stats.dropped_prompt_too_long} prompts too long)")
     return examples, stats
+
+
+def load_prompt_examples(path: str | Path) -> list[PromptExample]:
+    """The records of a prompts JSONL file, in file order: a string "prompt" each, other fields kept as they are."""
+    examples = []
+    for n, record in read_jsonl(path):
+        prompt = _text(f"{path}:{n}", record, "prompt", "prompt")
+        examples.append(PromptExample(prompt, {k: v for k, v in record.items() if k != "prompt"}))
+    return examples
+
+
+def is_preference_file(path: str | Path) -> bool:
+    """Whether a JSONL file's first record is a preference pair (has "chosen" or "rejected")."""
+    return detect_format(read_jsonl(path)[0][1]) == "preference"
 
 
 def train_eval_split(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:

@@ -4,6 +4,10 @@ A module is a dict of one layer's leaves: `kernel` [in, out] (a float array or a
 [out], and the leaves methods add: `lora_a` [in, r] and `lora_b` [r, out] (LoRA), `magnitude` [out] (DoRA),
 `ia3_in` [in] or `ia3_out` [out] (IA3). Dispatch is on which leaves are present, so a method is only a change
 of the tree.
+
+LoRA dropout (training only) drops the adapter's input, as PEFT does: y = x W + B A dropout(x) s. Each module
+of each layer draws its own mask from `adapter_dropout_key(layer_key, name)`; with no key there is no dropout
+and no random-number work at all.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.methods.quant import QuantizedArray, dequantize
 
 
@@ -30,28 +35,59 @@ def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magn
     return magnitude_O.astype(jnp.float32) / norm_O
 
 
-def dense(x: jax.Array, module: dict, lora_scale: float = 1.0) -> jax.Array:
-    """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype.
+def lora_dropout_rate(method: MethodConfig | None) -> float:
+    """The LoRA dropout rate `method` trains with: its `dropout` for LoRA and QLoRA, 0 for every other method."""
+    return method.dropout if method is not None and method.kind in ("lora", "qlora") else 0.0
 
+
+def adapter_dropout_key(layer_key: jax.Array, name: str) -> jax.Array:
+    """The dropout key of module `name` (q_proj, ..., down_proj) from its layer's key."""
+    return jax.random.fold_in(layer_key, LINEAR_MODULE_NAMES.index(name))
+
+
+def dropout_keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
+    """Boolean [shape]: True where an element is kept, each independently with probability 1 - rate."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def dropout(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
+    """Inverted dropout as torch's `nn.Dropout` in training: kept elements scaled by 1 / (1 - rate), so E[y] = x."""
+    return jnp.where(dropout_keep_mask(key, x.shape, rate), x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), 0)
+
+
+def dense(x: jax.Array, module: dict, lora_scale: float = 1.0, dropout_key: jax.Array | None = None,
+          dropout_rate: float = 0.0) -> jax.Array:
+    """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype; x is [..., in], y [..., out].
+
+    dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
     A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
     x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model.
     """
+    if dropout_rate == 0.0 or "lora_a" not in module:
+        dropout_key = None
     if isinstance(module["kernel"], QuantizedArray):
-        return jax.checkpoint(_dense, static_argnums=2)(x, module, lora_scale)
-    return _dense(x, module, lora_scale)
+        return jax.checkpoint(_dense, static_argnums=(2, 4))(x, module, lora_scale, dropout_key, dropout_rate)
+    return _dense(x, module, lora_scale, dropout_key, dropout_rate)
 
 
-def _dense(x: jax.Array, module: dict, lora_scale: float) -> jax.Array:
+def _dense(x: jax.Array, module: dict, lora_scale: float, dropout_key: jax.Array | None,
+           dropout_rate: float) -> jax.Array:
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
     kernel = kernel_of(module, x.dtype)
     y = x @ kernel
     if "lora_a" in module:
-        lora_y = (x @ module["lora_a"].astype(x.dtype)) @ module["lora_b"].astype(x.dtype) * lora_scale
-        y = y + lora_y
-        if "magnitude" in module:
+        x_lora = x if dropout_key is None else dropout(x, dropout_key, dropout_rate)
+        lora_y = (x_lora @ module["lora_a"].astype(x.dtype)) @ module["lora_b"].astype(x.dtype) * lora_scale
+        if "magnitude" not in module:
+            y = y + lora_y
+        else:
             scale = dora_scale(kernel, module["lora_a"], module["lora_b"], module["magnitude"], lora_scale)
-            y = y * scale.astype(x.dtype)
+            scale = scale.astype(x.dtype)
+            if dropout_key is None:
+                y = (y + lora_y) * scale
+            else:  # PEFT's DoRA with dropout: x W + (m/||.|| - 1) dropout(x) W + m/||.|| s B A dropout(x)
+                y = y + (scale - 1) * (x_lora @ kernel) + scale * lora_y
     if "bias" in module:
         y = y + module["bias"].astype(x.dtype)
     if "ia3_out" in module:

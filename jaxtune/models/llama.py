@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.models.linear import dense
+from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate
 from jaxtune.models.rope import apply_rope, rope_angles
+from jaxtune.parallel.rules import constrain
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 
@@ -90,14 +91,22 @@ def sliding_window_mask(T: int, prefix: int, window: jax.Array) -> jax.Array:
     return window_mask(prefix + jnp.arange(T), jnp.arange(prefix + T), window)
 
 
-def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float):
+def project(x, layer: dict, name: str, lora_scale: float, dropout: tuple[jax.Array, float] | None = None):
+    """`dense` through module `name` of one layer; dropout = (the layer's dropout key, rate) in training, else None."""
+    if dropout is None:
+        return dense(x, layer[name], lora_scale)
+    layer_key, rate = dropout
+    return dense(x, layer[name], lora_scale, adapter_dropout_key(layer_key, name), rate)
+
+
+def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, dropout=None):
     """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
     values [B, T, K, hd]."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q_BxTxHxh = apply_rope(dense(x_BxTxD, layer["q_proj"], lora_scale).reshape(B, T, K * G, hd), cos, sin)
-    k_BxTxKxh = apply_rope(dense(x_BxTxD, layer["k_proj"], lora_scale).reshape(B, T, K, hd), cos, sin)
-    v_BxTxKxh = dense(x_BxTxD, layer["v_proj"], lora_scale).reshape(B, T, K, hd)
+    q_BxTxHxh = apply_rope(project(x_BxTxD, layer, "q_proj", lora_scale, dropout).reshape(B, T, K * G, hd), cos, sin)
+    k_BxTxKxh = apply_rope(project(x_BxTxD, layer, "k_proj", lora_scale, dropout).reshape(B, T, K, hd), cos, sin)
+    v_BxTxKxh = project(x_BxTxD, layer, "v_proj", lora_scale, dropout).reshape(B, T, K, hd)
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
 
 
@@ -118,7 +127,7 @@ def _softmax_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask):
 _softmax_attention_remat = jax.checkpoint(_softmax_attention)
 
 
-def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale: float) -> jax.Array:
+def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale: float, dropout=None) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T / sqrt(hd)) v over the
     S keys that `mask` (broadcastable to [B, 1, 1, T, S]) allows, then o_proj; returns [B, T, D]."""
     B, T, K, G, hd = q_BxTxKxGxh.shape
@@ -126,13 +135,14 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale: float) ->
     k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
     out_BxKxGxTxh = _softmax_attention_remat(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask)
     out_BxTxD = jnp.transpose(out_BxKxGxTxh, (0, 3, 1, 2, 4)).reshape(B, T, K * G * hd)
-    return dense(out_BxTxD, layer["o_proj"], lora_scale)
+    return project(out_BxTxD, layer, "o_proj", lora_scale, dropout)
 
 
-def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool, lora_scale: float):
+def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool, lora_scale: float,
+              dropout=None):
     """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D]."""
     B, T, _ = x_BxTxD.shape
-    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale)
+    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale, dropout)
     prefix = 0
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         prefix = layer["prefix"]["key"].shape[0]
@@ -141,7 +151,7 @@ def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
     if windowed:
         mask = mask & sliding_window_mask(T, prefix, window)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale, dropout)
 
 
 def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
@@ -153,10 +163,11 @@ def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
 _swiglu_remat = jax.checkpoint(_swiglu)
 
 
-def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float) -> jax.Array:
+def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float, dropout=None) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    hidden = _swiglu_remat(dense(x_BxTxD, layer["gate_proj"], lora_scale), dense(x_BxTxD, layer["up_proj"], lora_scale))
-    return dense(hidden, layer["down_proj"], lora_scale)
+    hidden = _swiglu_remat(project(x_BxTxD, layer, "gate_proj", lora_scale, dropout),
+                           project(x_BxTxD, layer, "up_proj", lora_scale, dropout))
+    return project(hidden, layer, "down_proj", lora_scale, dropout)
 
 
 def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
@@ -164,17 +175,17 @@ def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
     return x_BxTxD + dense(jax.nn.silu(dense(x_BxTxD, adapter["down"])), adapter["up"])
 
 
-def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float):
+def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float, dropout=None):
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
-    aux (the layer's new keys and values) is returned beside the new x.
+    aux (the layer's new keys and values) is returned beside the new x. dropout: as for `project` (the MLP's).
     """
     with jax.named_scope("attention"):
         h, aux = attend_fn(rms_norm(x_BxTxD, layer["input_layernorm"], cfg.rms_norm_eps))
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
     with jax.named_scope("mlp"):
-        h = mlp(rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps), layer, lora_scale)
+        h = mlp(rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps), layer, lora_scale, dropout)
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
     return x_BxTxD, aux
 
@@ -189,6 +200,7 @@ def decoder(
     segment_ids_BxT: jax.Array | None = None,
     method: MethodConfig | None = None,
     options: ForwardOptions = ForwardOptions(),
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """Final-norm hidden states [B, T, D] in the compute dtype.
 
@@ -196,6 +208,8 @@ def decoder(
     attention_mask_BxT: 1 for real tokens, 0 for padding (keys that nobody attends to).
     segment_ids_BxT: packed rows; a token attends only to earlier tokens of its own segment.
     method: the fine-tuning method whose leaves `params` carries (its LoRA scaling is static).
+    dropout_key: training only, with a LoRA method whose `dropout` > 0: layer i draws its masks from
+    `jax.random.split(dropout_key, L)[i]` (see `linear.adapter_dropout_key`). None (eval, generation): no dropout.
     """
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
@@ -206,20 +220,26 @@ def decoder(
     cos, sin = rope_angles(positions_BxT, cfg, dtype)
     mask = attention_mask(tokens_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
     windowed = any(cfg.sliding_windows)
+    rate = lora_dropout_rate(method)
+    use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
 
-    def block(x_BxTxD, layer_and_window):
-        layer, window = layer_and_window
-        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, cfg, windowed, lora_scale), None)
-        return decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale)
+    def block(x_BxTxD, per_layer):
+        layer, window, layer_key = per_layer if use_dropout else (*per_layer, None)
+        dropout = (layer_key, rate) if use_dropout else None
+        x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # rows split over the mesh's data x fsdp, if any
+        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, cfg, windowed, lora_scale, dropout), None)
+        return decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout)
 
     block = options.remat.wrap(block)
-    x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]
-    windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
+    x_BxTxD = constrain(params["embed_tokens"].astype(dtype)[tokens_BxT], ("batch", None, None))
+    per_layer = (params["layers"], jnp.asarray(cfg.sliding_windows, jnp.int32))
+    if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
+        per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     if options.scan_layers:
-        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, (params["layers"], windows_L))
+        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, per_layer)
     else:
         for i in range(cfg.num_layers):
-            x_BxTxD, _ = block(x_BxTxD, (jax.tree.map(lambda a: a[i], params["layers"]), windows_L[i]))
+            x_BxTxD, _ = block(x_BxTxD, jax.tree.map(lambda a: a[i], per_layer))
     return rms_norm(x_BxTxD, params["norm"], cfg.rms_norm_eps)
 
 

@@ -18,8 +18,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxtune.errors import JaxtuneError
-
-MESH_AXES = ("data", "fsdp", "tensor")
+from jaxtune.parallel.rules import MESH_AXES
 
 
 @dataclass(frozen=True)

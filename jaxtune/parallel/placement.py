@@ -11,8 +11,10 @@ jitted with them.
 `shard_train_step` wraps the (already jitted) step in one outer `jax.jit` with explicit in/out shardings and the
 state donated; the inner jit is inlined into it, so each step is still one compiled program. With the parameters
 split over `fsdp` and the batch over ("data", "fsdp"), XLA's SPMD partitioner inserts the all-gathers of weights and
-the reduce-scatters of gradients (ZeRO-3); out_shardings equal to in_shardings keep the new state exactly where the
-old one was, so the donated buffers are reused and the step never recompiles.
+the reduce-scatters of gradients (ZeRO-3). The step is traced under the mesh (`traced_on`), so the decoder splits
+each layer input's rows over ("data", "fsdp") as well (`rules.constrain`): every device computes and keeps only its
+rows. out_shardings equal to in_shardings keep the new state exactly where the old one was, so the donated buffers
+are reused and the step never recompiles.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import jax
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding
 
 from jaxtune.config import ModelConfig
 from jaxtune.methods.transform import combine
@@ -84,7 +86,8 @@ def shard_train_step(train_step, shardings: TrainShardings):
 
     def step(state, frozen, batch):
         state, frozen = on_device((state, frozen), (shardings.state, shardings.frozen))
-        return train_step(state, frozen, batch)
+        with traced_on(shardings.mesh):
+            return train_step(state, frozen, batch)
 
     return jax.jit(step, in_shardings=(shardings.state, shardings.frozen, shardings.batch),
                    out_shardings=(shardings.state, None), donate_argnums=0)
@@ -94,4 +97,15 @@ def shard_eval_step(eval_step, shardings: TrainShardings):
     """`eval_step(params, batch)` for the full (combined) parameter tree as the run holds it, host-offloaded
     weights included; batches are placed by the compiler."""
     params_sh = shardings.params
-    return jax.jit(lambda params, batch: eval_step(on_device(params, params_sh), batch), in_shardings=(params_sh, None))
+
+    def evaluate(params, batch):
+        with traced_on(shardings.mesh):
+            return eval_step(on_device(params, params_sh), batch)
+
+    return jax.jit(evaluate, in_shardings=(params_sh, None))
+
+
+def traced_on(mesh: AnyMesh):
+    """The context a step is traced in: `mesh` as the abstract mesh, so `rules.constrain` can split activations
+    (each layer input's rows over ("data", "fsdp")) by the same table as the parameters."""
+    return jax.sharding.use_abstract_mesh(mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh)

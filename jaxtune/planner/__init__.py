@@ -7,12 +7,15 @@
     est.to_dict()["per_device"]["total_bytes"], est.fits
     search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits
     compile_step(cfg, plan)                                        # XLA's own figure, ahead of time
+    compile_peak(cfg, plan.replace(objective="grpo", generate_tokens=64))  # step or rollout, the larger
 
 `devices.py` is the catalogue, `estimate.py` and `activations.py` the arithmetic, `timing.py` the step time,
 `search.py` the plan search, `confirm.py` the compile check, `report.py` the table. The public API, one name a line.
 """
 
 from jaxtune.planner.confirm import CompiledMemory as CompiledMemory
+from jaxtune.planner.confirm import compile_peak as compile_peak
+from jaxtune.planner.confirm import compile_rollout as compile_rollout
 from jaxtune.planner.confirm import compile_step as compile_step
 from jaxtune.planner.devices import CATALOGUE as CATALOGUE
 from jaxtune.planner.devices import Device as Device

@@ -127,10 +127,17 @@ def attention_elements(w: Widths) -> int:
     return w.b * w.heads * w.T * w.S
 
 
-def logits_copies(method) -> int:
-    """[b, T, V] float32 buffers alive at the loss: the logits and their gradient (one more when lm_head trains,
-    for its weight gradient) - measured on XLA:CPU."""
-    return 3 if method.kind == "full" else 2
+# [b, T, V] float32 buffers alive at the loss, by objective (measured on XLA:CPU): SFT, the logits and their
+# gradient (one more when lm_head trains, for its weight gradient); DPO, the same two (its per-sequence sums need
+# no third); a reward model, none (its scalar head reads the hidden state); GRPO, three (the reference's logits
+# beside the policy's two); distillation, six (the teacher's logits and softmax, the student's log-softmax and the
+# gradients of the KL and of the cross-entropy).
+LOGITS_COPIES = {"sft": 2, "dpo": 2, "reward": 0, "grpo": 3, "distill": 6}
+
+
+def logits_copies(method, objective: str = "sft") -> int:
+    """[b, T, V] float32 buffers alive at the loss of `objective` (see LOGITS_COPIES)."""
+    return 3 if objective == "sft" and method.kind == "full" else LOGITS_COPIES[objective]
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
@@ -158,8 +165,9 @@ class ActivationBytes:
     logits: int
 
 
-def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes) -> ActivationBytes:
-    """The activation terms for `policy`, with `itemsize` bytes per activation value and `nbytes(shape, itemsize)`
+def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
+                     objective: str = "sft") -> ActivationBytes:
+    """The activation terms for `policy` and `objective`, with `itemsize` bytes per activation value and `nbytes(shape, itemsize)`
     the bytes an array of that shape occupies on the device (tiles on TPU)."""
     size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
     scores = (w.b, w.heads, w.T, w.S)
@@ -168,4 +176,4 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     workspace += adapter_backward_elements(method, w) * itemsize
     logits_one = nbytes((w.b, w.T, w.V), 4)
     return ActivationBytes(cfg.num_layers * size(saved_tensors(cfg, method, policy, w)), attention, workspace,
-                           logits_one, logits_copies(method) * logits_one)
+                           logits_one, logits_copies(method, objective) * logits_one)

@@ -7,14 +7,15 @@ per-device share comes from jaxtune.parallel's own shardings on an `AbstractMesh
     frozen weights   in their dtype (QLoRA's NF4/int8 leaves as their packed arrays), split as the run splits them
     trainable        float32 master copies (`init_state`)
     optimizer        Adam's mu and nu (optax.adamw), float32 or bfloat16 (`offload.moments_dtype`)
-    batch            five [A, b, T] int32/float32 arrays
+    batch            five [A, b, T] int32/float32 arrays (b counts both rows of a pair; GRPO adds two [A, b])
   transient, the largest of three moments (XLA gives things not alive together the same buffer):
-    loss        every layer's saved activations + logits and their gradients [b, T, V] float32 + 2 gradients
+    loss        every layer's saved activations + the objective's [b, T, V] float32 logits buffers + 2 gradients
     backward    the saved activations + one layer's backward workspace (see activations.py) + 2 gradients
     update      3 trainable-sized float32 buffers: the gradients, the clipped gradients, Adam's update
-  beside them: weight copies a dtype cast makes, the all-gathered layer under fsdp, objective extras (a DPO
-  reference, RLHF reference and reward models and the generation KV cache, a distillation teacher), and the
-  runtime reserve of the hardware family.
+    generate    GRPO's rollout, before the step: the KV cache and the prefill's attention scores
+  beside them: weight copies a dtype cast makes, the all-gathered layer under fsdp, the objective's second model
+  (the frozen reference of a full fine-tune under DPO and GRPO, the distillation teacher), and the runtime reserve
+  of the hardware family.
 
 "2 gradients" are the micro-batch's gradients and the accumulator `accumulated_gradients` scans with; the counts
 of copies were measured against XLA:CPU's compiled memory (experiments/planner_accuracy.py).
@@ -40,6 +41,7 @@ from jaxtune.planner.plan import TrainPlan
 
 MiB = 1 << 20
 BATCH_BYTES_PER_TOKEN = 20  # input_ids, labels, segment_ids, positions int32 + loss_mask float32
+ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, prompt, S] float32 buffers (measured on XLA:CPU)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class Estimate:
 
     @property
     def compiled_bytes(self) -> int:
-        """The part XLA's memory analysis of the step sees: everything but the reserve and the objective's extras."""
+        """The part XLA's memory analysis of the step sees: everything but the runtime reserve."""
         return self.total_bytes - self.reserve_bytes
 
     @property
@@ -180,10 +182,16 @@ class Estimate:
 
 
 @functools.lru_cache(maxsize=64)
-def abstract_trees(cfg: ModelConfig, method, param_dtype: str):
-    """(trainable as float32 masters, frozen, parameter count) as `fine_tune` builds them: ShapeDtypeStructs."""
-    base = abstract_params(cfg, jnp.dtype(param_dtype))
-    params = jax.eval_shape(lambda p, k: apply_method(p, cfg, method, k), base, jax.random.key(0))
+def abstract_trees(cfg: ModelConfig, method, param_dtype: str, reward_head: bool = False):
+    """(trainable as float32 masters, frozen, parameter count) as `fine_tune` builds them: ShapeDtypeStructs.
+    reward_head: with a reward model's scalar head (`train.reward.add_reward_head`)."""
+    from jaxtune.train.reward import add_reward_head
+
+    def build(p, k):
+        params = apply_method(p, cfg, method, k)
+        return add_reward_head(params, cfg, k) if reward_head else params
+
+    params = jax.eval_shape(build, abstract_params(cfg, jnp.dtype(param_dtype)), jax.random.key(0))
     trainable, frozen = partition(params, trainable_mask(params, method))
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
     return trainable, frozen, parameter_report(params, method).total
@@ -217,18 +225,18 @@ def _device_bytes(tree, shardings, tiled: bool) -> int:
 def _sharded_state(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> tuple[int, int, int, int]:
     """Per-device bytes of (frozen, trainable masters, optimizer state, one float32 gradient)."""
     return _sharded_state_cached(cfg, plan.method, plan.param_dtype, plan.offload.moments_dtype,
-                                 tuple(sizes.items()), tiled)
+                                 tuple(sizes.items()), tiled, plan.objective == "reward")
 
 
 @functools.lru_cache(maxsize=256)
-def _sharded_state_cached(cfg, method, param_dtype, moments_dtype, sizes, tiled):
+def _sharded_state_cached(cfg, method, param_dtype, moments_dtype, sizes, tiled, reward_head):
     from jaxtune.parallel.mesh import MeshConfig, abstract_mesh
     from jaxtune.parallel.offload import low_precision_moments
     from jaxtune.parallel.sharding import optimizer_shardings, param_shardings
     from jaxtune.run_config import TrainConfig
     from jaxtune.train.step import make_optimizer
 
-    trainable, frozen, _ = abstract_trees(cfg, method, param_dtype)
+    trainable, frozen, _ = abstract_trees(cfg, method, param_dtype, reward_head)
     sizes = dict(sizes)
     mesh = abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
     optimizer = make_optimizer(TrainConfig(), 1000, trainable)
@@ -280,25 +288,23 @@ def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_k
 
 def _objective_extras(cfg: ModelConfig, plan: TrainPlan, w, nbytes, shard: int, tiled: bool,
                       notes: list[str]) -> tuple[int, int]:
-    """(bytes of extra frozen models, bytes of the rollout KV cache) per device, for the plan's objective."""
-    if plan.objective == "sft":
-        return 0, 0
+    """(bytes of the objective's second model, bytes of GRPO's rollout KV cache) per device."""
     extra_models_b = kv_b = 0
     one_copy = _full_size(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(plan.param_dtype)),
                                        abstract_params(cfg)), tiled) // shard
-    if plan.objective in ("dpo", "rlhf") and plan.method.kind == "full":
+    if plan.objective in ("dpo", "grpo") and plan.method.kind == "full":
         extra_models_b += one_copy
         notes.append(f"{plan.objective}: a frozen reference copy of the weights (adapter methods use the base "
                      "weights with adapters off instead)")
-    if plan.objective == "rlhf":
-        extra_models_b += one_copy
-        tokens = plan.seq_len + plan.generate_tokens
-        kv_b = 2 * cfg.num_layers * nbytes((w.b, tokens, w.kv_heads, cfg.head_dim),
-                                           jnp.dtype(plan.compute_dtype).itemsize)
-        notes.append("rlhf: a frozen reward model (the policy's architecture) and the rollout KV cache")
     if plan.objective == "distill":
         extra_models_b += one_copy
         notes.append("distillation: a frozen teacher of the student's architecture")
+    if plan.objective == "grpo" and plan.generate_tokens:
+        prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
+        rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
+        kv_b = 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim),
+                                           jnp.dtype(plan.compute_dtype).itemsize)
+        notes.append("grpo: the rollout's KV cache [L, A b, T, K, hd] x 2 (keys, values), before the step")
     return extra_models_b, kv_b
 
 
@@ -313,20 +319,19 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if plan.batch_size % ways:
         raise JaxtuneError(f"batch {plan.batch_size} rows cannot be split over data x fsdp = {data} x {fsdp} = {ways} "
                            f"devices; use a multiple of {ways}")
-    rows = plan.batch_size // ways * (2 if plan.objective == "dpo" else 1)  # DPO: chosen and rejected rows
+    rows = plan.rows // ways  # pairs are two rows: chosen and rejected
     prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor)
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
     frozen_b, trainable_b, optimizer_b, grad_b = _sharded_state(cfg, plan, sizes, tiled)
-    trainable, _, n_total = abstract_trees(cfg, method, plan.param_dtype)
+    trainable, _, n_total = abstract_trees(cfg, method, plan.param_dtype, plan.objective == "reward")
     n_trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
 
-    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes)
+    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, plan.objective)
     logits_b = acts.logits
     if plan.objective == "distill":
-        logits_b += 2 * acts.logits_one  # the teacher's logits, kept for the KL, and its softmax
         notes.append("distillation: the teacher's logits and softmax [b, T, V] float32 sit beside the student's")
 
     # Weight copies made by dtype casts.
@@ -337,8 +342,10 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         notes.append("XLA:CPU multiplies bfloat16 in float32: float32 copies of the frozen weights are counted")
     if fsdp > 1:
         # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan, and
-        # the output head whole (measured on fake CPU devices).
-        copies_b += (layer_kernels // cfg.num_layers + head_kernel) * a // tensor
+        # the output head whole; a second model's forward (a reference, a teacher) gathers its own beside them
+        # (measured on fake CPU devices).
+        forwards = 2 if plan.objective in ("dpo", "grpo", "distill") else 1
+        copies_b += forwards * (layer_kernels // cfg.num_layers + head_kernel) * a // tensor
 
     extra_models_b, kv_b = _objective_extras(cfg, plan, w, nbytes, fsdp * tensor, tiled, notes)
 
@@ -357,9 +364,14 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         notes.append("on CPU host and device memory are the same RAM: offloading moves nothing")
     if offload.optimizer_state:
         phases["update"]["optimizer"] = optimizer_b  # copied in for the update, written back to host after
-    if plan.objective == "rlhf":
-        phases["generate"] = {"activations": kv_b + acts.logits_one // max(1, plan.seq_len), "gradients": 0,
-                              "weight_copies": 0}
+    if plan.objective == "grpo" and plan.generate_tokens:
+        # the rollout: the KV cache, and the prefill's attention over the prompt (one layer's scores, their softmax
+        # and the masked scores: ROLLOUT_SCORE_COPIES [b, H, prompt, S] float32, measured on XLA:CPU); the weights
+        # are cast to the compute dtype once for the whole generation
+        scores = nbytes((w.b * plan.grad_accum, w.heads, plan.seq_len - plan.generate_tokens, w.S), 4)
+        cast = n_total * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
+        phases["generate"] = {"activations": kv_b + int(ROLLOUT_SCORE_COPIES * scores), "gradients": 0,
+                              "weight_copies": cast}
     for p in phases.values():
         p["total"] = sum(p.values())
     peak = max(phases, key=lambda k: phases[k]["total"])
@@ -376,8 +388,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         notes.append("offloaded frozen weights are copied to the device whole for each step: they save device "
                      "memory between steps, not at the step's peak")
 
-    batch_b = plan.grad_accum * nbytes((w.b // (2 if plan.objective == "dpo" else 1) or 1, plan.seq_len), 1) \
-        * BATCH_BYTES_PER_TOKEN
+    batch_b = plan.grad_accum * nbytes((w.b, plan.seq_len), 1) * BATCH_BYTES_PER_TOKEN
+    if plan.objective == "grpo":
+        batch_b += plan.grad_accum * 2 * nbytes((w.b,), 4)  # advantages and rewards [A, N]
     if peak == "loss":
         saved, attention, logits, workspace = acts.saved, 0, logits_b, 0
     elif peak == "backward":

@@ -21,7 +21,8 @@ from jaxtune.models.llama import REMAT_POLICIES
 from jaxtune.parallel.mesh import MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
 
-OBJECTIVES = ("sft", "dpo", "rlhf", "distill")
+OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")  # the trainer's objectives (jaxtune/train/)
+ALIASES = {"rlhf": "grpo"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -30,10 +31,12 @@ class TrainPlan:
     """One configuration of a fine-tuning step.
 
     param_dtype: the frozen base weights' dtype (trainable leaves are always float32 master copies, as
-    `init_state` makes them). compute_dtype: activations and matmuls. objective: "sft" (one model), "dpo"
-    (chosen and rejected rows through the policy, plus a frozen reference), "rlhf" (PPO: a policy that also
-    generates `generate_tokens` tokens per row with a KV cache, a frozen reference and a frozen reward model),
-    "distill" (a frozen teacher's forward beside the student's).
+    `init_state` makes them). compute_dtype: activations and matmuls. objective, as the trainer's steps run them:
+    "sft"; "dpo" (`batch_size` pairs = 2 x batch_size rows through the policy and a frozen reference, a copy of the
+    weights only for a full fine-tune: adapter methods use the base with adapters off); "reward" (pairs through the
+    decoder and a scalar head, no [b, T, V] logits); "grpo" (rows of prompt + completion through the policy and
+    the reference, and before the step the rollout: `generate_tokens` of each row's `seq_len` tokens sampled with
+    a KV cache; "rlhf" is accepted for it); "distill" (a frozen teacher of the student's architecture beside it).
     """
 
     method: MethodConfig = field(default_factory=lambda: MethodConfig("full"))
@@ -58,8 +61,17 @@ class TrainPlan:
         for name in ("compute_dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
+        object.__setattr__(self, "objective", ALIASES.get(self.objective, self.objective))
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        if not 0 <= self.generate_tokens < self.seq_len:
+            raise ValueError(f"generate_tokens {self.generate_tokens}: the rollout's prompt and completion share a row "
+                             f"of seq_len {self.seq_len} tokens, so use 0 to {self.seq_len - 1}")
+
+    @property
+    def rows(self) -> int:
+        """Rows of one micro-batch over all devices: two a pair for "dpo" and "reward"."""
+        return self.batch_size * (2 if self.objective in ("dpo", "reward") else 1)
 
     @property
     def global_batch(self) -> int:

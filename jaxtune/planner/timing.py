@@ -53,7 +53,7 @@ def step_time(est: Estimate) -> StepTime:
     """The predicted time of one optimizer step of `est`'s plan on `est.device` (per device; all run in step)."""
     cfg, plan, dev = est.model, est.plan, est.device
     data, fsdp, tensor = est.mesh["data"], est.mesh["fsdp"], est.mesh["tensor"]
-    rows = plan.batch_size // (data * fsdp) * (2 if plan.objective == "dpo" else 1)
+    rows = plan.rows // (data * fsdp)
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
     n = rows * plan.seq_len
     matmul = act.matmul_params_per_token(cfg) / tensor
@@ -65,10 +65,10 @@ def step_time(est: Estimate) -> StepTime:
     if plan.method.kind in ("lora", "qlora"):
         lora_params = sum(plan.method.rank * 2 * cfg.hidden_size for _ in plan.method.target_modules) * cfg.num_layers
         flops += 2 * n * lora_params * 3
-    # the reference's forward (DPO; with adapters off for adapter methods), reference + reward (RLHF), the teacher's
-    extra_forwards = {"dpo": 1, "rlhf": 2, "distill": 1}.get(plan.objective, 0)
+    # the reference's forward (DPO, GRPO; the base with adapters off for adapter methods), the teacher's (distill)
+    extra_forwards = {"dpo": 1, "grpo": 1, "distill": 1}.get(plan.objective, 0)
     flops += extra_forwards * (2 * n * matmul + attention)
-    if plan.objective == "rlhf":
+    if plan.objective == "grpo":
         flops += 2 * rows * plan.generate_tokens * matmul  # rollout decode
     compute_dtype = plan.compute_dtype
     compute_s = flops / (dev.peak(compute_dtype) * MFU_CEILING)

@@ -21,12 +21,19 @@ from jaxtune.train.update import accumulate, apply_update
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """teacher: a model directory; temperature softens both distributions; reverse: KL(student || teacher)."""
+    """teacher: a model directory; alpha: the KL's weight (1 - alpha: the SFT loss's); temperature softens both
+    distributions; reverse: KL(student || teacher) instead of KL(teacher || student)."""
 
     teacher: str = ""
     alpha: float = 0.5
     temperature: float = 1.0
     reverse: bool = False
+
+    def __post_init__(self):
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
 def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> None:
@@ -62,13 +69,15 @@ def make_distill_step(cfg: ModelConfig, teacher_cfg: ModelConfig, method: Method
     return jax.jit(step, donate_argnums=0)
 
 
-def make_kl_eval(cfg: ModelConfig, teacher_cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions,
-                 distill: DistillConfig):
-    """Jitted `(student params, teacher params, batch) -> (KL sum, token count)` on held-out data."""
+def make_distill_eval(cfg: ModelConfig, teacher_cfg: ModelConfig, method: MethodConfig | None,
+                      options: ForwardOptions, distill: DistillConfig):
+    """Jitted `(student params, teacher params, batch) -> {"kl", "nll", "tokens"}` sums on held-out data."""
 
     def evaluate(params, teacher, batch):
-        return distillation_kl(_logits(params, cfg, batch, method, options),
-                               _logits(teacher, teacher_cfg, batch, None, options), batch["loss_mask"],
-                               distill.temperature, distill.reverse)
+        student_logits = _logits(params, cfg, batch, method, options)
+        kl, count = distillation_kl(student_logits, _logits(teacher, teacher_cfg, batch, None, options),
+                                    batch["loss_mask"], distill.temperature, distill.reverse)
+        nll, _ = masked_nll_sum(student_logits, batch["labels"], batch["loss_mask"])
+        return {"kl": kl, "nll": nll, "tokens": count}
 
     return jax.jit(evaluate)

@@ -1,11 +1,12 @@
-"""Held-out loss and perplexity: the mean of -log p over every completion token of a file (sums, then one ratio)."""
+"""Held-out scores of a file: loss and perplexity on SFT data (the mean of -log p over every completion token: sums,
+then one ratio); pairwise accuracy on preference data."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from jaxtune.data.batching import epoch_batches
-from jaxtune.data.formats import load_sft_examples
+from jaxtune.data.formats import load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.llama import ForwardOptions
@@ -42,3 +43,44 @@ def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | Non
     loss, ppl, tokens = evaluate(make_eval_step(cfg, method, options), params, batches)
     return {"loss": loss, "perplexity": ppl, "tokens": tokens, "examples": len(examples),
             "dropped": stats.dropped_prompt_too_long + stats.dropped_empty}
+
+
+def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str | Path | None = None,
+                             max_seq_len: int | None = None, batch_size: int = 8,
+                             options: ForwardOptions = ForwardOptions()) -> dict:
+    """Pairwise scores of {prompt, chosen, rejected} pairs: {"kind", "pairs", "accuracy", "margin", "loss",
+    "dropped"}, means over pairs.
+
+    kind "reward": `model` is a reward model (as `objective = "reward"` exports it); accuracy is the share of pairs
+    whose chosen completion scores higher, margin the mean score difference, loss the Bradley-Terry loss.
+    kind "policy": `model` + `adapter` against `model` alone as the reference (DPO's implicit reward); accuracy is
+    the share of pairs with log pi/ref(chosen) > log pi/ref(rejected), margin the mean of that difference (nats),
+    loss DPO's sigmoid loss at beta = 1.
+    """
+    from jaxtune.train.preference import PreferenceConfig, make_preference_eval, preference_batches, strip_adapters
+    from jaxtune.train.reward import is_reward_model, load_reward_model, make_reward_eval
+
+    reward = is_reward_model(model)
+    if reward:
+        if adapter is not None:
+            raise JaxtuneError(f"{model}: a reward model takes no --adapter (its adapters are merged on export)")
+        cfg, params = load_reward_model(model)
+        evaluate_pair = make_reward_eval(cfg, None, options)
+    else:
+        if adapter is None:
+            raise JaxtuneError(f"{data}: preference data needs a reward model, or --adapter to score a policy "
+                               f"against {model} as the reference")
+        from jaxtune.methods.peft import load_model_with_adapter
+
+        cfg, params, method = load_model_with_adapter(model, adapter)
+        dpo = make_preference_eval(cfg, method, options, PreferenceConfig(beta=1.0))
+        evaluate_pair = lambda params, batch: dpo(params, strip_adapters(params), batch)
+    seq_len = max_seq_len or cfg.max_position_embeddings
+    pairs, stats = load_preference_examples(data, load_tokenizer(model), seq_len)
+    sums = [evaluate_pair(params, b) for b in preference_batches(pairs, batch_size, seq_len, seed=0, epoch=0)]
+    totals = {k: sum(float(s[k]) for s in sums) for k in sums[0]}
+    n = totals["pairs"]
+    names = ({"accuracy": "accuracy", "margin": "margin"} if reward else
+             {"accuracy": "rewards/accuracy", "margin": "rewards/margin"})
+    return {"kind": "reward" if reward else "policy", "pairs": int(n), "loss": totals["loss"] / n,
+            **{k: totals[v] / n for k, v in names.items()}, "dropped": stats.dropped_prompt_too_long}

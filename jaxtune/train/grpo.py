@@ -6,8 +6,10 @@ gradient step on the clipped-ratio objective with a KL penalty to the reference 
 With one step per batch the old policy equals the current one, so the ratio is 1 in value but not in gradient.
 Per-token terms are averaged over all completion tokens of the batch (token-level normalisation, as in DAPO).
 
-The reward is a Python callable `reward(prompts: list[str], completions: list[str]) -> list[float]`, named by a
-dotted path ("package.module.function" or "package.module:function").
+The reward is a Python callable `reward(prompts: list[str], completions: list[str], **fields) -> list[float]`, named
+by a dotted path ("package.module.function" or "package.module:function"); the prompt records' other fields come
+as keyword lists, one value a completion (as TRL passes dataset columns), so a verifiable task can check an
+"answer". Or it is a reward model directory (`reward_model_function`).
 """
 
 from __future__ import annotations
@@ -31,12 +33,25 @@ from jaxtune.train.update import accumulate, apply_update
 
 @dataclass(frozen=True)
 class GRPOConfig:
+    """reward: a dotted path to a reward function, or reward_model: a directory `objective = "reward"` exported.
+    group_size completions per prompt, sampled with temperature / top_k / top_p; clip: PPO's epsilon; kl_coef: the
+    KL penalty's beta."""
+
     reward: str = ""
+    reward_model: str = ""
     group_size: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
     clip: float = 0.2
     kl_coef: float = 0.04
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2 (advantages are relative to the group), got {self.group_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (samples of a group must differ), got {self.temperature}")
 
 
 def load_reward_function(path: str):
@@ -53,9 +68,10 @@ def load_reward_function(path: str):
     return function
 
 
-def rollout_batch(prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray,
+def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float], group_size: int,
                   seq_len: int) -> dict:
-    """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `advantages` [N]."""
+    """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their group-normalised
+    `advantages` [N] (rows of a prompt's group are consecutive)."""
     N = len(completions)
     batch = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -65,16 +81,19 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], advant
         batch["input_ids"][i, :n], batch["labels"][i, :n] = ids[:-1], ids[1:]
         batch["loss_mask"][i, len(prompt) - 1:n] = 1.0
         batch["segment_ids"][i, :n], batch["positions"][i, :n] = 1, np.arange(n)
-    batch["advantages"] = advantages.astype(np.float32)
+    batch["rewards"] = np.asarray(rewards, np.float32)
+    batch["advantages"] = group_advantages(rewards, group_size).astype(np.float32)
     return batch
 
 
 def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, prompts: list[list[int]],
                  grpo: GRPOConfig, seed: int, eos_ids) -> tuple[list[list[int]], list[list[int]]]:
-    """G completions per prompt from the current policy: (prompt of each row, completion of each row)."""
+    """G completions per prompt from the current policy: (prompt of each row, completion of each row); a completion
+    that stopped ends with its EOS, so the step's loss covers the choice to stop."""
     repeated = [p for p in prompts for _ in range(grpo.group_size)]
-    sampling = SamplingConfig(max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, seed=seed)
-    return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, method=method)
+    sampling = SamplingConfig(max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_k=grpo.top_k,
+                              top_p=grpo.top_p, seed=seed)
+    return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, method=method, include_stop=True)
 
 
 def group_advantages(rewards: list[float], group_size: int) -> np.ndarray:
@@ -103,6 +122,30 @@ def make_grpo_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptio
         loss_fn = lambda trainable, micro: loss_terms(trainable, frozen, reference, micro)
         loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
-        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
+        return state, {**update_metrics, **metrics, "reward": jnp.mean(batch["rewards"]),
+                       "tokens": jnp.sum(batch["segment_ids"] > 0)}
 
     return jax.jit(step, donate_argnums=0)
+
+
+def reward_model_function(directory: str, seq_len: int):
+    """A reward function `(prompts, completions, **fields) -> rewards` that scores prompt + completion (cut to
+    `seq_len` tokens) with the reward model in `directory` (as `objective = "reward"` exports it)."""
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.train.preference import sequence_row
+    from jaxtune.train.reward import load_reward_model, reward_scores
+
+    cfg, params = load_reward_model(directory)
+    tokenizer = load_tokenizer(directory)
+    score = jax.jit(lambda p, batch: reward_scores(p, batch, cfg, None, ForwardOptions()))
+
+    def reward(prompts: list[str], completions: list[str], **_) -> list[float]:
+        rows = []
+        for prompt, completion in zip(prompts, completions):
+            p = tokenizer.encode(prompt)
+            ids = (p + tokenizer.encode(completion, add_special_tokens=False))[:seq_len]
+            rows.append(sequence_row((*ids, 0), min(len(p), seq_len), seq_len))  # 0: a target nothing reads
+        batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return np.asarray(score(params, batch)).tolist()
+
+    return reward

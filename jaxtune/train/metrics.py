@@ -9,10 +9,14 @@ from pathlib import Path
 
 class MetricsLog:
     """Appends records to a JSONL file. On resume from step S, records after S are dropped first, so the file
-    of a resumed run reads like that of a run never interrupted."""
+    of a resumed run reads like that of a run never interrupted. With `path=None` (the processes other than 0
+    of a multi-process run) records are only kept in memory."""
 
-    def __init__(self, path: str | Path, resume_step: int = 0):
-        self.path = Path(path)
+    def __init__(self, path: str | Path | None, resume_step: int = 0):
+        self.path = None if path is None else Path(path)
+        self.kept: list[dict] = []
+        if self.path is None:
+            return
         kept = []
         if self.path.is_file() and resume_step > 0:
             kept = [line for line in self.path.read_text().splitlines()
@@ -20,10 +24,15 @@ class MetricsLog:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
+        if self.path is None:
+            self.kept.append(record)
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def records(self) -> list[dict]:
+        if self.path is None:
+            return list(self.kept)
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 

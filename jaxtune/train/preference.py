@@ -29,14 +29,30 @@ PAIR_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "positions")
 @dataclass(frozen=True)
 class PreferenceConfig:
     """loss: sigmoid (DPO) | ipo | hinge; beta: the KL strength; label_smoothing: cDPO's noise rate.
-    IPO uses each sequence's mean per-token log-probability (as TRL does), the others the sum."""
+    IPO uses each sequence's mean per-token log-probability (as TRL does), the others the sum.
+    reference: "base" (the model being tuned as loaded: for adapter methods its frozen weights with the adapters
+    off, no copy) or a model directory with the same vocabulary. precompute_reference: score every pair with the
+    reference once before training (`reference_logps`); steps then skip the reference forward, and a separate
+    reference model is not kept in memory."""
 
     loss: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
+    reference: str = "base"
+    precompute_reference: bool = False
+
+    def __post_init__(self):
+        if self.loss not in ("sigmoid", "ipo", "hinge"):
+            raise ValueError(f"loss {self.loss!r}: choose sigmoid, ipo or hinge")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
-def _row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
+def sequence_row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
+    """One [seq_len] row of prompt + completion `ids` (len <= seq_len + 1): inputs ids[:-1], targets ids[1:], the
+    loss mask on the completion's targets."""
     n = len(ids) - 1
     row = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
     row["input_ids"][:n] = ids[:-1]
@@ -47,21 +63,31 @@ def _row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
     return row
 
 
-def preference_batches(examples: list[PreferenceExample], batch_size: int, seq_len: int, seed: int,
-                       epoch: int) -> list[dict]:
-    """Batches of `batch_size` pairs as [2 * batch_size, seq_len] arrays (chosen rows, then rejected rows),
-    shuffled from (seed, epoch); the last batch is filled with empty pairs (no loss tokens)."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+def pair_batch(pairs: list[PreferenceExample], batch_size: int, seq_len: int,
+               reference: np.ndarray | None = None) -> dict:
+    """`pairs` (at most batch_size) as [2 * batch_size, seq_len] arrays, chosen rows then rejected rows, filled
+    with empty pairs (no loss tokens). With `reference` ([len(pairs), 2] log-probs of chosen and rejected) also
+    "reference_logps" [2 * batch_size]."""
     empty = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
-    batches = []
-    for start in range(0, len(order), batch_size):
-        pairs = [examples[i] for i in order[start:start + batch_size]]
-        chosen = [_row(p.prompt + p.chosen, len(p.prompt), seq_len) for p in pairs]
-        rejected = [_row(p.prompt + p.rejected, len(p.prompt), seq_len) for p in pairs]
-        pad = [empty] * (batch_size - len(pairs))
-        rows = chosen + pad + rejected + pad
-        batches.append({k: np.stack([r[k] for r in rows]) for k in PAIR_FIELDS})
-    return batches
+    chosen = [sequence_row(p.prompt + p.chosen, len(p.prompt), seq_len) for p in pairs]
+    rejected = [sequence_row(p.prompt + p.rejected, len(p.prompt), seq_len) for p in pairs]
+    pad = [empty] * (batch_size - len(pairs))
+    rows = chosen + pad + rejected + pad
+    batch = {k: np.stack([r[k] for r in rows]) for k in PAIR_FIELDS}
+    if reference is not None:
+        zeros = np.zeros(batch_size - len(pairs), np.float32)
+        batch["reference_logps"] = np.concatenate([reference[:, 0], zeros, reference[:, 1], zeros]).astype(np.float32)
+    return batch
+
+
+def preference_batches(examples: list[PreferenceExample], batch_size: int, seq_len: int, seed: int,
+                       epoch: int, reference: np.ndarray | None = None) -> list[dict]:
+    """Batches of `batch_size` pairs (`pair_batch`), shuffled from (seed, epoch). `reference`: [N, 2] precomputed
+    reference log-probs of the examples (`reference_logps`), carried along with their pairs."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+    return [pair_batch([examples[i] for i in chunk], batch_size, seq_len,
+                       None if reference is None else reference[chunk])
+            for chunk in (order[start:start + batch_size] for start in range(0, len(order), batch_size))]
 
 
 def strip_adapters(params: dict) -> dict:
@@ -82,17 +108,40 @@ def pair_logps(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig
     return logps[:B], logps[B:], (count[:B] > 0).astype(jnp.float32)
 
 
+def reference_logps(reference: dict, examples: list[PreferenceExample], cfg: ModelConfig, options: ForwardOptions,
+                    preference: PreferenceConfig, batch_size: int, seq_len: int) -> np.ndarray:
+    """[N, 2] log-probs of each example's chosen and rejected completion under the reference model (summed, or the
+    per-token mean for IPO), computed once, batch by batch, for `preference_batches(..., reference=...)`."""
+    score = jax.jit(lambda params, batch: pair_logps(params, batch, cfg, None, options, preference.loss == "ipo"))
+    out = []
+    for start in range(0, len(examples), batch_size):
+        pairs = examples[start:start + batch_size]
+        chosen, rejected, _ = score(reference, pair_batch(pairs, batch_size, seq_len))
+        out.append(np.stack([np.asarray(chosen), np.asarray(rejected)], axis=1)[:len(pairs)])
+    return np.concatenate(out) if out else np.zeros((0, 2), np.float32)
+
+
+def _reference_pair(reference, micro, cfg, options, mean):
+    """(chosen, rejected) reference log-probs [B] of a pair batch: precomputed ones if the batch carries them."""
+    if "reference_logps" in micro:
+        B = micro["reference_logps"].shape[0] // 2
+        return micro["reference_logps"][:B], micro["reference_logps"][B:]
+    chosen, rejected, _ = pair_logps(reference, micro, cfg, None, options, mean)
+    return chosen, rejected
+
+
 def make_preference_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
                          optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                          preference: PreferenceConfig):
     """The jitted `step(state, frozen, reference, batch[A, 2B, T]) -> (state, metrics)`, state donated.
 
-    `reference` is `strip_adapters(frozen)` for adapter methods (no copy) or the reference model's params.
+    `reference` is `strip_adapters(frozen)` for adapter methods (no copy) or the reference model's params; unused
+    when the batch carries precomputed "reference_logps".
     """
     mean = preference.loss == "ipo"
 
     def pair_losses(trainable, frozen, reference, micro):
-        ref_chosen, ref_rejected, _ = pair_logps(reference, micro, cfg, None, options, mean)
+        ref_chosen, ref_rejected = _reference_pair(reference, micro, cfg, options, mean)
         ref_chosen, ref_rejected = jax.lax.stop_gradient((ref_chosen, ref_rejected))
         chosen, rejected, real = pair_logps(combine(trainable, frozen), micro, cfg, method, options, mean)
         losses, metrics = preference_loss(chosen, rejected, ref_chosen, ref_rejected, preference.beta,
@@ -115,7 +164,7 @@ def make_preference_eval(cfg: ModelConfig, method: MethodConfig, options: Forwar
     mean = preference.loss == "ipo"
 
     def evaluate(params, reference, batch):
-        ref_chosen, ref_rejected, _ = pair_logps(reference, batch, cfg, None, options, mean)
+        ref_chosen, ref_rejected = _reference_pair(reference, batch, cfg, options, mean)
         chosen, rejected, real = pair_logps(params, batch, cfg, method, options, mean)
         losses, metrics = preference_loss(chosen, rejected, ref_chosen, ref_rejected, preference.beta,
                                           preference.loss, preference.label_smoothing)

@@ -8,8 +8,10 @@ The state is a plain dict pytree, so orbax saves and restores it as it is:
 Frozen weights are a separate argument: never donated, never differentiated, never checkpointed.
 
 `train_step(state, frozen, batch)` takes `grad_accum` micro-batches stacked on a leading axis ([A, B, T] arrays);
-see `accumulated_gradients`. A step whose loss or gradients are not finite leaves params and optimiser state
-untouched and is counted.
+see `accumulated_gradients`. Accumulation and the update (a step whose loss or gradients are not finite leaves
+params and optimiser state untouched and is counted) are `train/update.py`'s, shared with every objective.
+LoRA dropout draws from `fold_in(state["rng"], step)`, folded again per micro-batch and split per layer; with
+dropout 0 the step does no random-number work beyond advancing `rng`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import optax
 
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.methods.transform import combine
+from jaxtune.models.linear import lora_dropout_rate
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.run_config import TrainConfig
+from jaxtune.train.update import accumulate, apply_update
 
 
 def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedule:
@@ -94,35 +98,33 @@ def nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Arr
 nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
 
 
-def batch_loss(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
-               options: ForwardOptions) -> tuple[jax.Array, jax.Array]:
-    """(sum of completion-token losses, number of completion tokens) of one [B, T] batch."""
+def batch_loss(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions,
+               dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(sum of completion-token losses, number of completion tokens) of one [B, T] batch.
+
+    dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout.
+    """
     logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
     mask = batch["loss_mask"].astype(jnp.float32)
     return nll_sum(logits, batch["labels"], mask), jnp.sum(mask)
 
 
 def accumulated_gradients(trainable: dict, frozen: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
-                          options: ForwardOptions) -> tuple[jax.Array, jax.Array, dict]:
+                          options: ForwardOptions, dropout_key: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array, dict]:
     """(mean loss, loss tokens, gradients of the mean) over A micro-batches stacked as [A, B, T] arrays.
 
-    Scans the micro-batches adding loss sums and gradients of sums, then divides once by the token count, so
-    the result equals one batch of A*B rows.
+    `update.accumulate`: loss sums and gradients of sums, divided once by the token count, so the result equals
+    one batch of A*B rows. dropout_key: micro-batch a drops with `fold_in(dropout_key, a)`; None: no dropout.
     """
 
-    def loss_sum(params, micro):
-        return batch_loss(combine(params, frozen), micro, cfg, method, options)
+    def loss_sum(params, micro, key=None):
+        loss, count = batch_loss(combine(params, frozen), micro, cfg, method, options, key)
+        return loss, (count, {})
 
-    def accumulate(carry, micro):
-        grads_sum, loss_total, count_total = carry
-        (loss, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(trainable, micro)
-        return (jax.tree.map(jnp.add, grads_sum, grads), loss_total + loss, count_total + count), None
-
-    zeros = jax.tree.map(jnp.zeros_like, trainable)
-    (grads, loss_total, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
-    denom = jnp.maximum(count, 1.0)
-    return loss_total / denom, count, jax.tree.map(lambda g: g / denom, grads)
+    loss, count, grads, _ = accumulate(loss_sum, trainable, batch, dropout_key)
+    return loss, count, grads
 
 
 def make_train_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
@@ -130,25 +132,10 @@ def make_train_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOpti
     """The jitted `train_step(state, frozen, batch) -> (state, metrics)`, state donated."""
 
     def train_step(state: dict, frozen: dict, batch: dict) -> tuple[dict, dict]:
-        loss, count, grads = accumulated_gradients(state["params"], frozen, batch, cfg, method, options)
-        grad_norm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        bad = (~finite).astype(jnp.int32)
-        new_state = {
-            "step": state["step"] + 1,
-            "params": keep(params, state["params"]),
-            "opt_state": keep(opt_state, state["opt_state"]),
-            "rng": jax.random.split(state["rng"])[0],
-            "skipped": state["skipped"] + bad,
-            "bad_streak": (state["bad_streak"] + bad) * bad,
-        }
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
-                   "tokens": jnp.sum(batch["segment_ids"] > 0), "loss_tokens": count,
-                   "skipped_steps": new_state["skipped"], "bad_streak": new_state["bad_streak"]}
-        return new_state, metrics
+        key = jax.random.fold_in(state["rng"], state["step"]) if lora_dropout_rate(method) > 0 else None
+        loss, count, grads = accumulated_gradients(state["params"], frozen, batch, cfg, method, options, key)
+        state, metrics = apply_update(state, grads, loss, optimizer, schedule)
+        return state, {**metrics, "tokens": jnp.sum(batch["segment_ids"] > 0), "loss_tokens": count}
 
     return jax.jit(train_step, donate_argnums=0)
 

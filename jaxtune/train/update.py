@@ -7,12 +7,20 @@ import jax.numpy as jnp
 import optax
 
 
-def accumulate(loss_fn, trainable: dict, batch: dict) -> tuple[jax.Array, jax.Array, dict, dict]:
+def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, dict, dict]:
     """Scan `loss_fn(trainable, micro) -> (loss sum, (count, metric sums))` over the leading micro-batch axis.
 
     Returns (mean loss, count, gradients of the mean, metric means): sums first and one division by the total
     count, so A micro-batches of B rows equal one batch of A*B rows.
+    key: if given, micro-batch a is `loss_fn(trainable, micro, jax.random.fold_in(key, a))` (e.g. for dropout),
+    so every micro-batch draws its own randomness.
     """
+    if key is not None:
+        A = jax.tree.leaves(batch)[0].shape[0]
+        keys_A = jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(A))
+        batch, keyed_loss_fn = (batch, keys_A), loss_fn
+        loss_fn = lambda params, micro_and_key: keyed_loss_fn(params, *micro_and_key)
 
     def body(carry, micro):
         (loss, (count, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, micro)

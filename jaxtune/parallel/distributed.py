@@ -1,0 +1,112 @@
+"""Multi-process runs: joining a `jax.distributed` cluster, feeding each process its share of a batch, and
+bringing sharded results back to the host.
+
+JAX's multi-controller model: every process runs the same program, sees every device of the cluster in
+`jax.devices()` and drives only its own (`jax.local_devices()`). A `Mesh` over all devices makes one program of
+the whole cluster; XLA inserts the collectives (gloo over TCP on CPU, ICI/DCN on TPU, NCCL on GPU).
+
+    join_cluster(ClusterConfig("10.0.0.1:1234", num_processes=2, process_id=0))  # before anything else touches JAX
+    rows = global_array(np_rows, sharding)              # this process transfers only its devices' rows
+    host = host_copy(params)                             # numpy on every process, gathered where sharded
+    if is_main_process(): write(...)
+
+On a Cloud TPU VM `ClusterConfig(auto=True)` lets JAX read the topology from the VM's metadata. Elsewhere the
+coordinator address, process count and id come from `jaxtune train --coordinator/--num-processes/--process-id`
+or the environment (`JAXTUNE_COORDINATOR`, `JAXTUNE_NUM_PROCESSES`, `JAXTUNE_PROCESS_ID`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxtune.errors import JaxtuneError
+
+ENV = {"coordinator": "JAXTUNE_COORDINATOR", "num_processes": "JAXTUNE_NUM_PROCESSES",
+       "process_id": "JAXTUNE_PROCESS_ID"}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """coordinator: "host:port" of process 0's coordination service ("" and auto=False: a single process).
+    auto: let JAX detect the cluster (Cloud TPU VMs, SLURM, Open MPI)."""
+
+    coordinator: str = ""
+    num_processes: int = 1
+    process_id: int = 0
+    auto: bool = False
+
+    def __post_init__(self):
+        if self.coordinator and not (self.num_processes >= 1 and 0 <= self.process_id < self.num_processes):
+            raise JaxtuneError(f"process id {self.process_id} is not in 0..{self.num_processes - 1} "
+                               f"(--num-processes {self.num_processes})")
+
+    @property
+    def multi_process(self) -> bool:
+        return self.auto or bool(self.coordinator)
+
+
+def cluster_from_env(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, auto: bool = False) -> ClusterConfig:
+    """A ClusterConfig from explicit values, falling back on the JAXTUNE_* environment variables."""
+    values = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    for key, var in ENV.items():
+        if values[key] is None and os.environ.get(var):
+            raw = os.environ[var]
+            try:
+                values[key] = raw if key == "coordinator" else int(raw)
+            except ValueError:
+                raise JaxtuneError(f"{var}={raw!r} is not an integer") from None
+    if values["coordinator"] and values["num_processes"] is None:
+        raise JaxtuneError(f"a coordinator address needs the process count (--num-processes or {ENV['num_processes']})")
+    if values["coordinator"] and values["process_id"] is None:
+        raise JaxtuneError(f"a coordinator address needs this process's id (--process-id or {ENV['process_id']})")
+    return ClusterConfig(values["coordinator"] or "", values["num_processes"] or 1, values["process_id"] or 0, auto)
+
+
+def join_cluster(cluster: ClusterConfig) -> None:
+    """`jax.distributed.initialize` for `cluster` (nothing for a single process). Must run before JAX creates its
+    backends. CPU processes exchange collectives through gloo."""
+    if not cluster.multi_process:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        if cluster.auto:
+            jax.distributed.initialize()
+        else:
+            jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id)
+    except (RuntimeError, ValueError) as e:
+        where = "auto-detected cluster" if cluster.auto else f"coordinator {cluster.coordinator}"
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise JaxtuneError(f"could not join the {where} as process {cluster.process_id}: {first_line}") from None
+
+
+def is_main_process() -> bool:
+    """True on the process that writes files meant to exist once (metrics, plots, exported results)."""
+    return jax.process_index() == 0
+
+
+def global_array(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The same host array on every process → one global array in `sharding`; each process copies only the
+    slices its own devices hold (nothing of the other processes' rows)."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def host_copy(tree):
+    """The tree as numpy arrays on every process; arrays split across processes are all-gathered first."""
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(fetch, tree)
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier called `name` (nothing for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
