@@ -157,14 +157,20 @@ def _export(setup: Setup):
 
 # --- sft and distill: SFT data ---------------------------------------------------------------------------------
 
-def _sft_data(setup: Setup) -> tuple[list, list]:
+def _train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
+    """(train, held-out) examples read by `load(path, tokenizer, seq_len)` from data.train (and data.eval, else
+    a split of train), logged as `unit`."""
     data, seq_len = setup.config.data, setup.config.data.max_seq_len
-    examples, stats = load_sft_examples(data.train, setup.tokenizer, seq_len)
-    held_out = load_sft_examples(data.eval, setup.tokenizer, seq_len)[0] if data.eval else None
+    examples, stats = load(data.train, setup.tokenizer, seq_len)
+    held_out = load(data.eval, setup.tokenizer, seq_len)[0] if data.eval else None
     train, held_out = _split(setup, examples, held_out)
-    setup.log(f"data: {len(train)} train / {len(held_out)} eval examples ({stats.dropped_prompt_too_long} dropped: "
+    setup.log(f"data: {len(train)} train / {len(held_out)} eval {unit} ({stats.dropped_prompt_too_long} dropped: "
               f"prompt >= max_seq_len {seq_len}; {stats.truncated} truncated)")
     return train, held_out
+
+
+def _sft_data(setup: Setup) -> tuple[list, list]:
+    return _train_and_held_out(setup, load_sft_examples, "examples")
 
 
 def _sft_batches(setup: Setup, examples: list, epoch: int) -> list[dict]:
@@ -230,13 +236,7 @@ def distill_task(setup: Setup) -> Task:
 # --- dpo and reward: preference pairs --------------------------------------------------------------------------
 
 def _preference_data(setup: Setup) -> tuple[list, list]:
-    data, seq_len = setup.config.data, setup.config.data.max_seq_len
-    pairs, stats = load_preference_examples(data.train, setup.tokenizer, seq_len)
-    held_out = load_preference_examples(data.eval, setup.tokenizer, seq_len)[0] if data.eval else None
-    train, held_out = _split(setup, pairs, held_out)
-    setup.log(f"data: {len(train)} train / {len(held_out)} eval pairs ({stats.dropped_prompt_too_long} dropped: "
-              f"prompt >= max_seq_len {seq_len}; {stats.truncated} truncated)")
-    return train, held_out
+    return _train_and_held_out(setup, load_preference_examples, "pairs")
 
 
 def _pair_batches(setup: Setup, pairs: list, epoch: int, reference: np.ndarray | None = None) -> list[dict]:
