@@ -12,7 +12,9 @@ only has to
        command: `jaxtune train` resumes from the latest checkpoint in `train.output_dir`.
 
 Step 5 only works if the checkpoints outlive the VM, so with `--spot` the run's `train.output_dir` must be a
-`gs://` path (orbax writes there directly); the launcher refuses a local one. `--dry-run` prints every command.
+`gs://` path: orbax writes the checkpoints there directly (through gcsfs, installed with the package), the other
+run files go to `runs/<bucket>/<path>` on worker 0; the launcher refuses a local one. `--dry-run` prints every
+command.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def ship_commands(t: TpuTarget, archive: str) -> list[list[str]]:
 
 
 def install_command(t: TpuTarget) -> list[str]:
-    return ssh_command(t, f"cd ~/{REMOTE_DIR} && python3 -m pip install -q 'jax[tpu]' ./jaxtune")
+    return ssh_command(t, f"cd ~/{REMOTE_DIR} && python3 -m pip install -q 'jax[tpu]' 'etils[epath-gcs]' ./jaxtune")
 
 
 def train_command(t: TpuTarget, config_name: str, overrides: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_dry_run_prints_every_command(config, capsys):
                            "--zone=us-east5-b --project=proj --spot")
     assert "tpu-vm scp" in commands[2] and "--worker=all" in commands[2]
     assert all("--worker=all" in c for c in commands[3:])
-    assert "pip install -q 'jax[tpu]' ./jaxtune" in commands[4].replace("'\"'\"'", "'")
+    assert "pip install -q 'jax[tpu]' 'etils[epath-gcs]' ./jaxtune" in commands[4].replace("'\"'\"'", "'")
     assert "jaxtune.cli train config/run.toml --auto-cluster --set train.epochs=2 --set data.train=data/train-train.jsonl" in commands[5]
     assert "resume point: gs://bucket/run1/checkpoints" in out
 
@@ -80,3 +81,11 @@ exit 0
     train_calls = [c for c in calls if "jaxtune.cli train" in c]
     assert len(train_calls) == 2 and train_calls[0] == train_calls[1]
     assert "re-creating it; `jaxtune train` resumes from gs://bucket/run1/checkpoints" in result.stdout
+
+
+def test_gs_output_keeps_checkpoints_in_the_bucket_and_the_rest_local():
+    """What makes a re-created VM resume: the checkpoints (orbax, straight to Cloud Storage) outlive it."""
+    from jaxtune.train.loop import run_directories
+
+    assert run_directories("gs://bucket/runs/a/") == (Path("runs/bucket/runs/a"), "gs://bucket/runs/a/checkpoints")
+    assert run_directories("out/run") == (Path("out/run"), Path("out/run/checkpoints"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxtune.errors import JaxtuneError
 
@@ -20,7 +21,10 @@ class Checkpoints:
     """Save and restore `(state, meta)` pairs under `directory/<step>/`; `meta` is a small JSON dict."""
 
     def __init__(self, directory: str | Path, keep: int):
-        self.directory = Path(directory).absolute()
+        """directory: a local path, or a "gs://bucket/..." URL that orbax writes to directly (needs gcsfs:
+        `pip install 'etils[epath-gcs]'`)."""
+        remote = "://" in str(directory)
+        self.directory = epath.Path(str(directory) if remote else Path(directory).absolute())
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 

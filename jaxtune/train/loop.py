@@ -80,7 +80,8 @@ def _progress(total: int, initial: int):
 def fine_tune(config: RunConfig, log=print) -> RunResult:
     """Train `config.model.path` with `config.train.objective` on `config.data.train`; write the run directory.
 
-    run_dir = config.train.output_dir: config.toml, metrics.jsonl, loss.png, checkpoints/, and the result:
+    run_dir = config.train.output_dir (see `run_directories` for gs://): config.toml, metrics.jsonl, loss.png,
+    checkpoints/, and the result:
     adapter/ in PEFT format, or model/ as a Hugging Face directory for a full fine-tune; reward_model/ (an HF
     sequence-classification directory) for objective "reward".
     """
@@ -111,9 +112,18 @@ def place_batch(batch: dict, sharding: NamedSharding) -> dict:
     return {k: global_array(v, NamedSharding(sharding.mesh, PartitionSpec(*spec[:v.ndim]))) for k, v in batch.items()}
 
 
+def run_directories(output_dir: str) -> tuple[Path, str | Path]:
+    """(run directory, checkpoint directory) of `train.output_dir`. A `gs://bucket/path` output keeps its
+    checkpoints there (orbax writes to Cloud Storage directly, so a re-created TPU VM resumes from them) and writes
+    the other files (config, metrics, plot, result) to the local `runs/bucket/path`."""
+    if output_dir.startswith("gs://"):
+        return Path("runs") / output_dir.removeprefix("gs://").strip("/"), output_dir.rstrip("/") + "/checkpoints"
+    return Path(output_dir), Path(output_dir) / "checkpoints"
+
+
 def _train(config: RunConfig, log, flag: dict) -> RunResult:
     tc = config.train
-    run_dir = Path(tc.output_dir)
+    run_dir, checkpoint_dir = run_directories(tc.output_dir)
     writer = is_main_process()  # files that exist once are written by process 0 alone
     if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +137,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     task: Task = TASKS[tc.objective](setup_run(config, log))
     state, total_steps, steps_per_epoch = task.state, task.total_steps, task.steps_per_epoch
 
-    checkpoints = Checkpoints(run_dir / "checkpoints", tc.keep_checkpoints)
+    checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
     start = tc.resume_step if tc.resume_step >= 0 else (checkpoints.steps() or [0])[-1]
     if start > 0:
         state, meta = checkpoints.restore(start, state)
