@@ -211,3 +211,21 @@ def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):
         assert main(["train", str(config)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("objective", ["dpo", "reward", "distill"])
+def test_lora_dropout_reaches_every_objective_and_is_deterministic(models, tmp_path, objective):
+    """With [method] dropout the policy's forward drops the adapters' inputs (B = 0 at step 1, so the loss is
+    unchanged but A's gradient is not): the grad norm moves, and the same config gives the same run again."""
+    root = models
+    data = root / ("sft.jsonl" if objective == "distill" else "pairs.jsonl")
+    extra = {"distill": {"teacher": str(root / "model")}} if objective == "distill" else {}
+    norms = {}
+    for name, rate in (("none", 0.0), ("a", 0.3), ("b", 0.3)):
+        out = tmp_path / f"{objective}-{name}"
+        config = run_config(root, out, objective, data, method={"dropout": rate},
+                            train={"max_steps": 2, "batch_size": 8}, **extra)
+        fine_tune(load_run_config(config, ["data.eval_fraction=0.25"]), **QUIET)
+        norms[name] = [r["grad_norm"] for r in metric_lines(out) if "grad_norm" in r]
+    assert norms["a"] == norms["b"]
+    assert abs(norms["a"][0] - norms["none"][0]) > 1e-3 * norms["none"][0], norms

@@ -16,7 +16,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import distillation_kl, masked_nll_sum
-from jaxtune.train.update import accumulate, apply_update
+from jaxtune.train.update import accumulate, apply_update, dropout_key
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,18 @@ def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> Non
                            f"{student.vocab_size}; distillation needs the same tokenizer")
 
 
-def _logits(params, cfg, batch, method, options):
+def _logits(params, cfg, batch, method, options, dropout_key=None):
     return forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                   segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+                   segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
 
 
 def make_distill_step(cfg: ModelConfig, teacher_cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
                       optimizer: optax.GradientTransformation, schedule: optax.Schedule, distill: DistillConfig):
     """The jitted `step(state, frozen, teacher_params, batch[A, B, T]) -> (state, metrics)`, state donated."""
 
-    def loss_terms(trainable, frozen, teacher, micro):
+    def loss_terms(trainable, frozen, teacher, micro, key=None):
         teacher_logits = jax.lax.stop_gradient(_logits(teacher, teacher_cfg, micro, None, options))
-        student_logits = _logits(combine(trainable, frozen), cfg, micro, method, options)
+        student_logits = _logits(combine(trainable, frozen), cfg, micro, method, options, key)
         kl, count = distillation_kl(student_logits, teacher_logits, micro["loss_mask"], distill.temperature,
                                     distill.reverse)
         nll, _ = masked_nll_sum(student_logits, micro["labels"], micro["loss_mask"])
@@ -61,8 +61,8 @@ def make_distill_step(cfg: ModelConfig, teacher_cfg: ModelConfig, method: Method
         return loss, (count, {"kl": kl, "nll": nll})
 
     def step(state, frozen, teacher, batch):
-        loss_fn = lambda trainable, micro: loss_terms(trainable, frozen, teacher, micro)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
+        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, frozen, teacher, micro, key)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
         return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
 

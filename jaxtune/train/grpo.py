@@ -28,7 +28,7 @@ from jaxtune.generation import SamplingConfig, generate
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import grpo_advantages, grpo_token_loss, token_nll
-from jaxtune.train.update import accumulate, apply_update
+from jaxtune.train.update import accumulate, apply_update, dropout_key
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,9 @@ def group_advantages(rewards: list[float], group_size: int) -> np.ndarray:
     return np.asarray(grpo_advantages(jnp.asarray(rewards, jnp.float32).reshape(-1, group_size))).reshape(-1)
 
 
-def _token_logps(params, cfg, batch, method, options):
+def _token_logps(params, cfg, batch, method, options, dropout_key=None):
     logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
     return -token_nll(logits, batch["labels"])
 
 
@@ -110,8 +110,8 @@ def make_grpo_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptio
                    optimizer: optax.GradientTransformation, schedule: optax.Schedule, grpo: GRPOConfig):
     """The jitted `step(state, frozen, reference, batch[A, N, T] + advantages [A, N]) -> (state, metrics)`."""
 
-    def loss_terms(trainable, frozen, reference, micro):
-        logp = _token_logps(combine(trainable, frozen), cfg, micro, method, options)
+    def loss_terms(trainable, frozen, reference, micro, key=None):
+        logp = _token_logps(combine(trainable, frozen), cfg, micro, method, options, key)
         ref_logp = jax.lax.stop_gradient(_token_logps(reference, cfg, micro, None, options))
         total, count = grpo_token_loss(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
                                        micro["loss_mask"], grpo.clip, grpo.kl_coef)
@@ -119,8 +119,8 @@ def make_grpo_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptio
         return total, (count, {"kl": kl})
 
     def step(state, frozen, reference, batch):
-        loss_fn = lambda trainable, micro: loss_terms(trainable, frozen, reference, micro)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
+        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, frozen, reference, micro, key)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
         return state, {**update_metrics, **metrics, "reward": jnp.mean(batch["rewards"]),
                        "tokens": jnp.sum(batch["segment_ids"] > 0)}

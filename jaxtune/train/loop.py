@@ -95,9 +95,9 @@ def setup_run(config: RunConfig, log) -> Setup:
         raise JaxtuneError("[model] path is not set")
     if not config.data.train:
         raise JaxtuneError("[data] train is not set")
-    if config.method.dropout > 0 and (config.train.objective != "sft" or config.method.kind not in ("lora", "qlora")):
-        raise JaxtuneError(f"[method] dropout = {config.method.dropout}: LoRA dropout applies to objective sft with kind "
-                           f"lora or qlora, not {config.train.objective} with {config.method.kind}; set it to 0")
+    if config.method.dropout > 0 and config.method.kind not in ("lora", "qlora"):
+        raise JaxtuneError(f"[method] dropout = {config.method.dropout}: dropout is LoRA's (kind lora or qlora), "
+                           f"kind {config.method.kind} has none; set it to 0")
     mesh = make_mesh(config.mesh)
     cfg, base = load_model(config.model.path, None if config.model.dtype == "auto" else config.model.dtype)
     options = ForwardOptions(compute_dtype=config.model.compute_dtype, remat=Remat(config.model.remat))

@@ -21,7 +21,7 @@ from jaxtune.data.formats import PreferenceExample
 from jaxtune.methods.transform import ADAPTER_KEYS, combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import preference_loss, sequence_logps
-from jaxtune.train.update import accumulate, apply_update
+from jaxtune.train.update import accumulate, apply_update, dropout_key
 
 PAIR_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "positions")
 
@@ -98,10 +98,12 @@ def strip_adapters(params: dict) -> dict:
 
 
 def pair_logps(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
-               options: ForwardOptions, mean: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(chosen log-probs [B], rejected log-probs [B], real-pair mask [B]) of a [2B, T] pair batch."""
+               options: ForwardOptions, mean: bool, dropout_key: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen log-probs [B], rejected log-probs [B], real-pair mask [B]) of a [2B, T] pair batch;
+    dropout_key: LoRA dropout in training."""
     logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
     total, count = sequence_logps(logits, batch["labels"], batch["loss_mask"])
     logps = total / jnp.maximum(count, 1.0) if mean else total
     B = logps.shape[0] // 2
@@ -140,18 +142,18 @@ def make_preference_step(cfg: ModelConfig, method: MethodConfig, options: Forwar
     """
     mean = preference.loss == "ipo"
 
-    def pair_losses(trainable, frozen, reference, micro):
+    def pair_losses(trainable, frozen, reference, micro, key=None):
         ref_chosen, ref_rejected = _reference_pair(reference, micro, cfg, options, mean)
         ref_chosen, ref_rejected = jax.lax.stop_gradient((ref_chosen, ref_rejected))
-        chosen, rejected, real = pair_logps(combine(trainable, frozen), micro, cfg, method, options, mean)
+        chosen, rejected, real = pair_logps(combine(trainable, frozen), micro, cfg, method, options, mean, key)
         losses, metrics = preference_loss(chosen, rejected, ref_chosen, ref_rejected, preference.beta,
                                           preference.loss, preference.label_smoothing)
         sums = {k: jnp.sum(v * real) for k, v in metrics.items()}
         return jnp.sum(losses * real), (jnp.sum(real), sums)
 
     def step(state, frozen, reference, batch):
-        loss_fn = lambda trainable, micro: pair_losses(trainable, frozen, reference, micro)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
+        loss_fn = lambda trainable, micro, key=None: pair_losses(trainable, frozen, reference, micro, key)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
         return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
 

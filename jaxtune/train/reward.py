@@ -28,7 +28,7 @@ from jaxtune.models.hf_weights import DTYPES, SINGLE_FILE, TOKENIZER_FILES, hf_s
 from jaxtune.models.llama import ForwardOptions, decoder
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.objectives import bradley_terry_loss
-from jaxtune.train.update import accumulate, apply_update
+from jaxtune.train.update import accumulate, apply_update, dropout_key
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
@@ -40,17 +40,19 @@ def add_reward_head(params: dict, cfg: ModelConfig, key: jax.Array) -> dict:
 
 
 def reward_scores(params: dict, batch: dict, cfg: ModelConfig, method: MethodConfig | None,
-                  options: ForwardOptions) -> jax.Array:
-    """Scalar reward [rows] of each row, from the hidden state at its last real position."""
+                  options: ForwardOptions, dropout_key: jax.Array | None = None) -> jax.Array:
+    """Scalar reward [rows] of each row, from the hidden state at its last real position; dropout_key: LoRA
+    dropout in training."""
     hidden_BxTxD = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                           segment_ids_BxT=batch["segment_ids"], method=method, options=options)
+                           segment_ids_BxT=batch["segment_ids"], method=method, options=options,
+                           dropout_key=dropout_key)
     last_B = jnp.maximum(jnp.sum(batch["segment_ids"] > 0, axis=-1) - 1, 0)
     hidden_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
     return hidden_BxD.astype(jnp.float32) @ params["score"]["kernel"].astype(jnp.float32)
 
 
-def _pair_terms(params, batch, cfg, method, options):
-    scores = reward_scores(params, batch, cfg, method, options)
+def _pair_terms(params, batch, cfg, method, options, key=None):
+    scores = reward_scores(params, batch, cfg, method, options, key)
     B = scores.shape[0] // 2
     real = (jnp.sum(batch["loss_mask"][:B], axis=-1) > 0).astype(jnp.float32)
     losses = bradley_terry_loss(scores[:B], scores[B:])
@@ -64,8 +66,9 @@ def make_reward_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOpt
     """The jitted `step(state, frozen, batch[A, 2B, T]) -> (state, metrics)`, state donated."""
 
     def step(state, frozen, batch):
-        loss_fn = lambda trainable, micro: _pair_terms(combine(trainable, frozen), micro, cfg, method, options)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch)
+        loss_fn = lambda trainable, micro, key=None: _pair_terms(combine(trainable, frozen), micro, cfg, method,
+                                                                  options, key)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
         return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
 

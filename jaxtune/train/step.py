@@ -22,10 +22,9 @@ import optax
 
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.methods.transform import combine
-from jaxtune.models.linear import lora_dropout_rate
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.run_config import TrainConfig
-from jaxtune.train.update import accumulate, apply_update
+from jaxtune.train.update import accumulate, apply_update, dropout_key
 
 
 def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedule:
@@ -132,8 +131,8 @@ def make_train_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOpti
     """The jitted `train_step(state, frozen, batch) -> (state, metrics)`, state donated."""
 
     def train_step(state: dict, frozen: dict, batch: dict) -> tuple[dict, dict]:
-        key = jax.random.fold_in(state["rng"], state["step"]) if lora_dropout_rate(method) > 0 else None
-        loss, count, grads = accumulated_gradients(state["params"], frozen, batch, cfg, method, options, key)
+        loss, count, grads = accumulated_gradients(state["params"], frozen, batch, cfg, method, options,
+                                                   dropout_key(state, method))
         state, metrics = apply_update(state, grads, loss, optimizer, schedule)
         return state, {**metrics, "tokens": jnp.sum(batch["segment_ids"] > 0), "loss_tokens": count}
 

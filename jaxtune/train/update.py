@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxtune.models.linear import lora_dropout_rate
+
 
 def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, dict, dict]:
@@ -57,3 +59,9 @@ def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.Gra
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
                "skipped_steps": new_state["skipped"], "bad_streak": new_state["bad_streak"]}
     return new_state, metrics
+
+
+def dropout_key(state: dict, method) -> jax.Array | None:
+    """This step's LoRA dropout key, `fold_in(state["rng"], step)` (`accumulate` folds in the micro-batch, the
+    decoder the layer); None when `method` trains without dropout, so no random-number work is traced."""
+    return jax.random.fold_in(state["rng"], state["step"]) if lora_dropout_rate(method) > 0 else None
