@@ -162,9 +162,35 @@ def planner() -> dict:
             for name, plan in plans.items()}
 
 
+def eval_rows() -> dict:
+    """{mesh: the row counts of the [rows, T, V] logits in the compiled sharded eval step of an 8-row batch}."""
+    import re
+
+    from jaxtune.methods.transform import combine
+    from jaxtune.parallel.placement import shard_eval_step
+    from jaxtune.train.step import make_eval_step
+
+    method, cfg = MethodConfig("full"), CFG
+    trainable, frozen = setup(method)
+    params = combine(trainable, frozen)
+    optimizer = make_optimizer(TRAIN, STEPS, trainable)
+    T = 32
+    batch = {k: np.zeros((8, T), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
+    rows = {}
+    for name in ("fsdp=8", "data=8"):
+        shardings = train_shardings(make_mesh(MESHES[name]), cfg, trainable, frozen, optimizer, 8)
+        step = shard_eval_step(make_eval_step(cfg, method, ForwardOptions()), shardings)
+        hlo = step.lower(jax.device_put(params, shardings.params), batch).compile().as_text()
+        rows[name] = sorted({int(r) for r in re.findall(rf"f32\[(\d+),{T},{cfg.vocab_size}\]", hlo)})
+    return rows
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    if sys.argv[1] == "loop":
+    if sys.argv[1] == "eval":
+        print(json.dumps(eval_rows()))
+    elif sys.argv[1] == "loop":
         print(json.dumps(loop(sys.argv[2], sys.argv[3:])))
     elif sys.argv[1] == "planner":
         print(json.dumps(planner()))

@@ -57,6 +57,12 @@ def run_worker(*args: str) -> dict:
 
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
 
+def test_eval_on_8_devices_computes_each_row_on_its_own_device():
+    """An 8-row eval batch arrives whole, but the layer-input constraint splits the work: the compiled eval step
+    on fsdp=8 and data=8 holds logits of one row per device."""
+    assert run_worker("eval") == {"fsdp=8": [1], "data=8": [1]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_sharded_training_on_8_devices(method):
