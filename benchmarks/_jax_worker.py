@@ -34,7 +34,8 @@ def run(name: str, warmup: int, steps: int) -> dict:
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
     total_steps = warmup + steps
     optimizer = make_optimizer(tc, total_steps, trainable)
-    train_step = make_train_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, total_steps))
+    options = ForwardOptions(compute_dtype=M.COMPUTE_DTYPE.get(name, "float32"))
+    train_step = make_train_step(cfg, method, options, optimizer, learning_rate_schedule(tc, total_steps))
     state = init_state(trainable, optimizer, seed=0)
     del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-# The fixed Llama shape of the benchmark (float32 throughout).
+# The fixed Llama shape of the benchmark (float32 throughout, but for the COMPUTE_DTYPE configs).
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8, num_kv_heads=4,
              head_dim=64)
 BATCH, SEQ = 4, 256
@@ -27,7 +27,10 @@ METHODS = {
     "lora_qv": ("lora", ("q_proj", "v_proj")),
     "lora_all": ("lora", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "qlora": ("qlora", ("q_proj", "v_proj")),
+    "lora_qv_bf16": ("lora", ("q_proj", "v_proj")),
 }
+# Mixed precision (float32 weights and optimizer, bfloat16 matmuls): jaxtune's compute_dtype, torch's autocast.
+COMPUTE_DTYPE = {"lora_qv_bf16": "bfloat16"}
 
 
 def fixed_tokens(seed: int = 0) -> np.ndarray:

@@ -56,8 +56,11 @@ def run(name: str, attn: str, warmup: int, steps: int) -> dict:
     M.reset_peak_rss()
     losses = []
 
+    bf16 = M.COMPUTE_DTYPE.get(name) == "bfloat16"
+
     def step():
-        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, M.MAX_GRAD_NORM)
         optimizer.step()

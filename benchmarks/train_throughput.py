@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/train_throughput.py            # every configuration, both frameworks
     .venv/bin/python benchmarks/train_throughput.py --quick    # fewer steps
-    .venv/bin/python benchmarks/train_throughput.py --only lora_qv
+    .venv/bin/python benchmarks/train_throughput.py --only lora_qv         # or lora_qv_bf16: bf16 compute, both sides
     .venv/bin/python benchmarks/train_throughput.py --repeat 2 --retry-busy 2   # on a shared machine
     .venv/bin/python benchmarks/train_throughput.py --from-json a.json b.json   # the table of saved runs
 
 Shape: hidden 512, intermediate 1376, 8 layers, 8 heads / 4 KV heads (head_dim 64), vocab 8192, untied head;
 batch 4 x 256 tokens, float32, loss on every token. Methods: full fine-tune, LoRA on q,v, LoRA on every linear
-layer, QLoRA (NF4 with double quantisation, LoRA on q,v); LoRA rank 8, alpha 16; AdamW lr 2e-4, clipping at 1.0.
+layer, QLoRA (NF4 with double quantisation, LoRA on q,v), and LoRA on q,v with bfloat16 matmuls (jaxtune's
+compute_dtype, torch's autocast; weights and optimizer float32); LoRA rank 8, alpha 16; AdamW lr 2e-4, clipping
+at 1.0.
 
 Each configuration runs in its own subprocess (`--worker`), so its peak RSS is its own. Per configuration:
 tokens/s and step time (median of the timed steps, after warm-up steps), compile time (jaxtune: the train
@@ -44,7 +46,8 @@ import _measure as M  # noqa: E402
 
 TORCH_ATTENTION = ("sdpa", "eager")
 QUIET_CORES = 0.25  # a run during which other processes used less than this is "quiet"
-LABELS = {"full": "full", "lora_qv": "LoRA (q,v)", "lora_all": "LoRA (all-linear)", "qlora": "QLoRA (NF4, q,v)"}
+LABELS = {"full": "full", "lora_qv": "LoRA (q,v)", "lora_all": "LoRA (all-linear)", "qlora": "QLoRA (NF4, q,v)",
+          "lora_qv_bf16": "LoRA (q,v), bf16 compute"}
 
 
 def worker_names(only: str | None, torch_available: bool) -> list[str]:
@@ -226,7 +229,7 @@ def targets(records: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps (default 2 and 10)")
-    parser.add_argument("--only", help="one config (full, lora_qv, lora_all, qlora) or worker (jax:lora_qv, ...)")
+    parser.add_argument("--only", help="one config (full, lora_qv, lora_all, qlora, lora_qv_bf16) or worker (jax:lora_qv, ...)")
     parser.add_argument("--steps", type=int, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, help="untimed steps before timing")
     parser.add_argument("--no-torch", action="store_true", help="jaxtune only")

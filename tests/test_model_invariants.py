@@ -85,3 +85,21 @@ def test_packed_segments_equal_separate_rows(params):
     out = forward(params, packed, CFG, positions_BxT=positions, segment_ids_BxT=segments)
     np.testing.assert_allclose(out[:, :9], forward(params, a, CFG), atol=1e-5)
     np.testing.assert_allclose(out[:, 9:], forward(params, b, CFG), atol=1e-5)
+
+
+def test_bfloat16_matmul_accumulates_in_float32_forward_and_backward():
+    """`linear.matmul` under bfloat16 compute: products of the bfloat16 inputs summed in float32 (then rounded once),
+    forward and in both gradients, against float64 sums of the same bfloat16 values."""
+    from jaxtune.models.linear import matmul
+
+    rng = np.random.default_rng(0)
+    x, w, g = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in ((2, 5, 256), (256, 96), (2, 5, 96)))
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+    wide = matmul(x, w, jnp.float32)  # float32 out: no final rounding, so the float32 accumulation shows
+    np.testing.assert_allclose(np.asarray(wide), x64 @ w64, rtol=1e-5, atol=1e-4)
+    y, vjp = jax.vjp(matmul, x, w)
+    dx, dw = vjp(g)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    for ours, exact in ((y, x64 @ w64), (dx, g64 @ w64.T), (dw, np.einsum("bti,bto->io", x64, g64))):
+        rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64)
+        np.testing.assert_allclose(np.asarray(ours, np.float64), rounded, rtol=2**-7, atol=1e-2)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate
+from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, matmul
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain
 
@@ -249,7 +249,7 @@ def lm_head(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Arra
         kernel_DxV = params["embed_tokens"].T
     else:
         kernel_DxV = params["lm_head"]["kernel"]
-    return jnp.matmul(hidden_BxTxD, kernel_DxV.astype(hidden_BxTxD.dtype), preferred_element_type=jnp.float32)
+    return matmul(hidden_BxTxD, kernel_DxV.astype(hidden_BxTxD.dtype), jnp.float32)
 
 
 def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
