@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import signal
 
 import numpy as np
@@ -148,7 +147,7 @@ def test_reward_model_run_exports_what_transformers_scores_the_same(models, tmp_
 
 def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
     """Prompt records carry an "answer" field the reward function checks (tests/grpo_rewards.py)."""
-    model = write_random_model(tmp_path / "model", "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
+    write_random_model(tmp_path / "model", "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
     rows = [{"prompt": p, "answer": "a"} for p in ["Write:", "Say:", "Go:", "Now:", "Then:"]]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = run_config(tmp_path, tmp_path / "grpo", "grpo", tmp_path / "prompts.jsonl",

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxtune.config import MethodConfig, ModelConfig
@@ -16,7 +15,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import distillation_kl, masked_nll_sum
-from jaxtune.train.update import accumulate, apply_update, dropout_key
+from jaxtune.train.update import objective_step
 
 
 @dataclass(frozen=True)
@@ -60,13 +59,7 @@ def make_distill_step(cfg: ModelConfig, teacher_cfg: ModelConfig, method: Method
         loss = distill.alpha * kl + (1 - distill.alpha) * nll
         return loss, (count, {"kl": kl, "nll": nll})
 
-    def step(state, frozen, teacher, batch):
-        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, frozen, teacher, micro, key)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
-        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
-        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
-
-    return jax.jit(step, donate_argnums=0)
+    return objective_step(loss_terms, method, optimizer, schedule)
 
 
 def make_distill_eval(cfg: ModelConfig, teacher_cfg: ModelConfig, method: MethodConfig | None,

@@ -28,7 +28,7 @@ from jaxtune.generation import SamplingConfig, generate
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import grpo_advantages, grpo_token_loss, token_nll
-from jaxtune.train.update import accumulate, apply_update, dropout_key
+from jaxtune.train.update import objective_step
 
 
 @dataclass(frozen=True)
@@ -118,14 +118,8 @@ def make_grpo_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptio
         kl = jnp.sum((jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1) * micro["loss_mask"])
         return total, (count, {"kl": kl})
 
-    def step(state, frozen, reference, batch):
-        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, frozen, reference, micro, key)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
-        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
-        return state, {**update_metrics, **metrics, "reward": jnp.mean(batch["rewards"]),
-                       "tokens": jnp.sum(batch["segment_ids"] > 0)}
-
-    return jax.jit(step, donate_argnums=0)
+    return objective_step(loss_terms, method, optimizer, schedule,
+                          batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])})
 
 
 def reward_model_function(directory: str, seq_len: int):

@@ -21,7 +21,7 @@ from jaxtune.data.formats import PreferenceExample
 from jaxtune.methods.transform import ADAPTER_KEYS, combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import preference_loss, sequence_logps
-from jaxtune.train.update import accumulate, apply_update, dropout_key
+from jaxtune.train.update import objective_step
 
 PAIR_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "positions")
 
@@ -151,13 +151,7 @@ def make_preference_step(cfg: ModelConfig, method: MethodConfig, options: Forwar
         sums = {k: jnp.sum(v * real) for k, v in metrics.items()}
         return jnp.sum(losses * real), (jnp.sum(real), sums)
 
-    def step(state, frozen, reference, batch):
-        loss_fn = lambda trainable, micro, key=None: pair_losses(trainable, frozen, reference, micro, key)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
-        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
-        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
-
-    return jax.jit(step, donate_argnums=0)
+    return objective_step(pair_losses, method, optimizer, schedule)
 
 
 def make_preference_eval(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,

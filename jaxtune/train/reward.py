@@ -28,7 +28,7 @@ from jaxtune.models.hf_weights import DTYPES, SINGLE_FILE, TOKENIZER_FILES, hf_s
 from jaxtune.models.llama import ForwardOptions, decoder
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.objectives import bradley_terry_loss
-from jaxtune.train.update import accumulate, apply_update, dropout_key
+from jaxtune.train.update import objective_step
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
@@ -65,14 +65,10 @@ def make_reward_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOpt
                      optimizer: optax.GradientTransformation, schedule: optax.Schedule):
     """The jitted `step(state, frozen, batch[A, 2B, T]) -> (state, metrics)`, state donated."""
 
-    def step(state, frozen, batch):
-        loss_fn = lambda trainable, micro, key=None: _pair_terms(combine(trainable, frozen), micro, cfg, method,
-                                                                  options, key)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
-        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
-        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0)}
+    def pair_terms(trainable, frozen, micro, key):
+        return _pair_terms(combine(trainable, frozen), micro, cfg, method, options, key)
 
-    return jax.jit(step, donate_argnums=0)
+    return objective_step(pair_terms, method, optimizer, schedule)
 
 
 def make_reward_eval(cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions):

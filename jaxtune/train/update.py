@@ -65,3 +65,21 @@ def dropout_key(state: dict, method) -> jax.Array | None:
     """This step's LoRA dropout key, `fold_in(state["rng"], step)` (`accumulate` folds in the micro-batch, the
     decoder the layer); None when `method` trains without dropout, so no random-number work is traced."""
     return jax.random.fold_in(state["rng"], state["step"]) if lora_dropout_rate(method) > 0 else None
+
+
+def objective_step(loss_terms, method, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                   batch_metrics=None):
+    """The jitted `step(state, *inputs, batch[A, rows, ...]) -> (state, metrics)`, state donated, of an objective
+    whose `loss_terms(trainable, *inputs, micro, key) -> (loss sum, (count, metric sums))`: `accumulate` over the
+    micro-batches with this step's dropout key, then `apply_update`. Metrics: the update's, the loss terms' means,
+    the batch's real tokens and `batch_metrics(batch)`."""
+
+    def step(state, *args):
+        *inputs, batch = args
+        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, *inputs, micro, key)
+        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
+        state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
+        extra = batch_metrics(batch) if batch_metrics else {}
+        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0), **extra}
+
+    return jax.jit(step, donate_argnums=0)
