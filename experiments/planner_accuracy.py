@@ -189,7 +189,8 @@ def rss_run(kind: str, workdir: Path, batch: int = 4, seq: int = 256, steps: int
     config.write_text(f'[model]\npath = "{model_dir}"\n[method]\nkind = "{kind}"\n'
                       f'[data]\ntrain = "{data}"\nmax_seq_len = {seq}\neval_fraction = 0.02\n'
                       f'[train]\noutput_dir = "{workdir / kind}"\nbatch_size = {batch}\nmax_steps = {steps}\n')
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one real CPU device
+    # one real CPU device, and a compiler that really compiles (a persistent cache would hide its memory)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(p.returncode)")
     out = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "jaxtune.cli", "train", str(config)],

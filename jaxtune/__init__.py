@@ -8,6 +8,7 @@ from jaxtune.config import ModelConfig as ModelConfig
 from jaxtune.config import RopeScaling as RopeScaling
 from jaxtune.data.tokenizer import Tokenizer as Tokenizer
 from jaxtune.data.tokenizer import load_tokenizer as load_tokenizer
+from jaxtune.errors import ConfigError as ConfigError
 from jaxtune.errors import JaxtuneError as JaxtuneError
 from jaxtune.methods.lora import merge as merge
 from jaxtune.methods.lora import unmerge as unmerge
@@ -16,6 +17,7 @@ from jaxtune.methods.peft import load_model_with_adapter as load_model_with_adap
 from jaxtune.methods.peft import load_peft_adapter as load_peft_adapter
 from jaxtune.methods.peft import save_peft_adapter as save_peft_adapter
 from jaxtune.methods.quant import dequantize as dequantize
+from jaxtune.methods.targets import lora_layout as lora_layout
 from jaxtune.methods.quant import quantize_int8 as quantize_int8
 from jaxtune.methods.quant import quantize_nf4 as quantize_nf4
 from jaxtune.methods.transform import apply_method as apply_method

@@ -1,12 +1,22 @@
-"""`jaxtune ...`: parses arguments and calls the library; errors are one line on stderr and exit status 2."""
+"""`jaxtune ...`: parses arguments and calls the library.
+
+Whatever goes wrong ends in one line on stderr, never a traceback on the terminal:
+  exit 2   a problem with the input (`JaxtuneError`: the file, line, key or value), or out of memory (what to lower)
+  exit 3   a bug in jaxtune: the traceback is written to a file the line names
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
 
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
 
 
 def _human_bytes(n: int) -> str:
@@ -51,12 +61,15 @@ def cmd_init(args) -> None:
 
 def cmd_export(args) -> None:
     from jaxtune.methods.peft import export_merged, load_model_with_adapter, save_peft_adapter
+    from jaxtune.paths import check_output_dir
 
+    check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")
+    note = lambda text: print(text, file=sys.stderr)
     if args.merged:
-        path = export_merged(args.model, args.adapter, args.merged)
+        path = export_merged(args.model, args.adapter, args.merged, log=note)
         print(f"wrote the merged model to {path}")
         return
-    cfg, params, method = load_model_with_adapter(args.model, args.adapter)
+    cfg, params, method = load_model_with_adapter(args.model, args.adapter, log=note)
     path = save_peft_adapter(args.peft, params, cfg, method, base_model=str(args.model))
     print(f"wrote the {method.kind} adapter in PEFT format to {path}")
 
@@ -75,12 +88,15 @@ def cmd_eval(args) -> None:
     from jaxtune.data.formats import is_preference_file
     from jaxtune.train.evaluation import evaluate_file, evaluate_preference_file
 
+    note = lambda text: print(text, file=sys.stderr)
     if is_preference_file(args.data):
-        result = evaluate_preference_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size)
+        result = evaluate_preference_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size,
+                                          base=args.base, log=note)
         text = (f"{result['kind']}: pairwise accuracy {result['accuracy']:.4f}  margin {result['margin']:.4f}  "
                 f"loss {result['loss']:.6f}  ({result['pairs']} pairs)")
     else:
-        result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size)
+        result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size, base=args.base,
+                               log=note)
         text = f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  ({result['tokens']} completion tokens)"
     print(json.dumps(result) if args.json else text)
 
@@ -114,7 +130,8 @@ def cmd_generate(args) -> None:
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    cfg, params, method = load_model_with_adapter(args.model, args.adapter)
+    cfg, params, method = load_model_with_adapter(args.model, args.adapter, base=args.base,
+                                                  log=lambda text: print(text, file=sys.stderr))
     texts = generate_text(params, cfg, load_tokenizer(args.model), prompts, sampling, stop_strings=args.stop,
                           method=method)
     if args.json:
@@ -145,6 +162,10 @@ def cmd_plan(args) -> None:
              "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens")
     result = run_plan(search_plans=args.search, confirm=args.confirm, **{name: getattr(args, name) for name in names})
     print(json.dumps(public(result), indent=2) if args.json else render(result))
+
+
+BASE_HELP = ("for a QLoRA adapter: the quantised base it was trained on (as-trained, the default) or the float "
+             "weights (float)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages; or "
                           "{prompt, chosen, rejected} pairs")
     evaluate.add_argument("--max-seq-len", type=int, help="default: the model's context length")
+    evaluate.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens", "examples", '
                           '"dropped"}; on preference data {"kind": "reward"|"policy", "pairs", "accuracy", "margin", '
@@ -199,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts", help="a file: one prompt a line, or JSONL with a 'prompt' field")
+    gen.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -278,8 +301,58 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except JaxtuneError as e:
-        print(f"jaxtune: error: {e}", file=sys.stderr)
+        print(f"jaxtune: error: {_as_flag(e, argv)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("jaxtune: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place every other failure becomes one line
+        if "RESOURCE_EXHAUSTED" in str(e) or isinstance(e, MemoryError):
+            print(f"jaxtune: error: {out_of_memory(args, e)}", file=sys.stderr)
+            return 2
+        print(f"jaxtune: internal error (a bug in jaxtune, not in your input): {type(e).__name__}: "
+              f"{_first_line(e)}; traceback written to {_write_traceback(argv)}", file=sys.stderr)
+        return 3
+
+
+# config fields whose command-line flag has another name (jaxtune plan's)
+FLAGS_OF_FIELD = {"kind": ("--method",), "batch_size": ("--batch-size", "--batch"), "seq_len": ("--seq",),
+                  "grad_accum": ("--accum",)}
+
+
+def _as_flag(e: JaxtuneError, argv: list[str]) -> JaxtuneError | str:
+    """A ConfigError about a value given as a command-line flag, named by the flag: `--top-p 1.5: must be ...`."""
+    if isinstance(e, ConfigError):
+        for flag in FLAGS_OF_FIELD.get(e.field, ("--" + e.field.replace("_", "-"),)):
+            if flag in argv[:-1]:
+                return f"{flag} {argv[argv.index(flag) + 1]}: {e.valid}"
+    return e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:300] if text else "(no message)")
+
+
+def _write_traceback(argv: list[str]) -> Path:
+    path = Path(tempfile.gettempdir()) / f"jaxtune-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    path.write_text(f"jaxtune {' '.join(argv)}\n\n{traceback.format_exc()}")
+    return path
+
+
+def out_of_memory(args, e: BaseException) -> str:
+    """One line: what ran out, what to lower for this command, and for `train` the plan that fits."""
+    detail = _first_line(e).removeprefix("RESOURCE_EXHAUSTED: ")
+    if args.command == "train":
+        from jaxtune.planner.command import suggestion_for_run
+
+        return f"out of memory ({detail}); {suggestion_for_run(args.config, args.set)}"
+    if args.command == "eval":
+        return (f"out of memory ({detail}); lower --batch-size (now {args.batch_size}) or --max-seq-len"
+                f"{f' (now {args.max_seq_len})' if args.max_seq_len else ''}")
+    if args.command == "generate":
+        return f"out of memory ({detail}); pass fewer prompts at once or lower --max-new-tokens (now {args.max_new_tokens})"
+    return f"out of memory ({detail})"
 
 
 if __name__ == "__main__":

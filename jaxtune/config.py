@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
+
+from jaxtune.errors import ConfigError, check_choice, check_range
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -84,6 +87,50 @@ def tiny_config(**overrides) -> ModelConfig:
 METHOD_KINDS = ("full", "lora", "qlora", "ia3", "prefix", "adapter")
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = {"lora": ("q_proj", "v_proj"), "qlora": ("q_proj", "v_proj"), "ia3": ("k_proj", "v_proj", "down_proj")}
+SAVABLE_MODULES = ("lm_head", "embed_tokens")  # what `modules_to_save` may name: trained whole, beside the adapter
+
+
+def _is_regex(field: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(field, pattern, f"not a regular expression ({e})") from None
+
+
+def _module_names(field: str, names) -> tuple[str, ...]:
+    """PEFT's list form of target_modules / exclude_modules: module names or dotted paths ending in one."""
+    names = tuple(names)
+    if names in (("all-linear",), ("all_linear",)):
+        return LINEAR_MODULE_NAMES
+    for name in names:
+        if not isinstance(name, str) or name.rsplit(".", 1)[-1] not in LINEAR_MODULE_NAMES:
+            hint = " (train it whole with modules_to_save)" if str(name).rsplit(".", 1)[-1] in SAVABLE_MODULES else ""
+            raise ConfigError(field, name, f"not a linear module of a decoder layer{hint}; valid names: "
+                              f"{', '.join(LINEAR_MODULE_NAMES)}, all-linear, or paths such as "
+                              "model.layers.0.self_attn.q_proj")
+    if all(n in LINEAR_MODULE_NAMES for n in names):
+        return tuple(n for n in LINEAR_MODULE_NAMES if n in names)
+    return tuple(sorted(set(names)))
+
+
+def _targets(field: str, value):
+    """A tuple of names (canonical order), or a str: a regular expression over module paths, as in PEFT."""
+    if isinstance(value, str):
+        if value in ("all-linear", "all_linear") or value in LINEAR_MODULE_NAMES:
+            return _module_names(field, (value,))
+        _is_regex(field, value)
+        return value
+    return _module_names(field, value)
+
+
+def _pattern(field: str, value, kind) -> tuple:
+    """PEFT's rank_pattern / alpha_pattern ({regex: value}) as a hashable tuple of pairs, in the given order."""
+    pairs = tuple(value.items()) if isinstance(value, dict) else tuple(tuple(p) for p in value)
+    for key, v in pairs:
+        _is_regex(field, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) or not v > 0:
+            raise ConfigError(f"{field}[{key!r}]", v, f"must be a positive {'integer' if kind is int else 'number'}")
+    return tuple((str(k), kind(v)) for k, v in pairs)
 
 
 @dataclass(frozen=True)
@@ -91,48 +138,90 @@ class MethodConfig:
     """A fine-tuning method and its hyper-parameters.
 
     kind: full | lora | qlora | ia3 | prefix | adapter.
-    target_modules: Hugging Face module names, or ("all-linear",); default q_proj v_proj (k_proj v_proj down_proj for
-    IA3, which scales the input of MLP modules and the output of attention modules, as PEFT does).
-    LoRA scaling is alpha / rank, or alpha / sqrt(rank) with `rslora` (Kalajdzievski 2023); `dora` adds DoRA's
-    magnitude vector (Liu et al. 2024). QLoRA keeps every linear base weight frozen in `bits` (4: NF4, 8: int8), with
-    `double_quant` compressing the NF4 block scales. Prefix tuning learns `num_virtual_tokens` keys and values per
-    layer; bottleneck adapters of width `adapter_size` follow attention and MLP (Houlsby et al. 2019).
+    target_modules: module names (q_proj ... down_proj), ("all-linear",), module paths as PEFT writes them
+    (`model.layers.1.mlp.up_proj`), or a string: a regular expression over such paths (PEFT's string form);
+    default q_proj v_proj (k_proj v_proj down_proj for IA3, which scales the input of MLP modules and the output of
+    attention modules, as PEFT does). exclude_modules, layers_to_transform (+ layers_pattern), rank_pattern and
+    alpha_pattern ({regex: rank or alpha}, first match wins) narrow or vary that per module and layer with PEFT's
+    rules (see `jaxtune.methods.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with `rslora`
+    (Kalajdzievski 2023); `dora` adds DoRA's magnitude vector (Liu et al. 2024); `lora_bias` gives LoRA's B a bias.
+    modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that name).
+    QLoRA keeps every linear base weight frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing the
+    NF4 block scales. Prefix tuning learns `num_virtual_tokens` keys and values per layer; bottleneck adapters of
+    width `adapter_size` follow attention and MLP (Houlsby et al. 2019).
+
+    An invalid value raises a `ConfigError` (a ValueError) naming the field, the value and what is valid.
     """
 
     kind: str = "lora"
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ()
+    target_modules: tuple[str, ...] | str = ()
     rslora: bool = False
     dora: bool = False
     bits: int = 4
     double_quant: bool = True
     num_virtual_tokens: int = 16
     adapter_size: int = 64
+    exclude_modules: tuple[str, ...] | str = ()
+    layers_to_transform: tuple[int, ...] = ()
+    layers_pattern: tuple[str, ...] = ()
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    lora_bias: bool = False
+    modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.kind not in METHOD_KINDS:
-            raise ValueError(f"unknown method kind {self.kind!r}; choose one of {', '.join(METHOD_KINDS)}")
-        targets = tuple(self.target_modules) or DEFAULT_TARGETS.get(self.kind, ())
-        if targets in (("all-linear",), ("all_linear",)):
-            targets = LINEAR_MODULE_NAMES
-        unknown = [t for t in targets if t not in LINEAR_MODULE_NAMES]
-        if unknown:
-            raise ValueError(f"unknown target module {unknown[0]!r}; valid names: {', '.join(LINEAR_MODULE_NAMES)}"
-                             " or all-linear")
-        object.__setattr__(self, "target_modules", tuple(t for t in LINEAR_MODULE_NAMES if t in targets))
-        if self.kind in ("lora", "qlora") and self.rank <= 0:
-            raise ValueError(f"LoRA rank must be positive, got {self.rank}")
-        if self.kind == "qlora" and self.bits not in (4, 8):
-            raise ValueError(f"QLoRA bits must be 4 or 8, got {self.bits}")
-        if self.kind == "prefix" and self.num_virtual_tokens <= 0:
-            raise ValueError(f"num_virtual_tokens must be positive, got {self.num_virtual_tokens}")
-        if self.kind == "adapter" and self.adapter_size <= 0:
-            raise ValueError(f"adapter_size must be positive, got {self.adapter_size}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_choice("kind", self.kind, METHOD_KINDS)
+        lora = self.kind in ("lora", "qlora")
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        set_("target_modules", _targets("target_modules", self.target_modules or DEFAULT_TARGETS.get(self.kind, ())))
+        set_("exclude_modules", _targets("exclude_modules", self.exclude_modules) if self.exclude_modules else ())
+        layers = (self.layers_to_transform,) if isinstance(self.layers_to_transform, int) else self.layers_to_transform
+        set_("layers_to_transform", tuple(sorted(set(layers))))
+        for layer in self.layers_to_transform:
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ConfigError("layers_to_transform", layer, "layer indices are integers >= 0")
+        if self.layers_to_transform and isinstance(self.target_modules, str):
+            raise ConfigError("layers_to_transform", self.layers_to_transform, "cannot be used with a regular "
+                              "expression as target_modules (nor can it in PEFT): put the layers in the expression")
+        pattern = (self.layers_pattern,) if isinstance(self.layers_pattern, str) else tuple(self.layers_pattern)
+        set_("layers_pattern", tuple(p for p in pattern if p))
+        for p in self.layers_pattern:
+            _is_regex("layers_pattern", p)
+        set_("rank_pattern", _pattern("rank_pattern", self.rank_pattern, int))
+        set_("alpha_pattern", _pattern("alpha_pattern", self.alpha_pattern, float))
+        saved = (self.modules_to_save,) if isinstance(self.modules_to_save, str) else tuple(self.modules_to_save)
+        for module in saved:
+            if module not in SAVABLE_MODULES:
+                raise ConfigError("modules_to_save", module, f"jaxtune trains whole {' and '.join(SAVABLE_MODULES)}")
+        set_("modules_to_save", tuple(m for m in SAVABLE_MODULES if m in saved))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or (lora and self.rank <= 0):
+            raise ConfigError("rank", self.rank, "LoRA's rank is a positive integer")
+        if lora:
+            check_range("alpha", self.alpha, 0, low_open=True)
+        if self.kind == "qlora":
+            check_choice("bits", self.bits, (4, 8))
+        if self.kind == "prefix":
+            check_range("num_virtual_tokens", self.num_virtual_tokens, 1)
+        if self.kind == "adapter":
+            check_range("adapter_size", self.adapter_size, 1)
+        check_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
+        if not lora:
+            lora_only = {"dropout": 0.0, "rslora": False, "dora": False, "lora_bias": False, "rank_pattern": (),
+                         "alpha_pattern": ()}
+            for name, default in lora_only.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(name, getattr(self, name), f"is LoRA's (kind lora or qlora), not {self.kind}'s")
+        if self.dora and self.lora_bias:
+            raise ConfigError("lora_bias", True, "DoRA has no LoRA bias (PEFT refuses use_dora with lora_bias too)")
+        if self.kind not in ("lora", "qlora", "ia3"):
+            for name in ("exclude_modules", "layers_to_transform", "modules_to_save"):
+                if getattr(self, name):
+                    raise ConfigError(name, getattr(self, name), f"is for lora, qlora and ia3, not {self.kind}")
 
     @property
     def lora_scale(self) -> float:
+        """alpha / rank (rsLoRA: alpha / sqrt(rank)); per-module or per-layer patterns: see `methods.targets`."""
         return self.alpha / (self.rank**0.5 if self.rslora else self.rank)

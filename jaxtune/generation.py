@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.models.kv_cache import decode_step, prefill, prefix_length
 from jaxtune.models.llama import ForwardOptions
 
@@ -52,14 +52,10 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise JaxtuneError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise JaxtuneError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise JaxtuneError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise JaxtuneError(f"top_p must be in [0, 1], got {self.top_p}")
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        check_range("temperature", self.temperature, 0)  # 0 is greedy
+        check_range("top_k", self.top_k, 0)  # 0 is off
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
 
     @property
     def greedy(self) -> bool:

@@ -19,12 +19,14 @@ overrides are parsed as TOML values (strings may go unquoted). The resolved conf
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxtune.config import MethodConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
+from jaxtune.models.llama import Remat
 from jaxtune.parallel.mesh import MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
 from jaxtune.train.distill import DistillConfig
@@ -32,6 +34,8 @@ from jaxtune.train.grpo import GRPOConfig
 from jaxtune.train.preference import PreferenceConfig
 
 OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class ModelSection:
     compute_dtype: str = "float32"
     remat: str = "none"
 
+    def __post_init__(self):
+        check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        Remat(self.remat)
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -55,6 +64,11 @@ class DataConfig:
     max_seq_len: int = 256
     pack: bool = True
     seed: int = 0
+
+    def __post_init__(self):
+        check_range("eval_fraction", self.eval_fraction, 0.0, 1.0, high_open=True)
+        check_range("max_seq_len", self.max_seq_len, 2)
+        check_range("seed", self.seed, 0)
 
 
 @dataclass(frozen=True)
@@ -94,13 +108,22 @@ class TrainConfig:
     resume_step: int = -1
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective {self.objective!r} does not exist; choose one of {', '.join(OBJECTIVES)}")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"schedule {self.schedule!r}: choose cosine, linear or constant")
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
+        if not self.output_dir:
+            raise ConfigError("output_dir", self.output_dir, "needs a directory")
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            check_range(name, getattr(self, name), 1)
+        for name in ("max_steps", "warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            check_range(name, getattr(self, name), 0)
+        check_range("learning_rate", self.learning_rate, 0)
+        check_range("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_range("weight_decay", self.weight_decay, 0)
+        check_range("adam_b1", self.adam_b1, 0, 1, high_open=True)
+        check_range("adam_b2", self.adam_b2, 0, 1, high_open=True)
+        check_range("adam_eps", self.adam_eps, 0, low_open=True)
+        check_range("max_grad_norm", self.max_grad_norm, 0, low_open=True)
+        check_range("resume_step", self.resume_step, -1)
 
 
 @dataclass(frozen=True)
@@ -126,7 +149,36 @@ def _parse_value(text: str):
         return text  # an unquoted string
 
 
-def _build(raw: dict, where: str) -> RunConfig:
+TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list"}
+PATTERN_KEYS = ("rank_pattern", "alpha_pattern")  # TOML tables: {"regex" = value, ...}
+REGEX_KEYS = ("target_modules", "exclude_modules")  # a string is a regular expression (PEFT's string form)
+
+
+def _value(section: str, key: str, value, expected: type):
+    """`value` as the field's type, or a ConfigError naming section.key and the type it needs."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is tuple and key in PATTERN_KEYS and isinstance(value, dict):
+        return value
+    if expected is tuple and key in REGEX_KEYS and isinstance(value, str):
+        return value
+    if expected is tuple and isinstance(value, (list, str)):
+        return tuple([value] if isinstance(value, str) else value)
+    if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{section}.{key}", value, f"must be {TYPE_NAMES.get(expected, expected.__name__)}")
+    return value
+
+
+def _located(error: ConfigError, source: str) -> JaxtuneError:
+    """One line: `run.toml: train.learning_rate = -0.001: must be > 0`, or for an override that names the field
+    itself, `--set train.learning_rate=-0.001: must be > 0`."""
+    if source.startswith("--set") and "[" not in error.field:
+        return JaxtuneError(f"{source}: {error.valid}")
+    return JaxtuneError(f"{source}: {error}")
+
+
+def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> RunConfig:
+    """`overridden`: (section, key) -> the `--set` item that gave it, named in its errors instead of the file."""
     sections = {}
     for name, values in raw.items():
         if name not in SECTIONS:
@@ -135,20 +187,18 @@ def _build(raw: dict, where: str) -> RunConfig:
             raise JaxtuneError(f"{where}: [{name}] must be a table")
         cls = type(SECTIONS[name]())
         known = {f.name: f for f in dataclasses.fields(cls)}
+        source = lambda key: f"--set {overridden[name, key]}" if (name, key) in overridden else where
         for key, value in values.items():
             if key not in known:
-                raise JaxtuneError(f"{where}: unknown key {key!r} in section [{name}] (known: {', '.join(known)})")
-            expected = type(getattr(cls(), key))
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                values[key] = float(value)
-            elif expected is tuple and isinstance(value, (list, str)):
-                values[key] = tuple([value] if isinstance(value, str) else value)
-            elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise JaxtuneError(f"{where}: [{name}] {key} = {value!r} should be a {expected.__name__}")
+                raise JaxtuneError(f"{source(key)}: unknown key {key!r} in section [{name}] (known: {', '.join(known)})")
+            try:
+                values[key] = _value(name, key, value, type(getattr(cls(), key)))
+            except ConfigError as e:
+                raise _located(e, source(key)) from None
         try:
             sections[name] = cls(**values)
-        except ValueError as e:
-            raise JaxtuneError(f"{where}: [{name}] {e}") from None
+        except ConfigError as e:
+            raise _located(e.in_section(name), source(e.field.split("[")[0])) from None
     return RunConfig(**sections)
 
 
@@ -165,16 +215,20 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise JaxtuneError(f"{path}: invalid TOML: {e}") from None
+    overridden = {}
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, name = key.strip().partition(".")
         if not sep or not dot:
             raise JaxtuneError(f"--set {item!r}: expected section.key=value")
         raw.setdefault(section, {})[name] = _parse_value(value.strip())
-    return _build(raw, where)
+        overridden[section, name] = item
+    return _build(raw, where, overridden)
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, tuple) and value and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value) + "}"  # a pattern table
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
@@ -182,6 +236,12 @@ def _toml_value(value) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+def config_items(config: RunConfig) -> dict[str, object]:
+    """The config flattened to "section.key" -> a JSON value (tuples as lists), as checkpoints record it."""
+    return json.loads(json.dumps({f"{name}.{f.name}": getattr(getattr(config, name), f.name)
+                                  for name in SECTIONS for f in dataclasses.fields(getattr(config, name))}))
 
 
 def dump_run_config(config: RunConfig) -> str:

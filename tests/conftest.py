@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# XLA's compiled programs are kept on disk and shared by the test processes (xdist workers and the CLI runs they
+# start), which compile the same tiny models' steps over and over: a third of the suite's time. The directory is
+# per XLA_FLAGS, so the AVX2-forced pass never reuses programs compiled for AVX-512.
+_flags = hashlib.sha256(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:12]
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"jaxtune-tests-xla-{_flags}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import numpy as np
 import pytest

@@ -81,6 +81,7 @@ def trained_runs(example: Example) -> list[list[int]]:
     return runs + ([current] if current else [])
 
 
+@pytest.mark.parity
 def test_prompt_completion_and_alpaca_ids_equal_transformers(tmp_path, bpe):
     ours, theirs = bpe
     records = [{"prompt": "hello world, ", "completion": "what is the answer?"},
@@ -101,6 +102,7 @@ def test_prompt_completion_and_alpaca_ids_equal_transformers(tmp_path, bpe):
     assert stats.examples == 4 and stats.loss_tokens == sum(sum(ex.loss_mask[1:]) for ex in examples)
 
 
+@pytest.mark.parity
 def test_chat_equals_apply_chat_template_with_loss_on_assistant_turns(tmp_path, bpe):
     ours, theirs = bpe
     assert render_chat(CHAT[:2], ours, add_generation_prompt=True) == theirs.apply_chat_template(

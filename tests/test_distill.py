@@ -20,6 +20,7 @@ from jaxtune.train.step import init_state, learning_rate_schedule, make_optimize
 DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reverse", [False, True])
 def test_distillation_lowers_held_out_kl(tmp_path, reverse):
     (tmp_path / "d.jsonl").write_text("".join(DATA.read_text().splitlines(keepends=True)[:96]))

@@ -104,6 +104,7 @@ def reference_forward(params, ids, method: MethodConfig, key) -> np.ndarray:
     return norm(x, params["norm"]) @ f64(params["lm_head"]["kernel"])
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", list(METHODS))
 def test_forward_with_dropout_equals_float64_restatement(name):
     """(a) The same masks in a float64 numpy Llama: logits agree; the re-statement also agrees with no dropout."""
@@ -120,6 +121,7 @@ def test_forward_with_dropout_equals_float64_restatement(name):
     assert all(not np.array_equal(masks[i], masks[j]) for i in range(len(masks)) for j in range(i))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("dora", [False, True])
 def test_dense_matches_peft_train_mode_with_the_same_mask(dora):
     """PEFT's own `lora.Linear` in training, its dropout module replaced by jaxtune's mask: the same output."""
@@ -189,6 +191,7 @@ def small_batch(A: int, seed: int = 0) -> dict:
     return {k: np.stack([v] * A) for k, v in micro.items()}
 
 
+@pytest.mark.slow
 def test_masks_differ_across_micro_batches_and_steps():
     """(c) Two equal micro-batches with dropout: their mean loss differs from one alone, so their masks differ
     (without dropout the two are equal: tests/test_train.py's accumulation test). Two steps at learning rate 0 on
@@ -232,6 +235,7 @@ def test_dropout_is_unbiased_with_torch_scaling():
         assert float(jnp.max(error / (samples.std(0) / np.sqrt(n)))) < 5.0
 
 
+@pytest.mark.slow
 def test_training_with_dropout_learns_and_resumes_exactly(tmp_path):
     """(e) `jaxtune train` with LoRA dropout 0.1: the held-out loss falls, and a run interrupted after step 1 and
     resumed writes the same metrics as one never interrupted (the masks come from the checkpointed rng)."""
@@ -261,6 +265,7 @@ def test_training_with_dropout_learns_and_resumes_exactly(tmp_path):
     assert abs(first_grad_norm(metric_lines(tmp_path / "nd")) / first_grad_norm(records) - 1) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora_all_rslora", "qlora_qv"])
 def test_remat_recomputes_the_same_masks(name):
     """Under `full` remat the backward recomputes the block, dropout included: gradients equal no remat's."""

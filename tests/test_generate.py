@@ -1,6 +1,8 @@
 """Generation: the cached decode equals the full forward, greedy tokens equal transformers' `generate`, sampling
 filters equal transformers' warpers, stop tokens and strings cut, and the decode loop compiles once per bucket."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import transformers
 from conftest import padded_batch
 from jaxtune.config import MethodConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.generation import SamplingConfig, _generate, filter_logits, generate, generate_text
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter
@@ -95,6 +97,7 @@ def test_prefill_and_decode_equal_the_full_forward(tiny):
     assert np.abs(cached_logits(params, cfg, ids, mask, t0=4, method=method) - full[:, 3:]).max() <= 1e-4
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2_sliding"])
 def test_greedy_equals_transformers_generate(arch, hf_model_dir):
     """A batch of prompts of different lengths, left-padded in transformers; Mistral's window (5) and Qwen2's (4,
@@ -111,6 +114,7 @@ def test_greedy_equals_transformers_generate(arch, hf_model_dir):
     assert generate(params, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=()) == ref
 
 
+@pytest.mark.parity
 def test_greedy_with_prefix_tuning_equals_peft_generate(hf_model_dir, tmp_path):
     """Left-padded prompts of different lengths: PEFT too starts real tokens at position P + cumsum(mask) - 1."""
     directory, _ = hf_model_dir("llama")
@@ -140,6 +144,7 @@ def test_lora_generation_equals_merged_generation(tiny):
     assert ours != generate(params, cfg, batch, GREEDY, eos_ids=()), "the adapter must change the tokens"
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (5, 1.0), (4, 0.5), (1, 0.9), (0, 0.0)])
 def test_filters_equal_transformers_warpers(top_k, top_p):
     logits = np.random.RandomState(top_k).randn(4, 50).astype(np.float32) * 2
@@ -232,8 +237,10 @@ def test_bad_inputs_raise_clear_errors(tiny):
         prefill(params, jnp.ones((1, 8), jnp.int32), cfg, cache_size=6)
     with pytest.raises(JaxtuneError, match="a single string"):
         generate_text(params, cfg, Tokenizer.byte_level(), "hello", SamplingConfig())
-    for bad, message in [(dict(max_new_tokens=0), "max_new_tokens must be at least 1"),
-                         (dict(temperature=-1.0), "temperature must be >= 0"),
-                         (dict(top_k=-2), "top_k must be >= 0"), (dict(top_p=1.5), "top_p must be in \\[0, 1\\]")]:
-        with pytest.raises(JaxtuneError, match=message):
+    for bad, message in [(dict(max_new_tokens=0), "max_new_tokens = 0: must be >= 1"),
+                         (dict(temperature=-1.0), "temperature = -1.0: must be >= 0"),
+                         (dict(top_k=-2), "top_k = -2: must be >= 0"),
+                         (dict(top_p=1.5), "top_p = 1.5: must be in (0.0, 1.0]"),
+                         (dict(top_p=0.0), "top_p = 0.0: must be in (0.0, 1.0]")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):  # a JaxtuneError and a ValueError, as every config's
             SamplingConfig(**bad)

@@ -16,6 +16,7 @@ from jaxtune.train.preference import strip_adapters
 from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
 
 
+@pytest.mark.slow
 def test_grpo_raises_mean_reward():
     tokenizer = Tokenizer.byte_level()
     reward = load_reward_function("grpo_rewards.count_letter_a")

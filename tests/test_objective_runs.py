@@ -55,6 +55,7 @@ def evals(run, key):
     return [r[key] for r in metric_lines(run) if key in r]
 
 
+@pytest.mark.slow
 def test_dpo_run_learns_held_out_preferences_resumes_exactly_and_evals(models, tmp_path, capsys):
     root = models
     config = run_config(root, tmp_path / "dpo", "dpo", root / "pairs.jsonl", root / "held_out.jsonl",
@@ -89,6 +90,7 @@ def test_dpo_run_learns_held_out_preferences_resumes_exactly_and_evals(models, t
     assert scores["accuracy"] == pytest.approx(accuracy[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,reference", [("lora", "base"), ("full", "model")])
 def test_precomputed_reference_logps_give_the_same_run(models, tmp_path, method, reference):
     """Scoring the pairs with the reference once before training (LoRA: the base with adapters off; full: a
@@ -111,6 +113,7 @@ def test_precomputed_reference_logps_give_the_same_run(models, tmp_path, method,
             np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{key} at step {a['step']}")
 
 
+@pytest.mark.slow
 def test_reward_model_run_exports_what_transformers_scores_the_same(models, tmp_path, capsys):
     root = models
     config = run_config(root, tmp_path / "rm", "reward", root / "pairs.jsonl", root / "held_out.jsonl",
@@ -145,6 +148,7 @@ def test_reward_model_run_exports_what_transformers_scores_the_same(models, tmp_
     assert np.mean(margins) == pytest.approx(scores["margin"], rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
     """Prompt records carry an "answer" field the reward function checks (tests/grpo_rewards.py)."""
     write_random_model(tmp_path / "model", "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
@@ -162,6 +166,7 @@ def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
     assert result.eval_metrics.keys() == {"eval_reward"} and result.result_path.name == "adapter"
 
 
+@pytest.mark.slow
 def test_distillation_run_lowers_held_out_kl(models, tmp_path):
     root = models
     teacher = write_random_model(tmp_path / "teacher", "llama", seed=7, hidden_size=96, initializer_range=0.15)
@@ -202,7 +207,7 @@ def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):
         (run_config(root, tmp_path / "c", "grpo", tmp_path / "prompts.jsonl", grpo={"reward": "nowhere.rewards.exact"}),
          "reward 'nowhere.rewards.exact' cannot be imported"),
         (run_config(root, tmp_path / "d", "ppo", root / "sft.jsonl"),
-         "[train] objective 'ppo' does not exist; choose one of sft, dpo, reward, grpo, distill"),
+         'train.objective = "ppo": choose one of sft, dpo, reward, grpo, distill'),
         (run_config(root, tmp_path / "e", "dpo", root / "pairs.jsonl", dpo={"betta": 0.1}),
          "unknown key 'betta' in section [dpo]"),
     ]
@@ -212,6 +217,7 @@ def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["dpo", "reward", "distill"])
 def test_lora_dropout_reaches_every_objective_and_is_deterministic(models, tmp_path, objective):
     """With [method] dropout the policy's forward drops the adapters' inputs (B = 0 at step 1, so the loss is

@@ -262,7 +262,7 @@ def test_mesh_sizes_that_do_not_fit_the_devices_are_errors_naming_both():
         make_mesh(MeshConfig(data=2, fsdp=1))  # this process has one CPU device
     with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
         MeshConfig(data=-1, fsdp=-1)
-    with pytest.raises(JaxtuneError, match=r"\[mesh\] tensor = 0: a mesh axis size is a positive integer"):
+    with pytest.raises(JaxtuneError, match=r"--set mesh.tensor=0: a mesh axis size is a positive integer"):
         load_run_config(None, ["mesh.tensor=0"])
     with pytest.raises(JaxtuneError, match=r"batch_size = 6 rows cannot be split .* data x fsdp = 2 x 4 = 8"):
         batch_sharding(abstract_mesh(MeshConfig(data=2, fsdp=4), 8), 6)
@@ -286,7 +286,7 @@ def test_run_config_reads_and_writes_mesh_and_offload():
     assert config.offload == OffloadConfig(optimizer_state=True, moments_dtype="bfloat16")
     text = dump_run_config(config)
     assert "[mesh]\ndata = 2\nfsdp = -1\ntensor = 2\n" in text and 'moments_dtype = "bfloat16"' in text
-    with pytest.raises(JaxtuneError, match="moments_dtype 'float16': choose float32 or bfloat16"):
+    with pytest.raises(JaxtuneError, match="--set offload.moments_dtype=float16: choose one of float32, bfloat16"):
         load_run_config(None, ["offload.moments_dtype=float16"])
 
 

@@ -47,6 +47,7 @@ def test_batches_pair_chosen_and_rejected_rows(tmp_path):
     assert batches[1]["loss_mask"][1:4].sum() == 0  # empty pairs fill the last batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
 def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
     write_pairs(tmp_path / "train.jsonl", 64, 0)
@@ -86,6 +87,7 @@ def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
     assert float(metrics["rewards/margin"]) > 0
 
 
+@pytest.mark.slow
 def test_reward_model_learns_held_out_pairwise_accuracy(tmp_path):
     from jaxtune.methods.transform import combine
     from jaxtune.train.reward import add_reward_head, make_reward_eval, make_reward_step

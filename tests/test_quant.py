@@ -18,6 +18,8 @@ import torch
 from jaxtune.methods.quant import (DYNAMIC_CODE, NF4Array, QuantizedArray, dequantize, nbytes, quantize_int8,
                                    quantize_nf4)
 
+pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
+
 f32 = np.float32
 REF_NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,

@@ -120,6 +120,7 @@ def test_non_finite_step_is_skipped_and_counted(setup):
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])))
 
 
+@pytest.mark.slow
 def test_run_stops_after_n_non_finite_steps_in_a_row(setup, tmp_path):
     root, model, data = setup
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", learning_rate=1e30, max_grad_norm=1e30,
@@ -128,6 +129,7 @@ def test_run_stops_after_n_non_finite_steps_in_a_row(setup, tmp_path):
         fine_tune(load_run_config(config), log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_run_directory_and_sigterm_resume_equal_an_uninterrupted_run(setup, tmp_path):
     root, model, data = setup
     full = write_config(tmp_path / "full.toml", model, data, tmp_path / "full")
@@ -176,6 +178,7 @@ def test_killed_process_resumes_with_the_same_metrics(setup, tmp_path):
     assert metric_lines(tmp_path / "run") == metric_lines(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp_path):
     root, model, data = setup
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=4)
@@ -190,6 +193,7 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp
     assert result.step == 4
 
 
+@pytest.mark.parity
 def test_eval_equals_transformers_loss(tmp_path):
     """`jaxtune eval --json` = transformers' mean cross-entropy over completion tokens (+ EOS) of the file."""
     from conftest import make_hf_model
@@ -248,6 +252,7 @@ def test_unknown_config_key_names_key_and_section(setup, tmp_path, capsys):
     assert "unknown section [optim]" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path):
     """bf16 frozen base and bf16 compute; trainable leaves and Adam moments stay float32, and the loss falls."""
     _, model, data = setup
@@ -266,3 +271,27 @@ def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path
     from safetensors.numpy import load_file
 
     assert {v.dtype for v in load_file(str(result.result_path / "adapter_model.safetensors")).values()} == {np.dtype("float32")}
+
+
+def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_path, capsys):
+    """The adapter records its NF4 base; `eval` uses it (saying so) and reproduces the run's held-out loss, and
+    `--base float` takes the float weights (saying so), which gives another loss."""
+    root, model, data = setup
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[48:64]))
+    config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=4, eval_every=4)
+    config = load_run_config(config, ["method.kind=qlora", f"data.eval={held_out}"])
+    result = fine_tune(config, log=lambda _: None)
+    recorded = json.loads((result.result_path / "adapter_config.json").read_text())["jaxtune_quantized_base"]
+    assert recorded == {"bits": 4, "double_quant": True, "format": "nf4"}
+    losses = {}
+    for base in ("as-trained", "float"):
+        capsys.readouterr()
+        assert main(["eval", "--model", str(model), "--adapter", str(result.result_path), "--data", str(held_out),
+                     "--max-seq-len", "96", "--base", base, "--json"]) == 0
+        out = capsys.readouterr()
+        losses[base] = json.loads(out.out)["loss"]
+        assert ("on its base quantised as in training (NF4, double quantisation)" if base == "as-trained" else
+                "applied to the float weights") in out.err
+    assert losses["as-trained"] == pytest.approx(result.eval_loss, rel=1e-5)
+    assert abs(losses["float"] - losses["as-trained"]) > 1e-4

@@ -15,6 +15,7 @@ PEFT has no bottleneck adapters: jaxtune writes them in the same layout under it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,10 +25,11 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError, check_choice
+from jaxtune.methods.lora import LORA_LEAVES
+from jaxtune.methods.targets import ia3_modules, is_target, lora_layout, module_path
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.hf_config import read_json
-from jaxtune.models.hf_weights import hf_module_path
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -37,21 +39,42 @@ BOTTLENECK_LEAVES = [(a, p, leaf) for a in ("attn_adapter", "mlp_adapter") for p
 
 
 def _prefix(module: str, layer: int) -> str:
-    return f"base_model.model.model.layers.{layer}.{hf_module_path(module)}"
+    return f"base_model.model.{module_path(module, layer)}"
+
+
+SAVED_TENSORS = {"lm_head": "base_model.model.lm_head.weight",
+                 "embed_tokens": "base_model.model.model.embed_tokens.weight"}
+QUANTIZED_BASE = "jaxtune_quantized_base"  # beside PEFT's fields: the frozen base a QLoRA adapter was trained on
+
+
+def _peft_names(value):
+    """A target/exclude field as PEFT writes it: a regex string, a list of names, or None."""
+    return value if isinstance(value, str) else (list(value) or None)
 
 
 def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") -> dict:
     """The keys PEFT needs to rebuild `method` on a transformers model of `cfg`."""
     common = {"base_model_name_or_path": base_model, "task_type": "CAUSAL_LM", "inference_mode": True}
+    saved = list(method.modules_to_save) or None
     if method.kind in ("lora", "qlora"):
-        return {**common, "peft_type": "LORA", "r": method.rank, "lora_alpha": method.alpha,
-                "lora_dropout": method.dropout, "target_modules": list(method.target_modules), "bias": "none",
-                "use_rslora": method.rslora, "use_dora": method.dora, "fan_in_fan_out": False,
-                "init_lora_weights": True, "modules_to_save": None}
+        config = {**common, "peft_type": "LORA", "r": method.rank, "lora_alpha": method.alpha,
+                  "lora_dropout": method.dropout, "target_modules": _peft_names(method.target_modules),
+                  "exclude_modules": _peft_names(method.exclude_modules),
+                  "layers_to_transform": list(method.layers_to_transform) or None,
+                  "layers_pattern": list(method.layers_pattern) or None,
+                  "rank_pattern": dict(method.rank_pattern), "alpha_pattern": dict(method.alpha_pattern),
+                  "bias": "none", "lora_bias": method.lora_bias, "use_rslora": method.rslora, "use_dora": method.dora,
+                  "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": saved}
+        if method.kind == "qlora":
+            config[QUANTIZED_BASE] = {"bits": method.bits, "double_quant": method.double_quant,
+                                      "format": "nf4" if method.bits == 4 else "int8"}
+        return config
     if method.kind == "ia3":
-        return {**common, "peft_type": "IA3", "target_modules": list(method.target_modules),
-                "feedforward_modules": [m for m in method.target_modules if m == "down_proj"],
-                "fan_in_fan_out": False, "init_ia3_weights": True, "modules_to_save": None}
+        targets = ia3_modules(method, cfg.num_layers)
+        return {**common, "peft_type": "IA3", "target_modules": _peft_names(method.target_modules),
+                "exclude_modules": _peft_names(method.exclude_modules),
+                "feedforward_modules": [m for m in targets if m == "down_proj"],
+                "fan_in_fan_out": False, "init_ia3_weights": True, "modules_to_save": saved}
     if method.kind == "prefix":
         return {**common, "peft_type": "PREFIX_TUNING", "num_virtual_tokens": method.num_virtual_tokens,
                 "num_layers": cfg.num_layers, "num_attention_heads": cfg.num_kv_heads, "token_dim": cfg.kv_size,
@@ -62,7 +85,8 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
 
 
 def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[str, np.ndarray]:
-    """PEFT tensor name -> float32 numpy array in torch's layout."""
+    """PEFT tensor name -> float32 numpy array in torch's layout. A LoRA layer of rank r < the module's largest
+    gives its first r ranks (the rest is zero padding); layers the adapter skips give nothing."""
     layers = params["layers"]
     f32 = lambda x: np.asarray(x, np.float32)
     state = {}
@@ -79,17 +103,26 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
                 name = f"base_model.model.model.layers.{i}.{adapter}.{proj}.{'weight' if leaf == 'kernel' else 'bias'}"
                 state[name] = np.ascontiguousarray(value[i].T if leaf == "kernel" else value[i])
         return state
-    for name in method.target_modules:
-        module = {k: f32(v) for k, v in layers[name].items() if k in ("lora_a", "lora_b", "magnitude", "ia3_in",
-                                                                         "ia3_out")}
-        for i in range(cfg.num_layers):
-            prefix = _prefix(name, i)
-            if method.kind == "ia3":
-                ia3 = module["ia3_in"][i][None, :] if "ia3_in" in module else module["ia3_out"][i][:, None]
-                state[f"{prefix}.ia3_l"] = np.ascontiguousarray(ia3)
+    for name in method.modules_to_save:
+        state[SAVED_TENSORS[name]] = np.ascontiguousarray(
+            f32(params["lm_head"]["kernel"]).T if name == "lm_head" else f32(params["embed_tokens"]))
+    if method.kind == "ia3":
+        for name in ia3_modules(method, cfg.num_layers):
+            module = layers[name]
+            for i in range(cfg.num_layers):
+                ia3 = f32(module["ia3_in"][i])[None, :] if "ia3_in" in module else f32(module["ia3_out"][i])[:, None]
+                state[f"{_prefix(name, i)}.ia3_l"] = np.ascontiguousarray(ia3)
+        return state
+    for name, lora in lora_layout(method, cfg.num_layers).items():
+        module = {k: f32(v) for k, v in layers[name].items() if k in LORA_LEAVES}
+        for i, r in enumerate(lora.ranks):
+            if not r:
                 continue
-            state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(module["lora_a"][i].T)
-            state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(module["lora_b"][i].T)
+            prefix = _prefix(name, i)
+            state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(module["lora_a"][i][:, :r].T)
+            state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(module["lora_b"][i][:r].T)
+            if method.lora_bias:
+                state[f"{prefix}.lora_B.bias"] = np.ascontiguousarray(module["lora_bias"][i])
             if method.dora:
                 state[f"{prefix}.lora_magnitude_vector"] = np.ascontiguousarray(module["magnitude"][i])
     return state
@@ -106,35 +139,59 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     return directory
 
 
-def _targets(config: dict, where: Path) -> tuple[str, ...]:
-    targets = config.get("target_modules")
-    if not isinstance(targets, list):
-        raise JaxtuneError(f"{where}: target_modules {targets!r} must be a list of module names")
-    return tuple(targets)
+# Fields PEFT writes that change nothing jaxtune computes from the saved tensors (metadata, initialisation).
+IGNORED_FIELDS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                  "inference_mode", "init_lora_weights", "init_ia3_weights", "init_weights", "loftq_config",
+                  "eva_config", "corda_config", "lora_ga_config", "runtime_config", "megatron_core", "lora_dropout",
+                  "num_layers", "num_attention_heads", "token_dim", "encoder_hidden_size",
+                  "num_transformer_submodules", "adapter_size", "qalora_group_size", QUANTIZED_BASE}
+READ_FIELDS = {
+    "LORA": {"r", "lora_alpha", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
+             "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias", "modules_to_save"},
+    "IA3": {"target_modules", "exclude_modules", "feedforward_modules", "modules_to_save"},
+    "PREFIX_TUNING": {"num_virtual_tokens"},
+    "JAXTUNE_BOTTLENECK": set(),
+}
+
+
+def _is_unset(value) -> bool:
+    return value in (None, False, "", "none", [], {}) or value == "megatron.core"
 
 
 def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
-    """The `MethodConfig` of a PEFT adapter config; refuses what jaxtune would compute differently."""
+    """The `MethodConfig` of a PEFT adapter config. A field jaxtune does not compute (set to anything but its
+    default), or a value it cannot represent, is refused naming the field: nothing is silently dropped."""
     kind = config.get("peft_type")
     if kind not in READABLE:
         raise JaxtuneError(f"{where}: PEFT adapter type {kind!r} is not supported (readable: {', '.join(READABLE)})")
-    for key in ("modules_to_save", "layers_to_transform", "alpha_pattern", "rank_pattern"):
-        if config.get(key):
-            raise JaxtuneError(f"{where}: {key}={config[key]!r} is not supported")
+    if config.get("task_type") not in (None, "CAUSAL_LM"):
+        raise JaxtuneError(f"{where}: task_type {config['task_type']!r} is not supported (jaxtune adapts causal "
+                           "language models: CAUSAL_LM)")
+    for field, value in config.items():
+        if field not in IGNORED_FIELDS and field not in READ_FIELDS[kind] and not _is_unset(value):
+            raise JaxtuneError(f"{where}: field {field} = {json.dumps(value)} is not supported by jaxtune "
+                               f"({kind} adapters are read with {', '.join(sorted(READ_FIELDS[kind])) or 'no fields'})")
+    get = lambda key, default: default if config.get(key) is None else config[key]
     try:
         if kind == "LORA":
-            if config.get("bias", "none") != "none" or config.get("lora_bias"):
-                raise JaxtuneError(f"{where}: LoRA bias={config.get('bias')!r} is not supported (only 'none')")
-            return MethodConfig(kind="lora", rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                                dropout=float(config.get("lora_dropout", 0.0)), target_modules=_targets(config, where),
-                                rslora=bool(config.get("use_rslora")), dora=bool(config.get("use_dora")))
+            return MethodConfig(
+                kind="lora", rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                dropout=float(config.get("lora_dropout") or 0.0), target_modules=_targets(config, where),
+                exclude_modules=get("exclude_modules", ()), layers_to_transform=get("layers_to_transform", ()),
+                layers_pattern=get("layers_pattern", ()), rank_pattern=get("rank_pattern", {}),
+                alpha_pattern=get("alpha_pattern", {}), rslora=bool(config.get("use_rslora")),
+                dora=bool(config.get("use_dora")), lora_bias=bool(config.get("lora_bias")),
+                modules_to_save=get("modules_to_save", ()))
         if kind == "IA3":
-            targets = _targets(config, where)
-            feedforward = set(config.get("feedforward_modules") or [])
-            if feedforward != {"down_proj"} & set(targets):
+            method = MethodConfig(kind="ia3", target_modules=_targets(config, where),
+                                  exclude_modules=get("exclude_modules", ()), modules_to_save=get("modules_to_save", ()))
+            feedforward = get("feedforward_modules", [])
+            feedforward = {feedforward} if isinstance(feedforward, str) else set(feedforward)
+            scales_down = any(is_target(method, module_path("down_proj", i)) for i in range(256))
+            if {f.rsplit(".", 1)[-1] for f in feedforward} != ({"down_proj"} if scales_down else set()):
                 raise JaxtuneError(f"{where}: IA3 feedforward_modules {sorted(feedforward)} are not supported "
                                    "(jaxtune scales the input of down_proj and the output of other modules)")
-            return MethodConfig(kind="ia3", target_modules=targets)
+            return method
         if kind == "JAXTUNE_BOTTLENECK":
             return MethodConfig(kind="adapter", adapter_size=int(config["adapter_size"]))
         if config.get("prefix_projection"):
@@ -142,22 +199,41 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
         return MethodConfig(kind="prefix", num_virtual_tokens=int(config["num_virtual_tokens"]))
     except KeyError as e:
         raise JaxtuneError(f"{where}: missing key {e.args[0]!r}") from None
-    except ValueError as e:
+    except ConfigError as e:
+        raise JaxtuneError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:
         raise JaxtuneError(f"{where}: {e}") from None
 
 
+def _targets(config: dict, where: Path):
+    targets = config.get("target_modules")
+    if not isinstance(targets, (list, str)) or not targets:
+        raise JaxtuneError(f"{where}: target_modules {targets!r} must be a regular expression or a list of modules")
+    return targets
+
+
+def quantized_base(directory: str | Path) -> dict | None:
+    """The frozen base a jaxtune QLoRA adapter was trained on, {"bits", "double_quant", "format"}, or None."""
+    return read_json(Path(directory) / CONFIG_FILE).get(QUANTIZED_BASE)
+
+
 def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig,
-                      kind: str | None = None) -> tuple[MethodConfig, dict]:
+                      kind: str | None = None, quantization: dict | None = None) -> tuple[MethodConfig, dict]:
     """(method, params with the adapter's leaves) for a PEFT adapter directory and base `params`.
 
-    kind="qlora" puts a LoRA adapter on a quantised copy of the base (bits and double_quant at their defaults).
+    kind="qlora" puts a LoRA adapter on a quantised copy of the base, with `quantization` {"bits",
+    "double_quant"} (default NF4 with double quantisation).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise JaxtuneError(f"{directory}: adapter directory not found")
     method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
     if kind == "qlora":
-        method = MethodConfig(**{**method.__dict__, "kind": "qlora"})
+        if method.kind != "lora":
+            raise JaxtuneError(f"{directory}: a quantised base takes a LoRA adapter, not {method.kind}")
+        q = quantization or {}
+        method = dataclasses.replace(method, kind="qlora", bits=int(q.get("bits", 4)),
+                                     double_quant=bool(q.get("double_quant", True)))
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise JaxtuneError(f"{path}: file not found")
@@ -165,14 +241,23 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig,
         state = load_file(str(path))
     except Exception as e:  # safetensors raises its own error type, or OSError, for damaged files
         raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
-    params = apply_method(params, cfg, method, jax.random.key(0))
+    try:
+        params = apply_method(params, cfg, method, jax.random.key(0))
+    except JaxtuneError as e:
+        raise JaxtuneError(f"{directory / CONFIG_FILE}: {e}") from None
     expected = adapter_state_dict(params, cfg, method)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
+    foreign = [n for n in unexpected if any(f".{m}." in n for m in ("lm_head", "embed_tokens")) and
+               not n.endswith(tuple(SAVED_TENSORS.values()))]
+    if foreign:
+        module = "lm_head" if ".lm_head." in foreign[0] else "embed_tokens"
+        raise JaxtuneError(f"{path}: tensor {foreign[0]} adapts {module}, which jaxtune's LoRA does not (it adapts the "
+                           "linear modules of decoder layers; lm_head and embed_tokens train whole, modules_to_save)")
     if missing or unexpected:
         name = (missing or unexpected)[0]
         raise JaxtuneError(f"{path}: tensor {name} is {'missing' if missing else 'unexpected'} "
-                           f"({len(missing)} missing, {len(unexpected)} unexpected)")
+                           f"({len(missing)} missing, {len(unexpected)} unexpected; is the adapter for this model?)")
     for name, value in state.items():
         if value.shape != expected[name].shape:
             raise JaxtuneError(f"{path}: tensor {name} has shape {value.shape}, expected {expected[name].shape}")
@@ -195,39 +280,70 @@ def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[st
             layers[adapter] = {**layers[adapter], proj: {**layers[adapter][proj],
                                                           leaf: jnp.asarray(np.swapaxes(value, 1, 2) if leaf == "kernel" else value)}}
         return {**params, "layers": layers}
-    for name in method.target_modules:
-        module = dict(layers[name])
-        per_layer = lambda suffix, f: jnp.asarray(np.stack([f(state[f"{_prefix(name, i)}.{suffix}"]) for i in range(L)]))
-        if method.kind == "ia3":
-            leaf = "ia3_in" if "ia3_in" in module else "ia3_out"
-            module[leaf] = per_layer("ia3_l", np.ravel)
-        else:
-            module["lora_a"] = per_layer("lora_A.weight", np.transpose)
-            module["lora_b"] = per_layer("lora_B.weight", np.transpose)
+    params = dict(params)
+    if "lm_head" in method.modules_to_save:
+        params["lm_head"] = {"kernel": jnp.asarray(state[SAVED_TENSORS["lm_head"]].T)}
+    if "embed_tokens" in method.modules_to_save:
+        params["embed_tokens"] = jnp.asarray(state[SAVED_TENSORS["embed_tokens"]])
+    if method.kind == "ia3":
+        for name in ia3_modules(method, L):
+            leaf = "ia3_in" if "ia3_in" in layers[name] else "ia3_out"
+            value = np.stack([np.ravel(state[f"{_prefix(name, i)}.ia3_l"]) for i in range(L)])
+            layers[name] = {**layers[name], leaf: jnp.asarray(value)}
+        return {**params, "layers": layers}
+    for name, lora in lora_layout(method, L).items():
+        module = {k: np.array(v, np.float32) for k, v in layers[name].items() if k in LORA_LEAVES}
+        module["lora_a"][:] = 0
+        module["lora_b"][:] = 0
+        for i, r in enumerate(lora.ranks):
+            if not r:
+                continue
+            prefix = _prefix(name, i)
+            module["lora_a"][i, :, :r] = state[f"{prefix}.lora_A.weight"].T
+            module["lora_b"][i, :r] = state[f"{prefix}.lora_B.weight"].T
+            if method.lora_bias:
+                module["lora_bias"][i] = state[f"{prefix}.lora_B.bias"]
             if method.dora:
-                module["magnitude"] = per_layer("lora_magnitude_vector", np.asarray)
-        layers[name] = module
+                module["magnitude"][i] = state[f"{prefix}.lora_magnitude_vector"]
+        layers[name] = {**layers[name], **{k: jnp.asarray(v) for k, v in module.items()}}
     return {**params, "layers": layers}
 
 
-def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None,
-                            dtype=None) -> tuple[ModelConfig, dict, MethodConfig | None]:
-    """(config, params, method) of a Hugging Face model directory, with a PEFT adapter applied if given."""
+def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None, dtype=None,
+                            base: str = "as-trained", log=None) -> tuple[ModelConfig, dict, MethodConfig | None]:
+    """(config, params, method) of a Hugging Face model directory, with a PEFT adapter applied if given.
+
+    base: "as-trained" puts a QLoRA adapter that records its quantised base (`jaxtune_quantized_base`) on that
+    base, quantised as in training; "float" uses the float weights. `log(text)` is told which base is used.
+    """
     from jaxtune.models.hf_weights import load_model
 
+    check_choice("base", base, ("as-trained", "float"))
     cfg, params = load_model(model, dtype)
     if adapter is None:
         return cfg, params, None
-    method, params = load_peft_adapter(adapter, params, cfg)
+    quantization = quantized_base(adapter) if Path(adapter, CONFIG_FILE).is_file() else None
+    use_quantized = quantization is not None and base == "as-trained"
+    method, params = load_peft_adapter(adapter, params, cfg, kind="qlora" if use_quantized else None,
+                                       quantization=quantization)
+    if quantization is not None and log is not None:
+        fmt = str(quantization.get("format", "nf4")).upper() + (", double quantisation" if quantization.get(
+            "double_quant") else "")
+        log(f"{adapter}: QLoRA adapter on its base quantised as in training ({fmt}); --base float for the float "
+            "weights" if use_quantized else
+            f"{adapter}: QLoRA adapter trained on a quantised base ({fmt}), applied to the float weights")
     return cfg, params, method
 
 
-def export_merged(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
-    """Merge a PEFT LoRA/DoRA adapter into its base and write a Hugging Face model directory (with the tokenizer)."""
+def export_merged(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
+    """Merge a PEFT LoRA/DoRA adapter into its base and write a Hugging Face model directory (with the tokenizer).
+
+    A QLoRA adapter merges into the float weights (as PEFT merges into a dequantised base: a plain float model).
+    """
     from jaxtune.methods.lora import merge
     from jaxtune.models.hf_weights import save_model
 
-    cfg, params, method = load_model_with_adapter(model, adapter)
+    cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
     if method.kind not in ("lora", "qlora"):
         raise JaxtuneError(f"{adapter}: only LoRA and DoRA adapters merge into the weights, not {method.kind}")
     dtype = str(np.dtype(params["embed_tokens"].dtype))
@@ -243,6 +359,6 @@ def adapter_summary(model: str | Path, adapter: str | Path) -> dict:
     cfg = load_config(model)
     method = method_from_peft_config(read_json(Path(adapter) / CONFIG_FILE), Path(adapter) / CONFIG_FILE)
     shapes = jax.eval_shape(lambda p, key: apply_method(p, cfg, method, key), abstract_params(cfg), jax.random.key(0))
-    report = parameter_report(shapes, method)
+    report = parameter_report(shapes, method, cfg)
     return {"method": method.kind + (" (DoRA)" if method.dora else ""), "trainable": report.trainable,
             "total": report.total, "percent": report.percent}

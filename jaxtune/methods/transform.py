@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
+from jaxtune.methods.targets import ModuleLoRA, ia3_modules, lora_layout
 from jaxtune.methods.quant import Int8Array, NF4Array, QuantizedArray, dequantize, quantize_int8, quantize_nf4
 
-ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "ia3_in", "ia3_out", "prefix", "attn_adapter", "mlp_adapter",
-                "score")  # score: a reward model's head, trained with any method
+ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "lora_bias", "ia3_in", "ia3_out", "prefix", "attn_adapter",
+                "mlp_adapter", "score")  # score: a reward model's head, trained with any method
 
 
 def full_shape(leaf) -> tuple[int, ...]:
@@ -35,16 +36,20 @@ def full_shape(leaf) -> tuple[int, ...]:
     return tuple(leaf.codes.shape if isinstance(leaf, Int8Array) else leaf.shape)
 
 
-def _lora_leaves(kernel, method: MethodConfig, key) -> dict:
+def _lora_leaves(kernel, lora: ModuleLoRA, method: MethodConfig, key) -> dict:
+    """LoRA's leaves for one module, rank `lora.max_rank`; a layer of smaller rank holds zeros beyond its rank."""
     L, d_in, d_out = full_shape(kernel)
+    R = lora.max_rank
     bound = 1 / math.sqrt(d_in)  # torch kaiming_uniform_(a=sqrt(5)) on lora_A.weight [r, in]
-    leaves = {
-        "lora_a": jax.random.uniform(key, (L, d_in, method.rank), jnp.float32, -bound, bound),
-        "lora_b": jnp.zeros((L, method.rank, d_out), jnp.float32),
-    }
+    lora_a = jax.random.uniform(key, (L, d_in, R), jnp.float32, -bound, bound)
+    if min(lora.ranks) < R:
+        lora_a = lora_a * (jnp.arange(R)[None, None, :] < jnp.asarray(lora.ranks)[:, None, None])
+    leaves = {"lora_a": lora_a, "lora_b": jnp.zeros((L, R, d_out), jnp.float32)}
     if method.dora:
         base = dequantize(kernel) if isinstance(kernel, QuantizedArray) else kernel
         leaves["magnitude"] = jnp.linalg.norm(base.astype(jnp.float32), axis=1)
+    if method.lora_bias:
+        leaves["lora_bias"] = jnp.zeros((L, d_out), jnp.float32)
     return leaves
 
 
@@ -68,10 +73,10 @@ def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.
         for name in LINEAR_MODULE_NAMES:
             layers[name] = {**layers[name], "kernel": quantize(layers[name]["kernel"])}
     if method.kind in ("lora", "qlora"):
-        for name in method.target_modules:
-            layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], method, keys[name])}
+        for name, lora in lora_layout(method, L).items():
+            layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], lora, method, keys[name])}
     elif method.kind == "ia3":
-        for name in method.target_modules:
+        for name in ia3_modules(method, L):
             d_in, d_out = full_shape(layers[name]["kernel"])[1:]
             leaf = {"ia3_in": jnp.ones((L, d_in))} if name == "down_proj" else {"ia3_out": jnp.ones((L, d_out))}
             layers[name] = {**layers[name], **leaf}
@@ -82,7 +87,10 @@ def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.
     elif method.kind == "adapter":
         layers["attn_adapter"] = _adapter(L, cfg.hidden_size, method.adapter_size, keys["attn"])
         layers["mlp_adapter"] = _adapter(L, cfg.hidden_size, method.adapter_size, keys["mlp"])
-    return {**params, "layers": layers}
+    params = {**params, "layers": layers}
+    if method.modules_to_save and "lm_head" not in params:  # tied: the head and the embedding part ways, as in PEFT
+        params["lm_head"] = {"kernel": params["embed_tokens"].T}
+    return params
 
 
 def _path_keys(path) -> list[str]:
@@ -95,7 +103,8 @@ def trainable_mask(params: dict, method: MethodConfig) -> dict:
     def trainable(path, leaf) -> bool:
         if method.kind == "full":
             return jnp.issubdtype(leaf.dtype, jnp.floating)
-        return any(k in ADAPTER_KEYS for k in _path_keys(path))
+        keys = _path_keys(path)
+        return keys[0] in method.modules_to_save or any(k in ADAPTER_KEYS for k in keys)
 
     return jax.tree_util.tree_map_with_path(trainable, params)
 
@@ -127,11 +136,40 @@ class ParameterReport:
         return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable%: {self.percent:.4f}"
 
 
-def parameter_report(params: dict, method: MethodConfig) -> ParameterReport:
-    """Counts as PEFT's `get_nb_trainable_parameters` gives them, for a tree of arrays or ShapeDtypeStructs."""
+def _lora_count(module: dict, lora: ModuleLoRA, method: MethodConfig) -> int:
+    """Parameters PEFT creates for one module's LoRA: per adapted layer r (in + out), + out for DoRA's magnitude and
+    for lora_bias (the zero padding of smaller ranks is not a parameter)."""
+    d_in, d_out = module["lora_a"].shape[1], module["lora_b"].shape[2]
+    return sum(r * (d_in + d_out) + d_out * (method.dora + method.lora_bias) for r in lora.ranks if r)
+
+
+def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None = None) -> ParameterReport:
+    """Counts as PEFT's `get_nb_trainable_parameters` gives them, for a tree of arrays or ShapeDtypeStructs.
+
+    PEFT keeps the original of each of `modules_to_save` beside its trained copy, so both count in the total; on
+    a model with tied embeddings (pass its `cfg`) one original is the tied matrix the tree already holds.
+    """
     is_quantized = lambda x: isinstance(x, QuantizedArray)
     leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized)
-    total = sum(math.prod(full_shape(leaf)) for _, leaf in leaves)
-    trainable = sum(math.prod(full_shape(leaf)) for path, leaf in leaves
-                    if method.kind == "full" or any(k in ADAPTER_KEYS for k in _path_keys(path)))
-    return ParameterReport(trainable, total)
+    if method.kind == "full":
+        total = sum(math.prod(full_shape(leaf)) for _, leaf in leaves)
+        return ParameterReport(total, total)
+    lora = {}
+    if method.kind in ("lora", "qlora"):
+        L = full_shape(params["layers"]["q_proj"]["kernel"])[0]
+        lora = {name: _lora_count(params["layers"][name], m, method) for name, m in lora_layout(method, L).items()}
+    base = adapters = saved = 0
+    for path, leaf in leaves:
+        keys, size = _path_keys(path), math.prod(full_shape(leaf))
+        if keys[0] == "layers" and keys[1] in lora and keys[2] in ADAPTER_KEYS:
+            continue
+        if any(k in ADAPTER_KEYS for k in keys):
+            adapters += size
+        elif keys[0] in method.modules_to_save:
+            saved += size
+        else:
+            base += size
+    adapters += sum(lora.values())
+    tied = cfg is not None and cfg.tie_word_embeddings and bool(method.modules_to_save)
+    originals = saved - (math.prod(params["embed_tokens"].shape) if tied else 0)
+    return ParameterReport(adapters + saved, base + adapters + saved + originals)

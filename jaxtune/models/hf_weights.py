@@ -171,7 +171,11 @@ def save_model(
     tokenizer_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 2**30,
 ) -> Path:
-    """Write `params` as a Hugging Face model directory; copies tokenizer files from `tokenizer_from` if given."""
+    """Write `params` as a Hugging Face model directory; copies tokenizer files from `tokenizer_from` if given.
+
+    A tied `cfg` whose params hold their own `lm_head` (trained apart, PEFT's modules_to_save) is written untied."""
+    if cfg.tie_word_embeddings and "lm_head" in params:
+        cfg = cfg.replace(tie_word_embeddings=False)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     np_dtype = DTYPES[dtype] if dtype else None

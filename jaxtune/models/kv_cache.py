@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.llama import ForwardOptions, attend, decoder_layer, lm_head, project_qkv, rms_norm, window_mask
+from jaxtune.models.llama import (ForwardOptions, attend, decoder_layer, lm_head, lora_scaled_layers, project_qkv,
+                                  rms_norm, window_mask)
 from jaxtune.models.rope import rope_angles
 
 
@@ -69,7 +70,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     """Run T new tokens against the cache: final-norm hidden states [B, T, D] and the cache with them written."""
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
-    lora_scale = method.lora_scale if method is not None else 1.0
+    layers, lora_scale = lora_scaled_layers(params["layers"], method, cfg)
     start = cache.length
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT > 0, (0, start))
     q_idx_T, k_idx_S = start + jnp.arange(T), jnp.arange(cache.size)
@@ -91,7 +92,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
 
     x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
-    x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (params["layers"], windows_L, cache.k, cache.v))
+    x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, cache.k, cache.v))
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
     k = jax.lax.dynamic_update_slice(cache.k, k_LxBxTxKxh.astype(dtype), (0, 0, start, 0, 0))
     v = jax.lax.dynamic_update_slice(cache.v, v_LxBxTxKxh.astype(dtype), (0, 0, start, 0, 0))

@@ -1,9 +1,11 @@
 """The one linear layer every projection goes through, whatever method has transformed its leaves.
 
 A module is a dict of one layer's leaves: `kernel` [in, out] (a float array or a quantised leaf), optional `bias`
-[out], and the leaves methods add: `lora_a` [in, r] and `lora_b` [r, out] (LoRA), `magnitude` [out] (DoRA),
-`ia3_in` [in] or `ia3_out` [out] (IA3). Dispatch is on which leaves are present, so a method is only a change
-of the tree.
+[out], and the leaves methods add: `lora_a` [in, r] and `lora_b` [r, out] (LoRA), `lora_bias` [out] (LoRA's B
+bias), `magnitude` [out] (DoRA), `ia3_in` [in] or `ia3_out` [out] (IA3). Dispatch is on which leaves are present,
+so a method is only a change of the tree. LoRA's scale is a static float, or, when it differs across modules or
+layers (PEFT's rank_pattern / alpha_pattern / layers_to_transform), a `lora_scale` [] entry the forward puts in
+each module it scans (`with_lora_scales`; 0 where the layer is not adapted).
 
 LoRA dropout (training only) drops the adapter's input, as PEFT does: y = x W + B A dropout(x) s. Each module
 of each layer draws its own mask from `adapter_dropout_key(layer_key, name)`; with no key there is no dropout
@@ -21,6 +23,11 @@ from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.methods.quant import QuantizedArray, dequantize
 
 
+def wide(dtype) -> jnp.dtype:
+    """The dtype of statistics and accumulations for values of `dtype`: float32, or float64 for float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def kernel_of(module: dict, dtype) -> jax.Array:
     """The module's base weight [in, out] in `dtype`, dequantised inside the jitted computation if quantised."""
     kernel = module["kernel"]
@@ -32,9 +39,10 @@ def kernel_of(module: dict, dtype) -> jax.Array:
 def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magnitude_O: jax.Array,
                lora_scale: float) -> jax.Array:
     """DoRA's magnitude / ||W + s B A|| per output unit, the norm treated as a constant (DoRA paper, section 4.3)."""
-    merged = kernel_IxO.astype(jnp.float32) + lora_scale * (lora_a.astype(jnp.float32) @ lora_b.astype(jnp.float32))
+    dtype = wide(kernel_IxO.dtype)
+    merged = kernel_IxO.astype(dtype) + lora_scale * (lora_a.astype(dtype) @ lora_b.astype(dtype))
     norm_O = jax.lax.stop_gradient(jnp.linalg.norm(merged, axis=-2))
-    return magnitude_O.astype(jnp.float32) / norm_O
+    return magnitude_O.astype(dtype) / norm_O
 
 
 def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -42,8 +50,8 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     accumulated in float32, forward and backward: the dots XLA runs fastest (on CPU about twice the float32 rate,
     where a bfloat16-output dot runs at the float32 rate or below), with the rounding of torch's autocast."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if x.dtype == jnp.float32:
-        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    if x.dtype in (jnp.float32, jnp.float64):
+        return jnp.matmul(x, w, preferred_element_type=x.dtype).astype(out_dtype)
     return _low_precision_matmul(x, w, out_dtype)
 
 
@@ -87,22 +95,27 @@ def dropout(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
     return jnp.where(dropout_keep_mask(key, x.shape, rate), x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), 0)
 
 
-def dense(x: jax.Array, module: dict, lora_scale: float = 1.0, dropout_key: jax.Array | None = None,
+def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropout_key: jax.Array | None = None,
           dropout_rate: float = 0.0) -> jax.Array:
     """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype; x is [..., in], y [..., out].
 
+    lora_scale: LoRA's static scale, unless the module carries its own `lora_scale` (see the module docstring).
     dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
     A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
     x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model.
     """
     if dropout_rate == 0.0 or "lora_a" not in module:
         dropout_key = None
+    if "lora_scale" in module:
+        module = dict(module)
+        lora_scale = module.pop("lora_scale")
     if isinstance(module["kernel"], QuantizedArray):
-        return jax.checkpoint(_dense, static_argnums=(2, 4))(x, module, lora_scale, dropout_key, dropout_rate)
+        static = (2, 4) if isinstance(lora_scale, float) else (4,)
+        return jax.checkpoint(_dense, static_argnums=static)(x, module, lora_scale, dropout_key, dropout_rate)
     return _dense(x, module, lora_scale, dropout_key, dropout_rate)
 
 
-def _dense(x: jax.Array, module: dict, lora_scale: float, dropout_key: jax.Array | None,
+def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_key: jax.Array | None,
            dropout_rate: float) -> jax.Array:
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
@@ -110,11 +123,16 @@ def _dense(x: jax.Array, module: dict, lora_scale: float, dropout_key: jax.Array
     y = matmul(x, kernel)
     if "lora_a" in module:
         x_lora = x if dropout_key is None else dropout(x, dropout_key, dropout_rate)
-        lora_y = (x_lora @ module["lora_a"].astype(x.dtype)) @ module["lora_b"].astype(x.dtype) * lora_scale
+        lora_y = (x_lora @ module["lora_a"].astype(x.dtype)) @ module["lora_b"].astype(x.dtype)
+        if "lora_bias" in module:
+            lora_y = lora_y + module["lora_bias"].astype(x.dtype)
+        lora_y = lora_y * (lora_scale if isinstance(lora_scale, float) else lora_scale.astype(x.dtype))
         if "magnitude" not in module:
             y = y + lora_y
         else:
             scale = dora_scale(kernel, module["lora_a"], module["lora_b"], module["magnitude"], lora_scale)
+            if not isinstance(lora_scale, float):  # a layer DoRA does not adapt (scale 0) keeps its weights as they are
+                scale = jnp.where(lora_scale > 0, scale, 1.0)
             scale = scale.astype(x.dtype)
             if dropout_key is None:
                 y = (y + lora_y) * scale
@@ -125,3 +143,12 @@ def _dense(x: jax.Array, module: dict, lora_scale: float, dropout_key: jax.Array
     if "ia3_out" in module:
         y = y * module["ia3_out"].astype(x.dtype)
     return y
+
+
+def with_lora_scales(layers: dict, scales: float | dict) -> tuple[dict, float]:
+    """(layers, static scale) for the forward: a float scale is passed as is; per-module [L] scales
+    (`methods.targets.layer_scales`) go into each module's `lora_scale` entry, which the layer scan slices."""
+    if not isinstance(scales, dict):
+        return layers, scales
+    layers = {**layers, **{name: {**layers[name], "lora_scale": jnp.asarray(s)} for name, s in scales.items()}}
+    return layers, 1.0

@@ -3,6 +3,8 @@
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
 depth; `jax.checkpoint` wraps the block under a `Remat` policy. Numerics follow transformers: RMSNorm and
 softmax in float32, RoPE angles in float32 cast to the compute dtype, everything else in the compute dtype.
+compute_dtype "float64" (under `jax.enable_x64`) widens the float32 parts too but RoPE's angles, as transformers
+does for a `.double()` model: the tests' float64 reference.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, matmul
+from jaxtune.errors import check_choice
+from jaxtune.methods.targets import layer_scales
+from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, matmul, wide, with_lora_scales
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain
 
@@ -33,7 +37,7 @@ class Remat:
     def __post_init__(self):
         policy = self.policy.replace("-", "_")
         if policy not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {self.policy!r}; choose one of {', '.join(REMAT_POLICIES)}")
+            check_choice("remat", self.policy, REMAT_POLICIES)
         object.__setattr__(self, "policy", policy)
 
     def wrap(self, fn):
@@ -54,8 +58,8 @@ class ForwardOptions:
 
 
 def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) * weight, the statistics in float32, the product in the input dtype."""
-    x32 = x_BxTxD.astype(jnp.float32)
+    """x / rms(x) * weight, the statistics in float32 (or wider), the product in the input dtype."""
+    x32 = x_BxTxD.astype(wide(x_BxTxD.dtype))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
 
@@ -91,6 +95,13 @@ def sliding_window_mask(T: int, prefix: int, window: jax.Array) -> jax.Array:
     return window_mask(prefix + jnp.arange(T), jnp.arange(prefix + T), window)
 
 
+def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConfig) -> tuple[dict, float]:
+    """(layers to scan, static LoRA scale): per-module, per-layer scales ride in the layers when they differ."""
+    if method is None or method.kind not in ("lora", "qlora"):
+        return layers, 1.0
+    return with_lora_scales(layers, layer_scales(method, cfg.num_layers))
+
+
 def project(x, layer: dict, name: str, lora_scale: float, dropout: tuple[jax.Array, float] | None = None):
     """`dense` through module `name` of one layer; dropout = (the layer's dropout key, rate) in training, else None."""
     if dropout is None:
@@ -116,8 +127,9 @@ def _softmax_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask):
     Heads lead, so each (b, k) is one plain [G*T, hd] x [hd, S] matmul for XLA (no transposes around the dots).
     """
     hd = q_BxKxGxTxh.shape[-1]
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxh, k_BxKxSxh, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores * (hd**-0.5), jnp.finfo(jnp.float32).min)
+    dtype = wide(q_BxKxGxTxh.dtype)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxh, k_BxKxSxh, preferred_element_type=dtype)
+    scores = jnp.where(mask, scores * (hd**-0.5), jnp.finfo(dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxh.dtype)
     return jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxh)
 
@@ -213,7 +225,7 @@ def decoder(
     """
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
-    lora_scale = method.lora_scale if method is not None else 1.0
+    layers, lora_scale = lora_scaled_layers(params["layers"], method, cfg)
     prefix = params["layers"]["prefix"]["key"].shape[1] if "prefix" in params["layers"] else 0
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
@@ -232,7 +244,7 @@ def decoder(
 
     block = options.remat.wrap(block)
     x_BxTxD = constrain(params["embed_tokens"].astype(dtype)[tokens_BxT], ("batch", None, None))
-    per_layer = (params["layers"], jnp.asarray(cfg.sliding_windows, jnp.int32))
+    per_layer = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     if options.scan_layers:
@@ -244,16 +256,19 @@ def decoder(
 
 
 def lm_head(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Float32 logits [B, T, V] from final hidden states (the embedding matrix when tied)."""
-    if cfg.tie_word_embeddings:
-        kernel_DxV = params["embed_tokens"].T
-    else:
+    """Float32 logits [B, T, V] from final hidden states: the `lm_head` leaf, else (tied) the embedding matrix.
+
+    A tied model holds an `lm_head` leaf only when a method trains the head or the embedding apart from the
+    other (PEFT's modules_to_save), which unties them."""
+    if "lm_head" in params:
         kernel_DxV = params["lm_head"]["kernel"]
-    return matmul(hidden_BxTxD, kernel_DxV.astype(hidden_BxTxD.dtype), jnp.float32)
+    else:
+        kernel_DxV = params["embed_tokens"].T
+    return matmul(hidden_BxTxD, kernel_DxV.astype(hidden_BxTxD.dtype), wide(hidden_BxTxD.dtype))
 
 
 def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
-    """Logits [B, T, V] float32. Keyword arguments as for `decoder`.
+    """Logits [B, T, V] float32 (float64 with compute_dtype float64). Keyword arguments as for `decoder`.
 
     Jit with `static_argnames=("cfg", "method", "options")`.
     """

@@ -34,10 +34,11 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, each [B, T, hd], computed in float32 and cast to the compute dtype (as transformers does)."""
+    """cos and sin, each [B, T, hd], computed in float32 and cast to the compute dtype (as transformers does); for
+    float64 compute, cos and sin of the same float32 angles in float64."""
     inv_freq = jnp.asarray(inverse_frequencies(cfg))
     freqs_BxTxH = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs_BxTxH, freqs_BxTxH], axis=-1)
+    emb = jnp.concatenate([freqs_BxTxH, freqs_BxTxH], axis=-1).astype(jnp.promote_types(dtype, jnp.float32))
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.parallel.rules import MESH_AXES
 
 
@@ -35,10 +35,11 @@ class MeshConfig:
     def __post_init__(self):
         sizes = self.sizes()
         for name, size in sizes.items():
-            if size == 0 or size < -1:
-                raise ValueError(f"{name} = {size}: a mesh axis size is a positive integer, or -1 for the rest")
+            if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
+                raise ConfigError(name, size, "a mesh axis size is a positive integer, or -1 for the rest")
         if list(sizes.values()).count(-1) > 1:
-            raise ValueError(f"{self._describe()}: at most one mesh axis may be -1")
+            raise ConfigError("fsdp" if self.fsdp == -1 else "data", -1,
+                              f"at most one mesh axis may be -1 ({self._describe()})")
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_AXES}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh
 
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import JaxtuneError, check_choice
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -41,8 +41,7 @@ class OffloadConfig:
     moments_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.moments_dtype not in MOMENT_DTYPES:
-            raise ValueError(f"moments_dtype {self.moments_dtype!r}: choose {' or '.join(MOMENT_DTYPES)}")
+        check_choice("moments_dtype", self.moments_dtype, MOMENT_DTYPES)
 
 
 def memory_kinds(mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:

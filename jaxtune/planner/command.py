@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.parallel.mesh import MESH_AXES, MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
 from jaxtune.planner.devices import Device, get_device
@@ -87,6 +87,8 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
                          compute_dtype or ("bfloat16" if accelerator else "float32"), param_dtype or stored,
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
                          generate_tokens=generate_tokens)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise JaxtuneError(str(e)) from None
     return cfg, plan, device
@@ -185,3 +187,30 @@ def render(result: dict) -> str:
 def public(result: dict) -> dict:
     """`result` without the Python objects kept for rendering."""
     return {k: v for k, v in result.items() if not k.startswith("_")}
+
+
+def suggestion_for_run(config_path: str, overrides: list[str]) -> str:
+    """What to change when `jaxtune train CONFIG` ran out of memory on this machine's CPU devices: what to lower,
+    and the fastest plan the planner's search finds that fits (accelerators: the command that finds it)."""
+    import jax
+
+    from jaxtune.run_config import load_run_config
+
+    config = load_run_config(config_path, overrides)
+    advice = (f"lower train.batch_size (now {config.train.batch_size}) or data.max_seq_len (now "
+              f"{config.data.max_seq_len}), or set model.remat = \"full\"")
+    command = f"jaxtune plan --config {config_path} --target TARGET --search"
+    if jax.default_backend() != "cpu":
+        return f"{advice}; `{command}` finds a plan that fits"
+    try:
+        cfg, plan = plan_from_run_config(config)
+        device = get_device(f"cpu-{len(jax.devices())}" if len(jax.devices()) > 1 else "cpu")
+        result = search(cfg, plan, device, plan.global_batch, ())
+    except JaxtuneError:
+        return f"{advice}; `{command}` finds a plan that fits"
+    if not result.candidates:
+        return f"{advice}; the planner finds no plan that fits this machine ({result.suggestion})"
+    best = result.candidates[0].plan
+    return (f"{advice}; the planner's fastest plan that fits ({command.replace('TARGET', device.target)}): "
+            f"train.batch_size = {best.batch_size}, train.grad_accum = {best.grad_accum}, model.remat = "
+            f"\"{best.remat}\"" + (", with optimizer offload" if best.offload.optimizer_state else ""))

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxtune.config import MethodConfig
+from jaxtune.errors import ConfigError, check_choice, check_range
 from jaxtune.models.llama import REMAT_POLICIES
 from jaxtune.parallel.mesh import MeshConfig
 from jaxtune.parallel.offload import OffloadConfig
@@ -53,20 +54,16 @@ class TrainPlan:
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            check_range(name, getattr(self, name), 1)
         object.__setattr__(self, "remat", self.remat.replace("-", "_"))
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+        check_choice("remat", self.remat, REMAT_POLICIES)
         for name in ("compute_dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(DTYPES)}")
+            check_choice(name, getattr(self, name), DTYPES)
         object.__setattr__(self, "objective", ALIASES.get(self.objective, self.objective))
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        check_choice("objective", self.objective, OBJECTIVES)
         if not 0 <= self.generate_tokens < self.seq_len:
-            raise ValueError(f"generate_tokens {self.generate_tokens}: the rollout's prompt and completion share a row "
-                             f"of seq_len {self.seq_len} tokens, so use 0 to {self.seq_len - 1}")
+            raise ConfigError("generate_tokens", self.generate_tokens, "the rollout's prompt and completion share a "
+                              f"row of seq_len {self.seq_len} tokens, so use 0 to {self.seq_len - 1}")
 
     @property
     def rows(self) -> int:

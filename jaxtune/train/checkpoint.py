@@ -3,18 +3,34 @@
 Orbax writes each step into a temporary directory and renames it when complete, so a checkpoint either exists
 whole or not at all; an interrupted write leaves nothing a resume would pick up. A checkpoint that exists but
 cannot be read (a damaged disk, a file deleted by hand) is reported with its step and the steps still there,
-so the run can be pointed at the previous one with `--set train.resume_step=N`.
+so the run can be pointed at the previous one with `--set train.resume_step=N`. A checkpoint whose state has other
+shapes than the run's (the config changed, not the checkpoint) is reported with the config keys that differ from
+those it was saved with (`meta["config"]`). Nothing is created on disk until the first save.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxtune.errors import JaxtuneError
+
+
+STATE_SECTIONS = ("model", "method", "offload")  # config sections whose keys can change the train state's shapes
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """'path/to/leaf' -> (shape, dtype) of every array leaf of a state tree or of orbax's metadata of one."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+    key = lambda path: "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return {key(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat
+            if hasattr(leaf, "shape")}
 
 
 class Checkpoints:
@@ -25,8 +41,9 @@ class Checkpoints:
         `pip install 'etils[epath-gcs]'`)."""
         remote = "://" in str(directory)
         self.directory = epath.Path(str(directory) if remote else Path(directory).absolute())
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, enable_async_checkpointing=False)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -35,6 +52,34 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=True)
         self.manager.wait_until_finished()
+
+    def check_shapes(self, step: int, abstract_state: dict, config: dict) -> None:
+        """A JaxtuneError when the state saved at `step` differs in structure, shape or dtype from `abstract_state`:
+        it names the keys of `config` (the run's, flattened "section.key" -> value) that differ from the saved run's
+        config, or else the first leaf that differs."""
+        try:
+            saved_tree = self.manager.item_metadata(step)["state"].tree
+            saved_config = (self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                            .get("config", {}))
+        except Exception:  # unreadable: `restore` reports it with the step to fall back to
+            return
+        saved, wanted = _shapes(saved_tree), _shapes(abstract_state)
+        if saved == wanted:
+            return
+        leaf = next(iter(sorted(set(saved) ^ set(wanted)) or [k for k in sorted(wanted) if saved[k] != wanted[k]]))
+        where = f"{self.directory / str(step)}"
+        shown = lambda table: f"{table[leaf][1]}{list(table[leaf][0])}" if leaf in table else "absent"
+        detail = f"{leaf}: saved {shown(saved)}, this run {shown(wanted)}"
+        changed = {k: (saved_config.get(k), v) for k, v in config.items() if k in saved_config and saved_config[k] != v}
+        shaping = {k: v for k, v in changed.items() if k.split(".")[0] in STATE_SECTIONS or k == "train.objective"}
+        if shaping or changed:
+            keys = "; ".join(f"{k} = {json.dumps(a)} there, {json.dumps(b)} here" for k, (a, b) in
+                             (shaping or changed).items())
+            raise JaxtuneError(f"{where} was saved by a run with another config ({keys}): the train state's shapes "
+                               f"differ ({detail}). Keep the config the run started with, or choose a new "
+                               "train.output_dir")
+        raise JaxtuneError(f"{where}: the saved train state does not fit this run ({detail}); choose a new "
+                           "train.output_dir")
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
         """The state (with the shardings and dtypes of `abstract_state`) and meta saved at `step`."""

@@ -11,7 +11,7 @@ import jax
 import optax
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import distillation_kl, masked_nll_sum
@@ -29,10 +29,8 @@ class DistillConfig:
     reverse: bool = False
 
     def __post_init__(self):
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        check_range("alpha", self.alpha, 0, 1)
+        check_range("temperature", self.temperature, 0, low_open=True)
 
 
 def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> None:

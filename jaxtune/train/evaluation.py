@@ -8,7 +8,7 @@ from pathlib import Path
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.models.llama import ForwardOptions
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.step import make_eval_step
@@ -26,16 +26,18 @@ def evaluate(eval_step, params: dict, batches: list[dict]) -> tuple[float, float
 
 def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | None = None,
                   max_seq_len: int | None = None, batch_size: int = 8,
-                  options: ForwardOptions = ForwardOptions()) -> dict:
+                  options: ForwardOptions = ForwardOptions(), base: str = "as-trained", log=None) -> dict:
     """{"loss", "perplexity", "tokens", "examples", "dropped"} of a model (with an optional PEFT adapter) on a
     JSONL file.
 
     max_seq_len defaults to the model's context (max_position_embeddings); examples whose prompt does not fit are
-    dropped and counted. Examples are packed, which leaves each example's logits unchanged.
+    dropped and counted. Examples are packed, which leaves each example's logits unchanged. base: for a QLoRA
+    adapter, "as-trained" (its quantised base) or "float" (see `load_model_with_adapter`).
     """
     from jaxtune.methods.peft import load_model_with_adapter
 
-    cfg, params, method = load_model_with_adapter(model, adapter)
+    check_range("batch_size", batch_size, 1)
+    cfg, params, method = load_model_with_adapter(model, adapter, base=base, log=log)
     tokenizer = load_tokenizer(model)
     seq_len = max_seq_len or cfg.max_position_embeddings
     examples, stats = load_sft_examples(data, tokenizer, seq_len)
@@ -47,7 +49,7 @@ def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | Non
 
 def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str | Path | None = None,
                              max_seq_len: int | None = None, batch_size: int = 8,
-                             options: ForwardOptions = ForwardOptions()) -> dict:
+                             options: ForwardOptions = ForwardOptions(), base: str = "as-trained", log=None) -> dict:
     """Pairwise scores of {prompt, chosen, rejected} pairs: {"kind", "pairs", "accuracy", "margin", "loss",
     "dropped"}, means over pairs.
 
@@ -72,7 +74,7 @@ def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str |
                                f"against {model} as the reference")
         from jaxtune.methods.peft import load_model_with_adapter
 
-        cfg, params, method = load_model_with_adapter(model, adapter)
+        cfg, params, method = load_model_with_adapter(model, adapter, base=base, log=log)
         dpo = make_preference_eval(cfg, method, options, PreferenceConfig(beta=1.0))
         evaluate_pair = lambda params, batch: dpo(params, strip_adapters(params), batch)
     seq_len = max_seq_len or cfg.max_position_embeddings

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import SamplingConfig, generate
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import ForwardOptions, forward
@@ -49,9 +49,14 @@ class GRPOConfig:
 
     def __post_init__(self):
         if self.group_size < 2:
-            raise ValueError(f"group_size must be at least 2 (advantages are relative to the group), got {self.group_size}")
+            raise ConfigError("group_size", self.group_size, "must be >= 2 (advantages are relative to the group)")
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (samples of a group must differ), got {self.temperature}")
+            raise ConfigError("temperature", self.temperature, "must be > 0 (the samples of a group must differ)")
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        check_range("top_k", self.top_k, 0)
+        check_range("top_p", self.top_p, 0, 1, low_open=True)
+        check_range("clip", self.clip, 0, low_open=True)
+        check_range("kl_coef", self.kl_coef, 0)
 
 
 def load_reward_function(path: str):

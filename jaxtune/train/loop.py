@@ -27,10 +27,11 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import ForwardOptions, Remat
+from jaxtune.paths import check_output_dir
 from jaxtune.parallel.distributed import barrier, global_array, host_copy, is_main_process
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
-from jaxtune.run_config import RunConfig, dump_run_config
+from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import MetricsLog, plot_losses
 from jaxtune.train.tasks import TASKS, Setup, Task
@@ -95,9 +96,6 @@ def setup_run(config: RunConfig, log) -> Setup:
         raise JaxtuneError("[model] path is not set")
     if not config.data.train:
         raise JaxtuneError("[data] train is not set")
-    if config.method.dropout > 0 and config.method.kind not in ("lora", "qlora"):
-        raise JaxtuneError(f"[method] dropout = {config.method.dropout}: dropout is LoRA's (kind lora or qlora), "
-                           f"kind {config.method.kind} has none; set it to 0")
     mesh = make_mesh(config.mesh)
     cfg, base = load_model(config.model.path, None if config.model.dtype == "auto" else config.model.dtype)
     options = ForwardOptions(compute_dtype=config.model.compute_dtype, remat=Remat(config.model.remat))
@@ -122,12 +120,12 @@ def run_directories(output_dir: str) -> tuple[Path, str | Path]:
 
 
 def _train(config: RunConfig, log, flag: dict) -> RunResult:
+    """Every input is checked (output directory, model, data, the checkpoint to resume) before the run directory
+    is written to, so a run that fails to start leaves a finished one as it was."""
     tc = config.train
     run_dir, checkpoint_dir = run_directories(tc.output_dir)
     writer = is_main_process()  # files that exist once are written by process 0 alone
-    if writer:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_run_config(config))
+    check_output_dir(run_dir, "train.output_dir")
     if jax.process_count() > 1:
         if tc.objective == "grpo":
             raise JaxtuneError("objective grpo runs in one process (its rollouts are sampled on the host); "
@@ -139,9 +137,15 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
 
     checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
     start = tc.resume_step if tc.resume_step >= 0 else (checkpoints.steps() or [0])[-1]
+    recorded = config_items(config)
     if start > 0:
+        checkpoints.check_shapes(start, state, recorded)
         state, meta = checkpoints.restore(start, state)
         state = jax.device_put(state, task.shardings.state)
+    if writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(dump_run_config(config))
+    if start > 0:
         checkpoints.discard_after(start)
         log(f"resumed from step {start} (epoch {meta['epoch']}, batch {meta['batch']})")
     metrics_log = MetricsLog(run_dir / "metrics.jsonl" if writer else None, resume_step=start)
@@ -156,7 +160,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
 
     def save(step: int) -> None:
         checkpoints.save(step, state, {"step": step, "epoch": step // steps_per_epoch,
-                                       "batch": step % steps_per_epoch})
+                                       "batch": step % steps_per_epoch, "config": recorded})
 
     if start == 0:
         run_eval(0, 0.0)

@@ -18,6 +18,7 @@ import optax
 
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.data.formats import PreferenceExample
+from jaxtune.errors import check_choice, check_range
 from jaxtune.methods.transform import ADAPTER_KEYS, combine
 from jaxtune.models.llama import ForwardOptions, forward
 from jaxtune.objectives import preference_loss, sequence_logps
@@ -42,12 +43,9 @@ class PreferenceConfig:
     precompute_reference: bool = False
 
     def __post_init__(self):
-        if self.loss not in ("sigmoid", "ipo", "hinge"):
-            raise ValueError(f"loss {self.loss!r}: choose sigmoid, ipo or hinge")
-        if not self.beta > 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        check_choice("loss", self.loss, ("sigmoid", "ipo", "hinge"))
+        check_range("beta", self.beta, 0, low_open=True)
+        check_range("label_smoothing", self.label_smoothing, 0, 0.5, high_open=True)
 
 
 def sequence_row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
