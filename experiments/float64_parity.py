@@ -19,22 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 
-from conftest import ARCHS, make_hf_model, padded_batch  # noqa: E402
+from conftest import ARCHS, make_hf_model  # noqa: E402
 from jaxtune.methods.peft import load_peft_adapter  # noqa: E402
 from jaxtune.models.hf_weights import load_model  # noqa: E402
-from jaxtune.models.llama import forward  # noqa: E402
-from reference import float64_reference, jaxtune_float64, relative_error  # noqa: E402
+from reference import float64_reference, logits_four_ways, relative_error  # noqa: E402
 from test_methods_peft import METHODS, WILD  # noqa: E402
 
 SEEDS = range(6)
-_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))
 
 
 def errors(torch_model, params, cfg, method=None) -> dict:
@@ -42,18 +38,8 @@ def errors(torch_model, params, cfg, method=None) -> dict:
     reference = float64_reference(torch_model)
     worst64, ours, theirs, max_abs = 0.0, [], [], 0.0
     for seed in SEEDS:
-        ids, mask, positions = padded_batch(cfg.vocab_size, seed)
-        kwargs = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
-        mine = {"attention_mask_BxT": mask}
-        if method is None or method.kind != "prefix":
-            kwargs["position_ids"] = torch.tensor(positions)
-            mine["positions_BxT"] = positions
-        with torch.no_grad():
-            ref32, ref64 = torch_model(**kwargs).logits.numpy(), reference(**kwargs).logits.numpy()
-        out32 = np.asarray(_forward(params, jnp.asarray(ids), cfg, method=method,
-                                    **{k: jnp.asarray(v) for k, v in mine.items()}))
-        out64 = jaxtune_float64(params, ids, cfg, method=method, **mine)
-        valid = mask > 0
+        logits = logits_four_ways(torch_model, params, cfg, method, seed, reference)
+        ref32, ref64, out32, out64, valid = (logits[k] for k in ("ref32", "ref64", "out32", "out64", "valid"))
         worst64 = max(worst64, float(np.abs(out64 - ref64)[valid].max()))
         ours.append(relative_error(out32, ref64, valid))
         theirs.append(relative_error(ref32, ref64, valid))

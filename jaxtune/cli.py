@@ -351,7 +351,8 @@ def out_of_memory(args, e: BaseException) -> str:
         return (f"out of memory ({detail}); lower --batch-size (now {args.batch_size}) or --max-seq-len"
                 f"{f' (now {args.max_seq_len})' if args.max_seq_len else ''}")
     if args.command == "generate":
-        return f"out of memory ({detail}); pass fewer prompts at once or lower --max-new-tokens (now {args.max_new_tokens})"
+        return (f"out of memory ({detail}); pass fewer prompts at once or lower --max-new-tokens (now "
+                f"{args.max_new_tokens})")
     return f"out of memory ({detail})"
 
 

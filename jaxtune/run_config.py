@@ -190,7 +190,8 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
         source = lambda key: f"--set {overridden[name, key]}" if (name, key) in overridden else where
         for key, value in values.items():
             if key not in known:
-                raise JaxtuneError(f"{source(key)}: unknown key {key!r} in section [{name}] (known: {', '.join(known)})")
+                raise JaxtuneError(f"{source(key)}: unknown key {key!r} in section [{name}] "
+                                   f"(known: {', '.join(known)})")
             try:
                 values[key] = _value(name, key, value, type(getattr(cls(), key)))
             except ConfigError as e:

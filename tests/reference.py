@@ -67,6 +67,30 @@ def jaxtune_float64(params: dict, ids: np.ndarray, cfg, method=None, **kwargs) -
         return np.asarray(out)
 
 
+def logits_four_ways(torch_model, params: dict, cfg, method=None, seed: int = 0, reference=None) -> dict:
+    """On `padded_batch(vocab, seed)`: the torch model's float32 and float64-reference logits and jaxtune's in
+    float32 and float64, with the mask of real tokens: {"ref32", "ref64", "out32", "out64", "valid"}.
+
+    Prefix tuning: both sides place real tokens after the P virtual tokens (positions P..), as PEFT does.
+    `reference`: the model's `float64_reference`, if already made.
+    """
+    from conftest import padded_batch
+
+    ids, mask, positions = padded_batch(cfg.vocab_size, seed)
+    kwargs = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    ours = {"attention_mask_BxT": mask}
+    if method is None or method.kind != "prefix":
+        kwargs["position_ids"] = torch.tensor(positions)
+        ours["positions_BxT"] = positions
+    with torch.no_grad():
+        ref32 = torch_model(**kwargs).logits.numpy()
+        ref64 = (reference or float64_reference(torch_model))(**kwargs).logits.numpy()
+    out32 = np.asarray(_forward(params, jnp.asarray(ids), cfg, method=method,
+                                **{k: jnp.asarray(v) for k, v in ours.items()}))
+    return {"ref32": ref32, "ref64": ref64, "out32": out32, "out64": jaxtune_float64(params, ids, cfg, method, **ours),
+            "valid": mask > 0}
+
+
 def relative_error(x: np.ndarray, ref: np.ndarray, valid: np.ndarray) -> float:
     """||x - ref|| / ||ref|| over the positions where `valid` [B, T] is true."""
     x, ref = np.asarray(x, np.float64)[valid], np.asarray(ref, np.float64)[valid]

@@ -26,7 +26,7 @@ from jaxtune.methods.peft import load_peft_adapter, save_peft_adapter
 from jaxtune.methods.transform import ADAPTER_KEYS, apply_method, parameter_report
 from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import forward
-from reference import assert_float32_parity, float64_reference, jaxtune_float64
+from reference import assert_float32_parity, jaxtune_float64, logits_four_ways
 
 pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
 
@@ -126,26 +126,22 @@ def randomize_peft(peft_model, seed=0):
 
 def assert_same_as_peft(peft_model, params, cfg, method, seed=0):
     """jaxtune's logits with `params` equal `peft_model`'s: float64 to 1e-9, float32 as close to float64 as PEFT's
-    own float32 (see reference.py). Returns PEFT's float32 logits.
+    own float32 (see reference.py). Returns PEFT's float32 logits."""
+    logits = logits_four_ways(peft_model, params, cfg, method, seed)
+    assert np.abs(logits["out64"] - logits["ref64"])[logits["valid"]].max() <= 1e-9
+    assert_float32_parity(logits["out32"], logits["ref32"], logits["ref64"], logits["valid"])
+    return logits["ref32"]
 
-    Prefix tuning: both sides place real tokens after the P virtual tokens (positions P..), as PEFT does.
-    """
-    ids, mask, positions = padded_batch(cfg.vocab_size, seed)
-    kwargs = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
-    ours = {"attention_mask_BxT": mask}
-    if method is None or method.kind != "prefix":
-        kwargs["position_ids"] = torch.tensor(positions)
-        ours["positions_BxT"] = positions
-    with torch.no_grad():
-        ref32 = peft_model(**kwargs).logits.numpy()
-        ref64 = float64_reference(peft_model)(**kwargs).logits.numpy()
-    valid = mask > 0
-    out32 = np.asarray(jit_forward(params, jnp.asarray(ids), cfg, method=method,
-                                   **{k: jnp.asarray(v) for k, v in ours.items()}))
-    out64 = jaxtune_float64(params, ids, cfg, method=method, **ours)
-    assert np.abs(out64 - ref64)[valid].max() <= 1e-9
-    assert_float32_parity(out32, ref32, ref64, valid)
-    return ref32
+
+def wild_adapter(name: str, bases, directory):
+    """WILD[name] made by PEFT on its base, perturbed, saved to `directory` and loaded by jaxtune:
+    (base directory, cfg, base params, PEFT model, method, params with the adapter)."""
+    arch, peft_config = WILD[name]
+    base_dir, cfg, params = bases(arch)
+    peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir),
+                                               peft_config))
+    peft_model.save_pretrained(directory)
+    return (base_dir, cfg, params, peft_model, *load_peft_adapter(directory, params, cfg))
 
 
 def assert_adapter_matters(ref, directory, cfg, seed=0):
@@ -185,12 +181,7 @@ def test_wild_peft_adapter_imports_and_exports_with_equal_logits(name, bases, tm
     """Target paths, regular expressions, exclude_modules, layers_to_transform, rank/alpha patterns,
     modules_to_save (untied and tied) and lora_bias: PEFT saves -> jaxtune loads (same logits, PEFT's parameter
     counts) -> jaxtune exports -> PEFT loads (same logits again)."""
-    arch, peft_config = WILD[name]
-    directory, cfg, params = bases(arch)
-    peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
-                                               peft_config))
-    peft_model.save_pretrained(tmp_path / "peft")
-    method, loaded = load_peft_adapter(tmp_path / "peft", params, cfg)
+    directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     ref = assert_same_as_peft(peft_model, loaded, cfg, method, seed=1)
     assert_adapter_matters(ref, directory, cfg, seed=1)
     report = parameter_report(loaded, method, cfg)
@@ -288,12 +279,7 @@ def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tm
 
 @pytest.mark.parametrize("name", ["regex_rank_alpha_pattern", "dora_layers", "tied_modules_to_save", "lora_bias"])
 def test_merged_export_of_a_wild_adapter_equals_peft_merge_and_unload(name, bases, tmp_path):
-    arch, peft_config = WILD[name]
-    directory, cfg, params = bases(arch)
-    peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
-                                               peft_config))
-    peft_model.save_pretrained(tmp_path / "peft")
-    method, loaded = load_peft_adapter(tmp_path / "peft", params, cfg)
+    directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     assert_merged_export(directory, tmp_path / "peft", cfg, method, loaded, peft_model.merge_and_unload().eval(),
                          tmp_path / "merged")
 

@@ -26,7 +26,6 @@ from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import load_run_config
-from jaxtune.train.evaluation import evaluate_file
 from jaxtune.train.loop import fine_tune
 from jaxtune.train.tasks import stack_micro_batches
 from jaxtune.train.step import accumulated_gradients, init_state, learning_rate_schedule, make_optimizer, make_train_step

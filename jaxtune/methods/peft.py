@@ -184,7 +184,8 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
                 modules_to_save=get("modules_to_save", ()))
         if kind == "IA3":
             method = MethodConfig(kind="ia3", target_modules=_targets(config, where),
-                                  exclude_modules=get("exclude_modules", ()), modules_to_save=get("modules_to_save", ()))
+                                  exclude_modules=get("exclude_modules", ()),
+                                  modules_to_save=get("modules_to_save", ()))
             feedforward = get("feedforward_modules", [])
             feedforward = {feedforward} if isinstance(feedforward, str) else set(feedforward)
             scales_down = any(is_target(method, module_path("down_proj", i)) for i in range(256))
