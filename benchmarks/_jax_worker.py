@@ -17,11 +17,9 @@ def run(name: str, warmup: int, steps: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxtune.config import MethodConfig, ModelConfig
+    from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, TrainConfig
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
-    from jaxtune.models.llama import ForwardOptions
     from jaxtune.models.params import init_params
-    from jaxtune.run_config import TrainConfig
     from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer, make_train_step
 
     kind, targets = M.METHODS[name]

@@ -13,11 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxtune.config import MethodConfig
+from jaxtune.config import DataConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.demo import ASSETS, BASE_SHAPE
 from jaxtune.models.presets import write_random_model
-from jaxtune.parallel import OffloadConfig
-from jaxtune.run_config import DataConfig, ModelSection, RunConfig, TrainConfig
+from jaxtune.run_config import RunConfig
 from jaxtune.train.loop import fine_tune
 
 
@@ -51,8 +50,8 @@ def main() -> None:
         rows.append(pair)
         if name == "full":
             model = Path(pair[0]["result"])  # LoRA starts from the float32-trained base, as in the demo
-    print(f"\n| run | steps | train loss, mean of last 20: fp32 | bf16 | max relative difference of the step loss "
-          f"| eval loss: fp32 | bf16 |")
+    print("\n| run | steps | train loss, mean of last 20: fp32 | bf16 | max relative difference of the step loss "
+          "| eval loss: fp32 | bf16 |")
     print("|---|---|---|---|---|---|---|")
     for fp32, bf16 in rows:
         tail = lambda r: sum(r["losses"][-20:]) / 20

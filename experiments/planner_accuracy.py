@@ -28,10 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.parallel.mesh import MeshConfig
-from jaxtune.parallel.offload import OffloadConfig
-from jaxtune.planner import TrainPlan, compile_peak, estimate, get_device
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config.plan import TrainPlan
+from jaxtune.planner import compile_peak, estimate, get_device
 
 MiB = 1 << 20
 SMALL = ModelConfig(vocab_size=8000, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,

@@ -123,8 +123,9 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def cmd_generate(args) -> None:
+    from jaxtune.config import SamplingConfig
     from jaxtune.data.tokenizer import load_tokenizer
-    from jaxtune.generation import SamplingConfig, generate_text
+    from jaxtune.generation import generate_text
     from jaxtune.methods.peft import load_model_with_adapter
 
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)

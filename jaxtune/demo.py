@@ -13,12 +13,12 @@ import json
 import time
 from pathlib import Path
 
-from jaxtune.config import MethodConfig
+from jaxtune.config import DataConfig, MethodConfig, ModelSection, SamplingConfig, TrainConfig
 from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.generation import SamplingConfig, generate_text
+from jaxtune.generation import generate_text
 from jaxtune.methods.peft import load_model_with_adapter
 from jaxtune.models.presets import write_random_model
-from jaxtune.run_config import DataConfig, ModelSection, RunConfig, TrainConfig
+from jaxtune.run_config import RunConfig
 from jaxtune.train.loop import fine_tune
 
 ASSETS = Path(__file__).parent / "assets"

@@ -17,52 +17,20 @@ The returned tokens stop before the first EOS or stop token (transformers' `gene
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.errors import JaxtuneError, check_range
+from jaxtune.errors import JaxtuneError
 from jaxtune.models.kv_cache import decode_step, prefill, prefix_length
-from jaxtune.models.llama import ForwardOptions
 
 MIN_PROMPT_BUCKET = 16
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to pick each new token.
-
-    temperature: 0 picks the most likely token (greedy); > 0 samples from softmax(logits / temperature).
-    top_k: sample among the k most likely tokens (0: all). top_p: among the smallest set whose probability
-    reaches top_p (1: all). seed: of the sampling key; the same seed and prompts give the same tokens.
-    """
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        check_range("max_new_tokens", self.max_new_tokens, 1)
-        check_range("temperature", self.temperature, 0)  # 0 is greedy
-        check_range("top_k", self.top_k, 0)  # 0 is off
-        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def replace(self, **changes) -> SamplingConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -20,110 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxtune.config import MethodConfig
-from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
-from jaxtune.models.llama import Remat
-from jaxtune.parallel.mesh import MeshConfig
-from jaxtune.parallel.offload import OffloadConfig
+import tomllib
+
+from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.train.distill import DistillConfig
 from jaxtune.train.grpo import GRPOConfig
 from jaxtune.train.preference import PreferenceConfig
-
-OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")
-PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
-COMPUTE_DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
-    always float32 master weights; compute_dtype "bfloat16" gives mixed precision."""
-
-    path: str = ""
-    dtype: str = "auto"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-
-    def __post_init__(self):
-        check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
-        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
-        Remat(self.remat)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """train/eval: JSONL files. Without an eval file, `eval_fraction` of train is held out (by `seed`)."""
-
-    train: str = ""
-    eval: str = ""
-    eval_fraction: float = 0.1
-    max_seq_len: int = 256
-    pack: bool = True
-    seed: int = 0
-
-    def __post_init__(self):
-        check_range("eval_fraction", self.eval_fraction, 0.0, 1.0, high_open=True)
-        check_range("max_seq_len", self.max_seq_len, 2)
-        check_range("seed", self.seed, 0)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows (for dpo and
-    reward: pairs; for grpo: prompts, each sampled `group_size` times).
-
-    objective: sft (masked cross-entropy), dpo (preference optimisation, [dpo]), reward (a Bradley-Terry reward
-    model), grpo (online RL against a reward, [grpo]) or distill (from a teacher, [distill]).
-
-    schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
-    max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
-    max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
-    """
-
-    objective: str = "sft"
-    output_dir: str = "runs/run"
-    epochs: int = 1
-    max_steps: int = 0
-    batch_size: int = 8
-    grad_accum: int = 1
-    learning_rate: float = 2e-4
-    schedule: str = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 0
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    max_nonfinite_steps: int = 10
-    resume_step: int = -1
-
-    def __post_init__(self):
-        check_choice("objective", self.objective, OBJECTIVES)
-        check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
-        if not self.output_dir:
-            raise ConfigError("output_dir", self.output_dir, "needs a directory")
-        for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
-            check_range(name, getattr(self, name), 1)
-        for name in ("max_steps", "warmup_steps", "eval_every", "checkpoint_every", "seed"):
-            check_range(name, getattr(self, name), 0)
-        check_range("learning_rate", self.learning_rate, 0)
-        check_range("min_lr_ratio", self.min_lr_ratio, 0, 1)
-        check_range("weight_decay", self.weight_decay, 0)
-        check_range("adam_b1", self.adam_b1, 0, 1, high_open=True)
-        check_range("adam_b2", self.adam_b2, 0, 1, high_open=True)
-        check_range("adam_eps", self.adam_eps, 0, low_open=True)
-        check_range("max_grad_norm", self.max_grad_norm, 0, low_open=True)
-        check_range("resume_step", self.resume_step, -1)
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,18 @@ if "jax" not in sys.modules:
 import jax
 import numpy as np
 
-from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.params import init_params
-from jaxtune.parallel import (MeshConfig, OffloadConfig, bytes_per_device, init_sharded_state, low_precision_moments,
-                              make_mesh, shard_train_step, total_bytes, train_shardings)
-from jaxtune.run_config import TrainConfig
+from jaxtune.parallel import (
+    bytes_per_device,
+    init_sharded_state,
+    low_precision_moments,
+    make_mesh,
+    shard_train_step,
+    total_bytes,
+    train_shardings,
+)
 from jaxtune.train.step import learning_rate_schedule, make_optimizer, make_train_step
 
 STEPS, ACCUM, ROWS, SEQ = 10, 2, 8, 32
@@ -144,7 +149,8 @@ def planner() -> dict:
     """{mesh: (the planner's per-device bytes, XLA's compiled bytes of the sharded step)} for a small Llama on each
     mesh, nothing allocated (`jaxtune.planner.compile_step` from ShapeDtypeStructs)."""
     from jaxtune.config import ModelConfig
-    from jaxtune.planner import TrainPlan, compile_step, estimate, get_device
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.planner import compile_step, estimate, get_device
 
     cfg = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=32)

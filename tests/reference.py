@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.config import ForwardOptions
+from jaxtune.models.llama import forward
 
 FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error; measured 1.0-1.3 on these models
 

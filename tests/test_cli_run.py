@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_hf_model
+
 from jaxtune.data.tokenizer import Tokenizer
 
 

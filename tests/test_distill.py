@@ -5,15 +5,13 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.config import ForwardOptions, MethodConfig, TrainConfig, tiny_config
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.params import init_params
-from jaxtune.run_config import TrainConfig
 from jaxtune.train.distill import DistillConfig, check_teacher, make_distill_eval, make_distill_step
 from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
 

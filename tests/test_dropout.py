@@ -11,19 +11,25 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from test_train import DEMO_DATA, metric_lines, write_config
 
-from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.config import ForwardOptions, MethodConfig, Remat, TrainConfig, tiny_config
 from jaxtune.methods.lora import merge
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.linear import adapter_dropout_key, dense, dropout, dropout_keep_mask, kernel_of
-from jaxtune.models.llama import ForwardOptions, Remat, forward
+from jaxtune.models.llama import forward
 from jaxtune.models.params import init_params
 from jaxtune.models.presets import write_random_model
 from jaxtune.models.rope import inverse_frequencies
-from jaxtune.run_config import TrainConfig, load_run_config
+from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
-from jaxtune.train.step import accumulated_gradients, init_state, learning_rate_schedule, make_optimizer, make_train_step
-from test_train import DEMO_DATA, metric_lines, write_config
+from jaxtune.train.step import (
+    accumulated_gradients,
+    init_state,
+    learning_rate_schedule,
+    make_optimizer,
+    make_train_step,
+)
 
 CFG = tiny_config(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
                   head_dim=8, initializer_range=0.2)

@@ -10,12 +10,12 @@ import peft
 import pytest
 import torch
 import transformers
-
 from conftest import padded_batch
-from jaxtune.config import MethodConfig, tiny_config
+
+from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.generation import SamplingConfig, _generate, filter_logits, generate, generate_text
+from jaxtune.generation import _generate, filter_logits, generate, generate_text
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter
 from jaxtune.methods.transform import apply_method

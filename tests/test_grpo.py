@@ -4,13 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.config import ForwardOptions, MethodConfig, TrainConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.params import init_params
-from jaxtune.run_config import TrainConfig
 from jaxtune.train.grpo import GRPOConfig, load_reward_function, make_grpo_step, rollout_batch, sample_group
 from jaxtune.train.preference import strip_adapters
 from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer

@@ -10,10 +10,10 @@ import pytest
 
 from jaxtune.config import MethodConfig, tiny_config
 from jaxtune.methods.lora import merge, unmerge
-from jaxtune.methods.quant import NF4Array, QuantizedArray, nbytes
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
 from jaxtune.models.llama import forward
 from jaxtune.models.params import count_params, init_params
+from jaxtune.models.quant import NF4Array, QuantizedArray, nbytes
 
 CFG = tiny_config(num_layers=2, vocab_size=128, hidden_size=128, intermediate_size=256, initializer_range=0.1)
 jit_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))

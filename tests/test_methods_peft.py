@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from peft import IA3Config, LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
-
 from conftest import make_hf_model, padded_batch
+from peft import IA3Config, LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
+from reference import assert_float32_parity, jaxtune_float64, logits_four_ways
+
 from jaxtune.cli import main
 from jaxtune.config import MethodConfig
 from jaxtune.errors import JaxtuneError
@@ -26,7 +27,6 @@ from jaxtune.methods.peft import load_peft_adapter, save_peft_adapter
 from jaxtune.methods.transform import ADAPTER_KEYS, apply_method, parameter_report
 from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import forward
-from reference import assert_float32_parity, jaxtune_float64, logits_four_ways
 
 pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
 

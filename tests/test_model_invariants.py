@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.config import tiny_config
-from jaxtune.models.llama import ForwardOptions, Remat
+from jaxtune.config import ForwardOptions, Remat, tiny_config
 from jaxtune.models.llama import forward as _forward
 from jaxtune.models.params import init_params
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from conftest import ARCHS, padded_batch
-from jaxtune.models.hf_weights import load_model, save_model
-from jaxtune.models.llama import ForwardOptions, forward
 from reference import assert_float32_parity, float64_reference, jaxtune_float64
+
+from jaxtune.config import ForwardOptions
+from jaxtune.models.hf_weights import load_model, save_model
+from jaxtune.models.llama import forward
 
 pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
 

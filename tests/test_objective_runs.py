@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from test_preference import write_pairs
+from test_train import DEMO_DATA, metric_lines
 
 from jaxtune.cli import main
+from jaxtune.config import ForwardOptions
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import dump_run_config, load_run_config
 from jaxtune.train.loop import fine_tune
 from jaxtune.train.preference import sequence_row
 from jaxtune.train.reward import load_reward_model, reward_scores
-from test_preference import write_pairs
-from test_train import DEMO_DATA, metric_lines
 
 QUIET = dict(log=lambda _: None)
 

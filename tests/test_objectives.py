@@ -5,8 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.objectives import (bradley_terry_loss, distillation_kl, grpo_advantages, grpo_token_loss,
-                                preference_loss, sequence_logps)
+from jaxtune.objectives import (
+    bradley_terry_loss,
+    distillation_kl,
+    grpo_advantages,
+    grpo_token_loss,
+    preference_loss,
+    sequence_logps,
+)
 
 RNG = np.random.default_rng(0)
 PC, PR, RC, RR = (RNG.normal(-40, 8, 16) for _ in range(4))  # sequence log-probs of a fixed batch of 16 pairs

@@ -24,16 +24,26 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig, TrainConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.models.presets import write_random_model
-from jaxtune.parallel import (MeshConfig, OffloadConfig, abstract_mesh, batch_sharding, init_sharded_state,
-                              low_precision_moments, make_mesh, param_shardings, partition_spec, shard_train_step,
-                              sharded_bytes, total_bytes, train_shardings)
+from jaxtune.parallel import (
+    abstract_mesh,
+    batch_sharding,
+    init_sharded_state,
+    low_precision_moments,
+    make_mesh,
+    param_shardings,
+    partition_spec,
+    shard_train_step,
+    sharded_bytes,
+    total_bytes,
+    train_shardings,
+)
 from jaxtune.parallel import offload as offload_module
-from jaxtune.run_config import TrainConfig, dump_run_config, load_run_config
+from jaxtune.run_config import dump_run_config, load_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.loop import fine_tune
 from jaxtune.train.step import init_state, make_optimizer

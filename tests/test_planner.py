@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
-from jaxtune.parallel.mesh import MeshConfig
-from jaxtune.planner import (CATALOGUE, TrainPlan, compile_peak, compile_step, estimate, get_device, search,
-                             standard_config)
-from jaxtune.planner.command import run_plan, public
+from jaxtune.planner import CATALOGUE, compile_peak, compile_step, estimate, get_device, search, standard_config
+from jaxtune.planner.command import public, run_plan
 
 GB, GiB = 1e9, 1 << 30
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,

@@ -7,16 +7,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtune.config import MethodConfig
+from jaxtune.config import ForwardOptions, MethodConfig, TrainConfig, tiny_config
 from jaxtune.data.formats import load_preference_examples
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.params import init_params
-from jaxtune.config import tiny_config
-from jaxtune.run_config import TrainConfig
-from jaxtune.train.preference import (PreferenceConfig, make_preference_eval, make_preference_step,
-                                      preference_batches, strip_adapters)
+from jaxtune.train.preference import (
+    PreferenceConfig,
+    make_preference_eval,
+    make_preference_step,
+    preference_batches,
+    strip_adapters,
+)
 from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "light", "music", "table", "paper", "tiger", "horse", "eagle"]

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtune.methods.quant import (DYNAMIC_CODE, NF4Array, QuantizedArray, dequantize, nbytes, quantize_int8,
-                                   quantize_nf4)
+from jaxtune.models.quant import DYNAMIC_CODE, NF4Array, QuantizedArray, dequantize, nbytes, quantize_int8, quantize_nf4
 
 pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
 

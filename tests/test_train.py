@@ -16,19 +16,24 @@ import torch
 import transformers
 
 from jaxtune.cli import main
-from jaxtune.config import MethodConfig
+from jaxtune.config import ForwardOptions, MethodConfig
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.hf_weights import load_model
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
+from jaxtune.train.step import (
+    accumulated_gradients,
+    init_state,
+    learning_rate_schedule,
+    make_optimizer,
+    make_train_step,
+)
 from jaxtune.train.tasks import stack_micro_batches
-from jaxtune.train.step import accumulated_gradients, init_state, learning_rate_schedule, make_optimizer, make_train_step
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 

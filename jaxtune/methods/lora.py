@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxtune.config import MethodConfig
+from jaxtune.config.targets import lora_layout
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.targets import lora_layout
 from jaxtune.models.linear import dora_scale, kernel_of
 
 LORA_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")

@@ -25,9 +25,9 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config.targets import ia3_modules, is_target, lora_layout, module_path
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice
 from jaxtune.methods.lora import LORA_LEAVES
-from jaxtune.methods.targets import ia3_modules, is_target, lora_layout, module_path
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.hf_config import read_json
 

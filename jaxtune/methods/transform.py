@@ -22,18 +22,43 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
-from jaxtune.methods.targets import ModuleLoRA, ia3_modules, lora_layout
-from jaxtune.methods.quant import Int8Array, NF4Array, QuantizedArray, dequantize, quantize_int8, quantize_nf4
+from jaxtune.config.targets import ModuleLoRA, ia3_modules, lora_layout
+from jaxtune.models.quant import QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
 
 ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "lora_bias", "ia3_in", "ia3_out", "prefix", "attn_adapter",
                 "mlp_adapter", "score")  # score: a reward model's head, trained with any method
 
 
-def full_shape(leaf) -> tuple[int, ...]:
-    """A leaf's logical shape: [L, in, out] for a stacked quantised kernel (whose `shape` is one layer's)."""
-    if isinstance(leaf, NF4Array):
-        return tuple(leaf.codes.shape[:-1]) + tuple(leaf.shape)
-    return tuple(leaf.codes.shape if isinstance(leaf, Int8Array) else leaf.shape)
+# The logical axes of every leaf a method adds: a module's leaves from the (layers, in, out) axes of the kernel they
+# adapt, so the sharding rules split them as that kernel is split; layer-level leaves by name. jaxtune.parallel
+# reads this table and names no method.
+MODULE_LEAF_AXES = {
+    "lora_a": lambda layers, d_in, d_out: (layers, d_in, "lora_rank"),
+    "lora_b": lambda layers, d_in, d_out: (layers, "lora_rank", d_out),
+    "lora_bias": lambda layers, d_in, d_out: (layers, d_out),
+    "magnitude": lambda layers, d_in, d_out: (layers, d_out),
+    "ia3_in": lambda layers, d_in, d_out: (layers, d_in),
+    "ia3_out": lambda layers, d_in, d_out: (layers, d_out),
+}
+LEAF_AXES = {
+    ("layers", "prefix", "key"): ("layers", "prefix", "kv_heads", "head_dim"),
+    ("layers", "prefix", "value"): ("layers", "prefix", "kv_heads", "head_dim"),
+    **{("layers", a, "down", "kernel"): ("layers", "embed", "adapter") for a in ("attn_adapter", "mlp_adapter")},
+    **{("layers", a, "down", "bias"): ("layers", "adapter") for a in ("attn_adapter", "mlp_adapter")},
+    **{("layers", a, "up", "kernel"): ("layers", "adapter", "embed") for a in ("attn_adapter", "mlp_adapter")},
+    **{("layers", a, "up", "bias"): ("layers", "embed") for a in ("attn_adapter", "mlp_adapter")},
+    ("lm_head", "kernel"): ("embed", "vocab"),  # a tied model's head, parted from the embedding (modules_to_save)
+}
+
+
+def method_leaf_axes(keys: tuple[str, ...], base_axes: dict) -> tuple[str, ...] | None:
+    """Logical axes of the method leaf at dict path `keys`, given the base model's `logical_axes`; None if no
+    method adds such a leaf."""
+    if len(keys) == 3 and keys[0] == "layers" and keys[2] in MODULE_LEAF_AXES:
+        module = base_axes["layers"].get(keys[1])
+        if isinstance(module, dict) and "kernel" in module:
+            return MODULE_LEAF_AXES[keys[2]](*module["kernel"])
+    return LEAF_AXES.get(keys)
 
 
 def _lora_leaves(kernel, lora: ModuleLoRA, method: MethodConfig, key) -> dict:

@@ -20,10 +20,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.llama import (ForwardOptions, attend, decoder_layer, lm_head, lora_scaled_layers, project_qkv,
-                                  rms_norm, window_mask)
+from jaxtune.models.llama import attend, decoder_layer, lm_head, lora_scaled_layers, project_qkv, rms_norm, window_mask
 from jaxtune.models.rope import rope_angles
 
 

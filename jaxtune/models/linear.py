@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
-from jaxtune.methods.quant import QuantizedArray, dequantize
+from jaxtune.models.quant import QuantizedArray, dequantize
 
 
 def wide(dtype) -> jnp.dtype:

@@ -9,52 +9,14 @@ does for a `.double()` model: the tests' float64 reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import jax
 import jax.numpy as jnp
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.errors import check_choice
-from jaxtune.methods.targets import layer_scales
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.config.targets import layer_scales
 from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, matmul, wide, with_lora_scales
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain
-
-REMAT_POLICIES = ("none", "full", "save_matmuls")
-
-
-@dataclass(frozen=True)
-class Remat:
-    """What a layer keeps for the backward pass.
-
-    "none": every activation is kept. "full": only the layer input; the block is recomputed.
-    "save_matmuls": outputs of the weight matmuls are kept, attention and elementwise work is recomputed.
-    """
-
-    policy: str = "none"
-
-    def __post_init__(self):
-        policy = self.policy.replace("-", "_")
-        if policy not in REMAT_POLICIES:
-            check_choice("remat", self.policy, REMAT_POLICIES)
-        object.__setattr__(self, "policy", policy)
-
-    def wrap(self, fn):
-        if self.policy == "none":
-            return fn
-        if self.policy == "full":
-            return jax.checkpoint(fn, prevent_cse=False)
-        return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-
-
-@dataclass(frozen=True)
-class ForwardOptions:
-    """How (not what) the forward computes. Hashable, so it can be a static argument under `jax.jit`."""
-
-    compute_dtype: str = "float32"
-    remat: Remat = field(default_factory=Remat)
-    scan_layers: bool = True
 
 
 def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:

@@ -4,10 +4,10 @@ shardings of parameters, optimizer state and batches derived from it, and host o
 The public API, one name a line.
 """
 
-from jaxtune.parallel.mesh import MeshConfig as MeshConfig
+from jaxtune.config import MeshConfig as MeshConfig
+from jaxtune.config import OffloadConfig as OffloadConfig
 from jaxtune.parallel.mesh import abstract_mesh as abstract_mesh
 from jaxtune.parallel.mesh import make_mesh as make_mesh
-from jaxtune.parallel.offload import OffloadConfig as OffloadConfig
 from jaxtune.parallel.offload import low_precision_moments as low_precision_moments
 from jaxtune.parallel.placement import TrainShardings as TrainShardings
 from jaxtune.parallel.placement import init_sharded_state as init_sharded_state

@@ -17,31 +17,15 @@ the loss (README, "Scale-out").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh
 
-from jaxtune.errors import JaxtuneError, check_choice
+from jaxtune.errors import JaxtuneError
 
 HOST = "pinned_host"
 DEVICE = "device"
-MOMENT_DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """optimizer_state: keep the optimizer state in host memory. frozen_params: keep the frozen (non-trainable)
-    weights in host memory. moments_dtype: "float32" or "bfloat16" storage for the optimizer's moments."""
-
-    optimizer_state: bool = False
-    frozen_params: bool = False
-    moments_dtype: str = "float32"
-
-    def __post_init__(self):
-        check_choice("moments_dtype", self.moments_dtype, MOMENT_DTYPES)
 
 
 def memory_kinds(mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:

@@ -25,9 +25,9 @@ import jax
 import optax
 from jax.sharding import AbstractMesh, NamedSharding
 
-from jaxtune.config import ModelConfig
+from jaxtune.config import ModelConfig, OffloadConfig
 from jaxtune.methods.transform import combine
-from jaxtune.parallel.offload import HOST, OffloadConfig, check_host_memory, on_device, with_memory_kind
+from jaxtune.parallel.offload import HOST, check_host_memory, on_device, with_memory_kind
 from jaxtune.parallel.sharding import AnyMesh, batch_sharding, optimizer_shardings, param_shardings, replicated
 
 

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from jaxtune.config.run import MESH_AXES
 
 Rule = tuple[str, tuple[str, ...], tuple[str, ...]]
 

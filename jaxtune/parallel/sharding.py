@@ -1,15 +1,10 @@
 """Shardings of everything a training run holds: parameters (method and quantised leaves included), optimizer
 state and batches, all from the one rules table in `rules.py`.
 
-Logical axes come from `param_specs` for the base weights. Method leaves take theirs from the kernel they adapt, so
-they split the way their base weight does:
-
-    kernel      [L, in, out]   (layers, IN, OUT)          e.g. q_proj: (layers, embed, q_heads)
-    lora_a      [L, in, r]     (layers, IN, lora_rank)
-    lora_b      [L, r, out]    (layers, lora_rank, OUT)
-    magnitude, ia3_out [L, out]  (layers, OUT);   ia3_in [L, in]  (layers, IN)
-    prefix key/value [L, P, K, hd]  (layers, prefix, kv_heads, head_dim)
-    adapter down [L, D, m] (layers, embed, adapter), up [L, m, D] (layers, adapter, embed), biases likewise
+Logical axes come from `param_specs` for the base weights and from the methods' own declaration for the leaves
+they add (`methods.transform.method_leaf_axes`: a LoRA A [L, in, r] is (layers, IN, lora_rank) where the kernel it
+adapts is (layers, IN, OUT), so it splits as its kernel does); an objective passes the axes of its own leaves
+(`extra_axes`, e.g. a reward head). This module names no method.
 
 Quantised kernels. An `Int8Array` keeps the kernel's layout: its codes [L, in, out] split exactly as the kernel
 would, its per-column absmax [L, out] as the kernel's output axis (like DoRA's magnitude). An `NF4Array` stores each layer's matrix
@@ -42,21 +37,12 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.quant import ABSMAX_BLOCKSIZE, Int8Array, QuantizedArray
-from jaxtune.methods.transform import full_shape
+from jaxtune.methods.transform import method_leaf_axes
 from jaxtune.models.params import logical_axes
+from jaxtune.models.quant import ABSMAX_BLOCKSIZE, Int8Array, QuantizedArray, full_shape
 from jaxtune.parallel.rules import mesh_axes_of, partition_spec, to_spec
 
 AnyMesh = Mesh | AbstractMesh  # shardings on an AbstractMesh give shapes for planning without devices
-
-_HEAD_AXES = {("score", "kernel"): ("embed",)}  # a reward model's scalar head [D]
-_ADAPTER_AXES = {
-    ("down", "kernel"): ("layers", "embed", "adapter"),
-    ("down", "bias"): ("layers", "adapter"),
-    ("up", "kernel"): ("layers", "adapter", "embed"),
-    ("up", "bias"): ("layers", "embed"),
-}
-
 
 def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedArray)
@@ -66,9 +52,10 @@ def _keys(path) -> tuple[str, ...]:
     return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
-def leaf_axes(keys: tuple[str, ...], base_axes: dict) -> tuple[str | None, ...] | None:
-    """Logical axes of the leaf at dict path `keys` (a quantised kernel counts as its [L, in, out] kernel), or None
-    for a leaf no rule knows (it is then replicated).
+def leaf_axes(keys: tuple[str, ...], base_axes: dict, extra_axes: dict) -> tuple[str | None, ...] | None:
+    """Logical axes of the leaf at dict path `keys` (a quantised kernel counts as its [L, in, out] kernel): the base
+    model's, a method leaf's as the method declares them, or `extra_axes[keys]` (an objective's own leaves, e.g. a
+    reward head); None for a leaf no one declares (it is then replicated).
 
     base_axes: `logical_axes(cfg)`, the base model's tree of axes.
     """
@@ -79,17 +66,7 @@ def leaf_axes(keys: tuple[str, ...], base_axes: dict) -> tuple[str | None, ...] 
         node = node[key]
     else:
         return node if isinstance(node, tuple) else None
-    if len(keys) == 3 and keys[0] == "layers":
-        module, name = base_axes["layers"].get(keys[1]), keys[2]
-        if isinstance(module, dict) and "kernel" in module:  # a leaf a method added to a linear module
-            layers, d_in, d_out = module["kernel"]
-            return {"lora_a": (layers, d_in, "lora_rank"), "lora_b": (layers, "lora_rank", d_out),
-                    "magnitude": (layers, d_out), "ia3_in": (layers, d_in), "ia3_out": (layers, d_out)}.get(name)
-        if keys[1] == "prefix" and name in ("key", "value"):
-            return ("layers", "prefix", "kv_heads", "head_dim")
-    if len(keys) == 4 and keys[0] == "layers" and keys[1] in ("attn_adapter", "mlp_adapter"):
-        return _ADAPTER_AXES.get(keys[2:])
-    return _HEAD_AXES.get(keys)
+    return method_leaf_axes(keys, base_axes) or extra_axes.get(keys)
 
 
 def replicated(mesh: AnyMesh) -> NamedSharding:
@@ -119,13 +96,14 @@ def _quantized_sharding(q: QuantizedArray, kernel_axes: tuple, mesh: AnyMesh) ->
                                offset=None if q.offset is None else replicated(mesh))
 
 
-def param_shardings(params: dict, cfg: ModelConfig, mesh: AnyMesh) -> dict:
+def param_shardings(params: dict, cfg: ModelConfig, mesh: AnyMesh, extra_axes: dict | None = None) -> dict:
     """A NamedSharding for every array of `params` (arrays or ShapeDtypeStructs; None leaves stay None), in the
-    tree's structure: a quantised leaf becomes the same NF4Array/Int8Array holding shardings."""
+    tree's structure: a quantised leaf becomes the same NF4Array/Int8Array holding shardings. extra_axes: logical
+    axes of leaves neither the model nor a method declares, by dict path (an objective's, e.g. a reward head)."""
     base_axes = logical_axes(cfg)
 
     def sharding(path, leaf):
-        axes = leaf_axes(_keys(path), base_axes)
+        axes = leaf_axes(_keys(path), base_axes, extra_axes or {})
         if isinstance(leaf, QuantizedArray):
             if leaf.codes is None:  # the trainable half of `partition`: a quantised leaf with no arrays
                 return leaf

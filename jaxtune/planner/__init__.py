@@ -1,6 +1,7 @@
 """The memory planner: will this fine-tune fit, how should it be laid out, and how fast will it run.
 
-    from jaxtune.planner import TrainPlan, estimate, get_device, standard_config
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.planner import estimate, get_device, standard_config
     cfg = standard_config(7000)                                    # or models.hf_config.load_config(dir)
     plan = TrainPlan(MethodConfig("lora"), batch_size=8, seq_len=2048, remat="full")
     est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated
@@ -13,6 +14,7 @@
 `search.py` the plan search, `confirm.py` the compile check, `report.py` the table. The public API, one name a line.
 """
 
+from jaxtune.config.plan import TrainPlan as TrainPlan
 from jaxtune.planner.confirm import CompiledMemory as CompiledMemory
 from jaxtune.planner.confirm import compile_peak as compile_peak
 from jaxtune.planner.confirm import compile_rollout as compile_rollout
@@ -23,7 +25,6 @@ from jaxtune.planner.devices import get_device as get_device
 from jaxtune.planner.devices import known_targets as known_targets
 from jaxtune.planner.estimate import Estimate as Estimate
 from jaxtune.planner.estimate import estimate as estimate
-from jaxtune.planner.plan import TrainPlan as TrainPlan
 from jaxtune.planner.report import format_estimate as format_estimate
 from jaxtune.planner.report import format_search as format_search
 from jaxtune.planner.report import plan_dict as plan_dict

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.parallel.mesh import MESH_AXES, MeshConfig
-from jaxtune.parallel.offload import OffloadConfig
+from jaxtune.parallel.mesh import MESH_AXES
 from jaxtune.planner.devices import Device, get_device
 from jaxtune.planner.estimate import estimate, resolve_mesh
-from jaxtune.planner.plan import TrainPlan
 from jaxtune.planner.report import format_compiled, format_estimate, format_search, plan_dict
 from jaxtune.planner.search import search
 from jaxtune.planner.shapes import model_from_directory, standard_config

@@ -16,15 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune.config import ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, Remat, TrainConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.data.batching import DTYPES as BATCH_DTYPES
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
-from jaxtune.models.llama import ForwardOptions, Remat
 from jaxtune.models.params import abstract_params
-from jaxtune.parallel.mesh import MeshConfig
-from jaxtune.planner.plan import TrainPlan
-from jaxtune.run_config import TrainConfig
 
 
 @dataclass(frozen=True)

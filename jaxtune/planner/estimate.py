@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, parameter_report, partition, trainable_mask
 from jaxtune.models.params import abstract_params
 from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
-from jaxtune.planner.plan import TrainPlan
 
 MiB = 1 << 20
 BATCH_BYTES_PER_TOKEN = 20  # input_ids, labels, segment_ids, positions int32 + loss_mask float32
@@ -230,10 +230,10 @@ def _sharded_state(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) 
 
 @functools.lru_cache(maxsize=256)
 def _sharded_state_cached(cfg, method, param_dtype, moments_dtype, sizes, tiled, reward_head):
-    from jaxtune.parallel.mesh import MeshConfig, abstract_mesh
+    from jaxtune.config import MeshConfig, TrainConfig
+    from jaxtune.parallel.mesh import abstract_mesh
     from jaxtune.parallel.offload import low_precision_moments
     from jaxtune.parallel.sharding import optimizer_shardings, param_shardings
-    from jaxtune.run_config import TrainConfig
     from jaxtune.train.step import make_optimizer
 
     trainable, frozen, _ = abstract_trees(cfg, method, param_dtype, reward_head)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
-from jaxtune.parallel.mesh import MeshConfig
-from jaxtune.parallel.offload import OffloadConfig
 from jaxtune.planner.devices import CATALOGUE, Device
 from jaxtune.planner.estimate import Estimate, estimate
-from jaxtune.planner.plan import TrainPlan
 from jaxtune.planner.timing import StepTime, step_time
 
 REMATS = ("none", "save_matmuls", "full")

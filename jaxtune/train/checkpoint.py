@@ -10,9 +10,8 @@ those it was saved with (`meta["config"]`). Nothing is created on disk until the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,7 +19,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxtune.errors import JaxtuneError
-
 
 STATE_SECTIONS = ("model", "method", "offload")  # config sections whose keys can change the train state's shapes
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import jax
 import optax
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.methods.transform import combine
-from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.models.llama import forward
 from jaxtune.objectives import distillation_kl, masked_nll_sum
 from jaxtune.train.update import objective_step
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxtune.config import ForwardOptions
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError, check_range
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.train.metrics import perplexity
 from jaxtune.train.step import make_eval_step
 

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
-from jaxtune.generation import SamplingConfig, generate
+from jaxtune.generation import generate
 from jaxtune.methods.transform import combine
-from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.models.llama import forward
 from jaxtune.objectives import grpo_advantages, grpo_token_loss, token_nll
 from jaxtune.train.update import objective_step
 

@@ -22,15 +22,15 @@ from pathlib import Path
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtune.config import ForwardOptions, Remat
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_weights import load_model
-from jaxtune.models.llama import ForwardOptions, Remat
-from jaxtune.paths import check_output_dir
 from jaxtune.parallel.distributed import barrier, global_array, host_copy, is_main_process
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
+from jaxtune.paths import check_output_dir
 from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import MetricsLog, plot_losses

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.data.formats import PreferenceExample
 from jaxtune.errors import check_choice, check_range
 from jaxtune.methods.transform import ADAPTER_KEYS, combine
-from jaxtune.models.llama import ForwardOptions, forward
+from jaxtune.models.llama import forward
 from jaxtune.objectives import preference_loss, sequence_logps
 from jaxtune.train.update import objective_step
 

@@ -20,12 +20,19 @@ import numpy as np
 import optax
 from safetensors.numpy import save_file
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import config_from_hf, config_to_hf, model_dir, read_json
-from jaxtune.models.hf_weights import DTYPES, SINGLE_FILE, TOKENIZER_FILES, hf_state_dict, hf_tensor_name, open_checkpoint
-from jaxtune.models.llama import ForwardOptions, decoder
+from jaxtune.models.hf_weights import (
+    DTYPES,
+    SINGLE_FILE,
+    TOKENIZER_FILES,
+    hf_state_dict,
+    hf_tensor_name,
+    open_checkpoint,
+)
+from jaxtune.models.llama import decoder
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.objectives import bradley_terry_loss
 from jaxtune.train.update import objective_step

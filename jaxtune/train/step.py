@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, TrainConfig
 from jaxtune.methods.transform import combine
-from jaxtune.models.llama import ForwardOptions, forward
-from jaxtune.run_config import TrainConfig
+from jaxtune.models.llama import forward
 from jaxtune.train.update import accumulate, apply_update, dropout_key
 
 

@@ -36,18 +36,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtune.config import ModelConfig
+from jaxtune.config import ForwardOptions, ModelConfig, SamplingConfig
 from jaxtune.data.batching import count_epoch_batches, epoch_batches
 from jaxtune.data.formats import load_preference_examples, load_prompt_examples, load_sft_examples, train_eval_split
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.generation import SamplingConfig, generate
+from jaxtune.generation import generate
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.hf_weights import load_model
-from jaxtune.models.llama import ForwardOptions
 from jaxtune.parallel.offload import low_precision_moments
-from jaxtune.parallel.placement import (TrainShardings, init_sharded_state, shard_eval_step, shard_train_step,
-                                        train_shardings)
+from jaxtune.parallel.placement import (
+    TrainShardings,
+    init_sharded_state,
+    shard_eval_step,
+    shard_train_step,
+    train_shardings,
+)
 from jaxtune.parallel.sharding import param_shardings
 from jaxtune.run_config import RunConfig
 from jaxtune.train.distill import check_teacher, make_distill_eval, make_distill_step
@@ -55,8 +59,13 @@ from jaxtune.train.evaluation import evaluate
 from jaxtune.train.export import export_result
 from jaxtune.train.grpo import load_reward_function, make_grpo_step, reward_model_function, rollout_batch, sample_group
 from jaxtune.train.metrics import perplexity
-from jaxtune.train.preference import (make_preference_eval, make_preference_step, preference_batches, reference_logps,
-                                      strip_adapters)
+from jaxtune.train.preference import (
+    make_preference_eval,
+    make_preference_step,
+    preference_batches,
+    reference_logps,
+    strip_adapters,
+)
 from jaxtune.train.reward import add_reward_head, make_reward_eval, make_reward_step, save_reward_model
 from jaxtune.train.step import learning_rate_schedule, make_eval_step, make_optimizer, make_train_step
 

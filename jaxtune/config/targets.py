@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
+from jaxtune.config.method import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.errors import JaxtuneError
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -1,88 +1,11 @@
-"""Frozen, hashable configs. They are static arguments under `jax.jit`, so every field is a scalar or tuple."""
+"""A fine-tuning method and its hyper-parameters (PEFT's fields where PEFT has them), validated where they are set."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
 from jaxtune.errors import ConfigError, check_choice, check_range
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling, as in transformers' `rope_parameters` (`rope_scaling` before v5).
-
-    kind: "linear" divides every frequency by `factor`; "llama3" divides only the low frequencies and
-    interpolates the band between (Llama 3.1 report, section 3.3 of transformers' `_compute_llama3_parameters`).
-    """
-
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a Llama-family decoder.
-
-    `sliding_windows` has one entry per layer: 0 for full causal attention, w > 0 to let a query at index i see
-    keys at indices j with i - w < j <= i (Mistral; Qwen2 layers marked "sliding_attention").
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    architecture: str = "LlamaForCausalLM"
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    sliding_windows: tuple[int, ...] = ()
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: tuple[int, ...] = ()
-    pad_token_id: int | None = None
-
-    def __post_init__(self):
-        if not self.sliding_windows:
-            object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
-        if len(self.sliding_windows) != self.num_layers:
-            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    """A tiny Llama shape (about 0.2M parameters) for tests, examples and the demo."""
-    base = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=16, max_position_embeddings=512)
-    base.update(overrides)
-    return ModelConfig(**base)
-
 
 METHOD_KINDS = ("full", "lora", "qlora", "ia3", "prefix", "adapter")
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -143,7 +66,7 @@ class MethodConfig:
     default q_proj v_proj (k_proj v_proj down_proj for IA3, which scales the input of MLP modules and the output of
     attention modules, as PEFT does). exclude_modules, layers_to_transform (+ layers_pattern), rank_pattern and
     alpha_pattern ({regex: rank or alpha}, first match wins) narrow or vary that per module and layer with PEFT's
-    rules (see `jaxtune.methods.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with `rslora`
+    rules (see `jaxtune.config.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with `rslora`
     (Kalajdzievski 2023); `dora` adds DoRA's magnitude vector (Liu et al. 2024); `lora_bias` gives LoRA's B a bias.
     modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that name).
     QLoRA keeps every linear base weight frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing the

@@ -16,11 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jaxtune.config import MethodConfig
+from jaxtune.config.forward import REMAT_POLICIES
+from jaxtune.config.method import MethodConfig
+from jaxtune.config.run import MeshConfig, OffloadConfig
 from jaxtune.errors import ConfigError, check_choice, check_range
-from jaxtune.models.llama import REMAT_POLICIES
-from jaxtune.parallel.mesh import MeshConfig
-from jaxtune.parallel.offload import OffloadConfig
 
 OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")  # the trainer's objectives (jaxtune/train/)
 ALIASES = {"rlhf": "grpo"}

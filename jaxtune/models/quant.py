@@ -208,3 +208,10 @@ def dequantize(q: QuantizedArray) -> jax.Array:
 def nbytes(q: QuantizedArray) -> int:
     """Bytes held by q's arrays (works on `jax.eval_shape` output too)."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(q))
+
+
+def full_shape(leaf) -> tuple[int, ...]:
+    """A leaf's logical shape: [L, in, out] for a stacked quantised kernel (whose `shape` is one layer's)."""
+    if isinstance(leaf, NF4Array):
+        return tuple(leaf.codes.shape[:-1]) + tuple(leaf.shape)
+    return tuple(leaf.codes.shape if isinstance(leaf, Int8Array) else leaf.shape)

@@ -1,0 +1,26 @@
+"""Every configuration type, gathered: frozen dataclasses that validate their values where they are set.
+
+    model.py     ModelConfig, RopeScaling: a decoder's architecture
+    method.py    MethodConfig: a fine-tuning method (targets.py: which modules and layers it adapts, PEFT's rules)
+    forward.py   ForwardOptions, Remat: how the forward computes
+    run.py       the sections of a training run: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig
+    plan.py      TrainPlan: what fixes a run's arrays and its step (the spine's and the planner's input)
+    sampling.py  SamplingConfig: how generation picks tokens
+"""
+
+from jaxtune.config.forward import REMAT_POLICIES as REMAT_POLICIES
+from jaxtune.config.forward import ForwardOptions as ForwardOptions
+from jaxtune.config.forward import Remat as Remat
+from jaxtune.config.method import LINEAR_MODULE_NAMES as LINEAR_MODULE_NAMES
+from jaxtune.config.method import METHOD_KINDS as METHOD_KINDS
+from jaxtune.config.method import MethodConfig as MethodConfig
+from jaxtune.config.model import ARCHITECTURES as ARCHITECTURES
+from jaxtune.config.model import ModelConfig as ModelConfig
+from jaxtune.config.model import RopeScaling as RopeScaling
+from jaxtune.config.model import tiny_config as tiny_config
+from jaxtune.config.run import DataConfig as DataConfig
+from jaxtune.config.run import MeshConfig as MeshConfig
+from jaxtune.config.run import ModelSection as ModelSection
+from jaxtune.config.run import OffloadConfig as OffloadConfig
+from jaxtune.config.run import TrainConfig as TrainConfig
+from jaxtune.config.sampling import SamplingConfig as SamplingConfig

@@ -1,0 +1,81 @@
+"""The architecture of a decoder: what `config.json` says, as a frozen, hashable dataclass (a static jit argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in transformers' `rope_parameters` (`rope_scaling` before v5).
+
+    kind: "linear" divides every frequency by `factor`; "llama3" divides only the low frequencies and
+    interpolates the band between (Llama 3.1 report, section 3.3 of transformers' `_compute_llama3_parameters`).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder.
+
+    `sliding_windows` has one entry per layer: 0 for full causal attention, w > 0 to let a query at index i see
+    keys at indices j with i - w < j <= i (Mistral; Qwen2 layers marked "sliding_attention").
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    architecture: str = "LlamaForCausalLM"
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: tuple[int, ...] = ()
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A tiny Llama shape (about 0.2M parameters) for tests, examples and the demo."""
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=16, max_position_embeddings=512)
+    base.update(overrides)
+    return ModelConfig(**base)

@@ -1,0 +1,167 @@
+"""The sections of a training run's TOML, each a frozen dataclass that validates its own values.
+
+    [model]   ModelSection: path, dtype, compute_dtype, remat
+    [data]    DataConfig: train, eval, eval_fraction, max_seq_len, pack, seed
+    [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, optimizer, schedule, ...
+    [mesh]    MeshConfig: data, fsdp, tensor (device mesh sizes; -1 takes the rest)
+    [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
+
+[method] is `MethodConfig` (method.py); an objective's own section ([dpo], [grpo], [distill]) is declared with the
+objective (`jaxtune/objectives/`). `jaxtune.run_config` assembles them into a `RunConfig` and reads TOML.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxtune.config.forward import Remat
+from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
+
+MESH_AXES = ("data", "fsdp", "tensor")
+MOMENT_DTYPES = ("float32", "bfloat16")
+OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
+    always float32 master weights; compute_dtype "bfloat16" gives mixed precision."""
+
+    path: str = ""
+    dtype: str = "auto"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        Remat(self.remat)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """train/eval: JSONL files. Without an eval file, `eval_fraction` of train is held out (by `seed`)."""
+
+    train: str = ""
+    eval: str = ""
+    eval_fraction: float = 0.1
+    max_seq_len: int = 256
+    pack: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        check_range("eval_fraction", self.eval_fraction, 0.0, 1.0, high_open=True)
+        check_range("max_seq_len", self.max_seq_len, 2)
+        check_range("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows (for dpo and
+    reward: pairs; for grpo: prompts, each sampled `group_size` times).
+
+    objective: sft (masked cross-entropy), dpo (preference optimisation, [dpo]), reward (a Bradley-Terry reward
+    model), grpo (online RL against a reward, [grpo]) or distill (from a teacher, [distill]).
+
+    schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
+    max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
+    max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
+    """
+
+    objective: str = "sft"
+    output_dir: str = "runs/run"
+    epochs: int = 1
+    max_steps: int = 0
+    batch_size: int = 8
+    grad_accum: int = 1
+    learning_rate: float = 2e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    max_nonfinite_steps: int = 10
+    resume_step: int = -1
+
+    def __post_init__(self):
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
+        if not self.output_dir:
+            raise ConfigError("output_dir", self.output_dir, "needs a directory")
+        for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
+            check_range(name, getattr(self, name), 1)
+        for name in ("max_steps", "warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            check_range(name, getattr(self, name), 0)
+        check_range("learning_rate", self.learning_rate, 0)
+        check_range("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_range("weight_decay", self.weight_decay, 0)
+        check_range("adam_b1", self.adam_b1, 0, 1, high_open=True)
+        check_range("adam_b2", self.adam_b2, 0, 1, high_open=True)
+        check_range("adam_eps", self.adam_eps, 0, low_open=True)
+        check_range("max_grad_norm", self.max_grad_norm, 0, low_open=True)
+        check_range("resume_step", self.resume_step, -1)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; -1 takes the devices the others leave (at most one axis may say -1).
+
+    The default puts every device on `fsdp`: ZeRO-3 over all devices, which is plain training on one device.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
+                raise ConfigError(name, size, "a mesh axis size is a positive integer, or -1 for the rest")
+        if list(sizes.values()).count(-1) > 1:
+            raise ConfigError("fsdp" if self.fsdp == -1 else "data", -1,
+                              f"at most one mesh axis may be -1 ({self._describe()})")
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_AXES}
+
+    def _describe(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in self.sizes().items())
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """The axis sizes for `num_devices` devices, -1 filled in; a JaxtuneError naming both when they don't fit."""
+        sizes = self.sizes()
+        known = math.prod(s for s in sizes.values() if s != -1)
+        if -1 in sizes.values():
+            if num_devices % known:
+                raise JaxtuneError(f"[mesh] {self._describe()}: {known} devices on the fixed axes do not divide the "
+                                   f"{num_devices} devices available")
+            sizes = {name: num_devices // known if s == -1 else s for name, s in sizes.items()}
+        elif known != num_devices:
+            raise JaxtuneError(f"[mesh] {self._describe()} needs {known} devices, but {num_devices} are available "
+                               "(set one axis to -1 to take the rest)")
+        return sizes
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """optimizer_state: keep the optimizer state in host memory. frozen_params: keep the frozen (non-trainable)
+    weights in host memory. moments_dtype: "float32" or "bfloat16" storage for the optimizer's moments."""
+
+    optimizer_state: bool = False
+    frozen_params: bool = False
+    moments_dtype: str = "float32"
+
+    def __post_init__(self):
+        check_choice("moments_dtype", self.moments_dtype, MOMENT_DTYPES)
