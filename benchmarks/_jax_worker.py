@@ -1,8 +1,9 @@
 """One jaxtune configuration, measured in this process: the library's own jitted train step, nothing re-written.
 
 A random model from `init_params`, the method applied with `apply_method`, `partition` into trainable and frozen,
-`make_optimizer` (global-norm clipping + AdamW, grad_accum 1) and `make_train_step`, as `jaxtune train` runs them.
-Compile time is `train_step.lower(...).compile()`, timed explicitly, so no step includes compilation.
+and the spine's step (`spine.run.abstract_run(...).step`: global-norm clipping + AdamW, grad_accum 1), as
+`jaxtune train` runs it. Compile time is `step.lower(...).compile()`, timed explicitly, so no step includes
+compilation.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ def run(name: str, warmup: int, steps: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, TrainConfig
+    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, TrainConfig
+    from jaxtune.config.plan import TrainPlan
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
-    from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer, make_train_step
+    from jaxtune.objectives import OBJECTIVES
+    from jaxtune.parallel.mesh import make_mesh
+    from jaxtune.spine.run import abstract_run
 
     kind, targets = M.METHODS[name]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=2048)
@@ -31,10 +35,9 @@ def run(name: str, warmup: int, steps: int) -> dict:
     del params
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
     total_steps = warmup + steps
-    optimizer = make_optimizer(tc, total_steps, trainable)
-    options = ForwardOptions(compute_dtype=M.COMPUTE_DTYPE.get(name, "float32"))
-    train_step = make_train_step(cfg, method, options, optimizer, learning_rate_schedule(tc, total_steps))
-    state = init_state(trainable, optimizer, seed=0)
+    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, "none", M.COMPUTE_DTYPE.get(name, "float32"), "float32")
+    run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), OBJECTIVES["sft"], tc, total_steps)
+    state = run.init_state(trainable, seed=0)
     del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated
 
     tokens = M.fixed_tokens()
@@ -49,7 +52,7 @@ def run(name: str, warmup: int, steps: int) -> dict:
     M.reset_peak_rss()
 
     t0 = time.perf_counter()
-    compiled = train_step.lower(state, frozen, batch).compile()
+    compiled = run.step.lower(state, frozen, None, batch).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
 
@@ -58,7 +61,7 @@ def run(name: str, warmup: int, steps: int) -> dict:
     losses = []
 
     def step():
-        holder["state"], metrics = compiled(holder["state"], frozen, batch)
+        holder["state"], metrics = compiled(holder["state"], frozen, None, batch)
         losses.append(metrics["loss"])
         jax.block_until_ready(holder["state"])
 

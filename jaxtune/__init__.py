@@ -5,6 +5,7 @@ The public API, one name a line; everything else is internal.
 
 from jaxtune.config import ForwardOptions as ForwardOptions
 from jaxtune.config import MeshConfig as MeshConfig
+from jaxtune.config.plan import TrainPlan as TrainPlan
 from jaxtune.config import MethodConfig as MethodConfig
 from jaxtune.config import ModelConfig as ModelConfig
 from jaxtune.config import Remat as Remat
@@ -40,6 +41,8 @@ from jaxtune.models.params import param_specs as param_specs
 from jaxtune.models.quant import dequantize as dequantize
 from jaxtune.models.quant import quantize_int8 as quantize_int8
 from jaxtune.models.quant import quantize_nf4 as quantize_nf4
+from jaxtune.models.reward_model import load_reward_model as load_reward_model
+from jaxtune.models.reward_model import save_reward_model as save_reward_model
 from jaxtune.parallel.distributed import ClusterConfig as ClusterConfig
 from jaxtune.parallel.distributed import join_cluster as join_cluster
 from jaxtune.run_config import RunConfig as RunConfig
@@ -47,5 +50,3 @@ from jaxtune.run_config import load_run_config as load_run_config
 from jaxtune.train.evaluation import evaluate_file as evaluate_file
 from jaxtune.train.evaluation import evaluate_preference_file as evaluate_preference_file
 from jaxtune.train.loop import fine_tune as fine_tune
-from jaxtune.train.reward import load_reward_model as load_reward_model
-from jaxtune.train.reward import save_reward_model as save_reward_model

@@ -1,16 +1,11 @@
-"""A training run's configuration: small frozen dataclasses, one per TOML section, with dotted overrides.
+"""Reading and writing a training run's TOML: `RunConfig`, the tree of its sections, with dotted overrides.
 
-    [model]   path, dtype, compute_dtype, remat
-    [method]  MethodConfig: kind, rank, alpha, dropout, target_modules, rslora, dora, bits, double_quant, ...
-    [data]    train, eval, eval_fraction, max_seq_len, pack, seed
-    [train]   objective (sft | dpo | reward | grpo | distill), output_dir, epochs, max_steps, batch_size, ...
-    [mesh]    MeshConfig: data, fsdp, tensor (device mesh sizes; -1 takes the rest)
-    [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
-    [dpo]     PreferenceConfig: loss (sigmoid | ipo | hinge), beta, label_smoothing, reference, precompute_reference
-    [grpo]    GRPOConfig: reward or reward_model, group_size, max_new_tokens, temperature, top_k, top_p, clip, kl_coef
-    [distill] DistillConfig: teacher, alpha, temperature, reverse
+    [model] [method] [data] [train] [mesh] [offload]   the sections of `jaxtune.config` (run.py, method.py)
+    [dpo] [grpo] [distill] ...                          each registered objective's own section, if it has one
 
-Only the section of the chosen objective is read; the others keep their defaults (and are written out as such).
+The section dataclasses validate their own values; this module only reads TOML into them, names where a bad
+value came from (the file, or the `--set` item), and writes a resolved config back. Only the section of the
+chosen objective is read; the others keep their defaults (and are written out as such).
 
 Every key must be a field: an unknown key is an error naming it and its section. `--set train.lr=1e-4`-style
 overrides are parsed as TOML values (strings may go unquoted). The resolved config is written back as TOML.
@@ -20,32 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
 import tomllib
 
 from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.train.distill import DistillConfig
-from jaxtune.train.grpo import GRPOConfig
-from jaxtune.train.preference import PreferenceConfig
+from jaxtune.objectives import OBJECTIVES, objective_named
 
-
-@dataclass(frozen=True)
-class RunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-
-
-SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+SECTIONS = {"model": ModelSection, "method": MethodConfig, "data": DataConfig, "train": TrainConfig,
+            "mesh": MeshConfig, "offload": OffloadConfig,
+            **{o.name: o.section for o in OBJECTIVES.values() if o.section is not None}}
+RunConfig = dataclasses.make_dataclass(
+    "RunConfig", [(name, cls, field(default_factory=cls)) for name, cls in SECTIONS.items()], frozen=True)
+RunConfig.__doc__ = "A training run: one frozen dataclass a TOML section (SECTIONS), every field defaulted."
+RunConfig.__module__ = __name__
 
 
 def _parse_value(text: str):
@@ -91,7 +76,7 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
             raise JaxtuneError(f"{where}: unknown section [{name}] (sections: {', '.join(SECTIONS)})")
         if not isinstance(values, dict):
             raise JaxtuneError(f"{where}: [{name}] must be a table")
-        cls = type(SECTIONS[name]())
+        cls = SECTIONS[name]
         known = {f.name: f for f in dataclasses.fields(cls)}
         source = lambda key: f"--set {overridden[name, key]}" if (name, key) in overridden else where
         for key, value in values.items():
@@ -104,6 +89,8 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
                 raise _located(e, source(key)) from None
         try:
             sections[name] = cls(**values)
+            if name == "train":
+                objective_named(sections[name].objective)
         except ConfigError as e:
             raise _located(e.in_section(name), source(e.field.split("[")[0])) from None
     return RunConfig(**sections)

@@ -26,19 +26,13 @@ if "jax" not in sys.modules:
 import jax
 import numpy as np
 
-from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
+from jaxtune.config import MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
+from jaxtune.config.plan import TrainPlan
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.parallel import (
-    bytes_per_device,
-    init_sharded_state,
-    low_precision_moments,
-    make_mesh,
-    shard_train_step,
-    total_bytes,
-    train_shardings,
-)
-from jaxtune.train.step import learning_rate_schedule, make_optimizer, make_train_step
+from jaxtune.objectives import OBJECTIVES
+from jaxtune.parallel import bytes_per_device, make_mesh, total_bytes
+from jaxtune.spine.run import abstract_run
 
 STEPS, ACCUM, ROWS, SEQ = 10, 2, 8, 32
 CFG = tiny_config(initializer_range=0.1)
@@ -85,24 +79,19 @@ def setup(method: MethodConfig):
 
 
 def train(method_name: str, mesh_config: MeshConfig, devices=None, offload=OffloadConfig(), keep=False):
-    """Losses of STEPS steps (and, with keep, the final state and shardings)."""
+    """Losses of STEPS steps of the spine's run (and, with keep, the final state, frozen weights and shardings)."""
     method = METHODS[method_name]
-    mesh = make_mesh(mesh_config, devices)
     trainable, frozen = setup(method)
-    optimizer = make_optimizer(TRAIN, STEPS, trainable)
-    if offload.moments_dtype != "float32":
-        optimizer = low_precision_moments(optimizer, offload.moments_dtype)
-    shardings = train_shardings(mesh, CFG, trainable, frozen, optimizer, ROWS, offload)
-    state = init_sharded_state(trainable, optimizer, 0, shardings)
-    frozen = jax.device_put(frozen, shardings.frozen)
-    step = shard_train_step(make_train_step(CFG, method, ForwardOptions(), optimizer,
-                                            learning_rate_schedule(TRAIN, STEPS)), shardings)
+    plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=mesh_config, offload=offload)
+    run = abstract_run(CFG, plan, make_mesh(mesh_config, devices), OBJECTIVES["sft"], TRAIN, STEPS)
+    state = run.init_state(trainable, 0)
+    frozen = jax.device_put(frozen, run.shardings.frozen)
     losses = []
     for batch in batches():
-        state, metrics = step(state, frozen, jax.device_put(batch, shardings.batch))
+        state, metrics = run.step(state, frozen, None, jax.device_put(batch, run.shardings.batch))
         losses.append(float(metrics["loss"]))
-    assert step._cache_size() == 1, "the sharded step compiled more than once"
-    return (losses, state, frozen, shardings) if keep else losses
+    assert run.step._cache_size() == 1, "the sharded step compiled more than once"
+    return (losses, state, frozen, run.shardings) if keep else losses
 
 
 def relative_diff(a: list[float], b: list[float]) -> float:
@@ -173,28 +162,67 @@ def eval_rows() -> dict:
     import re
 
     from jaxtune.methods.transform import combine
-    from jaxtune.parallel.placement import shard_eval_step
-    from jaxtune.train.step import make_eval_step
 
     method, cfg = MethodConfig("full"), CFG
     trainable, frozen = setup(method)
     params = combine(trainable, frozen)
-    optimizer = make_optimizer(TRAIN, STEPS, trainable)
     T = 32
     batch = {k: np.zeros((8, T), np.float32 if k == "loss_mask" else np.int32)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
     rows = {}
     for name in ("fsdp=8", "data=8"):
-        shardings = train_shardings(make_mesh(MESHES[name]), cfg, trainable, frozen, optimizer, 8)
-        step = shard_eval_step(make_eval_step(cfg, method, ForwardOptions()), shardings)
-        hlo = step.lower(jax.device_put(params, shardings.params), batch).compile().as_text()
+        plan = TrainPlan(method, 8, T, 1, "none", "float32", "float32", mesh=MESHES[name])
+        run = abstract_run(cfg, plan, make_mesh(MESHES[name]), OBJECTIVES["sft"], TRAIN, STEPS)
+        hlo = run.eval_step.lower(jax.device_put(params, run.shardings.params), None, batch).compile().as_text()
         rows[name] = sorted({int(r) for r in re.findall(rf"f32\[(\d+),{T},{cfg.vocab_size}\]", hlo)})
     return rows
 
 
+def load(model_dir: str, method_name: str) -> dict:
+    """`spine.load.load_run` of a checkpoint onto fsdp=8: every array alive while reading (snapshot at each read)
+    and after, as per-device shard shapes, against the parameters' full shapes; and the bytes read."""
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.params import logical_axes
+    from jaxtune.models.safetensors_io import CheckpointReader
+    from jaxtune.spine.load import load_run
+
+    cfg = load_config(model_dir)
+    full = {tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))}
+    full |= {tuple(s[1:]) for s in full if len(s) == 3}  # one layer of a stacked kernel, whole, counts too
+    seen = []
+
+    def snapshot():
+        for x in jax.live_arrays():
+            seen.extend((tuple(s.data.shape), len(x.sharding.device_set)) for s in x.addressable_shards)
+
+    read = CheckpointReader.read
+
+    def spying_read(self, name, index=None):
+        snapshot()
+        return read(self, name, index)
+
+    CheckpointReader.read = spying_read
+    plan = TrainPlan(METHODS[method_name], 8, SEQ, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"])
+    run = abstract_run(cfg, plan, make_mesh(MESHES["fsdp=8"]), OBJECTIVES["sft"], TRAIN, STEPS)
+    before = CheckpointReader.total_bytes_read
+    state, frozen, _ = load_run(run, model_dir, 0)
+    jax.block_until_ready((state, frozen))
+    during = sorted({shape for shape, _ in seen if shape in full})
+    snapshots = len(seen)
+    seen.clear()
+    snapshot()
+    after = sorted({shape for shape, _ in seen if shape in full})
+    frozen_shards = sorted({tuple(s.data.shape) for x in jax.tree.leaves(frozen) for s in x.addressable_shards})
+    return {"during": during, "after": after, "shards_seen_while_reading": snapshots, "frozen_shard_shapes": frozen_shards,
+            "bytes_read": CheckpointReader.total_bytes_read - before,
+            "axes": str(jax.tree.map(lambda a: a, logical_axes(cfg))["layers"]["q_proj"])}
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    if sys.argv[1] == "eval":
+    if sys.argv[1] == "load":
+        print(json.dumps(load(sys.argv[2], sys.argv[3])))
+    elif sys.argv[1] == "eval":
         print(json.dumps(eval_rows()))
     elif sys.argv[1] == "loop":
         print(json.dumps(loop(sys.argv[2], sys.argv[3:])))

@@ -243,12 +243,12 @@ def test_a_bug_is_one_line_and_a_traceback_file(world, capsys, monkeypatch):
 
 
 def test_out_of_memory_says_what_to_lower_and_what_the_planner_picks(world, capsys, monkeypatch):
-    import jaxtune.train.loop
+    from jaxtune.spine.run import AbstractRun
 
     def exhausted(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 39438928240 bytes.")
 
-    monkeypatch.setattr(jaxtune.train.loop, "place_batch", exhausted)
+    monkeypatch.setattr(AbstractRun, "place_batch", exhausted)
     code = main(["train", RUN(world), *set_(f"train.output_dir={world / 'oom'}", "train.batch_size=8")])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -4,16 +4,16 @@ from pathlib import Path
 
 import jax
 import pytest
+from steps import one_device_run
 
-from jaxtune.config import ForwardOptions, MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import MethodConfig, TrainConfig, tiny_config
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.train.distill import DistillConfig, check_teacher, make_distill_eval, make_distill_step
-from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
+from jaxtune.objectives.distill import DistillConfig, check_teacher
 
 DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -31,22 +31,21 @@ def test_distillation_lowers_held_out_kl(tmp_path, reverse):
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
                           jax.random.key(1))
     trainable, frozen = partition(params, trainable_mask(params, method))
-    distill = DistillConfig(alpha=1.0, temperature=2.0, reverse=reverse)
     tc = TrainConfig(learning_rate=1e-2, schedule="constant")
-    optimizer = make_optimizer(tc, 40, trainable)
-    step = make_distill_step(cfg, teacher_cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 40),
-                             distill)
-    kl_eval = make_distill_eval(cfg, teacher_cfg, method, ForwardOptions(), distill)
+    distill = DistillConfig(teacher="teacher/dir", alpha=1.0, temperature=2.0, reverse=reverse)
+    run = one_device_run(cfg, method, "distill", train=tc, total_steps=40, batch_size=8, seq_len=64, section=distill,
+                         second_model=teacher_cfg)
 
     def held_out_kl(state):
-        sums = [kl_eval(combine(state["params"], frozen), teacher, b) for b in epoch_batches(held_out, 8, 64, 0, 0)]
+        sums = [run.eval_step(combine(state["params"], frozen), teacher, b)
+                for b in epoch_batches(held_out, 8, 64, 0, 0)]
         return sum(float(s["kl"]) for s in sums) / sum(float(s["tokens"]) for s in sums)
 
-    state = init_state(trainable, optimizer, 0)
+    state = run.init_state(trainable, 0)
     before = held_out_kl(state)
     for epoch in range(4):
         for batch in epoch_batches(train, 8, 64, 0, epoch):
-            state, metrics = step(state, frozen, teacher, {k: v[None] for k, v in batch.items()})
+            state, metrics = run.step(state, frozen, teacher, {k: v[None] for k, v in batch.items()})
     assert held_out_kl(state) < 0.85 * before  # measured: about -22% (LoRA) after 32 steps
 
 

@@ -105,3 +105,24 @@ def test_cluster_settings_from_flags_and_environment(monkeypatch):
     monkeypatch.delenv("JAXTUNE_PROCESS_ID")
     with pytest.raises(JaxtuneError, match="needs this process's id"):
         cluster_from_env()
+
+
+@pytest.mark.slow
+def test_two_processes_each_read_about_half_of_the_checkpoint(tmp_path):
+    """Two processes on fsdp=2 (one CPU device each) read only the slices their device holds: about half of the
+    checkpoint's tensor bytes each, all of it together; the weights they assemble are the checkpoint's."""
+    model = write_random_model(tmp_path / "model", "llama", seed=0)
+    port = free_port()
+    worker = Path(__file__).with_name("load_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    processes = [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", "2", str(i), str(model)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+    outs = [json.loads(finish(p).strip().splitlines()[-1]) for p in processes]
+    tensors = load_file(str(model / "model.safetensors"))
+    data = sum(v.nbytes for v in tensors.values())
+    for out in outs:
+        assert 0.4 * data < out["bytes_read"] < 0.6 * data, (out, data)
+    assert sum(out["bytes_read"] for out in outs) < 1.05 * data
+    expected = sum(float(np.abs(v.astype(np.float64)).sum()) for v in tensors.values())
+    assert outs[0]["params_sum"] == outs[1]["params_sum"] == pytest.approx(expected, rel=1e-6)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from steps import one_device_run, sft_gradients
 from test_train import DEMO_DATA, metric_lines, write_config
 
 from jaxtune.config import ForwardOptions, MethodConfig, Remat, TrainConfig, tiny_config
@@ -23,13 +24,6 @@ from jaxtune.models.presets import write_random_model
 from jaxtune.models.rope import inverse_frequencies
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
-from jaxtune.train.step import (
-    accumulated_gradients,
-    init_state,
-    learning_rate_schedule,
-    make_optimizer,
-    make_train_step,
-)
 
 CFG = tiny_config(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
                   head_dim=8, initializer_range=0.2)
@@ -205,18 +199,17 @@ def test_masks_differ_across_micro_batches_and_steps():
     method = METHODS["lora_all_rslora"]
     params = adapted(method)
     trainable, frozen = partition(params, trainable_mask(params, method))
-    grads = jax.jit(accumulated_gradients, static_argnums=(3, 4, 5))
+    grads = jax.jit(sft_gradients, static_argnums=(3, 4, 5))
     key = jax.random.key(5)
     one = grads(trainable, frozen, small_batch(1), CFG, method, ForwardOptions(), key)[0]
     two = grads(trainable, frozen, small_batch(2), CFG, method, ForwardOptions(), key)[0]
     assert abs(float(one) - float(two)) > 1e-4
 
     tc = TrainConfig(learning_rate=0.0, schedule="constant")
-    optimizer = make_optimizer(tc, 4, trainable)
-    step = make_train_step(CFG, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 4))
-    state = init_state(trainable, optimizer, 0)
-    state, first = step(state, frozen, small_batch(1))
-    state, second = step(state, frozen, small_batch(1))
+    run = one_device_run(CFG, method, train=tc, total_steps=4, batch_size=2, seq_len=12)
+    state = run.init_state(trainable, 0)
+    state, first = run.step(state, frozen, None, small_batch(1))
+    state, second = run.step(state, frozen, None, small_batch(1))
     assert abs(float(first["loss"]) - float(second["loss"])) > 1e-4
 
 

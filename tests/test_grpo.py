@@ -3,15 +3,14 @@
 import jax
 import numpy as np
 import pytest
+from steps import one_device_run
 
-from jaxtune.config import ForwardOptions, MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import MethodConfig, TrainConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.train.grpo import GRPOConfig, load_reward_function, make_grpo_step, rollout_batch, sample_group
-from jaxtune.train.preference import strip_adapters
-from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
+from jaxtune.objectives.grpo import GRPOConfig, load_reward_function, rollout_batch, sample_group
 
 
 @pytest.mark.slow
@@ -25,12 +24,10 @@ def test_grpo_raises_mean_reward():
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
                           jax.random.key(1))
     trainable, frozen = partition(params, trainable_mask(params, method))
-    reference = strip_adapters(frozen)
     grpo = GRPOConfig(group_size=8, max_new_tokens=8, temperature=1.0, kl_coef=0.0)
     tc = TrainConfig(learning_rate=2e-2, schedule="constant")
-    optimizer = make_optimizer(tc, 100, trainable)
-    step = make_grpo_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 100), grpo)
-    state = init_state(trainable, optimizer, 0)
+    run = one_device_run(cfg, method, "grpo", train=tc, total_steps=100, batch_size=4, seq_len=24, section=grpo)
+    state = run.init_state(trainable, 0)
     means = []
     for it in range(25):
         rows, completions = sample_group(combine(state["params"], frozen), cfg, method, prompts, grpo, it, (2,))
@@ -38,7 +35,7 @@ def test_grpo_raises_mean_reward():
         rewards = reward([tokenizer.decode(r) for r in rows], texts)
         means.append(float(np.mean(rewards)))
         batch = rollout_batch(rows, completions, rewards, grpo.group_size, 24)
-        state, metrics = step(state, frozen, reference, {k: v[None] for k, v in batch.items()})
+        state, metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})
     assert np.mean(means[-5:]) > max(0.2, 3 * np.mean(means[:5])), means
     assert float(metrics["reward"]) == pytest.approx(means[-1], rel=1e-6)
 

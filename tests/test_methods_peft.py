@@ -249,14 +249,17 @@ def test_lora_on_a_module_jaxtune_lacks_is_refused_by_tensor(base, tmp_path):
 
 
 def assert_merged_export(directory, adapter, cfg, method, params, peft_merged, tmp_path):
-    """`jaxtune export --merged` writes merge(params): transformers' logits of it equal jaxtune's forward of the
-    merged tree (float64, 1e-9), and are as close to the unmerged adapter in float64 as `peft_merged`'s, PEFT's own
-    merge_and_unload (float32)."""
+    """`jaxtune export --merged` writes merge(params) (layer by layer, so equal to float32 rounding); transformers'
+    logits of the file equal jaxtune's forward of it (float64, 1e-9), and are as close to the unmerged adapter in
+    float64 as `peft_merged`'s, PEFT's own merge_and_unload (float32)."""
     assert main(["export", "--model", str(directory), "--adapter", str(adapter), "--merged", str(tmp_path)]) == 0
     ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     merged = merge(params, method)
     assert "lora_a" not in merged["layers"]["q_proj"]
-    ours32 = assert_same_as_peft(ours, merged, cfg, None)  # the file holds exactly jaxtune's merge
+    written = load_model(tmp_path)[1]
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(merged), jax.tree.leaves(written), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    ours32 = assert_same_as_peft(ours, written, cfg, None)
     ids, mask, positions = padded_batch(cfg.vocab_size)
     with torch.no_grad():
         theirs32 = peft_merged(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),

@@ -15,10 +15,10 @@ from jaxtune.cli import main
 from jaxtune.config import ForwardOptions
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.models.presets import write_random_model
+from jaxtune.models.reward_model import load_reward_model, reward_scores
+from jaxtune.objectives.dpo import sequence_row
 from jaxtune.run_config import dump_run_config, load_run_config
 from jaxtune.train.loop import fine_tune
-from jaxtune.train.preference import sequence_row
-from jaxtune.train.reward import load_reward_model, reward_scores
 
 QUIET = dict(log=lambda _: None)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.objectives import (
+from jaxtune.objectives.losses import (
     bradley_terry_loss,
     distillation_kl,
     grpo_advantages,

@@ -23,30 +23,29 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig, TrainConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.models.presets import write_random_model
+from jaxtune.objectives import OBJECTIVES
 from jaxtune.parallel import (
     abstract_mesh,
     batch_sharding,
-    init_sharded_state,
     low_precision_moments,
     make_mesh,
     param_shardings,
     partition_spec,
-    shard_train_step,
-    sharded_bytes,
     total_bytes,
-    train_shardings,
 )
 from jaxtune.parallel import offload as offload_module
 from jaxtune.run_config import dump_run_config, load_run_config
+from jaxtune.spine.run import abstract_run, per_device_bytes
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.loop import fine_tune
-from jaxtune.train.step import init_state, make_optimizer
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
@@ -66,6 +65,18 @@ def run_worker(*args: str) -> dict:
 
 
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
+
+def test_weights_load_straight_into_their_shards(tmp_path):
+    """fsdp=8 on 8 fake devices: while the checkpoint is read, and after, no array on any device holds a
+    parameter (or one layer of a stacked one) whole; every tensor byte of the checkpoint is read exactly once."""
+    model = write_random_model(tmp_path / "model", "llama", hidden_size=64, intermediate_size=176)
+    out = run_worker("load", str(model), "lora")
+    assert out["shards_seen_while_reading"] > 100  # the arrays alive at each read were looked at
+    assert out["during"] == [] and out["after"] == [], out
+    data = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in load_file(str(model / "model.safetensors")).values())
+    assert out["bytes_read"] == data
+    assert all(shape[-1] <= 64 // 8 or shape[-2] <= 64 // 8 for shape in out["frozen_shard_shapes"] if len(shape) >= 2)
+
 
 def test_eval_on_8_devices_computes_each_row_on_its_own_device():
     """An 8-row eval batch arrives whole, but the layer-input constraint splits the work: the compiled eval step
@@ -140,33 +151,31 @@ def test_fine_tune_on_8_devices_with_offload_equals_one_device(tmp_path):
 
 def test_offloaded_state_stays_in_host_memory_through_steps_and_checkpoints(tmp_path):
     """Placement mechanics on this process's one CPU device: the optimizer state and frozen weights start, stay and
-    are restored in pinned host memory, the trainable params on the device, and the step computes what it would
+    are restored in pinned host memory, the trainable params on the device, and the step computes what it computes
     without offload."""
-    mesh = make_mesh(MeshConfig())
-    trainable = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
-    frozen = {"v": jnp.cos(jnp.arange(64.0)).reshape(8, 8)}
-    optimizer = optax.adam(0.1)
-    shardings = train_shardings(mesh, TINY, trainable, frozen, optimizer, 8,
-                                OffloadConfig(optimizer_state=True, frozen_params=True))
-
-    def step(state, frozen, batch):
-        grads = {"w": frozen["v"] * jnp.sum(batch["x"])}
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return {**state, "params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, {}
-
+    method = MethodConfig("lora", rank=2, target_modules=("all-linear",))
+    params = apply_method(init_params(TINY, jax.random.key(0)), TINY, method, jax.random.key(1))
+    params["layers"]["q_proj"]["lora_b"] += 0.1
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    runs = {offloaded: abstract_run(TINY, TrainPlan(method, 8, 4, 1, "none", "float32", "float32", offload=OffloadConfig(
+        optimizer_state=offloaded, frozen_params=offloaded)), make_mesh(MeshConfig()), OBJECTIVES["sft"])
+        for offloaded in (True, False)}
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
-    state = init_sharded_state(trainable, optimizer, 0, shardings)
-    host_frozen = jax.device_put(frozen, shardings.frozen)
-    assert kinds(state["opt_state"]) == kinds(host_frozen) == {"pinned_host"}
-    assert kinds(state["params"]) == {"device"}
-    sharded_step = shard_train_step(jax.jit(step), shardings)
-    reference = init_state(trainable, optimizer, 0)
-    for i in range(2):
-        batch = {"x": np.full((1, 8, 2), 0.5 + i, np.float32)}
-        state, _ = sharded_step(state, host_frozen, batch)
-        reference, _ = step(reference, frozen, batch)
+    states = {k: run.init_state(trainable, 0) for k, run in runs.items()}
+    placed = {k: jax.device_put(frozen, run.shardings.frozen) for k, run in runs.items()}
+    assert kinds(states[True]["opt_state"]) == kinds(placed[True]) == {"pinned_host"}
+    assert kinds(states[True]["params"]) == {"device"}
+    ids = np.arange(32, dtype=np.int32).reshape(1, 8, 4) % TINY.vocab_size
+    batch = {"input_ids": ids, "labels": (ids + 1) % TINY.vocab_size, "loss_mask": np.ones((1, 8, 4), np.float32),
+             "segment_ids": np.ones((1, 8, 4), np.int32), "positions": np.broadcast_to(np.arange(4, dtype=np.int32),
+                                                                                      (1, 8, 4))}
+    for _ in range(2):
+        for k, run in runs.items():
+            states[k], _ = run.step(states[k], placed[k], None, batch)
+    state = states[True]
     assert kinds(state["opt_state"]) == {"pinned_host"} and kinds(state["params"]) == {"device"}
-    np.testing.assert_allclose(state["params"]["w"], reference["params"]["w"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(states[False]["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=1)
     checkpoints.save(2, state, {})
     restored, _ = checkpoints.restore(2, state)
@@ -211,18 +220,13 @@ def test_llama3_8b_every_leaf_kind_is_partitioned(kind, mesh_config):
     """Per-device bytes of trainable params, optimizer state and frozen weights are 1/(fsdp x tensor) of the total,
     for every method's leaves on the real Llama-3-8B shapes (from `NamedSharding.shard_shape`, nothing allocated)."""
     method = METHODS_8B[kind]
-    params = jax.eval_shape(lambda k: apply_method(init_params(LLAMA3_8B, k, "bfloat16"), LLAMA3_8B, method, k),
-                            jax.random.key(0))
-    trainable, frozen = partition(params, trainable_mask(params, method))
-    optimizer = make_optimizer(TrainConfig(), 10, trainable)
-    shardings = train_shardings(abstract_mesh(mesh_config, 8), LLAMA3_8B, trainable, frozen, optimizer, 8)
+    plan = TrainPlan(method, 8, 128, 1, "none", "bfloat16", "bfloat16", mesh=mesh_config)
+    run = abstract_run(LLAMA3_8B, plan, abstract_mesh(mesh_config, 8), OBJECTIVES["sft"])
     ways = mesh_config.resolve(8)["fsdp"] * mesh_config.resolve(8)["tensor"]
-    state = jax.eval_shape(lambda t: {"params": t, "opt_state": optimizer.init(t)}, trainable)
-    for name, tree, sh in (("params", state["params"], shardings.state["params"]),
-                           ("opt_state", state["opt_state"], shardings.state["opt_state"]),
-                           ("frozen", frozen, shardings.frozen)):
+    for name, tree in (("params", run.state["params"]), ("opt_state", run.state["opt_state"]),
+                       ("frozen", run.frozen)):
         total = total_bytes(tree)
-        assert sharded_bytes(tree, sh) <= total / ways * 1.0001 + 64, (name, total, sharded_bytes(tree, sh))
+        assert per_device_bytes(tree) <= total / ways * 1.0001 + 64, (name, total, per_device_bytes(tree))
 
 
 def test_method_leaves_follow_their_base_kernel():
@@ -280,13 +284,12 @@ def test_mesh_sizes_that_do_not_fit_the_devices_are_errors_naming_both():
 
 def test_offload_where_the_backend_has_no_host_memory_says_so(monkeypatch):
     mesh = make_mesh(MeshConfig())
-    trainable = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
-    optimizer = optax.adam(1e-3)
     assert "pinned_host" in offload_module.memory_kinds(mesh)  # the CPU backend has it
     monkeypatch.setattr(offload_module, "memory_kinds", lambda mesh: ("device",))
+    plan = TrainPlan(MethodConfig("lora"), 8, 4, offload=OffloadConfig(optimizer_state=True))
     with pytest.raises(JaxtuneError, match=r"\[offload\] optimizer_state = true: the cpu backend has no "
                                            r"'pinned_host' memory \(memory kinds: device\); set it to false"):
-        train_shardings(mesh, TINY, trainable, {}, optimizer, 8, OffloadConfig(optimizer_state=True))
+        abstract_run(TINY, plan, mesh, OBJECTIVES["sft"])
 
 
 def test_run_config_reads_and_writes_mesh_and_offload():

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.objectives import objective_named
 from jaxtune.planner import CATALOGUE, compile_peak, compile_step, estimate, get_device, search, standard_config
 from jaxtune.planner.command import public, run_plan
 
@@ -205,7 +207,9 @@ def test_objectives_add_their_extra_models():
     assert dpo.phases["loss"]["activations"] > 1.5 * sft.phases["loss"]["activations"]  # two rows a pair
     lora_dpo = estimate(LLAMA2_7B, base.replace(objective="dpo", method=MethodConfig("lora")), device)
     assert lora_dpo.extra_models_bytes == 0  # the reference is the base with adapters off
-    assert base.replace(objective="rlhf").objective == "grpo"
+    assert objective_named("rlhf").name == "grpo"
+    rlhf = estimate(LLAMA2_7B, base.replace(objective="rlhf", generate_tokens=256), device)
+    assert rlhf.total_bytes == grpo.total_bytes
     with pytest.raises(ValueError, match="generate_tokens = 1024: .* use 0 to 1023"):
         base.replace(objective="grpo", generate_tokens=1024)
 
@@ -320,3 +324,50 @@ def test_cpu_estimate_is_within_15_percent_of_peak_rss_of_jaxtune_train(tmp_path
         result = rss_run(kind, tmp_path)
         assert result["parameters"] > 100e6
         assert abs(result["error"]) < 0.15, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["dpo", "reward", "grpo", "distill"])
+def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_path):
+    """`plan --config` of a dpo, reward, grpo or distill run config reports what `plan` reports for the same run
+    given by flags, and `--confirm` compiles exactly the step `jaxtune train` builds for that config (the same
+    XLA memory analysis as the trainer's own `task.run.step`, lowered with the trainer's loaded arrays)."""
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.presets import write_random_model
+    from jaxtune.parallel.mesh import make_mesh
+    from jaxtune.planner.command import plan_from_run_config
+    from jaxtune.planner.confirm import _memory
+    from jaxtune.run_config import load_run_config
+    from jaxtune.train.tasks import prepare_task
+    from jaxtune.data.tokenizer import load_tokenizer
+    from test_preference import write_pairs
+
+    model = write_random_model(tmp_path / "m", "llama")
+    write_pairs(tmp_path / "pairs.jsonl", 16, 0)
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "Q{i}:"}}\n' for i in range(16)))
+    data = {"dpo": "pairs.jsonl", "reward": "pairs.jsonl", "grpo": "prompts.jsonl",
+            "distill": "pairs.jsonl"}[objective]
+    if objective == "distill":
+        (tmp_path / "sft.jsonl").write_text("".join(f'{{"prompt": "a{i}", "completion": " b"}}\n' for i in range(16)))
+        data = "sft.jsonl"
+    section = {"grpo": '[grpo]\nreward = "grpo_rewards.count_letter_a"\nmax_new_tokens = 8\n',
+               "distill": f'[distill]\nteacher = "{model}"\n'}.get(objective, "")
+    (tmp_path / "run.toml").write_text(
+        f'[model]\npath = "{model}"\n[method]\nkind = "lora"\nrank = 16\nalpha = 32.0\ntarget_modules = ["all-linear"]\n'
+        f'[data]\ntrain = "{tmp_path / data}"\nmax_seq_len = 64\n[train]\nobjective = "{objective}"\nbatch_size = 2\n'
+        f'output_dir = "{tmp_path / "out"}"\n{section}')
+    by_config = public(run_plan(config=str(tmp_path / "run.toml"), target="cpu"))
+    by_flags = public(run_plan(model=str(model), method="lora", rank=16, target="cpu", batch=2, seq=64,
+                               compute_dtype="float32", objective=objective,
+                               generate_tokens=8 if objective == "grpo" else 0))
+    assert by_config["per_device"] == by_flags["per_device"] and by_config["plan"] == by_flags["plan"]
+    assert by_config["plan"]["objective"] == objective
+
+    config = load_run_config(tmp_path / "run.toml")
+    cfg, plan = plan_from_run_config(config)
+    task = prepare_task(config, make_mesh(config.mesh), load_tokenizer(model), "float32", load_config(model),
+                        lambda _: None)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), task.run.batch)
+    trainers = _memory(task.run.step.lower(task.state, task.frozen, task.second, batch).compile(), 0.0)
+    confirmed = compile_step(cfg, plan)
+    assert confirmed.total_bytes == trainers.total_bytes and confirmed.temp_bytes == trainers.temp_bytes

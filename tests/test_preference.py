@@ -6,20 +6,15 @@ import random
 import jax
 import numpy as np
 import pytest
+from steps import one_device_run
 
-from jaxtune.config import ForwardOptions, MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import MethodConfig, TrainConfig, tiny_config
 from jaxtune.data.formats import load_preference_examples
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.train.preference import (
-    PreferenceConfig,
-    make_preference_eval,
-    make_preference_step,
-    preference_batches,
-    strip_adapters,
-)
-from jaxtune.train.step import init_state, learning_rate_schedule, make_optimizer
+from jaxtune.objectives.base import strip_adapters
+from jaxtune.objectives.dpo import PreferenceConfig, preference_batches
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "light", "music", "table", "paper", "tiger", "horse", "eagle"]
 
@@ -66,23 +61,22 @@ def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
     assert all(a is b for a, b in zip(jax.tree.leaves(reference["layers"]["q_proj"]),
                                       jax.tree.leaves(frozen["layers"]["q_proj"])))  # the same buffers, no copy
     tc = TrainConfig(learning_rate=5e-3, schedule="constant")
-    optimizer = make_optimizer(tc, 40, trainable)
     preference = PreferenceConfig(loss=loss, beta=0.1 if loss == "sigmoid" else 0.5)
-    step = make_preference_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 40), preference)
-    evaluate = make_preference_eval(cfg, method, ForwardOptions(), preference)
+    run = one_device_run(cfg, method, "dpo", train=tc, total_steps=40, batch_size=16, seq_len=48, section=preference)
+    assert run.second is None  # an adapter method's reference is its frozen base with adapters off
 
     def accuracy(state):
         from jaxtune.methods.transform import combine
 
-        sums = [evaluate(combine(state["params"], frozen), reference, b)
+        sums = [run.eval_step(combine(state["params"], frozen), None, b)
                 for b in preference_batches(held_out, 16, 48, 0, 0)]
         return sum(float(s["rewards/accuracy"]) for s in sums) / sum(float(s["pairs"]) for s in sums)
 
-    state = init_state(trainable, optimizer, 0)
+    state = run.init_state(trainable, 0)
     before = accuracy(state)
     for epoch in range(10):
         for batch in preference_batches(train, 16, 48, 0, epoch):
-            state, metrics = step(state, frozen, reference, {k: v[None] for k, v in batch.items()})
+            state, metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})
     after = accuracy(state)
     assert before == 0.0  # at step 0 the policy is the reference: no pair is won yet
     assert after >= 0.9, (before, after)
@@ -92,7 +86,7 @@ def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
 @pytest.mark.slow
 def test_reward_model_learns_held_out_pairwise_accuracy(tmp_path):
     from jaxtune.methods.transform import combine
-    from jaxtune.train.reward import add_reward_head, make_reward_eval, make_reward_step
+    from jaxtune.models.reward_model import add_reward_head
 
     write_pairs(tmp_path / "train.jsonl", 64, 0)
     write_pairs(tmp_path / "eval.jsonl", 32, 1)
@@ -106,17 +100,16 @@ def test_reward_model_learns_held_out_pairwise_accuracy(tmp_path):
     trainable, frozen = partition(params, trainable_mask(params, method))
     assert trainable["score"]["kernel"].shape == (cfg.hidden_size,)
     tc = TrainConfig(learning_rate=5e-3, schedule="constant")
-    optimizer = make_optimizer(tc, 40, trainable)
-    step = make_reward_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 40))
-    evaluate = make_reward_eval(cfg, method, ForwardOptions())
+    run = one_device_run(cfg, method, "reward", train=tc, total_steps=40, batch_size=16, seq_len=48)
 
     def accuracy(state):
-        sums = [evaluate(combine(state["params"], frozen), b) for b in preference_batches(held_out, 16, 48, 0, 0)]
+        sums = [run.eval_step(combine(state["params"], frozen), None, b)
+                for b in preference_batches(held_out, 16, 48, 0, 0)]
         return sum(float(s["accuracy"]) for s in sums) / sum(float(s["pairs"]) for s in sums)
 
-    state = init_state(trainable, optimizer, 0)
+    state = run.init_state(trainable, 0)
     before = accuracy(state)
     for epoch in range(8):
         for batch in preference_batches(train, 16, 48, 0, epoch):
-            state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
+            state, metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})
     assert accuracy(state) >= 0.9 > before

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from steps import one_device_run, sft_gradients
 
 from jaxtune.cli import main
 from jaxtune.config import ForwardOptions, MethodConfig
@@ -24,16 +25,9 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.hf_weights import load_model
 from jaxtune.models.presets import write_random_model
+from jaxtune.objectives.base import stack_micro_batches
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
-from jaxtune.train.step import (
-    accumulated_gradients,
-    init_state,
-    learning_rate_schedule,
-    make_optimizer,
-    make_train_step,
-)
-from jaxtune.train.tasks import stack_micro_batches
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -73,7 +67,7 @@ def test_accumulated_micro_batches_equal_one_large_batch(setup):
     trainable, frozen = partition(params, trainable_mask(params, method))
     examples, _ = load_sft_examples(data, load_tokenizer(model), 96)
     batches = epoch_batches(examples, 4, 96, seed=0, epoch=0)
-    grads = jax.jit(accumulated_gradients, static_argnums=(3, 4, 5))
+    grads = jax.jit(sft_gradients, static_argnums=(3, 4, 5))
     k = 3
     small = stack_micro_batches(batches, k, 0)  # [3, 4, T]
     large = {key: v.reshape(1, -1, v.shape[-1]) for key, v in small.items()}  # [1, 12, T]
@@ -96,7 +90,7 @@ def test_prompt_tokens_never_contribute_to_the_loss(setup):
     batch = stack_micro_batches(epoch_batches(examples, 4, 96, seed=0, epoch=0), 1, 0)
     scrambled = dict(batch, labels=np.where(batch["loss_mask"] > 0, batch["labels"], (batch["labels"] + 7) % 259))
     assert (scrambled["labels"] != batch["labels"]).sum() > 100
-    out = [accumulated_gradients(trainable, frozen, b, cfg, method, ForwardOptions()) for b in (batch, scrambled)]
+    out = [sft_gradients(trainable, frozen, b, cfg, method) for b in (batch, scrambled)]
     assert out[0][0] == out[1][0]
     jax.tree.map(np.testing.assert_array_equal, out[0][2], out[1][2])
 
@@ -107,19 +101,17 @@ def test_non_finite_step_is_skipped_and_counted(setup):
     method = MethodConfig("lora", rank=4)
     params = apply_method(base, cfg, method, jax.random.key(0))
     trainable, frozen = partition(params, trainable_mask(params, method))
-    tc = load_run_config(None).train
-    optimizer = make_optimizer(tc, 10, trainable)
-    step = make_train_step(cfg, method, ForwardOptions(), optimizer, learning_rate_schedule(tc, 10))
+    run = one_device_run(cfg, method, total_steps=10, batch_size=4, seq_len=96)
     examples, _ = load_sft_examples(data, load_tokenizer(model), 96)
     batch = stack_micro_batches(epoch_batches(examples, 4, 96, seed=0, epoch=0), 1, 0)
     poisoned = dict(batch, loss_mask=np.where(batch["loss_mask"] > 0, np.nan, 0).astype(np.float32))
-    state = init_state(trainable, optimizer, 0)
+    state = run.init_state(trainable, 0)
     before = jax.tree.map(np.asarray, state["params"])
-    state, metrics = step(state, frozen, poisoned)
+    state, metrics = run.step(state, frozen, None, poisoned)
     assert not np.isfinite(float(metrics["loss"]))
     assert int(state["skipped"]) == int(state["bad_streak"]) == 1 and int(state["step"]) == 1
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, state["params"]))
-    state, metrics = step(state, frozen, batch)
+    state, metrics = run.step(state, frozen, None, batch)
     assert np.isfinite(float(metrics["loss"])) and int(state["skipped"]) == 1 and int(state["bad_streak"]) == 0
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])))
 
@@ -265,8 +257,7 @@ def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path
     cfg, base = load_model(model, "bfloat16")
     params = apply_method(base, cfg, config.method, jax.random.key(0))
     trainable, frozen = partition(params, trainable_mask(params, config.method))
-    optimizer = make_optimizer(config.train, 8, trainable)
-    state = init_state(trainable, optimizer, 0)
+    state = one_device_run(cfg, config.method, train=config.train, param_dtype="bfloat16").init_state(trainable, 0)
     assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype("bfloat16")}
     result = fine_tune(config, log=lambda _: None)

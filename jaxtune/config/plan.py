@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 
 from jaxtune.config.forward import REMAT_POLICIES
 from jaxtune.config.method import MethodConfig
+from jaxtune.config.model import ModelConfig
 from jaxtune.config.run import MeshConfig, OffloadConfig
 from jaxtune.errors import ConfigError, check_choice, check_range
 
-OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")  # the trainer's objectives (jaxtune/train/)
-ALIASES = {"rlhf": "grpo"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -37,6 +36,11 @@ class TrainPlan:
     decoder and a scalar head, no [b, T, V] logits); "grpo" (rows of prompt + completion through the policy and
     the reference, and before the step the rollout: `generate_tokens` of each row's `seq_len` tokens sampled with
     a KV cache; "rlhf" is accepted for it); "distill" (a frozen teacher of the student's architecture beside it).
+    The objectives are registered in `jaxtune.objectives`; `section` is the objective's own config (None: its
+    defaults), e.g. DPO's `precompute_reference` or GRPO's `group_size`, which change the arrays a step holds.
+    `batch_size` counts examples: a pair is two rows, a GRPO prompt `group_size` rows (`objectives.rows(plan)`).
+    second_model: the architecture of the objective's second model when it is a model directory (a teacher, a
+    reference); None: the policy's own.
     """
 
     method: MethodConfig = field(default_factory=lambda: MethodConfig("full"))
@@ -50,6 +54,8 @@ class TrainPlan:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     objective: str = "sft"
     generate_tokens: int = 0
+    section: object = None
+    second_model: ModelConfig | None = None
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -58,16 +64,9 @@ class TrainPlan:
         check_choice("remat", self.remat, REMAT_POLICIES)
         for name in ("compute_dtype", "param_dtype"):
             check_choice(name, getattr(self, name), DTYPES)
-        object.__setattr__(self, "objective", ALIASES.get(self.objective, self.objective))
-        check_choice("objective", self.objective, OBJECTIVES)
         if not 0 <= self.generate_tokens < self.seq_len:
             raise ConfigError("generate_tokens", self.generate_tokens, "the rollout's prompt and completion share a "
                               f"row of seq_len {self.seq_len} tokens, so use 0 to {self.seq_len - 1}")
-
-    @property
-    def rows(self) -> int:
-        """Rows of one micro-batch over all devices: two a pair for "dpo" and "reward"."""
-        return self.batch_size * (2 if self.objective in ("dpo", "reward") else 1)
 
     @property
     def global_batch(self) -> int:

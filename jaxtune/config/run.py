@@ -20,7 +20,6 @@ from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 
 MESH_AXES = ("data", "fsdp", "tensor")
 MOMENT_DTYPES = ("float32", "bfloat16")
-OBJECTIVES = ("sft", "dpo", "reward", "grpo", "distill")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -95,7 +94,6 @@ class TrainConfig:
     resume_step: int = -1
 
     def __post_init__(self):
-        check_choice("objective", self.objective, OBJECTIVES)
         check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
         if not self.output_dir:
             raise ConfigError("output_dir", self.output_dir, "needs a directory")

@@ -125,6 +125,16 @@ def layer_scales(method: MethodConfig, num_layers: int) -> float | dict[str, np.
     return {name: m.scales for name, m in layout.items()}
 
 
+def adapted_modules(method: MethodConfig, num_layers: int) -> dict[str, int]:
+    """{module name: its largest rank (IA3: 0)} of the modules `method` adapts in any layer; {} for methods that
+    adapt no linear module."""
+    if method.kind in ("lora", "qlora"):
+        return {name: m.max_rank for name, m in lora_layout(method, num_layers).items()}
+    if method.kind == "ia3":
+        return dict.fromkeys(ia3_modules(method, num_layers), 0)
+    return {}
+
+
 def ia3_modules(method: MethodConfig, num_layers: int) -> tuple[str, ...]:
     """The modules IA3 scales. IA3's vectors are stacked over all layers, so a module is adapted in every layer or
     in none; target fields that pick some layers of a module are refused, naming the module."""

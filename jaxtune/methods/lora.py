@@ -8,12 +8,14 @@ Merging dequantises QLoRA kernels: the merged model is a plain float model, as P
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxtune.config import MethodConfig
 from jaxtune.config.targets import lora_layout
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.linear import dora_scale, kernel_of
+from jaxtune.models.quant import BitPattern, QuantizedArray
 
 LORA_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")
 
@@ -29,32 +31,55 @@ def _delta(module: dict, scale_L) -> jnp.ndarray:
     return scale_L[:, None, None] * ab
 
 
+def _merged(module: dict, scale_L: jnp.ndarray, name: str, dtype=None) -> dict:
+    """One module's leaves with its LoRA/DoRA folded in, for any number of stacked layers L (scale_L [L])."""
+    base = kernel_of(module, jnp.float32)
+    merged = base + _delta(module, scale_L)
+    if "magnitude" in module:
+        scale = dora_scale(base, module["lora_a"], module["lora_b"], module["magnitude"], scale_L[:, None, None])
+        merged = merged * jnp.where(scale_L[:, None] > 0, scale, 1.0)[:, None, :]
+    out = {k: v for k, v in module.items() if k not in LORA_LEAVES} | {"kernel": merged.astype(dtype or
+                                                                                           module["kernel"].dtype)}
+    if "lora_bias" in module:
+        if "bias" not in module:
+            raise JaxtuneError(f"{name}: a LoRA bias (lora_bias) cannot be merged into a module without a bias")
+        bias = module["bias"].astype(jnp.float32) + scale_L[:, None] * module["lora_bias"].astype(jnp.float32)
+        out["bias"] = bias.astype(module["bias"].dtype)
+    return out
+
+
 def merge(params: dict, method: MethodConfig, dtype=None) -> dict:
-    """The tree with every LoRA/DoRA module folded into its kernel and the adapter leaves removed.
+    """The tree with every LoRA/DoRA module folded into its kernel and the adapter leaves removed (and every
+    quantised kernel dequantised, every kernel held as a bit pattern bitcast back).
 
     dtype: of the merged kernels (default: the base kernel's dtype, the original dtype for quantised ones).
     A LoRA bias (`lora_bias`) folds into the module's bias, s b; a module without a bias cannot take it (PEFT
-    refuses that merge too).
+    refuses that merge too). For writing a merged model, `merged_layer` does the same one layer at a time.
     """
     layers = dict(params["layers"])
     for name, module in params["layers"].items():
-        if not isinstance(module, dict) or "lora_a" not in module:
-            continue
-        scale_L = module_scales(method, name, module["lora_a"].shape[0])
-        base = kernel_of(module, jnp.float32)
-        out_dtype = dtype or module["kernel"].dtype
-        merged = base + _delta(module, scale_L)
-        if "magnitude" in module:
-            scale = dora_scale(base, module["lora_a"], module["lora_b"], module["magnitude"], scale_L[:, None, None])
-            merged = merged * jnp.where(scale_L[:, None] > 0, scale, 1.0)[:, None, :]
-        merged_module = {k: v for k, v in module.items() if k not in LORA_LEAVES} | {"kernel": merged.astype(out_dtype)}
-        if "lora_bias" in module:
-            if "bias" not in module:
-                raise JaxtuneError(f"{name}: a LoRA bias (lora_bias) cannot be merged into a module without a bias")
-            bias = module["bias"].astype(jnp.float32) + scale_L[:, None] * module["lora_bias"].astype(jnp.float32)
-            merged_module["bias"] = bias.astype(module["bias"].dtype)
-        layers[name] = merged_module
+        if isinstance(module, dict) and "lora_a" in module:
+            layers[name] = _merged(module, module_scales(method, name, module["lora_a"].shape[0]), name, dtype)
+        elif isinstance(module, dict) and isinstance(module.get("kernel"), QuantizedArray | BitPattern):  # not adapted
+            layers[name] = {**module, "kernel": kernel_of(module, dtype or module["kernel"].dtype)}
     return {**params, "layers": layers}
+
+
+def merged_layer(params: dict, method: MethodConfig):
+    """`tensor(path, layer)` for `save_model`: layer `layer` of leaf `path` of `merge(params, method)`, computed
+    alone (a merged export then never holds the merged model beside the adapted one); None for leaves merging
+    leaves as they are."""
+    merge_one = jax.jit(_merged, static_argnums=(2,))
+
+    def tensor(path: tuple[str, ...], layer: int):
+        module = params["layers"].get(path[1]) if path[0] == "layers" and len(path) == 3 else None
+        if not isinstance(module, dict) or "lora_a" not in module:
+            return None
+        scale = module_scales(method, path[1], module["lora_a"].shape[0])[layer:layer + 1]
+        one = jax.tree.map(lambda x: x[layer:layer + 1], module)
+        return merge_one(one, scale, path[1])[path[2]][0]
+
+    return tensor
 
 
 def unmerge(merged: dict, adapters: dict, method: MethodConfig) -> dict:

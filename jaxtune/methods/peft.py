@@ -341,14 +341,14 @@ def export_merged(model: str | Path, adapter: str | Path, out: str | Path, log=N
 
     A QLoRA adapter merges into the float weights (as PEFT merges into a dequantised base: a plain float model).
     """
-    from jaxtune.methods.lora import merge
+    from jaxtune.methods.lora import merged_layer
     from jaxtune.models.hf_weights import save_model
 
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
     if method.kind not in ("lora", "qlora"):
         raise JaxtuneError(f"{adapter}: only LoRA and DoRA adapters merge into the weights, not {method.kind}")
     dtype = str(np.dtype(params["embed_tokens"].dtype))
-    return save_model(out, cfg, merge(params, method), dtype=dtype, tokenizer_from=model)
+    return save_model(out, cfg, params, dtype=dtype, tokenizer_from=model, tensor=merged_layer(params, method))
 
 
 def adapter_summary(model: str | Path, adapter: str | Path) -> dict:

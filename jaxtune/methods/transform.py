@@ -85,18 +85,22 @@ def _adapter(L: int, D: int, size: int, key) -> dict:
     }
 
 
-def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
-    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised).
+def quantize_base(params: dict, method: MethodConfig) -> dict:
+    """The base tree with every linear kernel quantised for QLoRA (NF4 or int8); the tree itself otherwise."""
+    if method.kind != "qlora":
+        return params
+    quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
+    layers = {**params["layers"], **{name: {**params["layers"][name], "kernel": quantize(params["layers"][name]["kernel"])}
+                                     for name in LINEAR_MODULE_NAMES}}
+    return {**params, "layers": layers}
 
-    Pure and traceable: `jax.eval_shape(apply_method, ...)` gives the transformed abstract tree.
-    """
+
+def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
+    """The (already quantised) base tree with `method`'s new leaves added. Reads the kernels' shapes, and their
+    values only for DoRA's magnitude and a tied head parted from the embedding."""
     layers = dict(params["layers"])
     L = cfg.num_layers
     keys = dict(zip(LINEAR_MODULE_NAMES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
-    if method.kind == "qlora":
-        quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
-        for name in LINEAR_MODULE_NAMES:
-            layers[name] = {**layers[name], "kernel": quantize(layers[name]["kernel"])}
     if method.kind in ("lora", "qlora"):
         for name, lora in lora_layout(method, L).items():
             layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], lora, method, keys[name])}
@@ -116,6 +120,16 @@ def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.
     if method.modules_to_save and "lm_head" not in params:  # tied: the head and the embedding part ways, as in PEFT
         params["lm_head"] = {"kernel": params["embed_tokens"].T}
     return params
+
+
+def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
+    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised).
+
+    Pure and traceable: `jax.eval_shape(apply_method, ...)` gives the transformed abstract tree. The spine's loader
+    does the two halves apart: `quantize_base` tensor by tensor as it reads the checkpoint, `add_method_leaves` in
+    the new leaves' shardings.
+    """
+    return add_method_leaves(quantize_base(params, method), cfg, method, key)
 
 
 def _path_keys(path) -> list[str]:

@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.hf_config import config_to_hf, load_config, model_dir, read_json
+from jaxtune.models.hf_config import config_to_hf, load_config, model_dir
 from jaxtune.models.params import ATTENTION_MODULES, ParamSpec, param_specs
+from jaxtune.models.quant import BitPattern
+from jaxtune.models.safetensors_io import CheckpointReader, write_weights
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+METHOD_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")  # folded into kernels by a merged export
 
 
 def hf_module_path(module: str) -> str:
@@ -55,32 +55,6 @@ def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
     return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
 
 
-def open_checkpoint(directory: Path) -> dict[str, tuple]:
-    """tensor name -> (open safetensors handle, file path)."""
-    if (directory / INDEX_FILE).is_file():
-        index = read_json(directory / INDEX_FILE)
-        if "weight_map" not in index:
-            raise JaxtuneError(f"{directory / INDEX_FILE}: no 'weight_map' key")
-        files = sorted(set(index["weight_map"].values()))
-    elif (directory / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
-        raise JaxtuneError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (found: {found})")
-    tensors = {}
-    for name in files:
-        path = directory / name
-        if not path.is_file():
-            raise JaxtuneError(f"{path}: file not found (listed in {INDEX_FILE})")
-        try:
-            handle = safe_open(str(path), framework="numpy")
-        except (SafetensorError, OSError) as e:
-            raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
-        for key in handle.keys():
-            tensors[key] = (handle, path)
-    return tensors
-
-
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape in torch's layout ([out, in] for kernels), for every parameter."""
     expected = {}
@@ -94,73 +68,115 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return expected
 
 
-def check_checkpoint(directory: str | Path, cfg: ModelConfig) -> dict[str, tuple]:
-    """Open a checkpoint and check, from the file headers alone, that it holds exactly the tensors `cfg` needs
-    with the right shapes. Returns tensor name -> (handle, file path)."""
-    directory = model_dir(directory)
-    tensors = open_checkpoint(directory)
-    for name, shape in expected_tensors(cfg).items():
-        if name not in tensors:
+def check_tensors(reader: CheckpointReader, directory: Path, cfg: ModelConfig,
+                  expected: dict[str, tuple[int, ...]] | None = None) -> None:
+    """From the headers alone: the checkpoint holds exactly the tensors `cfg` needs (`expected`, by default
+    `expected_tensors(cfg)`), with the right shapes; else an error naming the tensor (and file)."""
+    expected = expected_tensors(cfg) if expected is None else expected
+    names = set(reader.names())
+    for name, shape in expected.items():
+        if name not in names:
             raise JaxtuneError(f"{directory}: tensor {name} is missing from the checkpoint")
-        handle, path = tensors[name]
-        found = tuple(handle.get_slice(name).get_shape())
-        if found != shape:
-            raise JaxtuneError(f"{path}: tensor {name} has shape {found}, expected {shape}")
+        if reader.shape(name) != shape:
+            raise JaxtuneError(f"{reader.file_of(name)}: tensor {name} has shape {reader.shape(name)}, "
+                               f"expected {shape}")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unused = sorted(n for n in set(tensors) - set(expected_tensors(cfg)) - ignorable if "rotary_emb" not in n)
+    unused = sorted(n for n in names - set(expected) - ignorable if "rotary_emb" not in n)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise JaxtuneError(f"{directory}: unexpected tensors {', '.join(unused[:3])}{more} for {cfg.architecture}")
-    return tensors
 
 
-def read_hf_weights(directory: str | Path, cfg: ModelConfig, dtype=None) -> dict:
-    """The parameter tree as host numpy arrays, read from the safetensors files of `directory`.
+@contextmanager
+def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[CheckpointReader]:
+    """A `CheckpointReader` of `directory`'s weights, after `check_tensors`."""
+    directory = model_dir(directory)
+    with CheckpointReader(directory) as reader:
+        check_tensors(reader, directory, cfg)
+        yield reader
 
-    dtype: the parameter dtype (default: the checkpoint's own, taken from its embedding matrix).
-    """
-    tensors = check_checkpoint(directory, cfg)
 
-    def read(name: str) -> np.ndarray:
-        return tensors[name][0].get_tensor(name)
+def stored_dtype(directory: str | Path) -> str:
+    """The dtype the checkpoint stores its embedding in ("bfloat16", "float32", ...): the weights' "as stored"."""
+    with CheckpointReader(model_dir(directory)) as reader:
+        if "model.embed_tokens.weight" not in reader.names():
+            raise JaxtuneError(f"{directory}: tensor model.embed_tokens.weight is missing from the checkpoint")
+        return str(reader.dtype("model.embed_tokens.weight"))
 
-    dtype = np.dtype(dtype if dtype is not None else read("model.embed_tokens.weight").dtype)
 
-    def load_leaf(path: tuple[str, ...], spec: ParamSpec) -> np.ndarray:
-        transpose = path[-1] == "kernel"
-        if path[0] != "layers":
-            value = read(hf_tensor_name(path, None))
-            return (value.T if transpose else value).astype(dtype)
-        stacked = np.empty(spec.shape, dtype)
-        for i in range(cfg.num_layers):
-            value = read(hf_tensor_name(path, i))
-            stacked[i] = value.T if transpose else value
-        return stacked
-
-    leaves = [load_leaf(path, spec) for path, spec in _leaf_paths(param_specs(cfg))]
-    treedef = jax.tree.structure(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
-    return jax.tree.unflatten(treedef, leaves)
+def read_leaf(reader: CheckpointReader, path: tuple[str, ...], spec: ParamSpec, dtype) -> np.ndarray:
+    """Leaf `path` of the parameter tree as a host array in our layout (kernels [in, out], layers stacked)."""
+    kernel = path[-1] == "kernel"
+    one = lambda name: (reader.read(name).T if kernel else reader.read(name)).astype(dtype)
+    if path[0] != "layers":
+        return one(hf_tensor_name(path, None))
+    stacked = np.empty(spec.shape, dtype)
+    for i in range(spec.shape[0]):
+        stacked[i] = one(hf_tensor_name(path, i))
+    return stacked
 
 
 def load_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
-    """(config, params) of a Hugging Face Llama/Mistral/Qwen2 directory, params as device arrays."""
+    """(config, params) of a Hugging Face Llama/Mistral/Qwen2 directory, params as arrays on the default device.
+
+    dtype: the parameter dtype (default: the checkpoint's own). Leaves are read and placed one at a time, so the
+    host holds at most one of them besides the device's copy. For a training run's shards, see `spine/load.py`.
+    """
     cfg = load_config(directory)
-    return cfg, jax.tree.map(jnp.asarray, read_hf_weights(directory, cfg, dtype))
+    with checked_reader(directory, cfg) as reader:
+        dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
+        leaves = [jax.device_put(read_leaf(reader, path, spec, dtype)) for path, spec in _leaf_paths(param_specs(cfg))]
+    treedef = jax.tree.structure(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+    return cfg, jax.tree.unflatten(treedef, leaves)
 
 
-def hf_state_dict(params: dict, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
-    """Hugging Face tensor name -> numpy array in torch's [out, in] layout."""
-    state = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, ...] = (), tensor=None
+                   ) -> list[tuple]:
+    """(Hugging Face name, shape, dtype, produce) of every tensor of `params` (torch's layout), for
+    `write_weights`: each `produce()` gathers just that tensor (one layer of a stacked leaf) to the host.
+
+    tensor(path, layer): if given and not None for a stacked leaf's layer, what to write instead of `leaf[layer]`
+    (a merged export computes each merged layer there). Leaves of a method (LoRA, ...) are not model tensors:
+    pass a tree without them, or `tensor` that merges them."""
+    entries = []
+    layer_of = lambda leaf, path, i: (tensor(path, i) if tensor is not None else None)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, BitPattern))[0]:
         path = tuple(k.key for k in path)
-        value = np.asarray(leaf) if dtype is None else np.asarray(leaf).astype(dtype)
-        is_kernel = path[-1] == "kernel"
-        if path[0] != "layers":
-            state[hf_tensor_name(path, None)] = np.ascontiguousarray(value.T if is_kernel else value)
+        if path[0] in skip or path[-1] in METHOD_LEAVES:
             continue
+        kernel = path[-1] == "kernel"
+        out_dtype = np.dtype(dtype or leaf.dtype)
+        layout = lambda x, kernel=kernel: x.T if kernel else x
+        full = leaf.bits.shape if isinstance(leaf, BitPattern) else leaf.shape
+        if path[0] != "layers":
+            shape = tuple(full[::-1] if kernel else full)
+            entries.append((hf_tensor_name(path, None), shape, out_dtype,
+                            lambda leaf=leaf, layout=layout, d=out_dtype: layout(host_array(leaf)).astype(d)))
+            continue
+        shape = tuple(full[1:][::-1] if kernel else full[1:])
         for i in range(cfg.num_layers):
-            state[hf_tensor_name(path, i)] = np.ascontiguousarray(value[i].T if is_kernel else value[i])
-    return state
+            def produce(leaf=leaf, path=path, i=i, layout=layout, d=out_dtype):
+                value = layer_of(leaf, path, i)
+                return layout(host_array(_layer(leaf, i) if value is None else value)).astype(d)
+
+            entries.append((hf_tensor_name(path, i), shape, out_dtype, produce))
+    return entries
+
+
+def _layer(leaf, i: int):
+    return BitPattern(leaf.bits[i], leaf.dtype) if isinstance(leaf, BitPattern) else leaf[i]
+
+
+def host_array(x) -> np.ndarray:
+    """`x` on the host; split across processes, it is all-gathered first (every process must call this). A
+    BitPattern comes back as its float values."""
+    if isinstance(x, BitPattern):
+        return host_array(x.bits).view(x.dtype)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def save_model(
@@ -170,41 +186,27 @@ def save_model(
     dtype: str | None = None,
     tokenizer_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 2**30,
+    tensor=None,
 ) -> Path:
     """Write `params` as a Hugging Face model directory; copies tokenizer files from `tokenizer_from` if given.
 
-    A tied `cfg` whose params hold their own `lm_head` (trained apart, PEFT's modules_to_save) is written untied."""
+    Tensor by tensor: each is gathered to the host (one layer of a stacked leaf at a time) as it is written, so the
+    export never holds a second copy of the model. A tied `cfg` whose params hold their own `lm_head` (trained
+    apart, PEFT's modules_to_save) is written untied."""
     if cfg.tie_word_embeddings and "lm_head" in params:
         cfg = cfg.replace(tie_word_embeddings=False)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    np_dtype = DTYPES[dtype] if dtype else None
-    state = hf_state_dict(params, cfg, np_dtype)
-    for stale in [directory / SINGLE_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
-    dtype_name = dtype or str(next(iter(state.values())).dtype)
+    entries = tensor_entries(params, cfg, DTYPES[dtype] if dtype else None, tensor=tensor)
+    dtype_name = dtype or str(entries[0][2])
     (directory / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name), indent=2) + "\n")
-
-    shards, current, size = [], {}, 0
-    for name, value in state.items():
-        if current and size + value.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = value
-        size += value.nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_FILE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())}, "weight_map": weight_map}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if tokenizer_from is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_from) / name).is_file():
-                shutil.copyfile(Path(tokenizer_from) / name, directory / name)
+    write_weights(directory, entries, max_shard_bytes)
+    copy_tokenizer(tokenizer_from, directory)
     return directory
+
+
+def copy_tokenizer(source: str | Path | None, directory: Path) -> None:
+    """The tokenizer files of model directory `source` (if given) copied into `directory`."""
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, directory / name)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
-from jaxtune.models.quant import QuantizedArray, dequantize
+from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize
 
 
 def wide(dtype) -> jnp.dtype:
@@ -29,9 +29,10 @@ def wide(dtype) -> jnp.dtype:
 
 
 def kernel_of(module: dict, dtype) -> jax.Array:
-    """The module's base weight [in, out] in `dtype`, dequantised inside the jitted computation if quantised."""
+    """The module's base weight [in, out] in `dtype`, dequantised inside the jitted computation if quantised (or
+    bitcast back from a frozen kernel's bit pattern)."""
     kernel = module["kernel"]
-    if isinstance(kernel, QuantizedArray):
+    if isinstance(kernel, QuantizedArray | BitPattern):
         kernel = dequantize(kernel)
     return kernel.astype(dtype)
 
@@ -102,14 +103,15 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
     lora_scale: LoRA's static scale, unless the module carries its own `lora_scale` (see the module docstring).
     dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
     A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
-    x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model.
+    x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model (so
+    is a frozen kernel's bit pattern: the backward re-reads the scanned slice instead of stacking a copy).
     """
     if dropout_rate == 0.0 or "lora_a" not in module:
         dropout_key = None
     if "lora_scale" in module:
         module = dict(module)
         lora_scale = module.pop("lora_scale")
-    if isinstance(module["kernel"], QuantizedArray):
+    if isinstance(module["kernel"], QuantizedArray | BitPattern):
         static = (2, 4) if isinstance(lora_scale, float) else (4,)
         return jax.checkpoint(_dense, static_argnums=static)(x, module, lora_scale, dropout_key, dropout_rate)
     return _dense(x, module, lora_scale, dropout_key, dropout_rate)

@@ -100,6 +100,48 @@ class Int8Array:
 QuantizedArray = NF4Array | Int8Array
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class BitPattern:
+    """A frozen 16-bit float kernel [..., in, out] held as its uint16 bit pattern (the spine's frozen trees).
+
+    XLA:CPU computes bfloat16 in float32 and, when a float stack is sliced by `lax.scan`, converts the whole
+    stack to float32 before the loop: a frozen bfloat16 model then costs three times its bytes in the step. An
+    integer stack is left alone, and each layer's slice is bitcast back where it is used (`dequantize`), which is
+    free on every backend.
+    """
+
+    bits: jax.Array
+    dtype: np.dtype = field(metadata=dict(static=True))
+
+
+def as_bit_patterns(tree):
+    """`tree` (arrays, or ShapeDtypeStructs with their shardings) with each 16-bit float `kernel` under "layers"
+    as a BitPattern; None and trees without layers are returned as they are."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("layers"), dict):
+        return tree
+
+    def pack(kernel):
+        if isinstance(kernel, jax.ShapeDtypeStruct):
+            return BitPattern(jax.ShapeDtypeStruct(kernel.shape, jnp.uint16, sharding=kernel.sharding), kernel.dtype)
+        return BitPattern(jax.lax.bitcast_convert_type(kernel, jnp.uint16), kernel.dtype)
+
+    def module(m):
+        kernel = m.get("kernel") if isinstance(m, dict) else None
+        if (not isinstance(kernel, jax.Array | jax.ShapeDtypeStruct) or not jnp.issubdtype(kernel.dtype, jnp.floating)
+                or jnp.dtype(kernel.dtype).itemsize != 2):
+            return m
+        return {**m, "kernel": pack(kernel)}
+
+    return {**tree, "layers": {name: module(m) for name, m in tree["layers"].items()}}
+
+
+def from_bit_patterns(tree):
+    """`tree` with every BitPattern bitcast back to its float kernel (jit-able)."""
+    return jax.tree.map(lambda x: dequantize(x) if isinstance(x, BitPattern) else x, tree,
+                        is_leaf=lambda x: isinstance(x, BitPattern))
+
+
 def _rounded(x: jax.Array) -> jax.Array:
     """x, unchanged, as an operand XLA cannot contract into a fused multiply-add with the next add.
 
@@ -189,9 +231,11 @@ def quantize_int8(w: jax.Array) -> Int8Array:
     return Int8Array(codes=codes, absmax=absmax_xO, dtype=np.dtype(w.dtype))
 
 
-def dequantize(q: QuantizedArray) -> jax.Array:
+def dequantize(q: QuantizedArray | BitPattern) -> jax.Array:
     """The weight [..., in, out] in `q.dtype`, computed in float32 as bitsandbytes dequantises; jit-able, and
     correct on a stacked weight and on one layer of it sliced off by `lax.scan`."""
+    if isinstance(q, BitPattern):
+        return jax.lax.bitcast_convert_type(q.bits, q.dtype)
     if isinstance(q, Int8Array):
         return (q.codes.astype(jnp.float32) * q.absmax[..., None, :] * INT8_INVERSE_SCALE).astype(q.dtype)
     lead = q.codes.shape[:-1]

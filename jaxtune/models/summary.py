@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
 import jax
 
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.hf_weights import check_checkpoint
+from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import ATTENTION_MODULES, MLP_MODULES, ParamSpec, param_specs
+from jaxtune.models.safetensors_io import NAMES
 
 
 def _group(path: tuple[str, ...]) -> str:
@@ -31,13 +33,11 @@ def model_summary(directory: str | Path) -> dict:
     for path, spec in flat:
         counts[_group(tuple(k.key for k in path))] += spec.size
     dtypes, weight_bytes = Counter(), 0
-    for name, (handle, _) in check_checkpoint(directory, cfg).items():
-        tensor = handle.get_slice(name)
-        size = 1
-        for dim in tensor.get_shape():
-            size *= dim
-        dtypes[tensor.get_dtype()] += size
-        weight_bytes += size * {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I8": 1, "U8": 1}.get(tensor.get_dtype(), 4)
+    with checked_reader(directory, cfg) as reader:
+        for name in reader.names():
+            size = math.prod(reader.shape(name))
+            dtypes[NAMES[reader.dtype(name)]] += size
+            weight_bytes += size * reader.dtype(name).itemsize
     return {
         "architecture": cfg.architecture,
         "layers": cfg.num_layers,

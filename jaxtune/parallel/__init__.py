@@ -9,11 +9,6 @@ from jaxtune.config import OffloadConfig as OffloadConfig
 from jaxtune.parallel.mesh import abstract_mesh as abstract_mesh
 from jaxtune.parallel.mesh import make_mesh as make_mesh
 from jaxtune.parallel.offload import low_precision_moments as low_precision_moments
-from jaxtune.parallel.placement import TrainShardings as TrainShardings
-from jaxtune.parallel.placement import init_sharded_state as init_sharded_state
-from jaxtune.parallel.placement import shard_eval_step as shard_eval_step
-from jaxtune.parallel.placement import shard_train_step as shard_train_step
-from jaxtune.parallel.placement import train_shardings as train_shardings
 from jaxtune.parallel.rules import RULES as RULES
 from jaxtune.parallel.rules import partition_spec as partition_spec
 from jaxtune.parallel.sharding import batch_sharding as batch_sharding

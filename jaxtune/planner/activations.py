@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.targets import adapted_modules
 
 # One layer's backward workspace, as a multiple of that layer's no-remat activation set (measured on XLA:CPU).
 BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 2.25}
@@ -61,14 +62,14 @@ def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int) 
                   cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim)
 
 
-def _trains_input(method, module: str) -> bool:
+def _trains_input(method, module: str, adapted: dict) -> bool:
     """Whether the backward needs `module`'s input: its weights train, or an adapter on it reads it."""
     if method.kind == "full":
         return True
     if method.kind in ("lora", "qlora"):
-        return module in method.target_modules
+        return module in adapted
     if method.kind == "ia3":
-        return module == "down_proj" and module in method.target_modules
+        return module == "down_proj" and module in adapted
     return False
 
 
@@ -79,7 +80,9 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
     q_shape, kv_shape = (b, T, w.heads, hd), (b, T, w.kv_heads, hd)
     out_width = {"q_proj": q_shape, "k_proj": kv_shape, "v_proj": kv_shape, "o_proj": (b, T, w.D),
                  "gate_proj": (b, T, w.F), "up_proj": (b, T, w.F), "down_proj": (b, T, w.D)}
-    lora = method.target_modules if method.kind in ("lora", "qlora") else ()
+    adapted = adapted_modules(method, cfg.num_layers)
+    lora = adapted if method.kind in ("lora", "qlora") else {}
+    trains_input = lambda module: _trains_input(method, module, adapted)
     saved = [("x", (b, T, w.D), False)]
     if policy == "full":
         return saved
@@ -87,24 +90,24 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [("q", q_shape, False), ("k", kv_shape, False), ("v", kv_shape, False),
                   ("o_proj out", (b, T, w.D), False), ("gate", (b, T, w.F), False), ("up", (b, T, w.F), False)]
         for m in lora:
-            saved += [(f"{m} x A", (b, T, method.rank), False), (f"{m} x A B", out_width[m], False)]
+            saved += [(f"{m} x A", (b, T, lora[m]), False), (f"{m} x A B", out_width[m], False)]
     else:
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
                   ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),
                   ("up", (b, T, w.F), False), ("norm statistics", (b, T, 2), True)]
-        if any(_trains_input(method, m) for m in ("q_proj", "k_proj", "v_proj")):
+        if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj")):
             saved.append(("input norm output", (b, T, w.D), False))
-        if any(_trains_input(method, m) for m in ("gate_proj", "up_proj")):
+        if any(trains_input(m) for m in ("gate_proj", "up_proj")):
             saved.append(("post-attention norm output", (b, T, w.D), False))
         if method.kind == "full":
             saved += [("normalised x", (b, T, w.D), False), ("normalised x after attention", (b, T, w.D), False)]
-        if _trains_input(method, "o_proj"):
+        if trains_input("o_proj"):
             saved.append(("attention output", q_shape, False))
-        if _trains_input(method, "down_proj"):
+        if trains_input("down_proj"):
             saved.append(("SwiGLU output", (b, T, w.F), False))
-        saved += [(f"{m} x A", (b, T, method.rank), False) for m in lora]
+        saved += [(f"{m} x A", (b, T, lora[m]), False) for m in lora]
     if method.kind == "ia3":
-        saved += [(f"{m} output", out_width[m], False) for m in method.target_modules if m != "down_proj"]
+        saved += [(f"{m} output", out_width[m], False) for m in adapted if m != "down_proj"]
     if method.kind == "adapter":
         for where in ("attention", "mlp"):
             saved += [(f"{where} adapter input", (b, T, w.D), False),
@@ -112,32 +115,19 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
     return saved
 
 
-def adapter_backward_elements(method, w: Widths) -> int:
+def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     """Extra [b, T, F] elements one layer's backward holds for each MLP module with a LoRA branch: the branch's own
     gradient beside the frozen matmul's, about 1.6 of them a module (measured on XLA:CPU; attention modules' branches
     are narrow enough to hide in BACKWARD_SHARE)."""
     if method.kind not in ("lora", "qlora"):
         return 0
-    mlp_adapted = sum(m in method.target_modules for m in ("gate_proj", "up_proj", "down_proj"))
+    mlp_adapted = sum(m in adapted_modules(method, cfg.num_layers) for m in ("gate_proj", "up_proj", "down_proj"))
     return int(1.6 * mlp_adapted * w.b * w.T * w.F)
 
 
 def attention_elements(w: Widths) -> int:
     """Elements of one layer's attention scores on one device: [b, H, T, S]."""
     return w.b * w.heads * w.T * w.S
-
-
-# [b, T, V] float32 buffers alive at the loss, by objective (measured on XLA:CPU): SFT, the logits and their
-# gradient (one more when lm_head trains, for its weight gradient); DPO, the same two (its per-sequence sums need
-# no third); a reward model, none (its scalar head reads the hidden state); GRPO, three (the reference's logits
-# beside the policy's two); distillation, six (the teacher's logits and softmax, the student's log-softmax and the
-# gradients of the KL and of the cross-entropy).
-LOGITS_COPIES = {"sft": 2, "dpo": 2, "reward": 0, "grpo": 3, "distill": 6}
-
-
-def logits_copies(method, objective: str = "sft") -> int:
-    """[b, T, V] float32 buffers alive at the loss of `objective` (see LOGITS_COPIES)."""
-    return 3 if objective == "sft" and method.kind == "full" else LOGITS_COPIES[objective]
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
@@ -166,14 +156,15 @@ class ActivationBytes:
 
 
 def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
-                     objective: str = "sft") -> ActivationBytes:
-    """The activation terms for `policy` and `objective`, with `itemsize` bytes per activation value and `nbytes(shape, itemsize)`
-    the bytes an array of that shape occupies on the device (tiles on TPU)."""
+                     logits_copies: int = 2) -> ActivationBytes:
+    """The activation terms for `policy`, with `itemsize` bytes per activation value, `nbytes(shape, itemsize)` the
+    bytes an array of that shape occupies on the device (tiles on TPU), and `logits_copies` [b, T, V] float32
+    buffers alive at the loss (the objective's `Objective.logits_copies`, measured on XLA:CPU)."""
     size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
     scores = (w.b, w.heads, w.T, w.S)
     attention = ATTENTION_COPIES_F32 * nbytes(scores, 4) + nbytes(scores, itemsize)
     workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w)))
-    workspace += adapter_backward_elements(method, w) * itemsize
+    workspace += adapter_backward_elements(cfg, method, w) * itemsize
     logits_one = nbytes((w.b, w.T, w.V), 4)
     return ActivationBytes(cfg.num_layers * size(saved_tensors(cfg, method, policy, w)), attention, workspace,
-                           logits_one, logits_copies(method, objective) * logits_one)
+                           logits_one, logits_copies * logits_one)

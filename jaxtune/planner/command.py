@@ -13,6 +13,7 @@ import os
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
 from jaxtune.planner.devices import Device, get_device
 from jaxtune.planner.estimate import estimate, resolve_mesh
@@ -20,6 +21,7 @@ from jaxtune.planner.report import format_compiled, format_estimate, format_sear
 from jaxtune.planner.search import search
 from jaxtune.planner.shapes import model_from_directory, standard_config
 from jaxtune.planner.timing import step_time
+from jaxtune.spine import run as spine_run
 
 OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
 
@@ -70,6 +72,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
 
         cfg, plan = plan_from_run_config(load_run_config(config))
         return cfg, plan, device
+    objective = objective_named(objective).name
     if model is not None:
         cfg, stored = model_from_directory(model)
     else:
@@ -94,16 +97,12 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
 
 
 def plan_from_run_config(config) -> tuple[ModelConfig, TrainPlan]:
-    """(model config, plan) of a `RunConfig` (`jaxtune train`'s TOML): its model, method, dtypes, batch, sequence
-    length, accumulation, remat, mesh and offload, as `fine_tune` will run them."""
+    """(model config, plan) of a `RunConfig` (`jaxtune train`'s TOML): exactly the plan `fine_tune` runs, its
+    objective, the objective's section and second model included (`spine.run.run_plan`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
     cfg, stored = model_from_directory(config.model.path)
-    plan = TrainPlan(config.method, config.train.batch_size, config.data.max_seq_len, config.train.grad_accum,
-                     config.model.remat, config.model.compute_dtype,
-                     stored if config.model.dtype == "auto" else config.model.dtype, mesh=config.mesh,
-                     offload=config.offload)
-    return cfg, plan
+    return cfg, spine_run.run_plan(config, stored)
 
 
 def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3, **values) -> dict:

@@ -130,9 +130,11 @@ CATALOGUE: dict[str, Device] = {d.name: d for d in (
     _gaudi("gaudi3", 128, 3.7, 1835, 459, 600, "Intel Gaudi 3 AI accelerator white paper (2024)"),
 )}
 
-ALIASES = {"a100": "a100-40gb", "h100": "h100-80gb", "h200": "h200-141gb", "4090": "rtx-4090", "a6000": "rtx-a6000",
+# Short names that name one catalogued device; they are listed beside it, and a plan prints the full name.
+ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "4090": "rtx-4090", "a6000": "rtx-a6000",
            "gaudi-2": "gaudi2", "gaudi-3": "gaudi3", "tpu-v4": "v4", "tpu-v5e": "v5e", "tpu-v5p": "v5p",
            "tpu-v6e": "v6e", "v5litepod": "v5e"}
+AMBIGUOUS = {"a100": ("a100-40gb", "a100-80gb")}  # names of more than one device: refused, naming them
 CORES_PER_CHIP = {"v4": 2, "v5p": 2}  # slice names count TensorCores on these; JAX sees one device per chip
 
 
@@ -157,7 +159,9 @@ def cpu_device() -> Device:
 
 
 def known_targets() -> list[str]:
-    return sorted(CATALOGUE) + ["cpu"]
+    """The catalogue's names, each with its short names: "h100-80gb (h100)"."""
+    short = {full: [a for a, f in ALIASES.items() if f == full] for full in CATALOGUE}
+    return [f"{name} ({', '.join(short[name])})" if short[name] else name for name in sorted(CATALOGUE)] + ["cpu"]
 
 
 def get_device(target: str) -> Device:
@@ -170,6 +174,8 @@ def get_device(target: str) -> Device:
     name, count = match.group(1), match.group(2)
     if name not in CATALOGUE and name != "cpu" and name not in ALIASES and count is not None:
         name, count = text, None  # a name that ends in digits, like "a100-80gb" without a count
+    if name in AMBIGUOUS:
+        raise JaxtuneError(f"{target!r} names more than one device: {', '.join(AMBIGUOUS[name])}; give the full name")
     name = ALIASES.get(name, name)
     if name == "cpu":
         device = cpu_device()

@@ -31,16 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import ModelConfig
+from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.transform import apply_method, parameter_report, partition, trainable_mask
-from jaxtune.models.params import abstract_params
+from jaxtune.methods.transform import parameter_report
+from jaxtune.models.params import abstract_params, count_params
+from jaxtune.objectives import objective_named, section_of
+from jaxtune.objectives import rows as rows_of
+from jaxtune.parallel.mesh import abstract_mesh
 from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
 
 MiB = 1 << 20
-BATCH_BYTES_PER_TOKEN = 20  # input_ids, labels, segment_ids, positions int32 + loss_mask float32
 ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, prompt, S] float32 buffers (measured on XLA:CPU)
 
 
@@ -111,6 +113,8 @@ class Estimate:
     host_bytes: int
     peak_phase: str
     phases: dict
+    base_parameters: int = 0
+    loading_transient_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -142,8 +146,21 @@ class Estimate:
         return self.frozen_bytes + self.trainable_bytes + one_gradient + self.optimizer_bytes
 
     @property
+    def loading_bytes(self) -> int:
+        """The peak while the run starts (`spine/load.py`): the weights as they are created with the reading's own
+        buffers beside them (QLoRA: one float layer being quantised; otherwise one shard being read; on CPU the
+        host's buffers too), then the optimizer state made beside the weights; plus the runtime reserve."""
+        return (self.frozen_bytes + self.trainable_bytes + self.extra_models_bytes
+                + max(self.loading_transient_bytes, self.optimizer_bytes) + self.reserve_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The larger of the step's peak and loading's."""
+        return max(self.total_bytes, self.loading_bytes)
+
+    @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.device.usable_bytes
+        return self.peak_bytes <= self.device.usable_bytes
 
     def to_dict(self) -> dict:
         per_device = {
@@ -164,6 +181,8 @@ class Estimate:
             "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes, "count": self.device.count,
                        "usable_bytes": self.device.usable_bytes, "family": self.device.family},
             "fits": self.fits,
+            "loading": {"total_bytes": self.loading_bytes, "transient_bytes": self.loading_transient_bytes,
+                        "peak": "loading" if self.loading_bytes > self.total_bytes else "step"},
             "peak_phase": self.peak_phase,
             "phases": self.phases,
             "host_bytes": self.host_bytes,
@@ -174,27 +193,12 @@ class Estimate:
                                                     "frozen_params": p.offload.frozen_params,
                                                     "moments_dtype": p.offload.moments_dtype},
                      "objective": p.objective},
-            "model": {"parameters": self.parameters, "trainable_parameters": self.trainable_parameters,
+            "model": {"parameters": self.base_parameters, "method_parameters": self.parameters - self.base_parameters,
+                      "trainable_parameters": self.trainable_parameters,
                       "layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
                       "vocab_size": self.model.vocab_size},
             "notes": list(self.notes),
         }
-
-
-@functools.lru_cache(maxsize=64)
-def abstract_trees(cfg: ModelConfig, method, param_dtype: str, reward_head: bool = False):
-    """(trainable as float32 masters, frozen, parameter count) as `fine_tune` builds them: ShapeDtypeStructs.
-    reward_head: with a reward model's scalar head (`train.reward.add_reward_head`)."""
-    from jaxtune.train.reward import add_reward_head
-
-    def build(p, k):
-        params = apply_method(p, cfg, method, k)
-        return add_reward_head(params, cfg, k) if reward_head else params
-
-    params = jax.eval_shape(build, abstract_params(cfg, jnp.dtype(param_dtype)), jax.random.key(0))
-    trainable, frozen = partition(params, trainable_mask(params, method))
-    trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
-    return trainable, frozen, parameter_report(params, method).total
 
 
 def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
@@ -210,44 +214,82 @@ def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
                            ) from None
 
 
-def _device_bytes(tree, shardings, tiled: bool) -> int:
-    """Bytes of one device's shard of every array in `tree` (shardings: the same structure)."""
-    leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(shardings)
-    assert len(leaves) == len(shards), (len(leaves), len(shards))
+def _device_bytes(tree, tiled: bool) -> int:
+    """Bytes of one device's shard of every array of an abstract tree whose leaves carry their shardings."""
     total = 0
-    for leaf, sharding in zip(leaves, shards):
-        shape = sharding.shard_shape(tuple(leaf.shape))
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(tuple(leaf.shape))
         itemsize = np.dtype(leaf.dtype).itemsize
         total += _tiled_bytes(shape, itemsize) if tiled else math.prod(shape) * itemsize
     return total
 
 
-def _sharded_state(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> tuple[int, int, int, int]:
-    """Per-device bytes of (frozen, trainable masters, optimizer state, one float32 gradient)."""
-    return _sharded_state_cached(cfg, plan.method, plan.param_dtype, plan.offload.moments_dtype,
-                                 tuple(sizes.items()), tiled, plan.objective == "reward")
+@dataclass(frozen=True)
+class RunBytes:
+    """Per-device bytes of the arrays a step holds, counted on the spine's own abstract run (exact)."""
+
+    frozen: int
+    trainable: int
+    optimizer: int
+    second: int
+    batch: int
+    parameters: int
+    trainable_parameters: int
+    base_parameters: int
+    loading_device: int
+    loading_host: int
 
 
-@functools.lru_cache(maxsize=256)
-def _sharded_state_cached(cfg, method, param_dtype, moments_dtype, sizes, tiled, reward_head):
-    from jaxtune.config import MeshConfig, TrainConfig
-    from jaxtune.parallel.mesh import abstract_mesh
-    from jaxtune.parallel.offload import low_precision_moments
-    from jaxtune.parallel.sharding import optimizer_shardings, param_shardings
-    from jaxtune.train.step import make_optimizer
+def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> RunBytes:
+    """The spine's abstract run of `plan` on an abstract mesh of `sizes`: what each argument of the step holds per
+    device. Cached on what changes the arrays (not remat or the compute dtype)."""
+    return _run_bytes(cfg, plan.replace(remat="none", compute_dtype="float32"), tuple(sizes.items()), tiled)
 
-    trainable, frozen, _ = abstract_trees(cfg, method, param_dtype, reward_head)
+
+@functools.lru_cache(maxsize=512)
+def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
+    from jaxtune.spine.run import abstract_run
+
+    objective = objective_named(plan.objective)
     sizes = dict(sizes)
     mesh = abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
-    optimizer = make_optimizer(TrainConfig(), 1000, trainable)
-    if moments_dtype != "float32":
-        optimizer = low_precision_moments(optimizer, moments_dtype)
-    opt_state = jax.eval_shape(optimizer.init, trainable)
-    trainable_sh = param_shardings(trainable, cfg, mesh)
-    frozen_b = _device_bytes(frozen, param_shardings(frozen, cfg, mesh), tiled)
-    trainable_b = _device_bytes(trainable, trainable_sh, tiled)
-    optimizer_b = _device_bytes(opt_state, optimizer_shardings(optimizer, trainable, trainable_sh, mesh), tiled)
-    return frozen_b, trainable_b, optimizer_b, trainable_b
+    run = abstract_run(cfg, plan, mesh, objective)
+    trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(run.state["params"]))
+    report = parameter_report(run.params, plan.method, cfg)
+    return RunBytes(_device_bytes(run.frozen, tiled), _device_bytes(run.state["params"], tiled),
+                    _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
+                    _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
+                    *_loading_transient(run, tiled))
+
+
+def _loading_transient(run, tiled: bool) -> tuple[int, int]:
+    """(device, host) bytes `spine/load.py` holds beside the arrays it has created. A quantised kernel: on the
+    device, one layer's float32 matrix and the quantiser's temporaries (its compiled program's own figures); on the
+    host, all that kernel's layers' quantised children (placed at the end) and one layer read and cast to float32.
+    A float leaf: one shard being read, on the host and on the device."""
+    from jaxtune.models.quant import Int8Array, QuantizedArray, full_shape
+
+    quantized = [x for x in jax.tree.leaves(run.frozen, is_leaf=lambda x: isinstance(x, QuantizedArray))
+                 if isinstance(x, QuantizedArray)]
+    if quantized:
+        host = max(sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in jax.tree.leaves(q)) for q in quantized)
+        device = max(_quantizer_bytes(full_shape(q)[1:], isinstance(q, Int8Array), getattr(q, "absmax2", None)
+                                      is not None) for q in quantized if q.codes is not None)
+        layer = max(math.prod(full_shape(q)[1:]) for q in quantized)
+        return device, host + 6 * layer  # the read (bfloat16 at most) and its float32 cast
+    leaves = jax.tree.leaves(run.frozen) + jax.tree.leaves(run.state["params"])
+    shard = max((_device_bytes(x, tiled) for x in leaves), default=0)
+    return shard, shard
+
+
+@functools.lru_cache(maxsize=64)
+def _quantizer_bytes(shape: tuple[int, int], int8: bool, double_quant: bool) -> int:
+    """Argument + output + temporary bytes of the compiled quantiser on one float32 [in, out] layer."""
+    from jaxtune.models.quant import quantize_int8, quantize_nf4
+
+    quantize = jax.jit(quantize_int8) if int8 else jax.jit(functools.partial(quantize_nf4, double_quant=double_quant))
+    memory = quantize.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().memory_analysis()
+    return memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
 
 
 def _full_size(tree, tiled: bool) -> int:
@@ -265,89 +307,80 @@ def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_k
     """(bytes kept for the backward, bytes alive all step) of weight copies that dtype casts make, before sharding.
 
     Everywhere: under remat "none", JAX keeps `kernel.astype(compute dtype)` of every layer for the backward when
-    the kernel's dtype differs (float32 masters under bf16 compute; frozen bf16 weights under float32 compute).
-    QLoRA's dequantised kernels are recomputed in the backward instead (models/linear.py).
-    XLA:CPU (measured): it multiplies in float32 and converts a frozen bfloat16 weight stack once for the whole
-    loop, so a float32 copy of the frozen layers and head appears whenever bfloat16 is involved.
+    the kernel's dtype differs (float32 masters under bfloat16 compute; frozen float32 weights under bfloat16).
+    Frozen kernels quantised or held as bit patterns (`models/quant.BitPattern`, every 16-bit one) are re-derived
+    in the backward instead (models/linear.py).
+    XLA:CPU (measured): it converts a frozen bfloat16 head (or tied embedding) to float32 once for the step.
     """
     frozen = plan.method.kind != "full"
     kernel_dtype = plan.param_dtype if frozen else "float32"
     residual = copies = 0
-    if plan.remat == "none" and plan.method.kind != "qlora" and kernel_dtype != plan.compute_dtype:
-        # a frozen copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters cast to
-        # bf16 stay bf16
+    kept = not frozen or (plan.method.kind != "qlora" and jnp.dtype(kernel_dtype).itemsize > 2)
+    if plan.remat == "none" and kept and kernel_dtype != plan.compute_dtype:
+        # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
+        # cast to bf16 stay bf16
         residual = layer_kernels * (a if frozen else jnp.dtype(plan.compute_dtype).itemsize)
-    if rules.upcasts_bf16 and frozen:
-        layers = 0 if plan.method.kind == "qlora" else layer_kernels
-        if plan.param_dtype != "float32":
-            copies += (layers + head_kernel) * 4
-        elif plan.compute_dtype != "float32":
-            copies += head_kernel * 4
+    if rules.upcasts_bf16 and frozen and (plan.param_dtype != "float32" or plan.compute_dtype != "float32"):
+        copies += head_kernel * 4
     return residual, copies
 
 
-def _objective_extras(cfg: ModelConfig, plan: TrainPlan, w, nbytes, shard: int, tiled: bool,
-                      notes: list[str]) -> tuple[int, int]:
-    """(bytes of the objective's second model, bytes of GRPO's rollout KV cache) per device."""
-    extra_models_b = kv_b = 0
-    one_copy = _full_size(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(plan.param_dtype)),
-                                       abstract_params(cfg)), tiled) // shard
-    if plan.objective in ("dpo", "grpo") and plan.method.kind == "full":
-        extra_models_b += one_copy
-        notes.append(f"{plan.objective}: a frozen reference copy of the weights (adapter methods use the base "
-                     "weights with adapters off instead)")
-    if plan.objective == "distill":
-        extra_models_b += one_copy
-        notes.append("distillation: a frozen teacher of the student's architecture")
-    if plan.objective == "grpo" and plan.generate_tokens:
-        prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
-        rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
-        kv_b = 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim),
-                                           jnp.dtype(plan.compute_dtype).itemsize)
-        notes.append("grpo: the rollout's KV cache [L, A b, T, K, hd] x 2 (keys, values), before the step")
-    return extra_models_b, kv_b
+def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
+    """Bytes of GRPO's rollout KV cache per device: [L, A b, prefix + T, K, hd] keys and values."""
+    prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
+    rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
+    return 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim),
+                                       jnp.dtype(plan.compute_dtype).itemsize)
 
 
 def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
-    """Per-device memory of `plan`'s training step for `cfg` on `device` (with its count), without allocating."""
+    """Per-device memory of `plan`'s training step for `cfg` on `device` (with its count), without allocating.
+
+    The arrays the step holds (weights, masters, optimizer state, the second model, the batch) are counted exactly
+    on the spine's abstract run (`run_bytes`); its transient memory (activations, logits, gradients, copies) by
+    the rules below.
+    """
     rules = RULES[device.family]
     sizes = resolve_mesh(plan, device)
     data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
     method, tiled = plan.method, rules.tiled
     notes: list[str] = []
     ways = data * fsdp
-    if plan.batch_size % ways:
-        raise JaxtuneError(f"batch {plan.batch_size} rows cannot be split over data x fsdp = {data} x {fsdp} = {ways} "
-                           f"devices; use a multiple of {ways}")
-    rows = plan.rows // ways  # pairs are two rows: chosen and rejected
+    total_rows = rows_of(plan)  # a pair is two rows, a GRPO prompt group_size rows
+    if total_rows % ways:
+        raise JaxtuneError(f"batch {plan.batch_size} ({total_rows} rows) cannot be split over data x fsdp = {data} x "
+                           f"{fsdp} = {ways} devices; use a multiple of {ways} rows")
+    rows = total_rows // ways
     prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor)
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
-    frozen_b, trainable_b, optimizer_b, grad_b = _sharded_state(cfg, plan, sizes, tiled)
-    trainable, _, n_total = abstract_trees(cfg, method, plan.param_dtype, plan.objective == "reward")
-    n_trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
+    held = run_bytes(cfg, plan, sizes, tiled)
+    frozen_b, trainable_b, optimizer_b, grad_b = held.frozen, held.trainable, held.optimizer, held.trainable
+    n_total, n_trainable = held.parameters, held.trainable_parameters
+    objective = objective_named(plan.objective)
 
-    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, plan.objective)
+    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method))
     logits_b = acts.logits
-    if plan.objective == "distill":
-        notes.append("distillation: the teacher's logits and softmax [b, T, V] float32 sit beside the student's")
 
     # Weight copies made by dtype casts.
     layer_kernels, head_kernel = _kernel_elements(cfg)
     shard = fsdp * tensor
     residual_copies, copies_b = (c // shard for c in _cast_copies(plan, rules, layer_kernels, head_kernel, a))
     if copies_b and rules.upcasts_bf16:
-        notes.append("XLA:CPU multiplies bfloat16 in float32: float32 copies of the frozen weights are counted")
+        notes.append("XLA:CPU converts a frozen bfloat16 head to float32 for the step: that copy is counted")
     if fsdp > 1:
         # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan, and
         # the output head whole; a second model's forward (a reference, a teacher) gathers its own beside them
         # (measured on fake CPU devices).
-        forwards = 2 if plan.objective in ("dpo", "grpo", "distill") else 1
+        forwards = 1 + objective.extra_forwards(section_of(plan))
         copies_b += forwards * (layer_kernels // cfg.num_layers + head_kernel) * a // tensor
 
-    extra_models_b, kv_b = _objective_extras(cfg, plan, w, nbytes, fsdp * tensor, tiled, notes)
+    extra_models_b = held.second
+    if extra_models_b:
+        notes.append(f"{plan.objective}: its second model (a frozen reference copy or a teacher) beside the policy")
+    kv_b = _rollout_kv(cfg, plan, w, nbytes) if plan.generate_tokens else 0
 
     # The three moments of the step.
     grads_in_flight = 2 * grad_b
@@ -364,7 +397,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         notes.append("on CPU host and device memory are the same RAM: offloading moves nothing")
     if offload.optimizer_state:
         phases["update"]["optimizer"] = optimizer_b  # copied in for the update, written back to host after
-    if plan.objective == "grpo" and plan.generate_tokens:
+    if plan.generate_tokens:
         # the rollout: the KV cache, and the prefill's attention over the prompt (one layer's scores, their softmax
         # and the masked scores: ROLLOUT_SCORE_COPIES [b, H, prompt, S] float32, measured on XLA:CPU); the weights
         # are cast to the compute dtype once for the whole generation
@@ -388,9 +421,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         notes.append("offloaded frozen weights are copied to the device whole for each step: they save device "
                      "memory between steps, not at the step's peak")
 
-    batch_b = plan.grad_accum * nbytes((w.b, plan.seq_len), 1) * BATCH_BYTES_PER_TOKEN
-    if plan.objective == "grpo":
-        batch_b += plan.grad_accum * 2 * nbytes((w.b,), 4)  # advantages and rewards [A, N]
+    batch_b = held.batch
     if peak == "loss":
         saved, attention, logits, workspace = acts.saved, 0, logits_b, 0
     elif peak == "backward":
@@ -410,4 +441,5 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         gradients_bytes=at_peak["gradients"], optimizer_bytes=optimizer_dev, saved_activations_bytes=saved,
         attention_bytes=attention, logits_bytes=logits, workspace_bytes=workspace, weight_copies_bytes=copies_b,
         kv_cache_bytes=kv_at_peak, batch_bytes=batch_b, reserve_bytes=reserve, host_bytes=host_b,
-        peak_phase=peak, phases=phases, notes=tuple(notes + [rules.reserve_note]))
+        peak_phase=peak, phases=phases, base_parameters=held.base_parameters,
+        loading_transient_bytes=held.loading_device + (held.loading_host if device.family == "cpu" else 0), notes=tuple(notes + [rules.reserve_note]))

@@ -12,9 +12,10 @@ MiB = 1 << 20
 
 
 def _count(n: int) -> str:
+    """134,515,008 -> "134.5M" (one decimal, as `jaxtune info`'s reader would round it)."""
     for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= div:
-            return f"{n / div:.3g}{unit}"
+            return f"{n / div:.1f}{unit}"
     return str(n)
 
 
@@ -33,9 +34,11 @@ def _describe(est: Estimate) -> list[str]:
     p, cfg, mesh = est.plan, est.model, est.mesh
     method = p.method.kind + (f" r={p.method.rank}" if p.method.kind in ("lora", "qlora") else "") + \
         (f" {p.method.bits}-bit" if p.method.kind == "qlora" else "")
+    added = est.parameters - est.base_parameters
     return [
-        f"model: {_count(est.parameters)} parameters ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"vocab {cfg.vocab_size}); trainable {est.trainable_parameters:,}",
+        f"model: {_count(est.base_parameters)} parameters ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}){f'; the method adds {_count(added)}' if added else ''}; "
+        f"trainable {est.trainable_parameters:,}",
         f"plan: {method}, {p.objective}; batch {p.batch_size} x {p.grad_accum} accumulation, sequence {p.seq_len}, "
         f"remat {p.remat}, compute {p.compute_dtype}, weights {p.param_dtype}",
         f"target: {est.device.count} x {est.device.name} (mesh data={mesh['data']} fsdp={mesh['fsdp']} "
@@ -88,6 +91,10 @@ def format_estimate(est: Estimate, time: StepTime | None = None) -> str:
                  f"({d.memory_bytes / GiB:.0f} GiB x {d.usable_fraction}): {verdict}")
     transient = ", ".join(f"{k} {size(v['total'])}" for k, v in est.phases.items())
     lines.append(f"  peak in the {est.peak_phase} (transient {unit} by moment: {transient})")
+    larger = ("above the step's peak, so the verdict is on it" if est.loading_bytes > est.total_bytes
+              else "below the step's peak")
+    lines.append(f"  loading: {size(est.loading_bytes)} {unit} at its peak ({size(est.loading_transient_bytes)} of "
+                 f"read and quantisation buffers beside the arrays it creates), {larger}")
     if est.host_bytes:
         lines.append(f"  host memory: {est.host_bytes / GiB:.2f} GiB a device")
     if time is not None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from jaxtune.objectives import objective_named, section_of
+from jaxtune.objectives import rows as rows_of
 from jaxtune.planner import activations as act
 from jaxtune.planner.estimate import Estimate
 
@@ -53,7 +55,7 @@ def step_time(est: Estimate) -> StepTime:
     """The predicted time of one optimizer step of `est`'s plan on `est.device` (per device; all run in step)."""
     cfg, plan, dev = est.model, est.plan, est.device
     data, fsdp, tensor = est.mesh["data"], est.mesh["fsdp"], est.mesh["tensor"]
-    rows = plan.rows // (data * fsdp)
+    rows = rows_of(plan) // (data * fsdp)
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
     n = rows * plan.seq_len
     matmul = act.matmul_params_per_token(cfg) / tensor
@@ -63,13 +65,12 @@ def step_time(est: Estimate) -> StepTime:
     flops = 2 * n * matmul * (1 + 1 + (1 if weight_grads else 0) + (1 if plan.remat == "full" else 0))
     flops += 4 * attention  # forward, recompute, and a backward of twice the forward
     if plan.method.kind in ("lora", "qlora"):
-        lora_params = sum(plan.method.rank * 2 * cfg.hidden_size for _ in plan.method.target_modules) * cfg.num_layers
+        lora_params = est.trainable_parameters
         flops += 2 * n * lora_params * 3
     # the reference's forward (DPO, GRPO; the base with adapters off for adapter methods), the teacher's (distill)
-    extra_forwards = {"dpo": 1, "grpo": 1, "distill": 1}.get(plan.objective, 0)
+    extra_forwards = objective_named(plan.objective).extra_forwards(section_of(plan))
     flops += extra_forwards * (2 * n * matmul + attention)
-    if plan.objective == "grpo":
-        flops += 2 * rows * plan.generate_tokens * matmul  # rollout decode
+    flops += 2 * rows * plan.generate_tokens * matmul  # a rollout's decode (GRPO)
     compute_dtype = plan.compute_dtype
     compute_s = flops / (dev.peak(compute_dtype) * MFU_CEILING)
 

@@ -5,20 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+
 from jaxtune.config import ForwardOptions
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError, check_range
-from jaxtune.train.metrics import perplexity
-from jaxtune.train.step import make_eval_step
+from jaxtune.objectives.base import Context
+from jaxtune.objectives.sft import eval_terms as sft_terms
+from jaxtune.objectives.sft import perplexity
 
 
 def evaluate(eval_step, params: dict, batches: list[dict]) -> tuple[float, float, int]:
-    """(mean completion-token loss, perplexity, tokens) over all batches."""
+    """(mean completion-token loss, perplexity, tokens) over all batches; eval_step(params, batch) -> {"loss",
+    "tokens"} sums (SFT's `eval_terms`)."""
     sums = [eval_step(params, batch) for batch in batches]
-    total = sum(float(s) for s, _ in sums)
-    count = int(sum(float(c) for _, c in sums))
+    total = sum(float(s["loss"]) for s in sums)
+    count = int(sum(float(s["tokens"]) for s in sums))
     if count == 0:
         raise JaxtuneError("evaluation data has no completion tokens")
     return total / count, perplexity(total / count), count
@@ -42,7 +46,8 @@ def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | Non
     seq_len = max_seq_len or cfg.max_position_embeddings
     examples, stats = load_sft_examples(data, tokenizer, seq_len)
     batches = epoch_batches(examples, batch_size, seq_len, seed=0, epoch=0, pack=True)
-    loss, ppl, tokens = evaluate(make_eval_step(cfg, method, options), params, batches)
+    terms = jax.jit(lambda params, batch: sft_terms(Context(cfg, method, options))(params, None, batch))
+    loss, ppl, tokens = evaluate(terms, params, batches)
     return {"loss": loss, "perplexity": ppl, "tokens": tokens, "examples": len(examples),
             "dropped": stats.dropped_prompt_too_long + stats.dropped_empty}
 
@@ -59,27 +64,27 @@ def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str |
     the share of pairs with log pi/ref(chosen) > log pi/ref(rejected), margin the mean of that difference (nats),
     loss DPO's sigmoid loss at beta = 1.
     """
-    from jaxtune.train.preference import PreferenceConfig, make_preference_eval, preference_batches, strip_adapters
-    from jaxtune.train.reward import is_reward_model, load_reward_model, make_reward_eval
+    from jaxtune.methods.peft import load_model_with_adapter
+    from jaxtune.models.reward_model import is_reward_model, load_reward_model
+    from jaxtune.objectives import dpo
+    from jaxtune.objectives import reward as reward_objective
 
     reward = is_reward_model(model)
     if reward:
         if adapter is not None:
             raise JaxtuneError(f"{model}: a reward model takes no --adapter (its adapters are merged on export)")
         cfg, params = load_reward_model(model)
-        evaluate_pair = make_reward_eval(cfg, None, options)
+        terms = reward_objective.eval_terms(Context(cfg, None, options))
     else:
         if adapter is None:
             raise JaxtuneError(f"{data}: preference data needs a reward model, or --adapter to score a policy "
                                f"against {model} as the reference")
-        from jaxtune.methods.peft import load_model_with_adapter
-
         cfg, params, method = load_model_with_adapter(model, adapter, base=base, log=log)
-        dpo = make_preference_eval(cfg, method, options, PreferenceConfig(beta=1.0))
-        evaluate_pair = lambda params, batch: dpo(params, strip_adapters(params), batch)
+        terms = dpo.eval_terms(Context(cfg, method, options, dpo.PreferenceConfig(beta=1.0)))
+    evaluate_pair = jax.jit(lambda params, batch: terms(params, None, batch))
     seq_len = max_seq_len or cfg.max_position_embeddings
     pairs, stats = load_preference_examples(data, load_tokenizer(model), seq_len)
-    sums = [evaluate_pair(params, b) for b in preference_batches(pairs, batch_size, seq_len, seed=0, epoch=0)]
+    sums = [evaluate_pair(params, b) for b in dpo.preference_batches(pairs, batch_size, seq_len, seed=0, epoch=0)]
     totals = {k: sum(float(s[k]) for s in sums) for k in sums[0]}
     n = totals["pairs"]
     names = ({"accuracy": "accuracy", "margin": "margin"} if reward else

@@ -20,21 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune.config import ForwardOptions, Remat
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
-from jaxtune.models.hf_weights import load_model
-from jaxtune.parallel.distributed import barrier, global_array, host_copy, is_main_process
+from jaxtune.models.hf_config import load_config
+from jaxtune.models.hf_weights import stored_dtype
+from jaxtune.objectives import objective_named
+from jaxtune.parallel.distributed import barrier, host_copy, is_main_process
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
 from jaxtune.paths import check_output_dir
 from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import MetricsLog, plot_losses
-from jaxtune.train.tasks import TASKS, Setup, Task
+from jaxtune.train.tasks import Task, prepare_task
 
 HIDDEN_METRICS = ("tokens", "loss_tokens", "bad_streak")  # used for tokens/s and the stop rule, not logged as is
 
@@ -90,24 +90,17 @@ def fine_tune(config: RunConfig, log=print) -> RunResult:
         return _train(config, log, flag)
 
 
-def setup_run(config: RunConfig, log) -> Setup:
-    """Check the config's required keys, then make the mesh and load the base model and tokenizer."""
+def setup_task(config: RunConfig, log) -> Task:
+    """Check the config's required keys, then make the mesh, read the model's config and tokenizer, and prepare the
+    objective's data, the spine's run and its weights (read straight into their shardings)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
     if not config.data.train:
         raise JaxtuneError("[data] train is not set")
     mesh = make_mesh(config.mesh)
-    cfg, base = load_model(config.model.path, None if config.model.dtype == "auto" else config.model.dtype)
-    options = ForwardOptions(compute_dtype=config.model.compute_dtype, remat=Remat(config.model.remat))
-    return Setup(config, mesh, cfg, base, load_tokenizer(config.model.path), options, log)
-
-
-def place_batch(batch: dict, sharding: NamedSharding) -> dict:
-    """Host arrays [A, rows, ...] onto the mesh: rows split as `sharding` (the run's [A, B, T] batch sharding) splits
-    B, every row whole on a device. The one host -> device transfer of training data: every process of a
-    multi-process run builds the same host batch and transfers only the rows of its own devices."""
-    spec = tuple(sharding.spec) + (None,) * 3
-    return {k: global_array(v, NamedSharding(sharding.mesh, PartitionSpec(*spec[:v.ndim]))) for k, v in batch.items()}
+    cfg = load_config(config.model.path)
+    tokenizer = load_tokenizer(config.model.path)
+    return prepare_task(config, mesh, tokenizer, stored_dtype(config.model.path), cfg, log)
 
 
 def run_directories(output_dir: str) -> tuple[Path, str | Path]:
@@ -126,13 +119,15 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     run_dir, checkpoint_dir = run_directories(tc.output_dir)
     writer = is_main_process()  # files that exist once are written by process 0 alone
     check_output_dir(run_dir, "train.output_dir")
+    objective = objective_named(tc.objective)
     if jax.process_count() > 1:
-        if tc.objective == "grpo":
-            raise JaxtuneError("objective grpo runs in one process (its rollouts are sampled on the host); "
-                               f"this run has {jax.process_count()} processes")
+        if objective.single_process:
+            raise JaxtuneError(f"objective {objective.name} runs in one process (its batches are sampled on the "
+                               f"host); this run has {jax.process_count()} processes")
         log(f"process {jax.process_index()} of {jax.process_count()}: {len(jax.devices())} devices "
             f"({len(jax.local_devices())} local)")
-    task: Task = TASKS[tc.objective](setup_run(config, log))
+    task = setup_task(config, log)
+    run = task.run
     state, total_steps, steps_per_epoch = task.state, task.total_steps, task.steps_per_epoch
 
     checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
@@ -141,7 +136,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     if start > 0:
         checkpoints.check_shapes(start, state, recorded)
         state, meta = checkpoints.restore(start, state)
-        state = jax.device_put(state, task.shardings.state)
+        state = jax.device_put(state, run.shardings.state)
     if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_run_config(config))
@@ -151,9 +146,9 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     metrics_log = MetricsLog(run_dir / "metrics.jsonl" if writer else None, resume_step=start)
 
     def run_eval(step: int, epoch: float) -> None:
-        if task.evaluate is None:
+        record = task.evaluate(state)
+        if record is None:
             return
-        record = task.evaluate(combine(state["params"], task.frozen))
         metrics_log.write({"step": step, "epoch": epoch, **record})
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in record.items()))
@@ -164,9 +159,8 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
 
     if start == 0:
         run_eval(0, 0.0)
-    unit = {"dpo": "pairs", "reward": "pairs", "grpo": "prompts"}.get(tc.objective, "rows")
-    log(f"training {tc.objective}: {total_steps} steps ({steps_per_epoch} per epoch, {tc.grad_accum} x "
-        f"{tc.batch_size} {unit} of {config.data.max_seq_len} tokens)")
+    log(f"training {objective.name}: {total_steps} steps ({steps_per_epoch} per epoch, {tc.grad_accum} x "
+        f"{tc.batch_size} {objective.unit} of {config.data.max_seq_len} tokens)")
     progress = _progress(total_steps, start)
     pending, last_time, train_loss, interrupted = None, time.perf_counter(), float("nan"), False
 
@@ -191,8 +185,8 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
 
     for step in range(start + 1, total_steps + 1):
         epoch, index = divmod(step - 1, steps_per_epoch)
-        batch = place_batch(task.batch(epoch, index, state), task.shardings.batch)
-        state, metrics = task.step(state, task.aux, batch)
+        batch = run.place_batch(task.batch(epoch, index, state))
+        state, metrics = run.step(state, task.frozen, task.second, batch)
         if pending is not None:
             train_loss = flush(pending)
         pending = (step, metrics)
@@ -218,7 +212,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     if interrupted:
         log(f"interrupted at step {final_step}: checkpoint saved; run the same command again to resume")
         return RunResult(run_dir, final_step, train_loss, None, None, skipped, None, True)
-    params = on_device(combine(state["params"], task.frozen), task.shardings.params)  # out of host memory, if offloaded
+    params = on_device(combine(state["params"], task.frozen), run.shardings.params)  # out of host memory, if offloaded
     if jax.process_count() > 1:
         params = host_copy(params)  # every process takes part in gathering what is split across them
     result_path = task.export(run_dir, params) if writer else None

@@ -1,4 +1,17 @@
-"""What every objective's step shares: accumulate micro-batches, then apply the update or skip a non-finite one."""
+"""The one step every objective trains with: accumulate the objective's loss over micro-batches, then apply the
+update, or skip a non-finite one.
+
+    step = make_step(objective.loss_terms(context), method, optimizer, schedule)
+    state, metrics = step(state, frozen, second, batch)      # batch: [A, rows, ...] arrays, A micro-batches
+
+An objective's `loss_terms(trainable, frozen, second, micro, key) -> (loss sum, (count, metric sums))` returns sums,
+not means: `accumulate` adds them over the A micro-batches (and their gradients), then divides once by the total
+count, so A micro-batches of B rows equal one batch of A*B rows. A step whose loss or gradients are not finite
+leaves params and optimizer state untouched and is counted. LoRA dropout draws from `fold_in(state["rng"], step)`,
+folded again per micro-batch (and split per layer by the decoder); with dropout 0 no random-number work is traced.
+`make_step` returns a plain function: the spine (`run.py`) jits it once, with the run's shardings and the state
+donated.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +24,10 @@ from jaxtune.models.linear import lora_dropout_rate
 
 def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, dict, dict]:
-    """Scan `loss_fn(trainable, micro) -> (loss sum, (count, metric sums))` over the leading micro-batch axis.
+    """Scan `loss_fn(trainable, micro[, key]) -> (loss sum, (count, metric sums))` over the micro-batch axis.
 
-    Returns (mean loss, count, gradients of the mean, metric means): sums first and one division by the total
-    count, so A micro-batches of B rows equal one batch of A*B rows.
-    key: if given, micro-batch a is `loss_fn(trainable, micro, jax.random.fold_in(key, a))` (e.g. for dropout),
-    so every micro-batch draws its own randomness.
+    Returns (mean loss, count, gradients of the mean, metric means). key: if given, micro-batch a draws from
+    `jax.random.fold_in(key, a)`, so every micro-batch has its own randomness (dropout).
     """
     if key is not None:
         A = jax.tree.leaves(batch)[0].shape[0]
@@ -62,24 +73,22 @@ def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.Gra
 
 
 def dropout_key(state: dict, method) -> jax.Array | None:
-    """This step's LoRA dropout key, `fold_in(state["rng"], step)` (`accumulate` folds in the micro-batch, the
-    decoder the layer); None when `method` trains without dropout, so no random-number work is traced."""
+    """This step's LoRA dropout key, `fold_in(state["rng"], step)`; None when `method` trains without dropout."""
     return jax.random.fold_in(state["rng"], state["step"]) if lora_dropout_rate(method) > 0 else None
 
 
-def objective_step(loss_terms, method, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                   batch_metrics=None):
-    """The jitted `step(state, *inputs, batch[A, rows, ...]) -> (state, metrics)`, state donated, of an objective
-    whose `loss_terms(trainable, *inputs, micro, key) -> (loss sum, (count, metric sums))`: `accumulate` over the
-    micro-batches with this step's dropout key, then `apply_update`. Metrics: the update's, the loss terms' means,
-    the batch's real tokens and `batch_metrics(batch)`."""
+def make_step(loss_terms, method, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+              batch_metrics=None):
+    """`step(state, frozen, second, batch[A, rows, ...]) -> (state, metrics)`: `accumulate` the objective's
+    `loss_terms` over the micro-batches with this step's dropout key, then `apply_update`. Metrics: the update's,
+    the loss terms' means, the batch's real tokens, its loss tokens, and `batch_metrics(batch)`."""
 
-    def step(state, *args):
-        *inputs, batch = args
-        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, *inputs, micro, key)
-        loss, _, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
+    def step(state, frozen, second, batch):
+        loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, frozen, second, micro, key)
+        loss, count, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
         extra = batch_metrics(batch) if batch_metrics else {}
-        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0), **extra}
+        return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0),
+                       "loss_tokens": count, **extra}
 
-    return jax.jit(step, donate_argnums=0)
+    return step

@@ -20,15 +20,18 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
+from jaxtune.data.formats import load_prompt_examples, train_eval_split
+from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import generate
 from jaxtune.methods.transform import combine
 from jaxtune.models.llama import forward
-from jaxtune.objectives import grpo_advantages, grpo_token_loss, token_nll
-from jaxtune.train.update import objective_step
+from jaxtune.models.reward_model import load_reward_model, reward_scores
+from jaxtune.objectives.base import Context, Objective, Setup, Training, reference_of
+from jaxtune.objectives.dpo import sequence_row
+from jaxtune.objectives.losses import grpo_advantages, grpo_token_loss, token_nll
 
 
 @dataclass(frozen=True)
@@ -111,29 +114,30 @@ def _token_logps(params, cfg, batch, method, options, dropout_key=None):
     return -token_nll(logits, batch["labels"])
 
 
-def make_grpo_step(cfg: ModelConfig, method: MethodConfig, options: ForwardOptions,
-                   optimizer: optax.GradientTransformation, schedule: optax.Schedule, grpo: GRPOConfig):
-    """The jitted `step(state, frozen, reference, batch[A, N, T] + advantages [A, N]) -> (state, metrics)`."""
+def loss_terms(ctx: Context):
+    """GRPO's clipped-ratio objective with a KL penalty to the reference, per micro-batch of rollouts."""
+    g = ctx.section
 
-    def loss_terms(trainable, frozen, reference, micro, key=None):
-        logp = _token_logps(combine(trainable, frozen), cfg, micro, method, options, key)
-        ref_logp = jax.lax.stop_gradient(_token_logps(reference, cfg, micro, None, options))
-        total, count = grpo_token_loss(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
-                                       micro["loss_mask"], grpo.clip, grpo.kl_coef)
+    def terms(trainable, frozen, second, micro, key=None):
+        logp = _token_logps(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, key)
+        ref_logp = jax.lax.stop_gradient(_token_logps(reference_of(frozen, second), ctx.cfg, micro, None,
+                                                      ctx.options))
+        total_, count = grpo_token_loss(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
+                                        micro["loss_mask"], g.clip, g.kl_coef)
         kl = jnp.sum((jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1) * micro["loss_mask"])
-        return total, (count, {"kl": kl})
+        return total_, (count, {"kl": kl})
 
-    return objective_step(loss_terms, method, optimizer, schedule,
-                          batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])})
+    return terms
+
+
+def eval_terms(ctx: Context):
+    """GRPO's held-out score is the mean reward of greedy completions (`prepare`), not a sum over batches."""
+    return None
 
 
 def reward_model_function(directory: str, seq_len: int):
     """A reward function `(prompts, completions, **fields) -> rewards` that scores prompt + completion (cut to
     `seq_len` tokens) with the reward model in `directory` (as `objective = "reward"` exports it)."""
-    from jaxtune.data.tokenizer import load_tokenizer
-    from jaxtune.train.preference import sequence_row
-    from jaxtune.train.reward import load_reward_model, reward_scores
-
     cfg, params = load_reward_model(directory)
     tokenizer = load_tokenizer(directory)
     score = jax.jit(lambda p, batch: reward_scores(p, batch, cfg, None, ForwardOptions()))
@@ -148,3 +152,72 @@ def reward_model_function(directory: str, seq_len: int):
         return np.asarray(score(params, batch)).tolist()
 
     return reward
+
+
+def prepare(setup: Setup) -> Training:
+    """Prompts of data.train; each step samples `group_size` completions of `batch_size x grad_accum` of them with
+    the current policy, scores them and normalises the rewards into advantages."""
+    c, g, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
+    seq_len, tc, method = c.data.max_seq_len, c.train, c.method
+    if bool(g.reward) == bool(g.reward_model):
+        raise JaxtuneError("[grpo] set exactly one of reward (a function's dotted path, e.g. 'mypkg.rewards.exact') "
+                           "and reward_model (a reward model directory)")
+    if c.offload.frozen_params:
+        raise JaxtuneError("[offload] frozen_params = true is not supported with objective grpo (rollouts decode "
+                           "from the frozen weights every step); set it to false")
+    reward_fn = load_reward_function(g.reward) if g.reward else reward_model_function(g.reward_model, seq_len)
+    examples = load_prompt_examples(c.data.train)
+    held_out = load_prompt_examples(c.data.eval) if c.data.eval else None
+    fits = lambda e: len(tok.encode(e.prompt)) + g.max_new_tokens <= seq_len + 1
+    kept = [e for e in examples if fits(e)]
+    train, held_out = (kept, held_out) if held_out is not None else train_eval_split(kept, c.data.eval_fraction,
+                                                                                     c.data.seed)
+    held_out = [e for e in held_out if fits(e)]
+    per_step = tc.batch_size * tc.grad_accum
+    setup.log(f"data: {len(train)} train / {len(held_out)} eval prompts ({len(examples) - len(kept)} dropped: "
+              f"prompt + max_new_tokens {g.max_new_tokens} > max_seq_len {seq_len} + 1)")
+    if len(train) < per_step:
+        raise JaxtuneError(f"{c.data.train}: {len(train)} training prompts, fewer than batch_size x grad_accum = "
+                           f"{per_step} per step")
+    eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
+
+    def rewards(chosen: list, completions: list[list[int]], repeat: int) -> list[float]:
+        names = sorted({k for e in chosen for k in e.fields})
+        fields = {k: [e.fields.get(k) for e in chosen for _ in range(repeat)] for k in names}
+        prompts = [e.prompt for e in chosen for _ in range(repeat)]
+        values = reward_fn(prompts, [tok.decode(t) for t in completions], **fields)
+        values = np.asarray(values, np.float64) if len(values) == len(completions) else None
+        if values is None or not np.all(np.isfinite(values)):
+            raise JaxtuneError(f"reward {g.reward or g.reward_model!r} must return one finite number per completion")
+        return values.tolist()
+
+    def batch(epoch: int, index: int, params) -> dict:
+        order = np.random.default_rng([c.data.seed, epoch]).permutation(len(train))
+        chosen = [train[j] for j in order[index * per_step:(index + 1) * per_step]]
+        seed = int(np.random.default_rng([tc.seed, epoch, index]).integers(2**31))
+        rows, completions = sample_group(params(), cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed, eos)
+        rollouts = rollout_batch(rows, completions, rewards(chosen, completions, g.group_size), g.group_size, seq_len)
+        return {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
+
+    def evaluate(_eval_step, params) -> dict:
+        greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=0.0)
+        completions = generate(params, cfg, [tok.encode(e.prompt) for e in held_out], greedy, eos_ids=eos,
+                               method=method)
+        return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
+
+    return Training(len(train) // per_step, batch, evaluate if held_out else None)
+
+
+def _batch_fields(rows: int, _section) -> dict:
+    return {"advantages": jax.ShapeDtypeStruct((rows,), np.float32),
+            "rewards": jax.ShapeDtypeStruct((rows,), np.float32)}
+
+
+# The step takes the reference the policy started from: the frozen base with adapters off, or for a full
+# fine-tune a frozen copy of the base weights.
+GRPO = Objective("grpo", loss_terms, eval_terms, prepare, section=GRPOConfig,
+                 rows=lambda section: section.group_size, batch_fields=_batch_fields,
+                 second_model=lambda section, method: "base" if method.kind == "full" else None,
+                 logits_copies=lambda method: 3, batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
+                 unit="prompts", single_process=True, rollout_tokens=lambda section: section.max_new_tokens,
+                 extra_forwards=lambda section: 1)

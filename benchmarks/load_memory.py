@@ -1,0 +1,119 @@
+"""Memory while loading: does a big checkpoint go straight into its final shards and formats?
+
+    python benchmarks/load_memory.py            # ~10 min on 2 cores; writes benchmarks/results/load_memory.json
+
+A random Llama of 607M parameters stored in bfloat16 (S = the bytes of its safetensors, 1.13 GiB) is trained for
+two steps with `jaxtune train` in a subprocess; its peak resident set (ru_maxrss) minus that of the same command on
+the tiny demo model is reported in units of S, beside the planner's prediction for the same run config (`jaxtune
+plan --config`, which says whether loading or the step peaks higher). Runs, all with bfloat16 compute (QLoRA's
+`bnb_4bit_compute_dtype`; float32 compute on CPU would add float32 copies of frozen bfloat16 weights):
+
+    qlora       NF4 with double quantisation on one device, LoRA rank 16 on every linear layer
+    lora_fsdp8  LoRA rank 16 on q, v with fsdp=8 on 8 fake CPU devices (which share this host's memory)
+
+Before the spine, the same runs peaked at 3.08 S (QLoRA: the whole float model, then its quantised copy) and 8.04 S
+(fsdp=8: every device got the whole model, then its shard).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxtune.config import ModelConfig
+from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.models.hf_config import config_to_hf
+from jaxtune.models.hf_weights import expected_tensors
+from jaxtune.models.presets import write_random_model
+from jaxtune.models.safetensors_io import write_weights
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "jaxtune" / "assets" / "demo_instructions.jsonl"
+BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=12, num_heads=16,
+                  num_kv_heads=4, head_dim=128, tie_word_embeddings=True, max_position_embeddings=2048)
+RUNS = {
+    "qlora": ('[method]\nkind = "qlora"\nrank = 16\ntarget_modules = ["all-linear"]\n', 1),
+    "lora_fsdp8": ('[method]\nkind = "lora"\nrank = 16\n[mesh]\nfsdp = 8\n', 8),
+}
+
+
+def write_big_model(directory: Path, cfg: ModelConfig) -> int:
+    """A random bfloat16 checkpoint of `cfg`, written tensor by tensor; returns its bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    entries = [(name, shape, np.dtype(ml_dtypes.bfloat16),
+                lambda shape=shape: (rng.standard_normal(shape, np.float32) * (0.02 if len(shape) > 1 else 1.0)
+                                     + (len(shape) == 1)).astype(ml_dtypes.bfloat16))
+               for name, shape in expected_tensors(cfg).items()]
+    (directory / "config.json").write_text(json.dumps(config_to_hf(cfg, "bfloat16")))
+    write_weights(directory, entries)
+    Tokenizer.byte_level().save(directory)
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def peak_rss(config: Path, devices: int) -> int:
+    """Peak resident set of `jaxtune train CONFIG` in a fresh process (no compilation cache)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(p.returncode)")
+    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "jaxtune.cli", "train", str(config)],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def planned(config: Path, devices: int) -> dict:
+    target = "cpu" if devices == 1 else f"cpu-{devices}"
+    out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "plan", "--config", str(config), "--target", target,
+                          "--json"], capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout)
+
+
+def run_config(path: Path, model: Path, method: str, out: Path) -> Path:
+    path.write_text(f'[model]\npath = "{model}"\ncompute_dtype = "bfloat16"\n{method}'
+                    f'[data]\ntrain = "{DATA}"\nmax_seq_len = 128\neval_fraction = 0.02\n'
+                    f'[train]\noutput_dir = "{out}"\nbatch_size = 8\nmax_steps = 2\n')
+    return path
+
+
+def main() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        size = write_big_model(tmp / "big", BIG)
+        write_random_model(tmp / "tiny", "llama")
+        parameters = sum(math.prod(shape) for shape in expected_tensors(BIG).values())
+        print(f"checkpoint: {parameters / 1e6:.0f}M parameters, S = {size / MiB:.0f} MiB", flush=True)
+        for name, (method, devices) in RUNS.items():
+            tiny = peak_rss(run_config(tmp / f"tiny_{name}.toml", tmp / "tiny", method, tmp / f"tiny_{name}"), devices)
+            config = run_config(tmp / f"{name}.toml", tmp / "big", method, tmp / name)
+            big = peak_rss(config, devices)
+            plan = planned(config, devices)
+            row = {"run": name, "devices": devices, "checkpoint_bytes": size, "peak_rss_bytes": big,
+                   "tiny_peak_rss_bytes": tiny, "over_tiny_in_S": (big - tiny) / size,
+                   "plan_total_bytes": plan["per_device"]["total_bytes"] * devices,
+                   "plan_loading_bytes": plan["loading"]["total_bytes"] * devices, "plan_peak": plan["loading"]["peak"]}
+            rows.append(row)
+            print(f"{name:11s} peak RSS {big / MiB:7.0f} MiB, tiny {tiny / MiB:5.0f} MiB: {row['over_tiny_in_S']:.2f} S "
+                  f"over the tiny model; plan {row['plan_total_bytes'] / MiB:.0f} MiB (step), "
+                  f"{row['plan_loading_bytes'] / MiB:.0f} MiB (loading), {row['plan_peak']} peaks", flush=True)
+    out = ROOT / "benchmarks" / "results" / "load_memory.json"
+    out.write_text(json.dumps({"model": BIG.__dict__ | {"rope_scaling": None}, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""An objective, declared once: everything the spine, the trainer, the planner and the TOML loader know of it.
+
+Adding an objective is one module in this package that builds an `Objective`, and its line in the registry
+(`__init__.py`). Nothing else names objectives:
+
+    name            the `train.objective` value
+    section         the dataclass of its TOML section ([dpo], [grpo], [distill]), or None
+    rows            rows of a micro-batch per example, from the section (2 a preference pair; GRPO: the group)
+    batch_fields    the micro-batch's arrays beside the five of SFT (precomputed reference log-probs, advantages)
+    second_model    what the step takes beside the policy: None; "base", a frozen copy of the base weights (a full
+                    fine-tune's reference: adapter methods use their frozen base with adapters off, no copy); or a
+                    model directory (a reference, a teacher)
+    loss_terms      per micro-batch sums (loss, (count, metrics)) the spine accumulates and differentiates
+    eval_terms      per held-out batch sums, totalled by `Training.evaluate`
+    logits_copies   [b, T, V] float32 buffers alive at the loss's peak, for the planner
+    head            (params, cfg, key) -> params with the trainable leaves the objective adds (a reward model's
+                    score); head_axes: their logical axes
+    prepare         the trainer's side: its examples, batches per step and held-out evaluation
+    export          what a finished run writes (default: the PEFT adapter, or the HF model of a full fine-tune)
+    unit            what `batch_size` counts, for the log; single_process: batches are made on the host from the
+                    policy (GRPO's rollouts), so the run cannot span processes; rollout_tokens: tokens each row
+                    samples before the step (the planner counts the generation's memory); extra_forwards: forwards a
+                    step runs beside the policy's (a reference's or a teacher's), for the planner's step time
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.data.batching import DTYPES as SFT_FIELDS
+from jaxtune.methods.transform import ADAPTER_KEYS
+
+
+@dataclass(frozen=True)
+class Context:
+    """What an objective's terms are built from; static under jit. second_cfg: the second model's architecture."""
+
+    cfg: ModelConfig
+    method: MethodConfig | None
+    options: ForwardOptions
+    section: object = None
+    second_cfg: ModelConfig | None = None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What an objective's `prepare` reads: the run config (its [data] and [train] sections), the objective's own
+    section, the model's architecture and tokenizer, and where to log."""
+
+    config: object
+    section: object
+    cfg: ModelConfig
+    tokenizer: object
+    log: Callable[[str], None]
+
+
+@dataclass
+class Training:
+    """An objective's data as the trainer walks it.
+
+    batch(epoch, index, params) -> host arrays [A, rows, ...] of step `index` of `epoch` (a function of the data
+    seed, the epoch and the index; for GRPO also of the current params, which a resumed run restores exactly).
+    evaluate(eval_step, params) -> {"eval_...": value} over the held-out data, None without any.
+    start(trainer) runs once the weights are loaded (DPO scores its pairs with the reference there).
+    """
+
+    steps_per_epoch: int
+    batch: Callable[[int, int, Callable[[], dict]], dict]
+    evaluate: Callable | None = None
+    start: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One training objective (see the module docstring for each field)."""
+
+    name: str
+    loss_terms: Callable[[Context], Callable]
+    eval_terms: Callable[[Context], Callable]
+    prepare: Callable
+    section: type | None = None
+    rows: Callable[[object], int] = lambda section: 1
+    batch_fields: Callable[[int, object], dict] = lambda rows, section: {}
+    second_model: Callable[[object, MethodConfig], str | None] = lambda section, method: None
+    logits_copies: Callable[[MethodConfig], int] = lambda method: 2
+    head: Callable[[ModelConfig, jax.Array], dict] | None = None
+    head_axes: dict = field(default_factory=dict)
+    batch_metrics: Callable[[dict], dict] | None = None
+    export: Callable | None = None
+    unit: str = "rows"
+    single_process: bool = False
+    rollout_tokens: Callable[[object], int] = lambda section: 0
+    extra_forwards: Callable[[object], int] = lambda section: 0
+
+    def micro_batch(self, rows: int, seq_len: int, section) -> dict:
+        """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's."""
+        arrays = {k: jax.ShapeDtypeStruct((rows, seq_len), np.dtype(d)) for k, d in SFT_FIELDS.items()}
+        return {**arrays, **self.batch_fields(rows, section)}
+
+
+def strip_adapters(params: dict) -> dict:
+    """The base model inside a method's tree: adapter leaves (and the None holes of `partition`) removed. It holds
+    the same arrays, so a reference "with adapters off" costs no memory."""
+    if not isinstance(params, dict):
+        return params
+    return {k: strip_adapters(v) for k, v in params.items() if k not in ADAPTER_KEYS and v is not None}
+
+
+def reference_of(frozen: dict, second: dict | None) -> dict:
+    """The reference a step scores with: the second model if it has one, else the frozen base (adapters off)."""
+    return strip_adapters(frozen) if second is None else second
+
+
+def stack_micro_batches(batches: list[dict], grad_accum: int, index: int) -> dict:
+    """Micro-batches index*A .. index*A+A-1 stacked to [A, rows, ...]; missing ones are empty (no loss tokens)."""
+    chunk = batches[index * grad_accum:(index + 1) * grad_accum]
+    chunk += [{k: np.zeros_like(v) for k, v in batches[0].items()}] * (grad_accum - len(chunk))
+    return {k: np.stack([b[k] for b in chunk]) for k in chunk[0]}
+
+
+def epoch_cache(make_batches: Callable[[int], list[dict]], grad_accum: int):
+    """`batch(epoch, index, params)` over one epoch's batches, built once per epoch."""
+    cache = {}
+
+    def batch(epoch: int, index: int, _params) -> dict:
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = make_batches(epoch)
+        return stack_micro_batches(cache[epoch], grad_accum, index)
+
+    return batch
+
+
+def total(sums: list[dict]) -> dict:
+    """Per-batch sums (device scalars) added up on the host, as floats."""
+    return {k: sum(float(s[k]) for s in sums) for k in sums[0]} if sums else {}
+

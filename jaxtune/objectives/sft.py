@@ -1,0 +1,117 @@
+"""Supervised fine-tuning: the masked causal-LM loss over completion tokens (prompt tokens never count).
+
+A micro-batch is `batch_size` packed rows (`data/batching.py`): several examples a row, none attending to another.
+The loss is the sum of -log p(label) over completion tokens and EOS, divided once by their count over all the
+step's micro-batches; held-out loss and perplexity are the same ratio over the whole held-out set.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.data.batching import count_epoch_batches, epoch_batches
+from jaxtune.data.formats import load_sft_examples, train_eval_split
+from jaxtune.methods.transform import combine
+from jaxtune.models.llama import forward
+from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, total
+
+
+def _nll_sum_fwd(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Array):
+    logits = logits_BxTxV.astype(jnp.float32)
+    lse_BxT = jax.nn.logsumexp(logits, axis=-1)
+    label_logit_BxT = jnp.take_along_axis(logits, labels_BxT[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse_BxT - label_logit_BxT) * weights_BxT), (logits_BxTxV, lse_BxT, labels_BxT, weights_BxT)
+
+
+def _nll_sum_bwd(residuals, g):
+    logits_BxTxV, lse_BxT, labels_BxT, weights_BxT = residuals
+    vocab_V = jax.lax.broadcasted_iota(labels_BxT.dtype, logits_BxTxV.shape, logits_BxTxV.ndim - 1)
+    softmax = jnp.exp(logits_BxTxV.astype(jnp.float32) - lse_BxT[..., None])
+    dlogits_BxTxV = (softmax - (vocab_V == labels_BxT[..., None])) * (weights_BxT * g)[..., None]
+    return dlogits_BxTxV.astype(logits_BxTxV.dtype), None, None
+
+
+@jax.custom_vjp
+def nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Array) -> jax.Array:
+    """sum(weights * -log softmax(logits)[label]), with a hand-written gradient.
+
+    The gradient is one fused pass, (softmax - onehot(label)) * weight, from the logits and the saved logsumexp;
+    autodiff would also keep exp(logits - max) ([B, T, V] float32) for the backward and scatter the one-hot.
+    """
+    return _nll_sum_fwd(logits_BxTxV, labels_BxT, weights_BxT)[0]
+
+
+nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
+
+
+def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """(sum of completion-token losses, number of completion tokens) of one [B, T] batch.
+
+    dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout.
+    """
+    logits = forward(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+                     segment_ids_BxT=batch["segment_ids"], method=ctx.method, options=ctx.options,
+                     dropout_key=dropout_key)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return nll_sum(logits, batch["labels"], mask), jnp.sum(mask)
+
+
+def loss_terms(ctx: Context):
+    def terms(trainable, frozen, _second, micro, key=None):
+        loss, count = batch_loss(combine(trainable, frozen), micro, ctx, key)
+        return loss, (count, {})
+
+    return terms
+
+
+def eval_terms(ctx: Context):
+    def terms(params, _second, batch):
+        loss, tokens = batch_loss(params, batch, ctx)
+        return {"loss": loss, "tokens": tokens}
+
+    return terms
+
+
+def perplexity(mean_loss: float) -> float:
+    return math.exp(mean_loss) if mean_loss < 700 else math.inf
+
+
+def loss_metrics(sums: dict) -> dict:
+    """eval_loss (the mean over every completion token), eval_perplexity and eval_tokens from held-out sums."""
+    tokens = sums.get("tokens", 0.0)
+    loss = sums["loss"] / tokens if tokens else math.nan
+    return {"eval_loss": loss, "eval_perplexity": perplexity(loss), "eval_tokens": int(tokens)}
+
+
+def train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
+    """(train, held-out) examples read by `load(path, tokenizer, seq_len)` from data.train (and data.eval, else a
+    split of train), logged as `unit`."""
+    data = setup.config.data
+    examples, stats = load(data.train, setup.tokenizer, data.max_seq_len)
+    held_out = load(data.eval, setup.tokenizer, data.max_seq_len)[0] if data.eval else None
+    train, held_out = (examples, held_out) if held_out is not None else train_eval_split(
+        examples, data.eval_fraction, data.seed)
+    setup.log(f"data: {len(train)} train / {len(held_out)} eval {unit} ({stats.dropped_prompt_too_long} dropped: "
+              f"prompt >= max_seq_len {data.max_seq_len}; {stats.truncated} truncated)")
+    return train, held_out
+
+
+def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
+    """Packed SFT batches of data.train, and the held-out loss of its held-out part through `metrics`."""
+    c = setup.config
+    train, held_out = train_and_held_out(setup, load_sft_examples, "examples")
+    batches = lambda examples, epoch: epoch_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed,
+                                                    epoch, c.data.pack)
+    steps = math.ceil(count_epoch_batches(train, c.train.batch_size, c.data.max_seq_len, c.data.pack)
+                      / c.train.grad_accum)
+    held_out_batches = batches(held_out, 0) if held_out else []
+    evaluate = (lambda eval_step, params: metrics(total([eval_step(params, b) for b in held_out_batches])))
+    return Training(steps, epoch_cache(lambda e: batches(train, e), c.train.grad_accum),
+                    evaluate if held_out_batches else None)
+
+
+SFT = Objective("sft", loss_terms, eval_terms, sft_training, logits_copies=lambda method: 3 if method.kind == "full" else 2)

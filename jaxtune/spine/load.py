@@ -1,0 +1,155 @@
+"""Weights read straight into the run's shards and formats.
+
+Every leaf of an abstract run that comes from the checkpoint is created with `jax.make_array_from_callback`: each
+device's shard is read from the safetensors files (positioned reads of just that slice, `models/safetensors_io.py`)
+and cast to the leaf's dtype on the way, so no whole copy of the model exists, on any device or in host memory,
+and each process reads only the slices its own devices hold. A QLoRA kernel is quantised layer by layer as it is
+read (one float matrix at a time; quantising a layer's slice alone would change double quantisation's
+statistics). The leaves a method or an objective adds (LoRA, IA3, prefix, adapters, a reward head) are made by one
+jit straight into their shardings; DoRA's magnitudes read the loaded kernels there. A second model (a reference, a
+teacher) is read the same way into its own shardings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxtune.config import ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.transform import add_method_leaves, combine
+from jaxtune.models.hf_weights import checked_reader, hf_tensor_name
+from jaxtune.models.params import ParamSpec, param_specs
+from jaxtune.models.quant import (BitPattern, NF4Array, QuantizedArray, from_bit_patterns, quantize_int8,
+                                  quantize_nf4)
+from jaxtune.spine.run import AbstractRun
+
+_quantize_nf4 = jax.jit(quantize_nf4, static_argnums=1)
+_quantize_int8 = jax.jit(quantize_int8)
+
+
+def _is_stored(x) -> bool:
+    return isinstance(x, QuantizedArray | BitPattern)
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def checkpoint_paths(cfg: ModelConfig) -> set[tuple[str, ...]]:
+    """Dict paths of the leaves a checkpoint of `cfg` holds (a tied model's parted head reads the embedding)."""
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+    return {_keys(path) for path, _ in flat} | {("lm_head", "kernel")}
+
+
+def _tensor(keys: tuple[str, ...], layer: int | None, cfg: ModelConfig) -> str:
+    if keys == ("lm_head", "kernel") and cfg.tie_word_embeddings:
+        return "model.embed_tokens.weight"  # the head parted from a tied embedding starts as its transpose
+    return hf_tensor_name(keys, layer)
+
+
+def _read(reader, name: str, index: tuple[slice, ...], kernel: bool) -> np.ndarray:
+    """tensor[index] in our layout: kernels are stored [out, in], ours are [in, out]."""
+    return reader.read(name, (index[1], index[0])).T if kernel else reader.read(name, index)
+
+
+def _float_leaf(reader, keys: tuple[str, ...], leaf: jax.ShapeDtypeStruct | BitPattern, cfg: ModelConfig):
+    """A float leaf, or a BitPattern's bits (the values cast to its dtype, viewed as uint16), read shard by shard."""
+    kernel, stacked = keys[-1] == "kernel", keys[0] == "layers"
+    bits = isinstance(leaf, BitPattern)
+    dtype, target = (np.dtype(leaf.dtype), leaf.bits) if bits else (np.dtype(leaf.dtype), leaf)
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        if not stacked:
+            out = _read(reader, _tensor(keys, None, cfg), index, kernel).astype(dtype)
+        else:
+            layers = range(*index[0].indices(target.shape[0]))
+            out = np.empty((len(layers), *[len(range(*s.indices(n))) for s, n in zip(index[1:], target.shape[1:])]),
+                           dtype)
+            for j, i in enumerate(layers):
+                out[j] = _read(reader, _tensor(keys, i, cfg), index[1:], kernel)
+        return out.view(np.uint16) if bits else out
+
+    array = jax.make_array_from_callback(target.shape, target.sharding, shard)
+    return BitPattern(array, leaf.dtype) if bits else array
+
+
+def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: ModelConfig) -> QuantizedArray:
+    """A QLoRA kernel quantised layer by layer from the float checkpoint, then placed in its children's shardings."""
+    children, treedef = jax.tree.flatten(leaf)
+    host = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
+    for i in range(cfg.num_layers):
+        w_IxO = reader.read(_tensor(keys, i, cfg)).T.astype(np.float32)
+        q = _quantize_nf4(w_IxO, leaf.absmax2 is not None) if isinstance(leaf, NF4Array) else _quantize_int8(w_IxO)
+        for h, c in zip(host, jax.tree.leaves(q)):
+            h[i] = np.asarray(c)
+    placed = [jax.make_array_from_callback(c.shape, c.sharding, lambda index, h=h: h[index])
+              for c, h in zip(children, host)]
+    return jax.tree.unflatten(treedef, placed)
+
+
+def read_tree(reader, abstract: dict, cfg: ModelConfig) -> dict:
+    """The leaves of `abstract` (ShapeDtypeStructs with shardings, quantised leaves whole) that a checkpoint of
+    `cfg` holds, read into their shardings; None where a leaf does not come from the checkpoint."""
+    paths = checkpoint_paths(cfg)
+
+    def read(path, leaf):
+        keys = _keys(path)
+        if keys not in paths:
+            return None
+        if isinstance(leaf, QuantizedArray) and leaf.codes is None:  # the trainable half of a frozen kernel
+            return leaf
+        if isinstance(leaf, QuantizedArray):
+            return _quantized_leaf(reader, keys, leaf, cfg)
+        return _float_leaf(reader, keys, leaf, cfg)
+
+    return jax.tree_util.tree_map_with_path(read, abstract, is_leaf=_is_stored)
+
+
+def _new_leaves(run: AbstractRun, loaded: dict, seed: int) -> dict:
+    """The trainable leaves no checkpoint holds (a method's, an objective's head), made in their shardings."""
+    cfg, method, objective = run.cfg, run.plan.method, run.objective
+    paths = checkpoint_paths(cfg)
+    is_new = jax.tree_util.tree_map_with_path(lambda p, _: _keys(p) not in paths, run.state["params"])
+    if not any(jax.tree.leaves(is_new)):
+        return jax.tree.map(lambda _: None, run.state["params"])
+    shardings = jax.tree.map(lambda leaf, new: leaf.sharding if new else None, run.state["params"], is_new)
+
+    def make(base):
+        params = add_method_leaves(from_bit_patterns(base), cfg, method, jax.random.key(seed))
+        if objective.head:
+            params = objective.head(params, cfg, jax.random.key(seed + 1))
+        return jax.tree.map(lambda x, new: x if new else None, params_like(params, run.state["params"]), is_new)
+
+    return jax.jit(make, out_shardings=shardings)(loaded)
+
+
+def params_like(params: dict, template: dict) -> dict:
+    """`params` restricted to the dict paths of `template` (a trainable tree with None where frozen)."""
+    if not isinstance(template, dict):
+        return template if isinstance(template, QuantizedArray) else params
+    return {k: params_like(params[k], v) for k, v in template.items()}
+
+
+def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path | None = None
+             ) -> tuple[dict, dict, dict | None]:
+    """(state, frozen, second model) of `run` from the checkpoint in `model`, each array created in its sharding.
+
+    seed: of the new leaves (LoRA's A as `apply_method(base, cfg, method, key(seed))` draws it; a head from
+    seed + 1) and of the state's RNG. second: the objective's second model, "base" or a model directory (None when
+    the run has none).
+    """
+    with checked_reader(model, run.cfg) as reader:
+        frozen = read_tree(reader, run.frozen, run.cfg)
+        trainable = read_tree(reader, run.state["params"], run.cfg)
+        second_params = read_tree(reader, run.second, run.cfg) if second == "base" else None
+    if second not in (None, "base"):
+        with checked_reader(second, run.context.second_cfg) as reader:
+            second_params = read_tree(reader, run.second, run.context.second_cfg)
+    if (second is None) != (run.second is None):
+        raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
+    new = _new_leaves(run, combine(trainable, frozen), seed)
+    trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
+    return run.init_state(trainable, seed, donate=True), frozen, second_params

@@ -1,0 +1,64 @@
+"""The train state and its optimiser.
+
+The state is a plain dict pytree, so orbax saves and restores it as it is:
+
+    {"step": int32, "params": trainable tree (None where frozen), "opt_state": optax state,
+     "rng": uint32[2], "skipped": int32 (non-finite steps so far), "bad_streak": int32 (in a row)}
+
+Frozen weights (and an objective's second model) are separate arguments of the step: never donated, never
+differentiated, never checkpointed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtune.config import TrainConfig
+from jaxtune.parallel.offload import low_precision_moments
+
+
+def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0, then cosine / linear decay to min_lr_ratio * lr at `total_steps`, or constant."""
+    lr, warmup = train.learning_rate, min(train.warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup, 1)
+    if train.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=train.min_lr_ratio)
+    elif train.schedule == "linear":
+        decay = optax.linear_schedule(lr, lr * train.min_lr_ratio, decay_steps)
+    else:
+        decay = optax.constant_schedule(lr)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+
+
+def weight_decay_mask(trainable: dict) -> dict:
+    """False for norm scales and biases (as transformers' Trainer does), True for every other trainable leaf."""
+
+    def decays(path, _) -> bool:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return not (names[-1] == "bias" or names[-1] == "norm" or any(n.endswith("layernorm") for n in names))
+
+    return jax.tree_util.tree_map_with_path(decays, trainable)
+
+
+def make_optimizer(train: TrainConfig, total_steps: int, trainable: dict,
+                   moments_dtype: str = "float32") -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the schedule and no decay on norms and biases; moments stored in
+    `moments_dtype` ("bfloat16": rounded between steps, updated in float32)."""
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(train.max_grad_norm),
+        optax.adamw(learning_rate_schedule(train, total_steps), b1=train.adam_b1, b2=train.adam_b2,
+                    eps=train.adam_eps, weight_decay=train.weight_decay, mask=weight_decay_mask(trainable)),
+    )
+    return optimizer if moments_dtype == "float32" else low_precision_moments(optimizer, moments_dtype)
+
+
+def init_state(trainable: dict, optimizer: optax.GradientTransformation, seed: int) -> dict:
+    """Step 0: float32 master copies of the trainable leaves and a fresh optimiser state."""
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), trainable)
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated leaf by leaf
+    return {"step": zero(), "params": params, "opt_state": optimizer.init(params),
+            "rng": jax.random.PRNGKey(seed), "skipped": zero(), "bad_streak": zero()}
