@@ -41,8 +41,9 @@ DATA = ROOT / "jaxtune" / "assets" / "demo_instructions.jsonl"
 BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=12, num_heads=16,
                   num_kv_heads=4, head_dim=128, tie_word_embeddings=True, max_position_embeddings=2048)
 RUNS = {
-    "qlora": ('[method]\nkind = "qlora"\nrank = 16\ntarget_modules = ["all-linear"]\n', 1),
-    "lora_fsdp8": ('[method]\nkind = "lora"\nrank = 16\n[mesh]\nfsdp = 8\n', 8),
+    "qlora": ('[method]\nkind = "qlora"\n', 1),
+    "qlora_all_r16": ('[method]\nkind = "qlora"\nrank = 16\ntarget_modules = ["all-linear"]\n', 1),
+    "lora_fsdp8": ('[method]\nkind = "lora"\n[mesh]\nfsdp = 8\n', 8),
 }
 
 
@@ -60,15 +61,22 @@ def write_big_model(directory: Path, cfg: ModelConfig) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
-def peak_rss(config: Path, devices: int) -> int:
-    """Peak resident set of `jaxtune train CONFIG` in a fresh process (no compilation cache)."""
+TRAIN = "from jaxtune.cli import main; main(['train', CONFIG])"
+LOAD = ("from jaxtune.run_config import load_run_config; from jaxtune.train.loop import setup_task; "
+        "task = setup_task(load_run_config(CONFIG), print); import jax; jax.block_until_ready(task.state)")
+
+
+def peak_rss(config: Path, devices: int, program: str = TRAIN) -> int:
+    """Peak resident set of `program` (`jaxtune train CONFIG`, or only its loading: `setup_task`, which reads the
+    weights into the run's arrays) in a fresh process without a compilation cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(p.returncode)")
-    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "jaxtune.cli", "train", str(config)],
-                         capture_output=True, text=True, env=env, timeout=1800)
+    child = f"CONFIG = {str(config)!r}; {program}"
+    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-c", child], capture_output=True, text=True,
+                         env=env, timeout=1800)
     if out.returncode:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
     return int(out.stdout.strip().splitlines()[-1])
@@ -83,10 +91,11 @@ def planned(config: Path, devices: int) -> dict:
     return json.loads(out.stdout)
 
 
-def run_config(path: Path, model: Path, method: str, out: Path) -> Path:
-    path.write_text(f'[model]\npath = "{model}"\ncompute_dtype = "bfloat16"\n{method}'
+def run_config(path: Path, model: Path, method: str, out: Path, devices: int) -> Path:
+    batch = max(2, devices)  # one row a device at least
+    path.write_text(f'[model]\npath = "{model}"\ncompute_dtype = "bfloat16"\nremat = "full"\n{method}'
                     f'[data]\ntrain = "{DATA}"\nmax_seq_len = 128\neval_fraction = 0.02\n'
-                    f'[train]\noutput_dir = "{out}"\nbatch_size = 8\nmax_steps = 2\n')
+                    f'[train]\noutput_dir = "{out}"\nbatch_size = {batch}\nmax_steps = 2\n')
     return path
 
 
@@ -99,18 +108,27 @@ def main() -> None:
         parameters = sum(math.prod(shape) for shape in expected_tensors(BIG).values())
         print(f"checkpoint: {parameters / 1e6:.0f}M parameters, S = {size / MiB:.0f} MiB", flush=True)
         for name, (method, devices) in RUNS.items():
-            tiny = peak_rss(run_config(tmp / f"tiny_{name}.toml", tmp / "tiny", method, tmp / f"tiny_{name}"), devices)
-            config = run_config(tmp / f"{name}.toml", tmp / "big", method, tmp / name)
-            big = peak_rss(config, devices)
+            tiny_config = run_config(tmp / f"tiny_{name}.toml", tmp / "tiny", method, tmp / f"tiny_{name}", devices)
+            config = run_config(tmp / f"{name}.toml", tmp / "big", method, tmp / name, devices)
+            peaks = {phase: (peak_rss(config, devices, program), peak_rss(tiny_config, devices, program))
+                     for phase, program in (("train", TRAIN), ("load", LOAD))}
             plan = planned(config, devices)
-            row = {"run": name, "devices": devices, "checkpoint_bytes": size, "peak_rss_bytes": big,
-                   "tiny_peak_rss_bytes": tiny, "over_tiny_in_S": (big - tiny) / size,
-                   "plan_total_bytes": plan["per_device"]["total_bytes"] * devices,
-                   "plan_loading_bytes": plan["loading"]["total_bytes"] * devices, "plan_peak": plan["loading"]["peak"]}
+            reserve = plan["per_device"]["reserve_bytes"]
+            row = {"run": name, "devices": devices, "checkpoint_bytes": size,
+                   **{f"{phase}_peak_rss_bytes": big for phase, (big, _) in peaks.items()},
+                   **{f"{phase}_tiny_peak_rss_bytes": tiny for phase, (_, tiny) in peaks.items()},
+                   **{f"{phase}_over_tiny_in_S": (big - tiny) / size for phase, (big, tiny) in peaks.items()},
+                   # one process: the runtime reserve once, each device's arrays and transients
+                   "plan_step_bytes": (plan["per_device"]["total_bytes"] - reserve) * devices + reserve,
+                   "plan_loading_bytes": (plan["loading"]["total_bytes"] - reserve) * devices + reserve,
+                   "plan_peak": plan["loading"]["peak"]}
             rows.append(row)
-            print(f"{name:11s} peak RSS {big / MiB:7.0f} MiB, tiny {tiny / MiB:5.0f} MiB: {row['over_tiny_in_S']:.2f} S "
-                  f"over the tiny model; plan {row['plan_total_bytes'] / MiB:.0f} MiB (step), "
-                  f"{row['plan_loading_bytes'] / MiB:.0f} MiB (loading), {row['plan_peak']} peaks", flush=True)
+            print(f"{name:13s} train: peak RSS {peaks['train'][0] / MiB:6.0f} MiB "
+                  f"(tiny {peaks['train'][1] / MiB:4.0f}): "
+                  f"{row['train_over_tiny_in_S']:.2f} S; loading only: {peaks['load'][0] / MiB:6.0f} MiB (tiny "
+                  f"{peaks['load'][1] / MiB:4.0f}): {row['load_over_tiny_in_S']:.2f} S; plan (all devices, one runtime "
+                  f"reserve): step {row['plan_step_bytes'] / MiB:.0f} MiB, loading "
+                  f"{row['plan_loading_bytes'] / MiB:.0f} MiB, {row['plan_peak']} peaks", flush=True)
     out = ROOT / "benchmarks" / "results" / "load_memory.json"
     out.write_text(json.dumps({"model": BIG.__dict__ | {"rope_scaling": None}, "rows": rows}, indent=2) + "\n")
 

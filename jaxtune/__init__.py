@@ -5,12 +5,12 @@ The public API, one name a line; everything else is internal.
 
 from jaxtune.config import ForwardOptions as ForwardOptions
 from jaxtune.config import MeshConfig as MeshConfig
-from jaxtune.config.plan import TrainPlan as TrainPlan
 from jaxtune.config import MethodConfig as MethodConfig
 from jaxtune.config import ModelConfig as ModelConfig
 from jaxtune.config import Remat as Remat
 from jaxtune.config import RopeScaling as RopeScaling
 from jaxtune.config import SamplingConfig as SamplingConfig
+from jaxtune.config.plan import TrainPlan as TrainPlan
 from jaxtune.config.targets import lora_layout as lora_layout
 from jaxtune.data.tokenizer import Tokenizer as Tokenizer
 from jaxtune.data.tokenizer import load_tokenizer as load_tokenizer

@@ -318,10 +318,13 @@ def test_standard_shapes_hit_their_size():
 def test_cpu_estimate_is_within_15_percent_of_peak_rss_of_jaxtune_train(tmp_path):
     """`jaxtune train` of a 134M-parameter Llama for 2 steps, full and LoRA (experiments/planner_accuracy.py --rss)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    from planner_accuracy import rss_run
+    from planner_accuracy import RSS_MODEL, rss_run
 
+    from jaxtune.models.presets import write_random_model
+
+    model = write_random_model(tmp_path / "model", "llama", **RSS_MODEL)
     for kind in ("full", "lora"):
-        result = rss_run(kind, tmp_path)
+        result = rss_run(kind, model, f'[method]\nkind = "{kind}"\n', tmp_path)
         assert result["parameters"] > 100e6
         assert abs(result["error"]) < 0.15, result
 
@@ -332,6 +335,9 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
     """`plan --config` of a dpo, reward, grpo or distill run config reports what `plan` reports for the same run
     given by flags, and `--confirm` compiles exactly the step `jaxtune train` builds for that config (the same
     XLA memory analysis as the trainer's own `task.run.step`, lowered with the trainer's loaded arrays)."""
+    from test_preference import write_pairs
+
+    from jaxtune.data.tokenizer import load_tokenizer
     from jaxtune.models.hf_config import load_config
     from jaxtune.models.presets import write_random_model
     from jaxtune.parallel.mesh import make_mesh
@@ -339,8 +345,6 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
     from jaxtune.planner.confirm import _memory
     from jaxtune.run_config import load_run_config
     from jaxtune.train.tasks import prepare_task
-    from jaxtune.data.tokenizer import load_tokenizer
-    from test_preference import write_pairs
 
     model = write_random_model(tmp_path / "m", "llama")
     write_pairs(tmp_path / "pairs.jsonl", 16, 0)

@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtune.models.quant import DYNAMIC_CODE, NF4Array, QuantizedArray, dequantize, nbytes, quantize_int8, quantize_nf4
+from jaxtune.models.quant import (
+    DYNAMIC_CODE,
+    NF4Array,
+    QuantizedArray,
+    dequantize,
+    nbytes,
+    quantize_by_rows,
+    quantize_int8,
+    quantize_nf4,
+)
 
 pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
 
@@ -176,6 +185,27 @@ def test_int8_rowwise_absmax():
     np.testing.assert_array_equal(np.asarray(q.codes), np.round(w * multiplier[:, None, :]).astype(np.int8))
     np.testing.assert_array_equal(np.asarray(q.absmax), absmax)
     assert np.all(np.abs(np.asarray(dequantize(q)) - w) <= absmax[:, None, :] / 254 * 1.001)
+
+
+@pytest.mark.parametrize("bits,double_quant", [(4, False), (4, True), (8, False)], ids=["nf4", "nf4_dq", "int8"])
+@pytest.mark.parametrize("shape,max_elements", [((96, 700), 1000), ((37, 291), 5000), ((256, 40), 1 << 20)])
+def test_quantize_by_rows_is_the_whole_matrix_quantised(bits, double_quant, shape, max_elements):
+    """Loading quantises a few rows of the torch layout at a time: bit for bit the whole matrix's result, for
+    rows that do not hold a whole number of blocks (96 and 37 values), an odd count of values, and one slice."""
+    w_IxO = weights((2, *shape), seed=6)[0].astype(ml_dtypes.bfloat16)  # with an all-zero block
+    rows_read = []
+
+    def read_rows(a, b):
+        rows_read.append(b - a)
+        return w_IxO.T[a:b]
+
+    got = quantize_by_rows(read_rows, shape, ml_dtypes.bfloat16, bits, double_quant, max_elements)
+    whole = quantize_int8(jnp.asarray(w_IxO)) if bits == 8 else quantize_nf4(jnp.asarray(w_IxO), double_quant)
+    assert type(got) is type(whole) and got.dtype == whole.dtype
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert sum(rows_read) == shape[1] and max(rows_read) * shape[0] <= max_elements
+    assert (len(rows_read) > 1) == (w_IxO.size > max_elements)
 
 
 def test_bytes_per_parameter():

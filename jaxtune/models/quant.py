@@ -41,6 +41,7 @@ NF4_CODE = np.array([
 NF4_BLOCKSIZE = 64
 ABSMAX_BLOCKSIZE = 256  # double quantisation: bitsandbytes quantises the absmax in blocks of 256
 INT8_INVERSE_SCALE = np.float32(1 / 127)  # bitsandbytes `int8_vectorwise_dequant` multiplies by this
+SLICE_ELEMENTS = 1 << 20  # `quantize_by_rows` holds about this many values in float32 at a time
 
 
 def _dynamic_map() -> np.ndarray:
@@ -181,9 +182,10 @@ def _quantize_blocks(x_BxN: jax.Array, code: np.ndarray, blocksize: int) -> tupl
     inverse_BxK = jnp.where(absmax_BxK > 0, 1 / absmax_BxK, 0)  # an all-zero block maps to the code of 0.0
     midpoints = (code[:-1] + code[1:]) / np.float32(2)  # float32, like bitsandbytes' bounds
     # side="left" counts midpoints strictly below the value: a value on a midpoint takes the lower code.
-    # compare_all fuses into one pass (about 10x the default binary search on CPU for NF4's 15 midpoints).
+    # compare_all fuses into one pass (about 10x the default binary search on CPU for NF4's 15 midpoints); for the
+    # 255 of double quantisation's map it would hold a [B, N, 255] comparison, so a binary search there.
     idx_BxKxS = jnp.searchsorted(jnp.asarray(midpoints), x_BxKxS * inverse_BxK[..., None], side="left",
-                                 method="compare_all")
+                                 method="compare_all" if len(midpoints) < 16 else "scan")
     return idx_BxKxS.reshape(B, K * blocksize), absmax_BxK
 
 
@@ -197,6 +199,24 @@ def _dequantize_blocks(idx_xN: jax.Array, absmax_xK: jax.Array, code: np.ndarray
     return values_xKxS.reshape(*lead, K * blocksize)[..., :N]
 
 
+@partial(jax.jit, static_argnames=("blocksize",))
+def nf4_codes(x_BxN: jax.Array, blocksize: int = NF4_BLOCKSIZE) -> tuple[jax.Array, jax.Array]:
+    """[B, N] values -> (packed codes uint8 [B, ceil(N / 2)], absmax float32 [B, ceil(N / blocksize)])."""
+    n = x_BxN.shape[-1]
+    idx_BxP, absmax_BxK = _quantize_blocks(x_BxN.astype(jnp.float32), NF4_CODE, blocksize)
+    idx_BxE = idx_BxP[:, : n + n % 2].astype(jnp.uint8)  # an odd count is padded with the code of 0.0
+    return (idx_BxE[:, 0::2] << 4) | idx_BxE[:, 1::2], absmax_BxK
+
+
+@jax.jit
+def _double_quantize(absmax_BxK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 absmax [B, K] -> (uint8 codes of absmax - offset [B, K], their absmax [B, J], offset [B])."""
+    K = absmax_BxK.shape[-1]
+    offset_B = _rounded(_sum_f32(absmax_BxK) * np.float32(1 / K))  # torch's CUDA mean: sum * float32 1/K
+    idx2_BxP, absmax2_BxJ = _quantize_blocks(absmax_BxK - offset_B[:, None], DYNAMIC_CODE, ABSMAX_BLOCKSIZE)
+    return idx2_BxP[:, :K].astype(jnp.uint8), absmax2_BxJ, offset_B
+
+
 @partial(jax.jit, static_argnames=("double_quant", "blocksize"))
 def quantize_nf4(w: jax.Array, double_quant: bool = False, blocksize: int = NF4_BLOCKSIZE) -> NF4Array:
     """[..., in, out] weight -> NF4Array, each [in, out] matrix quantised as bitsandbytes quantises its [out, in].
@@ -204,20 +224,48 @@ def quantize_nf4(w: jax.Array, double_quant: bool = False, blocksize: int = NF4_
     Leading axes (layers) are kept on every child.
     """
     *lead, d_in, d_out = w.shape
-    n = d_in * d_out
-    x_BxN = jnp.swapaxes(w, -1, -2).reshape(-1, n).astype(jnp.float32)
-    idx_BxP, absmax_BxK = _quantize_blocks(x_BxN, NF4_CODE, blocksize)
-    idx_BxE = idx_BxP[:, : n + n % 2].astype(jnp.uint8)  # an odd count is padded with the code of 0.0
-    codes_BxH = (idx_BxE[:, 0::2] << 4) | idx_BxE[:, 1::2]
+    codes_BxH, absmax_BxK = nf4_codes(jnp.swapaxes(w, -1, -2).reshape(-1, d_in * d_out), blocksize)
     absmax2 = offset = None
     if double_quant:
-        K = absmax_BxK.shape[-1]
-        offset_B = _rounded(_sum_f32(absmax_BxK) * np.float32(1 / K))  # torch's CUDA mean: sum * float32 1/K
-        idx2_BxP, absmax2_BxJ = _quantize_blocks(absmax_BxK - offset_B[:, None], DYNAMIC_CODE, ABSMAX_BLOCKSIZE)
-        absmax_BxK = idx2_BxP[:, :K].astype(jnp.uint8)
+        absmax_BxK, absmax2_BxJ, offset_B = _double_quantize(absmax_BxK)
         absmax2, offset = absmax2_BxJ.reshape(*lead, -1), offset_B.reshape(lead)
     return NF4Array(codes=codes_BxH.reshape(*lead, -1), absmax=absmax_BxK.reshape(*lead, -1), absmax2=absmax2,
                     offset=offset, shape=(d_in, d_out), dtype=np.dtype(w.dtype), blocksize=blocksize)
+
+
+def row_slices(d_out: int, d_in: int, multiple: int, max_elements: int = SLICE_ELEMENTS) -> list[tuple[int, int]]:
+    """[start, stop) ranges over `d_out` rows of `d_in` values, each range (but the last) holding a multiple of
+    `multiple` values and at most about `max_elements`."""
+    step = multiple // math.gcd(multiple, d_in)
+    rows = max(step, max_elements // d_in // step * step)
+    return [(o, min(o + rows, d_out)) for o in range(0, d_out, rows)]
+
+
+def quantize_by_rows(read_rows, shape: tuple[int, int], dtype, bits: int, double_quant: bool = False,
+                     max_elements: int = SLICE_ELEMENTS) -> QuantizedArray:
+    """`quantize_nf4` (bits 4) or `quantize_int8` (bits 8) of one [in, out] weight, bit for bit, read as row
+    slices of its torch layout: `read_rows(start, stop)` -> [stop - start, in] values of rows start:stop of the
+    [out, in] weight. At most about `max_elements` values are in float32 at a time (NF4's blocks run along those
+    rows and are never cut; double quantisation needs every block's absmax, kept until the end). Children are
+    host numpy arrays."""
+    d_in, d_out = shape
+    if bits == 8:
+        parts = [quantize_int8(jnp.asarray(read_rows(a, b)).T) for a, b in row_slices(d_out, d_in, 1, max_elements)]
+        return Int8Array(codes=np.concatenate([np.asarray(q.codes) for q in parts], axis=-1),
+                         absmax=np.concatenate([np.asarray(q.absmax) for q in parts]), dtype=np.dtype(dtype))
+    n = d_in * d_out
+    codes_H = np.empty(-(-n // 2), np.uint8)
+    absmax_K = np.empty(-(-n // NF4_BLOCKSIZE), np.float32)
+    for a, b in row_slices(d_out, d_in, NF4_BLOCKSIZE, max_elements):
+        codes_1xH, absmax_1xK = nf4_codes(jnp.asarray(read_rows(a, b)).reshape(1, -1))
+        codes_H[a * d_in // 2: a * d_in // 2 + codes_1xH.shape[1]] = np.asarray(codes_1xH[0])
+        absmax_K[a * d_in // NF4_BLOCKSIZE: a * d_in // NF4_BLOCKSIZE + absmax_1xK.shape[1]] = np.asarray(absmax_1xK[0])
+    absmax2 = offset = None
+    if double_quant:
+        absmax_1xK, absmax2_1xJ, offset_1 = (np.asarray(x) for x in _double_quantize(absmax_K[None]))
+        absmax_K, absmax2, offset = absmax_1xK[0], absmax2_1xJ[0], offset_1[0]
+    return NF4Array(codes=codes_H, absmax=absmax_K, absmax2=absmax2, offset=offset, shape=(d_in, d_out),
+                    dtype=np.dtype(dtype), blocksize=NF4_BLOCKSIZE)
 
 
 @jax.jit

@@ -264,31 +264,41 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
 
 def _loading_transient(run, tiled: bool) -> tuple[int, int]:
     """(device, host) bytes `spine/load.py` holds beside the arrays it has created. A quantised kernel: on the
-    device, one layer's float32 matrix and the quantiser's temporaries (its compiled program's own figures); on the
-    host, all that kernel's layers' quantised children (placed at the end) and one layer read and cast to float32.
-    A float leaf: one shard being read, on the host and on the device."""
-    from jaxtune.models.quant import Int8Array, QuantizedArray, full_shape
+    device, one slice of rows being quantised (its compiled program's own figures); on the host, all that kernel's
+    layers' quantised children (placed at the end) and the slice as read. A float leaf: one shard being read, on
+    the host and on the device."""
+    from jaxtune.models.quant import NF4_BLOCKSIZE, Int8Array, QuantizedArray, full_shape, row_slices
 
     quantized = [x for x in jax.tree.leaves(run.frozen, is_leaf=lambda x: isinstance(x, QuantizedArray))
-                 if isinstance(x, QuantizedArray)]
+                 if isinstance(x, QuantizedArray) and x.codes is not None]
     if quantized:
         host = max(sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in jax.tree.leaves(q)) for q in quantized)
-        device = max(_quantizer_bytes(full_shape(q)[1:], isinstance(q, Int8Array), getattr(q, "absmax2", None)
-                                      is not None) for q in quantized if q.codes is not None)
-        layer = max(math.prod(full_shape(q)[1:]) for q in quantized)
-        return device, host + 6 * layer  # the read (bfloat16 at most) and its float32 cast
+        slices = []
+        for q in quantized:
+            d_in, d_out = full_shape(q)[1:]
+            int8 = isinstance(q, Int8Array)
+            start, stop = row_slices(d_out, d_in, 1 if int8 else NF4_BLOCKSIZE)[0]
+            slices.append(((stop - start, d_in), np.dtype(q.dtype).name, int8))
+        device = max(_quantizer_bytes(*s) for s in slices)
+        read = max(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype, _ in slices)
+        return device, host + read
     leaves = jax.tree.leaves(run.frozen) + jax.tree.leaves(run.state["params"])
     shard = max((_device_bytes(x, tiled) for x in leaves), default=0)
     return shard, shard
 
 
 @functools.lru_cache(maxsize=64)
-def _quantizer_bytes(shape: tuple[int, int], int8: bool, double_quant: bool) -> int:
-    """Argument + output + temporary bytes of the compiled quantiser on one float32 [in, out] layer."""
-    from jaxtune.models.quant import quantize_int8, quantize_nf4
+def _quantizer_bytes(slice_shape: tuple[int, int], dtype: str, int8: bool) -> int:
+    """Argument + output + temporary bytes of the compiled quantiser on one [rows, in] slice of a weight's torch
+    layout, as `models/quant.quantize_by_rows` runs it."""
+    from jaxtune.models.quant import nf4_codes, quantize_int8
 
-    quantize = jax.jit(quantize_int8) if int8 else jax.jit(functools.partial(quantize_nf4, double_quant=double_quant))
-    memory = quantize.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().memory_analysis()
+    rows, d_in = slice_shape
+    if int8:
+        lowered = jax.jit(quantize_int8).lower(jax.ShapeDtypeStruct((d_in, rows), dtype))
+    else:
+        lowered = nf4_codes.lower(jax.ShapeDtypeStruct((1, rows * d_in), dtype))
+    memory = lowered.compile().memory_analysis()
     return memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
 
 

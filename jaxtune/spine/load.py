@@ -1,33 +1,31 @@
 """Weights read straight into the run's shards and formats.
 
-Every leaf of an abstract run that comes from the checkpoint is created with `jax.make_array_from_callback`: each
+Every leaf of an abstract run that comes from the checkpoint is created shard by shard (`_make_array`): each
 device's shard is read from the safetensors files (positioned reads of just that slice, `models/safetensors_io.py`)
 and cast to the leaf's dtype on the way, so no whole copy of the model exists, on any device or in host memory,
-and each process reads only the slices its own devices hold. A QLoRA kernel is quantised layer by layer as it is
-read (one float matrix at a time; quantising a layer's slice alone would change double quantisation's
-statistics). The leaves a method or an objective adds (LoRA, IA3, prefix, adapters, a reward head) are made by one
+and each process reads only the slices its own devices hold. A QLoRA kernel is quantised a few rows at a time as it is
+read (`models/quant.quantize_by_rows`: bit for bit the whole matrix's quantisation, with about 4 MiB in float32 at
+a time). The leaves a method or an objective adds (LoRA, IA3, prefix, adapters, a reward head) are made by one
 jit straight into their shardings; DoRA's magnitudes read the loaded kernels there. A second model (a reference, a
 teacher) is read the same way into its own shardings.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import add_method_leaves, combine
 from jaxtune.models.hf_weights import checked_reader, hf_tensor_name
 from jaxtune.models.params import ParamSpec, param_specs
-from jaxtune.models.quant import (BitPattern, NF4Array, QuantizedArray, from_bit_patterns, quantize_int8,
-                                  quantize_nf4)
+from jaxtune.models.quant import BitPattern, NF4Array, QuantizedArray, from_bit_patterns, full_shape, quantize_by_rows
 from jaxtune.spine.run import AbstractRun
-
-_quantize_nf4 = jax.jit(quantize_nf4, static_argnums=1)
-_quantize_int8 = jax.jit(quantize_int8)
 
 
 def _is_stored(x) -> bool:
@@ -72,21 +70,46 @@ def _float_leaf(reader, keys: tuple[str, ...], leaf: jax.ShapeDtypeStruct | BitP
                 out[j] = _read(reader, _tensor(keys, i, cfg), index[1:], kernel)
         return out.view(np.uint16) if bits else out
 
-    array = jax.make_array_from_callback(target.shape, target.sharding, shard)
+    array = _make_array(target.shape, target.sharding, shard)
     return BitPattern(array, leaf.dtype) if bits else array
 
 
+def _make_array(shape: tuple[int, ...], sharding, read_shard) -> jax.Array:
+    """`jax.make_array_from_callback`, holding one shard in host memory at a time (it calls the callback for every
+    device before placing any: a whole leaf at once on a one-host mesh). Each distinct shard is read once and put on
+    every device that holds it."""
+    devices_of: dict[tuple, list] = {}
+    index_of = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        devices_of.setdefault(key, []).append(device)
+        index_of[key] = index
+    placed = {}
+    for key, devices in devices_of.items():
+        data = read_shard(index_of[key])
+        placed.update({d: jax.device_put(data, SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
+                       for d in devices})
+        del data
+    arrays = [placed[d] for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: ModelConfig) -> QuantizedArray:
-    """A QLoRA kernel quantised layer by layer from the float checkpoint, then placed in its children's shardings."""
+    """A QLoRA kernel quantised a few rows at a time from the float checkpoint, then placed in its children's
+    shardings."""
     children, treedef = jax.tree.flatten(leaf)
     host = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
+    bits = 4 if isinstance(leaf, NF4Array) else 8
+    double_quant = bits == 4 and leaf.absmax2 is not None
     for i in range(cfg.num_layers):
-        w_IxO = reader.read(_tensor(keys, i, cfg)).T.astype(np.float32)
-        q = _quantize_nf4(w_IxO, leaf.absmax2 is not None) if isinstance(leaf, NF4Array) else _quantize_int8(w_IxO)
+        name = _tensor(keys, i, cfg)
+        q = quantize_by_rows(lambda a, b: reader.read(name, (slice(a, b), slice(None))), full_shape(leaf)[1:],
+                             leaf.dtype, bits, double_quant)
         for h, c in zip(host, jax.tree.leaves(q)):
-            h[i] = np.asarray(c)
-    placed = [jax.make_array_from_callback(c.shape, c.sharding, lambda index, h=h: h[index])
-              for c, h in zip(children, host)]
+            h[i] = c
+    placed = [_make_array(c.shape, c.sharding, lambda index, h=h: h[index]) for c, h in zip(children, host)]
+    del host
+    _return_freed_host_memory()
     return jax.tree.unflatten(treedef, placed)
 
 
@@ -152,4 +175,18 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
         raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
     new = _new_leaves(run, combine(trainable, frozen), seed)
     trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
-    return run.init_state(trainable, seed, donate=True), frozen, second_params
+    state = run.init_state(trainable, seed, donate=True)
+    _return_freed_host_memory()
+    return state, frozen, second_params
+
+
+def _return_freed_host_memory() -> None:
+    """Hand the reads' freed buffers back to the OS: glibc keeps freed heap pages mapped (about 50 MiB of a 1.1 GiB
+    QLoRA load stayed resident without this; benchmarks/load_memory.py). A no-op off glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    jax.effects_barrier()
+    trim(0)
