@@ -97,7 +97,8 @@ def cmd_eval(args) -> None:
     else:
         result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size, base=args.base,
                                log=note)
-        text = f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  ({result['tokens']} completion tokens)"
+        text = (f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  "
+                f"({result['tokens']} completion tokens)")
     print(json.dumps(result) if args.json else text)
 
 

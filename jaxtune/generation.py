@@ -103,7 +103,8 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
 
 
 def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
-             sampling: SamplingConfig = SamplingConfig(), *, eos_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
+             sampling: SamplingConfig = SamplingConfig(), *, eos_ids: Sequence[int] | None = None,
+             stop_token_ids: Sequence[int] = (),
              method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions(),
              include_stop: bool = False) -> list[list[int]]:
     """The new tokens of each prompt: at most `max_new_tokens`, ending before the first EOS or stop token (with

@@ -9,7 +9,8 @@ from jaxtune.errors import ConfigError, check_choice, check_range
 
 METHOD_KINDS = ("full", "lora", "qlora", "ia3", "prefix", "adapter")
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_TARGETS = {"lora": ("q_proj", "v_proj"), "qlora": ("q_proj", "v_proj"), "ia3": ("k_proj", "v_proj", "down_proj")}
+DEFAULT_TARGETS = {"lora": ("q_proj", "v_proj"), "qlora": ("q_proj", "v_proj"),
+                   "ia3": ("k_proj", "v_proj", "down_proj")}
 SAVABLE_MODULES = ("lm_head", "embed_tokens")  # what `modules_to_save` may name: trained whole, beside the adapter
 
 

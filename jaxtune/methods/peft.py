@@ -278,8 +278,8 @@ def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[st
         for adapter, proj, leaf in BOTTLENECK_LEAVES:
             suffix = "weight" if leaf == "kernel" else "bias"
             value = np.stack([state[f"base_model.model.model.layers.{i}.{adapter}.{proj}.{suffix}"] for i in range(L)])
-            layers[adapter] = {**layers[adapter], proj: {**layers[adapter][proj],
-                                                          leaf: jnp.asarray(np.swapaxes(value, 1, 2) if leaf == "kernel" else value)}}
+            stored = np.swapaxes(value, 1, 2) if leaf == "kernel" else value
+            layers[adapter] = {**layers[adapter], proj: {**layers[adapter][proj], leaf: jnp.asarray(stored)}}
         return {**params, "layers": layers}
     params = dict(params)
     if "lm_head" in method.modules_to_save:

@@ -90,8 +90,9 @@ def quantize_base(params: dict, method: MethodConfig) -> dict:
     if method.kind != "qlora":
         return params
     quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
-    layers = {**params["layers"], **{name: {**params["layers"][name], "kernel": quantize(params["layers"][name]["kernel"])}
-                                     for name in LINEAR_MODULE_NAMES}}
+    layers = {**params["layers"],
+              **{name: {**params["layers"][name], "kernel": quantize(params["layers"][name]["kernel"])}
+                 for name in LINEAR_MODULE_NAMES}}
     return {**params, "layers": layers}
 
 

@@ -13,13 +13,15 @@ def token_nll(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - label_logit
 
 
-def masked_nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array, loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def masked_nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array,
+                   loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sum of -log p over masked positions, number of masked positions). The mean is their ratio."""
     mask = loss_mask_BxT.astype(jnp.float32)
     return jnp.sum(token_nll(logits_BxTxV, labels_BxT) * mask), jnp.sum(mask)
 
 
-def sequence_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array, loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sequence_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array,
+                   loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sum of log p(label) over each row's completion tokens [B], number of those tokens [B])."""
     mask = loss_mask_BxT.astype(jnp.float32)
     return -jnp.sum(token_nll(logits_BxTxV, labels_BxT) * mask, axis=-1), jnp.sum(mask, axis=-1)

@@ -114,4 +114,5 @@ def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
                     evaluate if held_out_batches else None)
 
 
-SFT = Objective("sft", loss_terms, eval_terms, sft_training, logits_copies=lambda method: 3 if method.kind == "full" else 2)
+SFT = Objective("sft", loss_terms, eval_terms, sft_training,
+                logits_copies=lambda method: 3 if method.kind == "full" else 2)

@@ -7,17 +7,17 @@ adapts is (layers, IN, OUT), so it splits as its kernel does); an objective pass
 (`extra_axes`, e.g. a reward head). This module names no method.
 
 Quantised kernels. An `Int8Array` keeps the kernel's layout: its codes [L, in, out] split exactly as the kernel
-would, its per-column absmax [L, out] as the kernel's output axis (like DoRA's magnitude). An `NF4Array` stores each layer's matrix
-flattened in bitsandbytes' order (the transposed [out, in] matrix, row-major, two codes a byte) with one absmax per
-block of 64 values. The only splits of that flat axis that keep every block whole with its absmax are contiguous
-ranges of whole blocks, so codes [L, n_bytes] and absmax [L, n_blocks] are split the same way over the mesh axes
-of the kernel's output dimension, then those of its input dimension (the flat order is out-major): the tensor
-split of the output columns is then exactly the float kernel's, and `fsdp`, which would split the input rows of a
-float kernel, splits the output rows instead (a ZeRO-3 weight is all-gathered before use either way). Mesh axes
-that don't divide the block count are dropped, and a matrix whose size is not a multiple of the block size is
-kept whole. Double quantisation's second-level scales (absmax2 [L, n_blocks/256], one per 256 absmax codes) split
-the same way when each device's absmax range is whole groups of 256, else they are replicated (1/16384 of the
-weight), as is the per-layer offset [L].
+would, its per-column absmax [L, out] as the kernel's output axis (like DoRA's magnitude). An `NF4Array` stores each
+layer's matrix flattened in bitsandbytes' order (the transposed [out, in] matrix, row-major, two codes a byte) with
+one absmax per block of 64 values. The only splits of that flat axis that keep every block whole with its absmax are
+contiguous ranges of whole blocks, so codes [L, n_bytes] and absmax [L, n_blocks] are split the same way over the
+mesh axes of the kernel's output dimension, then those of its input dimension (the flat order is out-major): the
+tensor split of the output columns is then exactly the float kernel's, and `fsdp`, which would split the input rows
+of a float kernel, splits the output rows instead (a ZeRO-3 weight is all-gathered before use either way). Mesh axes
+that don't divide the block count are dropped, and a matrix whose size is not a multiple of the block size is kept
+whole. Double quantisation's second-level scales (absmax2 [L, n_blocks/256], one per 256 absmax codes) split the
+same way when each device's absmax range is whole groups of 256, else they are replicated (1/16384 of the weight),
+as is the per-layer offset [L].
 
 Optimizer state: every params-shaped subtree of the optax state (Adam's mu and nu) gets the parameters' shardings
 (`optax.tree_utils.tree_map_params`); counters are replicated. Batches [A, B, T] split B over ("data", "fsdp").

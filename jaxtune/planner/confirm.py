@@ -78,8 +78,9 @@ def _abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh):
 def compile_rollout(cfg: ModelConfig, plan: TrainPlan) -> CompiledMemory:
     """XLA's memory of GRPO's rollout on one device: jaxtune's generation program (prefill, then a `while_loop`
     of cached decode steps) sampling `plan.generate_tokens` tokens after prompts of `seq_len - generate_tokens` for
-    all `rows x grad_accum` rows of an optimizer step at once (as the trainer does), from the policy's weights as the step holds them (float32 trainable masters + the frozen
-    base). The optimizer state, alive beside it but not an argument, is not in this figure."""
+    all `rows x grad_accum` rows of an optimizer step at once (as the trainer does), from the policy's weights as
+    the step holds them (float32 trainable masters + the frozen base). The optimizer state, alive beside it but not
+    an argument, is not in this figure."""
     from jaxtune.generation import _generate
     from jaxtune.methods.transform import combine
 

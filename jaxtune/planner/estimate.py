@@ -452,4 +452,5 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         attention_bytes=attention, logits_bytes=logits, workspace_bytes=workspace, weight_copies_bytes=copies_b,
         kv_cache_bytes=kv_at_peak, batch_bytes=batch_b, reserve_bytes=reserve, host_bytes=host_b,
         peak_phase=peak, phases=phases, base_parameters=held.base_parameters,
-        loading_transient_bytes=held.loading_device + (held.loading_host if device.family == "cpu" else 0), notes=tuple(notes + [rules.reserve_note]))
+        loading_transient_bytes=held.loading_device + (held.loading_host if device.family == "cpu" else 0),
+        notes=tuple(notes + [rules.reserve_note]))

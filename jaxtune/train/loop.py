@@ -217,7 +217,8 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
         params = host_copy(params)  # every process takes part in gathering what is split across them
     result_path = task.export(run_dir, params) if writer else None
     barrier("export")
-    evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in records if any(k.startswith("eval_") for k in r)]
+    evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in records
+             if any(k.startswith("eval_") for k in r)]
     last = evals[-1] if evals else None
     log(f"done: {final_step} steps, {skipped} skipped; result in {result_path}")
     return RunResult(run_dir, final_step, train_loss, last and last.get("eval_loss"),
