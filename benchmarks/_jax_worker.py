@@ -22,7 +22,6 @@ def run(name: str, warmup: int, steps: int) -> dict:
     from jaxtune.config.plan import TrainPlan
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
-    from jaxtune.objectives import OBJECTIVES
     from jaxtune.parallel.mesh import make_mesh
     from jaxtune.spine.run import abstract_run
 
@@ -36,7 +35,7 @@ def run(name: str, warmup: int, steps: int) -> dict:
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
     total_steps = warmup + steps
     plan = TrainPlan(method, M.BATCH, M.SEQ, 1, "none", M.COMPUTE_DTYPE.get(name, "float32"), "float32")
-    run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), OBJECTIVES["sft"], tc, total_steps)
+    run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), tc, total_steps)
     state = run.init_state(trainable, seed=0)
     del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated
 

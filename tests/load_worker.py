@@ -18,7 +18,6 @@ from jaxtune.config import MeshConfig, MethodConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.safetensors_io import CheckpointReader
-from jaxtune.objectives import OBJECTIVES
 from jaxtune.parallel.distributed import ClusterConfig, host_copy, join_cluster
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.load import load_run
@@ -28,7 +27,7 @@ coordinator, processes, process_id, model_dir = sys.argv[1], int(sys.argv[2]), i
 join_cluster(ClusterConfig(coordinator, processes, process_id))
 cfg = load_config(model_dir)
 plan = TrainPlan(MethodConfig("lora", rank=4), processes, 32, 1, "none", "float32", "float32", mesh=MeshConfig())
-run = abstract_run(cfg, plan, make_mesh(MeshConfig()), OBJECTIVES["sft"])
+run = abstract_run(cfg, plan, make_mesh(MeshConfig()))
 state, frozen, _ = load_run(run, model_dir, 0)
 checksum = float(sum(np.abs(x).sum() for x in jax.tree.leaves(host_copy(frozen))))
 size = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))

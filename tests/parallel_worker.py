@@ -30,7 +30,6 @@ from jaxtune.config import MeshConfig, MethodConfig, OffloadConfig, TrainConfig,
 from jaxtune.config.plan import TrainPlan
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.objectives import OBJECTIVES
 from jaxtune.parallel import bytes_per_device, make_mesh, total_bytes
 from jaxtune.spine.run import abstract_run
 
@@ -83,7 +82,7 @@ def train(method_name: str, mesh_config: MeshConfig, devices=None, offload=Offlo
     method = METHODS[method_name]
     trainable, frozen = setup(method)
     plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=mesh_config, offload=offload)
-    run = abstract_run(CFG, plan, make_mesh(mesh_config, devices), OBJECTIVES["sft"], TRAIN, STEPS)
+    run = abstract_run(CFG, plan, make_mesh(mesh_config, devices), TRAIN, STEPS)
     state = run.init_state(trainable, 0)
     frozen = jax.device_put(frozen, run.shardings.frozen)
     losses = []
@@ -172,7 +171,7 @@ def eval_rows() -> dict:
     rows = {}
     for name in ("fsdp=8", "data=8"):
         plan = TrainPlan(method, 8, T, 1, "none", "float32", "float32", mesh=MESHES[name])
-        run = abstract_run(cfg, plan, make_mesh(MESHES[name]), OBJECTIVES["sft"], TRAIN, STEPS)
+        run = abstract_run(cfg, plan, make_mesh(MESHES[name]), TRAIN, STEPS)
         hlo = run.eval_step.lower(jax.device_put(params, run.shardings.params), None, batch).compile().as_text()
         rows[name] = sorted({int(r) for r in re.findall(rf"f32\[(\d+),{T},{cfg.vocab_size}\]", hlo)})
     return rows
@@ -203,7 +202,7 @@ def load(model_dir: str, method_name: str) -> dict:
 
     CheckpointReader.read = spying_read
     plan = TrainPlan(METHODS[method_name], 8, SEQ, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"])
-    run = abstract_run(cfg, plan, make_mesh(MESHES["fsdp=8"]), OBJECTIVES["sft"], TRAIN, STEPS)
+    run = abstract_run(cfg, plan, make_mesh(MESHES["fsdp=8"]), TRAIN, STEPS)
     before = CheckpointReader.total_bytes_read
     state, frozen, _ = load_run(run, model_dir, 0)
     jax.block_until_ready((state, frozen))

@@ -4,7 +4,6 @@ import jax
 
 from jaxtune.config import ForwardOptions, MeshConfig, TrainConfig
 from jaxtune.config.plan import TrainPlan
-from jaxtune.objectives import objective_named
 from jaxtune.objectives.base import Context
 from jaxtune.objectives.sft import loss_terms as sft_terms
 from jaxtune.parallel.mesh import make_mesh
@@ -21,7 +20,7 @@ def one_device_run(cfg, method, objective: str = "sft", *, train: TrainConfig = 
     plan = TrainPlan(method, batch_size, seq_len, grad_accum, options.remat.policy, options.compute_dtype,
                      param_dtype, objective=objective, section=section, second_model=second_model)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-    return abstract_run(cfg, plan, mesh, objective_named(objective), train, total_steps)
+    return abstract_run(cfg, plan, mesh, train, total_steps)
 
 
 def sft_gradients(trainable, frozen, batch, cfg, method, options=ForwardOptions(), key=None):

@@ -31,7 +31,6 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.models.presets import write_random_model
-from jaxtune.objectives import OBJECTIVES
 from jaxtune.parallel import (
     abstract_mesh,
     batch_sharding,
@@ -157,9 +156,9 @@ def test_offloaded_state_stays_in_host_memory_through_steps_and_checkpoints(tmp_
     params = apply_method(init_params(TINY, jax.random.key(0)), TINY, method, jax.random.key(1))
     params["layers"]["q_proj"]["lora_b"] += 0.1
     trainable, frozen = partition(params, trainable_mask(params, method))
-    runs = {offloaded: abstract_run(TINY, TrainPlan(method, 8, 4, 1, "none", "float32", "float32", offload=OffloadConfig(
-        optimizer_state=offloaded, frozen_params=offloaded)), make_mesh(MeshConfig()), OBJECTIVES["sft"])
-        for offloaded in (True, False)}
+    offload = lambda on: OffloadConfig(optimizer_state=on, frozen_params=on)
+    runs = {on: abstract_run(TINY, TrainPlan(method, 8, 4, 1, "none", "float32", "float32", offload=offload(on)),
+                             make_mesh(MeshConfig())) for on in (True, False)}
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
     states = {k: run.init_state(trainable, 0) for k, run in runs.items()}
     placed = {k: jax.device_put(frozen, run.shardings.frozen) for k, run in runs.items()}
@@ -221,7 +220,7 @@ def test_llama3_8b_every_leaf_kind_is_partitioned(kind, mesh_config):
     for every method's leaves on the real Llama-3-8B shapes (from `NamedSharding.shard_shape`, nothing allocated)."""
     method = METHODS_8B[kind]
     plan = TrainPlan(method, 8, 128, 1, "none", "bfloat16", "bfloat16", mesh=mesh_config)
-    run = abstract_run(LLAMA3_8B, plan, abstract_mesh(mesh_config, 8), OBJECTIVES["sft"])
+    run = abstract_run(LLAMA3_8B, plan, abstract_mesh(mesh_config, 8))
     ways = mesh_config.resolve(8)["fsdp"] * mesh_config.resolve(8)["tensor"]
     for name, tree in (("params", run.state["params"]), ("opt_state", run.state["opt_state"]),
                        ("frozen", run.frozen)):
@@ -289,7 +288,7 @@ def test_offload_where_the_backend_has_no_host_memory_says_so(monkeypatch):
     plan = TrainPlan(MethodConfig("lora"), 8, 4, offload=OffloadConfig(optimizer_state=True))
     with pytest.raises(JaxtuneError, match=r"\[offload\] optimizer_state = true: the cpu backend has no "
                                            r"'pinned_host' memory \(memory kinds: device\); set it to false"):
-        abstract_run(TINY, plan, mesh, OBJECTIVES["sft"])
+        abstract_run(TINY, plan, mesh)
 
 
 def test_run_config_reads_and_writes_mesh_and_offload():

@@ -139,7 +139,6 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
     (a merged export computes each merged layer there). Leaves of a method (LoRA, ...) are not model tensors:
     pass a tree without them, or `tensor` that merges them."""
     entries = []
-    layer_of = lambda leaf, path, i: (tensor(path, i) if tensor is not None else None)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, BitPattern))[0]:
         path = tuple(k.key for k in path)
         if path[0] in skip or path[-1] in METHOD_LEAVES:
@@ -156,15 +155,11 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
         shape = tuple(full[1:][::-1] if kernel else full[1:])
         for i in range(cfg.num_layers):
             def produce(leaf=leaf, path=path, i=i, layout=layout, d=out_dtype):
-                value = layer_of(leaf, path, i)
-                return layout(host_array(_layer(leaf, i) if value is None else value)).astype(d)
+                value = None if tensor is None else tensor(path, i)
+                return layout(host_array(jax.tree.map(lambda a: a[i], leaf) if value is None else value)).astype(d)
 
             entries.append((hf_tensor_name(path, i), shape, out_dtype, produce))
     return entries
-
-
-def _layer(leaf, i: int):
-    return BitPattern(leaf.bits[i], leaf.dtype) if isinstance(leaf, BitPattern) else leaf[i]
 
 
 def host_array(x) -> np.ndarray:

@@ -14,15 +14,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.config.targets import layer_scales
-from jaxtune.models.linear import (
-    adapter_dropout_key,
-    dense,
-    lora_dropout_rate,
-    matmul,
-    recomputed_layer,
-    wide,
-    with_lora_scales,
-)
+from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, matmul, wide, with_lora_scales
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain
 
@@ -217,12 +209,11 @@ def decoder(
     per_layer = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
-    with recomputed_layer(options.remat.policy != "none"):
-        if options.scan_layers:
-            x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, per_layer)
-        else:
-            for i in range(cfg.num_layers):
-                x_BxTxD, _ = block(x_BxTxD, jax.tree.map(lambda a: a[i], per_layer))
+    if options.scan_layers:
+        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, per_layer)
+    else:
+        for i in range(cfg.num_layers):
+            x_BxTxD, _ = block(x_BxTxD, jax.tree.map(lambda a: a[i], per_layer))
     return rms_norm(x_BxTxD, params["norm"], cfg.rms_norm_eps)
 
 

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
-from jaxtune.objectives import objective_named
 from jaxtune.objectives import rows as rows_of
 
 
@@ -72,7 +71,7 @@ def compile_step(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMem
 def _abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh):
     from jaxtune.spine.run import abstract_run
 
-    return abstract_run(cfg, plan, mesh, objective_named(plan.objective))
+    return abstract_run(cfg, plan, mesh)
 
 
 def compile_rollout(cfg: ModelConfig, plan: TrainPlan) -> CompiledMemory:

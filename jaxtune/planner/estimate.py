@@ -250,10 +250,9 @@ def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> Ru
 def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
     from jaxtune.spine.run import abstract_run
 
-    objective = objective_named(plan.objective)
     sizes = dict(sizes)
     mesh = abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
-    run = abstract_run(cfg, plan, mesh, objective)
+    run = abstract_run(cfg, plan, mesh)
     trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(run.state["params"]))
     report = parameter_report(run.params, plan.method, cfg)
     return RunBytes(_device_bytes(run.frozen, tiled), _device_bytes(run.state["params"], tiled),

@@ -57,7 +57,7 @@ def _float_leaf(reader, keys: tuple[str, ...], leaf: jax.ShapeDtypeStruct | BitP
     """A float leaf, or a BitPattern's bits (the values cast to its dtype, viewed as uint16), read shard by shard."""
     kernel, stacked = keys[-1] == "kernel", keys[0] == "layers"
     bits = isinstance(leaf, BitPattern)
-    dtype, target = (np.dtype(leaf.dtype), leaf.bits) if bits else (np.dtype(leaf.dtype), leaf)
+    dtype, target = np.dtype(leaf.dtype), leaf.bits if bits else leaf
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         if not stacked:
@@ -78,9 +78,10 @@ def _make_array(shape: tuple[int, ...], sharding, read_shard) -> jax.Array:
     """`jax.make_array_from_callback`, holding one shard in host memory at a time (it calls the callback for every
     device before placing any: a whole leaf at once on a one-host mesh). Each distinct shard is read once and put on
     every device that holds it."""
+    indices = sharding.addressable_devices_indices_map(shape)
     devices_of: dict[tuple, list] = {}
     index_of = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    for device, index in indices.items():
         key = tuple(s.indices(n) for s, n in zip(index, shape))
         devices_of.setdefault(key, []).append(device)
         index_of[key] = index
@@ -89,9 +90,7 @@ def _make_array(shape: tuple[int, ...], sharding, read_shard) -> jax.Array:
         data = read_shard(index_of[key])
         placed.update({d: jax.device_put(data, SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
                        for d in devices})
-        del data
-    arrays = [placed[d] for d in sharding.addressable_devices_indices_map(shape)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [placed[d] for d in indices])
 
 
 def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: ModelConfig) -> QuantizedArray:

@@ -1,12 +1,12 @@
 """The spine: from what fixes a run to every array it holds and the one step over them.
 
-    run = abstract_run(cfg, plan, mesh, objective)         # nothing allocated
+    run = abstract_run(cfg, plan, mesh)                    # nothing allocated
     run.state, run.frozen, run.second, run.batch            # ShapeDtypeStructs, each with its sharding
     state, frozen, second = load_run(run, model_dir, ...)   # load.py: weights read into those shardings
     state, metrics = run.step(state, frozen, second, batch) # one jit: the run's shardings, the state donated
 
 `plan` (a `TrainPlan`) holds the method, dtypes, remat, the micro-batch shape, the mesh, host offload, the
-objective and its section; `objective` is the registered unit (`jaxtune.objectives`). The trainer creates the
+objective (a name in the registry, `jaxtune.objectives`) and its section. The trainer creates the
 arrays and calls the step; the planner's estimate counts the same trees under the same shardings; `plan --confirm`
 lowers the same step. So a plan is the run it describes, whatever the objective.
 
@@ -37,7 +37,7 @@ from jaxtune.methods.transform import apply_method, combine, parameter_report, p
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
 from jaxtune.models.quant import as_bit_patterns
-from jaxtune.objectives import objective_named
+from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Context, Objective
 from jaxtune.parallel.offload import HOST, check_host_memory, on_device, with_memory_kind
 from jaxtune.parallel.sharding import batch_sharding, optimizer_shardings, param_shardings
@@ -145,10 +145,6 @@ def traced_on(mesh: AnyMesh):
     return jax.sharding.use_abstract_mesh(mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh)
 
 
-def section_or_default(plan: TrainPlan, objective: Objective):
-    return plan.section if plan.section is not None or objective.section is None else objective.section()
-
-
 def model_tree(cfg: ModelConfig, plan: TrainPlan, objective: Objective) -> dict:
     """The abstract parameter tree of the run: the base in `plan.param_dtype`, the method applied, the objective's
     head added."""
@@ -160,14 +156,14 @@ def model_tree(cfg: ModelConfig, plan: TrainPlan, objective: Objective) -> dict:
     return jax.eval_shape(build, abstract_params(cfg, jnp.dtype(plan.param_dtype)), jax.random.key(0))
 
 
-def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, objective: Objective,
-                 train: TrainConfig = TrainConfig(), total_steps: int = 1000) -> AbstractRun:
+def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainConfig = TrainConfig(),
+                 total_steps: int = 1000) -> AbstractRun:
     """Every array of `plan`'s run of `cfg` on `mesh`, abstract and sharded, and its step (see the module docstring).
 
     train, total_steps: the optimizer's hyper-parameters and schedule length (they change values, not shapes).
     The objective's second model has `plan.second_model`'s architecture (default: `cfg`'s).
     """
-    section = section_or_default(plan, objective)
+    objective, section = objective_named(plan.objective), section_of(plan)
     method = plan.method
     params = model_tree(cfg, plan, objective)
     trainable, frozen = partition(params, trainable_mask(params, method))
@@ -183,7 +179,7 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, objective: Ob
     micro = objective.micro_batch(rows, plan.seq_len, section)
     batch = {k: jax.ShapeDtypeStruct((plan.grad_accum, *x.shape), x.dtype) for k, x in micro.items()}
 
-    shardings = _shardings(mesh, cfg, second_cfg, trainable, frozen, second, optimizer, batch, objective, plan)
+    shardings = _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, objective, plan)
     # the frozen 16-bit kernels travel as bit patterns (models/quant.BitPattern), in the same shardings
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen))
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second))
@@ -199,7 +195,8 @@ def _shardings_of(tree):
     return None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
 
 
-def _shardings(mesh, cfg, second_cfg, trainable, frozen, second, optimizer, batch, objective, plan) -> RunShardings:
+def _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, objective, plan) -> RunShardings:
+    trainable = state["params"]
     trainable_sh = param_shardings(trainable, cfg, mesh, objective.head_axes)
     frozen_sh = param_shardings(frozen, cfg, mesh)
     opt_sh = optimizer_shardings(optimizer, trainable, trainable_sh, mesh)
@@ -210,7 +207,7 @@ def _shardings(mesh, cfg, second_cfg, trainable, frozen, second, optimizer, batc
         check_host_memory(mesh, "frozen_params")
         frozen_sh = with_memory_kind(frozen_sh, HOST)
     replicated = NamedSharding(mesh, PartitionSpec())
-    state_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable))
+    state_sh = jax.tree.map(lambda _: replicated, state)
     state_sh.update(params=trainable_sh, opt_state=opt_sh)
     second_sh = None if second is None else param_shardings(second, second_cfg, mesh)
     rows = batch_sharding(mesh, next(iter(batch.values())).shape[1])

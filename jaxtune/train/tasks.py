@@ -19,11 +19,11 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import abstract_params
-from jaxtune.objectives import objective_named
+from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Setup, Training, strip_adapters
 from jaxtune.parallel.sharding import param_shardings
 from jaxtune.spine.load import load_run, read_tree
-from jaxtune.spine.run import AbstractRun, abstract_run, run_plan, section_or_default
+from jaxtune.spine.run import AbstractRun, abstract_run, run_plan
 from jaxtune.train.export import export_result
 
 
@@ -63,13 +63,13 @@ def prepare_task(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     c = config
     plan = run_plan(c, stored_dtype)
     objective = objective_named(plan.objective)
-    section = section_or_default(plan, objective)
+    section = section_of(plan)
     training = objective.prepare(Setup(c, section, cfg, tokenizer, log))
     total_steps = c.train.max_steps or c.train.epochs * training.steps_per_epoch
     if total_steps < 1:
         raise JaxtuneError(f"{c.data.train}: no training step (too few examples for train.batch_size = "
                            f"{c.train.batch_size})")
-    run = abstract_run(cfg, plan, mesh, objective, c.train, total_steps)
+    run = abstract_run(cfg, plan, mesh, c.train, total_steps)
     state, frozen, second = load_run(run, c.model.path, c.train.seed, objective.second_model(section, c.method))
     if training.start is not None:
         training.start(lambda: _reference_for_scoring(run, c, section, frozen), run.context)
