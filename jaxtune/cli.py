@@ -3,6 +3,7 @@
 Whatever goes wrong ends in one line on stderr, never a traceback on the terminal:
   exit 2   a problem with the input (`JaxtuneError`: the file, line, key or value), or out of memory (what to lower)
   exit 3   a bug in jaxtune: the traceback is written to a file the line names
+jaxtune's own warnings (`JaxtuneWarning`) are one line on stderr too: `jaxtune: warning: ...`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
-from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
 
 
 def _human_bytes(n: int) -> str:
@@ -209,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--model alone as the DPO reference)")
     evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages; or "
                           "{prompt, chosen, rejected} pairs")
-    evaluate.add_argument("--max-seq-len", type=int, help="default: the model's context length")
+    evaluate.add_argument("--max-seq-len", type=int, help="a cap, not a padding target: longer examples are cut, "
+                          "ones whose prompt fills it dropped (default: the model's context); batches are padded to "
+                          "the power of two of their longest row")
     evaluate.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens", "examples", '
@@ -293,8 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_python_format_warning = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """A `JaxtuneWarning` as one line, like the errors; any other warning as Python writes it."""
+    if issubclass(category, JaxtuneWarning):
+        return f"jaxtune: warning: {message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = _format_warning
     rest = []
     if "--" in argv:  # `launch ... -- train CONFIG.toml`: what follows is the remote command
         rest, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]

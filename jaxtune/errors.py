@@ -3,6 +3,7 @@
 The CLI prints a `JaxtuneError` as a single line (no traceback) and exits with status 2; notebooks get a normal
 exception. A `ConfigError` is also a `ValueError`, so code that validated configs with `except ValueError` still
 works; its message starts with the field, and the TOML loader puts the section in front (`method.rank = 0: ...`).
+A `JaxtuneWarning` is Python's warning in a notebook and one line, `jaxtune: warning: ...`, from the CLI.
 """
 
 import json
@@ -10,6 +11,10 @@ import json
 
 class JaxtuneError(Exception):
     """A problem with the user's input (files, configs, shapes), explained in one line."""
+
+
+class JaxtuneWarning(UserWarning):
+    """Something the user should know that does not stop the run (e.g. a setting slower than another here)."""
 
 
 class ConfigError(JaxtuneError, ValueError):

@@ -7,8 +7,10 @@ Prompts are padded on the left to one length, so every row writes its next token
 `models/kv_cache.py`). Prefill and the whole decode loop are one jitted function (a `lax.while_loop` that stops
 when every row has finished), compiled once per shape bucket: the batch is padded to a power of two and the
 prompt length to a power of two (at least 16), so calls with other prompts of similar size reuse the compiled
-code. Temperature, top-k, top-p and the seed are traced values: changing them does not recompile; greedy
-decoding (temperature 0) and `max_new_tokens` are static.
+code. Shapes follow the prompts, never the model's context: the cache holds P + bucket(prompt) + max_new_tokens
+slots (P prefix-tuning tokens), the bucket cut back where that would pass the context. Temperature, top-k, top-p
+and the seed are traced values: changing them does not recompile; greedy decoding (temperature 0) and
+`max_new_tokens` are static.
 
 Sampling follows transformers' logits processors in their order: divide by the temperature, keep the top k,
 then keep the smallest set of tokens whose probability reaches top_p (`TopPLogitsWarper`, at least one token).
@@ -17,7 +19,6 @@ The returned tokens stop before the first EOS or stop token (transformers' `gene
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import partial
 
@@ -26,11 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
+from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.kv_cache import decode_step, prefill, prefix_length
-
-MIN_PROMPT_BUCKET = 16
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -91,11 +91,6 @@ def _generate(params, tokens_BxT, mask_BxT, live_B, is_stop_V, temperature, top_
     return jax.lax.while_loop(unfinished, step_fn, carry)[3]
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The padded size for n: the next power of two, at least `minimum`."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(n))))
-
-
 def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
     bad = [i for i in ids if not 0 <= int(i) < vocab]
     if bad:
@@ -133,7 +128,9 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     stops = tuple(cfg.eos_token_id if eos_ids is None else eos_ids) + tuple(stop_token_ids)
     _check_ids(stops, cfg.vocab_size, "EOS and stop tokens")
 
-    B, T = bucket(len(prompts)), bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    # The bucket never needs to pass the context: every prompt fits in context - P - max_new_tokens (checked above).
+    B = bucket(len(prompts))
+    T = min(bucket(max(len(p) for p in prompts), MIN_BUCKET), context - P - sampling.max_new_tokens)
     tokens_BxT, mask_BxT = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
     for row, prompt in enumerate(prompts):  # left padding: every row's last prompt token at index T - 1
         tokens_BxT[row, T - len(prompt):] = prompt

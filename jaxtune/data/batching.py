@@ -10,6 +10,10 @@ does not depend on the shuffle: the rows, and hence the number of steps per epoc
 (`count_epoch_batches` is exact). What changes per epoch is the order of the rows, drawn from (seed, epoch);
 examples packed together always share a batch, which does not change their gradients since they never
 attend to each other. The last batch is filled with empty rows (loss mask 0).
+
+Scoring (`eval_batches`) needs no fixed shape, only few: its rows are as long as the data, each batch padded to
+the power-of-two bucket of its longest row (`padded_length`), so a file of short rows costs short-row memory
+whatever the model's context, and the step compiles once per bucket.
 """
 
 from __future__ import annotations
@@ -23,8 +27,22 @@ import numpy as np
 from jaxtune.data.formats import Example
 from jaxtune.errors import JaxtuneError
 
+# The shortest padded length: shorter buckets (1, 2, 4, 8) would each be a compile and save no measurable memory.
+MIN_BUCKET = 16
+
 DTYPES = {"input_ids": np.int32, "labels": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
           "positions": np.int32}
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The padded size for n >= 1: the next power of two, at least `minimum`."""
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def padded_length(longest: int, seq_len: int) -> int:
+    """The length to pad a batch to whose longest row takes `longest` positions: its power-of-two bucket (at least
+    MIN_BUCKET), capped at seq_len."""
+    return min(seq_len, bucket(longest, MIN_BUCKET))
 
 
 def _lengths(examples: Sequence[Example], seq_len: int) -> list[int]:
@@ -123,3 +141,22 @@ def count_epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: i
     if batch_size < 1:
         raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
     return math.ceil(len(_plan(examples, seq_len, pack)) / batch_size)
+
+
+def eval_batches(examples: Sequence[Example], batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
+    """Batches for a score summed over examples (order does not matter), each a dict of [batch_size, T] arrays as
+    `pack_rows` gives them, T the `padded_length` of the batch's longest row.
+
+    Examples are packed into rows of the bucket of the longest example, not of seq_len (the cap, e.g. the model's
+    context), and rows go fullest first, so a batch's rows are of like length. T is a power of two from MIN_BUCKET
+    up, or seq_len: the step compiles once per bucket.
+    """
+    if batch_size < 1:
+        raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
+    lengths = _lengths(examples, seq_len)
+    rows = pack_plan(lengths, padded_length(max(lengths, default=1), seq_len))
+    used = [sum(lengths[i] for i in row) for row in rows]
+    order = sorted(range(len(rows)), key=lambda r: -used[r])
+    chunks = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    return [_fill(examples, [rows[r] for r in chunk], padded_length(used[chunk[0]], seq_len), batch_size)
+            for chunk in chunks]

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.llama import attend, decoder_layer, lm_head, lora_scaled_layers, project_qkv, rms_norm, window_mask
+from jaxtune.models.attention import cache_mask, live_blocks
+from jaxtune.models.head import head_logits
+from jaxtune.models.llama import attend, decoder_layer, lora_scaled_layers, project_qkv, rms_norm
 from jaxtune.models.rope import rope_angles
 
 
@@ -72,9 +74,8 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     layers, lora_scale = lora_scaled_layers(params["layers"], method, cfg)
     start = cache.length
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT > 0, (0, start))
-    q_idx_T, k_idx_S = start + jnp.arange(T), jnp.arange(cache.size)
-    causal_TxS = k_idx_S[None, :] <= q_idx_T[:, None]
-    mask = (valid_BxS[:, None, :] & causal_TxS)[:, None, None]  # [B, 1, 1, T, S]
+    mask = cache_mask(start, T, valid_BxS)
+    live_QxC = live_blocks(mask, T, cache.size)
     cos, sin = rope_angles(positions_BxT, cfg, dtype)
 
     def block(x_BxTxD, layer_window_kv):
@@ -84,8 +85,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
             q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, lora_scale)
             k_all = jax.lax.dynamic_update_slice(k_BxSxKxh, k_new.astype(dtype), (0, start, 0, 0))
             v_all = jax.lax.dynamic_update_slice(v_BxSxKxh, v_new.astype(dtype), (0, start, 0, 0))
-            layer_mask = mask & window_mask(q_idx_T, k_idx_S, window)
-            return attend(q_BxTxKxGxh, k_all, v_all, layer_mask, layer, lora_scale), (k_new, v_new)
+            return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, lora_scale), (k_new, v_new)
 
         return decoder_layer(x_BxTxD, layer, cached_attention, cfg, lora_scale)
 
@@ -119,7 +119,7 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
     cache = init_cache(params, cfg, B, size, jnp.dtype(options.compute_dtype))
     positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
     hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options)
-    return lm_head(params, hidden_BxTxD[:, -1:], cfg)[:, 0], cache
+    return head_logits(params, hidden_BxTxD[:, -1:])[:, 0], cache
 
 
 def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConfig, *,
@@ -133,4 +133,4 @@ def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConf
     positions_Bx1 = cache.next_position_B[:, None]
     mask_Bx1 = jnp.ones_like(positions_Bx1)
     hidden_Bx1xD, cache = extend(params, token_B[:, None], positions_Bx1, mask_Bx1, cache, cfg, method, options)
-    return lm_head(params, hidden_Bx1xD, cfg)[:, 0], cache
+    return head_logits(params, hidden_Bx1xD)[:, 0], cache

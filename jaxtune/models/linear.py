@@ -47,18 +47,19 @@ def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magn
 
 
 def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """x [..., in] @ w [in, out] as `out_dtype` (default x's). Below float32 (bfloat16 compute) the products are
-    accumulated in float32, forward and backward: the dots XLA runs fastest (on CPU about twice the float32 rate,
-    where a bfloat16-output dot runs at the float32 rate or below), with the rounding of torch's autocast."""
+    """x [..., in] @ w [in, out] as `out_dtype` (default x's), w cast to x's dtype. Below float32 (bfloat16
+    compute) the products are accumulated in float32, forward and backward: the dots XLA runs fastest (on CPU
+    about twice the float32 rate, where a bfloat16-output dot runs at the float32 rate or below), with the rounding
+    of torch's autocast; a float32 w (a master weight) gets its gradient in float32, never rounded to x's dtype."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if x.dtype in (jnp.float32, jnp.float64):
-        return jnp.matmul(x, w, preferred_element_type=x.dtype).astype(out_dtype)
+        return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=x.dtype).astype(out_dtype)
     return _low_precision_matmul(x, w, out_dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _low_precision_matmul(x, w, out_dtype):
-    return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def _low_precision_matmul_fwd(x, w, out_dtype):
@@ -68,7 +69,7 @@ def _low_precision_matmul_fwd(x, w, out_dtype):
 def _low_precision_matmul_bwd(out_dtype, residuals, g):
     x, w = residuals
     g = g.astype(x.dtype)
-    dx = jnp.einsum("...o,io->...i", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dx = jnp.einsum("...o,io->...i", g, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     dw = jnp.einsum("...i,...o->io", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
     return dx, dw
 

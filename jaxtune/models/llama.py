@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) as pure functions over the parameter tree of `params.py`.
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
-depth; `jax.checkpoint` wraps the block under a `Remat` policy. Numerics follow transformers: RMSNorm and
+depth; `jax.checkpoint` wraps the block under a `Remat` policy. Attention is blockwise (`attention.py`): memory
+linear in the sequence, blocks the mask removes skipped. Numerics follow transformers: RMSNorm and
 softmax in float32, RoPE angles in float32 cast to the compute dtype, everything else in the compute dtype.
 compute_dtype "float64" (under `jax.enable_x64`) widens the float32 parts too but RoPE's angles, as transformers
 does for a `.double()` model: the tests' float64 reference.
@@ -14,7 +15,9 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.config.targets import layer_scales
-from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, matmul, wide, with_lora_scales
+from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
+from jaxtune.models.head import head_logits
+from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain
 
@@ -24,37 +27,6 @@ def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
     x32 = x_BxTxD.astype(wide(x_BxTxD.dtype))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
-
-
-def attention_mask(
-    tokens_BxT: jax.Array, attention_mask_BxT: jax.Array | None, segment_ids_BxT: jax.Array | None, prefix: int
-) -> jax.Array:
-    """[B, 1, 1, T, P+T] boolean: causal by index, keys that are not padding, and (if packed) the same segment.
-
-    The P prefix-tuning keys come first and every query sees them (PEFT passes them as a key/value cache).
-    """
-    B, T = tokens_BxT.shape
-    idx = jnp.arange(T)
-    mask_BxTxS = jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, T, T))
-    if attention_mask_BxT is not None:
-        mask_BxTxS = mask_BxTxS & (attention_mask_BxT[:, None, :] > 0)
-    if segment_ids_BxT is not None:
-        mask_BxTxS = mask_BxTxS & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
-    mask_BxTxS = jnp.concatenate([jnp.ones((B, T, prefix), bool), mask_BxTxS], axis=-1)
-    return mask_BxTxS[:, None, None]
-
-
-def window_mask(q_idx_T: jax.Array, k_idx_S: jax.Array, window: jax.Array) -> jax.Array:
-    """[T, S] boolean: key index j is within `window` of query index i, i - w < j (everything when window is 0).
-
-    Indices are cache slots, padding and prefix included, as transformers' `sliding_window_overlay` counts them.
-    """
-    return (window == 0) | (q_idx_T[:, None] - k_idx_S[None, :] < window)
-
-
-def sliding_window_mask(T: int, prefix: int, window: jax.Array) -> jax.Array:
-    """[T, P+T] `window_mask` for T queries after P prefix keys (indices count the prefix first)."""
-    return window_mask(prefix + jnp.arange(T), jnp.arange(prefix + T), window)
 
 
 def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConfig) -> tuple[dict, float]:
@@ -83,49 +55,28 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, d
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
 
 
-def _softmax_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask):
-    """softmax(q k^T / sqrt(hd)) v per (row, KV head) over the keys `mask` ([B, 1, 1, T, S]-broadcastable) allows.
-
-    Heads lead, so each (b, k) is one plain [G*T, hd] x [hd, S] matmul for XLA (no transposes around the dots).
-    """
-    hd = q_BxKxGxTxh.shape[-1]
-    dtype = wide(q_BxKxGxTxh.dtype)
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxh, k_BxKxSxh, preferred_element_type=dtype)
-    scores = jnp.where(mask, scores * (hd**-0.5), jnp.finfo(dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxh.dtype)
-    return jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxh)
-
-
-# The backward pass recomputes the [B, K, G, T, S] scores and probabilities from q and k (one extra q k^T matmul)
-# instead of keeping both per layer: without it they were most of what a training step keeps for the backward.
-_softmax_attention_remat = jax.checkpoint(_softmax_attention)
-
-
-def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale: float, dropout=None) -> jax.Array:
+def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, lora_scale: float,
+           dropout=None) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T / sqrt(hd)) v over the
-    S keys that `mask` (broadcastable to [B, 1, 1, T, S]) allows, then o_proj; returns [B, T, D]."""
+    S keys that `mask` allows within `window` (`attention.blockwise_attention`), then o_proj; returns [B, T, D]."""
     B, T, K, G, hd = q_BxTxKxGxh.shape
     q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
     k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
-    out_BxKxGxTxh = _softmax_attention_remat(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask)
+    out_BxKxGxTxh = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC)
     out_BxTxD = jnp.transpose(out_BxKxGxTxh, (0, 3, 1, 2, 4)).reshape(B, T, K * G * hd)
     return project(out_BxTxD, layer, "o_proj", lora_scale, dropout)
 
 
-def attention(x_BxTxD, layer, cos, sin, mask, window, cfg: ModelConfig, windowed: bool, lora_scale: float,
+def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, cfg: ModelConfig, lora_scale: float,
               dropout=None):
     """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D]."""
     B, T, _ = x_BxTxD.shape
     q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale, dropout)
-    prefix = 0
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
-        prefix = layer["prefix"]["key"].shape[0]
         as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    if windowed:
-        mask = mask & sliding_window_mask(T, prefix, window)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, layer, lora_scale, dropout)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, lora_scale, dropout)
 
 
 def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
@@ -192,8 +143,8 @@ def decoder(
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
     cos, sin = rope_angles(positions_BxT, cfg, dtype)
-    mask = attention_mask(tokens_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
-    windowed = any(cfg.sliding_windows)
+    mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
+    live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
     rate = lora_dropout_rate(method)
     use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
 
@@ -201,7 +152,7 @@ def decoder(
         layer, window, layer_key = per_layer if use_dropout else (*per_layer, None)
         dropout = (layer_key, rate) if use_dropout else None
         x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # rows split over the mesh's data x fsdp, if any
-        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, cfg, windowed, lora_scale, dropout), None)
+        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout), None)
         return decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout)
 
     block = options.remat.wrap(block)
@@ -217,21 +168,9 @@ def decoder(
     return rms_norm(x_BxTxD, params["norm"], cfg.rms_norm_eps)
 
 
-def lm_head(params: dict, hidden_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Float32 logits [B, T, V] from final hidden states: the `lm_head` leaf, else (tied) the embedding matrix.
-
-    A tied model holds an `lm_head` leaf only when a method trains the head or the embedding apart from the
-    other (PEFT's modules_to_save), which unties them."""
-    if "lm_head" in params:
-        kernel_DxV = params["lm_head"]["kernel"]
-    else:
-        kernel_DxV = params["embed_tokens"].T
-    return matmul(hidden_BxTxD, kernel_DxV.astype(hidden_BxTxD.dtype), wide(hidden_BxTxD.dtype))
-
-
 def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
     """Logits [B, T, V] float32 (float64 with compute_dtype float64). Keyword arguments as for `decoder`.
 
     Jit with `static_argnames=("cfg", "method", "options")`.
     """
-    return lm_head(params, decoder(params, tokens_BxT, cfg, **kwargs), cfg)
+    return head_logits(params, decoder(params, tokens_BxT, cfg, **kwargs))

@@ -8,14 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.methods.transform import combine
+from jaxtune.models.head import head_logits, per_token, token_logps
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.llama import forward
+from jaxtune.models.llama import decoder
 from jaxtune.objectives.base import Context, Objective, Setup, Training
-from jaxtune.objectives.losses import distillation_kl, masked_nll_sum
+from jaxtune.objectives.losses import distillation_kl
 from jaxtune.objectives.sft import perplexity, sft_training
 
 
@@ -40,18 +42,27 @@ def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> Non
                            f"{student.vocab_size}; distillation needs the same tokenizer")
 
 
-def _logits(params, cfg, batch, method, options, dropout_key=None):
-    return forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
+def _hidden(params, cfg, batch, method, options, dropout_key=None):
+    return decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
                    segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
 
 
 def _sums(student_params, teacher, batch, ctx: Context, key=None):
+    """(sum of KL, sum of -log p(label), token count) over the batch's completion tokens; the teacher's logits
+    are computed chunk by chunk beside the student's (`head.per_token`)."""
     d = ctx.section
-    teacher_logits = jax.lax.stop_gradient(_logits(teacher, ctx.second_cfg, batch, None, ctx.options))
-    student_logits = _logits(student_params, ctx.cfg, batch, ctx.method, ctx.options, key)
-    kl, count = distillation_kl(student_logits, teacher_logits, batch["loss_mask"], d.temperature, d.reverse)
-    nll, _ = masked_nll_sum(student_logits, batch["labels"], batch["loss_mask"])
-    return kl, nll, count
+    teacher_hidden = jax.lax.stop_gradient(_hidden(teacher, ctx.second_cfg, batch, None, ctx.options))
+    student_hidden = _hidden(student_params, ctx.cfg, batch, ctx.method, ctx.options, key)
+
+    def chunk(student_BxCxD, teacher_BxCxD, labels_BxC):
+        student_logits = head_logits(student_params, student_BxCxD)
+        teacher_logits = head_logits(teacher, teacher_BxCxD)
+        return (distillation_kl(student_logits, teacher_logits, d.temperature, d.reverse),
+                token_logps(student_logits, labels_BxC))
+
+    kl_BxT, logps_BxT = per_token(chunk, student_hidden, teacher_hidden, batch["labels"], vocab=ctx.cfg.vocab_size)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(kl_BxT * mask), -jnp.sum(logps_BxT * mask), jnp.sum(mask)
 
 
 def loss_terms(ctx: Context):

@@ -18,8 +18,9 @@ import numpy as np
 from jaxtune.data.formats import PreferenceExample, load_preference_examples
 from jaxtune.errors import JaxtuneError, check_choice, check_range
 from jaxtune.methods.transform import combine
+from jaxtune.models.head import label_logps
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.llama import forward
+from jaxtune.models.llama import decoder
 from jaxtune.models.params import param_specs
 from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, reference_of, total
 from jaxtune.objectives.losses import preference_loss, sequence_logps
@@ -92,10 +93,10 @@ def pair_logps(params: dict, batch: dict, ctx: Context, method, mean: bool, drop
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen log-probs [B], rejected log-probs [B], real-pair mask [B]) of a [2B, T] pair batch under `params`
     read with `method` (None: a plain model); dropout_key: LoRA dropout in training."""
-    logits = forward(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+    hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=ctx.options,
                      dropout_key=dropout_key)
-    total_B, count_B = sequence_logps(logits, batch["labels"], batch["loss_mask"])
+    total_B, count_B = sequence_logps(label_logps(params, hidden, batch["labels"]), batch["loss_mask"])
     logps = total_B / jnp.maximum(count_B, 1.0) if mean else total_B
     B = logps.shape[0] // 2
     return logps[:B], logps[B:], (count_B[:B] > 0).astype(jnp.float32)

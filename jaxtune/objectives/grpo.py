@@ -27,11 +27,12 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import generate
 from jaxtune.methods.transform import combine
-from jaxtune.models.llama import forward
+from jaxtune.models.head import label_logps
+from jaxtune.models.llama import decoder
 from jaxtune.models.reward_model import load_reward_model, reward_scores
 from jaxtune.objectives.base import Context, Objective, Setup, Training, reference_of
 from jaxtune.objectives.dpo import sequence_row
-from jaxtune.objectives.losses import grpo_advantages, grpo_token_loss, token_nll
+from jaxtune.objectives.losses import grpo_advantages, grpo_token_loss
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,9 @@ def group_advantages(rewards: list[float], group_size: int) -> np.ndarray:
 
 
 def _token_logps(params, cfg, batch, method, options, dropout_key=None):
-    logits = forward(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
+    hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
-    return -token_nll(logits, batch["labels"])
+    return label_logps(params, hidden, batch["labels"])
 
 
 def loss_terms(ctx: Context):

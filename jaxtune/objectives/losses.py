@@ -6,25 +6,10 @@ import jax
 import jax.numpy as jnp
 
 
-def token_nll(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
-    """-log p(label) per position [B, T], in float32."""
-    logits = logits_BxTxV.astype(jnp.float32)
-    label_logit = jnp.take_along_axis(logits, labels_BxT[..., None], axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits, axis=-1) - label_logit
-
-
-def masked_nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array,
-                   loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of -log p over masked positions, number of masked positions). The mean is their ratio."""
-    mask = loss_mask_BxT.astype(jnp.float32)
-    return jnp.sum(token_nll(logits_BxTxV, labels_BxT) * mask), jnp.sum(mask)
-
-
-def sequence_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array,
-                   loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sequence_logps(logps_BxT: jax.Array, loss_mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sum of log p(label) over each row's completion tokens [B], number of those tokens [B])."""
-    mask = loss_mask_BxT.astype(jnp.float32)
-    return -jnp.sum(token_nll(logits_BxTxV, labels_BxT) * mask, axis=-1), jnp.sum(mask, axis=-1)
+    mask = loss_mask_BxT.astype(logps_BxT.dtype)
+    return jnp.sum(logps_BxT * mask, axis=-1), jnp.sum(mask, axis=-1)
 
 
 def preference_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_chosen: jax.Array,
@@ -61,18 +46,16 @@ def bradley_terry_loss(chosen_scores_B: jax.Array, rejected_scores_B: jax.Array)
     return -jax.nn.log_sigmoid(chosen_scores_B - rejected_scores_B)
 
 
-def distillation_kl(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.Array, mask_BxT: jax.Array,
-                    temperature: float = 1.0, reverse: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(sum over masked positions of KL, number of positions), both distributions softened by `temperature`.
+def distillation_kl(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.Array, temperature: float = 1.0,
+                    reverse: bool = False) -> jax.Array:
+    """KL per position [B, T], both distributions softened by `temperature`.
 
     forward: KL(teacher || student) (Hinton et al. 2015, scaled by T^2); reverse: KL(student || teacher) (MiniLLM).
     """
     s = jax.nn.log_softmax(student_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
     t = jax.nn.log_softmax(teacher_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
     p, log_p, log_q = (jnp.exp(s), s, t) if reverse else (jnp.exp(t), t, s)
-    kl_BxT = jnp.sum(p * (log_p - log_q), axis=-1) * temperature**2
-    mask = mask_BxT.astype(jnp.float32)
-    return jnp.sum(kl_BxT * mask), jnp.sum(mask)
+    return jnp.sum(p * (log_p - log_q), axis=-1) * temperature**2
 
 
 def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-4) -> jax.Array:

@@ -15,36 +15,9 @@ import jax.numpy as jnp
 from jaxtune.data.batching import count_epoch_batches, epoch_batches
 from jaxtune.data.formats import load_sft_examples, train_eval_split
 from jaxtune.methods.transform import combine
-from jaxtune.models.llama import forward
+from jaxtune.models.head import label_logps
+from jaxtune.models.llama import decoder
 from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, total
-
-
-def _nll_sum_fwd(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Array):
-    logits = logits_BxTxV.astype(jnp.float32)
-    lse_BxT = jax.nn.logsumexp(logits, axis=-1)
-    label_logit_BxT = jnp.take_along_axis(logits, labels_BxT[..., None], axis=-1)[..., 0]
-    return jnp.sum((lse_BxT - label_logit_BxT) * weights_BxT), (logits_BxTxV, lse_BxT, labels_BxT, weights_BxT)
-
-
-def _nll_sum_bwd(residuals, g):
-    logits_BxTxV, lse_BxT, labels_BxT, weights_BxT = residuals
-    vocab_V = jax.lax.broadcasted_iota(labels_BxT.dtype, logits_BxTxV.shape, logits_BxTxV.ndim - 1)
-    softmax = jnp.exp(logits_BxTxV.astype(jnp.float32) - lse_BxT[..., None])
-    dlogits_BxTxV = (softmax - (vocab_V == labels_BxT[..., None])) * (weights_BxT * g)[..., None]
-    return dlogits_BxTxV.astype(logits_BxTxV.dtype), None, None
-
-
-@jax.custom_vjp
-def nll_sum(logits_BxTxV: jax.Array, labels_BxT: jax.Array, weights_BxT: jax.Array) -> jax.Array:
-    """sum(weights * -log softmax(logits)[label]), with a hand-written gradient.
-
-    The gradient is one fused pass, (softmax - onehot(label)) * weight, from the logits and the saved logsumexp;
-    autodiff would also keep exp(logits - max) ([B, T, V] float32) for the backward and scatter the one-hot.
-    """
-    return _nll_sum_fwd(logits_BxTxV, labels_BxT, weights_BxT)[0]
-
-
-nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
 
 
 def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None
@@ -53,11 +26,12 @@ def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array |
 
     dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout.
     """
-    logits = forward(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+    hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=ctx.method, options=ctx.options,
                      dropout_key=dropout_key)
-    mask = batch["loss_mask"].astype(jnp.float32)
-    return nll_sum(logits, batch["labels"], mask), jnp.sum(mask)
+    logps = label_logps(params, hidden, batch["labels"])
+    mask = batch["loss_mask"].astype(logps.dtype)
+    return -jnp.sum(logps * mask), jnp.sum(mask)
 
 
 def loss_terms(ctx: Context):

@@ -7,18 +7,20 @@ and SwiGLU are always recomputed in the backward from their inputs, so scores ar
 Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv = kv_heads x head_dim, F MLP):
 
   none          x, x after attention, rotated q and k, v, gate and up        (always: the chain rule needs them)
+                + the attention kernel's output and float32 log-sum-exp (its backward's residuals; `activation_bytes`)
                 + each norm's output when a module reading it has trainable weights or adapters (dW = h^T dy)
                 + each normalised x when the norm scales train (full fine-tuning)
                 + the attention output when o_proj trains, SwiGLU's output when down_proj trains
                 + LoRA's x A [r] per adapted module, adapter and IA3 inputs
-                full fine-tuning: 6 D + 2 q + 2 kv + 3 F;  LoRA on q, v: 3 D + q + 2 kv + 2 F + 2 r
+                full fine-tuning: 6 D + 3 q + 2 kv + 3 F;  LoRA on q, v: 3 D + 2 q + 2 kv + 2 F + 2 r
   save_matmuls  x and the outputs of the weight matmuls the backward reads: q, k, v, o_proj's output, gate, up
                 (+ LoRA's x A and x A B per adapted module)
   full          x only
 
-The backward of one layer then needs: its attention scores recomputed, their softmax and the gradient of both
-([b, H, T, S]: two float32 and one in the compute dtype), and part of the layer's activations and their
-gradients. That share, BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of
+The backward of one layer then needs: one block of its attention scores recomputed, their softmax and the gradient
+of both ([b, H, bq, bk], the blockwise kernel's blocks of up to `attention.BLOCK` queries and keys: two float32
+and one in the compute dtype), the kernel's float32 accumulators of dq, dk and dv ([b, H, T, hd], [b, KV, S, hd]
+twice), and part of the layer's activations and their gradients. That share, BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of
 the no-remat set when the layer's activations are already saved, 2.25 when a remat'd layer recomputes them first.
 """
 
@@ -28,10 +30,14 @@ from dataclasses import dataclass
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.targets import adapted_modules
+from jaxtune.models.attention import BLOCK
+from jaxtune.models.head import chunk_length
 
 # One layer's backward workspace, as a multiple of that layer's no-remat activation set (measured on XLA:CPU).
-BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 2.25}
-ATTENTION_COPIES_F32 = 2  # scores and their gradient; the probabilities are in the compute dtype
+BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.5}
+# Float32 [b, H, bq, bk] blocks one layer's attention backward holds beside one in the compute dtype (measured on
+# XLA:CPU): scores, probabilities and their gradients; under save_matmuls the kernel's forward is recomputed apart.
+ATTENTION_COPIES_F32 = {"none": 4, "save_matmuls": 2, "full": 4}
 
 
 @dataclass(frozen=True)
@@ -125,9 +131,20 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     return int(1.6 * mlp_adapted * w.b * w.T * w.F)
 
 
-def attention_elements(w: Widths) -> int:
-    """Elements of one layer's attention scores on one device: [b, H, T, S]."""
-    return w.b * w.heads * w.T * w.S
+def attention_block(w: Widths) -> tuple[int, int, int, int]:
+    """The shape of one block of one layer's attention scores on one device: [b, H, bq, bk]."""
+    return w.b, w.heads, min(w.T, BLOCK), min(w.S, BLOCK)
+
+
+def live_block_fraction(T: int, prefix: int) -> float:
+    """The share of a causal attention's query x key blocks the blockwise kernel computes (the rest the mask
+    removes entirely): all of them for one block, about half for many."""
+    nq, nk = -(-T // min(T, BLOCK)), -(-(prefix + T) // min(prefix + T, BLOCK))
+    if nq == 1 or nk == 1:
+        return 1.0
+    bq = min(T, BLOCK)
+    live = sum(min(nk, -(-(prefix + (i + 1) * bq) // BLOCK)) for i in range(nq))
+    return live / (nq * nk)
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
@@ -138,15 +155,17 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
 
 
 def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int) -> int:
-    """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers (the causal half is still
-    computed: the mask is applied to full scores)."""
-    return cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
+    """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers, over the blocks the causal
+    mask leaves live (`live_block_fraction`)."""
+    dense = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
+    return int(dense * live_block_fraction(seq_len, prefix))
 
 
 @dataclass(frozen=True)
 class ActivationBytes:
-    """Per device: every layer's saved activations, one layer's attention scores and their gradient, the rest of
-    that layer's backward workspace, one [b, T, V] float32 logits buffer and all logits buffers alive at the loss."""
+    """Per device: every layer's saved activations, one layer's attention workspace (a block of scores and their
+    gradient, the kernel's accumulators), the rest of that layer's backward workspace, one chunk's [b, c, V] float32
+    logits buffer and all logits buffers alive at the loss."""
 
     saved: int
     attention: int
@@ -156,15 +175,23 @@ class ActivationBytes:
 
 
 def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
-                     logits_copies: int = 2) -> ActivationBytes:
+                     logits_copies: int = 2, global_rows: int | None = None) -> ActivationBytes:
     """The activation terms for `policy`, with `itemsize` bytes per activation value, `nbytes(shape, itemsize)` the
     bytes an array of that shape occupies on the device (tiles on TPU), and `logits_copies` [b, T, V] float32
-    buffers alive at the loss (the objective's `Objective.logits_copies`, measured on XLA:CPU)."""
+    chunk buffers alive at the loss (the objective's `Objective.logits_copies`, measured on XLA:CPU; a chunk holds
+    `head.chunk_length` tokens a row, set by the `global_rows` of the whole micro-batch (default b), all T of a
+    short sequence)."""
     size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
-    scores = (w.b, w.heads, w.T, w.S)
-    attention = ATTENTION_COPIES_F32 * nbytes(scores, 4) + nbytes(scores, itemsize)
+    block = attention_block(w)
+    attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
+    if w.T > BLOCK or w.S > BLOCK:  # the accumulators: small beside one whole block's scores otherwise
+        attention += nbytes((w.b, w.heads, w.T, w.head_dim), 4) + 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), 4)
     workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w)))
     workspace += adapter_backward_elements(cfg, method, w) * itemsize
-    logits_one = nbytes((w.b, w.T, w.V), 4)
-    return ActivationBytes(cfg.num_layers * size(saved_tensors(cfg, method, policy, w)), attention, workspace,
+    logits_one = nbytes((w.b, chunk_length(global_rows or w.b, w.T, cfg.vocab_size), w.V), 4)
+    saved = saved_tensors(cfg, method, policy, w)
+    if policy == "none":  # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
+        saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
+                  ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
+    return ActivationBytes(cfg.num_layers * size(saved), attention, workspace,
                            logits_one, logits_copies * logits_one)

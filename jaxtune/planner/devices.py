@@ -16,6 +16,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from jaxtune import host_cpu
 from jaxtune.errors import JaxtuneError
 
 GiB = 1 << 30
@@ -143,17 +144,29 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cpu_device() -> Device:
-    """This host as a device: its memory read at run time, nominal rates (the CPU is for checks, not speed)."""
+def cpu_device(native_bf16: bool | None = None) -> Device:
+    """This host as a device: its memory read at run time, nominal rates (the CPU is for checks, not speed).
+
+    native_bf16: whether XLA:CPU multiplies bfloat16 natively (AVX512_BF16/AMX, Arm BF16); default
+    `host_cpu.native_bf16()`, this host's flags less any --xla_cpu_max_isa cap. It sets peak_bf16: twice
+    peak_fp32 with it, half without (bfloat16 widened to float32 and rounded back).
+    """
+    if native_bf16 is None:
+        native_bf16 = host_cpu.native_bf16()
     cores = os.cpu_count() or 1
     flops = cores * 2.5e9 * 32  # two 8-wide fp32 FMA units a core
-    return Device("cpu", "cpu", host_memory_bytes(), 0.90, 20e9, flops, flops, 20e9, sources=(
+    bf16_source = ("2 x peak_fp32: bfloat16 dot products here (AVX512_BF16/AMX or Arm BF16) that XLA:CPU may use; "
+                   "README, 'Mixed precision': about twice the float32 rate" if native_bf16 else
+                   "peak_fp32 / 2: no bfloat16 dot products here (no AVX512_BF16/AMX, or --xla_cpu_max_isa below "
+                   "them), so XLA:CPU widens to float32 and rounds back; issue 13: 343 vs 712 tokens/s on an AVX2-only "
+                   "Zen 3")
+    peak_bf16 = flops * (2 if native_bf16 else 0.5)
+    return Device("cpu", "cpu", host_memory_bytes(), 0.90, 20e9, peak_bf16, flops, 20e9, sources=(
         ("memory", "this host: os.sysconf(SC_PHYS_PAGES) x SC_PAGE_SIZE, read at run time"),
         ("usable_fraction", "0.90: the OS, page cache and other processes (our assumption)"),
         ("bandwidth", "nominal 20 GB/s (one socket's DRAM, not measured)"),
-        ("peak_bf16", f"nominal: {cores} cores x 2.5 GHz x 32 fp32 FLOP/cycle (AVX2 FMA); XLA:CPU computes bf16 "
-                      "in fp32"),
-        ("peak_fp32", "as peak_bf16"),
+        ("peak_bf16", bf16_source),
+        ("peak_fp32", f"nominal: {cores} cores x 2.5 GHz x 32 fp32 FLOP/cycle (AVX2 FMA)"),
         ("interconnect", "nominal 20 GB/s (fake devices share one memory)"),
     ))
 

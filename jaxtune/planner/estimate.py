@@ -35,6 +35,7 @@ from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
+from jaxtune.models.attention import BLOCK
 from jaxtune.models.params import abstract_params, count_params
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
@@ -43,7 +44,7 @@ from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
 
 MiB = 1 << 20
-ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, prompt, S] float32 buffers (measured on XLA:CPU)
+ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score blocks (measured on XLA:CPU)
 
 
 @dataclass(frozen=True)
@@ -370,7 +371,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     n_total, n_trainable = held.parameters, held.trainable_parameters
     objective = objective_named(plan.objective)
 
-    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method))
+    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows)
     logits_b = acts.logits
 
     # Weight copies made by dtype casts.
@@ -408,9 +409,10 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         phases["update"]["optimizer"] = optimizer_b  # copied in for the update, written back to host after
     if plan.generate_tokens:
         # the rollout: the KV cache, and the prefill's attention over the prompt (one layer's scores, their softmax
-        # and the masked scores: ROLLOUT_SCORE_COPIES [b, H, prompt, S] float32, measured on XLA:CPU); the weights
+        # and the masked scores: ROLLOUT_SCORE_COPIES [b, H, bq, bk] float32 blocks, measured on XLA:CPU); the weights
         # are cast to the compute dtype once for the whole generation
-        scores = nbytes((w.b * plan.grad_accum, w.heads, plan.seq_len - plan.generate_tokens, w.S), 4)
+        prompt = plan.seq_len - plan.generate_tokens
+        scores = nbytes((w.b * plan.grad_accum, w.heads, min(prompt, BLOCK), min(w.S, BLOCK)), 4)
         cast = n_total * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
         phases["generate"] = {"activations": kv_b + int(ROLLOUT_SCORE_COPIES * scores), "gradients": 0,
                               "weight_copies": cast}

@@ -1,5 +1,10 @@
 """Held-out scores of a file: loss and perplexity on SFT data (the mean of -log p over every completion token: sums,
-then one ratio); pairwise accuracy on preference data."""
+then one ratio); pairwise accuracy on preference data.
+
+Scores are sums over examples, so batches may come in any order: they go longest first, each padded to the
+power-of-two bucket of its longest row (`data.batching.eval_batches`). `max_seq_len` (default the model's context)
+only caps lengths (the drop / truncate policy): a file of short rows runs at short-row shapes and memory.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,8 @@ from pathlib import Path
 import jax
 
 from jaxtune.config import ForwardOptions
-from jaxtune.data.batching import epoch_batches
-from jaxtune.data.formats import load_preference_examples, load_sft_examples
+from jaxtune.data.batching import eval_batches, padded_length
+from jaxtune.data.formats import PreferenceExample, load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.objectives.base import Context
@@ -28,15 +33,27 @@ def evaluate(eval_step, params: dict, batches: list[dict]) -> tuple[float, float
     return total / count, perplexity(total / count), count
 
 
+def pair_eval_batches(pairs: list[PreferenceExample], batch_size: int, seq_len: int) -> list[dict]:
+    """Pair batches for scoring (`dpo.pair_batch`, [2 * batch_size, T] arrays): the longest pairs first, T the
+    `padded_length` of the batch's longest row (its input positions: len(prompt + completion) - 1)."""
+    from jaxtune.objectives.dpo import pair_batch
+
+    positions = lambda p: len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1
+    pairs = sorted(pairs, key=positions, reverse=True)
+    chunks = [pairs[start:start + batch_size] for start in range(0, len(pairs), batch_size)]
+    return [pair_batch(chunk, batch_size, padded_length(positions(chunk[0]), seq_len)) for chunk in chunks]
+
+
 def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | None = None,
                   max_seq_len: int | None = None, batch_size: int = 8,
                   options: ForwardOptions = ForwardOptions(), base: str = "as-trained", log=None) -> dict:
     """{"loss", "perplexity", "tokens", "examples", "dropped"} of a model (with an optional PEFT adapter) on a
     JSONL file.
 
-    max_seq_len defaults to the model's context (max_position_embeddings); examples whose prompt does not fit are
-    dropped and counted. Examples are packed, which leaves each example's logits unchanged. base: for a QLoRA
-    adapter, "as-trained" (its quantised base) or "float" (see `load_model_with_adapter`).
+    max_seq_len: the cap (default the model's context, max_position_embeddings); examples whose prompt does not fit
+    are dropped and counted, longer ones truncated. Batches are padded to their longest row's bucket, not to the
+    cap; examples are packed, which leaves each example's logits unchanged. base: for a QLoRA adapter, "as-trained"
+    (its quantised base) or "float" (see `load_model_with_adapter`).
     """
     from jaxtune.methods.peft import load_model_with_adapter
 
@@ -45,7 +62,7 @@ def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | Non
     tokenizer = load_tokenizer(model)
     seq_len = max_seq_len or cfg.max_position_embeddings
     examples, stats = load_sft_examples(data, tokenizer, seq_len)
-    batches = epoch_batches(examples, batch_size, seq_len, seed=0, epoch=0, pack=True)
+    batches = eval_batches(examples, batch_size, seq_len)
     terms = jax.jit(lambda params, batch: sft_terms(Context(cfg, method, options))(params, None, batch))
     loss, ppl, tokens = evaluate(terms, params, batches)
     return {"loss": loss, "perplexity": ppl, "tokens": tokens, "examples": len(examples),
@@ -69,6 +86,7 @@ def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str |
     from jaxtune.objectives import dpo
     from jaxtune.objectives import reward as reward_objective
 
+    check_range("batch_size", batch_size, 1)
     reward = is_reward_model(model)
     if reward:
         if adapter is not None:
@@ -84,7 +102,7 @@ def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str |
     evaluate_pair = jax.jit(lambda params, batch: terms(params, None, batch))
     seq_len = max_seq_len or cfg.max_position_embeddings
     pairs, stats = load_preference_examples(data, load_tokenizer(model), seq_len)
-    sums = [evaluate_pair(params, b) for b in dpo.preference_batches(pairs, batch_size, seq_len, seed=0, epoch=0)]
+    sums = [evaluate_pair(params, b) for b in pair_eval_batches(pairs, batch_size, seq_len)]
     totals = {k: sum(float(s[k]) for s in sums) for k in sums[0]}
     n = totals["pairs"]
     names = ({"accuracy": "accuracy", "margin": "margin"} if reward else

@@ -1,0 +1,263 @@
+"""Blockwise attention: softmax(q k^T / sqrt(hd)) v with an online softmax over key blocks (FlashAttention's
+algorithm, Dao et al. 2022, in pure JAX) and a hand-written backward that recomputes each block's scores.
+
+Memory is O(T x block) per layer instead of the [B, K, G, T, S] scores of the dense form: the forward keeps per
+query its running maximum, normaliser and output; the backward keeps the output and its log-sum-exp [B, K, G, T].
+
+The mask is never materialised whole. `AttentionMask` holds what it is made of, and a block's [B, bq, bk] piece
+is built when the block is computed:
+
+    allowed(b, i, j) = k_valid[b, j]  and  j <= q_slot[i]  and  (window == 0 or q_slot[i] - j < window)
+                       and  (k_segment[b, j] < 0 or q_segment[b, i] == k_segment[b, j])
+
+with j a key's slot (its index) and q_slot[i] the query's. Training: P prefix-tuning keys take slots 0..P-1
+(segment -1, seen by every query) and token i slot P + i; decoding: cache slots. A block that no query of any
+row may see in any of its keys (above the causal diagonal, outside the window, between packed segments) is
+skipped in both passes; which blocks are live is decided once per call, outside the layer scan.
+
+Masked scores are set to the float's minimum, as the dense form does, so a query with no allowed key averages
+the keys it was computed against (the dense form: all keys); nothing in a model reads such a query's output.
+Scores, the softmax and the accumulators are float32 (float64 for float64 inputs) whatever the inputs' dtype; the output and gradients
+take the inputs' dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 512  # query and key positions per block
+
+
+class AttentionMask(NamedTuple):
+    """What one attention call's mask is made of (see the module docstring); a pytree.
+
+    q_slot_T: int32 [T], each query's slot. k_valid_BxS: bool [B, S], keys that may be attended to (not padding,
+    written cache slots). q_segment_BxT, k_segment_BxS: int32 packed-segment ids (keys < 0 are seen by all).
+    """
+
+    q_slot_T: jax.Array
+    k_valid_BxS: jax.Array
+    q_segment_BxT: jax.Array
+    k_segment_BxS: jax.Array
+
+
+def training_mask(B: int, T: int, prefix: int, attention_mask_BxT: jax.Array | None,
+                  segment_ids_BxT: jax.Array | None) -> AttentionMask:
+    """The mask of a full forward: P prefix keys seen by every query, then T tokens attending causally to the
+    tokens that are not padding (attention_mask_BxT 0) and, if packed, of their own segment."""
+    valid_BxT = jnp.ones((B, T), bool) if attention_mask_BxT is None else attention_mask_BxT > 0
+    segment_BxT = jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None else segment_ids_BxT.astype(jnp.int32)
+    return AttentionMask(
+        q_slot_T=prefix + jnp.arange(T, dtype=jnp.int32),
+        k_valid_BxS=jnp.concatenate([jnp.ones((B, prefix), bool), valid_BxT], axis=1),
+        q_segment_BxT=segment_BxT,
+        k_segment_BxS=jnp.concatenate([jnp.full((B, prefix), -1, jnp.int32), segment_BxT], axis=1),
+    )
+
+
+def cache_mask(start: jax.Array, T: int, valid_BxS: jax.Array) -> AttentionMask:
+    """The mask of T new tokens at cache slots start..start+T-1 over a cache whose written slots are valid_BxS."""
+    B, _ = valid_BxS.shape
+    return AttentionMask(q_slot_T=start + jnp.arange(T, dtype=jnp.int32), k_valid_BxS=valid_BxS,
+                         q_segment_BxT=jnp.zeros((B, T), jnp.int32), k_segment_BxS=jnp.zeros_like(valid_BxS, jnp.int32))
+
+
+def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window) -> jax.Array:
+    """[B, Q, C] boolean: which of Q queries may see which of C keys."""
+    relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
+    position_QxC = (relative_QxC >= 0) & ((window == 0) | (relative_QxC < window))
+    segment_BxQxC = (k_segment_BxC[:, None, :] < 0) | (q_segment_BxQ[:, :, None] == k_segment_BxC[:, None, :])
+    return position_QxC[None] & k_valid_BxC[:, None, :] & segment_BxQxC
+
+
+class _Blocked(NamedTuple):
+    """Inputs cut into blocks: queries [nq, ...] and keys [nk, ...] leading."""
+
+    q: jax.Array  # [nq, B, K, G, bq, hd]
+    k: jax.Array  # [nk, B, K, bk, hd]
+    v: jax.Array  # [nk, B, K, bk, hd]
+    q_slot: jax.Array  # [nq, bq]
+    q_segment: jax.Array  # [nq, B, bq]
+    k_slot: jax.Array  # [nk, bk]
+    k_valid: jax.Array  # [nk, B, bk]
+    k_segment: jax.Array  # [nk, B, bk]
+
+
+def _block_size(n: int) -> int:
+    return n if n <= BLOCK else BLOCK
+
+
+def _cut(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
+    """x with `axis` padded to a multiple of `size` (with `fill`) and cut into blocks, the block index first."""
+    n = x.shape[axis]
+    padded = -(-n // size) * size
+    if padded != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, padded - n)
+        x = jnp.pad(x, pad, constant_values=fill)
+    x = x.reshape(x.shape[:axis] + (padded // size, size) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _blocked(q, k, v, mask: AttentionMask) -> _Blocked:
+    T, S = q.shape[3], k.shape[2]
+    bq, bk = _block_size(T), _block_size(S)
+    return _Blocked(
+        q=_cut(q, 3, bq), k=_cut(k, 2, bk), v=_cut(v, 2, bk),
+        q_slot=_cut(mask.q_slot_T, 0, bq, fill=-1), q_segment=_cut(mask.q_segment_BxT, 1, bq),
+        k_slot=_cut(jnp.arange(S, dtype=jnp.int32), 0, bk, fill=S), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
+        k_segment=_cut(mask.k_segment_BxS, 1, bk))
+
+
+def live_blocks(mask: AttentionMask, T: int, S: int) -> jax.Array:
+    """[nq, nk] boolean: blocks in which some query of some row may see some key, the window aside (computed
+    once per forward; `window` is applied per layer in `_window_live`)."""
+    bq, bk = _block_size(T), _block_size(S)
+    q_slot = _cut(mask.q_slot_T, 0, bq, fill=-1)
+    k_valid = _cut(mask.k_valid_BxS, 1, bk, fill=False)
+    k_slot = _cut(jnp.arange(S, dtype=jnp.int32), 0, bk, fill=S)
+    q_segment, k_segment = _cut(mask.q_segment_BxT, 1, bq), _cut(mask.k_segment_BxS, 1, bk)
+
+    def row(q_slot_Q, q_segment_BxQ):
+        return jax.vmap(lambda s, kv, ks: jnp.any(_allowed(q_slot_Q, q_segment_BxQ, s, kv, ks, 0)))(
+            k_slot, k_valid, k_segment)
+
+    return jax.lax.map(lambda args: row(*args), (q_slot, q_segment))
+
+
+def _window_live(blocks: _Blocked, window: jax.Array) -> jax.Array:
+    """[nq, nk] boolean: blocks some query reaches within `window` (True everywhere when window is 0)."""
+    first_q = jnp.min(jnp.where(blocks.q_slot >= 0, blocks.q_slot, 2**30), axis=-1)
+    return (window == 0) | (first_q[:, None] - blocks.k_slot[None, :, -1] < window)
+
+
+def _wide(dtype) -> jnp.dtype:
+    """float32, or float64 for float64 inputs (the tests' reference runs)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _scores(q_blk, k_blk, allowed_BxQxC, scale) -> jax.Array:
+    """Masked, scaled float32 (float64) scores [B, K, G, Q, C]."""
+    dtype = _wide(q_blk.dtype)
+    s = jnp.einsum("bkgqh,bkch->bkgqc", q_blk, k_blk, preferred_element_type=dtype) * scale
+    return jnp.where(allowed_BxQxC[:, None, None], s, jnp.finfo(dtype).min)
+
+
+def _forward(q, k, v, mask: AttentionMask, window, live_QxC):
+    """(out [B, K, G, T, hd] in q's dtype, log-sum-exp [B, K, G, T] float32)."""
+    B, K, G, T, hd = q.shape
+    scale = hd**-0.5
+    blocks = _blocked(q, k, v, mask)
+    live_QxC = live_QxC & _window_live(blocks, window)
+    bq = blocks.q.shape[-2]
+    f32 = _wide(q.dtype)
+
+    def query_block(args):
+        q_blk, q_slot, q_segment, live_C = args
+
+        def key_block(carry, key_args):
+            k_blk, v_blk, k_slot, k_valid, k_segment, live = key_args
+
+            def update(carry):
+                max_, norm, acc = carry
+                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
+                s = _scores(q_blk, k_blk, allowed, scale)
+                new_max = jnp.maximum(max_, jnp.max(s, axis=-1))
+                p = jnp.exp(s - new_max[..., None])
+                correction = jnp.exp(max_ - new_max)
+                norm = norm * correction + jnp.sum(p, axis=-1)
+                acc = acc * correction[..., None] + jnp.einsum("bkgqc,bkch->bkgqh", p, v_blk.astype(f32))
+                return new_max, norm, acc
+
+            return jax.lax.cond(live, update, lambda c: c, carry), None
+
+        init = (jnp.full((B, K, G, bq), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G, bq), f32),
+                jnp.zeros((B, K, G, bq, hd), f32))
+        (max_, norm, acc), _ = jax.lax.scan(key_block, init, (blocks.k, blocks.v, blocks.k_slot, blocks.k_valid,
+                                                             blocks.k_segment, live_C))
+        norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached: output 0
+        return (acc / norm[..., None]).astype(q.dtype), max_ + jnp.log(norm)
+
+    out, lse = jax.lax.map(query_block, (blocks.q, blocks.q_slot, blocks.q_segment, live_QxC))
+    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
+    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, -1)[:, :, :, :T]
+    return out, lse
+
+
+@jax.custom_vjp
+def _attention(q, k, v, mask, window, live_QxC):
+    return _forward(q, k, v, mask, window, live_QxC)[0]
+
+
+def _attention_fwd(q, k, v, mask, window, live_QxC):
+    out, lse = _forward(q, k, v, mask, window, live_QxC)
+    return out, (q, k, v, mask, window, live_QxC, out, lse)
+
+
+def _attention_bwd(residuals, g):
+    """FlashAttention-2's backward: per block, p = exp(s - lse), dv += p^T g, ds = p (g v^T - rowsum(g o)),
+    dq += ds k, dk += ds^T q (both scaled); an outer loop over key blocks, an inner one over query blocks."""
+    q, k, v, mask, window, live_QxC, out, lse = residuals
+    B, K, G, T, hd = q.shape
+    S = k.shape[2]
+    scale = hd**-0.5
+    f32 = _wide(q.dtype)
+    blocks = _blocked(q, k, v, mask)
+    live_QxC = live_QxC & _window_live(blocks, window)
+    bq = blocks.q.shape[-2]
+    g_blocks = _cut(g, 3, bq)
+    delta = _cut(jnp.sum(g.astype(f32) * out.astype(f32), axis=-1), 3, bq)  # [nq, B, K, G, bq]
+    lse_blocks = _cut(lse, 3, bq)
+
+    def key_block(dq, key_args):
+        k_blk, v_blk, k_slot, k_valid, k_segment, live_Q = key_args
+
+        def query_block(carry, query_args):
+            q_blk, g_blk, lse_blk, delta_blk, q_slot, q_segment, live = query_args
+
+            def update(carry):
+                dk, dv = carry
+                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
+                p = jnp.exp(_scores(q_blk, k_blk, allowed, scale) - lse_blk[..., None])
+                dv = dv + jnp.einsum("bkgqc,bkgqh->bkch", p, g_blk.astype(f32))
+                dp = jnp.einsum("bkgqh,bkch->bkgqc", g_blk, v_blk, preferred_element_type=f32)
+                ds = p * (dp - delta_blk[..., None]) * scale
+                dk = dk + jnp.einsum("bkgqc,bkgqh->bkch", ds, q_blk.astype(f32))
+                return (dk, dv), jnp.einsum("bkgqc,bkch->bkgqh", ds, k_blk.astype(f32))
+
+            skip = lambda carry: (carry, jnp.zeros(q_blk.shape, f32))
+            return jax.lax.cond(live, update, skip, carry)
+
+        zeros = jnp.zeros(k_blk.shape, f32)
+        (dk, dv), dq_blocks = jax.lax.scan(query_block, (zeros, zeros), (
+            blocks.q, g_blocks, lse_blocks, delta, blocks.q_slot, blocks.q_segment, live_Q))
+        return dq + dq_blocks, (dk, dv)
+
+    dq = jnp.zeros(blocks.q.shape, f32)
+    dq, (dk, dv) = jax.lax.scan(key_block, dq, (blocks.k, blocks.v, blocks.k_slot, blocks.k_valid,
+                                                 blocks.k_segment, live_QxC.T))
+    dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
+    dk, dv = (jnp.moveaxis(d, 0, 2).reshape(B, K, -1, hd)[:, :, :S] for d in (dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blockwise_attention(q_BxKxGxTxh: jax.Array, k_BxKxSxh: jax.Array, v_BxKxSxh: jax.Array, mask: AttentionMask,
+                        window: jax.Array | int = 0, live_QxC: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(hd)) v [B, K, G, T, hd] over the keys `mask` allows (G query heads share each of the K
+    key/value heads), in q's dtype.
+
+    window: the layer's sliding window (0: none), as the slots count it. live_QxC: `live_blocks(mask, T, S)` when
+    the caller computes it once for many layers; None computes it here.
+    """
+    T, S = q_BxKxGxTxh.shape[3], k_BxKxSxh.shape[2]
+    if live_QxC is None:
+        live_QxC = live_blocks(mask, T, S)
+    return _attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, jnp.asarray(window, jnp.int32), live_QxC)
+
+

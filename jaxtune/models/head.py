@@ -1,0 +1,72 @@
+"""The output head, a chunk of tokens at a time: no [B, T, V] float32 logits buffer exists in a training step.
+
+A loss over the vocabulary is computed per token from the final hidden states: `per_token(fn, ...)` cuts the
+sequence into chunks of `chunk_length` tokens, computes each chunk's logits [B, c, V] with `head_logits`, reduces them
+to one value a token with `fn`, and keeps nothing of the chunk for the backward pass, which computes the chunk's
+logits again (one more head matmul) for its gradient. So the head's memory is O(B x c x V) with c x B x V about
+`CHUNK_ELEMENTS`, whatever T is, for SFT and eval, and for the log-probabilities of DPO, the reward model's
+policy, GRPO and distillation (whose teacher logits are chunked alongside the student's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.models.linear import matmul, wide
+
+CHUNK_ELEMENTS = 1 << 24  # logits elements a chunk holds (64 MiB in float32)
+
+
+def token_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
+    """log p(label) per position [B, T], in the logits' dtype."""
+    label_logit = jnp.take_along_axis(logits_BxTxV, labels_BxT[..., None], axis=-1)[..., 0]
+    return label_logit - jax.nn.logsumexp(logits_BxTxV, axis=-1)
+
+
+def head_kernel(params: dict) -> jax.Array:
+    """The head's weight [D, V]: the `lm_head` leaf, else (tied) the embedding matrix transposed.
+
+    A tied model holds an `lm_head` leaf only when a method trains the head or the embedding apart from the
+    other (PEFT's modules_to_save), which unties them."""
+    return params["lm_head"]["kernel"] if "lm_head" in params else params["embed_tokens"].T
+
+
+def head_logits(params: dict, hidden_BxTxD: jax.Array) -> jax.Array:
+    """Float32 (float64 in float64 runs) logits [B, T, V] of final hidden states [B, T, D]; the kernel is cast to
+    their dtype inside the matmul, so a float32 master weight's gradient sums the chunks in float32."""
+    return matmul(hidden_BxTxD, head_kernel(params), wide(hidden_BxTxD.dtype))
+
+
+def chunk_length(B: int, T: int, V: int) -> int:
+    """Tokens a row per chunk: the largest power of two with B x c x V <= CHUNK_ELEMENTS, at least 1, at most T."""
+    c = 1 << max(0, (CHUNK_ELEMENTS // max(B * V, 1)).bit_length() - 1)
+    return min(c, T)
+
+
+def per_token(fn: Callable, *arrays_BxT: jax.Array, vocab: int):
+    """fn applied to chunks of tokens: [B, T] (or a tuple of them) from arrays [B, T, ...] that fn maps chunk by
+    chunk ([B, c, ...] to [B, c] or a tuple of them); fn computes the chunk's logits itself (`head_logits`), so its
+    memory is the chunk's. `vocab`: V, which sets the chunk length. Rows stay whole, so a batch split over devices
+    stays split."""
+    B, T = arrays_BxT[0].shape[:2]
+    c = chunk_length(B, T, vocab)
+    n = -(-T // c)
+
+    def cut(a):
+        a = jnp.pad(a, [(0, 0), (0, n * c - T)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape((B, n, c) + a.shape[2:]), 1, 0)
+
+    body = jax.checkpoint(lambda carry, chunk: (carry, fn(*chunk)), prevent_cse=False)
+    _, out = jax.lax.scan(body, None, tuple(cut(a) for a in arrays_BxT))
+    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(B, n * c)[:, :T], out)
+
+
+def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array) -> jax.Array:
+    """log p(label) [B, T] float32 (float64 in float64 runs) under the head, a chunk of tokens at a time."""
+    def chunk(hidden_BxCxD, labels_BxC):
+        return token_logps(head_logits(params, hidden_BxCxD), labels_BxC)
+
+    return per_token(chunk, hidden_BxTxD, labels_BxT, vocab=head_kernel(params).shape[-1])
