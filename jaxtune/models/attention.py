@@ -17,8 +17,8 @@ skipped in both passes; which blocks are live is decided once per call, outside 
 
 Masked scores are set to the float's minimum, as the dense form does, so a query with no allowed key averages
 the keys it was computed against (the dense form: all keys); nothing in a model reads such a query's output.
-Scores, the softmax and the accumulators are float32 (float64 for float64 inputs) whatever the inputs' dtype; the output and gradients
-take the inputs' dtypes.
+Scores, the softmax and the accumulators are float32 (float64 for float64 inputs) whatever the inputs' dtype;
+the output and gradients take the inputs' dtypes.
 """
 
 from __future__ import annotations

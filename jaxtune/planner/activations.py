@@ -18,10 +18,11 @@ Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv
   full          x only
 
 The backward of one layer then needs: one block of its attention scores recomputed, their softmax and the gradient
-of both ([b, H, bq, bk], the blockwise kernel's blocks of up to `attention.BLOCK` queries and keys: two float32
-and one in the compute dtype), the kernel's float32 accumulators of dq, dk and dv ([b, H, T, hd], [b, KV, S, hd]
-twice), and part of the layer's activations and their gradients. That share, BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of
-the no-remat set when the layer's activations are already saved, 2.25 when a remat'd layer recomputes them first.
+of both ([b, H, bq, bk], the blockwise kernel's blocks of up to `attention.BLOCK` queries and keys:
+ATTENTION_COPIES_F32 float32 and one in the compute dtype), the kernel's float32 accumulators of dq, dk and dv
+([b, H, T, hd], [b, KV, S, hd] twice), and part of the layer's activations and their gradients. That share,
+BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of the no-remat set when
+the layer's activations are already saved, 1.5 when a remat'd layer recomputes them first.
 """
 
 from __future__ import annotations
