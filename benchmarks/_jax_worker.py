@@ -26,7 +26,7 @@ def run(name: str, warmup: int, steps: int) -> dict:
     from jaxtune.spine.run import abstract_run
 
     kind, targets = M.METHODS[name]
-    cfg = ModelConfig(**M.SHAPE, max_position_embeddings=2048)
+    cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
     method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
     key = jax.random.key(0)
     params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
@@ -34,7 +34,7 @@ def run(name: str, warmup: int, steps: int) -> dict:
     del params
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
     total_steps = warmup + steps
-    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, "none", M.COMPUTE_DTYPE.get(name, "float32"), "float32")
+    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, M.REMAT, M.COMPUTE_DTYPE.get(name, "float32"), "float32")
     run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), tc, total_steps)
     state = run.init_state(trainable, seed=0)
     del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated

@@ -18,6 +18,8 @@ import numpy as np
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8, num_kv_heads=4,
              head_dim=64)
 BATCH, SEQ = 4, 256
+MAX_POSITIONS = 2048  # the model config's context (long_context.py raises it with SEQ)
+REMAT = "none"  # jaxtune's remat policy; "full" also turns on torch's gradient checkpointing (long_context.py)
 RANK, ALPHA = 8, 16.0
 LEARNING_RATE, MAX_GRAD_NORM = 2e-4, 1.0
 

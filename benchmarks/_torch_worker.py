@@ -36,13 +36,16 @@ def run(name: str, attn: str, warmup: int, steps: int) -> dict:
         vocab_size=M.SHAPE["vocab_size"], hidden_size=M.SHAPE["hidden_size"],
         intermediate_size=M.SHAPE["intermediate_size"], num_hidden_layers=M.SHAPE["num_layers"],
         num_attention_heads=M.SHAPE["num_heads"], num_key_value_heads=M.SHAPE["num_kv_heads"],
-        head_dim=M.SHAPE["head_dim"], max_position_embeddings=2048, tie_word_embeddings=False, use_cache=False)
+        head_dim=M.SHAPE["head_dim"], max_position_embeddings=M.MAX_POSITIONS, tie_word_embeddings=False, use_cache=False)
     config._attn_implementation = attn
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     if kind == "lora":
         lora = peft.LoraConfig(r=M.RANK, lora_alpha=M.ALPHA, lora_dropout=0.0, target_modules=list(targets),
                                bias="none", task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, lora)
+    if M.REMAT == "full":  # recompute each layer in the backward, as jaxtune's remat "full"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     try:
