@@ -164,7 +164,8 @@ def cmd_plan(args) -> None:
 
     names = ("model", "params", "config", "method", "target", "batch", "seq", "accum", "remat", "mesh", "offload",
              "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens")
-    result = run_plan(search_plans=args.search, confirm=args.confirm, **{name: getattr(args, name) for name in names})
+    result = run_plan(search_plans=args.search, longest=args.longest_context, step=args.seq_step, confirm=args.confirm,
+                      **{name: getattr(args, name) for name in names})
     print(json.dumps(public(result), indent=2) if args.json else render(result))
 
 
@@ -290,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="grpo: tokens each rollout samples, of the --seq tokens of a row")
     plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "
                       "rank what fits by predicted step time")
+    plan.add_argument("--longest-context", action="store_true", help="search for the longest sequence at which some "
+                      "plan fits, up to the model's context (a search of its own: --seq is not used)")
+    plan.add_argument("--seq-step", type=int, default=256, help="--longest-context tries multiples of this many tokens "
+                      "(default 256)")
     plan.add_argument("--confirm", action="store_true", help="compile the real train step ahead of time on this "
                       "backend and print XLA's memory analysis beside the estimate")
     plan.add_argument("--json", action="store_true", help='print {"per_device", "device", "fits", ...}')

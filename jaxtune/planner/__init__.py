@@ -7,6 +7,7 @@
     est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated
     est.to_dict()["per_device"]["total_bytes"], est.fits
     search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits
+    longest_context(cfg, plan, get_device("h100-80gb")).seq_len    # the longest sequence some plan fits
     compile_step(cfg, plan)                                        # XLA's own figure, ahead of time
     compile_peak(cfg, plan.replace(objective="grpo", generate_tokens=64))  # step or rollout, the larger
 
@@ -26,9 +27,12 @@ from jaxtune.planner.devices import known_targets as known_targets
 from jaxtune.planner.estimate import Estimate as Estimate
 from jaxtune.planner.estimate import estimate as estimate
 from jaxtune.planner.report import format_estimate as format_estimate
+from jaxtune.planner.report import format_longest_context as format_longest_context
 from jaxtune.planner.report import format_search as format_search
 from jaxtune.planner.report import plan_dict as plan_dict
+from jaxtune.planner.search import LongestContext as LongestContext
 from jaxtune.planner.search import SearchResult as SearchResult
+from jaxtune.planner.search import longest_context as longest_context
 from jaxtune.planner.search import search as search
 from jaxtune.planner.shapes import model_from_directory as model_from_directory
 from jaxtune.planner.shapes import standard_config as standard_config

@@ -17,8 +17,15 @@ from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
 from jaxtune.planner.devices import Device, get_device
 from jaxtune.planner.estimate import estimate, resolve_mesh
-from jaxtune.planner.report import format_compiled, format_estimate, format_search, plan_dict
-from jaxtune.planner.search import search
+from jaxtune.planner.report import (
+    format_compiled,
+    format_estimate,
+    format_longest_context,
+    format_search,
+    longest_context_dict,
+    plan_dict,
+)
+from jaxtune.planner.search import longest_context, search
 from jaxtune.planner.shapes import model_from_directory, standard_config
 from jaxtune.planner.timing import step_time
 from jaxtune.spine import run as spine_run
@@ -105,16 +112,24 @@ def plan_from_run_config(config) -> tuple[ModelConfig, TrainPlan]:
     return cfg, spine_run.run_plan(config, stored)
 
 
-def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3, **values) -> dict:
+def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 256, confirm: bool = False,
+             top: int = 3, **values) -> dict:
     """The JSON object `jaxtune plan --json` prints: the plan's (or the best found plan's) per-device breakdown,
-    device and `fits`; with search, the `candidates` and, when none fits, the `suggestion`; with confirm, XLA's
+    device and `fits`; with search, the `candidates` and, when none fits, the `suggestion`; with longest, the
+    `longest_context` (multiples of `step` tokens) and the breakdown of its fastest plan; with confirm, XLA's
     `compiled` memory beside the estimate."""
     if confirm:
         _fake_cpu_devices(get_device(values.get("target", "cpu")).count)
     cfg, plan, device = make_plan(**values)
-    if search_plans:
-        fixed = tuple(name for name, given in (("remat", values.get("remat")), ("mesh", values.get("mesh")),
-                                               ("offload", values.get("offload"))) if given)
+    fixed = tuple(name for name, given in (("remat", values.get("remat")), ("mesh", values.get("mesh")),
+                                           ("offload", values.get("offload"))) if given)
+    if longest:
+        found = longest_context(cfg, plan, device, step, fixed)
+        out = plan_dict(found.fastest.estimate, found.fastest.time)
+        out["_estimate"] = (found.fastest.estimate, found.fastest.time)
+        out["longest_context"] = longest_context_dict(found)
+        out["_longest"] = found
+    elif search_plans:
         result = search(cfg, plan, device, plan.global_batch, fixed)
         if result.candidates:
             best = result.candidates[0]
@@ -137,7 +152,7 @@ def run_plan(*, search_plans: bool = False, confirm: bool = False, top: int = 3,
         out = plan_dict(est, time)
         out["_estimate"] = (est, time)
     if confirm:
-        chosen = out["_search"].candidates[0].plan if search_plans and out["_search"].candidates else plan
+        chosen = out["_estimate"][0].plan  # the plan reported: given, or the best found
         chosen = chosen.replace(mesh=MeshConfig(**resolve_mesh(chosen, device)))  # the target's device count
         compiled, backend_est = confirm_plan(cfg, chosen, device)
         out["compiled"] = {**compiled.to_dict(), "estimate_bytes": backend_est.compiled_bytes,
@@ -176,7 +191,12 @@ def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device):
 
 def render(result: dict) -> str:
     """The text `jaxtune plan` prints for a `run_plan` result."""
-    text = format_search(result["_search"]) if "_search" in result else format_estimate(*result["_estimate"])
+    if "_longest" in result:
+        text = format_longest_context(result["_longest"])
+    elif "_search" in result:
+        text = format_search(result["_search"])
+    else:
+        text = format_estimate(*result["_estimate"])
     if "_confirm" in result:
         text += "\n\n" + format_compiled(*result["_confirm"])
     return text

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from jaxtune.config import LINEAR_MODULE_NAMES
 from jaxtune.planner.confirm import CompiledMemory
 from jaxtune.planner.estimate import Estimate
-from jaxtune.planner.search import SearchResult, explain
+from jaxtune.planner.search import LongestContext, SearchResult, explain
 from jaxtune.planner.timing import StepTime
 
 GiB = 1 << 30
@@ -123,3 +124,41 @@ def format_search(result: SearchResult, top: int = 3) -> str:
                       + (", optimizer state in host memory" if p.offload.optimizer_state else "")]
         lines += [f"    {line}" for line in explain(c, result.candidates)]
     return "\n".join(lines)
+
+
+def _method_label(method) -> str:
+    """"LoRA r=8 on q_proj,v_proj", "QLoRA 4-bit r=16 on all-linear", "full fine-tuning", "ia3"."""
+    if method.kind not in ("lora", "qlora"):
+        return "full fine-tuning" if method.kind == "full" else method.kind
+    targets = method.target_modules if isinstance(method.target_modules, str) else ",".join(method.target_modules)
+    targets = "all-linear" if targets == ",".join(LINEAR_MODULE_NAMES) else targets
+    name = f"QLoRA {method.bits}-bit" if method.kind == "qlora" else "LoRA"
+    return f"{name} r={method.rank}" + (f" on {targets}" if targets else "")
+
+
+def longest_context_dict(result: LongestContext) -> dict:
+    """The numbers of `longest_context`'s answer; `limit` says what stops it: "memory" or "model context"."""
+    leanest = result.leanest_too_long
+    return {"seq_len": result.seq_len, "limit": "model context" if result.too_long is None else "memory",
+            "too_long": result.too_long, "too_long_peak_bytes": leanest.peak_bytes if leanest else None,
+            "usable_bytes": result.fastest.estimate.device.usable_bytes, "context": result.context,
+            "lengths_searched": result.lengths_searched}
+
+
+def format_longest_context(result: LongestContext) -> str:
+    """One line: the longest context that fits, its plan and what stops it; then why that plan."""
+    c = result.fastest
+    p, device = c.plan, c.estimate.device
+    m = c.estimate.mesh
+    choices = [_method_label(p.method), f"batch {p.batch_size} x {p.grad_accum}", f"remat {p.remat}"]
+    if device.count > 1:
+        choices.append(f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}")
+    if p.offload.optimizer_state:
+        choices.append("optimizer state in host memory")
+    if result.too_long is None:
+        limit = f"the model's own context, {result.context:,} tokens (max_position_embeddings), is the limit"
+    else:
+        limit = (f"{result.too_long:,} does not fit ({result.leanest_too_long.peak_bytes / GiB:.2f} GiB needed, "
+                 f"{device.usable_bytes / GiB:.2f} GiB usable)")
+    line = f"longest context that fits {device.target}: {result.seq_len:,} tokens ({', '.join(choices)}); {limit}"
+    return "\n".join([line] + [f"    {why}" for why in explain(c)])

@@ -5,7 +5,8 @@ the split of the requested global batch into micro-batch x accumulation, the rem
 tensor) mesh the devices factor into, QLoRA's 4 and 8 bits when the method is QLoRA, and keeping the optimizer
 state in host memory. It keeps the plans that fit, ranks them by predicted step time (timing.py) and says why the
 best ones win. When nothing fits it looks for the smallest change that would: offloading, a lighter method,
-a shorter sequence, more devices, a device with more memory - in that order.
+a shorter sequence, more devices, a device with more memory - in that order. `longest_context` asks the converse:
+the longest sequence at which some plan fits.
 """
 
 from __future__ import annotations
@@ -104,23 +105,29 @@ def search(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int 
     return SearchResult((), tried, suggestion, suggested)
 
 
-def _fitting(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
-    """(fitting candidates, number of plans estimated) over every variant of `base`."""
-    seen, fitting = set(), []
+def _estimates(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int,
+               fixed: set[str]) -> tuple[list[Estimate], int]:
+    """(the estimate of every variant of `base` the device can run, number of distinct plans tried)."""
+    seen, estimates = set(), []
     for plan in _variants(cfg, base, device, global_batch, fixed):
         if plan in seen:
             continue
         seen.add(plan)
         try:
-            est = estimate(cfg, plan, device)
+            estimates.append(estimate(cfg, plan, device))
         except JaxtuneError:
             continue
-        if est.fits:
-            fitting.append(Candidate(est, step_time(est)))
+    return estimates, len(seen)
+
+
+def _fitting(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
+    """(fitting candidates, number of plans estimated) over every variant of `base`."""
+    estimates, tried = _estimates(cfg, base, device, global_batch, fixed)
+    fitting = [Candidate(est, step_time(est)) for est in estimates if est.fits]
     # Equal times (compute-bound plans often tie): less recomputation, fewer accumulation steps, less memory.
     fitting.sort(key=lambda c: (float(f"{c.time.step_s:.3g}"), REMATS.index(c.plan.remat), c.plan.grad_accum,
                                 c.estimate.total_bytes))
-    return fitting, len(seen)
+    return fitting, tried
 
 
 def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int,
@@ -177,6 +184,88 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
                 return f"{name} instead of {base.method.kind}, and {label}", fitting[0]
     return ("nothing tried fits: offloading, lighter methods, shorter sequences, a batch of 1, up to "
             f"{limit} devices, every larger device, and a lighter method with more or larger devices"), None
+
+
+@dataclass(frozen=True)
+class LongestContext:
+    """The longest sequence, a multiple of the step tried, at which some plan fits, and its fastest plan.
+    `too_long` is the next multiple, which does not fit, and `leanest_too_long` the plan needing least memory there;
+    both are None when the model's own context (`context`, its max_position_embeddings) is the limit."""
+
+    seq_len: int
+    fastest: Candidate
+    too_long: int | None
+    leanest_too_long: Estimate | None
+    context: int
+    lengths_searched: int
+
+
+def longest_context(cfg: ModelConfig, base: TrainPlan, device: Device, step: int = 256,
+                    fixed: tuple[str, ...] = ()) -> LongestContext:
+    """The longest multiple of `step` tokens, up to the model's context, at which some plan of `base` fits `device`.
+
+    The plans are the search's variants (remat, mesh, batch split, QLoRA bits, offload; `fixed` keeps choices from
+    `base` as in `search`), at the global batch of `base`. Every plan's memory grows with the length (linearly:
+    blockwise attention, the chunked loss), so lengths double from `step` until one does not fit, then bisect. Each
+    new length costs an abstract run per layout, which adds up on large meshes, so a length stops at the first plan
+    that fits (the last one to fit is tried first) and a plan that did not fit is not tried again at a longer length;
+    the full search runs once, at the answer. Raises a JaxtuneError when not even the shortest length fits.
+    """
+    if step < 1:
+        raise JaxtuneError(f"step {step} (--seq-step): the lengths tried are its multiples; use a positive number of "
+                           "tokens")
+    context = cfg.max_position_embeddings
+    first, last = step * (base.generate_tokens // step + 1), context // step * step  # GRPO: longer than its rollout
+    if first > last:
+        raise JaxtuneError(f"the model's context of {context} tokens (max_position_embeddings) is shorter than the "
+                           f"shortest length tried, {first}")
+    fits_to: dict[TrainPlan, int] = {}  # a variant (its plan at the first length) -> the longest length it fits
+    fails_from: dict[TrainPlan, int] = {}  # a variant -> the shortest length at which it does not fit
+    lengths: list[int] = []
+
+    def fits_at(seq_len: int) -> bool:
+        lengths.append(seq_len)
+        variants = dict.fromkeys(_variants(cfg, base.replace(seq_len=seq_len), device, base.global_batch, set(fixed)))
+        for plan in sorted(variants, key=lambda p: -fits_to.get(p.replace(seq_len=first), 0)):
+            variant = plan.replace(seq_len=first)
+            if fails_from.get(variant, seq_len + 1) <= seq_len:
+                continue
+            try:
+                fits = estimate(cfg, plan, device).fits
+            except JaxtuneError:
+                fits = False
+            if fits:
+                fits_to[variant] = seq_len
+                return True
+            fails_from[variant] = seq_len
+        return False
+
+    def leanest_at(seq_len: int) -> Estimate | None:
+        estimates, _ = _estimates(cfg, base.replace(seq_len=seq_len), device, base.global_batch, set(fixed))
+        return min(estimates, key=lambda e: e.peak_bytes, default=None)
+
+    if not fits_at(first):
+        leanest = leanest_at(first)
+        needed = (f" (the leanest needs {leanest.peak_bytes / GiB:.1f} GiB, {device.usable_bytes / GiB:.1f} GiB "
+                  "usable)") if leanest else ""
+        raise JaxtuneError(f"no plan with method {base.method.kind} fits {device.target} even at the shortest length "
+                           f"tried, {first} tokens{needed}")
+    longest, too_long = first, None
+    while too_long is None and longest < last:  # double
+        seq_len = min(2 * longest, last)
+        if fits_at(seq_len):
+            longest = seq_len
+        else:
+            too_long = seq_len
+    while too_long is not None and too_long - longest > step:  # bisect
+        seq_len = longest + (too_long - longest) // step // 2 * step
+        if fits_at(seq_len):
+            longest = seq_len
+        else:
+            too_long = seq_len
+    fitting, _ = _fitting(cfg, base.replace(seq_len=longest), device, base.global_batch, set(fixed))
+    leanest = leanest_at(too_long) if too_long is not None else None
+    return LongestContext(longest, fitting[0], too_long, leanest, context, len(lengths))
 
 
 def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[str]:
