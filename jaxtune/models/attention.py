@@ -28,6 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxtune.models.linear import wide
+
 BLOCK = 512  # query and key positions per block
 
 
@@ -73,17 +75,23 @@ def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, wind
     return position_QxC[None] & k_valid_BxC[:, None, :] & segment_BxQxC
 
 
-class _Blocked(NamedTuple):
-    """Inputs cut into blocks: queries [nq, ...] and keys [nk, ...] leading."""
+class _BlockedMask(NamedTuple):
+    """The mask's parts cut into blocks, query blocks [nq, ...] and key blocks [nk, ...] leading."""
 
-    q: jax.Array  # [nq, B, K, G, bq, hd]
-    k: jax.Array  # [nk, B, K, bk, hd]
-    v: jax.Array  # [nk, B, K, bk, hd]
     q_slot: jax.Array  # [nq, bq]
     q_segment: jax.Array  # [nq, B, bq]
     k_slot: jax.Array  # [nk, bk]
     k_valid: jax.Array  # [nk, B, bk]
     k_segment: jax.Array  # [nk, B, bk]
+
+
+class _Blocked(NamedTuple):
+    """Queries [nq, B, K, G, bq, hd], keys and values [nk, B, K, bk, hd], and the mask, cut into blocks."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    mask: _BlockedMask
 
 
 def _block_size(n: int) -> int:
@@ -102,46 +110,41 @@ def _cut(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
     return jnp.moveaxis(x, axis, 0)
 
 
-def _blocked(q, k, v, mask: AttentionMask) -> _Blocked:
-    T, S = q.shape[3], k.shape[2]
+def _blocked_mask(mask: AttentionMask, T: int, S: int) -> _BlockedMask:
     bq, bk = _block_size(T), _block_size(S)
-    return _Blocked(
-        q=_cut(q, 3, bq), k=_cut(k, 2, bk), v=_cut(v, 2, bk),
+    return _BlockedMask(
         q_slot=_cut(mask.q_slot_T, 0, bq, fill=-1), q_segment=_cut(mask.q_segment_BxT, 1, bq),
         k_slot=_cut(jnp.arange(S, dtype=jnp.int32), 0, bk, fill=S), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
         k_segment=_cut(mask.k_segment_BxS, 1, bk))
 
 
+def _blocked(q, k, v, mask: AttentionMask) -> _Blocked:
+    T, S = q.shape[3], k.shape[2]
+    return _Blocked(_cut(q, 3, _block_size(T)), _cut(k, 2, _block_size(S)), _cut(v, 2, _block_size(S)),
+                    _blocked_mask(mask, T, S))
+
+
 def live_blocks(mask: AttentionMask, T: int, S: int) -> jax.Array:
     """[nq, nk] boolean: blocks in which some query of some row may see some key, the window aside (computed
     once per forward; `window` is applied per layer in `_window_live`)."""
-    bq, bk = _block_size(T), _block_size(S)
-    q_slot = _cut(mask.q_slot_T, 0, bq, fill=-1)
-    k_valid = _cut(mask.k_valid_BxS, 1, bk, fill=False)
-    k_slot = _cut(jnp.arange(S, dtype=jnp.int32), 0, bk, fill=S)
-    q_segment, k_segment = _cut(mask.q_segment_BxT, 1, bq), _cut(mask.k_segment_BxS, 1, bk)
+    m = _blocked_mask(mask, T, S)
 
     def row(q_slot_Q, q_segment_BxQ):
         return jax.vmap(lambda s, kv, ks: jnp.any(_allowed(q_slot_Q, q_segment_BxQ, s, kv, ks, 0)))(
-            k_slot, k_valid, k_segment)
+            m.k_slot, m.k_valid, m.k_segment)
 
-    return jax.lax.map(lambda args: row(*args), (q_slot, q_segment))
+    return jax.lax.map(lambda args: row(*args), (m.q_slot, m.q_segment))
 
 
-def _window_live(blocks: _Blocked, window: jax.Array) -> jax.Array:
+def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
     """[nq, nk] boolean: blocks some query reaches within `window` (True everywhere when window is 0)."""
-    first_q = jnp.min(jnp.where(blocks.q_slot >= 0, blocks.q_slot, 2**30), axis=-1)
-    return (window == 0) | (first_q[:, None] - blocks.k_slot[None, :, -1] < window)
-
-
-def _wide(dtype) -> jnp.dtype:
-    """float32, or float64 for float64 inputs (the tests' reference runs)."""
-    return jnp.promote_types(dtype, jnp.float32)
+    first_q = jnp.min(jnp.where(m.q_slot >= 0, m.q_slot, 2**30), axis=-1)
+    return (window == 0) | (first_q[:, None] - m.k_slot[None, :, -1] < window)
 
 
 def _scores(q_blk, k_blk, allowed_BxQxC, scale) -> jax.Array:
     """Masked, scaled float32 (float64) scores [B, K, G, Q, C]."""
-    dtype = _wide(q_blk.dtype)
+    dtype = wide(q_blk.dtype)
     s = jnp.einsum("bkgqh,bkch->bkgqc", q_blk, k_blk, preferred_element_type=dtype) * scale
     return jnp.where(allowed_BxQxC[:, None, None], s, jnp.finfo(dtype).min)
 
@@ -151,9 +154,10 @@ def _forward(q, k, v, mask: AttentionMask, window, live_QxC):
     B, K, G, T, hd = q.shape
     scale = hd**-0.5
     blocks = _blocked(q, k, v, mask)
-    live_QxC = live_QxC & _window_live(blocks, window)
+    m = blocks.mask
+    live_QxC = live_QxC & _window_live(m, window)
     bq = blocks.q.shape[-2]
-    f32 = _wide(q.dtype)
+    f32 = wide(q.dtype)
 
     def query_block(args):
         q_blk, q_slot, q_segment, live_C = args
@@ -176,12 +180,12 @@ def _forward(q, k, v, mask: AttentionMask, window, live_QxC):
 
         init = (jnp.full((B, K, G, bq), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G, bq), f32),
                 jnp.zeros((B, K, G, bq, hd), f32))
-        (max_, norm, acc), _ = jax.lax.scan(key_block, init, (blocks.k, blocks.v, blocks.k_slot, blocks.k_valid,
-                                                             blocks.k_segment, live_C))
+        (max_, norm, acc), _ = jax.lax.scan(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
+                                                             m.k_segment, live_C))
         norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached: output 0
         return (acc / norm[..., None]).astype(q.dtype), max_ + jnp.log(norm)
 
-    out, lse = jax.lax.map(query_block, (blocks.q, blocks.q_slot, blocks.q_segment, live_QxC))
+    out, lse = jax.lax.map(query_block, (blocks.q, m.q_slot, m.q_segment, live_QxC))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, -1)[:, :, :, :T]
     return out, lse
@@ -204,9 +208,10 @@ def _attention_bwd(residuals, g):
     B, K, G, T, hd = q.shape
     S = k.shape[2]
     scale = hd**-0.5
-    f32 = _wide(q.dtype)
+    f32 = wide(q.dtype)
     blocks = _blocked(q, k, v, mask)
-    live_QxC = live_QxC & _window_live(blocks, window)
+    m = blocks.mask
+    live_QxC = live_QxC & _window_live(m, window)
     bq = blocks.q.shape[-2]
     g_blocks = _cut(g, 3, bq)
     delta = _cut(jnp.sum(g.astype(f32) * out.astype(f32), axis=-1), 3, bq)  # [nq, B, K, G, bq]
@@ -233,12 +238,12 @@ def _attention_bwd(residuals, g):
 
         zeros = jnp.zeros(k_blk.shape, f32)
         (dk, dv), dq_blocks = jax.lax.scan(query_block, (zeros, zeros), (
-            blocks.q, g_blocks, lse_blocks, delta, blocks.q_slot, blocks.q_segment, live_Q))
+            blocks.q, g_blocks, lse_blocks, delta, m.q_slot, m.q_segment, live_Q))
         return dq + dq_blocks, (dk, dv)
 
     dq = jnp.zeros(blocks.q.shape, f32)
-    dq, (dk, dv) = jax.lax.scan(key_block, dq, (blocks.k, blocks.v, blocks.k_slot, blocks.k_valid,
-                                                 blocks.k_segment, live_QxC.T))
+    dq, (dk, dv) = jax.lax.scan(key_block, dq, (blocks.k, blocks.v, m.k_slot, m.k_valid,
+                                                 m.k_segment, live_QxC.T))
     dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     dk, dv = (jnp.moveaxis(d, 0, 2).reshape(B, K, -1, hd)[:, :, :S] for d in (dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
