@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxtune.models.linear import wide
 
-BLOCK = 512  # query and key positions per block
+BLOCK = 256  # query and key positions per block of a long sequence (`block_size`)
 
 
 class AttentionMask(NamedTuple):
@@ -94,8 +94,15 @@ class _Blocked(NamedTuple):
     mask: _BlockedMask
 
 
-def _block_size(n: int) -> int:
-    return n if n <= BLOCK else BLOCK
+def block_size(n: int) -> int:
+    """Positions per block along a dimension of n: n itself up to BLOCK / 2, BLOCK / 2 up to BLOCK, then BLOCK.
+
+    Measured on XLA:CPU (one layer's forward and backward, 8 heads of 64, causal): at T = 256, blocks of 128 take
+    8.7 ms against 13.8 for one block (a quarter of the work is a dead block, and a block's scores stay in cache);
+    at 512 and 1,024, blocks of 256 take 22 and 59 ms against 44 and 89 with 512 and 128; at 4,096, 646 ms against
+    889 (512) and 1,052 (128)."""
+    half = BLOCK // 2
+    return n if n <= half else half if n <= BLOCK else BLOCK
 
 
 def _cut(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
@@ -111,7 +118,7 @@ def _cut(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
 
 
 def _blocked_mask(mask: AttentionMask, T: int, S: int) -> _BlockedMask:
-    bq, bk = _block_size(T), _block_size(S)
+    bq, bk = block_size(T), block_size(S)
     return _BlockedMask(
         q_slot=_cut(mask.q_slot_T, 0, bq, fill=-1), q_segment=_cut(mask.q_segment_BxT, 1, bq),
         k_slot=_cut(jnp.arange(S, dtype=jnp.int32), 0, bk, fill=S), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
@@ -120,7 +127,7 @@ def _blocked_mask(mask: AttentionMask, T: int, S: int) -> _BlockedMask:
 
 def _blocked(q, k, v, mask: AttentionMask) -> _Blocked:
     T, S = q.shape[3], k.shape[2]
-    return _Blocked(_cut(q, 3, _block_size(T)), _cut(k, 2, _block_size(S)), _cut(v, 2, _block_size(S)),
+    return _Blocked(_cut(q, 3, block_size(T)), _cut(k, 2, block_size(S)), _cut(v, 2, block_size(S)),
                     _blocked_mask(mask, T, S))
 
 

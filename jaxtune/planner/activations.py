@@ -18,11 +18,11 @@ Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv
   full          x only
 
 The backward of one layer then needs: one block of its attention scores recomputed, their softmax and the gradient
-of both ([b, H, bq, bk], the blockwise kernel's blocks of up to `attention.BLOCK` queries and keys:
+of both ([b, H, bq, bk], the blockwise kernel's blocks of `attention.block_size` queries and keys:
 ATTENTION_COPIES_F32 float32 and one in the compute dtype), the kernel's float32 accumulators of dq, dk and dv
 ([b, H, T, hd], [b, KV, S, hd] twice), and part of the layer's activations and their gradients. That share,
 BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of the no-remat set when
-the layer's activations are already saved, 1.5 when a remat'd layer recomputes them first.
+the layer's activations are already saved, 1.3 when a remat'd layer recomputes them first.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.targets import adapted_modules
-from jaxtune.models.attention import BLOCK
+from jaxtune.models.attention import block_size
 from jaxtune.models.head import chunk_length
 
 # One layer's backward workspace, as a multiple of that layer's no-remat activation set (measured on XLA:CPU).
-BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.5}
+BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.3}
 # Float32 [b, H, bq, bk] blocks one layer's attention backward holds beside one in the compute dtype (measured on
 # XLA:CPU): scores, probabilities and their gradients; under save_matmuls the kernel's forward is recomputed apart.
 ATTENTION_COPIES_F32 = {"none": 4, "save_matmuls": 2, "full": 4}
@@ -134,17 +134,16 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
 
 def attention_block(w: Widths) -> tuple[int, int, int, int]:
     """The shape of one block of one layer's attention scores on one device: [b, H, bq, bk]."""
-    return w.b, w.heads, min(w.T, BLOCK), min(w.S, BLOCK)
+    return w.b, w.heads, block_size(w.T), block_size(w.S)
 
 
 def live_block_fraction(T: int, prefix: int) -> float:
     """The share of a causal attention's query x key blocks the blockwise kernel computes (the rest the mask
     removes entirely): all of them for one block, about half for many."""
-    nq, nk = -(-T // min(T, BLOCK)), -(-(prefix + T) // min(prefix + T, BLOCK))
-    if nq == 1 or nk == 1:
-        return 1.0
-    bq = min(T, BLOCK)
-    live = sum(min(nk, -(-(prefix + (i + 1) * bq) // BLOCK)) for i in range(nq))
+    S = prefix + T
+    bq, bk = block_size(T), block_size(S)
+    nq, nk = -(-T // bq), -(-S // bk)
+    live = sum(min(nk, -(-(prefix + (i + 1) * bq) // bk)) for i in range(nq))
     return live / (nq * nk)
 
 
@@ -185,7 +184,7 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
     block = attention_block(w)
     attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
-    if w.T > BLOCK or w.S > BLOCK:  # the accumulators: small beside one whole block's scores otherwise
+    if block_size(w.T) < w.T or block_size(w.S) < w.S:  # the accumulators: small beside whole scores otherwise
         attention += nbytes((w.b, w.heads, w.T, w.head_dim), 4) + 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), 4)
     workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w)))
     workspace += adapter_backward_elements(cfg, method, w) * itemsize

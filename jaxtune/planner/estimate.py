@@ -35,7 +35,7 @@ from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
-from jaxtune.models.attention import BLOCK
+from jaxtune.models.attention import block_size
 from jaxtune.models.params import abstract_params, count_params
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
@@ -392,12 +392,15 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         notes.append(f"{plan.objective}: its second model (a frozen reference copy or a teacher) beside the policy")
     kv_b = _rollout_kv(cfg, plan, w, nbytes) if plan.generate_tokens else 0
 
+    # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
+    backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
+
     # The three moments of the step.
     grads_in_flight = 2 * grad_b
     phases = {
         "loss": {"activations": acts.saved + logits_b, "gradients": grads_in_flight,
                  "weight_copies": residual_copies},
-        "backward": {"activations": acts.saved + acts.attention + acts.workspace, "gradients": grads_in_flight,
+        "backward": {"activations": acts.saved + acts.attention + backward_workspace, "gradients": grads_in_flight,
                      "weight_copies": residual_copies},
         "update": {"activations": 0, "gradients": 3 * grad_b, "weight_copies": 0},
     }
@@ -412,7 +415,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # and the masked scores: ROLLOUT_SCORE_COPIES [b, H, bq, bk] float32 blocks, measured on XLA:CPU); the weights
         # are cast to the compute dtype once for the whole generation
         prompt = plan.seq_len - plan.generate_tokens
-        scores = nbytes((w.b * plan.grad_accum, w.heads, min(prompt, BLOCK), min(w.S, BLOCK)), 4)
+        scores = nbytes((w.b * plan.grad_accum, w.heads, block_size(prompt), block_size(w.S)), 4)
         cast = n_total * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
         phases["generate"] = {"activations": kv_b + int(ROLLOUT_SCORE_COPIES * scores), "gradients": 0,
                               "weight_copies": cast}
@@ -436,7 +439,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if peak == "loss":
         saved, attention, logits, workspace = acts.saved, 0, logits_b, 0
     elif peak == "backward":
-        saved, attention, logits, workspace = acts.saved, acts.attention, 0, acts.workspace
+        saved, attention, logits, workspace = acts.saved, acts.attention, 0, backward_workspace
     else:
         saved = attention = logits = workspace = 0
     kv_at_peak = kv_b if peak == "generate" else 0
