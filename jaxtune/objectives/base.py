@@ -12,7 +12,7 @@ Adding an objective is one module in this package that builds an `Objective`, an
                     model directory (a reference, a teacher)
     loss_terms      per micro-batch sums (loss, (count, metrics)) the spine accumulates and differentiates
     eval_terms      per held-out batch sums, totalled by `Training.evaluate`
-    logits_copies   [b, T, V] float32 buffers alive at the loss's peak, for the planner
+    logits_copies   [b, c, V] float32 head-chunk buffers (`models/head.py`) alive at the loss's peak, for the planner
     head            (params, cfg, key) -> params with the trainable leaves the objective adds (a reward model's
                     score); head_axes: their logical axes
     prepare         the trainer's side: its examples, batches per step and held-out evaluation
