@@ -86,3 +86,20 @@ def padded_batch(vocab: int, seed: int = 0):
     mask[2, 9:] = 0  # right padding
     positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
     return ids, mask, positions
+
+
+def numpy_random_params(cfg, seed: int = 0) -> dict:
+    """Random weights of `cfg` drawn with numpy (no compile), scaled as `randomize` so logits are O(1)."""
+    import jax
+
+    from jaxtune.models.params import abstract_params
+
+    rng = np.random.RandomState(seed)
+
+    def draw(path, spec):
+        if "norm" in jax.tree_util.keystr(path):
+            return 1 + 0.1 * rng.randn(*spec.shape).astype(np.float32)
+        fan_in = spec.shape[-2] if "kernel" in jax.tree_util.keystr(path) else 1
+        return (rng.randn(*spec.shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract_params(cfg))

@@ -10,7 +10,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import padded_batch
+from conftest import numpy_random_params, padded_batch
 
 from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
@@ -22,7 +22,6 @@ from jaxtune.methods.transform import apply_method
 from jaxtune.models.hf_weights import load_model
 from jaxtune.models.kv_cache import decode_step, prefill
 from jaxtune.models.llama import forward
-from jaxtune.models.params import abstract_params
 
 jit_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))
 jit_prefill = jax.jit(prefill, static_argnames=("cfg", "cache_size", "method", "options"))
@@ -37,16 +36,7 @@ SAMPLED = SamplingConfig(max_new_tokens=12, temperature=1.0)
 
 @pytest.fixture(scope="module")
 def tiny():
-    """Random weights drawn with numpy (no compile), scaled as conftest's `randomize` so logits are O(1)."""
-    rng = np.random.RandomState(0)
-
-    def draw(path, spec):
-        if "norm" in jax.tree_util.keystr(path):
-            return 1 + 0.1 * rng.randn(*spec.shape).astype(np.float32)
-        fan_in = spec.shape[-2] if "kernel" in jax.tree_util.keystr(path) else 1
-        return (rng.randn(*spec.shape) / np.sqrt(fan_in)).astype(np.float32)
-
-    return CFG, jax.tree_util.tree_map_with_path(draw, abstract_params(CFG))
+    return CFG, numpy_random_params(CFG)
 
 
 def prompts(vocab, lengths=PROMPT_LENGTHS, seed=0):

@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import numpy_random_params
 
 from jaxtune.config import ForwardOptions, SamplingConfig, tiny_config
 from jaxtune.data.batching import DTYPES, MIN_BUCKET, bucket, epoch_batches, eval_batches
@@ -14,7 +15,7 @@ from jaxtune.data.formats import Example, load_preference_examples, load_sft_exa
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.llama import forward
-from jaxtune.models.params import abstract_params, init_params
+from jaxtune.models.params import init_params
 from jaxtune.models.presets import tiny_model_config, write_random_model
 from jaxtune.models.reward_model import add_reward_head, load_reward_model, save_reward_model
 from jaxtune.objectives import reward
@@ -136,16 +137,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def gen_params():
-    """Random weights drawn with numpy, scaled so logits are O(1) (greedy picks are not near ties)."""
-    rng = np.random.RandomState(0)
-
-    def draw(path, spec):
-        if "norm" in jax.tree_util.keystr(path):
-            return 1 + 0.1 * rng.randn(*spec.shape).astype(np.float32)
-        fan_in = spec.shape[-2] if "kernel" in jax.tree_util.keystr(path) else 1
-        return (rng.randn(*spec.shape) / np.sqrt(fan_in)).astype(np.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract_params(GEN_CFG))
+    return numpy_random_params(GEN_CFG)
 
 
 def greedy_without_cache(params, cfg, prompt, steps):
