@@ -1,6 +1,7 @@
 """Memory while loading: does a big checkpoint go straight into its final shards and formats?
 
     python benchmarks/load_memory.py            # ~10 min on 2 cores; writes benchmarks/results/load_memory.json
+    python benchmarks/load_memory.py lora_fsdp8 # only the named runs; the other rows of the results file are kept
 
 A random Llama of 607M parameters stored in bfloat16 (S = the bytes of its safetensors, 1.13 GiB) is trained for
 two steps with `jaxtune train` in a subprocess; its peak resident set (ru_maxrss) minus that of the same command on
@@ -99,7 +100,12 @@ def run_config(path: Path, model: Path, method: str, out: Path, devices: int) ->
     return path
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    out = ROOT / "benchmarks" / "results" / "load_memory.json"
+    unknown = set(names) - set(RUNS)
+    if unknown:
+        raise SystemExit(f"unknown runs {sorted(unknown)}; known: {sorted(RUNS)}")
+    kept = [row for row in json.loads(out.read_text())["rows"] if row["run"] not in names] if names else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -108,6 +114,8 @@ def main() -> None:
         parameters = sum(math.prod(shape) for shape in expected_tensors(BIG).values())
         print(f"checkpoint: {parameters / 1e6:.0f}M parameters, S = {size / MiB:.0f} MiB", flush=True)
         for name, (method, devices) in RUNS.items():
+            if names and name not in names:
+                continue
             tiny_config = run_config(tmp / f"tiny_{name}.toml", tmp / "tiny", method, tmp / f"tiny_{name}", devices)
             config = run_config(tmp / f"{name}.toml", tmp / "big", method, tmp / name, devices)
             peaks = {phase: (peak_rss(config, devices, program), peak_rss(tiny_config, devices, program))
@@ -129,9 +137,9 @@ def main() -> None:
                   f"{peaks['load'][1] / MiB:4.0f}): {row['load_over_tiny_in_S']:.2f} S; plan (all devices, one runtime "
                   f"reserve): step {row['plan_step_bytes'] / MiB:.0f} MiB, loading "
                   f"{row['plan_loading_bytes'] / MiB:.0f} MiB, {row['plan_peak']} peaks", flush=True)
-    out = ROOT / "benchmarks" / "results" / "load_memory.json"
+    rows = sorted(kept + rows, key=lambda row: list(RUNS).index(row["run"]))
     out.write_text(json.dumps({"model": BIG.__dict__ | {"rope_scaling": None}, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

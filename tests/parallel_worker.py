@@ -157,7 +157,9 @@ def planner() -> dict:
 
 
 def eval_rows() -> dict:
-    """{mesh: the row counts of the [rows, T, V] logits in the compiled sharded eval step of an 8-row batch}."""
+    """{mesh: the largest [rows, T, columns] float32 buffer of the compiled sharded eval step of an 8-row batch,
+    in rows' worth of logits (rows x columns / V); mesh + " whole head": whether the step's body holds an array of
+    the head's full shape}."""
     import re
 
     from jaxtune.methods.transform import combine
@@ -173,7 +175,10 @@ def eval_rows() -> dict:
         plan = TrainPlan(method, 8, T, 1, "none", "float32", "float32", mesh=MESHES[name])
         run = abstract_run(cfg, plan, make_mesh(MESHES[name]), TRAIN, STEPS)
         hlo = run.eval_step.lower(jax.device_put(params, run.shardings.params), None, batch).compile().as_text()
-        rows[name] = sorted({int(r) for r in re.findall(rf"f32\[(\d+),{T},{cfg.vocab_size}\]", hlo)})
+        shapes = re.findall(rf"f32\[(\d+),{T},(\d+)\]", hlo)
+        V, D = cfg.vocab_size, cfg.hidden_size
+        rows[name] = max(int(r) * int(v) for r, v in shapes) / V
+        rows[name + " whole head"] = bool(re.search(rf"\[({V},{D}|{D},{V})\]", hlo.split("ENTRY")[-1].split("\n", 1)[1]))
     return rows
 
 

@@ -78,9 +78,10 @@ def test_weights_load_straight_into_their_shards(tmp_path):
 
 
 def test_eval_on_8_devices_computes_each_row_on_its_own_device():
-    """An 8-row eval batch arrives whole, but the layer-input constraint splits the work: the compiled eval step
-    on fsdp=8 and data=8 holds logits of one row per device."""
-    assert run_worker("eval") == {"fsdp=8": [1], "data=8": [1]}
+    """An 8-row eval batch arrives whole, but the constraints split the work: no [rows, T, ...] buffer of the
+    compiled eval step holds more than one row's worth of logits per device (on data=8 one row's logits, on fsdp=8
+    an eighth of the vocabulary of every row: the head's kernel is split by vocabulary rather than gathered)."""
+    assert run_worker("eval") == {"fsdp=8": 1, "data=8": 1, "fsdp=8 whole head": False, "data=8 whole head": True}
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.models.linear import matmul, wide
+from jaxtune.parallel.rules import constrain
 
 CHUNK_ELEMENTS = 1 << 24  # logits elements a chunk holds (64 MiB in float32)
 
@@ -36,8 +37,14 @@ def head_kernel(params: dict) -> jax.Array:
 
 def head_logits(params: dict, hidden_BxTxD: jax.Array) -> jax.Array:
     """Float32 (float64 in float64 runs) logits [B, T, V] of final hidden states [B, T, D]; the kernel is cast to
-    their dtype inside the matmul, so a float32 master weight's gradient sums the chunks in float32."""
-    return matmul(hidden_BxTxD, head_kernel(params), wide(hidden_BxTxD.dtype))
+    their dtype inside the matmul, so a float32 master weight's gradient sums the chunks in float32.
+
+    On a mesh the head is vocabulary-parallel: the kernel and the logits are split by vocabulary over tensor and
+    fsdp, the rows only over data, so no device gathers the head (a reduction over V, the log-sum-exp, is summed
+    across devices by XLA); the hidden states, far smaller, are gathered instead."""
+    kernel_DxV = constrain(head_kernel(params), (None, "vocab"))
+    hidden_BxTxD = constrain(hidden_BxTxD, ("rows", None, None))
+    return constrain(matmul(hidden_BxTxD, kernel_DxV, wide(hidden_BxTxD.dtype)), ("rows", None, "vocab"))
 
 
 def chunk_length(B: int, T: int, V: int) -> int:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize
+from jaxtune.parallel.rules import gathered
 
 
 def wide(dtype) -> jnp.dtype:
@@ -128,11 +129,13 @@ def dropout(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
 
 
 def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropout_key: jax.Array | None = None,
-          dropout_rate: float = 0.0) -> jax.Array:
+          dropout_rate: float = 0.0, kernel_axes: tuple[str, str] | None = None) -> jax.Array:
     """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype; x is [..., in], y [..., out].
 
     lora_scale: LoRA's static scale, unless the module carries its own `lora_scale` (see the module docstring).
     dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
+    kernel_axes: the kernel's logical axes (in, out); with them a frozen 16-bit kernel is all-gathered over fsdp
+    right where it is used, as its stored bits (`rules.gathered`).
     A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
     x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model (so
     is a frozen kernel's bit pattern: the backward re-reads the scanned slice instead of stacking a copy). Without
@@ -146,16 +149,18 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
         module = dict(module)
         lora_scale = module.pop("lora_scale")
     if isinstance(module["kernel"], QuantizedArray | BitPattern):
-        static = (2, 4) if isinstance(lora_scale, float) else (4,)
+        static = (2, 4, 5) if isinstance(lora_scale, float) else (4, 5)
         rederived = jax.checkpoint(_dense, static_argnums=static, prevent_cse=False)
-        return rederived(x, module, lora_scale, dropout_key, dropout_rate)
-    return _dense(x, module, lora_scale, dropout_key, dropout_rate)
+        return rederived(x, module, lora_scale, dropout_key, dropout_rate, kernel_axes)
+    return _dense(x, module, lora_scale, dropout_key, dropout_rate, kernel_axes)
 
 
 def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_key: jax.Array | None,
-           dropout_rate: float) -> jax.Array:
+           dropout_rate: float, kernel_axes: tuple[str, str] | None) -> jax.Array:
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
+    if kernel_axes is not None and isinstance(module["kernel"], BitPattern):
+        module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}
     kernel = kernel_of(module, x.dtype)
     y = matmul(x, kernel)
     if "lora_a" in module:

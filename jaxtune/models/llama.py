@@ -15,9 +15,21 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.config.targets import layer_scales
-from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
+from jaxtune.models.attention import (
+    AttentionMask,
+    blockwise_attention,
+    live_blocks,
+    training_mask,
+)
 from jaxtune.models.head import head_logits
-from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
+from jaxtune.models.linear import (
+    adapter_dropout_key,
+    dense,
+    lora_dropout_rate,
+    wide,
+    with_lora_scales,
+)
+from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain
 
@@ -39,9 +51,9 @@ def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConf
 def project(x, layer: dict, name: str, lora_scale: float, dropout: tuple[jax.Array, float] | None = None):
     """`dense` through module `name` of one layer; dropout = (the layer's dropout key, rate) in training, else None."""
     if dropout is None:
-        return dense(x, layer[name], lora_scale)
+        return dense(x, layer[name], lora_scale, kernel_axes=LINEAR_AXES[name])
     layer_key, rate = dropout
-    return dense(x, layer[name], lora_scale, adapter_dropout_key(layer_key, name), rate)
+    return dense(x, layer[name], lora_scale, adapter_dropout_key(layer_key, name), rate, LINEAR_AXES[name])
 
 
 def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, dropout=None):

@@ -55,18 +55,19 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias
     return spec
 
 
+LINEAR_AXES = {  # logical axes (in, out) of each per-layer linear module's kernel, keyed by its Hugging Face name
+    "q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("q_heads", "embed"), "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str, str]]]:
     """(in, out, logical axes) of each per-layer linear module, keyed by its Hugging Face name."""
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "q_proj": (D, cfg.q_size, ("embed", "q_heads")),
-        "k_proj": (D, cfg.kv_size, ("embed", "kv_heads")),
-        "v_proj": (D, cfg.kv_size, ("embed", "kv_heads")),
-        "o_proj": (cfg.q_size, D, ("q_heads", "embed")),
-        "gate_proj": (D, F, ("embed", "mlp")),
-        "up_proj": (D, F, ("embed", "mlp")),
-        "down_proj": (F, D, ("mlp", "embed")),
-    }
+    D, F, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    sizes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D), "gate_proj": (D, F),
+             "up_proj": (D, F), "down_proj": (F, D)}
+    return {name: (*sizes[name], LINEAR_AXES[name]) for name in LINEAR_AXES}
 
 
 def param_specs(cfg: ModelConfig) -> dict:

@@ -6,6 +6,7 @@ no other dimension of the same leaf has taken them:
 
     logical axis          split over       fallback
     batch                 data, fsdp       -          the batch is split over every data-parallel device
+    rows                  data             -          the head's rows: fsdp splits its vocabulary instead
     embed                 fsdp             tensor     ZeRO-3: weights are split along the hidden size
     vocab, q_heads,
     kv_heads, mlp,
@@ -43,6 +44,7 @@ Rule = tuple[str, tuple[str, ...], tuple[str, ...]]
 RULES: tuple[Rule, ...] = (
     # logical axis   split over          fallback
     ("batch", ("data", "fsdp"), ()),
+    ("rows", ("data",), ()),
     ("embed", ("fsdp",), ("tensor",)),
     ("vocab", ("tensor",), ("fsdp",)),
     ("q_heads", ("tensor",), ("fsdp",)),
@@ -116,3 +118,16 @@ def constrain(x, axes: Sequence[str | None]):
     if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh.shape))
+
+
+def gathered(x, axes: Sequence[str | None]):
+    """`x`, a weight with logical `axes`, all-gathered over fsdp where it is used (ZeRO-3) and still split over
+    tensor as the rules split it; `x` itself where no mesh is in context (see `constrain`).
+
+    Pinning the gather to the weight as stored keeps it in the stored dtype: left to XLA:CPU, a frozen bfloat16
+    kernel was converted to float32 on its shard and gathered in float32 (twice the traffic and the memory)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = mesh_axes_of(axes, x.shape, mesh.shape)
+    return jax.lax.with_sharding_constraint(x, to_spec([tuple(a for a in dim if a != "fsdp") for dim in spec]))

@@ -267,7 +267,13 @@ def _loading_transient(run, tiled: bool) -> tuple[int, int]:
     device, one slice of rows being quantised (its compiled program's own figures); on the host, all that kernel's
     layers' quantised children (placed at the end) and the slice as read. A float leaf: one shard being read, on
     the host and on the device."""
-    from jaxtune.models.quant import NF4_BLOCKSIZE, Int8Array, QuantizedArray, full_shape, row_slices
+    from jaxtune.models.quant import (
+        NF4_BLOCKSIZE,
+        Int8Array,
+        QuantizedArray,
+        full_shape,
+        row_slices,
+    )
 
     quantized = [x for x in jax.tree.leaves(run.frozen, is_leaf=lambda x: isinstance(x, QuantizedArray))
                  if isinstance(x, QuantizedArray) and x.codes is not None]
@@ -381,11 +387,13 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if copies_b and rules.upcasts_bf16:
         notes.append("XLA:CPU converts a frozen bfloat16 head to float32 for the step: that copy is counted")
     if fsdp > 1:
-        # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan, and
-        # the output head whole; a second model's forward (a reference, a teacher) gathers its own beside them
-        # (measured on fake CPU devices).
+        # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan (a
+        # frozen 16-bit kernel in its own dtype, `rules.gathered`; others as XLA widens them); a second model's
+        # forward (a reference, a teacher) gathers its own beside them. The head is split by vocabulary, never
+        # gathered (measured on fake CPU devices).
         forwards = 1 + objective.extra_forwards(section_of(plan))
-        copies_b += forwards * (layer_kernels // cfg.num_layers + head_kernel) * a // tensor
+        stored = method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2
+        copies_b += forwards * (layer_kernels // cfg.num_layers) * (2 if stored else a) // tensor
 
     extra_models_b = held.second
     if extra_models_b:
