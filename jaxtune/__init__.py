@@ -48,7 +48,5 @@ from jaxtune.parallel.distributed import join_cluster as join_cluster
 from jaxtune.run_config import RunConfig as RunConfig
 from jaxtune.run_config import load_run_config as load_run_config
 from jaxtune.train.evaluation import evaluate_file as evaluate_file
-from jaxtune.train.evaluation import (
-    evaluate_preference_file as evaluate_preference_file,
-)
+from jaxtune.train.evaluation import evaluate_preference_file as evaluate_preference_file
 from jaxtune.train.loop import fine_tune as fine_tune

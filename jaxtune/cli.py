@@ -62,11 +62,7 @@ def cmd_init(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from jaxtune.methods.peft import (
-        export_merged,
-        load_model_with_adapter,
-        save_peft_adapter,
-    )
+    from jaxtune.methods.peft import export_merged, load_model_with_adapter, save_peft_adapter
     from jaxtune.paths import check_output_dir
 
     check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")

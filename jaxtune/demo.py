@@ -13,13 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from jaxtune.config import (
-    DataConfig,
-    MethodConfig,
-    ModelSection,
-    SamplingConfig,
-    TrainConfig,
-)
+from jaxtune.config import DataConfig, MethodConfig, ModelSection, SamplingConfig, TrainConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.generation import generate_text
 from jaxtune.methods.peft import load_model_with_adapter

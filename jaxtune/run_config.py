@@ -20,14 +20,7 @@ from pathlib import Path
 
 import tomllib
 
-from jaxtune.config import (
-    DataConfig,
-    MeshConfig,
-    MethodConfig,
-    ModelSection,
-    OffloadConfig,
-    TrainConfig,
-)
+from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import OBJECTIVES, objective_named
 

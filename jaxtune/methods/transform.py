@@ -23,13 +23,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
 from jaxtune.config.targets import ModuleLoRA, ia3_modules, lora_layout
-from jaxtune.models.quant import (
-    QuantizedArray,
-    dequantize,
-    full_shape,
-    quantize_int8,
-    quantize_nf4,
-)
+from jaxtune.models.quant import QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
 
 ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "lora_bias", "ia3_in", "ia3_out", "prefix", "attn_adapter",
                 "mlp_adapter", "score")  # score: a reward model's head, trained with any method

@@ -24,13 +24,7 @@ from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
-from jaxtune.models.llama import (
-    attend,
-    decoder_layer,
-    lora_scaled_layers,
-    project_qkv,
-    rms_norm,
-)
+from jaxtune.models.llama import attend, decoder_layer, lora_scaled_layers, project_qkv, rms_norm
 from jaxtune.models.rope import rope_angles
 
 

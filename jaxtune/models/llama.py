@@ -15,20 +15,9 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.config.targets import layer_scales
-from jaxtune.models.attention import (
-    AttentionMask,
-    blockwise_attention,
-    live_blocks,
-    training_mask,
-)
+from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.head import head_logits
-from jaxtune.models.linear import (
-    adapter_dropout_key,
-    dense,
-    lora_dropout_rate,
-    wide,
-    with_lora_scales,
-)
+from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.rope import apply_rope, rope_angles
 from jaxtune.parallel.rules import constrain

@@ -19,14 +19,7 @@ import numpy as np
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.hf_config import config_from_hf, config_to_hf, model_dir, read_json
-from jaxtune.models.hf_weights import (
-    DTYPES,
-    check_tensors,
-    copy_tokenizer,
-    expected_tensors,
-    read_leaf,
-    tensor_entries,
-)
+from jaxtune.models.hf_weights import DTYPES, check_tensors, copy_tokenizer, expected_tensors, read_leaf, tensor_entries
 from jaxtune.models.llama import decoder
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.models.safetensors_io import CheckpointReader, write_weights

@@ -22,15 +22,7 @@ from jaxtune.models.head import label_logps
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.llama import decoder
 from jaxtune.models.params import param_specs
-from jaxtune.objectives.base import (
-    Context,
-    Objective,
-    Setup,
-    Training,
-    epoch_cache,
-    reference_of,
-    total,
-)
+from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, reference_of, total
 from jaxtune.objectives.losses import preference_loss, sequence_logps
 from jaxtune.objectives.sft import train_and_held_out
 

@@ -13,11 +13,7 @@ import jax.numpy as jnp
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.lora import merge, merged_layer
 from jaxtune.methods.transform import combine
-from jaxtune.models.reward_model import (
-    add_reward_head,
-    reward_scores,
-    save_reward_model,
-)
+from jaxtune.models.reward_model import add_reward_head, reward_scores, save_reward_model
 from jaxtune.objectives.base import Context, Objective
 from jaxtune.objectives.dpo import pair_training, per_pair
 from jaxtune.objectives.losses import bradley_terry_loss

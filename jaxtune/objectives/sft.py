@@ -17,14 +17,7 @@ from jaxtune.data.formats import load_sft_examples, train_eval_split
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
 from jaxtune.models.llama import decoder
-from jaxtune.objectives.base import (
-    Context,
-    Objective,
-    Setup,
-    Training,
-    epoch_cache,
-    total,
-)
+from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, total
 
 
 def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None

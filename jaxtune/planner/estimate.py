@@ -267,13 +267,7 @@ def _loading_transient(run, tiled: bool) -> tuple[int, int]:
     device, one slice of rows being quantised (its compiled program's own figures); on the host, all that kernel's
     layers' quantised children (placed at the end) and the slice as read. A float leaf: one shard being read, on
     the host and on the device."""
-    from jaxtune.models.quant import (
-        NF4_BLOCKSIZE,
-        Int8Array,
-        QuantizedArray,
-        full_shape,
-        row_slices,
-    )
+    from jaxtune.models.quant import NF4_BLOCKSIZE, Int8Array, QuantizedArray, full_shape, row_slices
 
     quantized = [x for x in jax.tree.leaves(run.frozen, is_leaf=lambda x: isinstance(x, QuantizedArray))
                  if isinstance(x, QuantizedArray) and x.codes is not None]

@@ -24,14 +24,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import add_method_leaves, combine
 from jaxtune.models.hf_weights import checked_reader, hf_tensor_name
 from jaxtune.models.params import ParamSpec, param_specs
-from jaxtune.models.quant import (
-    BitPattern,
-    NF4Array,
-    QuantizedArray,
-    from_bit_patterns,
-    full_shape,
-    quantize_by_rows,
-)
+from jaxtune.models.quant import BitPattern, NF4Array, QuantizedArray, from_bit_patterns, full_shape, quantize_by_rows
 from jaxtune.spine.run import AbstractRun
 
 

@@ -33,29 +33,14 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxtune.config import ForwardOptions, ModelConfig, Remat, TrainConfig
 from jaxtune.config.plan import TrainPlan
-from jaxtune.methods.transform import (
-    apply_method,
-    combine,
-    parameter_report,
-    partition,
-    trainable_mask,
-)
+from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
 from jaxtune.models.quant import as_bit_patterns
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Context, Objective
-from jaxtune.parallel.offload import (
-    HOST,
-    check_host_memory,
-    on_device,
-    with_memory_kind,
-)
-from jaxtune.parallel.sharding import (
-    batch_sharding,
-    optimizer_shardings,
-    param_shardings,
-)
+from jaxtune.parallel.offload import HOST, check_host_memory, on_device, with_memory_kind
+from jaxtune.parallel.sharding import batch_sharding, optimizer_shardings, param_shardings
 from jaxtune.spine.state import init_state, learning_rate_schedule, make_optimizer
 from jaxtune.spine.update import make_step
 

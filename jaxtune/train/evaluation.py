@@ -14,11 +14,7 @@ import jax
 
 from jaxtune.config import ForwardOptions
 from jaxtune.data.batching import eval_batches, padded_length
-from jaxtune.data.formats import (
-    PreferenceExample,
-    load_preference_examples,
-    load_sft_examples,
-)
+from jaxtune.data.formats import PreferenceExample, load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.objectives.base import Context
