@@ -114,10 +114,14 @@ def constrain(x, axes: Sequence[str | None]):
     propagation gives activations the embedding table's split (hidden size over fsdp) and every device computes and
     holds the whole micro-batch (measured: 1.15-4.3x the memory on 2-8 fake CPU devices).
     """
+    mesh = _mesh_in_context()
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh.shape))
+
+
+def _mesh_in_context():
+    """The abstract mesh a step is traced under, or None: none, one device, or not jaxtune's axes."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
-        return x
-    return jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh.shape))
+    return None if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
 
 
 def gathered(x, axes: Sequence[str | None]):
@@ -126,8 +130,8 @@ def gathered(x, axes: Sequence[str | None]):
 
     Pinning the gather to the weight as stored keeps it in the stored dtype: left to XLA:CPU, a frozen bfloat16
     kernel was converted to float32 on its shard and gathered in float32 (twice the traffic and the memory)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+    mesh = _mesh_in_context()
+    if mesh is None:
         return x
     spec = mesh_axes_of(axes, x.shape, mesh.shape)
     return jax.lax.with_sharding_constraint(x, to_spec([tuple(a for a in dim if a != "fsdp") for dim in spec]))
