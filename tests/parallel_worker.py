@@ -93,6 +93,46 @@ def train(method_name: str, mesh_config: MeshConfig, devices=None, offload=Offlo
     return (losses, state, frozen, run.shardings) if keep else losses
 
 
+def frozen_bf16() -> dict:
+    """LoRA over a frozen bfloat16 base, kernels gathered a piece at a time (1 KiB pieces, so every kernel is
+    cut): {mesh: largest relative loss difference from one device over STEPS steps} and, per mesh, the shapes of
+    the step's all-gathered 16-bit arrays and of the kernels they are pieces of."""
+    import re
+
+    import ml_dtypes
+
+    from jaxtune.models import linear
+    from jaxtune.models.quant import as_bit_patterns
+
+    linear.GATHERED_PIECE_BYTES = 1024
+    method = METHODS["lora"]
+    trainable, frozen = setup(method)
+    frozen = jax.tree.map(lambda x: jax.numpy.asarray(x, ml_dtypes.bfloat16 if x.dtype == np.float32 else x.dtype),
+                          frozen)
+
+    def losses(mesh_config, devices=None):
+        plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "bfloat16", mesh=mesh_config)
+        run = abstract_run(CFG, plan, make_mesh(mesh_config, devices), TRAIN, STEPS)
+        state = run.init_state(trainable, 0)
+        placed = jax.device_put(as_bit_patterns(frozen), run.shardings.frozen)
+        out = []
+        for batch in batches()[:4]:
+            state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
+            out.append(float(metrics["loss"]))
+        hlo = run.step.lower(state, placed, None, jax.device_put(batches()[0], run.shardings.batch)).compile()
+        gathers = re.findall(r"= (?:u16|bf16)\[(\d+),(\d+)\][^ ]* all-gather\(", hlo.as_text())
+        return out, sorted({(int(a), int(b)) for a, b in gathers})
+
+    reference, _ = losses(MeshConfig(fsdp=1), jax.devices()[:1])
+    out = {"kernels": sorted({tuple(m["kernel"].shape[1:]) for m in frozen["layers"].values()
+                              if isinstance(m, dict) and "kernel" in m})}
+    for mesh in ("fsdp=8", "fsdp=4 x tensor=2"):
+        mesh_losses, gathers = losses(MESHES[mesh])
+        out[mesh] = relative_diff(mesh_losses, reference)
+        out[mesh + " gathers"] = gathers
+    return out
+
+
 def relative_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -226,6 +266,8 @@ if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     if sys.argv[1] == "load":
         print(json.dumps(load(sys.argv[2], sys.argv[3])))
+    elif sys.argv[1] == "frozen_bf16":
+        print(json.dumps(frozen_bf16()))
     elif sys.argv[1] == "eval":
         print(json.dumps(eval_rows()))
     elif sys.argv[1] == "loop":

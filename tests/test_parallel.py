@@ -84,6 +84,18 @@ def test_eval_on_8_devices_computes_each_row_on_its_own_device():
     assert run_worker("eval") == {"fsdp=8": 1, "data=8": 1, "fsdp=8 whole head": False, "data=8 whole head": True}
 
 
+def test_frozen_bfloat16_kernels_are_gathered_a_piece_at_a_time():
+    """LoRA over a frozen bfloat16 base trains on fsdp=8 and fsdp=4 x tensor=2 as on one device, and the step's
+    all-gathers of 16-bit weights never hold a kernel whole: on fsdp=8 pieces of at most 1 KiB (the piece size set
+    for the test), on fsdp=4 x tensor=2 a kernel gathered over fsdp stays split over tensor."""
+    out = run_worker("frozen_bf16")
+    assert out["fsdp=8"] <= 1e-5 and out["fsdp=4 x tensor=2"] <= 1e-5, out
+    assert out["fsdp=8 gathers"] and all(a * b * 2 <= 1024 for a, b in out["fsdp=8 gathers"]), out
+    tensor_halves = {(a, b // 2) for a, b in out["kernels"]} | {(a // 2, b) for a, b in out["kernels"]}
+    assert out["fsdp=4 x tensor=2 gathers"], out
+    assert {tuple(g) for g in out["fsdp=4 x tensor=2 gathers"]} <= tensor_halves, out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_sharded_training_on_8_devices(method):

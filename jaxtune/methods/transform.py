@@ -47,7 +47,7 @@ LEAF_AXES = {
     **{("layers", a, "down", "bias"): ("layers", "adapter") for a in ("attn_adapter", "mlp_adapter")},
     **{("layers", a, "up", "kernel"): ("layers", "adapter", "embed") for a in ("attn_adapter", "mlp_adapter")},
     **{("layers", a, "up", "bias"): ("layers", "embed") for a in ("attn_adapter", "mlp_adapter")},
-    ("lm_head", "kernel"): ("embed", "vocab"),  # a tied model's head, parted from the embedding (modules_to_save)
+    ("lm_head", "kernel"): ("table_embed", "vocab"),  # a tied model's head, parted from the embedding (modules_to_save)
 }
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.models.linear import matmul, wide
-from jaxtune.parallel.rules import constrain
+from jaxtune.parallel.rules import constrain, head_rows
 
 CHUNK_ELEMENTS = 1 << 24  # logits elements a chunk holds (64 MiB in float32)
 
@@ -41,10 +41,12 @@ def head_logits(params: dict, hidden_BxTxD: jax.Array) -> jax.Array:
 
     On a mesh the head is vocabulary-parallel: the kernel and the logits are split by vocabulary over tensor and
     fsdp, the rows only over data, so no device gathers the head (a reduction over V, the log-sum-exp, is summed
-    across devices by XLA); the hidden states, far smaller, are gathered instead."""
+    across devices by XLA); the hidden states, far smaller, are gathered instead. A vocabulary fsdp cannot divide
+    is gathered, and each device computes its own rows."""
     kernel_DxV = constrain(head_kernel(params), (None, "vocab"))
-    hidden_BxTxD = constrain(hidden_BxTxD, ("rows", None, None))
-    return constrain(matmul(hidden_BxTxD, kernel_DxV, wide(hidden_BxTxD.dtype)), ("rows", None, "vocab"))
+    rows = head_rows(kernel_DxV.shape[1])
+    hidden_BxTxD = constrain(hidden_BxTxD, (rows, None, None))
+    return constrain(matmul(hidden_BxTxD, kernel_DxV, wide(hidden_BxTxD.dtype)), (rows, None, "vocab"))
 
 
 def chunk_length(B: int, T: int, V: int) -> int:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize
-from jaxtune.parallel.rules import gathered
+from jaxtune.parallel.rules import fsdp_only_dim, gathered
 
 
 def wide(dtype) -> jnp.dtype:
@@ -76,6 +76,46 @@ def _low_precision_matmul_bwd(out_dtype, residuals, g):
 
 
 _low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
+
+
+GATHERED_PIECE_BYTES = 1 << 22  # the most of a frozen kernel one device gathers at once under fsdp
+
+
+def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str, str], split: int) -> jax.Array:
+    """x [..., in] @ W [in, out] for a frozen 16-bit kernel that fsdp alone splits, along dimension `split`, gathering
+    W a piece at a time (about `GATHERED_PIECE_BYTES`) in a loop, so a device never holds the whole gathered
+    kernel: pieces of output columns when fsdp splits the input rows (y is their concatenation), pieces of input
+    rows when it splits the output columns (y is their sum, in float32). The backward gathers each piece again.
+
+    ZeRO-3 all-gathers a layer's weights where they are used; whole, a gathered MLP kernel of a 1B model is
+    22 MiB a device, plus XLA:CPU's copy of it from its stored bits."""
+    bits = kernel.bits
+    cut = 1 - split  # the dimension cut into pieces: the one fsdp leaves whole
+    pieces = _piece_count(bits.shape[cut], bits.size * bits.dtype.itemsize)
+    width = bits.shape[cut] // pieces
+
+    def piece(p):
+        w = jax.lax.dynamic_slice_in_dim(bits, p * width, width, axis=cut)
+        return gathered(jax.lax.bitcast_convert_type(w, kernel.dtype), axes).astype(x.dtype)
+
+    if cut == 1:  # output columns: y[..., p] = x @ W[:, p]
+        def columns(_, p):
+            return None, matmul(x, piece(p))
+        _, y_Px = jax.lax.scan(jax.checkpoint(columns, prevent_cse=False), None, jnp.arange(pieces))
+        return jnp.moveaxis(y_Px, 0, -2).reshape(*x.shape[:-1], bits.shape[1])
+
+    def rows(acc, p):  # input rows: y = sum_p x[..., p] @ W[p, :]
+        x_p = jax.lax.dynamic_slice_in_dim(x, p * width, width, axis=-1)
+        return acc + matmul(x_p, piece(p), wide(x.dtype)), None
+    acc = jnp.zeros((*x.shape[:-1], bits.shape[1]), wide(x.dtype))
+    y, _ = jax.lax.scan(jax.checkpoint(rows, prevent_cse=False), acc, jnp.arange(pieces))
+    return y.astype(x.dtype)
+
+
+def _piece_count(length: int, nbytes: int) -> int:
+    """The fewest pieces, a divisor of `length`, that cut `nbytes` to at most `GATHERED_PIECE_BYTES` each."""
+    need = -(-nbytes // GATHERED_PIECE_BYTES)
+    return next(p for p in range(max(need, 1), length + 1) if length % p == 0)
 
 
 @jax.custom_vjp
@@ -159,10 +199,16 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
            dropout_rate: float, kernel_axes: tuple[str, str] | None) -> jax.Array:
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
+    split = None
     if kernel_axes is not None and isinstance(module["kernel"], BitPattern):
-        module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}
-    kernel = kernel_of(module, x.dtype)
-    y = matmul(x, kernel)
+        split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape)
+        if split is None or "magnitude" in module:  # DoRA's norm needs the whole kernel
+            module, split = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}, None
+    if split is None:
+        kernel = kernel_of(module, x.dtype)
+        y = matmul(x, kernel)
+    else:
+        y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
     if "lora_a" in module:
         x_lora = x if dropout_key is None else dropout(x, dropout_key, dropout_rate)
         lora_y = lora_branch(x_lora, module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype))

@@ -82,12 +82,12 @@ def param_specs(cfg: ModelConfig) -> dict:
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
         layers[name] = _linear(cfg, d_in, d_out, axes, bias[name])
     specs = {
-        "embed_tokens": ParamSpec((V, D), ("vocab", "embed")),
+        "embed_tokens": ParamSpec((V, D), ("vocab", "table_embed")),
         "layers": layers,
         "norm": ParamSpec((D,), ("embed",), "ones"),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"))}
+        specs["lm_head"] = {"kernel": ParamSpec((D, V), ("table_embed", "vocab"))}
     return specs
 
 

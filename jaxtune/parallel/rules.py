@@ -11,6 +11,8 @@ no other dimension of the same leaf has taken them:
     vocab, q_heads,
     kv_heads, mlp,
     adapter               tensor           fsdp       tensor parallelism splits heads, MLP columns, vocabulary
+    table_embed           -                fsdp,      the embedding table's and head's hidden size: split only
+                                           tensor     where the vocabulary cannot be (the head is then gathered)
     head_dim              -                fsdp, tensor
     layers, lora_rank,
     prefix                -                -          never split: `lax.scan` slices the layer axis each step
@@ -47,6 +49,7 @@ RULES: tuple[Rule, ...] = (
     ("rows", ("data",), ()),
     ("embed", ("fsdp",), ("tensor",)),
     ("vocab", ("tensor",), ("fsdp",)),
+    ("table_embed", (), ("fsdp", "tensor")),
     ("q_heads", ("tensor",), ("fsdp",)),
     ("kv_heads", ("tensor",), ("fsdp",)),
     ("mlp", ("tensor",), ("fsdp",)),
@@ -122,6 +125,25 @@ def _mesh_in_context():
     """The abstract mesh a step is traced under, or None: none, one device, or not jaxtune's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
+
+
+def fsdp_only_dim(axes: tuple[str, str], shape: tuple[int, int]) -> int | None:
+    """The dimension of a matrix with logical `axes` and `shape` that the mesh in context splits over fsdp alone,
+    the other dimension whole (so pieces of that one can be cut on every device alike), or None."""
+    mesh = _mesh_in_context()
+    if mesh is None:
+        return None
+    split = mesh_axes_of(axes, shape, mesh.shape)
+    return next((d for d in (0, 1) if split[d] == ("fsdp",) and not split[1 - d]), None)
+
+
+def head_rows(vocab: int) -> str:
+    """The logical axis of the head's rows: "rows" (split over data only) when the mesh in context splits a
+    vocabulary of `vocab` over fsdp, so each device computes every row's logits for its share of the vocabulary;
+    else "batch", each device its own rows."""
+    mesh = _mesh_in_context()
+    vocab_axes = () if mesh is None else mesh_axes_of(("vocab",), (vocab,), mesh.shape)[0]
+    return "rows" if "fsdp" in vocab_axes else "batch"
 
 
 def gathered(x, axes: Sequence[str | None]):

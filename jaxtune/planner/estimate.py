@@ -36,6 +36,7 @@ from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
+from jaxtune.models.linear import GATHERED_PIECE_BYTES
 from jaxtune.models.params import abstract_params, count_params
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
@@ -313,14 +314,16 @@ def _kernel_elements(cfg: ModelConfig) -> tuple[int, int]:
     return per_layer, cfg.hidden_size * cfg.vocab_size
 
 
-def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_kernel: int, a: int) -> tuple[int, int]:
+def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_kernel: int, a: int,
+                 fsdp: int) -> tuple[int, int]:
     """(bytes kept for the backward, bytes alive all step) of weight copies that dtype casts make, before sharding.
 
     Everywhere: under remat "none", JAX keeps `kernel.astype(compute dtype)` of every layer for the backward when
     the kernel's dtype differs (float32 masters under bfloat16 compute; frozen float32 weights under bfloat16).
     Frozen kernels quantised or held as bit patterns (`models/quant.BitPattern`, every 16-bit one) are re-derived
     in the backward instead (models/linear.py).
-    XLA:CPU (measured): it converts a frozen bfloat16 head (or tied embedding) to float32 once for the step.
+    XLA:CPU (measured): it converts a frozen bfloat16 head (or tied embedding) to float32 once for the step; under
+    fsdp, where each device holds a vocabulary shard of the head, it copies that shard transposed in bfloat16.
     """
     frozen = plan.method.kind != "full"
     kernel_dtype = plan.param_dtype if frozen else "float32"
@@ -331,7 +334,7 @@ def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_k
         # cast to bf16 stay bf16
         residual = layer_kernels * (a if frozen else jnp.dtype(plan.compute_dtype).itemsize)
     if rules.upcasts_bf16 and frozen and (plan.param_dtype != "float32" or plan.compute_dtype != "float32"):
-        copies += head_kernel * 4
+        copies += head_kernel * (2 if fsdp > 1 else 4)
     return residual, copies
 
 
@@ -377,17 +380,22 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     # Weight copies made by dtype casts.
     layer_kernels, head_kernel = _kernel_elements(cfg)
     shard = fsdp * tensor
-    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, rules, layer_kernels, head_kernel, a))
+    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, rules, layer_kernels, head_kernel, a, fsdp))
     if copies_b and rules.upcasts_bf16:
-        notes.append("XLA:CPU converts a frozen bfloat16 head to float32 for the step: that copy is counted")
+        notes.append("XLA:CPU copies a frozen bfloat16 head for the step (in float32; under fsdp its vocabulary "
+                     "shard, transposed): that copy is counted")
     if fsdp > 1:
-        # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan (a
-        # frozen 16-bit kernel in its own dtype, `rules.gathered`; others as XLA widens them); a second model's
-        # forward (a reference, a teacher) gathers its own beside them. The head is split by vocabulary, never
-        # gathered (measured on fake CPU devices).
+        # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan; a
+        # frozen 16-bit kernel a piece at a time in its own dtype, with XLA:CPU's copy of the piece from its bits
+        # (`linear.gathered_piecewise_matmul`), others whole as XLA widens them; a second model's forward (a
+        # reference, a teacher) gathers its own beside them. The head is split by vocabulary, never gathered
+        # (measured on fake CPU devices).
         forwards = 1 + objective.extra_forwards(section_of(plan))
-        stored = method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2
-        copies_b += forwards * (layer_kernels // cfg.num_layers) * (2 if stored else a) // tensor
+        if method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2:
+            gathered = 2 * min(GATHERED_PIECE_BYTES, 2 * layer_kernels // cfg.num_layers)
+        else:
+            gathered = (layer_kernels // cfg.num_layers) * a // tensor
+        copies_b += forwards * gathered
 
     extra_models_b = held.second
     if extra_models_b:
