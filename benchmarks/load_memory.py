@@ -121,15 +121,17 @@ def main(names: list[str]) -> None:
             peaks = {phase: (peak_rss(config, devices, program), peak_rss(tiny_config, devices, program))
                      for phase, program in (("train", TRAIN), ("load", LOAD))}
             plan = planned(config, devices)
-            reserve = plan["per_device"]["reserve_bytes"]
+            reserve, transient = plan["per_device"]["reserve_bytes"], plan["loading"]["transient_bytes"]
             row = {"run": name, "devices": devices, "checkpoint_bytes": size,
                    **{f"{phase}_peak_rss_bytes": big for phase, (big, _) in peaks.items()},
                    **{f"{phase}_tiny_peak_rss_bytes": tiny for phase, (_, tiny) in peaks.items()},
                    **{f"{phase}_over_tiny_in_S": (big - tiny) / size for phase, (big, tiny) in peaks.items()},
-                   # one process: the runtime reserve once, each device's arrays and transients
+                   # one process: the runtime reserve once, each device's arrays and step transients; loading's
+                   # read buffers once too, since the process reads one leaf at a time for all its devices
                    "plan_step_bytes": (plan["per_device"]["total_bytes"] - reserve) * devices + reserve,
-                   "plan_loading_bytes": (plan["loading"]["total_bytes"] - reserve) * devices + reserve,
-                   "plan_peak": plan["loading"]["peak"]}
+                   "plan_loading_bytes": (plan["loading"]["total_bytes"] - reserve - transient) * devices
+                                         + transient + reserve}
+            row["plan_peak"] = "loading" if row["plan_loading_bytes"] > row["plan_step_bytes"] else "step"
             rows.append(row)
             print(f"{name:13s} train: peak RSS {peaks['train'][0] / MiB:6.0f} MiB "
                   f"(tiny {peaks['train'][1] / MiB:4.0f}): "
