@@ -104,7 +104,7 @@ def frozen_bf16() -> dict:
     from jaxtune.models import linear
     from jaxtune.models.quant import as_bit_patterns
 
-    linear.GATHERED_PIECE_BYTES = 1024
+    linear.GATHERED_PIECE_BYTES["cpu"] = 1024
     method = METHODS["lora"]
     trainable, frozen = setup(method)
     frozen = jax.tree.map(lambda x: jax.numpy.asarray(x, ml_dtypes.bfloat16 if x.dtype == np.float32 else x.dtype),

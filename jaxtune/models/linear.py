@@ -78,12 +78,20 @@ def _low_precision_matmul_bwd(out_dtype, residuals, g):
 _low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
 
 
-GATHERED_PIECE_BYTES = 1 << 22  # the most of a frozen kernel one device gathers at once under fsdp
+# The most of a frozen kernel one device gathers at once under fsdp, by backend: on CPU 4 MiB (its devices often
+# share one host's memory, and a piece costs little there); elsewhere 64 MiB, a whole kernel up to ~8B models, so
+# NCCL's and ICI's all-gathers stay few and bandwidth-bound (a 70B MLP kernel, 470 MB, goes in 8 pieces).
+GATHERED_PIECE_BYTES = {"cpu": 1 << 22, "other": 1 << 26}
+
+
+def gathered_piece_bytes(backend: str) -> int:
+    """`GATHERED_PIECE_BYTES` for a backend ("cpu", "gpu", "tpu", ...)."""
+    return GATHERED_PIECE_BYTES.get(backend, GATHERED_PIECE_BYTES["other"])
 
 
 def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str, str], split: int) -> jax.Array:
     """x [..., in] @ W [in, out] for a frozen 16-bit kernel that fsdp alone splits, along dimension `split`, gathering
-    W a piece at a time (about `GATHERED_PIECE_BYTES`) in a loop, so a device never holds the whole gathered
+    W a piece at a time (about `gathered_piece_bytes`) in a loop, so a device never holds the whole gathered
     kernel: pieces of output columns when fsdp splits the input rows (y is their concatenation), pieces of input
     rows when it splits the output columns (y is their sum, in float32). The backward gathers each piece again.
 
@@ -91,7 +99,7 @@ def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str,
     22 MiB a device, plus XLA:CPU's copy of it from its stored bits."""
     bits = kernel.bits
     cut = 1 - split  # the dimension cut into pieces: the one fsdp leaves whole
-    pieces = _piece_count(bits.shape[cut], bits.size * bits.dtype.itemsize)
+    pieces = _piece_count(bits.shape[cut], bits.size * bits.dtype.itemsize, gathered_piece_bytes(jax.default_backend()))
     width = bits.shape[cut] // pieces
 
     def piece(p):
@@ -112,9 +120,9 @@ def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str,
     return y.astype(x.dtype)
 
 
-def _piece_count(length: int, nbytes: int) -> int:
-    """The fewest pieces, a divisor of `length`, that cut `nbytes` to at most `GATHERED_PIECE_BYTES` each."""
-    need = -(-nbytes // GATHERED_PIECE_BYTES)
+def _piece_count(length: int, nbytes: int, piece_bytes: int) -> int:
+    """The fewest pieces, a divisor of `length`, that cut `nbytes` to at most `piece_bytes` each."""
+    need = -(-nbytes // piece_bytes)
     return next(p for p in range(max(need, 1), length + 1) if length % p == 0)
 
 

@@ -36,7 +36,7 @@ from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
-from jaxtune.models.linear import GATHERED_PIECE_BYTES
+from jaxtune.models.linear import gathered_piece_bytes
 from jaxtune.models.params import abstract_params, count_params
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
@@ -392,7 +392,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # (measured on fake CPU devices).
         forwards = 1 + objective.extra_forwards(section_of(plan))
         if method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2:
-            gathered = 2 * min(GATHERED_PIECE_BYTES, 2 * layer_kernels // cfg.num_layers)
+            largest = 2 * cfg.hidden_size * max(cfg.q_size, cfg.intermediate_size)  # bytes of a layer's widest kernel
+            gathered = 2 * min(gathered_piece_bytes(device.family), largest)
         else:
             gathered = (layer_kernels // cfg.num_layers) * a // tensor
         copies_b += forwards * gathered
