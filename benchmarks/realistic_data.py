@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/realistic_data.py                          # the three runs, one epoch each
     .venv/bin/python benchmarks/realistic_data.py --examples 40 --max-steps 3   # a smoke test
     .venv/bin/python benchmarks/realistic_data.py --only jaxtune
+    .venv/bin/python benchmarks/realistic_data.py --examples 300 --past-epoch 0.25   # + jaxtune past the epoch
 
 Data: benchmarks/data/long_tailed_{train,eval}.jsonl (`experiments/make_long_tailed_data.py`): 2,000 training and
 200 held-out prompt/completion pairs of real text (Python's docstrings, license texts) from 33 to 1,857 tokens,
@@ -38,8 +39,10 @@ held-out file, one sum and one count) of each saved adapter, by one evaluator fo
 process). The curve: the held-out loss at step 0 and about every 1/8 epoch against the training seconds so far, by
 jaxtune's own evaluation (the same quantity) and by the shared evaluator inside TRL (a callback); evaluation time is
 kept off the clock on both sides (for jaxtune by wrapping the task's `evaluate`, the one hook into `fine_tune`).
-From the curves: the seconds each run takes to reach the held-out loss TRL's default run ends at. Results go to
-benchmarks/results/realistic_data.json.
+From the curves: the seconds each run takes to reach the held-out loss TRL's default run ends at; a run that ends
+its epoch above it does not reach it, so `--past-epoch F` adds a fourth run, jaxtune going on for F of an epoch more
+(the same rows again) with the held-out loss evaluated after every step, whose curve gives jaxtune's time to that
+loss. Results go to benchmarks/results/realistic_data.json.
 """
 
 from __future__ import annotations
@@ -66,8 +69,10 @@ DATA = HERE / "data"
 SEQ = 2048
 TARGETS = ("q_proj", "v_proj")
 CURVE_POINTS = 8  # held-out evaluations an epoch, besides step 0
-RUNS = ("jaxtune", "trl", "trl_packed")
-LABELS = {"jaxtune": "jaxtune (packed)", "trl": "TRL SFTTrainer (default: padded)", "trl_packed": "TRL (packing=True)"}
+RUNS = ("jaxtune", "trl", "trl_packed", "jaxtune_on")
+LABELS = {"jaxtune": "jaxtune (packed)", "trl": "TRL SFTTrainer (default: padded)", "trl_packed": "TRL (packing=True)",
+          "jaxtune_on": "jaxtune, on past the epoch"}
+WORKER_OF = {"jaxtune_on": "jaxtune"}  # runs that are another run's worker with other settings
 # Workers' environment: the Hugging Face libraries offline (nothing downloads), no progress bars in the logs.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -220,7 +225,7 @@ def run_jaxtune(a) -> dict:
     wall = clock.elapsed()
     records = [json.loads(line) for line in (a.run_dir / "metrics.jsonl").read_text().splitlines()]
     for point, record in zip(curve, [r for r in records if "eval_loss" in r]):
-        point.update(step=record["step"], epoch=record["step"] / result.step)
+        point.update(step=record["step"], epoch=record["step"] / a.rows)
     return {"wall_s": wall, "eval_s": clock.paused_s, "steps": result.step, "curve": curve,
             "examples_per_step": a.examples_total / a.rows, "rows": a.rows, "positions": result.step * SEQ,
             "train_loss": [r["loss"] for r in records if "loss" in r], "adapter": str(result.result_path),
@@ -317,10 +322,11 @@ WORKERS = {"prepare": prepare, "jaxtune": run_jaxtune, "trl": lambda a: run_trl(
 
 # --- the runner ----------------------------------------------------------------------------------------------------
 
-def spawn(worker: str, a, **extra) -> dict:
-    """One worker in a fresh interpreter, in an empty WORKDIR/WORKER (a jaxtune run would resume from checkpoints
-    left there); its result and log go to WORKDIR/WORKER.json and .log."""
-    run_dir, result, log_path = (a.workdir / worker, a.workdir / f"{worker}.json", a.workdir / f"{worker}.log")
+def spawn(name: str, a, **extra) -> dict:
+    """Run `name`'s worker in a fresh interpreter, in an empty WORKDIR/NAME (a jaxtune run would resume from
+    checkpoints left there); its result and log go to WORKDIR/NAME.json and .log."""
+    worker = WORKER_OF.get(name, name)
+    run_dir, result, log_path = (a.workdir / name, a.workdir / f"{name}.json", a.workdir / f"{name}.log")
     shutil.rmtree(run_dir, ignore_errors=True)
     result.unlink(missing_ok=True)
     options = {"model": a.model, "train": a.train, "eval": a.eval, "run-dir": run_dir, "result": result,
@@ -379,6 +385,9 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=Path)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--past-epoch", dest="past_epoch", type=float, default=0.0,
+                        help="also run jaxtune this share of an epoch past one (its data again), evaluated every "
+                             "step, for the seconds it takes to reach the held-out loss TRL's default run ends at")
     parser.add_argument("--examples-total", dest="examples_total", type=int, default=0)
     parser.add_argument("--rows", type=int, default=0)
     parser.add_argument("--adapters", default="{}")
@@ -396,14 +405,16 @@ def main() -> None:
         raise SystemExit("transformers' tokenizer does not give jaxtune's ids and loss mask")
     n, rows = plan["examples"], plan["rows"]
     batch = max(1, round(n / rows))  # TRL's examples a step: those of a jaxtune row, on average
-    steps = {"jaxtune": rows, "trl": math.ceil(n / batch), "trl_packed": rows}
+    steps = {"jaxtune": rows, "trl": math.ceil(n / batch), "trl_packed": rows,
+             "jaxtune_on": math.ceil(rows * (1 + a.past_epoch))}
     print(f"{n} examples, {plan['tokens']:,} tokens, {rows} packed rows of {SEQ}: jaxtune 1 row a step, "
           f"TRL {batch} examples a step (TRL packed: 1 row)", flush=True)
     results = {}
-    for name in a.only or RUNS:
+    for name in a.only or [r for r in RUNS if r != "jaxtune_on" or a.past_epoch]:
         total = min(steps[name], a.max_steps or steps[name])
-        results[name] = spawn(name, a, batch=batch, every=max(1, math.ceil(total / CURVE_POINTS)),
-                              **{"examples-total": n, "rows": rows})
+        every = max(1, math.ceil(min(rows, total) / CURVE_POINTS))
+        results[name] = spawn(name, a, batch=batch, every=every if name != "jaxtune_on" else 1,
+                              **{"examples-total": n, "rows": rows, "max-steps": total})
         print(f"{name}: {results[name]['wall_s']:.1f} s, {results[name]['steps']} steps", flush=True)
     losses = spawn("evaluate", a, adapters=json.dumps({k: r["adapter"] for k, r in results.items()}))
     target = losses.get("trl")
