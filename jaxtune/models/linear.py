@@ -183,7 +183,8 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
     lora_scale: LoRA's static scale, unless the module carries its own `lora_scale` (see the module docstring).
     dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
     kernel_axes: the kernel's logical axes (in, out); with them a frozen 16-bit kernel is all-gathered over fsdp
-    right where it is used, as its stored bits (`rules.gathered`).
+    right where it is used, in its stored bits (`rules.gathered`), a piece at a time where fsdp alone splits it
+    (`gathered_piecewise_matmul`; whole for DoRA, whose norm needs it).
     A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
     x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model (so
     is a frozen kernel's bit pattern: the backward re-reads the scanned slice instead of stacking a copy). Without

@@ -391,9 +391,12 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # reference, a teacher) gathers its own beside them. The head is split by vocabulary, never gathered
         # (measured on fake CPU devices).
         forwards = 1 + objective.extra_forwards(section_of(plan))
-        if method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2:
+        stored = method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2
+        if stored and tensor == 1 and not method.dora:
             largest = 2 * cfg.hidden_size * max(cfg.q_size, cfg.intermediate_size)  # bytes of a layer's widest kernel
             gathered = 2 * min(gathered_piece_bytes(device.family), largest)
+        elif stored:  # under tensor parallelism, or for DoRA's norm: each kernel whole over fsdp
+            gathered = (layer_kernels // cfg.num_layers) * 2 // tensor
         else:
             gathered = (layer_kernels // cfg.num_layers) * a // tensor
         copies_b += forwards * gathered
