@@ -425,14 +425,19 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if offload.optimizer_state:
         phases["update"]["optimizer"] = optimizer_b  # copied in for the update, written back to host after
     if plan.generate_tokens:
-        # the rollout: the KV cache, and the prefill's attention over the prompt (one layer's scores, their softmax
-        # and the masked scores: ROLLOUT_SCORE_COPIES [b, H, bq, bk] float32 blocks, measured on XLA:CPU); the weights
-        # are cast to the compute dtype once for the whole generation
+        # the rollout: the prefill stacks every layer's prompt keys and values, then pads them into the KV cache;
+        # while it runs, one layer's working set over all the rollout's prompt tokens: its attention (one layer's
+        # scores, their softmax and the masked scores: ROLLOUT_SCORE_COPIES [b, H, bq, bk] float32 blocks) or its
+        # MLP (gate, up and their product, and the layer's input, norm and output, measured on XLA:CPU), or the
+        # cache being padded; the weights are cast to the compute dtype once for the whole generation
         prompt = plan.seq_len - plan.generate_tokens
-        scores = nbytes((w.b * plan.grad_accum, w.heads, block_size(prompt), block_size(w.S)), 4)
+        rollout_rows = w.b * plan.grad_accum
+        scores = nbytes((rollout_rows, w.heads, block_size(prompt), block_size(w.S)), 4)
+        prefill_mlp = 3 * nbytes((rollout_rows, prompt, w.F + w.D), a)
+        prompt_kv = kv_b * prompt // w.S
+        working = max(int(ROLLOUT_SCORE_COPIES * scores), prefill_mlp, kv_b)
         cast = n_total * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
-        phases["generate"] = {"activations": kv_b + int(ROLLOUT_SCORE_COPIES * scores), "gradients": 0,
-                              "weight_copies": cast}
+        phases["generate"] = {"activations": prompt_kv + working, "gradients": 0, "weight_copies": cast}
     for p in phases.values():
         p["total"] = sum(p.values())
     peak = max(phases, key=lambda k: phases[k]["total"])
