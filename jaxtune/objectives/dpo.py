@@ -204,5 +204,6 @@ def _batch_fields(rows: int, section: PreferenceConfig) -> dict:
 
 
 DPO = Objective("dpo", loss_terms, eval_terms, prepare, section=PreferenceConfig, rows=lambda section: 2,
-                batch_fields=_batch_fields, second_model=_second_model, logits_copies=lambda method: 2, unit="pairs",
+                batch_fields=_batch_fields, second_model=_second_model,
+                logits_copies=lambda method: 3 if method.kind == "full" else 2, unit="pairs",
                 extra_forwards=lambda section: 0 if section.precompute_reference else 1)
