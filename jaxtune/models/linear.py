@@ -104,7 +104,7 @@ def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str,
 
     def piece(p):
         w = jax.lax.dynamic_slice_in_dim(bits, p * width, width, axis=cut)
-        return gathered(jax.lax.bitcast_convert_type(w, kernel.dtype), axes).astype(x.dtype)
+        return gathered(jax.lax.bitcast_convert_type(w, kernel.dtype), axes)  # `matmul` casts it to x's dtype
 
     if cut == 1:  # output columns: y[..., p] = x @ W[:, p]
         def columns(_, p):
@@ -208,16 +208,15 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
            dropout_rate: float, kernel_axes: tuple[str, str] | None) -> jax.Array:
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
-    split = None
-    if kernel_axes is not None and isinstance(module["kernel"], BitPattern):
-        split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape)
-        if split is None or "magnitude" in module:  # DoRA's norm needs the whole kernel
-            module, split = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}, None
-    if split is None:
+    stored = kernel_axes is not None and isinstance(module["kernel"], BitPattern)
+    split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape) if stored else None
+    if split is not None and "magnitude" not in module:  # DoRA's norm needs the whole kernel
+        y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
+    else:
+        if stored:
+            module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}
         kernel = kernel_of(module, x.dtype)
         y = matmul(x, kernel)
-    else:
-        y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
     if "lora_a" in module:
         x_lora = x if dropout_key is None else dropout(x, dropout_key, dropout_rate)
         lora_y = lora_branch(x_lora, module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype))
