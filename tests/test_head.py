@@ -3,6 +3,8 @@ training step holds no [B, T, V] float32 buffer."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +99,23 @@ def test_the_head_memory_does_not_grow_with_the_sequence():
     short, long = temp_bytes(4096), temp_bytes(16384)
     assert long < 16384 * Vl * 4 / 10, long
     assert long - short < 12288 * Dl * 4 * 8, (short, long)  # growth: a few [T, D] float32 arrays
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_head_is_multiplied_as_stored(dtype, tied, monkeypatch):
+    """The head's weight, a tied embedding table [V, D] or an `lm_head` kernel [D, V], enters the chunked loss's
+    gradient as stored: no copy, transpose or conversion of it in the compiled step (XLA:CPU had copied the
+    transposed weight out of the chunk loop, in bfloat16: for the table in the forward, for the kernel in the
+    backward)."""
+    Vl, Dl, Tl = 4000, 256, 256
+    monkeypatch.setattr(head, "CHUNK_ELEMENTS", 64 * Vl)  # 64 tokens a chunk: a loop of 4
+    params = ({"embed_tokens": jax.ShapeDtypeStruct((Vl, Dl), dtype)} if tied
+              else {"lm_head": {"kernel": jax.ShapeDtypeStruct((Dl, Vl), dtype)}})
+    hidden = jax.ShapeDtypeStruct((1, Tl, Dl), dtype)
+    labels = jax.ShapeDtypeStruct((1, Tl), jnp.int32)
+    loss = lambda params, hidden, labels: jnp.sum(label_logps(params, hidden, labels))
+    hlo = jax.jit(jax.grad(loss, argnums=1)).lower(params, hidden, labels).compile().as_text()
+    made = [line.strip() for line in hlo.splitlines()
+            if re.search(rf"= \w+\[({Vl},{Dl}|{Dl},{Vl})\]\S* (copy|convert|transpose|fusion)\(", line)]
+    assert not made, made[:3]

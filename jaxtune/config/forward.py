@@ -9,6 +9,9 @@ import jax
 from jaxtune.errors import check_choice
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
+# the name of `models.linear.matmul`'s output, which "save_matmuls" keeps: a policy that saves dots sees no dot
+# inside a custom_vjp, and the projections' matmuls are custom_vjps
+MATMUL_OUTPUT = "matmul"
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,10 @@ class Remat:
             return fn
         if self.policy == "full":
             return jax.checkpoint(fn, prevent_cse=False)
-        return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        policies = jax.checkpoint_policies
+        keep = policies.save_from_both_policies(policies.save_only_these_names(MATMUL_OUTPUT),
+                                                policies.dots_with_no_batch_dims_saveable)
+        return jax.checkpoint(fn, prevent_cse=False, policy=keep)
 
 
 @dataclass(frozen=True)

@@ -27,26 +27,29 @@ def token_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
     return label_logit - jax.nn.logsumexp(logits_BxTxV, axis=-1)
 
 
-def head_kernel(params: dict) -> jax.Array:
-    """The head's weight [D, V]: the `lm_head` leaf, else (tied) the embedding matrix transposed.
-
-    A tied model holds an `lm_head` leaf only when a method trains the head or the embedding apart from the
-    other (PEFT's modules_to_save), which unties them."""
-    return params["lm_head"]["kernel"] if "lm_head" in params else params["embed_tokens"].T
-
-
 def head_logits(params: dict, hidden_BxTxD: jax.Array) -> jax.Array:
-    """Float32 (float64 in float64 runs) logits [B, T, V] of final hidden states [B, T, D]; the kernel is cast to
-    their dtype inside the matmul, so a float32 master weight's gradient sums the chunks in float32.
+    """Float32 (float64 in float64 runs) logits [B, T, V] of final hidden states [B, T, D] under the head: the
+    `lm_head` kernel [D, V], else (tied) the embedding table [V, D], multiplied as stored, never transposed. The
+    kernel is cast to the hidden states' dtype inside the matmul, so a float32 master weight's gradient sums the
+    chunks in float32. A tied model holds an `lm_head` leaf only when a method trains the head or the embedding
+    apart from the other (PEFT's modules_to_save), which unties them.
 
     On a mesh the head is vocabulary-parallel: the kernel and the logits are split by vocabulary over tensor and
     fsdp, the rows only over data, so no device gathers the head (a reduction over V, the log-sum-exp, is summed
     across devices by XLA); the hidden states, far smaller, are gathered instead. A vocabulary fsdp cannot divide
     is gathered, and each device computes its own rows."""
-    kernel_DxV = constrain(head_kernel(params), (None, "vocab"))
-    rows = head_rows(kernel_DxV.shape[1])
+    tied = "lm_head" not in params
+    kernel = (constrain(params["embed_tokens"], ("vocab", None)) if tied
+              else constrain(params["lm_head"]["kernel"], (None, "vocab")))
+    rows = head_rows(vocab_size(params))
     hidden_BxTxD = constrain(hidden_BxTxD, (rows, None, None))
-    return constrain(matmul(hidden_BxTxD, kernel_DxV, wide(hidden_BxTxD.dtype)), (rows, None, "vocab"))
+    logits = matmul(hidden_BxTxD, kernel, wide(hidden_BxTxD.dtype), transposed=tied)
+    return constrain(logits, (rows, None, "vocab"))
+
+
+def vocab_size(params: dict) -> int:
+    """V, the head's output width."""
+    return params["lm_head"]["kernel"].shape[1] if "lm_head" in params else params["embed_tokens"].shape[0]
 
 
 def chunk_length(B: int, T: int, V: int) -> int:
@@ -78,4 +81,4 @@ def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array) ->
     def chunk(hidden_BxCxD, labels_BxC):
         return token_logps(head_logits(params, hidden_BxCxD), labels_BxC)
 
-    return per_token(chunk, hidden_BxTxD, labels_BxT, vocab=head_kernel(params).shape[-1])
+    return per_token(chunk, hidden_BxTxD, labels_BxT, vocab=vocab_size(params))

@@ -18,8 +18,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
+from jaxtune.config.forward import MATMUL_OUTPUT
 from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize
 from jaxtune.parallel.rules import fsdp_only_dim, gathered
 
@@ -47,35 +49,51 @@ def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magn
     return magnitude_O.astype(dtype) / norm_O
 
 
-def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """x [..., in] @ w [in, out] as `out_dtype` (default x's), w cast to x's dtype. Below float32 (bfloat16
-    compute) the products are accumulated in float32, forward and backward: the dots XLA runs fastest (on CPU
-    about twice the float32 rate, where a bfloat16-output dot runs at the float32 rate or below), with the rounding
-    of torch's autocast; a float32 w (a master weight) gets its gradient in float32, never rounded to x's dtype."""
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
+    """x [..., in] @ w [in, out] as `out_dtype` (default x's), w cast to x's dtype; `transposed`: w is [out, in] (a
+    tied head's embedding table), multiplied as stored. Below float32 (bfloat16 compute) the products are
+    accumulated in float32, forward and backward: the dots XLA runs fastest (on CPU about twice the float32 rate,
+    where a bfloat16-output dot runs at the float32 rate or below), with the rounding of torch's autocast; a float32
+    w (a master weight) gets its gradient in float32, never rounded to x's dtype.
+
+    The products with w, x w and the backward's g w^T, are taken as [tokens, in]: inside a loop (the chunked head,
+    a layer's pieces), XLA:CPU gave a [B, T, in] product that contracts w's last axis a transposed copy of w,
+    hoisted out of the loop (the whole head, in bfloat16; tests/test_head.py), where a [tokens, in] one reads w as
+    stored."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if x.dtype in (jnp.float32, jnp.float64):
-        return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=x.dtype).astype(out_dtype)
-    return _low_precision_matmul(x, w, out_dtype)
+    accumulate = x.dtype if x.dtype in (jnp.float32, jnp.float64) else jnp.dtype(jnp.float32)
+    return checkpoint_name(_matmul(x, w, out_dtype, transposed, accumulate), MATMUL_OUTPUT)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _low_precision_matmul(x, w, out_dtype):
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+# einsum specs of y = x w, dx = g w^T and dw = x^T g, for w [in, out] and, transposed, w [out, in]
+_SPECS = {False: ("ti,io->to", "to,io->ti", "...i,...o->io"),
+          True: ("ti,oi->to", "to,oi->ti", "...o,...i->oi")}
 
 
-def _low_precision_matmul_fwd(x, w, out_dtype):
-    return _low_precision_matmul(x, w, out_dtype), (x, w)
+def _tokens(a: jax.Array) -> jax.Array:
+    return a.reshape(-1, a.shape[-1])
 
 
-def _low_precision_matmul_bwd(out_dtype, residuals, g):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul(x, w, out_dtype, transposed, accumulate):
+    y = jnp.einsum(_SPECS[transposed][0], _tokens(x), w.astype(x.dtype), preferred_element_type=accumulate)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
+
+
+def _matmul_fwd(x, w, out_dtype, transposed, accumulate):
+    return _matmul(x, w, out_dtype, transposed, accumulate), (x, w)
+
+
+def _matmul_bwd(out_dtype, transposed, accumulate, residuals, g):
     x, w = residuals
     g = g.astype(x.dtype)
-    dx = jnp.einsum("...o,io->...i", g, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.einsum("...i,...o->io", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
+    _, dx_spec, dw_spec = _SPECS[transposed]
+    dx = jnp.einsum(dx_spec, _tokens(g), w.astype(x.dtype), preferred_element_type=accumulate)
+    dw = jnp.einsum(dw_spec, *((g, x) if transposed else (x, g)), preferred_element_type=accumulate)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 
-_low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 # The most of a frozen kernel one device gathers at once under fsdp, by backend: on CPU 4 MiB (its devices often

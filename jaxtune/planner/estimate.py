@@ -52,28 +52,26 @@ ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score block
 class FamilyRules:
     """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
-    upcasts_bf16: bf16 matmuls run in float32 on float32 copies of their weights (XLA:CPU).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     activation_itemsize: int | None
     tiled: bool
-    upcasts_bf16: bool
     reserve_fixed: int
     reserve_fraction: float
     reserve_note: str
 
 
 RULES = {
-    "gpu": FamilyRules(None, False, False, 256 * MiB, 0.05,
+    "gpu": FamilyRules(None, False, 256 * MiB, 0.05,
                        "allocator slack: 5% for the BFC allocator's fragmentation + 256 MiB of cuBLAS/cuDNN workspace "
                        "and autotuning scratch (our assumption)"),
-    "tpu": FamilyRules(None, True, False, 128 * MiB, 0.0,
+    "tpu": FamilyRules(None, True, 128 * MiB, 0.0,
                        "128 MiB for the program and collective buffers (our assumption); padding to (8, 128) tiles "
                        "is counted in every array"),
-    "gaudi": FamilyRules(None, False, False, 1 * GiB, 0.05,
+    "gaudi": FamilyRules(None, False, 1 * GiB, 0.05,
                          "graph mode: 1 GiB + 5% for the compiled graphs' recipe cache and workspace (our "
                          "assumption)"),
-    "cpu": FamilyRules(4, False, True, 520 * MiB, 0.0,
+    "cpu": FamilyRules(4, False, 520 * MiB, 0.0,
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
                        "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU keeps activations in float32"),
 }
@@ -314,16 +312,15 @@ def _kernel_elements(cfg: ModelConfig) -> tuple[int, int]:
     return per_layer, cfg.hidden_size * cfg.vocab_size
 
 
-def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_kernel: int, a: int,
-                 fsdp: int) -> tuple[int, int]:
+def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int) -> tuple[int, int]:
     """(bytes kept for the backward, bytes alive all step) of weight copies that dtype casts make, before sharding.
 
     Everywhere: under remat "none", JAX keeps `kernel.astype(compute dtype)` of every layer for the backward when
     the kernel's dtype differs (float32 masters under bfloat16 compute; frozen float32 weights under bfloat16).
     Frozen kernels quantised or held as bit patterns (`models/quant.BitPattern`, every 16-bit one) are re-derived
     in the backward instead (models/linear.py).
-    XLA:CPU (measured): it converts a frozen bfloat16 head (or tied embedding) to float32 once for the step; under
-    fsdp, where each device holds a vocabulary shard of the head, it copies that shard transposed in bfloat16.
+    A frozen head (or tied embedding) stored in a dtype other than the compute dtype is converted once for the step,
+    out of the chunked loss's loop (measured on XLA:CPU; under fsdp, each device its vocabulary shard).
     """
     frozen = plan.method.kind != "full"
     kernel_dtype = plan.param_dtype if frozen else "float32"
@@ -333,8 +330,8 @@ def _cast_copies(plan: TrainPlan, rules: FamilyRules, layer_kernels: int, head_k
         # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
         # cast to bf16 stay bf16
         residual = layer_kernels * (a if frozen else jnp.dtype(plan.compute_dtype).itemsize)
-    if rules.upcasts_bf16 and frozen and (plan.param_dtype != "float32" or plan.compute_dtype != "float32"):
-        copies += head_kernel * (2 if fsdp > 1 else 4)
+    if frozen and plan.param_dtype != plan.compute_dtype:
+        copies += head_kernel * jnp.dtype(plan.compute_dtype).itemsize
     return residual, copies
 
 
@@ -380,10 +377,10 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     # Weight copies made by dtype casts.
     layer_kernels, head_kernel = _kernel_elements(cfg)
     shard = fsdp * tensor
-    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, rules, layer_kernels, head_kernel, a, fsdp))
-    if copies_b and rules.upcasts_bf16:
-        notes.append("XLA:CPU copies a frozen bfloat16 head for the step (in float32; under fsdp its vocabulary "
-                     "shard, transposed): that copy is counted")
+    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, layer_kernels, head_kernel, a))
+    if copies_b:
+        notes.append(f"the frozen {plan.param_dtype} head is converted to {plan.compute_dtype} for the step: that "
+                     "copy is counted")
     if fsdp > 1:
         # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan; a
         # frozen 16-bit kernel a piece at a time in its own dtype, with XLA:CPU's copy of the piece from its bits
