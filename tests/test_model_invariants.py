@@ -1,5 +1,9 @@
 """Properties the forward must have whatever the weights: scan == loop, remat == no remat, causality, packing."""
 
+import contextlib
+import io
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +62,28 @@ def test_remat_policy_changes_what_is_saved(params):
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("full") < temp_bytes("none")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_matmuls_keeps_every_projection_output(params, dtype):
+    """save_matmuls keeps each layer's seven projection outputs (stacked over the layer scan), in the compute
+    dtype; full keeps only the layer input. The projections are custom-VJP matmuls, whose dots a dot-saving policy
+    alone does not see: in bfloat16 it had kept none of them."""
+    ids = tokens(1)
+    short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+
+    def stacked_layer_outputs(policy):
+        options = ForwardOptions(compute_dtype=dtype, remat=Remat(policy))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            jax.ad_checkpoint.print_saved_residuals(lambda p: loss(p, ids, options), params)
+        return sorted(int(width) for width in re.findall(rf"^{short}\[{CFG.num_layers},2,16,(\d+)\] output of scan",
+                                                           printed.getvalue(), re.M))
+
+    D, F, hd = CFG.hidden_size, CFG.intermediate_size, CFG.head_dim
+    projections = [CFG.num_heads * hd, CFG.num_kv_heads * hd, CFG.num_kv_heads * hd, D, F, F, D]
+    assert stacked_layer_outputs("save_matmuls") == sorted(projections)
+    assert stacked_layer_outputs("full") == [D]
 
 
 def test_unknown_remat_policy_is_named():
