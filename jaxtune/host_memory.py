@@ -4,7 +4,8 @@ Compiling a training step allocates hundreds of MiB in small pieces (the HLO, LL
 about 400 MiB for a 12-layer step split over 8 devices) and frees them when the executable is built. glibc keeps
 freed small pieces in its heap, so the process's resident set stays that much higher for the whole run, and the
 step's buffers, allocated next in large blocks of their own, come on top of it: a short `jaxtune train` of a 607M
-model on 8 fake CPU devices peaked 300 MiB above what its arrays and the step need (benchmarks/load_memory.py).
+model on 8 fake CPU devices peaked about 400 MiB above what its arrays and the step need (README, "Memory while
+loading").
 `release_after_compiles` asks glibc (`malloc_trim`) to return the free pages after every backend compile (JAX's
 `/jax/core/compile/backend_compile_duration` event, sent when a compile ends, before the executable runs). Where
 the C library is not glibc there is nothing to call, and nothing is done.

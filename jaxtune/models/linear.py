@@ -59,7 +59,7 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False)
     The products with w, x w and the backward's g w^T, are taken as [tokens, in]: inside a loop (the chunked head,
     a layer's pieces), XLA:CPU gave a [B, T, in] product that contracts w's last axis a transposed copy of w,
     hoisted out of the loop (the whole head, in bfloat16; tests/test_head.py), where a [tokens, in] one reads w as
-    stored."""
+    stored. dw = x^T g keeps x's own shape: taken as [tokens, ...] it held more memory in full fine-tunes."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     accumulate = x.dtype if x.dtype in (jnp.float32, jnp.float64) else jnp.dtype(jnp.float32)
     return checkpoint_name(_matmul(x, w, out_dtype, transposed, accumulate), MATMUL_OUTPUT)
