@@ -9,8 +9,9 @@ the tiny demo model is reported in units of S, beside the planner's prediction f
 plan --config`, which says whether loading or the step peaks higher). Runs, all with bfloat16 compute (QLoRA's
 `bnb_4bit_compute_dtype`; float32 compute on CPU would add float32 copies of frozen bfloat16 weights):
 
-    qlora       NF4 with double quantisation on one device, LoRA rank 16 on every linear layer
-    lora_fsdp8  LoRA rank 16 on q, v with fsdp=8 on 8 fake CPU devices (which share this host's memory)
+    qlora          NF4 with double quantisation on one device, LoRA rank 8 on q, v
+    qlora_all_r16  the same with LoRA rank 16 on every linear layer
+    lora_fsdp8     LoRA rank 8 on q, v with fsdp=8 on 8 fake CPU devices (which share this host's memory)
 
 Before the spine, the same runs peaked at 3.08 S (QLoRA: the whole float model, then its quantised copy) and 8.04 S
 (fsdp=8: every device got the whole model, then its shard).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 
@@ -96,7 +97,8 @@ def train(method_name: str, mesh_config: MeshConfig, devices=None, offload=Offlo
 def frozen_bf16() -> dict:
     """LoRA over a frozen bfloat16 base, kernels gathered a piece at a time (1 KiB pieces, so every kernel is
     cut): {mesh: largest relative loss difference from one device over STEPS steps} and, per mesh, the shapes of
-    the step's all-gathered 16-bit arrays and of the kernels they are pieces of."""
+    the step's all-gathered 16-bit arrays and of the kernels they are pieces of, and the bytes of its largest
+    array of 16-bit kernel bits that is not a whole stack [L, in, out]."""
     import re
 
     import ml_dtypes
@@ -120,16 +122,20 @@ def frozen_bf16() -> dict:
             state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
             out.append(float(metrics["loss"]))
         hlo = run.step.lower(state, placed, None, jax.device_put(batches()[0], run.shardings.batch)).compile()
-        gathers = re.findall(r"= (?:u16|bf16)\[(\d+),(\d+)\][^ ]* all-gather\(", hlo.as_text())
-        return out, sorted({(int(a), int(b)) for a, b in gathers})
+        text = hlo.as_text()
+        gathers = re.findall(r"= (?:u16|bf16)\[(\d+),(\d+)\][^ ]* all-gather\(", text)
+        slices = [[int(d) for d in dims.split(",")] for dims in re.findall(r"u16\[([\d,]+)\]", text)]
+        slices = [dims for dims in slices if not (len(dims) == 3 and dims[0] == CFG.num_layers)]  # not a stack
+        return out, sorted({(int(a), int(b)) for a, b in gathers}), max(2 * math.prod(dims) for dims in slices)
 
-    reference, _ = losses(MeshConfig(fsdp=1), jax.devices()[:1])
+    reference, *_ = losses(MeshConfig(fsdp=1), jax.devices()[:1])
     out = {"kernels": sorted({tuple(m["kernel"].shape[1:]) for m in frozen["layers"].values()
                               if isinstance(m, dict) and "kernel" in m})}
     for mesh in ("fsdp=8", "fsdp=4 x tensor=2"):
-        mesh_losses, gathers = losses(MESHES[mesh])
+        mesh_losses, gathers, largest_slice = losses(MESHES[mesh])
         out[mesh] = relative_diff(mesh_losses, reference)
         out[mesh + " gathers"] = gathers
+        out[mesh + " largest bits slice"] = largest_slice
     return out
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import ForwardOptions, Remat, tiny_config
+from jaxtune.models import llama
 from jaxtune.models.llama import forward as _forward
 from jaxtune.models.params import init_params
 
@@ -83,7 +84,34 @@ def test_save_matmuls_keeps_every_projection_output(params, dtype):
     D, F, hd = CFG.hidden_size, CFG.intermediate_size, CFG.head_dim
     projections = [CFG.num_heads * hd, CFG.num_kv_heads * hd, CFG.num_kv_heads * hd, D, F, F, D]
     assert stacked_layer_outputs("save_matmuls") == sorted(projections)
-    assert stacked_layer_outputs("full") == [D]
+    assert stacked_layer_outputs("full") == ([D] if dtype == "float32" else [])  # bfloat16: kept as its bits
+
+
+def test_full_remat_keeps_bfloat16_layer_inputs_as_bits(params, monkeypatch):
+    """Full remat in bfloat16 keeps each layer's input as its uint16 bits, and the compiled gradient holds no
+    float32 stack of them (XLA:CPU converted a scanned bfloat16 residual stack to float32 before the backward loop:
+    twice the stack's bytes); the gradients are bitwise those of `jax.checkpoint`."""
+    ids = tokens(1)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    options = ForwardOptions(compute_dtype="bfloat16", remat=Remat("full"))
+    stack = f"[{CFG.num_layers},2,16,{CFG.hidden_size}]"
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: loss(p, ids, options), bf16)
+    assert re.search(rf"^u16\{stack[:-1]}\] output of scan", printed.getvalue(), re.M), printed.getvalue()
+
+    def gradient(p):
+        grad = jax.jit(jax.grad(loss), static_argnums=2)
+        return grad(p, ids, options), grad.lower(p, ids, options).compile().as_text()
+
+    grads, hlo = gradient(bf16)
+    assert f"f32{stack}" not in hlo
+    monkeypatch.setattr(llama, "remat_layer", lambda block, remat, dtype: remat.wrap(block))
+    checkpointed, old_hlo = gradient(bf16)
+    assert f"f32{stack}" in old_hlo  # what XLA:CPU does with a scanned bfloat16 stack (the reason for the bits)
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(checkpointed)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g0, np.float32))
 
 
 def test_unknown_remat_policy_is_named():

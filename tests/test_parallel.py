@@ -87,10 +87,13 @@ def test_eval_on_8_devices_computes_each_row_on_its_own_device():
 def test_frozen_bfloat16_kernels_are_gathered_a_piece_at_a_time():
     """LoRA over a frozen bfloat16 base trains on fsdp=8 and fsdp=4 x tensor=2 as on one device, and the step's
     all-gathers of 16-bit weights never hold a kernel whole: on fsdp=8 pieces of at most 1 KiB (the piece size set
-    for the test), on fsdp=4 x tensor=2 a kernel gathered over fsdp stays split over tensor."""
+    for the test), on fsdp=4 x tensor=2 a kernel gathered over fsdp stays split over tensor. On fsdp=8 no layer's
+    shard of a kernel is sliced off its stack whole: each piece's shard is read from the stack (the MLP kernels'
+    layer shards, [8, 176] bits, are 2,816 bytes)."""
     out = run_worker("frozen_bf16")
     assert out["fsdp=8"] <= 1e-5 and out["fsdp=4 x tensor=2"] <= 1e-5, out
     assert out["fsdp=8 gathers"] and all(a * b * 2 <= 1024 for a, b in out["fsdp=8 gathers"]), out
+    assert out["fsdp=8 largest bits slice"] <= 1024, out
     tensor_halves = {(a, b // 2) for a, b in out["kernels"]} | {(a // 2, b) for a, b in out["kernels"]}
     assert out["fsdp=4 x tensor=2 gathers"], out
     assert {tuple(g) for g in out["fsdp=4 x tensor=2 gathers"]} <= tensor_halves, out

@@ -14,6 +14,7 @@ and no random-number work at all.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -112,28 +113,36 @@ def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str,
     W a piece at a time (about `gathered_piece_bytes`) in a loop, so a device never holds the whole gathered
     kernel: pieces of output columns when fsdp splits the input rows (y is their concatenation), pieces of input
     rows when it splits the output columns (y is their sum, in float32). The backward gathers each piece again.
+    A kernel that is one layer of a stack (`BitPattern.layer`) has each piece read from the stack directly.
 
     ZeRO-3 all-gathers a layer's weights where they are used; whole, a gathered MLP kernel of a 1B model is
     22 MiB a device, plus XLA:CPU's copy of it from its stored bits."""
     bits = kernel.bits
+    shape = bits.shape[-2:]  # one layer's [in, out]
     cut = 1 - split  # the dimension cut into pieces: the one fsdp leaves whole
-    pieces = _piece_count(bits.shape[cut], bits.size * bits.dtype.itemsize, gathered_piece_bytes(jax.default_backend()))
-    width = bits.shape[cut] // pieces
+    nbytes = math.prod(shape) * bits.dtype.itemsize
+    pieces = _piece_count(shape[cut], nbytes, gathered_piece_bytes(jax.default_backend()))
+    width = shape[cut] // pieces
 
     def piece(p):
-        w = jax.lax.dynamic_slice_in_dim(bits, p * width, width, axis=cut)
+        if kernel.layer is None:
+            w = jax.lax.dynamic_slice_in_dim(bits, p * width, width, axis=cut)
+        else:
+            start = (kernel.layer, 0, p * width) if cut == 1 else (kernel.layer, p * width, 0)
+            size = (1, shape[0], width) if cut == 1 else (1, width, shape[1])
+            w = jax.lax.dynamic_slice(bits, start, size)[0]
         return gathered(jax.lax.bitcast_convert_type(w, kernel.dtype), axes)  # `matmul` casts it to x's dtype
 
     if cut == 1:  # output columns: y[..., p] = x @ W[:, p]
         def columns(_, p):
             return None, matmul(x, piece(p))
         _, y_Px = jax.lax.scan(jax.checkpoint(columns, prevent_cse=False), None, jnp.arange(pieces))
-        return jnp.moveaxis(y_Px, 0, -2).reshape(*x.shape[:-1], bits.shape[1])
+        return jnp.moveaxis(y_Px, 0, -2).reshape(*x.shape[:-1], shape[1])
 
     def rows(acc, p):  # input rows: y = sum_p x[..., p] @ W[p, :]
         x_p = jax.lax.dynamic_slice_in_dim(x, p * width, width, axis=-1)
         return acc + matmul(x_p, piece(p), wide(x.dtype)), None
-    acc = jnp.zeros((*x.shape[:-1], bits.shape[1]), wide(x.dtype))
+    acc = jnp.zeros((*x.shape[:-1], shape[1]), wide(x.dtype))
     y, _ = jax.lax.scan(jax.checkpoint(rows, prevent_cse=False), acc, jnp.arange(pieces))
     return y.astype(x.dtype)
 
@@ -227,7 +236,7 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
     if "ia3_in" in module:
         x = x * module["ia3_in"].astype(x.dtype)
     stored = kernel_axes is not None and isinstance(module["kernel"], BitPattern)
-    split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape) if stored else None
+    split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored else None
     if split is not None and "magnitude" not in module:  # DoRA's norm needs the whole kernel
         y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
     else:

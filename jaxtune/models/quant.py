@@ -110,10 +110,14 @@ class BitPattern:
     stack to float32 before the loop: a frozen bfloat16 model then costs three times its bytes in the step. An
     integer stack is left alone, and each layer's slice is bitcast back where it is used (`dequantize`), which is
     free on every backend.
+
+    layer: None for a kernel as it is stored or sliced; a layer's index when `bits` is the whole stack [L, in, out]
+    and the kernel is that layer of it, read where it is used (`llama.unsliced_kernels`).
     """
 
     bits: jax.Array
     dtype: np.dtype = field(metadata=dict(static=True))
+    layer: jax.Array | None = None
 
 
 def as_bit_patterns(tree):
@@ -283,7 +287,7 @@ def dequantize(q: QuantizedArray | BitPattern) -> jax.Array:
     """The weight [..., in, out] in `q.dtype`, computed in float32 as bitsandbytes dequantises; jit-able, and
     correct on a stacked weight and on one layer of it sliced off by `lax.scan`."""
     if isinstance(q, BitPattern):
-        return jax.lax.bitcast_convert_type(q.bits, q.dtype)
+        return jax.lax.bitcast_convert_type(q.bits if q.layer is None else q.bits[q.layer], q.dtype)
     if isinstance(q, Int8Array):
         return (q.codes.astype(jnp.float32) * q.absmax[..., None, :] * INT8_INVERSE_SCALE).astype(q.dtype)
     lead = q.codes.shape[:-1]

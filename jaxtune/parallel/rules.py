@@ -117,11 +117,11 @@ def constrain(x, axes: Sequence[str | None]):
     propagation gives activations the embedding table's split (hidden size over fsdp) and every device computes and
     holds the whole micro-batch (measured: 1.15-4.3x the memory on 2-8 fake CPU devices).
     """
-    mesh = _mesh_in_context()
+    mesh = mesh_in_context()
     return x if mesh is None else jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh.shape))
 
 
-def _mesh_in_context():
+def mesh_in_context():
     """The abstract mesh a step is traced under, or None: none, one device, or not jaxtune's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
@@ -130,7 +130,7 @@ def _mesh_in_context():
 def fsdp_only_dim(axes: tuple[str, str], shape: tuple[int, int]) -> int | None:
     """The dimension of a matrix with logical `axes` and `shape` that the mesh in context splits over fsdp alone,
     the other dimension whole (so pieces of that one can be cut on every device alike), or None."""
-    mesh = _mesh_in_context()
+    mesh = mesh_in_context()
     if mesh is None:
         return None
     split = mesh_axes_of(axes, shape, mesh.shape)
@@ -141,7 +141,7 @@ def head_rows(vocab: int) -> str:
     """The logical axis of the head's rows: "rows" (split over data only) when the mesh in context splits a
     vocabulary of `vocab` over fsdp, so each device computes every row's logits for its share of the vocabulary;
     else "batch", each device its own rows."""
-    mesh = _mesh_in_context()
+    mesh = mesh_in_context()
     vocab_axes = () if mesh is None else mesh_axes_of(("vocab",), (vocab,), mesh.shape)[0]
     return "rows" if "fsdp" in vocab_axes else "batch"
 
@@ -152,7 +152,7 @@ def gathered(x, axes: Sequence[str | None]):
 
     Pinning the gather to the weight as stored keeps it in the stored dtype: left to XLA:CPU, a frozen bfloat16
     kernel was converted to float32 on its shard and gathered in float32 (twice the traffic and the memory)."""
-    mesh = _mesh_in_context()
+    mesh = mesh_in_context()
     if mesh is None:
         return x
     spec = mesh_axes_of(axes, x.shape, mesh.shape)

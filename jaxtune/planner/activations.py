@@ -175,12 +175,14 @@ class ActivationBytes:
 
 
 def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
-                     logits_copies: int = 2, global_rows: int | None = None) -> ActivationBytes:
+                     logits_copies: int = 2, global_rows: int | None = None,
+                     input_itemsize: int | None = None) -> ActivationBytes:
     """The activation terms for `policy`, with `itemsize` bytes per activation value, `nbytes(shape, itemsize)` the
     bytes an array of that shape occupies on the device (tiles on TPU), and `logits_copies` [b, T, V] float32
     chunk buffers alive at the loss (the objective's `Objective.logits_copies`, measured on XLA:CPU; a chunk holds
     `head.chunk_length` tokens a row, set by the `global_rows` of the whole micro-batch (default b), all T of a
-    short sequence)."""
+    short sequence). `input_itemsize`: bytes per value of the layer inputs full remat keeps, when not `itemsize`
+    (a 16-bit input is kept as its bits, `models/remat.py`, where XLA:CPU would widen other activations)."""
     size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
     block = attention_block(w)
     attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
@@ -193,5 +195,6 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     if policy == "none":  # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
         saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
                   ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
-    return ActivationBytes(cfg.num_layers * size(saved), attention, workspace,
-                           logits_one, logits_copies * logits_one)
+    saved_bytes = (sum(nbytes(shape, input_itemsize) for _, shape, _ in saved) if policy == "full" and input_itemsize
+                   else size(saved))
+    return ActivationBytes(cfg.num_layers * saved_bytes, attention, workspace, logits_one, logits_copies * logits_one)

@@ -371,7 +371,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     n_total, n_trainable = held.parameters, held.trainable_parameters
     objective = objective_named(plan.objective)
 
-    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows)
+    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows,
+                                jnp.dtype(plan.compute_dtype).itemsize)
     logits_b = acts.logits
 
     # Weight copies made by dtype casts.
