@@ -35,6 +35,9 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "qwen2_sliding": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {
         "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {  # head_dim 32 where hidden / heads is 16
+        "tie_word_embeddings": True, "head_dim": 32, "use_sliding_window": True, "sliding_window": 4,
+        "max_window_layers": 2}),
 }
 
 

@@ -12,7 +12,7 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.models.presets import ARCH_NAMES
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_init_writes_a_model_transformers_loads(tmp_path, arch):
     assert main(["init", str(tmp_path / "m"), "--arch", arch]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
@@ -26,12 +26,13 @@ def test_init_writes_a_model_transformers_loads(tmp_path, arch):
         assert tokenizer(text).input_ids == ours.encode(text)
 
 
-def test_info_json_counts_equal_transformers(hf_model_dir):
-    directory, model = hf_model_dir("qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_info_json_counts_equal_transformers(arch, hf_model_dir):
+    directory, model = hf_model_dir(arch)
     result = subprocess.run([sys.executable, "-m", "jaxtune.cli", "info", "--model", str(directory), "--json"],
                             capture_output=True, text=True, check=True)
     info = json.loads(result.stdout)
-    assert info["architecture"] == "Qwen2ForCausalLM"
+    assert info["architecture"] == type(model).__name__
     assert info["parameters"] == sum(p.numel() for p in model.parameters())  # tied: counted once
     groups = info["parameters_by_group"]
     assert groups["attention"] == sum(p.numel() for n, p in model.named_parameters() if "self_attn" in n)

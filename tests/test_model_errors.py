@@ -46,7 +46,7 @@ def test_unsupported_architecture_lists_supported(model_copy):
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(JaxtuneError, match="unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, "
-                                           "MistralForCausalLM, Qwen2ForCausalLM"):
+                                           "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(model_copy)
 
 

@@ -65,7 +65,19 @@ def test_qwen2_sliding_layers_follow_max_window_layers(hf_model_dir):
     assert cfg.sliding_windows == (0, 4, 4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_qwen3_reads_its_head_dim_query_key_norms_and_sliding_layers(hf_model_dir):
+    """Qwen3's distinctive parts are read, and matter: without the query and key norms the logits move."""
+    directory, model = hf_model_dir("qwen3")
+    cfg, params = load_model(directory)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.hidden_size // cfg.num_heads, cfg.sliding_windows) == (True, 32, 16, (0, 0, 4))
+    assert params["layers"]["q_norm"].shape == params["layers"]["k_norm"].shape == (3, 32)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ones = {**params, "layers": {**params["layers"], "q_norm": jnp.ones((3, 32)), "k_norm": jnp.ones((3, 32))}}
+    unnormalised = jax_logits(ones, cfg, ids, mask, positions)
+    assert np.abs(unnormalised - hf_logits(model, ids, mask, positions))[mask > 0].max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.
@@ -86,7 +98,7 @@ def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     assert error <= 1.25 * np.linalg.norm(hf_bf16 - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding"])
+@pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding", "qwen3"])
 @pytest.mark.parametrize("max_shard_bytes", [2**31, 20_000])
 def test_round_trip_through_transformers(arch, max_shard_bytes, hf_model_dir, tmp_path):
     """load -> save -> transformers loads the saved directory (single file or shards) -> same logits."""

@@ -20,6 +20,12 @@ REAL = {
     "Qwen2-7B": (ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584,
                              intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                              qkv_bias=True, rope_theta=1000000.0), 7.62e9, 7_615_616_512),
+    "Qwen3-8B": (ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
+                             intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                             qk_norm=True, rope_theta=1000000.0), 8.19e9, 8_190_735_360),
+    "Qwen3-0.6B": (ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=1024,
+                               intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                               qk_norm=True, tie_word_embeddings=True, rope_theta=1000000.0), 0.60e9, 596_049_920),
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class ModelConfig:
     """Architecture of a Llama-family decoder.
 
     `sliding_windows` has one entry per layer: 0 for full causal attention, w > 0 to let a query at index i see
-    keys at indices j with i - w < j <= i (Mistral; Qwen2 layers marked "sliding_attention").
+    keys at indices j with i - w < j <= i (Mistral; Qwen2 and Qwen3 layers marked "sliding_attention").
+    `qk_norm`: an RMSNorm over each head's query and key before RoPE, with weights [head_dim] (Qwen3).
     """
 
     vocab_size: int
@@ -45,6 +46,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple[int, ...] = ()

@@ -8,7 +8,8 @@ from pathlib import Path
 from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
 
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
 
 
 def read_json(path: Path) -> dict:
@@ -56,7 +57,7 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int, ...]:
     window = hf.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (int(window or 0),) * num_layers
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not hf.get("use_sliding_window", False) or not window:
             return (0,) * num_layers
         layer_types = hf.get("layer_types") or [
@@ -96,6 +97,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qwen or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             o_bias=not qwen and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(hf, arch, layers),
@@ -149,10 +151,12 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
                            original_max_position_embeddings=s.original_max_position_embeddings)
         hf["rope_scaling"] = scaling
         hf["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_theta}
-    if cfg.architecture == "LlamaForCausalLM":
+    if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         if cfg.qkv_bias != cfg.o_bias:
-            raise JaxtuneError("LlamaForCausalLM has one attention_bias flag for q, k, v and o alike")
-        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+            raise JaxtuneError(f"{cfg.architecture} has one attention_bias flag for q, k, v and o alike")
+        hf["attention_bias"] = cfg.qkv_bias
+    if cfg.architecture == "LlamaForCausalLM":
+        hf["mlp_bias"] = cfg.mlp_bias
     elif cfg.architecture == "MistralForCausalLM":
         hf["sliding_window"] = max(windows) if windows else None
     else:

@@ -21,7 +21,7 @@ import numpy as np
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.hf_config import config_to_hf, load_config, model_dir
-from jaxtune.models.params import ATTENTION_MODULES, ParamSpec, param_specs
+from jaxtune.models.params import ATTENTION_MODULES, QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.safetensors_io import CheckpointReader, write_weights
 
@@ -47,6 +47,8 @@ def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
     module, *leaf = path[1:]
     if module.endswith("layernorm"):
         return f"model.layers.{layer}.{module}.weight"
+    if module in QK_NORMS:
+        return f"model.layers.{layer}.self_attn.{module}.weight"
     return f"model.layers.{layer}.{hf_module_path(module)}.{'weight' if leaf == ['kernel'] else 'bias'}"
 
 

@@ -52,8 +52,12 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, d
     values [B, T, K, hd]."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q_BxTxHxh = apply_rope(project(x_BxTxD, layer, "q_proj", lora_scale, dropout).reshape(B, T, K * G, hd), cos, sin)
-    k_BxTxKxh = apply_rope(project(x_BxTxD, layer, "k_proj", lora_scale, dropout).reshape(B, T, K, hd), cos, sin)
+    q_BxTxHxh = project(x_BxTxD, layer, "q_proj", lora_scale, dropout).reshape(B, T, K * G, hd)
+    k_BxTxKxh = project(x_BxTxD, layer, "k_proj", lora_scale, dropout).reshape(B, T, K, hd)
+    if cfg.qk_norm:  # Qwen3: each head's query and key normalised before RoPE
+        q_BxTxHxh = rms_norm(q_BxTxHxh, layer["q_norm"], cfg.rms_norm_eps)
+        k_BxTxKxh = rms_norm(k_BxTxKxh, layer["k_norm"], cfg.rms_norm_eps)
+    q_BxTxHxh, k_BxTxKxh = apply_rope(q_BxTxHxh, cos, sin), apply_rope(k_BxTxKxh, cos, sin)
     v_BxTxKxh = project(x_BxTxD, layer, "v_proj", lora_scale, dropout).reshape(B, T, K, hd)
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
 

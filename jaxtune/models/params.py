@@ -8,6 +8,7 @@ The tree mirrors Hugging Face module names so that methods can target `q_proj`, 
 
     {"embed_tokens": [V, D],
      "layers": {"input_layernorm": [L, D], "post_attention_layernorm": [L, D],
+                "q_norm" / "k_norm"?: [L, hd],                     # Qwen3's per-head query and key norms
                 "q_proj": {"kernel": [L, D, H*hd], "bias"?: [L, H*hd]},
                 "k_proj" / "v_proj": {"kernel": [L, D, K*hd], "bias"?: [L, K*hd]},
                 "o_proj": {"kernel": [L, H*hd, D]},
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jaxtune.config import ModelConfig
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's RMSNorm weights over a head's queries and keys, in its self_attn
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 
@@ -79,6 +81,8 @@ def param_specs(cfg: ModelConfig) -> dict:
         "input_layernorm": ParamSpec((L, D), ("layers", "embed"), "ones"),
         "post_attention_layernorm": ParamSpec((L, D), ("layers", "embed"), "ones"),
     }
+    if cfg.qk_norm:
+        layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), "ones") for name in QK_NORMS})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
         layers[name] = _linear(cfg, d_in, d_out, axes, bias[name])
     specs = {
@@ -89,6 +93,11 @@ def param_specs(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("table_embed", "vocab"))}
     return specs
+
+
+def is_norm(name: str) -> bool:
+    """Whether a leaf named `name` (the final `norm`, a layer's `*_layernorm`, `q_norm`, `k_norm`) is a norm scale."""
+    return name == "norm" or name.endswith("layernorm") or name in QK_NORMS
 
 
 def _is_spec(x) -> bool:

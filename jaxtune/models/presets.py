@@ -11,14 +11,15 @@ from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.models.hf_weights import save_model
 from jaxtune.models.params import init_params
 
-ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
 
 
 def tiny_model_config(arch: str = "llama", **overrides) -> ModelConfig:
     """The tiny shape of `tiny_config` for `arch`, sized for the built-in byte-level tokenizer."""
     tokenizer = Tokenizer.byte_level()
     qwen = arch == "qwen2"
-    base = dict(architecture=ARCH_NAMES[arch], vocab_size=tokenizer.vocab_size, qkv_bias=qwen,
+    base = dict(architecture=ARCH_NAMES[arch], vocab_size=tokenizer.vocab_size, qkv_bias=qwen, qk_norm=arch == "qwen3",
                 bos_token_id=tokenizer.bos_id, eos_token_id=(tokenizer.eos_id,), pad_token_id=tokenizer.pad_id)
     if arch == "mistral":
         base["sliding_windows"] = (64,) * overrides.get("num_layers", 2)

@@ -10,14 +10,16 @@ import jax
 
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader
-from jaxtune.models.params import ATTENTION_MODULES, MLP_MODULES, ParamSpec, param_specs
+from jaxtune.models.params import ATTENTION_MODULES, MLP_MODULES, QK_NORMS, ParamSpec, is_norm, param_specs
 from jaxtune.models.safetensors_io import NAMES
 
 
 def _group(path: tuple[str, ...]) -> str:
     if path[0] in ("embed_tokens", "lm_head"):
         return path[0]
-    if path[-1] == "norm" or path[1].endswith("layernorm"):
+    if path[-1] in QK_NORMS:  # inside self_attn, as transformers counts them
+        return "attention"
+    if is_norm(path[-1]) or is_norm(path[1]):
         return "norms"
     return "attention" if path[1] in ATTENTION_MODULES else "mlp" if path[1] in MLP_MODULES else path[1]
 

@@ -102,6 +102,9 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
                   ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),
                   ("up", (b, T, w.F), False), ("norm statistics", (b, T, 2), True)]
+        if cfg.qk_norm:  # Qwen3: the query and key norms' inputs and statistics, for their backward
+            saved += [("q before its norm", q_shape, False), ("k before its norm", kv_shape, False),
+                      ("query and key norm statistics", (b, T, w.heads + w.kv_heads), True)]
         if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj")):
             saved.append(("input norm output", (b, T, w.D), False))
         if any(trains_input(m) for m in ("gate_proj", "up_proj")):

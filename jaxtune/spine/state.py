@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtune.config import TrainConfig
+from jaxtune.models.params import is_norm
 from jaxtune.parallel.offload import low_precision_moments
 
 
@@ -39,7 +40,7 @@ def weight_decay_mask(trainable: dict) -> dict:
 
     def decays(path, _) -> bool:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return not (names[-1] == "bias" or names[-1] == "norm" or any(n.endswith("layernorm") for n in names))
+        return not (names[-1] == "bias" or any(is_norm(n) for n in names))
 
     return jax.tree_util.tree_map_with_path(decays, trainable)
 
