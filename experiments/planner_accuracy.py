@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax starts
+if __name__ == "__main__":  # before jax starts; not when a test imports this module (its subprocesses inherit it)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import json

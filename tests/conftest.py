@@ -41,6 +41,18 @@ ARCHS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _xla_flags_as_they_were():
+    """XLA_FLAGS restored after every test: code run in-process (`plan --target cpu-8` asks for fake devices) may set
+    it, and a later test's subprocess in the same worker would inherit eight CPU devices."""
+    before = os.environ.get("XLA_FLAGS")
+    yield
+    if before is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = before
+
+
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1), biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
