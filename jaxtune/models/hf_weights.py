@@ -32,8 +32,9 @@ METHOD_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")  # folded into ke
 
 
 def hf_module_path(module: str) -> str:
-    """Path of a per-layer linear module inside a Hugging Face decoder layer, e.g. 'self_attn.q_proj'."""
-    return f"self_attn.{module}" if module in ATTENTION_MODULES else f"mlp.{module}"
+    """Path of a per-layer linear module (or Qwen3's query/key norm) inside a Hugging Face decoder layer, e.g.
+    'self_attn.q_proj'."""
+    return f"self_attn.{module}" if module in ATTENTION_MODULES or module in QK_NORMS else f"mlp.{module}"
 
 
 def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
@@ -47,9 +48,7 @@ def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
     module, *leaf = path[1:]
     if module.endswith("layernorm"):
         return f"model.layers.{layer}.{module}.weight"
-    if module in QK_NORMS:
-        return f"model.layers.{layer}.self_attn.{module}.weight"
-    return f"model.layers.{layer}.{hf_module_path(module)}.{'weight' if leaf == ['kernel'] else 'bias'}"
+    return f"model.layers.{layer}.{hf_module_path(module)}.{'weight' if leaf in (['kernel'], []) else 'bias'}"
 
 
 def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
