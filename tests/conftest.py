@@ -38,6 +38,17 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {  # head_dim 32 where hidden / heads is 16
         "tie_word_embeddings": True, "head_dim": 32, "use_sliding_window": True, "sliding_window": 4,
         "max_window_layers": 2}),
+    # Soft caps low enough to act on O(1) scores and logits; 1 / sqrt(24) in place of 1 / sqrt(head_dim = 32);
+    # layers sliding, full, sliding (window 4 < the batch's 12 tokens).
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 2.0}),
+    # Full layers with RoPE base 1e6 scaled linearly by 4, sliding ones (window 4) with base 1e4.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
 }
 
 
@@ -54,13 +65,15 @@ def _xla_flags_as_they_were():
 
 
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1), biases ~ N(0, 0.1)."""
+    """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1) (Gemma's weights N(0, 0.1): it scales by 1 + weight),
+    biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
+    unit = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
-                p.copy_(1 + 0.1 * noise)
+                p.copy_(unit + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
             else:

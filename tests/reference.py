@@ -7,8 +7,9 @@ jaxtune / transformers ratio of float32 errors ranged 0.3x-6x from one random ba
 and 1.0x-1.3x on a well-conditioned one). So parity is asserted against a float64 run of the same weights:
 
   * `float64_reference(model)`: the transformers (or PEFT) model in float64, computed in float64 throughout.
-    transformers keeps RMSNorm's statistics and RoPE's cos/sin in float32 even in a `.double()` model; here they
-    run in float64 (cos/sin of the same float32 angles, as jaxtune's float64 forward does).
+    transformers keeps RMSNorm's statistics, RoPE's cos/sin and the eager attention's softmax (Gemma's only
+    attention) in float32 even in a `.double()` model; here they run in float64 (cos/sin of the same float32
+    angles, as jaxtune's float64 forward does).
   * `jaxtune_float64(...)`: jaxtune's forward with compute_dtype "float64": equal to the reference to ~1e-12,
     which shows the same function is computed, on any CPU.
   * `assert_float32_parity`: jaxtune's float32 error from the reference (relative L2 over real tokens) is at most
@@ -24,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
+from transformers.models.gemma3 import modeling_gemma3 as gemma3_modeling
 
 from jaxtune.config import ForwardOptions
 from jaxtune.models.llama import forward
@@ -33,13 +36,40 @@ FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error; measured 
 
 def _rms_norm_float64(self, x):
     variance = x.pow(2).mean(-1, keepdim=True)
+    if type(self).__name__.startswith("Gemma"):  # scales by 1 + weight
+        return (1 + self.weight) * (x * torch.rsqrt(variance + self.eps))
     return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def _rotary_float64(self, x, position_ids):
-    freqs = position_ids[..., None].float() * self.inv_freq.to(dtype=torch.float)  # float32 angles, as in float32
+def _rotary_float64(self, x, position_ids, layer_type=None):
+    prefix = f"{layer_type}_" if layer_type else ""  # Gemma 3 keeps one table a layer type
+    inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
+    freqs = position_ids[..., None].float() * inv_freq.to(dtype=torch.float)  # float32 angles, as in float32
     emb = torch.cat((freqs, freqs), dim=-1).double()
-    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
+def _softmax_in_float64(eager_attention_forward):
+    """Gemma's eager attention, its softmax in float64 for float64 inputs (float32 inputs: unchanged)."""
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+        if query.dtype != torch.float64:
+            return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, softcap=softcap, **kwargs)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        out = torch.matmul(torch.softmax(scores, dim=-1), value)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+for _module in (gemma2_modeling, gemma3_modeling):
+    _module.eager_attention_forward = _softmax_in_float64(_module.eager_attention_forward)
 
 
 def float64_reference(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,12 +16,15 @@ from jaxtune.models import attention
 from jaxtune.models.attention import AttentionMask, blockwise_attention, cache_mask, live_blocks, training_mask
 
 
-def dense_attention(q, k, v, mask: AttentionMask, window: int):
-    """softmax(q k^T / sqrt(hd)) v with the whole mask, masked scores at the float's minimum."""
+def dense_attention(q, k, v, mask: AttentionMask, window: int, scale=None, softcap=None):
+    """softmax(q k^T / sqrt(hd)) v with the whole mask, masked scores at the float's minimum; `scale` in place of
+    1 / sqrt(hd), scores soft-capped as Gemma 2's eager attention does (c * tanh(s / c)) when `softcap`."""
     S = k.shape[2]
     allowed = attention._allowed(mask.q_slot_T, mask.q_segment_BxT, jnp.arange(S), mask.k_valid_BxS,
                                  mask.k_segment_BxS, window)
-    s = jnp.einsum("bkgth,bksh->bkgts", q, k) * q.shape[-1] ** -0.5
+    s = jnp.einsum("bkgth,bksh->bkgts", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
     return jnp.einsum("bkgts,bksh->bkgth", jax.nn.softmax(s, axis=-1), v)
 
@@ -102,6 +105,32 @@ def test_blockwise_equals_dense_float32(kind, small_blocks):
     for name, got, want in zip("qkv", grads, ref_grads):
         err = np.max(np.abs(np.asarray(got) - want)) / np.max(np.abs(want))
         assert err <= 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "prefix"])
+def test_soft_capped_attention_equals_dense_float64(kind, small_blocks):
+    """Gemma 2's attention: scores scaled by 1 / sqrt(query_pre_attn_scalar) and capped at 2.0 (the inputs are
+    scaled up so most scores sit on the tanh's flat part; uncapped, the result differs)."""
+    T = 13
+    mask, window = masks(T, kind)
+    S = mask.k_valid_BxS.shape[1]
+    q, k, v = inputs(T, S, jnp.float32)
+    q = q * 4.0
+    seen = seen_queries(mask, S, window)
+    capped = lambda q, k, v: blockwise_attention(q, k, v, mask, window, scale=0.5, softcap=2.0)
+    out, grads = values_and_grads(capped, q, k, v, seen)
+    with jax.enable_x64(True):
+        q64, k64, v64 = (a.astype(jnp.float64) for a in (q, k, v))
+        dense = lambda q, k, v: dense_attention(q, k, v, mask, window, scale=0.5, softcap=2.0)
+        ref, ref_grads = values_and_grads(dense, q64, k64, v64, seen)
+        uncapped = np.asarray(dense_attention(q64, k64, v64, mask, window, scale=0.5))
+        ref, ref_grads = np.asarray(ref), [np.asarray(g) for g in ref_grads]
+    seen_out = seen[:, None, None, :, None]
+    err = lambda got, want: np.max(np.abs(np.where(seen_out, got - want, 0))) / np.max(np.abs(want))
+    assert err(np.asarray(out), ref) <= 1e-5
+    assert err(uncapped, ref) > 0.1
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert np.max(np.abs(np.asarray(got) - want)) / np.max(np.abs(want)) <= 1e-5, name
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed", "prefix"])

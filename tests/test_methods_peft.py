@@ -79,6 +79,11 @@ WILD = {
     "qwen3_all_linear": ("qwen3", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules="all-linear")),
     "qwen3_dora_qk": ("qwen3", LoraConfig(r=4, lora_alpha=8, use_dora=True, task_type="CAUSAL_LM",
                                           target_modules=["q_proj", "k_proj"])),
+    "gemma2_all_linear": ("gemma2", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules="all-linear")),
+    "gemma3_dora_qk": ("gemma3", LoraConfig(r=4, lora_alpha=8, use_dora=True, task_type="CAUSAL_LM",
+                                            target_modules=["q_proj", "k_proj", "down_proj"])),
+    "gemma3_ia3": ("gemma3", IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
+                                       feedforward_modules=["down_proj"])),
 }
 
 
@@ -284,7 +289,7 @@ def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tm
 
 
 @pytest.mark.parametrize("name", ["regex_rank_alpha_pattern", "dora_layers", "tied_modules_to_save", "lora_bias",
-                                  "qwen3_all_linear"])
+                                  "qwen3_all_linear", "gemma2_all_linear", "gemma3_dora_qk"])
 def test_merged_export_of_a_wild_adapter_equals_peft_merge_and_unload(name, bases, tmp_path):
     directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     assert_merged_export(directory, tmp_path / "peft", cfg, method, loaded, peft_model.merge_and_unload().eval(),

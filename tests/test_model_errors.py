@@ -46,8 +46,36 @@ def test_unsupported_architecture_lists_supported(model_copy):
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(JaxtuneError, match="unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, "
-                                           "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                           "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                           "Gemma2ForCausalLM, Gemma3ForCausalLM"):
         load_model(model_copy)
+
+
+def test_gemma_checkpoint_disagreeing_with_its_config_names_the_tensor_or_key(hf_model_dir, tmp_path):
+    """A Gemma 2 without a layer's post-feed-forward norm; a Llama's tensors under a Gemma 2 config; Gemma 3's
+    multimodal class and bidirectional attention, which jaxtune does not compute."""
+    directory, _ = hf_model_dir("gemma2")
+    shutil.copytree(directory, tmp_path / "g")
+    tensors = load_file(str(tmp_path / "g" / "model.safetensors"))
+    del tensors["model.layers.1.post_feedforward_layernorm.weight"]
+    save_file(tensors, str(tmp_path / "g" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JaxtuneError, match="tensor model.layers.1.post_feedforward_layernorm.weight is missing"):
+        load_model(tmp_path / "g")
+    llama, _ = hf_model_dir("llama")
+    shutil.copytree(llama, tmp_path / "l")
+    config = json.loads((tmp_path / "l" / "config.json").read_text())
+    (tmp_path / "l" / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma2ForCausalLM"]}))
+    with pytest.raises(JaxtuneError, match="tensor model.layers.0.(pre|post)_feedforward_layernorm.weight is missing"):
+        load_model(tmp_path / "l")
+    for change, message in [({"architectures": ["Gemma3ForConditionalGeneration"]},
+                             "unsupported architecture Gemma3ForConditionalGeneration; supported: .*Gemma3ForCausalLM"),
+                            ({"architectures": ["Gemma2ForCausalLM"], "use_bidirectional_attention": True},
+                             "use_bidirectional_attention is not supported"),
+                            ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"},
+                             "hidden activation 'gelu' is not supported")]:
+        (tmp_path / "l" / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(JaxtuneError, match=f"config.json: {message}"):
+            load_model(tmp_path / "l")
 
 
 def test_wrong_shape_names_tensor_and_both_shapes(model_copy):

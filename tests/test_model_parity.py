@@ -77,7 +77,39 @@ def test_qwen3_reads_its_head_dim_query_key_norms_and_sliding_layers(hf_model_di
     assert np.abs(unnormalised - hf_logits(model, ids, mask, positions))[mask > 0].max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_gemma2_reads_its_soft_caps_scale_norms_and_sliding_layers(hf_model_dir):
+    """Gemma 2's distinctive parts are read, and each matters: the logits move without it."""
+    directory, model = hf_model_dir("gemma2")
+    cfg, params = load_model(directory)
+    assert (cfg.hidden_act, cfg.norm_unit_offset, cfg.scale_embeddings, cfg.sandwich_norms, cfg.tie_word_embeddings,
+            cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.query_pre_attn_scalar, cfg.sliding_windows) == (
+        "gelu_tanh", True, True, True, True, 3.0, 2.0, 24.0, (4, 0, 4))
+    assert params["layers"]["pre_feedforward_layernorm"].shape == params["layers"]["post_feedforward_layernorm"].shape
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(model, ids, mask, positions)
+    assert np.abs(jax_logits(params, cfg, ids, mask, positions) - ref)[mask > 0].max() <= 1e-4
+    assert np.abs(ref).max() <= 2.0
+    for change in (dict(attn_logit_softcap=None), dict(final_logit_softcap=None), dict(query_pre_attn_scalar=None),
+                   dict(scale_embeddings=False), dict(sliding_windows=(0, 0, 0)), dict(hidden_act="silu")):
+        moved = jax_logits(params, cfg.replace(**change), ids, mask, positions)
+        assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
+
+
+def test_gemma3_reads_its_local_and_global_rope_and_query_key_norms(hf_model_dir):
+    """Gemma 3: sliding layers rotate with base 1e4, full ones with base 1e6 scaled by 4; q and k normalised."""
+    directory, model = hf_model_dir("gemma3")
+    cfg, params = load_model(directory)
+    assert (cfg.qk_norm, cfg.rope_theta, cfg.rope_scaling.kind, cfg.rope_scaling.factor, cfg.local_rope_theta,
+            cfg.sliding_windows, cfg.attn_logit_softcap, cfg.final_logit_softcap) == (
+        True, 1e6, "linear", 4.0, 1e4, (4, 0, 4), None, None)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(model, ids, mask, positions)
+    for change in (dict(local_rope_theta=None), dict(rope_scaling=None), dict(local_rope_theta=1e6)):
+        moved = jax_logits(params, cfg.replace(**change), ids, mask, positions)
+        assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.
@@ -98,7 +130,8 @@ def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     assert error <= 1.25 * np.linalg.norm(hf_bf16 - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding", "qwen3", "gemma2",
+                                  "gemma3"])
 @pytest.mark.parametrize("max_shard_bytes", [2**31, 20_000])
 def test_round_trip_through_transformers(arch, max_shard_bytes, hf_model_dir, tmp_path):
     """load -> save -> transformers loads the saved directory (single file or shards) -> same logits."""

@@ -4,6 +4,7 @@ import jax
 import pytest
 
 from jaxtune.config import ModelConfig
+from jaxtune.models.hf_config import config_from_hf
 from jaxtune.models.params import abstract_params, count_params, init_params, logical_axes, param_specs
 
 # Values from each model's config.json on the Hugging Face hub, written here so the test needs no network.
@@ -27,6 +28,43 @@ REAL = {
                                intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                                qk_norm=True, tie_word_embeddings=True, rope_theta=1000000.0), 0.60e9, 596_049_920),
 }
+
+# The hub's config.json files as published (written by transformers 4.42 and 4.50: no layer_types, no
+# rope_parameters; Gemma 3's pattern as sliding_window_pattern, its local base as rope_local_base_freq).
+HUB_CONFIGS = {
+    "Gemma-2-9B": ({"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": 50.0,
+                    "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+                    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+                    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "initializer_range": 0.02,
+                    "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "gemma2",
+                    "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+                    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+                    "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "float32",
+                    "vocab_size": 256000}, 9.24e9, 9_241_705_984),
+    "Gemma-3-1B": ({"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
+                    "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+                    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912,
+                    "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+                    "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+                    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+                    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+                    "torch_dtype": "bfloat16", "vocab_size": 262144}, 1.00e9, 999_885_952),
+}
+REAL.update({name: (config_from_hf(hub, name), published, exact) for name, (hub, published, exact)
+             in HUB_CONFIGS.items()})
+
+
+def test_hub_gemma_configs_read_as_transformers_reads_them():
+    """Tied embeddings by default, the soft caps, Gemma 2's alternating and Gemma 3's five-in-six sliding layers,
+    Gemma 3's two RoPE bases."""
+    gemma2, gemma3 = REAL["Gemma-2-9B"][0], REAL["Gemma-3-1B"][0]
+    assert gemma2.tie_word_embeddings and gemma3.tie_word_embeddings
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.query_pre_attn_scalar) == (50.0, 30.0, 256)
+    assert gemma2.sliding_windows == (4096, 0) * 21
+    assert gemma3.sliding_windows == ((512,) * 5 + (0,)) * 4 + (512, 512)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.rope_scaling, gemma3.qk_norm) == (1e6, 1e4, None, True)
+    assert (gemma3.attn_logit_softcap, gemma3.final_logit_softcap, gemma3.eos_token_id) == (None, None, (1, 106))
 
 
 @pytest.mark.parametrize("name", list(REAL))

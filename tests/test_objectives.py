@@ -4,8 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from conftest import padded_batch
 
+from jaxtune.config import ForwardOptions
 from jaxtune.models.head import label_logps
+from jaxtune.models.hf_weights import load_model
+from jaxtune.objectives import distill, dpo, grpo
+from jaxtune.objectives.base import Context
 from jaxtune.objectives.losses import (
     bradley_terry_loss,
     distillation_kl,
@@ -93,3 +99,39 @@ def test_grpo_advantages_and_loss():
     total, count = grpo_token_loss(*(jnp.asarray(x) for x in (logp, old, ref, adv, mask)))
     np.testing.assert_allclose(total, ((-surrogate + 0.04 * kl) * mask).sum(), rtol=1e-5)
     assert count == mask.sum()
+
+
+@pytest.mark.parity
+def test_every_objective_reads_gemma_soft_capped_log_probs_as_transformers(hf_model_dir):
+    """DPO's sequence log-probs, GRPO's token log-probs and distillation's KL and NLL on a Gemma 2 student (final
+    logits soft-capped at 2) with a Gemma 3 teacher equal what transformers' logits give."""
+    (student_dir, student), (teacher_dir, teacher) = hf_model_dir("gemma2"), hf_model_dir("gemma3")
+    cfg, params = load_model(student_dir)
+    teacher_cfg, teacher_params = load_model(teacher_dir)
+    ids, _, _ = padded_batch(cfg.vocab_size, seed=3)
+    ids = np.concatenate([ids, ids[::-1]])  # four rows: two pairs
+    B, T = ids.shape
+    labels = np.concatenate([ids[:, 1:], np.zeros((B, 1), ids.dtype)], axis=1)
+    loss_mask = (np.arange(T)[None] >= 3) & (np.arange(T)[None] < T - 1) & (np.arange(B)[:, None] != 3)
+    batch = {"input_ids": ids, "labels": labels, "loss_mask": loss_mask.astype(np.float32),
+             "positions": np.broadcast_to(np.arange(T), (B, T)), "segment_ids": np.ones((B, T), np.int32)}
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    with torch.no_grad():
+        student_logits = student(torch.tensor(ids)).logits.double()
+        teacher_logits = teacher(torch.tensor(ids)).logits.double()
+    logps = torch.log_softmax(student_logits, -1).gather(-1, torch.tensor(labels)[..., None])[..., 0].numpy()
+    assert np.abs(student_logits.numpy()).max() <= 2.0  # the cap is reached for
+
+    ctx = Context(cfg, None, ForwardOptions(), distill.DistillConfig(temperature=2.0), teacher_cfg)
+    chosen, rejected, _ = dpo.pair_logps(params, batch, ctx, None, mean=False)
+    sums = (logps * loss_mask).sum(axis=1)
+    np.testing.assert_allclose(np.concatenate([chosen, rejected]), sums, rtol=1e-5, atol=1e-4)
+    token = grpo._token_logps(params, cfg, batch, None, ForwardOptions())
+    np.testing.assert_allclose(np.asarray(token) * loss_mask, logps * loss_mask, atol=1e-5)
+
+    kl, nll, count = distill._sums(params, teacher_params, batch, ctx)
+    s, t = torch.log_softmax(student_logits / 2.0, -1), torch.log_softmax(teacher_logits / 2.0, -1)
+    kl_ref = ((t.exp() * (t - s)).sum(-1).numpy() * 4.0 * loss_mask).sum()
+    assert float(count) == loss_mask.sum()
+    assert float(kl) == pytest.approx(kl_ref, rel=1e-5)
+    assert float(nll) == pytest.approx(-(logps * loss_mask).sum(), rel=1e-5)

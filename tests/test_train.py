@@ -24,7 +24,7 @@ from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.hf_weights import load_model
-from jaxtune.models.presets import write_random_model
+from jaxtune.models.presets import ARCH_NAMES, write_random_model
 from jaxtune.objectives.base import stack_micro_batches
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
@@ -192,11 +192,13 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp
 
 
 @pytest.mark.parity
-def test_eval_equals_transformers_loss(tmp_path):
-    """`jaxtune eval --json` = transformers' mean cross-entropy over completion tokens (+ EOS) of the file."""
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_eval_equals_transformers_loss(arch, tmp_path):
+    """`jaxtune eval --json` = transformers' mean cross-entropy over completion tokens (+ EOS) of the file (Gemma 2:
+    of its soft-capped logits)."""
     from conftest import make_hf_model
 
-    hf = make_hf_model("llama", tmp_path / "m", vocab_size=259, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    hf = make_hf_model(arch, tmp_path / "m", vocab_size=259, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                        max_position_embeddings=512)
     Tokenizer.byte_level().save(tmp_path / "m")
     rows = [{"prompt": "Q: add 2 and 3\nA:", "completion": " 5"}, {"prompt": "Hello", "completion": " world, again"},
@@ -294,14 +296,16 @@ def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_pat
     assert abs(losses["float"] - losses["as-trained"]) > 1e-4
 
 
-def test_qwen3_qlora_trains_and_its_merged_export_loads_in_transformers(tmp_path):
-    """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16): the
-    held-out loss falls, and the merged export is a Qwen3 that transformers loads with the logits jaxtune computes
-    for the adapter on the float base."""
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path):
+    """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16), a
+    Gemma 2 (soft caps, sandwich norms, GeGLU) or a Gemma 3 (local and global RoPE): the held-out loss falls, and
+    the merged export is a model of the same class that transformers loads with the logits jaxtune computes for
+    the adapter on the float base."""
     from jaxtune.methods.peft import load_model_with_adapter
     from jaxtune.models.llama import forward
 
-    model = write_random_model(tmp_path / "model", "qwen3", seed=0, head_dim=32, initializer_range=0.1)
+    model = write_random_model(tmp_path / "model", arch, seed=0, head_dim=32, initializer_range=0.1)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:48]))
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=6, eval_every=6)
@@ -312,7 +316,7 @@ def test_qwen3_qlora_trains_and_its_merged_export_loads_in_transformers(tmp_path
     assert main(["export", "--model", str(model), "--adapter", str(result.result_path),
                  "--merged", str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    assert type(merged).__name__ == "Qwen3ForCausalLM"
+    assert type(merged).__name__ == ARCH_NAMES[arch]
     cfg, params, method = load_model_with_adapter(str(model), str(result.result_path), base="float")
     ids = jnp.asarray([[5, 17, 42, 99, 3, 250, 7]])
     with torch.no_grad():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+                 "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU with tanh-approximated GELU
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,15 @@ class ModelConfig:
 
     `sliding_windows` has one entry per layer: 0 for full causal attention, w > 0 to let a query at index i see
     keys at indices j with i - w < j <= i (Mistral; Qwen2 and Qwen3 layers marked "sliding_attention").
-    `qk_norm`: an RMSNorm over each head's query and key before RoPE, with weights [head_dim] (Qwen3).
+    `qk_norm`: an RMSNorm over each head's query and key before RoPE, with weights [head_dim] (Qwen3, Gemma 3).
+
+    Gemma 2 and 3: `hidden_act` "gelu_tanh"; `norm_unit_offset`, every RMSNorm scales by (1 + weight), multiplied
+    in float32 before the cast back; `scale_embeddings`, embeddings times sqrt(hidden_size) in the compute dtype;
+    `sandwich_norms`, four norms a layer (each sub-layer's output normalised before the residual add, the MLP's
+    input by `pre_feedforward_layernorm`); `query_pre_attn_scalar`, scores scaled by its inverse square root in
+    place of head_dim's; `attn_logit_softcap` and `final_logit_softcap`, c * tanh(x / c) on the attention scores
+    and on the logits; `local_rope_theta`, the RoPE base of sliding layers (Gemma 3; unscaled), while full layers
+    use `rope_theta` and `rope_scaling`.
     """
 
     vocab_size: int
@@ -50,6 +60,14 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope_theta: float | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -60,6 +78,8 @@ class ModelConfig:
             object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -70,6 +90,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q k^T: 1 / sqrt(query_pre_attn_scalar), by default 1 / sqrt(head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

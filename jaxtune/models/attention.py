@@ -1,5 +1,6 @@
 """Blockwise attention: softmax(q k^T / sqrt(hd)) v with an online softmax over key blocks (FlashAttention's
-algorithm, Dao et al. 2022, in pure JAX) and a hand-written backward that recomputes each block's scores.
+algorithm, Dao et al. 2022, in pure JAX; any scale, optionally soft-capped) and a hand-written backward that
+recomputes each block's scores.
 
 Memory is O(T x block) per layer instead of the [B, K, G, T, S] scores of the dense form: the forward keeps per
 query its running maximum, normaliser and output; the backward keeps the output and its log-sum-exp [B, K, G, T].
@@ -23,6 +24,7 @@ the output and gradients take the inputs' dtypes.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -149,17 +151,22 @@ def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
     return (window == 0) | (first_q[:, None] - m.k_slot[None, :, -1] < window)
 
 
-def _scores(q_blk, k_blk, allowed_BxQxC, scale) -> jax.Array:
-    """Masked, scaled float32 (float64) scores [B, K, G, Q, C]."""
+def _scores(q_blk, k_blk, allowed_BxQxC, scale: float, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
+    """(masked float32 (float64) scores [B, K, G, Q, C], tanh(scaled / softcap) unmasked or None without a cap).
+
+    With a cap the scores are softcap * tanh(q k^T scale / softcap) (Gemma 2's attention-logit soft-capping)."""
     dtype = wide(q_blk.dtype)
     s = jnp.einsum("bkgqh,bkch->bkgqc", q_blk, k_blk, preferred_element_type=dtype) * scale
-    return jnp.where(allowed_BxQxC[:, None, None], s, jnp.finfo(dtype).min)
+    tanh = None
+    if softcap:
+        tanh = jnp.tanh(s / softcap)
+        s = softcap * tanh
+    return jnp.where(allowed_BxQxC[:, None, None], s, jnp.finfo(dtype).min), tanh
 
 
-def _forward(q, k, v, mask: AttentionMask, window, live_QxC):
+def _forward(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softcap: float | None):
     """(out [B, K, G, T, hd] in q's dtype, log-sum-exp [B, K, G, T] float32)."""
     B, K, G, T, hd = q.shape
-    scale = hd**-0.5
     blocks = _blocked(q, k, v, mask)
     m = blocks.mask
     live_QxC = live_QxC & _window_live(m, window)
@@ -175,7 +182,7 @@ def _forward(q, k, v, mask: AttentionMask, window, live_QxC):
             def update(carry):
                 max_, norm, acc = carry
                 allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
-                s = _scores(q_blk, k_blk, allowed, scale)
+                s, _ = _scores(q_blk, k_blk, allowed, scale, softcap)
                 new_max = jnp.maximum(max_, jnp.max(s, axis=-1))
                 p = jnp.exp(s - new_max[..., None])
                 correction = jnp.exp(max_ - new_max)
@@ -198,23 +205,23 @@ def _forward(q, k, v, mask: AttentionMask, window, live_QxC):
     return out, lse
 
 
-@jax.custom_vjp
-def _attention(q, k, v, mask, window, live_QxC):
-    return _forward(q, k, v, mask, window, live_QxC)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, mask, window, live_QxC, scale, softcap):
+    return _forward(q, k, v, mask, window, live_QxC, scale, softcap)[0]
 
 
-def _attention_fwd(q, k, v, mask, window, live_QxC):
-    out, lse = _forward(q, k, v, mask, window, live_QxC)
+def _attention_fwd(q, k, v, mask, window, live_QxC, scale, softcap):
+    out, lse = _forward(q, k, v, mask, window, live_QxC, scale, softcap)
     return out, (q, k, v, mask, window, live_QxC, out, lse)
 
 
-def _attention_bwd(residuals, g):
+def _attention_bwd(scale, softcap, residuals, g):
     """FlashAttention-2's backward: per block, p = exp(s - lse), dv += p^T g, ds = p (g v^T - rowsum(g o)),
-    dq += ds k, dk += ds^T q (both scaled); an outer loop over key blocks, an inner one over query blocks."""
+    dq += ds k, dk += ds^T q (both scaled; with a soft cap, ds also times 1 - tanh^2); an outer loop over key
+    blocks, an inner one over query blocks."""
     q, k, v, mask, window, live_QxC, out, lse = residuals
     B, K, G, T, hd = q.shape
     S = k.shape[2]
-    scale = hd**-0.5
     f32 = wide(q.dtype)
     blocks = _blocked(q, k, v, mask)
     m = blocks.mask
@@ -233,10 +240,13 @@ def _attention_bwd(residuals, g):
             def update(carry):
                 dk, dv = carry
                 allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
-                p = jnp.exp(_scores(q_blk, k_blk, allowed, scale) - lse_blk[..., None])
+                s, tanh = _scores(q_blk, k_blk, allowed, scale, softcap)
+                p = jnp.exp(s - lse_blk[..., None])
                 dv = dv + jnp.einsum("bkgqc,bkgqh->bkch", p, g_blk.astype(f32))
                 dp = jnp.einsum("bkgqh,bkch->bkgqc", g_blk, v_blk, preferred_element_type=f32)
                 ds = p * (dp - delta_blk[..., None]) * scale
+                if softcap:
+                    ds = ds * (1 - tanh * tanh)
                 dk = dk + jnp.einsum("bkgqc,bkgqh->bkch", ds, q_blk.astype(f32))
                 return (dk, dv), jnp.einsum("bkgqc,bkch->bkgqh", ds, k_blk.astype(f32))
 
@@ -260,16 +270,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(q_BxKxGxTxh: jax.Array, k_BxKxSxh: jax.Array, v_BxKxSxh: jax.Array, mask: AttentionMask,
-                        window: jax.Array | int = 0, live_QxC: jax.Array | None = None) -> jax.Array:
-    """softmax(q k^T / sqrt(hd)) v [B, K, G, T, hd] over the keys `mask` allows (G query heads share each of the K
+                        window: jax.Array | int = 0, live_QxC: jax.Array | None = None, *, scale: float | None = None,
+                        softcap: float | None = None) -> jax.Array:
+    """softmax(q k^T scale) v [B, K, G, T, hd] over the keys `mask` allows (G query heads share each of the K
     key/value heads), in q's dtype.
 
     window: the layer's sliding window (0: none), as the slots count it. live_QxC: `live_blocks(mask, T, S)` when
-    the caller computes it once for many layers; None computes it here.
+    the caller computes it once for many layers; None computes it here. scale: default 1 / sqrt(hd). softcap: the
+    scores become softcap * tanh(scores / softcap) before the mask and the softmax (None: uncapped).
     """
     T, S = q_BxKxGxTxh.shape[3], k_BxKxSxh.shape[2]
     if live_QxC is None:
         live_QxC = live_blocks(mask, T, S)
-    return _attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, jnp.asarray(window, jnp.int32), live_QxC)
+    scale = q_BxKxGxTxh.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, jnp.asarray(window, jnp.int32), live_QxC, scale,
+                      float(softcap) if softcap else None)
 
 

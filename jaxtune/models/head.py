@@ -27,7 +27,7 @@ def token_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
     return label_logit - jax.nn.logsumexp(logits_BxTxV, axis=-1)
 
 
-def head_logits(params: dict, hidden_BxTxD: jax.Array) -> jax.Array:
+def head_logits(params: dict, hidden_BxTxD: jax.Array, softcap: float | None = None) -> jax.Array:
     """Float32 (float64 in float64 runs) logits [B, T, V] of final hidden states [B, T, D] under the head: the
     `lm_head` kernel [D, V], else (tied) the embedding table [V, D], multiplied as stored, never transposed. The
     kernel is cast to the hidden states' dtype inside the matmul, so a float32 master weight's gradient sums the
@@ -37,13 +37,16 @@ def head_logits(params: dict, hidden_BxTxD: jax.Array) -> jax.Array:
     On a mesh the head is vocabulary-parallel: the kernel and the logits are split by vocabulary over tensor and
     fsdp, the rows only over data, so no device gathers the head (a reduction over V, the log-sum-exp, is summed
     across devices by XLA); the hidden states, far smaller, are gathered instead. A vocabulary fsdp cannot divide
-    is gathered, and each device computes its own rows."""
+    is gathered, and each device computes its own rows. softcap: the logits become softcap * tanh(logits /
+    softcap) (Gemma 2's `final_logit_softcapping`; the model config's `final_logit_softcap`)."""
     tied = "lm_head" not in params
     kernel = (constrain(params["embed_tokens"], ("vocab", None)) if tied
               else constrain(params["lm_head"]["kernel"], (None, "vocab")))
     rows = head_rows(vocab_size(params))
     hidden_BxTxD = constrain(hidden_BxTxD, (rows, None, None))
     logits = matmul(hidden_BxTxD, kernel, wide(hidden_BxTxD.dtype), transposed=tied)
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
     return constrain(logits, (rows, None, "vocab"))
 
 
@@ -76,9 +79,11 @@ def per_token(fn: Callable, *arrays_BxT: jax.Array, vocab: int):
     return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(B, n * c)[:, :T], out)
 
 
-def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array) -> jax.Array:
-    """log p(label) [B, T] float32 (float64 in float64 runs) under the head, a chunk of tokens at a time."""
+def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array, softcap: float | None = None
+                ) -> jax.Array:
+    """log p(label) [B, T] float32 (float64 in float64 runs) under the head (soft-capped by `softcap`, as for
+    `head_logits`), a chunk of tokens at a time."""
     def chunk(hidden_BxCxD, labels_BxC):
-        return token_logps(head_logits(params, hidden_BxCxD), labels_BxC)
+        return token_logps(head_logits(params, hidden_BxCxD, softcap), labels_BxC)
 
     return per_token(chunk, hidden_BxTxD, labels_BxT, vocab=vocab_size(params))

@@ -9,7 +9,9 @@ from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
+               "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 
 
 def read_json(path: Path) -> dict:
@@ -31,10 +33,11 @@ def model_dir(path: str | Path) -> Path:
     return path
 
 
-def _rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None = None
+          ) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); earlier versions `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    params = dict((hf.get("rope_parameters") or hf.get("rope_scaling") or {}) if params is None else params)
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0) if theta is None else theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported")
@@ -53,10 +56,35 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     raise JaxtuneError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
-def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int, ...]:
+def _gemma3_rope(hf: dict, where: str) -> tuple[float, RopeScaling | None, float]:
+    """(full layers' base, their scaling, sliding layers' base): transformers 5 keeps one `rope_parameters` entry a
+    layer type; earlier versions `rope_theta`, `rope_scaling` (full layers) and `rope_local_base_freq`."""
+    by_type = hf.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        theta, scaling = _rope(hf, where, by_type.get("full_attention") or {}, 1_000_000.0)
+        local = dict(by_type.get("sliding_attention") or {})
+    else:
+        theta, scaling = _rope(hf, where, hf.get("rope_scaling") or {}, hf.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    local_theta, local_scaling = _rope(hf, where, local, 10_000.0)
+    if local_scaling is not None:
+        raise JaxtuneError(f"{where}: scaled RoPE on sliding layers is not supported")
+    return theta, scaling, local_theta
+
+
+def _sliding_windows(hf: dict, arch: str, num_layers: int, where: str) -> tuple[int, ...]:
     window = hf.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (int(window or 0),) * num_layers
+    if arch in GEMMA:  # Gemma 2: every other layer from the first; Gemma 3: five of every six; absent: 4096 wide
+        window = hf.get("sliding_window", 4096)
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(
+            hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        if not window and "sliding_attention" in layer_types:
+            raise JaxtuneError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not hf.get("use_sliding_window", False) or not window:
             return (0,) * num_layers
@@ -74,14 +102,19 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if arch is None:
         found = ", ".join(archs) or f"model_type={hf.get('model_type')!r}"
         raise JaxtuneError(f"{where}: unsupported architecture {found}; supported: {', '.join(ARCHITECTURES)}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise JaxtuneError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    gemma, gemma3 = arch in GEMMA, arch == "Gemma3ForCausalLM"
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in HF_ACTIVATIONS:
+        raise JaxtuneError(f"{where}: hidden activation {act!r} is not supported ({', '.join(HF_ACTIVATIONS)})")
+    if hf.get("use_bidirectional_attention"):
+        raise JaxtuneError(f"{where}: use_bidirectional_attention is not supported (a decoder attends causally)")
     try:
         heads = int(hf["num_attention_heads"])
         layers = int(hf["num_hidden_layers"])
-        theta, scaling = _rope(hf, where)
+        theta, scaling, local_theta = _gemma3_rope(hf, where) if gemma3 else (*_rope(hf, where), None)
         eos = hf.get("eos_token_id")
         qwen = arch == "Qwen2ForCausalLM"
+        cap = lambda key: float(hf[key]) if gemma and hf.get(key) else None
         return ModelConfig(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -95,12 +128,20 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # Gemma's configs tie by default
             qkv_bias=qwen or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             o_bias=not qwen and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_windows=_sliding_windows(hf, arch, layers),
+            sliding_windows=_sliding_windows(hf, arch, layers, where),
+            hidden_act=HF_ACTIVATIONS[act],
+            norm_unit_offset=gemma,
+            scale_embeddings=gemma,
+            sandwich_norms=gemma,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
+            attn_logit_softcap=cap("attn_logit_softcapping"),
+            final_logit_softcap=cap("final_logit_softcapping"),
+            local_rope_theta=local_theta,
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -131,7 +172,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {v: k for k, v in HF_ACTIVATIONS.items()}[cfg.hidden_act],
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "initializer_range": cfg.initializer_range,
@@ -151,7 +192,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
                            original_max_position_embeddings=s.original_max_position_embeddings)
         hf["rope_scaling"] = scaling
         hf["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_theta}
-    if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+    if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") + GEMMA:
         if cfg.qkv_bias != cfg.o_bias:
             raise JaxtuneError(f"{cfg.architecture} has one attention_bias flag for q, k, v and o alike")
         hf["attention_bias"] = cfg.qkv_bias
@@ -159,9 +200,46 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["mlp_bias"] = cfg.mlp_bias
     elif cfg.architecture == "MistralForCausalLM":
         hf["sliding_window"] = max(windows) if windows else None
+    elif cfg.architecture in GEMMA:
+        hf.update(_gemma_to_hf(cfg, hf))
     else:
         hf["use_sliding_window"] = bool(windows)
         hf["sliding_window"] = max(windows) if windows else None
         hf["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.sliding_windows]
         hf["max_window_layers"] = next((i for i, w in enumerate(cfg.sliding_windows) if w), cfg.num_layers)
     return hf
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def _gemma_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    """Gemma 2 and 3's own keys (their flags are fixed by the architecture; a config that changes one has no
+    transformers counterpart)."""
+    gemma3 = cfg.architecture == "Gemma3ForCausalLM"
+    fixed = dict(norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True, qk_norm=gemma3,
+                 hidden_act="gelu_tanh", mlp_bias=False)
+    if not gemma3:
+        fixed["local_rope_theta"] = None
+    for name, value in fixed.items():
+        if getattr(cfg, name) != value:
+            raise JaxtuneError(f"{cfg.architecture} has {name}={value!r}, this config {getattr(cfg, name)!r}")
+    windows = set(cfg.sliding_windows) - {0}
+    if len(windows) > 1:
+        raise JaxtuneError(f"{cfg.architecture} has one sliding_window; this config has {sorted(windows)}")
+    out = {
+        "hidden_activation": hf["hidden_act"],
+        "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),  # transformers: an int
+        "attn_logit_softcapping": cfg.attn_logit_softcap,
+        "final_logit_softcapping": cfg.final_logit_softcap,
+        "sliding_window": max(windows) if windows else None,
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in cfg.sliding_windows],
+    }
+    if gemma3:
+        full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **hf.get("rope_parameters", {})}
+        local_theta = cfg.rope_theta if cfg.local_rope_theta is None else cfg.local_rope_theta
+        out["rope_parameters"] = {"full_attention": full,
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+        out["rope_local_base_freq"] = local_theta  # transformers < 5
+    return out

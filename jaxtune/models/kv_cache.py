@@ -24,8 +24,8 @@ from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
-from jaxtune.models.llama import attend, decoder_layer, lora_scaled_layers, project_qkv, rms_norm
-from jaxtune.models.rope import rope_angles
+from jaxtune.models.llama import attend, decoder_layer, embed, lora_scaled_layers, norm, project_qkv
+from jaxtune.models.rope import layer_rope, rope_tables
 
 
 class KVCache(NamedTuple):
@@ -76,20 +76,21 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT > 0, (0, start))
     mask = cache_mask(start, T, valid_BxS)
     live_QxC = live_blocks(mask, T, cache.size)
-    cos, sin = rope_angles(positions_BxT, cfg, dtype)
+    rope = rope_tables(positions_BxT, cfg, dtype)
 
     def block(x_BxTxD, layer_window_kv):
         layer, window, k_BxSxKxh, v_BxSxKxh = layer_window_kv
+        cos, sin = layer_rope(rope, window)
 
         def cached_attention(h_BxTxD):
             q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, lora_scale)
             k_all = jax.lax.dynamic_update_slice(k_BxSxKxh, k_new.astype(dtype), (0, start, 0, 0))
             v_all = jax.lax.dynamic_update_slice(v_BxSxKxh, v_new.astype(dtype), (0, start, 0, 0))
-            return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, lora_scale), (k_new, v_new)
+            return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, lora_scale), (k_new, v_new)
 
         return decoder_layer(x_BxTxD, layer, cached_attention, cfg, lora_scale)
 
-    x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]
+    x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, cache.k, cache.v))
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
@@ -97,7 +98,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     v = jax.lax.dynamic_update_slice(cache.v, v_LxBxTxKxh.astype(dtype), (0, 0, start, 0, 0))
     next_position_B = cache.next_position_B + jnp.sum(mask_BxT > 0, axis=1, dtype=jnp.int32)
     cache = KVCache(k, v, valid_BxS, start + T, next_position_B)
-    return rms_norm(x_BxTxD, params["norm"], cfg.rms_norm_eps), cache
+    return norm(x_BxTxD, params["norm"], cfg), cache
 
 
 def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mask_BxT: jax.Array | None = None, *,
@@ -119,7 +120,7 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
     cache = init_cache(params, cfg, B, size, jnp.dtype(options.compute_dtype))
     positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
     hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options)
-    return head_logits(params, hidden_BxTxD[:, -1:])[:, 0], cache
+    return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap)[:, 0], cache
 
 
 def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConfig, *,
@@ -133,4 +134,4 @@ def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConf
     positions_Bx1 = cache.next_position_B[:, None]
     mask_Bx1 = jnp.ones_like(positions_Bx1)
     hidden_Bx1xD, cache = extend(params, token_B[:, None], positions_Bx1, mask_Bx1, cache, cfg, method, options)
-    return head_logits(params, hidden_Bx1xD)[:, 0], cache
+    return head_logits(params, hidden_Bx1xD, cfg.final_logit_softcap)[:, 0], cache

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) as pure functions over the parameter tree of `params.py`.
+"""The Llama-family decoder (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3) as pure functions over the parameter tree
+of `params.py`.
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
 depth; `jax.checkpoint` wraps the block under a `Remat` policy. Attention is blockwise (`attention.py`): memory
@@ -21,15 +22,29 @@ from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate,
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
-from jaxtune.models.rope import apply_rope, rope_angles
+from jaxtune.models.rope import apply_rope, layer_rope, rope_tables
 from jaxtune.parallel.rules import constrain, mesh_in_context
 
 
-def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) * weight, the statistics in float32 (or wider), the product in the input dtype."""
+def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """x / rms(x) * weight, the statistics in float32 (or wider), the product in the input dtype; with
+    `unit_offset` (Gemma), x / rms(x) * (1 + weight) with the product in float32 before the cast."""
     x32 = x_BxTxD.astype(wide(x_BxTxD.dtype))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (x32 * (1 + weight_D.astype(x32.dtype))).astype(x_BxTxD.dtype)
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
+
+
+def norm(x_BxTxD: jax.Array, weight_D: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The model's RMSNorm (`rms_norm` with its epsilon and, for Gemma, the unit offset)."""
+    return rms_norm(x_BxTxD, weight_D, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+
+def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+    """Token embeddings [B, T, D] in the compute dtype; Gemma multiplies them by sqrt(D) rounded to that dtype."""
+    x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]
+    return x_BxTxD * jnp.asarray(cfg.hidden_size**0.5, dtype) if cfg.scale_embeddings else x_BxTxD
 
 
 def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConfig) -> tuple[dict, float]:
@@ -54,22 +69,24 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, d
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     q_BxTxHxh = project(x_BxTxD, layer, "q_proj", lora_scale, dropout).reshape(B, T, K * G, hd)
     k_BxTxKxh = project(x_BxTxD, layer, "k_proj", lora_scale, dropout).reshape(B, T, K, hd)
-    if cfg.qk_norm:  # Qwen3: each head's query and key normalised before RoPE
-        q_BxTxHxh = rms_norm(q_BxTxHxh, layer["q_norm"], cfg.rms_norm_eps)
-        k_BxTxKxh = rms_norm(k_BxTxKxh, layer["k_norm"], cfg.rms_norm_eps)
+    if cfg.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
+        q_BxTxHxh = norm(q_BxTxHxh, layer["q_norm"], cfg)
+        k_BxTxKxh = norm(k_BxTxKxh, layer["k_norm"], cfg)
     q_BxTxHxh, k_BxTxKxh = apply_rope(q_BxTxHxh, cos, sin), apply_rope(k_BxTxKxh, cos, sin)
     v_BxTxKxh = project(x_BxTxD, layer, "v_proj", lora_scale, dropout).reshape(B, T, K, hd)
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
 
 
-def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, lora_scale: float,
-           dropout=None) -> jax.Array:
-    """The attention core shared by the full forward and the cached decode: softmax(q k^T / sqrt(hd)) v over the
-    S keys that `mask` allows within `window` (`attention.blockwise_attention`), then o_proj; returns [B, T, D]."""
+def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, cfg: ModelConfig,
+           lora_scale: float, dropout=None) -> jax.Array:
+    """The attention core shared by the full forward and the cached decode: softmax(q k^T scale) v over the S keys
+    that `mask` allows within `window` (`attention.blockwise_attention`, with the model's scale and soft cap),
+    then o_proj; returns [B, T, D]."""
     B, T, K, G, hd = q_BxTxKxGxh.shape
     q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
     k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
-    out_BxKxGxTxh = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC)
+    out_BxKxGxTxh = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC,
+                                        scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
     out_BxTxD = jnp.transpose(out_BxKxGxTxh, (0, 3, 1, 2, 4)).reshape(B, T, K * G * hd)
     return project(out_BxTxD, layer, "o_proj", lora_scale, dropout)
 
@@ -83,22 +100,26 @@ def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, c
         as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, lora_scale, dropout)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, lora_scale, dropout)
 
 
 def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
     return jax.nn.silu(gate_BxTxF) * up_BxTxF
 
 
-# Elementwise, so the backward recomputes it from gate and up (fused into the gradient's own pass) rather than
+def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
+    return jax.nn.gelu(gate_BxTxF, approximate=True) * up_BxTxF  # transformers' gelu_pytorch_tanh
+
+
+# Elementwise, so the backward recomputes them from gate and up (fused into the gradient's own pass) rather than
 # keeping silu(gate), its sigmoid and the product as three more [B, T, F] arrays per layer.
-_swiglu_remat = jax.checkpoint(_swiglu)
+GATED = {"silu": jax.checkpoint(_swiglu), "gelu_tanh": jax.checkpoint(_geglu)}
 
 
-def mlp(x_BxTxD: jax.Array, layer: dict, lora_scale: float, dropout=None) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    hidden = _swiglu_remat(project(x_BxTxD, layer, "gate_proj", lora_scale, dropout),
-                           project(x_BxTxD, layer, "up_proj", lora_scale, dropout))
+def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None) -> jax.Array:
+    """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU, or GeGLU with tanh-GELU (Gemma)."""
+    hidden = GATED[cfg.hidden_act](project(x_BxTxD, layer, "gate_proj", lora_scale, dropout),
+                                   project(x_BxTxD, layer, "up_proj", lora_scale, dropout))
     return project(hidden, layer, "down_proj", lora_scale, dropout)
 
 
@@ -109,15 +130,21 @@ def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
 
 def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float, dropout=None):
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
+    With `cfg.sandwich_norms` (Gemma) each sub-layer's output is normalised too: x + norm(attn(norm(x))) with
+    input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm.
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
     aux (the layer's new keys and values) is returned beside the new x. dropout: as for `project` (the MLP's).
     """
+    sandwich = cfg.sandwich_norms
     with jax.named_scope("attention"):
-        h, aux = attend_fn(rms_norm(x_BxTxD, layer["input_layernorm"], cfg.rms_norm_eps))
+        h, aux = attend_fn(norm(x_BxTxD, layer["input_layernorm"], cfg))
+        h = norm(h, layer["post_attention_layernorm"], cfg) if sandwich else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
     with jax.named_scope("mlp"):
-        h = mlp(rms_norm(x_BxTxD, layer["post_attention_layernorm"], cfg.rms_norm_eps), layer, lora_scale, dropout)
+        pre_mlp = layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]
+        h = mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, lora_scale, dropout)
+        h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
     return x_BxTxD, aux
 
@@ -149,7 +176,7 @@ def decoder(
     prefix = params["layers"]["prefix"]["key"].shape[1] if "prefix" in params["layers"] else 0
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
-    cos, sin = rope_angles(positions_BxT, cfg, dtype)
+    rope = rope_tables(positions_BxT, cfg, dtype)
     mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
     live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
     rate = lora_dropout_rate(method)
@@ -159,7 +186,8 @@ def decoder(
 
     def block(x_BxTxD, per_layer, shared):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
-        cos, sin, mask, live_QxC, stacks = shared
+        rope, mask, live_QxC, stacks = shared
+        cos, sin = layer_rope(rope, window)
         layer = with_kernels_of_layer(layer, stacks, index)
         dropout = (layer_key, rate) if use_dropout else None
         x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # rows split over the mesh's data x fsdp, if any
@@ -167,9 +195,9 @@ def decoder(
         return decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout)
 
     rematted = remat_layer(block, options.remat, dtype)
-    shared = (cos, sin, mask, live_QxC, stacks)
+    shared = (rope, mask, live_QxC, stacks)
     block = lambda x, per_layer: rematted(x, per_layer, shared)  # noqa: E731
-    x_BxTxD = constrain(params["embed_tokens"].astype(dtype)[tokens_BxT], ("batch", None, None))
+    x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", None, None))
     per_layer = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.arange(cfg.num_layers))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
@@ -178,7 +206,7 @@ def decoder(
     else:
         for i in range(cfg.num_layers):
             x_BxTxD, _ = block(x_BxTxD, jax.tree.map(lambda a: a[i], per_layer))
-    return rms_norm(x_BxTxD, params["norm"], cfg.rms_norm_eps)
+    return norm(x_BxTxD, params["norm"], cfg)
 
 
 def unsliced_kernels(layers: dict) -> tuple[dict, dict]:
@@ -209,4 +237,4 @@ def forward(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> 
 
     Jit with `static_argnames=("cfg", "method", "options")`.
     """
-    return head_logits(params, decoder(params, tokens_BxT, cfg, **kwargs))
+    return head_logits(params, decoder(params, tokens_BxT, cfg, **kwargs), cfg.final_logit_softcap)

@@ -8,7 +8,8 @@ The tree mirrors Hugging Face module names so that methods can target `q_proj`, 
 
     {"embed_tokens": [V, D],
      "layers": {"input_layernorm": [L, D], "post_attention_layernorm": [L, D],
-                "q_norm" / "k_norm"?: [L, hd],                     # Qwen3's per-head query and key norms
+                "pre_feedforward_layernorm" / "post_feedforward_layernorm"?: [L, D],   # Gemma's sandwich norms
+                "q_norm" / "k_norm"?: [L, hd],                     # Qwen3's and Gemma 3's per-head q and k norms
                 "q_proj": {"kernel": [L, D, H*hd], "bias"?: [L, H*hd]},
                 "k_proj" / "v_proj": {"kernel": [L, D, K*hd], "bias"?: [L, K*hd]},
                 "o_proj": {"kernel": [L, H*hd, D]},
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jaxtune.config import ModelConfig
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-QK_NORMS = ("q_norm", "k_norm")  # Qwen3's RMSNorm weights over a head's queries and keys, in its self_attn
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's RMSNorm weights over a head's queries and keys (self_attn)
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 
@@ -77,18 +78,18 @@ def param_specs(cfg: ModelConfig) -> dict:
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias,
             "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "down_proj": cfg.mlp_bias}
-    layers = {
-        "input_layernorm": ParamSpec((L, D), ("layers", "embed"), "ones"),
-        "post_attention_layernorm": ParamSpec((L, D), ("layers", "embed"), "ones"),
-    }
+    unit = "zeros" if cfg.norm_unit_offset else "ones"  # a norm's scale is 1 either way
+    norms = ("input_layernorm", "post_attention_layernorm")
+    norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
+    layers = {name: ParamSpec((L, D), ("layers", "embed"), unit) for name in norms}
     if cfg.qk_norm:
-        layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), "ones") for name in QK_NORMS})
+        layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
         layers[name] = _linear(cfg, d_in, d_out, axes, bias[name])
     specs = {
         "embed_tokens": ParamSpec((V, D), ("vocab", "table_embed")),
         "layers": layers,
-        "norm": ParamSpec((D,), ("embed",), "ones"),
+        "norm": ParamSpec((D,), ("embed",), unit),
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("table_embed", "vocab"))}
@@ -115,7 +116,7 @@ def logical_axes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random weights: normal(0, initializer_range) for matrices, ones for norms, zeros for biases.
+    """Random weights: normal(0, initializer_range) for matrices, norms scaling by 1, zeros for biases.
 
     Wrap in `jax.jit(..., static_argnums=(0, 2), out_shardings=...)` to create sharded weights in place, or in
     `jax.eval_shape` to count parameters without allocating.

@@ -12,17 +12,29 @@ from jaxtune.models.hf_weights import save_model
 from jaxtune.models.params import init_params
 
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+
+def family_traits(arch: str, num_layers: int) -> dict:
+    """What sets `arch` (a key of ARCH_NAMES) apart from Llama, as `ModelConfig` fields, in a tiny model: Gemma's
+    sliding layers alternate with full ones (Gemma 3 has one full layer in six at scale; two layers show both)."""
+    traits = {"qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
+              "mistral": dict(sliding_windows=(64,) * num_layers)}.get(arch, {})
+    if arch.startswith("gemma"):
+        traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+                      tie_word_embeddings=True, query_pre_attn_scalar=24.0,
+                      sliding_windows=tuple(0 if i % 2 else 64 for i in range(num_layers)))
+        traits.update(dict(attn_logit_softcap=50.0, final_logit_softcap=30.0) if arch == "gemma2" else
+                      dict(qk_norm=True, rope_theta=1_000_000.0, local_rope_theta=10_000.0))
+    return traits
 
 
 def tiny_model_config(arch: str = "llama", **overrides) -> ModelConfig:
     """The tiny shape of `tiny_config` for `arch`, sized for the built-in byte-level tokenizer."""
     tokenizer = Tokenizer.byte_level()
-    qwen = arch == "qwen2"
-    base = dict(architecture=ARCH_NAMES[arch], vocab_size=tokenizer.vocab_size, qkv_bias=qwen, qk_norm=arch == "qwen3",
-                bos_token_id=tokenizer.bos_id, eos_token_id=(tokenizer.eos_id,), pad_token_id=tokenizer.pad_id)
-    if arch == "mistral":
-        base["sliding_windows"] = (64,) * overrides.get("num_layers", 2)
+    base = dict(architecture=ARCH_NAMES[arch], vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                eos_token_id=(tokenizer.eos_id,), pad_token_id=tokenizer.pad_id,
+                **family_traits(arch, overrides.get("num_layers", 2)))
     return tiny_config(**{**base, **overrides})
 
 

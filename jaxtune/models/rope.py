@@ -47,3 +47,22 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array)
     half = x_BxTxNxH.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxTxNxH[..., half:], x_BxTxNxH[..., :half]], axis=-1)
     return x_BxTxNxH * cos_BxTxH[:, :, None, :] + rotated * sin_BxTxH[:, :, None, :]
+
+
+def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [R, B, T, hd] (`rope_angles`): R = 1, or 2 when sliding layers have their own base, Gemma 3's
+    `local_rope_theta` (then [full layers', sliding layers'], the sliding ones unscaled)."""
+    tables = [rope_angles(positions_BxT, cfg, dtype)]
+    if cfg.local_rope_theta is not None:
+        local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
+        tables.append(rope_angles(positions_BxT, local, dtype))
+    return tuple(jnp.stack(parts) for parts in zip(*tables))
+
+
+def layer_rope(tables: tuple[jax.Array, jax.Array], window: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A layer's cos and sin [B, T, hd] from `rope_tables`: the sliding layers' (window > 0) when there are two."""
+    cos_RxBxTxH, sin_RxBxTxH = tables
+    if cos_RxBxTxH.shape[0] == 1:
+        return cos_RxBxTxH[0], sin_RxBxTxH[0]
+    local = (window > 0).astype(jnp.int32)
+    return cos_RxBxTxH[local], sin_RxBxTxH[local]

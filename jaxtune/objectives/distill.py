@@ -55,8 +55,8 @@ def _sums(student_params, teacher, batch, ctx: Context, key=None):
     student_hidden = _hidden(student_params, ctx.cfg, batch, ctx.method, ctx.options, key)
 
     def chunk(student_BxCxD, teacher_BxCxD, labels_BxC):
-        student_logits = head_logits(student_params, student_BxCxD)
-        teacher_logits = head_logits(teacher, teacher_BxCxD)
+        student_logits = head_logits(student_params, student_BxCxD, ctx.cfg.final_logit_softcap)
+        teacher_logits = head_logits(teacher, teacher_BxCxD, ctx.second_cfg.final_logit_softcap)
         return (distillation_kl(student_logits, teacher_logits, d.temperature, d.reverse),
                 token_logps(student_logits, labels_BxC))
 

@@ -96,7 +96,8 @@ def pair_logps(params: dict, batch: dict, ctx: Context, method, mean: bool, drop
     hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=ctx.options,
                      dropout_key=dropout_key)
-    total_B, count_B = sequence_logps(label_logps(params, hidden, batch["labels"]), batch["loss_mask"])
+    logps_BxT = label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
+    total_B, count_B = sequence_logps(logps_BxT, batch["loss_mask"])
     logps = total_B / jnp.maximum(count_B, 1.0) if mean else total_B
     B = logps.shape[0] // 2
     return logps[:B], logps[B:], (count_B[:B] > 0).astype(jnp.float32)

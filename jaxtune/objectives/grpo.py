@@ -112,7 +112,7 @@ def group_advantages(rewards: list[float], group_size: int) -> np.ndarray:
 def _token_logps(params, cfg, batch, method, options, dropout_key=None):
     hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
-    return label_logps(params, hidden, batch["labels"])
+    return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap)
 
 
 def loss_terms(ctx: Context):

@@ -29,7 +29,7 @@ def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array |
     hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=ctx.method, options=ctx.options,
                      dropout_key=dropout_key)
-    logps = label_logps(params, hidden, batch["labels"])
+    logps = label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
     mask = batch["loss_mask"].astype(logps.dtype)
     return -jnp.sum(logps * mask), jnp.sum(mask)
 

@@ -39,6 +39,9 @@ BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.3}
 # Float32 [b, H, bq, bk] blocks one layer's attention backward holds beside one in the compute dtype (measured on
 # XLA:CPU): scores, probabilities and their gradients; under save_matmuls the kernel's forward is recomputed apart.
 ATTENTION_COPIES_F32 = {"none": 4, "save_matmuls": 2, "full": 4}
+# [b, c, V] float32 logits buffers a final-logit soft cap adds at the loss (tanh's output, kept for the backward),
+# measured on XLA:CPU (Gemma 2 shapes): one with adapters; 0.2 to 2 in full fine-tuning (bfloat16, float32).
+SOFTCAP_LOGITS_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,10 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
                   ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),
                   ("up", (b, T, w.F), False), ("norm statistics", (b, T, 2), True)]
-        if cfg.qk_norm:  # Qwen3: the query and key norms' inputs and statistics, for their backward
+        if cfg.sandwich_norms:  # Gemma: the sub-layers' outputs, normalised before the residual add
+            saved += [("attention block output", (b, T, w.D), False), ("MLP block output", (b, T, w.D), False),
+                      ("output norm statistics", (b, T, 2), True)]
+        if cfg.qk_norm:  # Qwen3, Gemma 3: the query and key norms' inputs and statistics, for their backward
             saved += [("q before its norm", q_shape, False), ("k before its norm", kv_shape, False),
                       ("query and key norm statistics", (b, T, w.heads + w.kv_heads), True)]
         if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj")):
@@ -200,4 +206,7 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
                   ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
     saved_bytes = (sum(nbytes(shape, input_itemsize) for _, shape, _ in saved) if policy == "full" and input_itemsize
                    else size(saved))
-    return ActivationBytes(cfg.num_layers * saved_bytes, attention, workspace, logits_one, logits_copies * logits_one)
+    if cfg.final_logit_softcap:
+        logits_copies += SOFTCAP_LOGITS_COPIES
+    return ActivationBytes(cfg.num_layers * saved_bytes, attention, workspace, logits_one,
+                           int(logits_copies * logits_one))
