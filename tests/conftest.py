@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import tempfile
@@ -49,6 +50,13 @@ ARCHS = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
+    # Fused qkv_proj and gate_up_proj, RoPE on 3/4 of each head (Phi-4-mini's), longrope (its short factors up to
+    # 64 positions, its long ones past them), one window (6) for every layer.
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {
+        "head_dim": 16, "partial_rotary_factor": 0.75, "sliding_window": 6, "original_max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                         "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]}}),
 }
 
 
@@ -84,7 +92,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
     """A random transformers model of `arch`, saved with save_pretrained into `directory`; returns the model."""
     config_cls, model_cls, extra = ARCHS[arch]
-    config = config_cls(**{**TINY, **extra, **overrides})
+    config = config_cls(**copy.deepcopy({**TINY, **extra, **overrides}))  # configs edit their rope dicts in place
     torch.manual_seed(seed)
     model = randomize(model_cls(config), seed)
     model.save_pretrained(directory)

@@ -12,7 +12,7 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.models.presets import ARCH_NAMES
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_init_writes_a_model_transformers_loads(tmp_path, arch):
     assert main(["init", str(tmp_path / "m"), "--arch", arch]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
@@ -26,7 +26,7 @@ def test_init_writes_a_model_transformers_loads(tmp_path, arch):
         assert tokenizer(text).input_ids == ours.encode(text)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_info_json_counts_equal_transformers(arch, hf_model_dir):
     directory, model = hf_model_dir(arch)
     result = subprocess.run([sys.executable, "-m", "jaxtune.cli", "info", "--model", str(directory), "--json"],

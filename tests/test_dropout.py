@@ -40,7 +40,7 @@ def adapted(method: MethodConfig, seed: int = 1) -> dict:
     """The tiny model with `method`'s leaves, lora_b non-zero (B = 0 would hide the adapter path)."""
     params = apply_method(init_params(CFG, jax.random.key(0)), CFG, method, jax.random.key(seed))
     layers = dict(params["layers"])
-    for i, name in enumerate(method.target_modules):
+    for i, name in enumerate(n for n in method.target_modules if n in layers):
         b = layers[name]["lora_b"]
         layers[name] = {**layers[name], "lora_b": 0.3 * jax.random.normal(jax.random.key(100 + i), b.shape)}
     return {**params, "layers": layers}

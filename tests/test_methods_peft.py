@@ -84,6 +84,12 @@ WILD = {
                                             target_modules=["q_proj", "k_proj", "down_proj"])),
     "gemma3_ia3": ("gemma3", IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
                                        feedforward_modules=["down_proj"])),
+    # Phi-3's fused modules, as PEFT names and shapes them: one LoRA over [q | k | v] and one over [gate | up]
+    "phi3_all_linear": ("phi3", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules="all-linear")),
+    "phi3_dora_fused": ("phi3", LoraConfig(r=4, lora_alpha=8, use_dora=True, task_type="CAUSAL_LM",
+                                           target_modules=["qkv_proj", "gate_up_proj"])),
+    "phi3_ia3": ("phi3", IA3Config(task_type="CAUSAL_LM", target_modules=["qkv_proj", "down_proj"],
+                                   feedforward_modules=["down_proj"])),
 }
 
 
@@ -263,7 +269,7 @@ def assert_merged_export(directory, adapter, cfg, method, params, peft_merged, t
     assert main(["export", "--model", str(directory), "--adapter", str(adapter), "--merged", str(tmp_path)]) == 0
     ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     merged = merge(params, method)
-    assert "lora_a" not in merged["layers"]["q_proj"]
+    assert not any("lora_a" in merged["layers"][name] for name in cfg.linear_modules)
     written = load_model(tmp_path)[1]
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(merged), jax.tree.leaves(written), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -289,7 +295,8 @@ def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tm
 
 
 @pytest.mark.parametrize("name", ["regex_rank_alpha_pattern", "dora_layers", "tied_modules_to_save", "lora_bias",
-                                  "qwen3_all_linear", "gemma2_all_linear", "gemma3_dora_qk"])
+                                  "qwen3_all_linear", "gemma2_all_linear", "gemma3_dora_qk", "phi3_all_linear",
+                                  "phi3_dora_fused"])
 def test_merged_export_of_a_wild_adapter_equals_peft_merge_and_unload(name, bases, tmp_path):
     directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     assert_merged_export(directory, tmp_path / "peft", cfg, method, loaded, peft_model.merge_and_unload().eval(),
@@ -334,3 +341,11 @@ def test_info_reports_adapter_counts_as_peft(base, tmp_path, capsys):
     adapter = json.loads(capsys.readouterr().out)["adapter"]
     assert (adapter["trainable"], adapter["total"]) == peft_model.get_nb_trainable_parameters()
     assert adapter["method"] == "lora (DoRA)"
+
+
+def test_lora_targets_phi3_lacks_name_its_fused_modules(bases):
+    """LoRA's default q_proj, v_proj select nothing on Phi-3, whose attention has one qkv_proj: the error says so."""
+    directory, cfg, params = bases("phi3")
+    with pytest.raises(JaxtuneError, match=r"selects no module of a 3-layer model with modules qkv_proj, o_proj, "
+                                           r"gate_up_proj, down_proj.*Phi-3 fuses q, k and v into qkv_proj"):
+        apply_method(params, cfg, MethodConfig("lora"), jax.random.key(0))

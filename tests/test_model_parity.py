@@ -2,6 +2,7 @@
 accurate as transformers in float32 (see reference.py)."""
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,34 @@ def test_gemma3_reads_its_local_and_global_rope_and_query_key_norms(hf_model_dir
         assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_dir, tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj are kept fused (as PEFT targets them); RoPE turns 12 of 16 dimensions;
+    longrope's short factors below 64 positions and, for a model whose original context is 8, its long factors and
+    attention factor on the same 12-token batch (transformers picks by the call's largest position too)."""
+    directory, model = hf_model_dir("phi3")
+    cfg, params = load_model(directory)
+    assert (cfg.fused_projections, cfg.rotary_dim, cfg.rope_scaling.kind, cfg.sliding_windows) == (
+        True, 12, "longrope", (6, 6, 6))
+    assert params["layers"]["qkv_proj"]["kernel"].shape == (3, 64, 64 + 2 * 32)
+    assert params["layers"]["gate_up_proj"]["kernel"].shape == (3, 64, 2 * 112)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(model, ids, mask, positions)
+    for change in (dict(partial_rotary_factor=1.0, rope_scaling=None), dict(rope_scaling=None),
+                   dict(sliding_windows=(0, 0, 0))):
+        moved = jax_logits(params, cfg.replace(**change), ids, mask, positions)
+        assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
+    from conftest import make_hf_model
+
+    short = make_hf_model("phi3", tmp_path, original_max_position_embeddings=8)
+    cfg8, params8 = load_model(tmp_path)
+    assert cfg8.rope_scaling.original_max_position_embeddings == 8 and cfg8.rope_scaling.attention_factor > 1.5
+    ref8 = hf_logits(short, ids, mask, positions)
+    assert np.abs(jax_logits(params8, cfg8, ids, mask, positions) - ref8)[mask > 0].max() <= 1e-4
+    long_off = cfg8.replace(rope_scaling=dataclasses.replace(cfg8.rope_scaling, long_factor=cfg8.rope_scaling.short_factor))
+    assert np.abs(jax_logits(params8, long_off, ids, mask, positions) - ref8)[mask > 0].max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.
@@ -131,7 +159,7 @@ def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding", "qwen3", "gemma2",
-                                  "gemma3"])
+                                  "gemma3", "phi3"])
 @pytest.mark.parametrize("max_shard_bytes", [2**31, 20_000])
 def test_round_trip_through_transformers(arch, max_shard_bytes, hf_model_dir, tmp_path):
     """load -> save -> transformers loads the saved directory (single file or shards) -> same logits."""

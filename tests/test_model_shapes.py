@@ -51,6 +51,18 @@ HUB_CONFIGS = {
                     "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
                     "torch_dtype": "bfloat16", "vocab_size": 262144}, 1.00e9, 999_885_952),
 }
+PHI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_act="silu", bos_token_id=1, rms_norm_eps=1e-05)
+HUB_CONFIGS |= {
+    "Phi-3-mini-4k-instruct": (dict(PHI, vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                    max_position_embeddings=4096, original_max_position_embeddings=4096,
+                                    sliding_window=2047, rope_theta=10000.0, rope_scaling=None, eos_token_id=32000,
+                                    pad_token_id=32000, tie_word_embeddings=False), 3.82e9, 3_821_079_552),
+    "Phi-4": (dict(PHI, vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                   num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384,
+                   original_max_position_embeddings=16384, rope_theta=250000, rope_scaling=None,
+                   sliding_window=None, eos_token_id=100265, pad_token_id=100349), 14.66e9, 14_659_507_200),
+}
 REAL.update({name: (config_from_hf(hub, name), published, exact) for name, (hub, published, exact)
              in HUB_CONFIGS.items()})
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES
 from jaxtune.errors import ConfigError, check_choice, check_range
 
 METHOD_KINDS = ("full", "lora", "qlora", "ia3", "prefix", "adapter")
-LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every family's linear module names (Phi-3's fused ones last: a module's index seeds its LoRA dropout masks).
+LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                       "gate_up_proj")
 DEFAULT_TARGETS = {"lora": ("q_proj", "v_proj"), "qlora": ("q_proj", "v_proj"),
                    "ia3": ("k_proj", "v_proj", "down_proj")}
 SAVABLE_MODULES = ("lm_head", "embed_tokens")  # what `modules_to_save` may name: trained whole, beside the adapter
@@ -33,6 +36,8 @@ def _module_names(field: str, names) -> tuple[str, ...]:
                               f"{', '.join(LINEAR_MODULE_NAMES)}, all-linear, or paths such as "
                               "model.layers.0.self_attn.q_proj")
     if all(n in LINEAR_MODULE_NAMES for n in names):
+        if set(names) >= set(SEPARATE_MODULES) or set(names) >= set(FUSED_MODULES):  # every one of a layout's
+            return LINEAR_MODULE_NAMES
         return tuple(n for n in LINEAR_MODULE_NAMES if n in names)
     return tuple(sorted(set(names)))
 

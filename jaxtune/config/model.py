@@ -6,7 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
-                 "Gemma3ForCausalLM")
+                 "Gemma3ForCausalLM", "Phi3ForCausalLM")
+# A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
+SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU with tanh-approximated GELU
 
 
@@ -15,7 +18,9 @@ class RopeScaling:
     """RoPE frequency scaling, as in transformers' `rope_parameters` (`rope_scaling` before v5).
 
     kind: "linear" divides every frequency by `factor`; "llama3" divides only the low frequencies and
-    interpolates the band between (Llama 3.1 report, section 3.3 of transformers' `_compute_llama3_parameters`).
+    interpolates the band between (Llama 3.1 report, section 3.3 of transformers' `_compute_llama3_parameters`);
+    "longrope" (Phi-3) divides frequency i by `short_factor[i]`, or by `long_factor[i]` when a call's positions
+    reach past `original_max_position_embeddings`, and scales cos and sin by `attention_factor`.
     """
 
     kind: str
@@ -23,6 +28,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,10 @@ class ModelConfig:
     place of head_dim's; `attn_logit_softcap` and `final_logit_softcap`, c * tanh(x / c) on the attention scores
     and on the logits; `local_rope_theta`, the RoPE base of sliding layers (Gemma 3; unscaled), while full layers
     use `rope_theta` and `rope_scaling`.
+
+    Phi-3: `fused_projections`, one `qkv_proj` [D, q + 2 kv] and one `gate_up_proj` [D, 2F] (gate first) in
+    place of q/k/v_proj and gate/up_proj; `partial_rotary_factor`, RoPE on the first head_dim x factor dimensions
+    of each head only.
     """
 
     vocab_size: int
@@ -68,6 +80,8 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     local_rope_theta: float | None = None
+    fused_projections: bool = False
+    partial_rotary_factor: float = 1.0
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -90,6 +104,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def linear_modules(self) -> tuple[str, ...]:
+        """The names of a layer's linear modules, attention's then the MLP's."""
+        return FUSED_MODULES if self.fused_projections else SEPARATE_MODULES
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:

@@ -22,10 +22,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from jaxtune.config.method import LINEAR_MODULE_NAMES, MethodConfig
+from jaxtune.config.method import MethodConfig
+from jaxtune.config.model import SEPARATE_MODULES
 from jaxtune.errors import JaxtuneError
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+FUSED_HINT = " (Phi-3 fuses q, k and v into qkv_proj, gate and up into gate_up_proj: target those)"
 
 
 def module_path(name: str, layer: int) -> str:
@@ -89,13 +91,15 @@ def _pattern_value(patterns: tuple[tuple[str, float], ...], path: str, default):
 
 
 @lru_cache(maxsize=256)
-def lora_layout(method: MethodConfig, num_layers: int) -> dict[str, ModuleLoRA]:
-    """The modules `method` (lora or qlora) adapts on a model of `num_layers` layers, in LINEAR_MODULE_NAMES order.
+def lora_layout(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
+                ) -> dict[str, ModuleLoRA]:
+    """The modules `method` (lora or qlora) adapts on a model of `num_layers` layers whose layers hold `modules`
+    (`ModelConfig.linear_modules`), in that order.
 
     An error names the method's fields when they select no module at all (PEFT's "Target modules ... not found").
     """
     layout = {}
-    for name in LINEAR_MODULE_NAMES:
+    for name in modules:
         paths = [module_path(name, i) for i in range(num_layers)]
         ranks = tuple(int(_pattern_value(method.rank_pattern, p, method.rank)) if is_target(method, p) else 0
                       for p in paths)
@@ -106,18 +110,20 @@ def lora_layout(method: MethodConfig, num_layers: int) -> dict[str, ModuleLoRA]:
     if not layout:
         raise JaxtuneError(f"target_modules={method.target_modules!r} (exclude_modules={method.exclude_modules!r}, "
                            f"layers_to_transform={method.layers_to_transform!r}) selects no module of a "
-                           f"{num_layers}-layer model; module paths look like {module_path('q_proj', 0)!r}")
+                           f"{num_layers}-layer model with modules {', '.join(modules)}; module paths look like "
+                           f"{module_path(modules[0], 0)!r}" + FUSED_HINT * ("qkv_proj" in modules))
     return layout
 
 
-def layer_scales(method: MethodConfig, num_layers: int) -> float | dict[str, np.ndarray]:
+def layer_scales(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
+                 ) -> float | dict[str, np.ndarray]:
     """The LoRA scale the forward multiplies by: one float when every adapted module and layer shares it (the
     common case: the compiled program is the plain one), else per module a [L] array (0 where not adapted).
 
     A layer that is not adapted needs no scale for LoRA (its zero `lora_a`/`lora_b` add nothing), but does for
     DoRA, whose magnitude would otherwise rescale it: scale 0 turns DoRA's m / ||W + s B A|| into 1 there.
     """
-    layout = lora_layout(method, num_layers)
+    layout = lora_layout(method, num_layers, modules)
     active = {float(s) for m in layout.values() for s, r in zip(m.scales, m.ranks) if r}
     skipped = any(0 in m.ranks for m in layout.values())
     if len(active) == 1 and not (method.dora and skipped):
@@ -125,21 +131,23 @@ def layer_scales(method: MethodConfig, num_layers: int) -> float | dict[str, np.
     return {name: m.scales for name, m in layout.items()}
 
 
-def adapted_modules(method: MethodConfig, num_layers: int) -> dict[str, int]:
+def adapted_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
+                    ) -> dict[str, int]:
     """{module name: its largest rank (IA3: 0)} of the modules `method` adapts in any layer; {} for methods that
     adapt no linear module."""
     if method.kind in ("lora", "qlora"):
-        return {name: m.max_rank for name, m in lora_layout(method, num_layers).items()}
+        return {name: m.max_rank for name, m in lora_layout(method, num_layers, modules).items()}
     if method.kind == "ia3":
-        return dict.fromkeys(ia3_modules(method, num_layers), 0)
+        return dict.fromkeys(ia3_modules(method, num_layers, modules), 0)
     return {}
 
 
-def ia3_modules(method: MethodConfig, num_layers: int) -> tuple[str, ...]:
+def ia3_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
+                ) -> tuple[str, ...]:
     """The modules IA3 scales. IA3's vectors are stacked over all layers, so a module is adapted in every layer or
     in none; target fields that pick some layers of a module are refused, naming the module."""
     names = []
-    for name in LINEAR_MODULE_NAMES:
+    for name in modules:
         hits = [is_target(method, module_path(name, i)) for i in range(num_layers)]
         if any(hits) and not all(hits):
             raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} (layers_to_transform="
@@ -149,5 +157,6 @@ def ia3_modules(method: MethodConfig, num_layers: int) -> tuple[str, ...]:
         if all(hits):
             names.append(name)
     if not names:
-        raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} selects no module")
+        raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} selects no module"
+                           + FUSED_HINT * ("qkv_proj" in modules))
     return tuple(names)

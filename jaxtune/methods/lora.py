@@ -22,7 +22,7 @@ LORA_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")
 
 def module_scales(method: MethodConfig, name: str, num_layers: int) -> jnp.ndarray:
     """[L]: module `name`'s LoRA scale per layer (0 where the layer is not adapted), float32 (float64 with x64)."""
-    return jnp.asarray(lora_layout(method, num_layers)[name].scales)
+    return jnp.asarray(lora_layout(method, num_layers, (name,))[name].scales)
 
 
 def _delta(module: dict, scale_L) -> jnp.ndarray:

@@ -70,7 +70,7 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
                                       "format": "nf4" if method.bits == 4 else "int8"}
         return config
     if method.kind == "ia3":
-        targets = ia3_modules(method, cfg.num_layers)
+        targets = ia3_modules(method, cfg.num_layers, cfg.linear_modules)
         return {**common, "peft_type": "IA3", "target_modules": _peft_names(method.target_modules),
                 "exclude_modules": _peft_names(method.exclude_modules),
                 "feedforward_modules": [m for m in targets if m == "down_proj"],
@@ -107,13 +107,13 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
         state[SAVED_TENSORS[name]] = np.ascontiguousarray(
             f32(params["lm_head"]["kernel"]).T if name == "lm_head" else f32(params["embed_tokens"]))
     if method.kind == "ia3":
-        for name in ia3_modules(method, cfg.num_layers):
+        for name in ia3_modules(method, cfg.num_layers, cfg.linear_modules):
             module = layers[name]
             for i in range(cfg.num_layers):
                 ia3 = f32(module["ia3_in"][i])[None, :] if "ia3_in" in module else f32(module["ia3_out"][i])[:, None]
                 state[f"{_prefix(name, i)}.ia3_l"] = np.ascontiguousarray(ia3)
         return state
-    for name, lora in lora_layout(method, cfg.num_layers).items():
+    for name, lora in lora_layout(method, cfg.num_layers, cfg.linear_modules).items():
         module = {k: f32(v) for k, v in layers[name].items() if k in LORA_LEAVES}
         for i, r in enumerate(lora.ranks):
             if not r:
@@ -287,12 +287,12 @@ def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[st
     if "embed_tokens" in method.modules_to_save:
         params["embed_tokens"] = jnp.asarray(state[SAVED_TENSORS["embed_tokens"]])
     if method.kind == "ia3":
-        for name in ia3_modules(method, L):
+        for name in ia3_modules(method, L, cfg.linear_modules):
             leaf = "ia3_in" if "ia3_in" in layers[name] else "ia3_out"
             value = np.stack([np.ravel(state[f"{_prefix(name, i)}.ia3_l"]) for i in range(L)])
             layers[name] = {**layers[name], leaf: jnp.asarray(value)}
         return {**params, "layers": layers}
-    for name, lora in lora_layout(method, L).items():
+    for name, lora in lora_layout(method, L, cfg.linear_modules).items():
         module = {k: np.array(v, np.float32) for k, v in layers[name].items() if k in LORA_LEAVES}
         module["lora_a"][:] = 0
         module["lora_b"][:] = 0

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
+from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES
 from jaxtune.config.targets import ModuleLoRA, ia3_modules, lora_layout
 from jaxtune.models.quant import QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
 
@@ -92,7 +93,7 @@ def quantize_base(params: dict, method: MethodConfig) -> dict:
     quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
     layers = {**params["layers"],
               **{name: {**params["layers"][name], "kernel": quantize(params["layers"][name]["kernel"])}
-                 for name in LINEAR_MODULE_NAMES}}
+                 for name in LINEAR_MODULE_NAMES if name in params["layers"]}}
     return {**params, "layers": layers}
 
 
@@ -101,12 +102,13 @@ def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key:
     values only for DoRA's magnitude and a tied head parted from the embedding."""
     layers = dict(params["layers"])
     L = cfg.num_layers
-    keys = dict(zip(LINEAR_MODULE_NAMES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
+    keys = dict(zip(SEPARATE_MODULES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
+    keys.update({name: jax.random.fold_in(key, i) for i, name in enumerate(("qkv_proj", "gate_up_proj"))})
     if method.kind in ("lora", "qlora"):
-        for name, lora in lora_layout(method, L).items():
+        for name, lora in lora_layout(method, L, cfg.linear_modules).items():
             layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], lora, method, keys[name])}
     elif method.kind == "ia3":
-        for name in ia3_modules(method, L):
+        for name in ia3_modules(method, L, cfg.linear_modules):
             d_in, d_out = full_shape(layers[name]["kernel"])[1:]
             leaf = {"ia3_in": jnp.ones((L, d_in))} if name == "down_proj" else {"ia3_out": jnp.ones((L, d_out))}
             layers[name] = {**layers[name], **leaf}
@@ -196,8 +198,10 @@ def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None
         return ParameterReport(total, total)
     lora = {}
     if method.kind in ("lora", "qlora"):
-        L = full_shape(params["layers"]["q_proj"]["kernel"])[0]
-        lora = {name: _lora_count(params["layers"][name], m, method) for name, m in lora_layout(method, L).items()}
+        L = full_shape(params["layers"]["o_proj"]["kernel"])[0]
+        modules = FUSED_MODULES if "qkv_proj" in params["layers"] else SEPARATE_MODULES
+        lora = {name: _lora_count(params["layers"][name], m, method)
+                for name, m in lora_layout(method, L, modules).items()}
     base = adapters = saved = 0
     for path, leaf in leaves:
         keys, size = _path_keys(path), math.prod(full_shape(leaf))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+               "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+               "Phi3ForCausalLM": "phi3"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 
@@ -39,8 +41,8 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
     params = dict((hf.get("rope_parameters") or hf.get("rope_scaling") or {}) if params is None else params)
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0) if theta is None else theta))
     kind = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if _partial_rotary_factor(hf) != 1.0 and hf.get("architectures") != ["Phi3ForCausalLM"]:
+        raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported (only Phi3ForCausalLM's)")
     if kind == "default":
         return theta, None
     if kind == "linear":
@@ -53,7 +55,22 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
             float(params["high_freq_factor"]),
             int(params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
         )
-    raise JaxtuneError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind in ("longrope", "su"):  # Phi-3's; "su" its older name
+        original = int(params.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+        factor = float(params.get("factor") or hf.get("max_position_embeddings", original) / original)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:  # LongRoPE's choice, as transformers' `_compute_longrope_parameters`
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return theta, RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                                  short_factor=tuple(map(float, params["short_factor"])),
+                                  long_factor=tuple(map(float, params["long_factor"])),
+                                  attention_factor=float(attention_factor))
+    raise JaxtuneError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def _partial_rotary_factor(hf: dict) -> float:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0)
 
 
 def _gemma3_rope(hf: dict, where: str) -> tuple[float, RopeScaling | None, float]:
@@ -74,7 +91,7 @@ def _gemma3_rope(hf: dict, where: str) -> tuple[float, RopeScaling | None, float
 
 def _sliding_windows(hf: dict, arch: str, num_layers: int, where: str) -> tuple[int, ...]:
     window = hf.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (int(window or 0),) * num_layers
     if arch in GEMMA:  # Gemma 2: every other layer from the first; Gemma 3: five of every six; absent: 4096 wide
         window = hf.get("sliding_window", 4096)
@@ -142,6 +159,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             attn_logit_softcap=cap("attn_logit_softcapping"),
             final_logit_softcap=cap("final_logit_softcapping"),
             local_rope_theta=local_theta,
+            fused_projections=arch == "Phi3ForCausalLM",
+            partial_rotary_factor=_partial_rotary_factor(hf),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -190,15 +209,32 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         if s.kind == "llama3":
             scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                            original_max_position_embeddings=s.original_max_position_embeddings)
+        if s.kind == "longrope":
+            scaling.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor),
+                           attention_factor=s.attention_factor,
+                           original_max_position_embeddings=s.original_max_position_embeddings)
+            hf["original_max_position_embeddings"] = s.original_max_position_embeddings
         hf["rope_scaling"] = scaling
         hf["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_theta}
+    phi3 = cfg.architecture == "Phi3ForCausalLM"
+    if cfg.fused_projections != phi3 or (cfg.partial_rotary_factor != 1.0 and not phi3):
+        raise JaxtuneError(f"{cfg.architecture}: fused projections and a partial rotary factor are Phi3ForCausalLM's")
+    if phi3:
+        if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
+            raise JaxtuneError("Phi3ForCausalLM has no biases")
+        hf["partial_rotary_factor"] = cfg.partial_rotary_factor
+        if "rope_parameters" in hf:
+            hf["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") + GEMMA:
         if cfg.qkv_bias != cfg.o_bias:
             raise JaxtuneError(f"{cfg.architecture} has one attention_bias flag for q, k, v and o alike")
         hf["attention_bias"] = cfg.qkv_bias
     if cfg.architecture == "LlamaForCausalLM":
         hf["mlp_bias"] = cfg.mlp_bias
-    elif cfg.architecture == "MistralForCausalLM":
+    elif cfg.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        if len(set(cfg.sliding_windows)) > 1:
+            raise JaxtuneError(f"{cfg.architecture} has one sliding_window for every layer, this config "
+                               f"{sorted(set(cfg.sliding_windows))}")
         hf["sliding_window"] = max(windows) if windows else None
     elif cfg.architecture in GEMMA:
         hf.update(_gemma_to_hf(cfg, hf))

@@ -51,7 +51,7 @@ def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConf
     """(layers to scan, static LoRA scale): per-module, per-layer scales ride in the layers when they differ."""
     if method is None or method.kind not in ("lora", "qlora"):
         return layers, 1.0
-    return with_lora_scales(layers, layer_scales(method, cfg.num_layers))
+    return with_lora_scales(layers, layer_scales(method, cfg.num_layers, cfg.linear_modules))
 
 
 def project(x, layer: dict, name: str, lora_scale: float, dropout: tuple[jax.Array, float] | None = None):
@@ -67,14 +67,18 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, d
     values [B, T, K, hd]."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q_BxTxHxh = project(x_BxTxD, layer, "q_proj", lora_scale, dropout).reshape(B, T, K * G, hd)
-    k_BxTxKxh = project(x_BxTxD, layer, "k_proj", lora_scale, dropout).reshape(B, T, K, hd)
+    if "qkv_proj" in layer:  # Phi-3: one projection, split as [queries | keys | values]
+        qkv_BxTxE = project(x_BxTxD, layer, "qkv_proj", lora_scale, dropout)
+        q_BxTxQ, k_BxTxV, v_BxTxV = jnp.split(qkv_BxTxE, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    else:
+        q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, lora_scale, dropout)
+                                     for name in ("q_proj", "k_proj", "v_proj"))
+    q_BxTxHxh, k_BxTxKxh = q_BxTxQ.reshape(B, T, K * G, hd), k_BxTxV.reshape(B, T, K, hd)
     if cfg.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
         q_BxTxHxh = norm(q_BxTxHxh, layer["q_norm"], cfg)
         k_BxTxKxh = norm(k_BxTxKxh, layer["k_norm"], cfg)
     q_BxTxHxh, k_BxTxKxh = apply_rope(q_BxTxHxh, cos, sin), apply_rope(k_BxTxKxh, cos, sin)
-    v_BxTxKxh = project(x_BxTxD, layer, "v_proj", lora_scale, dropout).reshape(B, T, K, hd)
-    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh
+    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxV.reshape(B, T, K, hd)
 
 
 def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, cfg: ModelConfig,
@@ -117,9 +121,13 @@ GATED = {"silu": jax.checkpoint(_swiglu), "gelu_tanh": jax.checkpoint(_geglu)}
 
 
 def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None) -> jax.Array:
-    """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU, or GeGLU with tanh-GELU (Gemma)."""
-    hidden = GATED[cfg.hidden_act](project(x_BxTxD, layer, "gate_proj", lora_scale, dropout),
-                                   project(x_BxTxD, layer, "up_proj", lora_scale, dropout))
+    """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU, or GeGLU with tanh-GELU (Gemma); Phi-3's gate and up
+    are the halves of one projection."""
+    if "gate_up_proj" in layer:
+        gate_BxTxF, up_BxTxF = jnp.split(project(x_BxTxD, layer, "gate_up_proj", lora_scale, dropout), 2, axis=-1)
+    else:
+        gate_BxTxF, up_BxTxF = (project(x_BxTxD, layer, name, lora_scale, dropout) for name in ("gate_proj", "up_proj"))
+    hidden = GATED[cfg.hidden_act](gate_BxTxF, up_BxTxF)
     return project(hidden, layer, "down_proj", lora_scale, dropout)
 
 

@@ -14,6 +14,7 @@ The tree mirrors Hugging Face module names so that methods can target `q_proj`, 
                 "k_proj" / "v_proj": {"kernel": [L, D, K*hd], "bias"?: [L, K*hd]},
                 "o_proj": {"kernel": [L, H*hd, D]},
                 "gate_proj" / "up_proj": {"kernel": [L, D, F]}, "down_proj": {"kernel": [L, F, D]}},
+                # Phi-3 fuses them: "qkv_proj" [L, D, H*hd + 2*K*hd] and "gate_up_proj" [L, D, 2F] (gate first)
      "norm": [D],
      "lm_head"?: {"kernel": [D, V]}}            # absent when the embeddings are tied
 
@@ -31,10 +32,9 @@ import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's RMSNorm weights over a head's queries and keys (self_attn)
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
+MLP_MODULES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -61,23 +61,24 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias
 LINEAR_AXES = {  # logical axes (in, out) of each per-layer linear module's kernel, keyed by its Hugging Face name
     "q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
     "o_proj": ("q_heads", "embed"), "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
-    "down_proj": ("mlp", "embed"),
+    "down_proj": ("mlp", "embed"), "qkv_proj": ("embed", "q_heads"), "gate_up_proj": ("embed", "mlp"),
 }
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str, str]]]:
-    """(in, out, logical axes) of each per-layer linear module, keyed by its Hugging Face name."""
+    """(in, out, logical axes) of each per-layer linear module of `cfg`, keyed by its Hugging Face name."""
     D, F, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     sizes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D), "gate_proj": (D, F),
-             "up_proj": (D, F), "down_proj": (F, D)}
-    return {name: (*sizes[name], LINEAR_AXES[name]) for name in LINEAR_AXES}
+             "up_proj": (D, F), "down_proj": (F, D), "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F)}
+    return {name: (*sizes[name], LINEAR_AXES[name]) for name in cfg.linear_modules}
 
 
 def param_specs(cfg: ModelConfig) -> dict:
     """The parameter tree of `cfg` as `ParamSpec` leaves."""
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
-    bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias,
-            "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "down_proj": cfg.mlp_bias}
+    bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "qkv_proj": cfg.qkv_bias,
+            "o_proj": cfg.o_bias, "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "gate_up_proj": cfg.mlp_bias,
+            "down_proj": cfg.mlp_bias}
     unit = "zeros" if cfg.norm_unit_offset else "ones"  # a norm's scale is 1 either way
     norms = ("input_layernorm", "post_attention_layernorm")
     norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()

@@ -11,12 +11,17 @@ import numpy as np
 from jaxtune.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[hd/2] float32 inverse frequencies, after `rope_scaling` (none, linear or llama3)."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
+def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
+    """[rotary_dim/2] float32 inverse frequencies, after `rope_scaling` (none, linear, llama3 or longrope: its
+    short factors, or its long ones with `long`)."""
+    dim = cfg.rotary_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     scaling = cfg.rope_scaling
+    if scaling is not None and scaling.kind == "longrope":
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
+        powers = (cfg.rope_theta ** exponents.astype(np.float64)).astype(np.float32)  # float32 steps, as torch's
+        return np.float32(1.0) / (factors * powers)
+    inv_freq = (1.0 / (cfg.rope_theta ** exponents)).astype(np.float32)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
@@ -34,19 +39,35 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, each [B, T, hd], computed in float32 and cast to the compute dtype (as transformers does); for
-    float64 compute, cos and sin of the same float32 angles in float64."""
+    """cos and sin, each [B, T, rotary_dim], computed in float32 and cast to the compute dtype (as transformers
+    does); for float64 compute, cos and sin of the same float32 angles in float64.
+
+    longrope, as transformers' `longrope_frequency_update`: the long factors for the whole call when its largest
+    position reaches past `original_max_position_embeddings`, else the short ones; cos and sin times its
+    `attention_factor`. (A cache keeps keys rotated as they were written: a generation that crosses that length
+    goes on with the long factors for the new tokens only, where transformers' Phi-3 recomputes the prompt.)"""
     inv_freq = jnp.asarray(inverse_frequencies(cfg))
+    scaling, attention_factor = cfg.rope_scaling, 1.0
+    if scaling is not None and scaling.kind == "longrope":
+        long = jnp.max(positions_BxT) + 1 > scaling.original_max_position_embeddings
+        inv_freq = jnp.where(long, jnp.asarray(inverse_frequencies(cfg, long=True)), inv_freq)
+        attention_factor = scaling.attention_factor
     freqs_BxTxH = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs_BxTxH, freqs_BxTxH], axis=-1).astype(jnp.promote_types(dtype, jnp.float32))
+    if attention_factor != 1.0:
+        return (jnp.cos(emb) * attention_factor).astype(dtype), (jnp.sin(emb) * attention_factor).astype(dtype)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array) -> jax.Array:
-    """Rotate each head's vector: x * cos + rotate_half(x) * sin."""
-    half = x_BxTxNxH.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BxTxNxH[..., half:], x_BxTxNxH[..., :half]], axis=-1)
-    return x_BxTxNxH * cos_BxTxH[:, :, None, :] + rotated * sin_BxTxH[:, :, None, :]
+def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array) -> jax.Array:
+    """Rotate the first R dimensions of each head's vector, x * cos + rotate_half(x) * sin, and pass the rest
+    (R < hd: Phi-3's partial rotary factor)."""
+    R = cos_BxTxR.shape[-1]
+    x_rot, x_pass = x_BxTxNxH[..., :R], x_BxTxNxH[..., R:]
+    half = R // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos_BxTxR[:, :, None, :] + rotated * sin_BxTxR[:, :, None, :]
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
 def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:

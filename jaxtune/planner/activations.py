@@ -89,8 +89,9 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
     hd = w.head_dim
     q_shape, kv_shape = (b, T, w.heads, hd), (b, T, w.kv_heads, hd)
     out_width = {"q_proj": q_shape, "k_proj": kv_shape, "v_proj": kv_shape, "o_proj": (b, T, w.D),
-                 "gate_proj": (b, T, w.F), "up_proj": (b, T, w.F), "down_proj": (b, T, w.D)}
-    adapted = adapted_modules(method, cfg.num_layers)
+                 "gate_proj": (b, T, w.F), "up_proj": (b, T, w.F), "down_proj": (b, T, w.D),
+                 "qkv_proj": (b, T, w.q + 2 * w.kv), "gate_up_proj": (b, T, 2 * w.F)}
+    adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
     lora = adapted if method.kind in ("lora", "qlora") else {}
     trains_input = lambda module: _trains_input(method, module, adapted)
     saved = [("x", (b, T, w.D), False)]
@@ -111,9 +112,9 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         if cfg.qk_norm:  # Qwen3, Gemma 3: the query and key norms' inputs and statistics, for their backward
             saved += [("q before its norm", q_shape, False), ("k before its norm", kv_shape, False),
                       ("query and key norm statistics", (b, T, w.heads + w.kv_heads), True)]
-        if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj")):
+        if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj", "qkv_proj")):
             saved.append(("input norm output", (b, T, w.D), False))
-        if any(trains_input(m) for m in ("gate_proj", "up_proj")):
+        if any(trains_input(m) for m in ("gate_proj", "up_proj", "gate_up_proj")):
             saved.append(("post-attention norm output", (b, T, w.D), False))
         if method.kind == "full":
             saved += [("normalised x", (b, T, w.D), False), ("normalised x after attention", (b, T, w.D), False)]
@@ -137,7 +138,9 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     are narrow enough to hide in BACKWARD_SHARE)."""
     if method.kind not in ("lora", "qlora"):
         return 0
-    mlp_adapted = sum(m in adapted_modules(method, cfg.num_layers) for m in ("gate_proj", "up_proj", "down_proj"))
+    adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
+    mlp_adapted = sum(width * (m in adapted) for m, width in (("gate_proj", 1), ("up_proj", 1), ("gate_up_proj", 2),
+                                                              ("down_proj", 1)))
     return int(1.6 * mlp_adapted * w.b * w.T * w.F)
 
 
