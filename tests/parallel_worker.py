@@ -6,6 +6,7 @@ sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=
     python tests/parallel_worker.py full|lora|qlora
     python tests/parallel_worker.py loop CONFIG.toml [section.key=value ...]
     python tests/parallel_worker.py planner
+    python tests/parallel_worker.py families
 
 For one method: 10 steps on one device, then on each mesh (fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2);
 the per-device bytes under fsdp=8; bfloat16 moments (LoRA). `loop` runs `fine_tune` on the 8 devices (the
@@ -268,6 +269,36 @@ def load(model_dir: str, method_name: str) -> dict:
             "axes": str(jax.tree.map(lambda a: a, logical_axes(cfg))["layers"]["q_proj"])}
 
 
+def families() -> dict:
+    """LoRA on every linear module of a tiny Gemma 2, Gemma 3 and Phi-3 (fused projections, sandwich norms, q/k
+    norms): {arch: {mesh: largest relative loss difference from one device over 4 steps}}."""
+    from jaxtune.models.presets import tiny_model_config
+
+    out = {}
+    for arch in ("gemma2", "gemma3", "phi3"):
+        cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1)
+        method = METHODS["lora"]
+        base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+        params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
+        params["layers"] = {name: ({**m, "lora_b": m["lora_b"] + 0.01} if isinstance(m, dict) and "lora_b" in m
+                                   else m) for name, m in params["layers"].items()}
+        trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+        losses = {}
+        for mesh, config in (("one", MeshConfig(fsdp=1)), ("fsdp=8", MESHES["fsdp=8"]),
+                             ("fsdp=4 x tensor=2", MESHES["fsdp=4 x tensor=2"])):
+            plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
+            devices = jax.devices()[:1] if mesh == "one" else None
+            run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
+            state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
+            losses[mesh] = []
+            for batch in batches()[:4]:
+                state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
+                losses[mesh].append(float(metrics["loss"]))
+        out[arch] = {mesh: relative_diff(losses[mesh], losses["one"]) for mesh in losses if mesh != "one"}
+        out[arch]["loss fell"] = losses["one"][-1] < losses["one"][0]
+    return out
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     if sys.argv[1] == "load":
@@ -280,5 +311,7 @@ if __name__ == "__main__":
         print(json.dumps(loop(sys.argv[2], sys.argv[3:])))
     elif sys.argv[1] == "planner":
         print(json.dumps(planner()))
+    elif sys.argv[1] == "families":
+        print(json.dumps(families()))
     else:
         print(json.dumps(run(sys.argv[1])))

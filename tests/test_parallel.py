@@ -100,6 +100,18 @@ def test_frozen_bfloat16_kernels_are_gathered_a_piece_at_a_time():
 
 
 @pytest.mark.slow
+def test_gemma_and_phi3_train_on_every_mesh_as_on_one_device():
+    """LoRA on every linear module of a tiny Gemma 2, Gemma 3 and Phi-3: their own leaves (sandwich and q/k norms,
+    fused qkv_proj and gate_up_proj) follow the sharding rules, and 4 steps on fsdp=8 and fsdp=4 x tensor=2 give
+    the one-device losses within 1e-5 (tests/parallel_worker.py families)."""
+    out = run_worker("families")
+    assert set(out) == {"gemma2", "gemma3", "phi3"}
+    for arch, diffs in out.items():
+        assert diffs.pop("loss fell"), arch
+        assert diffs and all(d <= 1e-5 for d in diffs.values()), (arch, diffs)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_sharded_training_on_8_devices(method):
     """One subprocess per method (its compiles dominate), checking:
