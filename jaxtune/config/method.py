@@ -67,17 +67,18 @@ class MethodConfig:
     """A fine-tuning method and its hyper-parameters.
 
     kind: full | lora | qlora | ia3 | prefix | adapter.
-    target_modules: module names (q_proj ... down_proj), ("all-linear",), module paths as PEFT writes them
-    (`model.layers.1.mlp.up_proj`), or a string: a regular expression over such paths (PEFT's string form);
-    default q_proj v_proj (k_proj v_proj down_proj for IA3, which scales the input of MLP modules and the output of
-    attention modules, as PEFT does). exclude_modules, layers_to_transform (+ layers_pattern), rank_pattern and
-    alpha_pattern ({regex: rank or alpha}, first match wins) narrow or vary that per module and layer with PEFT's
-    rules (see `jaxtune.config.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with `rslora`
-    (Kalajdzievski 2023); `dora` adds DoRA's magnitude vector (Liu et al. 2024); `lora_bias` gives LoRA's B a bias.
-    modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that name).
-    QLoRA keeps every linear base weight frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing the
-    NF4 block scales. Prefix tuning learns `num_virtual_tokens` keys and values per layer; bottleneck adapters of
-    width `adapter_size` follow attention and MLP (Houlsby et al. 2019).
+    target_modules: module names (q_proj ... down_proj; Phi-3's fused qkv_proj and gate_up_proj), ("all-linear",)
+    (every linear module of the model's layers; a list naming all of one layout's is the same), module paths as PEFT
+    writes them (`model.layers.1.mlp.up_proj`), or a string: a regular expression over such paths (PEFT's string
+    form); default q_proj v_proj (k_proj v_proj down_proj for IA3, which scales the input of MLP modules and the
+    output of attention modules, as PEFT does). exclude_modules, layers_to_transform (+ layers_pattern),
+    rank_pattern and alpha_pattern ({regex: rank or alpha}, first match wins) narrow or vary that per module and
+    layer with PEFT's rules (see `jaxtune.config.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with
+    `rslora` (Kalajdzievski 2023); `dora` adds DoRA's magnitude vector (Liu et al. 2024); `lora_bias` gives LoRA's B
+    a bias. modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that
+    name). QLoRA keeps every linear base weight frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing
+    the NF4 block scales. Prefix tuning learns `num_virtual_tokens` keys and values per layer; bottleneck adapters
+    of width `adapter_size` follow attention and MLP (Houlsby et al. 2019).
 
     An invalid value raises a `ConfigError` (a ValueError) naming the field, the value and what is valid.
     """
