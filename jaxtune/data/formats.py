@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -238,21 +239,45 @@ def _check_messages(where: str, record: dict) -> list[dict]:
 def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans [start, end) the loss covers.
 
-    Assistant message i is trained from the end of the render of messages[:i] with the generation prompt to the
-    end of the render of messages[:i+1], trailing whitespace excluded: its content and what closes it.
+    Assistant message i is trained from the end of the render of messages[:i] with the generation prompt to the end
+    of the render of messages[:i+1], trailing whitespace excluded: what the model writes after the prompt (a
+    reasoning block the template adds, the content) and what closes it (EOS / end-of-turn token). Templates that
+    render a turn differently once later turns follow break that prefix property: Qwen3 drops the reasoning block
+    (`<think>...</think>` in the content) of earlier turns, Phi-3 ends only the last turn with EOS. Then the turn's
+    content (without a dropped reasoning block) is found in the whole render after the previous message's, and
+    trained with as much of the closing text its own render puts after it as the whole render has there.
     """
     try:
         text = render_chat(messages, tokenizer)
-        spans = []
+        spans, cursor = [], 0  # cursor: where the previous message's content ends in `text`
         for i, m in enumerate(messages):
+            body = m["content"].strip()
             if m["role"] != "assistant":
+                found = text.find(body, cursor) if body else -1
+                cursor = found + len(body) if found >= 0 else cursor
                 continue
             before = render_chat(messages[:i], tokenizer, add_generation_prompt=True)
             through = render_chat(messages[: i + 1], tokenizer).rstrip()
-            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-                raise JaxtuneError(f"{where}: the chat template does not render the conversation before assistant "
-                                   f"message {i} as a prefix of the whole, so the loss mask cannot be found")
-            spans.append((len(before), len(through)))
+            start = len(before) if text.startswith(before) and len(before) >= cursor else None
+            if start is not None and text.startswith(through) and start <= len(through):
+                end = len(through)
+            else:
+                if "</think>" in body and body not in text:  # a reasoning block the template drops from history
+                    body = body.rsplit("</think>", 1)[-1].strip()
+                found = text.find(body, cursor if start is None else start) if body else -1
+                if found < 0:
+                    raise JaxtuneError(f"{where}: the chat template renders assistant message {i} neither after the "
+                                       "conversation before it nor with its content as written, so the loss mask "
+                                       "cannot be found")
+                # what closes the turn in its own render ("<|im_end|>"), or as much of it, up to a whitespace, as
+                # the whole render has there (Phi-3 puts EOS after the last turn only)
+                closing = through[through.rfind(body) + len(body):]
+                cuts = [closing] + [closing[:m.start()] for m in reversed(list(re.finditer(r"\s+", closing)))]
+                end = found + len(body)
+                end += next((len(cut) for cut in cuts if text.startswith(cut, end)), 0)
+                start = found if start is None else start
+            spans.append((start, end))
+            cursor = end
     except (jinja2.TemplateError, TypeError) as e:  # a template's own error, or one it hits (e.g. str + int)
         raise JaxtuneError(f"{where}: chat template: {e}") from None
     return text, spans
