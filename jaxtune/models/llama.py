@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3) as pure functions over the parameter tree
-of `params.py`.
+"""The Llama-family decoder (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3) as pure functions over the parameter
+tree of `params.py`.
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
 depth; `jax.checkpoint` wraps the block under a `Remat` policy. Attention is blockwise (`attention.py`): memory
