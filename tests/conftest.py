@@ -57,6 +57,15 @@ ARCHS = {
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                          "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]}}),
+    # Mixtures of experts, top-2 routing: Mixtral's 4 experts (window 6); Qwen2-MoE's 4 narrower experts, their top 2
+    # weights not renormalised, and a shared expert; Qwen3-MoE's 6 with renormalised weights and query/key norms.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
+        "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6}),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, {
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 2,
+        "norm_topk_prob": True}),
 }
 
 

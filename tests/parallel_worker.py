@@ -7,6 +7,7 @@ sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=
     python tests/parallel_worker.py loop CONFIG.toml [section.key=value ...]
     python tests/parallel_worker.py planner
     python tests/parallel_worker.py families
+    python tests/parallel_worker.py mixtures
 
 For one method: 10 steps on one device, then on each mesh (fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2);
 the per-device bytes under fsdp=8; bfloat16 moments (LoRA). `loop` runs `fine_tune` on the 8 devices (the
@@ -299,6 +300,42 @@ def families() -> dict:
     return out
 
 
+def mixtures() -> dict:
+    """Tiny mixtures of experts with their load-balancing loss on: a full fine-tune of a Mixtral and a Qwen3-MoE
+    (the experts train), LoRA on the attention and shared expert of a Qwen2-MoE, on meshes with an expert axis:
+    {arch: {mesh: largest relative loss difference from one device over 4 steps}}."""
+    from jaxtune.models.presets import tiny_model_config
+
+    meshes = {"fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
+              "fsdp=2 x expert=2 x tensor=2": MeshConfig(fsdp=2, expert=2, tensor=2)}
+    out = {}
+    for arch, method in (("mixtral", METHODS["full"]), ("qwen2_moe", METHODS["lora"]), ("qwen3_moe", METHODS["full"])):
+        cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, output_router_logits=True,
+                                router_aux_loss_coef=0.1)
+        base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+        params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
+        params["layers"] = {name: ({**m, "lora_b": m["lora_b"] + 0.01} if isinstance(m, dict) and "lora_b" in m
+                                   else m) for name, m in params["layers"].items()}
+        trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+        losses = {}
+        for mesh, config in (("one", MeshConfig(fsdp=1)), *meshes.items()):
+            plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
+            devices = jax.devices()[:1] if mesh == "one" else None
+            run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
+            state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
+            losses[mesh] = []
+            for batch in batches()[:4]:
+                state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
+                losses[mesh].append(float(metrics["loss"]))
+            if mesh == "fsdp=2 x expert=4":
+                experts = (state["params"] if method.kind == "full" else placed)["layers"]["experts"]["down_proj"]
+                out.setdefault("expert shards", str(experts["kernel"].sharding.spec))
+        out[arch] = {mesh: relative_diff(losses[mesh], losses["one"]) for mesh in losses if mesh != "one"}
+        if method.kind == "full":  # (4 steps of LoRA on a Qwen2-MoE's attention and shared expert move it little)
+            out[arch]["loss fell"] = losses["one"][-1] < losses["one"][0]
+    return out
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     if sys.argv[1] == "load":
@@ -313,5 +350,7 @@ if __name__ == "__main__":
         print(json.dumps(planner()))
     elif sys.argv[1] == "families":
         print(json.dumps(families()))
+    elif sys.argv[1] == "mixtures":
+        print(json.dumps(mixtures()))
     else:
         print(json.dumps(run(sys.argv[1])))

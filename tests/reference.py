@@ -41,6 +41,15 @@ def _rms_norm_float64(self, x):
     return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _router_float64(self, x):
+    """A mixture's router (transformers casts its softmax to float32 even in a float64 model)."""
+    logits = torch.nn.functional.linear(x.reshape(-1, self.hidden_dim), self.weight)
+    top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top, index
+
+
 def _rotary_float64(self, x, position_ids, layer_type=None):
     prefix = f"{layer_type}_" if layer_type else ""  # Gemma 3 keeps one table a layer type
     inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
@@ -73,14 +82,20 @@ for _module in (gemma2_modeling, gemma3_modeling):
 
 
 def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of a transformers or PEFT model whose norms and rotary embeddings also run in float64."""
+    """A float64 copy of a transformers or PEFT model whose norms and rotary embeddings also run in float64 (a
+    mixture's experts as a loop over experts: torch's grouped matmul has no float64)."""
     model = copy.deepcopy(model).double().eval()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith("Mixtral"):
+        base.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             module.forward = types.MethodType(_rms_norm_float64, module)
         elif name.endswith("RotaryEmbedding"):
             module.forward = types.MethodType(_rotary_float64, module)
+        elif name.endswith("TopKRouter"):
+            module.forward = types.MethodType(_router_float64, module)
     return model
 
 

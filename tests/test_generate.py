@@ -89,7 +89,7 @@ def test_prefill_and_decode_equal_the_full_forward(tiny):
 
 @pytest.mark.parity
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2_sliding", "qwen3", "gemma2", "gemma3",
-                                  "phi3"])
+                                  "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_greedy_equals_transformers_generate(arch, hf_model_dir):
     """A batch of prompts of different lengths, left-padded in transformers; Mistral's window (5) and Qwen2's (4,
     on two of three layers) are shorter than prompt + generation."""

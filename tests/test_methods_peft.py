@@ -90,6 +90,12 @@ WILD = {
                                            target_modules=["qkv_proj", "gate_up_proj"])),
     "phi3_ia3": ("phi3", IA3Config(task_type="CAUSAL_LM", target_modules=["qkv_proj", "down_proj"],
                                    feedforward_modules=["down_proj"])),
+    # Mixtures: attention, and Qwen2-MoE's shared expert (mlp.shared_expert.*_proj); the experts are not modules
+    "mixtral_qv": ("mixtral", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"])),
+    "qwen2_moe_shared": ("qwen2_moe", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
+    "qwen3_moe_dora": ("qwen3_moe", LoraConfig(r=4, lora_alpha=8, use_dora=True, task_type="CAUSAL_LM",
+                                               target_modules=["q_proj", "k_proj", "o_proj"])),
 }
 
 
@@ -296,7 +302,7 @@ def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tm
 
 @pytest.mark.parametrize("name", ["regex_rank_alpha_pattern", "dora_layers", "tied_modules_to_save", "lora_bias",
                                   "qwen3_all_linear", "gemma2_all_linear", "gemma3_dora_qk", "phi3_all_linear",
-                                  "phi3_dora_fused"])
+                                  "phi3_dora_fused", "qwen2_moe_shared", "qwen3_moe_dora"])
 def test_merged_export_of_a_wild_adapter_equals_peft_merge_and_unload(name, bases, tmp_path):
     directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     assert_merged_export(directory, tmp_path / "peft", cfg, method, loaded, peft_model.merge_and_unload().eval(),

@@ -129,3 +129,30 @@ def test_cli_prints_one_line_without_traceback(case, model_copy, tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert expected in result.stderr
+
+
+def test_mixture_tensors_disagreeing_with_the_config_are_named_as_stored(hf_model_dir, tmp_path):
+    """Mixtral's hub names (block_sparse_moe, w1/w2/w3) in the messages, not the names jaxtune reads them under."""
+    directory, _ = hf_model_dir("mixtral")
+    shutil.copytree(directory, tmp_path / "m")
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"] = np.zeros((40, 64), np.float32)
+    del tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JaxtuneError, match=r"tensor model.layers.0.block_sparse_moe.experts.3.w2.weight is missing"):
+        load_model(tmp_path / "m")
+    tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"] = np.zeros((64, 48), np.float32)
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(JaxtuneError, match=r"model.layers.1.block_sparse_moe.experts.2.w3.weight has shape \(40, 64\), "
+                                           r"expected \(48, 64\)"):
+        load_model(tmp_path / "m")
+
+
+def test_mixture_with_dense_layers_is_refused_by_name(hf_model_dir, tmp_path):
+    directory, _ = hf_model_dir("qwen3_moe")
+    shutil.copytree(directory, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [1]}))
+    with pytest.raises(JaxtuneError, match=r"config.json: decoder_sparse_step=1, mlp_only_layers=\[1\]: jaxtune's "
+                                           "mixtures have experts in every layer"):
+        load_model(tmp_path / "m")

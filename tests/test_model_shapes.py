@@ -63,6 +63,37 @@ HUB_CONFIGS |= {
                    original_max_position_embeddings=16384, rope_theta=250000, rope_scaling=None,
                    sliding_window=None, eos_token_id=100265, pad_token_id=100349), 14.66e9, 14_659_507_200),
 }
+HUB_CONFIGS |= {  # mixtures of experts
+    "Mixtral-8x7B-v0.1": ({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+                           "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                           "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+                           "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                           "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+                           "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+                           "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                           "vocab_size": 32000}, 46.70e9, 46_702_792_704),
+    "Qwen3-30B-A3B": ({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+                       "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                       "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+                       "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+                       "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+                       "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                       "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+                       "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+                       "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+                       "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936},
+                      30.53e9, 30_532_122_624),
+    "Qwen1.5-MoE-A2.7B": ({"architectures": ["Qwen2MoeForCausalLM"], "bos_token_id": 151643,
+                           "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+                           "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192,
+                           "max_window_layers": 21, "model_type": "qwen2_moe", "moe_intermediate_size": 1408,
+                           "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 60,
+                           "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16,
+                           "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                           "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 5632,
+                           "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                           "use_sliding_window": False, "vocab_size": 151936}, 14.32e9, 14_315_784_192),
+}
 REAL.update({name: (config_from_hf(hub, name), published, exact) for name, (hub, published, exact)
              in HUB_CONFIGS.items()})
 
@@ -77,6 +108,20 @@ def test_hub_gemma_configs_read_as_transformers_reads_them():
     assert gemma3.sliding_windows == ((512,) * 5 + (0,)) * 4 + (512, 512)
     assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.rope_scaling, gemma3.qk_norm) == (1e6, 1e4, None, True)
     assert (gemma3.attn_logit_softcap, gemma3.final_logit_softcap, gemma3.eos_token_id) == (None, None, (1, 106))
+
+
+def test_hub_mixture_configs_read_as_transformers_reads_them():
+    """Experts, top k and its normalisation, Qwen2-MoE's shared expert and biases; the load-balancing loss stays off
+    as output_router_logits says."""
+    mixtral, qwen3, qwen2 = (REAL[n][0] for n in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B"))
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_size, mixtral.normalize_top_k) == (
+        8, 2, 14336, True)
+    assert (qwen3.num_experts, qwen3.experts_per_token, qwen3.expert_size, qwen3.normalize_top_k, qwen3.qk_norm) == (
+        128, 8, 768, True, True)
+    assert (qwen2.expert_size, qwen2.shared_expert_size, qwen2.normalize_top_k, qwen2.qkv_bias, qwen2.o_bias) == (
+        1408, 5632, False, True, False)
+    assert qwen2.linear_modules[4:] == ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+    assert not any(c.output_router_logits for c in (mixtral, qwen3, qwen2)) and mixtral.router_aux_loss_coef == 0.02
 
 
 @pytest.mark.parametrize("name", list(REAL))

@@ -135,3 +135,33 @@ def test_every_objective_reads_gemma_soft_capped_log_probs_as_transformers(hf_mo
     assert float(count) == loss_mask.sum()
     assert float(kl) == pytest.approx(kl_ref, rel=1e-5)
     assert float(nll) == pytest.approx(-(logps * loss_mask).sum(), rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_sft_loss_with_the_router_loss_equals_transformers(arch, tmp_path):
+    """A mixture trained with its load-balancing loss: one micro-batch's loss / tokens is transformers'
+    `loss + router_aux_loss_coef * aux_loss` (output_router_logits), padding left out of both; without the flag
+    neither adds it."""
+    from conftest import make_hf_model
+
+    from jaxtune.objectives.sft import batch_loss
+
+    model = make_hf_model(arch, tmp_path, output_router_logits=True, router_aux_loss_coef=0.5)
+    cfg, params = load_model(tmp_path)
+    assert (cfg.output_router_logits, cfg.router_aux_loss_coef) == (True, 0.5)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ids, mask, positions = ids[[0, 2]], mask[[0, 2]], positions[[0, 2]]  # right padding: packed rows' convention
+    labels = np.where(mask > 0, ids, -100)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    assert float(out.aux_loss) > 1.0  # E * sum f P: 1 at perfect balance
+    batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1), "positions": positions,
+             "segment_ids": mask.astype(np.int32), "loss_mask": (np.roll(mask, -1, axis=1) * mask).astype(np.float32)}
+    batch["loss_mask"][:, -1] = 0
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    ctx = Context(cfg, None, ForwardOptions())
+    loss, count = jax.jit(lambda p, b: batch_loss(p, b, ctx, router_loss=True))(params, batch)
+    np.testing.assert_allclose(float(loss / count), float(out.loss), rtol=2e-6)
+    plain = Context(cfg.replace(output_router_logits=False), None, ForwardOptions())
+    loss, count = jax.jit(lambda p, b: batch_loss(p, b, plain, router_loss=True))(params, batch)
+    np.testing.assert_allclose(float(loss / count), float(out.loss - 0.5 * out.aux_loss), rtol=2e-6)

@@ -296,11 +296,12 @@ def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_pat
     assert abs(losses["float"] - losses["as-trained"]) > 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path):
     """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16), a
-    Gemma 2 (soft caps, sandwich norms, GeGLU), a Gemma 3 (local and global RoPE) or a Phi-3 (fused projections,
-    quantised fused): the held-out loss falls, and
+    Gemma 2 (soft caps, sandwich norms, GeGLU), a Gemma 3 (local and global RoPE), a Phi-3 (fused projections,
+    quantised fused) or a mixture of experts (experts quantised, adapters on attention and Qwen2-MoE's shared
+    expert): the held-out loss falls, and
     the merged export is a model of the same class that transformers loads with the logits jaxtune computes for
     the adapter on the float base."""
     from jaxtune.methods.peft import load_model_with_adapter

@@ -6,10 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
-                 "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                 "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                 "Qwen3MoeForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")  # Qwen2-MoE
+EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [E, in, out] (gate and up fused)
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU with tanh-approximated GELU
 
 
@@ -52,6 +55,14 @@ class ModelConfig:
     Phi-3: `fused_projections`, one `qkv_proj` [D, q + 2 kv] and one `gate_up_proj` [D, 2F] (gate first) in
     place of q/k/v_proj and gate/up_proj; `partial_rotary_factor`, RoPE on the first head_dim x factor dimensions
     of each head only.
+
+    Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` > 0 replaces every layer's MLP by a router
+    (a linear map to E logits; softmax in float32, the top `experts_per_token`, renormalised to sum to 1 when
+    `normalize_top_k`) and E gated MLPs of width `expert_size` (0: intermediate_size), run as grouped matmuls
+    over the tokens sorted by expert. `shared_expert_size` > 0 (Qwen2-MoE) adds a gated MLP every token passes
+    through, scaled by sigmoid(shared_expert_gate(x)); its modules are `shared_expert.{gate,up,down}_proj`.
+    `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
+    routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
 
     vocab_size: int
@@ -82,6 +93,13 @@ class ModelConfig:
     local_rope_theta: float | None = None
     fused_projections: bool = False
     partial_rotary_factor: float = 1.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    normalize_top_k: bool = True
+    shared_expert_size: int = 0
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -94,6 +112,10 @@ class ModelConfig:
             raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.num_experts and not self.expert_size:  # Mixtral's experts are as wide as a dense MLP
+            object.__setattr__(self, "expert_size", self.intermediate_size)
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} is not in 1..num_experts={self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -107,8 +129,16 @@ class ModelConfig:
 
     @property
     def linear_modules(self) -> tuple[str, ...]:
-        """The names of a layer's linear modules, attention's then the MLP's."""
+        """The names of a layer's linear modules, attention's then the MLP's (a mixture's shared expert, if any:
+        its experts are not among them)."""
+        if self.num_experts:
+            return SEPARATE_MODULES[:4] + SHARED_EXPERT_MODULES * bool(self.shared_expert_size)
         return FUSED_MODULES if self.fused_projections else SEPARATE_MODULES
+
+    @property
+    def mlp_size(self) -> int:
+        """The width of the layer's gate/up/down_proj: the MLP's, or a mixture's shared expert's."""
+        return self.shared_expert_size if self.num_experts else self.intermediate_size
 
     @property
     def rotary_dim(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from jaxtune.config.forward import Remat
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 MOMENT_DTYPES = ("float32", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -27,17 +27,22 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class ModelSection:
     """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
-    always float32 master weights; compute_dtype "bfloat16" gives mixed precision."""
+    always float32 master weights; compute_dtype "bfloat16" gives mixed precision. router_aux_loss_coef: a mixture
+    of experts' load-balancing loss weight in training (0: none); -1: as its config.json says (transformers':
+    `router_aux_loss_coef` if `output_router_logits`, else none)."""
 
     path: str = ""
     dtype: str = "auto"
     compute_dtype: str = "float32"
     remat: str = "none"
+    router_aux_loss_coef: float = -1.0
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         Remat(self.remat)
+        if self.router_aux_loss_coef < 0 and self.router_aux_loss_coef != -1:
+            raise ConfigError("router_aux_loss_coef", self.router_aux_loss_coef, "needs >= 0, or -1 (config.json's)")
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,11 @@ class TrainConfig:
         check_range("resume_step", self.resume_step, -1)
 
 
+def batch_ways(sizes) -> int:
+    """How many ways a batch's rows are split on a mesh of axis `sizes`: data x fsdp x expert."""
+    return sizes["data"] * sizes["fsdp"] * sizes["expert"]
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Mesh axis sizes; -1 takes the devices the others leave (at most one axis may say -1).
@@ -120,6 +130,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    expert: int = 1
     tensor: int = 1
 
     def __post_init__(self):
@@ -135,7 +146,7 @@ class MeshConfig:
         return {name: getattr(self, name) for name in MESH_AXES}
 
     def _describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in self.sizes().items())
+        return " x ".join(f"{name}={size}" for name, size in self.sizes().items() if name != "expert" or size != 1)
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """The axis sizes for `num_devices` devices, -1 filled in; a JaxtuneError naming both when they don't fit."""

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
-from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES
+from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.config.targets import ModuleLoRA, ia3_modules, lora_layout
 from jaxtune.models.quant import QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
 
@@ -87,13 +87,17 @@ def _adapter(L: int, D: int, size: int, key) -> dict:
 
 
 def quantize_base(params: dict, method: MethodConfig) -> dict:
-    """The base tree with every linear kernel quantised for QLoRA (NF4 or int8); the tree itself otherwise."""
+    """The base tree with every linear kernel quantised for QLoRA (NF4 or int8), a mixture's experts too (each
+    expert's matrix as one weight; the router stays in float); the tree itself otherwise."""
     if method.kind != "qlora":
         return params
     quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
-    layers = {**params["layers"],
-              **{name: {**params["layers"][name], "kernel": quantize(params["layers"][name]["kernel"])}
-                 for name in LINEAR_MODULE_NAMES if name in params["layers"]}}
+    quantized = lambda m: {**m, "kernel": quantize(m["kernel"])}
+    layers = {**params["layers"], **{name: quantized(params["layers"][name])
+                                     for name in LINEAR_MODULE_NAMES + SHARED_EXPERT_MODULES
+                                     if name in params["layers"]}}
+    if "experts" in layers:
+        layers["experts"] = {name: quantized(m) for name, m in layers["experts"].items()}
     return {**params, "layers": layers}
 
 
@@ -103,7 +107,8 @@ def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key:
     layers = dict(params["layers"])
     L = cfg.num_layers
     keys = dict(zip(SEPARATE_MODULES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
-    keys.update({name: jax.random.fold_in(key, i) for i, name in enumerate(("qkv_proj", "gate_up_proj"))})
+    keys.update({name: jax.random.fold_in(key, i)
+                 for i, name in enumerate(("qkv_proj", "gate_up_proj") + SHARED_EXPERT_MODULES)})
     if method.kind in ("lora", "qlora"):
         for name, lora in lora_layout(method, L, cfg.linear_modules).items():
             layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], lora, method, keys[name])}
@@ -199,7 +204,8 @@ def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None
     lora = {}
     if method.kind in ("lora", "qlora"):
         L = full_shape(params["layers"]["o_proj"]["kernel"])[0]
-        modules = FUSED_MODULES if "qkv_proj" in params["layers"] else SEPARATE_MODULES
+        layout = FUSED_MODULES if "qkv_proj" in params["layers"] else SEPARATE_MODULES + SHARED_EXPERT_MODULES
+        modules = tuple(name for name in layout if name in params["layers"])
         lora = {name: _lora_count(params["layers"][name], m, method)
                 for name, m in lora_layout(method, L, modules).items()}
     base = adapters = saved = 0

@@ -11,8 +11,11 @@ from jaxtune.errors import JaxtuneError
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-               "Phi3ForCausalLM": "phi3"}
+               "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+               "Qwen3MoeForCausalLM": "qwen3_moe"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE = ("MixtralForCausalLM",) + QWEN_MOE
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 
 
@@ -91,7 +94,7 @@ def _gemma3_rope(hf: dict, where: str) -> tuple[float, RopeScaling | None, float
 
 def _sliding_windows(hf: dict, arch: str, num_layers: int, where: str) -> tuple[int, ...]:
     window = hf.get("sliding_window")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return (int(window or 0),) * num_layers
     if arch in GEMMA:  # Gemma 2: every other layer from the first; Gemma 3: five of every six; absent: 4096 wide
         window = hf.get("sliding_window", 4096)
@@ -102,7 +105,7 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int, where: str) -> tuple[
         if not window and "sliding_attention" in layer_types:
             raise JaxtuneError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") + QWEN_MOE:
         if not hf.get("use_sliding_window", False) or not window:
             return (0,) * num_layers
         layer_types = hf.get("layer_types") or [
@@ -110,6 +113,25 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int, where: str) -> tuple[
         ]
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
     return (0,) * num_layers
+
+
+def _experts(hf: dict, arch: str, layers: int, where: str) -> dict:
+    """The mixture fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config (every layer sparse: a scanned stack)."""
+    if arch not in MOE:
+        return {}
+    step, dense_layers = int(hf.get("decoder_sparse_step", 1) or 1), list(hf.get("mlp_only_layers") or [])
+    if step != 1 or dense_layers:
+        raise JaxtuneError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: jaxtune's "
+                           "mixtures have experts in every layer")
+    experts = int(hf.get("num_local_experts") or hf["num_experts"])
+    fields = dict(num_experts=experts, experts_per_token=int(hf["num_experts_per_tok"]),
+                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+                  output_router_logits=bool(hf.get("output_router_logits", False)))
+    if arch == "MixtralForCausalLM":
+        return {**fields, "expert_size": int(hf["intermediate_size"]), "normalize_top_k": True}
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return {**fields, "expert_size": int(hf["moe_intermediate_size"]),
+            "normalize_top_k": bool(hf.get("norm_topk_prob", False)), "shared_expert_size": shared}
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -130,7 +152,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         layers = int(hf["num_hidden_layers"])
         theta, scaling, local_theta = _gemma3_rope(hf, where) if gemma3 else (*_rope(hf, where), None)
         eos = hf.get("eos_token_id")
-        qwen = arch == "Qwen2ForCausalLM"
+        qwen = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and hf.get("qkv_bias", True))
         cap = lambda key: float(hf[key]) if gemma and hf.get(key) else None
         return ModelConfig(
             architecture=arch,
@@ -147,8 +169,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # Gemma's configs tie by default
             qkv_bias=qwen or bool(hf.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-            o_bias=not qwen and bool(hf.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_bias=not qwen and arch != "Qwen2MoeForCausalLM" and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(hf, arch, layers, where),
             hidden_act=HF_ACTIVATIONS[act],
@@ -161,6 +183,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             local_rope_theta=local_theta,
             fused_projections=arch == "Phi3ForCausalLM",
             partial_rotary_factor=_partial_rotary_factor(hf),
+            **_experts(hf, arch, layers, where),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -225,13 +248,18 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["partial_rotary_factor"] = cfg.partial_rotary_factor
         if "rope_parameters" in hf:
             hf["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
-    if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") + GEMMA:
+    if (cfg.architecture in MOE) != bool(cfg.num_experts):
+        raise JaxtuneError(f"{cfg.architecture} with num_experts={cfg.num_experts}: mixtures are "
+                           f"{', '.join(MOE)}")
+    if cfg.num_experts:
+        hf.update(_experts_to_hf(cfg))
+    if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") + GEMMA:
         if cfg.qkv_bias != cfg.o_bias:
             raise JaxtuneError(f"{cfg.architecture} has one attention_bias flag for q, k, v and o alike")
         hf["attention_bias"] = cfg.qkv_bias
     if cfg.architecture == "LlamaForCausalLM":
         hf["mlp_bias"] = cfg.mlp_bias
-    elif cfg.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    elif cfg.architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         if len(set(cfg.sliding_windows)) > 1:
             raise JaxtuneError(f"{cfg.architecture} has one sliding_window for every layer, this config "
                                f"{sorted(set(cfg.sliding_windows))}")
@@ -244,6 +272,26 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.sliding_windows]
         hf["max_window_layers"] = next((i for i, w in enumerate(cfg.sliding_windows) if w), cfg.num_layers)
     return hf
+
+
+def _experts_to_hf(cfg: ModelConfig) -> dict:
+    """A mixture's own keys; Mixtral always renormalises its top k and only Qwen2-MoE has a shared expert."""
+    mixtral, qwen2 = cfg.architecture == "MixtralForCausalLM", cfg.architecture == "Qwen2MoeForCausalLM"
+    if (mixtral and not cfg.normalize_top_k) or (bool(cfg.shared_expert_size) and not qwen2):
+        raise JaxtuneError(f"{cfg.architecture} has no {'unnormalised top k' if mixtral else 'shared expert'}")
+    if cfg.architecture in QWEN_MOE and cfg.o_bias:
+        raise JaxtuneError(f"{cfg.architecture} has no o_proj bias")
+    out = {"num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+           "output_router_logits": cfg.output_router_logits}
+    if mixtral:
+        if cfg.expert_size != cfg.intermediate_size:
+            raise JaxtuneError("MixtralForCausalLM's experts are intermediate_size wide")
+        return {**out, "num_local_experts": cfg.num_experts}
+    out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_size,
+               norm_topk_prob=cfg.normalize_top_k, decoder_sparse_step=1, mlp_only_layers=[])
+    if qwen2:
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_size, qkv_bias=cfg.qkv_bias)
+    return out
 
 
 def _int_if_whole(x: float) -> int | float:

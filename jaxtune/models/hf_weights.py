@@ -1,7 +1,13 @@
 """Hugging Face safetensors checkpoints <-> the stacked parameter tree, without torch.
 
 Reading checks every tensor's name and shape against `param_specs` before it is used, so a wrong checkpoint
-fails with the tensor's name and both shapes rather than deep inside a matmul. Writing produces what
+fails with the tensor's name and both shapes rather than deep inside a matmul.
+
+A mixture's experts are read in either layout: the hub's, one [out, in] matrix an expert and part
+(`mlp.experts.{e}.gate_proj.weight`, ...; Mixtral's `block_sparse_moe.experts.{e}.w1.weight` with w1/w3/w2 for
+gate/up/down, read under the Qwen names), or the one transformers 5 holds in memory (and wrote in its first
+releases), a stack an expert module (`mlp.experts.gate_up_proj` [E, 2F, D], gate first; `mlp.experts.down_proj`
+[E, D, F]). Writing uses the hub's, which every version of transformers reads. Writing produces what
 `transformers.AutoModelForCausalLM.from_pretrained` reads: `config.json` and `model.safetensors`, or shards
 with a `model.safetensors.index.json` when the weights are large.
 """
@@ -9,6 +15,7 @@ with a `model.safetensors.index.json` when the weights are large.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,10 +38,51 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 METHOD_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")  # folded into kernels by a merged export
 
 
+MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's hub names of an expert's parts
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # hub parts of our modules
+
+
 def hf_module_path(module: str) -> str:
-    """Path of a per-layer linear module (or Qwen3's query/key norm) inside a Hugging Face decoder layer, e.g.
-    'self_attn.q_proj'."""
-    return f"self_attn.{module}" if module in ATTENTION_MODULES or module in QK_NORMS else f"mlp.{module}"
+    """Path of a per-layer module (or Qwen3's query/key norm) inside a Hugging Face decoder layer, e.g.
+    'self_attn.q_proj'; a mixture's router is 'mlp.gate'."""
+    if module in ATTENTION_MODULES or module in QK_NORMS:
+        return f"self_attn.{module}"
+    return "mlp.gate" if module == "router" else f"mlp.{module}"
+
+
+def canonical_name(stored: str) -> str:
+    """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become
+    the names transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj); other names are kept."""
+    if ".block_sparse_moe." not in stored:
+        return stored
+    name = stored.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"\.experts\.(\d+)\.(w[123])\.", lambda m: f".experts.{m[1]}.{MIXTRAL_PARTS[m[2]]}.", name)
+
+
+def stored_name(name: str, cfg: ModelConfig) -> str:
+    """The name a hub checkpoint of `cfg` stores tensor `name` under (inverse of `canonical_name`)."""
+    if cfg.architecture != "MixtralForCausalLM" or not re.search(r"\.mlp\.(gate|experts)\.", name):
+        return name
+    parts = {v: k for k, v in MIXTRAL_PARTS.items()}
+    name = re.sub(r"\.experts\.(\d+)\.(\w+)\.", lambda m: f".experts.{m[1]}.{parts[m[2]]}.", name)
+    return name.replace(".mlp.", ".block_sparse_moe.")
+
+
+def expert_tensor_names(module: str, layer: int, expert: int) -> list[str]:
+    """The hub tensors of expert `expert`'s `module` in `layer` (gate_up_proj: gate's then up's)."""
+    return [f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight" for part in EXPERT_PARTS[module]]
+
+
+def fused_expert_name(module: str, layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.{module}"
+
+
+def has_fused_experts(reader: CheckpointReader) -> bool:
+    return any(name.endswith(".mlp.experts.gate_up_proj") for name in reader.names())
+
+
+def _is_expert(path: tuple[str, ...]) -> bool:
+    return len(path) > 2 and path[:2] == ("layers", "experts")
 
 
 def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
@@ -46,6 +94,8 @@ def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
     if path == ("lm_head", "kernel"):
         return "lm_head.weight"
     module, *leaf = path[1:]
+    if _is_expert(path):
+        raise ValueError(f"{path}: expert stacks are many tensors (expert_tensor_names)")
     if module.endswith("layernorm"):
         return f"model.layers.{layer}.{module}.weight"
     return f"model.layers.{layer}.{hf_module_path(module)}.{'weight' if leaf in (['kernel'], []) else 'bias'}"
@@ -56,10 +106,21 @@ def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
     return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape in torch's layout ([out, in] for kernels), for every parameter."""
+def expected_tensors(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape in torch's layout ([out, in] for kernels), for every parameter; a
+    mixture's experts in the hub's layout, or with `fused_experts` in transformers 5's."""
     expected = {}
     for path, spec in _leaf_paths(param_specs(cfg)):
+        if _is_expert(path):
+            E, d_in, d_out = spec.shape[1:]
+            for i in range(cfg.num_layers):
+                if fused_experts:
+                    expected[fused_expert_name(path[2], i)] = (E, d_out, d_in)
+                    continue
+                parts = expert_tensor_names(path[2], i, 0)
+                expected.update({name: (d_out // len(parts), d_in) for e in range(E)
+                                 for name in expert_tensor_names(path[2], i, e)})
+            continue
         shape = spec.shape[::-1] if path[-1] == "kernel" else spec.shape
         if path[0] != "layers":
             expected[hf_tensor_name(path, None)] = shape
@@ -73,16 +134,18 @@ def check_tensors(reader: CheckpointReader, directory: Path, cfg: ModelConfig,
                   expected: dict[str, tuple[int, ...]] | None = None) -> None:
     """From the headers alone: the checkpoint holds exactly the tensors `cfg` needs (`expected`, by default
     `expected_tensors(cfg)`), with the right shapes; else an error naming the tensor (and file)."""
-    expected = expected_tensors(cfg) if expected is None else expected
+    fused = has_fused_experts(reader)
+    expected = expected_tensors(cfg, fused) if expected is None else expected
     names = set(reader.names())
     for name, shape in expected.items():
         if name not in names:
-            raise JaxtuneError(f"{directory}: tensor {name} is missing from the checkpoint")
+            raise JaxtuneError(f"{directory}: tensor {name if fused else stored_name(name, cfg)} is missing from "
+                               "the checkpoint")
         if reader.shape(name) != shape:
-            raise JaxtuneError(f"{reader.file_of(name)}: tensor {name} has shape {reader.shape(name)}, "
-                               f"expected {shape}")
+            raise JaxtuneError(f"{reader.file_of(name)}: tensor {reader.stored_name(name)} has shape "
+                               f"{reader.shape(name)}, expected {shape}")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unused = sorted(n for n in names - set(expected) - ignorable if "rotary_emb" not in n)
+    unused = sorted(reader.stored_name(n) for n in names - set(expected) - ignorable if "rotary_emb" not in n)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise JaxtuneError(f"{directory}: unexpected tensors {', '.join(unused[:3])}{more} for {cfg.architecture}")
@@ -92,7 +155,7 @@ def check_tensors(reader: CheckpointReader, directory: Path, cfg: ModelConfig,
 def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[CheckpointReader]:
     """A `CheckpointReader` of `directory`'s weights, after `check_tensors`."""
     directory = model_dir(directory)
-    with CheckpointReader(directory) as reader:
+    with CheckpointReader(directory, canonical_name) as reader:
         check_tensors(reader, directory, cfg)
         yield reader
 
@@ -105,15 +168,47 @@ def stored_dtype(directory: str | Path) -> str:
         return str(reader.dtype("model.embed_tokens.weight"))
 
 
-def read_leaf(reader: CheckpointReader, path: tuple[str, ...], spec: ParamSpec, dtype) -> np.ndarray:
-    """Leaf `path` of the parameter tree as a host array in our layout (kernels [in, out], layers stacked)."""
+def _read(reader: CheckpointReader, name: str, index: tuple[slice, ...], kernel: bool) -> np.ndarray:
+    """tensor[index] in our layout: kernels are stored [out, in], ours are [in, out]."""
+    return reader.read(name, (index[1], index[0])).T if kernel else reader.read(name, index)
+
+
+def expert_rows(reader: CheckpointReader, module: str, layer: int, expert: int, rows: slice, cols: slice,
+                size: int) -> np.ndarray:
+    """Rows `rows` (and columns `cols`) of one expert's `module` matrix in torch's layout [out, in], from either
+    layout; gate_up_proj's rows are gate's `size` then up's."""
+    fused = fused_expert_name(module, layer)
+    if fused in reader:
+        return reader.read(fused, (slice(expert, expert + 1), rows, cols))[0]
+    names = expert_tensor_names(module, layer, expert)
+    a, b, _ = rows.indices(size * len(names))
+    parts = [reader.read(name, (slice(max(a - j * size, 0), min(b - j * size, size)), cols))
+             for j, name in enumerate(names) if a < (j + 1) * size and b > j * size]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def read_layer(reader: CheckpointReader, path: tuple[str, ...], layer: int | None, index: tuple[slice, ...],
+               cfg: ModelConfig) -> np.ndarray:
+    """Leaf `path`'s `layer` (None: an unstacked leaf) restricted to `index` (slices of its per-layer dims), in
+    our layout."""
     kernel = path[-1] == "kernel"
-    one = lambda name: (reader.read(name).T if kernel else reader.read(name)).astype(dtype)
+    if not _is_expert(path):
+        return _read(reader, hf_tensor_name(path, layer), index, kernel)
+    experts, cols, rows = index
+    size = cfg.expert_size if path[2] == "gate_up_proj" else cfg.hidden_size
+    return np.stack([expert_rows(reader, path[2], layer, e, rows, cols, size).T
+                     for e in range(*experts.indices(cfg.num_experts))])
+
+
+def read_leaf(reader: CheckpointReader, path: tuple[str, ...], spec: ParamSpec, dtype, cfg: ModelConfig
+              ) -> np.ndarray:
+    """Leaf `path` of the parameter tree as a host array in our layout (kernels [in, out], layers stacked)."""
+    whole = (slice(None),) * (len(spec.shape) - (path[0] == "layers"))
     if path[0] != "layers":
-        return one(hf_tensor_name(path, None))
+        return read_layer(reader, path, None, whole, cfg).astype(dtype)
     stacked = np.empty(spec.shape, dtype)
     for i in range(spec.shape[0]):
-        stacked[i] = one(hf_tensor_name(path, i))
+        stacked[i] = read_layer(reader, path, i, whole, cfg)
     return stacked
 
 
@@ -126,7 +221,8 @@ def load_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
     cfg = load_config(directory)
     with checked_reader(directory, cfg) as reader:
         dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
-        leaves = [jax.device_put(read_leaf(reader, path, spec, dtype)) for path, spec in _leaf_paths(param_specs(cfg))]
+        leaves = [jax.device_put(read_leaf(reader, path, spec, dtype, cfg))
+                  for path, spec in _leaf_paths(param_specs(cfg))]
     treedef = jax.tree.structure(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
     return cfg, jax.tree.unflatten(treedef, leaves)
 
@@ -153,13 +249,39 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
             entries.append((hf_tensor_name(path, None), shape, out_dtype,
                             lambda leaf=leaf, layout=layout, d=out_dtype: layout(host_array(leaf)).astype(d)))
             continue
+        if _is_expert(path):
+            entries += _expert_entries(leaf, path, cfg, out_dtype, tensor)
+            continue
         shape = tuple(full[1:][::-1] if kernel else full[1:])
         for i in range(cfg.num_layers):
             def produce(leaf=leaf, path=path, i=i, layout=layout, d=out_dtype):
                 value = None if tensor is None else tensor(path, i)
                 return layout(host_array(jax.tree.map(lambda a: a[i], leaf) if value is None else value)).astype(d)
 
-            entries.append((hf_tensor_name(path, i), shape, out_dtype, produce))
+            entries.append((stored_name(hf_tensor_name(path, i), cfg), shape, out_dtype, produce))
+    return entries
+
+
+def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, tensor) -> list[tuple]:
+    """The hub tensors of an expert stack [L, E, in, out] (or a merged layer from `tensor`): each expert's parts,
+    [out, in]; a layer is gathered once for all its experts' tensors."""
+    entries, held = [], {}
+    E, d_in, d_out = (leaf.bits.shape if isinstance(leaf, BitPattern) else leaf.shape)[1:]
+
+    def layer_of(i):
+        if i not in held:
+            held.clear()
+            value = None if tensor is None else tensor(path, i)
+            held[i] = host_array(jax.tree.map(lambda a: a[i], leaf) if value is None else value)
+        return held[i]
+
+    for i in range(cfg.num_layers):
+        for e in range(E):
+            names = expert_tensor_names(path[2], i, e)
+            width = d_out // len(names)
+            for j, name in enumerate(names):
+                produce = lambda i=i, e=e, j=j, w=width: layer_of(i)[e][:, j * w:(j + 1) * w].T.astype(out_dtype)
+                entries.append((stored_name(name, cfg), (width, d_in), out_dtype, produce))
     return entries
 
 

@@ -88,7 +88,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
             v_all = jax.lax.dynamic_update_slice(v_BxSxKxh, v_new.astype(dtype), (0, start, 0, 0))
             return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, lora_scale), (k_new, v_new)
 
-        return decoder_layer(x_BxTxD, layer, cached_attention, cfg, lora_scale)
+        return decoder_layer(x_BxTxD, layer, cached_attention, cfg, lora_scale)[:2]
 
     x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)

@@ -19,6 +19,7 @@ from jaxtune.config.targets import layer_scales
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.head import head_logits
 from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
+from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
@@ -120,15 +121,32 @@ def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
 GATED = {"silu": jax.checkpoint(_swiglu), "gelu_tanh": jax.checkpoint(_geglu)}
 
 
-def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None) -> jax.Array:
-    """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU, or GeGLU with tanh-GELU (Gemma); Phi-3's gate and up
-    are the halves of one projection."""
+def gated_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None,
+              prefix: str = "") -> jax.Array:
+    """down(act(gate(x)) * up(x)) through the layer's `{prefix}gate_proj`, ...: SwiGLU, or GeGLU with tanh-GELU
+    (Gemma); Phi-3's gate and up are the halves of one projection."""
     if "gate_up_proj" in layer:
         gate_BxTxF, up_BxTxF = jnp.split(project(x_BxTxD, layer, "gate_up_proj", lora_scale, dropout), 2, axis=-1)
     else:
-        gate_BxTxF, up_BxTxF = (project(x_BxTxD, layer, name, lora_scale, dropout) for name in ("gate_proj", "up_proj"))
+        gate_BxTxF, up_BxTxF = (project(x_BxTxD, layer, prefix + name, lora_scale, dropout)
+                                for name in ("gate_proj", "up_proj"))
     hidden = GATED[cfg.hidden_act](gate_BxTxF, up_BxTxF)
-    return project(hidden, layer, "down_proj", lora_scale, dropout)
+    return project(hidden, layer, prefix + "down_proj", lora_scale, dropout)
+
+
+def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None, valid_BxT=None):
+    """(the layer's feed-forward output [B, T, D], its routing sums or None): the gated MLP, or a mixture of
+    experts (`moe.py`) plus Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    valid_BxT: the tokens the routing sums count (not padding); None: all of them."""
+    if "experts" not in layer:
+        return gated_mlp(x_BxTxD, layer, cfg, lora_scale, dropout), None
+    valid_BxT = jnp.ones(x_BxTxD.shape[:2], bool) if valid_BxT is None else valid_BxT
+    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, GATED[cfg.hidden_act])
+    if "shared_expert_gate" in layer:
+        gate_BxTx1 = jax.nn.sigmoid(dense(x_BxTxD, layer["shared_expert_gate"], kernel_axes=("embed", None)))
+        out_BxTxD = out_BxTxD + gate_BxTx1 * gated_mlp(x_BxTxD, layer, cfg, lora_scale, dropout, "shared_expert.")
+    return out_BxTxD, routing
 
 
 def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
@@ -136,13 +154,15 @@ def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
     return x_BxTxD + dense(jax.nn.silu(dense(x_BxTxD, adapter["down"])), adapter["up"])
 
 
-def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float, dropout=None):
+def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float, dropout=None,
+                  valid_BxT=None):
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
     With `cfg.sandwich_norms` (Gemma) each sub-layer's output is normalised too: x + norm(attn(norm(x))) with
     input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm.
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
-    aux (the layer's new keys and values) is returned beside the new x. dropout: as for `project` (the MLP's).
+    aux (the layer's new keys and values) is returned beside the new x, then a mixture's routing sums (or None;
+    `mlp`, counting the tokens of valid_BxT). dropout: as for `project` (the MLP's).
     """
     sandwich = cfg.sandwich_norms
     with jax.named_scope("attention"):
@@ -151,13 +171,18 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
     with jax.named_scope("mlp"):
         pre_mlp = layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]
-        h = mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, lora_scale, dropout)
+        h, routing = mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, lora_scale, dropout, valid_BxT)
         h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
-    return x_BxTxD, aux
+    return x_BxTxD, aux, routing
 
 
-def decoder(
+def decoder(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, **kwargs) -> jax.Array:
+    """Final-norm hidden states [B, T, D] in the compute dtype (`decoder_and_routing` without the routing)."""
+    return decoder_and_routing(params, tokens_BxT, cfg, **kwargs)[0]
+
+
+def decoder_and_routing(
     params: dict,
     tokens_BxT: jax.Array,
     cfg: ModelConfig,
@@ -168,8 +193,8 @@ def decoder(
     method: MethodConfig | None = None,
     options: ForwardOptions = ForwardOptions(),
     dropout_key: jax.Array | None = None,
-) -> jax.Array:
-    """Final-norm hidden states [B, T, D] in the compute dtype.
+) -> tuple[jax.Array, jax.Array | None]:
+    """(final-norm hidden states [B, T, D] in the compute dtype, a mixture's load-balancing loss or None).
 
     positions_BxT: RoPE positions (default P..P+T-1 after P prefix tokens; pass them for left padding or packing).
     attention_mask_BxT: 1 for real tokens, 0 for padding (keys that nobody attends to).
@@ -187,6 +212,8 @@ def decoder(
     rope = rope_tables(positions_BxT, cfg, dtype)
     mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
     live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
+    valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
+                 else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones((B, T), bool))
     rate = lora_dropout_rate(method)
     use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
 
@@ -194,27 +221,32 @@ def decoder(
 
     def block(x_BxTxD, per_layer, shared):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
-        rope, mask, live_QxC, stacks = shared
+        rope, mask, live_QxC, stacks, valid_BxT = shared
         cos, sin = layer_rope(rope, window)
         layer = with_kernels_of_layer(layer, stacks, index)
         dropout = (layer_key, rate) if use_dropout else None
         x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # rows split over the mesh's data x fsdp, if any
         attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout), None)
-        return decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout)
+        x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout, valid_BxT)
+        return x_BxTxD, routing
 
     rematted = remat_layer(block, options.remat, dtype)
-    shared = (rope, mask, live_QxC, stacks)
+    shared = (rope, mask, live_QxC, stacks, valid_BxT)
     block = lambda x, per_layer: rematted(x, per_layer, shared)  # noqa: E731
     x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", None, None))
     per_layer = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.arange(cfg.num_layers))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     if options.scan_layers:
-        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, per_layer)
+        x_BxTxD, routing = jax.lax.scan(block, x_BxTxD, per_layer)
     else:
+        outputs = []
         for i in range(cfg.num_layers):
-            x_BxTxD, _ = block(x_BxTxD, jax.tree.map(lambda a: a[i], per_layer))
-    return norm(x_BxTxD, params["norm"], cfg)
+            x_BxTxD, layer_routing = block(x_BxTxD, jax.tree.map(lambda a: a[i], per_layer))
+            outputs.append(layer_routing)
+        routing = jax.tree.map(lambda *a: jnp.stack(a), *outputs) if cfg.num_experts else None
+    aux = None if routing is None else router_loss(*routing, jnp.sum(valid_BxT, dtype=jnp.float32))
+    return norm(x_BxTxD, params["norm"], cfg), aux
 
 
 def unsliced_kernels(layers: dict) -> tuple[dict, dict]:

@@ -15,6 +15,12 @@ The tree mirrors Hugging Face module names so that methods can target `q_proj`, 
                 "o_proj": {"kernel": [L, H*hd, D]},
                 "gate_proj" / "up_proj": {"kernel": [L, D, F]}, "down_proj": {"kernel": [L, F, D]}},
                 # Phi-3 fuses them: "qkv_proj" [L, D, H*hd + 2*K*hd] and "gate_up_proj" [L, D, 2F] (gate first)
+                # A mixture of E experts of width Fe replaces the MLP:
+                "router": {"kernel": [L, D, E]},
+                "experts": {"gate_up_proj": {"kernel": [L, E, D, 2Fe]}, "down_proj": {"kernel": [L, E, Fe, D]}},
+                # and Qwen2-MoE's shared expert, mlp.shared_expert.* in transformers, of width Fs:
+                "shared_expert.gate_proj" / "shared_expert.up_proj": {"kernel": [L, D, Fs]},
+                "shared_expert.down_proj": {"kernel": [L, Fs, D]}, "shared_expert_gate": {"kernel": [L, D, 1]}},
      "norm": [D],
      "lm_head"?: {"kernel": [D, V]}}            # absent when the embeddings are tied
 
@@ -62,14 +68,19 @@ LINEAR_AXES = {  # logical axes (in, out) of each per-layer linear module's kern
     "q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
     "o_proj": ("q_heads", "embed"), "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"), "qkv_proj": ("embed", "q_heads"), "gate_up_proj": ("embed", "mlp"),
+    "shared_expert.gate_proj": ("embed", "mlp"), "shared_expert.up_proj": ("embed", "mlp"),
+    "shared_expert.down_proj": ("mlp", "embed"),
 }
+EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixture's expert stacks [L, E, in, out]
+               "down_proj": ("layers", "experts", "mlp", "embed")}
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str, str]]]:
     """(in, out, logical axes) of each per-layer linear module of `cfg`, keyed by its Hugging Face name."""
-    D, F, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    D, F, q, kv = cfg.hidden_size, cfg.mlp_size, cfg.q_size, cfg.kv_size
     sizes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D), "gate_proj": (D, F),
-             "up_proj": (D, F), "down_proj": (F, D), "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F)}
+             "up_proj": (D, F), "down_proj": (F, D), "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F),
+             "shared_expert.gate_proj": (D, F), "shared_expert.up_proj": (D, F), "shared_expert.down_proj": (F, D)}
     return {name: (*sizes[name], LINEAR_AXES[name]) for name in cfg.linear_modules}
 
 
@@ -86,7 +97,9 @@ def param_specs(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
-        layers[name] = _linear(cfg, d_in, d_out, axes, bias[name])
+        layers[name] = _linear(cfg, d_in, d_out, axes, bias.get(name, False))
+    if cfg.num_experts:
+        layers.update(expert_specs(cfg))
     specs = {
         "embed_tokens": ParamSpec((V, D), ("vocab", "table_embed")),
         "layers": layers,
@@ -94,6 +107,17 @@ def param_specs(cfg: ModelConfig) -> dict:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("table_embed", "vocab"))}
+    return specs
+
+
+def expert_specs(cfg: ModelConfig) -> dict:
+    """A mixture's router, experts and (Qwen2-MoE) shared expert gate, stacked over the layers."""
+    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    specs = {"router": {"kernel": ParamSpec((L, D, E), ("layers", "embed", None))},
+             "experts": {"gate_up_proj": {"kernel": ParamSpec((L, E, D, 2 * F), EXPERT_AXES["gate_up_proj"])},
+                         "down_proj": {"kernel": ParamSpec((L, E, F, D), EXPERT_AXES["down_proj"])}}}
+    if cfg.shared_expert_size:
+        specs["shared_expert_gate"] = {"kernel": ParamSpec((L, D, 1), ("layers", "embed", None))}
     return specs
 
 

@@ -13,16 +13,22 @@ from jaxtune.models.params import init_params
 
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-              "phi3": "Phi3ForCausalLM"}
+              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def family_traits(arch: str, num_layers: int) -> dict:
     """What sets `arch` (a key of ARCH_NAMES) apart from Llama, as `ModelConfig` fields, in a tiny model: Gemma's
     sliding layers alternate with full ones (Gemma 3 has one full layer in six at scale; two layers show both);
-    Phi-3's fused projections, with Phi-4-mini's partial rotary factor."""
+    Phi-3's fused projections, with Phi-4-mini's partial rotary factor; mixtures of 4 to 8 experts, top 2, Mixtral's
+    as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert."""
     traits = {"qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
               "mistral": dict(sliding_windows=(64,) * num_layers),
-              "phi3": dict(fused_projections=True, partial_rotary_factor=0.75)}.get(arch, {})
+              "phi3": dict(fused_projections=True, partial_rotary_factor=0.75),
+              "mixtral": dict(num_experts=4, experts_per_token=2),
+              "qwen2_moe": dict(qkv_bias=True, num_experts=4, experts_per_token=2, expert_size=64,
+                                shared_expert_size=128, normalize_top_k=False),
+              "qwen3_moe": dict(qk_norm=True, num_experts=8, experts_per_token=2, expert_size=64)}.get(arch, {})
     if arch.startswith("gemma"):
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
                       tie_word_embeddings=True, query_pre_attn_scalar=24.0,

@@ -122,7 +122,7 @@ class BitPattern:
 
 def as_bit_patterns(tree):
     """`tree` (arrays, or ShapeDtypeStructs with their shardings) with each 16-bit float `kernel` under "layers"
-    as a BitPattern; None and trees without layers are returned as they are."""
+    (and "layers"/"experts") as a BitPattern; None and trees without layers are returned as they are."""
     if not isinstance(tree, dict) or not isinstance(tree.get("layers"), dict):
         return tree
 
@@ -138,7 +138,10 @@ def as_bit_patterns(tree):
             return m
         return {**m, "kernel": pack(kernel)}
 
-    return {**tree, "layers": {name: module(m) for name, m in tree["layers"].items()}}
+    def entry(name, m):  # a mixture's experts are modules a level down
+        return {k: module(e) for k, e in m.items()} if name == "experts" else module(m)
+
+    return {**tree, "layers": {name: entry(name, m) for name, m in tree["layers"].items()}}
 
 
 def from_bit_patterns(tree):

@@ -90,7 +90,7 @@ def load_reward_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, d
         check_tensors(reader, directory, cfg, {**expected_tensors(cfg), "score.weight": (1, cfg.hidden_size)})
         dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
         params = jax.tree_util.tree_map_with_path(
-            lambda path, spec: jnp.asarray(read_leaf(reader, tuple(k.key for k in path), spec, dtype)), specs,
+            lambda path, spec: jnp.asarray(read_leaf(reader, tuple(k.key for k in path), spec, dtype, cfg)), specs,
             is_leaf=lambda x: isinstance(x, ParamSpec))
         params["score"] = {"kernel": jnp.asarray(reader.read("score.weight")[0].astype(dtype))}
     return cfg, params

@@ -66,7 +66,9 @@ class CheckpointReader:
 
     total_bytes_read = 0
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, rename: Callable[[str], str] | None = None):
+        """rename(stored name) -> the name this reader shows (an old layout's names as the current ones); errors
+        name the tensor as stored (`stored_name`)."""
         directory = Path(directory)
         if (directory / INDEX_FILE).is_file():
             try:
@@ -88,7 +90,7 @@ class CheckpointReader:
             fd = os.open(path, os.O_RDONLY)
             self._fds.append(fd)
             tensors, _ = _header(path, os.fstat(fd).st_size, lambda k, at, fd=fd: os.pread(fd, k, at))
-            self._tensors.update({t: (*info, fd, path) for t, info in tensors.items()})
+            self._tensors.update({(rename or str)(t): (*info, fd, path, t) for t, info in tensors.items()})
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -103,6 +105,12 @@ class CheckpointReader:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def stored_name(self, name: str) -> str:
+        return self._info(name)[5]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._info(name)[1]
@@ -128,7 +136,7 @@ class CheckpointReader:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """`tensor[index]` (slices of step 1, one per leading dimension; missing ones take everything)."""
-        dtype, shape, begin, fd, path = self._info(name)
+        dtype, shape, begin, fd, path, _ = self._info(name)
         index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
         bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
         out_shape = tuple(max(0, b - a) for a, b in bounds)

@@ -2,7 +2,9 @@
 
 A micro-batch is `batch_size` packed rows (`data/batching.py`): several examples a row, none attending to another.
 The loss is the sum of -log p(label) over completion tokens and EOS, divided once by their count over all the
-step's micro-batches; held-out loss and perplexity are the same ratio over the whole held-out set.
+step's micro-batches; held-out loss and perplexity are the same ratio over the whole held-out set. A mixture of
+experts trained with its load-balancing loss (`ModelConfig.output_router_logits`) adds coef x that loss per token,
+so a step of one micro-batch minimises transformers' `loss + router_aux_loss_coef * aux_loss`.
 """
 
 from __future__ import annotations
@@ -16,27 +18,31 @@ from jaxtune.data.batching import count_epoch_batches, epoch_batches
 from jaxtune.data.formats import load_sft_examples, train_eval_split
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
-from jaxtune.models.llama import decoder
+from jaxtune.models.llama import decoder_and_routing
 from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, total
 
 
-def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None,
+               router_loss: bool = False) -> tuple[jax.Array, jax.Array]:
     """(sum of completion-token losses, number of completion tokens) of one [B, T] batch.
 
-    dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout.
+    dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout. router_loss: add a mixture's
+    load-balancing term (training, when the model asks for it), coef x loss x tokens.
     """
-    hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=ctx.method, options=ctx.options,
-                     dropout_key=dropout_key)
+    hidden, balance = decoder_and_routing(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+                                          segment_ids_BxT=batch["segment_ids"], method=ctx.method,
+                                          options=ctx.options, dropout_key=dropout_key)
     logps = label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
     mask = batch["loss_mask"].astype(logps.dtype)
-    return -jnp.sum(logps * mask), jnp.sum(mask)
+    loss, count = -jnp.sum(logps * mask), jnp.sum(mask)
+    if router_loss and balance is not None and ctx.cfg.output_router_logits:
+        loss = loss + ctx.cfg.router_aux_loss_coef * balance * count
+    return loss, count
 
 
 def loss_terms(ctx: Context):
     def terms(trainable, frozen, _second, micro, key=None):
-        loss, count = batch_loss(combine(trainable, frozen), micro, ctx, key)
+        loss, count = batch_loss(combine(trainable, frozen), micro, ctx, key, router_loss=True)
         return loss, (count, {})
 
     return terms

@@ -1,8 +1,10 @@
-"""The device mesh: one `jax.sharding.Mesh` with named axes ("data", "fsdp", "tensor").
+"""The device mesh: one `jax.sharding.Mesh` with named axes ("data", "fsdp", "expert", "tensor").
 
     data    plain data parallelism: parameters and optimizer state replicated, the batch split.
     fsdp    ZeRO-3: the batch split *and* parameters, gradients and optimizer state partitioned; XLA all-gathers
             a weight where it is used and reduce-scatters its gradient.
+    expert  expert parallelism: a mixture's experts split E / expert a device, the batch split as over data (the
+            other weights replicated over it).
     tensor  tensor parallelism: attention heads, MLP columns and the vocabulary split (Megatron-style).
 
 Which parameter dimension goes to which mesh axis is decided by one table, `jaxtune/parallel/rules.py`. Sizes
@@ -18,7 +20,7 @@ from jaxtune.config.run import MESH_AXES, MeshConfig
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
-    """A Mesh over `devices` (default: all of `jax.devices()`) with axes ("data", "fsdp", "tensor").
+    """A Mesh over `devices` (default: all of `jax.devices()`) with axes ("data", "fsdp", "expert", "tensor").
 
     `jax.make_mesh` orders the devices by the physical topology (rings on a TPU slice); `tensor` is the innermost
     axis, so tensor-parallel partners are neighbours, the pairs with the fastest links.

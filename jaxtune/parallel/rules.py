@@ -5,8 +5,11 @@ in `sharding.py`). `RULES` gives each name the mesh axes that split it, and fall
 no other dimension of the same leaf has taken them:
 
     logical axis          split over       fallback
-    batch                 data, fsdp       -          the batch is split over every data-parallel device
-    rows                  data             -          the head's rows: fsdp splits its vocabulary instead
+    batch                 data, fsdp,      -          the batch is split over every data-parallel device
+                          expert
+    rows                  data, expert     -          the head's rows: fsdp splits its vocabulary instead
+    experts               expert           -          a mixture's experts: each device of the expert axis holds
+                                                      E / expert of them (and a batch share, as data does)
     embed                 fsdp             tensor     ZeRO-3: weights are split along the hidden size
     vocab, q_heads,
     kv_heads, mlp,
@@ -45,8 +48,9 @@ Rule = tuple[str, tuple[str, ...], tuple[str, ...]]
 
 RULES: tuple[Rule, ...] = (
     # logical axis   split over          fallback
-    ("batch", ("data", "fsdp"), ()),
-    ("rows", ("data",), ()),
+    ("batch", ("data", "fsdp", "expert"), ()),
+    ("rows", ("data", "expert"), ()),
+    ("experts", ("expert",), ()),
     ("embed", ("fsdp",), ("tensor",)),
     ("vocab", ("tensor",), ("fsdp",)),
     ("table_embed", (), ("fsdp", "tensor")),
@@ -113,9 +117,9 @@ def constrain(x, axes: Sequence[str | None]):
     none (plain `jit`, one device, generation) or it lacks jaxtune's axes.
 
     Used on activations: `shard_train_step` traces the step under its mesh (`jax.sharding.use_abstract_mesh`), and
-    the decoder pins each layer input to ("batch", None, None), its rows split over ("data", "fsdp"). Without it XLA's
-    propagation gives activations the embedding table's split (hidden size over fsdp) and every device computes and
-    holds the whole micro-batch (measured: 1.15-4.3x the memory on 2-8 fake CPU devices).
+    the decoder pins each layer input to ("batch", None, None), its rows split over ("data", "fsdp", "expert").
+    Without it XLA's propagation gives activations the embedding table's split (hidden size over fsdp) and every
+    device computes and holds the whole micro-batch (measured: 1.15-4.3x the memory on 2-8 fake CPU devices).
     """
     mesh = mesh_in_context()
     return x if mesh is None else jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh.shape))

@@ -36,6 +36,7 @@ import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import method_leaf_axes
 from jaxtune.models.params import logical_axes
@@ -131,15 +132,17 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, params: dict, s
 
 
 def batch_sharding(mesh: AnyMesh, batch_size: int) -> NamedSharding:
-    """Sharding of [A, B, T] micro-batch stacks: rows split over ("data", "fsdp"), every row whole on a device.
+    """Sharding of [A, B, T] micro-batch stacks: rows split over ("data", "fsdp", "expert"), every row whole on a
+    device.
 
     The loss is a sum over all rows divided by the global token count, so the split changes nothing numerically
     (beyond summation order); a batch that does not divide is an error, not a silent replication.
     """
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    ways = batch_ways(mesh.shape)
     if batch_size % ways:
-        raise JaxtuneError(f"train.batch_size = {batch_size} rows cannot be split over the mesh's data x fsdp = "
-                           f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {ways} devices; use a multiple of {ways}")
+        raise JaxtuneError(f"train.batch_size = {batch_size} rows cannot be split over the mesh's data x fsdp x expert"
+                           f" = {mesh.shape['data']} x {mesh.shape['fsdp']} x {mesh.shape['expert']} = {ways} devices; "
+                           f"use a multiple of {ways}")
     return NamedSharding(mesh, partition_spec((None, "batch", None), (1, batch_size, 1), mesh.shape))
 
 

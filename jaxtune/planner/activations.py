@@ -17,6 +17,10 @@ Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv
                 (+ LoRA's x A and x A B per adapted module)
   full          x only
 
+A mixture of experts (Mixtral, Qwen MoE) counts its K routed experts and shared expert as the MLP's width
+(K x expert_size + shared size: gate and up are [N K, Fe] and SwiGLU's output is [N K, Fe]), and keeps besides the
+float32 router probabilities [E], the tokens sorted by expert [K, D] and the experts' outputs [K, D] a token.
+
 The backward of one layer then needs: one block of its attention scores recomputed, their softmax and the gradient
 of both ([b, H, bq, bk], the blockwise kernel's blocks of `attention.block_size` queries and keys:
 ATTENTION_COPIES_F32 float32 and one in the compute dtype), the kernel's float32 accumulators of dq, dk and dv
@@ -61,13 +65,20 @@ class Widths:
     head_dim: int
 
 
+def mlp_width(cfg: ModelConfig) -> int:
+    """The MLP width a token passes through: intermediate_size, or a mixture's K experts' and shared expert's."""
+    if not cfg.num_experts:
+        return cfg.intermediate_size
+    return cfg.experts_per_token * cfg.expert_size + cfg.shared_expert_size
+
+
 def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int) -> Widths:
     """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
     as jaxtune.parallel's rules split the weights)."""
     split = lambda n: n // tensor if n % tensor == 0 else n
     heads_split = cfg.num_kv_heads % tensor == 0
     return Widths(rows, seq_len, prefix + seq_len, cfg.hidden_size, split(cfg.q_size), split(cfg.kv_size),
-                  split(cfg.intermediate_size), split(cfg.vocab_size),
+                  split(mlp_width(cfg)), split(cfg.vocab_size),
                   cfg.num_heads // tensor if heads_split else cfg.num_heads,
                   cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim)
 
@@ -123,6 +134,10 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         if trains_input("down_proj"):
             saved.append(("SwiGLU output", (b, T, w.F), False))
         saved += [(f"{m} x A", (b, T, lora[m]), False) for m in lora]
+    if cfg.num_experts and policy != "full":
+        K = cfg.experts_per_token
+        saved += [("router probabilities", (b, T, cfg.num_experts), True),
+                  ("tokens sorted by expert", (b, T, K * w.D), False), ("expert outputs", (b, T, K * w.D), False)]
     if method.kind == "ia3":
         saved += [(f"{m} output", out_width[m], False) for m in adapted if m != "down_proj"]
     if method.kind == "adapter":
@@ -160,10 +175,19 @@ def live_block_fraction(T: int, prefix: int) -> float:
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights each token multiplies through (2 FLOPs each in the forward): every linear layer and the head."""
-    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    per_layer = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * F
+    """Weights each token multiplies through (2 FLOPs each in the forward): every linear layer (of a mixture, the
+    router and the K experts it routes to) and the head."""
+    D, L = cfg.hidden_size, cfg.num_layers
+    per_layer = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * mlp_width(cfg)
+    per_layer += D * (cfg.num_experts + bool(cfg.shared_expert_size))
     return L * per_layer + D * cfg.vocab_size
+
+
+def kernel_elements_per_layer(cfg: ModelConfig) -> int:
+    """Elements of one layer's linear kernels, every expert's included."""
+    D = cfg.hidden_size
+    mlp = cfg.num_experts * cfg.expert_size + cfg.shared_expert_size if cfg.num_experts else cfg.intermediate_size
+    return D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * mlp + D * cfg.num_experts
 
 
 def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int) -> int:

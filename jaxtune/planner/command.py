@@ -8,10 +8,12 @@ The CLI parses arguments and calls `run_plan` and `render`; a notebook can call 
 
 from __future__ import annotations
 
+import math
 import os
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
@@ -34,12 +36,13 @@ OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
 
 
 def parse_mesh(text: str | None) -> MeshConfig | None:
-    """"data=2,fsdp=4,tensor=1" or "2x4x1" -> MeshConfig; axes left out are 1, fsdp takes the rest (-1)."""
+    """"data=2,fsdp=4,tensor=1" (or expert=E) or "2x4x1" (data x fsdp x tensor; four sizes: data x fsdp x expert x
+    tensor) -> MeshConfig; axes left out are 1, fsdp takes the rest (-1)."""
     if not text:
         return None
     try:
         if "=" in text:
-            sizes = {"data": 1, "fsdp": -1, "tensor": 1}
+            sizes = {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
             for part in text.split(","):
                 name, _, value = part.partition("=")
                 name = name.strip()
@@ -47,9 +50,12 @@ def parse_mesh(text: str | None) -> MeshConfig | None:
                     raise JaxtuneError(f"--mesh {text!r}: unknown axis {name!r}; axes: {', '.join(MESH_AXES)}")
                 sizes[name] = int(value)
             return MeshConfig(**sizes)
-        return MeshConfig(*[int(v) for v in text.lower().split("x")])
+        values = [int(v) for v in text.lower().split("x")]
+        if len(values) not in (3, 4):
+            raise ValueError(f"{len(values)} sizes")
+        return MeshConfig(**dict(zip(("data", "fsdp", "tensor") if len(values) == 3 else MESH_AXES, values)))
     except (ValueError, TypeError) as e:
-        raise JaxtuneError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T or DxFxT ({e})") from None
+        raise JaxtuneError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T (expert=E) or DxFxT ({e})") from None
 
 
 def parse_offload(items) -> OffloadConfig:
@@ -91,7 +97,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
         mesh_cfg = parse_mesh(mesh) or MeshConfig()
         if batch is None:
             sizes = resolve_mesh(TrainPlan(mesh=mesh_cfg), device)
-            batch = sizes["data"] * sizes["fsdp"]
+            batch = batch_ways(sizes)
         plan = TrainPlan(method_cfg, batch, seq, accum, remat or "none",
                          compute_dtype or ("bfloat16" if accelerator else "float32"), param_dtype or stored,
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
@@ -178,7 +184,7 @@ def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device):
     from jaxtune.planner.confirm import compile_step
 
     sizes = plan.mesh.sizes()
-    count = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    count = math.prod(sizes.values())
     family = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
     compiled = compile_step(cfg, plan)
     if target.family == family:

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
@@ -202,7 +203,7 @@ class Estimate:
 
 
 def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
-    """{"data", "fsdp", "tensor"} sizes for the plan's mesh on `device.count` devices."""
+    """{"data", "fsdp", "expert", "tensor"} sizes for the plan's mesh on `device.count` devices."""
     try:
         return plan.mesh.resolve(device.count)
     except JaxtuneError:
@@ -308,8 +309,7 @@ def _full_size(tree, tiled: bool) -> int:
 
 def _kernel_elements(cfg: ModelConfig) -> tuple[int, int]:
     """(elements of all layers' linear kernels, of the output head)."""
-    per_layer = act.matmul_params_per_token(cfg) - cfg.hidden_size * cfg.vocab_size
-    return per_layer, cfg.hidden_size * cfg.vocab_size
+    return cfg.num_layers * act.kernel_elements_per_layer(cfg), cfg.hidden_size * cfg.vocab_size
 
 
 def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int) -> tuple[int, int]:
@@ -355,11 +355,11 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
     method, tiled = plan.method, rules.tiled
     notes: list[str] = []
-    ways = data * fsdp
+    ways = batch_ways(sizes)
     total_rows = rows_of(plan)  # a pair is two rows, a GRPO prompt group_size rows
     if total_rows % ways:
-        raise JaxtuneError(f"batch {plan.batch_size} ({total_rows} rows) cannot be split over data x fsdp = {data} x "
-                           f"{fsdp} = {ways} devices; use a multiple of {ways} rows")
+        raise JaxtuneError(f"batch {plan.batch_size} ({total_rows} rows) cannot be split over data x fsdp x expert = "
+                           f"{data} x {fsdp} x {sizes['expert']} = {ways} devices; use a multiple of {ways} rows")
     rows = total_rows // ways
     prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor)

@@ -152,7 +152,8 @@ def format_longest_context(result: LongestContext) -> str:
     m = c.estimate.mesh
     choices = [_method_label(p.method), f"batch {p.batch_size} x {p.grad_accum}", f"remat {p.remat}"]
     if device.count > 1:
-        choices.append(f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}")
+        expert = f" expert={m['expert']}" if m["expert"] > 1 else ""
+        choices.append(f"mesh data={m['data']} fsdp={m['fsdp']}{expert} tensor={m['tensor']}")
     if p.offload.optimizer_state:
         choices.append("optimizer state in host memory")
     if result.too_long is None:

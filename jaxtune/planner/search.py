@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
 from jaxtune.planner.devices import CATALOGUE, Device
 from jaxtune.planner.estimate import Estimate, estimate
@@ -83,7 +84,7 @@ def _variants(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: i
             sizes = mesh.resolve(device.count)
         except JaxtuneError:
             continue
-        ways = sizes["data"] * sizes["fsdp"]
+        ways = batch_ways(sizes)
         splits = [(base.batch_size, base.grad_accum)] if "batch" in fixed else _batch_splits(global_batch, ways)
         for rows, accum in splits:
             yield base.replace(mesh=MeshConfig(**sizes), remat=remat, method=method, offload=offload,

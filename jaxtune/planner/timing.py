@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from jaxtune.config.run import batch_ways
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
 from jaxtune.planner import activations as act
@@ -55,7 +56,7 @@ def step_time(est: Estimate) -> StepTime:
     """The predicted time of one optimizer step of `est`'s plan on `est.device` (per device; all run in step)."""
     cfg, plan, dev = est.model, est.plan, est.device
     data, fsdp, tensor = est.mesh["data"], est.mesh["fsdp"], est.mesh["tensor"]
-    rows = rows_of(plan) // (data * fsdp)
+    rows = rows_of(plan) // batch_ways(est.mesh)
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
     n = rows * plan.seq_len
     matmul = act.matmul_params_per_token(cfg) / tensor
@@ -75,7 +76,7 @@ def step_time(est: Estimate) -> StepTime:
     compute_s = flops / (dev.peak(compute_dtype) * MFU_CEILING)
 
     a = jnp.dtype(compute_dtype).itemsize
-    weights_full = act.matmul_params_per_token(cfg) * a / tensor
+    weights_full = (cfg.num_layers * act.kernel_elements_per_layer(cfg) + cfg.hidden_size * cfg.vocab_size) * a / tensor
     moved = passes * weights_full + 2 * est.phases["backward"]["activations"] + 3 * n * cfg.vocab_size * 4 / tensor
 
     if plan.remat == "save_matmuls":  # elementwise work and attention recomputed from the saved matmul outputs

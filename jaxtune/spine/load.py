@@ -22,7 +22,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import add_method_leaves, combine
-from jaxtune.models.hf_weights import checked_reader, hf_tensor_name
+from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern, NF4Array, QuantizedArray, from_bit_patterns, full_shape, quantize_by_rows
 from jaxtune.spine.run import AbstractRun
@@ -42,32 +42,28 @@ def checkpoint_paths(cfg: ModelConfig) -> set[tuple[str, ...]]:
     return {_keys(path) for path, _ in flat} | {("lm_head", "kernel")}
 
 
-def _tensor(keys: tuple[str, ...], layer: int | None, cfg: ModelConfig) -> str:
+def _read(reader, keys: tuple[str, ...], layer: int | None, index: tuple[slice, ...], cfg: ModelConfig) -> np.ndarray:
+    """Leaf `keys`'s `layer`, sliced by `index`, in our layout."""
     if keys == ("lm_head", "kernel") and cfg.tie_word_embeddings:
-        return "model.embed_tokens.weight"  # the head parted from a tied embedding starts as its transpose
-    return hf_tensor_name(keys, layer)
-
-
-def _read(reader, name: str, index: tuple[slice, ...], kernel: bool) -> np.ndarray:
-    """tensor[index] in our layout: kernels are stored [out, in], ours are [in, out]."""
-    return reader.read(name, (index[1], index[0])).T if kernel else reader.read(name, index)
+        return read_layer(reader, ("embed_tokens",), None, index[::-1], cfg).T  # a head parted from a tied embedding
+    return read_layer(reader, keys, layer, index, cfg)
 
 
 def _float_leaf(reader, keys: tuple[str, ...], leaf: jax.ShapeDtypeStruct | BitPattern, cfg: ModelConfig):
     """A float leaf, or a BitPattern's bits (the values cast to its dtype, viewed as uint16), read shard by shard."""
-    kernel, stacked = keys[-1] == "kernel", keys[0] == "layers"
+    stacked = keys[0] == "layers"
     bits = isinstance(leaf, BitPattern)
     dtype, target = np.dtype(leaf.dtype), leaf.bits if bits else leaf
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         if not stacked:
-            out = _read(reader, _tensor(keys, None, cfg), index, kernel).astype(dtype)
+            out = _read(reader, keys, None, index, cfg).astype(dtype)
         else:
             layers = range(*index[0].indices(target.shape[0]))
             out = np.empty((len(layers), *[len(range(*s.indices(n))) for s, n in zip(index[1:], target.shape[1:])]),
                            dtype)
             for j, i in enumerate(layers):
-                out[j] = _read(reader, _tensor(keys, i, cfg), index[1:], kernel)
+                out[j] = _read(reader, keys, i, index[1:], cfg)
         return out.view(np.uint16) if bits else out
 
     array = _make_array(target.shape, target.sharding, shard)
@@ -100,12 +96,18 @@ def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: Mo
     host = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
     bits = 4 if isinstance(leaf, NF4Array) else 8
     double_quant = bits == 4 and leaf.absmax2 is not None
+    experts = keys[:2] == ("layers", "experts")
+    size = (cfg.expert_size if keys[2] == "gate_up_proj" else cfg.hidden_size) if experts else 0
     for i in range(cfg.num_layers):
-        name = _tensor(keys, i, cfg)
-        q = quantize_by_rows(lambda a, b: reader.read(name, (slice(a, b), slice(None))), full_shape(leaf)[1:],
-                             leaf.dtype, bits, double_quant)
-        for h, c in zip(host, jax.tree.leaves(q)):
-            h[i] = c
+        for e in range(cfg.num_experts) if experts else [None]:
+            def rows(a, b, i=i, e=e):  # torch's layout [out, in]
+                if experts:
+                    return expert_rows(reader, keys[2], i, e, slice(a, b), slice(None), size)
+                return _read(reader, keys, i, (slice(None), slice(a, b)), cfg).T
+            q = quantize_by_rows(rows, full_shape(leaf)[-2:], leaf.dtype, bits, double_quant)
+            at = (i,) if e is None else (i, e)
+            for h, c in zip(host, jax.tree.leaves(q)):
+                h[at] = c
     placed = [_make_array(c.shape, c.sharding, lambda index, h=h: h[index]) for c, h in zip(children, host)]
     del host
     _return_freed_host_memory()

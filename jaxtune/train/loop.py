@@ -105,6 +105,9 @@ def setup_task(config: RunConfig, log) -> Task:
     warn_if_slow_bf16(config.model.compute_dtype)
     release_after_compiles()
     cfg = load_config(config.model.path)
+    if config.model.router_aux_loss_coef >= 0:
+        cfg = cfg.replace(router_aux_loss_coef=config.model.router_aux_loss_coef,
+                          output_router_logits=config.model.router_aux_loss_coef > 0)
     tokenizer = load_tokenizer(config.model.path)
     return prepare_task(config, mesh, tokenizer, stored_dtype(config.model.path), cfg, log)
 
