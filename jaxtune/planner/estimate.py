@@ -53,6 +53,7 @@ ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score block
 class FamilyRules:
     """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
+    dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (XLA:CPU's `ragged_dot`).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     activation_itemsize: int | None
@@ -60,6 +61,7 @@ class FamilyRules:
     reserve_fixed: int
     reserve_fraction: float
     reserve_note: str
+    dense_grouped_matmul: bool = False
 
 
 RULES = {
@@ -74,7 +76,8 @@ RULES = {
                          "assumption)"),
     "cpu": FamilyRules(4, False, 520 * MiB, 0.0,
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
-                       "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU keeps activations in float32"),
+                       "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU keeps activations in float32",
+                       dense_grouped_matmul=True),
 }
 
 
@@ -406,6 +409,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
 
     # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
+    if rules.dense_grouped_matmul:
+        backward_workspace += act.grouped_matmul_elements(cfg, w, method.kind == "full") * a
 
     # The three moments of the step.
     grads_in_flight = 2 * grad_b
