@@ -302,20 +302,23 @@ def families() -> dict:
 
 def mixtures() -> dict:
     """Tiny mixtures of experts with their load-balancing loss on: a full fine-tune of a Mixtral and a Qwen3-MoE
-    (the experts train), LoRA on the attention and shared expert of a Qwen2-MoE, on meshes with an expert axis:
+    (the experts train), LoRA on the attention, shared expert and experts of a Qwen2-MoE, on meshes with an expert
+    axis:
     {arch: {mesh: largest relative loss difference from one device over 4 steps}}."""
     from jaxtune.models.presets import tiny_model_config
 
     meshes = {"fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
               "fsdp=2 x expert=2 x tensor=2": MeshConfig(fsdp=2, expert=2, tensor=2)}
     out = {}
-    for arch, method in (("mixtral", METHODS["full"]), ("qwen2_moe", METHODS["lora"]), ("qwen3_moe", METHODS["full"])):
+    lora = MethodConfig("lora", rank=4, target_modules=("all-linear",),
+                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    for arch, method in (("mixtral", METHODS["full"]), ("qwen2_moe", lora), ("qwen3_moe", METHODS["full"])):
         cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, output_router_logits=True,
                                 router_aux_loss_coef=0.1)
         base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
         params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
-        params["layers"] = {name: ({**m, "lora_b": m["lora_b"] + 0.01} if isinstance(m, dict) and "lora_b" in m
-                                   else m) for name, m in params["layers"].items()}
+        params = jax.tree_util.tree_map_with_path(  # B != 0: every adapter leaf trains from step 1
+            lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
         trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
         losses = {}
         for mesh, config in (("one", MeshConfig(fsdp=1)), *meshes.items()):
@@ -328,8 +331,8 @@ def mixtures() -> dict:
                 state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
                 losses[mesh].append(float(metrics["loss"]))
             if mesh == "fsdp=2 x expert=4":
-                experts = (state["params"] if method.kind == "full" else placed)["layers"]["experts"]["down_proj"]
-                out.setdefault("expert shards", str(experts["kernel"].sharding.spec))
+                experts = state["params"]["layers"]["experts"]["down_proj"]
+                out.setdefault("expert shards", str(experts["kernel" if method.kind == "full" else "lora_a"].sharding.spec))
         out[arch] = {mesh: relative_diff(losses[mesh], losses["one"]) for mesh in losses if mesh != "one"}
         if method.kind == "full":  # (4 steps of LoRA on a Qwen2-MoE's attention and shared expert move it little)
             out[arch]["loss fell"] = losses["one"][-1] < losses["one"][0]

@@ -21,7 +21,7 @@ from reference import assert_float32_parity, jaxtune_float64, logits_four_ways
 
 from jaxtune.cli import main
 from jaxtune.config import MethodConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter, save_peft_adapter
 from jaxtune.methods.transform import ADAPTER_KEYS, apply_method, parameter_report
@@ -96,6 +96,12 @@ WILD = {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
     "qwen3_moe_dora": ("qwen3_moe", LoraConfig(r=4, lora_alpha=8, use_dora=True, task_type="CAUSAL_LM",
                                                target_modules=["q_proj", "k_proj", "o_proj"])),
+    # LoRA on the experts themselves (PEFT's target_parameters: one A and B an expert), with and without modules
+    "qwen3_moe_experts": ("qwen3_moe", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["v_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"])),
+    "mixtral_experts_only": ("mixtral", LoraConfig(r=4, lora_alpha=16, task_type="CAUSAL_LM",
+                                                   target_parameters=["experts.down_proj"])),
 }
 
 
@@ -302,7 +308,8 @@ def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tm
 
 @pytest.mark.parametrize("name", ["regex_rank_alpha_pattern", "dora_layers", "tied_modules_to_save", "lora_bias",
                                   "qwen3_all_linear", "gemma2_all_linear", "gemma3_dora_qk", "phi3_all_linear",
-                                  "phi3_dora_fused", "qwen2_moe_shared", "qwen3_moe_dora"])
+                                  "phi3_dora_fused", "qwen2_moe_shared", "qwen3_moe_dora", "qwen3_moe_experts",
+                                  "mixtral_experts_only"])
 def test_merged_export_of_a_wild_adapter_equals_peft_merge_and_unload(name, bases, tmp_path):
     directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     assert_merged_export(directory, tmp_path / "peft", cfg, method, loaded, peft_model.merge_and_unload().eval(),
@@ -355,3 +362,22 @@ def test_lora_targets_phi3_lacks_name_its_fused_modules(bases):
     with pytest.raises(JaxtuneError, match=r"selects no module of a 3-layer model with modules qkv_proj, o_proj, "
                                            r"gate_up_proj, down_proj.*Phi-3 fuses q, k and v into qkv_proj"):
         apply_method(params, cfg, MethodConfig("lora"), jax.random.key(0))
+
+
+def test_info_counts_lora_on_experts_as_peft(bases, tmp_path, capsys):
+    """PEFT's trainable and total counts for LoRA on a Qwen3-MoE's v_proj and every expert (r E (in + out) a stack
+    and layer)."""
+    directory, _, _ = bases("qwen3_moe")
+    _, peft_config = WILD["qwen3_moe_experts"]
+    peft_model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), peft_config)
+    peft_model.save_pretrained(tmp_path)
+    assert main(["info", "--model", str(directory), "--adapter", str(tmp_path), "--json"]) == 0
+    adapter = json.loads(capsys.readouterr().out)["adapter"]
+    assert (adapter["trainable"], adapter["total"]) == peft_model.get_nb_trainable_parameters()
+
+
+def test_lora_on_experts_refuses_what_peft_refuses():
+    with pytest.raises(ConfigError, match="dropout = 0.1: does not go with target_parameters"):
+        MethodConfig("lora", dropout=0.1, target_parameters=("mlp.experts.down_proj",))
+    with pytest.raises(ConfigError, match='target_parameters = "mlp.gate.weight": jaxtune adapts a mixture.s expert stacks'):
+        MethodConfig("lora", target_parameters=("mlp.gate.weight",))

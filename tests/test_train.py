@@ -300,8 +300,8 @@ def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_pat
 def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path):
     """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16), a
     Gemma 2 (soft caps, sandwich norms, GeGLU), a Gemma 3 (local and global RoPE), a Phi-3 (fused projections,
-    quantised fused) or a mixture of experts (experts quantised, adapters on attention and Qwen2-MoE's shared
-    expert): the held-out loss falls, and
+    quantised fused) or a mixture of experts (experts quantised; adapters on attention, Qwen2-MoE's shared expert
+    and, for the Qwen mixtures, every expert): the held-out loss falls, and
     the merged export is a model of the same class that transformers loads with the logits jaxtune computes for
     the adapter on the float base."""
     from jaxtune.methods.peft import load_model_with_adapter
@@ -311,7 +311,8 @@ def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path
     data = tmp_path / "data.jsonl"
     data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:48]))
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=6, eval_every=6)
-    result = fine_tune(load_run_config(config, ["method.kind=qlora"]), log=lambda _: None)
+    experts = ['method.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]'] * ("moe" in arch)
+    result = fine_tune(load_run_config(config, ["method.kind=qlora", *experts]), log=lambda _: None)
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if "eval_loss" in e]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES
+from jaxtune.config.model import EXPERT_MODULES, FUSED_MODULES, SEPARATE_MODULES
 from jaxtune.errors import ConfigError, check_choice, check_range
 
 METHOD_KINDS = ("full", "lora", "qlora", "ia3", "prefix", "adapter")
@@ -62,6 +62,24 @@ def _pattern(field: str, value, kind) -> tuple:
     return tuple((str(k), kind(v)) for k, v in pairs)
 
 
+def _check_expert_targets(method, lora: bool) -> None:
+    """target_parameters name expert stacks, and go with nothing PEFT's parameter LoRA lacks."""
+    for name in method.target_parameters:
+        parts = str(name).split(".")
+        if parts[-1] not in EXPERT_MODULES or (len(parts) > 1 and parts[-2] != "experts"):
+            raise ConfigError("target_parameters", name, "jaxtune adapts a mixture's expert stacks: "
+                              "mlp.experts.gate_up_proj and mlp.experts.down_proj")
+    if not lora:
+        raise ConfigError("target_parameters", list(method.target_parameters), f"is LoRA's, not {method.kind}'s")
+    unsupported = {"dropout": method.dropout, "dora": method.dora, "lora_bias": method.lora_bias,
+                   "rank_pattern": method.rank_pattern, "alpha_pattern": method.alpha_pattern,
+                   "layers_to_transform": method.layers_to_transform}
+    for name, value in unsupported.items():
+        if value:
+            raise ConfigError(name, value, "does not go with target_parameters (PEFT's LoRA of a parameter has "
+                              "no dropout, DoRA or LoRA bias; jaxtune gives experts one rank and alpha in every layer)")
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """A fine-tuning method and its hyper-parameters.
@@ -76,9 +94,12 @@ class MethodConfig:
     layer with PEFT's rules (see `jaxtune.config.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with
     `rslora` (Kalajdzievski 2023); `dora` adds DoRA's magnitude vector (Liu et al. 2024); `lora_bias` gives LoRA's B
     a bias. modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that
-    name). QLoRA keeps every linear base weight frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing
-    the NF4 block scales. Prefix tuning learns `num_virtual_tokens` keys and values per layer; bottleneck adapters
-    of width `adapter_size` follow attention and MLP (Houlsby et al. 2019).
+    name). target_parameters (PEFT's field): a mixture's expert stacks, `mlp.experts.gate_up_proj` and/or
+    `mlp.experts.down_proj`, each expert with its own A and B (without dropout, DoRA, a LoRA bias or per-layer
+    rules, as PEFT's); target_modules may then be empty. QLoRA keeps every linear base weight (a mixture's experts
+    too) frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing the NF4 block scales. Prefix tuning
+    learns `num_virtual_tokens` keys and values per layer; bottleneck adapters of width `adapter_size` follow
+    attention and MLP (Houlsby et al. 2019).
 
     An invalid value raises a `ConfigError` (a ValueError) naming the field, the value and what is valid.
     """
@@ -101,12 +122,16 @@ class MethodConfig:
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     lora_bias: bool = False
     modules_to_save: tuple[str, ...] = ()
+    target_parameters: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_choice("kind", self.kind, METHOD_KINDS)
         lora = self.kind in ("lora", "qlora")
         set_ = lambda name, value: object.__setattr__(self, name, value)
-        set_("target_modules", _targets("target_modules", self.target_modules or DEFAULT_TARGETS.get(self.kind, ())))
+        experts = (self.target_parameters,) if isinstance(self.target_parameters, str) else self.target_parameters
+        set_("target_parameters", tuple(experts))
+        default = () if self.target_parameters else DEFAULT_TARGETS.get(self.kind, ())
+        set_("target_modules", _targets("target_modules", self.target_modules or default))
         set_("exclude_modules", _targets("exclude_modules", self.exclude_modules) if self.exclude_modules else ())
         layers = (self.layers_to_transform,) if isinstance(self.layers_to_transform, int) else self.layers_to_transform
         set_("layers_to_transform", tuple(sorted(set(layers))))
@@ -144,12 +169,20 @@ class MethodConfig:
             for name, default in lora_only.items():
                 if getattr(self, name) != default:
                     raise ConfigError(name, getattr(self, name), f"is LoRA's (kind lora or qlora), not {self.kind}'s")
+        if self.target_parameters:
+            _check_expert_targets(self, lora)
         if self.dora and self.lora_bias:
             raise ConfigError("lora_bias", True, "DoRA has no LoRA bias (PEFT refuses use_dora with lora_bias too)")
         if self.kind not in ("lora", "qlora", "ia3"):
             for name in ("exclude_modules", "layers_to_transform", "modules_to_save"):
                 if getattr(self, name):
                     raise ConfigError(name, getattr(self, name), f"is for lora, qlora and ia3, not {self.kind}")
+
+    @property
+    def expert_modules(self) -> tuple[str, ...]:
+        """The expert stacks `target_parameters` adapts, in the tree's order (gate_up_proj, down_proj)."""
+        named = {p.rsplit(".", 1)[-1] for p in self.target_parameters}
+        return tuple(m for m in EXPERT_MODULES if m in named)
 
     @property
     def lora_scale(self) -> float:

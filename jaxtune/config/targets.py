@@ -107,7 +107,7 @@ def lora_layout(method: MethodConfig, num_layers: int, modules: tuple[str, ...] 
             alphas = tuple(float(_pattern_value(method.alpha_pattern, p, method.alpha)) if r else 0.0
                            for p, r in zip(paths, ranks))
             layout[name] = ModuleLoRA(ranks, alphas, method.rslora)
-    if not layout:
+    if not layout and not method.target_parameters:
         raise JaxtuneError(f"target_modules={method.target_modules!r} (exclude_modules={method.exclude_modules!r}, "
                            f"layers_to_transform={method.layers_to_transform!r}) selects no module of a "
                            f"{num_layers}-layer model with modules {', '.join(modules)}; module paths look like "
@@ -126,6 +126,8 @@ def layer_scales(method: MethodConfig, num_layers: int, modules: tuple[str, ...]
     layout = lora_layout(method, num_layers, modules)
     active = {float(s) for m in layout.values() for s, r in zip(m.scales, m.ranks) if r}
     skipped = any(0 in m.ranks for m in layout.values())
+    if not active:  # experts alone (target_parameters): one rank and alpha everywhere
+        return method.lora_scale
     if len(active) == 1 and not (method.dora and skipped):
         return active.pop()
     return {name: m.scales for name, m in layout.items()}

@@ -48,6 +48,15 @@ def _merged(module: dict, scale_L: jnp.ndarray, name: str, dtype=None) -> dict:
     return out
 
 
+def _merged_experts(module: dict, scale: float, dtype=None) -> dict:
+    """An expert stack [..., E, in, out] with each expert's LoRA folded in: W_e + s A_e B_e."""
+    base = kernel_of(module, jnp.float32)
+    if "lora_a" in module:
+        base = base + scale * jnp.einsum("...ir,...ro->...io", module["lora_a"].astype(jnp.float32),
+                                         module["lora_b"].astype(jnp.float32))
+    return {"kernel": base.astype(dtype or module["kernel"].dtype)}
+
+
 def merge(params: dict, method: MethodConfig, dtype=None) -> dict:
     """The tree with every LoRA/DoRA module folded into its kernel and the adapter leaves removed (and every
     quantised kernel dequantised, every kernel held as a bit pattern bitcast back).
@@ -58,7 +67,9 @@ def merge(params: dict, method: MethodConfig, dtype=None) -> dict:
     """
     layers = dict(params["layers"])
     for name, module in params["layers"].items():
-        if isinstance(module, dict) and "lora_a" in module:
+        if name == "experts":
+            layers[name] = {m: _merged_experts(e, method.lora_scale, dtype) for m, e in module.items()}
+        elif isinstance(module, dict) and "lora_a" in module:
             layers[name] = _merged(module, module_scales(method, name, module["lora_a"].shape[0]), name, dtype)
         elif isinstance(module, dict) and isinstance(module.get("kernel"), QuantizedArray | BitPattern):  # not adapted
             layers[name] = {**module, "kernel": kernel_of(module, dtype or module["kernel"].dtype)}
@@ -70,8 +81,14 @@ def merged_layer(params: dict, method: MethodConfig):
     alone (a merged export then never holds the merged model beside the adapted one); None for leaves merging
     leaves as they are."""
     merge_one = jax.jit(_merged, static_argnums=(2,))
+    merge_experts = jax.jit(_merged_experts, static_argnums=(1,))
 
     def tensor(path: tuple[str, ...], layer: int):
+        if path[:2] == ("layers", "experts"):
+            module = params["layers"]["experts"][path[2]]
+            if "lora_a" not in module:
+                return None
+            return merge_experts(jax.tree.map(lambda x: x[layer], module), method.lora_scale)["kernel"]
         module = params["layers"].get(path[1]) if path[0] == "layers" and len(path) == 3 else None
         if not isinstance(module, dict) or "lora_a" not in module:
             return None

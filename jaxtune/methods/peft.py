@@ -5,6 +5,11 @@ Key names and layouts follow what PEFT itself saves (peft `save_pretrained`, `ge
     LoRA   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight   [r, in]
            base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out, r]
     DoRA   base_model.model.model.layers.{i}.self_attn.q_proj.lora_magnitude_vector   [out]
+    LoRA of an expert stack [E, in, out] (`target_parameters`, PEFT's ParamWrapper):
+           base_model.model.model.layers.{i}.mlp.experts.lora_A.weight   [r E, in] (expert-major)
+           base_model.model.model.layers.{i}.mlp.experts.lora_B.weight   [out, r E] (rank-major)
+           with both stacks adapted, gate_up_proj's wrapper is inside down_proj's: its tensors are under
+           ...mlp.experts.base_layer.lora_A.weight
     IA3    base_model.model.model.layers.{i}.self_attn.k_proj.ia3_l   [out, 1];  ...mlp.down_proj.ia3_l  [1, in]
     prefix prompt_embeddings   [P, L * 2 * K * hd], per virtual token: layer-major, key then value, head, dim
 
@@ -42,6 +47,13 @@ def _prefix(module: str, layer: int) -> str:
     return f"base_model.model.{module_path(module, layer)}"
 
 
+def _expert_prefix(module: str, layer: int, method: MethodConfig) -> str:
+    """Where PEFT keeps the LoRA of expert stack `module`: PEFT wraps the experts' parameters in the order the
+    module registers them (gate_up_proj, then down_proj), so with both the first is the second's base layer."""
+    inner = module == "gate_up_proj" and len(method.expert_modules) == 2
+    return f"base_model.model.model.layers.{layer}.mlp.experts" + ".base_layer" * inner
+
+
 SAVED_TENSORS = {"lm_head": "base_model.model.lm_head.weight",
                  "embed_tokens": "base_model.model.model.embed_tokens.weight"}
 QUANTIZED_BASE = "jaxtune_quantized_base"  # beside PEFT's fields: the frozen base a QLoRA adapter was trained on
@@ -64,7 +76,8 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
                   "layers_pattern": list(method.layers_pattern) or None,
                   "rank_pattern": dict(method.rank_pattern), "alpha_pattern": dict(method.alpha_pattern),
                   "bias": "none", "lora_bias": method.lora_bias, "use_rslora": method.rslora, "use_dora": method.dora,
-                  "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": saved}
+                  "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": saved,
+                  "target_parameters": list(method.target_parameters) or None}
         if method.kind == "qlora":
             config[QUANTIZED_BASE] = {"bits": method.bits, "double_quant": method.double_quant,
                                       "format": "nf4" if method.bits == 4 else "int8"}
@@ -125,6 +138,13 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
                 state[f"{prefix}.lora_B.bias"] = np.ascontiguousarray(module["lora_bias"][i])
             if method.dora:
                 state[f"{prefix}.lora_magnitude_vector"] = np.ascontiguousarray(module["magnitude"][i])
+    for name in method.expert_modules:
+        a, b = (f32(layers["experts"][name][k]) for k in ("lora_a", "lora_b"))  # [L, E, in, r], [L, E, r, out]
+        L, E, d_in, r = a.shape
+        for i in range(L):
+            prefix = _expert_prefix(name, i, method)
+            state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].transpose(0, 2, 1).reshape(E * r, d_in))
+            state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].transpose(2, 1, 0).reshape(-1, r * E))
     return state
 
 
@@ -147,7 +167,8 @@ IGNORED_FIELDS = {"task_type", "peft_type", "auto_mapping", "peft_version", "bas
                   "num_transformer_submodules", "adapter_size", "qalora_group_size", QUANTIZED_BASE}
 READ_FIELDS = {
     "LORA": {"r", "lora_alpha", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
-             "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias", "modules_to_save"},
+             "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias", "modules_to_save",
+             "target_parameters"},
     "IA3": {"target_modules", "exclude_modules", "feedforward_modules", "modules_to_save"},
     "PREFIX_TUNING": {"num_virtual_tokens"},
     "JAXTUNE_BOTTLENECK": set(),
@@ -181,7 +202,7 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
                 layers_pattern=get("layers_pattern", ()), rank_pattern=get("rank_pattern", {}),
                 alpha_pattern=get("alpha_pattern", {}), rslora=bool(config.get("use_rslora")),
                 dora=bool(config.get("use_dora")), lora_bias=bool(config.get("lora_bias")),
-                modules_to_save=get("modules_to_save", ()))
+                modules_to_save=get("modules_to_save", ()), target_parameters=get("target_parameters", ()))
         if kind == "IA3":
             method = MethodConfig(kind="ia3", target_modules=_targets(config, where),
                                   exclude_modules=get("exclude_modules", ()),
@@ -208,6 +229,8 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
 
 def _targets(config: dict, where: Path):
     targets = config.get("target_modules")
+    if not targets and config.get("target_parameters"):  # LoRA on a mixture's experts alone
+        return ()
     if not isinstance(targets, (list, str)) or not targets:
         raise JaxtuneError(f"{where}: target_modules {targets!r} must be a regular expression or a list of modules")
     return targets
@@ -307,6 +330,14 @@ def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[st
             if method.dora:
                 module["magnitude"][i] = state[f"{prefix}.lora_magnitude_vector"]
         layers[name] = {**layers[name], **{k: jnp.asarray(v) for k, v in module.items()}}
+    for name in method.expert_modules:
+        module = layers["experts"][name]
+        (L, E, d_in, r), d_out = module["lora_a"].shape, module["lora_b"].shape[-1]
+        a = np.stack([state[f"{_expert_prefix(name, i, method)}.lora_A.weight"].reshape(E, r, d_in)
+                      for i in range(L)]).transpose(0, 1, 3, 2)
+        b = np.stack([state[f"{_expert_prefix(name, i, method)}.lora_B.weight"].reshape(d_out, r, E)
+                      for i in range(L)]).transpose(0, 3, 2, 1)
+        layers["experts"] = {**layers["experts"], name: {**module, "lora_a": jnp.asarray(a), "lora_b": jnp.asarray(b)}}
     return {**params, "layers": layers}
 
 

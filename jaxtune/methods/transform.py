@@ -6,7 +6,8 @@
     logits = forward(combine(trainable, frozen), tokens, cfg, method=method)
 
 New leaves stack on the layer axis like the base weights, so the forward still scans one block:
-LoRA `lora_a` [L, in, r] (PEFT's kaiming-uniform init) and `lora_b` [L, r, out] (zeros); DoRA `magnitude`
+LoRA `lora_a` [L, in, r] (PEFT's kaiming-uniform init) and `lora_b` [L, r, out] (zeros), on a mixture's expert
+stacks (`target_parameters`) `lora_a` [L, E, in, r] and `lora_b` [L, E, r, out]; DoRA `magnitude`
 [L, out] (the column norms of the base weight); IA3 `ia3_in` [L, in] for down_proj and `ia3_out` [L, out] for
 other modules (ones); prefix `prefix.key` / `prefix.value` [L, P, K, hd] (N(0, 1), as PEFT's embedding);
 bottleneck adapters `attn_adapter` / `mlp_adapter` with `down` [L, D, m] (N(0, 0.02)) and `up` [L, m, D] (zeros).
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
 from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.config.targets import ModuleLoRA, ia3_modules, lora_layout
+from jaxtune.errors import JaxtuneError
 from jaxtune.models.quant import QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
 
 ADAPTER_KEYS = ("lora_a", "lora_b", "magnitude", "lora_bias", "ia3_in", "ia3_out", "prefix", "attn_adapter",
@@ -59,6 +61,9 @@ def method_leaf_axes(keys: tuple[str, ...], base_axes: dict) -> tuple[str, ...] 
         module = base_axes["layers"].get(keys[1])
         if isinstance(module, dict) and "kernel" in module:
             return MODULE_LEAF_AXES[keys[2]](*module["kernel"])
+    if len(keys) == 4 and keys[:2] == ("layers", "experts") and keys[3] in ("lora_a", "lora_b"):
+        layers, experts, d_in, d_out = base_axes["layers"]["experts"][keys[2]]["kernel"]
+        return (layers, experts, *MODULE_LEAF_AXES[keys[3]](None, d_in, d_out)[1:])
     return LEAF_AXES.get(keys)
 
 
@@ -77,6 +82,15 @@ def _lora_leaves(kernel, lora: ModuleLoRA, method: MethodConfig, key) -> dict:
     if method.lora_bias:
         leaves["lora_bias"] = jnp.zeros((L, d_out), jnp.float32)
     return leaves
+
+
+def _expert_lora_leaves(kernel, method: MethodConfig, key) -> dict:
+    """LoRA's leaves for an expert stack [L, E, in, out]: each expert's A (PEFT's ParamWrapper draws its lora_A
+    [r E, in] kaiming-uniform, bound 1 / sqrt(in)) and B (zeros)."""
+    L, E, d_in, d_out = full_shape(kernel)
+    bound = 1 / math.sqrt(d_in)
+    return {"lora_a": jax.random.uniform(key, (L, E, d_in, method.rank), jnp.float32, -bound, bound),
+            "lora_b": jnp.zeros((L, E, method.rank, d_out), jnp.float32)}
 
 
 def _adapter(L: int, D: int, size: int, key) -> dict:
@@ -112,6 +126,14 @@ def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key:
     if method.kind in ("lora", "qlora"):
         for name, lora in lora_layout(method, L, cfg.linear_modules).items():
             layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], lora, method, keys[name])}
+        if method.target_parameters and not cfg.num_experts:
+            raise JaxtuneError(f"target_parameters {list(method.target_parameters)}: a {cfg.architecture} has no "
+                               "experts")
+        for i, name in enumerate(method.expert_modules):
+            experts = layers["experts"]
+            kernel = experts[name]["kernel"]
+            leaves = _expert_lora_leaves(kernel, method, jax.random.fold_in(key, 100 + i))
+            layers["experts"] = {**experts, name: {**experts[name], **leaves}}
     elif method.kind == "ia3":
         for name in ia3_modules(method, L, cfg.linear_modules):
             d_in, d_out = full_shape(layers[name]["kernel"])[1:]

@@ -142,7 +142,7 @@ def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dr
     if "experts" not in layer:
         return gated_mlp(x_BxTxD, layer, cfg, lora_scale, dropout), None
     valid_BxT = jnp.ones(x_BxTxD.shape[:2], bool) if valid_BxT is None else valid_BxT
-    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, GATED[cfg.hidden_act])
+    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, GATED[cfg.hidden_act], lora_scale)
     if "shared_expert_gate" in layer:
         gate_BxTx1 = jax.nn.sigmoid(dense(x_BxTxD, layer["shared_expert_gate"], kernel_axes=("embed", None)))
         out_BxTxD = out_BxTxD + gate_BxTx1 * gated_mlp(x_BxTxD, layer, cfg, lora_scale, dropout, "shared_expert.")

@@ -32,17 +32,23 @@ def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, 
     return probs_NxE, weights_NxK, experts_NxK
 
 
-def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Rows of x, sorted by expert (group_sizes_E rows each), times their expert's kernel [E, in, out]: [M, out]."""
+def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axes: tuple[str, ...],
+                   lora_scale: float = 1.0) -> jax.Array:
+    """Rows of x, sorted by expert (group_sizes_E rows each), times their expert's kernel [E, in, out]: [M, out];
+    with the module's LoRA (A [E, in, r], B [E, r, out]) added as two more grouped matmuls, s (x A_e) B_e."""
     kernel_ExIxO = gathered(kernel_of(module, x_MxI.dtype), axes[1:])
-    return jax.lax.ragged_dot(x_MxI, kernel_ExIxO, group_sizes_E)
+    y_MxO = jax.lax.ragged_dot(x_MxI, kernel_ExIxO, group_sizes_E)
+    if "lora_a" not in module:
+        return y_MxO
+    xa_MxR = jax.lax.ragged_dot(x_MxI, module["lora_a"].astype(x_MxI.dtype), group_sizes_E)
+    return y_MxO + lora_scale * jax.lax.ragged_dot(xa_MxR, module["lora_b"].astype(x_MxI.dtype), group_sizes_E)
 
 
-def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT: jax.Array, gated
-                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT: jax.Array, gated,
+                   lora_scale: float = 1.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(the experts' weighted sum [B, T, D], (assignments [E], probability sums [E] over the valid tokens)).
 
-    gated(gate, up): the experts' activation (`llama.GATED`)."""
+    gated(gate, up): the experts' activation (`llama.GATED`); lora_scale: of LoRA on the expert stacks."""
     B, T, D = x_BxTxD.shape
     K, E = cfg.experts_per_token, cfg.num_experts
     x_NxD = x_BxTxD.reshape(B * T, D)
@@ -52,9 +58,9 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
     x_MxD = x_NxD[order_M // K]
     experts = layer["experts"]
-    gate_up_Mx2F = grouped_matmul(x_MxD, experts["gate_up_proj"], sizes_E, EXPERT_AXES["gate_up_proj"])
+    gate_up_Mx2F = grouped_matmul(x_MxD, experts["gate_up_proj"], sizes_E, EXPERT_AXES["gate_up_proj"], lora_scale)
     hidden_MxF = gated(*jnp.split(gate_up_Mx2F, 2, axis=-1))
-    y_MxD = grouped_matmul(hidden_MxF, experts["down_proj"], sizes_E, EXPERT_AXES["down_proj"])
+    y_MxD = grouped_matmul(hidden_MxF, experts["down_proj"], sizes_E, EXPERT_AXES["down_proj"], lora_scale)
     y_NxKxD = y_MxD[jnp.argsort(order_M)].reshape(B * T, K, D)
     out_NxD = jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK.astype(y_NxKxD.dtype))
     valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
