@@ -102,6 +102,8 @@ WILD = {
                                                                      "mlp.experts.down_proj"])),
     "mixtral_experts_only": ("mixtral", LoraConfig(r=4, lora_alpha=16, task_type="CAUSAL_LM",
                                                    target_parameters=["experts.down_proj"])),
+    "qwen2_moe_ia3": ("qwen2_moe", IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
+                                             feedforward_modules=["down_proj"])),
 }
 
 

@@ -84,9 +84,11 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
         return config
     if method.kind == "ia3":
         targets = ia3_modules(method, cfg.num_layers, cfg.linear_modules)
+        # PEFT wants feedforward_modules within a list of target_modules: the names that pick a down_proj
+        named = targets if isinstance(method.target_modules, str) else method.target_modules
         return {**common, "peft_type": "IA3", "target_modules": _peft_names(method.target_modules),
                 "exclude_modules": _peft_names(method.exclude_modules),
-                "feedforward_modules": [m for m in targets if m == "down_proj"],
+                "feedforward_modules": [m for m in named if m.endswith("down_proj")],
                 "fan_in_fan_out": False, "init_ia3_weights": True, "modules_to_save": saved}
     if method.kind == "prefix":
         return {**common, "peft_type": "PREFIX_TUNING", "num_virtual_tokens": method.num_virtual_tokens,
@@ -209,7 +211,8 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
                                   modules_to_save=get("modules_to_save", ()))
             feedforward = get("feedforward_modules", [])
             feedforward = {feedforward} if isinstance(feedforward, str) else set(feedforward)
-            scales_down = any(is_target(method, module_path("down_proj", i)) for i in range(256))
+            scales_down = any(is_target(method, module_path(m, i)) for i in range(256)
+                              for m in ("down_proj", "shared_expert.down_proj"))
             if {f.rsplit(".", 1)[-1] for f in feedforward} != ({"down_proj"} if scales_down else set()):
                 raise JaxtuneError(f"{where}: IA3 feedforward_modules {sorted(feedforward)} are not supported "
                                    "(jaxtune scales the input of down_proj and the output of other modules)")

@@ -137,7 +137,8 @@ def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key:
     elif method.kind == "ia3":
         for name in ia3_modules(method, L, cfg.linear_modules):
             d_in, d_out = full_shape(layers[name]["kernel"])[1:]
-            leaf = {"ia3_in": jnp.ones((L, d_in))} if name == "down_proj" else {"ia3_out": jnp.ones((L, d_out))}
+            feedforward = name.endswith("down_proj")  # a shared expert's too
+            leaf = {"ia3_in": jnp.ones((L, d_in))} if feedforward else {"ia3_out": jnp.ones((L, d_out))}
             layers[name] = {**layers[name], **leaf}
     elif method.kind == "prefix":
         shape = (L, method.num_virtual_tokens, cfg.num_kv_heads, cfg.head_dim)
