@@ -7,9 +7,9 @@ A mixture's experts are read in either layout: the hub's, one [out, in] matrix a
 (`mlp.experts.{e}.gate_proj.weight`, ...; Mixtral's `block_sparse_moe.experts.{e}.w1.weight` with w1/w3/w2 for
 gate/up/down, read under the Qwen names), or the one transformers 5 holds in memory (and wrote in its first
 releases), a stack an expert module (`mlp.experts.gate_up_proj` [E, 2F, D], gate first; `mlp.experts.down_proj`
-[E, D, F]). Writing uses the hub's, which every version of transformers reads. Writing produces what
-`transformers.AutoModelForCausalLM.from_pretrained` reads: `config.json` and `model.safetensors`, or shards
-with a `model.safetensors.index.json` when the weights are large.
+[E, D, F]). Writing produces what every version of `transformers.AutoModelForCausalLM.from_pretrained` reads:
+`config.json` and `model.safetensors`, or shards with a `model.safetensors.index.json` when the weights are large,
+experts in the hub's layout.
 """
 
 from __future__ import annotations
@@ -117,8 +117,7 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False) -> dict[str,
                 if fused_experts:
                     expected[fused_expert_name(path[2], i)] = (E, d_out, d_in)
                     continue
-                parts = expert_tensor_names(path[2], i, 0)
-                expected.update({name: (d_out // len(parts), d_in) for e in range(E)
+                expected.update({name: (d_out // len(EXPERT_PARTS[path[2]]), d_in) for e in range(E)
                                  for name in expert_tensor_names(path[2], i, e)})
             continue
         shape = spec.shape[::-1] if path[-1] == "kernel" else spec.shape
