@@ -104,8 +104,8 @@ def cmd_eval(args) -> None:
     print(json.dumps(result) if args.json else text)
 
 
-def _read_prompts(path: str) -> list[str]:
-    """A .jsonl file's "prompt" fields, or any other file's non-empty lines."""
+def _read_prompts(path: str) -> list[str | list[dict]]:
+    """A .jsonl file's "prompt" fields or "messages" conversations, or any other file's non-empty lines."""
     from pathlib import Path
 
     from jaxtune.data.formats import read_jsonl
@@ -113,9 +113,13 @@ def _read_prompts(path: str) -> list[str]:
     if path.endswith(".jsonl"):
         prompts = []
         for line, record in read_jsonl(path):
-            if not isinstance(record.get("prompt"), str):
-                raise JaxtuneError(f"{path}:{line}: expected a string field 'prompt'")
-            prompts.append(record["prompt"])
+            messages = record.get("messages")
+            if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+                prompts.append(messages)
+            elif isinstance(record.get("prompt"), str):
+                prompts.append(record["prompt"])
+            else:
+                raise JaxtuneError(f"{path}:{line}: expected a string field 'prompt' or a 'messages' list")
         return prompts
     if not Path(path).is_file():
         raise JaxtuneError(f"{path}: file not found")
@@ -132,11 +136,17 @@ def cmd_generate(args) -> None:
     from jaxtune.methods.peft import load_model_with_adapter
 
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    if args.chat:
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer.chat_template and any(isinstance(p, str) for p in prompts):
+        print(f"note: {args.model} has a chat template and these prompts are raw text; an instruct model may end "
+              "its turn at once (an empty answer). --chat renders each prompt as a user turn.", file=sys.stderr)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     cfg, params, method = load_model_with_adapter(args.model, args.adapter, base=args.base,
                                                   log=lambda text: print(text, file=sys.stderr))
-    texts = generate_text(params, cfg, load_tokenizer(args.model), prompts, sampling, stop_strings=args.stop,
+    texts = generate_text(params, cfg, tokenizer, prompts, sampling, stop_strings=args.stop,
                           method=method)
     if args.json:
         print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)], indent=2))
@@ -179,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="describe a Hugging Face model directory")
-    info.add_argument("--model", required=True, help="directory with config.json and *.safetensors")
+    info.add_argument("--model", required=True, help="directory with config.json and *.safetensors, or a .gguf file")
     info.add_argument("--adapter", help="a PEFT adapter directory: report its method and trainable parameters")
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(run=cmd_info)
@@ -224,11 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
     gen.add_argument("--adapter", help="PEFT adapter directory to apply")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts", help="a file: one prompt a line, or JSONL with a 'prompt' field")
+    source.add_argument("--prompts", help="a file: one prompt a line, or JSONL with a 'prompt' field or a 'messages' "
+                        "conversation (rendered by the model's chat template)")
+    gen.add_argument("--chat", action="store_true", help="render each prompt as a user turn of the model's chat "
+                     "template, with the assistant's generation prompt")
     gen.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -244,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=cmd_demo)
 
     export = sub.add_parser("export", help="write an adapter in PEFT format, or merge it into an HF model directory")
-    export.add_argument("--model", required=True, help="the base model directory")
+    export.add_argument("--model", required=True, help="the base model directory (or .gguf file)")
     export.add_argument("--adapter", required=True, help="a PEFT adapter directory (as jaxtune train writes)")
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--peft", metavar="OUT", help="write the adapter, in PEFT format, to OUT")
@@ -267,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="will a fine-tune fit: per-device memory, the best layouts, XLA's own figure")
     model = plan.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read)")
+    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read) "
+                       "or .gguf file")
     model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
     model.add_argument("--config", metavar="RUN.toml", help="a `jaxtune train` config: its model, method, batch, "
                        "sequence, remat, mesh and offload")

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.data.batching import MIN_BUCKET, bucket
+from jaxtune.data.formats import render_chat
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.kv_cache import decode_step, prefill, prefix_length
@@ -157,19 +158,22 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     return results
 
 
-def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts: Sequence[str],
+def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts: Sequence[str | list[dict]],
                   sampling: SamplingConfig = SamplingConfig(), stop_strings: Sequence[str] = (),
                   method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions()) -> list[str]:
     """The text each prompt continues with, cut before the first of `stop_strings`.
 
-    Prompts are encoded with special tokens (BOS when the tokenizer adds one); generation stops at the
-    tokenizer's or the model's EOS. Stop strings are found in the decoded text after generation, so they
-    shorten the answer, not the decode loop.
+    A text prompt is encoded with special tokens (BOS when the tokenizer adds one); a conversation (a list of
+    {"role", "content"} messages) is rendered by the tokenizer's chat template with the assistant's generation
+    prompt and encoded without them (the template writes its own), as transformers' `apply_chat_template` does.
+    Generation stops at the tokenizer's or the model's EOS. Stop strings are found in the decoded text after
+    generation, so they shorten the answer, not the decode loop.
     """
     if isinstance(prompts, str):
         raise JaxtuneError("generate_text takes a list of prompts, got a single string")
     eos = {*cfg.eos_token_id, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
-    ids = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    ids = [tokenizer.encode(render_chat(p, tokenizer, add_generation_prompt=True), add_special_tokens=False)
+           if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=True) for p in prompts]
     new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), method=method, options=options)
     texts = []
     for tokens in new:

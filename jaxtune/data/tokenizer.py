@@ -1,4 +1,5 @@
-"""Tokenizers: a model's own `tokenizer.json` through the `tokenizers` library, or a built-in byte-level one.
+"""Tokenizers: a model's own `tokenizer.json` through the `tokenizers` library, the one a GGUF file describes in its
+metadata, or a built-in byte-level one.
 
 Special tokens come from the model's files, in transformers' order of precedence: `tokenizer_config.json`
 (`bos_token`, `eos_token`, `pad_token`), then `special_tokens_map.json`, then the ids in `config.json`.
@@ -14,10 +15,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, processors
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.gguf import gguf_tokenizer_metadata, is_gguf
 from jaxtune.models.hf_config import read_json
 
 BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
@@ -100,7 +102,10 @@ def _read(path: Path) -> dict:
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer of a model directory; the built-in byte-level tokenizer when it ships no `tokenizer.json`."""
+    """The tokenizer of a model directory (the built-in byte-level tokenizer when it ships no `tokenizer.json`) or
+    of a GGUF file."""
+    if is_gguf(directory):
+        return gguf_tokenizer(directory)
     directory = Path(directory)
     if not directory.is_dir():
         raise JaxtuneError(f"{directory}: model directory not found")
@@ -129,3 +134,92 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if (directory / "chat_template.jinja").is_file():
         template = (directory / "chat_template.jinja").read_text()
     return Tokenizer(backend, special_id("bos_token"), special_id("eos_token"), special_id("pad_token"), template)
+
+
+# The split a GGUF vocabulary's merges were learned under, by llama.cpp's pre-tokenizer name (`tokenizer.ggml.pre`),
+# as transformers' GGUF loader reads them; other names split as GPT-2 does.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+               "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def _gguf_byte_level(meta: dict) -> Backend:
+    """A GGUF "gpt2" vocabulary: byte-level BPE with the file's merges (tokens not already in the byte alphabet
+    spelled in it)."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling)
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+             for i, t in enumerate(meta["tokens"])}
+    merges = [tuple(m.split(" ")) for m in meta.get("merges", [])]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    split = GGUF_SPLITS.get(meta.get("pre"))
+    backend.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
+                             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                      pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                               use_regex=False)]))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _score_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a token into two tokens, best score first
+    (transformers' `generate_merges`)."""
+    index = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in index
+                 and token[k:] in index]
+        merges += sorted(pairs, key=lambda p: (index[p[0]], index[p[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _gguf_sentencepiece(meta: dict) -> Backend:
+    """A GGUF "llama" vocabulary (SentencePiece BPE, as Llama 2 and Mistral ship): byte fallback, spaces as
+    U+2581 with one prepended to the text, merges from the file or from the scores."""
+    tokens = meta["tokens"]
+    merges = ([tuple(m.split(" ")) for m in meta["merges"]] if "merges" in meta else
+              _score_merges(tokens, meta.get("scores") or [0.0] * len(tokens)))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                     prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return backend
+
+
+def gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes (byte-level "gpt2" or SentencePiece "llama" vocabularies),
+    built as transformers' `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it: control tokens added as
+    special tokens, user-defined ones (`<think>`) as plain added tokens, BOS prepended where the file says so
+    (SentencePiece vocabularies by default), and the file's chat template."""
+    meta = gguf_tokenizer_metadata(path)
+    kind = meta.get("model")
+    builders = {"gpt2": _gguf_byte_level, "llama": _gguf_sentencepiece}
+    if kind not in builders:
+        raise JaxtuneError(f"{path}: GGUF tokenizer model {kind!r} is not supported ({', '.join(builders)})")
+    backend = builders[kind](meta)
+    tokens, types = meta["tokens"], meta.get("token_type") or []
+    alphabet = set(_bytes_to_unicode()) if kind == "gpt2" else None
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+                                if k == GGUF_CONTROL and (alphabet is None or set(t) <= alphabet)])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+                        if k == GGUF_USER_DEFINED])
+    ids = {name: meta.get(f"{name}_token_id") for name in ("bos", "eos", "padding")}
+    bos = ids["bos"]
+    add_bos = bool(meta.get("add_bos_token", kind == "llama")) and bos is not None
+    add_eos = bool(meta.get("add_eos_token", False)) and ids["eos"] is not None
+    if add_bos or add_eos:
+        first = [tokens[bos]] if add_bos else []
+        last = [tokens[ids["eos"]]] if add_eos else []
+        single = " ".join(first + ["$A"] + last)
+        pair = " ".join(first + ["$A"] + last + first + ["$B:1"] + last)
+        specials = [(tokens[i], i) for i in {*([bos] if add_bos else []), *([ids["eos"]] if add_eos else [])}]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    return Tokenizer(backend, bos, ids["eos"], ids["padding"], meta.get("chat_template"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.gguf import gguf_config, is_gguf
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
@@ -196,7 +197,9 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """`ModelConfig` of the Hugging Face model directory `path`."""
+    """`ModelConfig` of the Hugging Face model directory (or GGUF file) `path`."""
+    if is_gguf(path):
+        return config_from_hf(gguf_config(path), f"{path} (GGUF metadata)")
     path = model_dir(path) / "config.json"
     return config_from_hf(read_json(path), str(path))
 

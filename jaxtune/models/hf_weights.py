@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.gguf import GGUFCheckpoint, is_gguf
 from jaxtune.models.hf_config import config_to_hf, load_config, model_dir
 from jaxtune.models.params import ATTENTION_MODULES, QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
@@ -152,16 +153,17 @@ def check_tensors(reader: CheckpointReader, directory: Path, cfg: ModelConfig,
 
 @contextmanager
 def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[CheckpointReader]:
-    """A `CheckpointReader` of `directory`'s weights, after `check_tensors`."""
-    directory = model_dir(directory)
-    with CheckpointReader(directory, canonical_name) as reader:
+    """A `CheckpointReader` of `directory`'s weights (a `GGUFCheckpoint` of a GGUF file), after `check_tensors`."""
+    directory = Path(directory) if is_gguf(directory) else model_dir(directory)
+    with (GGUFCheckpoint if is_gguf(directory) else CheckpointReader)(directory, canonical_name) as reader:
         check_tensors(reader, directory, cfg)
         yield reader
 
 
 def stored_dtype(directory: str | Path) -> str:
     """The dtype the checkpoint stores its embedding in ("bfloat16", "float32", ...): the weights' "as stored"."""
-    with CheckpointReader(model_dir(directory)) as reader:
+    opened = GGUFCheckpoint(directory) if is_gguf(directory) else CheckpointReader(model_dir(directory))
+    with opened as reader:
         if "model.embed_tokens.weight" not in reader.names():
             raise JaxtuneError(f"{directory}: tensor model.embed_tokens.weight is missing from the checkpoint")
         return str(reader.dtype("model.embed_tokens.weight"))
@@ -323,7 +325,12 @@ def save_model(
 
 
 def copy_tokenizer(source: str | Path | None, directory: Path) -> None:
-    """The tokenizer files of model directory `source` (if given) copied into `directory`."""
+    """The tokenizer files of model directory `source` (if given) copied into `directory`; a GGUF file's tokenizer
+    written as `tokenizer.json` and `tokenizer_config.json`."""
+    if source is not None and is_gguf(source):
+        from jaxtune.data.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(source).save(directory)
     for name in TOKENIZER_FILES if source is not None else ():
         if (Path(source) / name).is_file():
             shutil.copyfile(Path(source) / name, directory / name)

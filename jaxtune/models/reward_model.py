@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.gguf import is_gguf
 from jaxtune.models.hf_config import config_from_hf, config_to_hf, model_dir, read_json
 from jaxtune.models.hf_weights import DTYPES, check_tensors, copy_tokenizer, expected_tensors, read_leaf, tensor_entries
 from jaxtune.models.llama import decoder
@@ -46,7 +47,9 @@ def reward_scores(params: dict, batch: dict, cfg: ModelConfig, method: MethodCon
 
 
 def is_reward_model(directory: str | Path) -> bool:
-    """Whether `directory`'s config.json names a `*ForSequenceClassification` architecture."""
+    """Whether `directory`'s config.json names a `*ForSequenceClassification` architecture (a GGUF file: never)."""
+    if is_gguf(directory):
+        return False
     archs = read_json(model_dir(directory) / "config.json").get("architectures") or []
     return any(a.endswith(SEQUENCE_CLASSIFICATION) for a in archs)
 
