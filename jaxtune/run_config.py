@@ -41,7 +41,7 @@ def _parse_value(text: str):
 
 
 TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list"}
-PATTERN_KEYS = ("rank_pattern", "alpha_pattern")  # TOML tables: {"regex" = value, ...}
+PATTERN_KEYS = ("rank_pattern", "alpha_pattern", "columns")  # TOML tables: {"regex" = value, ...}, {ours = theirs}
 REGEX_KEYS = ("target_modules", "exclude_modules")  # a string is a regular expression (PEFT's string form)
 
 

@@ -38,7 +38,8 @@ def gguf_name(hf_name: str) -> str:
 
 
 def permute(rows_x: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's `permute` of a Llama query or key projection (its rotary kernel pairs adjacent rows)."""
+    """llama.cpp's `permute` of a Llama query or key projection (its rotary kernel pairs adjacent rows), written
+    out here as in its `convert_hf_to_gguf.py`, apart from jaxtune's own."""
     return rows_x.reshape(heads, 2, rows_x.shape[0] // heads // 2, *rows_x.shape[1:]).swapaxes(1, 2).reshape(
         rows_x.shape)
 
@@ -52,9 +53,11 @@ def random_k_blocks(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> 
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(path: str | Path, model, kind: Q, tokenizer: str = "gpt2", seed: int = 0) -> Path:
+def write_gguf(path: str | Path, model, kind: Q, tokenizer: str = "gpt2", seed: int = 0,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """`model` (a transformers Llama, Qwen2 or Qwen3) as a GGUF file: its 2-D weights in `kind`, norms and biases
-    in F32, the config and a tokenizer (`TOKENS` byte-level, or `spm_tokens()` for "llama") as metadata."""
+    in F32, the config and a tokenizer (`TOKENS` byte-level, or `spm_tokens()` for "llama") as metadata; `extra`
+    tensors written as they are."""
     cfg, arch = model.config, model.config.model_type
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -103,6 +106,8 @@ def write_gguf(path: str | Path, model, kind: Q, tokenizer: str = "gpt2", seed: 
             writer.add_tensor(gguf_name(name), w.astype(np.float32 if kind == Q.F32 else np.float16))
         else:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
+    for name, tensor in (extra or {}).items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -20,10 +20,10 @@ from jaxtune.data.formats import (
     Example,
     load_preference_examples,
     load_sft_examples,
-    read_jsonl,
     render_chat,
     train_eval_split,
 )
+from jaxtune.data.sources import read_records
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.llama import forward
@@ -174,7 +174,7 @@ def test_bad_sft_data_names_file_line_and_field(tmp_path, lines, message):
 
 def test_other_bad_inputs(tmp_path, bpe):
     with pytest.raises(JaxtuneError, match="nowhere.jsonl: data file not found"):
-        read_jsonl(tmp_path / "nowhere.jsonl")
+        read_records(tmp_path / "nowhere.jsonl")
     pairs = [{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": "x", "chosen": "y"}]
     path = write_jsonl(tmp_path / "p.jsonl", pairs)
     with pytest.raises(JaxtuneError, match=re.escape("p.jsonl:2: preference record is missing field 'rejected'")):

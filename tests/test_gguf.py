@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +23,12 @@ from jaxtune.config import SamplingConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate
+from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_model_with_adapter
-from jaxtune.models.gguf import llama3_rope_parameters
+from jaxtune.models.gguf import llama3_rope_parameters, unpermute_qk
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import load_model
+from jaxtune.models.linear import kernel_of
 from jaxtune.models.llama import forward
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
@@ -135,8 +138,6 @@ def test_gguf_bad_files(tmp_path, gguf_file):
     truncated.write_bytes(gguf_file("llama", Q.Q8_0).read_bytes()[:5000])
     with pytest.raises(JaxtuneError, match="truncated.gguf: not a readable GGUF file"):
         load_config(truncated)
-    import gguf
-
     writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
@@ -146,6 +147,10 @@ def test_gguf_bad_files(tmp_path, gguf_file):
     writer.close()
     with pytest.raises(JaxtuneError, match="GGUF architecture 'gpt2' is not supported; supported: llama"):
         load_config(tmp_path / "gpt2.gguf")
+    model = make_hf_model("llama", tmp_path / "hf", **{**SHAPE, **OVERRIDES["llama"]})
+    integers = write_gguf(tmp_path / "i8.gguf", model, Q.Q8_0, extra={"blk.0.scales.weight": np.ones(8, np.int8)})
+    with pytest.raises(JaxtuneError, match="i8.gguf: tensor blk.0.scales.weight has type I8, which jaxtune cannot"):
+        load_model(integers)
 
 
 @pytest.mark.slow
@@ -173,6 +178,30 @@ def test_train_on_a_gguf_and_export_merged(tmp_path, gguf_file):
         reference = merged(torch.tensor(ids)).logits.numpy()
     logits = jax.jit(forward, static_argnames=("cfg", "method"))(params, jnp.asarray(ids), cfg, method=method)
     np.testing.assert_allclose(np.asarray(logits), reference, atol=1e-4, rtol=1e-4)
+
+    # The same merge as one GGUF file (f32), read back by transformers.
+    assert main(["export", "--model", str(path), "--adapter", str(result.result_path), "--gguf",
+                 str(tmp_path / "merged.gguf"), "--type", "f32"]) == 0
+    with torch.no_grad():
+        from_gguf = transformers_gguf(tmp_path / "merged.gguf")(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(from_gguf, reference, atol=1e-5, rtol=1e-5)
+
+    # The adapter as llama.cpp's GGUF LoRA: per layer and module, base + lora_b @ lora_a (B's rows back from
+    # llama.cpp's q/k interleaving) is the merged weight.
+    assert main(["export", "--model", str(path), "--adapter", str(result.result_path), "--gguf-lora",
+                 str(tmp_path / "adapter.gguf")]) == 0
+    reader = gguf.GGUFReader(tmp_path / "adapter.gguf")
+    assert reader.fields["adapter.type"].contents() == "lora"
+    lora = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert len(lora) == 2 * 7 * cfg.num_layers
+    merged_kernels = merge(params, method)["layers"]
+    for name in ("attn_q", "attn_k", "ffn_down"):
+        delta = lora[f"blk.1.{name}.weight.lora_b"] @ lora[f"blk.1.{name}.weight.lora_a"]
+        if name != "ffn_down":
+            delta = unpermute_qk(delta, cfg.num_heads if name == "attn_q" else cfg.num_kv_heads)
+        module = {"attn_q": "q_proj", "attn_k": "k_proj", "ffn_down": "down_proj"}[name]
+        base = np.asarray(kernel_of(params["layers"][module], jnp.float32))[1]
+        np.testing.assert_allclose(base + delta.T, np.asarray(merged_kernels[module]["kernel"])[1], atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +233,10 @@ def test_smollm2_logits_and_greedy_generation_equal_transformers(smollm2):
     ours = generate(params, cfg, [ids], SamplingConfig(max_new_tokens=24), eos_ids=())[0]
     assert ours == expected
     assert "Paris" in tokenizer.decode(ours)
+    mixed = ("def f(x):\n    return {'a': x ** 2}  # 平方 ✓\n\tprint(f\"{x!r:>10}\")\r\n" + prompt
+             + "Ünïcödé — 日本語のテキスト, emoji 🙂👍🏽, numbers 3.14159 and 1,000,000\n\n\n   trailing   ")
+    assert tokenizer.encode(mixed) == ref_tokenizer(mixed).input_ids
+    assert tokenizer.decode(tokenizer.encode(mixed), skip_special_tokens=False) == mixed
 
 
 def test_gguf_tensor_names_follow_llama_cpp():
@@ -234,3 +267,24 @@ def test_generate_chat_renders_the_files_template(gguf_file, capsys):
     assert "chat template" not in out.err
     assert main(["generate", "--model", str(path), "--prompt", "the hat", "--max-new-tokens", "2"]) == 0
     assert "has a chat template and these prompts are raw text" in capsys.readouterr().err
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_gguf_export_loads_in_transformers_as_written(kind, gguf_file, tmp_path):
+    """`jaxtune export --gguf`: the model read back by transformers (its own GGUF reader and dequantisers) gives
+    jaxtune's logits of the model as written; f32 gives the source model's own logits; Llama's q/k rows are
+    interleaved as llama.cpp's converter writes them; the tokenizer and chat template survive."""
+    source = gguf_file("llama", Q.F32)
+    out = tmp_path / f"out-{kind}.gguf"
+    assert main(["export", "--model", str(source), "--gguf", str(out), "--type", kind]) == 0
+    reference = transformers_gguf(out)
+    cfg, params = load_model(out, dtype=np.float32)
+    logits = logits_four_ways(reference, params, cfg)
+    assert_float32_parity(logits["out32"], logits["ref32"], logits["ref64"], logits["valid"])
+    if kind == "f32":
+        original = logits_four_ways(transformers_gguf(source), params, cfg)
+        np.testing.assert_array_equal(original["ref32"], logits["ref32"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
+    assert all(tokenizer(t).input_ids == load_tokenizer(source).encode(t) for t in TEXTS)
+    assert load_tokenizer(out).chat_template == CHAT_TEMPLATE

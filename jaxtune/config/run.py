@@ -45,9 +45,16 @@ class ModelSection:
             raise ConfigError("router_aux_loss_coef", self.router_aux_loss_coef, "needs >= 0, or -1 (config.json's)")
 
 
+# The record fields jaxtune reads (data/formats.py): alpaca, prompt/completion, chat, preference pairs.
+RECORD_FIELDS = ("instruction", "input", "output", "prompt", "completion", "messages", "chosen", "rejected")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """train/eval: JSONL files. Without an eval file, `eval_fraction` of train is held out (by `seed`)."""
+    """train/eval: JSONL (.jsonl, .jsonl.gz), Parquet or Arrow files or `datasets` `save_to_disk` directories
+    (`data.sources`). Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
+    names -> the dataset's column names where they differ (TOML: `columns = {prompt = "question"}`), held as sorted
+    pairs."""
 
     train: str = ""
     eval: str = ""
@@ -55,8 +62,18 @@ class DataConfig:
     max_seq_len: int = 256
     pack: bool = True
     seed: int = 0
+    columns: tuple = ()
 
     def __post_init__(self):
+        columns = self.columns.items() if isinstance(self.columns, dict) else self.columns
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                   for p in columns):
+            raise ConfigError("columns", self.columns, "must be a table of our field name = the dataset's column")
+        unknown = sorted({ours for ours, _ in columns} - set(RECORD_FIELDS))
+        if unknown:
+            raise ConfigError("columns", self.columns, f"maps {unknown[0]!r}, not a field of ours "
+                                                       f"({', '.join(RECORD_FIELDS)})")
+        object.__setattr__(self, "columns", tuple(sorted((ours, theirs) for ours, theirs in columns)))
         check_range("eval_fraction", self.eval_fraction, 0.0, 1.0, high_open=True)
         check_range("max_seq_len", self.max_seq_len, 2)
         check_range("seed", self.seed, 0)

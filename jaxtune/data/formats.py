@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jaxtune.data.sources import json_type, read_records
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 
@@ -104,38 +106,6 @@ class DataStats:
                 f"max_seq_len={max_seq_len}, {self.truncated} truncated, {self.loss_tokens} loss tokens")
 
 
-def _json_type(value) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__)
-
-
-def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, record) for every non-blank line; JaxtuneError "file:line: ..." for a bad line."""
-    path = Path(path)
-    if not path.is_file():
-        raise JaxtuneError(f"{path}: data file not found")
-    records = []
-    try:
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise JaxtuneError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
-                if not isinstance(record, dict):
-                    raise JaxtuneError(f"{path}:{n}: expected a JSON object, got {_json_type(record)}")
-                records.append((n, record))
-    except UnicodeDecodeError as e:
-        raise JaxtuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not records:
-        raise JaxtuneError(f"{path}: no examples")
-    return records
-
-
 def _text(where: str, record: dict, fmt: str, name: str, optional: bool = False) -> str:
     """record[name], which must be a string (optional: absent or null reads as "")."""
     value = record.get(name)
@@ -144,7 +114,7 @@ def _text(where: str, record: dict, fmt: str, name: str, optional: bool = False)
     if name not in record:
         raise JaxtuneError(f"{where}: {fmt} record is missing field '{name}'")
     if not isinstance(value, str):
-        raise JaxtuneError(f"{where}: {fmt} field '{name}' must be a string, got {_json_type(value)}")
+        raise JaxtuneError(f"{where}: {fmt} field '{name}' must be a string, got {json_type(value)}")
     return value
 
 
@@ -221,16 +191,16 @@ def render_chat(messages: list[dict], tokenizer: Tokenizer, add_generation_promp
 def _check_messages(where: str, record: dict) -> list[dict]:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
-        raise JaxtuneError(f"{where}: chat field 'messages' must be a non-empty array, got {_json_type(messages)}")
+        raise JaxtuneError(f"{where}: chat field 'messages' must be a non-empty array, got {json_type(messages)}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise JaxtuneError(f"{where}: chat field 'messages[{i}]' must be an object, got {_json_type(m)}")
+            raise JaxtuneError(f"{where}: chat field 'messages[{i}]' must be an object, got {json_type(m)}")
         for name in ("role", "content"):
             if name not in m:
                 raise JaxtuneError(f"{where}: chat record is missing field 'messages[{i}].{name}'")
             if not isinstance(m[name], str):
                 raise JaxtuneError(f"{where}: chat field 'messages[{i}].{name}' must be a string, "
-                                   f"got {_json_type(m[name])}")
+                                   f"got {json_type(m[name])}")
     if not any(m["role"] == "assistant" for m in messages):
         raise JaxtuneError(f"{where}: chat record has no assistant message to train on")
     return messages
@@ -331,11 +301,13 @@ def _chunks(items: list, size: int = 1024):
     return (items[k:k + size] for k in range(0, len(items), size))
 
 
-def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int) -> tuple[list[Example], DataStats]:
-    """Examples of an alpaca / prompt-completion / chat JSONL file, in file order, after the max_seq_len policy."""
+def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None
+                      ) -> tuple[list[Example], DataStats]:
+    """Examples of an alpaca / prompt-completion / chat dataset (`read_records`: JSONL, Parquet, Arrow, ...), in
+    file order, after the max_seq_len policy; `columns` renames the dataset's columns to ours."""
     _check_max_seq_len(max_seq_len)
     eos = _eos(tokenizer)
-    records = read_jsonl(path)
+    records = read_records(path, columns)
     stats = DataStats()
     pairs: list[tuple[int, str, str]] = []  # (record index, prompt, completion)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []  # (record index, text, trained spans)
@@ -374,14 +346,14 @@ def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int) 
     return examples, stats
 
 
-def load_preference_examples(path: str | Path, tokenizer: Tokenizer,
-                             max_seq_len: int) -> tuple[list[PreferenceExample], DataStats]:
+def load_preference_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+                             columns: Mapping[str, str] | None = None) -> tuple[list[PreferenceExample], DataStats]:
     """Preference pairs {prompt, chosen, rejected}; len(prompt) + len(completion) <= max_seq_len for each side."""
     _check_max_seq_len(max_seq_len)
     eos = _eos(tokenizer)
     stats = DataStats()
     texts = []
-    for n, record in read_jsonl(path):
+    for n, record in read_records(path, columns):
         where = f"{path}:{n}"
         texts.append(tuple(_text(where, record, "preference", name) for name in ("prompt", "chosen", "rejected")))
     stats.formats["preference"] = len(texts)
@@ -406,18 +378,18 @@ def load_preference_examples(path: str | Path, tokenizer: Tokenizer,
     return examples, stats
 
 
-def load_prompt_examples(path: str | Path) -> list[PromptExample]:
-    """The records of a prompts JSONL file, in file order: a string "prompt" each, other fields kept as they are."""
+def load_prompt_examples(path: str | Path, columns: Mapping[str, str] | None = None) -> list[PromptExample]:
+    """The records of a prompts dataset, in file order: a string "prompt" each, other fields kept as they are."""
     examples = []
-    for n, record in read_jsonl(path):
+    for n, record in read_records(path, columns):
         prompt = _text(f"{path}:{n}", record, "prompt", "prompt")
         examples.append(PromptExample(prompt, {k: v for k, v in record.items() if k != "prompt"}))
     return examples
 
 
-def is_preference_file(path: str | Path) -> bool:
-    """Whether a JSONL file's first record is a preference pair (has "chosen" or "rejected")."""
-    return detect_format(read_jsonl(path)[0][1]) == "preference"
+def is_preference_file(path: str | Path, columns: Mapping[str, str] | None = None) -> bool:
+    """Whether a dataset's first record is a preference pair (has "chosen" or "rejected")."""
+    return detect_format(read_records(path, columns)[0][1]) == "preference"
 
 
 def train_eval_split(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:

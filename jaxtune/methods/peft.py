@@ -385,6 +385,28 @@ def export_merged(model: str | Path, adapter: str | Path, out: str | Path, log=N
     return save_model(out, cfg, params, dtype=dtype, tokenizer_from=model, tensor=merged_layer(params, method))
 
 
+def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, kind: str = "f16", log=None) -> Path:
+    """A model, with a PEFT LoRA/DoRA adapter merged in when given (a full fine-tune's model directory needs none),
+    written as a GGUF file of `kind` (f32, f16, bf16, q8_0) with its tokenizer and chat template."""
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.methods.gguf_export import save_gguf
+    from jaxtune.methods.lora import merged_layer
+
+    cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
+    if adapter is not None and method.kind not in ("lora", "qlora"):
+        raise JaxtuneError(f"{adapter}: only LoRA and DoRA adapters merge into the weights, not {method.kind}")
+    tensor = merged_layer(params, method) if adapter is not None else None
+    return save_gguf(out, cfg, params, load_tokenizer(model), kind, tensor=tensor, name=Path(str(model)).stem)
+
+
+def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
+    """A PEFT LoRA adapter as llama.cpp's GGUF LoRA, for `model` written by `export_gguf` (or any GGUF of it)."""
+    from jaxtune.methods.gguf_export import save_gguf_lora
+
+    cfg, params, method = load_model_with_adapter(model, adapter, log=log)
+    return save_gguf_lora(out, cfg, params, method, name=Path(str(adapter)).name)
+
+
 def adapter_summary(model: str | Path, adapter: str | Path) -> dict:
     """An adapter's method and exact parameter counts on its base, from the configs alone (nothing allocated)."""
     from jaxtune.methods.transform import parameter_report

@@ -168,9 +168,30 @@ def _dequantized(tensor) -> np.ndarray:
     return data.reshape(_hf_shape(tensor))
 
 
-def _unpermute(rows_x: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's `permute` of a query or key projection [heads * head_dim, ...]: each head's rows back from
-    (pairs interleaved) to (first halves, then second halves), as rotate_half expects."""
+def _check_types(tensors, path: Path) -> None:
+    """Every tensor type in the file can be read: each distinct type is tried on one zero block, so a file with a
+    type nothing here dequantises fails on opening, naming a tensor of that type, not minutes into a load."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    for kind in {t.tensor_type for t in tensors} - {GGMLQuantizationType.F32, GGMLQuantizationType.F16}:
+        block, size = GGML_QUANT_SIZES[kind]
+        try:
+            quants.dequantize(np.zeros((1, size), np.uint8), kind)
+        except (NotImplementedError, ValueError):
+            name = next(t.name for t in tensors if t.tensor_type == kind)
+            raise JaxtuneError(f"{path}: tensor {name} has type {kind.name}, which jaxtune cannot dequantise "
+                               "(float and block-quantised types only)") from None
+
+
+def permute_qk(rows_x: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's `permute` of a Llama query or key projection [heads * head_dim, ...] (weight, bias or LoRA B):
+    each head's rows from (first halves, then second halves, as rotate_half pairs them) to interleaved pairs."""
+    w = rows_x.reshape(heads, 2, rows_x.shape[0] // heads // 2, *rows_x.shape[1:])
+    return w.swapaxes(1, 2).reshape(rows_x.shape)
+
+
+def unpermute_qk(rows_x: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of `permute_qk`: interleaved pairs back to transformers' halves."""
     w = rows_x.reshape(heads, rows_x.shape[0] // heads // 2, 2, *rows_x.shape[1:])
     return w.swapaxes(1, 2).reshape(rows_x.shape)
 
@@ -186,6 +207,7 @@ class GGUFCheckpoint:
         config = gguf_config(self.path)
         self._heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         self._permuted = config["model_type"] in PERMUTED_QK
+        _check_types(reader.tensors, self.path)
         self._tensors = {(rename or str)(hf_tensor_name(t.name)): t for t in reader.tensors if t.name != ROPE_FREQS}
         self._cached: tuple[str, np.ndarray] | None = None
         self.bytes_read = 0
@@ -232,7 +254,7 @@ class GGUFCheckpoint:
             whole = _dequantized(tensor)
             part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
             if self._permuted and part in self._heads:  # weights and biases alike
-                whole = _unpermute(whole, self._heads[part])
+                whole = unpermute_qk(whole, self._heads[part])
             self.bytes_read += int(tensor.n_bytes)
             self._cached = (name, whole)
         return np.ascontiguousarray(self._cached[1][tuple(index or ())])

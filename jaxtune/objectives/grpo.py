@@ -167,8 +167,8 @@ def prepare(setup: Setup) -> Training:
         raise JaxtuneError("[offload] frozen_params = true is not supported with objective grpo (rollouts decode "
                            "from the frozen weights every step); set it to false")
     reward_fn = load_reward_function(g.reward) if g.reward else reward_model_function(g.reward_model, seq_len)
-    examples = load_prompt_examples(c.data.train)
-    held_out = load_prompt_examples(c.data.eval) if c.data.eval else None
+    examples = load_prompt_examples(c.data.train, dict(c.data.columns))
+    held_out = load_prompt_examples(c.data.eval, dict(c.data.columns)) if c.data.eval else None
     fits = lambda e: len(tok.encode(e.prompt)) + g.max_new_tokens <= seq_len + 1
     kept = [e for e in examples if fits(e)]
     train, held_out = (kept, held_out) if held_out is not None else train_eval_split(kept, c.data.eval_fraction,

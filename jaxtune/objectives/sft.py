@@ -68,11 +68,12 @@ def loss_metrics(sums: dict) -> dict:
 
 
 def train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
-    """(train, held-out) examples read by `load(path, tokenizer, seq_len)` from data.train (and data.eval, else a
-    split of train), logged as `unit`."""
+    """(train, held-out) examples read by `load(path, tokenizer, seq_len, columns)` from data.train (and data.eval,
+    else a split of train), logged as `unit`."""
     data = setup.config.data
-    examples, stats = load(data.train, setup.tokenizer, data.max_seq_len)
-    held_out = load(data.eval, setup.tokenizer, data.max_seq_len)[0] if data.eval else None
+    columns = dict(data.columns)
+    examples, stats = load(data.train, setup.tokenizer, data.max_seq_len, columns)
+    held_out = load(data.eval, setup.tokenizer, data.max_seq_len, columns)[0] if data.eval else None
     train, held_out = (examples, held_out) if held_out is not None else train_eval_split(
         examples, data.eval_fraction, data.seed)
     setup.log(f"data: {len(train)} train / {len(held_out)} eval {unit} ({stats.dropped_prompt_too_long} dropped: "

@@ -1,0 +1,249 @@
+"""A model as a GGUF file that llama.cpp (and Ollama, LM Studio, transformers) loads (`save_gguf`), and a LoRA
+adapter as llama.cpp's GGUF LoRA (`save_gguf_lora`).
+
+The inverse of `models/gguf.py`, as llama.cpp's `convert_hf_to_gguf.py` writes a Llama, Mistral, Qwen2 or Qwen3:
+the config as `{arch}.*` metadata, a byte-level BPE tokenizer as `tokenizer.ggml.*` (tokens, types, merges, special
+ids, the chat template), and the tensors under llama.cpp's names, a Llama's query and key rows interleaved for its
+rotary kernel. Tensors are gathered, converted and written one at a time (the header is written first from their
+shapes alone), so an export never holds a second copy of the model.
+
+    save_gguf("model.gguf", cfg, params, tokenizer, kind="q8_0")   # kind: f32, f16, bf16 or q8_0
+    save_gguf_lora("adapter.gguf", cfg, params, method)            # llama-cli -m model.gguf --lora adapter.gguf
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config.targets import lora_layout
+from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.lora import module_scales
+from jaxtune.models.gguf import ARCHITECTURES, LAYER_NAMES, PERMUTED_QK, ROPE_FREQS, TOP_NAMES, permute_qk
+from jaxtune.models.hf_weights import hf_module_path, tensor_entries
+
+KINDS = ("f32", "f16", "bf16", "q8_0")
+GGUF_NORMAL, GGUF_UNUSED = 1, 5  # llama.cpp's token types (control and user-defined: data/tokenizer.py)
+_MODULES = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
+_TOP = {hf: gguf for gguf, hf in TOP_NAMES.items()}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name of a transformers tensor (`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`)."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{suffix}"
+    _, _, layer, module = stem.split(".", 3)
+    return f"blk.{layer}.{_MODULES[module]}.{suffix}"
+
+
+def _gguf_arch(cfg: ModelConfig) -> str:
+    arch = next((a for a, (cls, _) in ARCHITECTURES.items() if cls == cfg.architecture), None)
+    if arch == "mistral":
+        arch = "llama"  # llama.cpp reads a dense Mistral as a Llama
+    problems = {"an architecture llama.cpp's GGUF writer here does not cover": arch is None,
+                "sliding-window layers": any(cfg.sliding_windows),
+                f"rope scaling {cfg.rope_scaling and cfg.rope_scaling.kind!r}":
+                    cfg.rope_scaling is not None and cfg.rope_scaling.kind not in ("linear", "llama3"),
+                "an MLP or output-projection bias": cfg.mlp_bias or cfg.o_bias}
+    found = [what for what, bad in problems.items() if bad]
+    if found:
+        raise JaxtuneError(f"{cfg.architecture}: cannot be written as GGUF ({', '.join(found)}); supported: "
+                           f"{', '.join(cls for cls, _ in ARCHITECTURES.values())}")
+    return arch
+
+
+def _rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """Llama 3.1's rope scaling as llama.cpp stores it: a factor per frequency (`convert_hf_to_gguf.py`'s loop)."""
+    s = cfg.rope_scaling
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+    wavelength = 2 * np.pi / inv_freq
+    smooth = np.clip((s.original_max_position_embeddings / wavelength - s.low_freq_factor)
+                     / (s.high_freq_factor - s.low_freq_factor), 0.0, 1.0)
+    return (1.0 / ((1 - smooth) / s.factor + smooth)).astype(np.float32)
+
+
+def _add_config(writer, cfg: ModelConfig, kind: str) -> None:
+    from gguf import LlamaFileType
+
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
+        writer.add_rope_scaling_type("linear")
+        writer.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+                          "bf16": LlamaFileType.MOSTLY_BF16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[kind])
+
+
+def _pre_tokenizer_name(backend: dict) -> str:
+    """llama.cpp's name of the split a byte-level tokenizer makes (`tokenizer.ggml.pre`)."""
+    pre = backend.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    for step in steps:
+        pattern = (step.get("pattern") or {}).get("Regex") if step.get("type") == "Split" else None
+        for name, split in GGUF_SPLITS.items():
+            if pattern == split:
+                return name
+    if any(step.get("type") == "Digits" for step in steps):
+        return "smollm"  # digits one by one, then GPT-2's split
+    if any(step.get("type") == "ByteLevel" and step.get("use_regex", True) for step in steps):
+        return "gpt-2"
+    return "default"
+
+
+def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer as `tokenizer.ggml.*` ("gpt2"); the vocabulary padded with unused `[PAD{i}]`
+    tokens to the model's embedding rows, as llama.cpp's converter pads it."""
+    backend = json.loads(tokenizer.backend.to_str())
+    model = backend["model"]
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise JaxtuneError("the tokenizer is not a byte-level BPE (a SentencePiece vocabulary): writing it as GGUF "
+                           "is not supported")
+    tokens = {i: t for t, i in model["vocab"].items()}
+    types = {i: GGUF_NORMAL for i in tokens}
+    for added in backend.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = GGUF_CONTROL if added["special"] else GGUF_USER_DEFINED
+    size = max(vocab_size, max(tokens) + 1)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer_name(backend))
+    writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(size)])
+    writer.add_token_types([types.get(i, GGUF_UNUSED) for i in range(size)])
+    writer.add_token_merges(merges)
+    for add, value in ((writer.add_bos_token_id, tokenizer.bos_id), (writer.add_eos_token_id, tokenizer.eos_id),
+                       (writer.add_pad_token_id, tokenizer.pad_id)):
+        if value is not None:
+            add(value)
+    ids = tokenizer.encode("a")
+    writer.add_add_bos_token(bool(ids) and ids[0] == tokenizer.bos_id and tokenizer.bos_id is not None)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def _ggml_type(shape: tuple[int, ...], kind: str):
+    """The GGML type a tensor of `shape` is written in: vectors in float32 (as llama.cpp keeps its norms); a matrix
+    whose rows are not whole Q8_0 blocks (32 values) in float16."""
+    from gguf import GGMLQuantizationType as Q
+
+    if len(shape) == 1 or kind == "f32":
+        return Q.F32
+    if kind == "q8_0" and shape[-1] % 32:
+        return Q.F16
+    return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[kind]
+
+
+def _tensor_info(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], np.dtype, int, object]:
+    """(shape, dtype, bytes) of the array written for a tensor of `shape`, and its GGML type (block types and
+    BF16 are written as bytes)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    qtype = _ggml_type(shape, kind)
+    if qtype in (Q.F32, Q.F16):
+        dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
+        return shape, dtype, int(np.prod(shape)) * dtype.itemsize, qtype
+    byte_shape = quants.quant_shape_to_byte_shape(shape, qtype)
+    return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype
+
+
+def _converted(x: np.ndarray, kind: str) -> np.ndarray:
+    """One tensor's data as written (see `_ggml_type`)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    qtype = _ggml_type(x.shape, kind)
+    x = np.asarray(x, np.float32)
+    return x if qtype == Q.F32 else x.astype(np.float16) if qtype == Q.F16 else quants.quantize(x, qtype)
+
+
+def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer, kind: str = "f16",
+              tensor=None, name: str = "jaxtune export") -> Path:
+    """Write `params` (a plain model tree, or one with LoRA leaves and `tensor` = `methods.lora.merged_layer`) as a
+    GGUF file of `kind` (f32, f16, bf16, or q8_0: every matrix in 8-bit blocks of 32, vectors in float32)."""
+    import gguf
+
+    if kind not in KINDS:
+        raise JaxtuneError(f"--type {kind!r}: expected one of {', '.join(KINDS)}")
+    arch = _gguf_arch(cfg)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = [(gguf_tensor_name(n), shape, produce) for n, shape, _, produce in
+               tensor_entries(params, cfg, np.float32, tensor=tensor)]
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
+        entries.append((ROPE_FREQS, (cfg.head_dim // 2,), lambda: _rope_factors(cfg)))
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    _add_config(writer, cfg, kind)
+    _add_tokenizer(writer, tokenizer, cfg.vocab_size)
+    for gguf_name, shape, _ in entries:
+        writer.add_tensor_info(gguf_name, *_tensor_info(tuple(shape), kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for gguf_name, _, produce in entries:
+        x = produce()
+        part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
+        if arch in PERMUTED_QK and part in heads:
+            x = permute_qk(x, heads[part])
+        writer.write_tensor_data(_converted(x, kind))
+    writer.close()
+    return path
+
+
+def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: MethodConfig,
+                   name: str = "jaxtune adapter") -> Path:
+    """A LoRA adapter as llama.cpp's GGUF LoRA (`llama-cli --lora`, `llama_adapter_lora_init`), for the base model
+    written by `save_gguf`: for each adapted module and layer `blk.{i}.{module}.weight.lora_a` [r, in] and `.lora_b`
+    [out, r] (torch's layout, float32; a Llama's q/k rows of B interleaved as its base weight's). LoRA's scale is
+    folded into B and `adapter.lora.alpha` is 0, so llama.cpp adds B A at its adapter scale (1 by default) whatever
+    the rank and alpha patterns; layers an adapter skips get no tensors."""
+    import gguf
+
+    if method.kind not in ("lora", "qlora") or method.dora or method.lora_bias or method.modules_to_save \
+            or method.target_parameters:
+        raise JaxtuneError("a GGUF LoRA adapter holds plain LoRA only (no DoRA, LoRA bias, modules_to_save or "
+                           "expert targets); export --gguf merges any adapter into the model instead")
+    arch = _gguf_arch(cfg)
+    layers = params["layers"]
+    modules = [m for m in layers if isinstance(layers[m], dict) and "lora_a" in layers[m]]
+    layout = lora_layout(method, cfg.num_layers, tuple(modules))
+    heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
+    for module in modules:
+        a_LxIxR, b_LxRxO = np.asarray(layers[module]["lora_a"], np.float32), np.asarray(layers[module]["lora_b"],
+                                                                                          np.float32)
+        scales = np.asarray(module_scales(method, module, cfg.num_layers))
+        for i, rank in enumerate(layout[module].ranks):
+            if not rank:
+                continue
+            b_OxR = (b_LxRxO[i, :rank] * scales[i]).T
+            if arch in PERMUTED_QK and module in heads:
+                b_OxR = permute_qk(b_OxR, heads[module])
+            stem = gguf_tensor_name(f"model.layers.{i}.{hf_module_path(module)}.weight")
+            writer.add_tensor(f"{stem}.lora_a", np.ascontiguousarray(a_LxIxR[i, :, :rank].T))
+            writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(b_OxR))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
