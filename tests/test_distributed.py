@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.presets import write_random_model
 from jaxtune.parallel.distributed import ClusterConfig, cluster_from_env
+from jaxtune.train.metrics import WALL_CLOCK_FIELDS
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -40,7 +41,7 @@ def finish(process: subprocess.Popen) -> str:
 
 def records(run: Path) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_FIELDS} for line in lines]
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from jaxtune.models.presets import ARCH_NAMES, write_random_model
 from jaxtune.objectives.base import stack_micro_batches
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
+from jaxtune.train.metrics import WALL_CLOCK_FIELDS
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -53,9 +54,9 @@ def write_config(path: Path, model: Path, data: Path, out: Path, **train) -> Pat
 
 
 def metric_lines(run: Path) -> list[dict]:
-    """metrics.jsonl without the wall-clock field."""
+    """metrics.jsonl without the wall-clock fields."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK_FIELDS} for r in records]
 
 
 def test_accumulated_micro_batches_equal_one_large_batch(setup):

@@ -79,6 +79,9 @@ class DataConfig:
         check_range("seed", self.seed, 0)
 
 
+REPORTERS = ("tensorboard",)  # [train] report_to (train/tracking.py)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows (for dpo and
@@ -90,6 +93,9 @@ class TrainConfig:
     schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
     max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
     max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
+    report_to: where metrics go besides metrics.jsonl ("tensorboard": run_dir/tensorboard). profile_steps: [first,
+    last] writes a `jax.profiler` trace of those steps to run_dir/profile (TensorBoard's profile plugin or Perfetto
+    open it). progress_every_s: where stderr is not a terminal, a progress line this often.
     """
 
     objective: str = "sft"
@@ -114,9 +120,19 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_nonfinite_steps: int = 10
     resume_step: int = -1
+    report_to: tuple = ()
+    profile_steps: tuple = ()
+    progress_every_s: float = 10.0
 
     def __post_init__(self):
         check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
+        for kind in self.report_to:
+            check_choice("report_to", kind, REPORTERS)
+        if self.profile_steps and not (len(self.profile_steps) == 2 and all(
+                isinstance(s, int) and not isinstance(s, bool) for s in self.profile_steps)
+                and 1 <= self.profile_steps[0] <= self.profile_steps[1]):
+            raise ConfigError("profile_steps", list(self.profile_steps), "needs [first, last], 1 <= first <= last")
+        check_range("progress_every_s", self.progress_every_s, 0, low_open=True)
         if not self.output_dir:
             raise ConfigError("output_dir", self.output_dir, "needs a directory")
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "max_nonfinite_steps"):

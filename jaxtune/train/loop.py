@@ -35,8 +35,9 @@ from jaxtune.parallel.offload import on_device
 from jaxtune.paths import check_output_dir
 from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
-from jaxtune.train.metrics import MetricsLog, plot_losses
+from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
 from jaxtune.train.tasks import Task, prepare_task
+from jaxtune.train.tracking import ProgressLines, Trackers
 
 HIDDEN_METRICS = ("tokens", "loss_tokens", "bad_streak")  # used for tokens/s and the stop rule, not logged as is
 
@@ -135,7 +136,10 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
                                f"host); this run has {jax.process_count()} processes")
         log(f"process {jax.process_index()} of {jax.process_count()}: {len(jax.devices())} devices "
             f"({len(jax.local_devices())} local)")
+    loading = time.perf_counter()
+    log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
     task = setup_task(config, log)
+    log(f"ready in {time.perf_counter() - loading:.0f} s")
     run = task.run
     state, total_steps, steps_per_epoch = task.state, task.total_steps, task.steps_per_epoch
 
@@ -153,29 +157,45 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
         checkpoints.discard_after(start)
         log(f"resumed from step {start} (epoch {meta['epoch']}, batch {meta['batch']})")
     metrics_log = MetricsLog(run_dir / "metrics.jsonl" if writer else None, resume_step=start)
+    trackers = Trackers(tc.report_to if writer else (), run_dir, dump_run_config(config))
+    phases = dict.fromkeys(PHASES, 0.0)  # seconds since the last metrics record
+
+    def record(values: dict) -> None:
+        values = {**values, **{f"time_{k}_s": round(v, 4) for k, v in phases.items()}}
+        phases.update(dict.fromkeys(phases, 0.0))
+        metrics_log.write(values)
+        trackers.write(values)
+
+    def timed(phase: str, fn, *args):
+        began = time.perf_counter()
+        out = fn(*args)
+        phases[phase] += time.perf_counter() - began
+        return out
 
     def run_eval(step: int, epoch: float) -> None:
-        record = task.evaluate(state)
-        if record is None:
+        result = timed("eval", task.evaluate, state)
+        if result is None:
             return
-        metrics_log.write({"step": step, "epoch": epoch, **record})
+        record({"step": step, "epoch": epoch, **result})
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in record.items()))
+                                         for k, v in result.items()))
 
     def save(step: int) -> None:
-        checkpoints.save(step, state, {"step": step, "epoch": step // steps_per_epoch,
-                                       "batch": step % steps_per_epoch, "config": recorded})
+        timed("checkpoint", checkpoints.save, step, state, {"step": step, "epoch": step // steps_per_epoch,
+                                                            "batch": step % steps_per_epoch, "config": recorded})
 
     if start == 0:
         run_eval(0, 0.0)
     log(f"training {objective.name}: {total_steps} steps ({steps_per_epoch} per epoch, {tc.grad_accum} x "
         f"{tc.batch_size} {objective.unit} of {config.data.max_seq_len} tokens)")
     progress = _progress(total_steps, start)
+    lines = ProgressLines(total_steps, start, log, tc.progress_every_s) if progress is None and writer else None
     pending, last_time, train_loss, interrupted = None, time.perf_counter(), float("nan"), False
+    log("compiling the step (the first step's time includes it) ...")
 
     def flush(pending) -> float:
         step, metrics = pending
-        values = {k: v.item() for k, v in jax.device_get(metrics).items()}
+        values = {k: v.item() for k, v in timed("step", jax.device_get, metrics).items()}
         now = time.perf_counter()
         nonlocal last_time
         elapsed, last_time = now - last_time, now
@@ -186,16 +206,26 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
         tokens_per_s = values["tokens"] / max(elapsed, 1e-9)
         if step % tc.log_every == 0 or step == total_steps:
             logged = {k: v for k, v in values.items() if k not in HIDDEN_METRICS}
-            metrics_log.write({"step": step, "epoch": step / steps_per_epoch, **logged, "tokens_per_s": tokens_per_s})
+            record({"step": step, "epoch": step / steps_per_epoch, **logged, "tokens_per_s": tokens_per_s})
+        if step == start + 1:
+            log(f"step {step} (compile included) took {elapsed:.1f} s")
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tokens_per_s:.0f}")
+        if lines is not None:
+            lines.update(step, values["loss"], tokens_per_s)
         return values["loss"]
 
     for step in range(start + 1, total_steps + 1):
         epoch, index = divmod(step - 1, steps_per_epoch)
-        batch = run.place_batch(task.batch(epoch, index, state))
-        state, metrics = run.step(state, task.frozen, task.second, batch)
+        if tc.profile_steps and step == tc.profile_steps[0]:
+            jax.profiler.start_trace(str(run_dir / "profile"))
+        batch = timed("data", lambda: run.place_batch(task.batch(epoch, index, state)))
+        state, metrics = timed("step", run.step, state, task.frozen, task.second, batch)
+        if tc.profile_steps and step == min(tc.profile_steps[1], total_steps):
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            log(f"profile of steps {tc.profile_steps[0]}-{step}: {run_dir / 'profile'}")
         if pending is not None:
             train_loss = flush(pending)
         pending = (step, metrics)
@@ -213,6 +243,7 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
         train_loss = flush(pending)
     if progress is not None:
         progress.close()
+    trackers.close()
     checkpoints.close()
     final_step, skipped = int(state["step"]), int(state["skipped"])
     records = metrics_log.records()

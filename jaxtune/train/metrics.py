@@ -6,6 +6,9 @@ import json
 import math
 from pathlib import Path
 
+PHASES = ("data", "step", "eval", "checkpoint")  # where a step's wall time goes: time_{phase}_s in each record
+WALL_CLOCK_FIELDS = ("tokens_per_s", *(f"time_{phase}_s" for phase in PHASES))  # differ between identical runs
+
 
 class MetricsLog:
     """Appends records to a JSONL file. On resume from step S, records after S are dropped first, so the file

@@ -1,0 +1,89 @@
+"""What a run reports besides `metrics.jsonl`: TensorBoard event files, progress lines for logs, phase times.
+
+    trackers = Trackers(("tensorboard",), run_dir, config_toml)   # run_dir/tensorboard/events.out.tfevents.*
+    trackers.write({"step": 10, "loss": 2.3, ...})                # every number of a metrics record, as a scalar
+    progress = ProgressLines(total_steps, first_step, log)        # where stderr is not a terminal (CI, nohup, pods)
+    progress.update(step, loss, tokens_per_s)                     # a line every `every_s` seconds, with an ETA
+
+TensorBoard files are written with the `tensorboard` package's own event writer (no TensorFlow), so what
+`tensorboard --logdir` (or its `EventAccumulator`) reads is what was logged; the resolved config goes in as text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxtune.errors import JaxtuneError
+
+
+class Trackers:
+    """The run's reporters (`[train] report_to`): each record's numbers logged under their metric names."""
+
+    def __init__(self, kinds: Sequence[str], run_dir: str | Path, config_text: str):
+        self._writers = []
+        if "tensorboard" in kinds:
+            self._writers.append(_tensorboard_writer(Path(run_dir) / "tensorboard", config_text))
+
+    def write(self, record: dict) -> None:
+        for writer in self._writers:
+            writer(record)
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer(None)
+        self._writers = []
+
+
+def _tensorboard_writer(directory: Path, config_text: str):
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        raise JaxtuneError("[train] report_to = [\"tensorboard\"] needs the tensorboard package "
+                           "(pip install tensorboard)") from None
+    writer = EventFileWriter(str(directory))
+    text = Summary.Value(tag="config", metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+        plugin_name="text")), tensor=TensorProto(dtype=7, string_val=[config_text.encode()],  # 7: DT_STRING
+                                                 tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])))
+    writer.add_event(Event(wall_time=time.time(), step=0, summary=Summary(value=[text])))
+
+    def write(record: dict | None) -> None:
+        if record is None:
+            writer.close()
+            return
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in record.items()
+                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        writer.add_event(Event(wall_time=time.time(), step=int(record["step"]), summary=Summary(value=values)))
+        writer.flush()
+
+    return write
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else (
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s")
+
+
+class ProgressLines:
+    """A progress line every `every_s` seconds (and at the last step): step, loss, tokens/s, elapsed and ETA,
+    for logs where tqdm's bar would be one unreadable line."""
+
+    def __init__(self, total: int, first: int, log, every_s: float = 10.0):
+        self.total, self.first, self.log, self.every_s = total, first, log, every_s
+        self.started = self.last = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s and step != self.total:
+            return
+        self.last = now
+        done = step - self.first
+        eta = (now - self.started) / max(done, 1) * (self.total - step)
+        self.log(f"step {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%): loss {loss:.4f}, "
+                 f"{tokens_per_s:.0f} tokens/s, {_duration(now - self.started)} elapsed, ETA {_duration(eta)}")
