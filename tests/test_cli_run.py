@@ -43,7 +43,7 @@ def test_cli_generate_rejects_prompt_longer_than_context(tmp_path):
 @pytest.mark.slow
 def test_demo_teaches_smollm2_dates_to_iso(tmp_path):
     """The README's first command, with SmolLM2-135M-Instruct installed (as the README's setup installs it): the
-    shipped model answers none of the held-out prompts; after 60 LoRA steps it answers most."""
+    shipped model answers none of the held-out prompts; after 40 LoRA steps it answers most."""
     out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "demo", "--out", str(tmp_path / "demo")],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -50,13 +51,14 @@ class Context:
 @dataclass(frozen=True)
 class Setup:
     """What an objective's `prepare` reads: the run config (its [data] and [train] sections), the objective's own
-    section, the model's architecture and tokenizer, and where to log."""
+    section, the model's architecture and tokenizer, where to log, and where tokenised data is cached (None: not)."""
 
     config: object
     section: object
     cfg: ModelConfig
     tokenizer: object
     log: Callable[[str], None]
+    cache_dir: Path | None = None
 
 
 @dataclass

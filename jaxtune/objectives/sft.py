@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.data.batching import count_epoch_batches, epoch_batches
+from jaxtune.data.cache import cached_examples
 from jaxtune.data.formats import load_sft_examples, train_eval_split
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
@@ -69,11 +70,12 @@ def loss_metrics(sums: dict) -> dict:
 
 def train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
     """(train, held-out) examples read by `load(path, tokenizer, seq_len, columns)` from data.train (and data.eval,
-    else a split of train), logged as `unit`."""
+    else a split of train), tokenised once and cached in `setup.cache_dir` (`data.cache`), logged as `unit`."""
     data = setup.config.data
-    columns = dict(data.columns)
-    examples, stats = load(data.train, setup.tokenizer, data.max_seq_len, columns)
-    held_out = load(data.eval, setup.tokenizer, data.max_seq_len, columns)[0] if data.eval else None
+    read = lambda path: cached_examples(setup.cache_dir, load, path, setup.tokenizer, data.max_seq_len,
+                                        dict(data.columns), setup.log)
+    examples, stats = read(data.train)
+    held_out = read(data.eval)[0] if data.eval else None
     train, held_out = (examples, held_out) if held_out is not None else train_eval_split(
         examples, data.eval_fraction, data.seed)
     setup.log(f"data: {len(train)} train / {len(held_out)} eval {unit} ({stats.dropped_prompt_too_long} dropped: "

@@ -32,7 +32,7 @@ from jaxtune.objectives import objective_named
 from jaxtune.parallel.distributed import barrier, host_copy, is_main_process
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
-from jaxtune.paths import check_output_dir
+from jaxtune.paths import check_output_dir, run_directories
 from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
@@ -111,15 +111,6 @@ def setup_task(config: RunConfig, log) -> Task:
                           output_router_logits=config.model.router_aux_loss_coef > 0)
     tokenizer = load_tokenizer(config.model.path)
     return prepare_task(config, mesh, tokenizer, stored_dtype(config.model.path), cfg, log)
-
-
-def run_directories(output_dir: str) -> tuple[Path, str | Path]:
-    """(run directory, checkpoint directory) of `train.output_dir`. A `gs://bucket/path` output keeps its
-    checkpoints there (orbax writes to Cloud Storage directly, so a re-created TPU VM resumes from them) and writes
-    the other files (config, metrics, plot, result) to the local `runs/bucket/path`."""
-    if output_dir.startswith("gs://"):
-        return Path("runs") / output_dir.removeprefix("gs://").strip("/"), output_dir.rstrip("/") + "/checkpoints"
-    return Path(output_dir), Path(output_dir) / "checkpoints"
 
 
 def _train(config: RunConfig, log, flag: dict) -> RunResult:

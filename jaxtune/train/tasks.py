@@ -22,6 +22,7 @@ from jaxtune.models.params import abstract_params
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Setup, Training, strip_adapters
 from jaxtune.parallel.sharding import param_shardings
+from jaxtune.paths import run_directories
 from jaxtune.spine.load import load_run, read_tree
 from jaxtune.spine.run import AbstractRun, abstract_run, run_plan
 from jaxtune.train.export import export_result
@@ -64,7 +65,8 @@ def prepare_task(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     plan = run_plan(c, stored_dtype)
     objective = objective_named(plan.objective)
     section = section_of(plan)
-    training = objective.prepare(Setup(c, section, cfg, tokenizer, log))
+    cache_dir = run_directories(c.train.output_dir)[0] / "cache"  # tokenised data, beside the run
+    training = objective.prepare(Setup(c, section, cfg, tokenizer, log, cache_dir))
     total_steps = c.train.max_steps or c.train.epochs * training.steps_per_epoch
     if total_steps < 1:
         raise JaxtuneError(f"{c.data.train}: no training step (too few examples for train.batch_size = "
