@@ -61,10 +61,11 @@ def _load(file: Path) -> tuple[list, DataStats]:
 
 
 def cached_examples(cache_dir: str | Path | None, load, path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
-                    columns=None, log=None) -> tuple[list, DataStats]:
+                    columns=None, log=None, deferred: list | None = None) -> tuple[list, DataStats]:
     """`load(path, tokenizer, max_seq_len, columns)` (an SFT or preference loader of `data.formats`), read from
-    `cache_dir` when these inputs were tokenised before, else loaded and written there. No cache_dir: no cache."""
-    if cache_dir is None:
+    `cache_dir` when these inputs were tokenised before, else loaded and written there (or, given `deferred`, a
+    function that writes it appended there). No cache_dir: no cache."""
+    if cache_dir is None or not Path(path).exists():  # the loader names a missing file
         return load(path, tokenizer, max_seq_len, columns)
     file = Path(cache_dir) / f"{_fingerprint(load, Path(path), tokenizer, max_seq_len, columns)}.npz"
     if file.is_file():
@@ -72,5 +73,9 @@ def cached_examples(cache_dir: str | Path | None, load, path: str | Path, tokeni
             log(f"data: {path} read from its tokenised cache {file}")
         return _load(file)
     examples, stats = load(path, tokenizer, max_seq_len, columns)
-    _save(file, examples, stats)
+    write = lambda: _save(file, examples, stats)
+    if deferred is None:
+        write()
+    else:
+        deferred.append(write)
     return examples, stats

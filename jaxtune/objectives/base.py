@@ -51,7 +51,9 @@ class Context:
 @dataclass(frozen=True)
 class Setup:
     """What an objective's `prepare` reads: the run config (its [data] and [train] sections), the objective's own
-    section, the model's architecture and tokenizer, where to log, and where tokenised data is cached (None: not)."""
+    section, the model's architecture and tokenizer, where to log, and where tokenised data is cached (None: not).
+    cache_writes: what loading found missing from the cache, written by the trainer only once every input has been
+    checked (a run that fails to start leaves its directory as it was)."""
 
     config: object
     section: object
@@ -59,6 +61,7 @@ class Setup:
     tokenizer: object
     log: Callable[[str], None]
     cache_dir: Path | None = None
+    cache_writes: list = field(default_factory=list)
 
 
 @dataclass

@@ -73,7 +73,7 @@ def train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
     else a split of train), tokenised once and cached in `setup.cache_dir` (`data.cache`), logged as `unit`."""
     data = setup.config.data
     read = lambda path: cached_examples(setup.cache_dir, load, path, setup.tokenizer, data.max_seq_len,
-                                        dict(data.columns), setup.log)
+                                        dict(data.columns), setup.log, setup.cache_writes)
     examples, stats = read(data.train)
     held_out = read(data.eval)[0] if data.eval else None
     train, held_out = (examples, held_out) if held_out is not None else train_eval_split(

@@ -144,6 +144,8 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
     if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_run_config(config))
+        for write in task.cache_writes:  # every input is checked by now
+            write()
     if start > 0:
         checkpoints.discard_after(start)
         log(f"resumed from step {start} (epoch {meta['epoch']}, batch {meta['batch']})")

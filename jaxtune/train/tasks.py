@@ -39,6 +39,7 @@ class Task:
     frozen: dict
     second: dict | None
     export_fn: object
+    cache_writes: list  # tokenised data to cache, once the run starts (`objectives.base.Setup`)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -66,7 +67,8 @@ def prepare_task(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     objective = objective_named(plan.objective)
     section = section_of(plan)
     cache_dir = run_directories(c.train.output_dir)[0] / "cache"  # tokenised data, beside the run
-    training = objective.prepare(Setup(c, section, cfg, tokenizer, log, cache_dir))
+    setup = Setup(c, section, cfg, tokenizer, log, cache_dir)
+    training = objective.prepare(setup)
     total_steps = c.train.max_steps or c.train.epochs * training.steps_per_epoch
     if total_steps < 1:
         raise JaxtuneError(f"{c.data.train}: no training step (too few examples for train.batch_size = "
@@ -79,7 +81,7 @@ def prepare_task(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
         export_fn = lambda run_dir, params: objective.export(run_dir, c, cfg, params)
     else:
         export_fn = lambda run_dir, params: export_result(run_dir, c, cfg, params, c.method)
-    return Task(run, training, total_steps, state, frozen, second, export_fn)
+    return Task(run, training, total_steps, state, frozen, second, export_fn, setup.cache_writes)
 
 
 def _reference_for_scoring(run: AbstractRun, config, section, frozen: dict) -> dict:
