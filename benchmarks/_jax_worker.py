@@ -20,11 +20,14 @@ def run(name: str, warmup: int, steps: int) -> dict:
 
     from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, TrainConfig
     from jaxtune.config.plan import TrainPlan
+    from jaxtune.host_memory import release_after_compiles, return_large_blocks
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
     from jaxtune.parallel.mesh import make_mesh
     from jaxtune.spine.run import abstract_run
 
+    release_after_compiles()  # the host memory settings `jaxtune train` runs with (train/loop.setup_task)
+    return_large_blocks()
     kind, targets = M.METHODS[name]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
     method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)

@@ -12,7 +12,6 @@ teacher) is read the same way into its own shardings.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import jax
@@ -21,6 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.host_memory import release_freed_memory
 from jaxtune.methods.transform import add_method_leaves, combine
 from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
@@ -184,10 +184,5 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
 def _return_freed_host_memory() -> None:
     """Hand the reads' freed buffers back to the OS: glibc keeps freed heap pages mapped (about 50 MiB of a 1.1 GiB
     QLoRA load stayed resident without this; benchmarks/load_memory.py). A no-op off glibc."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
     jax.effects_barrier()
-    trim(0)
+    release_freed_memory()

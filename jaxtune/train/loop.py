@@ -24,7 +24,7 @@ import jax
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.host_cpu import warn_if_slow_bf16
-from jaxtune.host_memory import release_after_compiles
+from jaxtune.host_memory import release_after_compiles, return_large_blocks
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import stored_dtype
@@ -97,7 +97,7 @@ def setup_task(config: RunConfig, log) -> Task:
     """Check the config's required keys, then make the mesh, read the model's config and tokenizer, and prepare the
     objective's data, the spine's run and its weights (read straight into their shardings). bfloat16 compute on a
     CPU that widens it to float32 gets one warning a process (`host_cpu.warn_if_slow_bf16`); from here on, the host
-    memory each compile frees goes back to the system (`host_memory.release_after_compiles`)."""
+    memory each compile frees and large freed blocks go back to the system (`host_memory`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
     if not config.data.train:
@@ -105,6 +105,7 @@ def setup_task(config: RunConfig, log) -> Task:
     mesh = make_mesh(config.mesh)
     warn_if_slow_bf16(config.model.compute_dtype)
     release_after_compiles()
+    return_large_blocks()
     cfg = load_config(config.model.path)
     if config.model.router_aux_loss_coef >= 0:
         cfg = cfg.replace(router_aux_loss_coef=config.model.router_aux_loss_coef,
