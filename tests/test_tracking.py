@@ -1,32 +1,43 @@
-"""What a run reports besides metrics.jsonl: TensorBoard event files read back by tensorboard's own reader, progress
-lines where stderr is not a terminal, per-phase times, and a jax.profiler trace of chosen steps."""
+"""What a run reports besides metrics.jsonl: TensorBoard event files read back by tensorboard's own reader, an offline
+W&B run read back from its transaction log, progress lines where stderr is not a terminal, per-phase times, and a
+jax.profiler trace of chosen steps."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto.wandb_internal_pb2 import Record
 
 from jaxtune.config import TrainConfig
-from jaxtune.errors import ConfigError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
+from jaxtune.train.tracking import Trackers
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
 
-def test_tensorboard_progress_phases_and_profile(tmp_path):
+def _train(tmp_path: Path, train_toml: str, log=lambda line: None) -> list[dict]:
+    """Four LoRA steps on a tiny random Llama, evaluated every 2; metrics.jsonl's records."""
     model = write_random_model(tmp_path / "model", "llama", seed=0)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:40]))
     (tmp_path / "run.toml").write_text(
         f'[model]\npath = "{model}"\n[method]\nkind = "lora"\n[data]\ntrain = "{data}"\nmax_seq_len = 64\n'
         f'[train]\noutput_dir = "{tmp_path / "run"}"\nmax_steps = 4\nbatch_size = 4\nlog_every = 1\n'
-        'eval_every = 2\nreport_to = ["tensorboard"]\nprofile_steps = [2, 3]\nprogress_every_s = 1e-6\n')
+        f'eval_every = 2\n{train_toml}')
+    fine_tune(load_run_config(tmp_path / "run.toml"), log=log)
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_progress_phases_and_profile(tmp_path):
     lines = []
-    fine_tune(load_run_config(tmp_path / "run.toml"), log=lines.append)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = _train(tmp_path, 'report_to = ["tensorboard"]\nprofile_steps = [2, 3]\nprogress_every_s = 1e-6\n',
+                     lines.append)
 
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
     events.Reload()
@@ -48,8 +59,78 @@ def test_tensorboard_progress_phases_and_profile(tmp_path):
     assert list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
 
 
+def _wandb_records(path: Path) -> list[Record]:
+    """The records of a W&B transaction log (`run-*.wandb`): a 7-byte header (":W&B", magic, version), then the
+    LevelDB log format (github.com/google/leveldb/blob/main/doc/log_format.md): 32 KiB blocks of chunks, each
+    crc32c (4) length (2, little-endian) type (1: full, 2: first, 3: middle, 4: last), a record split over chunks."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's zero-filled trailer
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(Record.FromString(pending))
+    return records
+
+
+def _items(items) -> dict:
+    """A history or config record's items: their key (or key path, joined by ".") -> their value."""
+    return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+@pytest.fixture
+def no_wandb_credentials(tmp_path, monkeypatch):
+    """No API key, login or chosen mode anywhere wandb looks, so the run must go offline; the process-wide wandb
+    setup is torn down around the test so neither this test nor another sees the other's settings."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR",
+                 "WANDB_BASE_URL", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    for name, value in (("HOME", home), ("NETRC", home / ".netrc"), ("WANDB_CONFIG_DIR", home / "config"),
+                        ("WANDB_CACHE_DIR", home / "cache"), ("WANDB_DATA_DIR", home / "data")):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.chdir(tmp_path)  # no ./wandb/settings of the repository
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_offline_run_matches_metrics(tmp_path, no_wandb_credentials):
+    records = _train(tmp_path, 'report_to = ["wandb"]\n')
+    (log,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = _wandb_records(log)
+
+    rows = {}  # step -> the numbers of every metrics record at that step, as W&B merges them
+    for r in records:
+        rows.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k != "step" and not isinstance(v, bool)})
+    history = {}
+    for r in logged:
+        if r.WhichOneof("record_type") == "history":
+            items = _items(r.history.item)
+            history[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
+    assert history == rows and any("loss" in row for row in rows.values())
+
+    (run,) = [r.run for r in logged if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "run" and run.project == "jaxtune"
+    config = _items(run.config.update)
+    assert config["model"]["path"] == str(tmp_path / "model")
+    assert config["train"]["learning_rate"] == 2e-4 and config["train"]["report_to"] == ["wandb"]
+
+
+def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
+    with pytest.raises(JaxtuneError, match=r"needs the wandb package \(pip install wandb\)"):
+        Trackers(("wandb",), tmp_path, "")
+
+
 def test_tracking_config_errors():
     with pytest.raises(ConfigError, match="report_to"):
-        TrainConfig(report_to=("wandb",))
+        TrainConfig(report_to=("mlflow",))
     with pytest.raises(ConfigError, match=r"profile_steps.*needs \[first, last\]"):
         TrainConfig(profile_steps=(3, 2))

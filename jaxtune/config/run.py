@@ -79,7 +79,7 @@ class DataConfig:
         check_range("seed", self.seed, 0)
 
 
-REPORTERS = ("tensorboard",)  # [train] report_to (train/tracking.py)
+REPORTERS = ("tensorboard", "wandb")  # [train] report_to (train/tracking.py)
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,11 @@ class TrainConfig:
     schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
     max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
     max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
-    report_to: where metrics go besides metrics.jsonl ("tensorboard": run_dir/tensorboard). profile_steps: [first,
-    last] writes a `jax.profiler` trace of those steps to run_dir/profile (TensorBoard's profile plugin or Perfetto
-    open it). progress_every_s: where stderr is not a terminal, a progress line this often.
+    report_to: where metrics go besides metrics.jsonl ("tensorboard": run_dir/tensorboard; "wandb": a W&B run named
+    after run_dir, project WANDB_PROJECT or "jaxtune", offline under run_dir/wandb when no credentials exist, for
+    `wandb sync` later; each needs its package installed). profile_steps: [first, last] writes a `jax.profiler` trace
+    of those steps to run_dir/profile (TensorBoard's profile plugin or Perfetto open it). progress_every_s: where
+    stderr is not a terminal, a progress line this often.
     """
 
     objective: str = "sft"

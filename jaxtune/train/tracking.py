@@ -1,17 +1,20 @@
-"""What a run reports besides `metrics.jsonl`: TensorBoard event files, progress lines for logs, phase times.
+"""What a run reports besides `metrics.jsonl`: TensorBoard event files, a W&B run, progress lines for logs, phase times.
 
-    trackers = Trackers(("tensorboard",), run_dir, config_toml)   # run_dir/tensorboard/events.out.tfevents.*
-    trackers.write({"step": 10, "loss": 2.3, ...})                # every number of a metrics record, as a scalar
-    progress = ProgressLines(total_steps, first_step, log)        # where stderr is not a terminal (CI, nohup, pods)
-    progress.update(step, loss, tokens_per_s)                     # a line every `every_s` seconds, with an ETA
+    trackers = Trackers(("tensorboard", "wandb"), run_dir, config_toml)   # run_dir/tensorboard, run_dir/wandb
+    trackers.write({"step": 10, "loss": 2.3, ...})                        # every number of a record, as a scalar
+    progress = ProgressLines(total_steps, first_step, log)                # where stderr is not a terminal (CI, pods)
+    progress.update(step, loss, tokens_per_s)                             # a line every `every_s` s, with an ETA
 
 TensorBoard files are written with the `tensorboard` package's own event writer (no TensorFlow), so what
 `tensorboard --logdir` (or its `EventAccumulator`) reads is what was logged; the resolved config goes in as text.
+W&B gets the config as its nested sections and is offline (a run under run_dir/wandb, for `wandb sync`) unless
+credentials exist or WANDB_MODE / `wandb offline` chose a mode.
 """
 
 from __future__ import annotations
 
 import time
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +28,8 @@ class Trackers:
         self._writers = []
         if "tensorboard" in kinds:
             self._writers.append(_tensorboard_writer(Path(run_dir) / "tensorboard", config_text))
+        if "wandb" in kinds:
+            self._writers.append(_wandb_writer(Path(run_dir), config_text))
 
     def write(self, record: dict) -> None:
         for writer in self._writers:
@@ -56,10 +61,38 @@ def _tensorboard_writer(directory: Path, config_text: str):
         if record is None:
             writer.close()
             return
-        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in record.items()
-                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in _numbers(record).items()]
         writer.add_event(Event(wall_time=time.time(), step=int(record["step"]), summary=Summary(value=values)))
         writer.flush()
+
+    return write
+
+
+def _numbers(record: dict) -> dict:
+    """A metrics record's scalars: every number but the step (a bool is no scalar)."""
+    return {k: v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _wandb_writer(run_dir: Path, config_text: str):
+    try:
+        import wandb
+    except ImportError:
+        raise JaxtuneError("[train] report_to = [\"wandb\"] needs the wandb package (pip install wandb)") from None
+    settings = wandb.setup().settings  # WANDB_* variables and wandb's settings files (`wandb offline`)
+    # Without credentials wandb.init would stop asking for an API key. The process goes offline, not only the run:
+    # wandb's own telemetry follows the process-wide mode and would otherwise contact the server.
+    if settings.mode == "online" and not wandb.login(prompt=False, verify=False):
+        wandb.setup(wandb.Settings(mode="offline"))
+    # silent, console off: `train`'s own output stays as it is; W&B gets the records, not a copy of stdout.
+    run = wandb.init(project=settings.project or "jaxtune", name=run_dir.name, dir=run_dir,
+                     config=tomllib.loads(config_text), settings=wandb.Settings(silent=True, console="off"))
+
+    def write(record: dict | None) -> None:
+        if record is None:
+            run.finish()
+        else:
+            run.log(_numbers(record), step=int(record["step"]))
 
     return write
 
