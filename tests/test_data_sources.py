@@ -14,7 +14,7 @@ import pytest
 from jaxtune.config import DataConfig
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.cache import cached_examples
-from jaxtune.data.formats import load_preference_examples, load_sft_examples
+from jaxtune.data.formats import load_preference_examples, load_sft_examples, preference_examples, sft_examples
 from jaxtune.data.sources import read_records
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError
@@ -86,7 +86,7 @@ def test_training_reads_a_parquet_file_through_mapped_columns(files, tmp_path):
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records if "loss" in r]
     assert config.data.columns == (("completion", "answer"), ("prompt", "question"))
-    assert len(list((tmp_path / "parquet" / "cache").glob("*.npz"))) == 1  # train (eval is a split of it)
+    assert len(list((tmp_path / "parquet" / "cache").glob("*/meta.json"))) == 1  # train (eval is a split of it)
     assert losses["parquet"] == losses["jsonl"] and len(losses["jsonl"]) == 2
 
 
@@ -128,26 +128,25 @@ def test_tokenised_examples_are_cached_beside_the_run(files, tmp_path, monkeypat
     equals the first; a changed file, max_seq_len, column map or tokenizer is tokenised afresh; a run's cache lives
     in its directory, and a resumed run reads it."""
     tokenizer, cache = Tokenizer.byte_level(), tmp_path / "cache"
-    first = cached_examples(cache, load_sft_examples, files["parquet"], tokenizer, 64, MAPPING)
-    assert len(list(cache.glob("*.npz"))) == 1
+    cached = lambda *args: (lambda store, stats: (list(store), stats))(*cached_examples(cache, *args))
+    first = cached(sft_examples, files["parquet"], tokenizer, 64, MAPPING)
+    assert len(list(cache.glob("*/meta.json"))) == 1
 
     def no_tokenizing(*_, **__):
         raise AssertionError("tokenised again")
 
     with monkeypatch.context() as patch:
         patch.setattr(type(tokenizer.backend), "encode_batch", no_tokenizing)
-        assert cached_examples(cache, load_sft_examples, files["parquet"], tokenizer, 64, MAPPING) == first
+        assert cached(sft_examples, files["parquet"], tokenizer, 64, MAPPING) == first
     pairs = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}]
     pair_file = write_jsonl(tmp_path / "pairs.jsonl", pairs)
-    cached = cached_examples(cache, load_preference_examples, pair_file, tokenizer, 32)
-    assert cached == cached_examples(cache, load_preference_examples, pair_file, tokenizer, 32)
-    assert cached[0] == load_preference_examples(pair_file, tokenizer, 32)[0]
-    cached_examples(cache, load_sft_examples, files["parquet"], tokenizer, 48, MAPPING)
-    cached_examples(cache, load_sft_examples, files["jsonl"], tokenizer, 64)
-    assert len(list(cache.glob("*.npz"))) == 4
+    pair_store = cached(preference_examples, pair_file, tokenizer, 32)
+    assert pair_store == cached(preference_examples, pair_file, tokenizer, 32)
+    assert pair_store == load_preference_examples(pair_file, tokenizer, 32)
+    cached(sft_examples, files["parquet"], tokenizer, 48, MAPPING)
+    cached(sft_examples, files["jsonl"], tokenizer, 64)
+    assert len(list(cache.glob("*/meta.json"))) == 4
     changed = write_jsonl(tmp_path / "rows.jsonl", ROWS[:10])
-    assert cached_examples(cache, load_sft_examples, changed, tokenizer, 64) == load_sft_examples(changed, tokenizer,
-                                                                                                 64)
+    assert cached(sft_examples, changed, tokenizer, 64) == load_sft_examples(changed, tokenizer, 64)
     write_jsonl(changed, ROWS[:20])  # the same path, new content: a new size and modification time
-    assert cached_examples(cache, load_sft_examples, changed, tokenizer, 64) == load_sft_examples(changed, tokenizer,
-                                                                                                 64)
+    assert cached(sft_examples, changed, tokenizer, 64) == load_sft_examples(changed, tokenizer, 64)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxtune.data.formats import Example
+from jaxtune.data.store import example_lengths
 from jaxtune.errors import JaxtuneError
 
 # The shortest padded length: shorter buckets (1, 2, 4, 8) would each be a compile and save no measurable memory.
@@ -46,10 +47,11 @@ def padded_length(longest: int, seq_len: int) -> int:
 
 
 def _lengths(examples: Sequence[Example], seq_len: int) -> list[int]:
-    """Input positions each example takes (len(ids) - 1), checked against seq_len."""
+    """Input positions each example takes (len(ids) - 1), checked against seq_len; a store's from its offsets,
+    without reading its tokens."""
     if seq_len < 1:
         raise JaxtuneError(f"seq_len={seq_len} must be at least 1")
-    lengths = [len(ex.ids) - 1 for ex in examples]
+    lengths = (example_lengths(examples) - 1).tolist()
     longest = max(lengths, default=0)
     if longest > seq_len:
         raise JaxtuneError(f"an example of {longest + 1} tokens does not fit seq_len={seq_len} "
@@ -63,7 +65,7 @@ def pack_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     A function of the lengths alone (ties broken by index). Items of length 0 (a lone token: nothing to
     predict) are left out.
     """
-    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
+    order = [i for i in np.argsort(-np.asarray(lengths, np.int64), kind="stable").tolist() if lengths[i] > 0]
     rows: list[list[int]] = []
     spaces: list[int] = []  # sorted distinct free space of the open rows
     rows_with: dict[int, list[int]] = {}  # free space -> rows with that much
@@ -119,9 +121,29 @@ def pack_rows(examples: Sequence[Example], seq_len: int) -> dict[str, np.ndarray
     return _fill(examples, rows, seq_len, len(rows))
 
 
+class EpochBatches(Sequence):
+    """One epoch's batches, each a dict of [batch_size, seq_len] arrays built from its rows when it is read, so an
+    epoch holds its plan (example indices a row), not its tokens."""
+
+    def __init__(self, examples: Sequence[Example], rows: list[list[int]], batch_size: int, seq_len: int):
+        self.examples, self.rows, self.batch_size, self.seq_len = examples, rows, batch_size, seq_len
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.rows) / self.batch_size)
+
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(len(self)))]
+        if not -len(self) <= b < len(self):
+            raise IndexError(f"batch {b} of {len(self)}")
+        b %= len(self)
+        rows = self.rows[b * self.batch_size:(b + 1) * self.batch_size]
+        return _fill(self.examples, rows, self.seq_len, self.batch_size)  # the last batch's extra rows: zeros
+
+
 def epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, seed: int, epoch: int,
-                  pack: bool = True) -> list[dict[str, np.ndarray]]:
-    """One epoch of batches, each a dict of [batch_size, seq_len] arrays (see `pack_rows`).
+                  pack: bool = True) -> EpochBatches:
+    """One epoch of batches, each a dict of [batch_size, seq_len] arrays (see `pack_rows`), built as they are read.
 
     Rows are packed (or one example a row when pack=False) independently of the shuffle, then ordered by a
     permutation from numpy's Generator seeded with (seed, epoch): same seed and epoch, same batches.
@@ -130,10 +152,7 @@ def epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, se
         raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
     rows = _plan(examples, seq_len, pack)
     order = np.random.default_rng([seed, epoch]).permutation(len(rows))
-    num_batches = math.ceil(len(rows) / batch_size)
-    arrays = _fill(examples, [rows[j] for j in order], seq_len, num_batches * batch_size)
-    # Views of one array per field: the last batch's empty rows are already zeros.
-    return [{k: a[b * batch_size:(b + 1) * batch_size] for k, a in arrays.items()} for b in range(num_batches)]
+    return EpochBatches(examples, [rows[j] for j in order], batch_size, seq_len)
 
 
 def count_epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, pack: bool = True) -> int:

@@ -21,9 +21,10 @@ max_seq_len tokens or more is dropped, as it leaves nothing to predict; a longer
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jaxtune.data.sources import json_type, read_records
+from jaxtune.data.sources import iter_records, json_type
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 
@@ -297,18 +298,35 @@ def _encode_batch(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bo
     return encode(texts, add_special_tokens=add_special_tokens)
 
 
-def _chunks(items: list, size: int = 1024):
-    return (items[k:k + size] for k in range(0, len(items), size))
+def _chunks(items, size: int = 1024):
+    """Lists of up to `size` items of an iterable, as it is consumed."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
 
 
-def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None
-                      ) -> tuple[list[Example], DataStats]:
-    """Examples of an alpaca / prompt-completion / chat dataset (`read_records`: JSONL, Parquet, Arrow, ...), in
-    file order, after the max_seq_len policy; `columns` renames the dataset's columns to ours."""
+def _no_example(path, max_seq_len: int, stats: DataStats) -> JaxtuneError:
+    return JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
+                        f"({stats.dropped_prompt_too_long} prompts too long)")
+
+
+def sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None,
+                 stats: DataStats | None = None) -> Iterator[Example]:
+    """Examples of an alpaca / prompt-completion / chat dataset (`iter_records`: JSONL, Parquet, Arrow, ...), in
+    file order, after the max_seq_len policy, tokenised a chunk of records at a time as they are read, so a dataset
+    larger than memory streams through (`data.store`); `columns` renames the dataset's columns to ours; `stats`
+    counts what loading did. Raises once the data is read if no example was kept."""
     _check_max_seq_len(max_seq_len)
     eos = _eos(tokenizer)
-    records = read_records(path, columns)
-    stats = DataStats()
+    stats = DataStats() if stats is None else stats
+    for chunk in _chunks(iter_records(path, columns)):
+        yield from _sft_chunk(path, chunk, tokenizer, max_seq_len, eos, stats)
+    if not stats.examples:
+        raise _no_example(path, max_seq_len, stats)
+
+
+def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_seq_len: int, eos: int,
+               stats: DataStats) -> list[Example]:
     pairs: list[tuple[int, str, str]] = []  # (record index, prompt, completion)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []  # (record index, text, trained spans)
     for k, (n, record) in enumerate(records):
@@ -329,59 +347,66 @@ def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, 
         stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
 
     built: list[Example | None] = [None] * len(records)
-    for chunk in _chunks(pairs):  # encode_batch runs in parallel; chunks keep few Encoding objects alive
-        prompts = _encode_batch(tokenizer, [p for _, p, _ in chunk], add_special_tokens=True)
-        completions = _encode_batch(tokenizer, [c for _, _, c in chunk], add_special_tokens=False)
-        for (k, _, _), p, c in zip(chunk, prompts, completions):
+    if pairs:  # encode_batch runs in parallel
+        prompts = _encode_batch(tokenizer, [p for _, p, _ in pairs], add_special_tokens=True)
+        completions = _encode_batch(tokenizer, [c for _, _, c in pairs], add_special_tokens=False)
+        for (k, _, _), p, c in zip(pairs, prompts, completions):
             built[k] = Example((*p.ids, *c.ids, eos), (0,) * len(p.ids) + (1,) * (len(c.ids) + 1))
-    for chunk in _chunks(chats):  # the full encode: the loss mask needs character offsets
-        encodings = tokenizer.backend.encode_batch([t for _, t, _ in chunk], add_special_tokens=False)
-        for (k, _, spans), enc in zip(chunk, encodings):
+    if chats:  # the full encode: the loss mask needs character offsets
+        encodings = tokenizer.backend.encode_batch([t for _, t, _ in chats], add_special_tokens=False)
+        for (k, _, spans), enc in zip(chats, encodings):
             built[k] = Example(tuple(enc.ids), tuple(_span_mask(enc.offsets, spans)))
+    return [ex for ex in (_fit(b, max_seq_len, stats) for b in built) if ex is not None]
 
-    examples = [ex for ex in (_fit(b, max_seq_len, stats) for b in built) if ex is not None]
-    if not examples:
-        raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
-                           f"({stats.dropped_prompt_too_long} prompts too long)")
-    return examples, stats
+
+def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None
+                      ) -> tuple[list[Example], DataStats]:
+    """Every example of `sft_examples`, in a list, and what loading did."""
+    stats = DataStats()
+    return list(sft_examples(path, tokenizer, max_seq_len, columns, stats)), stats
+
+
+def preference_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+                        columns: Mapping[str, str] | None = None, stats: DataStats | None = None
+                        ) -> Iterator[PreferenceExample]:
+    """Preference pairs {prompt, chosen, rejected}, a chunk of records at a time as they are read;
+    len(prompt) + len(completion) <= max_seq_len for each side. Raises once the data is read if none was kept."""
+    _check_max_seq_len(max_seq_len)
+    eos = _eos(tokenizer)
+    stats = DataStats() if stats is None else stats
+    for chunk in _chunks(iter_records(path, columns)):
+        texts = [tuple(_text(f"{path}:{n}", record, "preference", name) for name in ("prompt", "chosen", "rejected"))
+                 for n, record in chunk]
+        stats.formats["preference"] = stats.formats.get("preference", 0) + len(texts)
+        prompts = _encode_batch(tokenizer, [t[0] for t in texts], add_special_tokens=True)
+        chosen = _encode_batch(tokenizer, [t[1] for t in texts], add_special_tokens=False)
+        rejected = _encode_batch(tokenizer, [t[2] for t in texts], add_special_tokens=False)
+        for p, c, r in zip(prompts, chosen, rejected):
+            room = max_seq_len - len(p.ids)
+            if room <= 0:
+                stats.dropped_prompt_too_long += 1
+                continue
+            c_ids, r_ids = (*c.ids, eos), (*r.ids, eos)
+            if len(c_ids) > room or len(r_ids) > room:
+                stats.truncated += 1
+            stats.examples += 1
+            stats.loss_tokens += min(len(c_ids), room) + min(len(r_ids), room)
+            yield PreferenceExample(tuple(p.ids), c_ids[:room], r_ids[:room])
+    if not stats.examples:
+        raise _no_example(path, max_seq_len, stats)
 
 
 def load_preference_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
                              columns: Mapping[str, str] | None = None) -> tuple[list[PreferenceExample], DataStats]:
-    """Preference pairs {prompt, chosen, rejected}; len(prompt) + len(completion) <= max_seq_len for each side."""
-    _check_max_seq_len(max_seq_len)
-    eos = _eos(tokenizer)
+    """Every pair of `preference_examples`, in a list, and what loading did."""
     stats = DataStats()
-    texts = []
-    for n, record in read_records(path, columns):
-        where = f"{path}:{n}"
-        texts.append(tuple(_text(where, record, "preference", name) for name in ("prompt", "chosen", "rejected")))
-    stats.formats["preference"] = len(texts)
-    prompts = _encode_batch(tokenizer, [t[0] for t in texts], add_special_tokens=True)
-    chosen = _encode_batch(tokenizer, [t[1] for t in texts], add_special_tokens=False)
-    rejected = _encode_batch(tokenizer, [t[2] for t in texts], add_special_tokens=False)
-    examples = []
-    for p, c, r in zip(prompts, chosen, rejected):
-        room = max_seq_len - len(p.ids)
-        if room <= 0:
-            stats.dropped_prompt_too_long += 1
-            continue
-        c_ids, r_ids = (*c.ids, eos), (*r.ids, eos)
-        if len(c_ids) > room or len(r_ids) > room:
-            stats.truncated += 1
-        examples.append(PreferenceExample(tuple(p.ids), c_ids[:room], r_ids[:room]))
-        stats.loss_tokens += min(len(c_ids), room) + min(len(r_ids), room)
-    stats.examples = len(examples)
-    if not examples:
-        raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
-                           f"({stats.dropped_prompt_too_long} prompts too long)")
-    return examples, stats
+    return list(preference_examples(path, tokenizer, max_seq_len, columns, stats)), stats
 
 
 def load_prompt_examples(path: str | Path, columns: Mapping[str, str] | None = None) -> list[PromptExample]:
     """The records of a prompts dataset, in file order: a string "prompt" each, other fields kept as they are."""
     examples = []
-    for n, record in read_records(path, columns):
+    for n, record in iter_records(path, columns):
         prompt = _text(f"{path}:{n}", record, "prompt", "prompt")
         examples.append(PromptExample(prompt, {k: v for k, v in record.items() if k != "prompt"}))
     return examples
@@ -389,12 +414,13 @@ def load_prompt_examples(path: str | Path, columns: Mapping[str, str] | None = N
 
 def is_preference_file(path: str | Path, columns: Mapping[str, str] | None = None) -> bool:
     """Whether a dataset's first record is a preference pair (has "chosen" or "rejected")."""
-    return detect_format(read_records(path, columns)[0][1]) == "preference"
+    return detect_format(next(iter_records(path, columns))[1]) == "preference"
 
 
-def train_eval_split(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+def train_eval_split(examples: Sequence, eval_fraction: float, seed: int) -> tuple[Sequence, Sequence]:
     """A deterministic split: round(eval_fraction * n) examples (at least 1 when the fraction is > 0) drawn by
-    `seed` go to eval; both parts keep file order."""
+    `seed` go to eval; both parts keep file order. A list gives lists; a store (`data.store.TokenStore`) gives two
+    stores over its files, reading no tokens."""
     if not 0.0 <= eval_fraction < 1.0:
         raise JaxtuneError(f"eval_fraction={eval_fraction} must be in [0, 1)")
     n = len(examples)
@@ -403,4 +429,6 @@ def train_eval_split(examples: list, eval_fraction: float, seed: int) -> tuple[l
         raise JaxtuneError(f"eval_fraction={eval_fraction} of {n} examples leaves none to train on")
     is_eval = np.zeros(n, bool)
     is_eval[np.random.default_rng(seed).permutation(n)[:n_eval]] = True
+    if hasattr(examples, "take"):
+        return examples.take(np.flatnonzero(~is_eval)), examples.take(np.flatnonzero(is_eval))
     return [e for e, v in zip(examples, is_eval) if not v], [e for e, v in zip(examples, is_eval) if v]

@@ -1,7 +1,8 @@
 """Where examples come from: JSONL (plain or gzip), Parquet, Arrow, or a `datasets.Dataset.save_to_disk` directory.
 
-    records = read_records("train.parquet", columns={"prompt": "question", "completion": "answer"})
-    # [(row number, {"prompt": ..., "completion": ...}), ...]: the same records the JSONL file would give
+    records = iter_records("train.parquet", columns={"prompt": "question", "completion": "answer"})
+    # (row number, {"prompt": ..., "completion": ...}), ...: the same records the JSONL file would give, read a
+    # line or a record batch at a time as they are consumed; read_records lists them
 
 Every source gives (position, record) pairs, position a line number for JSONL and a 1-based row number for tables,
 so errors name "file:position". `columns` maps our field names to the dataset's column names where they differ
@@ -12,6 +13,7 @@ so errors name "file:position". `columns` maps our field names to the dataset's 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 from jaxtune.errors import JaxtuneError
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
+BATCH_ROWS = 1024  # rows of a Parquet file read at a time
 
 
 def json_type(value) -> str:
@@ -40,8 +43,7 @@ def _jsonl_lines(path: Path):
         raise JaxtuneError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    records = []
+def _jsonl_records(path: Path):
     for n, line in _jsonl_lines(path):
         if not line.strip():
             continue
@@ -51,23 +53,25 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
             raise JaxtuneError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(record, dict):
             raise JaxtuneError(f"{path}:{n}: expected a JSON object, got {json_type(record)}")
-        records.append((n, record))
-    return records
+        yield n, record
 
 
-def _arrow_table(path: Path):
+def _record_batches(path: Path):
+    """The record batches of a Parquet or Arrow file, read one at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         if path.suffix == ".parquet":
-            return pq.read_table(path)
+            yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
+            return
         with pa.memory_map(str(path)) as source:
             try:
-                return pa.ipc.open_stream(source).read_all()  # what `datasets` writes
+                yield from pa.ipc.open_stream(source)  # what `datasets` writes
             except pa.ArrowInvalid:
                 source.seek(0)
-                return pa.ipc.open_file(source).read_all()
+                reader = pa.ipc.open_file(source)
+                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
     except (pa.ArrowInvalid, OSError) as e:
         raise JaxtuneError(f"{path}: not a readable {path.suffix[1:]} file ({e})") from None
 
@@ -90,31 +94,46 @@ def _saved_dataset_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_table(path: Path) -> list[tuple[int, dict]]:
-    import pyarrow as pa
-
+def _table_records(path: Path):
     files = _saved_dataset_files(path) if path.is_dir() else [path]
-    table = pa.concat_tables([_arrow_table(f) for f in files]) if len(files) > 1 else _arrow_table(files[0])
-    return list(enumerate(table.to_pylist(), 1))
+    n = 0
+    for f in files:
+        for batch in _record_batches(f):
+            for record in batch.to_pylist():
+                n += 1
+                yield n, record
 
 
-def _renamed(path: Path, records: list[tuple[int, dict]], columns: Mapping[str, str]) -> list[tuple[int, dict]]:
-    present = set().union(*(r.keys() for _, r in records[:1000]))
+def _renamed(path: Path, records, columns: Mapping[str, str]):
+    first = list(itertools.islice(records, 1000))
+    present = set().union(*(r.keys() for _, r in first))
     for ours, theirs in columns.items():
-        if theirs not in present:
+        if first and theirs not in present:
             raise JaxtuneError(f"{path}: no column {theirs!r} (mapped to {ours!r} by [data] columns); columns: "
                                f"{', '.join(sorted(present))}")
     rename = {theirs: ours for ours, theirs in columns.items()}
-    return [(n, {rename.get(k, k): v for k, v in r.items()}) for n, r in records]
+    for n, r in itertools.chain(first, records):
+        yield n, {rename.get(k, k): v for k, v in r.items()}
 
 
-def read_records(path: str | Path, columns: Mapping[str, str] | None = None) -> list[tuple[int, dict]]:
+def iter_records(path: str | Path, columns: Mapping[str, str] | None = None):
     """(line or row number, record) for every example of a JSONL (.jsonl, .jsonl.gz), Parquet or Arrow file or a
-    `save_to_disk` directory, with `columns` ({our name: theirs}) renamed; errors name the file and the line."""
+    `save_to_disk` directory, read as they are consumed (a file larger than memory streams through), with
+    `columns` ({our name: theirs}) renamed; errors name the file and the line, an empty dataset included."""
     path = Path(path)
     if not path.exists():
         raise JaxtuneError(f"{path}: data file not found")
-    records = _read_table(path) if path.is_dir() or path.suffix in TABLE_SUFFIXES else _read_jsonl(path)
-    if not records:
+    records = _table_records(path) if path.is_dir() or path.suffix in TABLE_SUFFIXES else _jsonl_records(path)
+    if columns:
+        records = _renamed(path, records, columns)
+    empty = True
+    for item in records:
+        empty = False
+        yield item
+    if empty:
         raise JaxtuneError(f"{path}: no examples")
-    return _renamed(path, records, columns) if columns else records
+
+
+def read_records(path: str | Path, columns: Mapping[str, str] | None = None) -> list[tuple[int, dict]]:
+    """Every record of `iter_records`, in a list."""
+    return list(iter_records(path, columns))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.data.formats import PreferenceExample, load_preference_examples
+from jaxtune.data.formats import PreferenceExample, preference_examples
 from jaxtune.errors import JaxtuneError, check_choice, check_range
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
@@ -160,7 +160,7 @@ def reference_logps(reference: dict, examples: list[PreferenceExample], ctx: Con
 def pair_training(setup: Setup, metrics=per_pair) -> Training:
     """Pair batches of data.train and, if `precompute_reference`, their reference scores (at `start`)."""
     c = setup.config
-    train, held_out = train_and_held_out(setup, load_preference_examples, "pairs")
+    train, held_out = train_and_held_out(setup, preference_examples, "pairs")
     scores = {"train": None, "held_out": None}
     batches = lambda pairs, epoch, ref: preference_batches(pairs, c.train.batch_size, c.data.max_seq_len,
                                                            c.data.seed, epoch, ref)

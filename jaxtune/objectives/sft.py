@@ -10,13 +10,14 @@ so a step of one micro-batch minimises transformers' `loss + router_aux_loss_coe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxtune.data.batching import count_epoch_batches, epoch_batches
 from jaxtune.data.cache import cached_examples
-from jaxtune.data.formats import load_sft_examples, train_eval_split
+from jaxtune.data.formats import sft_examples, train_eval_split
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
 from jaxtune.models.llama import decoder_and_routing
@@ -68,11 +69,12 @@ def loss_metrics(sums: dict) -> dict:
     return {"eval_loss": loss, "eval_perplexity": perplexity(loss), "eval_tokens": int(tokens)}
 
 
-def train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
-    """(train, held-out) examples read by `load(path, tokenizer, seq_len, columns)` from data.train (and data.eval,
-    else a split of train), tokenised once and cached in `setup.cache_dir` (`data.cache`), logged as `unit`."""
+def train_and_held_out(setup: Setup, stream, unit: str) -> tuple[Sequence, Sequence]:
+    """(train, held-out) examples streamed by `stream(path, tokenizer, seq_len, columns, stats)` from data.train (and
+    data.eval, else a split of train), tokenised once into stores in `setup.cache_dir` (`data.cache`), logged as
+    `unit`."""
     data = setup.config.data
-    read = lambda path: cached_examples(setup.cache_dir, load, path, setup.tokenizer, data.max_seq_len,
+    read = lambda path: cached_examples(setup.cache_dir, stream, path, setup.tokenizer, data.max_seq_len,
                                         dict(data.columns), setup.log, setup.cache_writes)
     examples, stats = read(data.train)
     held_out = read(data.eval)[0] if data.eval else None
@@ -86,7 +88,7 @@ def train_and_held_out(setup: Setup, load, unit: str) -> tuple[list, list]:
 def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
     """Packed SFT batches of data.train, and the held-out loss of its held-out part through `metrics`."""
     c = setup.config
-    train, held_out = train_and_held_out(setup, load_sft_examples, "examples")
+    train, held_out = train_and_held_out(setup, sft_examples, "examples")
     batches = lambda examples, epoch: epoch_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed,
                                                     epoch, c.data.pack)
     steps = math.ceil(count_epoch_batches(train, c.train.batch_size, c.data.max_seq_len, c.data.pack)
