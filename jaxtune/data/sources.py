@@ -67,11 +67,12 @@ def _record_batches(path: Path):
             return
         with pa.memory_map(str(path)) as source:
             try:
-                yield from pa.ipc.open_stream(source)  # what `datasets` writes
+                batches = pa.ipc.open_stream(source)  # what `datasets` writes
             except pa.ArrowInvalid:
                 source.seek(0)
                 reader = pa.ipc.open_file(source)
-                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            yield from batches
     except (pa.ArrowInvalid, OSError) as e:
         raise JaxtuneError(f"{path}: not a readable {path.suffix[1:]} file ({e})") from None
 
