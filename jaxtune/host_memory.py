@@ -13,11 +13,12 @@ executable runs).
 `return_large_blocks` fixes glibc's mmap threshold (`mallopt(M_MMAP_THRESHOLD)`) at `MMAP_THRESHOLD_BYTES`. By
 default glibc raises the threshold to the size of each mmapped block freed, up to 32 MiB, so once XLA:CPU frees a
 step's first buffers, later buffers of that size come from the heap, whose freed pages stay resident and
-fragmented: a short train of a 607M model on 8 fake devices peaked 80-130 MiB higher (1,988-2,027 MiB against
-1,889-1,907; README, "Memory while loading"), a full fine-tune of the benchmark model 40-110 MiB higher. The heap's
-top is trimmed only past `TRIM_THRESHOLD_BYTES` (`M_TRIM_THRESHOLD`): at glibc's 128 KiB, with every large block
-mapped afresh, the full fine-tune's step was 6% slower (page faults); at 64 MiB its speed is unchanged, and the
-trims after loading and after long compiles (above) still return everything free.
+fragmented: a short train of a 607M model on 8 fake devices peaked 70-140 MiB higher (1,988-2,027 MiB against
+1,880-1,907; README, "Memory while loading"), a full fine-tune of the benchmark model 300-380 MiB higher. Each block
+mapped afresh costs page faults: at a 1 MiB threshold the SmolLM2 demo's steps took 8-10% longer; at 4 MiB they
+take as long as with glibc's default, and so does the full fine-tune. The heap's top is trimmed only past
+`TRIM_THRESHOLD_BYTES` (`M_TRIM_THRESHOLD`; glibc's 128 KiB made the full fine-tune 6% slower); the trims after
+loading and after long compiles (above) still return everything free.
 
 Where the C library is not glibc there is nothing to call, and nothing is done.
 """
@@ -36,9 +37,9 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MIN_COMPILE_SECONDS = 1.0
 
 
-# Blocks this large or larger are mapped on their own and unmapped when freed. XLA:CPU's step buffers (a
-# device's temporaries, gathered weight pieces, activations) are MiBs; the interpreter's objects are far smaller.
-MMAP_THRESHOLD_BYTES = 1 << 20
+# Blocks this large or larger are mapped on their own and unmapped when freed: XLA:CPU's large step buffers (a
+# device's temporaries, gathered weight pieces, activations), not the interpreter's small objects.
+MMAP_THRESHOLD_BYTES = 1 << 22
 TRIM_THRESHOLD_BYTES = 1 << 26
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 
