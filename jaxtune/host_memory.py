@@ -1,4 +1,4 @@
-"""Host memory the runtime frees goes back to the operating system: after each compile, and after each step.
+"""Host memory the runtime frees goes back to the operating system: after each compile, and large blocks when freed.
 
 Compiling a training step allocates hundreds of MiB in small pieces (the HLO, LLVM's IR, the buffer assignment;
 about 400 MiB for a 12-layer step split over 8 devices) and frees them when the executable is built. glibc keeps

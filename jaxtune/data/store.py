@@ -9,8 +9,8 @@
 
 Each field of the example type (`Example`: ids, loss_mask; `PreferenceExample`: prompt, chosen, rejected) is one
 flat file `<field>.bin` (int32 ids, uint8 masks) with offsets `<field>.offsets.npy` [N + 1], beside `meta.json`
-(the type, the count and what loading did). Host memory is then O(examples) — offsets, lengths, the packing plan — not O(tokens): the
-tokens of a batch are read when the batch is built.
+(the type, the count and what loading did). Host memory is then O(examples) — offsets, lengths, the packing plan —
+not O(tokens): the tokens of a batch are read when the batch is built.
 """
 
 from __future__ import annotations
