@@ -8,6 +8,7 @@ sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=
     python tests/parallel_worker.py planner
     python tests/parallel_worker.py families
     python tests/parallel_worker.py mixtures
+    python tests/parallel_worker.py splash
 
 For one method: 10 steps on one device, then on each mesh (fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2);
 the per-device bytes under fsdp=8; bfloat16 moments (LoRA). `loop` runs `fine_tune` on the 8 devices (the
@@ -52,14 +53,14 @@ MESHES = {
 TRAIN = TrainConfig(learning_rate=1e-2, grad_accum=ACCUM, batch_size=ROWS, warmup_steps=2)
 
 
-def batches(seed: int = 0) -> list[dict]:
+def batches(seed: int = 0, seq: int = SEQ) -> list[dict]:
     """STEPS stacks of [A, B, T]: two packed segments per row, a padded tail, a loss mask on about half the tokens,
     and labels a fixed function of the input token, a rule the model learns within the 10 steps."""
     rng = np.random.default_rng(seed)
-    shape = (STEPS, ACCUM, ROWS, SEQ)
-    split = SEQ // 2 - 3
-    idx = np.arange(SEQ)
-    segment_ids = np.where(idx < split, 1, np.where(idx < SEQ - 4, 2, 0)) * np.ones(shape, np.int32)
+    shape = (STEPS, ACCUM, ROWS, seq)
+    split = seq // 2 - 3
+    idx = np.arange(seq)
+    segment_ids = np.where(idx < split, 1, np.where(idx < seq - 4, 2, 0)) * np.ones(shape, np.int32)
     positions = np.where(idx < split, idx, idx - split) * (segment_ids > 0)
     input_ids = rng.integers(3, CFG.vocab_size, shape, dtype=np.int32)
     data = {"input_ids": input_ids, "labels": (input_ids * 7 + 3) % CFG.vocab_size,
@@ -300,6 +301,46 @@ def families() -> dict:
     return out
 
 
+def splash() -> dict:
+    """LoRA on a tiny Gemma 2 (sliding and full layers, soft-capped scores), 128-token packed rows: the losses of
+    3 steps with splash attention (Pallas' interpreter) on one device and on fsdp=4 x tensor=2 (the kernel under
+    `shard_map`), each against the blockwise kernel on one device: {run: largest relative difference}, and under
+    "traced" each splash run's traces of the kernel as [calls, calls on a mesh]."""
+    from jaxtune.models import llama
+    from jaxtune.models.presets import tiny_model_config
+    from jaxtune.parallel.rules import mesh_in_context
+
+    traced = {}
+    kernel = llama.splash_attention
+
+    def counted(*args, **kwargs):
+        traced[name][0] += 1
+        traced[name][1] += mesh_in_context() is not None
+        return kernel(*args, **kwargs)
+
+    llama.splash_attention = counted
+
+    cfg = tiny_model_config("gemma2", vocab_size=CFG.vocab_size, initializer_range=0.1)
+    method = METHODS["lora"]
+    base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
+    trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+    losses = {}
+    for name, attention, config in (("blockwise", "blockwise", MeshConfig(fsdp=1)),
+                                    ("splash", "splash", MeshConfig(fsdp=1)),
+                                    ("splash fsdp=4 x tensor=2", "splash", MESHES["fsdp=4 x tensor=2"])):
+        plan = TrainPlan(method, ROWS, 128, ACCUM, "none", "float32", "float32", mesh=config, attention=attention)
+        devices = jax.devices()[:1] if config.fsdp == 1 else None
+        run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
+        state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
+        losses[name], traced[name] = [], [0, 0]
+        for batch in batches(seq=128)[:3]:
+            state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
+            losses[name].append(float(metrics["loss"]))
+    out = {name: relative_diff(losses[name], losses["blockwise"]) for name in losses if name != "blockwise"}
+    return {**out, "traced": traced}
+
+
 def mixtures() -> dict:
     """Tiny mixtures of experts with their load-balancing loss on: a full fine-tune of a Mixtral and a Qwen3-MoE
     (the experts train), LoRA on the attention, shared expert and experts of a Qwen2-MoE, on meshes with an expert
@@ -353,6 +394,8 @@ if __name__ == "__main__":
         print(json.dumps(planner()))
     elif sys.argv[1] == "families":
         print(json.dumps(families()))
+    elif sys.argv[1] == "splash":
+        print(json.dumps(splash()))
     elif sys.argv[1] == "mixtures":
         print(json.dumps(mixtures()))
     else:

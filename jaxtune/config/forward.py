@@ -1,4 +1,5 @@
-"""How (not what) the forward computes: compute dtype, rematerialisation, scanned layers. Static under `jax.jit`."""
+"""How (not what) the forward computes: compute dtype, rematerialisation, scanned layers, the attention kernel.
+Static under `jax.jit`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import jax
 from jaxtune.errors import check_choice
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
+# the attention kernel of a full forward (`models/fused_attention.py`): "auto" takes the backend's fused kernel
+# where it covers the mask (splash on TPU, cuDNN on NVIDIA GPUs), else the blockwise one
+ATTENTION_KERNELS = ("auto", "blockwise", "splash", "cudnn")
 # the name of `models.linear.matmul`'s output, which "save_matmuls" keeps: a policy that saves dots sees no dot
 # inside a custom_vjp, and the projections' matmuls are custom_vjps
 MATMUL_OUTPUT = "matmul"
@@ -48,3 +52,7 @@ class ForwardOptions:
     compute_dtype: str = "float32"
     remat: Remat = field(default_factory=Remat)
     scan_layers: bool = True
+    attention: str = "auto"
+
+    def __post_init__(self):
+        check_choice("attention", self.attention, ATTENTION_KERNELS)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jaxtune.config.forward import REMAT_POLICIES
+from jaxtune.config.forward import ATTENTION_KERNELS, REMAT_POLICIES
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import ModelConfig
 from jaxtune.config.run import MeshConfig, OffloadConfig
@@ -30,7 +30,8 @@ class TrainPlan:
     """One configuration of a fine-tuning step.
 
     param_dtype: the frozen base weights' dtype (trainable leaves are always float32 master copies, as
-    `init_state` makes them). compute_dtype: activations and matmuls. objective, as the trainer's steps run them:
+    `init_state` makes them). compute_dtype: activations and matmuls. attention: the kernel (`ForwardOptions`).
+    objective, as the trainer's steps run them:
     "sft"; "dpo" (`batch_size` pairs = 2 x batch_size rows through the policy and a frozen reference, a copy of the
     weights only for a full fine-tune: adapter methods use the base with adapters off); "reward" (pairs through the
     decoder and a scalar head, no [b, T, V] logits); "grpo" (rows of prompt + completion through the policy and
@@ -56,12 +57,14 @@ class TrainPlan:
     generate_tokens: int = 0
     section: object = None
     second_model: ModelConfig | None = None
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
             check_range(name, getattr(self, name), 1)
         object.__setattr__(self, "remat", self.remat.replace("-", "_"))
         check_choice("remat", self.remat, REMAT_POLICIES)
+        check_choice("attention", self.attention, ATTENTION_KERNELS)
         for name in ("compute_dtype", "param_dtype"):
             check_choice(name, getattr(self, name), DTYPES)
         if not 0 <= self.generate_tokens < self.seq_len:

@@ -1,6 +1,6 @@
 """The sections of a training run's TOML, each a frozen dataclass that validates its own values.
 
-    [model]   ModelSection: path, dtype, compute_dtype, remat
+    [model]   ModelSection: path, dtype, compute_dtype, remat, attention
     [data]    DataConfig: train, eval, eval_fraction, max_seq_len, pack, seed
     [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, optimizer, schedule, ...
     [mesh]    MeshConfig: data, fsdp, tensor (device mesh sizes; -1 takes the rest)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxtune.config.forward import Remat
+from jaxtune.config.forward import ATTENTION_KERNELS, Remat
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -27,7 +27,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class ModelSection:
     """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
-    always float32 master weights; compute_dtype "bfloat16" gives mixed precision. router_aux_loss_coef: a mixture
+    always float32 master weights; compute_dtype "bfloat16" gives mixed precision. attention: the kernel
+    (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn"). router_aux_loss_coef: a mixture
     of experts' load-balancing loss weight in training (0: none); -1: as its config.json says (transformers':
     `router_aux_loss_coef` if `output_router_logits`, else none)."""
 
@@ -35,10 +36,12 @@ class ModelSection:
     dtype: str = "auto"
     compute_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"
     router_aux_loss_coef: float = -1.0
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
+        check_choice("attention", self.attention, ATTENTION_KERNELS)
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         Remat(self.remat)
         if self.router_aux_loss_coef < 0 and self.router_aux_loss_coef != -1:

@@ -3,7 +3,8 @@ tree of `params.py`.
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
 depth; `jax.checkpoint` wraps the block under a `Remat` policy. Attention is blockwise (`attention.py`): memory
-linear in the sequence, blocks the mask removes skipped. Numerics follow transformers: RMSNorm and
+linear in the sequence, blocks the mask removes skipped; on TPU and NVIDIA GPUs the backend's fused kernel where it
+covers the mask (`fused_attention.py`). Numerics follow transformers: RMSNorm and
 softmax in float32, RoPE angles in float32 cast to the compute dtype, everything else in the compute dtype.
 compute_dtype "float64" (under `jax.enable_x64`) widens the float32 parts too but RoPE's angles, as transformers
 does for a `.double()` model: the tests' float64 reference.
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.config.targets import layer_scales
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
+from jaxtune.models.fused_attention import (FusedAttention, choose_kernel, cudnn_attention, right_padded,
+                                            splash_attention)
 from jaxtune.models.head import head_logits
 from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
 from jaxtune.models.moe import routed_experts, router_loss
@@ -83,21 +86,37 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, d
 
 
 def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, cfg: ModelConfig,
-           lora_scale: float, dropout=None) -> jax.Array:
+           lora_scale: float, dropout=None, fused: FusedAttention | None = None) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T scale) v over the S keys
-    that `mask` allows within `window` (`attention.blockwise_attention`, with the model's scale and soft cap),
-    then o_proj; returns [B, T, D]."""
+    that `mask` allows within `window` (with the model's scale and soft cap), then o_proj; returns [B, T, D].
+
+    fused: the full forward's fused kernel (`fused_attention.choose_kernel`); None: `attention.blockwise_attention`.
+    """
     B, T, K, G, hd = q_BxTxKxGxh.shape
-    q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
     k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
-    out_BxKxGxTxh = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC,
-                                        scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
-    out_BxTxD = jnp.transpose(out_BxKxGxTxh, (0, 3, 1, 2, 4)).reshape(B, T, K * G * hd)
-    return project(out_BxTxD, layer, "o_proj", lora_scale, dropout)
+
+    def blockwise():
+        q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
+        out = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC,
+                                  scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+        return jnp.transpose(out, (0, 3, 1, 2, 4))
+
+    if fused is None:
+        out_BxTxKxGxh = blockwise()
+    elif fused.kind == "splash":
+        q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
+        out = splash_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, fused,
+                               scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+        out_BxTxKxGxh = jnp.transpose(out, (0, 3, 1, 2, 4))
+    else:  # cuDNN: causal attention, right for every row padded on the right; a batch with left padding is not
+        cudnn = lambda: cudnn_attention(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, window, fused.windows,  # noqa: E731
+                                        scale=cfg.attention_scale)
+        out_BxTxKxGxh = jax.lax.cond(right_padded(mask), cudnn, blockwise) if fused.masked else cudnn()
+    return project(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer, "o_proj", lora_scale, dropout)
 
 
 def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, cfg: ModelConfig, lora_scale: float,
-              dropout=None):
+              dropout=None, fused: FusedAttention | None = None):
     """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D]."""
     B, T, _ = x_BxTxD.shape
     q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale, dropout)
@@ -105,7 +124,7 @@ def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, c
         as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, lora_scale, dropout)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, lora_scale, dropout, fused)
 
 
 def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
@@ -212,6 +231,10 @@ def decoder_and_routing(
     rope = rope_tables(positions_BxT, cfg, dtype)
     mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
     live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
+    K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    fused = choose_kernel(options.attention, B=B, T=T, S=prefix + T, K=K, G=G, head_dim=cfg.head_dim, prefix=prefix,
+                          packed=segment_ids_BxT is not None, padded=attention_mask_BxT is not None,
+                          softcap=cfg.attn_logit_softcap, dtype=dtype, windows=tuple(sorted(set(cfg.sliding_windows))))
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones((B, T), bool))
     rate = lora_dropout_rate(method)
@@ -226,7 +249,8 @@ def decoder_and_routing(
         layer = with_kernels_of_layer(layer, stacks, index)
         dropout = (layer_key, rate) if use_dropout else None
         x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # rows split over the mesh's data x fsdp, if any
-        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout), None)
+        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout, fused),
+                               None)
         x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout, valid_BxT)
         return x_BxTxD, routing
 

@@ -90,7 +90,7 @@ def compile_rollout(cfg: ModelConfig, plan: TrainPlan) -> CompiledMemory:
     rows, prompt = rows_of(plan) * plan.grad_accum, plan.seq_len - plan.generate_tokens
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
     spec = jax.ShapeDtypeStruct
-    options = ForwardOptions(compute_dtype=plan.compute_dtype)
+    options = ForwardOptions(compute_dtype=plan.compute_dtype, attention=plan.attention)
     start = time.perf_counter()
     compiled = _generate.lower(
         combine(state["params"], frozen), spec((rows, prompt), jnp.int32), spec((rows, prompt), jnp.int32),

@@ -184,7 +184,7 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen))
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second))
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
-    context = Context(cfg, method, ForwardOptions(compute_dtype=plan.compute_dtype, remat=Remat(plan.remat)),
+    context = Context(cfg, method, ForwardOptions(plan.compute_dtype, Remat(plan.remat), attention=plan.attention),
                       section, second_cfg)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
                        second, _with_shardings(batch, shardings.batch), shardings, optimizer,
@@ -224,7 +224,7 @@ def run_plan(config, cfg_dtype: str) -> TrainPlan:
     second = objective.second_model(section, c.method)
     return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum, c.model.remat,
                      c.model.compute_dtype, cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
-                     offload=c.offload, objective=objective.name, generate_tokens=objective.rollout_tokens(section),
+                     offload=c.offload, attention=c.model.attention, objective=objective.name, generate_tokens=objective.rollout_tokens(section),
                      section=section, second_model=None if second in (None, "base") else load_config(second))
 
 
