@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -111,7 +110,7 @@ def _cudnn_refuses(B, T, K, G, head_dim, dtype, windows) -> str | None:
     kv = jax.ShapeDtypeStruct((B, T, K, head_dim), dtype)
     try:
         for window in windows:
-            call = partial(_dot_product_attention, window=window, scale=1.0, implementation="cudnn")
+            call = functools.partial(_dot_product_attention, window=window, scale=1.0, implementation="cudnn")
             jax.eval_shape(jax.grad(lambda q, k, v: call(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)), q, kv, kv)
     except Exception as error:  # noqa: BLE001 — any refusal means the blockwise kernel runs instead
         return f"{type(error).__name__}: {error}".splitlines()[0]
