@@ -9,16 +9,19 @@ per-device share comes from jaxtune.parallel's own shardings on an `AbstractMesh
     optimizer        Adam's mu and nu (optax.adamw), float32 or bfloat16 (`offload.moments_dtype`)
     batch            five [A, b, T] int32/float32 arrays (b counts both rows of a pair; GRPO adds two [A, b])
   transient, the largest of three moments (XLA gives things not alive together the same buffer):
-    loss        every layer's saved activations + the objective's [b, T, V] float32 logits buffers + 2 gradients
-    backward    the saved activations + one layer's backward workspace (see activations.py) + 2 gradients
-    update      3 trainable-sized float32 buffers: the gradients, the clipped gradients, Adam's update
+    loss        every layer's saved activations + the objective's [b, T, V] float32 logits buffers + the largest
+                trainable leaf's gradient whole (the head's or the embedding's, summed on each device before an fsdp
+                mesh splits it; the chunked loss's backward runs before the layers')
+    backward    the saved activations + one layer's backward workspace (see activations.py) + the gradients
+    update      the gradients + one trainable leaf's update (the moments and weights are updated in place)
     generate    GRPO's rollout, before the step: the KV cache and the prefill's attention scores
   beside them: weight copies a dtype cast makes, the all-gathered layer under fsdp, the objective's second model
   (the frozen reference of a full fine-tune under DPO and GRPO, the distillation teacher), and the runtime reserve
   of the hardware family.
 
-"2 gradients" are the micro-batch's gradients and the accumulator `accumulated_gradients` scans with; the counts
-of copies were measured against XLA:CPU's compiled memory (experiments/planner_accuracy.py).
+The gradients are counted once, accumulation included; the counts were measured against XLA:CPU's compiled memory
+(experiments/planner_accuracy.py). The step updates AdamW's moments and the weights in place (`spine/update.py`:
+the update runs under `lax.cond`, and clipping is one scalar factor), so no copy of the optimizer state is counted.
 """
 
 from __future__ import annotations
@@ -242,6 +245,7 @@ class RunBytes:
     base_parameters: int
     loading_device: int
     loading_host: int
+    largest_trainable: int  # the largest trainable leaf, whole
 
 
 def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> RunBytes:
@@ -262,7 +266,9 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
     return RunBytes(_device_bytes(run.frozen, tiled), _device_bytes(run.state["params"], tiled),
                     _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
                     _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
-                    *_loading_transient(run, tiled))
+                    *_loading_transient(run, tiled),
+                    max((math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(run.state["params"])),
+                        default=0))
 
 
 def _loading_transient(run, tiled: bool) -> tuple[int, int]:
@@ -413,13 +419,14 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         backward_workspace += act.grouped_matmul_elements(cfg, w, method.kind == "full") * a
 
     # The three moments of the step.
-    grads_in_flight = 2 * grad_b
+    grads_in_flight = grad_b
+    largest_gradient = held.largest_trainable // tensor  # summed whole on each device, then split over fsdp
     phases = {
-        "loss": {"activations": acts.saved + logits_b, "gradients": grads_in_flight,
+        "loss": {"activations": acts.saved + logits_b, "gradients": largest_gradient,
                  "weight_copies": residual_copies},
         "backward": {"activations": acts.saved + acts.attention + backward_workspace, "gradients": grads_in_flight,
                      "weight_copies": residual_copies},
-        "update": {"activations": 0, "gradients": 3 * grad_b, "weight_copies": 0},
+        "update": {"activations": 0, "gradients": grad_b + largest_gradient // fsdp, "weight_copies": 0},
     }
     offload = plan.offload
     if device.family == "cpu" and (offload.optimizer_state or offload.frozen_params):

@@ -45,12 +45,26 @@ def weight_decay_mask(trainable: dict) -> dict:
     return jax.tree_util.tree_map_with_path(decays, trainable)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm's result (gradients times max_norm / norm when the norm exceeds max_norm; the same
+    empty state, so checkpoints are unchanged) as one scalar factor that XLA fuses into AdamW's moment updates,
+    where optax's select between the gradients and a divided copy made XLA:CPU write that copy out whole."""
+
+    def update(gradients, state, params=None):
+        del params
+        norm = optax.tree.norm(gradients)
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), gradients), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(train: TrainConfig, total_steps: int, trainable: dict,
                    moments_dtype: str = "float32") -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with the schedule and no decay on norms and biases; moments stored in
     `moments_dtype` ("bfloat16": rounded between steps, updated in float32)."""
     optimizer = optax.chain(
-        optax.clip_by_global_norm(train.max_grad_norm),
+        clip_by_global_norm(train.max_grad_norm),
         optax.adamw(learning_rate_schedule(train, total_steps), b1=train.adam_b1, b2=train.adam_b2,
                     eps=train.adam_eps, weight_decay=train.weight_decay, mask=weight_decay_mask(trainable)),
     )

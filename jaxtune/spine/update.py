@@ -52,17 +52,24 @@ def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = No
 def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.GradientTransformation,
                  schedule: optax.Schedule) -> tuple[dict, dict]:
     """The next state, or the same params and optimizer state when loss or gradients are not finite (counted in
-    `skipped`, and in `bad_streak` until a finite step). Returns (state, metrics)."""
+    `skipped`, and in `bad_streak` until a finite step). Returns (state, metrics).
+
+    The update runs under `lax.cond`, so XLA writes the donated weights and moments in place: selecting between
+    the old and the new state elementwise made it copy both moments first (TinyLlama-1.1B's full fine-tune: XLA
+    temporaries 12.3 -> 8.4 GiB; 5.5 with `state.clip_by_global_norm`)."""
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+    def stepped(params, opt_state):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, stepped, lambda p, o: (p, o), state["params"], state["opt_state"])
     bad = (~finite).astype(jnp.int32)
     new_state = {
         "step": state["step"] + 1,
-        "params": keep(params, state["params"]),
-        "opt_state": keep(opt_state, state["opt_state"]),
+        "params": params,
+        "opt_state": opt_state,
         "rng": jax.random.split(state["rng"])[0],
         "skipped": state["skipped"] + bad,
         "bad_streak": (state["bad_streak"] + bad) * bad,
