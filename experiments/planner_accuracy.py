@@ -49,8 +49,8 @@ def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
     f32 = dict(compute_dtype="float32", param_dtype="float32")
     bf16 = dict(compute_dtype="bfloat16", param_dtype="bfloat16")
     mixed = dict(compute_dtype="float32", param_dtype="bfloat16")
-    one, fsdp8, data8 = MeshConfig(1, 1, 1), MeshConfig(1, 8, 1), MeshConfig(8, 1, 1)
-    dp2_fsdp4, fsdp4_tp2 = MeshConfig(2, 4, 1), MeshConfig(1, 4, 2)
+    one, fsdp8, data8 = MeshConfig(fsdp=1), MeshConfig(fsdp=8), MeshConfig(data=8, fsdp=1)
+    dp2_fsdp4, fsdp4_tp2 = MeshConfig(data=2, fsdp=4), MeshConfig(fsdp=4, tensor=2)
     offload = OffloadConfig(optimizer_state=True)
     rows = [
         # one device: every method, remat policy, dtype mix, accumulation, offload
@@ -85,9 +85,9 @@ def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
         ("gqa", GQA, m("lora"), 8, 512, 1, "full", f32, dp2_fsdp4),
         ("small", SMALL, m("full"), 8, 256, 1, "none", f32, fsdp4_tp2),
         ("gqa", GQA, m("qlora", target_modules=ALL), 8, 256, 1, "full", f32, fsdp4_tp2),
-        ("small", SMALL, m("full"), 8, 512, 1, "full", f32, MeshConfig(1, 4, 1)),
-        ("small", SMALL, m("full"), 4, 256, 1, "save_matmuls", f32, MeshConfig(2, 2, 1)),
-        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, MeshConfig(1, 2, 2)),
+        ("small", SMALL, m("full"), 8, 512, 1, "full", f32, MeshConfig(fsdp=4)),
+        ("small", SMALL, m("full"), 4, 256, 1, "save_matmuls", f32, MeshConfig(data=2, fsdp=2)),
+        ("small", SMALL, m("full"), 4, 256, 1, "none", f32, MeshConfig(fsdp=2, tensor=2)),
         # objectives: the trainer's steps (and GRPO's rollout), batch = pairs for dpo and reward
         ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, None, "dpo"),
         ("gqa", GQA, m("lora"), 4, 256, 1, "full", f32, one, None, "dpo"),
@@ -123,7 +123,7 @@ def compiler_table(only: list[int] | None = None) -> list[dict]:
         if only and i not in only:
             continue
         sizes = plan.mesh.sizes()
-        n = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+        n = sizes["data"] * sizes["fsdp"] * sizes["expert"] * sizes["tensor"]
         est = estimate(cfg, plan, get_device("cpu" if n == 1 else f"cpu-{n}"))
         xla, program = compile_peak(cfg, plan)
         err = est.compiled_bytes / xla - 1
