@@ -224,8 +224,8 @@ def run_plan(config, cfg_dtype: str) -> TrainPlan:
     second = objective.second_model(section, c.method)
     return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum, c.model.remat,
                      c.model.compute_dtype, cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
-                     offload=c.offload, attention=c.model.attention, objective=objective.name, generate_tokens=objective.rollout_tokens(section),
-                     section=section, second_model=None if second in (None, "base") else load_config(second))
+                     offload=c.offload, attention=c.model.attention, objective=objective.name,
+                     generate_tokens=objective.rollout_tokens(section), section=section, second_model=None if second in (None, "base") else load_config(second))
 
 
 def per_device_bytes(tree) -> int:
