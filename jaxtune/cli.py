@@ -72,6 +72,12 @@ def cmd_export(args) -> None:
     from jaxtune.paths import check_output_dir
 
     note = lambda text: print(text, file=sys.stderr)
+    if (args.model is None) == (args.run_dir is None):
+        raise JaxtuneError("export needs --model (with --adapter) or --run (a run directory), not both")
+    if args.run_dir is not None:
+        return _export_run(args, note)
+    if args.step is not None:
+        raise JaxtuneError("--step goes with --run")
     if args.gguf or args.gguf_lora:
         out, flag = (args.gguf, "--gguf") if args.gguf else (args.gguf_lora, "--gguf-lora")
         if Path(out).exists():
@@ -82,26 +88,39 @@ def cmd_export(args) -> None:
                 export_gguf_lora(args.model, args.adapter, out, log=note))
         print(f"wrote {f'the {args.type} model' if args.gguf else 'the LoRA adapter'} as GGUF to {path}")
         return
-    if args.adapter is None:
-        raise JaxtuneError(f"--{'merged' if args.merged else 'peft'} needs --adapter")
+    if args.peft and args.adapter is None:
+        raise JaxtuneError("--peft needs --adapter")
     check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")
     if args.merged:
         path = export_merged(args.model, args.adapter, args.merged, log=note)
-        print(f"wrote the merged model to {path}")
+        print(f"wrote the {'merged ' if args.adapter else ''}model to {path}")
         return
     cfg, params, method = load_model_with_adapter(args.model, args.adapter, log=note)
     path = save_peft_adapter(args.peft, params, cfg, method, base_model=str(args.model))
     print(f"wrote the {method.kind} adapter in PEFT format to {path}")
 
 
-def cmd_train(args) -> None:
+def _export_run(args, note) -> None:
+    from jaxtune.train.export import export_run
+
+    if args.adapter is not None:
+        raise JaxtuneError("--adapter goes with --model; --run exports the run's own result")
+    target, out = next((t, o) for t, o in (("peft", args.peft), ("merged", args.merged), ("gguf", args.gguf),
+                                           ("gguf-lora", args.gguf_lora)) if o is not None)
+    path = export_run(args.run_dir, target, out, args.step, args.type, log=note)
+    print(f"wrote {args.run_dir}'s result as {target} to {path}")
+
+
+def cmd_train(args) -> int:
+    """0 when the run finished; 128 + the signal (130 SIGINT, 143 SIGTERM) when it was stopped and checkpointed."""
     from jaxtune.parallel.distributed import cluster_from_env, join_cluster
     from jaxtune.run_config import load_run_config
     from jaxtune.train.loop import fine_tune
 
     config = load_run_config(args.config, args.set)
     join_cluster(cluster_from_env(args.coordinator, args.num_processes, args.process_id, args.auto_cluster))
-    fine_tune(config)
+    result = fine_tune(config)
+    return 128 + result.signal if result.interrupted else 0
 
 
 def cmd_eval(args) -> None:
@@ -206,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxtune", description="Plan, run and export fine-tuning of Llama-family models in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="describe a Hugging Face model directory")
+    info = sub.add_parser("info", help="describe a model (a Hugging Face directory or a .gguf file): its shape, "
+                          "parameters, and tensor types and bytes as stored")
     info.add_argument("--model", required=True, help="directory with config.json and *.safetensors, or a .gguf file")
     info.add_argument("--adapter", help="a PEFT adapter directory: report its method and trainable parameters")
     info.add_argument("--json", action="store_true", help="print a JSON object")
@@ -215,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="write a tiny random model (with the byte-level tokenizer) as an HF directory")
     init.add_argument("out", help="directory to write")
     init.add_argument("--arch", default="llama", choices=("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                                                "phi3"))
-    init.add_argument("--seed", type=int, default=0)
+                                                                "phi3"), help="architecture (default llama)")
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     init.set_defaults(run=cmd_init)
 
     train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: sft, dpo, reward, grpo or "
@@ -235,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="completion-token loss and perplexity on SFT data; pairwise accuracy on "
                               "preference data")
-    evaluate.add_argument("--model", required=True, help="Hugging Face model directory, or a reward model as "
-                          "`objective = \"reward\"` exports it")
+    evaluate.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file, or a reward "
+                          "model as `objective = \"reward\"` exports it")
     evaluate.add_argument("--adapter", help="PEFT adapter directory to apply (on preference data: scored against "
                           "--model alone as the DPO reference)")
     evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages; or "
@@ -245,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "ones whose prompt fills it dropped (default: the model's context); batches are padded to "
                           "the power of two of their longest row")
     evaluate.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
-    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--batch-size", type=int, default=8, help="rows a batch (default 8)")
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens", "examples", '
                           '"dropped"}; on preference data {"kind": "reward"|"policy", "pairs", "accuracy", "margin", '
                           '"loss", "dropped"}')
@@ -261,11 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="render each prompt as a user turn of the model's chat "
                      "template, with the assistant's generation prompt")
     gen.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample a prompt at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy needs none)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
     gen.add_argument("--json", action="store_true", help='print [{"prompt", "completion"}, ...]')
     gen.set_defaults(run=cmd_generate)
@@ -277,12 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=cmd_demo)
 
     export = sub.add_parser("export", help="write an adapter in PEFT format or as a GGUF LoRA, or merge it into "
-                           "an HF model directory or a GGUF file")
-    export.add_argument("--model", required=True, help="the base model directory (or .gguf file)")
+                           "an HF model directory or a GGUF file; a .gguf model as an HF directory")
+    export.add_argument("--model", help="the base model: Hugging Face directory or .gguf file")
     export.add_argument("--adapter", help="a PEFT adapter directory (as jaxtune train writes)")
+    export.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help="instead of --model/--adapter: a run directory (finished, "
+                        "stopped or still training); its result as of its latest checkpoint")
+    export.add_argument("--step", type=int, metavar="N", help="with --run: the checkpoint of step N (default: the "
+                        "latest)")
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--peft", metavar="OUT", help="write the adapter, in PEFT format, to OUT")
-    target.add_argument("--merged", metavar="OUT", help="merge LoRA/DoRA into the weights; write an HF model to OUT")
+    target.add_argument("--merged", metavar="OUT", help="write an HF model directory to OUT: the --adapter "
+                        "(LoRA/DoRA) merged into the weights, or without one the model as it is (a .gguf file "
+                        "dequantised, with its tokenizer and chat template)")
     target.add_argument("--gguf", metavar="OUT.gguf", help="write the model (the adapter merged in, if given) as a "
                         "GGUF file for llama.cpp")
     target.add_argument("--gguf-lora", metavar="OUT.gguf", help="write the LoRA adapter as llama.cpp's GGUF LoRA "
@@ -294,11 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run `jaxtune train` on every worker of a Cloud TPU VM via gcloud",
                             usage="jaxtune launch tpu --name N --zone Z --accelerator TYPE [--project P] [--spot] "
                                   "[--queued] [--dry-run] -- train CONFIG.toml [--set k=v ...]")
-    launch.add_argument("platform", choices=("tpu",))
+    launch.add_argument("platform", choices=("tpu",), help="where to launch (tpu: a Cloud TPU VM)")
     launch.add_argument("--name", required=True, help="TPU VM (or queued resource) name")
-    launch.add_argument("--zone", required=True)
+    launch.add_argument("--zone", required=True, help="the TPU VM's zone, e.g. us-central2-b")
     launch.add_argument("--accelerator", required=True, help="e.g. v5e-8, v5p-32, v6e-16, v4-8")
-    launch.add_argument("--project")
+    launch.add_argument("--project", help="Google Cloud project (default: gcloud's configured one)")
     launch.add_argument("--spot", action="store_true", help="spot capacity; needs train.output_dir on gs://")
     launch.add_argument("--queued", action="store_true", help="create through a queued resource")
     launch.add_argument("--max-restarts", type=int, default=5, help="re-creations after preemption")
@@ -385,11 +411,15 @@ FLAGS_OF_FIELD = {"kind": ("--method",), "batch_size": ("--batch-size", "--batch
 
 
 def _as_flag(e: JaxtuneError, argv: list[str]) -> JaxtuneError | str:
-    """A ConfigError about a value given as a command-line flag, named by the flag: `--top-p 1.5: must be ...`."""
-    if isinstance(e, ConfigError):
-        for flag in FLAGS_OF_FIELD.get(e.field, ("--" + e.field.replace("_", "-"),)):
-            if flag in argv[:-1]:
-                return f"{flag} {argv[argv.index(flag) + 1]}: {e.valid}"
+    """A ConfigError about a value given as a command-line flag, named by the flag: `--top-p 1.5: must be ...`.
+    The last occurrence (`--flag VALUE` or `--flag=VALUE`) is named: it is the one argparse keeps."""
+    if not isinstance(e, ConfigError):
+        return e
+    flags = FLAGS_OF_FIELD.get(e.field, ("--" + e.field.replace("_", "-"),))
+    for i in reversed(range(len(argv))):
+        flag, eq, value = argv[i].partition("=")
+        if flag in flags and (eq or i + 1 < len(argv)):
+            return f"{flag} {value if eq else argv[i + 1]}: {e.valid}"
     return e
 
 

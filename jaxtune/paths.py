@@ -3,7 +3,11 @@ the path, instead of after minutes of work (or halfway through, leaving a partia
 
 from __future__ import annotations
 
+import fcntl
+import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from jaxtune.errors import JaxtuneError
@@ -32,3 +36,58 @@ def run_directories(output_dir: str) -> tuple[Path, str | Path]:
     if output_dir.startswith("gs://"):
         return Path("runs") / output_dir.removeprefix("gs://").strip("/"), output_dir.rstrip("/") + "/checkpoints"
     return Path(output_dir), Path(output_dir) / "checkpoints"
+
+
+@contextmanager
+def run_directory_lock(run_dir: Path, what: str = "train.output_dir") -> Iterator[None]:
+    """Hold `run_dir` for one writer: an exclusive `flock` on the directory itself while the block runs, or a
+    JaxtuneError naming the process that holds it. The kernel drops the lock with its process, so a killed run
+    leaves nothing stuck, and no file is added to the directory. A directory that does not exist yet is locked once
+    it does (`lock.acquire()` after creating it). Where the file system has no flock (some network mounts), runs
+    are not kept apart."""
+    lock = _DirectoryLock(run_dir, what)
+    lock.acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+class _DirectoryLock:
+    def __init__(self, path: Path, what: str):
+        self.path, self.what, self.fd = Path(path), what, None
+
+    def acquire(self) -> None:
+        if self.fd is not None or not self.path.is_dir():
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = _flock_holder(self.path)
+            raise JaxtuneError(f"{self.what} {str(self.path)!r}: another jaxtune run is writing to it"
+                               f"{f' (process {holder})' if holder else ''}; wait for it to end, or choose another "
+                               f"{self.what}") from None
+        except OSError:  # no flock here
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _flock_holder(path: Path) -> int | None:
+    """The process holding a flock on `path`, from Linux's /proc/locks (None elsewhere or when not found)."""
+    try:
+        st, lines = path.stat(), Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for fields in (line.split() for line in lines):
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].isdigit():
+            return int(fields[4])
+    return None

@@ -1,5 +1,15 @@
 """GGUF exports run by llama.cpp itself (`llama-cpp-python`, built from source by pip): the real SmolLM2-135M-Instruct
-written as f16 and q8_0, and a LoRA adapter as llama.cpp's GGUF LoRA, against jaxtune, transformers and PEFT."""
+written as f16 and q8_0, and a LoRA adapter as llama.cpp's GGUF LoRA, against jaxtune, transformers and PEFT.
+
+llama.cpp is loaded without its extra CPU buffer types (`use_extra_bufts = false`, the CLI's `--no-repack`): on Intel
+CPUs with AMX, its AMX buffer repacks quantised weights (Q4_0/Q4_1/Q8_0, ...) and then dies with SIGSEGV in
+`ggml_backend_amx_mul_mat` on the first decode (ggml-org/llama.cpp#20824, seen here with llama-cpp-python 0.3.36 on every
+quantised file); the plain CPU kernels are what every other CPU runs. The build's features are written to stderr once,
+so a crash in a worker names the machine's path.
+"""
+
+import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +33,49 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]
 
 
+def llama_cpp_model(path, **options) -> llama_cpp.Llama:
+    """llama.cpp's model of a GGUF file on the plain CPU buffers: `Llama` exposes no `use_extra_bufts`, so the model
+    parameters it starts from are patched for this one load."""
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    with mock.patch.object(llama_cpp.llama.llama_cpp, "llama_model_default_params", without_extra_buffers):
+        return llama_cpp.Llama(model_path=str(path), **{"verbose": False, **options})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def build_features(request):
+    """llama.cpp's system info (its SIMD paths, AMX, REPACK), written past pytest's capture to the process's stderr
+    before any model runs: a crash there loses captured output, and xdist shows a worker's stderr."""
+    info = llama_cpp.llama_print_system_info().decode().strip()
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print(f"\nllama.cpp {llama_cpp.__version__} (extra buffer types off): {info}", file=sys.stderr)
+    return info
+
+
+def test_models_load_on_the_plain_cpu_buffers(exports, capfd):
+    """The loader really turns the extra buffer types off (their AMX path crashes): llama.cpp's own load log puts
+    every weight of a q8_0 file in a plain CPU buffer, none in an AMX or repacked one."""
+    paths, _ = exports
+    capfd.readouterr()
+    llama_cpp_model(paths["q8_0"], n_ctx=64, verbose=True).close()
+    buffers = [line for line in capfd.readouterr().err.splitlines() if "model buffer size" in line]
+    assert buffers and all("CPU" in line and "AMX" not in line and "REPACK" not in line for line in buffers), buffers
+
+
 def llama_cpp_logits(path, ids: list[int], lora=None) -> np.ndarray:
     """[T, V] logits of llama.cpp on `ids` (with a GGUF LoRA adapter at scale 1, if given)."""
-    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0,
-                            **({"lora_path": str(lora)} if lora else {}))
+    model = llama_cpp_model(path, n_ctx=256, logits_all=True, seed=0, **({"lora_path": str(lora)} if lora else {}))
     model.eval(ids)
     return np.array(model.scores[:len(ids)])
 
 
 def llama_cpp_greedy(path, ids: list[int], steps: int) -> list[int]:
-    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0)
+    model = llama_cpp_model(path, n_ctx=256, logits_all=True, seed=0)
     model.eval(ids)
     out = []
     for _ in range(steps):
@@ -65,7 +108,7 @@ def test_llama_cpp_greedy_on_the_f16_export_equals_jaxtune(exports):
     ours = generate(params, cfg, prompts, SamplingConfig(max_new_tokens=16), eos_ids=())
     for ids, expected in zip(prompts, ours):
         assert llama_cpp_greedy(paths["f16"], ids, 16) == expected
-    model = llama_cpp.Llama(model_path=str(paths["f16"]), n_ctx=256, verbose=False, vocab_only=True)
+    model = llama_cpp_model(paths["f16"], n_ctx=256, vocab_only=True)
     text = "Hello, world! def f(x): return x ** 2  # 日本語 🙂"
     assert model.tokenize(text.encode(), add_bos=False, special=True) == load_tokenizer(paths["f16"]).encode(text)
 

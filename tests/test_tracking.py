@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto.wandb_internal_pb2 import Record
 
 from jaxtune.config import TrainConfig
-from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
 from jaxtune.models.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
@@ -123,10 +123,20 @@ def test_wandb_offline_run_matches_metrics(tmp_path, no_wandb_credentials):
     assert config["train"]["learning_rate"] == 2e-4 and config["train"]["report_to"] == ["wandb"]
 
 
-def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
-    with pytest.raises(JaxtuneError, match=r"needs the wandb package \(pip install wandb\)"):
-        Trackers(("wandb",), tmp_path, "")
+@pytest.mark.parametrize("missing", ["wandb", "tensorboard"])
+def test_a_missing_tracker_package_is_a_warning_and_the_others_still_report(tmp_path, monkeypatch, missing):
+    """Neither package is a dependency: a config that names one (the README's example names tensorboard) runs
+    without it, with one warning, and the reporters that are installed still get every record."""
+    for name in [m for m in sys.modules if m.split(".")[0] == missing] + [missing]:
+        monkeypatch.setitem(sys.modules, name, None)  # what `import wandb` meets where it is not installed
+    with pytest.warns(JaxtuneWarning, match=rf"the {missing} package is not installed \(pip install {missing}\)"):
+        trackers = Trackers(("wandb", "tensorboard") if missing == "wandb" else (missing,), tmp_path, "")
+    trackers.write({"step": 1, "loss": 2.5})
+    trackers.close()
+    if missing == "wandb":
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        assert [e.value for e in events.Scalars("loss")] == [2.5]
 
 
 def test_tracking_config_errors():

@@ -159,7 +159,12 @@ def count_epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: i
     """The number of batches `epoch_batches` returns, the same for every seed and epoch (steps per epoch)."""
     if batch_size < 1:
         raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
-    return math.ceil(len(_plan(examples, seq_len, pack)) / batch_size)
+    return math.ceil(count_epoch_rows(examples, seq_len, pack) / batch_size)
+
+
+def count_epoch_rows(examples: Sequence[Example], seq_len: int, pack: bool = True) -> int:
+    """The rows of data an epoch's batches hold (packed, or one example a row), the same every epoch."""
+    return len(_plan(examples, seq_len, pack))
 
 
 def eval_batches(examples: Sequence[Example], batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.config.targets import ia3_modules, is_target, lora_layout, module_path
@@ -35,6 +35,7 @@ from jaxtune.errors import ConfigError, JaxtuneError, check_choice
 from jaxtune.methods.lora import LORA_LEAVES
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.hf_config import read_json
+from jaxtune.models.safetensors_io import write_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -152,11 +153,16 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
 
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
                       base_model: str = "") -> Path:
-    """Write `method`'s leaves of `params` as a PEFT adapter directory."""
+    """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
+    `base_model_name_or_path` (a local path made absolute)."""
     directory = Path(directory)
+    if base_model and Path(base_model).exists():  # absolute, so PEFT finds the base from any working directory
+        base_model = str(Path(base_model).resolve())
     config = peft_config(cfg, method, base_model)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_state_dict(params, cfg, method), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    # our writer, not safetensors' `save_file`: that one creates its file mode 0600, whatever the umask
+    entries = [(name, v.shape, v.dtype, lambda v=v: v) for name, v in adapter_state_dict(params, cfg, method).items()]
+    write_safetensors(directory / WEIGHTS_FILE, entries, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
@@ -370,19 +376,22 @@ def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None
     return cfg, params, method
 
 
-def export_merged(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
+def export_merged(model: str | Path, adapter: str | Path | None, out: str | Path, log=None) -> Path:
     """Merge a PEFT LoRA/DoRA adapter into its base and write a Hugging Face model directory (with the tokenizer).
 
     A QLoRA adapter merges into the float weights (as PEFT merges into a dequantised base: a plain float model).
+    Without an adapter the model is written as it loads: a GGUF file becomes the directory transformers makes of
+    it (blocks dequantised to float32, the tokenizer and chat template from its metadata).
     """
     from jaxtune.methods.lora import merged_layer
     from jaxtune.models.hf_weights import save_model
 
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
-    if method.kind not in ("lora", "qlora"):
+    if adapter is not None and method.kind not in ("lora", "qlora"):
         raise JaxtuneError(f"{adapter}: only LoRA and DoRA adapters merge into the weights, not {method.kind}")
     dtype = str(np.dtype(params["embed_tokens"].dtype))
-    return save_model(out, cfg, params, dtype=dtype, tokenizer_from=model, tensor=merged_layer(params, method))
+    tensor = merged_layer(params, method) if adapter is not None else None
+    return save_model(out, cfg, params, dtype=dtype, tokenizer_from=model, tensor=tensor)
 
 
 def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, kind: str = "f16", log=None) -> Path:

@@ -243,6 +243,13 @@ class GGUFCheckpoint:
         kind = self._tensor(name).tensor_type.name
         return np.dtype({"F16": np.float16, "BF16": ml_dtypes.bfloat16}.get(kind, np.float32))
 
+    def stored_type(self, name: str) -> str:
+        """The type as llama.cpp names it (Q4_1, Q8_0, F32, ...)."""
+        return self._tensor(name).tensor_type.name
+
+    def stored_bytes(self, name: str) -> int:
+        return int(self._tensor(name).n_bytes)
+
     def file_of(self, name: str) -> Path:
         return self.path
 

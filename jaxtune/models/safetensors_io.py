@@ -118,6 +118,13 @@ class CheckpointReader:
     def dtype(self, name: str) -> np.dtype:
         return self._info(name)[0]
 
+    def stored_type(self, name: str) -> str:
+        """The dtype as safetensors names it (F32, BF16, ...)."""
+        return NAMES[self.dtype(name)]
+
+    def stored_bytes(self, name: str) -> int:
+        return math.prod(self.shape(name)) * self.dtype(name).itemsize
+
     def file_of(self, name: str) -> Path:
         return self._info(name)[4]
 

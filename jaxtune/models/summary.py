@@ -1,4 +1,4 @@
-"""What a model directory holds, read from its config and safetensors headers (no weights are loaded)."""
+"""What a model directory or GGUF file holds, read from its config and tensor headers (no weights are loaded)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import jax
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import ATTENTION_MODULES, MLP_MODULES, QK_NORMS, ParamSpec, is_norm, param_specs
-from jaxtune.models.safetensors_io import NAMES
 
 
 def _group(path: tuple[str, ...]) -> str:
@@ -25,7 +24,8 @@ def _group(path: tuple[str, ...]) -> str:
 
 
 def model_summary(directory: str | Path) -> dict:
-    """Architecture, parameter counts by group, stored dtypes and bytes of weights of a Hugging Face model.
+    """Architecture, parameter counts by group, and the weights' types and bytes as stored (a GGUF file's
+    llama.cpp types, Q4_1, Q8_0, F32, ...) of a Hugging Face model directory or GGUF file.
 
     Every tensor's name and shape is checked against the config on the way (headers only, no data read).
     """
@@ -36,10 +36,9 @@ def model_summary(directory: str | Path) -> dict:
         counts[_group(tuple(k.key for k in path))] += spec.size
     dtypes, weight_bytes = Counter(), 0
     with checked_reader(directory, cfg) as reader:
-        for name in reader.names():
-            size = math.prod(reader.shape(name))
-            dtypes[NAMES[reader.dtype(name)]] += size
-            weight_bytes += size * reader.dtype(name).itemsize
+        for name in reader.names():  # as stored: a GGUF's block types and bytes, not the float32 they read as
+            dtypes[reader.stored_type(name)] += math.prod(reader.shape(name))
+            weight_bytes += reader.stored_bytes(name)
     return {
         "architecture": cfg.architecture,
         "layers": cfg.num_layers,
@@ -50,6 +49,6 @@ def model_summary(directory: str | Path) -> dict:
         "tied_embeddings": cfg.tie_word_embeddings,
         "parameters": sum(counts.values()),
         "parameters_by_group": dict(counts),
-        "dtypes": dict(dtypes),
+        "dtypes": dict(dtypes.most_common()),
         "weights_bytes": weight_bytes,
     }

@@ -72,12 +72,16 @@ class Training:
     seed, the epoch and the index; for GRPO also of the current params, which a resumed run restores exactly).
     evaluate(eval_step, params) -> {"eval_...": value} over the held-out data, None without any.
     start(trainer) runs once the weights are loaded (DPO scores its pairs with the reference there).
+    rows_per_epoch, tokens_per_epoch: the rows of data an epoch's batches hold and the token positions in them (None
+    where the objective does not know them before it runs), for `train.setup_checks`' padding warnings.
     """
 
     steps_per_epoch: int
     batch: Callable[[int, int, Callable[[], dict]], dict]
     evaluate: Callable | None = None
     start: Callable | None = None
+    rows_per_epoch: int | None = None
+    tokens_per_epoch: int | None = None
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtune.data.batching import count_epoch_batches, epoch_batches
+from jaxtune.data.batching import count_epoch_rows, epoch_batches
 from jaxtune.data.cache import cached_examples
 from jaxtune.data.formats import sft_examples, train_eval_split
+from jaxtune.data.store import example_lengths
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
 from jaxtune.models.llama import decoder_and_routing
@@ -91,12 +92,13 @@ def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
     train, held_out = train_and_held_out(setup, sft_examples, "examples")
     batches = lambda examples, epoch: epoch_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed,
                                                     epoch, c.data.pack)
-    steps = math.ceil(count_epoch_batches(train, c.train.batch_size, c.data.max_seq_len, c.data.pack)
-                      / c.train.grad_accum)
+    rows = count_epoch_rows(train, c.data.max_seq_len, c.data.pack)
+    steps = math.ceil(math.ceil(rows / c.train.batch_size) / c.train.grad_accum)
     held_out_batches = batches(held_out, 0) if held_out else []
     evaluate = (lambda eval_step, params: metrics(total([eval_step(params, b) for b in held_out_batches])))
     return Training(steps, epoch_cache(lambda e: batches(train, e), c.train.grad_accum),
-                    evaluate if held_out_batches else None)
+                    evaluate if held_out_batches else None, rows_per_epoch=rows,
+                    tokens_per_epoch=int((example_lengths(train) - 1).clip(0).sum()))
 
 
 SFT = Objective("sft", loss_terms, eval_terms, sft_training,

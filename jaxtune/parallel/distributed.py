@@ -110,3 +110,11 @@ def barrier(name: str) -> None:
     """Wait until every process reaches the barrier called `name` (nothing for a single process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def main_process_says(value: bool) -> bool:
+    """Process 0's `value` on every process: a decision only the main process can take (it holds the run's files)
+    that every process must follow (a collective computation)."""
+    if jax.process_count() == 1:
+        return value
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(value)))

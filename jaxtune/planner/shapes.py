@@ -34,13 +34,11 @@ def standard_config(millions: float) -> ModelConfig:
 
 
 def model_from_directory(directory: str | Path) -> tuple[ModelConfig, str]:
-    """(config, stored weight dtype) of a Hugging Face model directory: the config and safetensors headers only."""
+    """(config, stored weight dtype) of a Hugging Face model directory or GGUF file: the config and tensor headers
+    only. The dtype is the one `load_model` gives the weights by default (a GGUF's quantised blocks: float32)."""
     from jaxtune.models.hf_config import load_config
+    from jaxtune.models.hf_weights import stored_dtype
     from jaxtune.models.summary import model_summary
 
-    cfg = load_config(directory)
-    dtypes = model_summary(directory)["dtypes"]
-    stored = max(dtypes, key=dtypes.get).lower()
-    names = {"f32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16",
-             "float16": "float16"}
-    return cfg, names.get(stored, "bfloat16")
+    model_summary(directory)  # every tensor's name and shape checked against the config
+    return load_config(directory), stored_dtype(directory)

@@ -5,12 +5,19 @@ whole or not at all; an interrupted write leaves nothing a resume would pick up.
 cannot be read (a damaged disk, a file deleted by hand) is reported with its step and the steps still there,
 so the run can be pointed at the previous one with `--set train.resume_step=N`. A checkpoint whose state has other
 shapes than the run's (the config changed, not the checkpoint) is reported with the config keys that differ from
-those it was saved with (`meta["config"]`). Nothing is created on disk until the first save.
+those it was saved with (`meta["config"]`). A save that fails for want of space (or permission) is one line naming
+the directory, the space a checkpoint takes and what is free; its partial directory goes (here, and by orbax when
+the run starts again), and the checkpoints before it stay whole. Nothing is created on disk until the first save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -34,12 +41,14 @@ def _shapes(tree) -> dict[str, tuple]:
 class Checkpoints:
     """Save and restore `(state, meta)` pairs under `directory/<step>/`; `meta` is a small JSON dict."""
 
-    def __init__(self, directory: str | Path, keep: int):
+    def __init__(self, directory: str | Path, keep: int, read_only: bool = False):
         """directory: a local path, or a "gs://bucket/..." URL that orbax writes to directly (needs gcsfs:
-        `pip install 'etils[epath-gcs]'`)."""
+        `pip install 'etils[epath-gcs]'`). read_only: only read (an export beside a running run, whose partial
+        checkpoint a writer's start would remove)."""
         remote = "://" in str(directory)
         self.directory = epath.Path(str(directory) if remote else Path(directory).absolute())
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=not read_only, read_only=read_only)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -48,8 +57,58 @@ class Checkpoints:
 
     def save(self, step: int, state: dict, meta: dict) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, force=True)
-        self.manager.wait_until_finished()
+        try:
+            with _orbax_quiet():  # a failed write is logged with tracebacks from orbax's threads, then raised here
+                self.manager.save(step, args=args, force=True)
+                self.manager.wait_until_finished()
+        except Exception as e:  # tensorstore reports a full disk as ValueError("RESOURCE_EXHAUSTED: ...")
+            reason = _write_failure(e)
+            if reason is None:
+                raise
+            with _orbax_quiet(), contextlib.suppress(Exception):  # the other writes of the step end before we go on
+                self.manager.close()
+            self._remove_partial(step)
+            raise JaxtuneError(self._no_room(step, state, reason)) from None
+
+    def _no_room(self, step: int, state: dict, reason: str) -> str:
+        kept = [s for s in self.steps() if s < step]
+        needed = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+        free = _free_bytes(self.directory)
+        space = f" (a checkpoint takes about {_size(needed)}{f', {_size(free)} free' if free is not None else ''})"
+        last = (f"the last complete checkpoint, step {kept[-1]}, is intact: make room and run the same command to "
+                f"resume from it" if kept else "no earlier checkpoint exists")
+        return f"{self.directory}: cannot write the checkpoint of step {step}: {reason}{space}; {last}"
+
+    def _remove_partial(self, step: int) -> None:
+        """Drop what a failed save of `step` left (orbax's temporary directory), freeing its space at once."""
+        if "://" in str(self.directory) or not Path(str(self.directory)).is_dir():
+            return
+        for path in Path(str(self.directory)).iterdir():
+            if path.name == str(step) or path.name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def saved_config(self, step: int) -> dict:
+        """The flattened config ("section.key" -> value) the checkpoint of `step` was saved with ({} if unreadable)."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # unreadable: `restore` reports it with the step to fall back to
+            return {}
+        return meta.get("config", {})
+
+    def restore_params(self, step: int, abstract_params: dict) -> dict:
+        """Only the trainable params of the state saved at `step` (the optimizer's moments stay on disk), in the
+        shardings and dtypes of `abstract_params`."""
+        if step not in self.steps():
+            raise JaxtuneError(f"{self.directory}: no checkpoint for step {step} (have: {self.steps() or 'none'})")
+        target = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)}
+        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        try:
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(self.directory / str(step) / "state", args=args)["params"]
+        except Exception as e:  # orbax/tensorstore raise many types for damaged files
+            raise JaxtuneError(f"{self.directory / str(step)}: checkpoint for step {step} is unreadable "
+                               f"({_first_line(e)})") from None
 
     def check_shapes(self, step: int, abstract_state: dict, config: dict) -> None:
         """A JaxtuneError when the state saved at `step` differs in structure, shape or dtype from `abstract_state`:
@@ -57,10 +116,9 @@ class Checkpoints:
         config, or else the first leaf that differs."""
         try:
             saved_tree = self.manager.item_metadata(step)["state"].tree
-            saved_config = (self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                            .get("config", {}))
         except Exception:  # unreadable: `restore` reports it with the step to fall back to
             return
+        saved_config = self.saved_config(step)
         saved, wanted = _shapes(saved_tree), _shapes(abstract_state)
         if saved == wanted:
             return
@@ -90,9 +148,8 @@ class Checkpoints:
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
             others = [s for s in self.steps() if s != step]
             hint = f"; use an earlier one with --set train.resume_step={others[-1]}" if others else ""
-            first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise JaxtuneError(f"{self.directory / str(step)}: checkpoint for step {step} is unreadable "
-                               f"({first_line}){hint}") from None
+                               f"({_first_line(e)}){hint}") from None
         return restored["state"], restored["meta"]
 
     def discard_after(self, step: int) -> None:
@@ -102,3 +159,51 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+@contextmanager
+def _orbax_quiet():
+    """absl's logger (orbax's) silent but for fatal errors while the block runs."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def _write_failure(e: BaseException) -> str | None:
+    """"no space left on device" (or the like) when `e` is a failed write for want of room or permission, else None."""
+    for cause in (e, e.__cause__, e.__context__):
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES,
+                                                           errno.EROFS):
+            return cause.strerror.lower() if cause.strerror else str(cause)
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" in text or "No space left" in text:
+        return "no space left on device"
+    if "PERMISSION_DENIED" in text or "Permission denied" in text:
+        return "permission denied"
+    return None
+
+
+def _free_bytes(directory) -> int | None:
+    path = Path(str(directory))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free if "://" not in str(directory) else None
+    except OSError:
+        return None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"

@@ -1,13 +1,34 @@
-"""What a finished run leaves for users: a PEFT adapter directory, or a Hugging Face model for a full fine-tune."""
+"""What a run leaves for users: a PEFT adapter directory, or a Hugging Face model for a full fine-tune — at its end
+(`export_result`), or later from any of its checkpoints (`export_run`: a stopped, crashed or still running run).
+
+    export_run("runs/my-run", "peft", "my-adapter")             # the latest checkpoint's adapter, in PEFT format
+    export_run("runs/my-run", "gguf", "model.gguf", step=200)   # the model as of step 200, merged, for llama.cpp
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.methods.peft import save_peft_adapter
-from jaxtune.models.hf_weights import save_model
-from jaxtune.run_config import RunConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.peft import export_gguf, export_gguf_lora, export_merged, save_peft_adapter
+from jaxtune.methods.transform import combine
+from jaxtune.models.hf_config import load_config
+from jaxtune.models.hf_weights import checked_reader, save_model, stored_dtype
+from jaxtune.objectives import objective_named
+from jaxtune.parallel.mesh import make_mesh
+from jaxtune.paths import check_output_dir, run_directories
+from jaxtune.run_config import RunConfig, load_run_config
+from jaxtune.spine.load import read_tree
+from jaxtune.spine.run import abstract_run, run_plan
+from jaxtune.train.checkpoint import Checkpoints
+from jaxtune.train.resume import run_config_at
+
+EXPORT_TARGETS = ("peft", "merged", "gguf", "gguf-lora")
 
 
 def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: dict, method: MethodConfig) -> Path:
@@ -17,3 +38,83 @@ def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: di
         dtype = None if config.model.dtype == "auto" else config.model.dtype
         return save_model(run_dir / "model", cfg, params, dtype=dtype, tokenizer_from=config.model.path)
     return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)))
+
+
+def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None, log=None) -> Path:
+    """What the run in `run_dir` writes at its end (adapter/, model/ or reward_model/), written into `out_dir` from
+    its checkpoint of `step` (default: the latest) on this host's devices, whatever mesh it trained on."""
+    run_dir = Path(run_dir)
+    config = run_config_at(run_dir, step if step is not None else 1 << 62)
+    output = config.train.output_dir
+    checkpoints = Checkpoints(run_directories(output)[1] if output.startswith("gs://") else run_dir / "checkpoints",
+                              keep=1, read_only=True)
+    steps = checkpoints.steps()
+    if not steps:
+        raise JaxtuneError(f"{checkpoints.directory}: no checkpoint to export (the run saved none yet)")
+    step = steps[-1] if step is None else step
+    config = run_config_at(run_dir, step)
+    model = config.model.path
+    if log:
+        log(f"{run_dir}: the checkpoint of step {step} on {model} ...")
+    cfg = load_config(model)
+    plan = run_plan(config, stored_dtype(model))
+    plan = replace(plan, mesh=MeshConfig(), offload=OffloadConfig(moments_dtype=plan.offload.moments_dtype))
+    run = abstract_run(cfg, plan, make_mesh(), config.train, total_steps=max(step, 1))
+    trainable = checkpoints.restore_params(step, run.state["params"])
+    with checked_reader(model, cfg) as reader:
+        frozen = read_tree(reader, run.frozen, cfg)
+    params = combine(trainable, frozen)
+    objective = objective_named(config.train.objective)
+    if objective.export is not None:
+        return objective.export(out_dir, config, cfg, params)
+    return export_result(out_dir, config, cfg, params, config.method)
+
+
+def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | None = None, gguf_type: str = "f16",
+               log=None) -> Path:
+    """A run's result from its checkpoint of `step` (default: the latest) as `target`: "peft" (the adapter
+    directory), "merged" (an HF model directory: the adapter merged, or a full fine-tune's or reward model's own),
+    "gguf" (one GGUF file of `gguf_type`) or "gguf-lora" (llama.cpp's LoRA). Written to `out`; nothing is written
+    into the run directory. A run may export while it trains (its checkpoints are only read)."""
+    if target not in EXPORT_TARGETS:
+        raise JaxtuneError(f"export target {target!r}: choose one of {', '.join(EXPORT_TARGETS)}")
+    out = Path(out)
+    if target.startswith("gguf"):
+        if out.exists():
+            raise JaxtuneError(f"{out}: already exists (choose a new file; nothing is overwritten)")
+        check_output_dir(out.parent, "the GGUF file's directory")
+    else:
+        check_output_dir(out, f"--{target}")
+    scratch = Path(tempfile.mkdtemp(prefix=".jaxtune-export-", dir=_nearest_dir(out.parent)))
+    try:
+        result = write_run_result(run_dir, scratch, step, log)
+        config = run_config_at(run_dir, step if step is not None else 1 << 62)
+        model, adapter = (result, None) if result.name != "adapter" else (config.model.path, result)
+        if config.train.objective == "reward" and target != "merged":
+            raise JaxtuneError(f"{run_dir}: a reward model exports as an HF sequence-classification directory: use "
+                               "--merged")
+        if target in ("peft", "gguf-lora") and adapter is None:
+            raise JaxtuneError(f"{run_dir}: a {config.method.kind} fine-tune ({config.train.objective}) has no adapter; "
+                               "export it with --merged or --gguf")
+        if target == "peft" or (target == "merged" and adapter is None):
+            return _move(result, out)
+        if target == "merged":
+            return export_merged(model, adapter, out, log=log)
+        if target == "gguf":
+            return export_gguf(model, adapter, out, gguf_type, log=log)
+        return export_gguf_lora(model, adapter, out, log=log)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _nearest_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _move(source: Path, out: Path) -> Path:
+    """`source`'s files into the directory `out` (created; files of the same names replaced)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        os.replace(path, out / path.name)
+    return out

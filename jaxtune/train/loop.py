@@ -7,35 +7,47 @@ just the step, and a run resumed from a checkpoint replays exactly what an unint
 pulled to the host one step late (the only host sync), so the device is never idle waiting on a log. The run is
 placed on the `[mesh]` (one device by default) with `jaxtune.parallel`: the state, frozen weights and batches get
 their shardings (and, with `[offload]`, host memory) before the first step.
-SIGTERM and SIGINT finish the current step, save a checkpoint and return.
+
+What is trained is never lost (`train/resume.py` holds the rules a resume follows):
+- a run directory has one writer (`paths.run_directory_lock`);
+- a step's metrics line is on disk (fsync) before the checkpoint of that step is published, so a resume never leaves
+  a hole in metrics.jsonl (an evaluation due at the resumed step and not recorded runs again);
+- the last step is checkpointed before its evaluation and before any end-of-run work (profiler, trackers, plot,
+  export); a failure there is one line that names the checkpoint and how to export from it;
+- SIGTERM/SIGINT finish the current step, save a checkpoint and return `interrupted` (the CLI exits 143/130);
+  a second one stops at once.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
-from contextlib import contextmanager
+import warnings
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
 from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import JaxtuneError, JaxtuneWarning
 from jaxtune.host_cpu import warn_if_slow_bf16
 from jaxtune.host_memory import release_after_compiles, return_large_blocks
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import stored_dtype
 from jaxtune.objectives import objective_named
-from jaxtune.parallel.distributed import barrier, host_copy, is_main_process
+from jaxtune.parallel.distributed import barrier, host_copy, is_main_process, main_process_says
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
-from jaxtune.paths import check_output_dir, run_directories
+from jaxtune.paths import check_output_dir, run_directories, run_directory_lock
 from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
+from jaxtune.train.resume import check_resume, export_hint, record_config
+from jaxtune.train.setup_checks import warn_degenerate
 from jaxtune.train.tasks import Task, prepare_task
 from jaxtune.train.tracking import ProgressLines, Trackers
 
@@ -44,7 +56,8 @@ HIDDEN_METRICS = ("tokens", "loss_tokens", "bad_streak")  # used for tokens/s an
 
 @dataclass(frozen=True)
 class RunResult:
-    """eval_metrics: the last evaluation's record (eval_loss, eval_perplexity, eval_rewards/accuracy, ...)."""
+    """eval_metrics: the last evaluation's record (eval_loss, eval_perplexity, eval_rewards/accuracy, ...).
+    interrupted: stopped by `signal` (SIGTERM/SIGINT) before the last step, its checkpoint saved."""
 
     run_dir: Path
     step: int
@@ -55,19 +68,25 @@ class RunResult:
     result_path: Path | None
     interrupted: bool = False
     eval_metrics: dict | None = None
+    signal: int = 0
 
 
 @contextmanager
-def _preemption_flag():
-    """A dict whose "stop" entry turns True on SIGTERM/SIGINT while the block runs."""
-    flag = {"stop": False}
+def _stop_signals():
+    """A dict whose "signal" entry is set by the first SIGTERM/SIGINT while the block runs; a second one raises
+    KeyboardInterrupt at once (a step can take minutes)."""
+    stop = {"signal": 0}
 
     def handler(signum, _):
-        flag["stop"] = True
+        if stop["signal"]:
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+        print(f"jaxtune: {signal.Signals(signum).name}: stopping after this step, once it is checkpointed "
+              "(again to stop at once, without saving it)", file=sys.stderr, flush=True)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield flag
+        yield stop
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -81,16 +100,17 @@ def _progress(total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-def fine_tune(config: RunConfig, log=print) -> RunResult:
+def fine_tune(config: RunConfig, log=print, progress=None) -> RunResult:
     """Train `config.model.path` with `config.train.objective` on `config.data.train`; write the run directory.
 
     run_dir = config.train.output_dir (see `run_directories` for gs://): config.toml, metrics.jsonl, loss.png,
     checkpoints/, and the result:
     adapter/ in PEFT format, or model/ as a Hugging Face directory for a full fine-tune; reward_model/ (an HF
-    sequence-classification directory) for objective "reward".
+    sequence-classification directory) for objective "reward". log: where messages go; progress: where the
+    progress lines go when stderr is not a terminal (default: log).
     """
-    with _preemption_flag() as flag:
-        return _train(config, log, flag)
+    with _stop_signals() as stop:
+        return _train(config, log, progress or log, stop)
 
 
 def setup_task(config: RunConfig, log) -> Task:
@@ -114,9 +134,9 @@ def setup_task(config: RunConfig, log) -> Task:
     return prepare_task(config, mesh, tokenizer, stored_dtype(config.model.path), cfg, log)
 
 
-def _train(config: RunConfig, log, flag: dict) -> RunResult:
-    """Every input is checked (output directory, model, data, the checkpoint to resume) before the run directory
-    is written to, so a run that fails to start leaves a finished one as it was."""
+def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
+    """Every input is checked (output directory, model, data, the checkpoint to resume and the config changes it
+    allows) before the run directory is written to, so a run that fails to start leaves a finished one as it was."""
     tc = config.train
     run_dir, checkpoint_dir = run_directories(tc.output_dir)
     writer = is_main_process()  # files that exist once are written by process 0 alone
@@ -128,28 +148,47 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
                                f"host); this run has {jax.process_count()} processes")
         log(f"process {jax.process_index()} of {jax.process_count()}: {len(jax.devices())} devices "
             f"({len(jax.local_devices())} local)")
-    loading = time.perf_counter()
-    log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
-    task = setup_task(config, log)
-    log(f"ready in {time.perf_counter() - loading:.0f} s")
-    run = task.run
-    state, total_steps, steps_per_epoch = task.state, task.total_steps, task.steps_per_epoch
+    with ExitStack() as held:
+        lock = held.enter_context(run_directory_lock(run_dir)) if writer else None
+        loading = time.perf_counter()
+        log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
+        task = setup_task(config, log)
+        log(f"ready in {time.perf_counter() - loading:.0f} s")
+        checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
+        held.callback(checkpoints.close)
+        start = tc.resume_step if tc.resume_step >= 0 else (checkpoints.steps() or [0])[-1]
+        recorded = config_items(config)
+        state, changes = task.state, {}
+        if start > 0:
+            checkpoints.check_shapes(start, state, recorded)
+            changes = check_resume(checkpoints.saved_config(start), recorded, checkpoints.directory / str(start))
+            state, meta = checkpoints.restore(start, state)
+            state = jax.device_put(state, task.run.shardings.state)
+        if writer:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire()  # a new directory is held from here
+            record_config(run_dir, config, start, changes)
+            for write in task.cache_writes:  # every input is checked by now
+                write()
+        if start > 0:
+            checkpoints.discard_after(start)
+            log(f"resumed from step {start} (epoch {meta['epoch']}, batch {meta['batch']})"
+                + "".join(f"; {k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in changes.items()))
+        warn_degenerate(config, task, start)
+        if stop["signal"]:  # asked to stop while loading: nothing new to save
+            log(f"stopped by {signal.Signals(stop['signal']).name} before training from step {start}: nothing new to "
+                "save")
+            return RunResult(run_dir, start, float("nan"), None, None, 0, None, True, signal=stop["signal"])
+        return _steps(config, task, checkpoints, start, state, changes, run_dir, writer, log, progress_log, stop)
 
-    checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
-    start = tc.resume_step if tc.resume_step >= 0 else (checkpoints.steps() or [0])[-1]
+
+def _steps(config: RunConfig, task: Task, checkpoints: Checkpoints, start: int, state: dict, changes: dict,
+           run_dir: Path, writer: bool, log, progress_log, stop: dict) -> RunResult:
+    """The step loop from `start` to the last step, then what a finished run leaves."""
+    tc, run = config.train, task.run
+    total_steps, steps_per_epoch = task.total_steps, task.steps_per_epoch
+    objective = task.run.objective
     recorded = config_items(config)
-    if start > 0:
-        checkpoints.check_shapes(start, state, recorded)
-        state, meta = checkpoints.restore(start, state)
-        state = jax.device_put(state, run.shardings.state)
-    if writer:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_run_config(config))
-        for write in task.cache_writes:  # every input is checked by now
-            write()
-    if start > 0:
-        checkpoints.discard_after(start)
-        log(f"resumed from step {start} (epoch {meta['epoch']}, batch {meta['batch']})")
     metrics_log = MetricsLog(run_dir / "metrics.jsonl" if writer else None, resume_step=start)
     trackers = Trackers(tc.report_to if writer else (), run_dir, dump_run_config(config))
     phases = dict.fromkeys(PHASES, 0.0)  # seconds since the last metrics record
@@ -166,25 +205,33 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
         phases[phase] += time.perf_counter() - began
         return out
 
-    def run_eval(step: int, epoch: float) -> None:
+    def run_eval(step: int) -> None:
         result = timed("eval", task.evaluate, state)
         if result is None:
             return
-        record({"step": step, "epoch": epoch, **result})
+        record({"step": step, "epoch": step / steps_per_epoch, **result})
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in result.items()))
 
     def save(step: int) -> None:
+        metrics_log.sync()  # the step's line is on disk before its checkpoint exists
         timed("checkpoint", checkpoints.save, step, state, {"step": step, "epoch": step // steps_per_epoch,
                                                             "batch": step % steps_per_epoch, "config": recorded})
 
-    if start == 0:
-        run_eval(0, 0.0)
+    def eval_due(step: int) -> bool:
+        return bool(tc.eval_every and step % tc.eval_every == 0) or step % steps_per_epoch == 0 or step == total_steps
+
+    if changes:
+        metrics_log.write({"step": start, "config_changes": {k: list(v) for k, v in changes.items()}})
+    if start == 0 or (eval_due(start) and main_process_says(not metrics_log.has_eval(start))):
+        run_eval(start)  # step 0's baseline, or the evaluation a killed run checkpointed and did not record
     log(f"training {objective.name}: {total_steps} steps ({steps_per_epoch} per epoch, {tc.grad_accum} x "
         f"{tc.batch_size} {objective.unit} of {config.data.max_seq_len} tokens)")
     progress = _progress(total_steps, start)
-    lines = ProgressLines(total_steps, start, log, tc.progress_every_s) if progress is None and writer else None
-    pending, last_time, train_loss, interrupted = None, time.perf_counter(), float("nan"), False
+    lines = ProgressLines(total_steps, start, progress_log, tc.progress_every_s) if progress is None and writer \
+        else None
+    pending, last_time, train_loss = None, time.perf_counter(), float("nan")
+    profile = _Profile(tc.profile_steps, run_dir / "profile", log)
     log("compiling the step (the first step's time includes it) ...")
 
     def flush(pending) -> float:
@@ -210,50 +257,97 @@ def _train(config: RunConfig, log, flag: dict) -> RunResult:
             lines.update(step, values["loss"], tokens_per_s)
         return values["loss"]
 
+    step, stopping = start, False
     for step in range(start + 1, total_steps + 1):
         epoch, index = divmod(step - 1, steps_per_epoch)
-        if tc.profile_steps and step == tc.profile_steps[0]:
-            jax.profiler.start_trace(str(run_dir / "profile"))
+        profile.before(step)
         batch = timed("data", lambda: run.place_batch(task.batch(epoch, index, state)))
         state, metrics = timed("step", run.step, state, task.frozen, task.second, batch)
-        if tc.profile_steps and step == min(tc.profile_steps[1], total_steps):
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-            log(f"profile of steps {tc.profile_steps[0]}-{step}: {run_dir / 'profile'}")
+        profile.after(step, total_steps, state)
         if pending is not None:
             train_loss = flush(pending)
         pending = (step, metrics)
-        epoch_end = step % steps_per_epoch == 0
-        if (tc.eval_every and step % tc.eval_every == 0) or epoch_end or step == total_steps:
-            train_loss = flush(pending)
-            pending = None
-            run_eval(step, step / steps_per_epoch)
-        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == total_steps or flag["stop"]:
+        stopping = bool(stop["signal"])  # read once: a signal between two reads would stop without a checkpoint
+        checkpoint = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == total_steps or stopping
+        if checkpoint or eval_due(step):
+            train_loss, pending = flush(pending), None
+        if checkpoint:
             save(step)
-        if flag["stop"] and step < total_steps:
-            interrupted = True
+        if step == total_steps:
+            break
+        if eval_due(step):
+            run_eval(step)
+        if stopping:
             break
     if pending is not None:
         train_loss = flush(pending)
     if progress is not None:
         progress.close()
-    trackers.close()
-    checkpoints.close()
     final_step, skipped = int(state["step"]), int(state["skipped"])
-    records = metrics_log.records()
-    if writer:
-        plot_losses(records, run_dir / "loss.png")
-    if interrupted:
-        log(f"interrupted at step {final_step}: checkpoint saved; run the same command again to resume")
-        return RunResult(run_dir, final_step, train_loss, None, None, skipped, None, True)
-    params = on_device(combine(state["params"], task.frozen), run.shardings.params)  # out of host memory, if offloaded
-    if jax.process_count() > 1:
-        params = host_copy(params)  # every process takes part in gathering what is split across them
-    result_path = task.export(run_dir, params) if writer else None
-    barrier("export")
-    evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in records
+    hint = export_hint(run_dir, config, final_step)
+    with _after_training(f"checkpoint of step {final_step} is safe in {checkpoints.directory / str(final_step)}; "
+                         f"{hint}"):
+        if step == total_steps > start:
+            run_eval(step)
+        profile.close()
+        trackers.close()
+        if writer:
+            plot_losses(metrics_log.records(), run_dir / "loss.png")
+        if stopping and final_step < total_steps:
+            name = signal.Signals(stop["signal"]).name
+            log(f"stopped by {name} at step {final_step} of {total_steps}: checkpoint saved. Run the same command to "
+                f"resume; {hint}")
+            return RunResult(run_dir, final_step, train_loss, None, None, skipped, None, True, signal=stop["signal"])
+        params = on_device(combine(state["params"], task.frozen), run.shardings.params)  # from host memory, if offloaded
+        if jax.process_count() > 1:
+            params = host_copy(params)  # every process takes part in gathering what is split across them
+        result_path = task.export(run_dir, params) if writer else None
+        barrier("export")
+    evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in metrics_log.records()
              if any(k.startswith("eval_") for k in r)]
     last = evals[-1] if evals else None
     log(f"done: {final_step} steps, {skipped} skipped; result in {result_path}")
     return RunResult(run_dir, final_step, train_loss, last and last.get("eval_loss"),
                      last and last.get("eval_perplexity"), skipped, result_path, eval_metrics=last)
+
+
+@contextmanager
+def _after_training(safe: str):
+    """End-of-run work: whatever fails in it is one JaxtuneError saying that the trained state is safe."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - whatever it is, the user must learn that the trained state is safe
+        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        kind = "" if isinstance(e, (JaxtuneError, OSError)) else f"{type(e).__name__}: "
+        raise JaxtuneError(f"after the last step: {kind}{text}. Nothing trained is lost: the {safe}") from e
+
+
+class _Profile:
+    """A `jax.profiler` trace of steps [first, last] (`train.profile_steps`), clipped to the run; a window outside
+    it traces nothing (`setup_checks` says so at start), and a trace that fails to stop is a warning."""
+
+    def __init__(self, steps: tuple, directory: Path, log):
+        self.first, self.last = steps if steps else (0, -1)
+        self.directory, self.log, self.tracing = directory, log, False
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            try:
+                jax.profiler.start_trace(str(self.directory))
+                self.tracing = True
+            except Exception as e:  # noqa: BLE001 - a profile is never worth the run
+                warnings.warn(f"train.profile_steps: the trace did not start ({e})", JaxtuneWarning, stacklevel=2)
+
+    def after(self, step: int, total_steps: int, state) -> None:
+        if self.tracing and step == min(self.last, total_steps):
+            jax.block_until_ready(state)
+            self.close()
+            self.log(f"profile of steps {self.first}-{step}: {self.directory}")
+
+    def close(self) -> None:
+        if self.tracing:
+            self.tracing = False
+            try:
+                jax.profiler.stop_trace()
+            except Exception as e:  # noqa: BLE001 - a profile is never worth the run
+                warnings.warn(f"train.profile_steps: the trace did not stop ({e})", JaxtuneWarning, stacklevel=2)

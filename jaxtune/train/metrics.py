@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 PHASES = ("data", "step", "eval", "checkpoint")  # where a step's wall time goes: time_{phase}_s in each record
@@ -32,6 +33,16 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def sync(self) -> None:
+        """Make every record written so far durable (fsync): a checkpoint published after this has its lines."""
+        if self.path is not None and self.path.exists():
+            with self.path.open("a") as f:
+                os.fsync(f.fileno())
+
+    def has_eval(self, step: int) -> bool:
+        """Whether an evaluation of `step` is recorded (any "eval_..." field)."""
+        return any(r.get("step") == step and any(k.startswith("eval_") for k in r) for r in self.records())
 
     def records(self) -> list[dict]:
         if self.path is None:

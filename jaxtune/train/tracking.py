@@ -13,23 +13,32 @@ credentials exist or WANDB_MODE / `wandb offline` chose a mode.
 
 from __future__ import annotations
 
+import json
 import time
 import tomllib
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import JaxtuneWarning
 
 
 class Trackers:
-    """The run's reporters (`[train] report_to`): each record's numbers logged under their metric names."""
+    """The run's reporters (`[train] report_to`): each record's numbers logged under their metric names. A reporter
+    whose package is not installed is a warning (the run goes on with metrics.jsonl), not a stop: neither package
+    is a dependency of jaxtune."""
 
     def __init__(self, kinds: Sequence[str], run_dir: str | Path, config_text: str):
         self._writers = []
-        if "tensorboard" in kinds:
-            self._writers.append(_tensorboard_writer(Path(run_dir) / "tensorboard", config_text))
-        if "wandb" in kinds:
-            self._writers.append(_wandb_writer(Path(run_dir), config_text))
+        makers = {"tensorboard": lambda: _tensorboard_writer(Path(run_dir) / "tensorboard", config_text),
+                  "wandb": lambda: _wandb_writer(Path(run_dir), config_text)}
+        for kind in kinds:
+            try:
+                self._writers.append(makers[kind]())
+            except ImportError:
+                warnings.warn(f"train.report_to = {json.dumps(list(kinds))}: the {kind} package is not installed "
+                              f"(pip install {kind}); this run reports to metrics.jsonl without it", JaxtuneWarning,
+                              stacklevel=2)
 
     def write(self, record: dict) -> None:
         for writer in self._writers:
@@ -42,15 +51,12 @@ class Trackers:
 
 
 def _tensorboard_writer(directory: Path, config_text: str):
-    try:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-        from tensorboard.compat.proto.tensor_pb2 import TensorProto
-        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-    except ImportError:
-        raise JaxtuneError("[train] report_to = [\"tensorboard\"] needs the tensorboard package "
-                           "(pip install tensorboard)") from None
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
     writer = EventFileWriter(str(directory))
     text = Summary.Value(tag="config", metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
         plugin_name="text")), tensor=TensorProto(dtype=7, string_val=[config_text.encode()],  # 7: DT_STRING
@@ -75,10 +81,8 @@ def _numbers(record: dict) -> dict:
 
 
 def _wandb_writer(run_dir: Path, config_text: str):
-    try:
-        import wandb
-    except ImportError:
-        raise JaxtuneError("[train] report_to = [\"wandb\"] needs the wandb package (pip install wandb)") from None
+    import wandb
+
     settings = wandb.setup().settings  # WANDB_* variables and wandb's settings files (`wandb offline`)
     # Without credentials wandb.init would stop asking for an API key. The process goes offline, not only the run:
     # wandb's own telemetry follows the process-wide mode and would otherwise contact the server.
