@@ -21,16 +21,9 @@ from pathlib import Path
 from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError
-
-
 def cmd_info(args) -> None:
     from jaxtune.models.summary import model_summary
+    from jaxtune.paths import human_bytes
 
     summary = model_summary(args.model)
     if args.adapter:
@@ -47,7 +40,7 @@ def cmd_info(args) -> None:
     for group, count in summary["parameters_by_group"].items():
         print(f"  {group:<14}{count:>16,}  {100 * count / summary['parameters']:5.1f}%")
     print("dtypes: " + ", ".join(f"{k} ({v:,})" for k, v in summary["dtypes"].items()))
-    print(f"weights: {_human_bytes(summary['weights_bytes'])}")
+    print(f"weights: {human_bytes(summary['weights_bytes'])}")
     if "adapter" in summary:
         a = summary["adapter"]
         print(f"adapter: {a['method']} — trainable params: {a['trainable']:,} || all params: {a['total']:,} "
@@ -135,7 +128,7 @@ def cmd_eval(args) -> None:
                 f"loss {result['loss']:.6f}  ({result['pairs']} pairs)")
     else:
         result = evaluate_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size, base=args.base,
-                               log=note)
+                               log=note, chat=args.chat)
         text = (f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  "
                 f"({result['tokens']} completion tokens)")
     print(json.dumps(result) if args.json else text)
@@ -264,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-seq-len", type=int, help="a cap, not a padding target: longer examples are cut, "
                           "ones whose prompt fills it dropped (default: the model's context); batches are padded to "
                           "the power of two of their longest row")
+    evaluate.add_argument("--chat", action="store_true", help="render prompt/completion and alpaca records as a user "
+                          "and an assistant turn of the model's chat template, as [data] apply_chat_template trains")
     evaluate.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
     evaluate.add_argument("--batch-size", type=int, default=8, help="rows a batch (default 8)")
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens", "examples", '
@@ -300,8 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "an HF model directory or a GGUF file; a .gguf model as an HF directory")
     export.add_argument("--model", help="the base model: Hugging Face directory or .gguf file")
     export.add_argument("--adapter", help="a PEFT adapter directory (as jaxtune train writes)")
-    export.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help="instead of --model/--adapter: a run directory (finished, "
-                        "stopped or still training); its result as of its latest checkpoint")
+    export.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help="instead of --model/--adapter: a run "
+                        "directory (finished, stopped or still training), its result as of its latest checkpoint; or "
+                        "one checkpoint of it, RUN_DIR/checkpoints/N")
     export.add_argument("--step", type=int, metavar="N", help="with --run: the checkpoint of step N (default: the "
                         "latest)")
     target = export.add_mutually_exclusive_group(required=True)

@@ -45,6 +45,11 @@ def _quiet(_: str) -> None:
     pass
 
 
+def _indented(log):
+    """Training's progress lines (where stderr is not a terminal: a tqdm bar there), under the demo's own."""
+    return lambda text: log(f"      {text}")
+
+
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,7 +125,7 @@ def run_pretrained_demo(model: str | Path, out: str | Path = "runs/demo", log=pr
         method=MethodConfig("lora", rank=16, alpha=32, target_modules=("all-linear",)),
         data=DataConfig(train=str(train_file), eval=str(held_out_file), max_seq_len=64),
         train=TrainConfig(output_dir=str(out / "lora"), max_steps=40, batch_size=8, learning_rate=2e-3,
-                          warmup_steps=5, log_every=10, eval_every=40)), log=_quiet)
+                          warmup_steps=5, log_every=10, eval_every=40)), log=_quiet, progress=_indented(log))
     records = [json.loads(line) for line in (out / "lora" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
     log(f"      held-out completion loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.4f}")
@@ -151,7 +156,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
         model=ModelSection(path=str(base_dir)), method=MethodConfig("full"),
         data=DataConfig(train=str(ASSETS / "demo_corpus.jsonl"), eval_fraction=0.02, max_seq_len=128),
         train=TrainConfig(output_dir=str(out / "base"), max_steps=100, batch_size=16, learning_rate=3e-3,
-                          warmup_steps=10, log_every=10)), log=_quiet)
+                          warmup_steps=10, log_every=10)), log=_quiet, progress=_indented(log))
     log(f"      base text loss {base.eval_loss:.3f} (perplexity {base.eval_perplexity:.2f})")
 
     log("[2/3] LoRA fine-tune (all linear layers, rank 16) on the bundled instructions ...")
@@ -160,7 +165,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
         method=MethodConfig("lora", rank=16, alpha=16, target_modules=("all-linear",)),
         data=DataConfig(train=str(ASSETS / "demo_instructions.jsonl"), eval_fraction=0.1, max_seq_len=128),
         train=TrainConfig(output_dir=str(out / "lora"), max_steps=100, batch_size=16, learning_rate=3e-3,
-                          log_every=10, eval_every=50)), log=_quiet)
+                          log_every=10, eval_every=50)), log=_quiet, progress=_indented(log))
     records = [json.loads(line) for line in (out / "lora" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
     before, after = evals[0], evals[-1]

@@ -3,8 +3,10 @@ the path, instead of after minutes of work (or halfway through, leaving a partia
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,3 +93,53 @@ def _flock_holder(path: Path) -> int | None:
         if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].isdigit():
             return int(fields[4])
     return None
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free bytes on the file system of `path` (or of its nearest existing parent); None where it cannot be told."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+NO_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+           errno.EFBIG: "file too large", errno.EACCES: "permission denied", errno.EROFS: "read-only file system"}
+
+
+def check_room(path: str | Path, needed: int) -> None:
+    """A JaxtuneError naming `path` when its disk has less than `needed` bytes free."""
+    free = free_bytes(Path(path).parent)
+    if free is not None and needed > free:
+        raise JaxtuneError(f"{path}: not enough space to write it (needs {human_bytes(needed)}, "
+                           f"{human_bytes(free)} free)")
+
+
+@contextmanager
+def writing(path: str | Path, needed: int) -> Iterator[None]:
+    """Write `needed` bytes to the file `path` in the block: refused at once when its disk has less free, and a
+    failure for want of room or permission midway is one JaxtuneError naming the path, the bytes needed and free
+    (the partial file removed) instead of an OSError."""
+    path = Path(path)
+    check_room(path, needed)
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in NO_ROOM:
+            raise
+        path.unlink(missing_ok=True)
+        free = free_bytes(path.parent)
+        raise JaxtuneError(f"{path}: cannot write it: {NO_ROOM[e.errno]} (needs {human_bytes(needed)}"
+                           f"{f', {human_bytes(free)} free' if free is not None else ''})") from None

@@ -93,3 +93,26 @@ def test_qwen3_trains_the_last_turns_reasoning_and_earlier_turns_answers(tmp_pat
     assert ours.decode(example.ids, skip_special_tokens=False) == rendered
     runs = [ours.decode(run, skip_special_tokens=False) for run in trained_runs(example)]
     assert runs == ["Paris.<|im_end|>", "<think>\nItaly: Rome.\n</think>\n\nRome, of course.<|im_end|>"]
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma2", "phi3"])
+def test_prompt_completion_through_the_chat_template(name, tmp_path):
+    """`[data] apply_chat_template = true`: a prompt/completion record (and an alpaca one, instruction and input as the
+    user turn) is the chat record of a user and an assistant turn — transformers' render, the loss on the answer and
+    its end — where without it the same record trains as raw text."""
+    ours, theirs = tokenizers(name)
+    records = [{"prompt": "What is the capital of France?", "completion": "Paris."},
+               {"instruction": "Name the capital.", "input": "France", "output": "Paris."}]
+    users = ["What is the capital of France?", "Name the capital.\n\nFrance"]
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    as_chat, _ = load_sft_examples(path, ours, 512, as_chat=True)
+    for example, user in zip(as_chat, users):
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": "Paris."}]
+        (reference,), _ = load_sft_examples(write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}]), ours, 512)
+        assert example == reference
+        assert ours.decode(example.ids, skip_special_tokens=False) == theirs.apply_chat_template(messages,
+                                                                                                 tokenize=False)
+        assert [ours.decode(r, skip_special_tokens=False).strip(" ") for r in trained_runs(example)] == \
+            expected_runs(name, messages)
+    raw, _ = load_sft_examples(path, ours, 512)
+    assert "What is the capital of France?Paris." in ours.decode(raw[0].ids, skip_special_tokens=False)

@@ -52,6 +52,7 @@ def test_demo_teaches_smollm2_dates_to_iso(tmp_path):
     assert summary["correct_after"] >= 0.75 * summary["held_out"]
     assert summary["eval_loss_after"] < 0.2 * summary["eval_loss_before"]
     assert "exact answers" in out.stdout and "with the adapter" in out.stdout
+    assert "      step 40/40 (100%): loss " in out.stdout  # output to a pipe: progress lines, not silence
     assert (tmp_path / "demo" / "lora" / "adapter" / "adapter_model.safetensors").is_file()
 
 
@@ -65,4 +66,5 @@ def test_tiny_demo_improves_the_held_out_score(tmp_path):
     evals = [r for r in records if "eval_loss" in r]
     assert evals[-1]["eval_loss"] < 0.75 * evals[0]["eval_loss"]
     assert "held-out completion loss" in out.stdout and "greedy answers" in out.stdout
+    assert out.stdout.count("      step 100/100 (100%): loss ") == 2  # the base's and the LoRA's training
     assert (tmp_path / "demo" / "lora" / "adapter" / "adapter_model.safetensors").is_file()

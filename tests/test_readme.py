@@ -1,7 +1,13 @@
 """The README's promises: CI runs exactly the README's test command."""
 
+import json
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,3 +37,117 @@ def test_readme_python_examples_import_what_they_name():
                 if name and not hasattr(loaded, name):
                     missing.append(f"{module}.{name}")
     assert not missing, missing
+
+
+def section(title: str) -> str:
+    """The README's text from the heading `title` to the next heading of its level or above (outside code)."""
+    level, lines, fenced = title.split(" ")[0], [], False
+    for line in (ROOT / "README.md").read_text().splitlines(keepends=True):
+        fenced ^= line.startswith("```")
+        heading = not fenced and re.match(r"#+ ", line)
+        if lines and heading and len(heading.group(0)) - 1 <= len(level):
+            break
+        if lines or line.rstrip("\n") == title:
+            lines.append(line)
+    return "".join(lines)
+
+
+def blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def run_printed(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A README command line, comments dropped, `jaxtune` as this interpreter's module."""
+    argv = shlex.split(command, comments=True)
+    assert argv[0] == "jaxtune", command
+    return subprocess.run([sys.executable, "-m", "jaxtune.cli", *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.mark.slow
+def test_your_first_fine_tune_runs_as_printed(tmp_path):
+    """"Your first fine-tune": its data lines as train.jsonl, its config as first.toml, its commands one after the
+    other, all as printed — with a tiny Llama written as a Q4_1 GGUF file in SmolLM2's place (same name, a chat
+    template of its own). Each command succeeds and the run directory holds what the section says."""
+    from conftest import make_hf_model
+    from gguf import GGMLQuantizationType
+    from gguf_files import write_gguf
+    from test_gguf import OVERRIDES, SHAPE
+
+    text = section("## Your first fine-tune")
+    (data,), (config,), (commands,) = blocks(text, "jsonl"), blocks(text, "toml"), blocks(text, "bash")
+    model = make_hf_model("llama", tmp_path / "hf", **{**SHAPE, **OVERRIDES["llama"]})
+    name = re.search(r'^path = "(.*?)"', config, re.M).group(1)
+    write_gguf(tmp_path / name, model, GGMLQuantizationType.Q4_1)
+    records = [json.loads(line) for line in data.splitlines()]
+    assert {"prompt", "instruction", "messages"} <= {k for r in records for k in r}
+    (tmp_path / "train.jsonl").write_text(data * 10)
+    (tmp_path / "first.toml").write_text(config)
+    lines = [line for line in commands.splitlines() if line.strip()]
+    assert len(lines) == 4
+    for line in lines:
+        done = run_printed(line, tmp_path)
+        assert done.returncode == 0, (line, done.stderr[-3000:])
+    run = tmp_path / "runs" / "first"
+    assert {p.name for p in run.iterdir()} >= {"config.toml", "metrics.jsonl", "loss.png", "checkpoints", "adapter"}
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [10, 20, 30, 40]
+    assert {0, 20, 40} <= {r["step"] for r in steps if "eval_loss" in r}
+    assert (tmp_path / "first.gguf").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_instruction_fine_tuning_config_trains_as_printed(tmp_path):
+    """The README's config of every key, as printed, where a new user runs it: a tiny model at its
+    `path/to/hf-model` and a few dozen lines at its `train.jsonl` (it once crashed at its last step there, its
+    profile window past the end). It trains to the end and writes its adapter and TensorBoard events."""
+    from jaxtune.models.presets import write_random_model
+
+    (config,) = [b for b in blocks(section("## Instruction fine-tuning"), "toml") if "every key" in b]
+    write_random_model(tmp_path / "path" / "to" / "hf-model", "llama", seed=0)
+    demo = ROOT / "jaxtune" / "assets" / "demo_instructions.jsonl"
+    (tmp_path / "train.jsonl").write_text("".join(demo.read_text().splitlines(keepends=True)[:60]))
+    (tmp_path / "run.toml").write_text(config)
+    done = run_printed("jaxtune train run.toml", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "jaxtune: warning: train.profile_steps = [20, 22] starts after the run's last step" in done.stderr
+    run = tmp_path / "runs" / "my-run"
+    assert (run / "adapter" / "adapter_model.safetensors").is_file() and any((run / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_the_notebook_examples_run_as_printed(tmp_path, monkeypatch):
+    """The newcomer's notebook path, executed as printed in one namespace, in order: "From a notebook" (a model
+    loaded, run and saved; a GGUF chat model generating, the demo, the llama.cpp exports) and the fine-tune of
+    "Instruction fine-tuning" on its run.toml. Tiny models stand where real ones are named: HF directories at the
+    printed paths, and a Q4_1 GGUF with a chat template where SmolLM2 would be."""
+    from conftest import make_hf_model
+    from gguf import GGMLQuantizationType
+    from gguf_files import write_gguf
+    from test_gguf import OVERRIDES, SHAPE
+
+    import jaxtune.demo
+    from jaxtune.models.presets import write_random_model
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("Llama-3.2-1B", "hf-model"):
+        write_random_model(tmp_path / "path" / "to" / name, "llama", seed=0)
+    gguf = write_gguf(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf",
+                      make_hf_model("llama", tmp_path / "hf", **{**SHAPE, **OVERRIDES["llama"]}),
+                      GGMLQuantizationType.Q4_1)
+    monkeypatch.setattr(jaxtune.demo, "smollm2_path", lambda: gguf)
+    (config,) = [b for b in blocks(section("## Instruction fine-tuning"), "toml") if "every key" in b]
+    (tmp_path / "run.toml").write_text(config)
+    demo = ROOT / "jaxtune" / "assets" / "demo_instructions.jsonl"
+    (tmp_path / "train.jsonl").write_text("".join(demo.read_text().splitlines(keepends=True)[:60]))
+    notebook = blocks(section("## From a notebook"), "python")
+    fine_tune = [b for b in blocks(section("## Instruction fine-tuning"), "python") if "fine_tune(" in b]
+    assert len(notebook) == 2 and len(fine_tune) == 1
+    namespace = {}
+    for block in [*notebook, *fine_tune]:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["logits"].shape[:2] == namespace["ids"].shape
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert {"correct_before", "correct_after"} <= set(namespace["summary"])
+    assert (tmp_path / "dates-f16.gguf").stat().st_size > 0 and (tmp_path / "dates-lora.gguf").stat().st_size > 0
+    assert namespace["result"].result_path == Path("runs/my-run/adapter")

@@ -314,3 +314,59 @@ def test_a_full_disk_for_real(setup, tmp_path):
     assert f"resumed from step {failed - 2}" in (tmp_path / "second.out").read_text()
     assert metric_lines(tmp_path / "run") == metric_lines(tmp_path / "ref")
     shutil.rmtree(tmp_path / "run")
+
+
+def test_export_run_names_what_is_missing_and_takes_a_checkpoint_directory(setup, tmp_path):
+    """`export --run` on a directory that is no run, on a run with no checkpoint yet, with --step of a checkpoint
+    that is gone: one line each. A checkpoint directory (RUN/checkpoints/N) stands for the run and that step."""
+    _, model, data = setup
+    assert jaxtune("export", "--run", tmp_path, "--peft", tmp_path / "a").stderr.strip() == \
+        f"jaxtune: error: {tmp_path}: not a run directory (no config.toml)"
+    config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=4, checkpoint_every=2,
+                          keep_checkpoints=5)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text(config.read_text())
+    assert "no checkpoint to export (the run saved none yet)" in main_error(["export", "--run", tmp_path / "run",
+                                                                            "--peft", tmp_path / "a"])
+    fine_tune(load_run_config(config), **QUIET)
+    assert main_error(["export", "--run", tmp_path / "run", "--step", "3", "--peft", tmp_path / "a"]).endswith(
+        "no checkpoint for step 3 (have: [2, 4])")
+    assert main(["export", "--run", str(tmp_path / "run" / "checkpoints" / "2"), "--peft", str(tmp_path / "two")]) == 0
+    assert main(["export", "--run", str(tmp_path / "run"), "--step", "2", "--peft", str(tmp_path / "step2")]) == 0
+    assert (tmp_path / "two" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "step2" / "adapter_model.safetensors").read_bytes() != \
+        (tmp_path / "run" / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert "--step goes with --run" in main_error(["export", "--model", model, "--step", "2", "--peft", tmp_path / "b"])
+
+
+def main_error(argv) -> str:
+    """The one line `jaxtune ...` (in this process) writes on stderr, for a command that must fail with exit 2."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([str(a) for a in argv]) == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_writing_on_a_full_disk_is_one_line_naming_the_file(setup, tmp_path, monkeypatch):
+    """An export checks the room it needs before writing a byte; a disk that fills midway (ENOSPC from the write)
+    is the same kind of line, the partial file removed."""
+    from jaxtune.paths import writing
+
+    _, model, _ = setup
+    monkeypatch.setattr("jaxtune.paths.free_bytes", lambda path: 1000)
+    line = main_error(["export", "--model", model, "--merged", tmp_path / "merged"])
+    assert line.startswith(f"jaxtune: error: {tmp_path / 'merged'}/model.safetensors: not enough space to write it "
+                           "(needs ") and line.endswith(", 1000 B free)")
+    assert not (tmp_path / "merged" / "model.safetensors").exists()
+    monkeypatch.setattr("jaxtune.paths.free_bytes", lambda path: None)
+    target = tmp_path / "partial.bin"
+    with pytest.raises(JaxtuneError, match=rf"^{target}: cannot write it: no space left on device \(needs 2.0 KiB\)$"):
+        with writing(target, 2048), open(target, "wb") as f:
+            f.write(b"x" * 1024)
+            raise OSError(28, "No space left on device")
+    assert not target.exists()

@@ -57,7 +57,8 @@ class DataConfig:
     """train/eval: JSONL (.jsonl, .jsonl.gz), Parquet or Arrow files or `datasets` `save_to_disk` directories
     (`data.sources`). Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
     names -> the dataset's column names where they differ (TOML: `columns = {prompt = "question"}`), held as sorted
-    pairs."""
+    pairs. apply_chat_template: prompt/completion and alpaca records become a user and an assistant turn of the
+    model's chat template (else raw text: prompt + completion + EOS)."""
 
     train: str = ""
     eval: str = ""
@@ -66,6 +67,7 @@ class DataConfig:
     pack: bool = True
     seed: int = 0
     columns: tuple = ()
+    apply_chat_template: bool = False
 
     def __post_init__(self):
         columns = self.columns.items() if isinstance(self.columns, dict) else self.columns

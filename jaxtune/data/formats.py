@@ -8,7 +8,9 @@ Formats, detected per line (a file may mix the first three):
   prompts            {"prompt", ...any other fields}: GRPO's prompts, through `load_prompt_examples`
 
 A prompt/completion pair becomes `encode(prompt)` (with the model's special tokens, e.g. BOS) +
-`encode(completion, add_special_tokens=False)` + [EOS]; the loss covers the completion and the EOS.
+`encode(completion, add_special_tokens=False)` + [EOS]; the loss covers the completion and the EOS. With
+`as_chat` (`[data] apply_chat_template`) it is a user turn and an assistant turn of the model's chat template instead,
+as a chat model is prompted (`generate --chat`).
 A chat is rendered to text by its Jinja template as transformers' `apply_chat_template` does, then tokenized
 without special tokens (the template writes them); the loss covers each assistant message's content and the
 text that closes it (EOS / end-of-turn token), found by rendering the conversation up to each assistant turn.
@@ -311,29 +313,48 @@ def _no_example(path, max_seq_len: int, stats: DataStats) -> JaxtuneError:
 
 
 def sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None,
-                 stats: DataStats | None = None) -> Iterator[Example]:
+                 stats: DataStats | None = None, as_chat: bool = False) -> Iterator[Example]:
     """Examples of an alpaca / prompt-completion / chat dataset (`iter_records`: JSONL, Parquet, Arrow, ...), in
     file order, after the max_seq_len policy, tokenised a chunk of records at a time as they are read, so a dataset
     larger than memory streams through (`data.store`); `columns` renames the dataset's columns to ours; `stats`
-    counts what loading did. Raises once the data is read if no example was kept."""
+    counts what loading did. as_chat: alpaca and prompt/completion records too become a user turn (the prompt; an
+    alpaca instruction and its input) and an assistant turn (the completion) of the model's chat template, the loss
+    on the assistant turn, as a chat record would. Raises once the data is read if no example was kept."""
     _check_max_seq_len(max_seq_len)
     eos = _eos(tokenizer)
     stats = DataStats() if stats is None else stats
     for chunk in _chunks(iter_records(path, columns)):
-        yield from _sft_chunk(path, chunk, tokenizer, max_seq_len, eos, stats)
+        yield from _sft_chunk(path, chunk, tokenizer, max_seq_len, eos, stats, as_chat)
     if not stats.examples:
         raise _no_example(path, max_seq_len, stats)
 
 
+def sft_chat_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+                      columns: Mapping[str, str] | None = None, stats: DataStats | None = None) -> Iterator[Example]:
+    """`sft_examples(..., as_chat=True)`: what `[data] apply_chat_template = true` trains on."""
+    return sft_examples(path, tokenizer, max_seq_len, columns, stats, as_chat=True)
+
+
+def _as_turns(prompt: str, completion: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+
+
 def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_seq_len: int, eos: int,
-               stats: DataStats) -> list[Example]:
+               stats: DataStats, as_chat: bool = False) -> list[Example]:
     pairs: list[tuple[int, str, str]] = []  # (record index, prompt, completion)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []  # (record index, text, trained spans)
     for k, (n, record) in enumerate(records):
         where, fmt = f"{path}:{n}", detect_format(record)
-        if fmt == "alpaca":
+        if fmt == "alpaca" and as_chat:
+            instruction, extra = _text(where, record, fmt, "instruction"), _text(where, record, fmt, "input", True)
+            turns = _as_turns(f"{instruction}\n\n{extra}" if extra else instruction, _text(where, record, fmt, "output"))
+            chats.append((k, *_chat_text(where, turns, tokenizer)))
+        elif fmt == "alpaca":
             prompt = alpaca_prompt(_text(where, record, fmt, "instruction"), _text(where, record, fmt, "input", True))
             pairs.append((k, prompt, _text(where, record, fmt, "output")))
+        elif fmt == "prompt/completion" and as_chat:
+            turns = _as_turns(_text(where, record, fmt, "prompt"), _text(where, record, fmt, "completion"))
+            chats.append((k, *_chat_text(where, turns, tokenizer)))
         elif fmt == "prompt/completion":
             pairs.append((k, _text(where, record, fmt, "prompt"), _text(where, record, fmt, "completion")))
         elif fmt == "chat":
@@ -359,11 +380,11 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
     return [ex for ex in (_fit(b, max_seq_len, stats) for b in built) if ex is not None]
 
 
-def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None
-                      ) -> tuple[list[Example], DataStats]:
+def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None,
+                      as_chat: bool = False) -> tuple[list[Example], DataStats]:
     """Every example of `sft_examples`, in a list, and what loading did."""
     stats = DataStats()
-    return list(sft_examples(path, tokenizer, max_seq_len, columns, stats)), stats
+    return list(sft_examples(path, tokenizer, max_seq_len, columns, stats, as_chat)), stats
 
 
 def preference_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,

@@ -25,6 +25,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.lora import module_scales
 from jaxtune.models.gguf import ARCHITECTURES, LAYER_NAMES, PERMUTED_QK, ROPE_FREQS, TOP_NAMES, permute_qk
 from jaxtune.models.hf_weights import hf_module_path, tensor_entries
+from jaxtune.paths import writing
 
 KINDS = ("f32", "f16", "bf16", "q8_0")
 GGUF_NORMAL, GGUF_UNUSED = 1, 5  # llama.cpp's token types (control and user-defined: data/tokenizer.py)
@@ -187,22 +188,24 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
         entries.append((ROPE_FREQS, (cfg.head_dim // 2,), lambda: _rope_factors(cfg)))
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
-    _add_config(writer, cfg, kind)
-    _add_tokenizer(writer, tokenizer, cfg.vocab_size)
-    for gguf_name, shape, _ in entries:
-        writer.add_tensor_info(gguf_name, *_tensor_info(tuple(shape), kind))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for gguf_name, _, produce in entries:
-        x = produce()
-        part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
-        if arch in PERMUTED_QK and part in heads:
-            x = permute_qk(x, heads[part])
-        writer.write_tensor_data(_converted(x, kind))
-    writer.close()
+    infos = [(gguf_name, _tensor_info(tuple(shape), kind)) for gguf_name, shape, _ in entries]
+    with writing(path, sum(info[2] for _, info in infos)):
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_name(name)
+        _add_config(writer, cfg, kind)
+        _add_tokenizer(writer, tokenizer, cfg.vocab_size)
+        for gguf_name, info in infos:
+            writer.add_tensor_info(gguf_name, *info)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for gguf_name, _, produce in entries:
+            x = produce()
+            part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
+            if arch in PERMUTED_QK and part in heads:
+                x = permute_qk(x, heads[part])
+            writer.write_tensor_data(_converted(x, kind))
+        writer.close()
     return path
 
 

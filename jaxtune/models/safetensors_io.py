@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.paths import check_room, writing
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -181,7 +182,7 @@ def write_safetensors(path: str | Path, entries: Iterable[tuple[str, tuple, np.d
         header["__metadata__"] = metadata
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
+    with writing(path, 8 + len(text) + offset), open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name, shape, dtype, produce in entries:
             value = np.asarray(produce(), order="C")
@@ -199,6 +200,7 @@ def write_weights(directory: str | Path, entries: list[tuple[str, tuple, np.dtyp
     directory = Path(directory)
     for stale in [directory / SINGLE_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
+    check_room(directory / SINGLE_FILE, sum(math.prod(e[1]) * np.dtype(e[2]).itemsize for e in entries))
     shards, current, size = [], [], 0
     for entry in entries:
         nbytes = math.prod(entry[1]) * np.dtype(entry[2]).itemsize

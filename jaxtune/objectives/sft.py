@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxtune.data.batching import count_epoch_rows, epoch_batches
 from jaxtune.data.cache import cached_examples
-from jaxtune.data.formats import sft_examples, train_eval_split
+from jaxtune.data.formats import sft_chat_examples, sft_examples, train_eval_split
 from jaxtune.data.store import example_lengths
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
@@ -83,13 +83,18 @@ def train_and_held_out(setup: Setup, stream, unit: str) -> tuple[Sequence, Seque
         examples, data.eval_fraction, data.seed)
     setup.log(f"data: {len(train)} train / {len(held_out)} eval {unit} ({stats.dropped_prompt_too_long} dropped: "
               f"prompt >= max_seq_len {data.max_seq_len}; {stats.truncated} truncated)")
+    raw = sum(stats.formats.get(f, 0) for f in ("prompt/completion", "alpaca"))
+    if raw and setup.tokenizer.chat_template and not data.apply_chat_template:
+        setup.log(f"note: the model has a chat template and {raw} records of data.train are prompt/completion or "
+                  "alpaca, trained as raw text; data.apply_chat_template = true trains them as chat turns")
     return train, held_out
 
 
 def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
     """Packed SFT batches of data.train, and the held-out loss of its held-out part through `metrics`."""
     c = setup.config
-    train, held_out = train_and_held_out(setup, sft_examples, "examples")
+    stream = sft_chat_examples if c.data.apply_chat_template else sft_examples
+    train, held_out = train_and_held_out(setup, stream, "examples")
     batches = lambda examples, epoch: epoch_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed,
                                                     epoch, c.data.pack)
     rows = count_epoch_rows(train, c.data.max_seq_len, c.data.pack)

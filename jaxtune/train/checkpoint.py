@@ -13,7 +13,6 @@ the run starts again), and the checkpoints before it stay whole. Nothing is crea
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import shutil
@@ -26,6 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.paths import NO_ROOM, free_bytes, human_bytes
 
 STATE_SECTIONS = ("model", "method", "offload")  # config sections whose keys can change the train state's shapes
 
@@ -47,10 +47,12 @@ class Checkpoints:
         checkpoint a writer's start would remove)."""
         remote = "://" in str(directory)
         self.directory = epath.Path(str(directory) if remote else Path(directory).absolute())
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=not read_only, read_only=read_only)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=False,
+                                               enable_async_checkpointing=False, cleanup_tmp_directories=not read_only,
+                                               read_only=read_only, save_interval_steps=0 if read_only else 1)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with _orbax_quiet():  # read_only: "Given directory is read only" is what was asked
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -73,8 +75,9 @@ class Checkpoints:
     def _no_room(self, step: int, state: dict, reason: str) -> str:
         kept = [s for s in self.steps() if s < step]
         needed = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-        free = _free_bytes(self.directory)
-        space = f" (a checkpoint takes about {_size(needed)}{f', {_size(free)} free' if free is not None else ''})"
+        free = None if "://" in str(self.directory) else free_bytes(self.directory)
+        shown_free = f", {human_bytes(free)} free" if free is not None else ""
+        space = f" (a checkpoint takes about {human_bytes(needed)}{shown_free})"
         last = (f"the last complete checkpoint, step {kept[-1]}, is intact: make room and run the same command to "
                 f"resume from it" if kept else "no earlier checkpoint exists")
         return f"{self.directory}: cannot write the checkpoint of step {step}: {reason}{space}; {last}"
@@ -180,30 +183,11 @@ def _first_line(e: BaseException) -> str:
 def _write_failure(e: BaseException) -> str | None:
     """"no space left on device" (or the like) when `e` is a failed write for want of room or permission, else None."""
     for cause in (e, e.__cause__, e.__context__):
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES,
-                                                           errno.EROFS):
-            return cause.strerror.lower() if cause.strerror else str(cause)
+        if isinstance(cause, OSError) and cause.errno in NO_ROOM:
+            return NO_ROOM[cause.errno]
     text = str(e)
     if "RESOURCE_EXHAUSTED" in text or "No space left" in text:
         return "no space left on device"
     if "PERMISSION_DENIED" in text or "Permission denied" in text:
         return "permission denied"
     return None
-
-
-def _free_bytes(directory) -> int | None:
-    path = Path(str(directory))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free if "://" not in str(directory) else None
-    except OSError:
-        return None
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"

@@ -46,9 +46,10 @@ def pair_eval_batches(pairs: list[PreferenceExample], batch_size: int, seq_len: 
 
 def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | None = None,
                   max_seq_len: int | None = None, batch_size: int = 8,
-                  options: ForwardOptions = ForwardOptions(), base: str = "as-trained", log=None) -> dict:
+                  options: ForwardOptions = ForwardOptions(), base: str = "as-trained", log=None,
+                  chat: bool = False) -> dict:
     """{"loss", "perplexity", "tokens", "examples", "dropped"} of a model (with an optional PEFT adapter) on a
-    JSONL file.
+    JSONL file; chat: prompt/completion and alpaca records through the chat template (`[data] apply_chat_template`).
 
     max_seq_len: the cap (default the model's context, max_position_embeddings); examples whose prompt does not fit
     are dropped and counted, longer ones truncated. Batches are padded to their longest row's bucket, not to the
@@ -61,7 +62,7 @@ def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | Non
     cfg, params, method = load_model_with_adapter(model, adapter, base=base, log=log)
     tokenizer = load_tokenizer(model)
     seq_len = max_seq_len or cfg.max_position_embeddings
-    examples, stats = load_sft_examples(data, tokenizer, seq_len)
+    examples, stats = load_sft_examples(data, tokenizer, seq_len, as_chat=chat)
     batches = eval_batches(examples, batch_size, seq_len)
     terms = jax.jit(lambda params, batch: sft_terms(Context(cfg, method, options))(params, None, batch))
     loss, ppl, tokens = evaluate(terms, params, batches)

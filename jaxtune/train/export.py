@@ -52,6 +52,8 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
     if not steps:
         raise JaxtuneError(f"{checkpoints.directory}: no checkpoint to export (the run saved none yet)")
     step = steps[-1] if step is None else step
+    if step not in steps:
+        raise JaxtuneError(f"{checkpoints.directory}: no checkpoint for step {step} (have: {steps})")
     config = run_config_at(run_dir, step)
     model = config.model.path
     if log:
@@ -72,12 +74,14 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
 
 def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | None = None, gguf_type: str = "f16",
                log=None) -> Path:
-    """A run's result from its checkpoint of `step` (default: the latest) as `target`: "peft" (the adapter
+    """A run's result from its checkpoint of `step` (default: the latest; `run_dir` may also be a checkpoint,
+    RUN/checkpoints/N) as `target`: "peft" (the adapter
     directory), "merged" (an HF model directory: the adapter merged, or a full fine-tune's or reward model's own),
     "gguf" (one GGUF file of `gguf_type`) or "gguf-lora" (llama.cpp's LoRA). Written to `out`; nothing is written
     into the run directory. A run may export while it trains (its checkpoints are only read)."""
     if target not in EXPORT_TARGETS:
         raise JaxtuneError(f"export target {target!r}: choose one of {', '.join(EXPORT_TARGETS)}")
+    run_dir, step = checkpoint_of(run_dir, step)
     out = Path(out)
     if target.startswith("gguf"):
         if out.exists():
@@ -105,6 +109,16 @@ def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | No
         return export_gguf_lora(model, adapter, out, log=log)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def checkpoint_of(path: str | Path, step: int | None) -> tuple[Path, int | None]:
+    """(run directory, step) of a run directory and `step`, or of one of its checkpoints (RUN/checkpoints/N)."""
+    path = Path(path)
+    if path.parent.name == "checkpoints" and path.name.isdigit():
+        if step is not None and step != int(path.name):
+            raise JaxtuneError(f"{path} is the checkpoint of step {path.name}, not of --step {step}")
+        return path.parent.parent, int(path.name)
+    return path, step
 
 
 def _nearest_dir(path: Path) -> Path:

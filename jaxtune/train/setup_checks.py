@@ -52,4 +52,4 @@ def warn_degenerate(config, task, start: int) -> None:
     if start > 0:
         return
     for text in degenerate_setup(config, task):
-        warnings.warn(text, JaxtuneWarning, stacklevel=3)
+        warnings.warn(text, JaxtuneWarning, stacklevel=4)
