@@ -3,9 +3,9 @@ written as f16 and q8_0, and a LoRA adapter as llama.cpp's GGUF LoRA, against ja
 
 llama.cpp is loaded without its extra CPU buffer types (`use_extra_bufts = false`, the CLI's `--no-repack`): on Intel
 CPUs with AMX, its AMX buffer repacks quantised weights (Q4_0/Q4_1/Q8_0, ...) and then dies with SIGSEGV in
-`ggml_backend_amx_mul_mat` on the first decode (ggml-org/llama.cpp#20824, seen here with llama-cpp-python 0.3.36 on every
-quantised file); the plain CPU kernels are what every other CPU runs. The build's features are written to stderr once,
-so a crash in a worker names the machine's path.
+`ggml_backend_amx_mul_mat` on the first decode (ggml-org/llama.cpp#20824, seen here with llama-cpp-python 0.3.36 on
+every quantised file); the plain CPU kernels are what every other CPU runs. The build's features are written to stderr
+once, so a crash in a worker names the machine's path.
 """
 
 import sys

@@ -11,25 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import DEMO_DATA, metric_lines, write_config
+from test_train import metric_lines, setup, write_config  # noqa: F401 - setup: the tiny model and data fixture
 
 from jaxtune.cli import main
 from jaxtune.errors import JaxtuneError, JaxtuneWarning
-from jaxtune.models.presets import write_random_model
 from jaxtune.paths import run_directory_lock
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
 
 QUIET = dict(log=lambda _: None)
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety")
-    model = write_random_model(root / "model", "llama", seed=0, initializer_range=0.1)
-    data = root / "data.jsonl"
-    data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:48]))
-    return root, model, data
 
 
 def snapshot(directory: Path) -> dict:

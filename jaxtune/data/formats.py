@@ -347,7 +347,8 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
         where, fmt = f"{path}:{n}", detect_format(record)
         if fmt == "alpaca" and as_chat:
             instruction, extra = _text(where, record, fmt, "instruction"), _text(where, record, fmt, "input", True)
-            turns = _as_turns(f"{instruction}\n\n{extra}" if extra else instruction, _text(where, record, fmt, "output"))
+            user = f"{instruction}\n\n{extra}" if extra else instruction
+            turns = _as_turns(user, _text(where, record, fmt, "output"))
             chats.append((k, *_chat_text(where, turns, tokenizer)))
         elif fmt == "alpaca":
             prompt = alpaca_prompt(_text(where, record, fmt, "instruction"), _text(where, record, fmt, "input", True))
@@ -380,8 +381,9 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
     return [ex for ex in (_fit(b, max_seq_len, stats) for b in built) if ex is not None]
 
 
-def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, columns: Mapping[str, str] | None = None,
-                      as_chat: bool = False) -> tuple[list[Example], DataStats]:
+def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+                      columns: Mapping[str, str] | None = None, as_chat: bool = False
+                      ) -> tuple[list[Example], DataStats]:
     """Every example of `sft_examples`, in a list, and what loading did."""
     stats = DataStats()
     return list(sft_examples(path, tokenizer, max_seq_len, columns, stats, as_chat)), stats

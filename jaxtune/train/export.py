@@ -22,7 +22,7 @@ from jaxtune.models.hf_weights import checked_reader, save_model, stored_dtype
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.paths import check_output_dir, run_directories
-from jaxtune.run_config import RunConfig, load_run_config
+from jaxtune.run_config import RunConfig
 from jaxtune.spine.load import read_tree
 from jaxtune.spine.run import abstract_run, run_plan
 from jaxtune.train.checkpoint import Checkpoints
@@ -98,8 +98,8 @@ def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | No
             raise JaxtuneError(f"{run_dir}: a reward model exports as an HF sequence-classification directory: use "
                                "--merged")
         if target in ("peft", "gguf-lora") and adapter is None:
-            raise JaxtuneError(f"{run_dir}: a {config.method.kind} fine-tune ({config.train.objective}) has no adapter; "
-                               "export it with --merged or --gguf")
+            raise JaxtuneError(f"{run_dir}: a {config.method.kind} fine-tune ({config.train.objective}) has no "
+                               "adapter; export it with --merged or --gguf")
         if target == "peft" or (target == "merged" and adapter is None):
             return _move(result, out)
         if target == "merged":

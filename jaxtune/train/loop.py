@@ -298,7 +298,7 @@ def _steps(config: RunConfig, task: Task, checkpoints: Checkpoints, start: int, 
             log(f"stopped by {name} at step {final_step} of {total_steps}: checkpoint saved. Run the same command to "
                 f"resume; {hint}")
             return RunResult(run_dir, final_step, train_loss, None, None, skipped, None, True, signal=stop["signal"])
-        params = on_device(combine(state["params"], task.frozen), run.shardings.params)  # from host memory, if offloaded
+        params = on_device(combine(state["params"], task.frozen), run.shardings.params)  # off host memory if offloaded
         if jax.process_count() > 1:
             params = host_copy(params)  # every process takes part in gathering what is split across them
         result_path = task.export(run_dir, params) if writer else None
