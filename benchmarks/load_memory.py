@@ -1,17 +1,19 @@
 """Memory while loading: does a big checkpoint go straight into its final shards and formats?
 
-    python benchmarks/load_memory.py            # ~10 min on 2 cores; writes benchmarks/results/load_memory.json
+    python benchmarks/load_memory.py            # ~15 min on 2 cores; writes benchmarks/results/load_memory.json
     python benchmarks/load_memory.py lora_fsdp8 # only the named runs; the other rows of the results file are kept
 
 A random Llama of 607M parameters stored in bfloat16 (S = the bytes of its safetensors, 1.13 GiB) is trained for
 two steps with `jaxtune train` in a subprocess; its peak resident set (ru_maxrss) minus that of the same command on
 the tiny demo model is reported in units of S, beside the planner's prediction for the same run config (`jaxtune
-plan --config`, which says whether loading or the step peaks higher). Runs, all with bfloat16 compute (QLoRA's
-`bnb_4bit_compute_dtype`; float32 compute on CPU would add float32 copies of frozen bfloat16 weights):
+plan --config`, which says whether loading or the step peaks higher). Runs, with bfloat16 compute (QLoRA's
+`bnb_4bit_compute_dtype`) unless named `_f32`:
 
-    qlora          NF4 with double quantisation on one device, LoRA rank 8 on q, v
-    qlora_all_r16  the same with LoRA rank 16 on every linear layer
-    lora_fsdp8     LoRA rank 8 on q, v with fsdp=8 on 8 fake CPU devices (which share this host's memory)
+    qlora           NF4 with double quantisation on one device, LoRA rank 8 on q, v
+    qlora_all_r16   the same with LoRA rank 16 on every linear layer
+    lora_fsdp8      LoRA rank 8 on q, v with fsdp=8 on 8 fake CPU devices (which share this host's memory)
+    qlora_f32       qlora with float32 compute, the CPU default (frozen bfloat16 and NF4 weights, float32 products)
+    lora_fsdp8_f32  lora_fsdp8 with float32 compute
 
 Before the spine, the same runs peaked at 3.08 S (QLoRA: the whole float model, then its quantised copy) and 8.04 S
 (fsdp=8: every device got the whole model, then its shard).
@@ -42,10 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "jaxtune" / "assets" / "demo_instructions.jsonl"
 BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=12, num_heads=16,
                   num_kv_heads=4, head_dim=128, tie_word_embeddings=True, max_position_embeddings=2048)
-RUNS = {
-    "qlora": ('[method]\nkind = "qlora"\n', 1),
-    "qlora_all_r16": ('[method]\nkind = "qlora"\nrank = 16\ntarget_modules = ["all-linear"]\n', 1),
-    "lora_fsdp8": ('[method]\nkind = "lora"\n[mesh]\nfsdp = 8\n', 8),
+RUNS = {  # name: (method and mesh sections, devices, compute dtype)
+    "qlora": ('[method]\nkind = "qlora"\n', 1, "bfloat16"),
+    "qlora_all_r16": ('[method]\nkind = "qlora"\nrank = 16\ntarget_modules = ["all-linear"]\n', 1, "bfloat16"),
+    "lora_fsdp8": ('[method]\nkind = "lora"\n[mesh]\nfsdp = 8\n', 8, "bfloat16"),
+    "qlora_f32": ('[method]\nkind = "qlora"\n', 1, "float32"),
+    "lora_fsdp8_f32": ('[method]\nkind = "lora"\n[mesh]\nfsdp = 8\n', 8, "float32"),
 }
 
 
@@ -93,12 +97,19 @@ def planned(config: Path, devices: int) -> dict:
     return json.loads(out.stdout)
 
 
-def run_config(path: Path, model: Path, method: str, out: Path, devices: int) -> Path:
+def run_config(path: Path, model: Path, method: str, out: Path, devices: int, compute: str) -> Path:
     batch = max(2, devices)  # one row a device at least
-    path.write_text(f'[model]\npath = "{model}"\ncompute_dtype = "bfloat16"\nremat = "full"\n{method}'
+    path.write_text(f'[model]\npath = "{model}"\ncompute_dtype = "{compute}"\nremat = "full"\n{method}'
                     f'[data]\ntrain = "{DATA}"\nmax_seq_len = 128\neval_fraction = 0.02\n'
                     f'[train]\noutput_dir = "{out}"\nbatch_size = {batch}\nmax_steps = 2\n')
     return path
+
+
+def cpu_model() -> str:
+    """The CPU the row was measured on (/proc/cpuinfo's model name and whether it has AMX), for the record."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return name + (" (AMX)" if " amx_bf16" in info else "")
 
 
 def main(names: list[str]) -> None:
@@ -114,16 +125,18 @@ def main(names: list[str]) -> None:
         write_random_model(tmp / "tiny", "llama")
         parameters = sum(math.prod(shape) for shape in expected_tensors(BIG).values())
         print(f"checkpoint: {parameters / 1e6:.0f}M parameters, S = {size / MiB:.0f} MiB", flush=True)
-        for name, (method, devices) in RUNS.items():
+        for name, (method, devices, compute) in RUNS.items():
             if names and name not in names:
                 continue
-            tiny_config = run_config(tmp / f"tiny_{name}.toml", tmp / "tiny", method, tmp / f"tiny_{name}", devices)
-            config = run_config(tmp / f"{name}.toml", tmp / "big", method, tmp / name, devices)
+            tiny_config = run_config(tmp / f"tiny_{name}.toml", tmp / "tiny", method, tmp / f"tiny_{name}", devices,
+                                     compute)
+            config = run_config(tmp / f"{name}.toml", tmp / "big", method, tmp / name, devices, compute)
             peaks = {phase: (peak_rss(config, devices, program), peak_rss(tiny_config, devices, program))
                      for phase, program in (("train", TRAIN), ("load", LOAD))}
             plan = planned(config, devices)
             reserve, transient = plan["per_device"]["reserve_bytes"], plan["loading"]["transient_bytes"]
-            row = {"run": name, "devices": devices, "checkpoint_bytes": size,
+            row = {"run": name, "devices": devices, "compute_dtype": compute, "cpu": cpu_model(),
+                   "checkpoint_bytes": size,
                    **{f"{phase}_peak_rss_bytes": big for phase, (big, _) in peaks.items()},
                    **{f"{phase}_tiny_peak_rss_bytes": tiny for phase, (_, tiny) in peaks.items()},
                    **{f"{phase}_over_tiny_in_S": (big - tiny) / size for phase, (big, tiny) in peaks.items()},
@@ -134,7 +147,7 @@ def main(names: list[str]) -> None:
                                          + transient + reserve}
             row["plan_peak"] = "loading" if row["plan_loading_bytes"] > row["plan_step_bytes"] else "step"
             rows.append(row)
-            print(f"{name:13s} train: peak RSS {peaks['train'][0] / MiB:6.0f} MiB "
+            print(f"{name:14s} train: peak RSS {peaks['train'][0] / MiB:6.0f} MiB "
                   f"(tiny {peaks['train'][1] / MiB:4.0f}): "
                   f"{row['train_over_tiny_in_S']:.2f} S; loading only: {peaks['load'][0] / MiB:6.0f} MiB (tiny "
                   f"{peaks['load'][1] / MiB:4.0f}): {row['load_over_tiny_in_S']:.2f} S; plan (all devices, one runtime "

@@ -1,8 +1,9 @@
 """How close is the planner to the compiler, and to a real run?
 
-    python experiments/planner_accuracy.py            # estimate vs XLA's compiled memory, 43 configurations (~6 min)
+    python experiments/planner_accuracy.py            # estimate vs XLA's compiled memory, 46 configurations (~6 min)
     python experiments/planner_accuracy.py --rss      # estimate vs peak RSS of `jaxtune train`, a 134M model (~3 min)
-    python experiments/planner_accuracy.py --rss --smollm2  # the same on the real SmolLM2-135M, LoRA and QLoRA
+    python experiments/planner_accuracy.py --rss --smollm2  # the same on the real SmolLM2-135M: LoRA and QLoRA
+                                                            # in bfloat16, the demo's LoRA on its GGUF
 
 Compiler: for small Llama shapes across methods, batch, sequence, remat, dtypes, meshes (on 8 fake CPU devices)
 and objectives, the planner's per-device estimate for the `cpu` target without the runtime reserve
@@ -99,6 +100,10 @@ def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
         ("small", SMALL, m("lora"), 2, 1024, 4, "full", f32, one, None, "grpo", 256),
         ("small", SMALL, m("full"), 4, 256, 1, "none", f32, one, None, "distill"),
         ("gqa", GQA, m("lora"), 4, 256, 1, "full", f32, one, None, "distill"),
+        # float32 compute over frozen bfloat16 weights, the CPU default on a bfloat16 checkpoint (row 19 too)
+        ("gqa", GQA, m("lora", rank=16, target_modules=ALL), 4, 256, 1, "none", mixed, one),
+        ("gqa", GQA, m("qlora", target_modules=ALL), 8, 256, 1, "full", mixed, one),
+        ("gqa", GQA, m("lora"), 8, 256, 1, "full", mixed, fsdp8),
     ]
     out = []
     for name, cfg, method, batch, seq, accum, remat, dtypes, mesh, *rest in rows:
@@ -111,7 +116,7 @@ def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
 
 def _method_label(method: MethodConfig) -> str:
     if method.kind in ("lora", "qlora"):
-        where = "all" if len(method.target_modules) == 7 else ",".join(t[0] for t in method.target_modules)
+        where = "all" if len(method.target_modules) >= 7 else ",".join(t[0] for t in method.target_modules)
         label = f"{method.kind} r{method.rank} {where}" + (" DoRA" if method.dora else "")
         return label + (f" {method.bits}-bit" if method.kind == "qlora" else "")
     return method.kind
@@ -175,6 +180,8 @@ def markdown(rows: list[dict]) -> str:
 
 RSS_MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
                  num_kv_heads=12, head_dim=64)
+# `jaxtune demo`'s fine-tune of SmolLM2: LoRA r=16 on every linear layer, 8 rows of 64 tokens (jaxtune/demo.py)
+DEMO_LORA = '[method]\nkind = "lora"\nrank = 16\nalpha = 32.0\ntarget_modules = ["all-linear"]\n'
 
 
 def rss_run(name: str, model_dir: Path, method: str, workdir: Path, batch: int = 4, seq: int = 256,
@@ -229,7 +236,9 @@ def smollm2_checkpoint(directory: Path) -> Path:
 
 
 def rss_table(smollm2: bool = False) -> list[dict]:
-    """The 134M random float32 Llama, full and LoRA; or the real SmolLM2-135M, LoRA and QLoRA on all linear layers."""
+    """The 134M random float32 Llama, full and LoRA; or the real SmolLM2-135M: LoRA and QLoRA on all linear
+    layers of it in bfloat16, and the demo's LoRA on its GGUF file (dequantised to float32 as it is read)."""
+    from jaxtune.demo import smollm2_path
     from jaxtune.models.presets import write_random_model
 
     rows = []
@@ -237,13 +246,14 @@ def rss_table(smollm2: bool = False) -> list[dict]:
         tmp = Path(tmp)
         if smollm2:
             model = smollm2_checkpoint(tmp / "smollm2")
-            runs = {"lora": '[method]\nkind = "lora"\n',
-                    "qlora_all": '[method]\nkind = "qlora"\ntarget_modules = ["all-linear"]\n'}
+            runs = {"lora": (model, '[method]\nkind = "lora"\n', 4, 256),
+                    "qlora_all": (model, '[method]\nkind = "qlora"\ntarget_modules = ["all-linear"]\n', 4, 256),
+                    "gguf_demo": (smollm2_path(), DEMO_LORA, 8, 64)}
         else:
             model = write_random_model(tmp / "model", "llama", **RSS_MODEL)
-            runs = {kind: f'[method]\nkind = "{kind}"\n' for kind in ("full", "lora")}
-        for name, method in runs.items():
-            r = rss_run(name, model, method, tmp)
+            runs = {kind: (model, f'[method]\nkind = "{kind}"\n', 4, 256) for kind in ("full", "lora")}
+        for name, (model, method, batch, seq) in runs.items():
+            r = rss_run(name, model, method, tmp, batch, seq)
             rows.append(r)
             print(f"{name:9s} {r['parameters'] / 1e6:.1f}M params, batch {r['batch']} x {r['seq']}: peak RSS "
                   f"{r['rss_mib']:.0f} MiB, plan {r['estimate_mib']:.0f} MiB (step {r['step_mib']:.0f}, loading "

@@ -114,6 +114,7 @@ def run_pretrained_demo(model: str | Path, out: str | Path = "runs/demo", log=pr
     cfg, params, _ = load_model_with_adapter(model, None, log=_quiet)
     tokenizer = load_tokenizer(model)
     before = _answers(params, cfg, tokenizer, held_out)
+    del params  # the fine-tune reads its own weights: these would stay resident beside them (513 MiB in float32)
     score = lambda answers: sum(a == expected for a, (_, expected) in zip(answers, held_out))
     log(f"      exact answers: {score(before)} / {len(held_out)}")
     for answer, (question, expected) in list(zip(before, held_out))[:3]:

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxtune.models.linear import matmul, wide
+from jaxtune.models.linear import derived_piecewise_matmul, matmul, pieces_of, wide
+from jaxtune.models.quant import BitPattern, dequantize
 from jaxtune.parallel.rules import constrain, head_rows
 
 CHUNK_ELEMENTS = 1 << 24  # logits elements a chunk holds (64 MiB in float32)
@@ -27,7 +28,8 @@ def token_logps(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
     return label_logit - jax.nn.logsumexp(logits_BxTxV, axis=-1)
 
 
-def head_logits(params: dict, hidden_BxTxD: jax.Array, softcap: float | None = None) -> jax.Array:
+def head_logits(params: dict, hidden_BxTxD: jax.Array, softcap: float | None = None, pieces: bool = True
+                ) -> jax.Array:
     """Float32 (float64 in float64 runs) logits [B, T, V] of final hidden states [B, T, D] under the head: the
     `lm_head` kernel [D, V], else (tied) the embedding table [V, D], multiplied as stored, never transposed. The
     kernel is cast to the hidden states' dtype inside the matmul, so a float32 master weight's gradient sums the
@@ -38,21 +40,42 @@ def head_logits(params: dict, hidden_BxTxD: jax.Array, softcap: float | None = N
     fsdp, the rows only over data, so no device gathers the head (a reduction over V, the log-sum-exp, is summed
     across devices by XLA); the hidden states, far smaller, are gathered instead. A vocabulary fsdp cannot divide
     is gathered, and each device computes its own rows. softcap: the logits become softcap * tanh(logits /
-    softcap) (Gemma 2's `final_logit_softcapping`; the model config's `final_logit_softcap`)."""
+    softcap) (Gemma 2's `final_logit_softcapping`; the model config's `final_logit_softcap`).
+
+    A frozen head narrower than the hidden states (16 bits under float32 compute; the spine holds it as its bits,
+    `quant.as_bit_patterns`) is converted a piece of the vocabulary at a time as it is multiplied
+    (`linear.derived_piecewise_matmul`; each device its own shard's pieces), never whole. `pieces=False` uses it
+    whole: decoding, a token a step, converts it once for the whole generation (XLA hoists it out of the loop)
+    where pieces would convert it every step."""
     tied = "lm_head" not in params
-    kernel = (constrain(params["embed_tokens"], ("vocab", None)) if tied
-              else constrain(params["lm_head"]["kernel"], (None, "vocab")))
+    kernel = params["embed_tokens"] if tied else params["lm_head"]["kernel"]
+    axes = (None, "vocab")  # the logical axes of the head's (in, out): D, V
+    kernel = _constrained(kernel, axes[::-1] if tied else axes)
     rows = head_rows(vocab_size(params))
     hidden_BxTxD = constrain(hidden_BxTxD, (rows, None, None))
-    logits = matmul(hidden_BxTxD, kernel, wide(hidden_BxTxD.dtype), transposed=tied)
+    layout = pieces_of(kernel, hidden_BxTxD.dtype, axes, transposed=tied) if pieces else None
+    if layout is None:
+        kernel = dequantize(kernel) if isinstance(kernel, BitPattern) else kernel
+        logits = matmul(hidden_BxTxD, kernel, wide(hidden_BxTxD.dtype), transposed=tied)
+    else:
+        logits = derived_piecewise_matmul(hidden_BxTxD, kernel, layout, wide(hidden_BxTxD.dtype))
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)
     return constrain(logits, (rows, None, "vocab"))
 
 
+def _constrained(kernel, axes):
+    """The head's kernel (or its bits) split as the rules split a leaf of logical `axes`."""
+    if isinstance(kernel, BitPattern):
+        return BitPattern(constrain(kernel.bits, axes), kernel.dtype)
+    return constrain(kernel, axes)
+
+
 def vocab_size(params: dict) -> int:
     """V, the head's output width."""
-    return params["lm_head"]["kernel"].shape[1] if "lm_head" in params else params["embed_tokens"].shape[0]
+    kernel = params["lm_head"]["kernel"] if "lm_head" in params else params["embed_tokens"]
+    shape = kernel.bits.shape if isinstance(kernel, BitPattern) else kernel.shape
+    return shape[1] if "lm_head" in params else shape[0]
 
 
 def chunk_length(B: int, T: int, V: int) -> int:

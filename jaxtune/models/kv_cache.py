@@ -120,7 +120,7 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
     cache = init_cache(params, cfg, B, size, jnp.dtype(options.compute_dtype))
     positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
     hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options)
-    return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap)[:, 0], cache
+    return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap, pieces=False)[:, 0], cache
 
 
 def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConfig, *,
@@ -134,4 +134,4 @@ def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConf
     positions_Bx1 = cache.next_position_B[:, None]
     mask_Bx1 = jnp.ones_like(positions_Bx1)
     hidden_Bx1xD, cache = extend(params, token_B[:, None], positions_Bx1, mask_Bx1, cache, cfg, method, options)
-    return head_logits(params, hidden_Bx1xD, cfg.final_logit_softcap)[:, 0], cache
+    return head_logits(params, hidden_Bx1xD, cfg.final_logit_softcap, pieces=False)[:, 0], cache

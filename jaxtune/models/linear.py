@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.config.forward import MATMUL_OUTPUT
-from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize
-from jaxtune.parallel.rules import fsdp_only_dim, gathered
+from jaxtune.models.quant import (BitPattern, NF4Array, QuantizedArray, absmax_of, column_multiple, dequantize,
+                                  dequantize_columns, full_shape)
+from jaxtune.parallel.rules import fsdp_only_dim, gathered, mesh_axes_of, mesh_in_context
 
 
 def wide(dtype) -> jnp.dtype:
@@ -153,6 +156,152 @@ def _piece_count(length: int, nbytes: int, piece_bytes: int) -> int:
     return next(p for p in range(max(need, 1), length + 1) if length % p == 0)
 
 
+class Pieces(NamedTuple):
+    """How `derived_piecewise_matmul` cuts a weight's output units: each of its `ways` shards (split over the mesh
+    axes `axes`; one without a mesh) of `units` in `count` pieces of `width`, the last piece ending at the shard's
+    end (overlapping its predecessor where `width` does not divide `units`). transposed: w is [out, in]."""
+
+    ways: int
+    units: int
+    width: int
+    count: int
+    axes: tuple[str, ...]
+    transposed: bool
+
+
+def pieces_of(w, x_dtype, axes: tuple[str | None, str | None] | None = None, transposed: bool = False
+              ) -> Pieces | None:
+    """How to cut a frozen weight that is derived in `x_dtype` where it is used, so that a derived piece holds
+    about `gathered_piece_bytes`: a quantised kernel (dequantised), or a 16-bit one narrower than `x_dtype` (a
+    BitPattern or float kernel, or a head, under float32 compute). w is [in, out] ([out, in] when `transposed`),
+    `axes` its logical (in, out) axes. None: use it whole, when nothing is derived, one piece would hold it all,
+    or the mesh in context splits other than its output units (`gathered_piecewise_matmul` cuts what fsdp
+    splits)."""
+    if not isinstance(w, QuantizedArray) and not jnp.dtype(w.dtype).itemsize == 2 < jnp.dtype(x_dtype).itemsize:
+        return None  # used as it is, or bitcast back from its bits: nothing derived
+    shape = full_shape(w)[-2:] if isinstance(w, QuantizedArray) else getattr(w, "bits", w).shape[-2:]
+    d_in, d_out = shape[::-1] if transposed else shape
+    mesh, unit_axes = mesh_in_context(), ()
+    if mesh is not None:
+        in_axes, unit_axes = (None, None) if axes is None else mesh_axes_of(axes, (d_in, d_out), mesh.shape)
+        if in_axes != () or (unit_axes and isinstance(w, QuantizedArray)):
+            return None
+    ways = math.prod(mesh.shape[a] for a in unit_axes) if unit_axes else 1
+    units = d_out // ways
+    multiple = column_multiple(w) if isinstance(w, QuantizedArray) else 1
+    itemsize = max(jnp.dtype(x_dtype).itemsize, 4 if isinstance(w, QuantizedArray) else 2)  # NF4: in float32
+    fit = max(1, gathered_piece_bytes(jax.default_backend()) // (d_in * itemsize))
+    if not multiple or fit >= units:
+        return None
+    count = -(-units // fit)  # as few pieces as fit, of equal widths
+    width = -(-units // count // multiple) * multiple
+    return Pieces(ways, units, width, -(-units // width), unit_axes, transposed) if width < units else None
+
+
+def _piece(w, p: jax.Array, layout: Pieces, absmax) -> tuple[jax.Array, jax.Array]:
+    """(piece p of `w` in its stored dtype, [ways, width, in] if transposed, else [in, ways, width], without the
+    ways axis where there is one shard; its start)."""
+    start = jnp.minimum(p * layout.width, layout.units - layout.width)
+    if isinstance(w, QuantizedArray):
+        return dequantize_columns(w, start, layout.width, absmax), start
+    # A 16-bit kernel is sliced as its bits: XLA:CPU widens the operand of a 16-bit float slice to float32 first,
+    # whole, out of the loop. A float w's bits are a copy of it (XLA:CPU materialises the bitcast), a BitPattern's
+    # are as stored.
+    if isinstance(w, BitPattern):
+        bits = w.bits if w.layer is None else jax.lax.dynamic_index_in_dim(w.bits, w.layer, keepdims=False)
+    else:
+        bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    shards = (layout.ways,) if layout.ways > 1 else ()
+    if layout.transposed:
+        w3 = _split(bits.reshape(*shards, layout.units, bits.shape[-1]), layout, 0)
+        piece = jax.lax.dynamic_slice_in_dim(w3, start, layout.width, axis=-2)
+    else:
+        w3 = _split(bits.reshape(bits.shape[0], *shards, layout.units), layout, 1)
+        piece = jax.lax.dynamic_slice_in_dim(w3, start, layout.width, axis=-1)
+    return jax.lax.bitcast_convert_type(piece, w.dtype), start
+
+
+def _split(x: jax.Array, layout: Pieces, dim: int) -> jax.Array:
+    """`x` with dimension `dim` (the `ways` shards of the output units) split over their mesh axes."""
+    if layout.ways == 1:
+        return x
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[dim] = layout.axes
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def _specs(layout: Pieces) -> tuple[str, str, tuple[int, ...]]:
+    """(einsum of x with a piece, of a piece of the output's gradient with the piece, the output's shape after N)."""
+    s = "s" if layout.ways > 1 else ""
+    w = f"{s}wi" if layout.transposed else f"i{s}w"
+    return f"ni,{w}->n{s}w", f"n{s}w,{w}->ni", ((layout.ways,) if s else ()) + (layout.units,)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _by_pieces(x_NxI, w, out_dtype, layout: Pieces):
+    accumulate = wide(x_NxI.dtype)
+    absmax = absmax_of(w) if isinstance(w, NF4Array) else None
+    spec, _, shape = _specs(layout)
+
+    def product(p):
+        w_p, start = _piece(w, p, layout, absmax)
+        y_p = jnp.einsum(spec, x_NxI, w_p.astype(x_NxI.dtype), preferred_element_type=accumulate)
+        return y_p.astype(out_dtype), start
+
+    def columns(p, y_NxSxU):
+        return jax.lax.dynamic_update_slice_in_dim(y_NxSxU, *product(p), axis=-1)
+
+    # the output starts as the first piece padded, not as zeros: XLA:CPU shared one zero buffer between this loop
+    # and its recomputation in the backward, and copied it for each (two more [N, out] buffers)
+    y_NxSxW, _ = product(0)
+    pad = [(0, 0)] * (y_NxSxW.ndim - 1) + [(0, layout.units - layout.width)]
+    y_NxSxU = jax.lax.fori_loop(1, layout.count, columns, _split(jnp.pad(y_NxSxW, pad), layout, 1))
+    return y_NxSxU.reshape(x_NxI.shape[0], layout.ways * layout.units)
+
+
+def _by_pieces_fwd(x_NxI, w, out_dtype, layout):
+    return _by_pieces(x_NxI, w, out_dtype, layout), (x_NxI, w)
+
+
+def _by_pieces_bwd(out_dtype, layout, residuals, g_NxO):
+    x_NxI, w = residuals
+    accumulate = wide(x_NxI.dtype)
+    absmax = absmax_of(w) if isinstance(w, NF4Array) else None
+    _, spec, shape = _specs(layout)
+    g_NxSxU = _split(g_NxO.astype(x_NxI.dtype).reshape(-1, *shape), layout, 1)
+
+    def product(p):  # the last piece's units that its predecessor covered are left out
+        w_p, start = _piece(w, p, layout, absmax)
+        g_p = jax.lax.dynamic_slice_in_dim(g_NxSxU, start, layout.width, axis=-1)
+        g_p = jnp.where(start + jnp.arange(layout.width) >= p * layout.width, g_p, 0)
+        return jnp.einsum(spec, g_p, w_p.astype(x_NxI.dtype), preferred_element_type=accumulate)
+
+    # the sum starts as the first piece's product, not as zeros (see `_by_pieces`)
+    dx_NxI = jax.lax.fori_loop(1, layout.count, lambda p, dx: dx + product(p), product(0)).astype(x_NxI.dtype)
+    if isinstance(w, QuantizedArray | BitPattern):
+        return dx_NxI, None
+    # a float w's gradient, whole: a frozen head's is never used, and XLA removes it
+    dw = jnp.einsum(_SPECS[layout.transposed][2], *((g_NxO, x_NxI) if layout.transposed else (x_NxI, g_NxO)),
+                    preferred_element_type=accumulate)
+    return dx_NxI, dw.astype(w.dtype)
+
+
+_by_pieces.defvjp(_by_pieces_fwd, _by_pieces_bwd)
+
+
+def derived_piecewise_matmul(x: jax.Array, w, layout: Pieces, out_dtype=None) -> jax.Array:
+    """x [..., in] @ W as `out_dtype` (default x's), W derived in x's dtype a piece of output units at a time
+    (`pieces_of`): a frozen kernel as stored (dequantised, or bitcast back from its bits) or a narrower float w
+    (a frozen 16-bit head under float32 compute; [out, in] when `layout.transposed`), each piece converted inside
+    the loop that multiplies it and again in the backward, which sums x's gradient over the pieces.
+
+    Whole, XLA:CPU derives the weight once before its first use and keeps it: a float32 copy of a 32,000 x 2,048
+    tied bfloat16 table (250 MiB beside its 125), converted out of the chunked loss's loop, and a layer's seven
+    kernels dequantised to float32 (172 MiB of a 607M model's 12-layer QLoRA step)."""
+    y = _by_pieces(_tokens(x), w, jnp.dtype(out_dtype or x.dtype), layout)
+    return checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), MATMUL_OUTPUT)
+
+
 @jax.custom_vjp
 def lora_branch(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """(x [..., in] @ a [in, r]) @ b [r, out], all in x's dtype, with a hand-written backward.
@@ -211,7 +360,9 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
     dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
     kernel_axes: the kernel's logical axes (in, out); with them a frozen 16-bit kernel is all-gathered over fsdp
     right where it is used, in its stored bits (`rules.gathered`), a piece at a time where fsdp alone splits it
-    (`gathered_piecewise_matmul`; whole for DoRA, whose norm needs it).
+    (`gathered_piecewise_matmul`; whole for DoRA, whose norm needs it). A kernel derived in another dtype where it
+    is used, dequantised or widened from its 16 bits to float32 compute, is derived a piece at a time too
+    (`derived_piecewise_matmul`), so no layer's kernel exists whole in the compute dtype.
     A quantised kernel is dequantised again in the backward pass rather than kept: the backward needs W for
     x's gradient, and keeping every layer's dequantised W would hold a float copy of the whole frozen model (so
     is a frozen kernel's bit pattern: the backward re-reads the scanned slice instead of stacking a copy). Without
@@ -237,8 +388,13 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
         x = x * module["ia3_in"].astype(x.dtype)
     stored = kernel_axes is not None and isinstance(module["kernel"], BitPattern)
     split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored else None
-    if split is not None and "magnitude" not in module:  # DoRA's norm needs the whole kernel
+    dora = "magnitude" in module  # DoRA's norm needs the whole kernel
+    derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not dora
+    layout = pieces_of(module["kernel"], x.dtype, kernel_axes) if derived else None
+    if split is not None and not dora:
         y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
+    elif layout is not None:
+        y = derived_piecewise_matmul(x, module["kernel"], layout)
     else:
         if stored:
             module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}

@@ -46,8 +46,13 @@ def norm(x_BxTxD: jax.Array, weight_D: jax.Array, cfg: ModelConfig) -> jax.Array
 
 
 def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
-    """Token embeddings [B, T, D] in the compute dtype; Gemma multiplies them by sqrt(D) rounded to that dtype."""
-    x_BxTxD = params["embed_tokens"].astype(dtype)[tokens_BxT]
+    """Token embeddings [B, T, D] in the compute dtype; Gemma multiplies them by sqrt(D) rounded to that dtype.
+    A table held as its bits (`quant.as_bit_patterns`) gives the tokens' rows of bits, then their values."""
+    table = params["embed_tokens"]
+    if isinstance(table, BitPattern):
+        x_BxTxD = jax.lax.bitcast_convert_type(table.bits[tokens_BxT], table.dtype).astype(dtype)
+    else:
+        x_BxTxD = table.astype(dtype)[tokens_BxT]
     return x_BxTxD * jnp.asarray(cfg.hidden_size**0.5, dtype) if cfg.scale_embeddings else x_BxTxD
 
 
@@ -240,7 +245,7 @@ def decoder_and_routing(
     rate = lora_dropout_rate(method)
     use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
 
-    stacks, layers = unsliced_kernels(layers)
+    stacks, layers = unsliced_kernels(layers, dtype)
 
     def block(x_BxTxD, per_layer, shared):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
@@ -273,15 +278,17 @@ def decoder_and_routing(
     return norm(x_BxTxD, params["norm"], cfg), aux
 
 
-def unsliced_kernels(layers: dict) -> tuple[dict, dict]:
-    """(frozen 16-bit kernel stacks the layer scan leaves whole, the layers it slices) on a mesh; ({}, layers)
-    without one.
+def unsliced_kernels(layers: dict, dtype) -> tuple[dict, dict]:
+    """(frozen 16-bit kernel stacks the layer scan leaves whole, the layers it slices) on a mesh, or where the
+    compute `dtype` is wider than the kernels; ({}, layers) otherwise.
 
     Scanned, a kernel stack [L, in, out] is sliced a layer at a time: a copy of the layer's shard. Left whole,
-    each layer reads its kernels' pieces from the stack by index (`BitPattern.layer`) right where it gathers them
-    (`linear.gathered_piecewise_matmul`), so a device holds a piece's shard, never a layer's (measured: the
-    LoRA fsdp=8 step of a 607M bfloat16 model, 48.9 -> 39.4 MiB of temporaries a device)."""
-    if mesh_in_context() is None:
+    each layer reads its kernels' pieces from the stack by index (`BitPattern.layer`) right where it gathers or
+    widens them (`linear.gathered_piecewise_matmul`, `linear.derived_piecewise_matmul`), so a device holds a
+    piece's shard, never a layer's (measured: the LoRA fsdp=8 step of a 607M bfloat16 model, 48.9 -> 39.4 MiB of
+    temporaries a device; the same model's one-device LoRA step under float32 compute, the layer's 66 MiB of
+    MLP kernel bits)."""
+    if mesh_in_context() is None and jnp.dtype(dtype).itemsize <= 2:
         return {}, layers
     stacks = {name: m["kernel"] for name, m in layers.items()
               if isinstance(m, dict) and isinstance(m.get("kernel"), BitPattern)}

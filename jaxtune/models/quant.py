@@ -120,9 +120,12 @@ class BitPattern:
     layer: jax.Array | None = None
 
 
-def as_bit_patterns(tree):
+def as_bit_patterns(tree, head: bool = False):
     """`tree` (arrays, or ShapeDtypeStructs with their shardings) with each 16-bit float `kernel` under "layers"
-    (and "layers"/"experts") as a BitPattern; None and trees without layers are returned as they are."""
+    (and "layers"/"experts") as a BitPattern, and with `head` the embedding table and an `lm_head` kernel too (for
+    a step that widens them, float32 compute: the head is then read a piece at a time from its bits,
+    `linear.derived_piecewise_matmul`, the embedding a row at a time); None and trees without layers are returned
+    as they are."""
     if not isinstance(tree, dict) or not isinstance(tree.get("layers"), dict):
         return tree
 
@@ -131,17 +134,22 @@ def as_bit_patterns(tree):
             return BitPattern(jax.ShapeDtypeStruct(kernel.shape, jnp.uint16, sharding=kernel.sharding), kernel.dtype)
         return BitPattern(jax.lax.bitcast_convert_type(kernel, jnp.uint16), kernel.dtype)
 
+    def packable(kernel) -> bool:
+        return (isinstance(kernel, jax.Array | jax.ShapeDtypeStruct) and jnp.issubdtype(kernel.dtype, jnp.floating)
+                and jnp.dtype(kernel.dtype).itemsize == 2)
+
     def module(m):
-        kernel = m.get("kernel") if isinstance(m, dict) else None
-        if (not isinstance(kernel, jax.Array | jax.ShapeDtypeStruct) or not jnp.issubdtype(kernel.dtype, jnp.floating)
-                or jnp.dtype(kernel.dtype).itemsize != 2):
-            return m
-        return {**m, "kernel": pack(kernel)}
+        return {**m, "kernel": pack(m["kernel"])} if isinstance(m, dict) and packable(m.get("kernel")) else m
 
     def entry(name, m):  # a mixture's experts are modules a level down
         return {k: module(e) for k, e in m.items()} if name == "experts" else module(m)
 
-    return {**tree, "layers": {name: entry(name, m) for name, m in tree["layers"].items()}}
+    tree = {**tree, "layers": {name: entry(name, m) for name, m in tree["layers"].items()}}
+    if head and packable(tree.get("embed_tokens")):
+        tree["embed_tokens"] = pack(tree["embed_tokens"])
+    if head and "lm_head" in tree:
+        tree["lm_head"] = module(tree["lm_head"])
+    return tree
 
 
 def from_bit_patterns(tree):
@@ -295,13 +303,47 @@ def dequantize(q: QuantizedArray | BitPattern) -> jax.Array:
         return (q.codes.astype(jnp.float32) * q.absmax[..., None, :] * INT8_INVERSE_SCALE).astype(q.dtype)
     lead = q.codes.shape[:-1]
     d_in, d_out = q.shape
-    absmax = q.absmax
-    if q.offset is not None:
-        centred_xK = _dequantize_blocks(q.absmax, q.absmax2, DYNAMIC_CODE, ABSMAX_BLOCKSIZE)
-        absmax = _rounded(centred_xK) + q.offset[..., None]
+    absmax = absmax_of(q)
     idx_xE = jnp.stack([q.codes >> 4, q.codes & 0xF], axis=-1).reshape(*lead, -1)
     x_xN = _dequantize_blocks(idx_xE, absmax, NF4_CODE, q.blocksize)[..., : d_in * d_out]
     return jnp.swapaxes(x_xN.reshape(*lead, d_out, d_in), -1, -2).astype(q.dtype)
+
+
+def column_multiple(q: QuantizedArray) -> int:
+    """The output columns of one matrix of `q` that a slice of its stored arrays must count and start at a multiple
+    of (`dequantize_columns`): NF4's blocks run along the torch rows, so whole blocks; 0 where no such slice tiles
+    the matrix (its last block padded)."""
+    if not isinstance(q, NF4Array):
+        return 1
+    d_in, d_out = q.shape
+    step = q.blocksize // math.gcd(q.blocksize, d_in)
+    return step if (d_in * d_out) % q.blocksize == 0 else 0
+
+
+def absmax_of(q: NF4Array) -> jax.Array:
+    """An NF4 weight's float32 block absmax [..., n_blocks], decoded from double quantisation if it has one."""
+    if q.offset is None:
+        return q.absmax
+    centred_xK = _dequantize_blocks(q.absmax, q.absmax2, DYNAMIC_CODE, ABSMAX_BLOCKSIZE)
+    return _rounded(centred_xK) + q.offset[..., None]
+
+
+def dequantize_columns(q: QuantizedArray, start: jax.Array, width: int, absmax: jax.Array | None = None
+                       ) -> jax.Array:
+    """Output columns start:start + width of one matrix [in, out] of `q` in `q.dtype`, exactly those columns of
+    `dequantize(q)`, from the slices of its stored arrays that hold them (`start` may be traced; for NF4 it and
+    `width` are multiples of `column_multiple(q)`). absmax: NF4's decoded `absmax_of(q)`, if already at hand."""
+    if isinstance(q, Int8Array):
+        codes = jax.lax.dynamic_slice_in_dim(q.codes, start, width, axis=-1)
+        scale = jax.lax.dynamic_slice_in_dim(q.absmax, start, width, axis=-1)
+        return (codes.astype(jnp.float32) * scale[..., None, :] * INT8_INVERSE_SCALE).astype(q.dtype)
+    d_in = q.shape[0]
+    absmax = absmax_of(q) if absmax is None else absmax
+    codes_xH = jax.lax.dynamic_slice_in_dim(q.codes, start * d_in // 2, width * d_in // 2, axis=-1)
+    absmax_xK = jax.lax.dynamic_slice_in_dim(absmax, start * d_in // q.blocksize, width * d_in // q.blocksize, axis=-1)
+    idx_xE = jnp.stack([codes_xH >> 4, codes_xH & 0xF], axis=-1).reshape(*codes_xH.shape[:-1], -1)
+    x_xN = _dequantize_blocks(idx_xE, absmax_xK, NF4_CODE, q.blocksize)
+    return jnp.swapaxes(x_xN.reshape(*x_xN.shape[:-1], width, d_in), -1, -2).astype(q.dtype)
 
 
 def nbytes(q: QuantizedArray) -> int:

@@ -15,9 +15,10 @@ per-device share comes from jaxtune.parallel's own shardings on an `AbstractMesh
     backward    the saved activations + one layer's backward workspace (see activations.py) + the gradients
     update      the gradients + one trainable leaf's update (the moments and weights are updated in place)
     generate    GRPO's rollout, before the step: the KV cache and the prefill's attention scores
-  beside them: weight copies a dtype cast makes, the all-gathered layer under fsdp, the objective's second model
-  (the frozen reference of a full fine-tune under DPO and GRPO, the distillation teacher), and the runtime reserve
-  of the hardware family.
+  beside them: weight copies a dtype cast makes (a 16-bit head and layer kernels under float32 compute, and
+  quantised kernels, are derived a piece at a time: a layer's pieces in the backward), the all-gathered layer
+  under fsdp, the objective's second model (the frozen reference of a full fine-tune under DPO and GRPO, the
+  distillation teacher), and the runtime reserve of the hardware family.
 
 The gradients are counted once, accumulation included; the counts were measured against XLA:CPU's compiled memory
 (experiments/planner_accuracy.py). The step updates AdamW's moments and the weights in place (`spine/update.py`:
@@ -40,6 +41,7 @@ from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
+from jaxtune.models.head import chunk_length
 from jaxtune.models.linear import gathered_piece_bytes
 from jaxtune.models.params import abstract_params, count_params
 from jaxtune.objectives import objective_named, section_of
@@ -321,7 +323,8 @@ def _kernel_elements(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.num_layers * act.kernel_elements_per_layer(cfg), cfg.hidden_size * cfg.vocab_size
 
 
-def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int) -> tuple[int, int]:
+def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, head_pieces: bool
+                 ) -> tuple[int, int]:
     """(bytes kept for the backward, bytes alive all step) of weight copies that dtype casts make, before sharding.
 
     Everywhere: under remat "none", JAX keeps `kernel.astype(compute dtype)` of every layer for the backward when
@@ -329,7 +332,9 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int) 
     Frozen kernels quantised or held as bit patterns (`models/quant.BitPattern`, every 16-bit one) are re-derived
     in the backward instead (models/linear.py).
     A frozen head (or tied embedding) stored in a dtype other than the compute dtype is converted once for the step,
-    out of the chunked loss's loop (measured on XLA:CPU; under fsdp, each device its vocabulary shard).
+    out of the chunked loss's loop (measured on XLA:CPU; under fsdp, each device its vocabulary shard), unless it
+    is read from its bits a piece at a time (`head_pieces`: a 16-bit head under wider compute, larger than a piece
+    on each device; `linear.derived_piecewise_matmul`).
     """
     frozen = plan.method.kind != "full"
     kernel_dtype = plan.param_dtype if frozen else "float32"
@@ -339,9 +344,28 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int) 
         # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
         # cast to bf16 stay bf16
         residual = layer_kernels * (a if frozen else jnp.dtype(plan.compute_dtype).itemsize)
-    if frozen and plan.param_dtype != plan.compute_dtype:
+    if frozen and plan.param_dtype != plan.compute_dtype and not head_pieces:
         copies += head_kernel * jnp.dtype(plan.compute_dtype).itemsize
     return residual, copies
+
+
+def _layer_copies(cfg: ModelConfig, plan: TrainPlan, piece_bytes: int) -> int:
+    """Bytes of one layer's derived frozen kernels as its backward holds them, on one device: each kernel that
+    is dequantised or widened from 16 bits and larger than a piece so derived, a piece
+    (`linear.derived_piecewise_matmul`; XLA:CPU derives the modules' pieces side by side, measured)."""
+    quantised = plan.method.kind == "qlora"
+    derived = max(jnp.dtype(plan.compute_dtype).itemsize, 4 if quantised else 2)
+    if plan.method.kind == "full" or not (quantised or _widened(plan)):
+        return 0
+    D, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    mlp = act.kernel_elements_per_layer(cfg) - D * (2 * q + 2 * kv)
+    modules = [D * q, D * kv, D * kv, q * D] + [mlp // 3] * 3  # elements of each kernel (a mixture's: its MLP)
+    return sum(piece_bytes for m in modules if m * derived > piece_bytes)
+
+
+def _widened(plan: TrainPlan) -> bool:
+    """Whether frozen 16-bit weights are widened where they are used (float32 compute)."""
+    return jnp.dtype(plan.param_dtype).itemsize == 2 < jnp.dtype(plan.compute_dtype).itemsize
 
 
 def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
@@ -383,11 +407,22 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows,
                                 jnp.dtype(plan.compute_dtype).itemsize)
     logits_b = acts.logits
+    # a frozen 16-bit head under wider compute is read from its bits a piece at a time where a device's share of
+    # it is larger than a piece (`linear.pieces_of`)
+    vocab_ways = fsdp * tensor if cfg.vocab_size % (fsdp * tensor) == 0 else 1
+    head_pieces = (method.kind != "full" and _widened(plan) and cfg.hidden_size * cfg.vocab_size // vocab_ways
+                   * jnp.dtype(plan.compute_dtype).itemsize > gathered_piece_bytes(device.family))
+    one_chunk = chunk_length(total_rows, plan.seq_len, cfg.vocab_size) >= plan.seq_len
+    if head_pieces and (one_chunk or vocab_ways > 1):
+        # it writes the logits into a buffer of their own: XLA:CPU gave it one more chunk buffer where the loss is
+        # one chunk (the forward's first piece and its recomputation's merged, then copied for each) or the
+        # vocabulary is split over devices (the logits' gradient laid out again)
+        logits_b += acts.logits_one
 
     # Weight copies made by dtype casts.
     layer_kernels, head_kernel = _kernel_elements(cfg)
     shard = fsdp * tensor
-    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, layer_kernels, head_kernel, a))
+    residual_copies, copies_b = (c // shard for c in _cast_copies(plan, layer_kernels, head_kernel, a, head_pieces))
     if copies_b:
         notes.append(f"the frozen {plan.param_dtype} head is converted to {plan.compute_dtype} for the step: that "
                      "copy is counted")
@@ -401,12 +436,14 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         stored = method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2
         if stored and tensor == 1 and not method.dora:
             largest = 2 * cfg.hidden_size * max(cfg.q_size, cfg.intermediate_size)  # bytes of a layer's widest kernel
-            gathered = 2 * min(gathered_piece_bytes(device.family), largest)
+            piece = min(gathered_piece_bytes(device.family), largest)
+            gathered = piece + piece * jnp.dtype(plan.compute_dtype).itemsize // 2  # and its copy in the compute dtype
         elif stored:  # under tensor parallelism, or for DoRA's norm: each kernel whole over fsdp
             gathered = (layer_kernels // cfg.num_layers) * 2 // tensor
         else:
             gathered = (layer_kernels // cfg.num_layers) * a // tensor
         copies_b += forwards * gathered
+    layer_copies = 0 if fsdp > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
 
     extra_models_b = held.second
     if extra_models_b:
@@ -425,7 +462,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         "loss": {"activations": acts.saved + logits_b, "gradients": largest_gradient,
                  "weight_copies": residual_copies},
         "backward": {"activations": acts.saved + acts.attention + backward_workspace, "gradients": grads_in_flight,
-                     "weight_copies": residual_copies},
+                     "weight_copies": residual_copies + layer_copies},
         "update": {"activations": 0, "gradients": grad_b + largest_gradient // fsdp, "weight_copies": 0},
     }
     offload = plan.offload

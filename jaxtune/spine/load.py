@@ -22,6 +22,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.host_memory import release_freed_memory
 from jaxtune.methods.transform import add_method_leaves, combine
+from jaxtune.models.gguf import forget_readers
 from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern, NF4Array, QuantizedArray, from_bit_patterns, full_shape, quantize_by_rows
@@ -177,6 +178,7 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
     new = _new_leaves(run, combine(trainable, frozen), seed)
     trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
     state = run.init_state(trainable, seed, donate=True)
+    forget_readers()  # a GGUF file's parsed metadata would stay resident for the whole run
     _return_freed_host_memory()
     return state, frozen, second_params
 

@@ -17,7 +17,8 @@ in_shardings, so the donated state is reused in place and the step compiles once
 (`traced_on`), so the decoder splits each layer input's rows the same way (`rules.constrain`). Offloaded trees
 (optimizer state, frozen weights) arrive in pinned host memory and are copied to the devices inside the step.
 Frozen 16-bit kernels are held as their bit patterns (`models/quant.BitPattern`), which the forward bitcasts back
-layer by layer: XLA:CPU would otherwise convert a whole scanned bfloat16 stack to float32.
+layer by layer: XLA:CPU would otherwise convert a whole scanned bfloat16 stack to float32. Under a wider compute
+dtype (float32) so are the embedding table and head, which the loss reads a piece at a time.
 """
 
 from __future__ import annotations
@@ -180,9 +181,11 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     batch = {k: jax.ShapeDtypeStruct((plan.grad_accum, *x.shape), x.dtype) for k, x in micro.items()}
 
     shardings = _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, objective, plan)
-    # the frozen 16-bit kernels travel as bit patterns (models/quant.BitPattern), in the same shardings
-    frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen))
-    second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second))
+    # the frozen 16-bit kernels travel as bit patterns (models/quant.BitPattern), in the same shardings; so do the
+    # embedding table and head where the compute dtype is wider
+    head = jnp.dtype(plan.compute_dtype).itemsize > 2
+    frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
+    second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
     context = Context(cfg, method, ForwardOptions(plan.compute_dtype, Remat(plan.remat), attention=plan.attention),
                       section, second_cfg)

@@ -59,6 +59,10 @@ class Checkpoints:
 
     def save(self, step: int, state: dict, meta: dict) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        needed = _local_bytes(state)
+        free = None if "://" in str(self.directory) else free_bytes(self.directory)
+        if free is not None and free < needed:  # refused before a write fails midway, leaving orbax's threads
+            raise JaxtuneError(self._no_room(step, needed, free, "no space left on device"))
         try:
             with _orbax_quiet():  # a failed write is logged with tracebacks from orbax's threads, then raised here
                 self.manager.save(step, args=args, force=True)
@@ -70,12 +74,11 @@ class Checkpoints:
             with _orbax_quiet(), contextlib.suppress(Exception):  # the other writes of the step end before we go on
                 self.manager.close()
             self._remove_partial(step)
-            raise JaxtuneError(self._no_room(step, state, reason)) from None
+            free = None if "://" in str(self.directory) else free_bytes(self.directory)
+            raise JaxtuneError(self._no_room(step, needed, free, reason)) from None
 
-    def _no_room(self, step: int, state: dict, reason: str) -> str:
+    def _no_room(self, step: int, needed: int, free: int | None, reason: str) -> str:
         kept = [s for s in self.steps() if s < step]
-        needed = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-        free = None if "://" in str(self.directory) else free_bytes(self.directory)
         shown_free = f", {human_bytes(free)} free" if free is not None else ""
         space = f" (a checkpoint takes about {human_bytes(needed)}{shown_free})"
         last = (f"the last complete checkpoint, step {kept[-1]}, is intact: make room and run the same command to "
@@ -174,6 +177,12 @@ def _orbax_quiet():
         yield
     finally:
         absl.setLevel(level)
+
+
+def _local_bytes(state: dict) -> int:
+    """Bytes this process writes of a state: one copy of each of its devices' distinct shards."""
+    return sum(shard.data.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
+               for shard in x.addressable_shards if shard.replica_id == 0)
 
 
 def _first_line(e: BaseException) -> str:
