@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(run=cmd_init)
 
     train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: sft, dpo, reward, grpo or "
-                           "distill); re-running resumes from the last checkpoint")
+                           "distill); re-running resumes from the last checkpoint",
+                           epilog="Ctrl-C or SIGTERM: the step finishes, a checkpoint is saved, exit 130 or 143; "
+                           "`jaxtune export --run RUN_DIR` writes the result of a stopped run.")
     train.add_argument("config", help="run config (TOML with [model], [method], [data], [train], and [dpo], [grpo] "
                        "or [distill] for those objectives)")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 from test_train import metric_lines, setup, write_config  # noqa: F401 - setup: the tiny model and data fixture
 
@@ -99,6 +100,8 @@ def test_a_trace_that_fails_to_stop_is_a_warning(setup, tmp_path, monkeypatch):
     with pytest.warns(JaxtuneWarning, match=r"train.profile_steps: the trace did not stop \(No profile started\)"):
         result = fine_tune(load_run_config(config), **QUIET)
     assert result.result_path.is_dir()
+    monkeypatch.undo()
+    jax.profiler.stop_trace()  # the trace is process-wide: a later test in this worker starts its own
 
 
 def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(setup, tmp_path):
