@@ -196,7 +196,8 @@ def cmd_launch(args) -> int:
 
     rest = args.rest
     target = TpuTarget(args.name, args.zone, args.accelerator, args.project, args.spot, args.queued)
-    return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts)
+    return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts,
+                      compile_first=not args.no_compile_check)
 
 
 def cmd_plan(args) -> None:
@@ -317,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run `jaxtune train` on every worker of a Cloud TPU VM via gcloud",
                             usage="jaxtune launch tpu --name N --zone Z --accelerator TYPE [--project P] [--spot] "
-                                  "[--queued] [--dry-run] -- train CONFIG.toml [--set k=v ...]")
+                                  "[--queued] [--dry-run] [--no-compile-check] -- train CONFIG.toml [--set k=v ...]")
     launch.add_argument("platform", choices=("tpu",), help="where to launch (tpu: a Cloud TPU VM)")
     launch.add_argument("--name", required=True, help="TPU VM (or queued resource) name")
     launch.add_argument("--zone", required=True, help="the TPU VM's zone, e.g. us-central2-b")
@@ -326,7 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--spot", action="store_true", help="spot capacity; needs train.output_dir on gs://")
     launch.add_argument("--queued", action="store_true", help="create through a queued resource")
     launch.add_argument("--max-restarts", type=int, default=5, help="re-creations after preemption")
-    launch.add_argument("--dry-run", action="store_true", help="print every gcloud command, run none")
+    launch.add_argument("--dry-run", action="store_true", help="print every gcloud command, run none (the compile "
+                        "check still runs and says its verdict)")
+    launch.add_argument("--no-compile-check", action="store_true", help="launch without first compiling the run's "
+                        "step for the slice with the TPU compiler (which needs libtpu and the model's config here)")
     launch.set_defaults(run=cmd_launch)
 
     plan = sub.add_parser("plan", help="will a fine-tune fit: per-device memory, the best layouts, XLA's own figure")

@@ -15,6 +15,10 @@ Step 5 only works if the checkpoints outlive the VM, so with `--spot` the run's 
 `gs://` path: orbax writes the checkpoints there directly (through gcsfs, installed with the package), the other
 run files go to `runs/<bucket>/<path>` on worker 0; the launcher refuses a local one. `--dry-run` prints every
 command.
+
+Before any gcloud command, the run's own step is compiled here with the TPU compiler for the accelerator's slice
+(`compile_check`: libtpu, on any host), and a run that does not fit the chips' memory is refused in one line with
+the figures (`--no-compile-check` skips it; a dry run prints the verdict with the commands).
 """
 
 from __future__ import annotations
@@ -156,13 +160,49 @@ class Gcloud:
             raise JaxtuneError(f"command failed: {shlex.join(command)}")
 
 
-def launch_tpu(t: TpuTarget, rest: list[str], dry_run: bool = False, max_restarts: int = 5, out=sys.stdout) -> int:
-    """Create/reuse, ship, install and train on every worker; re-create and resume after preemptions."""
+def compile_check(run, accelerator: str, config_path: Path) -> str:
+    """The run's step compiled with the TPU compiler for `accelerator`'s slice (gcloud's name or jaxtune's): one
+    line with the compiler's figures when it fits, a JaxtuneError with them when it does not."""
+    from jaxtune.config import MeshConfig
+    from jaxtune.planner.command import confirm_plan, plan_from_run_config
+    from jaxtune.planner.devices import get_device
+    from jaxtune.planner.estimate import resolve_mesh
+
+    target = get_device(accelerator.replace("v5litepod", "v5e"))
+    try:
+        cfg, plan = plan_from_run_config(run)
+    except JaxtuneError as e:
+        raise JaxtuneError(f"the compile check reads the model here: {e} (--no-compile-check to launch without "
+                           "it)") from None
+    plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan, target)))
+    confirmation = confirm_plan(cfg, plan, target)
+    c = confirmation.compiled
+    figures = (f"the step compiled for {confirmation.topology} needs {confirmation.peak_bytes / 2**30:.2f} GiB a chip "
+               f"+ {confirmation.estimate.reserve_bytes / 2**30:.2f} GiB reserve, of "
+               f"{confirmation.estimate.device.usable_bytes / 2**30:.2f} GiB usable (compiled in "
+               f"{c.compile_seconds:.0f} s, attention {c.attention})")
+    if c.over_memory:
+        figures = (f"the TPU compiler refuses the step for {confirmation.topology}: its temporaries need "
+                   f"{c.temp_bytes / 2**30:.2f} GiB a chip beside {c.argument_bytes / 2**30:.2f} GiB of arguments, of "
+                   f"{c.over_memory / 2**30:.2f} GiB")
+    if not confirmation.fits:
+        raise JaxtuneError(f"{figures}: it does not fit; `jaxtune plan --config {config_path} --target "
+                           f"{target.target} --search --confirm` finds a plan that does (--no-compile-check to launch "
+                           "anyway)")
+    return f"{figures}: fits"
+
+
+def launch_tpu(t: TpuTarget, rest: list[str], dry_run: bool = False, max_restarts: int = 5, out=sys.stdout,
+               compile_first: bool = True) -> int:
+    """Check the run compiles within the slice's memory, then create/reuse, ship, install and train on every
+    worker; re-create and resume after preemptions."""
     config_path, overrides = parse_train_args(rest)
     run = load_run_config(config_path, overrides)  # fail here, not on the TPU, for a bad config
     output_dir = run.train.output_dir
     if t.spot and not output_dir.startswith("gs://"):
         raise JaxtuneError(f"--spot needs train.output_dir on gs:// to resume after a preemption, got {output_dir!r}")
+    if compile_first:
+        print(f"# {compile_check(run, t.accelerator, config_path)}", file=out, flush=True)
     gcloud = Gcloud(dry_run, out)
     data_files = local_data_files(run)
     overrides = overrides + [f"data.{key}=data/{key}-{path.name}" for key, path in data_files.items()]

@@ -9,6 +9,9 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU backend only: with libtpu installed (the test extra, for compiling TPU programs from topologies), JAX would
+# otherwise try to start a TPU backend in every process and write libtpu's notices into the CLI's one-line stderr.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's compiled programs are kept on disk and shared by the test processes (xdist workers and the CLI runs they
 # start), which compile the same tiny models' steps over and over: a third of the suite's time. The directory is
 # per XLA_FLAGS, so the AVX2-forced pass never reuses programs compiled for AVX-512.

@@ -23,7 +23,8 @@ def config(tmp_path):
 
 def test_dry_run_prints_every_command(config, capsys):
     assert main(["launch", "tpu", "--name", "tune", "--zone", "us-east5-b", "--accelerator", "v5p-32", "--project",
-                 "proj", "--spot", "--dry-run", "--", "train", str(config), "--set", "train.epochs=2"]) == 0
+                 "proj", "--spot", "--dry-run", "--no-compile-check", "--", "train", str(config), "--set",
+                 "train.epochs=2"]) == 0
     out = capsys.readouterr().out
     commands = [line[2:] for line in out.splitlines() if line.startswith("+ ")]
     assert commands[0].startswith("gcloud compute tpus tpu-vm describe tune --zone=us-east5-b --project=proj")
@@ -39,7 +40,7 @@ def test_dry_run_prints_every_command(config, capsys):
 def test_spot_needs_a_durable_output_dir(config, capsys):
     config.write_text(config.read_text().replace("gs://bucket/run1", "runs/local"))
     assert main(["launch", "tpu", "--name", "t", "--zone", "z", "--accelerator", "v5e-8", "--spot", "--dry-run",
-                 "--", "train", str(config)]) == 2
+                 "--no-compile-check", "--", "train", str(config)]) == 2
     assert "--spot needs train.output_dir on gs://" in capsys.readouterr().err
 
 
@@ -70,7 +71,7 @@ exit 0
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
     result = subprocess.run([sys.executable, "-m", "jaxtune.cli", "launch", "tpu", "--name", "t", "--zone", "z",
-                             "--accelerator", "v6e-8", "--spot", "--", "train", str(config)],
+                             "--accelerator", "v6e-8", "--spot", "--no-compile-check", "--", "train", str(config)],
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from jaxtune.errors import ConfigError
 from jaxtune.models.attention import AttentionMask
-from jaxtune.parallel.rules import mesh_in_context, partition_spec
+from jaxtune.parallel.rules import mesh_in_context, partition_spec, platform_in_context
 
 LANES = 128  # splash's blocks are multiples of the TPU's 128 lanes
 
@@ -77,7 +77,7 @@ def choose_kernel(choice: str, *, B: int, T: int, S: int, K: int, G: int, head_d
     why. "cudnn" off a GPU is an error."""
     if choice == "blockwise":
         return None
-    backend = jax.default_backend()
+    backend = platform_in_context()
     kind = {"auto": {"tpu": "splash", "gpu": "cudnn"}.get(backend), "splash": "splash", "cudnn": "cudnn"}[choice]
     if kind is None:
         return None

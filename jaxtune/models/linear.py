@@ -27,7 +27,7 @@ from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.config.forward import MATMUL_OUTPUT
 from jaxtune.models.quant import (BitPattern, NF4Array, QuantizedArray, absmax_of, column_multiple, dequantize,
                                   dequantize_columns, full_shape)
-from jaxtune.parallel.rules import fsdp_only_dim, gathered, mesh_axes_of, mesh_in_context
+from jaxtune.parallel.rules import fsdp_only_dim, gathered, mesh_axes_of, mesh_in_context, platform_in_context
 
 
 def wide(dtype) -> jnp.dtype:
@@ -124,7 +124,7 @@ def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str,
     shape = bits.shape[-2:]  # one layer's [in, out]
     cut = 1 - split  # the dimension cut into pieces: the one fsdp leaves whole
     nbytes = math.prod(shape) * bits.dtype.itemsize
-    pieces = _piece_count(shape[cut], nbytes, gathered_piece_bytes(jax.default_backend()))
+    pieces = _piece_count(shape[cut], nbytes, gathered_piece_bytes(platform_in_context()))
     width = shape[cut] // pieces
 
     def piece(p):
@@ -190,7 +190,7 @@ def pieces_of(w, x_dtype, axes: tuple[str | None, str | None] | None = None, tra
     units = d_out // ways
     multiple = column_multiple(w) if isinstance(w, QuantizedArray) else 1
     itemsize = max(jnp.dtype(x_dtype).itemsize, 4 if isinstance(w, QuantizedArray) else 2)  # NF4: in float32
-    fit = max(1, gathered_piece_bytes(jax.default_backend()) // (d_in * itemsize))
+    fit = max(1, gathered_piece_bytes(platform_in_context()) // (d_in * itemsize))
     if not multiple or fit >= units:
         return None
     count = -(-units // fit)  # as few pieces as fit, of equal widths

@@ -125,6 +125,18 @@ def constrain(x, axes: Sequence[str | None]):
     return x if mesh is None else jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh.shape))
 
 
+PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}  # JAX's device platforms -> its backend names
+
+
+def platform_in_context() -> str:
+    """The platform a step is compiled for: that of the mesh it is traced under (its devices' kind, which a TPU
+    slice's topology gives on any host), else the default backend's. Kernels are chosen by it, not by the host."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    return PLATFORMS.get(platform, platform)
+
+
 def mesh_in_context():
     """The abstract mesh a step is traced under, or None: none, one device, or not jaxtune's axes."""
     mesh = jax.sharding.get_abstract_mesh()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
@@ -18,7 +19,8 @@ from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
 from jaxtune.planner.devices import Device, get_device
-from jaxtune.planner.estimate import estimate, resolve_mesh
+from jaxtune.planner.confirm import CompiledMemory
+from jaxtune.planner.estimate import Estimate, estimate, resolve_mesh
 from jaxtune.planner.report import (
     format_compiled,
     format_estimate,
@@ -124,7 +126,7 @@ def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 2
     device and `fits`; with search, the `candidates` and, when none fits, the `suggestion`; with longest, the
     `longest_context` (multiples of `step` tokens) and the breakdown of its fastest plan; with confirm, XLA's
     `compiled` memory beside the estimate."""
-    if confirm:
+    if confirm and get_device(values.get("target", "cpu")).family == "cpu":
         _fake_cpu_devices(get_device(values.get("target", "cpu")).count)
     cfg, plan, device = make_plan(**values)
     fixed = tuple(name for name, given in (("remat", values.get("remat")), ("mesh", values.get("mesh")),
@@ -160,11 +162,9 @@ def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 2
     if confirm:
         chosen = out["_estimate"][0].plan  # the plan reported: given, or the best found
         chosen = chosen.replace(mesh=MeshConfig(**resolve_mesh(chosen, device)))  # the target's device count
-        compiled, backend_est = confirm_plan(cfg, chosen, device)
-        out["compiled"] = {**compiled.to_dict(), "estimate_bytes": backend_est.compiled_bytes,
-                           "estimate_device": backend_est.device.target,
-                           "relative_error": backend_est.compiled_bytes / compiled.total_bytes - 1}
-        out["_confirm"] = (compiled, backend_est)
+        confirmation = confirm_plan(cfg, chosen, device)
+        out["compiled"] = confirmation.to_dict()
+        out["_confirm"] = confirmation
     return out
 
 
@@ -176,23 +176,92 @@ def _fake_cpu_devices(count: int) -> None:
                                    f" --xla_force_host_platform_device_count={count}").strip()
 
 
-def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device):
-    """(XLA's compiled memory of the real step on this backend, the planner's estimate of the same plan with this
-    backend's rules: the target's when it is of the backend's family, else a stand-in of that family)."""
+@dataclass(frozen=True)
+class Confirmation:
+    """What compiling a plan said: XLA's `compiled` memory (None where no compiler for the target is here, with
+    `skipped` saying why), the planner's `estimate` of the same plan with the compiling backend's rules, the
+    compiler's verdict against the target's memory, and for a TPU slice its topology and a step time modelled from
+    the compiler's FLOPs and bytes at the chip's peak rates."""
+
+    compiled: CompiledMemory | None
+    estimate: Estimate
+    skipped: str = ""
+    topology: str = ""
+    rollout: CompiledMemory | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """The compiled per-device bytes of the iteration's peak: the step's, or GRPO's rollout's with the optimizer
+        state beside it."""
+        step = self.compiled.total_bytes
+        return max(step, self.rollout.total_bytes + self.estimate.optimizer_bytes) if self.rollout else step
+
+    @property
+    def fits(self) -> bool:
+        """The compiler's bytes and the runtime's reserve within the device's usable memory (never when the compiler
+        refused the program as over the device's memory)."""
+        if self.compiled.over_memory:
+            return False
+        return self.peak_bytes + self.estimate.reserve_bytes <= self.estimate.device.usable_bytes
+
+    def modelled_step(self) -> dict:
+        """A step time from the program's FLOPs at the device's peak FLOP/s (a model, never a measurement: the
+        roofline's compute side; XLA's bytes accessed count a loop body once, so no memory side is modelled), and
+        the share of those FLOPs the planner counts as the step's useful work."""
+        device, compute = self.estimate.device, self.estimate.plan.compute_dtype
+        seconds = self.compiled.flops / device.peak(compute)
+        useful = step_time(self.estimate).flops / device.count
+        return {"modelled_step_seconds": seconds, "planner_flops": useful,
+                "useful_share": useful / self.compiled.flops if self.compiled.flops else 0.0}
+
+    def to_dict(self) -> dict:
+        if self.compiled is None:
+            return {"skipped": self.skipped, "estimate_device": self.estimate.device.target}
+        out = {**self.compiled.to_dict(), "estimate_bytes": self.estimate.compiled_bytes,
+               "estimate_device": self.estimate.device.target,
+               "relative_error": self.estimate.compiled_bytes / self.compiled.total_bytes - 1,
+               "remat": self.estimate.plan.remat, "fits": self.fits, "reserve_bytes": self.estimate.reserve_bytes,
+               "usable_bytes": self.estimate.device.usable_bytes}
+        if self.rollout is not None:
+            out["rollout"] = self.rollout.to_dict()
+        if self.topology:
+            out["topology"] = self.topology
+            out.update(self.modelled_step())
+        return out
+
+
+def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device) -> Confirmation:
+    """Compile the real step of `plan`: for a TPU target with the TPU compiler, for that slice's topology on any
+    host (`planner.slices`); for a GPU target only where this backend is a GPU (else a `Confirmation` that says so
+    and keeps the planner's figure); otherwise on this backend (fake CPU devices for a mesh), beside the planner's
+    estimate with that backend's rules (the target's when it is of the backend's family, else a stand-in)."""
     import jax
 
-    from jaxtune.planner.confirm import compile_step
+    from jaxtune.planner.confirm import compile_rollout, compile_step
 
-    sizes = plan.mesh.sizes()
-    count = math.prod(sizes.values())
+    count = math.prod(plan.mesh.sizes().values())
     family = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
+    if target.family == "tpu" and family != "tpu":
+        from jaxtune.planner.slices import describe, libtpu_quiet, topology_devices, tpu_slice
+
+        slice_ = tpu_slice(target)
+        devices = topology_devices(slice_)
+        with libtpu_quiet():
+            compiled = compile_step(cfg, plan, devices)
+            rollout = compile_rollout(cfg, plan, devices[0]) if plan.generate_tokens else None
+        return Confirmation(compiled, estimate(cfg, plan, target.with_count(count)), topology=describe(slice_),
+                            rollout=rollout)
+    if target.family in ("gpu", "gaudi") and family != target.family:
+        return Confirmation(None, estimate(cfg, plan, target.with_count(count)),
+                            skipped=f"no {target.family.upper()} compiler runs without a {target.family.upper()}: "
+                                    f"this host's backend is {jax.default_backend()}, so the planner's figure stands")
     compiled = compile_step(cfg, plan)
     if target.family == family:
         here = target.with_count(count)
     else:
         here = get_device({"cpu": "cpu", "gpu": "h100-80gb", "tpu": "v5p"}[family])
         here = get_device(f"cpu-{count}") if family == "cpu" and count > 1 else here.with_count(count)
-    return compiled, estimate(cfg, plan, here)
+    return Confirmation(compiled, estimate(cfg, plan, here))
 
 
 def render(result: dict) -> str:
@@ -204,7 +273,7 @@ def render(result: dict) -> str:
     else:
         text = format_estimate(*result["_estimate"])
     if "_confirm" in result:
-        text += "\n\n" + format_compiled(*result["_confirm"])
+        text += "\n\n" + format_compiled(result["_confirm"])
     return text
 
 

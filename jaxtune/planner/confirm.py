@@ -8,11 +8,15 @@ XLA's figure for one device is arguments + temporaries + outputs - aliased (dona
 from __future__ import annotations
 
 import math
+import re
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
@@ -22,7 +26,13 @@ from jaxtune.objectives import rows as rows_of
 
 @dataclass(frozen=True)
 class CompiledMemory:
-    """XLA's per-device memory analysis of the compiled step, in bytes."""
+    """XLA's per-device memory analysis of the compiled step, in bytes, and what else the program says: its matmul
+    FLOPs a device (`program_flops.py`: loops by their trip counts), XLA's own FLOPs and bytes accessed a device
+    (`cost_analysis`, which counts a loop body once: about one layer of a scanned model), its collectives ({op:
+    {"count", "bytes"}}: each op as often as the program text has it, a loop body's once, and the bytes it
+    produces), the attention kernel in it ("splash", "cudnn" or "blockwise"), the platform it was compiled for and
+    how long that took. A program the compiler refused for want of memory (the TPU compiler checks each chip's HBM)
+    has `over_memory`, the memory it had, and its temporaries as the compiler counted them."""
 
     argument_bytes: int
     output_bytes: int
@@ -31,6 +41,12 @@ class CompiledMemory:
     host_bytes: int
     backend: str
     compile_seconds: float
+    flops: float = 0.0
+    xla_flops: float = 0.0
+    xla_bytes_accessed: float = 0.0
+    collectives: dict = field(default_factory=dict)
+    attention: str = "blockwise"
+    over_memory: int = 0  # > 0: the compiler refused the program, over this many bytes of device memory
 
     @property
     def total_bytes(self) -> int:
@@ -55,17 +71,65 @@ def _mesh(plan: TrainPlan, devices):
 
 
 def compile_step(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMemory:
-    """Compile the trainer's own step for `plan` on the default backend and return XLA's per-device memory analysis.
+    """Compile the trainer's own step for `plan` and return XLA's per-device memory analysis (and what else
+    `CompiledMemory` holds).
 
     The step is the spine's (`spine.run.abstract_run(...).step`): the objective's loss, accumulation and update in
     one jit with the run's shardings, offload memory kinds and donation. devices: the devices of the mesh (default:
     the first `mesh size` of `jax.devices()`; on CPU, fake ones come from
-    XLA_FLAGS=--xla_force_host_platform_device_count=N). GRPO's rollout is a program of its own: `compile_rollout`.
+    XLA_FLAGS=--xla_force_host_platform_device_count=N; a TPU slice's from `planner.slices.topology_devices`, on any
+    host: the TPU compiler then compiles it, with the kernels a TPU runs). GRPO's rollout is a program of its own:
+    `compile_rollout`.
     """
-    run = _abstract_run(cfg, plan, _mesh(plan, devices))
+    from jaxtune.planner.program_flops import step_flops
+
+    mesh = _mesh(plan, devices)
+    run = _abstract_run(cfg, plan, mesh)
     start = time.perf_counter()
-    compiled = run.step.lower(run.state, run.frozen, run.second, run.batch).compile()
-    return _memory(compiled, time.perf_counter() - start)
+    with _cache_for(mesh):
+        try:
+            compiled = run.step.lower(run.state, run.frozen, run.second, run.batch).compile()
+        except Exception as e:  # noqa: BLE001 - the TPU compiler refuses a program over the chip's HBM
+            refused = _over_memory(e, run, time.perf_counter() - start, _platform(mesh))
+            if refused is None:
+                raise
+            return refused
+    seconds = time.perf_counter() - start
+    return _memory(compiled, seconds, _platform(mesh), step_flops(run) / mesh.size)
+
+
+_HBM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")
+
+
+def _over_memory(error: Exception, run, seconds: float, platform: str) -> CompiledMemory | None:
+    """What the TPU compiler says when it refuses a step over the chip's memory ("the total memory required for
+    HLO temporaries (20.05G) exceeds available HBM (15.75G)"): its temporaries, beside the step's arguments, with
+    `over_memory` set; None for any other error."""
+    found = _HBM.search(str(error))
+    if found is None:
+        return None
+    scale = lambda unit: {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
+    temps, available = (int(float(found[i]) * scale(found[i + 1])) for i in (1, 3))
+    from jaxtune.spine.run import per_device_bytes
+
+    arguments = per_device_bytes((run.state, run.frozen, run.second, run.batch))
+    return CompiledMemory(arguments, 0, 0, temps, 0, platform, seconds, over_memory=available)
+
+
+@contextmanager
+def _cache_for(mesh):
+    """Compiling for another platform than this host's (a TPU slice from its topology), JAX's persistent compilation
+    cache (where one is set) stores the program but cannot read it back without that platform's devices: its
+    warning saying so is dropped."""
+    with warnings.catch_warnings():
+        if _platform(mesh) != jax.default_backend():
+            warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
+        yield
+
+
+def _platform(mesh) -> str:
+    platform = mesh.devices.flat[0].platform
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
 def _abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh):
@@ -74,7 +138,13 @@ def _abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh):
     return abstract_run(cfg, plan, mesh)
 
 
-def compile_rollout(cfg: ModelConfig, plan: TrainPlan) -> CompiledMemory:
+def traced_on(mesh):
+    from jaxtune.spine.run import traced_on
+
+    return traced_on(mesh)
+
+
+def compile_rollout(cfg: ModelConfig, plan: TrainPlan, device=None) -> CompiledMemory:
     """XLA's memory of GRPO's rollout on one device: jaxtune's generation program (prefill, then a `while_loop`
     of cached decode steps) sampling `plan.generate_tokens` tokens after prompts of `seq_len - generate_tokens` for
     all `rows x grad_accum` rows of an optimizer step at once (as the trainer does), from the policy's weights as
@@ -85,19 +155,23 @@ def compile_rollout(cfg: ModelConfig, plan: TrainPlan) -> CompiledMemory:
 
     if plan.generate_tokens < 1:
         raise JaxtuneError("a rollout needs generate_tokens of at least 1 (objective grpo)")
-    run = _abstract_run(cfg, plan, _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None))
+    mesh = _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None if device is None else [device])
+    run = _abstract_run(cfg, plan, mesh)
     state, frozen = run.state, run.frozen
     rows, prompt = rows_of(plan) * plan.grad_accum, plan.seq_len - plan.generate_tokens
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
-    spec = jax.ShapeDtypeStruct
+    on_mesh = NamedSharding(mesh, PartitionSpec())  # the rollout's device, a TPU slice's one for a TPU target
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_mesh)
+    key = jax.eval_shape(jax.random.key, 0)
     options = ForwardOptions(compute_dtype=plan.compute_dtype, attention=plan.attention)
     start = time.perf_counter()
-    compiled = _generate.lower(
-        combine(state["params"], frozen), spec((rows, prompt), jnp.int32), spec((rows, prompt), jnp.int32),
-        spec((rows,), jnp.bool_), spec((cfg.vocab_size,), jnp.bool_), spec((), jnp.float32), spec((), jnp.int32),
-        spec((), jnp.float32), jax.eval_shape(jax.random.key, 0), cfg=cfg, method=plan.method, options=options,
-        cache_size=prefix + plan.seq_len, max_new_tokens=plan.generate_tokens, greedy=False).compile()
-    return _memory(compiled, time.perf_counter() - start)
+    with traced_on(mesh), _cache_for(mesh):
+        compiled = _generate.lower(
+            combine(state["params"], frozen), spec((rows, prompt), jnp.int32), spec((rows, prompt), jnp.int32),
+            spec((rows,), jnp.bool_), spec((cfg.vocab_size,), jnp.bool_), spec((), jnp.float32), spec((), jnp.int32),
+            spec((), jnp.float32), spec(key.shape, key.dtype), cfg=cfg, method=plan.method, options=options,
+            cache_size=prefix + plan.seq_len, max_new_tokens=plan.generate_tokens, greedy=False).compile()
+    return _memory(compiled, time.perf_counter() - start, _platform(mesh))
 
 
 def compile_peak(cfg: ModelConfig, plan: TrainPlan) -> tuple[int, str]:
@@ -113,11 +187,45 @@ def compile_peak(cfg: ModelConfig, plan: TrainPlan) -> tuple[int, str]:
     return (step, "step") if step >= rollout else (rollout, "rollout")
 
 
-def _memory(compiled, seconds: float) -> CompiledMemory:
+def _memory(compiled, seconds: float, platform: str, flops: float = 0.0) -> CompiledMemory:
     m = compiled.memory_analysis()
     if m is None:
-        raise JaxtuneError(f"the {jax.default_backend()} backend gives no memory analysis for compiled programs")
+        raise JaxtuneError(f"the {platform} compiler gives no memory analysis for compiled programs")
     host = m.host_argument_size_in_bytes + m.host_temp_size_in_bytes + m.host_output_size_in_bytes \
         - m.host_alias_size_in_bytes
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
     return CompiledMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-                          m.temp_size_in_bytes, host, jax.default_backend(), seconds)
+                          m.temp_size_in_bytes, host, platform, seconds, flops, float(cost.get("flops", 0.0)),
+                          float(cost.get("bytes accessed", 0.0)), collectives(text), attention_kernel(text))
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_OP = re.compile(r"= (?P<type>[^=]*?) (?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)\[([0-9,]*)\]")
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
+         "s64": 64, "u64": 64, "f64": 64}
+
+
+def collectives(hlo: str) -> dict:
+    """{op: {"count", "bytes"}} of the collectives in an optimised HLO module's text: each instruction once (a loop
+    body's too), its bytes those of the largest array it produces (an async start's output)."""
+    found: dict = {}
+    for match in _OP.finditer(hlo):
+        sizes = [math.prod(int(d) for d in dims.split(",") if d) * _BITS[kind] // 8
+                 for kind, dims in _SHAPE.findall(match["type"])]
+        entry = found.setdefault(match["op"], {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += max(sizes, default=0)
+    return found
+
+
+def attention_kernel(hlo: str) -> str:
+    """The attention kernel a compiled program runs: Pallas splash (a TPU custom call of that name), cuDNN's fused
+    attention, or jaxtune's blockwise kernel (plain HLO)."""
+    if "splash" in hlo and ("tpu_custom_call" in hlo or "mosaic" in hlo.lower()):
+        return "splash"
+    if "__cudnn$fmha" in hlo:
+        return "cudnn"
+    return "blockwise"

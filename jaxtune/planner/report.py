@@ -55,16 +55,42 @@ def _offload(est: Estimate) -> str:
     return ", ".join(parts)
 
 
-def format_compiled(compiled: CompiledMemory, est: Estimate) -> str:
-    """XLA's memory analysis of the compiled step beside the planner's figure for the same plan and backend."""
+def format_compiled(confirmation) -> str:
+    """What compiling the plan said (`command.Confirmation`): XLA's memory analysis of the compiled step beside the
+    planner's figure for the same plan and backend; for a TPU slice also the compiler's verdict, FLOPs, bytes,
+    collectives, the attention kernel it compiled and a modelled step time."""
+    est, compiled = confirmation.estimate, confirmation.compiled
+    if compiled is None:
+        return f"not compiled: {confirmation.skipped}"
     scale, unit = (GiB, "GiB") if compiled.total_bytes >= GiB else (MiB, "MiB")
     c = {k: v / scale for k, v in compiled.to_dict().items() if k.endswith("_bytes")}
-    return "\n".join([
-        f"XLA ({compiled.backend}, compiled in {compiled.compile_seconds:.1f} s, per device): arguments "
+    where = f"{compiled.backend} compiler for {confirmation.topology}" if confirmation.topology else compiled.backend
+    lines = [
+        f"XLA ({where}, compiled in {compiled.compile_seconds:.1f} s, per device): arguments "
         f"{c['argument_bytes']:.3f} + temporaries {c['temp_bytes']:.3f} + outputs {c['output_bytes']:.3f} - aliased "
         f"{c['alias_bytes']:.3f} = {c['total_bytes']:.3f} {unit}",
         f"planner, the same plan on {est.device.target}, without the runtime reserve: {est.compiled_bytes / scale:.3f} "
-        f"{unit} ({100 * (est.compiled_bytes / compiled.total_bytes - 1):+.1f}%)"])
+        f"{unit} ({100 * (est.compiled_bytes / compiled.total_bytes - 1):+.1f}%)"]
+    if confirmation.rollout is not None:
+        lines.append(f"GRPO's rollout (one device): {confirmation.rollout.total_bytes / scale:.3f} {unit}, with the "
+                     f"optimizer state beside it {confirmation.peak_bytes / scale:.3f} {unit} at the iteration's peak")
+    if compiled.over_memory:
+        lines.append(f"the {compiled.backend} compiler refused the program: its temporaries alone need "
+                     f"{compiled.temp_bytes / GiB:.2f} GiB of the {compiled.over_memory / GiB:.2f} GiB a device has")
+    if confirmation.topology:
+        verdict = "fits" if confirmation.fits else "does NOT fit"
+        model = confirmation.modelled_step()
+        collectives = ", ".join(f"{op} x{v['count']} ({v['bytes'] / MiB:.1f} MiB)"
+                                for op, v in sorted(compiled.collectives.items())) or "none"
+        lines += [
+            f"the compiler's verdict: {confirmation.peak_bytes / GiB:.2f} GiB + reserve "
+            f"{confirmation.estimate.reserve_bytes / GiB:.2f} GiB of {est.device.usable_bytes / GiB:.2f} GiB usable: "
+            f"{verdict}",
+            f"program: {compiled.flops / 1e12:.3f} TFLOP of matmuls a device, loops by their trip counts (planner: "
+            f"{model['planner_flops'] / 1e12:.3f}); attention kernel {compiled.attention}, remat {est.plan.remat}; "
+            f"collectives (each once, a loop body's too): {collectives}",
+            f"modelled, not measured: {model['modelled_step_seconds'] * 1e3:.1f} ms a step at the chip's peak FLOP/s"]
+    return "\n".join(lines)
 
 
 def format_estimate(est: Estimate, time: StepTime | None = None) -> str:
