@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.rest = rest
     try:
+        _start_backends_quietly()
         return args.run(args) or 0
     except JaxtuneError as e:
         print(f"jaxtune: error: {_as_flag(e, argv)}", file=sys.stderr)
@@ -405,6 +406,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxtune: internal error (a bug in jaxtune, not in your input): {type(e).__name__}: "
               f"{_first_line(e)}; traceback written to {_write_traceback(argv)}", file=sys.stderr)
         return 3
+
+
+def _start_backends_quietly() -> None:
+    """With libtpu installed (`jaxtune[tpu]`, the TPU compiler) on a host without a TPU, JAX's first look for devices
+    makes libtpu print notices about the TPU it cannot find: they are kept off the terminal (on a TPU VM, whose
+    devices are /dev/accel* or /dev/vfio, nothing is hidden)."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    if any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists():
+        return
+    import jax
+
+    from jaxtune.planner.slices import libtpu_quiet
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another jaxtune may hold libtpu's lockfile
+    with libtpu_quiet():
+        jax.devices()
 
 
 # config fields whose command-line flag has another name (jaxtune plan's)

@@ -170,7 +170,7 @@ def compile_check(run, accelerator: str, config_path: Path) -> str:
 
     target = get_device(accelerator.replace("v5litepod", "v5e"))
     try:
-        cfg, plan = plan_from_run_config(run)
+        cfg, plan = plan_from_run_config(run, "tpu")
     except JaxtuneError as e:
         raise JaxtuneError(f"the compile check reads the model here: {e} (--no-compile-check to launch without "
                            "it)") from None

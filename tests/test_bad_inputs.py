@@ -108,7 +108,7 @@ CASES = {
                       "choose one of auto, float32, bfloat16, float16"),
     "unknown remat": (lambda r: ["train", RUN(r), *set_("model.remat=ful")], "choose one of none, full, save_matmuls"),
     "compute dtype alias": (lambda r: ["train", RUN(r), *set_("model.compute_dtype=bf16")],
-                            "choose one of float32, bfloat16"),
+                            "choose one of auto, float32, bfloat16"),
     "batch of 0": (lambda r: ["train", RUN(r), *set_("train.batch_size=0")], "must be >= 1"),
     "unknown objective": (lambda r: ["train", RUN(r), *set_("train.objective=ppo")], "choose one of sft, dpo"),
     "unknown target module": (lambda r: ["train", RUN(r), *set_('method.target_modules=["qkv"]')],

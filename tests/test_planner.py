@@ -411,6 +411,6 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
     task = prepare_task(config, make_mesh(config.mesh), load_tokenizer(model), "float32", load_config(model),
                         lambda _: None)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), task.run.batch)
-    trainers = _memory(task.run.step.lower(task.state, task.frozen, task.second, batch).compile(), 0.0)
+    trainers = _memory(task.run.step.lower(task.state, task.frozen, task.second, batch).compile(), 0.0, "cpu")
     confirmed = compile_step(cfg, plan)
     assert confirmed.total_bytes == trainers.total_bytes and confirmed.temp_bytes == trainers.temp_bytes

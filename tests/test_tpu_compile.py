@@ -17,6 +17,7 @@ from jaxtune.planner.devices import get_device
 from jaxtune.planner.slices import topology_devices, tpu_slice
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("libtpu", reason='no libtpu for this platform (jax[tpu] installs on Linux x86-64 only)')
 LORA = MethodConfig("lora", rank=4, target_modules=("all-linear",))
 
 
@@ -143,3 +144,19 @@ def test_program_flops_count_loops_by_their_trip_counts():
     assert jaxpr_flops(jax.make_jaxpr(jax.grad(f, argnums=1))(x, ws)) == 3 * 5 * 2 * 8 * 16 * 16
     xla = jax.jit(jax.grad(f, argnums=1)).lower(x, ws).compile().cost_analysis()
     assert xla["flops"] < 2 * 2 * 8 * 16 * 16 * 3  # one trip of the loop, not five
+
+
+def test_plan_search_confirm_compiles_the_best_candidate_and_bisects_its_batch(tmp_path):
+    """`plan --search --confirm` on a TPU slice: the best candidate compiled by the TPU compiler, then the largest
+    batch it accepts for that plan, bisected in multiples of the rows a batch splits into (a tiny model fits every
+    batch up to the search's bound of 8 times the planner's)."""
+    model = write_random_model(tmp_path / "model", "llama", max_position_embeddings=1024)
+    out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "plan", "--model", str(model), "--method", "lora",
+                          "--target", "v5e-4", "--seq", "512", "--batch", "4", "--search", "--confirm", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["compiled_candidates"][0]["fits"] and result["compiled"]["topology"].startswith("v5e:2x2")
+    bound = result["compiled_bound"]
+    assert bound["field"] == "batch_size" and bound["planner"] == 4 and bound["accepted"] == 32
+    assert [t["value"] for t in bound["tries"]] == [4, 8, 16, 32] and all(t["fits"] for t in bound["tries"])

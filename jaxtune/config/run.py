@@ -27,14 +27,15 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class ModelSection:
     """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
-    always float32 master weights; compute_dtype "bfloat16" gives mixed precision. attention: the kernel
+    always float32 master weights; compute_dtype "bfloat16" gives mixed precision, "auto" (the default) what the
+    run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.run_plan`). attention: the kernel
     (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn"). router_aux_loss_coef: a mixture
     of experts' load-balancing loss weight in training (0: none); -1: as its config.json says (transformers':
     `router_aux_loss_coef` if `output_router_logits`, else none)."""
 
     path: str = ""
     dtype: str = "auto"
-    compute_dtype: str = "float32"
+    compute_dtype: str = "auto"
     remat: str = "none"
     attention: str = "auto"
     router_aux_loss_coef: float = -1.0
@@ -42,7 +43,7 @@ class ModelSection:
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
         check_choice("attention", self.attention, ATTENTION_KERNELS)
-        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        check_choice("compute_dtype", self.compute_dtype, ("auto",) + COMPUTE_DTYPES)
         Remat(self.remat)
         if self.router_aux_loss_coef < 0 and self.router_aux_loss_coef != -1:
             raise ConfigError("router_aux_loss_coef", self.router_aux_loss_coef, "needs >= 0, or -1 (config.json's)")

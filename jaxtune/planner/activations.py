@@ -176,11 +176,13 @@ def attention_block(w: Widths) -> tuple[int, int, int, int]:
     return w.b, w.heads, block_size(w.T), block_size(w.S)
 
 
-def live_block_fraction(T: int, prefix: int) -> float:
-    """The share of a causal attention's query x key blocks the blockwise kernel computes (the rest the mask
-    removes entirely): all of them for one block, about half for many."""
+def live_block_fraction(T: int, prefix: int, splash: bool = False) -> float:
+    """The share of a causal attention's query x key blocks the kernel computes (the rest the mask removes
+    entirely): all of them for one block, about half for many. Blocks: the blockwise kernel's, or splash's (512,
+    256 or 128 positions, the largest that divides the length)."""
     S = prefix + T
-    bq, bk = block_size(T), block_size(S)
+    bq, bk = ((next(b for b in (512, 256, 128) if n % b == 0) for n in (T, S)) if splash else
+              (block_size(T), block_size(S)))
     nq, nk = -(-T // bq), -(-S // bk)
     live = sum(min(nk, -(-(prefix + (i + 1) * bq) // bk)) for i in range(nq))
     return live / (nq * nk)
@@ -202,11 +204,11 @@ def kernel_elements_per_layer(cfg: ModelConfig) -> int:
     return D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * mlp + D * cfg.num_experts
 
 
-def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int) -> int:
+def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int, splash: bool = False) -> int:
     """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers, over the blocks the causal
-    mask leaves live (`live_block_fraction`)."""
+    mask leaves live (`live_block_fraction`, of splash's blocks or the blockwise kernel's)."""
     dense = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
-    return int(dense * live_block_fraction(seq_len, prefix))
+    return int(dense * live_block_fraction(seq_len, prefix, splash))
 
 
 @dataclass(frozen=True)

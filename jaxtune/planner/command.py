@@ -85,7 +85,9 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
     if config is not None:
         from jaxtune.run_config import load_run_config
 
-        cfg, plan = plan_from_run_config(load_run_config(config))
+        cfg, plan = plan_from_run_config(load_run_config(config), device.family)
+        if compute_dtype is not None:
+            plan = plan.replace(compute_dtype=compute_dtype)
         return cfg, plan, device
     objective = objective_named(objective).name
     if model is not None:
@@ -111,13 +113,14 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
     return cfg, plan, device
 
 
-def plan_from_run_config(config) -> tuple[ModelConfig, TrainPlan]:
-    """(model config, plan) of a `RunConfig` (`jaxtune train`'s TOML): exactly the plan `fine_tune` runs, its
-    objective, the objective's section and second model included (`spine.run.run_plan`)."""
+def plan_from_run_config(config, platform: str | None = None) -> tuple[ModelConfig, TrainPlan]:
+    """(model config, plan) of a `RunConfig` (`jaxtune train`'s TOML): exactly the plan `fine_tune` runs on
+    `platform`'s devices (default this host's), its objective, the objective's section and second model included
+    (`spine.run.run_plan`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
     cfg, stored = model_from_directory(config.model.path)
-    return cfg, spine_run.run_plan(config, stored)
+    return cfg, spine_run.run_plan(config, stored, platform)
 
 
 def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 256, confirm: bool = False,
@@ -162,10 +165,41 @@ def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 2
     if confirm:
         chosen = out["_estimate"][0].plan  # the plan reported: given, or the best found
         chosen = chosen.replace(mesh=MeshConfig(**resolve_mesh(chosen, device)))  # the target's device count
-        confirmation = confirm_plan(cfg, chosen, device)
-        out["compiled"] = confirmation.to_dict()
-        out["_confirm"] = confirmation
+        if device.family == "tpu" and (longest or search_plans):
+            out.update(_search_with_compiler(cfg, chosen, device, out, step, top, longest))
+        else:
+            confirmation = confirm_plan(cfg, chosen, device)
+            out["compiled"] = confirmation.to_dict()
+            out["_confirm"] = confirmation
     return out
+
+
+def _search_with_compiler(cfg: ModelConfig, chosen: TrainPlan, device, out: dict, step: int, top: int,
+                          longest: bool) -> dict:
+    """`--longest-context --confirm` on a TPU slice: the longest context its compiler accepts for the fastest plan,
+    bisected from the planner's in multiples of `step`. `--search --confirm`: the best of the first `top`
+    candidates the compiler accepts, then the largest batch it accepts for that plan (multiples of the rows a
+    batch is split into)."""
+    from jaxtune.planner.compiled_search import largest_accepted
+
+    found: dict = {}
+    if longest:
+        bound = largest_accepted(cfg, chosen, device, "seq_len", chosen.seq_len, step, cfg.max_position_embeddings)
+    else:
+        plans = [c.estimate.plan for c in out["_search"].candidates[:top]] or [chosen]
+        for plan in plans:
+            plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan, device)))
+            confirmation = confirm_plan(cfg, plan, device)
+            found.setdefault("compiled_candidates", []).append(confirmation.to_dict())
+            if confirmation.fits:
+                chosen = plan
+                break
+        ways = batch_ways(resolve_mesh(chosen, device))
+        bound = largest_accepted(cfg, chosen, device, "batch_size", chosen.batch_size, ways,
+                                 max(ways, 8 * chosen.batch_size))
+    found.update({"compiled": bound.confirmation.to_dict(), "_confirm": bound.confirmation,
+                  "compiled_bound": bound.to_dict(), "_bound": bound})
+    return found
 
 
 def _fake_cpu_devices(count: int) -> None:
@@ -274,6 +308,10 @@ def render(result: dict) -> str:
         text = format_estimate(*result["_estimate"])
     if "_confirm" in result:
         text += "\n\n" + format_compiled(result["_confirm"])
+    if "_bound" in result:
+        from jaxtune.planner.compiled_search import format_bound
+
+        text += "\n" + format_bound(result["_bound"], result["_confirm"].topology)
     return text
 
 

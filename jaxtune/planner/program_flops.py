@@ -3,9 +3,11 @@
 XLA's `cost_analysis()` counts a while loop's body once (measured: the TPU compiler's FLOPs of a LoRA step are the
 same for 2, 4 and 8 scanned layers), so for a scanned model it gives about one layer's work. The jaxpr knows every
 loop's length: each `dot_general` counts 2 x its output elements x its contracted size, a `scan` its body times its
-length, a `cond` its costliest branch, a Pallas kernel (splash attention) its body times its grid (or the cost
-estimate it carries), a `shard_map` its body on every device; what the backward and rematerialisation recompute is
-in the traced step already. The count is of the whole program; `per_device` divides by the devices it runs on.
+length, a `cond` its costliest branch, a Pallas kernel its body times its grid (or the cost estimate it carries;
+splash attention's causal grid the n(n+1)/2 of its n x n blocks that run, a sliding window counted as causal), a
+`shard_map` its body on every device; what the backward and rematerialisation recompute is
+in the traced step already. Dead code goes first, as XLA drops it (a custom VJP's cotangents for frozen weights:
+a LoRA step's jaxpr holds every frozen weight's gradient). The count is of the whole program.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ def _eqn_flops(eqn) -> float:
         estimate = params.get("cost_estimate")
         if estimate is not None and getattr(estimate, "flops", None):
             return float(estimate.flops)
-        grid = params["grid_mapping"].grid
-        return math.prod(g for g in grid if isinstance(g, int)) * jaxpr_flops(params["jaxpr"])
+        grid = tuple(g for g in params["grid_mapping"].grid if isinstance(g, int))
+        blocks = math.prod(grid)
+        square = [n for i, n in enumerate(grid) if n in grid[i + 1:]]  # heads x query blocks x key blocks, any order
+        if str(params.get("name", "")).startswith("splash_mha") and square:
+            blocks = blocks * (square[0] + 1) / (2 * square[0])  # causal: n(n+1)/2 of n x n blocks run
+        return blocks * jaxpr_flops(params["jaxpr"])
     if name == "shard_map":
         mesh = params["mesh"]
         manual = params.get("manual_axes", params.get("axis_names", mesh.axis_names))
@@ -58,6 +64,9 @@ def _eqn_flops(eqn) -> float:
 
 
 def step_flops(run) -> float:
-    """FLOPs of one call of a run's step (`spine.run.AbstractRun`), over all its devices."""
-    jaxpr = jax.make_jaxpr(run.step)(run.state, run.frozen, run.second, run.batch)
-    return jaxpr_flops(jaxpr)
+    """FLOPs of one call of a run's step (`spine.run.AbstractRun`), over all its devices, its dead code removed."""
+    from jax._src.interpreters import partial_eval as pe  # JAX's own dead-code pass (scan, cond, jit rules)
+
+    jaxpr = jax.make_jaxpr(run.step)(run.state, run.frozen, run.second, run.batch).jaxpr
+    live, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return jaxpr_flops(live)

@@ -56,12 +56,13 @@ def tpu_slice(device: Device) -> TpuSlice:
     shapes = GENERATIONS.get(generation)
     if device.family != "tpu" or shapes is None:
         raise JaxtuneError(f"{device.target} is not a TPU slice")
+    per_chip = 2 if len(next(iter(shapes.values()))) == 3 else 1  # v4, v5p names count TensorCores
+    name = f"{generation}-{chips * per_chip}"
     if chips not in shapes:
-        per_chip = 2 if len(next(iter(shapes.values()))) == 3 else 1
         sizes = ", ".join(f"{generation}-{n * per_chip}" for n in shapes)
-        raise JaxtuneError(f"{device.target}: Cloud TPU makes no {generation} slice of {chips} chips; slices: {sizes}")
+        raise JaxtuneError(f"{name}: Cloud TPU makes no {generation} slice of {chips} chips; slices: {sizes}")
     single = SINGLE_HOST_CHIPS[generation]
-    return TpuSlice(device.target, generation, chips, shapes[chips], chips if chips <= single else 4)
+    return TpuSlice(name, generation, chips, shapes[chips], chips if chips <= single else 4)
 
 
 def topology_devices(slice_: TpuSlice) -> list:

@@ -5,7 +5,7 @@ Per micro-batch on one device (n = rows x T tokens, P = matmul weights a token p
   FLOPs    forward 2 n P, plus attention (q k^T and probs v: 4 H hd T S per row and layer)
            backward: the input gradients (2 n P) always, the weight gradients (2 n P) only when the weights train;
            attention is recomputed in every backward (jaxtune checkpoints it) and its backward costs twice its
-           forward; remat "full" runs the layer forward once more
+           forward (TPU's splash kernel: 3.5 times, its dq and dk/dv kernels each recomputing the scores); remat "full" runs the layers' forward once more; the chunked loss recomputes its logits (2 n D V)
   bytes    weights read once per forward, backward and recompute; saved activations written and read; logits
   comm     fsdp: weights all-gathered per forward/backward, gradients reduce-scattered; data: gradients
            all-reduced; tensor: two all-reduces of [b, T, D] per layer and pass (Megatron)
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxtune.config.run import batch_ways
+from jaxtune.models.fused_attention import splash_covers
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
 from jaxtune.planner import activations as act
@@ -60,11 +61,17 @@ def step_time(est: Estimate) -> StepTime:
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
     n = rows * plan.seq_len
     matmul = act.matmul_params_per_token(cfg) / tensor
-    attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix) / tensor
+    splash = (dev.family == "tpu" and plan.attention in ("auto", "splash")
+              and splash_covers(plan.seq_len, plan.seq_len + prefix, prefix, True) is None)
+    attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix, splash) / tensor
     weight_grads = plan.method.kind == "full"
     passes = 3 if plan.remat == "full" else 2  # forward, backward (+ recompute)
-    flops = 2 * n * matmul * (1 + 1 + (1 if weight_grads else 0) + (1 if plan.remat == "full" else 0))
-    flops += 4 * attention  # forward, recompute, and a backward of twice the forward
+    head = cfg.hidden_size * cfg.vocab_size / tensor
+    flops = 2 * n * matmul * (1 + 1 + (1 if weight_grads else 0))
+    flops += 2 * n * (matmul - head) * (plan.remat == "full")  # the layers' forward again (not the head's)
+    flops += 2 * n * head  # the chunked loss recomputes its logits in the backward
+    # forward, recompute, a backward of twice the forward; splash's backward: 7 matmuls of the forward's 2
+    flops += (4.5 if splash else 4) * attention
     if plan.method.kind in ("lora", "qlora"):
         lora_params = est.trainable_parameters
         flops += 2 * n * lora_params * 3

@@ -218,17 +218,28 @@ def _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, o
     return RunShardings(state_sh, frozen_sh, second_sh, batch_sh)
 
 
-def run_plan(config, cfg_dtype: str) -> TrainPlan:
+def run_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan:
     """The `TrainPlan` of a run config: what the spine and the planner build from it. cfg_dtype: the checkpoint's
-    stored dtype, for `[model] dtype = "auto"`."""
+    stored dtype, for `[model] dtype = "auto"`; platform: of the devices it runs on ("tpu", "gpu", "gaudi", "cpu";
+    default this process's backend), for `[model] compute_dtype = "auto"`."""
     c = config
     objective = objective_named(c.train.objective)
     section = getattr(c, objective.name) if objective.section else None
     second = objective.second_model(section, c.method)
     return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum, c.model.remat,
-                     c.model.compute_dtype, cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
+                     compute_dtype_for(c.model.compute_dtype, platform or jax.default_backend()),
+                     cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
                      offload=c.offload, attention=c.model.attention, objective=objective.name,
-                     generate_tokens=objective.rollout_tokens(section), section=section, second_model=None if second in (None, "base") else load_config(second))
+                     generate_tokens=objective.rollout_tokens(section), section=section,
+                     second_model=None if second in (None, "base") else load_config(second))
+
+
+def compute_dtype_for(choice: str, platform: str) -> str:
+    """`[model] compute_dtype` on `platform`: "auto" is float32 on a CPU (bfloat16 is emulated on most), bfloat16 on
+    an accelerator."""
+    if choice != "auto":
+        return choice
+    return "float32" if platform == "cpu" else "bfloat16"
 
 
 def per_device_bytes(tree) -> int:

@@ -1,0 +1,271 @@
+"""The planner against the TPU compiler: real model shapes, TPU slices, on this host (no TPU, no weights).
+
+    python experiments/tpu_compile_table.py              # every row not yet in the results file (~40 min, 2 cores)
+    python experiments/tpu_compile_table.py --only 8b    # the rows whose label contains "8b"
+    python experiments/tpu_compile_table.py --table      # the Markdown table of the results file
+    python experiments/tpu_compile_table.py --replan     # the planner's columns again (no compiling), then the table
+
+Each row is a model from its published config.json (Llama-3.2-1B and 3B, Llama-3.1-8B and 70B, Qwen3-8B, Gemma-2-9B,
+Mixtral-8x7B, Qwen3-30B-A3B) with a method, objective, context, slice, mesh and remat policy, compiled by libtpu
+for the slice's topology (`jaxtune.planner.confirm_plan`, in a subprocess a row). Recorded: the planner's bytes per
+device (`Estimate.compiled_bytes`, no runtime reserve) against the compiler's (arguments + temporaries + outputs -
+aliased), the planner's FLOPs (`planner.timing.step_time`) against the program's (every matmul of the traced step,
+loops by their trip counts: `planner.program_flops`) and XLA's `cost_analysis` (which counts a loop body once), the
+compile's seconds on this host, and a step time and MFU *modelled* from the program's FLOPs at the chip's peak
+(never a measurement). Results: experiments/results/tpu_compile_table.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":  # the TPU compiler only: no TPU backend is looked for on this host
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+RESULTS = Path(os.environ.get("TPU_TABLE", Path(__file__).parent / "results" / "tpu_compile_table.json"))
+LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5,
+         "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu", "num_key_value_heads": 8}
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "rms_norm_eps": 1e-6,
+         "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu", "head_dim": 128,
+         "tie_word_embeddings": False}
+# the published config.json of each model, the fields jaxtune reads
+MODELS = {
+    "llama-3.2-1b": {**LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "head_dim": 64, "tie_word_embeddings": True,
+                     "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}},
+    "llama-3.2-3b": {**LLAMA, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                     "num_attention_heads": 24, "head_dim": 128, "tie_word_embeddings": True,
+                     "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}},
+    "llama-3.1-8b": {**LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "head_dim": 128, "tie_word_embeddings": False,
+                     "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0}},
+    "llama-3.1-70b": {**LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64, "head_dim": 128, "tie_word_embeddings": False,
+                      "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0}},
+    "qwen3-8b": {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8},
+    "gemma-2-9b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000,
+                   "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "rms_norm_eps": 1e-6,
+                   "rope_theta": 10000.0, "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh",
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+                     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1000000.0, "max_position_embeddings": 32768, "hidden_act": "silu",
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+                     "sliding_window": None},
+    "qwen3-30b-a3b": {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                      "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+}
+
+# (model, method, objective, tokens a row, batch (examples over all devices), target, mesh, remat)
+ROWS = [
+    ("llama-3.2-1b", "full", "sft", 2048, 8, "v5e-8", "fsdp=8", "none"),
+    ("llama-3.2-1b", "lora", "sft", 2048, 8, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.2-1b", "lora", "sft", 8192, 8, "v5e-8", "fsdp=8", "none"),
+    ("llama-3.2-1b", "qlora", "sft", 4096, 8, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.2-1b", "dora", "sft", 2048, 8, "v5e-8", "fsdp=8", "save_matmuls"),
+    ("llama-3.2-1b", "lora", "dpo", 2048, 4, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.2-1b", "lora", "grpo", 1024, 2, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.2-3b", "full", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    ("llama-3.2-3b", "lora", "sft", 8192, 8, "v6e-8", "fsdp=8", "full"),
+    ("llama-3.2-3b", "lora", "sft", 2048, 8, "v5e-8", "fsdp=4,tensor=2", "save_matmuls"),
+    ("llama-3.2-3b", "qlora", "dpo", 4096, 4, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.2-3b", "lora", "sft", 32768, 8, "v6e-8", "fsdp=8", "full"),
+    ("llama-3.2-3b", "full", "dpo", 2048, 16, "v5p-64", "fsdp=32", "full"),
+    ("llama-3.1-8b", "lora", "sft", 2048, 8, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.1-8b", "full", "sft", 4096, 32, "v5p-64", "fsdp=32", "full"),
+    ("llama-3.1-8b", "qlora", "sft", 8192, 8, "v5e-8", "fsdp=8", "full"),
+    ("llama-3.1-8b", "dora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    ("llama-3.1-8b", "lora", "dpo", 4096, 8, "v6e-8", "fsdp=4,tensor=2", "full"),
+    ("llama-3.1-8b", "lora", "grpo", 2048, 2, "v6e-8", "fsdp=8", "full"),
+    ("llama-3.1-8b", "lora", "sft", 16384, 32, "v5p-64", "fsdp=32", "full"),
+    ("llama-3.1-8b", "full", "sft", 2048, 64, "v6e-64", "fsdp=64", "save_matmuls"),
+    ("llama-3.1-70b", "lora", "sft", 4096, 64, "v5p-128", "fsdp=64", "full"),
+    ("llama-3.1-70b", "qlora", "sft", 8192, 32, "v5p-64", "fsdp=32", "full"),
+    ("llama-3.1-70b", "full", "sft", 2048, 64, "v5p-128", "fsdp=64", "full"),
+    ("llama-3.1-70b", "lora", "sft", 8192, 16, "v6e-64", "fsdp=16,tensor=4", "full"),
+    ("qwen3-8b", "lora", "sft", 4096, 8, "v5e-8", "fsdp=8", "full"),
+    ("qwen3-8b", "full", "sft", 8192, 32, "v5p-64", "fsdp=32", "full"),
+    ("qwen3-8b", "lora", "dpo", 2048, 4, "v6e-8", "fsdp=8", "save_matmuls"),
+    ("qwen3-8b", "qlora", "sft", 32768, 8, "v6e-8", "fsdp=8", "full"),
+    ("gemma-2-9b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    ("gemma-2-9b", "full", "sft", 8192, 32, "v5p-64", "fsdp=32", "full"),
+    ("gemma-2-9b", "qlora", "sft", 2048, 8, "v5e-8", "fsdp=8", "full"),
+    ("mixtral-8x7b", "lora", "sft", 4096, 32, "v5p-64", "fsdp=8,expert=4", "full"),
+    ("mixtral-8x7b", "full", "sft", 2048, 64, "v5p-128", "fsdp=16,expert=4", "full"),
+    ("mixtral-8x7b", "qlora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    ("qwen3-30b-a3b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    ("qwen3-30b-a3b", "full", "sft", 4096, 32, "v5p-64", "fsdp=4,expert=8", "full"),
+    ("qwen3-30b-a3b", "lora", "sft", 2048, 64, "v6e-64", "fsdp=8,expert=8", "save_matmuls"),
+]
+GRPO_TOKENS = 256  # a rollout's new tokens
+
+
+def label(row) -> str:
+    model, method, objective, seq, batch, target, mesh, remat = row
+    return f"{model} {method} {objective} {batch}x{seq} {target} {mesh} remat={remat}"
+
+
+def model_and_plan(row):
+    """(model config, plan, device) of a row."""
+    from jaxtune.config import MethodConfig
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.models.hf_config import config_from_hf
+    from jaxtune.planner import get_device
+    from jaxtune.planner.command import parse_mesh
+
+    model, method, objective, seq, batch, target, mesh, remat = row
+    kind = "lora" if method == "dora" else method
+    targets = ("all-linear",) if kind in ("lora", "qlora") else ()
+    plan = TrainPlan(MethodConfig(kind, rank=16, alpha=32.0, target_modules=targets, dora=method == "dora"),
+                     batch, seq, 1, remat, "bfloat16", "bfloat16", mesh=parse_mesh(mesh), objective=objective,
+                     generate_tokens=GRPO_TOKENS if objective == "grpo" else 0)
+    return config_from_hf(MODELS[model], model), plan, get_device(target)
+
+
+def planner_columns(est) -> dict:
+    from jaxtune.planner.timing import step_time
+
+    return {"planner_bytes": est.compiled_bytes, "planner_fits": est.fits, "usable_bytes": est.device.usable_bytes,
+            "reserve_bytes": est.reserve_bytes, "planner_flops": step_time(est).flops / est.device.count}
+
+
+def replan(result: dict, row) -> dict:
+    """`result` with the planner's columns of today's planner and the program's FLOPs counted again from the traced
+    step (the compiler's bytes stay: nothing is compiled)."""
+    from jaxtune.planner import estimate
+    from jaxtune.planner.confirm import _abstract_run, _mesh
+    from jaxtune.planner.program_flops import step_flops
+    from jaxtune.planner.slices import libtpu_quiet, topology_devices, tpu_slice
+
+    cfg, plan, device = model_and_plan(row)
+    count = math.prod(parse_sizes(result["mesh"]).values())
+    est = estimate(cfg, plan, device.with_count(count))
+    with libtpu_quiet():
+        mesh = _mesh(plan, topology_devices(tpu_slice(device)))
+        flops = step_flops(_abstract_run(cfg, plan, mesh)) / mesh.size
+    out = {**result, **planner_columns(est), "program_flops": flops}
+    out["modelled_step_seconds"] = flops / est.device.peak(plan.compute_dtype)
+    peak = out["compiled_bytes"] + out.get("rollout_extra_bytes", 0)
+    out["compiler_fits"] = not out["over_memory"] and peak + est.reserve_bytes <= est.device.usable_bytes
+    return out
+
+
+def parse_sizes(mesh: str) -> dict:
+    return {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+
+
+def measure(row) -> dict:
+    """Compile one row for its slice and return the planner's and the compiler's figures."""
+    from jaxtune.planner.command import confirm_plan
+
+    cfg, plan, device = model_and_plan(row)
+    start = time.perf_counter()
+    c = confirm_plan(cfg, plan, device)
+    seconds = time.perf_counter() - start
+    compiled = c.compiled
+    out = {"label": label(row), "model": row[0], "method": row[1], "objective": row[2], "seq": row[3],
+           "batch": row[4], "target": row[5], "mesh": row[6], "remat": row[7], "topology": c.topology,
+           "seconds": round(seconds, 1), "compile_seconds": round(compiled.compile_seconds, 1),
+           "compiled_bytes": compiled.total_bytes, "argument_bytes": compiled.argument_bytes,
+           "temp_bytes": compiled.temp_bytes, "over_memory": compiled.over_memory, "attention": compiled.attention,
+           "compiler_fits": c.fits, "program_flops": compiled.flops, "xla_flops": compiled.xla_flops,
+           "xla_bytes_accessed": compiled.xla_bytes_accessed, "collectives": compiled.collectives,
+           **planner_columns(c.estimate)}
+    out.update(c.modelled_step())
+    if c.rollout is not None:
+        out["rollout_bytes"] = c.rollout.total_bytes
+        out["rollout_extra_bytes"] = c.peak_bytes - compiled.total_bytes
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """The Markdown table (MiB per device; relative errors of the planner against the compiler)."""
+    mib = 1 << 20
+    lines = ["| configuration | planner MiB | compiler MiB | planner vs compiler | planner FLOPs vs program | "
+             "XLA cost_analysis FLOPs / program | modelled step s (MFU ceiling) | fits: planner / compiler | compile s |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['label']} | | | error: {r['error'][:80]} | | | | | |")
+            continue
+        compiled = r["compiled_bytes"] if not r["over_memory"] else None
+        bytes_err = f"{r['planner_bytes'] / compiled - 1:+.1%}" if compiled else "compiler refused (over HBM)"
+        mfu = r["planner_flops"] / r["program_flops"] if r["program_flops"] else 0.0
+        lines.append(
+            f"| {r['label']} | {r['planner_bytes'] / mib:,.0f} | "
+            f"{compiled / mib if compiled else r['compiled_bytes'] / mib:,.0f} | {bytes_err} | "
+            f"{r['planner_flops'] / r['program_flops'] - 1:+.1%} | {r['xla_flops'] / r['program_flops']:.3f} | "
+            f"{r['modelled_step_seconds']:.3f} ({mfu:.0%}) | {'yes' if r['planner_fits'] else 'no'} / "
+            f"{'yes' if r['compiler_fits'] else 'no'} | {r['compile_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict]) -> str:
+    ok = [r for r in results if "error" not in r and not r["over_memory"]]
+    errs = [r["planner_bytes"] / r["compiled_bytes"] - 1 for r in ok]
+    flops = [r["planner_flops"] / r["program_flops"] - 1 for r in ok if r["program_flops"]]
+    wrong_fits = [r["label"] for r in results if "error" not in r and r["planner_fits"] and not r["compiler_fits"]]
+    return (f"{len(ok)} compiled configurations: planner vs compiler bytes median {statistics.median(errs):+.1%}, "
+            f"median |error| {statistics.median(map(abs, errs)):.1%}, worst {max(errs, key=abs):+.1%}; FLOPs "
+            f"median {statistics.median(flops):+.1%}, worst {max(flops, key=abs):+.1%}; planner says fits where "
+            f"the compiler does not: {len(wrong_fits)} {wrong_fits}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="rows whose label contains this")
+    parser.add_argument("--table", action="store_true", help="print the results file's table")
+    parser.add_argument("--again", action="store_true", help="recompile rows already in the results file")
+    parser.add_argument("--replan", action="store_true", help="recompute the planner's columns, compile nothing")
+    parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # one row, in a subprocess
+    args = parser.parse_args()
+    if args.row is not None:
+        print(json.dumps(measure(ROWS[args.row])))
+        return
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+    if args.replan:
+        rows = {label(row): row for row in ROWS}
+        results = [r if "error" in r else replan(r, rows[r["label"]]) for r in results]
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    elif not args.table:
+        done = {r["label"] for r in results if "error" not in r}
+        for i, row in enumerate(ROWS):
+            if args.only not in label(row) or (label(row) in done and not args.again):
+                continue
+            out = subprocess.run([sys.executable, __file__, "--row", str(i)], capture_output=True, text=True,
+                                 timeout=3600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            lines = out.stdout.strip().splitlines()
+            if out.returncode == 0 and lines:
+                result = json.loads(lines[-1])
+            else:
+                result = {"label": label(row), "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+            results = [r for r in results if r["label"] != label(row)] + [result]
+            results.sort(key=lambda r: [label(x) for x in ROWS].index(r["label"]))
+            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+            print(result.get("error") or f"{label(row)}: planner {result['planner_bytes'] / 2**20:,.0f} MiB, "
+                  f"compiler {result['compiled_bytes'] / 2**20:,.0f} MiB, compiled in "
+                  f"{result['compile_seconds']:.0f} s", flush=True)
+    print(table(results))
+    print()
+    print(summary(results))
+
+
+if __name__ == "__main__":
+    main()
