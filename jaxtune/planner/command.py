@@ -253,7 +253,7 @@ class Confirmation:
             return {"skipped": self.skipped, "estimate_device": self.estimate.device.target}
         out = {**self.compiled.to_dict(), "estimate_bytes": self.estimate.compiled_bytes,
                "estimate_device": self.estimate.device.target,
-               "relative_error": self.estimate.compiled_bytes / self.compiled.total_bytes - 1,
+               "peak_bytes": self.peak_bytes, "relative_error": self.estimate.compiled_bytes / self.peak_bytes - 1,
                "remat": self.estimate.plan.remat, "fits": self.fits, "reserve_bytes": self.estimate.reserve_bytes,
                "usable_bytes": self.estimate.device.usable_bytes}
         if self.rollout is not None:

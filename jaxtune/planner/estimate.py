@@ -87,12 +87,15 @@ RULES = {
 
 
 def _tiled_bytes(shape, itemsize: int) -> int:
-    """Bytes of an array laid out in (rows, 128) tiles over its last two dimensions."""
+    """Bytes of an array laid out in (rows, 128) tiles over its last two dimensions, in the order that pads least
+    (the TPU compiler lays a [D, r] LoRA factor out with D minor: measured, experiments/tpu_compile_table.py)."""
     shape = tuple(shape) or (1,)
     rows = 8 * max(1, 4 // itemsize)
     *lead, last = shape
     second = lead.pop() if lead else 1
-    return math.prod(lead) * (-(-second // rows) * rows) * (-(-last // 128) * 128) * itemsize
+    padded = lambda sublanes, lanes: (-(-sublanes // rows) * rows) * (-(-lanes // 128) * 128)
+    tiles = min(padded(second, last), padded(last, second))
+    return math.prod(lead) * tiles * itemsize
 
 
 @dataclass(frozen=True)

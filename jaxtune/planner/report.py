@@ -70,7 +70,8 @@ def format_compiled(confirmation) -> str:
         f"{c['argument_bytes']:.3f} + temporaries {c['temp_bytes']:.3f} + outputs {c['output_bytes']:.3f} - aliased "
         f"{c['alias_bytes']:.3f} = {c['total_bytes']:.3f} {unit}",
         f"planner, the same plan on {est.device.target}, without the runtime reserve: {est.compiled_bytes / scale:.3f} "
-        f"{unit} ({100 * (est.compiled_bytes / compiled.total_bytes - 1):+.1f}%)"]
+        f"{unit} ({100 * (est.compiled_bytes / confirmation.peak_bytes - 1):+.1f}%"
+        f"{' of the peak, the rollout' if confirmation.peak_bytes > compiled.total_bytes else ''})"]
     if confirmation.rollout is not None:
         lines.append(f"GRPO's rollout (one device): {confirmation.rollout.total_bytes / scale:.3f} {unit}, with the "
                      f"optimizer state beside it {confirmation.peak_bytes / scale:.3f} {unit} at the iteration's peak")

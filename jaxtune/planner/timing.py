@@ -5,7 +5,8 @@ Per micro-batch on one device (n = rows x T tokens, P = matmul weights a token p
   FLOPs    forward 2 n P, plus attention (q k^T and probs v: 4 H hd T S per row and layer)
            backward: the input gradients (2 n P) always, the weight gradients (2 n P) only when the weights train;
            attention is recomputed in every backward (jaxtune checkpoints it) and its backward costs twice its
-           forward (TPU's splash kernel: 3.5 times, its dq and dk/dv kernels each recomputing the scores); remat "full" runs the layers' forward once more; the chunked loss recomputes its logits (2 n D V)
+           forward (TPU's splash kernel: 3.5 times, its dq and dk/dv kernels each recomputing the scores); remat
+           "full" runs the layers' forward once more; the chunked loss recomputes its logits (2 n D V)
   bytes    weights read once per forward, backward and recompute; saved activations written and read; logits
   comm     fsdp: weights all-gathered per forward/backward, gradients reduce-scattered; data: gradients
            all-reduced; tensor: two all-reduces of [b, T, D] per layer and pass (Megatron)
