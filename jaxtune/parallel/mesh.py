@@ -23,12 +23,19 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
     """A Mesh over `devices` (default: all of `jax.devices()`) with axes ("data", "fsdp", "expert", "tensor").
 
     `jax.make_mesh` orders the devices by the physical topology (rings on a TPU slice); `tensor` is the innermost
-    axis, so tensor-parallel partners are neighbours, the pairs with the fastest links.
+    axis, so tensor-parallel partners are neighbours, the pairs with the fastest links. Sizes that do not tile the
+    slice's physical axes (fsdp=16 x tensor=4 on a v6e-64's 8x8) split a physical axis instead of failing.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = config.resolve(len(devices))
-    return jax.make_mesh([sizes[name] for name in MESH_AXES], MESH_AXES,
-                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    shape, types = [sizes[name] for name in MESH_AXES], (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    except NotImplementedError:  # axes that do not tile the slice's physical axes (fsdp=16 x tensor=4 on 8x8)
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=types)
 
 
 def abstract_mesh(config: MeshConfig, num_devices: int) -> AbstractMesh:

@@ -225,8 +225,8 @@ class Confirmation:
 
     @property
     def peak_bytes(self) -> int:
-        """The compiled per-device bytes of the iteration's peak: the step's, or GRPO's rollout's with the optimizer
-        state beside it."""
+        """The compiled per-device bytes of the iteration's peak: the step's, or GRPO's rollout's (on the same mesh)
+        with the optimizer state beside it."""
         step = self.compiled.total_bytes
         return max(step, self.rollout.total_bytes + self.estimate.optimizer_bytes) if self.rollout else step
 
@@ -282,7 +282,7 @@ def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device) -> Confirmat
         devices = topology_devices(slice_)
         with libtpu_quiet():
             compiled = compile_step(cfg, plan, devices)
-            rollout = compile_rollout(cfg, plan, devices[0]) if plan.generate_tokens else None
+            rollout = compile_rollout(cfg, plan, devices) if plan.generate_tokens else None
         return Confirmation(compiled, estimate(cfg, plan, target.with_count(count)), topology=describe(slice_),
                             rollout=rollout)
     if target.family in ("gpu", "gaudi") and family != target.family:

@@ -144,23 +144,25 @@ def traced_on(mesh):
     return traced_on(mesh)
 
 
-def compile_rollout(cfg: ModelConfig, plan: TrainPlan, device=None) -> CompiledMemory:
-    """XLA's memory of GRPO's rollout on one device: jaxtune's generation program (prefill, then a `while_loop`
-    of cached decode steps) sampling `plan.generate_tokens` tokens after prompts of `seq_len - generate_tokens` for
+def compile_rollout(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMemory:
+    """XLA's memory of GRPO's rollout per device: jaxtune's generation program (prefill, then a `while_loop` of
+    cached decode steps) sampling `plan.generate_tokens` tokens after prompts of `seq_len - generate_tokens` for
     all `rows x grad_accum` rows of an optimizer step at once (as the trainer does), from the policy's weights as
-    the step holds them (float32 trainable masters + the frozen base). The optimizer state, alive beside it but not
-    an argument, is not in this figure."""
+    the step holds them (float32 trainable masters + the frozen base). devices: None for one device of this
+    backend; else the plan's mesh of them (a TPU slice's), the weights split as the run splits them and the prompts
+    on every device, as the trainer's rollout on a mesh runs. The optimizer state, alive beside it but not an
+    argument, is not in this figure."""
     from jaxtune.generation import _generate
     from jaxtune.methods.transform import combine
 
     if plan.generate_tokens < 1:
         raise JaxtuneError("a rollout needs generate_tokens of at least 1 (objective grpo)")
-    mesh = _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None if device is None else [device])
+    mesh = _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None) if devices is None else _mesh(plan, devices)
     run = _abstract_run(cfg, plan, mesh)
     state, frozen = run.state, run.frozen
     rows, prompt = rows_of(plan) * plan.grad_accum, plan.seq_len - plan.generate_tokens
     prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
-    on_mesh = NamedSharding(mesh, PartitionSpec())  # the rollout's device, a TPU slice's one for a TPU target
+    on_mesh = NamedSharding(mesh, PartitionSpec())  # the prompts and sampling values on every device
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_mesh)
     key = jax.eval_shape(jax.random.key, 0)
     options = ForwardOptions(compute_dtype=plan.compute_dtype, attention=plan.attention)

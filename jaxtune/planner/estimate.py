@@ -250,7 +250,7 @@ class RunBytes:
     base_parameters: int
     loading_device: int
     loading_host: int
-    largest_trainable: int  # the largest trainable leaf, whole
+    largest_trainable: int  # the largest trainable leaf outside the layer stacks, whole
 
 
 def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> RunBytes:
@@ -272,8 +272,16 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
                     _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
                     _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
                     *_loading_transient(run, tiled),
-                    max((math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(run.state["params"])),
-                        default=0))
+                    _largest_outside_layers(run.state["params"]))
+
+
+def _largest_outside_layers(params) -> int:
+    """Bytes of the largest trainable leaf outside the layer stacks (the head, the embedding table): its gradient
+    is summed whole on each device before an fsdp mesh splits it. A stacked layer's gradient is split inside the
+    layer scan, one layer at a time (a 70B full fine-tune's [80, 8192, 28672] MLP stack is no such leaf)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    outside = [x for path, x in leaves if not any(getattr(k, "key", None) == "layers" for k in path)]
+    return max((math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in outside), default=0)
 
 
 def _loading_transient(run, tiled: bool) -> tuple[int, int]:
