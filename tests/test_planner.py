@@ -137,6 +137,21 @@ def test_arguments_are_exact(name):
     assert abs(args - compile_step(SMALL, plan).argument_bytes) < 64  # step counters and the RNG key
 
 
+def test_qlora_of_a_mixture_is_planned_with_its_exact_arguments():
+    """A mixture's expert stacks quantised ([L, E, in, out] NF4 leaves; planning one crashed): the estimate's
+    arguments equal XLA's, and its loading figure counts a slice of one expert's kernel."""
+    from jaxtune.models.presets import ARCH_NAMES, family_traits
+
+    cfg = ModelConfig(architecture=ARCH_NAMES["mixtral"], vocab_size=8000, hidden_size=256, intermediate_size=704,
+                      num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, **family_traits("mixtral", 4))
+    plan = TrainPlan(MethodConfig("qlora", target_modules=("all-linear",), target_parameters=(
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj")), 4, 256, 1, "none")
+    est = estimate(cfg, plan, get_device("cpu"))
+    args = est.frozen_bytes + est.trainable_bytes + est.optimizer_bytes + est.batch_bytes
+    assert abs(args - compile_step(cfg, plan).argument_bytes) < 64
+    assert 0 < est.loading_bytes
+
+
 @pytest.mark.slow
 def test_estimate_on_the_four_meshes_agrees_with_the_sharded_step():
     """fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2 (and DPO on fsdp=8) on 8 fake CPU devices: the per-device

@@ -58,7 +58,9 @@ ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score block
 class FamilyRules:
     """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
-    dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (XLA:CPU's `ragged_dot`).
+    dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU,
+    and on the TPU compiler: its cost analysis of a Qwen3-30B-A3B step counts 10x the routed FLOPs, and its memory
+    was 2-11x an estimate without this, experiments/tpu_compile_table.py).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     activation_itemsize: int | None
@@ -75,7 +77,7 @@ RULES = {
                        "and autotuning scratch (our assumption)"),
     "tpu": FamilyRules(None, True, 128 * MiB, 0.0,
                        "128 MiB for the program and collective buffers (our assumption); padding to (8, 128) tiles "
-                       "is counted in every array"),
+                       "is counted in every array", dense_grouped_matmul=True),
     "gaudi": FamilyRules(None, False, 1 * GiB, 0.05,
                          "graph mode: 1 GiB + 5% for the compiled graphs' recipe cache and workspace (our "
                          "assumption)"),
@@ -297,7 +299,7 @@ def _loading_transient(run, tiled: bool) -> tuple[int, int]:
         host = max(sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in jax.tree.leaves(q)) for q in quantized)
         slices = []
         for q in quantized:
-            d_in, d_out = full_shape(q)[1:]
+            d_in, d_out = full_shape(q)[-2:]  # [L, in, out], or [L, E, in, out] for a mixture's experts
             int8 = isinstance(q, Int8Array)
             start, stop = row_slices(d_out, d_in, 1 if int8 else NF4_BLOCKSIZE)[0]
             slices.append(((stop - start, d_in), np.dtype(q.dtype).name, int8))
