@@ -462,6 +462,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if extra_models_b:
         notes.append(f"{plan.objective}: its second model (a frozen reference copy or a teacher) beside the policy")
     kv_b = _rollout_kv(cfg, plan, w, nbytes) if plan.generate_tokens else 0
+    if cfg.num_experts and device.family == "tpu":
+        notes.append("a mixture on TPU: the TPU compiler's program for Mixtral-8x7B held 2-7x this estimate "
+                     "(experiments/tpu_compile_table.py); `--confirm` compiles it for the slice")
 
     # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
@@ -489,14 +492,18 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # while it runs, one layer's working set over all the rollout's prompt tokens: its attention (one layer's
         # scores, their softmax and the masked scores: ROLLOUT_SCORE_COPIES [b, H, bq, bk] float32 blocks) or its
         # MLP (gate, up and their product, and the layer's input, norm and output, measured on XLA:CPU), or the
-        # cache being padded; the weights are cast to the compute dtype once for the whole generation
+        # cache being padded; the weights are cast to the compute dtype once for the whole generation (those that
+        # are not in it already: measured against the TPU compiler, experiments/tpu_compile_table.py)
         prompt = plan.seq_len - plan.generate_tokens
         rollout_rows = w.b * plan.grad_accum
         scores = nbytes((rollout_rows, w.heads, block_size(prompt), block_size(w.S)), 4)
         prefill_mlp = 3 * nbytes((rollout_rows, prompt, w.F + w.D), a)
         prompt_kv = kv_b * prompt // w.S
         working = max(int(ROLLOUT_SCORE_COPIES * scores), prefill_mlp, kv_b)
-        cast = n_total * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
+        # weights not already in the compute dtype: float32 masters, and a frozen base stored otherwise or quantised
+        frozen_widened = method.kind == "qlora" or plan.param_dtype != plan.compute_dtype
+        widened = n_trainable + (n_total - n_trainable if frozen_widened else 0)
+        cast = widened * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
         phases["generate"] = {"activations": prompt_kv + working, "gradients": 0, "weight_copies": cast}
     for p in phases.values():
         p["total"] = sum(p.values())
