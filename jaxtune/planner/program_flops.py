@@ -18,7 +18,7 @@ import jax
 from jax.extend import core
 
 # primitives whose sub-jaxprs run once per call (their parameters holding a jaxpr under one of these names)
-_SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "fwd_jaxpr_thunk")
+_SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 def jaxpr_flops(jaxpr) -> float:
