@@ -171,11 +171,10 @@ def compile_check(run, accelerator: str, config_path: Path) -> str:
     target = get_device(accelerator.replace("v5litepod", "v5e"))
     try:
         cfg, plan = plan_from_run_config(run, "tpu")
-    except JaxtuneError as e:
-        raise JaxtuneError(f"the compile check reads the model here: {e} (--no-compile-check to launch without "
-                           "it)") from None
-    plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan, target)))
-    confirmation = confirm_plan(cfg, plan, target)
+        plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan, target)))
+        confirmation = confirm_plan(cfg, plan, target)
+    except JaxtuneError as e:  # the model not readable here, no libtpu, a slice Cloud TPU does not make
+        raise JaxtuneError(f"the compile check: {e} (--no-compile-check to launch without it)") from None
     c = confirmation.compiled
     figures = (f"the step compiled for {confirmation.topology} needs {confirmation.peak_bytes / 2**30:.2f} GiB a chip "
                f"+ {confirmation.estimate.reserve_bytes / 2**30:.2f} GiB reserve, of "

@@ -100,3 +100,29 @@ def test_an_unknown_slice_names_the_sizes_that_exist(capsys):
 
     assert main(["plan", "--params", "100", "--target", "v5p-24", "--confirm"]) == 2
     assert "v5p-24: Cloud TPU makes no v5p slice of 12 chips; slices: v5p-8, v5p-16, v5p-32" in capsys.readouterr().err
+
+
+def test_launch_without_a_tpu_compiler_says_what_to_install_before_any_gcloud_command(tmp_path, monkeypatch, capsys):
+    """`launch tpu` on a host without libtpu: one line naming what to install and how to launch without the check;
+    no gcloud command is printed."""
+    from jax.experimental import topologies
+
+    from jaxtune.cli import main
+    from jaxtune.models.presets import write_random_model
+
+    def no_plugin(**kwargs):
+        raise RuntimeError("Unknown backend tpu")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    model = write_random_model(tmp_path / "model", "llama")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\npath = "{model}"\n[data]\ntrain = "{tmp_path}/train.jsonl"\n[train]\n'
+                      'output_dir = "gs://bucket/run"\nbatch_size = 4\n')
+    assert main(["launch", "tpu", "--name", "t", "--zone", "z", "--accelerator", "v5e-4", "--dry-run", "--", "train",
+                 str(config)]) == 2
+    out = capsys.readouterr()
+    assert "+ gcloud" not in out.out
+    assert out.err.strip() == ('jaxtune: error: the compile check: the TPU compiler is not installed here (Unknown '
+                               'backend tpu); pip install "jaxtune[tpu]" (libtpu, the TPU compiler; it runs on any '
+                               'Linux x86-64 host) (--no-compile-check to launch without it)')
