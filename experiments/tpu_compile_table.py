@@ -227,11 +227,12 @@ def table(results: list[dict]) -> str:
         assigned = r.get("assigned_bytes", 0) + r.get("rollout_extra_bytes", 0) if r.get("assigned_bytes") else 0
         if assigned:
             bytes_err += f" / {r['planner_bytes'] / assigned - 1:+.1%}"
+        flops = (f"{r['planner_flops'] / r['program_flops'] - 1:+.1%} | {r['xla_flops'] / r['program_flops']:.3f} | "
+                 f"{r['modelled_step_seconds']:.3f} ({mfu:.0%})" if r["program_flops"] else "| | ")
         lines.append(
             f"| {r['label']} | {r['planner_bytes'] / mib:,.0f} | "
             f"{compiled / mib if compiled else r['compiled_bytes'] / mib:,.0f} / {assigned / mib:,.0f} | {bytes_err} | "
-            f"{r['planner_flops'] / r['program_flops'] - 1:+.1%} | {r['xla_flops'] / r['program_flops']:.3f} | "
-            f"{r['modelled_step_seconds']:.3f} ({mfu:.0%}) | {'yes' if r['planner_fits'] else 'no'} / "
+            f"{flops} | {'yes' if r['planner_fits'] else 'no'} / "
             f"{'yes' if r['compiler_fits'] else 'no'} | {r['compile_seconds']:.0f} |")
     return "\n".join(lines)
 

@@ -384,6 +384,48 @@ def mixtures() -> dict:
     return out
 
 
+def megablox() -> dict:
+    """The TPU grouped matmul (megablox, in Pallas' interpreter) in place of ragged_dot: a full fine-tune of a tiny
+    Mixtral and Qwen3-MoE (every expert's kernels train: gmm's and tgmm's backward) and LoRA on a Qwen2-MoE's
+    experts, 4 steps on one device, fsdp=8 (every device every expert), fsdp=2 x expert=4 (rows gathered over the
+    expert axis, local experts, partial sums reduce-scattered) and expert=8 against ragged_dot on one device:
+    {arch: {mesh: largest relative loss difference}}."""
+    from jaxtune.models import moe
+    from jaxtune.models.presets import tiny_model_config
+
+    lora = MethodConfig("lora", rank=4, target_modules=("q_proj",),
+                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    out = {}
+    for arch, method in (("mixtral", METHODS["full"]), ("qwen2_moe", lora), ("qwen3_moe", METHODS["full"])):
+        cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, output_router_logits=True,
+                                router_aux_loss_coef=0.1)
+        base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+        params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
+        trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+        losses = {}
+        for mesh, config, kernel in (("ragged_dot", MeshConfig(fsdp=1), moe.expert_kernel),
+                                     ("one", MeshConfig(fsdp=1), lambda: ("megablox", True)),
+                                     ("fsdp=8", MeshConfig(fsdp=8), lambda: ("megablox", True)),
+                                     ("fsdp=2 x expert=4", MeshConfig(fsdp=2, expert=4), lambda: ("megablox", True)),
+                                     ("expert=8", MeshConfig(fsdp=1, expert=8), lambda: ("megablox", True))):
+            plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
+            devices = jax.devices()[:1] if config.fsdp * config.expert == 1 else None
+            chosen, moe.expert_kernel = moe.expert_kernel, kernel
+            try:
+                run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
+                state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
+                losses[mesh] = []
+                for batch in batches()[:4]:
+                    state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
+                    losses[mesh].append(float(metrics["loss"]))
+            finally:
+                moe.expert_kernel = chosen
+        out[arch] = {mesh: relative_diff(losses[mesh], losses["ragged_dot"]) for mesh in losses if mesh != "ragged_dot"}
+    return out
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     if sys.argv[1] == "load":
@@ -396,6 +438,8 @@ if __name__ == "__main__":
         print(json.dumps(loop(sys.argv[2], sys.argv[3:])))
     elif sys.argv[1] == "planner":
         print(json.dumps(planner()))
+    elif sys.argv[1] == "megablox":
+        print(json.dumps(megablox()))
     elif sys.argv[1] == "families":
         print(json.dumps(families()))
     elif sys.argv[1] == "splash":

@@ -58,6 +58,8 @@ def test_the_step_compiles_for_a_tpu_slice_with_the_tpu_kernels(arch, accelerato
     assert compiled.backend == "tpu" and compiled.attention == "splash"
     assert 0 < compiled.total_bytes < 64 * 2**20 and compiled.flops > compiled.xla_flops > 0
     assert compiled.collectives["all-gather" if mesh.fsdp > 1 else "all-reduce"]["count"] > 0
+    # experts: megablox's grouped matmul where the mesh has no tensor axis (ragged_dot is dense on TPU)
+    assert compiled.grouped_matmul == ("" if arch == "llama" else "megablox" if mesh.tensor == 1 else "ragged_dot")
     blockwise = compile_step(cfg, plan.replace(attention="blockwise"), tpu_devices(accelerator))
     assert blockwise.attention == "blockwise"
 
@@ -144,6 +146,24 @@ def test_program_flops_count_loops_by_their_trip_counts():
     assert jaxpr_flops(jax.make_jaxpr(jax.grad(f, argnums=1))(x, ws)) == 3 * 5 * 2 * 8 * 16 * 16
     xla = jax.jit(jax.grad(f, argnums=1)).lower(x, ws).compile().cost_analysis()
     assert xla["flops"] < 2 * 2 * 8 * 16 * 16 * 3  # one trip of the loop, not five
+
+
+def test_program_flops_count_megablox_by_the_rows_of_the_local_experts():
+    """A megablox grouped matmul of 256 rows over E = 4 groups with the kernels of 2 of them (a device of a 2-way
+    expert axis) counts half of 2 x 256 x 64 x 96 FLOPs, and its backward (gmm for the rows, tgmm for the kernels)
+    twice that again; ragged_dot over all 4 groups counts every row."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtune.models.moe import megablox_matmul
+    from jaxtune.planner.program_flops import jaxpr_flops
+
+    x, kernels, sizes = jnp.ones((256, 64)), jnp.ones((2, 64, 96)), jnp.array([100, 50, 60, 46], jnp.int32)
+    local = lambda x, w: megablox_matmul(x, {"kernel": w}, sizes, jnp.asarray(2), 1.0, True).sum()  # noqa: E731
+    assert jaxpr_flops(jax.make_jaxpr(local)(x, kernels)) == 2 * 256 * 64 * 96 / 2
+    assert jaxpr_flops(jax.make_jaxpr(jax.grad(local, argnums=(0, 1)))(x, kernels)) == 3 * 2 * 256 * 64 * 96 / 2
+    every = lambda x, w: jax.lax.ragged_dot(x, w, sizes).sum()  # noqa: E731
+    assert jaxpr_flops(jax.make_jaxpr(every)(x, jnp.ones((4, 64, 96)))) == 2 * 256 * 64 * 96
 
 
 def test_plan_search_confirm_compiles_the_best_candidate_and_bisects_its_batch(tmp_path):

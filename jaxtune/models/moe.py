@@ -3,8 +3,13 @@
 Each token's router logits x W_r [E] (in the compute dtype) go through a float32 softmax; the token goes to its
 `experts_per_token` most probable experts, weighted by their probabilities (renormalised to sum to 1 when
 `normalize_top_k`). The N x K (token, expert) assignments are sorted by expert and every expert's gated MLP runs
-as one grouped matmul over its contiguous rows (`jax.lax.ragged_dot`: no loop over experts, no capacity, no token
-dropped), then each token sums its K weighted outputs.
+as one grouped matmul over its contiguous rows (no loop over experts, no capacity, no token dropped), then each
+token sums its K weighted outputs. The grouped matmul is `jax.lax.ragged_dot`, except on TPU, whose compiler turns
+ragged_dot into a dense matmul per expert over every row (E times the FLOPs, and [E, N K, F] buffers: 59 GiB a chip
+for Mixtral-8x7B's LoRA step on v5p-64): there each device runs Pallas' megablox grouped matmul (`gmm`, its own
+backward) on its rows and experts (`shard_map`). When the expert axis splits the experts, a device gathers the rows of
+its expert group, computes only its own experts' (`group_offset`: the others' rows stay zero) and the group's partial
+sums are reduce-scattered back to the rows' devices.
 
 The router's load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4-6, as transformers'
 `load_balancing_loss_func`) needs two sums per layer over the real tokens: how many of their K assignments went
@@ -19,7 +24,15 @@ import jax.numpy as jnp
 from jaxtune.config import ModelConfig
 from jaxtune.models.linear import dense, kernel_of
 from jaxtune.models.params import EXPERT_AXES
-from jaxtune.parallel.rules import gathered
+from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
+
+
+
+def gmm_tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """megablox's tiles for an [m, k] x [k, n] product (its backward's too): rows 512, 256 or 128 (m is padded to
+    128), contraction and output 1,024 or the whole dimension where it is not a multiple of 128 (Mosaic's rule)."""
+    whole_or = lambda x, tile: x if x <= tile or x % 128 else tile  # noqa: E731
+    return next(t for t in (512, 256, 128) if m % t == 0), whole_or(k, 1024), whole_or(n, 1024)
 
 
 def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -44,6 +57,12 @@ def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axe
     return y_MxO + lora_scale * jax.lax.ragged_dot(xa_MxR, module["lora_b"].astype(x_MxI.dtype), group_sizes_E)
 
 
+def expert_kernel() -> tuple[str, bool]:
+    """(the grouped matmul for the platform the step is compiled for: "megablox" on TPU, else "ragged_dot";
+    whether megablox runs in Pallas' interpreter: never where it is chosen, tests force it off TPU)."""
+    return ("megablox" if platform_in_context() == "tpu" else "ragged_dot"), False
+
+
 def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT: jax.Array, gated,
                    lora_scale: float = 1.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(the experts' weighted sum [B, T, D], (assignments [E], probability sums [E] over the valid tokens)).
@@ -51,22 +70,100 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     gated(gate, up): the experts' activation (`llama.GATED`); lora_scale: of LoRA on the expert stacks."""
     B, T, D = x_BxTxD.shape
     K, E = cfg.experts_per_token, cfg.num_experts
-    x_NxD = x_BxTxD.reshape(B * T, D)
-    probs_NxE, weights_NxK, experts_NxK = route(x_NxD, layer["router"], cfg)
+    probs_NxE, weights_NxK, experts_NxK = route(x_BxTxD.reshape(B * T, D), layer["router"], cfg)
+    kernel, interpret = expert_kernel()
+    mesh = mesh_in_context()
+    if kernel == "megablox" and (mesh is None or mesh.shape["tensor"] == 1):
+        out_BxTxD = _megablox_experts(x_BxTxD, weights_NxK.reshape(B, T, K), experts_NxK.reshape(B, T, K),
+                                      layer["experts"], gated, lora_scale, E, interpret)
+    else:
+        experts = layer["experts"]
+        matmul = lambda x, name, sizes_E: grouped_matmul(x, experts[name], sizes_E, EXPERT_AXES[name],  # noqa: E731
+                                                         lora_scale)
+        out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E,
+                                 matmul).reshape(B, T, D)
+    valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
+    assigned_E = jnp.zeros(E, jnp.float32).at[experts_NxK.reshape(-1)].add(jnp.repeat(valid_N, K))
+    prob_sums_E = jnp.sum(probs_NxE.astype(jnp.float32) * valid_N[:, None], axis=0)
+    return out_BxTxD, (assigned_E, prob_sums_E)
+
+
+def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumulate=None) -> jax.Array:
+    """Every token's K experts' gated MLPs, weighted and summed: [N, D] (in `accumulate`'s dtype if given).
+    matmul(x_MxI, "gate_up_proj" or "down_proj", group_sizes_E): that stack's grouped matmul over rows sorted by
+    expert."""
+    N, K = experts_NxK.shape
     expert_M = experts_NxK.reshape(-1)  # M = N K assignments, token-major
     order_M = jnp.argsort(expert_M, stable=True)
     sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
     x_MxD = x_NxD[order_M // K]
-    experts = layer["experts"]
-    gate_up_Mx2F = grouped_matmul(x_MxD, experts["gate_up_proj"], sizes_E, EXPERT_AXES["gate_up_proj"], lora_scale)
-    hidden_MxF = gated(*jnp.split(gate_up_Mx2F, 2, axis=-1))
-    y_MxD = grouped_matmul(hidden_MxF, experts["down_proj"], sizes_E, EXPERT_AXES["down_proj"], lora_scale)
-    y_NxKxD = y_MxD[jnp.argsort(order_M)].reshape(B * T, K, D)
-    out_NxD = jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK.astype(y_NxKxD.dtype))
-    valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
-    assigned_E = jnp.zeros(E, jnp.float32).at[expert_M].add(jnp.repeat(valid_N, K))
-    prob_sums_E = jnp.sum(probs_NxE.astype(jnp.float32) * valid_N[:, None], axis=0)
-    return out_NxD.reshape(B, T, D), (assigned_E, prob_sums_E)
+    hidden_MxF = gated(*jnp.split(matmul(x_MxD, "gate_up_proj", sizes_E), 2, axis=-1))
+    y_MxD = matmul(hidden_MxF, "down_proj", sizes_E)
+    y_NxKxD = y_MxD[jnp.argsort(order_M)].reshape(N, K, y_MxD.shape[-1])
+    dtype = accumulate or y_NxKxD.dtype
+    return jnp.einsum("nkd,nk->nd", y_NxKxD.astype(dtype), weights_NxK.astype(dtype))
+
+
+def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gated, lora_scale: float, E: int,
+                      interpret: bool) -> jax.Array:
+    """The mixture's output [B, T, D] by megablox on every device's rows: with an expert axis that splits the
+    experts, rows gathered over it, each device's own experts computed, partial sums reduce-scattered back."""
+    dtype = x_BxTxD.dtype
+    stacks = {name: {leaf: (kernel_of(module, dtype) if leaf == "kernel" else value)
+                     for leaf, value in module.items() if leaf in ("kernel", "lora_a", "lora_b")}
+              for name, module in experts.items()}
+    stacks = {name: {leaf: gathered(value, EXPERT_AXES[name][1:]) for leaf, value in module.items()}
+              for name, module in stacks.items()}
+    mesh = mesh_in_context()
+    expert_axes, row_axes = ((), ()) if mesh is None else (mesh_axes_of(("experts",), (E,), mesh.shape)[0],
+                                                             mesh_axes_of(("batch",), x_BxTxD.shape[:1], mesh.shape)[0])
+    gather_rows = bool(expert_axes) and set(expert_axes) <= set(row_axes)
+
+    def rows(x, weights, chosen, stacks):  # per device: [b, T, D], [b, T, K] x 2, the local experts' stacks
+        b, T, D = x.shape
+        x_NxD, weights_NxK, experts_NxK = x.reshape(b * T, D), weights.reshape(b * T, -1), chosen.reshape(b * T, -1)
+        if gather_rows:
+            x_NxD, weights_NxK, experts_NxK = (jax.lax.all_gather(a, expert_axes, tiled=True)
+                                               for a in (x_NxD, weights_NxK, experts_NxK))
+        local = stacks["down_proj"]["kernel"].shape[0]
+        offset = jax.lax.axis_index(expert_axes) * local if expert_axes else 0
+        matmul = lambda x, name, sizes_E: megablox_matmul(  # noqa: E731
+            x, stacks[name], sizes_E, jnp.asarray(offset, jnp.int32), lora_scale, interpret)
+        out_NxD = _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E, matmul,
+                               accumulate=jnp.promote_types(dtype, jnp.float32))
+        if gather_rows:
+            out_NxD = jax.lax.psum_scatter(out_NxD, expert_axes, scatter_dimension=0, tiled=True)
+        elif expert_axes:
+            out_NxD = jax.lax.psum(out_NxD, expert_axes)
+        return out_NxD.astype(dtype).reshape(b, T, D)
+
+    if mesh is None:
+        return rows(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
+    rows_spec = to_spec([row_axes, (), ()])
+    stack_specs = jax.tree.map(lambda v: to_spec([expert_axes, (), ()]), stacks)
+    return jax.shard_map(rows, mesh=mesh, in_specs=(rows_spec, rows_spec, rows_spec, stack_specs),
+                         out_specs=rows_spec, check_vma=False)(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
+
+
+def megablox_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, offset: jax.Array, lora_scale: float,
+                    interpret: bool) -> jax.Array:
+    """Rows sorted by expert times the local experts' kernels [E_local, in, out] (experts offset.. offset +
+    E_local of group_sizes_E; other rows come out zero), LoRA's two grouped matmuls added as in `grouped_matmul`;
+    rows padded to megablox's tile."""
+    M = x_MxI.shape[0]
+    padded = -(-M // 128) * 128
+    x_MxI = jnp.pad(x_MxI, ((0, padded - M), (0, 0)))
+
+    def gmm(x, kernel):
+        from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+        return megablox.gmm(x, kernel.astype(x.dtype), group_sizes_E, x.dtype, gmm_tiles, offset, None, False,
+                            interpret)
+
+    y = gmm(x_MxI, module["kernel"])
+    if "lora_a" in module:
+        y = y + lora_scale * gmm(gmm(x_MxI, module["lora_a"]), module["lora_b"])
+    return y[:M]
 
 
 def router_loss(assigned_LxE: jax.Array, prob_sums_LxE: jax.Array, tokens: jax.Array) -> jax.Array:

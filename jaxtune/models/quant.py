@@ -304,9 +304,28 @@ def dequantize(q: QuantizedArray | BitPattern) -> jax.Array:
     lead = q.codes.shape[:-1]
     d_in, d_out = q.shape
     absmax = absmax_of(q)
+    if d_in % q.blocksize == 0:
+        return _nf4_matrix(q.codes, absmax, d_in, d_out, q.blocksize).astype(q.dtype)
     idx_xE = jnp.stack([q.codes >> 4, q.codes & 0xF], axis=-1).reshape(*lead, -1)
     x_xN = _dequantize_blocks(idx_xE, absmax, NF4_CODE, q.blocksize)[..., : d_in * d_out]
     return jnp.swapaxes(x_xN.reshape(*lead, d_out, d_in), -1, -2).astype(q.dtype)
+
+
+def _nf4_matrix(codes_xH: jax.Array, absmax_xK: jax.Array, d_in: int, d_out: int, blocksize: int) -> jax.Array:
+    """NF4 codes of [d_out, d_in] (bitsandbytes' order: the transposed matrix, two codes a byte, first high) and
+    their block absmax -> the float32 matrix [..., d_in, d_out], for d_in a multiple of the block size.
+
+    Byte j of output row o holds inputs 2j (high) and 2j + 1 (low), so the high and low codes, transposed, are the
+    even and odd rows: W viewed as [d_in / 2, 2 d_out] is [high | low]. No array has a dimension of 2 or of a block's
+    64: on TPU such a minor dimension is padded to 128 lanes (an [n, 2] unpacking of Mixtral's expert codes took
+    30 GB a chip)."""
+    *lead, _ = codes_xH.shape
+    code = jnp.asarray(NF4_CODE)
+    codes_xIxO = jnp.swapaxes(codes_xH.reshape(*lead, d_out, d_in // 2), -1, -2)
+    scale_xBxO = jnp.swapaxes(absmax_xK.reshape(*lead, d_out, d_in // blocksize), -1, -2)
+    scale_xIxO = jnp.repeat(scale_xBxO, blocksize // 2, axis=-2)  # [..., d_in / 2, d_out]: a byte row's block
+    high, low = code[codes_xIxO >> 4] * scale_xIxO, code[codes_xIxO & 0xF] * scale_xIxO
+    return jnp.concatenate([high, low], axis=-1).reshape(*lead, d_in, d_out)
 
 
 def column_multiple(q: QuantizedArray) -> int:
@@ -341,6 +360,8 @@ def dequantize_columns(q: QuantizedArray, start: jax.Array, width: int, absmax: 
     absmax = absmax_of(q) if absmax is None else absmax
     codes_xH = jax.lax.dynamic_slice_in_dim(q.codes, start * d_in // 2, width * d_in // 2, axis=-1)
     absmax_xK = jax.lax.dynamic_slice_in_dim(absmax, start * d_in // q.blocksize, width * d_in // q.blocksize, axis=-1)
+    if d_in % q.blocksize == 0:
+        return _nf4_matrix(codes_xH, absmax_xK, d_in, width, q.blocksize).astype(q.dtype)
     idx_xE = jnp.stack([codes_xH >> 4, codes_xH & 0xF], axis=-1).reshape(*codes_xH.shape[:-1], -1)
     x_xN = _dequantize_blocks(idx_xE, absmax_xK, NF4_CODE, q.blocksize)
     return jnp.swapaxes(x_xN.reshape(*x_xN.shape[:-1], width, d_in), -1, -2).astype(q.dtype)

@@ -63,6 +63,8 @@ class Widths:
     heads: int
     kv_heads: int
     head_dim: int
+    megablox: bool = False  # a mixture's experts run megablox (TPU): its internals are no matmuls a policy saves
+    expert_rows: int = 1  # the rows a device's experts see, as multiples of its own (gathered over the expert axis)
 
 
 def mlp_width(cfg: ModelConfig) -> int:
@@ -72,15 +74,19 @@ def mlp_width(cfg: ModelConfig) -> int:
     return cfg.experts_per_token * cfg.expert_size + cfg.shared_expert_size
 
 
-def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int) -> Widths:
+def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, megablox: bool = False,
+           expert: int = 1) -> Widths:
     """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
-    as jaxtune.parallel's rules split the weights)."""
+    as jaxtune.parallel's rules split the weights); with `megablox` a mixture's rows are gathered over the `expert`
+    devices that split its experts (`models/moe.py`)."""
     split = lambda n: n // tensor if n % tensor == 0 else n
     heads_split = cfg.num_kv_heads % tensor == 0
     return Widths(rows, seq_len, prefix + seq_len, cfg.hidden_size, split(cfg.q_size), split(cfg.kv_size),
                   split(mlp_width(cfg)), split(cfg.vocab_size),
                   cfg.num_heads // tensor if heads_split else cfg.num_heads,
-                  cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim)
+                  cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim,
+                  megablox and bool(cfg.num_experts),
+                  expert if megablox and cfg.num_experts and cfg.num_experts % expert == 0 else 1)
 
 
 def _trains_input(method, module: str, adapted: dict) -> bool:
@@ -136,8 +142,16 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [(f"{m} x A", (b, T, lora[m]), False) for m in lora]
     if cfg.num_experts and policy != "full":
         K = cfg.experts_per_token
-        saved += [("router probabilities", (b, T, cfg.num_experts), True),
-                  ("tokens sorted by expert", (b, T, K * w.D), False), ("expert outputs", (b, T, K * w.D), False)]
+        saved.append(("router probabilities", (b, T, cfg.num_experts), True))
+        if policy == "none" or not w.megablox:
+            saved += [("tokens sorted by expert", (b, T, K * w.D), False), ("expert outputs", (b, T, K * w.D), False)]
+        if policy == "none":
+            saved += expert_group_tensors(cfg, w)
+        elif w.megablox:  # save_matmuls: megablox's products are recomputed, not saved (its kernel is no dot)
+            shared = cfg.shared_expert_size  # (megablox runs where no tensor axis splits the MLP)
+            saved = [t for t in saved if t[0] not in ("gate", "up")]
+            saved += [("shared expert gate", (b, T, shared), False), ("shared expert up", (b, T, shared), False)
+                      ] if shared else []
     if method.kind == "ia3":
         saved += [(f"{m} output", out_width[m], False) for m in adapted if m != "down_proj"]
     if method.kind == "adapter":
@@ -145,6 +159,20 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
             saved += [(f"{where} adapter input", (b, T, w.D), False),
                       (f"{where} adapter hidden", (b, T, 2 * method.adapter_size), False)]
     return saved
+
+
+def expert_group_tensors(cfg: ModelConfig, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
+    """What a layer's megablox mixture holds beyond its own rows' share when the rows of its expert group are
+    gathered (`models/moe.py`): the other devices' tokens, their K expert inputs, gate and up, SwiGLU outputs and
+    expert outputs (zero where another device's experts take them, but there), and the group's float32 sums."""
+    others = w.b * (w.expert_rows - 1)
+    if not others:
+        return []
+    K, T, D, Fe = cfg.experts_per_token, w.T, w.D, cfg.expert_size
+    return [("the expert group's rows", (others, T, D), False), ("their expert inputs", (others, T, K * D), False),
+            ("their gate and up", (others, T, 2 * K * Fe), False), ("their SwiGLU output", (others, T, K * Fe), False),
+            ("their expert outputs", (others, T, K * D), False),
+            ("the group's weighted sums", (w.b * w.expert_rows, T, D), True)]
 
 
 def grouped_matmul_elements(cfg: ModelConfig, w: Widths, experts_train: bool) -> int:

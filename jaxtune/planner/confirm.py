@@ -30,7 +30,8 @@ class CompiledMemory:
     FLOPs a device (`program_flops.py`: loops by their trip counts), XLA's own FLOPs and bytes accessed a device
     (`cost_analysis`, which counts a loop body once: about one layer of a scanned model), its collectives ({op:
     {"count", "bytes"}}: each op as often as the program text has it, a loop body's once, and the bytes it
-    produces), the attention kernel in it ("splash", "cudnn" or "blockwise"), the platform it was compiled for and
+    produces), the attention kernel in it ("splash", "cudnn" or "blockwise"), a mixture's grouped matmul ("megablox",
+    "ragged_dot"; "" without experts), the platform it was compiled for and
     how long that took. A program the compiler refused for want of memory (the TPU compiler checks each chip's HBM)
     has `over_memory`, the memory it had, and its temporaries as the compiler counted them."""
 
@@ -46,6 +47,7 @@ class CompiledMemory:
     xla_bytes_accessed: float = 0.0
     collectives: dict = field(default_factory=dict)
     attention: str = "blockwise"
+    grouped_matmul: str = ""
     over_memory: int = 0  # > 0: the compiler refused the program, over this many bytes of device memory
 
     @property
@@ -197,7 +199,8 @@ def _memory(compiled, seconds: float, platform: str, flops: float = 0.0) -> Comp
     text = compiled.as_text()
     return CompiledMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
                           m.temp_size_in_bytes, host, platform, seconds, flops, float(cost.get("flops", 0.0)),
-                          float(cost.get("bytes accessed", 0.0)), collectives(text), attention_kernel(text))
+                          float(cost.get("bytes accessed", 0.0)), collectives(text), attention_kernel(text),
+                          grouped_matmul_kernel(text))
 
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -228,3 +231,11 @@ def attention_kernel(hlo: str) -> str:
     if "__cudnn$fmha" in hlo:
         return "cudnn"
     return "blockwise"
+
+
+def grouped_matmul_kernel(hlo: str) -> str:
+    """A mixture's grouped matmul in a compiled program: Pallas megablox (TPU custom calls `gmm`, `tgmm`),
+    `lax.ragged_dot` (dense per expert on TPU), or "" (no mixture)."""
+    if re.search(r"%t?gmm[.\d]* = [^\n]*custom-call", hlo):
+        return "megablox"
+    return "ragged_dot" if "ragged-dot" in hlo or "ragged_dot" in hlo else ""

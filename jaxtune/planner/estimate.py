@@ -58,9 +58,8 @@ ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score block
 class FamilyRules:
     """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
-    dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU,
-    and on the TPU compiler: its cost analysis of a Qwen3-30B-A3B step counts 10x the routed FLOPs, and its memory
-    was 2-11x an estimate without this, experiments/tpu_compile_table.py).
+    dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU;
+    on TPU jaxtune runs megablox instead, except on a mesh with a tensor axis, where ragged_dot is dense there too).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     activation_itemsize: int | None
@@ -77,7 +76,7 @@ RULES = {
                        "and autotuning scratch (our assumption)"),
     "tpu": FamilyRules(None, True, 128 * MiB, 0.0,
                        "128 MiB for the program and collective buffers (our assumption); padding to (8, 128) tiles "
-                       "is counted in every array", dense_grouped_matmul=True),
+                       "is counted in every array"),
     "gaudi": FamilyRules(None, False, 1 * GiB, 0.05,
                          "graph mode: 1 GiB + 5% for the compiled graphs' recipe cache and workspace (our "
                          "assumption)"),
@@ -88,16 +87,19 @@ RULES = {
 }
 
 
-def _tiled_bytes(shape, itemsize: int) -> int:
+def _tiled_bytes(shape, itemsize: int, stored: bool = False) -> int:
     """Bytes of an array laid out in (rows, 128) tiles over its last two dimensions, in the order that pads least
-    (the TPU compiler lays a [D, r] LoRA factor out with D minor: measured, experiments/tpu_compile_table.py)."""
-    shape = tuple(shape) or (1,)
+    (the TPU compiler lays a [D, r] LoRA factor out with D minor); a `stored` array (a weight, a moment) over any
+    two of its dimensions (QLoRA's expert codes [L, E, n] are laid out over (L, n) rather than padding E = 8 to 32
+    rows). Measured, experiments/tpu_compile_table.py."""
+    shape = tuple(shape) if len(shape) > 1 else (1, *shape) if shape else (1, 1)
+    if not math.prod(shape):
+        return 0
     rows = 8 * max(1, 4 // itemsize)
-    *lead, last = shape
-    second = lead.pop() if lead else 1
-    padded = lambda sublanes, lanes: (-(-sublanes // rows) * rows) * (-(-lanes // 128) * 128)
-    tiles = min(padded(second, last), padded(last, second))
-    return math.prod(lead) * tiles * itemsize
+    padded = lambda sublanes, lanes: (-(-sublanes // rows) * rows) * (-(-lanes // 128) * 128)  # noqa: E731
+    n = len(shape)
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j] if stored else [(n - 2, n - 1), (n - 1, n - 2)]
+    return itemsize * min(padded(shape[i], shape[j]) * math.prod(shape) // (shape[i] * shape[j]) for i, j in pairs)
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,7 @@ def _device_bytes(tree, tiled: bool) -> int:
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(tuple(leaf.shape))
         itemsize = np.dtype(leaf.dtype).itemsize
-        total += _tiled_bytes(shape, itemsize) if tiled else math.prod(shape) * itemsize
+        total += _tiled_bytes(shape, itemsize, stored=True) if tiled else math.prod(shape) * itemsize
     return total
 
 
@@ -253,6 +255,7 @@ class RunBytes:
     loading_device: int
     loading_host: int
     largest_trainable: int  # the largest trainable leaf outside the layer stacks, whole
+    layer_trainable: int  # the trainable layer stacks' bytes a device
 
 
 def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> RunBytes:
@@ -274,7 +277,8 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
                     _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
                     _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
                     *_loading_transient(run, tiled),
-                    _largest_outside_layers(run.state["params"]))
+                    _largest_outside_layers(run.state["params"]),
+                    _device_bytes(run.state["params"].get("layers", {}), tiled))
 
 
 def _largest_outside_layers(params) -> int:
@@ -408,7 +412,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                            f"{data} x {fsdp} x {sizes['expert']} = {ways} devices; use a multiple of {ways} rows")
     rows = total_rows // ways
     prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
-    w = act.widths(cfg, rows, plan.seq_len, prefix, tensor)
+    megablox = device.family == "tpu" and tensor == 1  # `models/moe.py`: ragged_dot where a tensor axis splits
+    w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"])
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
@@ -468,11 +473,24 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
 
     # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
-    if rules.dense_grouped_matmul:
+    if rules.dense_grouped_matmul or (device.family == "tpu" and tensor > 1):
         backward_workspace += act.grouped_matmul_elements(cfg, w, method.kind == "full") * a
+    if device.family == "tpu" and plan.remat == "full":
+        # the TPU compiler's program holds about two layers' backward working sets: its memory_analysis exceeds
+        # its own buffer assignment by 0.8-1.0 of the one-layer estimate over 20 LoRA, QLoRA and DoRA rows of
+        # experiments/tpu_compile_table.py (the cause is not in the dumped HLO; a pipelined backward loop fits)
+        backward_workspace += int(0.45 * acts.workspace)
 
-    # The three moments of the step.
-    grads_in_flight = grad_b
+    # The TPU compiler's program (live ranges of Llama-3.1-8B's full fine-tune on v5p-64, experiments/
+    # tpu_compile_table.py): with float32 moments, 16-bit layer gradients leave the backward loop in float32 (the
+    # update's convert is moved into the loop), and the embedding's gradient is scattered into a whole table and
+    # all-reduced whole (two whole tables) at the end of the backward; where the micro-batch has fewer tokens than
+    # the vocabulary, the compiler moves [tokens, D] rows instead (Llama-3.2-3B's DPO on v5p-64).
+    wide_gradients = (held.layer_trainable if device.family == "tpu" and plan.offload.moments_dtype == "float32"
+                      and jnp.dtype(plan.param_dtype).itemsize == 2 else 0)
+
+    # The moments of the step.
+    grads_in_flight = grad_b + wide_gradients
     largest_gradient = held.largest_trainable // tensor  # summed whole on each device, then split over fsdp
     phases = {
         "loss": {"activations": acts.saved + logits_b, "gradients": largest_gradient,
@@ -481,6 +499,10 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                      "weight_copies": residual_copies + layer_copies},
         "update": {"activations": 0, "gradients": grad_b + largest_gradient // fsdp, "weight_copies": 0},
     }
+    if device.family == "tpu" and fsdp > 1 and largest_gradient:
+        rows_moved = min(cfg.vocab_size, total_rows * plan.seq_len) / cfg.vocab_size
+        phases["embedding gradient"] = {"activations": 0, "weight_copies": 0,
+                                        "gradients": grads_in_flight + int(2 * rows_moved * largest_gradient)}
     offload = plan.offload
     if device.family == "cpu" and (offload.optimizer_state or offload.frozen_params):
         offload = replace(offload, optimizer_state=False, frozen_params=False)

@@ -4,7 +4,8 @@ XLA's `cost_analysis()` counts a while loop's body once (measured: the TPU compi
 same for 2, 4 and 8 scanned layers), so for a scanned model it gives about one layer's work. The jaxpr knows every
 loop's length: each `dot_general` counts 2 x its output elements x its contracted size, a `scan` its body times its
 length, a `cond` its costliest branch, a Pallas kernel its body times its grid (or the cost estimate it carries;
-splash attention's causal grid the n(n+1)/2 of its n x n blocks that run, a sliding window counted as causal), a
+splash attention's causal grid the n(n+1)/2 of its n x n blocks that run, a sliding window counted as causal;
+megablox's grouped matmuls each row once, its groups sharing the rows evenly), a
 `shard_map` its body on every device; what the backward and rematerialisation recompute is
 in the traced step already. Dead code goes first, as XLA drops it (a custom VJP's cotangents for frozen weights:
 a LoRA step's jaxpr holds every frozen weight's gradient). The count is of the whole program.
@@ -43,6 +44,8 @@ def _eqn_flops(eqn) -> float:
     if name == "cond":
         return max(jaxpr_flops(branch) for branch in params["branches"])
     if name == "pallas_call":
+        if _is_megablox(eqn):
+            return _megablox_flops(eqn)
         estimate = params.get("cost_estimate")
         if estimate is not None and getattr(estimate, "flops", None):
             return float(estimate.flops)
@@ -61,6 +64,24 @@ def _eqn_flops(eqn) -> float:
         if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)):
             return jaxpr_flops(sub)
     return 0.0
+
+
+def _is_megablox(eqn) -> bool:
+    """A megablox grouped matmul (`gmm` or `tgmm`): a grid bounded by its active tiles and four index operands
+    (group offsets [E + 1], group ids, row-tile ids, the first group computed)."""
+    grid = eqn.params["grid_mapping"]
+    return grid.num_dynamic_grid_bounds == 1 and grid.num_index_operands == 4
+
+
+def _megablox_flops(eqn) -> float:
+    """A megablox kernel's FLOPs: each row of its E_local groups' once, the rows shared evenly by the E groups of
+    group_sizes (gmm: [m, k] x [E_local, k, n] -> [m, n]; tgmm: [m, k] and [m, n] -> [E_local, k, n])."""
+    groups = eqn.invars[1].aval.shape[0] - 1
+    first, second = (v.aval.shape for v in eqn.invars[5:7])
+    out = eqn.outvars[0].aval.shape
+    if len(out) == 2:  # gmm: every row through its group's [k, n], the local groups' share of the rows
+        return 2.0 * math.prod(out) * first[1] * second[0] / groups
+    return 2.0 * math.prod(out) * first[0] / groups  # tgmm: each local group's [k, n] over its share of m
 
 
 def step_flops(run) -> float:

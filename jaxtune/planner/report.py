@@ -88,7 +88,8 @@ def format_compiled(confirmation) -> str:
             f"{confirmation.estimate.reserve_bytes / GiB:.2f} GiB of {est.device.usable_bytes / GiB:.2f} GiB usable: "
             f"{verdict}",
             f"program: {compiled.flops / 1e12:.3f} TFLOP of matmuls a device, loops by their trip counts (planner: "
-            f"{model['planner_flops'] / 1e12:.3f}); attention kernel {compiled.attention}, remat {est.plan.remat}; "
+            f"{model['planner_flops'] / 1e12:.3f}); attention kernel {compiled.attention}"
+            f"{', experts by ' + compiled.grouped_matmul if compiled.grouped_matmul else ''}, remat {est.plan.remat}; "
             f"collectives (each once, a loop body's too): {collectives}",
             f"modelled, not measured: {model['modelled_step_seconds'] * 1e3:.1f} ms a step at the chip's peak FLOP/s"]
     return "\n".join(lines)
