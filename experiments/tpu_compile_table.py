@@ -143,8 +143,9 @@ def model_and_plan(row):
 def planner_columns(est) -> dict:
     from jaxtune.planner.timing import step_time
 
+    t = step_time(est)  # its FLOPs against the step's program: GRPO's rollout is a program of its own
     return {"planner_bytes": est.compiled_bytes, "planner_fits": est.fits, "usable_bytes": est.device.usable_bytes,
-            "reserve_bytes": est.reserve_bytes, "planner_flops": step_time(est).flops / est.device.count}
+            "reserve_bytes": est.reserve_bytes, "planner_flops": (t.flops - t.rollout_flops) / est.device.count}
 
 
 def replan(result: dict, row) -> dict:

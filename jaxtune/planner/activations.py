@@ -254,19 +254,21 @@ class ActivationBytes:
 
 def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
                      logits_copies: int = 2, global_rows: int | None = None,
-                     input_itemsize: int | None = None) -> ActivationBytes:
+                     input_itemsize: int | None = None, loose_nbytes=None) -> ActivationBytes:
     """The activation terms for `policy`, with `itemsize` bytes per activation value, `nbytes(shape, itemsize)` the
     bytes an array of that shape occupies on the device (tiles on TPU), and `logits_copies` [b, T, V] float32
     chunk buffers alive at the loss (the objective's `Objective.logits_copies`, measured on XLA:CPU; a chunk holds
     `head.chunk_length` tokens a row, set by the `global_rows` of the whole micro-batch (default b), all T of a
     short sequence). `input_itemsize`: bytes per value of the layer inputs full remat keeps, when not `itemsize`
-    (a 16-bit input is kept as its bits, `models/remat.py`, where XLA:CPU would widen other activations)."""
-    size = lambda tensors: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
+    (a 16-bit input is kept as its bits, `models/remat.py`, where XLA:CPU would widen other activations).
+    `loose_nbytes`: the bytes of an array inside one layer's backward, where the compiler lays it out freely (TPU:
+    a [b, T, H, 64] array untiled along its 64), if not `nbytes`."""
+    size = lambda tensors, nbytes=nbytes: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
     block = attention_block(w)
     attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
     if block_size(w.T) < w.T or block_size(w.S) < w.S:  # the accumulators: small beside whole scores otherwise
         attention += nbytes((w.b, w.heads, w.T, w.head_dim), 4) + 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), 4)
-    workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w)))
+    workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w), loose_nbytes or nbytes))
     workspace += adapter_backward_elements(cfg, method, w) * itemsize
     logits_one = nbytes((w.b, chunk_length(global_rows or w.b, w.T, cfg.vocab_size), w.V), 4)
     saved = saved_tensors(cfg, method, policy, w)

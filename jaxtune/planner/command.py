@@ -244,7 +244,8 @@ class Confirmation:
         the share of those FLOPs the planner counts as the step's useful work."""
         device, compute = self.estimate.device, self.estimate.plan.compute_dtype
         seconds = self.compiled.flops / device.peak(compute)
-        useful = step_time(self.estimate).flops / device.count
+        planned = step_time(self.estimate)  # the step's FLOPs (a GRPO rollout is a program of its own)
+        useful = (planned.flops - planned.rollout_flops) / device.count
         return {"modelled_step_seconds": seconds, "planner_flops": useful,
                 "useful_share": useful / self.compiled.flops if self.compiled.flops else 0.0}
 

@@ -41,6 +41,7 @@ from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
+from jaxtune.models.fused_attention import splash_covers
 from jaxtune.models.head import chunk_length
 from jaxtune.models.linear import gathered_piece_bytes
 from jaxtune.models.params import abstract_params, count_params
@@ -423,7 +424,11 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     objective = objective_named(plan.objective)
 
     acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows,
-                                jnp.dtype(plan.compute_dtype).itemsize)
+                                jnp.dtype(plan.compute_dtype).itemsize,
+                                (lambda shape, size: _tiled_bytes(shape, size, True)) if tiled else None)
+    if device.family == "tpu" and plan.attention in ("auto", "splash") and splash_covers(
+            plan.seq_len, plan.seq_len + prefix, prefix, True) is None:
+        acts = replace(acts, attention=0)  # splash keeps its score blocks in VMEM, not HBM
     logits_b = acts.logits
     # a frozen 16-bit head under wider compute is read from its bits a piece at a time where a device's share of
     # it is larger than a piece (`linear.pieces_of`)
@@ -460,6 +465,15 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
             gathered = (layer_kernels // cfg.num_layers) * 2 // tensor
         else:
             gathered = (layer_kernels // cfg.num_layers) * a // tensor
+        if megablox and cfg.num_experts:
+            # megablox gathers a device's own experts whole (the expert axis splits them), not a piece at a time;
+            # QLoRA dequantises their whole stack at once, its float32 values beside (Mixtral-8x7B on v6e-8,
+            # experiments/tpu_compile_table.py)
+            experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_size
+            local = experts // sizes["expert"]
+            gathered += local * 2 if stored and tensor == 1 and not method.dora else (local - experts) * a
+            if method.kind == "qlora":
+                gathered += experts * 4 // (fsdp * sizes["expert"])
         copies_b += forwards * gathered
     layer_copies = 0 if fsdp > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
 
@@ -467,31 +481,36 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if extra_models_b:
         notes.append(f"{plan.objective}: its second model (a frozen reference copy or a teacher) beside the policy")
     kv_b = _rollout_kv(cfg, plan, w, nbytes) if plan.generate_tokens else 0
-    if cfg.num_experts and device.family == "tpu":
-        notes.append("a mixture on TPU: the TPU compiler's program for Mixtral-8x7B held 2-7x this estimate "
-                     "(experiments/tpu_compile_table.py); `--confirm` compiles it for the slice")
+    if cfg.num_experts and device.family == "tpu" and tensor > 1:
+        notes.append("a mixture on a TPU mesh with a tensor axis runs ragged_dot, which the TPU compiler makes a dense "
+                     "matmul per expert over every row (megablox runs without a tensor axis); `--confirm` compiles it")
 
     # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
     if rules.dense_grouped_matmul or (device.family == "tpu" and tensor > 1):
         backward_workspace += act.grouped_matmul_elements(cfg, w, method.kind == "full") * a
     if device.family == "tpu" and plan.remat == "full":
-        # the TPU compiler's program holds about two layers' backward working sets: its memory_analysis exceeds
-        # its own buffer assignment by 0.8-1.0 of the one-layer estimate over 20 LoRA, QLoRA and DoRA rows of
-        # experiments/tpu_compile_table.py (the cause is not in the dumped HLO; a pipelined backward loop fits)
+        # The TPU compiler's program holds about two layers' backward working sets (a pipelined backward loop fits
+        # what it shows; the cause is not in the dumped HLO): its memory_analysis exceeds its own buffer assignment
+        # by 0.8-1.0 of a layer's working set on TPU, 0.45 of this estimate's one (LoRA, QLoRA and DoRA rows of
+        # experiments/tpu_compile_table.py); in a full fine-tune, with each of the two a layer's whole float32
+        # weight gradient before its reduce-scatter (a device's experts' share of a mixture's).
         backward_workspace += int(0.45 * acts.workspace)
-
-    # The TPU compiler's program (live ranges of Llama-3.1-8B's full fine-tune on v5p-64, experiments/
-    # tpu_compile_table.py): with float32 moments, 16-bit layer gradients leave the backward loop in float32 (the
-    # update's convert is moved into the loop), and the embedding's gradient is scattered into a whole table and
-    # all-reduced whole (two whole tables) at the end of the backward; where the micro-batch has fewer tokens than
-    # the vocabulary, the compiler moves [tokens, D] rows instead (Llama-3.2-3B's DPO on v5p-64).
-    wide_gradients = (held.layer_trainable if device.family == "tpu" and plan.offload.moments_dtype == "float32"
-                      and jnp.dtype(plan.param_dtype).itemsize == 2 else 0)
+        if method.kind == "full" and fsdp > 1:
+            experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_size
+            per_layer = layer_kernels // cfg.num_layers - experts + experts // sizes["expert"]
+            backward_workspace += 2 * per_layer * 4 // tensor
 
     # The moments of the step.
-    grads_in_flight = grad_b + wide_gradients
+    grads_in_flight = grad_b
     largest_gradient = held.largest_trainable // tensor  # summed whole on each device, then split over fsdp
+
+    # The TPU compiler's program (live ranges of Llama-3.1-8B's full fine-tune on v5p-64, experiments/
+    # tpu_compile_table.py): the embedding's gradient is scattered into a whole table in the compute dtype and
+    # all-reduced whole (two whole tables) at the end of the backward; where the micro-batch has fewer tokens than the
+    # vocabulary, the compiler moves [tokens, D] rows instead (Llama-3.2-3B's DPO on v5p-64).
+    whole_table = largest_gradient * jnp.dtype(plan.compute_dtype).itemsize // 4  # (trainable leaves: float32)
+    whole_table = int(whole_table * min(cfg.vocab_size, total_rows * plan.seq_len) / cfg.vocab_size)
     phases = {
         "loss": {"activations": acts.saved + logits_b, "gradients": largest_gradient,
                  "weight_copies": residual_copies},
@@ -500,9 +519,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         "update": {"activations": 0, "gradients": grad_b + largest_gradient // fsdp, "weight_copies": 0},
     }
     if device.family == "tpu" and fsdp > 1 and largest_gradient:
-        rows_moved = min(cfg.vocab_size, total_rows * plan.seq_len) / cfg.vocab_size
-        phases["embedding gradient"] = {"activations": 0, "weight_copies": 0,
-                                        "gradients": grads_in_flight + int(2 * rows_moved * largest_gradient)}
+        phases["embedding gradient"] = {"activations": 0, "gradients": grads_in_flight + 2 * whole_table,
+                                        "weight_copies": 0}
     offload = plan.offload
     if device.family == "cpu" and (offload.optimizer_state or offload.frozen_params):
         offload = replace(offload, optimizer_state=False, frozen_params=False)

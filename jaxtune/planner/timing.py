@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxtune.config.run import batch_ways
+from jaxtune.config.targets import adapted_modules
 from jaxtune.models.fused_attention import splash_covers
+from jaxtune.models.params import linear_shapes
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
 from jaxtune.planner import activations as act
@@ -49,6 +51,7 @@ class StepTime:
     step_s: float
     tokens_per_s: float
     bound: str
+    rollout_flops: float = 0.0  # of `flops`: GRPO's rollout decode, a program of its own
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -69,17 +72,32 @@ def step_time(est: Estimate) -> StepTime:
     passes = 3 if plan.remat == "full" else 2  # forward, backward (+ recompute)
     head = cfg.hidden_size * cfg.vocab_size / tensor
     flops = 2 * n * matmul * (1 + 1 + (1 if weight_grads else 0))
-    flops += 2 * n * (matmul - head) * (plan.remat == "full")  # the layers' forward again (not the head's)
+    if plan.remat == "full":  # the layers' forward again, but for the head and each layer's last matmul (the MLP's
+        # down projection, whose output only the residual add reads; Gemma's post-MLP norm reads it too)
+        # (a mixture's experts' outputs are read by the routing weights' gradient)
+        last = 0 if cfg.sandwich_norms or cfg.num_experts else cfg.hidden_size * act.mlp_width(cfg) / tensor
+        flops += 2 * n * (matmul - head - cfg.num_layers * last)
     flops += 2 * n * head  # the chunked loss recomputes its logits in the backward
-    # forward, recompute, a backward of twice the forward; splash's backward: 7 matmuls of the forward's 2
-    flops += (4.5 if splash else 4) * attention
+    if cfg.num_experts and dev.family == "tpu" and tensor == 1 and plan.remat == "save_matmuls":
+        # megablox's products are no dots the policy saves: the routed experts' forward runs again in the backward
+        flops += 2 * n * cfg.num_layers * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.expert_size
+    # forward, a backward of twice the forward (splash's: 7 matmuls of the forward's 2), full remat's recompute
+    flops += ((3.5 if splash else 3) + 1 + (plan.remat == "full")) * attention
     if plan.method.kind in ("lora", "qlora"):
         lora_params = est.trainable_parameters
         flops += 2 * n * lora_params * 3
+    recomputed_frozen = plan.method.kind == "qlora" or jnp.dtype(plan.param_dtype).itemsize == 2
+    if plan.method.dora and recomputed_frozen and plan.remat != "save_matmuls":
+        # a frozen kernel kept as bits or quantised is derived again in the backward (`linear.dense`), and DoRA's
+        # magnitude gradient needs x W: the adapted modules' forward matmuls once more
+        shapes = linear_shapes(cfg)
+        adapted = adapted_modules(plan.method, cfg.num_layers, cfg.linear_modules)
+        flops += 2 * n * cfg.num_layers * sum(shapes[m][0] * shapes[m][1] for m in adapted) / tensor
     # the reference's forward (DPO, GRPO; the base with adapters off for adapter methods), the teacher's (distill)
     extra_forwards = objective_named(plan.objective).extra_forwards(section_of(plan))
     flops += extra_forwards * (2 * n * matmul + attention)
-    flops += 2 * rows * plan.generate_tokens * matmul  # a rollout's decode (GRPO)
+    rollout = 2 * rows * plan.generate_tokens * matmul  # a rollout's decode (GRPO)
+    flops += rollout
     compute_dtype = plan.compute_dtype
     compute_s = flops / (dev.peak(compute_dtype) * MFU_CEILING)
 
@@ -116,4 +134,4 @@ def step_time(est: Estimate) -> StepTime:
         bound = "host transfers"
     tokens = plan.batch_size * plan.grad_accum * plan.seq_len
     return StepTime(plan.grad_accum * flops * dev.count, compute_s, memory_s, comm_s, update_s, host_s, step_s,
-                    tokens / step_s, bound)
+                    tokens / step_s, bound, plan.grad_accum * rollout * dev.count)
