@@ -111,6 +111,7 @@ ROWS = [
     ("mixtral-8x7b", "lora", "sft", 4096, 32, "v5p-64", "fsdp=8,expert=4", "full"),
     ("mixtral-8x7b", "full", "sft", 2048, 64, "v5p-128", "fsdp=16,expert=4", "full"),
     ("mixtral-8x7b", "qlora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    ("mixtral-8x7b", "lora", "sft", 4096, 16, "v5p-64", "fsdp=4,expert=4,tensor=2", "full"),
     ("qwen3-30b-a3b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
     ("qwen3-30b-a3b", "full", "sft", 4096, 32, "v5p-64", "fsdp=4,expert=8", "full"),
     ("qwen3-30b-a3b", "lora", "sft", 2048, 64, "v6e-64", "fsdp=8,expert=8", "save_matmuls"),

@@ -388,7 +388,8 @@ def megablox() -> dict:
     """The TPU grouped matmul (megablox, in Pallas' interpreter) in place of ragged_dot: a full fine-tune of a tiny
     Mixtral and Qwen3-MoE (every expert's kernels train: gmm's and tgmm's backward) and LoRA on a Qwen2-MoE's
     experts, 4 steps on one device, fsdp=8 (every device every expert), fsdp=2 x expert=4 (rows gathered over the
-    expert axis, local experts, partial sums reduce-scattered) and expert=8 against ragged_dot on one device:
+    expert axis, local experts, partial sums reduce-scattered), expert=8 and fsdp=2 x expert=2 x tensor=2 (each
+    device half of every expert's hidden units) against ragged_dot on one device:
     {arch: {mesh: largest relative loss difference}}."""
     from jaxtune.models import moe
     from jaxtune.models.presets import tiny_model_config
@@ -409,7 +410,9 @@ def megablox() -> dict:
                                      ("one", MeshConfig(fsdp=1), lambda: ("megablox", True)),
                                      ("fsdp=8", MeshConfig(fsdp=8), lambda: ("megablox", True)),
                                      ("fsdp=2 x expert=4", MeshConfig(fsdp=2, expert=4), lambda: ("megablox", True)),
-                                     ("expert=8", MeshConfig(fsdp=1, expert=8), lambda: ("megablox", True))):
+                                     ("expert=8", MeshConfig(fsdp=1, expert=8), lambda: ("megablox", True)),
+                                     ("fsdp=2 x expert=2 x tensor=2", MeshConfig(fsdp=2, expert=2, tensor=2),
+                                      lambda: ("megablox", True))):
             plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
             devices = jax.devices()[:1] if config.fsdp * config.expert == 1 else None
             chosen, moe.expert_kernel = moe.expert_kernel, kernel

@@ -73,7 +73,7 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     probs_NxE, weights_NxK, experts_NxK = route(x_BxTxD.reshape(B * T, D), layer["router"], cfg)
     kernel, interpret = expert_kernel()
     mesh = mesh_in_context()
-    if kernel == "megablox" and (mesh is None or mesh.shape["tensor"] == 1):
+    if kernel == "megablox" and (mesh is None or cfg.expert_size % mesh.shape["tensor"] == 0):
         out_BxTxD = _megablox_experts(x_BxTxD, weights_NxK.reshape(B, T, K), experts_NxK.reshape(B, T, K),
                                       layer["experts"], gated, lora_scale, E, interpret)
     else:
@@ -107,17 +107,30 @@ def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumul
 def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gated, lora_scale: float, E: int,
                       interpret: bool) -> jax.Array:
     """The mixture's output [B, T, D] by megablox on every device's rows: with an expert axis that splits the
-    experts, rows gathered over it, each device's own experts computed, partial sums reduce-scattered back."""
+    experts, rows gathered over it, each device's own experts computed, partial sums reduce-scattered back; with a
+    tensor axis, each device its share of every expert's hidden units (gate and up side by side, as [E, in, 2, F]
+    split on F), the down projection's partial sums added over it."""
     dtype = x_BxTxD.dtype
-    stacks = {name: {leaf: (kernel_of(module, dtype) if leaf == "kernel" else value)
-                     for leaf, value in module.items() if leaf in ("kernel", "lora_a", "lora_b")}
-              for name, module in experts.items()}
-    stacks = {name: {leaf: gathered(value, EXPERT_AXES[name][1:]) for leaf, value in module.items()}
-              for name, module in stacks.items()}
     mesh = mesh_in_context()
-    expert_axes, row_axes = ((), ()) if mesh is None else (mesh_axes_of(("experts",), (E,), mesh.shape)[0],
-                                                             mesh_axes_of(("batch",), x_BxTxD.shape[:1], mesh.shape)[0])
+    expert_axes, row_axes, tensor_axes = ((), (), ()) if mesh is None else (
+        mesh_axes_of(("experts",), (E,), mesh.shape)[0], mesh_axes_of(("batch",), x_BxTxD.shape[:1], mesh.shape)[0],
+        ("tensor",) if mesh.shape["tensor"] > 1 else ())
     gather_rows = bool(expert_axes) and set(expert_axes) <= set(row_axes)
+    stacks, specs = {}, {}  # each leaf gathered over fsdp, split over the expert axis and (on F) tensor
+    for name, module in experts.items():
+        for leaf in ("kernel", "lora_a", "lora_b"):
+            if leaf not in module:
+                continue
+            value = kernel_of(module, dtype) if leaf == "kernel" else module[leaf]
+            dims = [expert_axes] + [()] * (value.ndim - 1)
+            if (name, leaf) in (("gate_up_proj", "kernel"), ("gate_up_proj", "lora_b")):  # [E, in, 2F] -> [E, in, 2, F]
+                value = value.reshape(*value.shape[:-1], 2, value.shape[-1] // 2)
+                dims = [expert_axes, (), (), tensor_axes]
+            elif (name, leaf) in (("down_proj", "kernel"), ("down_proj", "lora_a")):  # [E, F, out]
+                dims[1] = tensor_axes
+            specs.setdefault(name, {})[leaf] = to_spec(dims)
+            stacks.setdefault(name, {})[leaf] = (value if mesh is None
+                                                 else jax.lax.with_sharding_constraint(value, to_spec(dims)))
 
     def rows(x, weights, chosen, stacks):  # per device: [b, T, D], [b, T, K] x 2, the local experts' stacks
         b, T, D = x.shape
@@ -127,10 +140,14 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
                                                for a in (x_NxD, weights_NxK, experts_NxK))
         local = stacks["down_proj"]["kernel"].shape[0]
         offset = jax.lax.axis_index(expert_axes) * local if expert_axes else 0
+        unpaired = {name: {leaf: v.reshape(*v.shape[:-2], -1) if v.ndim == 4 else v for leaf, v in module.items()}
+                    for name, module in stacks.items()}  # gate_up: [E, in, 2, F'] -> [E, in, 2 F'], [gate' | up']
         matmul = lambda x, name, sizes_E: megablox_matmul(  # noqa: E731
-            x, stacks[name], sizes_E, jnp.asarray(offset, jnp.int32), lora_scale, interpret)
+            x, unpaired[name], sizes_E, jnp.asarray(offset, jnp.int32), lora_scale, interpret)
         out_NxD = _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E, matmul,
                                accumulate=jnp.promote_types(dtype, jnp.float32))
+        if tensor_axes:  # each device's hidden units' share of every expert output
+            out_NxD = jax.lax.psum(out_NxD, tensor_axes)
         if gather_rows:
             out_NxD = jax.lax.psum_scatter(out_NxD, expert_axes, scatter_dimension=0, tiled=True)
         elif expert_axes:
@@ -140,8 +157,7 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
     if mesh is None:
         return rows(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
     rows_spec = to_spec([row_axes, (), ()])
-    stack_specs = jax.tree.map(lambda v: to_spec([expert_axes, (), ()]), stacks)
-    return jax.shard_map(rows, mesh=mesh, in_specs=(rows_spec, rows_spec, rows_spec, stack_specs),
+    return jax.shard_map(rows, mesh=mesh, in_specs=(rows_spec, rows_spec, rows_spec, specs),
                          out_specs=rows_spec, check_vma=False)(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
 
 

@@ -148,7 +148,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         if policy == "none":
             saved += expert_group_tensors(cfg, w)
         elif w.megablox:  # save_matmuls: megablox's products are recomputed, not saved (its kernel is no dot)
-            shared = cfg.shared_expert_size  # (megablox runs where no tensor axis splits the MLP)
+            shared = w.F - cfg.experts_per_token * cfg.expert_size * w.F // mlp_width(cfg)  # this device's share
             saved = [t for t in saved if t[0] not in ("gate", "up")]
             saved += [("shared expert gate", (b, T, shared), False), ("shared expert up", (b, T, shared), False)
                       ] if shared else []
@@ -168,7 +168,7 @@ def expert_group_tensors(cfg: ModelConfig, w: Widths) -> list[tuple[str, tuple[i
     others = w.b * (w.expert_rows - 1)
     if not others:
         return []
-    K, T, D, Fe = cfg.experts_per_token, w.T, w.D, cfg.expert_size
+    K, T, D, Fe = cfg.experts_per_token, w.T, w.D, cfg.expert_size * w.F // mlp_width(cfg)  # a device's share
     return [("the expert group's rows", (others, T, D), False), ("their expert inputs", (others, T, K * D), False),
             ("their gate and up", (others, T, 2 * K * Fe), False), ("their SwiGLU output", (others, T, K * Fe), False),
             ("their expert outputs", (others, T, K * D), False),

@@ -60,7 +60,7 @@ class FamilyRules:
     """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
     dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU;
-    on TPU jaxtune runs megablox instead, except on a mesh with a tensor axis, where ragged_dot is dense there too).
+    on TPU jaxtune runs megablox instead, unless a tensor axis does not divide the experts' hidden units).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     activation_itemsize: int | None
@@ -413,7 +413,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                            f"{data} x {fsdp} x {sizes['expert']} = {ways} devices; use a multiple of {ways} rows")
     rows = total_rows // ways
     prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
-    megablox = device.family == "tpu" and tensor == 1  # `models/moe.py`: ragged_dot where a tensor axis splits
+    # `models/moe.py`: megablox on TPU, ragged_dot (dense there) where a tensor axis does not divide an expert
+    megablox = device.family == "tpu" and (not cfg.num_experts or cfg.expert_size % tensor == 0)
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"])
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
@@ -471,7 +472,10 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
             # experiments/tpu_compile_table.py)
             experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_size
             local = experts // sizes["expert"]
-            gathered += local * 2 if stored and tensor == 1 and not method.dora else (local - experts) * a
+            if stored and tensor == 1 and not method.dora:  # the dense modules a piece at a time, the experts whole
+                gathered += local * 2
+            else:  # every module whole, a device's experts only
+                gathered -= (experts - local) * (2 if stored else a) // tensor
             if method.kind == "qlora":
                 gathered += experts * 4 // (fsdp * sizes["expert"])
         copies_b += forwards * gathered
@@ -481,13 +485,14 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if extra_models_b:
         notes.append(f"{plan.objective}: its second model (a frozen reference copy or a teacher) beside the policy")
     kv_b = _rollout_kv(cfg, plan, w, nbytes) if plan.generate_tokens else 0
-    if cfg.num_experts and device.family == "tpu" and tensor > 1:
-        notes.append("a mixture on a TPU mesh with a tensor axis runs ragged_dot, which the TPU compiler makes a dense "
-                     "matmul per expert over every row (megablox runs without a tensor axis); `--confirm` compiles it")
+    if cfg.num_experts and device.family == "tpu" and not megablox:
+        notes.append(f"a mixture whose experts' {cfg.expert_size} hidden units tensor={tensor} does not divide runs "
+                     "ragged_dot on TPU, which its compiler makes a dense matmul per expert over every row; "
+                     "`--confirm` compiles it")
 
     # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
-    if rules.dense_grouped_matmul or (device.family == "tpu" and tensor > 1):
+    if rules.dense_grouped_matmul or (device.family == "tpu" and not megablox):
         backward_workspace += act.grouped_matmul_elements(cfg, w, method.kind == "full") * a
     if device.family == "tpu" and plan.remat == "full":
         # The TPU compiler's program holds about two layers' backward working sets (a pipelined backward loop fits
