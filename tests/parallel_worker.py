@@ -385,19 +385,24 @@ def mixtures() -> dict:
 
 
 def megablox() -> dict:
-    """The TPU grouped matmul (megablox, in Pallas' interpreter) in place of ragged_dot: a full fine-tune of a tiny
-    Mixtral and Qwen3-MoE (every expert's kernels train: gmm's and tgmm's backward) and LoRA on a Qwen2-MoE's
-    experts, 4 steps on one device, fsdp=8 (every device every expert), fsdp=2 x expert=4 (rows gathered over the
-    expert axis, local experts, partial sums reduce-scattered), expert=8 and fsdp=2 x expert=2 x tensor=2 (each
-    device half of every expert's hidden units) against ragged_dot on one device:
+    """The TPU grouped matmul (megablox, in Pallas' interpreter) in place of ragged_dot, 4 steps against ragged_dot
+    on one device: a full fine-tune of a tiny Mixtral (every expert's kernels train: gmm's and tgmm's backward) on
+    one device, fsdp=2 x expert=4 (rows gathered over the expert axis, local experts, partial sums reduce-scattered)
+    and fsdp=2 x expert=2 x tensor=2 (each device half of every expert's hidden units); LoRA on a Qwen2-MoE's experts
+    on fsdp=8 (every device every expert) and expert=8; a Qwen3-MoE's full fine-tune on expert=8:
     {arch: {mesh: largest relative loss difference}}."""
     from jaxtune.models import moe
     from jaxtune.models.presets import tiny_model_config
 
     lora = MethodConfig("lora", rank=4, target_modules=("q_proj",),
                         target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    meshes = {"one": MeshConfig(fsdp=1), "fsdp=8": MeshConfig(fsdp=8), "expert=8": MeshConfig(fsdp=1, expert=8),
+              "fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
+              "fsdp=2 x expert=2 x tensor=2": MeshConfig(fsdp=2, expert=2, tensor=2)}
+    cases = (("mixtral", METHODS["full"], ("one", "fsdp=2 x expert=4", "fsdp=2 x expert=2 x tensor=2")),
+             ("qwen2_moe", lora, ("fsdp=8", "expert=8")), ("qwen3_moe", METHODS["full"], ("expert=8",)))
     out = {}
-    for arch, method in (("mixtral", METHODS["full"]), ("qwen2_moe", lora), ("qwen3_moe", METHODS["full"])):
+    for arch, method, names in cases:
         cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, output_router_logits=True,
                                 router_aux_loss_coef=0.1)
         base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
@@ -406,26 +411,21 @@ def megablox() -> dict:
             lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
         trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
         losses = {}
-        for mesh, config, kernel in (("ragged_dot", MeshConfig(fsdp=1), moe.expert_kernel),
-                                     ("one", MeshConfig(fsdp=1), lambda: ("megablox", True)),
-                                     ("fsdp=8", MeshConfig(fsdp=8), lambda: ("megablox", True)),
-                                     ("fsdp=2 x expert=4", MeshConfig(fsdp=2, expert=4), lambda: ("megablox", True)),
-                                     ("expert=8", MeshConfig(fsdp=1, expert=8), lambda: ("megablox", True)),
-                                     ("fsdp=2 x expert=2 x tensor=2", MeshConfig(fsdp=2, expert=2, tensor=2),
-                                      lambda: ("megablox", True))):
+        for name, kernel in (("ragged_dot", moe.expert_kernel), *((n, lambda: ("megablox", True)) for n in names)):
+            config = meshes.get(name, meshes["one"])
             plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
-            devices = jax.devices()[:1] if config.fsdp * config.expert == 1 else None
+            devices = jax.devices()[:1] if config.fsdp * config.expert * config.tensor == 1 else None
             chosen, moe.expert_kernel = moe.expert_kernel, kernel
             try:
                 run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
                 state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
-                losses[mesh] = []
+                losses[name] = []
                 for batch in batches()[:4]:
                     state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
-                    losses[mesh].append(float(metrics["loss"]))
+                    losses[name].append(float(metrics["loss"]))
             finally:
                 moe.expert_kernel = chosen
-        out[arch] = {mesh: relative_diff(losses[mesh], losses["ragged_dot"]) for mesh in losses if mesh != "ragged_dot"}
+        out[arch] = {name: relative_diff(losses[name], losses["ragged_dot"]) for name in names}
     return out
 
 

@@ -14,7 +14,7 @@ Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv
                 + LoRA's x A [r] per adapted module, adapter and IA3 inputs
                 full fine-tuning: 6 D + 3 q + 2 kv + 3 F;  LoRA on q, v: 3 D + 2 q + 2 kv + 2 F + 2 r
   save_matmuls  x and the outputs of the weight matmuls the backward reads: q, k, v, o_proj's output, gate, up
-                (+ LoRA's x A and x A B per adapted module)
+                (+ LoRA's x A and x A B per adapted module, but down_proj's x A B)
   full          x only
 
 A mixture of experts (Mixtral, Qwen MoE) counts its K routed experts and shared expert as the MLP's width
@@ -118,7 +118,9 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [("q", q_shape, False), ("k", kv_shape, False), ("v", kv_shape, False),
                   ("o_proj out", (b, T, w.D), False), ("gate", (b, T, w.F), False), ("up", (b, T, w.F), False)]
         for m in lora:
-            saved += [(f"{m} x A", (b, T, lora[m]), False), (f"{m} x A B", out_width[m], False)]
+            saved.append((f"{m} x A", (b, T, lora[m]), False))
+            if m != "down_proj" or method.dora:  # (down_proj's output only meets the residual add)
+                saved.append((f"{m} x A B", out_width[m], False))
     else:
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
                   ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),

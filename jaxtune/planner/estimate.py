@@ -456,7 +456,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # (`linear.gathered_piecewise_matmul`), others whole as XLA widens them; a second model's forward (a
         # reference, a teacher) gathers its own beside them. The head is split by vocabulary, never gathered
         # (measured on fake CPU devices).
-        forwards = 1 + objective.extra_forwards(section_of(plan))
+        # (on TPU the reference's gathered weights are not beside the policy's at the peak: a 1B LoRA's DPO step
+        # compiled to its SFT step's bytes, experiments/tpu_compile_table.py)
+        forwards = 1 + (objective.extra_forwards(section_of(plan)) if device.family != "tpu" else 0)
         stored = method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2
         if stored and tensor == 1 and not method.dora:
             largest = 2 * cfg.hidden_size * max(cfg.q_size, cfg.intermediate_size)  # bytes of a layer's widest kernel
