@@ -51,6 +51,12 @@ MESHES = {
     "fsdp=4 x tensor=2": MeshConfig(fsdp=4, tensor=2),
 }
 TRAIN = TrainConfig(learning_rate=1e-2, grad_accum=ACCUM, batch_size=ROWS, warmup_steps=2)
+MIXTURES = (("mixtral", METHODS["full"]), ("qwen3_moe", METHODS["full"]),
+             ("qwen2_moe", MethodConfig("lora", rank=4, target_modules=("all-linear",),
+                                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))))
+MIXTURE_MESHES = {"one": MeshConfig(fsdp=1), "fsdp=8": MeshConfig(fsdp=8), "expert=8": MeshConfig(fsdp=1, expert=8),
+                  "fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
+                  "fsdp=2 x expert=2 x tensor=2": MeshConfig(fsdp=2, expert=2, tensor=2)}
 
 
 def batches(seed: int = 0, seq: int = SEQ) -> list[dict]:
@@ -275,31 +281,40 @@ def load(model_dir: str, method_name: str) -> dict:
             "axes": str(jax.tree.map(lambda a: a, logical_axes(cfg))["layers"]["q_proj"])}
 
 
+def tiny_run(arch: str, method: MethodConfig, **overrides):
+    """(config, trainable, frozen) of a tiny `arch` under `method`, every LoRA B nonzero so adapters train from step 1."""
+    from jaxtune.models.presets import tiny_model_config
+
+    cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, **overrides)
+    base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
+    return cfg, *partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+
+
+def four_steps(cfg, method: MethodConfig, mesh_config: MeshConfig, trainable, frozen) -> tuple[list[float], dict]:
+    """The losses of 4 steps of the spine's run on `mesh_config` (one device where it has one), and the final state."""
+    plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=mesh_config)
+    single = mesh_config.data * mesh_config.fsdp * mesh_config.expert * mesh_config.tensor == 1
+    run = abstract_run(cfg, plan, make_mesh(mesh_config, jax.devices()[:1] if single else None), TRAIN, STEPS)
+    state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
+    losses = []
+    for batch in batches()[:4]:
+        state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
 def families() -> dict:
     """LoRA on every linear module of a tiny Gemma 2, Gemma 3 and Phi-3 (fused projections, sandwich norms, q/k
     norms): {arch: {mesh: largest relative loss difference from one device over 4 steps}}."""
-    from jaxtune.models.presets import tiny_model_config
-
     out = {}
     for arch in ("gemma2", "gemma3", "phi3"):
-        cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1)
-        method = METHODS["lora"]
-        base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
-        params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
-        params["layers"] = {name: ({**m, "lora_b": m["lora_b"] + 0.01} if isinstance(m, dict) and "lora_b" in m
-                                   else m) for name, m in params["layers"].items()}
-        trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
-        losses = {}
-        for mesh, config in (("one", MeshConfig(fsdp=1)), ("fsdp=8", MESHES["fsdp=8"]),
-                             ("fsdp=4 x tensor=2", MESHES["fsdp=4 x tensor=2"])):
-            plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
-            devices = jax.devices()[:1] if mesh == "one" else None
-            run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
-            state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
-            losses[mesh] = []
-            for batch in batches()[:4]:
-                state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
-                losses[mesh].append(float(metrics["loss"]))
+        cfg, trainable, frozen = tiny_run(arch, METHODS["lora"])
+        losses = {mesh: four_steps(cfg, METHODS["lora"], config, trainable, frozen)[0]
+                  for mesh, config in (("one", MeshConfig(fsdp=1)), ("fsdp=8", MESHES["fsdp=8"]),
+                                       ("fsdp=4 x tensor=2", MESHES["fsdp=4 x tensor=2"]))}
         out[arch] = {mesh: relative_diff(losses[mesh], losses["one"]) for mesh in losses if mesh != "one"}
         out[arch]["loss fell"] = losses["one"][-1] < losses["one"][0]
     return out
@@ -350,31 +365,12 @@ def mixtures() -> dict:
     (the experts train), LoRA on the attention, shared expert and experts of a Qwen2-MoE, on meshes with an expert
     axis:
     {arch: {mesh: largest relative loss difference from one device over 4 steps}}."""
-    from jaxtune.models.presets import tiny_model_config
-
-    meshes = {"fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
-              "fsdp=2 x expert=2 x tensor=2": MeshConfig(fsdp=2, expert=2, tensor=2)}
     out = {}
-    lora = MethodConfig("lora", rank=4, target_modules=("all-linear",),
-                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-    for arch, method in (("mixtral", METHODS["full"]), ("qwen2_moe", lora), ("qwen3_moe", METHODS["full"])):
-        cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, output_router_logits=True,
-                                router_aux_loss_coef=0.1)
-        base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
-        params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
-        params = jax.tree_util.tree_map_with_path(  # B != 0: every adapter leaf trains from step 1
-            lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
-        trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+    for arch, method in MIXTURES:
+        cfg, trainable, frozen = tiny_run(arch, method, output_router_logits=True, router_aux_loss_coef=0.1)
         losses = {}
-        for mesh, config in (("one", MeshConfig(fsdp=1)), *meshes.items()):
-            plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
-            devices = jax.devices()[:1] if mesh == "one" else None
-            run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
-            state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
-            losses[mesh] = []
-            for batch in batches()[:4]:
-                state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
-                losses[mesh].append(float(metrics["loss"]))
+        for mesh in ("one", "fsdp=2 x expert=4", "fsdp=2 x expert=2 x tensor=2"):
+            losses[mesh], state = four_steps(cfg, method, MIXTURE_MESHES[mesh], trainable, frozen)
             if mesh == "fsdp=2 x expert=4":
                 experts = state["params"]["layers"]["experts"]["down_proj"]
                 out.setdefault("expert shards", str(experts["kernel" if method.kind == "full" else "lora_a"].sharding.spec))
@@ -392,40 +388,19 @@ def megablox() -> dict:
     on fsdp=8 (every device every expert) and expert=8; a Qwen3-MoE's full fine-tune on expert=8:
     {arch: {mesh: largest relative loss difference}}."""
     from jaxtune.models import moe
-    from jaxtune.models.presets import tiny_model_config
 
-    lora = MethodConfig("lora", rank=4, target_modules=("q_proj",),
-                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-    meshes = {"one": MeshConfig(fsdp=1), "fsdp=8": MeshConfig(fsdp=8), "expert=8": MeshConfig(fsdp=1, expert=8),
-              "fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
-              "fsdp=2 x expert=2 x tensor=2": MeshConfig(fsdp=2, expert=2, tensor=2)}
-    cases = (("mixtral", METHODS["full"], ("one", "fsdp=2 x expert=4", "fsdp=2 x expert=2 x tensor=2")),
-             ("qwen2_moe", lora, ("fsdp=8", "expert=8")), ("qwen3_moe", METHODS["full"], ("expert=8",)))
+    meshes = {"mixtral": ("one", "fsdp=2 x expert=4", "fsdp=2 x expert=2 x tensor=2"),
+              "qwen2_moe": ("fsdp=8", "expert=8"), "qwen3_moe": ("expert=8",)}
     out = {}
-    for arch, method, names in cases:
-        cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, output_router_logits=True,
-                                router_aux_loss_coef=0.1)
-        base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
-        params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
-        trainable, frozen = partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
-        losses = {}
-        for name, kernel in (("ragged_dot", moe.expert_kernel), *((n, lambda: ("megablox", True)) for n in names)):
-            config = meshes.get(name, meshes["one"])
-            plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=config)
-            devices = jax.devices()[:1] if config.fsdp * config.expert * config.tensor == 1 else None
-            chosen, moe.expert_kernel = moe.expert_kernel, kernel
-            try:
-                run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
-                state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
-                losses[name] = []
-                for batch in batches()[:4]:
-                    state, metrics = run.step(state, placed, None, jax.device_put(batch, run.shardings.batch))
-                    losses[name].append(float(metrics["loss"]))
-            finally:
-                moe.expert_kernel = chosen
-        out[arch] = {name: relative_diff(losses[name], losses["ragged_dot"]) for name in names}
+    for arch, method in MIXTURES:
+        cfg, trainable, frozen = tiny_run(arch, method, output_router_logits=True, router_aux_loss_coef=0.1)
+        ragged = four_steps(cfg, method, MIXTURE_MESHES["one"], trainable, frozen)[0]
+        chosen, moe.expert_kernel = moe.expert_kernel, lambda: ("megablox", True)
+        try:
+            out[arch] = {mesh: relative_diff(four_steps(cfg, method, MIXTURE_MESHES[mesh], trainable, frozen)[0],
+                                             ragged) for mesh in meshes[arch]}
+        finally:
+            moe.expert_kernel = chosen
     return out
 
 
