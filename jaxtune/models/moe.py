@@ -9,7 +9,8 @@ ragged_dot into a dense matmul per expert over every row (E times the FLOPs, and
 for Mixtral-8x7B's LoRA step on v5p-64): there each device runs Pallas' megablox grouped matmul (`gmm`, its own
 backward) on its rows and experts (`shard_map`). When the expert axis splits the experts, a device gathers the rows of
 its expert group, computes only its own experts' (`group_offset`: the others' rows stay zero) and the group's partial
-sums are reduce-scattered back to the rows' devices.
+sums are reduce-scattered back to the rows' devices; a tensor axis gives each device its share of every expert's
+hidden units, and the down projection's partial sums are added over it.
 
 The router's load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4-6, as transformers'
 `load_balancing_loss_func`) needs two sums per layer over the real tokens: how many of their K assignments went
