@@ -36,7 +36,8 @@ def run(name: str, attn: str, warmup: int, steps: int) -> dict:
         vocab_size=M.SHAPE["vocab_size"], hidden_size=M.SHAPE["hidden_size"],
         intermediate_size=M.SHAPE["intermediate_size"], num_hidden_layers=M.SHAPE["num_layers"],
         num_attention_heads=M.SHAPE["num_heads"], num_key_value_heads=M.SHAPE["num_kv_heads"],
-        head_dim=M.SHAPE["head_dim"], max_position_embeddings=M.MAX_POSITIONS, tie_word_embeddings=False, use_cache=False)
+        head_dim=M.SHAPE["head_dim"], max_position_embeddings=M.MAX_POSITIONS, tie_word_embeddings=False,
+        use_cache=False)
     config._attn_implementation = attn
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     if kind == "lora":

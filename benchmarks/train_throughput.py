@@ -189,7 +189,8 @@ def table(records: list[dict]) -> str:
             if not r.get("quiet", True):
                 framework += f" [busy machine: others used {r['other_load_cores']:.1f} cores]"
             rows.append(f"| {LABELS[config]} | {framework} | {_speed(r)} | {1e3 * r['step_s_median']:.0f} | "
-                        f"{r['cpu_s_per_step']:.2f} | {compile_s} | {r['peak_rss_mib']:.0f} | {r['baseline_rss_mib']:.0f} / "
+                        f"{r['cpu_s_per_step']:.2f} | {compile_s} | {r['peak_rss_mib']:.0f} | "
+                        f"{r['baseline_rss_mib']:.0f} / "
                         f"{r['train_peak_rss_mib']:.0f} | {ratio} |")
     return "\n".join(rows)
 
@@ -224,7 +225,8 @@ def targets(records: list[dict]) -> list[str]:
                      f"{verdict(jax_qv['compile_s'] < 5, jax_qv)}")
     if jax_q and jax_qv:
         slow = jax_q["step_s_median"] / jax_qv["step_s_median"]
-        lines.append(f"QLoRA step / LoRA (q,v) step: {slow:.2f}x (target <= 1.5x): {verdict(slow <= 1.5, jax_q, jax_qv)}")
+        lines.append(f"QLoRA step / LoRA (q,v) step: {slow:.2f}x (target <= 1.5x): "
+                     f"{verdict(slow <= 1.5, jax_q, jax_qv)}")
     shown = [r for r in records if r["framework"] == "jax"] + list(best_torch(records).values())
     busy = [f"{r['framework']}:{r['config']}" for r in shown if not r.get("quiet", True)]
     if busy:
@@ -235,7 +237,8 @@ def targets(records: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps (default 2 and 10)")
-    parser.add_argument("--only", help="one config (full, lora_qv, lora_all, qlora, lora_qv_bf16) or worker (jax:lora_qv, ...)")
+    parser.add_argument("--only", help="one config (full, lora_qv, lora_all, qlora, lora_qv_bf16) or worker "
+                                       "(jax:lora_qv, ...)")
     parser.add_argument("--steps", type=int, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, help="untimed steps before timing")
     parser.add_argument("--no-torch", action="store_true", help="jaxtune only")

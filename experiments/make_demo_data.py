@@ -1,8 +1,9 @@
 """Writes the demo's data: jaxtune/assets/demo_instructions.jsonl (what `jaxtune demo` fine-tunes on with LoRA)
 and jaxtune/assets/demo_corpus.jsonl (plain text its tiny base model is first trained on).
 
-Six small tasks as prompt/completion pairs (a short prompt, since the demo model reads bytes), each with a rule that generalises to held-out examples (so a better
-held-out loss means the model learned the rule, not the answers): capitalise a phrase, reverse word order,
+Six small tasks as prompt/completion pairs (a short prompt, since the demo model reads bytes), each with a rule
+that generalises to held-out examples (so a better held-out loss means the model learned the rule, not the
+answers): capitalise a phrase, reverse word order,
 add two numbers, give the first letter of a word, count words, give the next letter of the alphabet.
 Run: python experiments/make_demo_data.py
 """

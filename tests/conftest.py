@@ -65,7 +65,8 @@ ARCHS = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
         "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6}),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, {
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2}),
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4,
+        "num_experts_per_tok": 2}),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
         "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 2,
         "norm_topk_prob": True}),

@@ -237,7 +237,8 @@ def eval_rows() -> dict:
         shapes = re.findall(rf"f32\[(\d+),{T},(\d+)\]", hlo)
         V, D = cfg.vocab_size, cfg.hidden_size
         rows[name] = max(int(r) * int(v) for r, v in shapes) / V
-        rows[name + " whole head"] = bool(re.search(rf"\[({V},{D}|{D},{V})\]", hlo.split("ENTRY")[-1].split("\n", 1)[1]))
+        entry = hlo.split("ENTRY")[-1].split("\n", 1)[1]
+        rows[name + " whole head"] = bool(re.search(rf"\[({V},{D}|{D},{V})\]", entry))
     return rows
 
 
@@ -276,13 +277,14 @@ def load(model_dir: str, method_name: str) -> dict:
     snapshot()
     after = sorted({shape for shape, _ in seen if shape in full})
     frozen_shards = sorted({tuple(s.data.shape) for x in jax.tree.leaves(frozen) for s in x.addressable_shards})
-    return {"during": during, "after": after, "shards_seen_while_reading": snapshots, "frozen_shard_shapes": frozen_shards,
+    return {"during": during, "after": after, "shards_seen_while_reading": snapshots,
+            "frozen_shard_shapes": frozen_shards,
             "bytes_read": CheckpointReader.total_bytes_read - before,
             "axes": str(jax.tree.map(lambda a: a, logical_axes(cfg))["layers"]["q_proj"])}
 
 
 def tiny_run(arch: str, method: MethodConfig, **overrides):
-    """(config, trainable, frozen) of a tiny `arch` under `method`, every LoRA B nonzero so adapters train from step 1."""
+    """(config, trainable, frozen) of a tiny `arch` under `method`, every LoRA B nonzero: adapters train from step 1."""
     from jaxtune.models.presets import tiny_model_config
 
     cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, **overrides)
@@ -373,7 +375,8 @@ def mixtures() -> dict:
             losses[mesh], state = four_steps(cfg, method, MIXTURE_MESHES[mesh], trainable, frozen)
             if mesh == "fsdp=2 x expert=4":
                 experts = state["params"]["layers"]["experts"]["down_proj"]
-                out.setdefault("expert shards", str(experts["kernel" if method.kind == "full" else "lora_a"].sharding.spec))
+                leaf = experts["kernel" if method.kind == "full" else "lora_a"]
+                out.setdefault("expert shards", str(leaf.sharding.spec))
         out[arch] = {mesh: relative_diff(losses[mesh], losses["one"]) for mesh in losses if mesh != "one"}
         if method.kind == "full":  # (4 steps of LoRA on a Qwen2-MoE's attention and shared expert move it little)
             out[arch]["loss fell"] = losses["one"][-1] < losses["one"][0]

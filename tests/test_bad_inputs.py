@@ -129,9 +129,11 @@ CASES = {
     "missing field": (lambda r: ["train", RUN(r), *data_set(r, "nofield", b'{"prompt": "a"}')], "nofield.jsonl:1"),
     # train: the model
     "model without config.json": (lambda r: ["train", RUN(r), *set_(
-        f"model.path={broken_model(r, 'noconfig', lambda d: (d / 'config.json').unlink())}")], "config.json: file not found"),
+        f"model.path={broken_model(r, 'noconfig', lambda d: (d / 'config.json').unlink())}")],
+        "config.json: file not found"),
     "truncated safetensors": (lambda r: ["train", RUN(r), *set_(
-        f"model.path={broken_model(r, 'truncated', lambda d: truncate(d / 'model.safetensors'))}")], "model.safetensors"),
+        f"model.path={broken_model(r, 'truncated', lambda d: truncate(d / 'model.safetensors'))}")],
+        "model.safetensors"),
     "tensor of the wrong shape": (lambda r: ["train", RUN(r), *set_(
         f"model.path={broken_model(r, 'shape', wrong_shape)}")], "k_proj.weight has shape (16, 64), expected (32, 64)"),
     "corrupt tokenizer.json": (lambda r: ["train", RUN(r), *set_(
@@ -158,7 +160,8 @@ CASES = {
                                         "-1"], "--temperature -1: must be >= 0"),
     # export
     "merge a method that has no merge": (lambda r: ["export", "--model", str(r / "model"), "--adapter", str(r / "ia3"),
-                                                    "--merged", str(r / "merged")], "only LoRA and DoRA adapters merge"),
+                                                    "--merged", str(r / "merged")],
+                                         "only LoRA and DoRA adapters merge"),
     "export to an unwritable directory": (lambda r: ["export", "--model", str(r / "model"), "--adapter",
                                                      str(r / "run" / "adapter"), "--peft", "/proc/jaxtune-export"],
                                           "is not writable"),

@@ -38,7 +38,8 @@ def tokenizers(name: str):
     backend = byte_level_backend()
     backend.add_special_tokens(MARKERS)
     template = (TEMPLATES / f"{name}.jinja").read_text()
-    ids = {k: backend.token_to_id(source[k]) if source.get(k) else None for k in ("bos_token", "eos_token", "pad_token")}
+    ids = {k: backend.token_to_id(source[k]) if source.get(k) else None
+           for k in ("bos_token", "eos_token", "pad_token")}
     ours = Tokenizer(backend, ids["bos_token"], ids["eos_token"], ids["pad_token"], template)
     theirs = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, chat_template=template,

@@ -127,7 +127,8 @@ def test_dense_matches_peft_train_mode_with_the_same_mask(dora):
     """PEFT's own `lora.Linear` in training, its dropout module replaced by jaxtune's mask: the same output."""
     D_in, D_out, r, alpha = 24, 16, 4, 8.0
     peft_model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(D_in, D_out, bias=True)).double(),
-                                LoraConfig(r=r, lora_alpha=alpha, lora_dropout=RATE, use_dora=dora, target_modules=["0"]))
+                                LoraConfig(r=r, lora_alpha=alpha, lora_dropout=RATE, use_dora=dora,
+                                           target_modules=["0"]))
     layer = peft_model.base_model.model[0]
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_(0, 0.3)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_attention import dense_attention, seen_queries, values_and_grads
 
 from jaxtune.config import ForwardOptions
 from jaxtune.errors import ConfigError, JaxtuneError
@@ -28,7 +29,6 @@ from jaxtune.models.attention import training_mask
 from jaxtune.models.fused_attention import FusedAttention, choose_kernel, cudnn_attention, splash_attention
 from jaxtune.models.params import init_params
 from jaxtune.models.presets import tiny_model_config
-from test_attention import dense_attention, seen_queries, values_and_grads
 
 B, K, G, HD = 2, 2, 2, 16
 T = 384  # three 128-query blocks

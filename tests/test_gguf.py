@@ -72,7 +72,8 @@ def gguf_file(tmp_path_factory):
 
 @pytest.mark.parity
 @pytest.mark.parametrize("arch,kind", [("llama", k) for k in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K,
-                                                               Q.Q5_K, Q.Q6_K)] + [("qwen2", Q.Q8_0), ("qwen3", Q.Q4_K)])
+                                                               Q.Q5_K, Q.Q6_K)]
+                         + [("qwen2", Q.Q8_0), ("qwen3", Q.Q4_K)])
 def test_gguf_logits_equal_transformers_loading_the_same_file(arch, kind, gguf_file):
     """Every tensor type llama.cpp writes, dequantised (transformers has its own dequantisers, not the `gguf`
     package's); a Llama's query and key rows put back from llama.cpp's interleaving; Qwen2's biases, Qwen3's q/k

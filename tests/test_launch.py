@@ -33,7 +33,8 @@ def test_dry_run_prints_every_command(config, capsys):
     assert "tpu-vm scp" in commands[2] and "--worker=all" in commands[2]
     assert all("--worker=all" in c for c in commands[3:])
     assert "pip install -q 'jax[tpu]' 'etils[epath-gcs]' ./jaxtune" in commands[4].replace("'\"'\"'", "'")
-    assert "jaxtune.cli train config/run.toml --auto-cluster --set train.epochs=2 --set data.train=data/train-train.jsonl" in commands[5]
+    assert ("jaxtune.cli train config/run.toml --auto-cluster --set train.epochs=2 "
+            "--set data.train=data/train-train.jsonl") in commands[5]
     assert "resume point: gs://bucket/run1/checkpoints" in out
 
 

@@ -28,7 +28,8 @@ def ids(seed=0, shape=(2, 16)):
     return jax.random.randint(jax.random.key(seed), shape, 0, CFG.vocab_size)
 
 
-@pytest.mark.parametrize("method", [MethodConfig("lora"), MethodConfig("lora", dora=True, target_modules=("all-linear",)),
+@pytest.mark.parametrize("method", [MethodConfig("lora"),
+                                    MethodConfig("lora", dora=True, target_modules=("all-linear",)),
                                     MethodConfig("ia3"), MethodConfig("adapter", adapter_size=16)])
 def test_fresh_adapters_leave_the_model_unchanged(params, method):
     """LoRA with B = 0, DoRA with m = ||W||, IA3 with ones and adapters with up = 0 compute the base model."""
@@ -40,10 +41,12 @@ def test_fresh_adapters_leave_the_model_unchanged(params, method):
 def test_merge_equals_unmerged_and_unmerge_restores(params):
     method = MethodConfig("lora", rank=4, target_modules=("all-linear",), rslora=True)
     adapted = apply_method(params, CFG, method, jax.random.key(1))
-    adapted["layers"]["q_proj"]["lora_b"] = 0.1 * jax.random.normal(jax.random.key(2), adapted["layers"]["q_proj"]["lora_b"].shape)
+    q_proj = adapted["layers"]["q_proj"]
+    q_proj["lora_b"] = 0.1 * jax.random.normal(jax.random.key(2), q_proj["lora_b"].shape)
     merged = merge(adapted, method)
     assert "lora_a" not in merged["layers"]["q_proj"]
-    np.testing.assert_allclose(jit_forward(merged, ids(), CFG), jit_forward(adapted, ids(), CFG, method=method), atol=1e-4)
+    np.testing.assert_allclose(jit_forward(merged, ids(), CFG), jit_forward(adapted, ids(), CFG, method=method),
+                               atol=1e-4)
     restored = unmerge(merged, partition(adapted, trainable_mask(adapted, method))[0], method)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), restored, adapted)
     with pytest.raises(ValueError, match="DoRA cannot be unmerged"):
@@ -74,7 +77,8 @@ def test_qlora_forward_is_the_dequantised_model(params, bits, tolerance):
     assert 0 < float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < tolerance
 
 
-@pytest.mark.parametrize("method", [MethodConfig("lora"), MethodConfig("qlora"), MethodConfig("prefix", num_virtual_tokens=4),
+@pytest.mark.parametrize("method", [MethodConfig("lora"), MethodConfig("qlora"),
+                                    MethodConfig("prefix", num_virtual_tokens=4),
                                     MethodConfig("adapter", adapter_size=8)])
 def test_gradients_reach_only_trainable_leaves(params, method):
     """Differentiating w.r.t. the trainable half only: the compiled gradient holds exactly the trainable bytes,

@@ -91,7 +91,8 @@ WILD = {
     "phi3_ia3": ("phi3", IA3Config(task_type="CAUSAL_LM", target_modules=["qkv_proj", "down_proj"],
                                    feedforward_modules=["down_proj"])),
     # Mixtures: attention, and Qwen2-MoE's shared expert (mlp.shared_expert.*_proj); the experts are not modules
-    "mixtral_qv": ("mixtral", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"])),
+    "mixtral_qv": ("mixtral", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                         target_modules=["q_proj", "v_proj"])),
     "qwen2_moe_shared": ("qwen2_moe", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
     "qwen3_moe_dora": ("qwen3_moe", LoraConfig(r=4, lora_alpha=8, use_dora=True, task_type="CAUSAL_LM",
@@ -323,7 +324,8 @@ def test_cli_peft_export_round_trips(base, tmp_path):
     method, _ = METHODS["dora"]
     params = randomize_adapter(apply_method(params, cfg, method, jax.random.key(0)))
     save_peft_adapter(tmp_path / "a", params, cfg, method)
-    assert main(["export", "--model", str(directory), "--adapter", str(tmp_path / "a"), "--peft", str(tmp_path / "b")]) == 0
+    assert main(["export", "--model", str(directory), "--adapter", str(tmp_path / "a"),
+                 "--peft", str(tmp_path / "b")]) == 0
     config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["use_dora"] is True and config["r"] == 4
     _, again = load_peft_adapter(tmp_path / "b", load_model(directory)[1], cfg)
@@ -333,7 +335,8 @@ def test_cli_peft_export_round_trips(base, tmp_path):
 def test_unknown_peft_kind_is_named(base, tmp_path):
     directory, cfg, params = base
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LOHA", "r": 8}))
-    with pytest.raises(JaxtuneError, match="adapter type 'LOHA' is not supported \\(readable: LORA, IA3, PREFIX_TUNING, JAXTUNE_BOTTLENECK\\)"):
+    with pytest.raises(JaxtuneError, match="adapter type 'LOHA' is not supported "
+                                           "\\(readable: LORA, IA3, PREFIX_TUNING, JAXTUNE_BOTTLENECK\\)"):
         load_peft_adapter(tmp_path, params, cfg)
 
 
@@ -381,5 +384,6 @@ def test_info_counts_lora_on_experts_as_peft(bases, tmp_path, capsys):
 def test_lora_on_experts_refuses_what_peft_refuses():
     with pytest.raises(ConfigError, match="dropout = 0.1: does not go with target_parameters"):
         MethodConfig("lora", dropout=0.1, target_parameters=("mlp.experts.down_proj",))
-    with pytest.raises(ConfigError, match='target_parameters = "mlp.gate.weight": jaxtune adapts a mixture.s expert stacks'):
+    with pytest.raises(ConfigError,
+                       match='target_parameters = "mlp.gate.weight": jaxtune adapts a mixture.s expert stacks'):
         MethodConfig("lora", target_parameters=("mlp.gate.weight",))

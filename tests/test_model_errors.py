@@ -37,7 +37,8 @@ def test_missing_config_is_named(model_copy):
 
 def test_missing_weights_list_what_is_there(model_copy):
     (model_copy / "model.safetensors").unlink()
-    with pytest.raises(JaxtuneError, match=r"no model.safetensors or model.safetensors.index.json \(found: config.json"):
+    with pytest.raises(JaxtuneError,
+                       match=r"no model.safetensors or model.safetensors.index.json \(found: config.json"):
         load_model(model_copy)
 
 

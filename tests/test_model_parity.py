@@ -70,7 +70,8 @@ def test_qwen3_reads_its_head_dim_query_key_norms_and_sliding_layers(hf_model_di
     """Qwen3's distinctive parts are read, and matter: without the query and key norms the logits move."""
     directory, model = hf_model_dir("qwen3")
     cfg, params = load_model(directory)
-    assert (cfg.qk_norm, cfg.head_dim, cfg.hidden_size // cfg.num_heads, cfg.sliding_windows) == (True, 32, 16, (0, 0, 4))
+    assert ((cfg.qk_norm, cfg.head_dim, cfg.hidden_size // cfg.num_heads, cfg.sliding_windows)
+            == (True, 32, 16, (0, 0, 4)))
     assert params["layers"]["q_norm"].shape == params["layers"]["k_norm"].shape == (3, 32)
     ids, mask, positions = padded_batch(cfg.vocab_size)
     ones = {**params, "layers": {**params["layers"], "q_norm": jnp.ones((3, 32)), "k_norm": jnp.ones((3, 32))}}
@@ -133,7 +134,8 @@ def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_d
     assert cfg8.rope_scaling.original_max_position_embeddings == 8 and cfg8.rope_scaling.attention_factor > 1.5
     ref8 = hf_logits(short, ids, mask, positions)
     assert np.abs(jax_logits(params8, cfg8, ids, mask, positions) - ref8)[mask > 0].max() <= 1e-4
-    long_off = cfg8.replace(rope_scaling=dataclasses.replace(cfg8.rope_scaling, long_factor=cfg8.rope_scaling.short_factor))
+    short_only = dataclasses.replace(cfg8.rope_scaling, long_factor=cfg8.rope_scaling.short_factor)
+    long_off = cfg8.replace(rope_scaling=short_only)
     assert np.abs(jax_logits(params8, long_off, ids, mask, positions) - ref8)[mask > 0].max() > 1e-2
 
 

@@ -202,7 +202,8 @@ def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):
     cases = [
         (run_config(root, tmp_path / "a", "dpo", tmp_path / "bad.jsonl"),
          f"{tmp_path / 'bad.jsonl'}:2: preference record is missing field 'rejected'"),
-        (run_config(root, tmp_path / "b", "distill", root / "sft.jsonl", distill={"teacher": str(tmp_path / "big_vocab")}),
+        (run_config(root, tmp_path / "b", "distill", root / "sft.jsonl",
+                    distill={"teacher": str(tmp_path / "big_vocab")}),
          "teacher vocabulary has 300 tokens, the student's 259"),
         (run_config(root, tmp_path / "c", "grpo", tmp_path / "prompts.jsonl", grpo={"reward": "nowhere.rewards.exact"}),
          "reward 'nowhere.rewards.exact' cannot be imported"),

@@ -224,7 +224,8 @@ def test_rules_split_heads_and_hidden_and_drop_what_does_not_divide():
     # 2 kv heads x 64 on tensor=2 x fsdp=4 would be fine; 6 columns take tensor but not fsdp
     assert partition_spec(("layers", "lora_rank", "kv_heads"), (2, 4, 6), mesh) == P(None, None, "tensor")
     assert partition_spec((None, "batch", None), (4, 8, 128), mesh) == P(None, ("data", "fsdp"), None)
-    assert partition_spec((None, "batch", None), (4, 8, 128), {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}) == P(None, "data", None)
+    data_only = {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert partition_spec((None, "batch", None), (4, 8, 128), data_only) == P(None, "data", None)
     with pytest.raises(ValueError, match="no sharding rule for logical axis 'heads'"):
         partition_spec(("layers", "heads"), (2, 8), mesh)
 
@@ -305,7 +306,8 @@ def test_mesh_sizes_that_do_not_fit_the_devices_are_errors_naming_both():
         MeshConfig(data=-1, fsdp=-1)
     with pytest.raises(JaxtuneError, match=r"--set mesh.tensor=0: a mesh axis size is a positive integer"):
         load_run_config(None, ["mesh.tensor=0"])
-    with pytest.raises(JaxtuneError, match=r"batch_size = 6 rows cannot be split .* data x fsdp x expert = 2 x 4 x 1 = 8"):
+    with pytest.raises(JaxtuneError,
+                       match=r"batch_size = 6 rows cannot be split .* data x fsdp x expert = 2 x 4 x 1 = 8"):
         batch_sharding(abstract_mesh(MeshConfig(data=2, fsdp=4), 8), 6)
 
 

@@ -322,7 +322,8 @@ def test_a_run_config_gives_every_value(tmp_path):
                                        '[mesh]\ndata = 2\n[offload]\nmoments_dtype = "bfloat16"\n')
     result = public(run_plan(config=str(tmp_path / "run.toml"), target="h100-80gb-4"))
     assert result["plan"] == {**result["plan"], "method": "qlora", "batch_size": 4, "grad_accum": 2, "seq_len": 128,
-                              "remat": "full", "param_dtype": "float32", "mesh": {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}}
+                              "remat": "full", "param_dtype": "float32",
+                              "mesh": {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}}
     assert result["plan"]["offload"]["moments_dtype"] == "bfloat16"
 
 
@@ -423,7 +424,8 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
     section = {"grpo": '[grpo]\nreward = "grpo_rewards.count_letter_a"\nmax_new_tokens = 8\n',
                "distill": f'[distill]\nteacher = "{model}"\n'}.get(objective, "")
     (tmp_path / "run.toml").write_text(
-        f'[model]\npath = "{model}"\n[method]\nkind = "lora"\nrank = 16\nalpha = 32.0\ntarget_modules = ["all-linear"]\n'
+        f'[model]\npath = "{model}"\n[method]\nkind = "lora"\nrank = 16\nalpha = 32.0\n'
+        'target_modules = ["all-linear"]\n'
         f'[data]\ntrain = "{tmp_path / data}"\nmax_seq_len = 64\n[train]\nobjective = "{objective}"\nbatch_size = 2\n'
         f'output_dir = "{tmp_path / "out"}"\n{section}')
     by_config = public(run_plan(config=str(tmp_path / "run.toml"), target="cpu"))

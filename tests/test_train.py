@@ -211,7 +211,8 @@ def test_eval_equals_transformers_loss(arch, tmp_path):
 
     total, count = 0.0, 0
     for r in rows:
-        prompt, completion = (r["prompt"], r["completion"]) if "prompt" in r else (alpaca_prompt(r["instruction"]), r["output"])
+        prompt, completion = ((r["prompt"], r["completion"]) if "prompt" in r
+                              else (alpaca_prompt(r["instruction"]), r["output"]))
         p_ids = tokenizer(prompt).input_ids
         ids = p_ids + tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         with torch.no_grad():
@@ -271,7 +272,8 @@ def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.1
     from safetensors.numpy import load_file
 
-    assert {v.dtype for v in load_file(str(result.result_path / "adapter_model.safetensors")).values()} == {np.dtype("float32")}
+    stored = load_file(str(result.result_path / "adapter_model.safetensors"))
+    assert {v.dtype for v in stored.values()} == {np.dtype("float32")}
 
 
 def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_path, capsys):

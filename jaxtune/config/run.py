@@ -28,9 +28,10 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 class ModelSection:
     """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
     always float32 master weights; compute_dtype "bfloat16" gives mixed precision, "auto" (the default) what the
-    run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.run_plan`). attention: the kernel
-    (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn"). router_aux_loss_coef: a mixture
-    of experts' load-balancing loss weight in training (0: none); -1: as its config.json says (transformers':
+    run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.run_plan`).
+    attention: the kernel (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn").
+    router_aux_loss_coef: a mixture of experts' load-balancing loss weight in training (0: none); -1: as its
+    config.json says (transformers':
     `router_aux_loss_coef` if `output_router_logits`, else none)."""
 
     path: str = ""

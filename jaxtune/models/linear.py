@@ -25,8 +25,16 @@ from jax.sharding import PartitionSpec
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
 from jaxtune.config.forward import MATMUL_OUTPUT
-from jaxtune.models.quant import (BitPattern, NF4Array, QuantizedArray, absmax_of, column_multiple, dequantize,
-                                  dequantize_columns, full_shape)
+from jaxtune.models.quant import (
+    BitPattern,
+    NF4Array,
+    QuantizedArray,
+    absmax_of,
+    column_multiple,
+    dequantize,
+    dequantize_columns,
+    full_shape,
+)
 from jaxtune.parallel.rules import fsdp_only_dim, gathered, mesh_axes_of, mesh_in_context, platform_in_context
 
 

@@ -18,8 +18,13 @@ import jax.numpy as jnp
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.config.targets import layer_scales
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
-from jaxtune.models.fused_attention import (FusedAttention, choose_kernel, cudnn_attention, right_padded,
-                                            splash_attention)
+from jaxtune.models.fused_attention import (
+    FusedAttention,
+    choose_kernel,
+    cudnn_attention,
+    right_padded,
+    splash_attention,
+)
 from jaxtune.models.head import head_logits
 from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
 from jaxtune.models.moe import routed_experts, router_loss

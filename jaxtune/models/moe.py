@@ -28,7 +28,6 @@ from jaxtune.models.params import EXPERT_AXES
 from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
 
 
-
 def gmm_tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
     """megablox's tiles for an [m, k] x [k, n] product (its backward's too): rows 512, 256 or 128 (m is padded to
     128), contraction and output 1,024 or the whole dimension where it is not a multiple of 128 (Mosaic's rule)."""

@@ -18,8 +18,8 @@ from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
-from jaxtune.planner.devices import Device, get_device
 from jaxtune.planner.confirm import CompiledMemory
+from jaxtune.planner.devices import Device, get_device
 from jaxtune.planner.estimate import Estimate, estimate, resolve_mesh
 from jaxtune.planner.report import (
     format_compiled,
