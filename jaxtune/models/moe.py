@@ -57,10 +57,16 @@ def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axe
     return y_MxO + lora_scale * jax.lax.ragged_dot(xa_MxR, module["lora_b"].astype(x_MxI.dtype), group_sizes_E)
 
 
-def expert_kernel() -> tuple[str, bool]:
-    """(the grouped matmul for the platform the step is compiled for: "megablox" on TPU, else "ragged_dot";
-    whether megablox runs in Pallas' interpreter: never where it is chosen, tests force it off TPU)."""
-    return ("megablox" if platform_in_context() == "tpu" else "ragged_dot"), False
+def grouped_kernel(cfg: ModelConfig, platform: str, tensor: int) -> str:
+    """The grouped matmul a mixture runs: "megablox" on TPU where the tensor axis divides each expert's hidden units,
+    else "ragged_dot" (which the TPU compiler makes a dense matmul per expert). The planner asks the same."""
+    return "megablox" if platform == "tpu" and cfg.expert_size % tensor == 0 else "ragged_dot"
+
+
+def expert_platform() -> tuple[str, bool]:
+    """(the platform the step's experts are compiled for, whether megablox runs in Pallas' interpreter: never on
+    the platform that chooses it; tests force it off TPU)."""
+    return platform_in_context(), False
 
 
 def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT: jax.Array, gated,
@@ -71,9 +77,9 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     B, T, D = x_BxTxD.shape
     K, E = cfg.experts_per_token, cfg.num_experts
     probs_NxE, weights_NxK, experts_NxK = route(x_BxTxD.reshape(B * T, D), layer["router"], cfg)
-    kernel, interpret = expert_kernel()
+    platform, interpret = expert_platform()
     mesh = mesh_in_context()
-    if kernel == "megablox" and (mesh is None or cfg.expert_size % mesh.shape["tensor"] == 0):
+    if grouped_kernel(cfg, platform, 1 if mesh is None else mesh.shape["tensor"]) == "megablox":
         out_BxTxD = _megablox_experts(x_BxTxD, weights_NxK.reshape(B, T, K), experts_NxK.reshape(B, T, K),
                                       layer["experts"], gated, lora_scale, E, interpret)
     else:

@@ -227,6 +227,11 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     return L * per_layer + D * cfg.vocab_size
 
 
+def expert_kernel_elements(cfg: ModelConfig) -> int:
+    """Elements of one layer's expert stacks (gate, up and down of every expert)."""
+    return cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_size
+
+
 def kernel_elements_per_layer(cfg: ModelConfig) -> int:
     """Elements of one layer's linear kernels, every expert's included."""
     D = cfg.hidden_size

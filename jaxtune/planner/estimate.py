@@ -44,6 +44,7 @@ from jaxtune.models.attention import block_size
 from jaxtune.models.fused_attention import splash_covers
 from jaxtune.models.head import chunk_length
 from jaxtune.models.linear import gathered_piece_bytes
+from jaxtune.models.moe import grouped_kernel
 from jaxtune.models.params import abstract_params, count_params
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
@@ -256,7 +257,6 @@ class RunBytes:
     loading_device: int
     loading_host: int
     largest_trainable: int  # the largest trainable leaf outside the layer stacks, whole
-    layer_trainable: int  # the trainable layer stacks' bytes a device
 
 
 def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> RunBytes:
@@ -278,8 +278,7 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
                     _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
                     _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
                     *_loading_transient(run, tiled),
-                    _largest_outside_layers(run.state["params"]),
-                    _device_bytes(run.state["params"].get("layers", {}), tiled))
+                    _largest_outside_layers(run.state["params"]))
 
 
 def _largest_outside_layers(params) -> int:
@@ -413,8 +412,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                            f"{data} x {fsdp} x {sizes['expert']} = {ways} devices; use a multiple of {ways} rows")
     rows = total_rows // ways
     prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
-    # `models/moe.py`: megablox on TPU, ragged_dot (dense there) where a tensor axis does not divide an expert
-    megablox = device.family == "tpu" and (not cfg.num_experts or cfg.expert_size % tensor == 0)
+    megablox = grouped_kernel(cfg, device.family, tensor) == "megablox"  # else ragged_dot, dense on TPU
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"])
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
@@ -472,7 +470,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
             # megablox gathers a device's own experts whole (the expert axis splits them), not a piece at a time;
             # QLoRA dequantises their whole stack at once, its float32 values beside (Mixtral-8x7B on v6e-8,
             # experiments/tpu_compile_table.py)
-            experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_size
+            experts = act.expert_kernel_elements(cfg)
             local = experts // sizes["expert"]
             if stored and tensor == 1 and not method.dora:  # the dense modules a piece at a time, the experts whole
                 gathered += local * 2
@@ -504,7 +502,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # weight gradient before its reduce-scatter (a device's experts' share of a mixture's).
         backward_workspace += int(0.45 * acts.workspace)
         if method.kind == "full" and fsdp > 1:
-            experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_size
+            experts = act.expert_kernel_elements(cfg)
             per_layer = layer_kernels // cfg.num_layers - experts + experts // sizes["expert"]
             backward_workspace += 2 * per_layer * 4 // tensor
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxtune.config.run import batch_ways
 from jaxtune.config.targets import adapted_modules
 from jaxtune.models.fused_attention import splash_covers
+from jaxtune.models.moe import grouped_kernel
 from jaxtune.models.params import linear_shapes
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
@@ -78,7 +79,7 @@ def step_time(est: Estimate) -> StepTime:
         last = 0 if cfg.sandwich_norms or cfg.num_experts else cfg.hidden_size * act.mlp_width(cfg) / tensor
         flops += 2 * n * (matmul - head - cfg.num_layers * last)
     flops += 2 * n * head  # the chunked loss recomputes its logits in the backward
-    if cfg.num_experts and dev.family == "tpu" and cfg.expert_size % tensor == 0 and plan.remat == "save_matmuls":
+    if cfg.num_experts and grouped_kernel(cfg, dev.family, tensor) == "megablox" and plan.remat == "save_matmuls":
         # megablox's products are no dots the policy saves: the routed experts' forward runs again in the backward
         flops += 2 * n * cfg.num_layers * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.expert_size / tensor
     # forward, a backward of twice the forward (splash's: 7 matmuls of the forward's 2), full remat's recompute
