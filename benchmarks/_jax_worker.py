@@ -26,7 +26,7 @@ def run(name: str, warmup: int, steps: int) -> dict:
     from jaxtune.parallel.mesh import make_mesh
     from jaxtune.spine.run import abstract_run
 
-    release_after_compiles()  # the host memory settings `jaxtune train` runs with (train/loop.setup_task)
+    release_after_compiles()  # the host memory settings `jaxtune train` runs with (train/loop.start_run)
     return_large_blocks()
     kind, targets = M.METHODS[name]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)

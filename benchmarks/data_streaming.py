@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]

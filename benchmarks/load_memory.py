@@ -34,10 +34,10 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.io.safetensors import write_weights
 from jaxtune.models.hf_config import config_to_hf
 from jaxtune.models.hf_weights import expected_tensors
-from jaxtune.models.presets import write_random_model
-from jaxtune.models.safetensors_io import write_weights
+from jaxtune.presets import write_random_model
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,12 +68,12 @@ def write_big_model(directory: Path, cfg: ModelConfig) -> int:
 
 
 TRAIN = "from jaxtune.cli import main; main(['train', CONFIG])"
-LOAD = ("from jaxtune.run_config import load_run_config; from jaxtune.train.loop import setup_task; "
-        "task = setup_task(load_run_config(CONFIG), print); import jax; jax.block_until_ready(task.state)")
+LOAD = ("from jaxtune.run_config import load_run_config; from jaxtune.train.loop import start_run; "
+        "task = start_run(load_run_config(CONFIG), print); import jax; jax.block_until_ready(task.state)")
 
 
 def peak_rss(config: Path, devices: int, program: str = TRAIN) -> int:
-    """Peak resident set of `program` (`jaxtune train CONFIG`, or only its loading: `setup_task`, which reads the
+    """Peak resident set of `program` (`jaxtune train CONFIG`, or only its loading: `start_run`, which reads the
     weights into the run's arrays) in a fresh process without a compilation cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     if devices > 1:

@@ -206,7 +206,7 @@ def run_jaxtune(a) -> dict:
                           schedule="constant", max_grad_norm=M.MAX_GRAD_NORM, max_steps=a.max_steps,
                           eval_every=a.every, log_every=1))
     clock, curve = Clock(), []
-    setup = loop.setup_task
+    setup = loop.start_run
 
     def timed_setup(config, log):
         task = setup(config, log)
@@ -220,7 +220,7 @@ def run_jaxtune(a) -> dict:
 
         return replace(task, training=replace(task.training, evaluate=timed))
 
-    loop.setup_task = timed_setup
+    loop.start_run = timed_setup
     result = loop.fine_tune(config, log=lambda message: print(message, file=sys.stderr))
     wall = clock.elapsed()
     records = [json.loads(line) for line in (a.run_dir / "metrics.jsonl").read_text().splitlines()]

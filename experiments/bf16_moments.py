@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxtune.config import DataConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.demo import ASSETS, BASE_SHAPE
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
 from jaxtune.run_config import RunConfig
 from jaxtune.train.loop import fine_tune
 

@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from conftest import ARCHS, make_hf_model  # noqa: E402
+from hf_models import ARCHS, make_hf_model  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 from reference import float64_reference, logits_four_ways, relative_error  # noqa: E402
 from test_methods_peft import METHODS, WILD  # noqa: E402
 
 from jaxtune.methods.peft import load_peft_adapter  # noqa: E402
-from jaxtune.models.hf_weights import load_model  # noqa: E402
+from jaxtune.spine.model import load_model  # noqa: E402
 
 SEEDS = range(6)
 

@@ -45,11 +45,11 @@ def run_one(name: str, out: Path) -> dict:
     from jaxtune.config import DataConfig, MethodConfig, ModelSection, TrainConfig
     from jaxtune.data.tokenizer import load_tokenizer
     from jaxtune.demo import _answers, _write_chats, date_examples, smollm2_path
-    from jaxtune.methods.peft import load_model_with_adapter
     from jaxtune.methods.transform import apply_method, parameter_report
     from jaxtune.models.hf_config import load_config
     from jaxtune.models.params import abstract_params
     from jaxtune.run_config import RunConfig
+    from jaxtune.spine.model import load_model_with_adapter
     from jaxtune.train.loop import fine_tune
 
     model = smollm2_path()

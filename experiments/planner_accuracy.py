@@ -239,7 +239,7 @@ def rss_table(smollm2: bool = False) -> list[dict]:
     """The 134M random float32 Llama, full and LoRA; or the real SmolLM2-135M: LoRA and QLoRA on all linear
     layers of it in bfloat16, and the demo's LoRA on its GGUF file (dequantised to float32 as it is read)."""
     from jaxtune.demo import smollm2_path
-    from jaxtune.models.presets import write_random_model
+    from jaxtune.presets import write_random_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

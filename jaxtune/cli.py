@@ -1,14 +1,17 @@
-"""`jaxtune ...`: parses arguments and calls the library.
+"""`jaxtune ...`: `main` parses the arguments (`build_parser`) and calls the library, one `cmd_*` a subcommand
+(info, init, train, eval, generate, demo, export, launch, plan).
 
 Whatever goes wrong ends in one line on stderr, never a traceback on the terminal:
-  exit 2   a problem with the input (`JaxtuneError`: the file, line, key or value), or out of memory (what to lower)
-  exit 3   a bug in jaxtune: the traceback is written to a file the line names
+  exit 2     a problem with the input (`JaxtuneError`: the file, line, key or value), or out of memory (what to lower)
+  exit 3     a bug in jaxtune: the traceback is written to a file the line names
+  exit 130   interrupted (`train` finishes its step and checkpoints first, then exits 130, or 143 on SIGTERM)
 jaxtune's own warnings (`JaxtuneWarning`) are one line on stderr too: `jaxtune: warning: ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -18,17 +21,35 @@ import traceback
 import warnings
 from pathlib import Path
 
+import jax
+
+from jaxtune.config import SamplingConfig
+from jaxtune.data.formats import is_preference_file
+from jaxtune.data.sources import read_records
+from jaxtune.data.tokenizer import load_tokenizer
+from jaxtune.demo import run_demo
 from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
+from jaxtune.generation import generate_text
+from jaxtune.launch import TpuTarget, launch_tpu
+from jaxtune.methods import METHODS
+from jaxtune.methods.peft import adapter_summary, save_peft_adapter
+from jaxtune.models.summary import model_summary
+from jaxtune.objectives import ALIASES, OBJECTIVES
+from jaxtune.parallel.distributed import cluster_from_env, join_cluster
+from jaxtune.paths import check_output_dir, human_bytes
+from jaxtune.planner.command import public, render, run_plan, suggestion_for_run
+from jaxtune.planner.slices import libtpu_quiet
+from jaxtune.presets import write_random_model
+from jaxtune.run_config import load_run_config
+from jaxtune.spine.model import load_model_with_adapter
+from jaxtune.train.evaluation import evaluate_file, evaluate_preference_file
+from jaxtune.train.export import export_gguf, export_gguf_lora, export_merged, export_run
+from jaxtune.train.loop import fine_tune
 
 
 def cmd_info(args) -> None:
-    from jaxtune.models.summary import model_summary
-    from jaxtune.paths import human_bytes
-
     summary = model_summary(args.model)
     if args.adapter:
-        from jaxtune.methods.peft import adapter_summary
-
         summary["adapter"] = adapter_summary(args.model, args.adapter)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -48,22 +69,11 @@ def cmd_info(args) -> None:
 
 
 def cmd_init(args) -> None:
-    from jaxtune.models.presets import write_random_model
-
     path = write_random_model(args.out, args.arch, seed=args.seed)
     print(f"wrote a random {args.arch} model to {path}")
 
 
 def cmd_export(args) -> None:
-    from jaxtune.methods.peft import (
-        export_gguf,
-        export_gguf_lora,
-        export_merged,
-        load_model_with_adapter,
-        save_peft_adapter,
-    )
-    from jaxtune.paths import check_output_dir
-
     note = lambda text: print(text, file=sys.stderr)
     if (args.model is None) == (args.run_dir is None):
         raise JaxtuneError("export needs --model (with --adapter) or --run (a run directory), not both")
@@ -94,8 +104,6 @@ def cmd_export(args) -> None:
 
 
 def _export_run(args, note) -> None:
-    from jaxtune.train.export import export_run
-
     if args.adapter is not None:
         raise JaxtuneError("--adapter goes with --model; --run exports the run's own result")
     target, out = next((t, o) for t, o in (("peft", args.peft), ("merged", args.merged), ("gguf", args.gguf),
@@ -106,10 +114,6 @@ def _export_run(args, note) -> None:
 
 def cmd_train(args) -> int:
     """0 when the run finished; 128 + the signal (130 SIGINT, 143 SIGTERM) when it was stopped and checkpointed."""
-    from jaxtune.parallel.distributed import cluster_from_env, join_cluster
-    from jaxtune.run_config import load_run_config
-    from jaxtune.train.loop import fine_tune
-
     config = load_run_config(args.config, args.set)
     join_cluster(cluster_from_env(args.coordinator, args.num_processes, args.process_id, args.auto_cluster))
     result = fine_tune(config)
@@ -117,9 +121,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> None:
-    from jaxtune.data.formats import is_preference_file
-    from jaxtune.train.evaluation import evaluate_file, evaluate_preference_file
-
     note = lambda text: print(text, file=sys.stderr)
     if is_preference_file(args.data):
         result = evaluate_preference_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size,
@@ -136,10 +137,6 @@ def cmd_eval(args) -> None:
 
 def _read_prompts(path: str) -> list[str | list[dict]]:
     """A .jsonl file's "prompt" fields or "messages" conversations, or any other file's non-empty lines."""
-    from pathlib import Path
-
-    from jaxtune.data.sources import read_records
-
     if path.endswith(".jsonl"):
         prompts = []
         for line, record in read_records(path):
@@ -160,11 +157,6 @@ def _read_prompts(path: str) -> list[str | list[dict]]:
 
 
 def cmd_generate(args) -> None:
-    from jaxtune.config import SamplingConfig
-    from jaxtune.data.tokenizer import load_tokenizer
-    from jaxtune.generation import generate_text
-    from jaxtune.methods.peft import load_model_with_adapter
-
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     if args.chat:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
@@ -186,14 +178,10 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from jaxtune.demo import run_demo
-
     run_demo(args.out, tiny=args.tiny)
 
 
 def cmd_launch(args) -> int:
-    from jaxtune.launch import TpuTarget, launch_tpu
-
     rest = args.rest
     target = TpuTarget(args.name, args.zone, args.accelerator, args.project, args.spot, args.queued)
     return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts,
@@ -201,8 +189,6 @@ def cmd_launch(args) -> int:
 
 
 def cmd_plan(args) -> None:
-    from jaxtune.planner.command import public, render, run_plan
-
     names = ("model", "params", "config", "method", "target", "batch", "seq", "accum", "remat", "mesh", "offload",
              "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens")
     result = run_plan(search_plans=args.search, longest=args.longest_context, step=args.seq_step, confirm=args.confirm,
@@ -340,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
     model.add_argument("--config", metavar="RUN.toml", help="a `jaxtune train` config: its model, method, batch, "
                        "sequence, remat, mesh and offload")
-    plan.add_argument("--method", default="lora", help="full, lora, qlora, ia3, prefix or adapter (default: lora)")
+    plan.add_argument("--method", default="lora", help=f"{', '.join(METHODS)} (default: lora)")
     plan.add_argument("--target", required=True, metavar="DEVICE[-N]", help="e.g. h100-80gb, h100-80gb-8, v5e-8, "
                       "v5p-32, gaudi3, cpu (an unknown name lists the known ones)")
     plan.add_argument("--batch", type=int, help="rows per micro-batch over all devices (default: one a device)")
@@ -355,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compute-dtype", help="default bfloat16 on accelerators, float32 on cpu")
     plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; with --params bfloat16, on cpu "
                       "float32)")
-    plan.add_argument("--objective", default="sft", choices=("sft", "dpo", "reward", "grpo", "distill", "rlhf"),
+    plan.add_argument("--objective", default="sft", choices=(*OBJECTIVES, *ALIASES),
                       help="the trainer's objective (rlhf: grpo); --batch counts pairs for dpo and reward")
     plan.add_argument("--generate-tokens", type=int, default=0,
                       help="grpo: tokens each rollout samples, of the --seq tokens of a row")
@@ -412,16 +398,10 @@ def _start_backends_quietly() -> None:
     """With libtpu installed (`jaxtune[tpu]`, the TPU compiler) on a host without a TPU, JAX's first look for devices
     makes libtpu print notices about the TPU it cannot find: they are kept off the terminal (on a TPU VM, whose
     devices are /dev/accel* or /dev/vfio, nothing is hidden)."""
-    import importlib.util
-
     if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
         return
     if any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists():
         return
-    import jax
-
-    from jaxtune.planner.slices import libtpu_quiet
-
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another jaxtune may hold libtpu's lockfile
     with libtpu_quiet():
         jax.devices()
@@ -460,8 +440,6 @@ def out_of_memory(args, e: BaseException) -> str:
     """One line: what ran out, what to lower for this command, and for `train` the plan that fits."""
     detail = _first_line(e).removeprefix("RESOURCE_EXHAUSTED: ")
     if args.command == "train":
-        from jaxtune.planner.command import suggestion_for_run
-
         return f"out of memory ({detail}); {suggestion_for_run(args.config, args.set)}"
     if args.command == "eval":
         return (f"out of memory ({detail}); lower --batch-size (now {args.batch_size}) or --max-seq-len"

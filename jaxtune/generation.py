@@ -3,18 +3,10 @@
     ids = generate(params, cfg, [[1, 5, 9], [1, 7]], SamplingConfig(max_new_tokens=32))
     texts = generate_text(params, cfg, tokenizer, ["Once upon"], SamplingConfig(temperature=0.7, top_p=0.9))
 
-Prompts are padded on the left to one length, so every row writes its next token to the same cache slot (see
-`models/kv_cache.py`). Prefill and the whole decode loop are one jitted function (a `lax.while_loop` that stops
-when every row has finished), compiled once per shape bucket: the batch is padded to a power of two and the
-prompt length to a power of two (at least 16), so calls with other prompts of similar size reuse the compiled
-code. Shapes follow the prompts, never the model's context: the cache holds P + bucket(prompt) + max_new_tokens
-slots (P prefix-tuning tokens), the bucket cut back where that would pass the context. Temperature, top-k, top-p
-and the seed are traced values: changing them does not recompile; greedy decoding (temperature 0) and
-`max_new_tokens` are static.
-
-Sampling follows transformers' logits processors in their order: divide by the temperature, keep the top k,
-then keep the smallest set of tokens whose probability reaches top_p (`TopPLogitsWarper`, at least one token).
-The returned tokens stop before the first EOS or stop token (transformers' `generate` would include it).
+Prompts are padded on the left (`models/kv_cache.py`); prefill and the decode loop (a `lax.while_loop` until every
+row has finished) are one jit, `decode`, compiled once per bucket (batch and prompt length padded to powers of
+two; the cache sized by the prompts, not the context). Temperature, top-k, top-p and the seed are traced, greedy
+and `max_new_tokens` static; sampling is transformers' order (`filter_logits`). Tokens stop before EOS or a stop token.
 """
 
 from __future__ import annotations
@@ -59,11 +51,22 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k:
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
 
+def decode_arguments(rows: int, prompt_len: int, vocab_size: int, sharding=None) -> tuple:
+    """`decode`'s arguments after the params as ShapeDtypeStructs (placed by `sharding`, if given): the prompts and
+    their mask [rows, prompt_len], the live rows, the stop set [V], temperature, top_k, top_p and the key."""
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    key = jax.eval_shape(jax.random.key, 0)
+    return (spec((rows, prompt_len), jnp.int32), spec((rows, prompt_len), jnp.int32), spec((rows,), jnp.bool_),
+            spec((vocab_size,), jnp.bool_), spec((), jnp.float32), spec((), jnp.int32), spec((), jnp.float32),
+            spec(key.shape, key.dtype))
+
+
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "cache_size", "max_new_tokens", "greedy"))
-def _generate(params, tokens_BxT, mask_BxT, live_B, is_stop_V, temperature, top_k, top_p, key, *,
+def decode(params, tokens_BxT, mask_BxT, live_B, is_stop_V, temperature, top_k, top_p, key, *,
               cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, cache_size: int,
               max_new_tokens: int, greedy: bool) -> jax.Array:
-    """New tokens [B, N]: each row's tokens up to and including its first stop token, then -1."""
+    """New tokens [B, N]: each row's tokens up to and including its first stop token, then -1. The one program of
+    `generate` and of GRPO's rollouts, which `planner.confirm` lowers with `decode_arguments`."""
     B = tokens_BxT.shape[0]
 
     def pick(logits_BxV, step):
@@ -139,7 +142,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     live_B = np.arange(B) < len(prompts)  # rows added to fill the batch bucket start finished
     is_stop_V = np.zeros(cfg.vocab_size, bool)
     is_stop_V[list(stops)] = True
-    out_BxN = _generate(
+    out_BxN = decode(
         params, tokens_BxT, mask_BxT, live_B, is_stop_V, np.float32(max(sampling.temperature, 1e-6)),
         np.int32(sampling.top_k), np.float32(sampling.top_p), jax.random.key(sampling.seed),
         cfg=cfg, method=method, options=options, cache_size=P + T + sampling.max_new_tokens,

@@ -1,11 +1,11 @@
 """This host's CPU: whether XLA:CPU multiplies bfloat16 natively here, and one warning when bfloat16 compute is slow.
 
-With bfloat16 dot-product instructions (x86 AVX512_BF16 or AMX-BF16, Arm BF16) XLA:CPU runs a bfloat16 matmul at
-about twice the float32 rate (README, "Mixed precision"); without them every bfloat16 operand is widened to float32
-and the result rounded back, about half the float32 rate (issue 13: 343 vs 712 tokens/s on an AMD Zen 3, AVX2 only).
-The flags are read from /proc/cpuinfo (Linux; elsewhere none are read, and the CPU counts as not native), less what
-`XLA_FLAGS=--xla_cpu_max_isa=...` forbids XLA to use. The planner's `cpu` target (`planner/devices.py`) and the
-trainer's warning both ask `native_bf16`; it takes the texts as arguments so tests can fix them.
+With bfloat16 dot-product instructions (x86 AVX512_BF16 or AMX-BF16, Arm BF16) XLA:CPU multiplies bfloat16 faster
+than float32; without them every bfloat16 operand is widened to float32 and the result rounded back, slower than
+float32 (benchmarks/train_throughput.py, `--only lora_qv_bf16`). `native_bf16` reads /proc/cpuinfo (Linux; elsewhere
+the CPU counts as not native) less what `XLA_FLAGS=--xla_cpu_max_isa=...` forbids; it takes both texts as arguments
+so tests can fix them. The planner's `cpu` target (`planner/devices.cpu_device`) and `warn_if_slow_bf16` (the
+trainer's one warning a process) both ask it.
 """
 
 from __future__ import annotations

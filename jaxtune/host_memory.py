@@ -1,26 +1,12 @@
 """Host memory the runtime frees goes back to the operating system: after each compile, and large blocks when freed.
 
-Compiling a training step allocates hundreds of MiB in small pieces (the HLO, LLVM's IR, the buffer assignment;
-about 400 MiB for a 12-layer step split over 8 devices) and frees them when the executable is built. glibc keeps
-freed small pieces in its heap, so the process's resident set stays that much higher for the whole run, and the
-step's buffers, allocated next in large blocks of their own, come on top of it: a short `jaxtune train` of a 607M
-model on 8 fake CPU devices peaked about 400 MiB above what its arrays and the step need (README, "Memory while
-loading").
-`release_after_compiles` asks glibc (`malloc_trim`) to return the free pages after every backend compile of a
-second or more (JAX's `/jax/core/compile/backend_compile_duration` event, sent when a compile ends, before the
-executable runs).
-
-`return_large_blocks` fixes glibc's mmap threshold (`mallopt(M_MMAP_THRESHOLD)`) at `MMAP_THRESHOLD_BYTES`. By
-default glibc raises the threshold to the size of each mmapped block freed, up to 32 MiB, so once XLA:CPU frees a
-step's first buffers, later buffers of that size come from the heap, whose freed pages stay resident and
-fragmented: a short train of a 607M model on 8 fake devices peaked 70-140 MiB higher (1,988-2,027 MiB against
-1,880-1,907; README, "Memory while loading"), a full fine-tune of the benchmark model 300-380 MiB higher. Each block
-mapped afresh costs page faults: at a 1 MiB threshold the SmolLM2 demo's steps took 8-10% longer; at 4 MiB they
-take as long as with glibc's default, and so does the full fine-tune. The heap's top is trimmed only past
-`TRIM_THRESHOLD_BYTES` (`M_TRIM_THRESHOLD`; glibc's 128 KiB made the full fine-tune 6% slower); the trims after
-loading and after long compiles (above) still return everything free.
-
-Where the C library is not glibc there is nothing to call, and nothing is done.
+Compiling a step allocates much in small pieces (HLO, LLVM IR, buffer assignment) and frees it once the executable
+is built; glibc keeps freed small pieces in its heap, under the step's own buffers, for the whole run.
+`release_after_compiles` calls `malloc_trim` (`release_freed_memory`) after every backend compile of
+`MIN_COMPILE_SECONDS` or more (JAX's `COMPILE_EVENT`). `return_large_blocks` pins glibc's mmap threshold at
+`MMAP_THRESHOLD_BYTES` (glibc raises it as blocks are freed, so later step buffers would come from the fragmented
+heap) and its trim threshold at `TRIM_THRESHOLD_BYTES`: resident memory against page faults, as measured by
+benchmarks/load_memory.py and benchmarks/train_throughput.py. Without glibc nothing is done.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """`jaxtune launch tpu`: run `jaxtune train` on every worker of a Cloud TPU VM, through gcloud.
 
-The same program runs on every host (JAX's multi-controller model): each worker runs `jaxtune train
---auto-cluster`, whose `jax.distributed.initialize()` finds its peers from the TPU VM's metadata. The launcher
-only has to
-
-    1. create the TPU VM (or a queued resource for spot capacity), or reuse it if it exists and is READY;
-    2. ship this package and the run config (`gcloud compute tpus tpu-vm scp --worker=all`);
-    3. install it with JAX's TPU wheels (`pip install 'jax[tpu]' ./jaxtune`);
-    4. run `jaxtune train` on all workers at once (`ssh --worker=all`), streaming their logs;
-    5. when the VM is preempted mid-run, delete it, create it again, ship, install and run the *same* train
-       command: `jaxtune train` resumes from the latest checkpoint in `train.output_dir`.
-
-Step 5 only works if the checkpoints outlive the VM, so with `--spot` the run's `train.output_dir` must be a
-`gs://` path: orbax writes the checkpoints there directly (through gcsfs, installed with the package), the other
-run files go to `runs/<bucket>/<path>` on worker 0; the launcher refuses a local one. `--dry-run` prints every
-command.
-
-Before any gcloud command, the run's own step is compiled here with the TPU compiler for the accelerator's slice
-(`compile_check`: libtpu, on any host), and a run that does not fit the chips' memory is refused in one line with
-the figures (`--no-compile-check` skips it; a dry run prints the verdict with the commands).
+Every worker runs the same `jaxtune train --auto-cluster` (JAX's multi-controller model: `jax.distributed` finds its
+peers from the VM's metadata). `launch_tpu` first compiles the run's step for the slice with the TPU compiler
+(`compile_check`: libtpu, on any host; a run that does not fit is refused with the figures), then creates the VM (a
+queued resource for `--spot`) or reuses a READY one, ships the package, config and local data (`pack_sources`),
+installs it with `jax[tpu]` and `etils[epath-gcs]`, and trains on all workers at once. A preempted VM is deleted,
+re-created and trained again, resuming from the latest checkpoint: so `--spot` needs `train.output_dir` on `gs://`
+(orbax writes there; other run files go to `runs/<bucket>/<path>`). `--dry-run` prints every command.
 """
 
 from __future__ import annotations
@@ -31,7 +19,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxtune.config import MeshConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.planner.command import plan_from_run_config
+from jaxtune.planner.compiled_search import confirm_plan
+from jaxtune.planner.devices import get_device
+from jaxtune.planner.estimate import resolve_mesh
 from jaxtune.run_config import load_run_config
 
 REMOTE_DIR = "jaxtune-run"
@@ -140,8 +133,8 @@ def parse_train_args(rest: list[str]) -> tuple[Path, list[str]]:
 class Gcloud:
     """Runs (or, dry, prints) gcloud commands; `run` streams output and returns the exit status."""
 
-    def __init__(self, dry_run: bool, out=sys.stdout):
-        self.dry_run, self.out = dry_run, out
+    def __init__(self, dry_run: bool, out=None):
+        self.dry_run, self.out = dry_run, out if out is not None else sys.stdout  # the stdout of the call, not import
 
     def run(self, command: list[str]) -> int:
         print("+ " + shlex.join(command), file=self.out, flush=True)
@@ -163,11 +156,6 @@ class Gcloud:
 def compile_check(run, accelerator: str, config_path: Path) -> str:
     """The run's step compiled with the TPU compiler for `accelerator`'s slice (gcloud's name or jaxtune's): one
     line with the compiler's figures when it fits, a JaxtuneError with them when it does not."""
-    from jaxtune.config import MeshConfig
-    from jaxtune.planner.command import confirm_plan, plan_from_run_config
-    from jaxtune.planner.devices import get_device
-    from jaxtune.planner.estimate import resolve_mesh
-
     target = get_device(accelerator.replace("v5litepod", "v5e"))
     try:
         cfg, plan = plan_from_run_config(run, "tpu")
@@ -191,10 +179,11 @@ def compile_check(run, accelerator: str, config_path: Path) -> str:
     return f"{figures}: fits"
 
 
-def launch_tpu(t: TpuTarget, rest: list[str], dry_run: bool = False, max_restarts: int = 5, out=sys.stdout,
+def launch_tpu(t: TpuTarget, rest: list[str], dry_run: bool = False, max_restarts: int = 5, out=None,
                compile_first: bool = True) -> int:
     """Check the run compiles within the slice's memory, then create/reuse, ship, install and train on every
-    worker; re-create and resume after preemptions."""
+    worker; re-create and resume after preemptions. out: where the commands and notes go (default sys.stdout)."""
+    out = out if out is not None else sys.stdout
     config_path, overrides = parse_train_args(rest)
     run = load_run_config(config_path, overrides)  # fail here, not on the TPU, for a bad config
     output_dir = run.train.output_dir

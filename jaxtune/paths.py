@@ -1,5 +1,11 @@
 """Output locations, checked before anything is written: a run or export that cannot write fails at once, naming
-the path, instead of after minutes of work (or halfway through, leaving a partial directory)."""
+the path, instead of after minutes of work (or halfway through, leaving a partial directory).
+
+    check_output_dir(path, "train.output_dir")   # writable, or a JaxtuneError naming the key and the path
+    run_directories(output_dir)                  # (run dir, checkpoint dir); gs:// keeps checkpoints in the bucket
+    with run_directory_lock(run_dir): ...        # one writer per run directory (flock)
+    with writing(path, needed): ...              # refused when the disk lacks room; a full disk is one line
+"""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxtune.config import MeshConfig, MethodConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.io.safetensors import CheckpointReader
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.safetensors_io import CheckpointReader
 from jaxtune.parallel.distributed import ClusterConfig, host_copy, join_cluster
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.load import load_run

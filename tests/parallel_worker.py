@@ -34,8 +34,10 @@ from jaxtune.config import MeshConfig, MethodConfig, OffloadConfig, TrainConfig,
 from jaxtune.config.plan import TrainPlan
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.parallel import bytes_per_device, make_mesh, total_bytes
-from jaxtune.spine.run import abstract_run
+from jaxtune.parallel import make_mesh
+from jaxtune.presets import tiny_model_config
+from jaxtune.spine.run import abstract_run, init_run
+from jaxtune.spine.shardings import bytes_per_device, total_bytes
 
 STEPS, ACCUM, ROWS, SEQ = 10, 2, 8, 32
 CFG = tiny_config(initializer_range=0.1)
@@ -245,9 +247,9 @@ def eval_rows() -> dict:
 def load(model_dir: str, method_name: str) -> dict:
     """`spine.load.load_run` of a checkpoint onto fsdp=8: every array alive while reading (snapshot at each read)
     and after, as per-device shard shapes, against the parameters' full shapes; and the bytes read."""
+    from jaxtune.io.safetensors import CheckpointReader
     from jaxtune.models.hf_config import load_config
     from jaxtune.models.params import logical_axes
-    from jaxtune.models.safetensors_io import CheckpointReader
     from jaxtune.spine.load import load_run
 
     cfg = load_config(model_dir)
@@ -285,14 +287,11 @@ def load(model_dir: str, method_name: str) -> dict:
 
 def tiny_run(arch: str, method: MethodConfig, **overrides):
     """(config, trainable, frozen) of a tiny `arch` under `method`, every LoRA B nonzero: adapters train from step 1."""
-    from jaxtune.models.presets import tiny_model_config
-
     cfg = tiny_model_config(arch, vocab_size=CFG.vocab_size, initializer_range=0.1, **overrides)
-    base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
-    params = jax.jit(apply_method, static_argnums=(1, 2))(base, cfg, method, jax.random.key(1))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, params)
-    return cfg, *partition(jax.tree.map(np.asarray, params), trainable_mask(params, method))
+    trainable, frozen = init_run(cfg, method)
+    trainable = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.01 if jax.tree_util.keystr(path).endswith("['lora_b']") else x, trainable)
+    return cfg, *(jax.tree.map(np.asarray, t) for t in (trainable, frozen))
 
 
 def four_steps(cfg, method: MethodConfig, mesh_config: MeshConfig, trainable, frozen) -> tuple[list[float], dict]:
@@ -328,7 +327,6 @@ def splash() -> dict:
     `shard_map`), each against the blockwise kernel on one device: {run: largest relative difference}, and under
     "traced" each splash run's traces of the kernel as [calls, calls on a mesh]."""
     from jaxtune.models import llama
-    from jaxtune.models.presets import tiny_model_config
     from jaxtune.parallel.rules import mesh_in_context
 
     traced = {}

@@ -17,8 +17,8 @@ from jaxtune.cli import main
 from jaxtune.config import MethodConfig
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import apply_method
-from jaxtune.models.hf_weights import load_model
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
+from jaxtune.spine.model import load_model
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -231,12 +231,10 @@ def test_a_failed_rerun_keeps_the_finished_runs_config(world):
 
 
 def test_a_bug_is_one_line_and_a_traceback_file(world, capsys, monkeypatch):
-    import jaxtune.models.summary
-
     def broken(_):
         raise TypeError("an internal mistake")
 
-    monkeypatch.setattr(jaxtune.models.summary, "model_summary", broken)
+    monkeypatch.setattr("jaxtune.cli.model_summary", broken)
     code = main(["info", "--model", str(world / "model")])
     err = capsys.readouterr().err
     assert code == 3 and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -12,9 +12,9 @@ from jaxtune import host_cpu
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.host_cpu import SLOW_BF16, SlowBfloat16Warning, native_bf16, warn_if_slow_bf16
-from jaxtune.models.presets import write_random_model
 from jaxtune.planner import estimate, get_device, step_time
 from jaxtune.planner.devices import cpu_device
+from jaxtune.presets import write_random_model
 
 # /proc/cpuinfo lines as these CPUs' Linux kernels write them (one core shown)
 ZEN3 = """processor\t: 0

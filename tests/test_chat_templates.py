@@ -13,6 +13,8 @@ from jaxtune.data.formats import load_sft_examples, render_chat
 from jaxtune.data.tokenizer import Tokenizer, byte_level_backend
 from jaxtune.errors import JaxtuneError
 
+pytestmark = pytest.mark.reference
+
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 SOURCES = json.loads((TEMPLATES / "SOURCES.json").read_text())
 MARKERS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>",

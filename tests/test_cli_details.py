@@ -11,22 +11,18 @@ import gguf
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
-from conftest import make_hf_model
 from gguf import GGMLQuantizationType as Q
 from gguf_files import CHAT_TEMPLATE, TOKENS, write_gguf
-from peft import AutoPeftModelForCausalLM
 
 from jaxtune.cli import build_parser, main
 from jaxtune.config import MethodConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.demo import smollm2_path
-from jaxtune.methods.peft import load_model_with_adapter, save_peft_adapter
+from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import apply_method
-from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import forward
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
+from jaxtune.spine.model import load_model, load_model_with_adapter
 
 # Rows of 256: whole blocks of every type written here.
 SHAPE = dict(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -36,11 +32,16 @@ IDS = np.asarray([[5, 17, 42, 99, 3, 250, 7, 1]])
 
 
 def tiny_gguf(directory: Path, arch: str, kind: Q) -> Path:
+    from hf_models import make_hf_model
+
     model = make_hf_model(arch, directory / "hf", **{**SHAPE, **OVERRIDES[arch]})
     return write_gguf(directory / "model.gguf", model, kind)
 
 
 def transformers_gguf(path: Path):
+    import torch
+    import transformers
+
     return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                              dtype=torch.float32).eval()
 
@@ -54,6 +55,7 @@ def stored(path: Path) -> tuple[dict[str, int], int]:
     return counts, nbytes
 
 
+@pytest.mark.reference
 def test_info_of_a_gguf_reports_its_stored_types_and_bytes(tmp_path, capsys):
     """llama.cpp's type names with their parameter counts, and the bytes as stored (not the float32 they load as)."""
     path = tiny_gguf(tmp_path, "llama", Q.Q4_1)
@@ -81,11 +83,15 @@ def test_info_of_smollm2_reports_q4_1_and_its_92_mib(capsys):
     assert "weights: 92.1 MiB" in out
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch,kind", [("llama", Q.Q4_1), ("qwen2", Q.Q8_0)])
 def test_export_merged_of_a_gguf_loads_in_transformers_with_its_own_logits(arch, kind, tmp_path):
     """`export --model X.gguf --merged OUT` without an adapter: transformers loads OUT with the logits of its own
     loading of the file (a Llama's q/k rows back from llama.cpp's interleaving; Qwen2's biases and untied head),
     and the tokenizer and chat template of the file."""
+    import torch
+    import transformers
+
     path = tiny_gguf(tmp_path, arch, kind)
     assert main(["export", "--model", str(path), "--merged", str(tmp_path / "out")]) == 0
     written = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
@@ -98,8 +104,12 @@ def test_export_merged_of_a_gguf_loads_in_transformers_with_its_own_logits(arch,
     assert tokenizer.chat_template == CHAT_TEMPLATE
 
 
+@pytest.mark.reference
 @pytest.mark.slow
 def test_export_merged_of_smollm2_equals_transformers_loading_the_file(tmp_path):
+    import torch
+    import transformers
+
     path = smollm2_path()
     assert main(["export", "--model", str(path), "--merged", str(tmp_path / "out")]) == 0
     with torch.no_grad():
@@ -143,9 +153,13 @@ def test_written_files_get_the_umasks_mode(tmp_path, umask):
     assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
 
 
+@pytest.mark.reference
 def test_adapter_records_the_absolute_base_and_peft_loads_it_from_anywhere(tmp_path, monkeypatch):
     """An adapter written from a relative model path records the resolved path: PEFT's AutoPeftModelForCausalLM
     finds the base from another working directory, with jaxtune's logits."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
     monkeypatch.chdir(tmp_path)
     assert main(["init", "model"]) == 0
     lora_adapter(Path("model"), Path("adapter"), base_model="model")

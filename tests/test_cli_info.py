@@ -9,7 +9,9 @@ import transformers
 
 from jaxtune.cli import main
 from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.models.presets import ARCH_NAMES
+from jaxtune.presets import ARCH_NAMES
+
+pytestmark = pytest.mark.reference
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])

@@ -5,13 +5,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from conftest import make_hf_model
 
 from jaxtune.data.tokenizer import Tokenizer
 
 
+@pytest.mark.reference
 def test_cli_greedy_generate_equals_transformers(tmp_path):
+    import torch
+    from hf_models import make_hf_model
+
     model = make_hf_model("qwen2", tmp_path, vocab_size=259, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     tokenizer = Tokenizer.byte_level()
     tokenizer.save(tmp_path)
@@ -31,7 +33,10 @@ def test_cli_greedy_generate_equals_transformers(tmp_path):
         assert result == {"prompt": prompt, "completion": tokenizer.decode(reference)}
 
 
+@pytest.mark.reference
 def test_cli_generate_rejects_prompt_longer_than_context(tmp_path):
+    from hf_models import make_hf_model
+
     make_hf_model("llama", tmp_path, vocab_size=259, max_position_embeddings=32)
     Tokenizer.byte_level().save(tmp_path)
     out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "generate", "--model", str(tmp_path), "--prompt",

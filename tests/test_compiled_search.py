@@ -24,7 +24,7 @@ def bounded(monkeypatch, field: str, largest: int) -> list[int]:
         return types.SimpleNamespace(fits=value <= largest, peak_bytes=value,
                                      compiled=types.SimpleNamespace(compile_seconds=1.0))
 
-    monkeypatch.setattr("jaxtune.planner.command.confirm_plan", confirm_plan)
+    monkeypatch.setattr("jaxtune.planner.compiled_search.confirm_plan", confirm_plan)
     return compiled
 
 
@@ -62,8 +62,8 @@ def test_batch_bisection_keeps_rows_splittable(monkeypatch):
 def test_compute_dtype_auto_follows_the_devices(tmp_path):
     """`[model] compute_dtype = "auto"` (the default): bfloat16 on TPUs and GPUs, float32 on a CPU; the plan of a
     run config for a TPU target says bfloat16."""
-    from jaxtune.models.presets import write_random_model
     from jaxtune.planner.command import make_plan, plan_from_run_config
+    from jaxtune.presets import write_random_model
     from jaxtune.run_config import load_run_config
 
     model = write_random_model(tmp_path / "model", "llama")
@@ -108,7 +108,7 @@ def test_launch_without_a_tpu_compiler_says_what_to_install_before_any_gcloud_co
     from jax.experimental import topologies
 
     from jaxtune.cli import main
-    from jaxtune.models.presets import write_random_model
+    from jaxtune.presets import write_random_model
 
     def no_plugin(**kwargs):
         raise RuntimeError("Unknown backend tpu")

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -49,6 +48,8 @@ CHAT = [
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """(ours, transformers') for a trained byte-level BPE with a BOS post-processor and a ChatML template."""
+    import transformers
+
     directory = tmp_path_factory.mktemp("bpe")
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -81,6 +82,7 @@ def trained_runs(example: Example) -> list[list[int]]:
     return runs + ([current] if current else [])
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 def test_prompt_completion_and_alpaca_ids_equal_transformers(tmp_path, bpe):
     ours, theirs = bpe
@@ -102,6 +104,7 @@ def test_prompt_completion_and_alpaca_ids_equal_transformers(tmp_path, bpe):
     assert stats.examples == 4 and stats.loss_tokens == sum(sum(ex.loss_mask[1:]) for ex in examples)
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 def test_chat_equals_apply_chat_template_with_loss_on_assistant_turns(tmp_path, bpe):
     ours, theirs = bpe
@@ -137,6 +140,7 @@ def test_max_seq_len_drops_long_prompts_and_truncates_completions(tmp_path):
         load_sft_examples(path, tok, max_seq_len=2)
 
 
+@pytest.mark.reference
 def test_preference_examples(tmp_path, bpe):
     ours, theirs = bpe
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello", "chosen": "world", "rejected": "the lazy dog"}])
@@ -172,6 +176,7 @@ def test_bad_sft_data_names_file_line_and_field(tmp_path, lines, message):
         load_sft_examples(write_jsonl(tmp_path / "d.jsonl", lines), Tokenizer.byte_level(), 64)
 
 
+@pytest.mark.reference
 def test_other_bad_inputs(tmp_path, bpe):
     with pytest.raises(JaxtuneError, match="nowhere.jsonl: data file not found"):
         read_records(tmp_path / "nowhere.jsonl")

@@ -18,7 +18,7 @@ from jaxtune.data.formats import load_preference_examples, load_sft_examples, pr
 from jaxtune.data.sources import read_records
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
 

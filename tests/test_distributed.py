@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.presets import write_random_model
 from jaxtune.parallel.distributed import ClusterConfig, cluster_from_env
+from jaxtune.presets import write_random_model
 from jaxtune.train.metrics import WALL_CLOCK_FIELDS
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"

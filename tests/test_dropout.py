@@ -9,8 +9,6 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
 from steps import one_device_run, sft_gradients
 from test_train import DEMO_DATA, metric_lines, write_config
 
@@ -20,8 +18,8 @@ from jaxtune.methods.transform import apply_method, combine, partition, trainabl
 from jaxtune.models.linear import adapter_dropout_key, dense, dropout, dropout_keep_mask, kernel_of
 from jaxtune.models.llama import forward
 from jaxtune.models.params import init_params
-from jaxtune.models.presets import write_random_model
 from jaxtune.models.rope import inverse_frequencies
+from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
 
@@ -121,10 +119,14 @@ def test_forward_with_dropout_equals_float64_restatement(name):
     assert all(not np.array_equal(masks[i], masks[j]) for i in range(len(masks)) for j in range(i))
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 @pytest.mark.parametrize("dora", [False, True])
 def test_dense_matches_peft_train_mode_with_the_same_mask(dora):
     """PEFT's own `lora.Linear` in training, its dropout module replaced by jaxtune's mask: the same output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
     D_in, D_out, r, alpha = 24, 16, 4, 8.0
     peft_model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(D_in, D_out, bias=True)).double(),
                                 LoraConfig(r=r, lora_alpha=alpha, lora_dropout=RATE, use_dora=dora,
@@ -214,9 +216,12 @@ def test_masks_differ_across_micro_batches_and_steps():
     assert abs(float(first["loss"]) - float(second["loss"])) > 1e-4
 
 
+@pytest.mark.reference
 def test_dropout_is_unbiased_with_torch_scaling():
     """(d) Kept elements are x / (1 - p) as torch's `nn.Dropout` gives them, and over many keys the mean LoRA and
     DoRA output approaches the no-dropout output (within 5 standard errors, elementwise)."""
+    import torch
+
     x = jnp.ones((4000,))
     torch_kept = torch.nn.functional.dropout(torch.ones(4000), RATE, training=True).unique()
     ours = dropout(x, jax.random.key(0), RATE)

@@ -28,7 +28,7 @@ from jaxtune.models import fused_attention, llama
 from jaxtune.models.attention import training_mask
 from jaxtune.models.fused_attention import FusedAttention, choose_kernel, cudnn_attention, splash_attention
 from jaxtune.models.params import init_params
-from jaxtune.models.presets import tiny_model_config
+from jaxtune.presets import tiny_model_config
 
 B, K, G, HD = 2, 2, 2, 16
 T = 384  # three 128-query blocks
@@ -234,12 +234,12 @@ def test_splash_trains_under_shard_map_on_a_mesh_as_blockwise_on_one_device():
 
 def test_the_run_config_chooses_the_kernel_for_the_trainer_and_the_planner(tmp_path):
     from jaxtune.run_config import dump_run_config, load_run_config
-    from jaxtune.spine.run import run_plan
+    from jaxtune.spine.run import train_plan
 
     config = load_run_config(None, ["model.attention=blockwise"])
     assert load_run_config(None, [f"model.attention={config.model.attention}"]) == config
     assert "attention = \"blockwise\"" in dump_run_config(config)
-    assert run_plan(config, "float32").attention == "blockwise"
-    assert run_plan(load_run_config(None), "float32").attention == "auto"
+    assert train_plan(config, "float32").attention == "blockwise"
+    assert train_plan(load_run_config(None), "float32").attention == "auto"
     with pytest.raises(JaxtuneError, match="model.attention=flash: choose one of auto, blockwise, splash, cudnn"):
         load_run_config(None, ["model.attention=flash"])

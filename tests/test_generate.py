@@ -6,22 +6,19 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
-import torch
-import transformers
 from conftest import numpy_random_params, padded_batch
 
 from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.generation import _generate, filter_logits, generate, generate_text
+from jaxtune.generation import decode, filter_logits, generate, generate_text
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter
 from jaxtune.methods.transform import apply_method
-from jaxtune.models.hf_weights import load_model
 from jaxtune.models.kv_cache import decode_step, prefill
 from jaxtune.models.llama import forward
+from jaxtune.spine.model import load_model
 
 jit_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))
 jit_prefill = jax.jit(prefill, static_argnames=("cfg", "cache_size", "method", "options"))
@@ -87,12 +84,15 @@ def test_prefill_and_decode_equal_the_full_forward(tiny):
     assert np.abs(cached_logits(params, cfg, ids, mask, t0=4, method=method) - full[:, 3:]).max() <= 1e-4
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2_sliding", "qwen3", "gemma2", "gemma3",
                                   "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_greedy_equals_transformers_generate(arch, hf_model_dir):
     """A batch of prompts of different lengths, left-padded in transformers; Mistral's window (5) and Qwen2's (4,
     on two of three layers) are shorter than prompt + generation."""
+    import torch
+
     directory, model = hf_model_dir(arch)
     cfg, params = load_model(directory)
     batch = prompts(cfg.vocab_size)
@@ -109,6 +109,8 @@ def peft_greedy(model, ids, mask, steps):
     """Greedy tokens [B, steps] from PEFT's own full forward passes, no cache, positions cumsum(mask) - 1 as HF's
     generate gives them. (transformers 5.24's `generate` with PEFT 0.21's prefix cache disagrees with that forward
     even on one unpadded row, so the uncached forward is the reference.)"""
+    import torch
+
     ids, mask, out = torch.tensor(ids), torch.tensor(mask), []
     with torch.no_grad():
         for _ in range(steps):
@@ -119,9 +121,14 @@ def peft_greedy(model, ids, mask, steps):
     return torch.stack(out, 1).numpy().tolist()
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 def test_greedy_with_prefix_tuning_equals_peft(hf_model_dir, tmp_path):
     """Left-padded prompts of different lengths: PEFT too starts real tokens at position P + cumsum(mask) - 1."""
+    import peft
+    import torch
+    import transformers
+
     directory, _ = hf_model_dir("llama")
     cfg, params = load_model(directory)
     torch.manual_seed(0)
@@ -146,9 +153,13 @@ def test_lora_generation_equals_merged_generation(tiny):
     assert ours != generate(params, cfg, batch, GREEDY, eos_ids=()), "the adapter must change the tokens"
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (5, 1.0), (4, 0.5), (1, 0.9), (0, 0.0)])
 def test_filters_equal_transformers_warpers(top_k, top_p):
+    import torch
+    import transformers
+
     logits = np.random.RandomState(top_k).randn(4, 50).astype(np.float32) * 2
     scores = torch.tensor(logits)
     if top_k:
@@ -214,11 +225,11 @@ def test_decode_loop_compiles_once_per_bucket(tiny):
     temperature and top-k: the same compiled program."""
     cfg, params = tiny
     generate(params, cfg, prompts(cfg.vocab_size, (4, 9, 2)), SAMPLED)
-    size = _generate._cache_size()
+    size = decode._cache_size()
     generate(params, cfg, prompts(cfg.vocab_size, (11, 3, 8), seed=1), SAMPLED.replace(temperature=1.3, top_k=9,
                                                                                         top_p=0.8, seed=5))
     generate(params, cfg, prompts(cfg.vocab_size, (16, 1, 1, 5), seed=2), SAMPLED)
-    assert _generate._cache_size() == size
+    assert decode._cache_size() == size
 
 
 def test_bad_inputs_raise_clear_errors(tiny):

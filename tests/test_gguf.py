@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_hf_model
 from gguf import GGMLQuantizationType as Q
 from gguf_files import CHAT_TEMPLATE, TOKENS, gguf_name, write_gguf
+from hf_models import make_hf_model
 from reference import assert_float32_parity, logits_four_ways
 
 from jaxtune.cli import main
@@ -24,14 +24,15 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate
 from jaxtune.methods.lora import merge
-from jaxtune.methods.peft import load_model_with_adapter
 from jaxtune.models.gguf import llama3_rope_parameters, unpermute_qk
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.hf_weights import load_model
 from jaxtune.models.linear import kernel_of
 from jaxtune.models.llama import forward
 from jaxtune.run_config import load_run_config
+from jaxtune.spine.model import load_model, load_model_with_adapter
 from jaxtune.train.loop import fine_tune
+
+pytestmark = pytest.mark.reference
 
 # Width 256: the K-quants' blocks are 256 values of a row.
 SHAPE = dict(vocab_size=len(TOKENS), hidden_size=256, intermediate_size=512, num_attention_heads=4,

@@ -26,10 +26,10 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.generation import generate
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import apply_method
-from jaxtune.models.hf_weights import load_model
 from jaxtune.models.llama import forward
+from jaxtune.spine.model import load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reference]
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]
 
 

@@ -92,7 +92,7 @@ def test_cli_prints_the_line_and_json_has_the_numbers(capsys):
 
 
 def test_cli_on_a_model_directory_stops_at_its_context(capsys, tmp_path):
-    from jaxtune.models.presets import write_random_model
+    from jaxtune.presets import write_random_model
 
     write_random_model(tmp_path / "m", "llama", max_position_embeddings=128)
     code, out, err = cli(capsys, "--model", str(tmp_path / "m"), "--target", "h100-80gb", "--longest-context",

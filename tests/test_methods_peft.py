@@ -15,20 +15,22 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_hf_model, padded_batch
+from conftest import padded_batch
+from hf_models import make_hf_model
 from peft import IA3Config, LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
 from reference import assert_float32_parity, jaxtune_float64, logits_four_ways
 
 from jaxtune.cli import main
 from jaxtune.config import MethodConfig
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.methods.base import adapter_keys
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter, save_peft_adapter
-from jaxtune.methods.transform import ADAPTER_KEYS, apply_method, parameter_report
-from jaxtune.models.hf_weights import load_model
+from jaxtune.methods.transform import apply_method, parameter_report
 from jaxtune.models.llama import forward
+from jaxtune.spine.model import load_model
 
-pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
+pytestmark = [pytest.mark.parity, pytest.mark.reference]  # also run with AVX2 forced (.ci/run)
 
 jit_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))
 
@@ -134,7 +136,7 @@ def randomize_adapter(params, seed=1):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 
     def perturb(path, leaf, key):
-        if not any(getattr(k, "key", None) in ADAPTER_KEYS for k in path):
+        if not any(getattr(k, "key", None) in adapter_keys() for k in path):
             return leaf
         scale = 0.3 / np.sqrt(leaf.shape[-2]) if leaf.ndim >= 3 else 0.3
         return leaf + scale * jax.random.normal(key, leaf.shape)

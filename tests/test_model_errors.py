@@ -10,7 +10,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.hf_weights import load_model
+from jaxtune.spine.model import load_model
+
+pytestmark = pytest.mark.reference
 
 
 @pytest.fixture

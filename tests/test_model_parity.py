@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import ARCHS, padded_batch
+from conftest import padded_batch
+from hf_models import ARCHS
 from reference import assert_float32_parity, float64_reference, jaxtune_float64
 
 from jaxtune.config import ForwardOptions
-from jaxtune.models.hf_weights import load_model, save_model
+from jaxtune.models.hf_weights import save_model
 from jaxtune.models.llama import forward
+from jaxtune.spine.model import load_model
 
-pytestmark = pytest.mark.parity  # also run with AVX2 forced (.ci/run)
+pytestmark = [pytest.mark.parity, pytest.mark.reference]  # also run with AVX2 forced (.ci/run)
 
 jit_forward = jax.jit(forward, static_argnames=("cfg", "options"))
 
@@ -127,7 +129,7 @@ def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_d
                    dict(sliding_windows=(0, 0, 0))):
         moved = jax_logits(params, cfg.replace(**change), ids, mask, positions)
         assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
-    from conftest import make_hf_model
+    from hf_models import make_hf_model
 
     short = make_hf_model("phi3", tmp_path, original_max_position_embeddings=8)
     cfg8, params8 = load_model(tmp_path)

@@ -6,18 +6,17 @@ import signal
 
 import numpy as np
 import pytest
-import torch
-import transformers
 from test_preference import write_pairs
 from test_train import DEMO_DATA, metric_lines
 
 from jaxtune.cli import main
 from jaxtune.config import ForwardOptions
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.models.presets import write_random_model
-from jaxtune.models.reward_model import load_reward_model, reward_scores
+from jaxtune.models.reward_model import reward_scores
 from jaxtune.objectives.dpo import sequence_row
+from jaxtune.presets import write_random_model
 from jaxtune.run_config import dump_run_config, load_run_config
+from jaxtune.spine.model import load_reward_model
 from jaxtune.train.loop import fine_tune
 
 QUIET = dict(log=lambda _: None)
@@ -113,8 +112,12 @@ def test_precomputed_reference_logps_give_the_same_run(models, tmp_path, method,
             np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{key} at step {a['step']}")
 
 
+@pytest.mark.reference
 @pytest.mark.slow
 def test_reward_model_run_exports_what_transformers_scores_the_same(models, tmp_path, capsys):
+    import torch
+    import transformers
+
     root = models
     config = run_config(root, tmp_path / "rm", "reward", root / "pairs.jsonl", root / "held_out.jsonl",
                         train={"epochs": 2})

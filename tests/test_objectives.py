@@ -4,12 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from conftest import padded_batch
 
 from jaxtune.config import ForwardOptions
 from jaxtune.models.head import label_logps
-from jaxtune.models.hf_weights import load_model
 from jaxtune.objectives import distill, dpo, grpo
 from jaxtune.objectives.base import Context
 from jaxtune.objectives.losses import (
@@ -20,6 +18,7 @@ from jaxtune.objectives.losses import (
     preference_loss,
     sequence_logps,
 )
+from jaxtune.spine.model import load_model
 
 RNG = np.random.default_rng(0)
 PC, PR, RC, RR = (RNG.normal(-40, 8, 16) for _ in range(4))  # sequence log-probs of a fixed batch of 16 pairs
@@ -101,12 +100,15 @@ def test_grpo_advantages_and_loss():
     assert count == mask.sum()
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 @pytest.mark.parametrize("student_arch, teacher_arch", [("gemma2", "gemma3"), ("qwen3_moe", "mixtral")])
 def test_every_objective_reads_log_probs_as_transformers(student_arch, teacher_arch, hf_model_dir):
     """DPO's sequence log-probs, GRPO's token log-probs and distillation's KL and NLL on a Gemma 2 student (final
     logits soft-capped at 2) with a Gemma 3 teacher, and on a Qwen3-MoE student with a Mixtral teacher, equal what
     transformers' logits give."""
+    import torch
+
     (student_dir, student), (teacher_dir, teacher) = hf_model_dir(student_arch), hf_model_dir(teacher_arch)
     cfg, params = load_model(student_dir)
     teacher_cfg, teacher_params = load_model(teacher_dir)
@@ -139,12 +141,14 @@ def test_every_objective_reads_log_probs_as_transformers(student_arch, teacher_a
     assert float(nll) == pytest.approx(-(logps * loss_mask).sum(), rel=1e-5)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_sft_loss_with_the_router_loss_equals_transformers(arch, tmp_path):
     """A mixture trained with its load-balancing loss: one micro-batch's loss / tokens is transformers'
     `loss + router_aux_loss_coef * aux_loss` (output_router_logits), padding left out of both; without the flag
     neither adds it."""
-    from conftest import make_hf_model
+    import torch
+    from hf_models import make_hf_model
 
     from jaxtune.objectives.sft import batch_loss
 

@@ -114,7 +114,7 @@ def test_estimate_of_each_family_is_within_ten_percent_of_the_compiled_step(arch
     its final-logit soft cap (its tanh keeps a logits buffer more: without it the Gemma 2 LoRA estimate is 21% under
     XLA's), mixtures' routing and XLA:CPU's per-expert dense matmuls (without them the Mixtral estimates are 8-10%
     under), on a small shape with sliding layers."""
-    from jaxtune.models.presets import ARCH_NAMES, family_traits
+    from jaxtune.presets import ARCH_NAMES, family_traits
 
     traits = family_traits(arch, 4)
     traits["sliding_windows"] = tuple(128 if w else 0 for w in traits.get("sliding_windows", (0,) * 4))
@@ -141,7 +141,7 @@ def test_arguments_are_exact(name):
 def test_qlora_of_a_mixture_is_planned_with_its_exact_arguments():
     """A mixture's expert stacks quantised ([L, E, in, out] NF4 leaves; planning one crashed): the estimate's
     arguments equal XLA's, and its loading figure counts a slice of one expert's kernel."""
-    from jaxtune.models.presets import ARCH_NAMES, family_traits
+    from jaxtune.presets import ARCH_NAMES, family_traits
 
     cfg = ModelConfig(architecture=ARCH_NAMES["mixtral"], vocab_size=8000, hidden_size=256, intermediate_size=704,
                       num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, **family_traits("mixtral", 4))
@@ -191,7 +191,7 @@ def test_zero_paper_7_5b_model_states_120gb_and_1_9gb_each_under_zero3_over_64()
 
 def test_qlora_paper_65b_fits_one_48gb_gpu_at_batch_1_with_remat():
     """Dettmers et al. 2023 (QLoRA): a 65B model fine-tuned on a single 48 GB GPU. NF4 + double quantisation, LoRA on
-    every linear layer (rank 16: the paper's rank 64 needs 52.7 GiB in jaxtune, see the README), remat full."""
+    every linear layer (rank 16: the paper's rank 64 needs 52.7 GiB in jaxtune, see docs/planner.md), remat full."""
     plan = TrainPlan(MethodConfig("qlora", rank=16, target_modules=("all-linear",)), 1, 512, 1, "full",
                      "bfloat16", "bfloat16")
     est = estimate(LLAMA_65B, plan, get_device("rtx-a6000"))
@@ -304,7 +304,7 @@ def test_the_same_from_python():
 
 
 def test_cli_table_and_confirm_on_a_model_directory(tmp_path):
-    from jaxtune.models.presets import write_random_model
+    from jaxtune.presets import write_random_model
 
     write_random_model(tmp_path / "m", "llama")
     out = run_cli("--model", str(tmp_path / "m"), "--method", "lora", "--target", "cpu", "--batch", "2", "--seq",
@@ -314,7 +314,7 @@ def test_cli_table_and_confirm_on_a_model_directory(tmp_path):
 
 
 def test_a_run_config_gives_every_value(tmp_path):
-    from jaxtune.models.presets import write_random_model
+    from jaxtune.presets import write_random_model
 
     write_random_model(tmp_path / "m", "llama")
     (tmp_path / "run.toml").write_text(f'[model]\npath = "{tmp_path / "m"}"\nremat = "full"\n[method]\nkind = "qlora"\n'
@@ -370,7 +370,7 @@ def test_cpu_estimate_is_within_15_percent_of_peak_rss_of_jaxtune_train(tmp_path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
     from planner_accuracy import RSS_MODEL, rss_run
 
-    from jaxtune.models.presets import write_random_model
+    from jaxtune.presets import write_random_model
 
     model = write_random_model(tmp_path / "model", "llama", **RSS_MODEL)
     for kind in ("full", "lora"):
@@ -406,12 +406,12 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
 
     from jaxtune.data.tokenizer import load_tokenizer
     from jaxtune.models.hf_config import load_config
-    from jaxtune.models.presets import write_random_model
     from jaxtune.parallel.mesh import make_mesh
     from jaxtune.planner.command import plan_from_run_config
     from jaxtune.planner.confirm import _memory
+    from jaxtune.presets import write_random_model
     from jaxtune.run_config import load_run_config
-    from jaxtune.train.tasks import prepare_task
+    from jaxtune.train.start import start_run_on
 
     model = write_random_model(tmp_path / "m", "llama")
     write_pairs(tmp_path / "pairs.jsonl", 16, 0)
@@ -437,7 +437,7 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
 
     config = load_run_config(tmp_path / "run.toml")
     cfg, plan = plan_from_run_config(config)
-    task = prepare_task(config, make_mesh(config.mesh), load_tokenizer(model), "float32", load_config(model),
+    task = start_run_on(config, make_mesh(config.mesh), load_tokenizer(model), "float32", load_config(model),
                         lambda _: None)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), task.run.batch)
     trainers = _memory(task.run.step.lower(task.state, task.frozen, task.second, batch).compile(), 0.0, "cpu")

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 
 from jaxtune.models.quant import (
     DYNAMIC_CODE,
@@ -53,6 +52,8 @@ def ref_nf4_index(x: np.ndarray) -> np.ndarray:
 
 def torch_dynamic_map() -> np.ndarray:
     """bitsandbytes `create_dynamic_map(signed=True)`, run with torch as bitsandbytes runs it."""
+    import torch
+
     data = [0.0, 1.0]
     for i in range(7):
         bounds = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
@@ -145,10 +146,12 @@ def test_nf4_values_on_midpoints_take_the_lower_code():
     np.testing.assert_array_equal(idx, ref_nf4_index(np.concatenate([block, block])))
 
 
+@pytest.mark.reference
 def test_dynamic_map_equals_bitsandbytes_recipe_run_in_torch():
     np.testing.assert_array_equal(DYNAMIC_CODE, torch_dynamic_map())
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("shape", [(4, 160, 256), (3, 37, 29)])  # 640 absmax: 3 blocks of 256, the last a tail
 def test_double_quant_equals_reference(shape):
     w = weights(shape, seed=1)
@@ -162,6 +165,7 @@ def test_double_quant_equals_reference(shape):
         assert np.asarray(q.offset[layer]) == ref["offset"]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_dequantize_equals_reference_and_is_close(double_quant):
     w = weights((3, 160, 96), seed=2)

@@ -8,15 +8,9 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader, write_safetensors, write_weights
-
-TORCH = {np.dtype(np.float32): torch.float32, np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
-         np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
-         np.dtype(np.int64): torch.int64}
+from jaxtune.io.safetensors import INDEX_FILE, SINGLE_FILE, CheckpointReader, write_safetensors, write_weights
 
 
 def tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -36,23 +30,37 @@ def entries(values: dict[str, np.ndarray]) -> list:
     return [(name, v.shape, v.dtype, lambda v=v: v) for name, v in values.items()]
 
 
-def as_numpy(t: torch.Tensor) -> np.ndarray:
+def as_numpy(t) -> np.ndarray:
+    """A torch tensor's values (bfloat16 as ml_dtypes')."""
+    import torch
+
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
 
+@pytest.mark.reference
 def test_what_we_write_the_safetensors_library_reads(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    dtypes = {np.dtype(np.float32): torch.float32, np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+              np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
+              np.dtype(np.int64): torch.int64}
     values = tensors()
     write_safetensors(tmp_path / SINGLE_FILE, entries(values), {"format": "pt"})
     loaded = load_file(tmp_path / SINGLE_FILE)
     assert set(loaded) == set(values)
     for name, v in values.items():
-        assert loaded[name].dtype == TORCH[v.dtype] and tuple(loaded[name].shape) == v.shape
+        assert loaded[name].dtype == dtypes[v.dtype] and tuple(loaded[name].shape) == v.shape
         np.testing.assert_array_equal(as_numpy(loaded[name]), v)
 
 
+@pytest.mark.reference
 def test_what_the_safetensors_library_writes_we_read(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
     values = tensors(1)
     save_file({name: torch.from_numpy(v.view(np.int16)).view(torch.bfloat16) if v.dtype == ml_dtypes.bfloat16
                else torch.from_numpy(v) for name, v in values.items()}, tmp_path / SINGLE_FILE)

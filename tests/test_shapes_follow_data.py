@@ -10,17 +10,18 @@ import pytest
 from conftest import numpy_random_params
 
 from jaxtune.config import ForwardOptions, SamplingConfig, tiny_config
-from jaxtune.data.batching import DTYPES, MIN_BUCKET, bucket, epoch_batches, eval_batches
+from jaxtune.data.batching import BATCH_FIELDS, MIN_BUCKET, bucket, epoch_batches, eval_batches
 from jaxtune.data.formats import Example, load_preference_examples, load_sft_examples
-from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.data.tokenizer import Tokenizer, copy_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.llama import forward
 from jaxtune.models.params import init_params
-from jaxtune.models.presets import tiny_model_config, write_random_model
-from jaxtune.models.reward_model import add_reward_head, load_reward_model, save_reward_model
+from jaxtune.models.reward_model import add_reward_head, save_reward_model
 from jaxtune.objectives import reward
 from jaxtune.objectives.base import Context
 from jaxtune.objectives.dpo import preference_batches
+from jaxtune.presets import tiny_model_config, write_random_model
+from jaxtune.spine.model import load_reward_model
 from jaxtune.train import evaluation
 
 CONTEXT = 8192
@@ -36,7 +37,8 @@ def files(tmp_path_factory):
                                initializer_range=0.1)
     cfg = tiny_model_config("llama", max_position_embeddings=CONTEXT, initializer_range=0.1)
     params = add_reward_head(init_params(cfg, jax.random.key(1)), cfg, jax.random.key(2))
-    reward_model = save_reward_model(root / "reward", cfg, params, tokenizer_from=model)
+    reward_model = save_reward_model(root / "reward", cfg, params)
+    copy_tokenizer(model, reward_model)
     sft = root / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"q{i}:" + "?" * (i % 4), "completion": " ab" * (1 + i % 6)}) + "\n"
                            for i in range(20)))
@@ -92,7 +94,7 @@ def test_sft_eval_memory_is_set_by_the_rows_not_the_context(files, monkeypatch):
     (step, params, batches), _ = calls[0]
 
     def temp_bytes(T):
-        batch = {k: jax.ShapeDtypeStruct((BATCH, T), dtype) for k, dtype in DTYPES.items()}
+        batch = {k: jax.ShapeDtypeStruct((BATCH, T), dtype) for k, dtype in BATCH_FIELDS.items()}
         return step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
     run = temp_bytes(batches[0]["input_ids"].shape[1])
@@ -155,7 +157,7 @@ def greedy_without_cache(params, cfg, prompt, steps):
 def test_generation_cache_is_the_prompt_bucket_plus_new_tokens(gen_params, monkeypatch):
     from jaxtune import generation
 
-    calls = record(monkeypatch, generation, "_generate")
+    calls = record(monkeypatch, generation, "decode")
     prompts = [[5, 17, 3, 99, 42], [7, 8, 9]]
     out = generation.generate(gen_params, GEN_CFG, prompts, SamplingConfig(max_new_tokens=NEW), eos_ids=())
     (_, tokens_BxT, *_), kwargs = calls[0]
@@ -168,7 +170,7 @@ def test_generation_bucket_is_cut_back_to_the_context(gen_params, monkeypatch):
     from jaxtune import generation
 
     cfg = GEN_CFG.replace(max_position_embeddings=64)
-    calls = record(monkeypatch, generation, "_generate")
+    calls = record(monkeypatch, generation, "decode")
     prompt = np.random.RandomState(1).randint(0, cfg.vocab_size, 40).tolist()
     out = generation.generate(gen_params, cfg, [prompt], SamplingConfig(max_new_tokens=NEW), eos_ids=())
     (_, tokens_BxT, *_), kwargs = calls[0]

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import transformers
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -32,8 +31,11 @@ def write_bpe_tokenizer(directory, with_bos: bool):
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("with_bos", [True, False])
 def test_ids_and_special_tokens_equal_transformers(tmp_path, with_bos):
+    import transformers
+
     write_bpe_tokenizer(tmp_path, with_bos)
     ours, theirs = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
@@ -45,7 +47,10 @@ def test_ids_and_special_tokens_equal_transformers(tmp_path, with_bos):
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.reference
 def test_byte_level_tokenizer_round_trips_and_loads_in_transformers(tmp_path):
+    import transformers
+
     ours = Tokenizer.byte_level()
     ours.save(tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)

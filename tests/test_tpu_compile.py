@@ -11,10 +11,10 @@ import pytest
 from jaxtune.cli import main
 from jaxtune.config import MeshConfig, MethodConfig
 from jaxtune.config.plan import TrainPlan
-from jaxtune.models.presets import tiny_model_config, write_random_model
 from jaxtune.planner.confirm import attention_kernel, collectives, compile_step
 from jaxtune.planner.devices import get_device
 from jaxtune.planner.slices import topology_devices, tpu_slice
+from jaxtune.presets import tiny_model_config, write_random_model
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("libtpu", reason='no libtpu for this platform (jax[tpu] installs on Linux x86-64 only)')

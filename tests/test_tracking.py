@@ -13,7 +13,7 @@ from wandb.proto.wandb_internal_pb2 import Record
 
 from jaxtune.config import TrainConfig
 from jaxtune.errors import ConfigError, JaxtuneWarning
-from jaxtune.models.presets import write_random_model
+from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
 from jaxtune.train.tracking import Trackers

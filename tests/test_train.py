@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from steps import one_device_run, sft_gradients
 
 from jaxtune.cli import main
@@ -23,10 +21,10 @@ from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
-from jaxtune.models.hf_weights import load_model
-from jaxtune.models.presets import ARCH_NAMES, write_random_model
 from jaxtune.objectives.base import stack_micro_batches
+from jaxtune.presets import ARCH_NAMES, write_random_model
 from jaxtune.run_config import load_run_config
+from jaxtune.spine.model import load_model
 from jaxtune.train.loop import fine_tune
 from jaxtune.train.metrics import WALL_CLOCK_FIELDS
 
@@ -193,12 +191,15 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp
     assert result.step == 4
 
 
+@pytest.mark.reference
 @pytest.mark.parity
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_eval_equals_transformers_loss(arch, tmp_path):
     """`jaxtune eval --json` = transformers' mean cross-entropy over completion tokens (+ EOS) of the file (Gemma 2:
     of its soft-capped logits)."""
-    from conftest import make_hf_model
+    import torch
+    import transformers
+    from hf_models import make_hf_model
 
     hf = make_hf_model(arch, tmp_path / "m", vocab_size=259, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                        max_position_embeddings=512)
@@ -300,6 +301,7 @@ def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_pat
     assert abs(losses["float"] - losses["as-trained"]) > 1e-4
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path):
     """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16), a
@@ -308,8 +310,11 @@ def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path
     and, for the Qwen mixtures, every expert): the held-out loss falls, and
     the merged export is a model of the same class that transformers loads with the logits jaxtune computes for
     the adapter on the float base."""
-    from jaxtune.methods.peft import load_model_with_adapter
+    import torch
+    import transformers
+
     from jaxtune.models.llama import forward
+    from jaxtune.spine.model import load_model_with_adapter
 
     model = write_random_model(tmp_path / "model", arch, seed=0, head_dim=32, initializer_range=0.1)
     data = tmp_path / "data.jsonl"

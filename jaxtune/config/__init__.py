@@ -1,10 +1,10 @@
 """Every configuration type, gathered: frozen dataclasses that validate their values where they are set.
 
     model.py     ModelConfig, RopeScaling: a decoder's architecture
-    method.py    MethodConfig: a fine-tuning method (targets.py: which modules and layers it adapts, PEFT's rules)
+    method.py    MethodConfig: a fine-tuning method (`methods/targets.py`: which modules and layers it adapts)
     forward.py   ForwardOptions, Remat: how the forward computes
     run.py       the sections of a training run: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig
-    plan.py      TrainPlan: what fixes a run's arrays and its step (the spine's and the planner's input)
+    plan.py      TrainPlan: what fixes a run's arrays and its step (the spine's and planner's input; not re-exported)
     sampling.py  SamplingConfig: how generation picks tokens
 """
 
@@ -12,7 +12,6 @@ from jaxtune.config.forward import REMAT_POLICIES as REMAT_POLICIES
 from jaxtune.config.forward import ForwardOptions as ForwardOptions
 from jaxtune.config.forward import Remat as Remat
 from jaxtune.config.method import LINEAR_MODULE_NAMES as LINEAR_MODULE_NAMES
-from jaxtune.config.method import METHOD_KINDS as METHOD_KINDS
 from jaxtune.config.method import MethodConfig as MethodConfig
 from jaxtune.config.model import ARCHITECTURES as ARCHITECTURES
 from jaxtune.config.model import ModelConfig as ModelConfig

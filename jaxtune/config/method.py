@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 from jaxtune.config.model import EXPERT_MODULES, FUSED_MODULES, SEPARATE_MODULES
 from jaxtune.errors import ConfigError, check_choice, check_range
 
-METHOD_KINDS = ("full", "lora", "qlora", "ia3", "prefix", "adapter")
 # Every family's linear module names (Phi-3's fused ones last: a module's index seeds its LoRA dropout masks).
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                        "gate_up_proj")
-DEFAULT_TARGETS = {"lora": ("q_proj", "v_proj"), "qlora": ("q_proj", "v_proj"),
-                   "ia3": ("k_proj", "v_proj", "down_proj")}
 SAVABLE_MODULES = ("lm_head", "embed_tokens")  # what `modules_to_save` may name: trained whole, beside the adapter
 
 
@@ -62,24 +60,6 @@ def _pattern(field: str, value, kind) -> tuple:
     return tuple((str(k), kind(v)) for k, v in pairs)
 
 
-def _check_expert_targets(method, lora: bool) -> None:
-    """target_parameters name expert stacks, and go with nothing PEFT's parameter LoRA lacks."""
-    for name in method.target_parameters:
-        parts = str(name).split(".")
-        if parts[-1] not in EXPERT_MODULES or (len(parts) > 1 and parts[-2] != "experts"):
-            raise ConfigError("target_parameters", name, "jaxtune adapts a mixture's expert stacks: "
-                              "mlp.experts.gate_up_proj and mlp.experts.down_proj")
-    if not lora:
-        raise ConfigError("target_parameters", list(method.target_parameters), f"is LoRA's, not {method.kind}'s")
-    unsupported = {"dropout": method.dropout, "dora": method.dora, "lora_bias": method.lora_bias,
-                   "rank_pattern": method.rank_pattern, "alpha_pattern": method.alpha_pattern,
-                   "layers_to_transform": method.layers_to_transform}
-    for name, value in unsupported.items():
-        if value:
-            raise ConfigError(name, value, "does not go with target_parameters (PEFT's LoRA of a parameter has "
-                              "no dropout, DoRA or LoRA bias; jaxtune gives experts one rank and alpha in every layer)")
-
-
 @dataclass(frozen=True)
 class MethodConfig:
     """A fine-tuning method and its hyper-parameters.
@@ -91,7 +71,7 @@ class MethodConfig:
     form); default q_proj v_proj (k_proj v_proj down_proj for IA3, which scales the input of MLP modules and the
     output of attention modules, as PEFT does). exclude_modules, layers_to_transform (+ layers_pattern),
     rank_pattern and alpha_pattern ({regex: rank or alpha}, first match wins) narrow or vary that per module and
-    layer with PEFT's rules (see `jaxtune.config.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with
+    layer with PEFT's rules (see `jaxtune.methods.targets`). LoRA scaling is alpha / rank, or alpha / sqrt(rank) with
     `rslora` (Kalajdzievski 2023); `dora` adds DoRA's magnitude vector (Liu et al. 2024); `lora_bias` gives LoRA's B
     a bias. modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that
     name). target_parameters (PEFT's field): a mixture's expert stacks, `mlp.experts.gate_up_proj` and/or
@@ -125,12 +105,12 @@ class MethodConfig:
     target_parameters: tuple[str, ...] = ()
 
     def __post_init__(self):
-        check_choice("kind", self.kind, METHOD_KINDS)
-        lora = self.kind in ("lora", "qlora")
+        check_choice("kind", self.kind, tuple(METHOD_FIELDS))
+        unit = METHOD_FIELDS[self.kind]
         set_ = lambda name, value: object.__setattr__(self, name, value)
         experts = (self.target_parameters,) if isinstance(self.target_parameters, str) else self.target_parameters
         set_("target_parameters", tuple(experts))
-        default = () if self.target_parameters else DEFAULT_TARGETS.get(self.kind, ())
+        default = () if self.target_parameters else unit.default_targets
         set_("target_modules", _targets("target_modules", self.target_modules or default))
         set_("exclude_modules", _targets("exclude_modules", self.exclude_modules) if self.exclude_modules else ())
         layers = (self.layers_to_transform,) if isinstance(self.layers_to_transform, int) else self.layers_to_transform
@@ -152,31 +132,14 @@ class MethodConfig:
             if module not in SAVABLE_MODULES:
                 raise ConfigError("modules_to_save", module, f"jaxtune trains whole {' and '.join(SAVABLE_MODULES)}")
         set_("modules_to_save", tuple(m for m in SAVABLE_MODULES if m in saved))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or (lora and self.rank <= 0):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
             raise ConfigError("rank", self.rank, "LoRA's rank is a positive integer")
-        if lora:
-            check_range("alpha", self.alpha, 0, low_open=True)
-        if self.kind == "qlora":
-            check_choice("bits", self.bits, (4, 8))
-        if self.kind == "prefix":
-            check_range("num_virtual_tokens", self.num_virtual_tokens, 1)
-        if self.kind == "adapter":
-            check_range("adapter_size", self.adapter_size, 1)
         check_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
-        if not lora:
-            lora_only = {"dropout": 0.0, "rslora": False, "dora": False, "lora_bias": False, "rank_pattern": (),
-                         "alpha_pattern": ()}
-            for name, default in lora_only.items():
-                if getattr(self, name) != default:
-                    raise ConfigError(name, getattr(self, name), f"is LoRA's (kind lora or qlora), not {self.kind}'s")
-        if self.target_parameters:
-            _check_expert_targets(self, lora)
-        if self.dora and self.lora_bias:
-            raise ConfigError("lora_bias", True, "DoRA has no LoRA bias (PEFT refuses use_dora with lora_bias too)")
-        if self.kind not in ("lora", "qlora", "ia3"):
-            for name in ("exclude_modules", "layers_to_transform", "modules_to_save"):
-                if getattr(self, name):
-                    raise ConfigError(name, getattr(self, name), f"is for lora, qlora and ia3, not {self.kind}")
+        for name in CLAIMED_FIELDS:
+            if getattr(self, name) != _DEFAULTS[name] and name not in unit.fields:
+                readers = [kind for kind, fields in METHOD_FIELDS.items() if name in fields.fields]
+                raise ConfigError(name, getattr(self, name), f"is for {_kinds(readers)}, not {self.kind}")
+        unit.check(self)
 
     @property
     def expert_modules(self) -> tuple[str, ...]:
@@ -188,3 +151,29 @@ class MethodConfig:
     def lora_scale(self) -> float:
         """alpha / rank (rsLoRA: alpha / sqrt(rank)); per-module or per-layer patterns: see `methods.targets`."""
         return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+
+# Fields a method must read to be given: set on a method that does not read one, they are an error naming who does.
+CLAIMED_FIELDS = ("dropout", "rslora", "dora", "lora_bias", "rank_pattern", "alpha_pattern", "exclude_modules",
+                  "layers_to_transform", "modules_to_save", "target_parameters")
+_DEFAULTS = {f.name: f.default for f in fields(MethodConfig)}
+
+
+@dataclass(frozen=True)
+class MethodFields:
+    """What a registered method reads of `MethodConfig` (`jaxtune.methods.base.Method.fields`).
+
+    fields: the CLAIMED_FIELDS it reads; default_targets: target_modules when none are given; check(method): its own
+    value checks, raising `ConfigError`.
+    """
+
+    fields: tuple[str, ...] = ()
+    default_targets: tuple[str, ...] = ()
+    check: Callable[[MethodConfig], None] = lambda method: None
+
+
+METHOD_FIELDS: dict[str, MethodFields] = {}  # kind -> what it reads; filled by `jaxtune.methods.register`
+
+
+def _kinds(kinds: list[str]) -> str:
+    return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]

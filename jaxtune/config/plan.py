@@ -2,13 +2,10 @@
 
 A `TrainPlan` holds every choice that changes memory or speed and nothing else: the method, dtypes, the global
 micro-batch and sequence length, accumulation, the remat policy, the mesh, what lives in host memory, and the
-objective (which decides how many extra model copies a step holds). It is a frozen dataclass, so plans can be
-compared, hashed, and varied with `replace` by the search.
-
-Batch sizes are global, as in the run config: `batch_size` rows per micro-batch over the whole mesh, split over
-`data x fsdp` devices (as jaxtune.parallel splits the batch axis); `grad_accum` micro-batches make one optimizer
-step. The mesh and offload are the run config's own `MeshConfig` and `OffloadConfig` (the default mesh puts every
-device on `fsdp`).
+objective with its section (which decide the extra model copies and rows a step holds). It is frozen, so plans are
+compared, hashed, and varied with `replace` by the search. Batch sizes are global, as in the run config:
+`batch_size` examples per micro-batch over the whole mesh, split over data x fsdp x expert devices
+(`config.run.batch_ways`); `grad_accum` micro-batches make one optimizer step.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from jaxtune.config.model import ModelConfig
 from jaxtune.config.run import MeshConfig, OffloadConfig
 from jaxtune.errors import ConfigError, check_choice, check_range
 
-DTYPES = ("float32", "bfloat16", "float16")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a plan's compute_dtype and param_dtype may name
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ class TrainPlan:
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention", self.attention, ATTENTION_KERNELS)
         for name in ("compute_dtype", "param_dtype"):
-            check_choice(name, getattr(self, name), DTYPES)
+            check_choice(name, getattr(self, name), FLOAT_DTYPES)
         if not 0 <= self.generate_tokens < self.seq_len:
             raise ConfigError("generate_tokens", self.generate_tokens, "the rollout's prompt and completion share a "
                               f"row of seq_len {self.seq_len} tokens, so use 0 to {self.seq_len - 1}")

@@ -1,11 +1,10 @@
 """The sections of a training run's TOML, each a frozen dataclass that validates its own values.
 
-    [model]   ModelSection: path, dtype, compute_dtype, remat, attention
-    [data]    DataConfig: train, eval, eval_fraction, max_seq_len, pack, seed
-    [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, optimizer, schedule, ...
-    [mesh]    MeshConfig: data, fsdp, tensor (device mesh sizes; -1 takes the rest)
+    [model]   ModelSection: path, dtype, compute_dtype, remat, attention, router_aux_loss_coef
+    [data]    DataConfig: train, eval, eval_fraction, max_seq_len, pack, seed, columns, apply_chat_template
+    [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, ...
+    [mesh]    MeshConfig: data, fsdp, expert, tensor (device mesh sizes; -1 takes the rest; `batch_ways`)
     [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
-
 [method] is `MethodConfig` (method.py); an objective's own section ([dpo], [grpo], [distill]) is declared with the
 objective (`jaxtune/objectives/`). `jaxtune.run_config` assembles them into a `RunConfig` and reads TOML.
 """
@@ -28,7 +27,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 class ModelSection:
     """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
     always float32 master weights; compute_dtype "bfloat16" gives mixed precision, "auto" (the default) what the
-    run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.run_plan`).
+    run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.train_plan`).
     attention: the kernel (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn").
     router_aux_loss_coef: a mixture of experts' load-balancing loss weight in training (0: none); -1: as its
     config.json says (transformers':

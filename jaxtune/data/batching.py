@@ -1,19 +1,12 @@
 """Fixed-shape batches of packed rows, so the train step compiles once.
 
-An example of ids x (length n) takes n - 1 input positions: inputs x[:-1], labels x[1:], loss mask
-loss_mask[1:]. Several examples share a row of `seq_len` positions; each gets its own segment id (1, 2, ...
-within the row; 0 is padding) and positions restarting at 0, so with `forward(..., segment_ids_BxT=,
-positions_BxT=)` no example attends to another and each gets the logits it would get alone.
+    batches = epoch_batches(examples, batch_size, seq_len, seed, epoch)   # dicts of [batch_size, seq_len] arrays
 
-Packing is best-fit decreasing on lengths alone (longest first, each into the fullest row it fits), so it
-does not depend on the shuffle: the rows, and hence the number of steps per epoch, are the same every epoch
-(`count_epoch_batches` is exact). What changes per epoch is the order of the rows, drawn from (seed, epoch);
-examples packed together always share a batch, which does not change their gradients since they never
-attend to each other. The last batch is filled with empty rows (loss mask 0).
-
-Scoring (`eval_batches`) needs no fixed shape, only few: its rows are as long as the data, each batch padded to
-the power-of-two bucket of its longest row (`padded_length`), so a file of short rows costs short-row memory
-whatever the model's context, and the step compiles once per bucket.
+An example of ids x takes inputs x[:-1], labels x[1:], loss mask loss_mask[1:]. Examples share a row, each with its
+own segment id (0 is padding) and positions from 0, so none attends to another. Packing (`pack_plan`) is best-fit
+decreasing on lengths alone, so the rows, and the steps per epoch, are the same every epoch (`count_epoch_batches`
+is exact); only their order changes, drawn from (seed, epoch). `eval_batches` pads each batch only to the
+power-of-two bucket of its longest row (`padded_length`): short data is scored at short shapes.
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ from jaxtune.errors import JaxtuneError
 # The shortest padded length: shorter buckets (1, 2, 4, 8) would each be a compile and save no measurable memory.
 MIN_BUCKET = 16
 
-DTYPES = {"input_ids": np.int32, "labels": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
-          "positions": np.int32}
+BATCH_FIELDS = {"input_ids": np.int32, "labels": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
+                "positions": np.int32}  # an SFT batch's arrays and their dtypes
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -99,7 +92,7 @@ def _plan(examples: Sequence[Example], seq_len: int, pack: bool) -> list[list[in
 
 def _fill(examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: int, num_rows: int) -> dict:
     """Arrays [num_rows, seq_len] holding `rows` (lists of example indices) then empty rows."""
-    out = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in DTYPES.items()}
+    out = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in BATCH_FIELDS.items()}
     for r, row in enumerate(rows):
         t = 0
         for segment, i in enumerate(row, 1):

@@ -2,12 +2,11 @@
 
     examples, stats = cached_examples(run_dir / "cache", sft_examples, "train.parquet", tokenizer, 512, columns)
 
-The cache entry's name is a hash of everything the examples depend on: the loader, the data files (path, size and
-modification time, every Arrow file of a `save_to_disk` directory), `columns`, `max_seq_len` and the tokenizer
-(its whole `tokenizer.json`, special ids and chat template), so a changed input is tokenised afresh. An entry is a
-store (`data.store`): the data is tokenised a chunk at a time straight into its files and read back memory-mapped,
-so a dataset larger than memory streams through. A store is built under a temporary name and renamed into place
-whole, so processes loading at once never read a partial one.
+An entry is named by a hash of everything the examples depend on: the loader, the data files (path, size and
+modification time; every file of a directory), `columns`, `max_seq_len` and the tokenizer (its whole
+`tokenizer.json`, special ids and chat template). It is a `data.store` (tokenised a chunk at a time straight into
+its files, read back memory-mapped), built under a temporary name and renamed into place whole, so processes
+loading at once never read a partial one; given `deferred`, it is moved there only once the run starts.
 """
 
 from __future__ import annotations

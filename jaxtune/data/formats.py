@@ -1,23 +1,12 @@
-"""Instruction data from JSONL: one example a line, turned into token ids and a loss mask.
+"""Instruction data, a record an example (`data.sources`: JSONL, Parquet, ...), turned into token ids and a loss mask.
 
-Formats, detected per line (a file may mix the first three):
   alpaca             {"instruction", "input" (optional), "output"}: the Stanford Alpaca prompt, output as completion
-  prompt/completion  {"prompt", "completion"}
-  chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template
-  preference         {"prompt", "chosen", "rejected"}: only through `load_preference_examples`
-  prompts            {"prompt", ...any other fields}: GRPO's prompts, through `load_prompt_examples`
-
-A prompt/completion pair becomes `encode(prompt)` (with the model's special tokens, e.g. BOS) +
-`encode(completion, add_special_tokens=False)` + [EOS]; the loss covers the completion and the EOS. With
-`as_chat` (`[data] apply_chat_template`) it is a user turn and an assistant turn of the model's chat template instead,
-as a chat model is prompted (`generate --chat`).
-A chat is rendered to text by its Jinja template as transformers' `apply_chat_template` does, then tokenized
-without special tokens (the template writes them); the loss covers each assistant message's content and the
-text that closes it (EOS / end-of-turn token), found by rendering the conversation up to each assistant turn.
-
-max_seq_len bounds len(ids). An example whose prompt (every token before the first trained one) has
-max_seq_len tokens or more is dropped, as it leaves nothing to predict; a longer one is cut to max_seq_len
-(losing its EOS). Both are counted in `DataStats`.
+  prompt/completion  {"prompt", "completion"}: encode(prompt) with special tokens + encode(completion) + [EOS]
+  chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template (`render_chat`)
+  preference         {"prompt", "chosen", "rejected"}: `preference_examples`, for DPO and reward models
+  prompts            {"prompt", ...any other fields}: GRPO's prompts, `load_prompt_examples`
+`sft_examples` reads the first three, mixed (`as_chat` makes the first two chat turns); the loss covers completions
+and EOS, or the assistant turns' text. A prompt that fills `max_seq_len` is dropped, a longer example cut (`DataStats`).
 """
 
 from __future__ import annotations

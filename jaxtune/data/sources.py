@@ -1,8 +1,7 @@
 """Where examples come from: JSONL (plain or gzip), Parquet, Arrow, or a `datasets.Dataset.save_to_disk` directory.
 
     records = iter_records("train.parquet", columns={"prompt": "question", "completion": "answer"})
-    # (row number, {"prompt": ..., "completion": ...}), ...: the same records the JSONL file would give, read a
-    # line or a record batch at a time as they are consumed; read_records lists them
+    # (row number, {"prompt": ..., "completion": ...}), ... read as consumed; read_records lists them
 
 Every source gives (position, record) pairs, position a line number for JSONL and a 1-based row number for tables,
 so errors name "file:position". `columns` maps our field names to the dataset's column names where they differ

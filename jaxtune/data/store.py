@@ -1,16 +1,12 @@
 """Tokenised examples kept on disk and read as they are used, so a dataset larger than memory trains.
 
-    with StoreWriter(directory) as writer:               # each field's tokens appended to its file every few MiB
+    with StoreWriter(directory) as writer:               # tokens appended to each field's file every FLUSH_TOKENS
         for example in sft_examples("train.jsonl", tokenizer, 2048):
             writer.append(example)
-    examples = TokenStore.open(directory)                 # a Sequence[Example], memory-mapped
-    examples.lengths                                      # tokens of each example, [N] (packing needs only these)
-    train = examples.take(np.array([0, 2, 5]))            # a subset, still on disk
+    examples = TokenStore.open(directory)   # a Sequence[Example], memory-mapped; .lengths [N]; .take(indices) on disk
 
-Each field of the example type (`Example`: ids, loss_mask; `PreferenceExample`: prompt, chosen, rejected) is one
-flat file `<field>.bin` (int32 ids, uint8 masks) with offsets `<field>.offsets.npy` [N + 1], beside `meta.json`
-(the type, the count and what loading did). Host memory is then O(examples) — offsets, lengths, the packing plan —
-not O(tokens): the tokens of a batch are read when the batch is built.
+A field (`Example`: ids, loss_mask) is one flat file `<field>.bin` with offsets `<field>.offsets.npy` [N + 1], beside
+`meta.json`: host memory is O(examples), not O(tokens); a batch's tokens are read when it is built.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from jaxtune.data.formats import DataStats, Example, PreferenceExample
 
 EXAMPLE_TYPES = {cls.__name__: cls for cls in (Example, PreferenceExample)}
 FLUSH_TOKENS = 1 << 18  # tokens a writer holds before appending them to its files
-DTYPES = {"loss_mask": np.uint8}  # a field's file dtype; int32 (token ids) where unnamed
+FIELD_FILE_DTYPES = {"loss_mask": np.uint8}  # a field's file dtype; int32 (token ids) where unnamed
 
 
 class StoreWriter:
@@ -57,7 +53,7 @@ class StoreWriter:
             if pending:
                 count = sum(self.lengths[n][-len(pending):])
                 values = itertools.chain.from_iterable(pending)
-                self.files[n].write(np.fromiter(values, DTYPES.get(n, np.int32), count).tobytes())
+                self.files[n].write(np.fromiter(values, FIELD_FILE_DTYPES.get(n, np.int32), count).tobytes())
             self.pending[n] = []
         self.held = 0
 
@@ -105,7 +101,7 @@ class TokenStore(Sequence):
         example_type = EXAMPLE_TYPES[meta["type"]]
         names = [f.name for f in dataclasses.fields(example_type)]
         offsets = {n: np.load(directory / f"{n}.offsets.npy") for n in names}
-        dtype = lambda n: DTYPES.get(n, np.int32)
+        dtype = lambda n: FIELD_FILE_DTYPES.get(n, np.int32)
         values = {n: np.memmap(directory / f"{n}.bin", dtype(n), "r") if offsets[n][-1] else np.zeros(0, dtype(n))
                   for n in names}
         stats = DataStats(**meta["stats"]) if meta["stats"] is not None else None

@@ -1,28 +1,29 @@
-"""Tokenizers: a model's own `tokenizer.json` through the `tokenizers` library, the one a GGUF file describes in its
-metadata, or a built-in byte-level one.
+"""Tokenizers (`Tokenizer`: text <-> ids with BOS, EOS, pad and the chat template), from `load_tokenizer(path)`: a
+model's own `tokenizer.json` through the `tokenizers` library, the one a GGUF file describes (`gguf_tokenizer`), or
+the built-in byte-level one when a directory ships none.
 
 Special tokens come from the model's files, in transformers' order of precedence: `tokenizer_config.json`
-(`bos_token`, `eos_token`, `pad_token`), then `special_tokens_map.json`, then the ids in `config.json`.
-When a model names no pad token, the EOS id pads (padding is masked out, so its id never matters).
-
-The built-in tokenizer is a real `tokenizers` byte-level BPE with no merges: ids 0..2 are `<pad>`, `<s>`,
-`</s>` and ids 3..258 the 256 bytes, so any text round-trips. It is saved as a `tokenizer.json` that
-transformers' `PreTrainedTokenizerFast` loads too.
+(`bos_token`, `eos_token`, `pad_token`), then `special_tokens_map.json`, then the ids in `config.json`; with no pad
+token, EOS pads. The built-in tokenizer (`Tokenizer.byte_level`) is a byte-level BPE with no merges: ids 0..2 are
+`<pad>`, `<s>`, `</s>`, then the 256 bytes, so any text round-trips; `save` writes it for transformers too.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import gguf_tokenizer_metadata, is_gguf
-from jaxtune.models.hf_config import read_json
+from jaxtune.io.gguf import gguf_tokenizer_metadata, is_gguf
+from jaxtune.io.json import read_json
 
 BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")  # what a model directory's tokenizer is, as `copy_tokenizer` copies it
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -223,3 +224,15 @@ def gguf_tokenizer(path: str | Path) -> Tokenizer:
         specials = [(tokens[i], i) for i in {*([bos] if add_bos else []), *([ids["eos"]] if add_eos else [])}]
         backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     return Tokenizer(backend, bos, ids["eos"], ids["padding"], meta.get("chat_template"))
+
+
+def copy_tokenizer(source: str | Path | None, directory: str | Path) -> None:
+    """The tokenizer files of model directory `source` (if given) copied into `directory`, beside the weights a
+    `save_model` wrote there; a GGUF file's tokenizer written as `tokenizer.json` and `tokenizer_config.json`."""
+    if source is None:
+        return
+    if is_gguf(source):
+        return gguf_tokenizer(source).save(directory)
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(directory) / name)

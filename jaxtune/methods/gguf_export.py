@@ -1,14 +1,12 @@
 """A model as a GGUF file that llama.cpp (and Ollama, LM Studio, transformers) loads (`save_gguf`), and a LoRA
 adapter as llama.cpp's GGUF LoRA (`save_gguf_lora`).
 
-The inverse of `models/gguf.py`, as llama.cpp's `convert_hf_to_gguf.py` writes a Llama, Mistral, Qwen2 or Qwen3:
-the config as `{arch}.*` metadata, a byte-level BPE tokenizer as `tokenizer.ggml.*` (tokens, types, merges, special
-ids, the chat template), and the tensors under llama.cpp's names, a Llama's query and key rows interleaved for its
-rotary kernel. Tensors are gathered, converted and written one at a time (the header is written first from their
-shapes alone), so an export never holds a second copy of the model.
-
     save_gguf("model.gguf", cfg, params, tokenizer, kind="q8_0")   # kind: f32, f16, bf16 or q8_0
     save_gguf_lora("adapter.gguf", cfg, params, method)            # llama-cli -m model.gguf --lora adapter.gguf
+
+The inverse of `models/gguf.py`, as llama.cpp's `convert_hf_to_gguf.py` writes it: the config as `{arch}.*`
+metadata, the tokenizer as `tokenizer.ggml.*`, the tensors under llama.cpp's names (a Llama's query and key rows
+interleaved), converted and written one at a time after a header built from shapes: no second copy of the model.
 """
 
 from __future__ import annotations
@@ -19,10 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.config.targets import lora_layout
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.lora import module_scales
+from jaxtune.methods.targets import lora_layout
 from jaxtune.models.gguf import ARCHITECTURES, LAYER_NAMES, PERMUTED_QK, ROPE_FREQS, TOP_NAMES, permute_qk
 from jaxtune.models.hf_weights import hf_module_path, tensor_entries
 from jaxtune.paths import writing
@@ -218,7 +217,7 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: Met
     the rank and alpha patterns; layers an adapter skips get no tensors."""
     import gguf
 
-    if method.kind not in ("lora", "qlora") or method.dora or method.lora_bias or method.modules_to_save \
+    if not method_unit(method).gguf_lora or method.dora or method.lora_bias or method.modules_to_save \
             or method.target_parameters:
         raise JaxtuneError("a GGUF LoRA adapter holds plain LoRA only (no DoRA, LoRA bias, modules_to_save or "
                            "expert targets); export --gguf merges any adapter into the model instead")

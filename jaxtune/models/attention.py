@@ -1,25 +1,12 @@
-"""Blockwise attention: softmax(q k^T / sqrt(hd)) v with an online softmax over key blocks (FlashAttention's
-algorithm, Dao et al. 2022, in pure JAX; any scale, optionally soft-capped) and a hand-written backward that
-recomputes each block's scores.
+"""Blockwise attention (`blockwise_attention`): softmax(q k^T / sqrt(hd)) v with an online softmax over key blocks
+(FlashAttention's algorithm, Dao et al. 2022, in pure JAX; any scale, optionally soft-capped) and a hand-written
+backward that recomputes each block's scores, so memory is O(T x block) per layer, not the [B, K, G, T, S] scores.
 
-Memory is O(T x block) per layer instead of the [B, K, G, T, S] scores of the dense form: the forward keeps per
-query its running maximum, normaliser and output; the backward keeps the output and its log-sum-exp [B, K, G, T].
-
-The mask is never materialised whole. `AttentionMask` holds what it is made of, and a block's [B, bq, bk] piece
-is built when the block is computed:
-
-    allowed(b, i, j) = k_valid[b, j]  and  j <= q_slot[i]  and  (window == 0 or q_slot[i] - j < window)
-                       and  (k_segment[b, j] < 0 or q_segment[b, i] == k_segment[b, j])
-
-with j a key's slot (its index) and q_slot[i] the query's. Training: P prefix-tuning keys take slots 0..P-1
-(segment -1, seen by every query) and token i slot P + i; decoding: cache slots. A block that no query of any
-row may see in any of its keys (above the causal diagonal, outside the window, between packed segments) is
-skipped in both passes; which blocks are live is decided once per call, outside the layer scan.
-
-Masked scores are set to the float's minimum, as the dense form does, so a query with no allowed key averages
-the keys it was computed against (the dense form: all keys); nothing in a model reads such a query's output.
-Scores, the softmax and the accumulators are float32 (float64 for float64 inputs) whatever the inputs' dtype;
-the output and gradients take the inputs' dtypes.
+The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cache_mask`) holds what it is made of
+(valid keys, query and key slots, packed segments, the sliding window; P prefix-tuning keys in slots 0..P-1, seen
+by every query) and a block's piece is built when the block is computed. Blocks no query may see are skipped in
+both passes (`live_blocks`, decided once per call, outside the layer scan). Scores, softmax and accumulators are
+float32 (float64 for float64 inputs); outputs and gradients take the inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -151,6 +138,8 @@ def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
     return (window == 0) | (first_q[:, None] - m.k_slot[None, :, -1] < window)
 
 
+# Masked scores take the float's minimum, as the dense form does: a query with no allowed key averages the keys it was
+# computed against (nothing in a model reads such a query's output).
 def _scores(q_blk, k_blk, allowed_BxQxC, scale: float, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
     """(masked float32 (float64) scores [B, K, G, Q, C], tanh(scaled / softcap) unmasked or None without a cap).
 

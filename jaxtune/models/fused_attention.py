@@ -1,18 +1,12 @@
 """The backends' fused attention kernels, used instead of the blockwise kernel (`attention.py`) where they cover the
-mask of a full forward: Pallas splash attention on TPU, cuDNN's flash attention (through
-`jax.nn.dot_product_attention`) on NVIDIA GPUs.
+mask of a full forward: Pallas splash attention on TPU (`splash_attention`), cuDNN's flash attention through
+`jax.nn.dot_product_attention` on NVIDIA GPUs (`cudnn_attention`).
 
 `choose_kernel` decides once per forward, from static facts (backend, shapes, dtype, what the mask is made of):
-
-    splash   T and S multiples of 128; causal (after P prefix keys), sliding windows, packed segments and padding
-             as segment ids (padding and segments only without prefix keys, which every segment sees)
-    cudnn    no prefix keys, no packed segments, no soft cap, 16-bit compute, head_dim a multiple of 8 up to 256,
-             and cuDNN accepting the shapes (probed by tracing); padding only on the right, checked per batch at
-             run time (a batch with left padding takes the blockwise kernel)
-    blockwise  everything else, and every call on CPU (unless splash is asked for: Pallas' interpreter, for tests)
-
-A layer's sliding window is traced (the layer scan carries it), while both kernels take it statically: each distinct
-window of the model gets its kernel and the layer switches between them (`lax.switch`).
+`splash_covers` and `cudnn_covers` say why a kernel cannot run (splash: sequence lengths in whole blocks, no prefix
+keys with padding or packing; cuDNN: no prefix keys, packing or soft cap, 16-bit compute, its head sizes, padding
+only on the right, checked per batch), else the blockwise kernel, always on CPU. A layer's sliding window is traced
+and both kernels take it statically: each distinct window gets its kernel, switched per layer (`lax.switch`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""llama.cpp's GGUF files as a model source, wherever a Hugging Face model directory is accepted.
-
-A `.gguf` file holds everything a model directory does, under llama.cpp's names: the config as metadata
-(`llama.block_count`, ...), the tokenizer as metadata (`tokenizer.ggml.tokens`, `merges`, special ids, the chat
-template), and the tensors, many of them quantised in blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...). Here:
+"""llama.cpp's GGUF files as a model source, wherever a Hugging Face model directory is accepted: GGUF's names in
+transformers' terms (the format itself: `io/gguf.py`; its tokenizer: `data/tokenizer.gguf_tokenizer`).
 
     hf = gguf_config(path)                 # a config.json dict (architectures, sizes, rope), for config_from_hf
     with GGUFCheckpoint(path) as reader:   # CheckpointReader's interface under transformers' tensor names
         w = reader.read("model.layers.0.self_attn.q_proj.weight")   # [out, in] float32, dequantised
-    parts = gguf_tokenizer_parts(path)     # a `tokenizers` backend, special ids and the chat template
 
-Tensors are dequantised one at a time as they are read (the `gguf` package's block formats), so the float model
-never exists whole beside the file; the loader casts each to the run's dtype or quantises it again for QLoRA.
-llama.cpp stores a Llama's query and key rows interleaved for its rotary kernel (`convert_hf_to_gguf.py`'s
-`permute`); they are put back in transformers' order on read, as transformers' own GGUF loader does.
+Tensors are dequantised one at a time as they are read, so the float model never exists whole beside the file; a
+Llama's query and key rows, interleaved for llama.cpp's rotary kernel, are put back in order (`unpermute_qk`).
 """
 
 from __future__ import annotations
 
-import functools
-import gc
 import math
 from pathlib import Path
 
@@ -26,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.io.gguf import check_tensor_types, dequantized, gguf_metadata, gguf_reader, tensor_shape
 
 # GGUF architecture -> (transformers class, model_type); llama.cpp writes Mistral's dense models as "llama".
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
@@ -37,52 +30,6 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling, stored as a factor per frequency
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (by its suffix) rather than a model directory."""
-    return str(path).endswith(".gguf")
-
-
-def _open(path: str | Path):
-    """The file's `gguf.GGUFReader` (memory-mapped; parsing the metadata takes seconds, so the last few are kept)."""
-    path = Path(path)
-    if not path.is_file():
-        raise JaxtuneError(f"{path}: GGUF file not found")
-    return _reader(str(path.resolve()), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, _mtime_ns: int):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the gguf package raises ValueError, struct errors, ... for a broken file
-        raise JaxtuneError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def forget_readers() -> None:
-    """Drop the parsed files `_open` keeps, once a run has read what it needs from them: a reader holds a Python
-    object for every element of the file's metadata arrays and the mapped pages of every tensor read, about 230
-    MiB for SmolLM2-135M's 98 MB file (its 49,152-token vocabulary and merges), resident for as long as it is
-    cached."""
-    _reader.cache_clear()
-    gc.collect()  # the reader's objects refer to each other
-
-
-def _metadata(reader, path: Path, skip: tuple[str, ...] = ("tokenizer.ggml.",)) -> dict:
-    """Every metadata value but the tokenizer's long arrays (scalars as Python values, arrays as lists)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith(skip) and key not in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-            if not key.endswith(("_id", "add_bos_token", "add_eos_token", "add_space_prefix")):
-                continue
-        try:
-            out[key] = field.contents()
-        except Exception as e:
-            raise JaxtuneError(f"{path}: metadata {key} cannot be read ({e})") from None
-    return out
 
 
 def hf_tensor_name(name: str) -> str:
@@ -119,8 +66,8 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, head_dim: int) -> 
 def gguf_config(path: str | Path) -> dict:
     """A transformers config.json dict of GGUF file `path`, from its metadata (and which tensors it holds)."""
     path = Path(path)
-    reader = _open(path)
-    meta = _metadata(reader, path)
+    reader = gguf_reader(path)
+    meta = gguf_metadata(reader, path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise JaxtuneError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
@@ -152,45 +99,12 @@ def gguf_config(path: str | Path) -> dict:
         if f"{arch}.rope.scaling.original_context_length" in meta:
             hf["rope_scaling"]["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
     if ROPE_FREQS in names:
-        factors = _dequantized(next(t for t in reader.tensors if t.name == ROPE_FREQS)).astype(np.float64)
+        factors = dequantized(next(t for t in reader.tensors if t.name == ROPE_FREQS)).astype(np.float64)
         hf["rope_scaling"] = llama3_rope_parameters(factors, hf["rope_theta"], head_dim)
     for name in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{name}_token_id" in meta:
             hf[f"{'pad' if name == 'padding' else name}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
     return hf
-
-
-def _hf_shape(tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-
-
-def _dequantized(tensor) -> np.ndarray:
-    """The whole tensor in transformers' layout: float32, or float16 / bfloat16 when it is stored so."""
-    from gguf import GGMLQuantizationType, quants
-
-    kind = tensor.tensor_type
-    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        data = np.asarray(tensor.data)
-    elif kind == GGMLQuantizationType.BF16:
-        data = np.asarray(tensor.data).view(ml_dtypes.bfloat16)
-    else:
-        data = quants.dequantize(np.asarray(tensor.data), kind)
-    return data.reshape(_hf_shape(tensor))
-
-
-def _check_types(tensors, path: Path) -> None:
-    """Every tensor type in the file can be read: each distinct type is tried on one zero block, so a file with a
-    type nothing here dequantises fails on opening, naming a tensor of that type, not minutes into a load."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-
-    for kind in {t.tensor_type for t in tensors} - {GGMLQuantizationType.F32, GGMLQuantizationType.F16}:
-        block, size = GGML_QUANT_SIZES[kind]
-        try:
-            quants.dequantize(np.zeros((1, size), np.uint8), kind)
-        except (NotImplementedError, ValueError):
-            name = next(t.name for t in tensors if t.tensor_type == kind)
-            raise JaxtuneError(f"{path}: tensor {name} has type {kind.name}, which jaxtune cannot dequantise "
-                               "(float and block-quantised types only)") from None
 
 
 def permute_qk(rows_x: np.ndarray, heads: int) -> np.ndarray:
@@ -213,11 +127,11 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path, rename=None):
         """rename(transformers' name) -> the name this reader shows (as `CheckpointReader`'s)."""
         self.path = Path(path)
-        reader = _open(self.path)
+        reader = gguf_reader(self.path)
         config = gguf_config(self.path)
         self._heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         self._permuted = config["model_type"] in PERMUTED_QK
-        _check_types(reader.tensors, self.path)
+        check_tensor_types(reader.tensors, self.path)
         self._tensors = {(rename or str)(hf_tensor_name(t.name)): t for t in reader.tensors if t.name != ROPE_FREQS}
         self._cached: tuple[str, np.ndarray] | None = None
         self.bytes_read = 0
@@ -246,7 +160,7 @@ class GGUFCheckpoint:
         return self._tensor(name).name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return _hf_shape(self._tensor(name))
+        return tensor_shape(self._tensor(name))
 
     def dtype(self, name: str) -> np.dtype:
         """float16 / bfloat16 / float32 as stored; float32 for block-quantised tensors (their dequantised dtype)."""
@@ -268,7 +182,7 @@ class GGUFCheckpoint:
         reading one tensor slice by slice dequantises it once."""
         if self._cached is None or self._cached[0] != name:
             tensor = self._tensor(name)
-            whole = _dequantized(tensor)
+            whole = dequantized(tensor)
             part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
             if self._permuted and part in self._heads:  # weights and biases alike
                 whole = unpermute_qk(whole, self._heads[part])
@@ -276,20 +190,3 @@ class GGUFCheckpoint:
             self._cached = (name, whole)
         return np.ascontiguousarray(self._cached[1][tuple(index or ())])
 
-
-def gguf_tokenizer_metadata(path: str | Path) -> dict:
-    """The tokenizer a GGUF file describes, under llama.cpp's key names less `tokenizer.ggml.` (`model`, `pre`,
-    `tokens`, `token_type`, `merges`, `scores`, `bos_token_id`, ..., `add_bos_token`, `add_space_prefix`) and
-    `chat_template`; absent keys are left out."""
-    path = Path(path)
-    fields = _open(path).fields
-    out = {}
-    for key, field in fields.items():
-        if key.startswith("tokenizer.ggml.") or key == "tokenizer.chat_template":
-            try:
-                out[key.rpartition(".")[2]] = field.contents()
-            except Exception as e:
-                raise JaxtuneError(f"{path}: metadata {key} cannot be read ({e})") from None
-    if "tokens" not in out:
-        raise JaxtuneError(f"{path}: no tokenizer (metadata tokenizer.ggml.tokens is missing)")
-    return out

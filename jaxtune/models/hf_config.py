@@ -1,14 +1,16 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for the architectures jaxtune computes exactly."""
+"""Hugging Face `config.json` <-> `ModelConfig` (`load_config`, `config_from_hf`, `config_to_hf`), for the
+architectures jaxtune computes exactly (`config.model.ARCHITECTURES`)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import gguf_config, is_gguf
+from jaxtune.io.gguf import is_gguf
+from jaxtune.io.json import read_json
+from jaxtune.models.gguf import gguf_config
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
@@ -18,16 +20,6 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 MOE = ("MixtralForCausalLM",) + QWEN_MOE
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
-
-
-def read_json(path: Path) -> dict:
-    """A JSON file as a dict, with errors that name the file."""
-    if not path.is_file():
-        raise JaxtuneError(f"{path}: file not found")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise JaxtuneError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
 
 
 def model_dir(path: str | Path) -> Path:

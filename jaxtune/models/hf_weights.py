@@ -1,14 +1,11 @@
-"""Hugging Face safetensors checkpoints <-> the stacked parameter tree, without torch.
+"""Hugging Face safetensors checkpoints <-> the stacked parameter tree, without torch: `save_model`, and the readers
+the spine loads through (`checked_reader`, `read_layer`, `expert_rows`; `spine.model.load_model` is the loader).
 
-Reading checks every tensor's name and shape against `param_specs` before it is used, so a wrong checkpoint
-fails with the tensor's name and both shapes rather than deep inside a matmul.
-
-A mixture's experts are read in either layout: the hub's, one [out, in] matrix an expert and part
-(`mlp.experts.{e}.gate_proj.weight`, ...; Mixtral's `block_sparse_moe.experts.{e}.w1.weight` with w1/w3/w2 for
-gate/up/down, read under the Qwen names), or the one transformers 5 holds in memory (and wrote in its first
-releases), a stack an expert module (`mlp.experts.gate_up_proj` [E, 2F, D], gate first; `mlp.experts.down_proj`
-[E, D, F]). Writing produces what every version of `transformers.AutoModelForCausalLM.from_pretrained` reads:
-`config.json` and `model.safetensors`, or shards with a `model.safetensors.index.json` when the weights are large,
+Reading checks every tensor's name and shape against `param_specs` first (`check_tensors`), so a wrong checkpoint
+fails with the tensor's name and both shapes rather than deep inside a matmul. A mixture's experts are read in the
+hub's layout (one [out, in] matrix an expert and part; Mixtral's w1/w3/w2 as gate/up/down) or transformers 5's
+stacks (`mlp.experts.gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]). Writing gives what every version of
+`AutoModelForCausalLM.from_pretrained` reads: `config.json` and `model.safetensors` (or shards with an index),
 experts in the hub's layout.
 """
 
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,16 +23,14 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import GGUFCheckpoint, is_gguf
-from jaxtune.models.hf_config import config_to_hf, load_config, model_dir
+from jaxtune.io.gguf import is_gguf
+from jaxtune.io.safetensors import CheckpointReader, write_weights
+from jaxtune.models.gguf import GGUFCheckpoint
+from jaxtune.models.hf_config import config_to_hf, model_dir
 from jaxtune.models.params import ATTENTION_MODULES, QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
-from jaxtune.models.safetensors_io import CheckpointReader, write_weights
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-METHOD_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")  # folded into kernels by a merged export
+STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # name -> numpy's
 
 
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's hub names of an expert's parts
@@ -201,45 +195,19 @@ def read_layer(reader: CheckpointReader, path: tuple[str, ...], layer: int | Non
                      for e in range(*experts.indices(cfg.num_experts))])
 
 
-def read_leaf(reader: CheckpointReader, path: tuple[str, ...], spec: ParamSpec, dtype, cfg: ModelConfig
-              ) -> np.ndarray:
-    """Leaf `path` of the parameter tree as a host array in our layout (kernels [in, out], layers stacked)."""
-    whole = (slice(None),) * (len(spec.shape) - (path[0] == "layers"))
-    if path[0] != "layers":
-        return read_layer(reader, path, None, whole, cfg).astype(dtype)
-    stacked = np.empty(spec.shape, dtype)
-    for i in range(spec.shape[0]):
-        stacked[i] = read_layer(reader, path, i, whole, cfg)
-    return stacked
-
-
-def load_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
-    """(config, params) of a Hugging Face Llama/Mistral/Qwen2 directory, params as arrays on the default device.
-
-    dtype: the parameter dtype (default: the checkpoint's own). Leaves are read and placed one at a time, so the
-    host holds at most one of them besides the device's copy. For a training run's shards, see `spine/load.py`.
-    """
-    cfg = load_config(directory)
-    with checked_reader(directory, cfg) as reader:
-        dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
-        leaves = [jax.device_put(read_leaf(reader, path, spec, dtype, cfg))
-                  for path, spec in _leaf_paths(param_specs(cfg))]
-    treedef = jax.tree.structure(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
-    return cfg, jax.tree.unflatten(treedef, leaves)
-
-
 def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, ...] = (), tensor=None
                    ) -> list[tuple]:
     """(Hugging Face name, shape, dtype, produce) of every tensor of `params` (torch's layout), for
     `write_weights`: each `produce()` gathers just that tensor (one layer of a stacked leaf) to the host.
 
     tensor(path, layer): if given and not None for a stacked leaf's layer, what to write instead of `leaf[layer]`
-    (a merged export computes each merged layer there). Leaves of a method (LoRA, ...) are not model tensors:
-    pass a tree without them, or `tensor` that merges them."""
+    (a merged export computes each merged layer there). Leaves a method adds (LoRA, ...) are not model tensors and
+    are left out: `tensor` merges them where they change one."""
     entries = []
+    model_paths = {path for path, _ in _leaf_paths(param_specs(cfg))} | {("lm_head", "kernel")}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, BitPattern))[0]:
         path = tuple(k.key for k in path)
-        if path[0] in skip or path[-1] in METHOD_LEAVES:
+        if path[0] in skip or path not in model_paths:  # a method's leaves are no model tensors
             continue
         kernel = path[-1] == "kernel"
         out_dtype = np.dtype(dtype or leaf.dtype)
@@ -303,11 +271,11 @@ def save_model(
     cfg: ModelConfig,
     params: dict,
     dtype: str | None = None,
-    tokenizer_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 2**30,
     tensor=None,
 ) -> Path:
-    """Write `params` as a Hugging Face model directory; copies tokenizer files from `tokenizer_from` if given.
+    """Write `params` as a Hugging Face model directory: config.json and the weights (the tokenizer beside them is
+    `data.tokenizer.copy_tokenizer`'s to write).
 
     Tensor by tensor: each is gathered to the host (one layer of a stacked leaf at a time) as it is written, so the
     export never holds a second copy of the model. A tied `cfg` whose params hold their own `lm_head` (trained
@@ -316,21 +284,8 @@ def save_model(
         cfg = cfg.replace(tie_word_embeddings=False)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    entries = tensor_entries(params, cfg, DTYPES[dtype] if dtype else None, tensor=tensor)
+    entries = tensor_entries(params, cfg, STORED_DTYPES[dtype] if dtype else None, tensor=tensor)
     dtype_name = dtype or str(entries[0][2])
     (directory / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name), indent=2) + "\n")
     write_weights(directory, entries, max_shard_bytes)
-    copy_tokenizer(tokenizer_from, directory)
     return directory
-
-
-def copy_tokenizer(source: str | Path | None, directory: Path) -> None:
-    """The tokenizer files of model directory `source` (if given) copied into `directory`; a GGUF file's tokenizer
-    written as `tokenizer.json` and `tokenizer_config.json`."""
-    if source is not None and is_gguf(source):
-        from jaxtune.data.tokenizer import gguf_tokenizer
-
-        return gguf_tokenizer(source).save(directory)
-    for name in TOKENIZER_FILES if source is not None else ():
-        if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, directory / name)

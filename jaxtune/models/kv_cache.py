@@ -1,16 +1,12 @@
-"""Incremental decoding with a key/value cache: `prefill` a batch of left-padded prompts, then `decode_step`.
+"""Incremental decoding with a key/value cache (`KVCache`): `prefill` a batch of left-padded prompts, then
+`decode_step`, both one function, `extend`.
 
-The cache holds every layer's rotated keys and values stacked on the layer axis, [L, B, S, K, hd], so a step
-still scans one `decoder_layer` over the layers. Both calls are one function, `extend`: write the new tokens'
-keys and values at slots `length .. length+T-1` and let their queries attend over the whole buffer under
-
-    valid[b, j]  and  j <= i  and  i - w < j  (w the layer's sliding window, 0 for none),
-
-with i and j cache slots, padding included, as transformers indexes its cache (`sliding_window_overlay`).
-`valid` is False for left padding, so padded keys stay masked for every later token, and for slots not yet
-written. RoPE positions come from the attention mask (cumsum - 1), as `transformers.generate` computes them.
-Prefix tuning's keys and values fill the first P slots and real tokens start at position P, as PEFT's
-`past_key_values` does. LoRA, QLoRA, IA3 and adapters need nothing here: they live in `dense` and `decoder_layer`.
+The cache holds every layer's rotated keys and values stacked on the layer axis, [L, B, S, K, hd], so a step still
+scans one `decoder_layer`. `extend` writes the new tokens' keys and values at slots `length .. length+T-1` and lets
+their queries attend over the whole buffer: slot j is seen from slot i when it is valid (`valid_BxS`: not padding,
+already written), j <= i and within the layer's sliding window, as transformers indexes its cache. RoPE positions
+come from the attention mask (cumsum - 1), as `transformers.generate` computes them. Prefix tuning's keys and values
+fill the first P slots (`init_cache`), as PEFT's `past_key_values` does; other methods live in the layers' modules.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""The one linear layer every projection goes through, whatever method has transformed its leaves.
+"""The one linear layer every projection goes through (`dense`), whatever method has transformed its leaves.
 
-A module is a dict of one layer's leaves: `kernel` [in, out] (a float array or a quantised leaf), optional `bias`
-[out], and the leaves methods add: `lora_a` [in, r] and `lora_b` [r, out] (LoRA), `lora_bias` [out] (LoRA's B
-bias), `magnitude` [out] (DoRA), `ia3_in` [in] or `ia3_out` [out] (IA3). Dispatch is on which leaves are present,
-so a method is only a change of the tree. LoRA's scale is a static float, or, when it differs across modules or
-layers (PEFT's rank_pattern / alpha_pattern / layers_to_transform), a `lora_scale` [] entry the forward puts in
-each module it scans (`with_lora_scales`; 0 where the layer is not adapted).
-
-LoRA dropout (training only) drops the adapter's input, as PEFT does: y = x W + B A dropout(x) s. Each module
-of each layer draws its own mask from `adapter_dropout_key(layer_key, name)`; with no key there is no dropout
-and no random-number work at all.
+A module is a dict of one layer's leaves: `kernel` [in, out] (a float array, a quantised leaf or a `BitPattern`),
+optional `bias` [out], and the leaves methods add (LoRA's `lora_a` [in, r] and `lora_b` [r, out], DoRA's
+`magnitude`, IA3's `ia3_in` / `ia3_out`, ...). A method enters through the hooks its leaves trigger
+(`models/adapters.py`'s `DENSE_HOOKS`): nothing here names a method. A frozen kernel in another dtype is derived a
+piece at a time where it is used (`derived_piecewise_matmul`; over fsdp in its stored bits: `gathered_piecewise_matmul`)
+and again in the backward, never kept. Scales that differ across modules or layers ride in the scanned layers as
+`lora_scale` (`with_lora_scales`); dropout keys come from `adapter_dropout_key(layer_key, name)`.
 """
 
 from __future__ import annotations
@@ -23,8 +20,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig
+from jaxtune.config import LINEAR_MODULE_NAMES
 from jaxtune.config.forward import MATMUL_OUTPUT
+from jaxtune.models.adapters import Branch, dense_hooks
 from jaxtune.models.quant import (
     BitPattern,
     NF4Array,
@@ -50,15 +48,6 @@ def kernel_of(module: dict, dtype) -> jax.Array:
     if isinstance(kernel, QuantizedArray | BitPattern):
         kernel = dequantize(kernel)
     return kernel.astype(dtype)
-
-
-def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magnitude_O: jax.Array,
-               lora_scale: float) -> jax.Array:
-    """DoRA's magnitude / ||W + s B A|| per output unit, the norm treated as a constant (DoRA paper, section 4.3)."""
-    dtype = wide(kernel_IxO.dtype)
-    merged = kernel_IxO.astype(dtype) + lora_scale * (lora_a.astype(dtype) @ lora_b.astype(dtype))
-    norm_O = jax.lax.stop_gradient(jnp.linalg.norm(merged, axis=-2))
-    return magnitude_O.astype(dtype) / norm_O
 
 
 def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
@@ -310,41 +299,6 @@ def derived_piecewise_matmul(x: jax.Array, w, layout: Pieces, out_dtype=None) ->
     return checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), MATMUL_OUTPUT)
 
 
-@jax.custom_vjp
-def lora_branch(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """(x [..., in] @ a [in, r]) @ b [r, out], all in x's dtype, with a hand-written backward.
-
-    The gradients a rank-r branch needs contract over tokens; autodiff's forms put the wide operand (x, or the
-    output's gradient) on the left of those contractions, and XLA:CPU then writes it transposed, [in, tokens], a
-    strided pass over the largest arrays of the layer (with the MLP's elementwise backward fused into it, 40% of
-    all-linear LoRA's step on the benchmark shape). Here the narrow [tokens, r] operand goes first and the small
-    [r, in] result is transposed instead.
-    """
-    return (x @ a) @ b
-
-
-def _lora_branch_fwd(x, a, b):
-    xa = x @ a
-    return xa @ b, (x, a, b, xa)
-
-
-def _lora_branch_bwd(residuals, g):
-    x, a, b, xa = residuals
-    g = g.astype(x.dtype)
-    db = jnp.einsum("...r,...o->ro", xa, g)
-    dxa = g @ b.T
-    da = jnp.einsum("...r,...i->ri", dxa, x).T
-    return dxa @ a.T, da, db
-
-
-lora_branch.defvjp(_lora_branch_fwd, _lora_branch_bwd)
-
-
-def lora_dropout_rate(method: MethodConfig | None) -> float:
-    """The LoRA dropout rate `method` trains with: its `dropout` for LoRA and QLoRA, 0 for every other method."""
-    return method.dropout if method is not None and method.kind in ("lora", "qlora") else 0.0
-
-
 def adapter_dropout_key(layer_key: jax.Array, name: str) -> jax.Array:
     """The dropout key of module `name` (q_proj, ..., down_proj) from its layer's key."""
     return jax.random.fold_in(layer_key, LINEAR_MODULE_NAMES.index(name))
@@ -362,10 +316,11 @@ def dropout(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
 
 def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropout_key: jax.Array | None = None,
           dropout_rate: float = 0.0, kernel_axes: tuple[str, str] | None = None) -> jax.Array:
-    """y = x @ W (+ LoRA, DoRA, IA3) (+ bias), in x's dtype; x is [..., in], y [..., out].
+    """y = x @ W (+ bias), with the dense hooks of the method leaves the module holds, in x's dtype; x is [..., in],
+    y [..., out].
 
-    lora_scale: LoRA's static scale, unless the module carries its own `lora_scale` (see the module docstring).
-    dropout_key, dropout_rate: LoRA dropout on the adapter's input (training); None or rate 0 is no dropout.
+    lora_scale: the adapter's static scale, unless the module carries its own `lora_scale` (module docstring).
+    dropout_key, dropout_rate: dropout on the adapter's input (training); None or rate 0 is no dropout.
     kernel_axes: the kernel's logical axes (in, out); with them a frozen 16-bit kernel is all-gathered over fsdp
     right where it is used, in its stored bits (`rules.gathered`), a piece at a time where fsdp alone splits it
     (`gathered_piecewise_matmul`; whole for DoRA, whose norm needs it). A kernel derived in another dtype where it
@@ -378,7 +333,8 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
     a 607M QLoRA step held 189 MiB of temporaries with two derivations, 131 MiB with one); across the layer scan's
     forward and backward loops there is nothing to merge, so no W outlives its layer.
     """
-    if dropout_rate == 0.0 or "lora_a" not in module:
+    hooks = dense_hooks(module)
+    if dropout_rate == 0.0 or not any(hook.dropout for hook in hooks):
         dropout_key = None
     if "lora_scale" in module:
         module = dict(module)
@@ -392,14 +348,17 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
 
 def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_key: jax.Array | None,
            dropout_rate: float, kernel_axes: tuple[str, str] | None) -> jax.Array:
-    if "ia3_in" in module:
-        x = x * module["ia3_in"].astype(x.dtype)
+    hooks = dense_hooks(module)
+    for hook in hooks:
+        if hook.scale_input is not None:
+            x = hook.scale_input(x, module)
     stored = kernel_axes is not None and isinstance(module["kernel"], BitPattern)
     split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored else None
-    dora = "magnitude" in module  # DoRA's norm needs the whole kernel
-    derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not dora
+    whole = any(hook.needs_kernel(module) for hook in hooks)  # DoRA's norm needs the whole kernel
+    derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not whole
     layout = pieces_of(module["kernel"], x.dtype, kernel_axes) if derived else None
-    if split is not None and not dora:
+    kernel = None
+    if split is not None and not whole:
         y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
     elif layout is not None:
         y = derived_piecewise_matmul(x, module["kernel"], layout)
@@ -408,27 +367,15 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
             module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}
         kernel = kernel_of(module, x.dtype)
         y = matmul(x, kernel)
-    if "lora_a" in module:
-        x_lora = x if dropout_key is None else dropout(x, dropout_key, dropout_rate)
-        lora_y = lora_branch(x_lora, module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype))
-        if "lora_bias" in module:
-            lora_y = lora_y + module["lora_bias"].astype(x.dtype)
-        lora_y = lora_y * (lora_scale if isinstance(lora_scale, float) else lora_scale.astype(x.dtype))
-        if "magnitude" not in module:
-            y = y + lora_y
-        else:
-            scale = dora_scale(kernel, module["lora_a"], module["lora_b"], module["magnitude"], lora_scale)
-            if not isinstance(lora_scale, float):  # a layer DoRA does not adapt (scale 0) keeps its weights as they are
-                scale = jnp.where(lora_scale > 0, scale, 1.0)
-            scale = scale.astype(x.dtype)
-            if dropout_key is None:
-                y = (y + lora_y) * scale
-            else:  # PEFT's DoRA with dropout: x W + (m/||.|| - 1) dropout(x) W + m/||.|| s B A dropout(x)
-                y = y + (scale - 1) * (x_lora @ kernel) + scale * lora_y
+    branch = Branch(lora_scale, dropout_key, dropout_rate)
+    for hook in hooks:
+        if hook.add is not None:
+            y = hook.add(x, y, module, kernel if whole else None, branch)
     if "bias" in module:
         y = y + module["bias"].astype(x.dtype)
-    if "ia3_out" in module:
-        y = y * module["ia3_out"].astype(x.dtype)
+    for hook in hooks:
+        if hook.scale_output is not None:
+            y = hook.scale_output(y, module)
     return y
 
 

@@ -1,13 +1,12 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3) as pure functions over the parameter
-tree of `params.py`.
+"""The Llama-family decoder (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3, and the mixtures Mixtral, Qwen2-MoE,
+Qwen3-MoE) as pure functions over the parameter tree of `params.py`: `forward` (logits [B, T, V]), `decoder` (the
+final hidden states), `decoder_layer`.
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
-depth; `jax.checkpoint` wraps the block under a `Remat` policy. Attention is blockwise (`attention.py`): memory
-linear in the sequence, blocks the mask removes skipped; on TPU and NVIDIA GPUs the backend's fused kernel where it
-covers the mask (`fused_attention.py`). Numerics follow transformers: RMSNorm and
-softmax in float32, RoPE angles in float32 cast to the compute dtype, everything else in the compute dtype.
-compute_dtype "float64" (under `jax.enable_x64`) widens the float32 parts too but RoPE's angles, as transformers
-does for a `.double()` model: the tests' float64 reference.
+depth, under a `Remat` policy (`remat.py`). Attention is blockwise (`attention.py`) or the backend's fused kernel
+where it covers the mask (`fused_attention.py`); a mixture's MLP is `moe.py`. Numerics follow transformers: RMSNorm
+and softmax in float32, RoPE angles in float32 cast to the compute dtype, the rest in the compute dtype; "float64"
+compute (under `jax.enable_x64`) widens the float32 parts too: the tests' float64 reference.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
-from jaxtune.config.targets import layer_scales
+from jaxtune.models.adapters import adapter_forward
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.fused_attention import (
     FusedAttention,
@@ -26,7 +25,7 @@ from jaxtune.models.fused_attention import (
     splash_attention,
 )
 from jaxtune.models.head import head_logits
-from jaxtune.models.linear import adapter_dropout_key, dense, lora_dropout_rate, wide, with_lora_scales
+from jaxtune.models.linear import adapter_dropout_key, dense, wide, with_lora_scales
 from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
@@ -62,10 +61,8 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.A
 
 
 def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConfig) -> tuple[dict, float]:
-    """(layers to scan, static LoRA scale): per-module, per-layer scales ride in the layers when they differ."""
-    if method is None or method.kind not in ("lora", "qlora"):
-        return layers, 1.0
-    return with_lora_scales(layers, layer_scales(method, cfg.num_layers, cfg.linear_modules))
+    """(layers to scan, static adapter scale): per-module, per-layer scales ride in the layers when they differ."""
+    return with_lora_scales(layers, adapter_forward(method).scales(method, cfg))
 
 
 def project(x, layer: dict, name: str, lora_scale: float, dropout: tuple[jax.Array, float] | None = None):
@@ -247,7 +244,7 @@ def decoder_and_routing(
                           softcap=cfg.attn_logit_softcap, dtype=dtype, windows=tuple(sorted(set(cfg.sliding_windows))))
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones((B, T), bool))
-    rate = lora_dropout_rate(method)
+    rate = adapter_forward(method).dropout_rate(method)
     use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
 
     stacks, layers = unsliced_kernels(layers, dtype)

@@ -1,20 +1,12 @@
-"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), as transformers computes it.
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), as transformers computes it:
+`routed_experts` (routing by `route`), and the router's load-balancing loss `router_loss`.
 
-Each token's router logits x W_r [E] (in the compute dtype) go through a float32 softmax; the token goes to its
-`experts_per_token` most probable experts, weighted by their probabilities (renormalised to sum to 1 when
-`normalize_top_k`). The N x K (token, expert) assignments are sorted by expert and every expert's gated MLP runs
-as one grouped matmul over its contiguous rows (no loop over experts, no capacity, no token dropped), then each
-token sums its K weighted outputs. The grouped matmul is `jax.lax.ragged_dot`, except on TPU, whose compiler turns
-ragged_dot into a dense matmul per expert over every row (E times the FLOPs, and [E, N K, F] buffers: 59 GiB a chip
-for Mixtral-8x7B's LoRA step on v5p-64): there each device runs Pallas' megablox grouped matmul (`gmm`, its own
-backward) on its rows and experts (`shard_map`). When the expert axis splits the experts, a device gathers the rows of
-its expert group, computes only its own experts' (`group_offset`: the others' rows stay zero) and the group's partial
-sums are reduce-scattered back to the rows' devices; a tensor axis gives each device its share of every expert's
-hidden units, and the down projection's partial sums are added over it.
-
-The router's load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4-6, as transformers'
-`load_balancing_loss_func`) needs two sums per layer over the real tokens: how many of their K assignments went
-to each expert, and their summed probabilities. `routed_experts` returns them; `router_loss` combines every layer's.
+Each token goes to its `experts_per_token` most probable experts (float32 softmax of x W_r), weighted by their
+probabilities (renormalised when `normalize_top_k`); the N x K assignments are sorted by expert and each expert's
+gated MLP runs as one grouped matmul over its rows (no capacity, no token dropped). `grouped_kernel` picks it:
+`jax.lax.ragged_dot`, or on TPU, whose compiler makes ragged_dot a dense matmul per expert over every row, Pallas'
+megablox `gmm` per device under `shard_map` (`megablox_matmul`; the expert axis splits experts, a tensor axis their
+hidden units). The TPU figures: experiments/tpu_compile_table.py. The loss is Switch Transformer's (Fedus et al.).
 """
 
 from __future__ import annotations

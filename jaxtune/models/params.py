@@ -1,31 +1,12 @@
-"""Parameters declared before they exist.
+"""Parameters declared before they exist: `param_specs(cfg)` is the single source of truth for the parameter tree,
+every leaf's shape, logical axis names and initialiser; `abstract_params` (planner, `jax.eval_shape`), `logical_axes`
+(sharding rules) and `init_params` (random weights) derive from it without allocating.
 
-`param_specs(cfg)` is the single source of truth for the parameter tree: every leaf's shape, logical axis
-names and initialiser. Everything else derives from it without allocating: `abstract_params` for the planner
-and `jax.eval_shape`, `logical_axes` for sharding rules, `init_params` for random weights.
-
-The tree mirrors Hugging Face module names so that methods can target `q_proj`, `v_proj`, ... directly:
-
-    {"embed_tokens": [V, D],
-     "layers": {"input_layernorm": [L, D], "post_attention_layernorm": [L, D],
-                "pre_feedforward_layernorm" / "post_feedforward_layernorm"?: [L, D],   # Gemma's sandwich norms
-                "q_norm" / "k_norm"?: [L, hd],                     # Qwen3's and Gemma 3's per-head q and k norms
-                "q_proj": {"kernel": [L, D, H*hd], "bias"?: [L, H*hd]},
-                "k_proj" / "v_proj": {"kernel": [L, D, K*hd], "bias"?: [L, K*hd]},
-                "o_proj": {"kernel": [L, H*hd, D]},
-                "gate_proj" / "up_proj": {"kernel": [L, D, F]}, "down_proj": {"kernel": [L, F, D]}},
-                # Phi-3 fuses them: "qkv_proj" [L, D, H*hd + 2*K*hd] and "gate_up_proj" [L, D, 2F] (gate first)
-                # A mixture of E experts of width Fe replaces the MLP:
-                "router": {"kernel": [L, D, E]},
-                "experts": {"gate_up_proj": {"kernel": [L, E, D, 2Fe]}, "down_proj": {"kernel": [L, E, Fe, D]}},
-                # and Qwen2-MoE's shared expert, mlp.shared_expert.* in transformers, of width Fs:
-                "shared_expert.gate_proj" / "shared_expert.up_proj": {"kernel": [L, D, Fs]},
-                "shared_expert.down_proj": {"kernel": [L, Fs, D]}, "shared_expert_gate": {"kernel": [L, D, 1]}},
-     "norm": [D],
-     "lm_head"?: {"kernel": [D, V]}}            # absent when the embeddings are tied
-
-Kernels are stored [in, out] (x @ kernel); Hugging Face stores [out, in]. Layer weights are stacked on a
-leading axis so the forward can `lax.scan` over them.
+The tree mirrors Hugging Face's module names, so methods target `q_proj`, `v_proj`, ... directly: `embed_tokens`
+[V, D], `norm` [D], `lm_head.kernel` [D, V] (absent when tied) and `layers`, each leaf stacked on a leading [L] axis
+for `lax.scan`: norms [L, D], `q_proj.kernel` [L, D, H*hd], `k_proj`, `v_proj` [L, D, K*hd], `o_proj`, the gated
+MLP (Phi-3 fuses `qkv_proj` and `gate_up_proj`); a mixture's `router` [L, D, E] and `experts` stacks [L, E, D, 2Fe]
+and [L, E, Fe, D], with Qwen2-MoE's `shared_expert.*`. Kernels are [in, out] (x @ kernel); HF stores [out, in].
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""Frozen base weights for QLoRA: NF4 and int8 weights as their own pytree types.
+"""Frozen base weights as their own pytree types: QLoRA's NF4 and int8 (`NF4Array`, `Int8Array`; `quantize_nf4`,
+`quantize_int8`, `dequantize`) and 16-bit kernels held as their bits (`BitPattern`, `as_bit_patterns`).
 
-QLoRA (Dettmers et al. 2023, arXiv:2305.14314) stores each frozen linear weight as 4-bit NormalFloat codes,
-one absmax per block of 64 values; double quantisation stores those absmax values as 8-bit codes in turn.
-`quantize_nf4` restates bitsandbytes' `quantize_4bit(quant_type="nf4", compress_statistics=...)` so that the
-packed bytes are the ones bitsandbytes stores for the same Hugging Face weight: blocks run over the torch
-layout [out, in] row-major (our kernels are [in, out], so each matrix is transposed first), and each byte holds
-two codes, the first in the high nibble. `quantize_int8` is LLM.int8()'s row-wise absmax quantisation
-(Dettmers et al. 2022, arXiv:2208.07339) without the outlier decomposition.
-
-A quantised weight is a registered dataclass: its children are arrays with any stacking axes leading
-(codes [L, n_bytes], absmax [L, n_blocks], ...) and its static fields hold the shape of one matrix. `lax.scan`
-over a stacked weight slices the layer axis off every child, and `dequantize` reads the leading axes from the
-children, so it works on both. Quantising is jax.numpy too: `jax.eval_shape(quantize_nf4, w)` plans memory
-without allocating, and a weight is quantised on whichever device holds it.
-
-Fidelity to bitsandbytes 0.50 (`backends/default/ops.py`, the torch reference, and `csrc/kernels.cu`):
-values are scaled by the float32 reciprocal of their block's absmax; a value exactly on a float32 midpoint
-between two codes takes the lower code (`torch.bucketize`; `x > midpoint` in the CUDA NF4 decision tree); an
-all-zero block has absmax 0 and the code of 0.0. The double-quantisation offset is the mean of the absmax as
-torch computes it on CUDA (the float32 sum times float32 1/K), with the sum rounded once to float32 where torch's
-depends on the reduction order.
+NF4 (Dettmers et al. 2023) stores 4-bit NormalFloat codes with one absmax per block, double quantisation those
+absmax as 8-bit codes; `quantize_nf4` gives the bytes bitsandbytes stores for the same Hugging Face weight (blocks
+over the torch layout [out, in], two codes a byte, high nibble first; ties, all-zero blocks and the offset as its
+torch reference computes them). `quantize_int8` is LLM.int8()'s row-wise absmax without the outlier decomposition.
+Children carry any stacking axes leading, so `lax.scan` slices a layer off and `dequantize` works on both; it is all
+jax.numpy, so `jax.eval_shape` plans memory and `quantize_by_rows` quantises a kernel a few rows at a time as read.
 """
 
 from __future__ import annotations
@@ -184,6 +171,8 @@ def _sum_f32(x_BxN: jax.Array) -> jax.Array:
     return hi_BxN[:, 0] + lo_BxN[:, 0]
 
 
+# As bitsandbytes 0.50 (`backends/default/ops.py`, `csrc/kernels.cu`): values scaled by the float32 reciprocal of
+# their block's absmax; a value exactly on a midpoint takes the lower code; an all-zero block has absmax 0.
 def _quantize_blocks(x_BxN: jax.Array, code: np.ndarray, blocksize: int) -> tuple[jax.Array, jax.Array]:
     """bitsandbytes' blockwise absmax quantisation of each row to the nearest value of the sorted `code`.
 

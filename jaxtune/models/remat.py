@@ -1,4 +1,5 @@
-"""A layer's rematerialisation under a `Remat` policy, with full remat keeping a 16-bit layer input as its bits.
+"""A layer's rematerialisation under a `Remat` policy (`remat_layer`), with full remat keeping a 16-bit layer input
+as its bits.
 
 Full remat keeps only each layer's input, stacked by the layer scan, and recomputes the layer in the backward.
 XLA:CPU converts a scanned bfloat16 residual stack to float32 before the backward loop (a float normalisation of

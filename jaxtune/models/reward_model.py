@@ -1,10 +1,10 @@
-"""Reward models: a scalar head on the decoder, read at each sequence's last real token (`objectives/reward.py`
-trains it with the Bradley-Terry loss).
+"""Reward models: a scalar head on the decoder (`add_reward_head`), read at each sequence's last real token
+(`reward_scores`; `objectives/reward.py` trains it with the Bradley-Terry loss), saved and loaded as transformers'
+`*ForSequenceClassification` (`save_reward_model`, `load_reward_model`).
 
-On disk a reward model is what transformers' `*ForSequenceClassification` reads: config.json with that
-architecture, num_labels 1 and pad_token_id set; model.safetensors with the decoder's tensors (no lm_head) and
-`score.weight` [1, hidden]. transformers reads the score at the last token that is not padding, so the reward of
-(prompt, completion) is its score on the ids prompt + completion (no EOS), the same number jaxtune computes.
+On disk: config.json with that architecture, num_labels 1 and pad_token_id set; model.safetensors with the decoder's
+tensors (no lm_head) and `score.weight` [1, hidden]. transformers reads the score at the last token that is not
+padding, so the reward of (prompt, completion) is its score on the ids prompt + completion (no EOS), as here.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import is_gguf
-from jaxtune.models.hf_config import config_from_hf, config_to_hf, model_dir, read_json
-from jaxtune.models.hf_weights import DTYPES, check_tensors, copy_tokenizer, expected_tensors, read_leaf, tensor_entries
+from jaxtune.io.gguf import is_gguf
+from jaxtune.io.json import read_json
+from jaxtune.io.safetensors import write_weights
+from jaxtune.models.hf_config import config_from_hf, config_to_hf, model_dir
+from jaxtune.models.hf_weights import STORED_DTYPES, tensor_entries
 from jaxtune.models.llama import decoder
-from jaxtune.models.params import ParamSpec, param_specs
-from jaxtune.models.safetensors_io import CheckpointReader, write_weights
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
@@ -54,13 +54,14 @@ def is_reward_model(directory: str | Path) -> bool:
     return any(a.endswith(SEQUENCE_CLASSIFICATION) for a in archs)
 
 
-def save_reward_model(directory: str | Path, cfg: ModelConfig, params: dict, tokenizer_from: str | Path | None = None,
-                      dtype: str | None = None, tensor=None) -> Path:
+def save_reward_model(directory: str | Path, cfg: ModelConfig, params: dict, dtype: str | None = None,
+                      tensor=None) -> Path:
     """Write `params` (a base tree with `score`) as an HF sequence-classification directory, tensor by tensor;
-    `tensor` as for `hf_weights.tensor_entries` (a LoRA reward model merges its adapters there, layer by layer)."""
+    `tensor` as for `hf_weights.tensor_entries` (a LoRA reward model merges its adapters there, layer by layer).
+    The tokenizer beside it is `data.tokenizer.copy_tokenizer`'s to write."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    np_dtype = np.dtype(DTYPES[dtype]) if dtype else None
+    np_dtype = np.dtype(STORED_DTYPES[dtype]) if dtype else None
     entries = tensor_entries(params, cfg, np_dtype, skip=("lm_head", "score"), tensor=tensor)
     score_dtype = np_dtype or np.dtype(params["embed_tokens"].dtype)
     entries.append(("score.weight", (1, cfg.hidden_size), score_dtype,
@@ -71,29 +72,18 @@ def save_reward_model(directory: str | Path, cfg: ModelConfig, params: dict, tok
           "architectures": [cfg.architecture.replace("ForCausalLM", SEQUENCE_CLASSIFICATION)]}
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     write_weights(directory, entries)
-    copy_tokenizer(tokenizer_from, directory)
     return directory
 
 
-def load_reward_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
-    """(config, params with `score`) of a directory `save_reward_model` (or transformers) wrote.
-
-    The config is the causal architecture's with tied embeddings: a reward model has no LM head.
-    """
+def reward_config(directory: str | Path) -> tuple[Path, ModelConfig]:
+    """(directory, config) of a reward model directory: the causal architecture's config with tied embeddings (a
+    reward model has no LM head); `spine.model.load_reward_model` reads its weights."""
     directory = model_dir(directory)
     where = directory / "config.json"
     hf = read_json(where)
     arch = next((a for a in hf.get("architectures") or [] if a.endswith(SEQUENCE_CLASSIFICATION)), None)
     if arch is None or hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
         raise JaxtuneError(f"{where}: not a reward model (a *{SEQUENCE_CLASSIFICATION} with num_labels 1)")
-    cfg = config_from_hf({**hf, "architectures": [arch.replace(SEQUENCE_CLASSIFICATION, "ForCausalLM")],
-                          "tie_word_embeddings": True}, str(where))
-    specs = param_specs(cfg)
-    with CheckpointReader(directory) as reader:
-        check_tensors(reader, directory, cfg, {**expected_tensors(cfg), "score.weight": (1, cfg.hidden_size)})
-        dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, spec: jnp.asarray(read_leaf(reader, tuple(k.key for k in path), spec, dtype, cfg)), specs,
-            is_leaf=lambda x: isinstance(x, ParamSpec))
-        params["score"] = {"kernel": jnp.asarray(reader.read("score.weight")[0].astype(dtype))}
-    return cfg, params
+    return directory, config_from_hf({**hf, "architectures": [arch.replace(SEQUENCE_CLASSIFICATION, "ForCausalLM")],
+                                      "tie_word_embeddings": True}, str(where))
+

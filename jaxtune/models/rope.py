@@ -1,4 +1,5 @@
-"""Rotary position embeddings with Hugging Face's conventions (half-split rotation, float32 angles)."""
+"""Rotary position embeddings with Hugging Face's conventions (half-split rotation, float32 angles, the config's
+rope scaling): `rope_tables` for a batch's positions, `layer_rope` a layer's pick of them, `apply_rope`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What a model directory or GGUF file holds, read from its config and tensor headers (no weights are loaded)."""
+"""What a model directory or GGUF file holds (`model_summary`, for `jaxtune info`), read from its config and tensor
+headers: no weights are loaded."""
 
 from __future__ import annotations
 

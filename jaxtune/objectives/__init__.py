@@ -1,7 +1,7 @@
 """The training objectives, one unit each (`base.py` says what a unit declares), registered here.
 
 Adding an objective: a module beside these that builds an `Objective`, and its entry in OBJECTIVES. The trainer,
-the spine, the planner and the TOML loader ([section], `train.objective`) all read this table.
+the spine, the planner and the TOML loader ([section], `train.objective`) all read this table (`objective_named`).
 """
 
 from jaxtune.config.plan import TrainPlan

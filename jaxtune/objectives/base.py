@@ -1,26 +1,12 @@
-"""An objective, declared once: everything the spine, the trainer, the planner and the TOML loader know of it.
+"""An objective, declared once (`Objective`); adding one is a module here and its line in `__init__.py`. Its fields:
 
-Adding an objective is one module in this package that builds an `Objective`, and its line in the registry
-(`__init__.py`). Nothing else names objectives:
-
-    name            the `train.objective` value
-    section         the dataclass of its TOML section ([dpo], [grpo], [distill]), or None
-    rows            rows of a micro-batch per example, from the section (2 a preference pair; GRPO: the group)
-    batch_fields    the micro-batch's arrays beside the five of SFT (precomputed reference log-probs, advantages)
-    second_model    what the step takes beside the policy: None; "base", a frozen copy of the base weights (a full
-                    fine-tune's reference: adapter methods use their frozen base with adapters off, no copy); or a
-                    model directory (a reference, a teacher)
-    loss_terms      per micro-batch sums (loss, (count, metrics)) the spine accumulates and differentiates
-    eval_terms      per held-out batch sums, totalled by `Training.evaluate`
-    logits_copies   [b, c, V] float32 head-chunk buffers (`models/head.py`) alive at the loss's peak, for the planner
-    head            (params, cfg, key) -> params with the trainable leaves the objective adds (a reward model's
-                    score); head_axes: their logical axes
-    prepare         the trainer's side: its examples, batches per step and held-out evaluation
-    export          what a finished run writes (default: the PEFT adapter, or the HF model of a full fine-tune)
-    unit            what `batch_size` counts, for the log; single_process: batches are made on the host from the
-                    policy (GRPO's rollouts), so the run cannot span processes; rollout_tokens: tokens each row
-                    samples before the step (the planner counts the generation's memory); extra_forwards: forwards a
-                    step runs beside the policy's (a reference's or a teacher's), for the planner's step time
+    name, section       the `train.objective` value; its TOML section's dataclass ([dpo], [grpo], [distill]) or None
+    rows, batch_fields  rows a micro-batch holds per example (a preference pair: 2); its arrays beside SFT's five
+    second_model        None, "base" (a full fine-tune's frozen copy; adapter methods: the base, adapters off) or a dir
+    loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
+    head, head_axes     the trainable leaves it adds (a reward model's score) and their logical axes
+    prepare, export     the trainer's side (`ObjectiveInputs` -> `ObjectiveData`); what a finished run writes
+    for the planner     logits_copies, rollout_tokens, extra_forwards; unit (what batch_size counts), single_process
 """
 
 from __future__ import annotations
@@ -28,13 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
-from jaxtune.data.batching import DTYPES as SFT_FIELDS
-from jaxtune.methods.transform import ADAPTER_KEYS
+from jaxtune.data.batching import BATCH_FIELDS
+from jaxtune.methods.base import adapter_keys
+
+if TYPE_CHECKING:  # run_config assembles the objectives' sections, so it imports this package
+    from jaxtune.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -49,23 +39,25 @@ class Context:
 
 
 @dataclass(frozen=True)
-class Setup:
+class ObjectiveInputs:
     """What an objective's `prepare` reads: the run config (its [data] and [train] sections), the objective's own
     section, the model's architecture and tokenizer, where to log, and where tokenised data is cached (None: not).
     cache_writes: what loading found missing from the cache, written by the trainer only once every input has been
-    checked (a run that fails to start leaves its directory as it was)."""
+    checked (a run that fails to start leaves its directory as it was). load_reward_model(directory) -> (cfg,
+    params): the spine's loader, handed down (a reward model scoring GRPO's rollouts)."""
 
-    config: object
+    config: RunConfig
     section: object
     cfg: ModelConfig
     tokenizer: object
     log: Callable[[str], None]
     cache_dir: Path | None = None
     cache_writes: list = field(default_factory=list)
+    load_reward_model: Callable[[str], tuple] | None = None
 
 
 @dataclass
-class Training:
+class ObjectiveData:
     """An objective's data as the trainer walks it.
 
     batch(epoch, index, params) -> host arrays [A, rows, ...] of step `index` of `epoch` (a function of the data
@@ -108,7 +100,7 @@ class Objective:
 
     def micro_batch(self, rows: int, seq_len: int, section) -> dict:
         """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's."""
-        arrays = {k: jax.ShapeDtypeStruct((rows, seq_len), np.dtype(d)) for k, d in SFT_FIELDS.items()}
+        arrays = {k: jax.ShapeDtypeStruct((rows, seq_len), np.dtype(d)) for k, d in BATCH_FIELDS.items()}
         return {**arrays, **self.batch_fields(rows, section)}
 
 
@@ -117,7 +109,7 @@ def strip_adapters(params: dict) -> dict:
     the same arrays, so a reference "with adapters off" costs no memory."""
     if not isinstance(params, dict):
         return params
-    return {k: strip_adapters(v) for k, v in params.items() if k not in ADAPTER_KEYS and v is not None}
+    return {k: strip_adapters(v) for k, v in params.items() if k not in adapter_keys() and v is not None}
 
 
 def reference_of(frozen: dict, second: dict | None) -> dict:

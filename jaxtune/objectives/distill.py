@@ -1,6 +1,7 @@
-"""Distillation: a student (full or any adapter method) learns a teacher's next-token distributions on the SFT
-data, mixed with the SFT loss: alpha * KL + (1 - alpha) * cross-entropy, both over completion tokens. The teacher
-is any loadable model with the student's vocabulary; it runs in the same step, under stop_gradient.
+"""Distillation (`DISTILL`, its section `DistillConfig`): a student (full or any adapter method) learns a teacher's
+next-token distributions on the SFT data, mixed with the SFT loss: alpha * KL + (1 - alpha) * cross-entropy, both
+over completion tokens. The teacher is any loadable model with the student's vocabulary; it runs in the same step,
+under stop_gradient, its logits computed chunk by chunk beside the student's (`models/head.per_token`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from jaxtune.methods.transform import combine
 from jaxtune.models.head import head_logits, per_token, token_logps
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.llama import decoder
-from jaxtune.objectives.base import Context, Objective, Setup, Training
+from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs
 from jaxtune.objectives.losses import distillation_kl
 from jaxtune.objectives.sft import perplexity, sft_training
 
@@ -81,7 +82,7 @@ def eval_terms(ctx: Context):
     return terms
 
 
-def prepare(setup: Setup) -> Training:
+def prepare(setup: ObjectiveInputs) -> ObjectiveData:
     d = setup.section
     if not d.teacher:
         raise JaxtuneError("[distill] teacher is not set (a model directory with the student's vocabulary)")

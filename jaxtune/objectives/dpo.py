@@ -1,10 +1,11 @@
-"""Preference optimisation (DPO, IPO, hinge) on {prompt, chosen, rejected} pairs.
+"""Preference optimisation (DPO, IPO, hinge: `losses.preference_loss`) on {prompt, chosen, rejected} pairs (`DPO`,
+its section `PreferenceConfig`).
 
 A micro-batch holds B pairs as 2B rows, chosen rows first: each row is prompt + completion + EOS, one pair member a
 row, with `loss_mask` on the completion and EOS, so a row's masked sum of log-probabilities is log pi(completion |
-prompt). The reference is the frozen base with the adapters switched off: the same arrays the policy reads, so
-LoRA-family DPO holds no second copy. For a full fine-tune (or a separate reference model) the reference is a tree
-of its own; with `precompute_reference` every pair is scored once before training and no reference is kept.
+prompt). The reference is the frozen base with the adapters switched off: the same arrays the policy reads, so an
+adapter method's DPO holds no second copy. For a full fine-tune (or a separate reference model) the reference is a
+tree of its own; with `precompute_reference` every pair is scored once before training and no reference is kept.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import numpy as np
 
 from jaxtune.data.formats import PreferenceExample, preference_examples
 from jaxtune.errors import JaxtuneError, check_choice, check_range
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.llama import decoder
 from jaxtune.models.params import param_specs
-from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, reference_of, total
+from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, epoch_cache, reference_of, total
 from jaxtune.objectives.losses import preference_loss, sequence_logps
 from jaxtune.objectives.sft import train_and_held_out
 
@@ -157,7 +159,7 @@ def reference_logps(reference: dict, examples: list[PreferenceExample], ctx: Con
     return np.concatenate(out) if out else np.zeros((0, 2), np.float32)
 
 
-def pair_training(setup: Setup, metrics=per_pair) -> Training:
+def pair_training(setup: ObjectiveInputs, metrics=per_pair) -> ObjectiveData:
     """Pair batches of data.train and, if `precompute_reference`, their reference scores (at `start`)."""
     c = setup.config
     train, held_out = train_and_held_out(setup, preference_examples, "pairs")
@@ -176,11 +178,11 @@ def pair_training(setup: Setup, metrics=per_pair) -> Training:
     def evaluate(eval_step, params):
         return metrics(total([eval_step(params, b) for b in batches(held_out, 0, scores["held_out"])]))
 
-    return Training(steps, epoch_cache(lambda e: batches(train, e, scores["train"]), c.train.grad_accum),
+    return ObjectiveData(steps, epoch_cache(lambda e: batches(train, e, scores["train"]), c.train.grad_accum),
                     evaluate if held_out else None, start)
 
 
-def prepare(setup: Setup) -> Training:
+def prepare(setup: ObjectiveInputs) -> ObjectiveData:
     reference = setup.section.reference
     if reference != "base":
         ref_cfg = load_config(reference)
@@ -195,7 +197,7 @@ def prepare(setup: Setup) -> Training:
 
 
 def _second_model(section: PreferenceConfig, method) -> str | None:
-    if section.precompute_reference or (section.reference == "base" and method.kind != "full"):
+    if section.precompute_reference or (section.reference == "base" and not method_unit(method).trains_base):
         return None  # scores come with the batch, or the reference is the frozen base with adapters off
     return section.reference
 
@@ -206,5 +208,5 @@ def _batch_fields(rows: int, section: PreferenceConfig) -> dict:
 
 DPO = Objective("dpo", loss_terms, eval_terms, prepare, section=PreferenceConfig, rows=lambda section: 2,
                 batch_fields=_batch_fields, second_model=_second_model,
-                logits_copies=lambda method: 3 if method.kind == "full" else 2, unit="pairs",
+                logits_copies=lambda method: 3 if method_unit(method).trains_base else 2, unit="pairs",
                 extra_forwards=lambda section: 0 if section.precompute_reference else 1)

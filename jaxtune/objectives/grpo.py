@@ -1,15 +1,12 @@
-"""GRPO (Shao et al. 2024, DeepSeekMath): online policy optimisation against a reward function, no critic.
+"""GRPO (Shao et al. 2024, DeepSeekMath): online policy optimisation against a reward function, no critic (`GRPO`,
+its section `GRPOConfig`).
 
-Each iteration: for every prompt, sample G completions with jaxtune's own generation (the current policy), score
-them with the reward function, normalise the rewards within each prompt's group into advantages, and take one
-gradient step on the clipped-ratio objective with a KL penalty to the reference (the frozen base, adapters off).
-With one step per batch the old policy equals the current one, so the ratio is 1 in value but not in gradient.
-Per-token terms are averaged over all completion tokens of the batch (token-level normalisation, as in DAPO).
-
-The reward is a Python callable `reward(prompts: list[str], completions: list[str], **fields) -> list[float]`, named
-by a dotted path ("package.module.function" or "package.module:function"); the prompt records' other fields come
-as keyword lists, one value a completion (as TRL passes dataset columns), so a verifiable task can check an
-"answer". Or it is a reward model directory (`reward_model_function`).
+Each step: for every prompt, sample `group_size` completions with jaxtune's own generation (`sample_group`), score
+them, normalise the rewards within each group into advantages (`group_advantages`), and take one gradient step on the
+clipped-ratio objective with a KL penalty to the reference (the base, adapters off; a frozen copy for a full
+fine-tune). Per-token terms are averaged over all completion tokens of the batch (as in DAPO). The reward is a
+callable `reward(prompts, completions, **fields) -> list[float]` named by a dotted path (`load_reward_function`;
+the prompt records' other fields come as keyword lists), or a reward model directory (`reward_model_function`).
 """
 
 from __future__ import annotations
@@ -26,11 +23,12 @@ from jaxtune.data.formats import load_prompt_examples, train_eval_split
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import generate
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
 from jaxtune.models.llama import decoder
-from jaxtune.models.reward_model import load_reward_model, reward_scores
-from jaxtune.objectives.base import Context, Objective, Setup, Training, reference_of
+from jaxtune.models.reward_model import reward_scores
+from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, reference_of
 from jaxtune.objectives.dpo import sequence_row
 from jaxtune.objectives.losses import grpo_advantages, grpo_token_loss
 
@@ -115,6 +113,7 @@ def _token_logps(params, cfg, batch, method, options, dropout_key=None):
     return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap)
 
 
+# One gradient step per batch: the old policy is the current one, so the ratio is 1 in value but not in gradient.
 def loss_terms(ctx: Context):
     """GRPO's clipped-ratio objective with a KL penalty to the reference, per micro-batch of rollouts."""
     g = ctx.section
@@ -136,9 +135,10 @@ def eval_terms(ctx: Context):
     return None
 
 
-def reward_model_function(directory: str, seq_len: int):
+def reward_model_function(directory: str, seq_len: int, load_reward_model):
     """A reward function `(prompts, completions, **fields) -> rewards` that scores prompt + completion (cut to
-    `seq_len` tokens) with the reward model in `directory` (as `objective = "reward"` exports it)."""
+    `seq_len` tokens) with the reward model in `directory` (as `objective = "reward"` exports it), read by
+    `load_reward_model(directory) -> (cfg, params)`."""
     cfg, params = load_reward_model(directory)
     tokenizer = load_tokenizer(directory)
     score = jax.jit(lambda p, batch: reward_scores(p, batch, cfg, None, ForwardOptions()))
@@ -155,7 +155,7 @@ def reward_model_function(directory: str, seq_len: int):
     return reward
 
 
-def prepare(setup: Setup) -> Training:
+def prepare(setup: ObjectiveInputs) -> ObjectiveData:
     """Prompts of data.train; each step samples `group_size` completions of `batch_size x grad_accum` of them with
     the current policy, scores them and normalises the rewards into advantages."""
     c, g, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
@@ -166,7 +166,8 @@ def prepare(setup: Setup) -> Training:
     if c.offload.frozen_params:
         raise JaxtuneError("[offload] frozen_params = true is not supported with objective grpo (rollouts decode "
                            "from the frozen weights every step); set it to false")
-    reward_fn = load_reward_function(g.reward) if g.reward else reward_model_function(g.reward_model, seq_len)
+    reward_fn = (load_reward_function(g.reward) if g.reward
+                 else reward_model_function(g.reward_model, seq_len, setup.load_reward_model))
     examples = load_prompt_examples(c.data.train, dict(c.data.columns))
     held_out = load_prompt_examples(c.data.eval, dict(c.data.columns)) if c.data.eval else None
     fits = lambda e: len(tok.encode(e.prompt)) + g.max_new_tokens <= seq_len + 1
@@ -206,7 +207,7 @@ def prepare(setup: Setup) -> Training:
                                method=method)
         return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
 
-    return Training(len(train) // per_step, batch, evaluate if held_out else None)
+    return ObjectiveData(len(train) // per_step, batch, evaluate if held_out else None)
 
 
 def _batch_fields(rows: int, _section) -> dict:
@@ -218,7 +219,7 @@ def _batch_fields(rows: int, _section) -> dict:
 # fine-tune a frozen copy of the base weights.
 GRPO = Objective("grpo", loss_terms, eval_terms, prepare, section=GRPOConfig,
                  rows=lambda section: section.group_size, batch_fields=_batch_fields,
-                 second_model=lambda section, method: "base" if method.kind == "full" else None,
+                 second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
                  logits_copies=lambda method: 3, batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
                  unit="prompts", single_process=True, rollout_tokens=lambda section: section.max_new_tokens,
                  extra_forwards=lambda section: 1)

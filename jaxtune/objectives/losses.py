@@ -1,4 +1,6 @@
-"""Losses. Each returns sums and counts, not means, so that micro-batches and eval batches add up exactly."""
+"""The objectives' losses as pure functions: `sequence_logps`, `preference_loss` (DPO, IPO, hinge),
+`bradley_terry_loss`, `distillation_kl`, `grpo_advantages`, `grpo_token_loss`. They return per-row, per-pair or
+per-token values, or sums with their counts, never batch means, so micro-batches and eval batches add up exactly."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""A reward model: a scalar head on the decoder (`models/reward_model.py`) trained with the Bradley-Terry loss on
-preference pairs (Ouyang et al. 2022). Pairs come as for DPO: [2B, T] rows, chosen first; a row's reward is the
-head read at its last real token. A finished run writes an HF `*ForSequenceClassification` directory, adapters
-merged (`reward_model/`).
+"""A reward model (`REWARD`): a scalar head on the decoder (`models/reward_model.py`) trained with the Bradley-Terry
+loss on preference pairs (Ouyang et al. 2022). Pairs come as for DPO: [2B, T] rows, chosen first; a row's reward is
+the head read at its last real token. A finished run writes an HF `*ForSequenceClassification` directory, adapters
+merged (`reward_model/`), so a method whose adapters cannot merge is refused at `prepare`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from jaxtune.data.tokenizer import copy_tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.lora import merge, merged_layer
+from jaxtune.methods.base import METHODS, method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.reward_model import add_reward_head, reward_scores, save_reward_model
 from jaxtune.objectives.base import Context, Objective
@@ -46,19 +47,24 @@ def eval_terms(ctx: Context):
 
 
 def prepare(setup):
-    if setup.config.method.kind not in ("full", "lora", "qlora"):
+    unit = method_unit(setup.config.method)
+    if not unit.trains_base and unit.merge is None:
+        mergeable = ", ".join(kind for kind, u in METHODS.items() if u.trains_base or u.merge is not None)
         raise JaxtuneError(f"objective reward exports a sequence-classification model with the adapters merged: "
-                           f"[method] kind must be full, lora or qlora, not {setup.config.method.kind}")
+                           f"[method] kind must be one of {mergeable}, not {setup.config.method.kind}")
     return pair_training(setup, per_pair)
 
 
 def export(run_dir: Path, config, cfg, params: dict) -> Path:
     method = config.method
-    if method.kind == "qlora":  # a plain float model, dequantised as PEFT's merge_and_unload gives it
-        params = merge(params, method)
-    tensor = None if method.kind == "full" else merged_layer(params, method)
-    return save_reward_model(run_dir / "reward_model", cfg, params, tokenizer_from=config.model.path,
-                             dtype=None if config.model.dtype == "auto" else config.model.dtype, tensor=tensor)
+    unit = method_unit(method)
+    if unit.quantize_base is not None:  # a plain float model, dequantised as PEFT's merge_and_unload gives it
+        params = unit.merge(params, method)
+    tensor = None if unit.trains_base else unit.merged_layer(params, method)
+    out = save_reward_model(run_dir / "reward_model", cfg, params,
+                            dtype=None if config.model.dtype == "auto" else config.model.dtype, tensor=tensor)
+    copy_tokenizer(config.model.path, out)
+    return out
 
 
 REWARD = Objective("reward", loss_terms, eval_terms, prepare, rows=lambda section: 2, logits_copies=lambda m: 0,

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: the masked causal-LM loss over completion tokens (prompt tokens never count).
+"""Supervised fine-tuning (`SFT`; `batch_loss`, and `sft_training` for the data): the masked causal-LM loss over
+completion tokens (prompt tokens never count).
 
 A micro-batch is `batch_size` packed rows (`data/batching.py`): several examples a row, none attending to another.
 The loss is the sum of -log p(label) over completion tokens and EOS, divided once by their count over all the
@@ -19,10 +20,11 @@ from jaxtune.data.batching import count_epoch_rows, epoch_batches
 from jaxtune.data.cache import cached_examples
 from jaxtune.data.formats import sft_chat_examples, sft_examples, train_eval_split
 from jaxtune.data.store import example_lengths
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import label_logps
 from jaxtune.models.llama import decoder_and_routing
-from jaxtune.objectives.base import Context, Objective, Setup, Training, epoch_cache, total
+from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, epoch_cache, total
 
 
 def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None,
@@ -70,7 +72,7 @@ def loss_metrics(sums: dict) -> dict:
     return {"eval_loss": loss, "eval_perplexity": perplexity(loss), "eval_tokens": int(tokens)}
 
 
-def train_and_held_out(setup: Setup, stream, unit: str) -> tuple[Sequence, Sequence]:
+def train_and_held_out(setup: ObjectiveInputs, stream, unit: str) -> tuple[Sequence, Sequence]:
     """(train, held-out) examples streamed by `stream(path, tokenizer, seq_len, columns, stats)` from data.train (and
     data.eval, else a split of train), tokenised once into stores in `setup.cache_dir` (`data.cache`), logged as
     `unit`."""
@@ -90,7 +92,7 @@ def train_and_held_out(setup: Setup, stream, unit: str) -> tuple[Sequence, Seque
     return train, held_out
 
 
-def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
+def sft_training(setup: ObjectiveInputs, metrics=loss_metrics) -> ObjectiveData:
     """Packed SFT batches of data.train, and the held-out loss of its held-out part through `metrics`."""
     c = setup.config
     stream = sft_chat_examples if c.data.apply_chat_template else sft_examples
@@ -101,10 +103,10 @@ def sft_training(setup: Setup, metrics=loss_metrics) -> Training:
     steps = math.ceil(math.ceil(rows / c.train.batch_size) / c.train.grad_accum)
     held_out_batches = batches(held_out, 0) if held_out else []
     evaluate = (lambda eval_step, params: metrics(total([eval_step(params, b) for b in held_out_batches])))
-    return Training(steps, epoch_cache(lambda e: batches(train, e), c.train.grad_accum),
+    return ObjectiveData(steps, epoch_cache(lambda e: batches(train, e), c.train.grad_accum),
                     evaluate if held_out_batches else None, rows_per_epoch=rows,
                     tokens_per_epoch=int((example_lengths(train) - 1).clip(0).sum()))
 
 
 SFT = Objective("sft", loss_terms, eval_terms, sft_training,
-                logits_copies=lambda method: 3 if method.kind == "full" else 2)
+                logits_copies=lambda method: 3 if method_unit(method).trains_base else 2)

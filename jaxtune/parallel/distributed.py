@@ -1,18 +1,12 @@
-"""Multi-process runs: joining a `jax.distributed` cluster, feeding each process its share of a batch, and
-bringing sharded results back to the host.
-
-JAX's multi-controller model: every process runs the same program, sees every device of the cluster in
-`jax.devices()` and drives only its own (`jax.local_devices()`). A `Mesh` over all devices makes one program of
-the whole cluster; XLA inserts the collectives (gloo over TCP on CPU, ICI/DCN on TPU, NCCL on GPU).
+"""Multi-process runs: joining a `jax.distributed` cluster, feeding each process its share of a batch, bringing
+sharded results back. Every process runs the same program over all devices and drives only its own (JAX's model).
 
     join_cluster(ClusterConfig("10.0.0.1:1234", num_processes=2, process_id=0))  # before anything else touches JAX
     rows = global_array(np_rows, sharding)              # this process transfers only its devices' rows
     host = host_copy(params)                             # numpy on every process, gathered where sharded
-    if is_main_process(): write(...)
+    if is_main_process(): write(...)                     # barrier, main_process_says: the rest agree
 
-On a Cloud TPU VM `ClusterConfig(auto=True)` lets JAX read the topology from the VM's metadata. Elsewhere the
-coordinator address, process count and id come from `jaxtune train --coordinator/--num-processes/--process-id`
-or the environment (`JAXTUNE_COORDINATOR`, `JAXTUNE_NUM_PROCESSES`, `JAXTUNE_PROCESS_ID`).
+`ClusterConfig(auto=True)` reads a Cloud TPU VM's metadata; else `cluster_from_env` (flags, or `ENV`'s variables).
 """
 
 from __future__ import annotations

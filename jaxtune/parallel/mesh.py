@@ -1,14 +1,12 @@
-"""The device mesh: one `jax.sharding.Mesh` with named axes ("data", "fsdp", "expert", "tensor").
+"""The device mesh: one `jax.sharding.Mesh` with named axes ("data", "fsdp", "expert", "tensor"), from `make_mesh`
+(or `abstract_mesh`, without devices, for planning).
 
     data    plain data parallelism: parameters and optimizer state replicated, the batch split.
-    fsdp    ZeRO-3: the batch split *and* parameters, gradients and optimizer state partitioned; XLA all-gathers
-            a weight where it is used and reduce-scatters its gradient.
-    expert  expert parallelism: a mixture's experts split E / expert a device, the batch split as over data (the
-            other weights replicated over it).
+    fsdp    ZeRO-3: the batch split *and* parameters, gradients and optimizer state partitioned.
+    expert  expert parallelism: a mixture's experts split E / expert a device, the batch split as over data.
     tensor  tensor parallelism: attention heads, MLP columns and the vocabulary split (Megatron-style).
 
-Which parameter dimension goes to which mesh axis is decided by one table, `jaxtune/parallel/rules.py`. Sizes
-multiply to the number of devices; one of them may be -1, "the rest".
+Which dimension goes to which mesh axis is one table, `parallel/rules.py`. One size may be -1, "the rest".
 """
 
 from __future__ import annotations

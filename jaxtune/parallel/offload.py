@@ -1,18 +1,11 @@
 """ZeRO-offload the JAX way: optimizer state and frozen weights kept in host memory between steps.
 
-JAX exposes a device's memories as *memory kinds* ("device", "pinned_host", ...). An array whose sharding says
-`memory_kind="pinned_host"` lives in page-locked host RAM, with the same mesh split as on the devices. The jitted
-step takes such arrays as arguments, copies them to device memory where it first reads them
-(`jax.device_put(x, sharding.with_memory_kind("device"))` inside the jit, so XLA schedules the copies), and its
-out_shardings write the new optimizer state straight back to host memory. Device memory then holds the offloaded
-trees only while a step runs. Backends without a "pinned_host" memory get an error that says so, never a silent
-fallback.
-
-Optimizer moments can also be stored in bfloat16 (`low_precision_moments`): the update itself still runs in float32,
-only what is kept between steps is rounded (to nearest). A moment whose change in a step is below half a bfloat16
-ulp of itself (2^-9 to 2^-8 relative) does not move, so Adam's second moment (b2 = 0.999: a change of 1e-3 per
-step) stops following slow drifts of the gradient scale; `experiments/bf16_moments.py` measures what that does to
-the loss (README, "Scale-out").
+An array whose sharding says `memory_kind="pinned_host"` (`HOST`; `with_memory_kind`) lives in page-locked host RAM
+with the same mesh split as on the devices. The jitted step copies such arguments to device memory where it first
+reads them (`on_device`, inside the jit, so XLA schedules the copies) and its out_shardings write the new optimizer
+state straight back: device memory holds the offloaded trees only while a step runs. A backend without pinned host
+memory is an error (`check_host_memory`), never a silent fallback. `low_precision_moments` stores Adam's moments in
+bfloat16 between steps (the update runs in float32); what that does to the loss: experiments/bf16_moments.py.
 """
 
 from __future__ import annotations
@@ -61,6 +54,8 @@ def on_device(tree, shardings):
     return jax.tree.map(fetch, tree, shardings)
 
 
+# A bfloat16 moment whose change in a step is below half an ulp of itself does not move: Adam's second moment
+# (b2 = 0.999) then stops following slow drifts of the gradient scale (experiments/bf16_moments.py).
 def low_precision_moments(optimizer: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
     """`optimizer` with every floating leaf of its state (Adam's mu and nu) stored in `dtype`.
 

@@ -1,37 +1,12 @@
-"""One table from logical axis names to mesh axes, and the function that turns a leaf's axes into a PartitionSpec.
+"""One table from logical axis names to mesh axes (`RULES`), and `partition_spec(axes, shape, mesh_shape)`, which turns
+a leaf's logical axes into a PartitionSpec; `constrain` and `gathered` apply the table to activations and weights.
 
-Every parameter dimension has a logical name (`jaxtune/models/params.py`; method and quantised leaves derive theirs
-in `sharding.py`). `RULES` gives each name the mesh axes that split it, and fallback axes that split it only when
-no other dimension of the same leaf has taken them:
-
-    logical axis          split over       fallback
-    batch                 data, fsdp,      -          the batch is split over every data-parallel device
-                          expert
-    rows                  data, expert     -          the head's rows: fsdp splits its vocabulary instead
-    experts               expert           -          a mixture's experts: each device of the expert axis holds
-                                                      E / expert of them (and a batch share, as data does)
-    embed                 fsdp             tensor     ZeRO-3: weights are split along the hidden size
-    vocab, q_heads,
-    kv_heads, mlp,
-    adapter               tensor           fsdp       tensor parallelism splits heads, MLP columns, vocabulary
-    table_embed           -                fsdp,      the embedding table's and head's hidden size: split only
-                                           tensor     where the vocabulary cannot be (the head is then gathered)
-    head_dim              -                fsdp, tensor
-    layers, lora_rank,
-    prefix                -                -          never split: `lax.scan` slices the layer axis each step
-
-So a q_proj kernel (layers, embed, q_heads) is split (-, fsdp, tensor), Megatron's column split inside ZeRO-3,
-while a leaf with only one of those dimensions still spreads over every device: LoRA B of q_proj
-(layers, lora_rank, q_heads) is split (-, -, tensor x fsdp), LoRA A (layers, embed, lora_rank) (-, fsdp x tensor),
-a norm scale (layers, embed) (-, fsdp x tensor). Per-device bytes are then 1/N of the total for every leaf whose
-dimensions divide, which `tests/test_parallel.py` checks on the real Llama-3-8B shapes.
-
-`partition_spec(axes, shape, mesh_shape)` assigns in two passes, first the split-over axes and then the
-fallbacks, each pass in table order. A dimension takes a mesh axis only if (a) its size is above 1, (b) no other
-dimension of the leaf already has it (a mesh axis splits one dimension), and (c) it divides the dimension together
-with the axes the dimension already has. Skipping never changes a value, only where it lives: a dimension that
-cannot be split evenly stays whole (replicated over that mesh axis) rather than padded. Axes a dimension takes in
-order are major to minor, so the tensor shards of LoRA B cover the same output columns as the kernel's.
+Every dimension has a logical name (`models/params.py`; method and quantised leaves: `spine/shardings.py`). A rule
+gives the mesh axes that split its name, and fallbacks used only where no other dimension of the leaf took them, so
+a q_proj kernel (layers, embed, q_heads) splits (-, fsdp, tensor) while a LoRA B (layers, lora_rank, q_heads) still
+spreads over every device (-, -, tensor x fsdp). Two passes (split-over axes, then fallbacks), in table order: a
+dimension takes a mesh axis if it is above 1, no other dimension has that axis, and the split divides it; else it
+stays whole (replicated), never padded. `tests/test_parallel.py` checks the bytes a device holds on Llama-3-8B.
 """
 
 from __future__ import annotations
@@ -46,6 +21,9 @@ from jaxtune.config.run import MESH_AXES
 
 Rule = tuple[str, tuple[str, ...], tuple[str, ...]]
 
+# batch: over every data-parallel device; rows (the head's): fsdp splits its vocabulary instead; experts: E / expert a
+# device; embed over fsdp (ZeRO-3); heads, MLP columns, vocabulary over tensor (Megatron); table_embed (the table's
+# and head's hidden size) only where the vocabulary cannot be split; layers never (`lax.scan` slices them).
 RULES: tuple[Rule, ...] = (
     # logical axis   split over          fallback
     ("batch", ("data", "fsdp", "expert"), ()),

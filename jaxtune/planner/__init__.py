@@ -1,18 +1,12 @@
 """The memory planner: will this fine-tune fit, how should it be laid out, and how fast will it run.
 
-    from jaxtune.config.plan import TrainPlan
-    from jaxtune.planner import estimate, get_device, standard_config
-    cfg = standard_config(7000)                                    # or models.hf_config.load_config(dir)
+    cfg = standard_config(7000)                                    # or model_from_directory(dir)[0]
     plan = TrainPlan(MethodConfig("lora"), batch_size=8, seq_len=2048, remat="full")
-    est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated
-    est.to_dict()["per_device"]["total_bytes"], est.fits
-    search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits
-    longest_context(cfg, plan, get_device("h100-80gb")).seq_len    # the longest sequence some plan fits
-    compile_step(cfg, plan)                                        # XLA's own figure, ahead of time
-    compile_peak(cfg, plan.replace(objective="grpo", generate_tokens=64))  # step or rollout, the larger
+    est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated; est.fits
+    search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits (longest_context too)
 
-`devices.py` is the catalogue, `estimate.py` and `activations.py` the arithmetic, `timing.py` the step time,
-`search.py` the plan search, `confirm.py` the compile check, `report.py` the table. The public API, one name a line.
+`devices.py` the catalogue, `estimate.py` and `activations.py` the memory, `timing.py` the step time, `search.py`
+the search, `confirm.py` XLA's own figure (`compile_step`), `report.py` the table, `command.py` `jaxtune plan`.
 """
 
 from jaxtune.config.plan import TrainPlan as TrainPlan

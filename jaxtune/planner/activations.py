@@ -1,32 +1,12 @@
-"""What one training step keeps for its backward pass, and what the backward pass of one layer needs on top.
+"""What one training step keeps for its backward pass (`saved_tensors`, `activation_bytes`), and what the backward
+of one layer needs on top, counted against jaxtune's own forward (`models/llama.py`).
 
-The counts follow jaxtune's own forward (`models/llama.py`): layers run under `lax.scan`, so whatever the backward
-needs from a layer is stacked [L, ...] for all layers at once; the attention core (scores, softmax, probs @ v)
-and SwiGLU are always recomputed in the backward from their inputs, so scores are never kept per layer.
-
-Per layer and token, under each remat policy (D hidden, q = heads x head_dim, kv = kv_heads x head_dim, F MLP):
-
-  none          x, x after attention, rotated q and k, v, gate and up        (always: the chain rule needs them)
-                + the attention kernel's output and float32 log-sum-exp (its backward's residuals; `activation_bytes`)
-                + each norm's output when a module reading it has trainable weights or adapters (dW = h^T dy)
-                + each normalised x when the norm scales train (full fine-tuning)
-                + the attention output when o_proj trains, SwiGLU's output when down_proj trains
-                + LoRA's x A [r] per adapted module, adapter and IA3 inputs
-                full fine-tuning: 6 D + 3 q + 2 kv + 3 F;  LoRA on q, v: 3 D + 2 q + 2 kv + 2 F + 2 r
-  save_matmuls  x and the outputs of the weight matmuls the backward reads: q, k, v, o_proj's output, gate, up
-                (+ LoRA's x A and x A B per adapted module, but down_proj's x A B)
-  full          x only
-
-A mixture of experts (Mixtral, Qwen MoE) counts its K routed experts and shared expert as the MLP's width
-(K x expert_size + shared size: gate and up are [N K, Fe] and SwiGLU's output is [N K, Fe]), and keeps besides the
-float32 router probabilities [E], the tokens sorted by expert [K, D] and the experts' outputs [K, D] a token.
-
-The backward of one layer then needs: one block of its attention scores recomputed, their softmax and the gradient
-of both ([b, H, bq, bk], the blockwise kernel's blocks of `attention.block_size` queries and keys:
-ATTENTION_COPIES_F32 float32 and one in the compute dtype), the kernel's float32 accumulators of dq, dk and dv
-([b, H, T, hd], [b, KV, S, hd] twice), and part of the layer's activations and their gradients. That share,
-BACKWARD_SHARE, was measured on XLA:CPU (`experiments/planner_accuracy.py`): about 0.8 of the no-remat set when
-the layer's activations are already saved, 1.3 when a remat'd layer recomputes them first.
+Layers run under `lax.scan`, so what the backward needs from a layer is stacked [L, ...]; the attention core and
+the gated MLP's activation are recomputed in the backward, so scores are never kept per layer. Per layer and token,
+remat "none" keeps what a backward reads (x, rotated q and k, v, gate and up, the attention kernel's output and
+log-sum-exp, each trained module's input, LoRA's x A); "save_matmuls" x and the weight matmuls' outputs; "full" x.
+A mixture counts its K routed experts and shared expert as the MLP's width. The backward's workspace
+(`BACKWARD_SHARE`, `ATTENTION_COPIES_F32`) was measured on XLA:CPU by experiments/planner_accuracy.py.
 """
 
 from __future__ import annotations
@@ -34,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxtune.config import ModelConfig
-from jaxtune.config.targets import adapted_modules
+from jaxtune.methods.base import adapted_modules, method_unit
 from jaxtune.models.attention import block_size
 from jaxtune.models.head import chunk_length
 
@@ -91,13 +71,7 @@ def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, 
 
 def _trains_input(method, module: str, adapted: dict) -> bool:
     """Whether the backward needs `module`'s input: its weights train, or an adapter on it reads it."""
-    if method.kind == "full":
-        return True
-    if method.kind in ("lora", "qlora"):
-        return module in adapted
-    if method.kind == "ia3":
-        return module == "down_proj" and module in adapted
-    return False
+    return method_unit(method).costs.trains_input(method, module, adapted)
 
 
 def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -109,7 +83,8 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
                  "gate_proj": (b, T, w.F), "up_proj": (b, T, w.F), "down_proj": (b, T, w.D),
                  "qkv_proj": (b, T, w.q + 2 * w.kv), "gate_up_proj": (b, T, 2 * w.F)}
     adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
-    lora = adapted if method.kind in ("lora", "qlora") else {}
+    unit = method_unit(method)
+    lora = adapted if unit.costs.low_rank else {}
     trains_input = lambda module: _trains_input(method, module, adapted)
     saved = [("x", (b, T, w.D), False)]
     if policy == "full":
@@ -135,7 +110,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
             saved.append(("input norm output", (b, T, w.D), False))
         if any(trains_input(m) for m in ("gate_proj", "up_proj", "gate_up_proj")):
             saved.append(("post-attention norm output", (b, T, w.D), False))
-        if method.kind == "full":
+        if unit.trains_base:
             saved += [("normalised x", (b, T, w.D), False), ("normalised x after attention", (b, T, w.D), False)]
         if trains_input("o_proj"):
             saved.append(("attention output", q_shape, False))
@@ -154,13 +129,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
             saved = [t for t in saved if t[0] not in ("gate", "up")]
             saved += [("shared expert gate", (b, T, shared), False), ("shared expert up", (b, T, shared), False)
                       ] if shared else []
-    if method.kind == "ia3":
-        saved += [(f"{m} output", out_width[m], False) for m in adapted if m != "down_proj"]
-    if method.kind == "adapter":
-        for where in ("attention", "mlp"):
-            saved += [(f"{where} adapter input", (b, T, w.D), False),
-                      (f"{where} adapter hidden", (b, T, 2 * method.adapter_size), False)]
-    return saved
+    return saved + unit.costs.saved(method, adapted, out_width, b, T, w.D)
 
 
 def expert_group_tensors(cfg: ModelConfig, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -193,7 +162,7 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     """Extra [b, T, F] elements one layer's backward holds for each MLP module with a LoRA branch: the branch's own
     gradient beside the frozen matmul's, about 1.6 of them a module (measured on XLA:CPU; attention modules' branches
     are narrow enough to hide in BACKWARD_SHARE)."""
-    if method.kind not in ("lora", "qlora"):
+    if not method_unit(method).costs.low_rank:
         return 0
     adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
     mlp_adapted = sum(width * (m in adapted) for m, width in (("gate_proj", 1), ("up_proj", 1), ("gate_up_proj", 2),

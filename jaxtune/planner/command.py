@@ -4,23 +4,26 @@
     result["per_device"]["total_bytes"], result["fits"]
 
 The CLI parses arguments and calls `run_plan` and `render`; a notebook can call them with the same values.
+`make_plan` turns the values into (config, plan, device), `compiled_search.confirm_plan` compiles the plan's step for
+the target (a TPU slice's from its topology, `planner/slices.py`); `suggestion_for_run` is `train`'s OOM advice.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
+
+import jax
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.methods.base import method_unit
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
-from jaxtune.planner.confirm import CompiledMemory
+from jaxtune.planner.compiled_search import confirm_plan, format_bound, largest_accepted
 from jaxtune.planner.devices import Device, get_device
-from jaxtune.planner.estimate import Estimate, estimate, resolve_mesh
+from jaxtune.planner.estimate import estimate, resolve_mesh
 from jaxtune.planner.report import (
     format_compiled,
     format_estimate,
@@ -32,6 +35,7 @@ from jaxtune.planner.report import (
 from jaxtune.planner.search import longest_context, search
 from jaxtune.planner.shapes import model_from_directory, standard_config
 from jaxtune.planner.timing import step_time
+from jaxtune.run_config import load_run_config
 from jaxtune.spine import run as spine_run
 
 OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
@@ -83,8 +87,6 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
         raise JaxtuneError("give exactly one of --model DIR, --params MILLIONS or --config RUN.toml")
     device = get_device(target)
     if config is not None:
-        from jaxtune.run_config import load_run_config
-
         cfg, plan = plan_from_run_config(load_run_config(config), device.family)
         if compute_dtype is not None:
             plan = plan.replace(compute_dtype=compute_dtype)
@@ -96,8 +98,9 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
         cfg, stored = standard_config(params), ("bfloat16" if device.family != "cpu" else "float32")
     accelerator = device.family != "cpu"
     try:
+        low_rank = method_unit(method).costs.low_rank
         method_cfg = MethodConfig(method, rank=rank, alpha=2.0 * rank, bits=bits,
-                                  target_modules=tuple(targets.split(",")) if method in ("lora", "qlora") else ())
+                                  target_modules=tuple(targets.split(",")) if low_rank else ())
         mesh_cfg = parse_mesh(mesh) or MeshConfig()
         if batch is None:
             sizes = resolve_mesh(TrainPlan(mesh=mesh_cfg), device)
@@ -116,11 +119,11 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
 def plan_from_run_config(config, platform: str | None = None) -> tuple[ModelConfig, TrainPlan]:
     """(model config, plan) of a `RunConfig` (`jaxtune train`'s TOML): exactly the plan `fine_tune` runs on
     `platform`'s devices (default this host's), its objective, the objective's section and second model included
-    (`spine.run.run_plan`)."""
+    (`spine.run.train_plan`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
     cfg, stored = model_from_directory(config.model.path)
-    return cfg, spine_run.run_plan(config, stored, platform)
+    return cfg, spine_run.train_plan(config, stored, platform)
 
 
 def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 256, confirm: bool = False,
@@ -180,8 +183,6 @@ def _search_with_compiler(cfg: ModelConfig, chosen: TrainPlan, device, out: dict
     bisected from the planner's in multiples of `step`. `--search --confirm`: the best of the first `top`
     candidates the compiler accepts, then the largest batch it accepts for that plan (multiples of the rows a
     batch is split into)."""
-    from jaxtune.planner.compiled_search import largest_accepted
-
     found: dict = {}
     if longest:
         bound = largest_accepted(cfg, chosen, device, "seq_len", chosen.seq_len, step, cfg.max_position_embeddings)
@@ -210,95 +211,6 @@ def _fake_cpu_devices(count: int) -> None:
                                    f" --xla_force_host_platform_device_count={count}").strip()
 
 
-@dataclass(frozen=True)
-class Confirmation:
-    """What compiling a plan said: XLA's `compiled` memory (None where no compiler for the target is here, with
-    `skipped` saying why), the planner's `estimate` of the same plan with the compiling backend's rules, the
-    compiler's verdict against the target's memory, and for a TPU slice its topology and a step time modelled from
-    the compiler's FLOPs and bytes at the chip's peak rates."""
-
-    compiled: CompiledMemory | None
-    estimate: Estimate
-    skipped: str = ""
-    topology: str = ""
-    rollout: CompiledMemory | None = None
-
-    @property
-    def peak_bytes(self) -> int:
-        """The compiled per-device bytes of the iteration's peak: the step's, or GRPO's rollout's (on the same mesh)
-        with the optimizer state beside it."""
-        step = self.compiled.total_bytes
-        return max(step, self.rollout.total_bytes + self.estimate.optimizer_bytes) if self.rollout else step
-
-    @property
-    def fits(self) -> bool:
-        """The compiler's bytes and the runtime's reserve within the device's usable memory (never when the compiler
-        refused the program as over the device's memory)."""
-        if self.compiled.over_memory:
-            return False
-        return self.peak_bytes + self.estimate.reserve_bytes <= self.estimate.device.usable_bytes
-
-    def modelled_step(self) -> dict:
-        """A step time from the program's FLOPs at the device's peak FLOP/s (a model, never a measurement: the
-        roofline's compute side; XLA's bytes accessed count a loop body once, so no memory side is modelled), and
-        the share of those FLOPs the planner counts as the step's useful work."""
-        device, compute = self.estimate.device, self.estimate.plan.compute_dtype
-        seconds = self.compiled.flops / device.peak(compute)
-        planned = step_time(self.estimate)  # the step's FLOPs (a GRPO rollout is a program of its own)
-        useful = (planned.flops - planned.rollout_flops) / device.count
-        return {"modelled_step_seconds": seconds, "planner_flops": useful,
-                "useful_share": useful / self.compiled.flops if self.compiled.flops else 0.0}
-
-    def to_dict(self) -> dict:
-        if self.compiled is None:
-            return {"skipped": self.skipped, "estimate_device": self.estimate.device.target}
-        out = {**self.compiled.to_dict(), "estimate_bytes": self.estimate.compiled_bytes,
-               "estimate_device": self.estimate.device.target,
-               "peak_bytes": self.peak_bytes, "relative_error": self.estimate.compiled_bytes / self.peak_bytes - 1,
-               "remat": self.estimate.plan.remat, "fits": self.fits, "reserve_bytes": self.estimate.reserve_bytes,
-               "usable_bytes": self.estimate.device.usable_bytes}
-        if self.rollout is not None:
-            out["rollout"] = self.rollout.to_dict()
-        if self.topology:
-            out["topology"] = self.topology
-            out.update(self.modelled_step())
-        return out
-
-
-def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device) -> Confirmation:
-    """Compile the real step of `plan`: for a TPU target with the TPU compiler, for that slice's topology on any
-    host (`planner.slices`); for a GPU target only where this backend is a GPU (else a `Confirmation` that says so
-    and keeps the planner's figure); otherwise on this backend (fake CPU devices for a mesh), beside the planner's
-    estimate with that backend's rules (the target's when it is of the backend's family, else a stand-in)."""
-    import jax
-
-    from jaxtune.planner.confirm import compile_rollout, compile_step
-
-    count = math.prod(plan.mesh.sizes().values())
-    family = jax.default_backend()  # "cpu", "gpu" or "tpu"
-    if target.family == "tpu" and family != "tpu":
-        from jaxtune.planner.slices import describe, libtpu_quiet, topology_devices, tpu_slice
-
-        slice_ = tpu_slice(target)
-        devices = topology_devices(slice_)
-        with libtpu_quiet():
-            compiled = compile_step(cfg, plan, devices)
-            rollout = compile_rollout(cfg, plan, devices) if plan.generate_tokens else None
-        return Confirmation(compiled, estimate(cfg, plan, target.with_count(count)), topology=describe(slice_),
-                            rollout=rollout)
-    if target.family in ("gpu", "gaudi") and family != target.family:
-        return Confirmation(None, estimate(cfg, plan, target.with_count(count)),
-                            skipped=f"no {target.family.upper()} compiler runs without a {target.family.upper()}: "
-                                    f"this host's backend is {jax.default_backend()}, so the planner's figure stands")
-    compiled = compile_step(cfg, plan)
-    if target.family == family:
-        here = target.with_count(count)
-    else:
-        here = get_device({"cpu": "cpu", "gpu": "h100-80gb", "tpu": "v5p"}[family])
-        here = get_device(f"cpu-{count}") if family == "cpu" and count > 1 else here.with_count(count)
-    return Confirmation(compiled, estimate(cfg, plan, here))
-
-
 def render(result: dict) -> str:
     """The text `jaxtune plan` prints for a `run_plan` result."""
     if "_longest" in result:
@@ -310,8 +222,6 @@ def render(result: dict) -> str:
     if "_confirm" in result:
         text += "\n\n" + format_compiled(result["_confirm"])
     if "_bound" in result:
-        from jaxtune.planner.compiled_search import format_bound
-
         text += "\n" + format_bound(result["_bound"], result["_confirm"].topology)
     return text
 
@@ -324,10 +234,6 @@ def public(result: dict) -> dict:
 def suggestion_for_run(config_path: str, overrides: list[str]) -> str:
     """What to change when `jaxtune train CONFIG` ran out of memory on this machine's CPU devices: what to lower,
     and the fastest plan the planner's search finds that fits (accelerators: the command that finds it)."""
-    import jax
-
-    from jaxtune.run_config import load_run_config
-
     config = load_run_config(config_path, overrides)
     advice = (f"lower train.batch_size (now {config.train.batch_size}) or data.max_seq_len (now "
               f"{config.data.max_seq_len}), or set model.remat = \"full\"")

@@ -1,8 +1,10 @@
-"""Ahead-of-time confirmation: compile the real train step for a plan and read XLA's memory analysis.
+"""Ahead-of-time confirmation: compile the real train step for a plan and read XLA's memory analysis
+(`compile_step -> CompiledMemory`; GRPO's rollout: `compile_rollout`; the larger of both: `compile_peak`).
 
 Nothing is allocated: the step and its arguments are the spine's abstract run (`spine/run.py`), the very step and
-ShapeDtypeStructs the trainer uses, and `jit(...).lower(...).compile()` plans buffers without running.
-XLA's figure for one device is arguments + temporaries + outputs - aliased (donated state comes back in place).
+ShapeDtypeStructs the trainer uses, and `jit(...).lower(...).compile()` plans buffers without running; the rollout
+is `generation.decode` lowered the same way. XLA's figure for one device is arguments + temporaries + outputs -
+aliased (donated state comes back in place); the HLO also tells the kernels and collectives it chose.
 """
 
 from __future__ import annotations
@@ -15,13 +17,19 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.generation import decode, decode_arguments
+from jaxtune.methods.base import method_unit
+from jaxtune.methods.transform import combine
 from jaxtune.objectives import rows as rows_of
+from jaxtune.parallel.mesh import make_mesh
+from jaxtune.parallel.rules import PLATFORMS
+from jaxtune.planner.program_flops import step_flops
+from jaxtune.spine.run import abstract_run, per_device_bytes, traced_on
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,6 @@ class CompiledMemory:
 
 
 def _mesh(plan: TrainPlan, devices):
-    from jaxtune.parallel.mesh import make_mesh
-
     available = list(jax.devices() if devices is None else devices)
     sizes = plan.mesh.resolve(len(available)) if -1 in plan.mesh.sizes().values() else plan.mesh.sizes()
     needed = math.prod(sizes.values())
@@ -83,10 +89,8 @@ def compile_step(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMem
     host: the TPU compiler then compiles it, with the kernels a TPU runs). GRPO's rollout is a program of its own:
     `compile_rollout`.
     """
-    from jaxtune.planner.program_flops import step_flops
-
     mesh = _mesh(plan, devices)
-    run = _abstract_run(cfg, plan, mesh)
+    run = abstract_run(cfg, plan, mesh)
     start = time.perf_counter()
     with _cache_for(mesh):
         try:
@@ -112,8 +116,6 @@ def _over_memory(error: Exception, run, seconds: float, platform: str) -> Compil
         return None
     scale = lambda unit: {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
     temps, available = (int(float(found[i]) * scale(found[i + 1])) for i in (1, 3))
-    from jaxtune.spine.run import per_device_bytes
-
     arguments = per_device_bytes((run.state, run.frozen, run.second, run.batch))
     return CompiledMemory(arguments, 0, 0, temps, 0, platform, seconds, over_memory=available)
 
@@ -130,16 +132,8 @@ def _cache_for(mesh):
 
 
 def _platform(mesh) -> str:
-    from jaxtune.parallel.rules import PLATFORMS
-
     platform = mesh.devices.flat[0].platform
     return PLATFORMS.get(platform, platform)
-
-
-def _abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh):
-    from jaxtune.spine.run import abstract_run
-
-    return abstract_run(cfg, plan, mesh)
 
 
 def compile_rollout(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMemory:
@@ -150,28 +144,21 @@ def compile_rollout(cfg: ModelConfig, plan: TrainPlan, devices=None) -> Compiled
     backend; else the plan's mesh of them (a TPU slice's), the weights split as the run splits them and the prompts
     on every device, as the trainer's rollout on a mesh runs. The optimizer state, alive beside it but not an
     argument, is not in this figure."""
-    from jaxtune.generation import _generate
-    from jaxtune.methods.transform import combine
-    from jaxtune.spine.run import traced_on
-
     if plan.generate_tokens < 1:
         raise JaxtuneError("a rollout needs generate_tokens of at least 1 (objective grpo)")
     mesh = _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None) if devices is None else _mesh(plan, devices)
-    run = _abstract_run(cfg, plan, mesh)
+    run = abstract_run(cfg, plan, mesh)
     state, frozen = run.state, run.frozen
     rows, prompt = rows_of(plan) * plan.grad_accum, plan.seq_len - plan.generate_tokens
-    prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
+    prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     on_mesh = NamedSharding(mesh, PartitionSpec())  # the prompts and sampling values on every device
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_mesh)
-    key = jax.eval_shape(jax.random.key, 0)
     options = ForwardOptions(compute_dtype=plan.compute_dtype, attention=plan.attention)
     start = time.perf_counter()
     with traced_on(mesh), _cache_for(mesh):
-        compiled = _generate.lower(
-            combine(state["params"], frozen), spec((rows, prompt), jnp.int32), spec((rows, prompt), jnp.int32),
-            spec((rows,), jnp.bool_), spec((cfg.vocab_size,), jnp.bool_), spec((), jnp.float32), spec((), jnp.int32),
-            spec((), jnp.float32), spec(key.shape, key.dtype), cfg=cfg, method=plan.method, options=options,
-            cache_size=prefix + plan.seq_len, max_new_tokens=plan.generate_tokens, greedy=False).compile()
+        compiled = decode.lower(
+            combine(state["params"], frozen), *decode_arguments(rows, prompt, cfg.vocab_size, on_mesh), cfg=cfg,
+            method=plan.method, options=options, cache_size=prefix + plan.seq_len,
+            max_new_tokens=plan.generate_tokens, greedy=False).compile()
     return _memory(compiled, time.perf_counter() - start, _platform(mesh))
 
 
@@ -182,7 +169,7 @@ def compile_peak(cfg: ModelConfig, plan: TrainPlan) -> tuple[int, str]:
     step = compile_step(cfg, plan).total_bytes
     if not plan.generate_tokens:
         return step, "step"
-    state = _abstract_run(cfg, plan, _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None)).state
+    state = abstract_run(cfg, plan, _mesh(plan.replace(mesh=MeshConfig(fsdp=1)), None)).state
     optimizer = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]))
     rollout = compile_rollout(cfg, plan).total_bytes + optimizer
     return (step, "step") if step >= rollout else (rollout, "rollout")

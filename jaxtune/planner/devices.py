@@ -1,13 +1,11 @@
-"""The device catalogue: memory, the share of it a JAX program can use, bandwidth and peak FLOP/s per device.
+"""The device catalogue (`CATALOGUE`, `get_device(target)`): memory, the share of it a JAX program can use,
+bandwidth and peak FLOP/s per device, every figure with its source (`Device.sources`).
 
-Every figure carries its source. Vendors quote tensor-core FLOP/s "with sparsity" for recent NVIDIA parts; the
-figures here are dense (half the sparse figure), which is what a training step can reach. Memory is the
-datasheet capacity (HBM and GDDR capacities are powers of two, so "80 GB" is 80 GiB); the usable share then
-removes what the driver, ECC and the runtime keep for themselves.
-
-A target is a catalogue name with an optional device count: `h100-80gb`, `h100-80gb-8`, `v5e-8`, `v5p-32`.
-TPU slice names count chips for v5e and v6e but TensorCores for v4 and v5p (two per chip, one JAX device per
-chip), so `v5p-32` is 16 devices (Cloud TPU docs, "TPU versions" / accelerator types).
+FLOP/s are dense (vendors quote recent NVIDIA parts "with sparsity", twice what a training step can reach); memory is
+the datasheet capacity read in binary units (HBM and GDDR capacities are powers of two), less what the driver, ECC
+and runtime keep (`usable_fraction`). A target is a catalogue name with an optional device count: `h100-80gb`,
+`h100-80gb-8`, `v5e-8`, `v5p-32`. TPU slice names count chips for v5e and v6e but TensorCores for v4 and v5p (two a
+chip, one JAX device a chip), so `v5p-32` is 16 devices. `cpu_device` describes this host (`host_cpu.native_bf16`).
 """
 
 from __future__ import annotations
@@ -156,7 +154,7 @@ def cpu_device(native_bf16: bool | None = None) -> Device:
     cores = os.cpu_count() or 1
     flops = cores * 2.5e9 * 32  # two 8-wide fp32 FMA units a core
     bf16_source = ("2 x peak_fp32: bfloat16 dot products here (AVX512_BF16/AMX or Arm BF16) that XLA:CPU may use; "
-                   "README, 'Mixed precision': about twice the float32 rate" if native_bf16 else
+                   "benchmarks/README.md, 'Mixed precision': about twice the float32 rate" if native_bf16 else
                    "peak_fp32 / 2: no bfloat16 dot products here (no AVX512_BF16/AMX, or --xla_cpu_max_isa below "
                    "them), so XLA:CPU widens to float32 and rounds back; issue 13: 343 vs 712 tokens/s on an AVX2-only "
                    "Zen 3")

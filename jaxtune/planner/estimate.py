@@ -1,28 +1,12 @@
-"""The analytical memory estimate of one training step, per device, from the abstract parameter tree.
+"""The analytical memory estimate of one training step, per device: `estimate(cfg, plan, device) -> Estimate`.
 
-Nothing is allocated: the trees are `jax.eval_shape` of the same functions the training loop calls, and their
-per-device share comes from jaxtune.parallel's own shardings on an `AbstractMesh`. A step holds:
-
-  persistent, the step's arguments (exact):
-    frozen weights   in their dtype (QLoRA's NF4/int8 leaves as their packed arrays), split as the run splits them
-    trainable        float32 master copies (`init_state`)
-    optimizer        Adam's mu and nu (optax.adamw), float32 or bfloat16 (`offload.moments_dtype`)
-    batch            five [A, b, T] int32/float32 arrays (b counts both rows of a pair; GRPO adds two [A, b])
-  transient, the largest of three moments (XLA gives things not alive together the same buffer):
-    loss        every layer's saved activations + the objective's [b, T, V] float32 logits buffers + the largest
-                trainable leaf's gradient whole (the head's or the embedding's, summed on each device before an fsdp
-                mesh splits it; the chunked loss's backward runs before the layers')
-    backward    the saved activations + one layer's backward workspace (see activations.py) + the gradients
-    update      the gradients + one trainable leaf's update (the moments and weights are updated in place)
-    generate    GRPO's rollout, before the step: the KV cache and the prefill's attention scores
-  beside them: weight copies a dtype cast makes (a 16-bit head and layer kernels under float32 compute, and
-  quantised kernels, are derived a piece at a time: a layer's pieces in the backward), the all-gathered layer
-  under fsdp, the objective's second model (the frozen reference of a full fine-tune under DPO and GRPO, the
-  distillation teacher), and the runtime reserve of the hardware family.
-
-The gradients are counted once, accumulation included; the counts were measured against XLA:CPU's compiled memory
-(experiments/planner_accuracy.py). The step updates AdamW's moments and the weights in place (`spine/update.py`:
-the update runs under `lax.cond`, and clipping is one scalar factor), so no copy of the optimizer state is counted.
+Nothing is allocated. The step's arguments are counted exactly on the spine's abstract run on an `AbstractMesh`
+(`run_bytes`): frozen weights in their dtype (QLoRA's packed leaves), float32 trainable copies, Adam's moments, the
+batch. The transient memory is the largest of the step's moments (`phases`, `peak_phase`; XLA gives buffers not
+alive together the same memory): the loss, the backward (saved activations, one layer's workspace: activations.py),
+the update, GRPO's rollout. Beside them: copies a dtype cast makes, the gathered layer under fsdp, the second model,
+the runtime reserve of the hardware family (`FAMILY_RULES`), and the peak while loading (`spine/load.py`). Counts
+are checked against XLA's compiled memory by experiments/planner_accuracy.py and experiments/tpu_compile_table.py.
 """
 
 from __future__ import annotations
@@ -39,6 +23,7 @@ from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
 from jaxtune.models.fused_attention import splash_covers
@@ -46,11 +31,21 @@ from jaxtune.models.head import chunk_length
 from jaxtune.models.linear import gathered_piece_bytes
 from jaxtune.models.moe import grouped_kernel
 from jaxtune.models.params import abstract_params, count_params
+from jaxtune.models.quant import (
+    NF4_BLOCKSIZE,
+    Int8Array,
+    QuantizedArray,
+    full_shape,
+    nf4_codes,
+    quantize_int8,
+    row_slices,
+)
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
 from jaxtune.parallel.mesh import abstract_mesh
 from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
+from jaxtune.spine.run import abstract_run
 
 MiB = 1 << 20
 ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score blocks (measured on XLA:CPU)
@@ -72,7 +67,7 @@ class FamilyRules:
     dense_grouped_matmul: bool = False
 
 
-RULES = {
+FAMILY_RULES = {
     "gpu": FamilyRules(None, False, 256 * MiB, 0.05,
                        "allocator slack: 5% for the BFC allocator's fragmentation + 256 MiB of cuBLAS/cuDNN workspace "
                        "and autotuning scratch (our assumption)"),
@@ -267,8 +262,6 @@ def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> Ru
 
 @functools.lru_cache(maxsize=512)
 def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
-    from jaxtune.spine.run import abstract_run
-
     sizes = dict(sizes)
     mesh = abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
     run = abstract_run(cfg, plan, mesh)
@@ -295,8 +288,6 @@ def _loading_transient(run, tiled: bool) -> tuple[int, int]:
     device, one slice of rows being quantised (its compiled program's own figures); on the host, all that kernel's
     layers' quantised children (placed at the end) and the slice as read. A float leaf: one shard being read, on
     the host and on the device."""
-    from jaxtune.models.quant import NF4_BLOCKSIZE, Int8Array, QuantizedArray, full_shape, row_slices
-
     quantized = [x for x in jax.tree.leaves(run.frozen, is_leaf=lambda x: isinstance(x, QuantizedArray))
                  if isinstance(x, QuantizedArray) and x.codes is not None]
     if quantized:
@@ -319,8 +310,6 @@ def _loading_transient(run, tiled: bool) -> tuple[int, int]:
 def _quantizer_bytes(slice_shape: tuple[int, int], dtype: str, int8: bool) -> int:
     """Argument + output + temporary bytes of the compiled quantiser on one [rows, in] slice of a weight's torch
     layout, as `models/quant.quantize_by_rows` runs it."""
-    from jaxtune.models.quant import nf4_codes, quantize_int8
-
     rows, d_in = slice_shape
     if int8:
         lowered = jax.jit(quantize_int8).lower(jax.ShapeDtypeStruct((d_in, rows), dtype))
@@ -353,10 +342,10 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, 
     is read from its bits a piece at a time (`head_pieces`: a 16-bit head under wider compute, larger than a piece
     on each device; `linear.derived_piecewise_matmul`).
     """
-    frozen = plan.method.kind != "full"
+    frozen = not method_unit(plan.method).trains_base
     kernel_dtype = plan.param_dtype if frozen else "float32"
     residual = copies = 0
-    kept = not frozen or (plan.method.kind != "qlora" and jnp.dtype(kernel_dtype).itemsize > 2)
+    kept = not frozen or (method_unit(plan.method).quantize_base is None and jnp.dtype(kernel_dtype).itemsize > 2)
     if plan.remat == "none" and kept and kernel_dtype != plan.compute_dtype:
         # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
         # cast to bf16 stay bf16
@@ -370,9 +359,9 @@ def _layer_copies(cfg: ModelConfig, plan: TrainPlan, piece_bytes: int) -> int:
     """Bytes of one layer's derived frozen kernels as its backward holds them, on one device: each kernel that
     is dequantised or widened from 16 bits and larger than a piece so derived, a piece
     (`linear.derived_piecewise_matmul`; XLA:CPU derives the modules' pieces side by side, measured)."""
-    quantised = plan.method.kind == "qlora"
+    quantised = method_unit(plan.method).quantize_base is not None
     derived = max(jnp.dtype(plan.compute_dtype).itemsize, 4 if quantised else 2)
-    if plan.method.kind == "full" or not (quantised or _widened(plan)):
+    if method_unit(plan.method).trains_base or not (quantised or _widened(plan)):
         return 0
     D, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
     mlp = act.kernel_elements_per_layer(cfg) - D * (2 * q + 2 * kv)
@@ -387,7 +376,7 @@ def _widened(plan: TrainPlan) -> bool:
 
 def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
     """Bytes of GRPO's rollout KV cache per device: [L, A b, prefix + T, K, hd] keys and values."""
-    prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
+    prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
     return 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim),
                                        jnp.dtype(plan.compute_dtype).itemsize)
@@ -400,7 +389,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     on the spine's abstract run (`run_bytes`); its transient memory (activations, logits, gradients, copies) by
     the rules below.
     """
-    rules = RULES[device.family]
+    rules = FAMILY_RULES[device.family]
     sizes = resolve_mesh(plan, device)
     data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
     method, tiled = plan.method, rules.tiled
@@ -411,7 +400,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         raise JaxtuneError(f"batch {plan.batch_size} ({total_rows} rows) cannot be split over data x fsdp x expert = "
                            f"{data} x {fsdp} x {sizes['expert']} = {ways} devices; use a multiple of {ways} rows")
     rows = total_rows // ways
-    prefix = method.num_virtual_tokens if method.kind == "prefix" else 0
+    unit = method_unit(method)
+    prefix = unit.costs.attended_tokens(method)
     megablox = grouped_kernel(cfg, device.family, tensor) == "megablox"  # else ragged_dot, dense on TPU
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"])
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
@@ -432,7 +422,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     # a frozen 16-bit head under wider compute is read from its bits a piece at a time where a device's share of
     # it is larger than a piece (`linear.pieces_of`)
     vocab_ways = fsdp * tensor if cfg.vocab_size % (fsdp * tensor) == 0 else 1
-    head_pieces = (method.kind != "full" and _widened(plan) and cfg.hidden_size * cfg.vocab_size // vocab_ways
+    head_pieces = (not unit.trains_base and _widened(plan) and cfg.hidden_size * cfg.vocab_size // vocab_ways
                    * jnp.dtype(plan.compute_dtype).itemsize > gathered_piece_bytes(device.family))
     one_chunk = chunk_length(total_rows, plan.seq_len, cfg.vocab_size) >= plan.seq_len
     if head_pieces and (one_chunk or vocab_ways > 1):
@@ -457,7 +447,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # (on TPU the reference's gathered weights are not beside the policy's at the peak: a 1B LoRA's DPO step
         # compiled to its SFT step's bytes, experiments/tpu_compile_table.py)
         forwards = 1 + (objective.extra_forwards(section_of(plan)) if device.family != "tpu" else 0)
-        stored = method.kind not in ("full", "qlora") and jnp.dtype(plan.param_dtype).itemsize == 2
+        stored = not unit.trains_base and unit.quantize_base is None and jnp.dtype(plan.param_dtype).itemsize == 2
         if stored and tensor == 1 and not method.dora:
             largest = 2 * cfg.hidden_size * max(cfg.q_size, cfg.intermediate_size)  # bytes of a layer's widest kernel
             piece = min(gathered_piece_bytes(device.family), largest)
@@ -476,7 +466,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                 gathered += local * 2
             else:  # every module whole, a device's experts only
                 gathered -= (experts - local) * (2 if stored else a) // tensor
-            if method.kind == "qlora":
+            if unit.quantize_base is not None:
                 gathered += experts * 4 // (fsdp * sizes["expert"])
         copies_b += forwards * gathered
     layer_copies = 0 if fsdp > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
@@ -493,7 +483,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     # With accumulation XLA keeps one more layer's saved activations in the backward (measured on XLA:CPU).
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
     if rules.dense_grouped_matmul or (device.family == "tpu" and not megablox):
-        backward_workspace += act.grouped_matmul_elements(cfg, w, method.kind == "full") * a
+        backward_workspace += act.grouped_matmul_elements(cfg, w, unit.trains_base) * a
     if device.family == "tpu" and plan.remat == "full":
         # The TPU compiler's program holds about two layers' backward working sets (a pipelined backward loop fits
         # what it shows; the cause is not in the dumped HLO): its memory_analysis exceeds its own buffer assignment
@@ -501,7 +491,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # experiments/tpu_compile_table.py); in a full fine-tune, with each of the two a layer's whole float32
         # weight gradient before its reduce-scatter (a device's experts' share of a mixture's).
         backward_workspace += int(0.45 * acts.workspace)
-        if method.kind == "full" and fsdp > 1:
+        if unit.trains_base and fsdp > 1:
             experts = act.expert_kernel_elements(cfg)
             per_layer = layer_kernels // cfg.num_layers - experts + experts // sizes["expert"]
             backward_workspace += 2 * per_layer * 4 // tensor
@@ -546,7 +536,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         prompt_kv = kv_b * prompt // w.S
         working = max(int(ROLLOUT_SCORE_COPIES * scores), prefill_mlp, kv_b)
         # weights not already in the compute dtype: float32 masters, and a frozen base stored otherwise or quantised
-        frozen_widened = method.kind == "qlora" or plan.param_dtype != plan.compute_dtype
+        frozen_widened = unit.quantize_base is not None or plan.param_dtype != plan.compute_dtype
         widened = n_trainable + (n_total - n_trainable if frozen_widened else 0)
         cast = widened * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
         phases["generate"] = {"activations": prompt_kv + working, "gradients": 0, "weight_copies": cast}

@@ -1,14 +1,12 @@
-"""The FLOPs a compiled step runs, counted from the program JAX traces, loops by their trip counts.
+"""The FLOPs a compiled step runs (`step_flops(run)`, `jaxpr_flops`), counted from the program JAX traces, loops by
+their trip counts.
 
-XLA's `cost_analysis()` counts a while loop's body once (measured: the TPU compiler's FLOPs of a LoRA step are the
-same for 2, 4 and 8 scanned layers), so for a scanned model it gives about one layer's work. The jaxpr knows every
-loop's length: each `dot_general` counts 2 x its output elements x its contracted size, a `scan` its body times its
-length, a `cond` its costliest branch, a Pallas kernel its body times its grid (or the cost estimate it carries;
-splash attention's causal grid the n(n+1)/2 of its n x n blocks that run, a sliding window counted as causal;
-megablox's grouped matmuls each row once, its groups sharing the rows evenly), a
-`shard_map` its body on every device; what the backward and rematerialisation recompute is
-in the traced step already. Dead code goes first, as XLA drops it (a custom VJP's cotangents for frozen weights:
-a LoRA step's jaxpr holds every frozen weight's gradient). The count is of the whole program.
+XLA's `cost_analysis()` counts a while loop's body once, so for a scanned model it gives about one layer's work.
+The jaxpr knows every loop's length: a `dot_general` counts 2 x its output elements x its contracted size, a `scan`
+its body times its length, a `cond` its costliest branch, a Pallas kernel its body times its grid (splash attention
+only its blocks that run; megablox each row once), a `shard_map` its body on every device. Dead code goes first, as
+XLA drops it (a LoRA step's jaxpr holds every frozen weight's gradient). What the backward and rematerialisation
+recompute is in the traced step already; the count is of the whole program, over all devices.
 """
 
 from __future__ import annotations

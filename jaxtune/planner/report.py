@@ -1,8 +1,10 @@
-"""Plans as people read them (a table) and as scripts read them (a JSON-ready dict)."""
+"""Plans as people read them (tables: `format_estimate`, `format_search`, `format_longest_context`,
+`format_compiled`) and as scripts read them (JSON-ready dicts: `plan_dict`, `longest_context_dict`)."""
 
 from __future__ import annotations
 
 from jaxtune.config import LINEAR_MODULE_NAMES
+from jaxtune.methods.base import method_unit
 from jaxtune.planner.confirm import CompiledMemory
 from jaxtune.planner.estimate import Estimate
 from jaxtune.planner.search import LongestContext, SearchResult, explain
@@ -33,8 +35,7 @@ def plan_dict(est: Estimate, time: StepTime | None = None, compiled: CompiledMem
 
 def _describe(est: Estimate) -> list[str]:
     p, cfg, mesh = est.plan, est.model, est.mesh
-    method = p.method.kind + (f" r={p.method.rank}" if p.method.kind in ("lora", "qlora") else "") + \
-        (f" {p.method.bits}-bit" if p.method.kind == "qlora" else "")
+    method = method_unit(p.method).label(p.method)
     added = est.parameters - est.base_parameters
     return [
         f"model: {_count(est.base_parameters)} parameters ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
@@ -56,9 +57,9 @@ def _offload(est: Estimate) -> str:
 
 
 def format_compiled(confirmation) -> str:
-    """What compiling the plan said (`command.Confirmation`): XLA's memory analysis of the compiled step beside the
-    planner's figure for the same plan and backend; for a TPU slice also the compiler's verdict, FLOPs, bytes,
-    collectives, the attention kernel it compiled and a modelled step time."""
+    """What compiling the plan said (`compiled_search.Confirmation`): XLA's memory analysis of the compiled step
+    beside the planner's figure for the same plan and backend; for a TPU slice also the compiler's verdict, FLOPs,
+    bytes, collectives, the attention kernel it compiled and a modelled step time."""
     est, compiled = confirmation.estimate, confirmation.compiled
     if compiled is None:
         return f"not compiled: {confirmation.skipped}"
@@ -148,7 +149,7 @@ def format_search(result: SearchResult, top: int = 3) -> str:
         p, m = c.plan, c.estimate.mesh
         lines += ["", f"#{i}: batch {p.batch_size} x {p.grad_accum}, remat {p.remat}, mesh data={m['data']} "
                       f"fsdp={m['fsdp']} tensor={m['tensor']}"
-                      + (f", QLoRA {p.method.bits}-bit" if p.method.kind == "qlora" else "")
+                      + (f", QLoRA {p.method.bits}-bit" if method_unit(p.method).quantize_base else "")
                       + (", optimizer state in host memory" if p.offload.optimizer_state else "")]
         lines += [f"    {line}" for line in explain(c, result.candidates)]
     return "\n".join(lines)
@@ -156,11 +157,12 @@ def format_search(result: SearchResult, top: int = 3) -> str:
 
 def _method_label(method) -> str:
     """"LoRA r=8 on q_proj,v_proj", "QLoRA 4-bit r=16 on all-linear", "full fine-tuning", "ia3"."""
-    if method.kind not in ("lora", "qlora"):
-        return "full fine-tuning" if method.kind == "full" else method.kind
+    unit = method_unit(method)
+    if not unit.costs.low_rank:
+        return "full fine-tuning" if unit.trains_base else method.kind
     targets = method.target_modules if isinstance(method.target_modules, str) else ",".join(method.target_modules)
     targets = "all-linear" if targets == ",".join(LINEAR_MODULE_NAMES) else targets
-    name = f"QLoRA {method.bits}-bit" if method.kind == "qlora" else "LoRA"
+    name = f"QLoRA {method.bits}-bit" if unit.quantize_base else "LoRA"
     return f"{name} r={method.rank}" + (f" on {targets}" if targets else "")
 
 

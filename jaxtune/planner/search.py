@@ -1,12 +1,12 @@
-"""Plan search: every way of running a fine-tune on a target that fits, ranked by predicted step time.
+"""Plan search (`search -> SearchResult`): every way of running a fine-tune on a target that fits, ranked by
+predicted step time.
 
 For a model, a base plan (method, sequence length, dtypes) and a target with its device count, the search tries
-the split of the requested global batch into micro-batch x accumulation, the remat policies, every (data, fsdp,
-tensor) mesh the devices factor into, QLoRA's 4 and 8 bits when the method is QLoRA, and keeping the optimizer
-state in host memory. It keeps the plans that fit, ranks them by predicted step time (timing.py) and says why the
-best ones win. When nothing fits it looks for the smallest change that would: offloading, a lighter method,
-a shorter sequence, more devices, a device with more memory - in that order. `longest_context` asks the converse:
-the longest sequence at which some plan fits.
+the split of the global batch into micro-batch x accumulation, the remat policies, the meshes the devices factor
+into (`meshes`), QLoRA's 4 and 8 bits, and the optimizer state in host memory; it keeps the plans that fit, ranks
+them by predicted step time (timing.py) and says why the best ones win (`explain`). When nothing fits,
+`smallest_change` finds the least change that would: offloading, a lighter method, a shorter sequence, a batch of 1,
+more devices, a device with more memory, in that order. `longest_context`: the longest sequence some plan fits.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods.base import method_unit
 from jaxtune.planner.devices import CATALOGUE, Device
 from jaxtune.planner.estimate import Estimate, estimate
 from jaxtune.planner.timing import StepTime, step_time
@@ -59,7 +60,7 @@ def meshes(cfg: ModelConfig, count: int) -> list[MeshConfig]:
         if tensor > 8 or cfg.num_kv_heads % tensor:
             continue
         for fsdp in _divisors(count // tensor):
-            out.append(MeshConfig(count // (tensor * fsdp), fsdp, tensor))
+            out.append(MeshConfig(count // (tensor * fsdp), fsdp, tensor=tensor))
     return out
 
 
@@ -76,7 +77,7 @@ def _variants(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: i
     mesh_options = [base.mesh] if "mesh" in fixed else meshes(cfg, device.count)
     remat_options = [base.remat] if "remat" in fixed else list(REMATS)
     methods = [base.method]
-    if base.method.kind == "qlora" and "bits" not in fixed:
+    if method_unit(base.method).quantize_base is not None and "bits" not in fixed:
         methods = [replace(base.method, bits=b) for b in (4, 8)]
     offloads = [base.offload] if "offload" in fixed else [base.offload, replace(base.offload, optimizer_state=True)]
     for mesh, remat, method, offload in itertools.product(mesh_options, remat_options, methods, offloads):
@@ -141,7 +142,7 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
                   global_batch))
     lighter = {"full": [MethodConfig("lora", target_modules=("all-linear",)), MethodConfig("qlora", bits=4)],
                "lora": [replace(base.method, kind="qlora", bits=4)]}.get(base.method.kind, [])
-    if base.method.kind == "qlora" and base.method.bits == 8:
+    if method_unit(base.method).quantize_base is not None and base.method.bits == 8:
         lighter = [replace(base.method, bits=4)]
     for m in lighter:
         label = "QLoRA 4-bit" if m.kind == "qlora" else "LoRA on all linear layers"

@@ -1,5 +1,5 @@
-"""Which model to plan for: a Hugging Face directory (its config.json and stored dtype), or a standard Llama shape of
-a given size for the quick form `--params MILLIONS`.
+"""Which model to plan for: a Hugging Face directory or GGUF file (`model_from_directory`: its config and stored
+dtype), or a standard Llama shape of a given size for the quick form `--params MILLIONS` (`standard_config`).
 
 The standard shapes are LLaMA's (Touvron et al. 2023, table 2) and, below 7B, the GPT-3 paper's widths (Brown et
 al. 2020, table 2.1): the width of the nearest published size, SwiGLU's MLP of 8/3 x width rounded up to 256,
@@ -13,6 +13,9 @@ from pathlib import Path
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.hf_config import load_config
+from jaxtune.models.hf_weights import stored_dtype
+from jaxtune.models.summary import model_summary
 
 # (published size in millions, width, head_dim)
 WIDTHS = ((125, 768, 64), (350, 1024, 64), (760, 1536, 64), (1300, 2048, 128), (2700, 2560, 128),
@@ -36,9 +39,5 @@ def standard_config(millions: float) -> ModelConfig:
 def model_from_directory(directory: str | Path) -> tuple[ModelConfig, str]:
     """(config, stored weight dtype) of a Hugging Face model directory or GGUF file: the config and tensor headers
     only. The dtype is the one `load_model` gives the weights by default (a GGUF's quantised blocks: float32)."""
-    from jaxtune.models.hf_config import load_config
-    from jaxtune.models.hf_weights import stored_dtype
-    from jaxtune.models.summary import model_summary
-
     model_summary(directory)  # every tensor's name and shape checked against the config
     return load_config(directory), stored_dtype(directory)

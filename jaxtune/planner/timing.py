@@ -1,21 +1,12 @@
-"""Predicted step time: FLOPs and bytes against the device's rates, a roofline and not a benchmark.
+"""Predicted step time (`step_time(est) -> StepTime`): FLOPs and bytes against the device's rates, a roofline.
 
-Per micro-batch on one device (n = rows x T tokens, P = matmul weights a token passes through, split `tensor` ways):
-
-  FLOPs    forward 2 n P, plus attention (q k^T and probs v: 4 H hd T S per row and layer)
-           backward: the input gradients (2 n P) always, the weight gradients (2 n P) only when the weights train;
-           attention is recomputed in every backward (jaxtune checkpoints it) and its backward costs twice its
-           forward (TPU's splash kernel: 3.5 times, its dq and dk/dv kernels each recomputing the scores); remat
-           "full" runs the layers' forward once more; the chunked loss recomputes its logits (2 n D V)
-  bytes    weights read once per forward, backward and recompute; saved activations written and read; logits
-  comm     fsdp: weights all-gathered per forward/backward, gradients reduce-scattered; data: gradients
-           all-reduced; tensor: two all-reduces of [b, T, D] per layer and pass (Megatron)
-and per step: the AdamW update (7 float32 reads/writes a trainable parameter) and, with offload, host transfers.
-
-time = accumulation x (max(compute, memory) + tensor all-reduces + the part of the fsdp/data collectives that
-       does not hide behind half of the compute) + update + host transfers.
-Compute runs at MFU_CEILING of peak and memory at BANDWIDTH_CEILING of peak: well-tuned training steps reach about
-half of peak FLOP/s (PaLM: 46% model-FLOPs utilisation, Chowdhery et al. 2022).
+Per micro-batch on one device (n tokens through P matmul weights, split `tensor` ways): FLOPs of the forward (2 n P
+plus attention), the backward (input gradients always, weight gradients when the weights train, attention
+recomputed), full remat's recompute, the chunked loss's logits again, a reference's or teacher's forward, GRPO's
+decode; bytes moved (weights each pass, saved activations, logits); the fsdp, data and tensor collectives.
+step = accumulation x (max(compute, memory) + tensor all-reduces + the collectives not hidden behind
+`HIDDEN_COMM_SHARE` of the compute) + the AdamW update + host transfers, compute at `MFU_CEILING` of peak (as PaLM
+reports for tuned training, Chowdhery et al. 2022) and memory at `BANDWIDTH_CEILING` of bandwidth.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxtune.config.run import batch_ways
-from jaxtune.config.targets import adapted_modules
+from jaxtune.methods.base import adapted_modules, method_unit
 from jaxtune.models.fused_attention import splash_covers
 from jaxtune.models.moe import grouped_kernel
 from jaxtune.models.params import linear_shapes
@@ -63,13 +54,14 @@ def step_time(est: Estimate) -> StepTime:
     cfg, plan, dev = est.model, est.plan, est.device
     data, fsdp, tensor = est.mesh["data"], est.mesh["fsdp"], est.mesh["tensor"]
     rows = rows_of(plan) // batch_ways(est.mesh)
-    prefix = plan.method.num_virtual_tokens if plan.method.kind == "prefix" else 0
+    unit = method_unit(plan.method)
+    prefix = unit.costs.attended_tokens(plan.method)
     n = rows * plan.seq_len
     matmul = act.matmul_params_per_token(cfg) / tensor
     splash = (dev.family == "tpu" and plan.attention in ("auto", "splash")
               and splash_covers(plan.seq_len, plan.seq_len + prefix, prefix, True) is None)
     attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix, splash) / tensor
-    weight_grads = plan.method.kind == "full"
+    weight_grads = unit.trains_base
     passes = 3 if plan.remat == "full" else 2  # forward, backward (+ recompute)
     head = cfg.hidden_size * cfg.vocab_size / tensor
     flops = 2 * n * matmul * (1 + 1 + (1 if weight_grads else 0))
@@ -84,10 +76,10 @@ def step_time(est: Estimate) -> StepTime:
         flops += 2 * n * cfg.num_layers * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.expert_size / tensor
     # forward, a backward of twice the forward (splash's: 7 matmuls of the forward's 2), full remat's recompute
     flops += ((3.5 if splash else 3) + 1 + (plan.remat == "full")) * attention
-    if plan.method.kind in ("lora", "qlora"):
+    if unit.costs.low_rank:
         lora_params = est.trainable_parameters
         flops += 2 * n * lora_params * 3
-    recomputed_frozen = plan.method.kind == "qlora" or jnp.dtype(plan.param_dtype).itemsize == 2
+    recomputed_frozen = unit.quantize_base is not None or jnp.dtype(plan.param_dtype).itemsize == 2
     if plan.method.dora and recomputed_frozen and plan.remat != "save_matmuls":
         # a frozen kernel kept as bits or quantised is derived again in the backward (`linear.dense`), and DoRA's
         # magnitude gradient needs x W: the adapted modules' forward matmuls once more

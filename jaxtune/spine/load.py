@@ -1,12 +1,11 @@
-"""Weights read straight into the run's shards and formats.
+"""Weights read straight into the run's shards and formats: `load_run(run, model_dir, seed, second)`.
 
-Every leaf of an abstract run that comes from the checkpoint is created shard by shard (`_make_array`): each
-device's shard is read from the safetensors files (positioned reads of just that slice, `models/safetensors_io.py`)
-and cast to the leaf's dtype on the way, so no whole copy of the model exists, on any device or in host memory,
-and each process reads only the slices its own devices hold. A QLoRA kernel is quantised a few rows at a time as it is
-read (`models/quant.quantize_by_rows`: bit for bit the whole matrix's quantisation, with about 4 MiB in float32 at
-a time). The leaves a method or an objective adds (LoRA, IA3, prefix, adapters, a reward head) are made by one
-jit straight into their shardings; DoRA's magnitudes read the loaded kernels there. A second model (a reference, a
+Every leaf of an abstract run that comes from the checkpoint is created shard by shard (`read_tree`, `_make_array`):
+each device's shard is read from the files (safetensors: positioned reads of just that slice, `io/safetensors.py`)
+and cast on the way, so no whole copy of the model exists anywhere and each process reads only its devices' slices.
+A QLoRA kernel is quantised a few rows at a time as it is read (`models/quant.quantize_by_rows`, bit for bit the
+whole matrix's quantisation). The leaves a method or an objective adds (LoRA, a reward head, ...) are made by one
+jit straight into their shardings (DoRA's magnitudes read the loaded kernels there); a second model (a reference, a
 teacher) is read the same way into its own shardings.
 """
 
@@ -21,8 +20,8 @@ from jax.sharding import SingleDeviceSharding
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.host_memory import release_freed_memory
+from jaxtune.io.gguf import forget_readers
 from jaxtune.methods.transform import add_method_leaves, combine
-from jaxtune.models.gguf import forget_readers
 from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern, NF4Array, QuantizedArray, from_bit_patterns, full_shape, quantize_by_rows

@@ -1,24 +1,12 @@
 """The spine: from what fixes a run to every array it holds and the one step over them.
 
-    run = abstract_run(cfg, plan, mesh)                    # nothing allocated
-    run.state, run.frozen, run.second, run.batch            # ShapeDtypeStructs, each with its sharding
+    run = abstract_run(cfg, plan, mesh)                     # run.state, .frozen, .second, .batch: sharded, abstract
     state, frozen, second = load_run(run, model_dir, ...)   # load.py: weights read into those shardings
     state, metrics = run.step(state, frozen, second, batch) # one jit: the run's shardings, the state donated
 
-`plan` (a `TrainPlan`) holds the method, dtypes, remat, the micro-batch shape, the mesh, host offload, the
-objective (a name in the registry, `jaxtune.objectives`) and its section. The trainer creates the
-arrays and calls the step; the planner's estimate counts the same trees under the same shardings; `plan --confirm`
-lowers the same step. So a plan is the run it describes, whatever the objective.
-
-Shardings come from jaxtune.parallel's one rules table: parameters (a method's leaves and quantised kernels
-included), the Adam moments like their parameters, a second model (a reference, a teacher) like the policy's
-weights, batches [A, rows, ...] split on rows over ("data", "fsdp"). The step's out_shardings equal its
-in_shardings, so the donated state is reused in place and the step compiles once. It is traced under the mesh
-(`traced_on`), so the decoder splits each layer input's rows the same way (`rules.constrain`). Offloaded trees
-(optimizer state, frozen weights) arrive in pinned host memory and are copied to the devices inside the step.
-Frozen 16-bit kernels are held as their bit patterns (`models/quant.BitPattern`), which the forward bitcasts back
-layer by layer: XLA:CPU would otherwise convert a whole scanned bfloat16 stack to float32. Under a wider compute
-dtype (float32) so are the embedding table and head, which the loss reads a piece at a time.
+The trainer calls the step, the planner's estimate counts the same trees, `plan --confirm` lowers the same step: a
+plan (`train_plan(config)`) is the run it describes. Shardings: `shardings.py` (batch rows over data, fsdp, expert);
+traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s.
 """
 
 from __future__ import annotations
@@ -32,16 +20,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxtune.config import ForwardOptions, ModelConfig, Remat, TrainConfig
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, Remat, TrainConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.params import abstract_params
+from jaxtune.models.params import abstract_params, init_params
 from jaxtune.models.quant import as_bit_patterns
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Context, Objective
+from jaxtune.parallel.distributed import global_array
 from jaxtune.parallel.offload import HOST, check_host_memory, on_device, with_memory_kind
-from jaxtune.parallel.sharding import batch_sharding, optimizer_shardings, param_shardings
+from jaxtune.spine.shardings import batch_sharding, optimizer_shardings, param_shardings
 from jaxtune.spine.state import init_state, learning_rate_schedule, make_optimizer
 from jaxtune.spine.update import make_step
 
@@ -135,9 +124,18 @@ class AbstractRun:
     def place_batch(self, batch: dict) -> dict:
         """Host arrays [A, rows, ...] onto the mesh in the batch's shardings (every process builds the same host batch
         and transfers only the rows of its own devices)."""
-        from jaxtune.parallel.distributed import global_array
-
         return {k: global_array(v, self.shardings.batch[k]) for k, v in batch.items()}
+
+
+def init_run(cfg: ModelConfig, method: MethodConfig, seed: int = 0, head=None) -> tuple[dict, dict]:
+    """(trainable, frozen) of a randomly initialised `cfg` under `method`, on the default device: the base drawn
+    from key(seed), the method's leaves from key(seed + 1), `head(params, cfg, key)` (an objective's) from
+    key(seed + 2). What a test or a notebook trains without a checkpoint."""
+    params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed)), cfg, method,
+                          jax.random.key(seed + 1))
+    if head is not None:
+        params = head(params, cfg, jax.random.key(seed + 2))
+    return partition(params, trainable_mask(params, method))
 
 
 def traced_on(mesh: AnyMesh):
@@ -218,7 +216,7 @@ def _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, o
     return RunShardings(state_sh, frozen_sh, second_sh, batch_sh)
 
 
-def run_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan:
+def train_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan:
     """The `TrainPlan` of a run config: what the spine and the planner build from it. cfg_dtype: the checkpoint's
     stored dtype, for `[model] dtype = "auto"`; platform: of the devices it runs on ("tpu", "gpu", "gaudi", "cpu";
     default this process's backend), for `[model] compute_dtype = "auto"`."""

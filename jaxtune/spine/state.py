@@ -1,4 +1,4 @@
-"""The train state and its optimiser.
+"""The train state (`init_state`) and its optimiser (`make_optimizer`: clipping, then AdamW on the schedule).
 
 The state is a plain dict pytree, so orbax saves and restores it as it is:
 

@@ -1,16 +1,12 @@
-"""The one step every objective trains with: accumulate the objective's loss over micro-batches, then apply the
-update, or skip a non-finite one.
+"""The one step every objective trains with (`make_step`): accumulate the objective's loss over micro-batches
+(`accumulate`), then apply the update, or skip a non-finite one (`apply_update`).
 
     step = make_step(objective.loss_terms(context), method, optimizer, schedule)
     state, metrics = step(state, frozen, second, batch)      # batch: [A, rows, ...] arrays, A micro-batches
 
-An objective's `loss_terms(trainable, frozen, second, micro, key) -> (loss sum, (count, metric sums))` returns sums,
-not means: `accumulate` adds them over the A micro-batches (and their gradients), then divides once by the total
-count, so A micro-batches of B rows equal one batch of A*B rows. A step whose loss or gradients are not finite
-leaves params and optimizer state untouched and is counted. LoRA dropout draws from `fold_in(state["rng"], step)`,
-folded again per micro-batch (and split per layer by the decoder); with dropout 0 no random-number work is traced.
-`make_step` returns a plain function: the spine (`run.py`) jits it once, with the run's shardings and the state
-donated.
+`loss_terms(trainable, frozen, second, micro, key) -> (loss sum, (count, metric sums))` returns sums, divided once by
+the total count, so A micro-batches of B rows equal one batch of A*B rows. A non-finite step changes no weights and
+is counted. Dropout draws from `fold_in(state["rng"], step)`. The spine (`run.py`) jits the step, state donated.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtune.models.linear import lora_dropout_rate
+from jaxtune.models.adapters import adapter_forward
 
 
 def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = None
@@ -81,7 +77,7 @@ def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.Gra
 
 def dropout_key(state: dict, method) -> jax.Array | None:
     """This step's LoRA dropout key, `fold_in(state["rng"], step)`; None when `method` trains without dropout."""
-    return jax.random.fold_in(state["rng"], state["step"]) if lora_dropout_rate(method) > 0 else None
+    return jax.random.fold_in(state["rng"], state["step"]) if adapter_forward(method).dropout_rate(method) > 0 else None
 
 
 def make_step(loss_terms, method, optimizer: optax.GradientTransformation, schedule: optax.Schedule,

@@ -1,13 +1,12 @@
 """Orbax checkpoints of the train state, with the data position, kept K at a time.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a checkpoint either exists
-whole or not at all; an interrupted write leaves nothing a resume would pick up. A checkpoint that exists but
-cannot be read (a damaged disk, a file deleted by hand) is reported with its step and the steps still there,
-so the run can be pointed at the previous one with `--set train.resume_step=N`. A checkpoint whose state has other
-shapes than the run's (the config changed, not the checkpoint) is reported with the config keys that differ from
-those it was saved with (`meta["config"]`). A save that fails for want of space (or permission) is one line naming
-the directory, the space a checkpoint takes and what is free; its partial directory goes (here, and by orbax when
-the run starts again), and the checkpoints before it stay whole. Nothing is created on disk until the first save.
+    ckpts = Checkpoints(run_dir / "checkpoints", keep=3)   # or gs://...; read_only=True beside a running run
+    ckpts.save(step, state, meta); state, meta = ckpts.restore(ckpts.steps()[-1], abstract_state)
+
+Orbax writes a step into a temporary directory and renames it when complete, so a checkpoint exists whole or not at
+all. An unreadable one is reported with the steps still there (`--set train.resume_step=N`); one of other shapes
+than the run's with the config keys that changed (`check_shapes`, against `meta["config"]`); a save that fails for
+want of space or permission in one line naming the directory, the space needed and free, its partial step removed.
 """
 
 from __future__ import annotations

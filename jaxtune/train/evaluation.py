@@ -1,7 +1,7 @@
-"""Held-out scores of a file: loss and perplexity on SFT data (the mean of -log p over every completion token: sums,
-then one ratio); pairwise accuracy on preference data.
+"""Held-out scores of a file (`jaxtune eval`): loss and perplexity on SFT data (`evaluate_file`: the mean of -log p
+over every completion token, sums then one ratio); pairwise accuracy on preference data (`evaluate_preference_file`).
 
-Scores are sums over examples, so batches may come in any order: they go longest first, each padded to the
+Scores are sums over examples, so batches may come in any order: they go fullest first, each padded to the
 power-of-two bucket of its longest row (`data.batching.eval_batches`). `max_seq_len` (default the model's context)
 only caps lengths (the drop / truncate policy): a file of short rows runs at short-row shapes and memory.
 """
@@ -17,9 +17,14 @@ from jaxtune.data.batching import eval_batches, padded_length
 from jaxtune.data.formats import PreferenceExample, load_preference_examples, load_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError, check_range
+from jaxtune.models.reward_model import is_reward_model
+from jaxtune.objectives import dpo
+from jaxtune.objectives import reward as reward_objective
 from jaxtune.objectives.base import Context
+from jaxtune.objectives.dpo import pair_batch
 from jaxtune.objectives.sft import eval_terms as sft_terms
 from jaxtune.objectives.sft import perplexity
+from jaxtune.spine.model import load_model_with_adapter, load_reward_model
 
 
 def evaluate(eval_step, params: dict, batches: list[dict]) -> tuple[float, float, int]:
@@ -36,8 +41,6 @@ def evaluate(eval_step, params: dict, batches: list[dict]) -> tuple[float, float
 def pair_eval_batches(pairs: list[PreferenceExample], batch_size: int, seq_len: int) -> list[dict]:
     """Pair batches for scoring (`dpo.pair_batch`, [2 * batch_size, T] arrays): the longest pairs first, T the
     `padded_length` of the batch's longest row (its input positions: len(prompt + completion) - 1)."""
-    from jaxtune.objectives.dpo import pair_batch
-
     positions = lambda p: len(p.prompt) + max(len(p.chosen), len(p.rejected)) - 1
     pairs = sorted(pairs, key=positions, reverse=True)
     chunks = [pairs[start:start + batch_size] for start in range(0, len(pairs), batch_size)]
@@ -56,8 +59,6 @@ def evaluate_file(model: str | Path, data: str | Path, adapter: str | Path | Non
     cap; examples are packed, which leaves each example's logits unchanged. base: for a QLoRA adapter, "as-trained"
     (its quantised base) or "float" (see `load_model_with_adapter`).
     """
-    from jaxtune.methods.peft import load_model_with_adapter
-
     check_range("batch_size", batch_size, 1)
     cfg, params, method = load_model_with_adapter(model, adapter, base=base, log=log)
     tokenizer = load_tokenizer(model)
@@ -82,11 +83,6 @@ def evaluate_preference_file(model: str | Path, data: str | Path, adapter: str |
     the share of pairs with log pi/ref(chosen) > log pi/ref(rejected), margin the mean of that difference (nats),
     loss DPO's sigmoid loss at beta = 1.
     """
-    from jaxtune.methods.peft import load_model_with_adapter
-    from jaxtune.models.reward_model import is_reward_model, load_reward_model
-    from jaxtune.objectives import dpo
-    from jaxtune.objectives import reward as reward_objective
-
     check_range("batch_size", batch_size, 1)
     reward = is_reward_model(model)
     if reward:

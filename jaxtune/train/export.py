@@ -1,5 +1,6 @@
 """What a run leaves for users: a PEFT adapter directory, or a Hugging Face model for a full fine-tune — at its end
-(`export_result`), or later from any of its checkpoints (`export_run`: a stopped, crashed or still running run).
+(`export_result`), or later from any of its checkpoints (`export_run`: a stopped, crashed or still running run), as
+one of `EXPORT_TARGETS` (peft, merged, gguf, gguf-lora).
 
     export_run("runs/my-run", "peft", "my-adapter")             # the latest checkpoint's adapter, in PEFT format
     export_run("runs/my-run", "gguf", "model.gguf", step=200)   # the model as of step 200, merged, for llama.cpp
@@ -13,9 +14,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.data.tokenizer import copy_tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.peft import export_gguf, export_gguf_lora, export_merged, save_peft_adapter
+from jaxtune.methods.base import method_unit
+from jaxtune.methods.gguf_export import save_gguf, save_gguf_lora
+from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader, save_model, stored_dtype
@@ -24,19 +30,61 @@ from jaxtune.parallel.mesh import make_mesh
 from jaxtune.paths import check_output_dir, run_directories
 from jaxtune.run_config import RunConfig
 from jaxtune.spine.load import read_tree
-from jaxtune.spine.run import abstract_run, run_plan
+from jaxtune.spine.model import load_model_with_adapter
+from jaxtune.spine.run import abstract_run, train_plan
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.resume import run_config_at
 
 EXPORT_TARGETS = ("peft", "merged", "gguf", "gguf-lora")
 
 
+def _merged_layer(adapter, params: dict, method: MethodConfig | None):
+    """`save_model`'s tensor(path, layer) with the adapter merged in; None without an adapter."""
+    if adapter is None:
+        return None
+    unit = method_unit(method)
+    if unit.merged_layer is None:
+        raise JaxtuneError(f"{adapter}: only LoRA and DoRA adapters merge into the weights, not {method.kind}")
+    return unit.merged_layer(params, method)
+
+
+def export_merged(model: str | Path, adapter: str | Path | None, out: str | Path, log=None) -> Path:
+    """Merge a PEFT LoRA/DoRA adapter into its base and write a Hugging Face model directory (with the tokenizer).
+
+    A QLoRA adapter merges into the float weights (as PEFT merges into a dequantised base: a plain float model).
+    Without an adapter the model is written as it loads: a GGUF file becomes the directory transformers makes of
+    it (blocks dequantised to float32, the tokenizer and chat template from its metadata).
+    """
+    cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
+    tensor = _merged_layer(adapter, params, method)
+    dtype = str(np.dtype(params["embed_tokens"].dtype))
+    path = save_model(out, cfg, params, dtype=dtype, tensor=tensor)
+    copy_tokenizer(model, path)
+    return path
+
+
+def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, kind: str = "f16", log=None) -> Path:
+    """A model, with a PEFT LoRA/DoRA adapter merged in when given (a full fine-tune's model directory needs none),
+    written as a GGUF file of `kind` (f32, f16, bf16, q8_0) with its tokenizer and chat template."""
+    cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
+    tensor = _merged_layer(adapter, params, method)
+    return save_gguf(out, cfg, params, load_tokenizer(model), kind, tensor=tensor, name=Path(str(model)).stem)
+
+
+def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
+    """A PEFT LoRA adapter as llama.cpp's GGUF LoRA, for `model` written by `export_gguf` (or any GGUF of it)."""
+    cfg, params, method = load_model_with_adapter(model, adapter, log=log)
+    return save_gguf_lora(out, cfg, params, method, name=Path(str(adapter)).name)
+
+
 def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: dict, method: MethodConfig) -> Path:
     """run_dir/adapter, or for a full fine-tune run_dir/model: an HF directory with the base's tokenizer, in
     [model] dtype (the float32 master weights when it is "auto")."""
-    if method.kind == "full":
+    if method_unit(method).trains_base:
         dtype = None if config.model.dtype == "auto" else config.model.dtype
-        return save_model(run_dir / "model", cfg, params, dtype=dtype, tokenizer_from=config.model.path)
+        out = save_model(run_dir / "model", cfg, params, dtype=dtype)
+        copy_tokenizer(config.model.path, out)
+        return out
     return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)))
 
 
@@ -59,7 +107,7 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
     if log:
         log(f"{run_dir}: the checkpoint of step {step} on {model} ...")
     cfg = load_config(model)
-    plan = run_plan(config, stored_dtype(model))
+    plan = train_plan(config, stored_dtype(model))
     plan = replace(plan, mesh=MeshConfig(), offload=OffloadConfig(moments_dtype=plan.offload.moments_dtype))
     run = abstract_run(cfg, plan, make_mesh(), config.train, total_steps=max(step, 1))
     trainable = checkpoints.restore_params(step, run.state["params"])

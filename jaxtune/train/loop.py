@@ -1,21 +1,12 @@
 """`fine_tune(config)`: a whole fine-tuning run, as `jaxtune train` runs it and a notebook can call it.
 
-One loop for every objective (sft, dpo, reward, grpo, distill): what differs — data, the step, the eval, the
-export — is a `Task` (tasks.py); the loop owns what they share. It is deterministic given the config: the batches
-of epoch e depend only on (data.seed, e) (and for grpo on the params, restored exactly), so the data position is
-just the step, and a run resumed from a checkpoint replays exactly what an uninterrupted run does. Metrics are
-pulled to the host one step late (the only host sync), so the device is never idle waiting on a log. The run is
-placed on the `[mesh]` (one device by default) with `jaxtune.parallel`: the state, frozen weights and batches get
-their shardings (and, with `[offload]`, host memory) before the first step.
-
-What is trained is never lost (`train/resume.py` holds the rules a resume follows):
-- a run directory has one writer (`paths.run_directory_lock`);
-- a step's metrics line is on disk (fsync) before the checkpoint of that step is published, so a resume never leaves
-  a hole in metrics.jsonl (an evaluation due at the resumed step and not recorded runs again);
-- the last step is checkpointed before its evaluation and before any end-of-run work (profiler, trackers, plot,
-  export); a failure there is one line that names the checkpoint and how to export from it;
-- SIGTERM/SIGINT finish the current step, save a checkpoint and return `interrupted` (the CLI exits 143/130);
-  a second one stops at once.
+One loop for every objective: what differs (data, the step, the eval, the export) is a `StartedRun` (start.py, from
+`start_run`), whose arrays and step are the spine's, sharded over `[mesh]`. Epoch e's batches depend only on
+(data.seed, e) (GRPO's also on the params), so the data position is the step and a resumed run replays an
+uninterrupted one; metrics reach the host one step late (the only host sync). Nothing trained is lost
+(`train/resume.py` has the resume rules): one writer a run directory (`paths.run_directory_lock`); a step's metrics
+line is on disk before its checkpoint; the last step is checkpointed before its evaluation and any end-of-run work;
+SIGTERM/SIGINT finish the step, save it and return `interrupted` (a second one stops at once).
 """
 
 from __future__ import annotations
@@ -48,7 +39,7 @@ from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
 from jaxtune.train.resume import check_resume, export_hint, record_config
 from jaxtune.train.setup_checks import warn_degenerate
-from jaxtune.train.tasks import Task, prepare_task
+from jaxtune.train.start import StartedRun, start_run_on
 from jaxtune.train.tracking import ProgressLines, Trackers
 
 HIDDEN_METRICS = ("tokens", "loss_tokens", "bad_streak")  # used for tokens/s and the stop rule, not logged as is
@@ -113,7 +104,7 @@ def fine_tune(config: RunConfig, log=print, progress=None) -> RunResult:
         return _train(config, log, progress or log, stop)
 
 
-def setup_task(config: RunConfig, log) -> Task:
+def start_run(config: RunConfig, log) -> StartedRun:
     """Check the config's required keys, then make the mesh, read the model's config and tokenizer, and prepare the
     objective's data, the spine's run and its weights (read straight into their shardings). bfloat16 compute on a
     CPU that widens it to float32 gets one warning a process (`host_cpu.warn_if_slow_bf16`); from here on, the host
@@ -131,7 +122,7 @@ def setup_task(config: RunConfig, log) -> Task:
         cfg = cfg.replace(router_aux_loss_coef=config.model.router_aux_loss_coef,
                           output_router_logits=config.model.router_aux_loss_coef > 0)
     tokenizer = load_tokenizer(config.model.path)
-    return prepare_task(config, mesh, tokenizer, stored_dtype(config.model.path), cfg, log)
+    return start_run_on(config, mesh, tokenizer, stored_dtype(config.model.path), cfg, log)
 
 
 def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
@@ -152,7 +143,7 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
         lock = held.enter_context(run_directory_lock(run_dir)) if writer else None
         loading = time.perf_counter()
         log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
-        task = setup_task(config, log)
+        task = start_run(config, log)
         log(f"ready in {time.perf_counter() - loading:.0f} s")
         checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
         held.callback(checkpoints.close)
@@ -182,7 +173,7 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
         return _steps(config, task, checkpoints, start, state, changes, run_dir, writer, log, progress_log, stop)
 
 
-def _steps(config: RunConfig, task: Task, checkpoints: Checkpoints, start: int, state: dict, changes: dict,
+def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start: int, state: dict, changes: dict,
            run_dir: Path, writer: bool, log, progress_log, stop: dict) -> RunResult:
     """The step loop from `start` to the last step, then what a finished run leaves."""
     tc, run = config.train, task.run

@@ -1,4 +1,5 @@
-"""`metrics.jsonl` (one JSON object a line) and the loss plot drawn from it."""
+"""`metrics.jsonl` (`MetricsLog`: one JSON object a line, cut back to the step a run resumes from) and the loss plot
+drawn from it (`plot_losses`)."""
 
 from __future__ import annotations
 

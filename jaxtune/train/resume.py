@@ -1,12 +1,11 @@
-"""What a resumed run may change, and the record a run directory keeps of every config it ran with.
+"""What a resumed run may change (`check_resume`), and the record a run directory keeps of every config it ran with.
 
 A resume continues the same run: the data order, the model and what trains must be those its checkpoint was saved
-with. Settings that only steer the steps still to come (the learning-rate schedule, how long to train, how often to
-evaluate, checkpoint and log) or where the arrays live (the mesh, host offload, remat, the attention kernel) may
-change; each change is logged, recorded in metrics.jsonl at the step it took effect
-(`{"step": 40, "config_changes": {"train.learning_rate": [0.0002, 0.0001]}}`) and the config from that step on is
-kept as `config-step-40.toml` beside the `config.toml` the run started with. Any other change is refused in one
-line naming the keys.
+with. Settings that only steer the steps still to come (schedule, length, eval/checkpoint/log cadence) or where the
+arrays live (mesh, offload, remat, attention kernel) may change (`RESUMABLE`); each change is logged, recorded in
+metrics.jsonl at its step, and the config from that step on kept as `config-step-N.toml` beside `config.toml`
+(`record_config`; `run_config_at` reads the one a step ran with). Any other change is refused in one line naming
+the keys.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import json
 from pathlib import Path
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods.base import method_unit
 from jaxtune.run_config import RunConfig, dump_run_config, load_run_config
 
 RESUMABLE = frozenset({
@@ -64,5 +64,6 @@ def run_config_at(run_dir: str | Path, step: int) -> RunConfig:
 
 def export_hint(run_dir: Path, config: RunConfig, step: int) -> str:
     """How to get a result out of the run's checkpoint at `step`, as a clause for a message."""
-    target = "--merged OUT" if config.method.kind == "full" or config.train.objective == "reward" else "--peft OUT"
+    merged = method_unit(config.method).trains_base or config.train.objective == "reward"
+    target = "--merged OUT" if merged else "--peft OUT"
     return f"`jaxtune export --run {run_dir} --step {step} {target}` writes its result"

@@ -1,4 +1,5 @@
-"""Setups that run but waste the run, said once at start as `JaxtuneWarning`s (`jaxtune: warning: ...` on the CLI).
+"""Setups that run but waste the run, said once at start as `JaxtuneWarning`s (`warn_degenerate`; the sentences:
+`degenerate_setup`):
 
 - padding: more than half of the token slots a step computes hold no token (short examples in long rows, or fewer
   rows of data than a step takes) — pack, lower `data.max_seq_len` or `train.batch_size`;
@@ -16,7 +17,7 @@ from jaxtune.errors import JaxtuneWarning
 
 
 def degenerate_setup(config, task) -> list[str]:
-    """What is degenerate about `config` as `task` (`train.tasks.Task`) will run it, one sentence each."""
+    """What is degenerate about `config` as `task` (`train.start.StartedRun`) will run it, one sentence each."""
     tc, data = config.train, task.training
     total = task.total_steps
     said = []

@@ -3,12 +3,10 @@
     trackers = Trackers(("tensorboard", "wandb"), run_dir, config_toml)   # run_dir/tensorboard, run_dir/wandb
     trackers.write({"step": 10, "loss": 2.3, ...})                        # every number of a record, as a scalar
     progress = ProgressLines(total_steps, first_step, log)                # where stderr is not a terminal (CI, pods)
-    progress.update(step, loss, tokens_per_s)                             # a line every `every_s` s, with an ETA
+    progress.update(step, loss, tokens_per_s)                             # a line every `every_s`, with an ETA
 
-TensorBoard files are written with the `tensorboard` package's own event writer (no TensorFlow), so what
-`tensorboard --logdir` (or its `EventAccumulator`) reads is what was logged; the resolved config goes in as text.
-W&B gets the config as its nested sections and is offline (a run under run_dir/wandb, for `wandb sync`) unless
-credentials exist or WANDB_MODE / `wandb offline` chose a mode.
+TensorBoard files come from the `tensorboard` package's own event writer (no TensorFlow), the config as text; W&B
+gets the config's sections and is offline (run_dir/wandb, for `wandb sync`) unless credentials or WANDB_MODE say.
 """
 
 from __future__ import annotations

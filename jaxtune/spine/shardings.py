@@ -1,27 +1,11 @@
-"""Shardings of everything a training run holds: parameters (method and quantised leaves included), optimizer
-state and batches, all from the one rules table in `rules.py`.
+"""Shardings of everything a training run holds, from the one rules table (`parallel/rules.py`): parameters
+(`param_shardings`, method and quantised leaves included), optimizer state (`optimizer_shardings`: Adam's mu and nu
+as their parameters, counters replicated) and batches (`batch_sharding`: [A, B, T], B over data, fsdp, expert).
 
-Logical axes come from `param_specs` for the base weights and from the methods' own declaration for the leaves
-they add (`methods.transform.method_leaf_axes`: a LoRA A [L, in, r] is (layers, IN, lora_rank) where the kernel it
-adapts is (layers, IN, OUT), so it splits as its kernel does); an objective passes the axes of its own leaves
-(`extra_axes`, e.g. a reward head). This module names no method.
-
-Quantised kernels. An `Int8Array` keeps the kernel's layout: its codes [L, in, out] split exactly as the kernel
-would, its per-column absmax [L, out] as the kernel's output axis (like DoRA's magnitude). An `NF4Array` stores each
-layer's matrix flattened in bitsandbytes' order (the transposed [out, in] matrix, row-major, two codes a byte) with
-one absmax per block of 64 values. The only splits of that flat axis that keep every block whole with its absmax are
-contiguous ranges of whole blocks, so codes [L, n_bytes] and absmax [L, n_blocks] are split the same way over the
-mesh axes of the kernel's output dimension, then those of its input dimension (the flat order is out-major): the
-tensor split of the output columns is then exactly the float kernel's, and `fsdp`, which would split the input rows
-of a float kernel, splits the output rows instead (a ZeRO-3 weight is all-gathered before use either way). Mesh axes
-that don't divide the block count are dropped, and a matrix whose size is not a multiple of the block size is kept
-whole. Double quantisation's second-level scales (absmax2 [L, n_blocks/256], one per 256 absmax codes) split the
-same way when each device's absmax range is whole groups of 256, else they are replicated (1/16384 of the weight),
-as is the per-layer offset [L].
-
-Optimizer state: every params-shaped subtree of the optax state (Adam's mu and nu) gets the parameters' shardings
-(`optax.tree_utils.tree_map_params`); counters are replicated. Batches [A, B, T] split B over ("data", "fsdp").
-A leaf none of these names (a method added later) is replicated: correct everywhere, just not partitioned.
+Logical axes come from `param_specs` for the base weights, `methods.transform.method_leaf_axes` for a method's leaves
+(a LoRA A [L, in, r] splits as its kernel's input), and `extra_axes` for an objective's (a reward head); a leaf no
+one declares is replicated. An `Int8Array` splits as its kernel; an `NF4Array`'s flat codes and absmax only in
+ranges of whole blocks (`_quantized_sharding`). This module names no method.
 """
 
 from __future__ import annotations
@@ -74,6 +58,10 @@ def replicated(mesh: AnyMesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+# NF4 codes are each [out, in] matrix flattened (bitsandbytes' order), an absmax a block: only ranges of whole blocks
+# keep a block with its absmax, so the flat axis takes the output dimension's mesh axes, then the input's (tensor
+# splits the output columns as for a float kernel; fsdp splits output rows, not input rows). absmax2 splits alike
+# when each device's absmax are whole groups, else is replicated; mesh axes that do not divide are dropped.
 def _quantized_sharding(q: QuantizedArray, kernel_axes: tuple, mesh: AnyMesh) -> QuantizedArray:
     """The quantised leaf with a NamedSharding in place of each array child (see the module docstring)."""
     shape = full_shape(q)

@@ -2,7 +2,7 @@
 and the weights loaded into its shardings. Nothing here names an objective: they are registered units
 (`jaxtune.objectives`).
 
-    task = prepare_task(config, mesh, tokenizer, log)
+    task = start_run_on(config, mesh, tokenizer, stored_dtype, cfg, log)     # `loop.start_run` reads those
     state, metrics = task.run.step(state, task.frozen, task.second, task.run.place_batch(task.batch(e, i, state)))
 """
 
@@ -16,30 +16,32 @@ from jax.sharding import Mesh
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import abstract_params
 from jaxtune.objectives import objective_named, section_of
-from jaxtune.objectives.base import Setup, Training, strip_adapters
-from jaxtune.parallel.sharding import param_shardings
+from jaxtune.objectives.base import ObjectiveData, ObjectiveInputs, strip_adapters
 from jaxtune.paths import run_directories
 from jaxtune.spine.load import load_run, read_tree
-from jaxtune.spine.run import AbstractRun, abstract_run, run_plan
+from jaxtune.spine.model import load_reward_model
+from jaxtune.spine.run import AbstractRun, abstract_run, train_plan
+from jaxtune.spine.shardings import param_shardings
 from jaxtune.train.export import export_result
 
 
 @dataclass(frozen=True)
-class Task:
+class StartedRun:
     """A run ready to step: the spine's `run`, the objective's `training` data, the loaded arrays."""
 
     run: AbstractRun
-    training: Training
+    training: ObjectiveData
     total_steps: int
     state: dict
     frozen: dict
     second: dict | None
     export_fn: object
-    cache_writes: list  # tokenised data to cache, once the run starts (`objectives.base.Setup`)
+    cache_writes: list  # tokenised data to cache, once the run starts (`objectives.base.ObjectiveInputs`)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -60,14 +62,14 @@ class Task:
         return self.export_fn(run_dir, params)
 
 
-def prepare_task(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelConfig, log) -> Task:
+def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelConfig, log) -> StartedRun:
     """The run of `config` on `mesh`: the objective's data, then the abstract run, then the weights read into it."""
     c = config
-    plan = run_plan(c, stored_dtype)
+    plan = train_plan(c, stored_dtype)
     objective = objective_named(plan.objective)
     section = section_of(plan)
     cache_dir = run_directories(c.train.output_dir)[0] / "cache"  # tokenised data, beside the run
-    setup = Setup(c, section, cfg, tokenizer, log, cache_dir)
+    setup = ObjectiveInputs(c, section, cfg, tokenizer, log, cache_dir, load_reward_model=load_reward_model)
     training = objective.prepare(setup)
     total_steps = c.train.max_steps or c.train.epochs * training.steps_per_epoch
     if total_steps < 1:
@@ -81,14 +83,14 @@ def prepare_task(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
         export_fn = lambda run_dir, params: objective.export(run_dir, c, cfg, params)
     else:
         export_fn = lambda run_dir, params: export_result(run_dir, c, cfg, params, c.method)
-    return Task(run, training, total_steps, state, frozen, second, export_fn, setup.cache_writes)
+    return StartedRun(run, training, total_steps, state, frozen, second, export_fn, setup.cache_writes)
 
 
 def _reference_for_scoring(run: AbstractRun, config, section, frozen: dict) -> dict:
     """The reference a DPO run scores its pairs with before training: the frozen base (adapters off) or a model
     read whole into the policy's frozen shardings ("base" of a full fine-tune, or a directory)."""
     reference = getattr(section, "reference", "base")
-    if reference == "base" and config.method.kind != "full":
+    if reference == "base" and not method_unit(config.method).trains_base:
         return strip_adapters(frozen)
     base = abstract_params(run.cfg, jax.numpy.dtype(run.plan.param_dtype))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base,

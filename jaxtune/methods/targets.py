@@ -1,17 +1,12 @@
-"""Which modules of which layers a LoRA adapts, with which rank and alpha: PEFT's matching rules on our modules.
+"""Which modules of which layers a method adapts, with which rank and alpha: PEFT's matching rules on our modules
+(`is_target`, `lora_layout -> {module: ModuleLoRA}`, `layer_scales`, `ia3_modules`).
 
 PEFT decides per module path of the transformers model (`model.layers.{i}.self_attn.q_proj`), in this order
-(`peft.tuners.tuners_utils.check_target_module_exists`, `peft.utils.other.get_pattern_key`):
-
-    exclude_modules      a regex (a string, full match) or names (the path, or a suffix after a dot): never adapted
-    target_modules       a regex (a string, full match) or names (the path, or a suffix after a dot)
-    layers_to_transform  with names only: the path's layer index must be listed (found after `layers_pattern`)
-    rank_pattern         the first key whose regex `(.*\\.)?key$` matches the path gives r (else the method's rank)
-    alpha_pattern        the same for lora_alpha
-
-The result, a `ModuleLoRA` per adapted module, is what the leaves are built from: a module's `lora_a` [L, in, R]
-and `lora_b` [L, R, out] have its largest rank R; a layer with rank r < R holds zeros beyond r (they add nothing
-and, with zero gradients, stay zero under AdamW), and a layer the adapter skips has rank 0 and scale 0.
+(`check_target_module_exists`, `get_pattern_key`): exclude_modules, then target_modules (a regex, full match, or
+names: the path or a suffix after a dot), layers_to_transform (names only: the layer index after `layers_pattern`),
+then rank_pattern and alpha_pattern (the first key whose regex `(.*\\.)?key$` matches the path). A module's
+`lora_a` [L, in, R] and `lora_b` [L, R, out] have its largest rank R: a layer of rank r < R holds zeros beyond r
+(with zero gradients they stay zero under AdamW), and a layer the adapter skips has rank 0 and scale 0.
 """
 
 from __future__ import annotations
@@ -131,17 +126,6 @@ def layer_scales(method: MethodConfig, num_layers: int, modules: tuple[str, ...]
     if len(active) == 1 and not (method.dora and skipped):
         return active.pop()
     return {name: m.scales for name, m in layout.items()}
-
-
-def adapted_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                    ) -> dict[str, int]:
-    """{module name: its largest rank (IA3: 0)} of the modules `method` adapts in any layer; {} for methods that
-    adapt no linear module."""
-    if method.kind in ("lora", "qlora"):
-        return {name: m.max_rank for name, m in lora_layout(method, num_layers, modules).items()}
-    if method.kind == "ia3":
-        return dict.fromkeys(ia3_modules(method, num_layers, modules), 0)
-    return {}
 
 
 def ia3_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES

@@ -1,13 +1,11 @@
-"""safetensors files read by slices and written tensor by tensor, so neither ever holds a whole model.
+"""safetensors files read by slices and written tensor by tensor, so neither ever holds a whole model:
+`CheckpointReader(directory).read(name, index)`, `write_safetensors`, `write_weights` (sharded, with an index).
 
 Format (huggingface/safetensors): an 8-byte little-endian header length N, N bytes of JSON {name: {"dtype",
 "shape", "data_offsets": [begin, end]}, "__metadata__": {...}} padded with spaces to a multiple of 8, then the
-C-contiguous little-endian data, offsets counted from the data's start.
-
-Reading uses positioned reads (`os.pread`), not a memory map: pages of a map that were touched stay resident and
-count in the process's memory, so mapping a checkpoint and reading all of it costs its whole size; a read returns
-just the array asked for. A slice of a tensor reads only its bytes: one read for whole trailing rows, one per row
-(run) otherwise. `bytes_read` counts them, so a caller can check that a process read only its part.
+C-contiguous little-endian data. Reading uses positioned reads (`os.pread`), not a memory map, whose touched pages
+would stay resident: a slice reads only its bytes (one read for whole trailing rows, one per row otherwise), and
+`bytes_read` counts them, so a caller can check that a process read only its part.
 """
 
 from __future__ import annotations
@@ -27,9 +25,10 @@ from jaxtune.paths import check_room, writing
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                      "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                      "BOOL": np.bool_}  # the header's dtype name -> numpy's
+SAFETENSORS_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def _header(path: Path, size: int, read) -> tuple[dict, int]:
@@ -49,9 +48,9 @@ def _header(path: Path, size: int, read) -> tuple[dict, int]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info.get("dtype") not in DTYPES:
+        if info.get("dtype") not in SAFETENSORS_DTYPES:
             raise JaxtuneError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}, which jaxtune cannot read")
-        dtype, shape = np.dtype(DTYPES[info["dtype"]]), tuple(info["shape"])
+        dtype, shape = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]), tuple(info["shape"])
         begin, end = (8 + n + o for o in info["data_offsets"])
         if end - begin != math.prod(shape) * dtype.itemsize or end > size:
             raise JaxtuneError(f"{path}: tensor {name}'s data ends at byte {end}, the file has {size} (truncated?)")
@@ -121,7 +120,7 @@ class CheckpointReader:
 
     def stored_type(self, name: str) -> str:
         """The dtype as safetensors names it (F32, BF16, ...)."""
-        return NAMES[self.dtype(name)]
+        return SAFETENSORS_NAMES[self.dtype(name)]
 
     def stored_bytes(self, name: str) -> int:
         return math.prod(self.shape(name)) * self.dtype(name).itemsize
@@ -176,7 +175,8 @@ def write_safetensors(path: str | Path, entries: Iterable[tuple[str, tuple, np.d
     header, offset = {}, 0
     for name, shape, dtype, _ in entries:
         size = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": SAFETENSORS_NAMES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     if metadata:
         header["__metadata__"] = metadata

@@ -1,0 +1,103 @@
+"""IA3 (Liu et al. 2022): learned vectors scaling a module's output, or the input of MLP down projections.
+
+Leaves `ia3_in` [L, in] on down_proj (a shared expert's too) and `ia3_out` [L, out] on other modules, ones at start;
+a module is scaled in every layer or in none (`targets.ia3_modules`). PEFT's tensors: `...{module}.ia3_l`, [out, 1]
+or [1, in].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config.method import MethodFields
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.base import Method, PeftFormat, PlannerCosts
+from jaxtune.methods.targets import ia3_modules, is_target, module_path
+from jaxtune.models.adapters import DenseHook
+from jaxtune.models.quant import full_shape
+
+
+def add_ia3(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
+    """`params` with a vector of ones on every module `method` scales."""
+    layers = dict(params["layers"])
+    L = cfg.num_layers
+    for name in ia3_modules(method, L, cfg.linear_modules):
+        d_in, d_out = full_shape(layers[name]["kernel"])[1:]
+        feedforward = name.endswith("down_proj")  # a shared expert's too
+        leaf = {"ia3_in": jnp.ones((L, d_in))} if feedforward else {"ia3_out": jnp.ones((L, d_out))}
+        layers[name] = {**layers[name], **leaf}
+    return {**params, "layers": layers}
+
+
+def _name(module: str, layer: int) -> str:
+    return f"base_model.model.{module_path(module, layer)}.ia3_l"
+
+
+def _peft_config(cfg: ModelConfig, method: MethodConfig) -> dict:
+    targets = ia3_modules(method, cfg.num_layers, cfg.linear_modules)
+    # PEFT wants feedforward_modules within a list of target_modules: the names that pick a down_proj
+    named = targets if isinstance(method.target_modules, str) else method.target_modules
+    names = lambda value: value if isinstance(value, str) else (list(value) or None)
+    return {"peft_type": "IA3", "target_modules": names(method.target_modules),
+            "exclude_modules": names(method.exclude_modules),
+            "feedforward_modules": [m for m in named if m.endswith("down_proj")], "fan_in_fan_out": False,
+            "init_ia3_weights": True}
+
+
+def _peft_tensors(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[str, np.ndarray]:
+    state = {}
+    for name in ia3_modules(method, cfg.num_layers, cfg.linear_modules):
+        module = params["layers"][name]
+        for i in range(cfg.num_layers):
+            ia3 = (np.asarray(module["ia3_in"][i], np.float32)[None, :] if "ia3_in" in module
+                   else np.asarray(module["ia3_out"][i], np.float32)[:, None])
+            state[_name(name, i)] = np.ascontiguousarray(ia3)
+    return state
+
+
+def _method_of(config: dict, get, targets) -> MethodConfig:
+    method = MethodConfig(kind="ia3", target_modules=targets, exclude_modules=get("exclude_modules", ()),
+                          modules_to_save=get("modules_to_save", ()))
+    feedforward = get("feedforward_modules", [])
+    feedforward = {feedforward} if isinstance(feedforward, str) else set(feedforward)
+    scales_down = any(is_target(method, module_path(m, i)) for i in range(256)
+                      for m in ("down_proj", "shared_expert.down_proj"))
+    if {f.rsplit(".", 1)[-1] for f in feedforward} != ({"down_proj"} if scales_down else set()):
+        raise JaxtuneError(f"IA3 feedforward_modules {sorted(feedforward)} are not supported (jaxtune scales the "
+                           "input of down_proj and the output of other modules)")
+    return method
+
+
+def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: MethodConfig) -> dict:
+    layers = dict(params["layers"])
+    for name in ia3_modules(method, cfg.num_layers, cfg.linear_modules):
+        leaf = "ia3_in" if "ia3_in" in layers[name] else "ia3_out"
+        value = np.stack([np.ravel(state[_name(name, i)]) for i in range(cfg.num_layers)])
+        layers[name] = {**layers[name], leaf: jnp.asarray(value)}
+    return {**params, "layers": layers}
+
+
+def _saved(method, adapted, out_width, b, T, D) -> list:
+    """The scaled modules' outputs (their vectors' gradient reads them); down_proj's input is kept as trained."""
+    return [(f"{m} output", out_width[m], False) for m in adapted if m != "down_proj"]
+
+
+IA3 = Method(
+    kind="ia3",
+    fields=MethodFields(("exclude_modules", "layers_to_transform", "modules_to_save"),
+                        default_targets=("k_proj", "v_proj", "down_proj")),
+    add_leaves=add_ia3,
+    leaves=("ia3_in", "ia3_out"),
+    module_axes={"ia3_in": lambda layers, d_in, d_out: (layers, d_in),
+                 "ia3_out": lambda layers, d_in, d_out: (layers, d_out)},
+    dense=(DenseHook("ia3_in", scale_input=lambda x, module: x * module["ia3_in"].astype(x.dtype)),
+           DenseHook("ia3_out", scale_output=lambda y, module: y * module["ia3_out"].astype(y.dtype))),
+    adapted=lambda method, num_layers, modules: dict.fromkeys(ia3_modules(method, num_layers, modules), 0),
+    peft=PeftFormat(("IA3",), ("target_modules", "exclude_modules", "feedforward_modules", "modules_to_save"),
+                    _peft_config, _peft_tensors, _method_of, _peft_load),
+    costs=PlannerCosts(trains_input=lambda method, module, adapted: module == "down_proj" and module in adapted,
+                       saved=_saved),
+)

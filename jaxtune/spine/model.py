@@ -1,0 +1,91 @@
+"""A model held for inference (eval, generate, export, a reward model, a reference), read by the spine's loader.
+
+    cfg, params = load_model("path/to/model")                            # HF directory or GGUF file
+    cfg, params, method = load_model_with_adapter(model, "run/adapter")   # + a PEFT adapter
+    cfg, params = load_reward_model("run/reward_model")                   # + its `score` head
+
+`abstract_model` is the tree as ShapeDtypeStructs in their shardings (one device unless a mesh is given, a QLoRA
+base quantised); `load.read_tree` reads the checkpoint into exactly those, a shard at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.errors import check_choice
+from jaxtune.io.safetensors import CheckpointReader
+from jaxtune.methods.peft import CONFIG_FILE, load_peft_adapter, quantized_base
+from jaxtune.methods.transform import quantize_base
+from jaxtune.models.hf_config import load_config
+from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
+from jaxtune.models.params import abstract_params
+from jaxtune.models.reward_model import reward_config
+from jaxtune.parallel.mesh import make_mesh
+from jaxtune.spine.load import read_tree
+from jaxtune.spine.shardings import param_shardings
+
+
+def abstract_model(cfg: ModelConfig, dtype, method: MethodConfig | None = None, mesh: Mesh | None = None) -> dict:
+    """The base tree of `cfg` in `dtype` as ShapeDtypeStructs with shardings over `mesh` (default: one device),
+    every linear kernel quantised where `method` holds its base quantised (QLoRA)."""
+    mesh = mesh if mesh is not None else make_mesh(MeshConfig(), jax.devices()[:1])
+    shapes = abstract_params(cfg, dtype)
+    if method is not None:
+        shapes = jax.eval_shape(lambda p: quantize_base(p, method), shapes)
+    shardings = param_shardings(shapes, cfg, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def load_model(model: str | Path, dtype=None, method: MethodConfig | None = None, mesh: Mesh | None = None
+               ) -> tuple[ModelConfig, dict]:
+    """(config, params) of a Hugging Face directory or a GGUF file, each leaf read into its sharding.
+
+    dtype: of the float leaves (default: the checkpoint's own); method: quantise the base as it is read (QLoRA)."""
+    cfg = load_config(model)
+    with checked_reader(model, cfg) as reader:
+        dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
+        return cfg, read_tree(reader, abstract_model(cfg, dtype, method, mesh), cfg)
+
+
+def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None, dtype=None,
+                            base: str = "as-trained", log=None) -> tuple[ModelConfig, dict, MethodConfig | None]:
+    """(config, params, method) of a model, with a PEFT adapter applied if given.
+
+    base: "as-trained" puts a QLoRA adapter that records its quantised base (`jaxtune_quantized_base`) on that
+    base, quantised as it is read; "float" uses the float weights. `log(text)` is told which base is used.
+    """
+    check_choice("base", base, ("as-trained", "float"))
+    quantization = quantized_base(adapter) if adapter is not None and Path(adapter, CONFIG_FILE).is_file() else None
+    use_quantized = quantization is not None and base == "as-trained"
+    quantized = MethodConfig("qlora", bits=int(quantization.get("bits", 4)),
+                             double_quant=bool(quantization.get("double_quant", True))) if use_quantized else None
+    cfg, params = load_model(model, dtype, quantized)
+    if adapter is None:
+        return cfg, params, None
+    method, params = load_peft_adapter(adapter, params, cfg, kind="qlora" if use_quantized else None,
+                                       quantization=quantization)
+    if quantization is not None and log is not None:
+        fmt = str(quantization.get("format", "nf4")).upper() + (", double quantisation" if quantization.get(
+            "double_quant") else "")
+        log(f"{adapter}: QLoRA adapter on its base quantised as in training ({fmt}); --base float for the float "
+            "weights" if use_quantized else
+            f"{adapter}: QLoRA adapter trained on a quantised base ({fmt}), applied to the float weights")
+    return cfg, params, method
+
+
+def load_reward_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
+    """(config, params with `score`) of a directory `save_reward_model` (or transformers) wrote; the config is the
+    causal architecture's with tied embeddings (a reward model has no LM head)."""
+    directory, cfg = reward_config(directory)
+    with CheckpointReader(directory) as reader:
+        check_tensors(reader, directory, cfg, {**expected_tensors(cfg), "score.weight": (1, cfg.hidden_size)})
+        dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
+        params = read_tree(reader, abstract_model(cfg, dtype), cfg)
+        score = reader.read("score.weight")[0].astype(dtype)
+    return cfg, {**params, "score": {"kernel": jnp.asarray(score)}}

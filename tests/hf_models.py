@@ -1,0 +1,86 @@
+"""Tiny random transformers models (the reference stack: torch and transformers), saved as Hugging Face directories
+without network. Imported by the tests that use them, which are marked `reference`; the `hf_model_dir` fixture
+(tests/conftest.py) imports it when first used."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import transformers
+
+# Weights scaled so activations and logits are O(1): parity at 1e-4 then means something.
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}}),
+    "llama_tied_bias_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, "head_dim": 32,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 5}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2_sliding": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {
+        "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {  # head_dim 32 where hidden / heads is 16
+        "tie_word_embeddings": True, "head_dim": 32, "use_sliding_window": True, "sliding_window": 4,
+        "max_window_layers": 2}),
+    # Soft caps low enough to act on O(1) scores and logits; 1 / sqrt(24) in place of 1 / sqrt(head_dim = 32);
+    # layers sliding, full, sliding (window 4 < the batch's 12 tokens).
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 2.0}),
+    # Full layers with RoPE base 1e6 scaled linearly by 4, sliding ones (window 4) with base 1e4.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
+    # Fused qkv_proj and gate_up_proj, RoPE on 3/4 of each head (Phi-4-mini's), longrope (its short factors up to
+    # 64 positions, its long ones past them), one window (6) for every layer.
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {
+        "head_dim": 16, "partial_rotary_factor": 0.75, "sliding_window": 6, "original_max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                         "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]}}),
+    # Mixtures of experts, top-2 routing: Mixtral's 4 experts (window 6); Qwen2-MoE's 4 narrower experts, their top 2
+    # weights not renormalised, and a shared expert; Qwen3-MoE's 6 with renormalised weights and query/key norms.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
+        "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6}),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, {
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 4,
+        "num_experts_per_tok": 2}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 2,
+        "norm_topk_prob": True}),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1) (Gemma's weights N(0, 0.1): it scales by 1 + weight),
+    biases ~ N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(unit + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(noise / np.sqrt(p.shape[-1]))
+    return model.eval()
+
+
+def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
+    """A random transformers model of `arch`, saved with save_pretrained into `directory`; returns the model."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(**copy.deepcopy({**TINY, **extra, **overrides}))  # configs edit their rope dicts in place
+    torch.manual_seed(seed)
+    model = randomize(model_cls(config), seed)
+    model.save_pretrained(directory)
+    return model

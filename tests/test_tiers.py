@@ -1,0 +1,51 @@
+"""The fast tier runs without the reference stack: with JAXTUNE_TESTS_NO_TORCH=1 the test processes, and the
+processes they start, cannot import torch, transformers or peft; and jaxtune itself never imports them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+REFERENCE_STACK = ("torch", "transformers", "peft")
+
+# Run as the test processes run tests/conftest.py, then as a process one of them starts.
+BLOCKED = """
+import importlib.util, runpy, subprocess, sys
+runpy.run_path(sys.argv[1])
+for name in ("torch", "transformers", "peft", "transformers.models.llama"):
+    try:
+        __import__(name)
+    except ImportError as e:
+        assert "the fast tier runs without torch" in str(e), e
+    else:
+        raise AssertionError(f"{name} imported")
+    assert importlib.util.find_spec(name.partition(".")[0]) is None  # a probe (datasets') finds nothing
+child = subprocess.run([sys.executable, "-c", "import peft"], capture_output=True, text=True)
+assert child.returncode == 1 and "the fast tier runs without torch" in child.stderr, child.stderr
+import numpy, safetensors.numpy, tokenizers, datasets  # the fast tier's own dependencies still import
+print("blocked")
+"""
+
+
+def environment(**extra) -> dict:
+    """This process's environment without the blocker (the fast tier's own run sets it), plus `extra`."""
+    site = str(TESTS / "no_torch")
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXTUNE_TESTS_NO_TORCH", "PYTHONPATH")}
+    return {**env, **({"PYTHONPATH": os.pathsep.join(path)} if path else {}), **extra}
+
+
+def test_the_fast_tier_cannot_import_the_reference_stack():
+    out = subprocess.run([sys.executable, "-c", BLOCKED, str(TESTS / "conftest.py")], capture_output=True, text=True,
+                         env=environment(JAXTUNE_TESTS_NO_TORCH="1"), timeout=120)
+    assert out.returncode == 0 and out.stdout == "blocked\n", out.stderr
+
+
+def test_jaxtune_and_its_cli_do_not_import_the_reference_stack():
+    """Checked without the blocker: not even an import that would fail quietly."""
+    code = "import sys, jaxtune, jaxtune.cli; print(sorted(m for m in sys.modules if m.partition('.')[0] in {}))"
+    out = subprocess.run([sys.executable, "-c", code.format(REFERENCE_STACK)], capture_output=True, text=True,
+                         env=environment(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "[]\n"

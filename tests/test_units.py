@@ -1,0 +1,230 @@
+"""Adding a method or an objective is one unit and one registry line: a toy of each, defined here and nowhere else,
+trains through `fine_tune`, is planned, and (the method) merges and exports to PEFT."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtune.config import MethodConfig
+from jaxtune.config.method import METHOD_FIELDS, MethodFields
+from jaxtune.config.plan import TrainPlan
+from jaxtune.errors import ConfigError
+from jaxtune.methods.base import METHODS, Method, PeftFormat, PlannerCosts, register
+from jaxtune.methods.targets import module_path
+from jaxtune.methods.transform import apply_method, parameter_report
+from jaxtune.models.adapters import ADAPTER_FORWARDS, DENSE_HOOKS, AdapterForward, DenseHook
+from jaxtune.models.llama import forward
+from jaxtune.models.params import init_params
+from jaxtune.models.quant import full_shape
+from jaxtune.objectives import OBJECTIVES
+from jaxtune.objectives.sft import SFT
+from jaxtune.planner.devices import get_device
+from jaxtune.planner.estimate import estimate
+from jaxtune.presets import tiny_model_config, write_random_model
+from jaxtune.run_config import load_run_config
+from jaxtune.spine.model import load_model
+from jaxtune.train.export import export_run
+from jaxtune.train.loop import fine_tune
+
+DEMO = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
+
+
+# ---- the toy method: LoRA by another name (leaves toy_a [L, in, r], toy_b [L, r, out]; y += alpha / r x A B) ----
+
+def check_toy(method):
+    if method.rank <= 0:
+        raise ConfigError("rank", method.rank, "must be > 0")
+
+
+def add_toy(params, cfg, method, key):
+    layers = dict(params["layers"])
+    for i, name in enumerate(method.target_modules):
+        L, d_in, d_out = full_shape(layers[name]["kernel"])
+        a = jax.random.normal(jax.random.fold_in(key, i), (L, d_in, method.rank)) / np.sqrt(d_in)
+        layers[name] = {**layers[name], "toy_a": a, "toy_b": jnp.zeros((L, method.rank, d_out))}
+    return {**params, "layers": layers}
+
+
+def toy_add(x, y, module, kernel, branch):
+    return y + branch.scale * ((x @ module["toy_a"].astype(x.dtype)) @ module["toy_b"].astype(x.dtype))
+
+
+def toy_merged(module, scale):
+    kernel = module["kernel"].astype(jnp.float32)
+    return kernel + scale * jnp.einsum("...ir,...ro->...io", module["toy_a"], module["toy_b"])
+
+
+def toy_merge(params, method, dtype=None):
+    layers = {name: ({k: v for k, v in m.items() if not k.startswith("toy_")}
+                     | {"kernel": toy_merged(m, method.alpha / method.rank).astype(dtype or m["kernel"].dtype)})
+              if isinstance(m, dict) and "toy_a" in m else m for name, m in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def toy_merged_layer(params, method):
+    def tensor(path, layer):
+        module = params["layers"].get(path[1]) if path[0] == "layers" and len(path) == 3 else None
+        if not isinstance(module, dict) or "toy_a" not in module or path[2] != "kernel":
+            return None
+        one = jax.tree.map(lambda x: x[layer], module)
+        return toy_merged(one, method.alpha / method.rank).astype(module["kernel"].dtype)
+
+    return tensor
+
+
+def toy_peft_config(cfg, method):
+    return {"peft_type": "LORA", "r": method.rank, "lora_alpha": method.alpha, "lora_dropout": 0.0,
+            "target_modules": list(method.target_modules), "bias": "none", "init_lora_weights": True}
+
+
+def toy_peft_tensors(params, cfg, method):
+    state = {}
+    for name in method.target_modules:
+        a, b = (np.asarray(params["layers"][name][k], np.float32) for k in ("toy_a", "toy_b"))
+        for i in range(cfg.num_layers):
+            state[f"base_model.model.{module_path(name, i)}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            state[f"base_model.model.{module_path(name, i)}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    return state
+
+
+TOY = Method(
+    kind="toy",
+    fields=MethodFields(default_targets=("q_proj", "v_proj"), check=check_toy),
+    add_leaves=add_toy,
+    leaves=("toy_a", "toy_b"),
+    module_axes={"toy_a": lambda layers, d_in, d_out: (layers, d_in, "lora_rank"),
+                 "toy_b": lambda layers, d_in, d_out: (layers, "lora_rank", d_out)},
+    dense=(DenseHook("toy_a", add=toy_add),),
+    forward=AdapterForward(scales=lambda method, cfg: method.alpha / method.rank),
+    adapted=lambda method, num_layers, modules: {m: method.rank for m in method.target_modules if m in modules},
+    merge=toy_merge,
+    merged_layer=toy_merged_layer,
+    peft=PeftFormat((), (), toy_peft_config, toy_peft_tensors),
+    costs=PlannerCosts(trains_input=lambda method, module, adapted: module in adapted, low_rank=True),
+)
+
+# ---- the toy objective: SFT's loss, doubled ----
+
+def doubled_loss_terms(ctx):
+    terms = SFT.loss_terms(ctx)
+
+    def doubled(trainable, frozen, second, micro, key=None):
+        loss, (count, metrics) = terms(trainable, frozen, second, micro, key)
+        return 2 * loss, (count, metrics)
+
+    return doubled
+
+
+SFT_TWICE = replace(SFT, name="sft_twice", loss_terms=doubled_loss_terms)
+
+
+@pytest.fixture
+def toys():
+    """The toy method and objective registered, and forgotten again after the test."""
+    register(TOY)
+    OBJECTIVES[SFT_TWICE.name] = SFT_TWICE
+    yield
+    for table in (METHODS, METHOD_FIELDS, ADAPTER_FORWARDS):
+        table.pop(TOY.kind)
+    DENSE_HOOKS.pop("toy_a")
+    OBJECTIVES.pop(SFT_TWICE.name)
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("units")
+    data = root / "data.jsonl"
+    data.write_text("".join(DEMO.read_text().splitlines(keepends=True)[:48]))
+    return write_random_model(root / "model", "llama", seed=0, initializer_range=0.1), data
+
+
+def run_config(tmp_path, model, data, method: str, objective: str = "sft", steps: int = 6):
+    path = tmp_path / f"{method}-{objective}.toml"
+    path.write_text("\n".join([
+        "[model]", f'path = "{model}"', "[method]", f'kind = "{method}"', "rank = 4", "alpha = 8.0",
+        "[data]", f'train = "{data}"', "max_seq_len = 96", "eval_fraction = 0.25",
+        "[train]", f'output_dir = "{tmp_path / (method + "-" + objective)}"', f"max_steps = {steps}",
+        "batch_size = 4", "learning_rate = 1e-2", "log_every = 1", f'objective = "{objective}"']) + "\n")
+    return load_run_config(path)
+
+
+def train_losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_an_unregistered_kind_fails_loudly(toys):
+    METHODS.pop(TOY.kind)  # the config still knows it; the units do not
+    with pytest.raises(ConfigError, match='kind = "toy": choose one of full, lora, qlora, ia3, prefix, adapter'):
+        apply_method(init_params(tiny_model_config(), jax.random.key(0)), tiny_model_config(), MethodConfig("toy"),
+                     jax.random.key(1))
+    METHODS[TOY.kind] = TOY
+
+
+def test_the_toy_forward_equals_lora_with_the_same_matrices(toys):
+    cfg = tiny_model_config()
+    base = init_params(cfg, jax.random.key(0))
+    toy_method, lora_method = MethodConfig("toy", rank=4, alpha=8.0), MethodConfig("lora", rank=4, alpha=8.0)
+    toy = apply_method(base, cfg, toy_method, jax.random.key(1))
+    toy = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.05 if jax.tree_util.keystr(path).endswith("['toy_b']") else x, toy)
+    lora = apply_method(base, cfg, lora_method, jax.random.key(1))
+    layers = {**lora["layers"], **{m: {**lora["layers"][m], "lora_a": toy["layers"][m]["toy_a"],
+                                       "lora_b": toy["layers"][m]["toy_b"]} for m in ("q_proj", "v_proj")}}
+    tokens = jnp.arange(24).reshape(2, 12) % cfg.vocab_size
+    ours = forward(toy, tokens, cfg, method=toy_method)
+    np.testing.assert_allclose(ours, forward({**lora, "layers": layers}, tokens, cfg, method=lora_method),
+                               rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(ours - forward(base, tokens, cfg))).max() > 1e-3  # the branch matters
+    np.testing.assert_allclose(forward(toy_merge(toy, toy_method), tokens, cfg), ours, rtol=1e-4, atol=1e-4)
+    L, D = cfg.num_layers, cfg.hidden_size
+    assert parameter_report(toy, toy_method).trainable == L * 4 * ((D + cfg.q_size) + (D + cfg.kv_size))
+
+
+def test_a_method_from_a_test_trains_merges_exports_and_is_planned(toys, model_and_data, tmp_path):
+    model, data = model_and_data
+    config = run_config(tmp_path, model, data, "toy")
+    fine_tune(config, log=lambda _: None)
+    run = tmp_path / "toy-sft"
+    losses = train_losses(run)
+    assert losses[-1] < losses[0]
+    adapter = run / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+    # the PEFT adapter read back (as plain LoRA) and the toy's own merged export give the same logits
+    from jaxtune.spine.model import load_model_with_adapter
+
+    merged = export_run(run, "merged", tmp_path / "merged")
+    cfg, with_adapter, lora = load_model_with_adapter(model, adapter)
+    tokens = jnp.arange(40).reshape(2, 20) % cfg.vocab_size
+    np.testing.assert_allclose(forward(load_model(merged)[1], tokens, cfg), forward(with_adapter, tokens, cfg,
+                                                                                     method=lora), atol=2e-4)
+    assert np.abs(np.asarray(forward(load_model(model)[1], tokens, cfg)
+                             - forward(with_adapter, tokens, cfg, method=lora))).max() > 1e-3  # it trained
+
+    # planned: the estimate counts the toy's leaves as what trains, and its x A saved activations
+    plan = TrainPlan(config.method, batch_size=4, seq_len=96, compute_dtype="float32", param_dtype="float32")
+    est = estimate(cfg, plan, get_device("cpu"))
+    L, D = cfg.num_layers, cfg.hidden_size
+    assert est.trainable_parameters == L * 4 * ((D + cfg.q_size) + (D + cfg.kv_size))
+    full = estimate(cfg, replace(plan, method=MethodConfig("full")), get_device("cpu"))
+    assert est.trainable_parameters < full.trainable_parameters
+
+
+def test_an_objective_from_a_test_trains_and_is_planned(toys, model_and_data, tmp_path):
+    model, data = model_and_data
+    once = run_config(tmp_path, model, data, "lora", "sft", steps=2)
+    twice = run_config(tmp_path, model, data, "lora", "sft_twice", steps=2)
+    fine_tune(once, log=lambda _: None)
+    fine_tune(twice, log=lambda _: None)
+    first = train_losses(tmp_path / "lora-sft")[0], train_losses(tmp_path / "lora-sft_twice")[0]
+    np.testing.assert_allclose(first[1], 2 * first[0], rtol=1e-5)
+    cfg = load_model(model)[0]
+    plan = TrainPlan(twice.method, batch_size=4, seq_len=96, objective="sft_twice")
+    assert estimate(cfg, plan, get_device("cpu")).total_bytes == estimate(
+        cfg, replace(plan, objective="sft"), get_device("cpu")).total_bytes
