@@ -37,8 +37,6 @@ def dora_scale(kernel_IxO: jax.Array, lora_a: jax.Array, lora_b: jax.Array, magn
     return magnitude_O.astype(dtype) / norm_O
 
 
-
-
 @jax.custom_vjp
 def lora_branch(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """(x [..., in] @ a [in, r]) @ b [r, out], all in x's dtype, with a hand-written backward.
@@ -406,8 +404,8 @@ LORA = Method(
     adapted=lambda method, num_layers, modules: {name: m.max_rank
                                                  for name, m in lora_layout(method, num_layers, modules).items()},
     count=_count,
-    merge=lambda params, method, dtype=None: merge(params, method, dtype),
-    merged_layer=lambda params, method: merged_layer(params, method),
+    merge=merge,
+    merged_layer=merged_layer,
     peft=PeftFormat(("LORA",), PEFT_READ_FIELDS, _peft_config, _peft_tensors, _method_of, _peft_load),
     gguf_lora=True,
     costs=PlannerCosts(trains_input=lambda method, module, adapted: module in adapted, low_rank=True),
