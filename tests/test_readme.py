@@ -271,3 +271,20 @@ def test_the_notebook_examples_run_as_printed(tmp_path, monkeypatch):
     assert {"correct_before", "correct_after"} <= set(namespace["summary"])
     assert (tmp_path / "dates-f16.gguf").stat().st_size > 0 and (tmp_path / "dates-lora.gguf").stat().st_size > 0
     assert namespace["result"].result_path == Path("runs/my-run/adapter")
+
+
+def test_the_scale_out_page_shows_the_rules_table_the_code_has():
+    """docs/scale-out.md's table of logical axes is `parallel.rules.RULES`, row for row."""
+    from jaxtune.parallel.rules import RULES
+
+    def words(cell: str) -> tuple[str, ...]:
+        return tuple(w.strip() for w in cell.split(",") if w.strip() and not w.strip().startswith("never"))
+
+    table = {}
+    for line in (ROOT / "docs" / "scale-out.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        for name in re.findall(r"`(\w+)`", cells[0].split("(")[0]):
+            table[name] = (words(cells[1]), words(cells[2]))
+    assert table == {name: (split, fallback) for name, split, fallback in RULES}
