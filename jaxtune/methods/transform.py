@@ -32,7 +32,7 @@ def method_leaf_axes(keys: tuple[str, ...], base_axes: dict) -> tuple[str, ...] 
         module = base_axes["layers"].get(keys[1])
         if isinstance(module, dict) and "kernel" in module:
             return module_axes[keys[2]](*module["kernel"])
-    if len(keys) == 4 and keys[:2] == ("layers", "experts") and keys[3] in ("lora_a", "lora_b"):
+    if len(keys) == 4 and keys[:2] == ("layers", "experts") and keys[3] in module_axes:  # each expert's own
         layers, experts, d_in, d_out = base_axes["layers"]["experts"][keys[2]]["kernel"]
         return (layers, experts, *module_axes[keys[3]](None, d_in, d_out)[1:])
     if keys == ("lm_head", "kernel"):  # a tied model's head, parted from the embedding (modules_to_save)
