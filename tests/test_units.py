@@ -15,7 +15,7 @@ from jaxtune.config.method import METHOD_FIELDS, MethodFields
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError
 from jaxtune.methods.base import METHODS, Method, PeftFormat, PlannerCosts, register
-from jaxtune.methods.targets import module_path
+from jaxtune.methods.targets import peft_module
 from jaxtune.methods.transform import apply_method, parameter_report
 from jaxtune.models.adapters import ADAPTER_FORWARDS, DENSE_HOOKS, AdapterForward, DenseHook
 from jaxtune.models.llama import forward
@@ -87,8 +87,8 @@ def toy_peft_tensors(params, cfg, method):
     for name in method.target_modules:
         a, b = (np.asarray(params["layers"][name][k], np.float32) for k in ("toy_a", "toy_b"))
         for i in range(cfg.num_layers):
-            state[f"base_model.model.{module_path(name, i)}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
-            state[f"base_model.model.{module_path(name, i)}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+            state[f"{peft_module(name, i)}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            state[f"{peft_module(name, i)}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
     return state
 
 

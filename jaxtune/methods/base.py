@@ -20,9 +20,10 @@ from jaxtune.models.adapters import ADAPTER_FORWARDS, DENSE_HOOKS, AdapterForwar
 
 @dataclass(frozen=True)
 class PeftFormat:
-    """A method's PEFT adapter format: config(cfg, method, base_model) -> adapter_config.json's dict;
-    tensors(params, cfg, method) -> {PEFT name: float32 array in torch's layout}; method_of(config, cfg) -> the
-    MethodConfig a PEFT config describes; load(tensors, params, cfg, method) -> params with the adapter's leaves.
+    """A method's PEFT adapter format: config(cfg, method) -> its adapter_config.json keys (`peft.peft_config` adds
+    the common ones); tensors(params, cfg, method) -> {PEFT name: float32 array in torch's layout}; method_of(config,
+    get, targets) -> the MethodConfig a PEFT config describes (get(key, default) reads a key, None as unset;
+    targets: its target_modules checked); load(tensors, params, cfg, method) -> params with the adapter's leaves.
     peft_types: the `peft_type` values it reads (none: it writes adapters jaxtune reads as another method's);
     read_fields: the config fields it reads."""
 

@@ -15,7 +15,7 @@ from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.config.method import MethodFields
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts
-from jaxtune.methods.targets import ia3_modules, is_target, module_path
+from jaxtune.methods.targets import ia3_modules, is_target, module_path, peft_module, peft_names
 from jaxtune.models.adapters import DenseHook
 from jaxtune.models.quant import full_shape
 
@@ -33,16 +33,15 @@ def add_ia3(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array
 
 
 def _name(module: str, layer: int) -> str:
-    return f"base_model.model.{module_path(module, layer)}.ia3_l"
+    return f"{peft_module(module, layer)}.ia3_l"
 
 
 def _peft_config(cfg: ModelConfig, method: MethodConfig) -> dict:
     targets = ia3_modules(method, cfg.num_layers, cfg.linear_modules)
     # PEFT wants feedforward_modules within a list of target_modules: the names that pick a down_proj
     named = targets if isinstance(method.target_modules, str) else method.target_modules
-    names = lambda value: value if isinstance(value, str) else (list(value) or None)
-    return {"peft_type": "IA3", "target_modules": names(method.target_modules),
-            "exclude_modules": names(method.exclude_modules),
+    return {"peft_type": "IA3", "target_modules": peft_names(method.target_modules),
+            "exclude_modules": peft_names(method.exclude_modules),
             "feedforward_modules": [m for m in named if m.endswith("down_proj")], "fan_in_fan_out": False,
             "init_ia3_weights": True}
 

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import LINEAR_MODULE_NAMES, MethodConfig, ModelConfig
-from jaxtune.config.method import MethodFields
+from jaxtune.config.method import CLAIMED_FIELDS, MethodFields
 from jaxtune.config.model import EXPERT_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts, module_keys
-from jaxtune.methods.targets import ModuleLoRA, layer_scales, lora_layout, module_path
+from jaxtune.methods.targets import ModuleLoRA, layer_scales, lora_layout, peft_module, peft_names
 from jaxtune.models.adapters import AdapterForward, Branch, DenseHook
 from jaxtune.models.linear import dropout, kernel_of, wide
 from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
@@ -288,10 +288,6 @@ def unmerge(merged: dict, adapters: dict, method: MethodConfig) -> dict:
     return {**merged, "layers": layers}
 
 
-def _prefix(module: str, layer: int) -> str:
-    return f"base_model.model.{module_path(module, layer)}"
-
-
 def _expert_prefix(module: str, layer: int, method: MethodConfig) -> str:
     """Where PEFT keeps the LoRA of expert stack `module`: PEFT wraps the experts' parameters in the order the
     module registers them (gate_up_proj, then down_proj), so with both the first is the second's base layer."""
@@ -299,15 +295,10 @@ def _expert_prefix(module: str, layer: int, method: MethodConfig) -> str:
     return f"base_model.model.model.layers.{layer}.mlp.experts" + ".base_layer" * inner
 
 
-def _peft_names(value):
-    """A target/exclude field as PEFT writes it: a regex string, a list of names, or None."""
-    return value if isinstance(value, str) else (list(value) or None)
-
-
 def _peft_config(cfg: ModelConfig, method: MethodConfig) -> dict:
     return {"peft_type": "LORA", "r": method.rank, "lora_alpha": method.alpha, "lora_dropout": method.dropout,
-            "target_modules": _peft_names(method.target_modules),
-            "exclude_modules": _peft_names(method.exclude_modules),
+            "target_modules": peft_names(method.target_modules),
+            "exclude_modules": peft_names(method.exclude_modules),
             "layers_to_transform": list(method.layers_to_transform) or None,
             "layers_pattern": list(method.layers_pattern) or None, "rank_pattern": dict(method.rank_pattern),
             "alpha_pattern": dict(method.alpha_pattern), "bias": "none", "lora_bias": method.lora_bias,
@@ -323,7 +314,7 @@ def _peft_tensors(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[
         for i, r in enumerate(lora.ranks):
             if not r:
                 continue
-            prefix = _prefix(name, i)
+            prefix = peft_module(name, i)
             state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(module["lora_a"][i][:, :r].T)
             state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(module["lora_b"][i][:r].T)
             if method.lora_bias:
@@ -361,7 +352,7 @@ def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: MethodConfig
         for i, r in enumerate(lora.ranks):
             if not r:
                 continue
-            prefix = _prefix(name, i)
+            prefix = peft_module(name, i)
             module["lora_a"][i, :, :r] = state[f"{prefix}.lora_A.weight"].T
             module["lora_b"][i, :r] = state[f"{prefix}.lora_B.weight"].T
             if method.lora_bias:
@@ -383,8 +374,6 @@ def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: MethodConfig
 PEFT_READ_FIELDS = ("r", "lora_alpha", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
                     "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias", "modules_to_save",
                     "target_parameters")
-LORA_FIELDS = ("dropout", "rslora", "dora", "lora_bias", "rank_pattern", "alpha_pattern", "exclude_modules",
-               "layers_to_transform", "modules_to_save", "target_parameters")
 LORA_AXES = {
     "lora_a": lambda layers, d_in, d_out: (layers, d_in, "lora_rank"),
     "lora_b": lambda layers, d_in, d_out: (layers, "lora_rank", d_out),
@@ -394,7 +383,7 @@ LORA_AXES = {
 
 LORA = Method(
     kind="lora",
-    fields=MethodFields(LORA_FIELDS, default_targets=("q_proj", "v_proj"), check=_check),
+    fields=MethodFields(CLAIMED_FIELDS, default_targets=("q_proj", "v_proj"), check=_check),
     add_leaves=add_lora,
     leaves=LORA_LEAVES,
     module_axes=LORA_AXES,

@@ -30,6 +30,16 @@ def module_path(name: str, layer: int) -> str:
     return f"model.layers.{layer}.{'self_attn' if name in ATTENTION_MODULES else 'mlp'}.{name}"
 
 
+def peft_module(name: str, layer: int) -> str:
+    """The PEFT state-dict prefix of linear module `name` of `layer`: 'base_model.model.model.layers.3.mlp.up_proj'."""
+    return f"base_model.model.{module_path(name, layer)}"
+
+
+def peft_names(value):
+    """A target/exclude field as PEFT's adapter_config.json writes it: a regex string, a list of names, or None."""
+    return value if isinstance(value, str) else (list(value) or None)
+
+
 @dataclass(frozen=True)
 class ModuleLoRA:
     """One module's LoRA over the layers: `ranks[i]` (0: layer i not adapted) and `alphas[i]`."""
