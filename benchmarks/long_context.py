@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/long_context.py                     # 1k .. 16k tokens, all three; ~25 min on 2 cores
     .venv/bin/python benchmarks/long_context.py --lengths 1024 4096 --only jax
+    .venv/bin/python benchmarks/long_context.py --context            # context parallelism on 8 fake devices, ~10 min
 
 The benchmark shape of `train_throughput.py` (hidden 512, 8 layers, 8 / 4 heads, vocabulary 8192, float32), LoRA
 rank 8 on q, v, batch 1, every layer recomputed in the backward on both sides (jaxtune's remat "full", torch's
@@ -15,6 +16,12 @@ with T, eager's with T^2; fitted on the measured lengths); jaxtune's from XLA's 
 step (compiling allocates none of the arrays), found by bisection over T in steps of 1,024, plus the largest gap
 between a measured peak RSS and the compiled figure at the same length (the runtime, Python and the libraries).
 Results go to benchmarks/results/long_context.json.
+
+`--context`: memory a device against T and the context axis' size N (`[mesh] context`, each row's tokens split over
+N devices), from XLA's memory analysis of the step compiled for 8 fake CPU devices (same shape, LoRA, remat full; no
+step runs: 8 fake devices share this host's cores, so their speed means nothing). For each T and N, both attention
+strategies (ring, all-gather): the bytes a device holds (arguments + temporaries + outputs - aliases) and its
+temporaries. Results go to benchmarks/results/long_context_parallel.json.
 """
 
 from __future__ import annotations
@@ -141,6 +148,43 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CONTEXT_LENGTHS = (8192, 16384, 32768, 65536, 131072)
+CONTEXT_WAYS = (1, 2, 4, 8)
+
+
+def context_rows() -> list[dict]:
+    """Per-device compiled MiB of the LoRA step for each T, N and strategy (run under 8 fake devices)."""
+    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.planner import compile_step
+
+    kind, targets = M.METHODS["lora_qv"]
+    rows = []
+    for seq in CONTEXT_LENGTHS:
+        cfg = ModelConfig(**M.SHAPE, max_position_embeddings=seq)
+        for ways in CONTEXT_WAYS:
+            for strategy in ("ring", "all_gather") if ways > 1 else ("ring",):
+                plan = TrainPlan(MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1,
+                                 "full", "float32", "float32", mesh=MeshConfig(fsdp=1, context=ways),
+                                 context_attention=strategy)
+                compiled = compile_step(cfg, plan)
+                rows.append({"seq": seq, "context": ways, "strategy": strategy if ways > 1 else "-",
+                             "device_mib": compiled.total_bytes / 2**20, "temp_mib": compiled.temp_bytes / 2**20,
+                             "compile_s": compiled.compile_seconds})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def context_table(rows: list[dict]) -> str:
+    lines = ["| tokens | context | strategy | MiB a device | of which temporaries | vs context 1 |",
+             "|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        one = next(o for o in rows if o["seq"] == r["seq"] and o["context"] == 1)
+        lines.append(f"| {r['seq']:,} | {r['context']} | {r['strategy']} | {r['device_mib']:,.0f} | "
+                     f"{r['temp_mib']:,.0f} | {r['device_mib'] / one['device_mib']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker")
@@ -148,7 +192,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--only", choices=VARIANTS)
+    parser.add_argument("--context", action="store_true", help="the context-parallel table (8 fake devices)")
     args = parser.parse_args()
+    if args.context:
+        if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+            sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
+        rows = context_rows()
+        print(context_table(rows))
+        out = HERE / "results" / "long_context_parallel.json"
+        out.write_text(json.dumps({"cpu": os.uname().machine, "rows": rows}, indent=2) + "\n")
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args.seq, args.steps)))
         return

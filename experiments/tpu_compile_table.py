@@ -115,6 +115,9 @@ ROWS = [
     ("qwen3-30b-a3b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
     ("qwen3-30b-a3b", "full", "sft", 4096, 32, "v5p-64", "fsdp=4,expert=8", "full"),
     ("qwen3-30b-a3b", "lora", "sft", 2048, 64, "v6e-64", "fsdp=8,expert=8", "save_matmuls"),
+    # context parallelism (issue 31): one long row split over a context axis, ring attention
+    ("llama-3.1-8b", "lora", "sft", 131072, 1, "v5p-16", "fsdp=1,context=8", "full"),
+    ("llama-3.1-8b", "lora", "sft", 1048576, 1, "v5p-128", "fsdp=1,context=64", "full"),
     # held out: compiled after the TPU rules were calibrated on the rows above
     ("llama-3.2-1b", "full", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
     ("llama-3.2-3b", "dora", "sft", 4096, 8, "v6e-8", "fsdp=4,tensor=2", "full"),
@@ -161,16 +164,17 @@ def replan(result: dict, row) -> dict:
     """`result` with the planner's columns of today's planner and the program's FLOPs counted again from the traced
     step (the compiler's bytes stay: nothing is compiled)."""
     from jaxtune.planner import estimate
-    from jaxtune.planner.confirm import _abstract_run, _mesh
+    from jaxtune.planner.confirm import _mesh
     from jaxtune.planner.program_flops import step_flops
     from jaxtune.planner.slices import libtpu_quiet, topology_devices, tpu_slice
+    from jaxtune.spine.run import abstract_run
 
     cfg, plan, device = model_and_plan(row)
     count = math.prod(parse_sizes(result["mesh"]).values())
     est = estimate(cfg, plan, device.with_count(count))
     with libtpu_quiet():
         mesh = _mesh(plan, topology_devices(tpu_slice(device)))
-        flops = step_flops(_abstract_run(cfg, plan, mesh)) / mesh.size
+        flops = step_flops(abstract_run(cfg, plan, mesh)) / mesh.size
     out = {**result, **planner_columns(est), "program_flops": flops}
     out["modelled_step_seconds"] = flops / est.device.peak(plan.compute_dtype)
     peak = out["compiled_bytes"] + out.get("rollout_extra_bytes", 0)

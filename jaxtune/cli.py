@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     plan.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     plan.add_argument("--remat", choices=("none", "full", "save_matmuls"), help="default none; --search tries all")
-    plan.add_argument("--mesh", help="data=D,fsdp=F,tensor=T or DxFxT (default: every device on fsdp)")
+    plan.add_argument("--mesh", help="data=D,fsdp=F,expert=E,context=C,tensor=T (axes left out: 1; fsdp takes the "
+                                     "rest) or DxFxT (default: every device on fsdp)")
     plan.add_argument("--offload", action="append", default=[], metavar="WHAT",
                       help="optimizer, params, moments-bf16 (repeatable or comma-separated)")
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16, on all linear layers)")

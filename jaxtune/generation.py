@@ -23,7 +23,7 @@ from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.data.formats import render_chat
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.kv_cache import decode_step, prefill, prefix_length
+from jaxtune.models.kv_cache import decode_step, prefill, prefix_length, refuse_context_axis
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -116,6 +116,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     """
     if not prompts:
         raise JaxtuneError("no prompts to generate from")
+    refuse_context_axis()
     P = prefix_length(params)
     context = cfg.max_position_embeddings
     for i, prompt in enumerate(prompts):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
+from jaxtune.config.run import context_split_error
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import objective_named
 from jaxtune.objectives.distill import DistillConfig
@@ -106,7 +107,11 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
                 objective_named(sections[name].objective)
         except ConfigError as e:
             raise _located(e.in_section(name), source(e.field.split("[")[0])) from None
-    return RunConfig(**sections)
+    config = RunConfig(**sections)
+    why = context_split_error(config.data.max_seq_len, config.mesh.context)
+    if why:
+        raise JaxtuneError(f"{where}: [data] max_seq_len = {config.data.max_seq_len} {why}")
+    return config
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

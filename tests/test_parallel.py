@@ -287,8 +287,8 @@ def test_nf4_blocks_stay_whole_on_every_device():
 # -- configs and errors --------------------------------------------------------------------------------------------
 
 def test_mesh_sizes_that_do_not_fit_the_devices_are_errors_naming_both():
-    assert MeshConfig().resolve(8) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
-    assert MeshConfig(data=2, tensor=2).resolve(8) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert MeshConfig().resolve(8) == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
+    assert MeshConfig(data=2, tensor=2).resolve(8) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     with pytest.raises(JaxtuneError, match=r"data=3 x fsdp=-1 x tensor=1: 3 devices .* do not divide the 8 devices"):
         MeshConfig(data=3).resolve(8)
     with pytest.raises(JaxtuneError, match=r"data=2 x fsdp=2 x tensor=1 needs 4 devices, but 8 are available"):
@@ -320,7 +320,8 @@ def test_run_config_reads_and_writes_mesh_and_offload():
     assert config.mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
     assert config.offload == OffloadConfig(optimizer_state=True, moments_dtype="bfloat16")
     text = dump_run_config(config)
-    assert "[mesh]\ndata = 2\nfsdp = -1\nexpert = 1\ntensor = 2\n" in text and 'moments_dtype = "bfloat16"' in text
+    assert "[mesh]\ndata = 2\nfsdp = -1\nexpert = 1\ncontext = 1\ntensor = 2\n" in text
+    assert 'moments_dtype = "bfloat16"' in text
     with pytest.raises(JaxtuneError, match="--set offload.moments_dtype=float16: choose one of float32, bfloat16"):
         load_run_config(None, ["offload.moments_dtype=float16"])
 

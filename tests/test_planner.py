@@ -210,7 +210,7 @@ def test_llama2_7b_full_fine_tune_needs_more_than_one_h100_and_fits_eight_with_f
     one = estimate(LLAMA2_7B, plan, get_device("h100-80gb"))
     assert one.parameters == 6_738_415_616 and not one.fits
     eight = estimate(LLAMA2_7B, plan, get_device("h100-80gb-8"))
-    assert eight.mesh == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1} and eight.fits
+    assert eight.mesh == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1} and eight.fits
     assert eight.total_bytes < one.total_bytes / 5
 
 
@@ -323,7 +323,7 @@ def test_a_run_config_gives_every_value(tmp_path):
     result = public(run_plan(config=str(tmp_path / "run.toml"), target="h100-80gb-4"))
     assert result["plan"] == {**result["plan"], "method": "qlora", "batch_size": 4, "grad_accum": 2, "seq_len": 128,
                               "remat": "full", "param_dtype": "float32",
-                              "mesh": {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}}
+                              "mesh": {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1}}
     assert result["plan"]["offload"]["moments_dtype"] == "bfloat16"
 
 

@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 import jax
 
-from jaxtune.errors import check_choice
+from jaxtune.errors import check_choice, check_range
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 # the attention kernel of a full forward (`models/fused_attention.py`): "auto" takes the backend's fused kernel
 # where it covers the mask (splash on TPU, cuDNN on NVIDIA GPUs), else the blockwise one
 ATTENTION_KERNELS = ("auto", "blockwise", "splash", "cudnn")
+# how attention crosses a `context` mesh axis (`models/context_attention.py`): key/value blocks passed around a ring,
+# or all of them gathered on every device
+CONTEXT_ATTENTION = ("ring", "all_gather")
 # the name of `models.linear.matmul`'s output, which "save_matmuls" keeps: a policy that saves dots sees no dot
 # inside a custom_vjp, and the projections' matmuls are custom_vjps
 MATMUL_OUTPUT = "matmul"
@@ -47,12 +50,19 @@ class Remat:
 
 @dataclass(frozen=True)
 class ForwardOptions:
-    """How (not what) the forward computes. Hashable, so it can be a static argument under `jax.jit`."""
+    """How (not what) the forward computes. Hashable, so it can be a static argument under `jax.jit`.
+
+    context_attention: "ring" or "all_gather", on a mesh with a `context` axis. tiled_mlp: tokens a row per tile of
+    the MLP, each tile recomputed in the backward (0: the whole sequence at once)."""
 
     compute_dtype: str = "float32"
     remat: Remat = field(default_factory=Remat)
     scan_layers: bool = True
     attention: str = "auto"
+    context_attention: str = "ring"
+    tiled_mlp: int = 0
 
     def __post_init__(self):
         check_choice("attention", self.attention, ATTENTION_KERNELS)
+        check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
+        check_range("tiled_mlp", self.tiled_mlp, 0)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jaxtune.config.forward import ATTENTION_KERNELS, REMAT_POLICIES
+from jaxtune.config.forward import ATTENTION_KERNELS, CONTEXT_ATTENTION, REMAT_POLICIES
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import ModelConfig
-from jaxtune.config.run import MeshConfig, OffloadConfig
+from jaxtune.config.run import MeshConfig, OffloadConfig, context_split_error
 from jaxtune.errors import ConfigError, check_choice, check_range
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a plan's compute_dtype and param_dtype may name
@@ -27,7 +27,8 @@ class TrainPlan:
     """One configuration of a fine-tuning step.
 
     param_dtype: the frozen base weights' dtype (trainable leaves are always float32 master copies, as
-    `init_state` makes them). compute_dtype: activations and matmuls. attention: the kernel (`ForwardOptions`).
+    `init_state` makes them). compute_dtype: activations and matmuls. attention, context_attention, tiled_mlp: as
+    `ForwardOptions` has them.
     objective, as the trainer's steps run them:
     "sft"; "dpo" (`batch_size` pairs = 2 x batch_size rows through the policy and a frozen reference, a copy of the
     weights only for a full fine-tune: adapter methods use the base with adapters off); "reward" (pairs through the
@@ -55,6 +56,8 @@ class TrainPlan:
     section: object = None
     second_model: ModelConfig | None = None
     attention: str = "auto"
+    context_attention: str = "ring"
+    tiled_mlp: int = 0
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -62,6 +65,11 @@ class TrainPlan:
         object.__setattr__(self, "remat", self.remat.replace("-", "_"))
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention", self.attention, ATTENTION_KERNELS)
+        check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
+        check_range("tiled_mlp", self.tiled_mlp, 0)
+        why = context_split_error(self.seq_len, self.mesh.context)
+        if why:
+            raise ConfigError("seq_len", self.seq_len, why)
         for name in ("compute_dtype", "param_dtype"):
             check_choice(name, getattr(self, name), FLOAT_DTYPES)
         if not 0 <= self.generate_tokens < self.seq_len:

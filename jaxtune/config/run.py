@@ -1,9 +1,9 @@
 """The sections of a training run's TOML, each a frozen dataclass that validates its own values.
 
-    [model]   ModelSection: path, dtype, compute_dtype, remat, attention, router_aux_loss_coef
+    [model]   ModelSection: path, dtype, compute_dtype, remat, attention, context_attention, tiled_mlp, ...
     [data]    DataConfig: train, eval, eval_fraction, max_seq_len, pack, seed, columns, apply_chat_template
     [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, ...
-    [mesh]    MeshConfig: data, fsdp, expert, tensor (device mesh sizes; -1 takes the rest; `batch_ways`)
+    [mesh]    MeshConfig: data, fsdp, expert, context, tensor (device mesh sizes; -1 takes the rest; `batch_ways`)
     [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
 [method] is `MethodConfig` (method.py); an objective's own section ([dpo], [grpo], [distill]) is declared with the
 objective (`jaxtune/objectives/`). `jaxtune.run_config` assembles them into a `RunConfig` and reads TOML.
@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxtune.config.forward import ATTENTION_KERNELS, Remat
+from jaxtune.config.forward import ATTENTION_KERNELS, CONTEXT_ATTENTION, Remat
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 MOMENT_DTYPES = ("float32", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -29,6 +29,8 @@ class ModelSection:
     always float32 master weights; compute_dtype "bfloat16" gives mixed precision, "auto" (the default) what the
     run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.train_plan`).
     attention: the kernel (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn").
+    context_attention: how attention crosses a `context` mesh axis, "ring" or "all_gather" (`ForwardOptions`).
+    tiled_mlp: tokens a row per tile of the MLP (0: untiled; `ForwardOptions.tiled_mlp`).
     router_aux_loss_coef: a mixture of experts' load-balancing loss weight in training (0: none); -1: as its
     config.json says (transformers':
     `router_aux_loss_coef` if `output_router_logits`, else none)."""
@@ -38,11 +40,15 @@ class ModelSection:
     compute_dtype: str = "auto"
     remat: str = "none"
     attention: str = "auto"
+    context_attention: str = "ring"
+    tiled_mlp: int = 0
     router_aux_loss_coef: float = -1.0
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
         check_choice("attention", self.attention, ATTENTION_KERNELS)
+        check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
+        check_range("tiled_mlp", self.tiled_mlp, 0)
         check_choice("compute_dtype", self.compute_dtype, ("auto",) + COMPUTE_DTYPES)
         Remat(self.remat)
         if self.router_aux_loss_coef < 0 and self.router_aux_loss_coef != -1:
@@ -157,6 +163,15 @@ class TrainConfig:
         check_range("resume_step", self.resume_step, -1)
 
 
+def context_split_error(seq_len: int, context: int) -> str | None:
+    """Why rows of `seq_len` tokens cannot split over a context axis of `context` devices, or None: each row is cut
+    into 2 x context chunks (`models/context_attention.py`)."""
+    if context > 1 and seq_len % (2 * context):
+        return (f"does not split over [mesh] context = {context}: a row is cut into 2 x {context} chunks, so use a "
+                f"multiple of {2 * context}")
+    return None
+
+
 def batch_ways(sizes) -> int:
     """How many ways a batch's rows are split on a mesh of axis `sizes`: data x fsdp x expert."""
     return sizes["data"] * sizes["fsdp"] * sizes["expert"]
@@ -167,11 +182,14 @@ class MeshConfig:
     """Mesh axis sizes; -1 takes the devices the others leave (at most one axis may say -1).
 
     The default puts every device on `fsdp`: ZeRO-3 over all devices, which is plain training on one device.
+    context splits each row's tokens (context parallelism; `models/context_attention.py`) and, with fsdp, the
+    parameters, gradients and optimizer state (ZeRO-3 over fsdp x context).
     """
 
     data: int = 1
     fsdp: int = -1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
 
     def __post_init__(self):
@@ -187,7 +205,8 @@ class MeshConfig:
         return {name: getattr(self, name) for name in MESH_AXES}
 
     def _describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in self.sizes().items() if name != "expert" or size != 1)
+        return " x ".join(f"{name}={size}" for name, size in self.sizes().items()
+                          if name not in ("expert", "context") or size != 1)
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """The axis sizes for `num_devices` devices, -1 filled in; a JaxtuneError naming both when they don't fit."""

@@ -24,6 +24,7 @@ from jaxtune.methods.targets import ModuleLoRA, layer_scales, lora_layout, peft_
 from jaxtune.models.adapters import AdapterForward, Branch, DenseHook
 from jaxtune.models.linear import dropout, kernel_of, wide
 from jaxtune.models.quant import BitPattern, QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
+from jaxtune.parallel.rules import context_ways, gathered
 
 LORA_LEAVES = ("lora_a", "lora_b", "magnitude", "lora_bias")
 
@@ -70,7 +71,11 @@ lora_branch.defvjp(_lora_branch_fwd, _lora_branch_bwd)
 def _branch(x: jax.Array, y: jax.Array, module: dict, kernel: jax.Array | None, branch: Branch) -> jax.Array:
     """y + s (B A dropout(x) + b); DoRA: (y + s B A x) m / ||W + s B A|| (with dropout, PEFT's form)."""
     x_lora = x if branch.dropout_key is None else dropout(x, branch.dropout_key, branch.dropout_rate)
-    lora_y = lora_branch(x_lora, module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype))
+    lora_a, lora_b = module["lora_a"], module["lora_b"]
+    if branch.kernel_axes is not None and context_ways() > 1:  # gathered over ZeRO's axes as their kernel is
+        lora_a = gathered(lora_a, (branch.kernel_axes[0], "lora_rank"))
+        lora_b = gathered(lora_b, ("lora_rank", branch.kernel_axes[1]))
+    lora_y = lora_branch(x_lora, lora_a.astype(x.dtype), lora_b.astype(x.dtype))
     if "lora_bias" in module:
         lora_y = lora_y + module["lora_bias"].astype(x.dtype)
     scale_ = branch.scale

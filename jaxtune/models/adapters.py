@@ -20,11 +20,13 @@ from jaxtune.errors import JaxtuneError
 
 class Branch(NamedTuple):
     """What a dense hook's `add` gets besides the module: the adapter's scale (a static float, or [] traced where
-    scales differ across layers) and, in training, the module's dropout key and rate (key None: no dropout)."""
+    scales differ across layers), in training the module's dropout key and rate (key None: no dropout), and the
+    base kernel's logical (in, out) axes where known (a hook gathers its leaves by them: `rules.gathered`)."""
 
     scale: float | jax.Array
     dropout_key: jax.Array | None
     dropout_rate: float
+    kernel_axes: tuple[str | None, str | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cach
 (valid keys, query and key slots, packed segments, the sliding window; P prefix-tuning keys in slots 0..P-1, seen
 by every query) and a block's piece is built when the block is computed. Blocks no query may see are skipped in
 both passes (`live_blocks`, decided once per call, outside the layer scan). Scores, softmax and accumulators are
-float32 (float64 for float64 inputs); outputs and gradients take the inputs' dtypes.
+float32 (float64 for float64 inputs). `attend_blocks`, `attention_grads`: the passes over one key block (context).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtune.models.linear import wide
 
 BLOCK = 256  # query and key positions per block of a long sequence (`block_size`)
+NO_SLOT = 2**30  # the slot of a key block's padding: after every query
 
 
 class AttentionMask(NamedTuple):
@@ -27,33 +28,39 @@ class AttentionMask(NamedTuple):
 
     q_slot_T: int32 [T], each query's slot. k_valid_BxS: bool [B, S], keys that may be attended to (not padding,
     written cache slots). q_segment_BxT, k_segment_BxS: int32 packed-segment ids (keys < 0 are seen by all).
+    k_slot_S: int32 [S], each key's slot (0..S-1 but where a context-parallel device holds other keys).
     """
 
     q_slot_T: jax.Array
     k_valid_BxS: jax.Array
     q_segment_BxT: jax.Array
     k_segment_BxS: jax.Array
+    k_slot_S: jax.Array
 
 
 def training_mask(B: int, T: int, prefix: int, attention_mask_BxT: jax.Array | None,
-                  segment_ids_BxT: jax.Array | None) -> AttentionMask:
+                  segment_ids_BxT: jax.Array | None, slots_T: jax.Array | None = None) -> AttentionMask:
     """The mask of a full forward: P prefix keys seen by every query, then T tokens attending causally to the
-    tokens that are not padding (attention_mask_BxT 0) and, if packed, of their own segment."""
+    tokens that are not padding (attention_mask_BxT 0) and, if packed, of their own segment. slots_T: the tokens'
+    slots (default P..P+T-1; a context-parallel layout's order)."""
     valid_BxT = jnp.ones((B, T), bool) if attention_mask_BxT is None else attention_mask_BxT > 0
     segment_BxT = jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None else segment_ids_BxT.astype(jnp.int32)
+    slots_T = prefix + jnp.arange(T, dtype=jnp.int32) if slots_T is None else slots_T
     return AttentionMask(
-        q_slot_T=prefix + jnp.arange(T, dtype=jnp.int32),
+        q_slot_T=slots_T,
         k_valid_BxS=jnp.concatenate([jnp.ones((B, prefix), bool), valid_BxT], axis=1),
         q_segment_BxT=segment_BxT,
         k_segment_BxS=jnp.concatenate([jnp.full((B, prefix), -1, jnp.int32), segment_BxT], axis=1),
+        k_slot_S=jnp.concatenate([jnp.arange(prefix, dtype=jnp.int32), slots_T]),
     )
 
 
 def cache_mask(start: jax.Array, T: int, valid_BxS: jax.Array) -> AttentionMask:
     """The mask of T new tokens at cache slots start..start+T-1 over a cache whose written slots are valid_BxS."""
-    B, _ = valid_BxS.shape
+    B, S = valid_BxS.shape
     return AttentionMask(q_slot_T=start + jnp.arange(T, dtype=jnp.int32), k_valid_BxS=valid_BxS,
-                         q_segment_BxT=jnp.zeros((B, T), jnp.int32), k_segment_BxS=jnp.zeros_like(valid_BxS, jnp.int32))
+                         q_segment_BxT=jnp.zeros((B, T), jnp.int32), k_segment_BxS=jnp.zeros_like(valid_BxS, jnp.int32),
+                         k_slot_S=jnp.arange(S, dtype=jnp.int32))
 
 
 def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window) -> jax.Array:
@@ -110,7 +117,7 @@ def _blocked_mask(mask: AttentionMask, T: int, S: int) -> _BlockedMask:
     bq, bk = block_size(T), block_size(S)
     return _BlockedMask(
         q_slot=_cut(mask.q_slot_T, 0, bq, fill=-1), q_segment=_cut(mask.q_segment_BxT, 1, bq),
-        k_slot=_cut(jnp.arange(S, dtype=jnp.int32), 0, bk, fill=S), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
+        k_slot=_cut(mask.k_slot_S, 0, bk, fill=NO_SLOT), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
         k_segment=_cut(mask.k_segment_BxS, 1, bk))
 
 
@@ -134,8 +141,9 @@ def live_blocks(mask: AttentionMask, T: int, S: int) -> jax.Array:
 
 def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
     """[nq, nk] boolean: blocks some query reaches within `window` (True everywhere when window is 0)."""
-    first_q = jnp.min(jnp.where(m.q_slot >= 0, m.q_slot, 2**30), axis=-1)
-    return (window == 0) | (first_q[:, None] - m.k_slot[None, :, -1] < window)
+    first_q = jnp.min(jnp.where(m.q_slot >= 0, m.q_slot, NO_SLOT), axis=-1)
+    last_k = jnp.max(jnp.where(m.k_slot < NO_SLOT, m.k_slot, -NO_SLOT), axis=-1)
+    return (window == 0) | (first_q[:, None] - last_k[None, :] < window)
 
 
 # Masked scores take the float's minimum, as the dense form does: a query with no allowed key averages the keys it was
@@ -153,8 +161,9 @@ def _scores(q_blk, k_blk, allowed_BxQxC, scale: float, softcap: float | None) ->
     return jnp.where(allowed_BxQxC[:, None, None], s, jnp.finfo(dtype).min), tanh
 
 
-def _forward(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softcap: float | None):
-    """(out [B, K, G, T, hd] in q's dtype, log-sum-exp [B, K, G, T] float32)."""
+def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softcap: float | None):
+    """(out [B, K, G, T, hd] and log-sum-exp [B, K, G, T], both float32 (float64 for float64 q)) of q [B, K, G, T,
+    hd] over keys and values [B, K, S, hd] as `blockwise_attention` computes them, without its backward."""
     B, K, G, T, hd = q.shape
     blocks = _blocked(q, k, v, mask)
     m = blocks.mask
@@ -186,7 +195,7 @@ def _forward(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softc
         (max_, norm, acc), _ = jax.lax.scan(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
                                                              m.k_segment, live_C))
         norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached: output 0
-        return (acc / norm[..., None]).astype(q.dtype), max_ + jnp.log(norm)
+        return acc / norm[..., None], max_ + jnp.log(norm)
 
     out, lse = jax.lax.map(query_block, (blocks.q, m.q_slot, m.q_segment, live_QxC))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
@@ -196,19 +205,29 @@ def _forward(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softc
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _attention(q, k, v, mask, window, live_QxC, scale, softcap):
-    return _forward(q, k, v, mask, window, live_QxC, scale, softcap)[0]
+    return attend_blocks(q, k, v, mask, window, live_QxC, scale, softcap)[0].astype(q.dtype)
 
 
 def _attention_fwd(q, k, v, mask, window, live_QxC, scale, softcap):
-    out, lse = _forward(q, k, v, mask, window, live_QxC, scale, softcap)
+    out, lse = attend_blocks(q, k, v, mask, window, live_QxC, scale, softcap)
+    out = out.astype(q.dtype)
     return out, (q, k, v, mask, window, live_QxC, out, lse)
 
 
 def _attention_bwd(scale, softcap, residuals, g):
-    """FlashAttention-2's backward: per block, p = exp(s - lse), dv += p^T g, ds = p (g v^T - rowsum(g o)),
+    q, k, v, mask, window, live_QxC, out, lse = residuals
+    dq, dk, dv = attention_grads(q, k, v, mask, window, live_QxC, out, lse, g, scale, softcap)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g, scale: float,
+                    softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) in float32 (float64) of `attend_blocks`' output for the cotangent g [B, K, G, T, hd], given the
+    output `out` and log-sum-exp `lse` of the whole attention (over these keys and any others).
+
+    FlashAttention-2's backward: per block, p = exp(s - lse), dv += p^T g, ds = p (g v^T - rowsum(g o)),
     dq += ds k, dk += ds^T q (both scaled; with a soft cap, ds also times 1 - tanh^2); an outer loop over key
     blocks, an inner one over query blocks."""
-    q, k, v, mask, window, live_QxC, out, lse = residuals
     B, K, G, T, hd = q.shape
     S = k.shape[2]
     f32 = wide(q.dtype)
@@ -252,7 +271,7 @@ def _attention_bwd(scale, softcap, residuals, g):
                                                  m.k_segment, live_QxC.T))
     dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     dk, dv = (jnp.moveaxis(d, 0, 2).reshape(B, K, -1, hd)[:, :, :S] for d in (dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq, dk, dv
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

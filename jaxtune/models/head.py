@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxtune.models.linear import derived_piecewise_matmul, matmul, pieces_of, wide
 from jaxtune.models.quant import BitPattern, dequantize
+from jaxtune.models.tiles import over_tiles, tile_count
 from jaxtune.parallel.rules import constrain, head_rows
 
 CHUNK_ELEMENTS = 1 << 24  # logits elements a chunk holds (64 MiB in float32)
@@ -52,7 +53,7 @@ def head_logits(params: dict, hidden_BxTxD: jax.Array, softcap: float | None = N
     axes = (None, "vocab")  # the logical axes of the head's (in, out): D, V
     kernel = _constrained(kernel, axes[::-1] if tied else axes)
     rows = head_rows(vocab_size(params))
-    hidden_BxTxD = constrain(hidden_BxTxD, (rows, None, None))
+    hidden_BxTxD = constrain(hidden_BxTxD, (rows, "seq", None))
     layout = pieces_of(kernel, hidden_BxTxD.dtype, axes, transposed=tied) if pieces else None
     if layout is None:
         kernel = dequantize(kernel) if isinstance(kernel, BitPattern) else kernel
@@ -61,7 +62,7 @@ def head_logits(params: dict, hidden_BxTxD: jax.Array, softcap: float | None = N
         logits = derived_piecewise_matmul(hidden_BxTxD, kernel, layout, wide(hidden_BxTxD.dtype))
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)
-    return constrain(logits, (rows, None, "vocab"))
+    return constrain(logits, (rows, "seq", "vocab"))
 
 
 def _constrained(kernel, axes):
@@ -88,18 +89,10 @@ def per_token(fn: Callable, *arrays_BxT: jax.Array, vocab: int):
     """fn applied to chunks of tokens: [B, T] (or a tuple of them) from arrays [B, T, ...] that fn maps chunk by
     chunk ([B, c, ...] to [B, c] or a tuple of them); fn computes the chunk's logits itself (`head_logits`), so its
     memory is the chunk's. `vocab`: V, which sets the chunk length. Rows stay whole, so a batch split over devices
-    stays split."""
+    stays split; so do a row's tokens split over a context axis (`tiles.over_tiles`)."""
     B, T = arrays_BxT[0].shape[:2]
-    c = chunk_length(B, T, vocab)
-    n = -(-T // c)
-
-    def cut(a):
-        a = jnp.pad(a, [(0, 0), (0, n * c - T)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape((B, n, c) + a.shape[2:]), 1, 0)
-
-    body = jax.checkpoint(lambda carry, chunk: (carry, fn(*chunk)), prevent_cse=False)
-    _, out = jax.lax.scan(body, None, tuple(cut(a) for a in arrays_BxT))
-    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(B, n * c)[:, :T], out)
+    ways = tile_count(T, 1)[0]
+    return over_tiles(fn, *arrays_BxT, tile=chunk_length(B, T // ways, vocab))
 
 
 def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array, softcap: float | None = None

@@ -22,6 +22,7 @@ from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
 from jaxtune.models.llama import attend, decoder_layer, embed, lora_scaled_layers, norm, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
+from jaxtune.parallel.rules import context_ways
 
 
 class KVCache(NamedTuple):
@@ -62,9 +63,17 @@ def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.
     return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32))
 
 
+def refuse_context_axis() -> None:
+    """A JaxtuneError on a mesh with a context axis: a cache holds whole rows, and decoding does not split them."""
+    if context_ways() > 1:
+        raise JaxtuneError(f"generation does not split a row over [mesh] context = {context_ways()}: decode on a "
+                           "mesh without a context axis")
+
+
 def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, cache: KVCache,
            cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions) -> tuple[jax.Array, KVCache]:
     """Run T new tokens against the cache: final-norm hidden states [B, T, D] and the cache with them written."""
+    refuse_context_axis()
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
     layers, lora_scale = lora_scaled_layers(params["layers"], method, cfg)

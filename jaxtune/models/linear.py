@@ -33,7 +33,14 @@ from jaxtune.models.quant import (
     dequantize_columns,
     full_shape,
 )
-from jaxtune.parallel.rules import fsdp_only_dim, gathered, mesh_axes_of, mesh_in_context, platform_in_context
+from jaxtune.parallel.rules import (
+    context_ways,
+    gathered,
+    mesh_axes_of,
+    mesh_in_context,
+    platform_in_context,
+    zero_only_dim,
+)
 
 
 def wide(dtype) -> jnp.dtype:
@@ -353,7 +360,7 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
         if hook.scale_input is not None:
             x = hook.scale_input(x, module)
     stored = kernel_axes is not None and isinstance(module["kernel"], BitPattern)
-    split = fsdp_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored else None
+    split = zero_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored else None
     whole = any(hook.needs_kernel(module) for hook in hooks)  # DoRA's norm needs the whole kernel
     derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not whole
     layout = pieces_of(module["kernel"], x.dtype, kernel_axes) if derived else None
@@ -365,9 +372,11 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
     else:
         if stored:
             module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}
+        elif kernel_axes is not None and context_ways() > 1:  # left to XLA, the 2-D split's output was replicated
+            module = {**module, "kernel": gathered(kernel_of(module, x.dtype), kernel_axes)}
         kernel = kernel_of(module, x.dtype)
         y = matmul(x, kernel)
-    branch = Branch(lora_scale, dropout_key, dropout_rate)
+    branch = Branch(lora_scale, dropout_key, dropout_rate, kernel_axes)
     for hook in hooks:
         if hook.add is not None:
             y = hook.add(x, y, module, kernel if whole else None, branch)

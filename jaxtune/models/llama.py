@@ -1,11 +1,11 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3, and the mixtures Mixtral, Qwen2-MoE,
-Qwen3-MoE) as pure functions over the parameter tree of `params.py`: `forward` (logits [B, T, V]), `decoder` (the
-final hidden states), `decoder_layer`.
+Qwen3-MoE) as pure functions over `params.py`'s tree: `forward` (logits [B, T, V]), `decoder`, `decoder_layer`.
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
-depth, under a `Remat` policy (`remat.py`). Attention is blockwise (`attention.py`) or the backend's fused kernel
-where it covers the mask (`fused_attention.py`); a mixture's MLP is `moe.py`. Numerics follow transformers: RMSNorm
-and softmax in float32, RoPE angles in float32 cast to the compute dtype, the rest in the compute dtype; "float64"
+depth, under a `Remat` policy (`remat.py`). Attention is blockwise (`attention.py`), the backend's fused kernel
+where it covers the mask (`fused_attention.py`), or across a mesh's context axis (`context_attention.py`); a
+mixture's MLP is `moe.py`; `tiled_mlp` runs the MLP in tiles of tokens. Numerics follow transformers: RMSNorm and
+softmax in float32, RoPE angles in float32 cast to the compute dtype, the rest in the compute dtype; "float64"
 compute (under `jax.enable_x64`) widens the float32 parts too: the tests' float64 reference.
 """
 
@@ -17,6 +17,13 @@ import jax.numpy as jnp
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.models.adapters import adapter_forward
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
+from jaxtune.models.context_attention import (
+    ContextLayout,
+    context_attention,
+    context_layout,
+    gather_outputs,
+    spread_inputs,
+)
 from jaxtune.models.fused_attention import (
     FusedAttention,
     choose_kernel,
@@ -31,7 +38,8 @@ from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
 from jaxtune.models.rope import apply_rope, layer_rope, rope_tables
-from jaxtune.parallel.rules import constrain, mesh_in_context
+from jaxtune.models.tiles import cut_tiles, join_tiles, tile_count
+from jaxtune.parallel.rules import constrain, context_ways, gathered, mesh_in_context
 
 
 def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
@@ -51,8 +59,14 @@ def norm(x_BxTxD: jax.Array, weight_D: jax.Array, cfg: ModelConfig) -> jax.Array
 
 def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
     """Token embeddings [B, T, D] in the compute dtype; Gemma multiplies them by sqrt(D) rounded to that dtype.
-    A table held as its bits (`quant.as_bit_patterns`) gives the tokens' rows of bits, then their values."""
+    A table held as its bits (`quant.as_bit_patterns`) gives the tokens' rows of bits, then their values. With a
+    context axis each device looks up its own tokens in the table gathered over ZeRO-3's axes (left to XLA, the
+    lookup came out split by the hidden size and was replicated to reach the tokens' split)."""
     table = params["embed_tokens"]
+    if context_ways() > 1:
+        tokens_BxT = constrain(tokens_BxT, ("batch", "seq"))
+        bits = gathered(getattr(table, "bits", table), ("vocab", "table_embed"))
+        table = BitPattern(bits, table.dtype) if isinstance(table, BitPattern) else bits
     if isinstance(table, BitPattern):
         x_BxTxD = jax.lax.bitcast_convert_type(table.bits[tokens_BxT], table.dtype).astype(dtype)
     else:
@@ -123,12 +137,23 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
 
 
 def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, cfg: ModelConfig, lora_scale: float,
-              dropout=None, fused: FusedAttention | None = None):
-    """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D]."""
+              dropout=None, fused: FusedAttention | None = None, context: ContextLayout | None = None):
+    """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D].
+
+    context: the tokens' layout on a context axis (`context_attention.py`; `mask` then the tokens' own)."""
     B, T, _ = x_BxTxD.shape
     q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale, dropout)
+    K, hd = cfg.num_kv_heads, cfg.head_dim
+    as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)  # noqa: E731
+    if context is not None:
+        prefix_BxPxKxh = ((as_batch(layer["prefix"]["key"]), as_batch(layer["prefix"]["value"])) if "prefix" in layer
+                          else (jnp.zeros((B, 0, K, hd), x_BxTxD.dtype),) * 2)
+        k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v = (jnp.transpose(a, (0, 2, 1, 3))
+                                                     for a in (k_BxSxKxh, v_BxSxKxh, *prefix_BxPxKxh))
+        out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
+                                mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+        return project(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), layer, "o_proj", lora_scale, dropout)
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
-        as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
     return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, lora_scale, dropout, fused)
@@ -175,20 +200,41 @@ def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dr
     return out_BxTxD, routing
 
 
+def tiled_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None, valid_BxT=None,
+              tile: int = 0):
+    """`mlp` over tiles of `tile` tokens a row (a device's share of them on a context axis), each recomputed in the
+    backward, so no [B, T, F] activation exists whole (ALST's tiled MLP); the routing sums add up over the tiles.
+    Tile i draws its dropout from the layer's key folded with i. tile 0, or rows no longer than a tile: `mlp`."""
+    B, T, _ = x_BxTxD.shape
+    if not tile or T // tile_count(T, 1)[0] <= tile:
+        return mlp(x_BxTxD, layer, cfg, lora_scale, dropout, valid_BxT)
+    valid_BxT = jnp.ones((B, T), bool) if valid_BxT is None else valid_BxT
+
+    def one(_, args):
+        x, valid, i = args
+        tile_dropout = None if dropout is None else (jax.random.fold_in(dropout[0], i), dropout[1])
+        return None, mlp(x, layer, cfg, lora_scale, tile_dropout, valid)
+
+    tiles = cut_tiles(x_BxTxD, tile)
+    _, (out, routing) = jax.lax.scan(jax.checkpoint(one, prevent_cse=False), None,
+                                     (tiles, cut_tiles(valid_BxT, tile), jnp.arange(tiles.shape[0])))
+    return join_tiles(out, T), jax.tree.map(lambda r: jnp.sum(r, axis=0), routing)
+
+
 def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
     """Houlsby adapter on a sub-layer's output: x + up(silu(down(x)))."""
     return x_BxTxD + dense(jax.nn.silu(dense(x_BxTxD, adapter["down"])), adapter["up"])
 
 
 def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float, dropout=None,
-                  valid_BxT=None):
+                  valid_BxT=None, mlp_tile: int = 0):
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
     With `cfg.sandwich_norms` (Gemma) each sub-layer's output is normalised too: x + norm(attn(norm(x))) with
     input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm.
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
     aux (the layer's new keys and values) is returned beside the new x, then a mixture's routing sums (or None;
-    `mlp`, counting the tokens of valid_BxT). dropout: as for `project` (the MLP's).
+    `mlp`, counting the tokens of valid_BxT). dropout: as for `project` (the MLP's). mlp_tile: `tiled_mlp`'s tile.
     """
     sandwich = cfg.sandwich_norms
     with jax.named_scope("attention"):
@@ -197,7 +243,7 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
     with jax.named_scope("mlp"):
         pre_mlp = layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]
-        h, routing = mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, lora_scale, dropout, valid_BxT)
+        h, routing = tiled_mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, lora_scale, dropout, valid_BxT, mlp_tile)
         h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
     return x_BxTxD, aux, routing
@@ -235,15 +281,23 @@ def decoder_and_routing(
     prefix = params["layers"]["prefix"]["key"].shape[1] if "prefix" in params["layers"] else 0
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
+    context = context_layout(T, cfg.sliding_windows, options.context_attention)
+    if context is None:
+        mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
+        live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
+        K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        fused = choose_kernel(options.attention, B=B, T=T, S=prefix + T, K=K, G=G, head_dim=cfg.head_dim,
+                              prefix=prefix, packed=segment_ids_BxT is not None, padded=attention_mask_BxT is not None,
+                              softcap=cfg.attn_logit_softcap, dtype=dtype,
+                              windows=tuple(sorted(set(cfg.sliding_windows))))
+    else:  # each row's tokens split over the context axis, in its layout's order (the prefix apart)
+        tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, slots_T = spread_inputs(
+            context, tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
+        mask = training_mask(B, slots_T.shape[0], 0, attention_mask_BxT, segment_ids_BxT, slots_T)
+        live_QxC, fused = None, None
     rope = rope_tables(positions_BxT, cfg, dtype)
-    mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
-    live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
-    K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    fused = choose_kernel(options.attention, B=B, T=T, S=prefix + T, K=K, G=G, head_dim=cfg.head_dim, prefix=prefix,
-                          packed=segment_ids_BxT is not None, padded=attention_mask_BxT is not None,
-                          softcap=cfg.attn_logit_softcap, dtype=dtype, windows=tuple(sorted(set(cfg.sliding_windows))))
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
-                 else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones((B, T), bool))
+                 else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones(tokens_BxT.shape, bool))
     rate = adapter_forward(method).dropout_rate(method)
     use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
 
@@ -255,16 +309,17 @@ def decoder_and_routing(
         cos, sin = layer_rope(rope, window)
         layer = with_kernels_of_layer(layer, stacks, index)
         dropout = (layer_key, rate) if use_dropout else None
-        x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # rows split over the mesh's data x fsdp, if any
-        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout, fused),
-                               None)
-        x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout, valid_BxT)
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context
+        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout, fused,
+                                         context), None)
+        x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout, valid_BxT,
+                                            options.tiled_mlp)
         return x_BxTxD, routing
 
     rematted = remat_layer(block, options.remat, dtype)
     shared = (rope, mask, live_QxC, stacks, valid_BxT)
     block = lambda x, per_layer: rematted(x, per_layer, shared)  # noqa: E731
-    x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", None, None))
+    x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", "seq", None))
     per_layer = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.arange(cfg.num_layers))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
@@ -277,7 +332,8 @@ def decoder_and_routing(
             outputs.append(layer_routing)
         routing = jax.tree.map(lambda *a: jnp.stack(a), *outputs) if cfg.num_experts else None
     aux = None if routing is None else router_loss(*routing, jnp.sum(valid_BxT, dtype=jnp.float32))
-    return norm(x_BxTxD, params["norm"], cfg), aux
+    x_BxTxD = norm(x_BxTxD, params["norm"], cfg)
+    return (x_BxTxD if context is None else gather_outputs(x_BxTxD, context, T)), aux
 
 
 def unsliced_kernels(layers: dict, dtype) -> tuple[dict, dict]:

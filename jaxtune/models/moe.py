@@ -110,8 +110,8 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
     split on F), the down projection's partial sums added over it."""
     dtype = x_BxTxD.dtype
     mesh = mesh_in_context()
-    expert_axes, row_axes, tensor_axes = ((), (), ()) if mesh is None else (
-        mesh_axes_of(("experts",), (E,), mesh.shape)[0], mesh_axes_of(("batch",), x_BxTxD.shape[:1], mesh.shape)[0],
+    expert_axes, (row_axes, seq_axes), tensor_axes = ((), ((), ()), ()) if mesh is None else (
+        mesh_axes_of(("experts",), (E,), mesh.shape)[0], mesh_axes_of(("batch", "seq"), x_BxTxD.shape[:2], mesh.shape),
         ("tensor",) if mesh.shape["tensor"] > 1 else ())
     gather_rows = bool(expert_axes) and set(expert_axes) <= set(row_axes)
     stacks, specs = {}, {}  # each leaf gathered over fsdp, split over the expert axis and (on F) tensor
@@ -130,7 +130,7 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
             stacks.setdefault(name, {})[leaf] = (value if mesh is None
                                                  else jax.lax.with_sharding_constraint(value, to_spec(dims)))
 
-    def rows(x, weights, chosen, stacks):  # per device: [b, T, D], [b, T, K] x 2, the local experts' stacks
+    def rows(x, weights, chosen, stacks):  # per device: [b, t, D], [b, t, K] x 2, the local experts' stacks
         b, T, D = x.shape
         x_NxD, weights_NxK, experts_NxK = x.reshape(b * T, D), weights.reshape(b * T, -1), chosen.reshape(b * T, -1)
         if gather_rows:
@@ -154,7 +154,7 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
 
     if mesh is None:
         return rows(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
-    rows_spec = to_spec([row_axes, (), ()])
+    rows_spec = to_spec([row_axes, seq_axes, ()])  # each device its rows' tokens (its share of them on context)
     return jax.shard_map(rows, mesh=mesh, in_specs=(rows_spec, rows_spec, rows_spec, specs),
                          out_specs=rows_spec, check_vma=False)(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
 

@@ -20,23 +20,26 @@ from jax.sharding import PartitionSpec
 from jaxtune.config.run import MESH_AXES
 
 Rule = tuple[str, tuple[str, ...], tuple[str, ...]]
+ZERO_AXES = ("fsdp", "context")  # the mesh axes that partition parameters, gradients and optimizer state (ZeRO-3)
 
-# batch: over every data-parallel device; rows (the head's): fsdp splits its vocabulary instead; experts: E / expert a
-# device; embed over fsdp (ZeRO-3); heads, MLP columns, vocabulary over tensor (Megatron); table_embed (the table's
-# and head's hidden size) only where the vocabulary cannot be split; layers never (`lax.scan` slices them).
+# batch: over every data-parallel device; seq (a row's tokens) over context; rows (the head's): fsdp splits its
+# vocabulary instead; experts: E / expert a device; embed over fsdp and context (ZeRO-3: `ZERO_AXES`); heads, MLP
+# columns, vocabulary over tensor (Megatron); table_embed (the table's and head's hidden size) only where the
+# vocabulary cannot be split; layers never (`lax.scan` slices them).
 RULES: tuple[Rule, ...] = (
     # logical axis   split over          fallback
     ("batch", ("data", "fsdp", "expert"), ()),
+    ("seq", ("context",), ()),
     ("rows", ("data", "expert"), ()),
     ("experts", ("expert",), ()),
-    ("embed", ("fsdp",), ("tensor",)),
-    ("vocab", ("tensor",), ("fsdp",)),
-    ("table_embed", (), ("fsdp", "tensor")),
-    ("q_heads", ("tensor",), ("fsdp",)),
-    ("kv_heads", ("tensor",), ("fsdp",)),
-    ("mlp", ("tensor",), ("fsdp",)),
-    ("adapter", ("tensor",), ("fsdp",)),
-    ("head_dim", (), ("fsdp", "tensor")),
+    ("embed", ("fsdp", "context"), ("tensor",)),
+    ("vocab", ("tensor",), ("fsdp", "context")),
+    ("table_embed", (), ("fsdp", "context", "tensor")),
+    ("q_heads", ("tensor",), ("fsdp", "context")),
+    ("kv_heads", ("tensor",), ("fsdp", "context")),
+    ("mlp", ("tensor",), ("fsdp", "context")),
+    ("adapter", ("tensor",), ("fsdp", "context")),
+    ("head_dim", (), ("fsdp", "context", "tensor")),
     ("layers", (), ()),
     ("lora_rank", (), ()),
     ("prefix", (), ()),
@@ -63,7 +66,7 @@ def mesh_axes_of(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: M
                 if axis != name:
                     continue
                 for mesh_axis in candidates[pass_ - 1]:
-                    size = mesh_shape[mesh_axis]
+                    size = mesh_shape.get(mesh_axis, 1)
                     split = math.prod(mesh_shape[a] for a in taken[dim]) * size
                     if size > 1 and mesh_axis not in used and shape[dim] % split == 0:
                         taken[dim].append(mesh_axis)
@@ -78,7 +81,8 @@ def to_spec(mesh_axes: Sequence[tuple[str, ...]]) -> PartitionSpec:
 
 def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int],
                    rules: Sequence[Rule] = RULES) -> PartitionSpec:
-    """The PartitionSpec of a leaf with logical `axes` and `shape` on a mesh of `mesh_shape` (name -> size).
+    """The PartitionSpec of a leaf with logical `axes` and `shape` on a mesh of `mesh_shape` (name -> size; an axis
+    left out has size 1).
 
     >>> partition_spec(("layers", "embed", "q_heads"), (32, 4096, 4096), {"data": 1, "fsdp": 4, "tensor": 2})
     P(None, 'fsdp', 'tensor')
@@ -121,14 +125,21 @@ def mesh_in_context():
     return None if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
 
 
-def fsdp_only_dim(axes: tuple[str, str], shape: tuple[int, int]) -> int | None:
-    """The dimension of a matrix with logical `axes` and `shape` that the mesh in context splits over fsdp alone,
-    the other dimension whole (so pieces of that one can be cut on every device alike), or None."""
+def zero_only_dim(axes: tuple[str, str], shape: tuple[int, int]) -> int | None:
+    """The dimension of a matrix with logical `axes` and `shape` that the mesh in context splits over ZeRO-3's axes
+    alone (fsdp, context), the other dimension whole (so pieces of that one can be cut on every device alike), or
+    None."""
     mesh = mesh_in_context()
     if mesh is None:
         return None
     split = mesh_axes_of(axes, shape, mesh.shape)
-    return next((d for d in (0, 1) if split[d] == ("fsdp",) and not split[1 - d]), None)
+    return next((d for d in (0, 1) if split[d] and set(split[d]) <= set(ZERO_AXES) and not split[1 - d]), None)
+
+
+def context_ways() -> int:
+    """How many devices share each row's tokens on the mesh in context (its `context` axis; 1 without a mesh)."""
+    mesh = mesh_in_context()
+    return 1 if mesh is None else mesh.shape["context"]
 
 
 def head_rows(vocab: int) -> str:
@@ -141,8 +152,8 @@ def head_rows(vocab: int) -> str:
 
 
 def gathered(x, axes: Sequence[str | None]):
-    """`x`, a weight with logical `axes`, all-gathered over fsdp where it is used (ZeRO-3) and still split over
-    tensor as the rules split it; `x` itself where no mesh is in context (see `constrain`).
+    """`x`, a weight with logical `axes`, all-gathered over fsdp and context where it is used (ZeRO-3) and still split
+    over tensor as the rules split it; `x` itself where no mesh is in context (see `constrain`).
 
     Pinning the gather to the weight as stored keeps it in the stored dtype: left to XLA:CPU, a frozen bfloat16
     kernel was converted to float32 on its shard and gathered in float32 (twice the traffic and the memory)."""
@@ -150,4 +161,4 @@ def gathered(x, axes: Sequence[str | None]):
     if mesh is None:
         return x
     spec = mesh_axes_of(axes, x.shape, mesh.shape)
-    return jax.lax.with_sharding_constraint(x, to_spec([tuple(a for a in dim if a != "fsdp") for dim in spec]))
+    return jax.lax.with_sharding_constraint(x, to_spec([tuple(a for a in dim if a not in ZERO_AXES) for dim in spec]))

@@ -23,6 +23,9 @@ BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.3}
 # Float32 [b, H, bq, bk] blocks one layer's attention backward holds beside one in the compute dtype (measured on
 # XLA:CPU): scores, probabilities and their gradients; under save_matmuls the kernel's forward is recomputed apart.
 ATTENTION_COPIES_F32 = {"none": 4, "save_matmuls": 2, "full": 4}
+# [b, T, F] float32 arrays one layer's backward holds where the base's weights train, on XLA:CPU: the inputs of the
+# weight gradients' matmuls laid out again, transposed (measured at 8k tokens on three Llama shapes, within 3%)
+WEIGHT_GRADIENT_COPIES = {"none": 3.0, "save_matmuls": 3.0, "full": 1.6}
 # [b, c, V] float32 logits buffers a final-logit soft cap adds at the loss (tanh's output, kept for the backward),
 # measured on XLA:CPU (Gemma 2 shapes): one with adapters; 0.2 to 2 in full fine-tuning (bfloat16, float32).
 SOFTCAP_LOGITS_COPIES = 1
@@ -30,7 +33,10 @@ SOFTCAP_LOGITS_COPIES = 1
 
 @dataclass(frozen=True)
 class Widths:
-    """Per-device sizes of one micro-batch: rows b, tokens T, keys S (prefix + T), and the tensor-split widths."""
+    """Per-device sizes of one micro-batch: rows b, tokens T, keys S (prefix + T), and the tensor-split widths.
+
+    On a context axis of N devices T is a device's share of a row's tokens (seq_len / N) and S the keys one call of
+    the attention kernel sees: the ring's block, or every token gathered (`strategy`)."""
 
     b: int
     T: int
@@ -45,6 +51,8 @@ class Widths:
     head_dim: int
     megablox: bool = False  # a mixture's experts run megablox (TPU): its internals are no matmuls a policy saves
     expert_rows: int = 1  # the rows a device's experts see, as multiples of its own (gathered over the expert axis)
+    context: int = 1
+    strategy: str = "ring"
 
 
 def mlp_width(cfg: ModelConfig) -> int:
@@ -55,18 +63,22 @@ def mlp_width(cfg: ModelConfig) -> int:
 
 
 def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, megablox: bool = False,
-           expert: int = 1) -> Widths:
+           expert: int = 1, context: int = 1, strategy: str = "ring") -> Widths:
     """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
     as jaxtune.parallel's rules split the weights); with `megablox` a mixture's rows are gathered over the `expert`
-    devices that split its experts (`models/moe.py`)."""
+    devices that split its experts (`models/moe.py`); a row's tokens split over `context` devices, whose attention
+    crosses them by `strategy` (`models/context_attention.py`)."""
     split = lambda n: n // tensor if n % tensor == 0 else n
     heads_split = cfg.num_kv_heads % tensor == 0
-    return Widths(rows, seq_len, prefix + seq_len, cfg.hidden_size, split(cfg.q_size), split(cfg.kv_size),
+    T = seq_len // context  # a multiple of 2 x context (`config.run.context_split_error`)
+    S = prefix + (seq_len if strategy == "all_gather" else T)
+    return Widths(rows, T, S, cfg.hidden_size, split(cfg.q_size), split(cfg.kv_size),
                   split(mlp_width(cfg)), split(cfg.vocab_size),
                   cfg.num_heads // tensor if heads_split else cfg.num_heads,
                   cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim,
                   megablox and bool(cfg.num_experts),
-                  expert if megablox and cfg.num_experts and cfg.num_experts % expert == 0 else 1)
+                  expert if megablox and cfg.num_experts and cfg.num_experts % expert == 0 else 1,
+                  context, strategy)
 
 
 def _trains_input(method, module: str, adapted: dict) -> bool:
@@ -158,6 +170,12 @@ def grouped_matmul_elements(cfg: ModelConfig, w: Widths, experts_train: bool) ->
     return cfg.num_experts * rows * widths
 
 
+def weight_gradient_elements(policy: str, w: Widths) -> int:
+    """Elements of the transposed inputs XLA:CPU's backward of one layer makes for its weights' gradients
+    (`WEIGHT_GRADIENT_COPIES`), where the base trains."""
+    return int(WEIGHT_GRADIENT_COPIES[policy] * w.b * w.T * w.F)
+
+
 def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     """Extra [b, T, F] elements one layer's backward holds for each MLP module with a LoRA branch: the branch's own
     gradient beside the frozen matmul's, about 1.6 of them a module (measured on XLA:CPU; attention modules' branches
@@ -173,6 +191,21 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
 def attention_block(w: Widths) -> tuple[int, int, int, int]:
     """The shape of one block of one layer's attention scores on one device: [b, H, bq, bk]."""
     return w.b, w.heads, block_size(w.T), block_size(w.S)
+
+
+def context_attention_bytes(w: Widths, itemsize: int, nbytes) -> int:
+    """Bytes one layer's attention backward holds to cross a context axis, beside the blockwise kernel's own (its
+    float32 key and value gradients over the S keys it attends: `activation_bytes`). "ring": the key and value
+    block passed on beside the one attended, with the float32 gradient blocks passed along with it, and the
+    queries' float32 gradient carried round the ring; "all_gather": the layer's keys and values gathered from every
+    device (each device's keys after the forward are gathered again in the backward). Measured on XLA:CPU within
+    a few percent of a layer's working set (tests/test_context_planner.py)."""
+    if w.context == 1:
+        return 0
+    if w.strategy == "all_gather":
+        return 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), itemsize)
+    block = (w.b, w.kv_heads, w.T, w.head_dim)
+    return 2 * nbytes(block, itemsize) + 2 * nbytes(block, 4) + nbytes((w.b, w.heads, w.T, w.head_dim), 4)
 
 
 def live_block_fraction(T: int, prefix: int, splash: bool = False) -> float:
@@ -244,9 +277,13 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
     if block_size(w.T) < w.T or block_size(w.S) < w.S:  # the accumulators: small beside whole scores otherwise
         attention += nbytes((w.b, w.heads, w.T, w.head_dim), 4) + 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), 4)
+    attention += context_attention_bytes(w, itemsize, nbytes)
     workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w), loose_nbytes or nbytes))
     workspace += adapter_backward_elements(cfg, method, w) * itemsize
-    logits_one = nbytes((w.b, chunk_length(global_rows or w.b, w.T, cfg.vocab_size), w.V), 4)
+    chunk = chunk_length(global_rows or w.b, w.T, cfg.vocab_size)
+    logits_one = nbytes((w.b, chunk, w.V), 4)
+    if w.context > 1 and chunk >= w.T:  # one tile a device: three chunk buffers at least (measured on XLA:CPU)
+        logits_copies = max(logits_copies, 3)
     saved = saved_tensors(cfg, method, policy, w)
     if policy == "none":  # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
         saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),

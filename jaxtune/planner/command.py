@@ -42,13 +42,13 @@ OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
 
 
 def parse_mesh(text: str | None) -> MeshConfig | None:
-    """"data=2,fsdp=4,tensor=1" (or expert=E) or "2x4x1" (data x fsdp x tensor; four sizes: data x fsdp x expert x
-    tensor) -> MeshConfig; axes left out are 1, fsdp takes the rest (-1)."""
+    """"data=2,fsdp=4,tensor=1" (or expert=E, context=C) or "2x4x1" (data x fsdp x tensor; four sizes: data x fsdp x
+    expert x tensor) -> MeshConfig; axes left out are 1, fsdp takes the rest (-1)."""
     if not text:
         return None
     try:
         if "=" in text:
-            sizes = {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
+            sizes = {}
             for part in text.split(","):
                 name, _, value = part.partition("=")
                 name = name.strip()
@@ -59,9 +59,11 @@ def parse_mesh(text: str | None) -> MeshConfig | None:
         values = [int(v) for v in text.lower().split("x")]
         if len(values) not in (3, 4):
             raise ValueError(f"{len(values)} sizes")
-        return MeshConfig(**dict(zip(("data", "fsdp", "tensor") if len(values) == 3 else MESH_AXES, values)))
+        names = ("data", "fsdp", "tensor") if len(values) == 3 else ("data", "fsdp", "expert", "tensor")
+        return MeshConfig(**dict(zip(names, values)))
     except (ValueError, TypeError) as e:
-        raise JaxtuneError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T (expert=E) or DxFxT ({e})") from None
+        raise JaxtuneError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T (expert=E, context=C) or DxFxT ({e})"
+                           ) from None
 
 
 def parse_offload(items) -> OffloadConfig:
@@ -78,7 +80,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
               mesh: str | None = None,
               offload=(), rank: int = 16, bits: int = 4, targets: str = "all-linear",
               compute_dtype: str | None = None, param_dtype: str | None = None, objective: str = "sft",
-              generate_tokens: int = 0) -> tuple[ModelConfig, TrainPlan, Device]:
+              generate_tokens: int = 0, context_attention: str = "ring") -> tuple[ModelConfig, TrainPlan, Device]:
     """(model config, plan, device) from the values `jaxtune plan` takes. Exactly one of `model` (a Hugging Face
     directory), `params` (millions, for a standard Llama shape) or `config` (a `jaxtune train` TOML, which then
     gives every other value) names the model. `batch` (rows per micro-batch
@@ -108,7 +110,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
         plan = TrainPlan(method_cfg, batch, seq, accum, remat or "none",
                          compute_dtype or ("bfloat16" if accelerator else "float32"), param_dtype or stored,
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
-                         generate_tokens=generate_tokens)
+                         generate_tokens=generate_tokens, context_attention=context_attention)
     except ConfigError:
         raise
     except ValueError as e:

@@ -43,6 +43,7 @@ from jaxtune.models.quant import (
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
 from jaxtune.parallel.mesh import abstract_mesh
+from jaxtune.parallel.rules import ZERO_AXES, mesh_axes_of
 from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
 from jaxtune.spine.run import abstract_run
@@ -57,6 +58,8 @@ class FamilyRules:
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
     dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU;
     on TPU jaxtune runs megablox instead, unless a tensor axis does not divide the experts' hidden units).
+    transposed_weight_gradients: a layer's backward lays the inputs of its weight gradients' matmuls out again, where
+    the base trains (`activations.weight_gradient_elements`; XLA:CPU).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     activation_itemsize: int | None
@@ -65,6 +68,7 @@ class FamilyRules:
     reserve_fraction: float
     reserve_note: str
     dense_grouped_matmul: bool = False
+    transposed_weight_gradients: bool = False
 
 
 FAMILY_RULES = {
@@ -80,7 +84,7 @@ FAMILY_RULES = {
     "cpu": FamilyRules(4, False, 520 * MiB, 0.0,
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
                        "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU keeps activations in float32",
-                       dense_grouped_matmul=True),
+                       dense_grouped_matmul=True, transposed_weight_gradients=True),
 }
 
 
@@ -155,7 +159,7 @@ class Estimate:
     @property
     def model_states_bytes(self) -> int:
         """Weights + one gradient + optimizer state: the ZeRO paper's "model states"."""
-        one_gradient = 4 * self.trainable_parameters // max(1, self.mesh["fsdp"] * self.mesh["tensor"])
+        one_gradient = 4 * self.trainable_parameters // (zero_ways(self.mesh) * self.mesh["tensor"])
         return self.frozen_bytes + self.trainable_bytes + one_gradient + self.optimizer_bytes
 
     @property
@@ -205,7 +209,7 @@ class Estimate:
                      "mesh": self.mesh, "offload": {"optimizer_state": p.offload.optimizer_state,
                                                     "frozen_params": p.offload.frozen_params,
                                                     "moments_dtype": p.offload.moments_dtype},
-                     "objective": p.objective},
+                     "objective": p.objective, "context_attention": p.context_attention},
             "model": {"parameters": self.base_parameters, "method_parameters": self.parameters - self.base_parameters,
                       "trainable_parameters": self.trainable_parameters,
                       "layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
@@ -215,7 +219,7 @@ class Estimate:
 
 
 def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
-    """{"data", "fsdp", "expert", "tensor"} sizes for the plan's mesh on `device.count` devices."""
+    """{"data", "fsdp", "expert", "context", "tensor"} sizes for the plan's mesh on `device.count` devices."""
     try:
         return plan.mesh.resolve(device.count)
     except JaxtuneError:
@@ -225,6 +229,11 @@ def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
         raise JaxtuneError(f"mesh {described} does not divide the {device.count} device(s) of {device.target}: the "
                            f"fixed axes need {fixed}; use sizes whose product is {device.count}, or -1 for one axis"
                            ) from None
+
+
+def zero_ways(sizes: dict) -> int:
+    """The devices ZeRO-3 splits weights, gradients and optimizer state over: fsdp x context (`rules.ZERO_AXES`)."""
+    return math.prod(sizes[a] for a in ZERO_AXES)
 
 
 def _device_bytes(tree, tiled: bool) -> int:
@@ -392,6 +401,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     rules = FAMILY_RULES[device.family]
     sizes = resolve_mesh(plan, device)
     data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
+    zero = zero_ways(sizes)  # ZeRO-3: fsdp x context devices split the weights, gradients and optimizer state
     method, tiled = plan.method, rules.tiled
     notes: list[str] = []
     ways = batch_ways(sizes)
@@ -399,11 +409,15 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if total_rows % ways:
         raise JaxtuneError(f"batch {plan.batch_size} ({total_rows} rows) cannot be split over data x fsdp x expert = "
                            f"{data} x {fsdp} x {sizes['expert']} = {ways} devices; use a multiple of {ways} rows")
+    if plan.generate_tokens and sizes["context"] > 1:
+        raise JaxtuneError(f"GRPO's rollout decodes whole rows, which context = {sizes['context']} would split: use "
+                           "a mesh without a context axis")
     rows = total_rows // ways
     unit = method_unit(method)
     prefix = unit.costs.attended_tokens(method)
     megablox = grouped_kernel(cfg, device.family, tensor) == "megablox"  # else ragged_dot, dense on TPU
-    w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"])
+    w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"], sizes["context"],
+                   plan.context_attention)
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
@@ -415,16 +429,16 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows,
                                 jnp.dtype(plan.compute_dtype).itemsize,
                                 (lambda shape, size: _tiled_bytes(shape, size, True)) if tiled else None)
-    if device.family == "tpu" and plan.attention in ("auto", "splash") and splash_covers(
+    if device.family == "tpu" and plan.attention in ("auto", "splash") and w.context == 1 and splash_covers(
             plan.seq_len, plan.seq_len + prefix, prefix, True) is None:
         acts = replace(acts, attention=0)  # splash keeps its score blocks in VMEM, not HBM
     logits_b = acts.logits
     # a frozen 16-bit head under wider compute is read from its bits a piece at a time where a device's share of
     # it is larger than a piece (`linear.pieces_of`)
-    vocab_ways = fsdp * tensor if cfg.vocab_size % (fsdp * tensor) == 0 else 1
+    vocab_ways = math.prod(sizes[a] for a in mesh_axes_of(("vocab",), (cfg.vocab_size,), sizes)[0])
     head_pieces = (not unit.trains_base and _widened(plan) and cfg.hidden_size * cfg.vocab_size // vocab_ways
                    * jnp.dtype(plan.compute_dtype).itemsize > gathered_piece_bytes(device.family))
-    one_chunk = chunk_length(total_rows, plan.seq_len, cfg.vocab_size) >= plan.seq_len
+    one_chunk = chunk_length(total_rows, w.T, cfg.vocab_size) >= w.T
     if head_pieces and (one_chunk or vocab_ways > 1):
         # it writes the logits into a buffer of their own: XLA:CPU gave it one more chunk buffer where the loss is
         # one chunk (the forward's first piece and its recomputation's merged, then copied for each) or the
@@ -433,12 +447,12 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
 
     # Weight copies made by dtype casts.
     layer_kernels, head_kernel = _kernel_elements(cfg)
-    shard = fsdp * tensor
+    shard = zero * tensor
     residual_copies, copies_b = (c // shard for c in _cast_copies(plan, layer_kernels, head_kernel, a, head_pieces))
     if copies_b:
         notes.append(f"the frozen {plan.param_dtype} head is converted to {plan.compute_dtype} for the step: that "
                      "copy is counted")
-    if fsdp > 1:
+    if zero > 1:
         # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan; a
         # frozen 16-bit kernel a piece at a time in its own dtype, with XLA:CPU's copy of the piece from its bits
         # (`linear.gathered_piecewise_matmul`), others whole as XLA widens them; a second model's forward (a
@@ -467,9 +481,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
             else:  # every module whole, a device's experts only
                 gathered -= (experts - local) * (2 if stored else a) // tensor
             if unit.quantize_base is not None:
-                gathered += experts * 4 // (fsdp * sizes["expert"])
+                gathered += experts * 4 // (zero * sizes["expert"])
         copies_b += forwards * gathered
-    layer_copies = 0 if fsdp > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
+    layer_copies = 0 if zero > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
 
     extra_models_b = held.second
     if extra_models_b:
@@ -484,6 +498,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     backward_workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
     if rules.dense_grouped_matmul or (device.family == "tpu" and not megablox):
         backward_workspace += act.grouped_matmul_elements(cfg, w, unit.trains_base) * a
+    if rules.transposed_weight_gradients and unit.trains_base:
+        backward_workspace += act.weight_gradient_elements(plan.remat, w) * 4
     if device.family == "tpu" and plan.remat == "full":
         # The TPU compiler's program holds about two layers' backward working sets (a pipelined backward loop fits
         # what it shows; the cause is not in the dumped HLO): its memory_analysis exceeds its own buffer assignment
@@ -491,14 +507,14 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # experiments/tpu_compile_table.py); in a full fine-tune, with each of the two a layer's whole float32
         # weight gradient before its reduce-scatter (a device's experts' share of a mixture's).
         backward_workspace += int(0.45 * acts.workspace)
-        if unit.trains_base and fsdp > 1:
+        if unit.trains_base and zero > 1:
             experts = act.expert_kernel_elements(cfg)
             per_layer = layer_kernels // cfg.num_layers - experts + experts // sizes["expert"]
             backward_workspace += 2 * per_layer * 4 // tensor
 
     # The moments of the step.
     grads_in_flight = grad_b
-    largest_gradient = held.largest_trainable // tensor  # summed whole on each device, then split over fsdp
+    largest_gradient = held.largest_trainable // tensor  # summed whole on each device, then split over ZeRO's
 
     # The TPU compiler's program (live ranges of Llama-3.1-8B's full fine-tune on v5p-64, experiments/
     # tpu_compile_table.py): the embedding's gradient is scattered into a whole table in the compute dtype and
@@ -511,9 +527,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                  "weight_copies": residual_copies},
         "backward": {"activations": acts.saved + acts.attention + backward_workspace, "gradients": grads_in_flight,
                      "weight_copies": residual_copies + layer_copies},
-        "update": {"activations": 0, "gradients": grad_b + largest_gradient // fsdp, "weight_copies": 0},
+        "update": {"activations": 0, "gradients": grad_b + largest_gradient // zero, "weight_copies": 0},
     }
-    if device.family == "tpu" and fsdp > 1 and largest_gradient:
+    if device.family == "tpu" and zero > 1 and largest_gradient:
         phases["embedding gradient"] = {"activations": 0, "gradients": grads_in_flight + 2 * whole_table,
                                         "weight_copies": 0}
     offload = plan.offload

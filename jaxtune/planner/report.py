@@ -22,6 +22,12 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def mesh_label(mesh: dict) -> str:
+    """"data=1 fsdp=8 tensor=1", with expert= and context= where those axes are used."""
+    return " ".join(f"{axis}={size}" for axis, size in mesh.items()
+                    if axis not in ("expert", "context") or size > 1)
+
+
 def plan_dict(est: Estimate, time: StepTime | None = None, compiled: CompiledMemory | None = None) -> dict:
     """`est.to_dict()` with the predicted step time and, if given, XLA's compiled memory of the same plan."""
     out = est.to_dict()
@@ -42,9 +48,10 @@ def _describe(est: Estimate) -> list[str]:
         f"vocab {cfg.vocab_size}){f'; the method adds {_count(added)}' if added else ''}; "
         f"trainable {est.trainable_parameters:,}",
         f"plan: {method}, {p.objective}; batch {p.batch_size} x {p.grad_accum} accumulation, sequence {p.seq_len}, "
-        f"remat {p.remat}, compute {p.compute_dtype}, weights {p.param_dtype}",
-        f"target: {est.device.count} x {est.device.name} (mesh data={mesh['data']} fsdp={mesh['fsdp']} "
-        f"tensor={mesh['tensor']}){', offload ' + _offload(est) if _offload(est) else ''}",
+        f"remat {p.remat}, compute {p.compute_dtype}, weights {p.param_dtype}"
+        f"{f', context attention {p.context_attention}' if mesh['context'] > 1 else ''}",
+        f"target: {est.device.count} x {est.device.name} (mesh {mesh_label(mesh)})"
+        f"{', offload ' + _offload(est) if _offload(est) else ''}",
     ]
 
 
@@ -147,8 +154,7 @@ def format_search(result: SearchResult, top: int = 3) -> str:
     lines = [f"{len(result.candidates)} of {result.tried} plans fit; the fastest:"]
     for i, c in enumerate(result.candidates[:top], 1):
         p, m = c.plan, c.estimate.mesh
-        lines += ["", f"#{i}: batch {p.batch_size} x {p.grad_accum}, remat {p.remat}, mesh data={m['data']} "
-                      f"fsdp={m['fsdp']} tensor={m['tensor']}"
+        lines += ["", f"#{i}: batch {p.batch_size} x {p.grad_accum}, remat {p.remat}, mesh {mesh_label(m)}"
                       + (f", QLoRA {p.method.bits}-bit" if method_unit(p.method).quantize_base else "")
                       + (", optimizer state in host memory" if p.offload.optimizer_state else "")]
         lines += [f"    {line}" for line in explain(c, result.candidates)]
@@ -182,8 +188,7 @@ def format_longest_context(result: LongestContext) -> str:
     m = c.estimate.mesh
     choices = [_method_label(p.method), f"batch {p.batch_size} x {p.grad_accum}", f"remat {p.remat}"]
     if device.count > 1:
-        expert = f" expert={m['expert']}" if m["expert"] > 1 else ""
-        choices.append(f"mesh data={m['data']} fsdp={m['fsdp']}{expert} tensor={m['tensor']}")
+        choices.append(f"mesh {mesh_label(m)}")
     if p.offload.optimizer_state:
         choices.append("optimizer state in host memory")
     if result.too_long is None:

@@ -3,10 +3,10 @@ predicted step time.
 
 For a model, a base plan (method, sequence length, dtypes) and a target with its device count, the search tries
 the split of the global batch into micro-batch x accumulation, the remat policies, the meshes the devices factor
-into (`meshes`), QLoRA's 4 and 8 bits, and the optimizer state in host memory; it keeps the plans that fit, ranks
-them by predicted step time (timing.py) and says why the best ones win (`explain`). When nothing fits,
-`smallest_change` finds the least change that would: offloading, a lighter method, a shorter sequence, a batch of 1,
-more devices, a device with more memory, in that order. `longest_context`: the longest sequence some plan fits.
+into (`meshes`: a context axis too, for long rows), QLoRA's 4 and 8 bits, and the optimizer state in host memory;
+it keeps the plans that fit, ranks them by predicted step time (timing.py) and says why the best ones win
+(`explain`). When nothing fits, `smallest_change` finds the least change that would: offloading, a lighter method,
+a shorter sequence, a batch of 1, more devices, a bigger device. `longest_context`: the longest sequence that fits.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from dataclasses import dataclass, replace
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
-from jaxtune.config.run import batch_ways
+from jaxtune.config.run import batch_ways, context_split_error
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import method_unit
+from jaxtune.parallel.rules import ZERO_AXES
 from jaxtune.planner.devices import CATALOGUE, Device
-from jaxtune.planner.estimate import Estimate, estimate
+from jaxtune.planner.estimate import Estimate, estimate, zero_ways
 from jaxtune.planner.timing import StepTime, step_time
 
 REMATS = ("none", "save_matmuls", "full")
@@ -52,15 +53,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(cfg: ModelConfig, count: int) -> list[MeshConfig]:
-    """Every (data, fsdp, tensor) split of `count` devices whose tensor axis divides the kv heads (and is at most 8,
-    one host's NVLink/ICI neighbourhood)."""
+def meshes(cfg: ModelConfig, count: int, seq_len: int) -> list[MeshConfig]:
+    """Every (data, fsdp, context, tensor) split of `count` devices whose tensor axis divides the kv heads (and is at
+    most 8, one host's NVLink/ICI neighbourhood) and whose context axis splits rows of `seq_len` tokens (into 2 x
+    context chunks). A context axis is what a long row needs: fsdp splits rows, so a batch of one long row runs on
+    one fsdp device."""
     out = []
     for tensor in _divisors(count):
         if tensor > 8 or cfg.num_kv_heads % tensor:
             continue
-        for fsdp in _divisors(count // tensor):
-            out.append(MeshConfig(count // (tensor * fsdp), fsdp, tensor=tensor))
+        for context in _divisors(count // tensor):
+            if context_split_error(seq_len, context):
+                continue
+            for fsdp in _divisors(count // (tensor * context)):
+                out.append(MeshConfig(count // (tensor * context * fsdp), fsdp, context=context, tensor=tensor))
     return out
 
 
@@ -74,7 +80,7 @@ def _batch_splits(global_batch: int, ways: int) -> list[tuple[int, int]]:
 
 
 def _variants(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
-    mesh_options = [base.mesh] if "mesh" in fixed else meshes(cfg, device.count)
+    mesh_options = [base.mesh] if "mesh" in fixed else meshes(cfg, device.count, base.seq_len)
     remat_options = [base.remat] if "remat" in fixed else list(REMATS)
     methods = [base.method]
     if method_unit(base.method).quantize_base is not None and "bits" not in fixed:
@@ -126,9 +132,10 @@ def _fitting(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: in
     """(fitting candidates, number of plans estimated) over every variant of `base`."""
     estimates, tried = _estimates(cfg, base, device, global_batch, fixed)
     fitting = [Candidate(est, step_time(est)) for est in estimates if est.fits]
-    # Equal times (compute-bound plans often tie): less recomputation, fewer accumulation steps, less memory.
-    fitting.sort(key=lambda c: (float(f"{c.time.step_s:.3g}"), REMATS.index(c.plan.remat), c.plan.grad_accum,
-                                c.estimate.total_bytes))
+    # Equal times (compute-bound plans often tie): less recomputation, rows split over fewer devices, fewer
+    # accumulation steps, less memory.
+    fitting.sort(key=lambda c: (float(f"{c.time.step_s:.3g}"), REMATS.index(c.plan.remat), c.estimate.mesh["context"],
+                                c.plan.grad_accum, c.estimate.total_bytes))
     return fitting, tried
 
 
@@ -148,7 +155,7 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
         label = "QLoRA 4-bit" if m.kind == "qlora" else "LoRA on all linear layers"
         tries.append((f"{label} instead of {base.method.kind}", base.replace(method=m), device, global_batch))
     seq = base.seq_len // 2
-    while seq >= 128:
+    while seq >= 128 and not context_split_error(seq, base.mesh.context):
         tries.append((f"sequence length {seq} instead of {base.seq_len}", base.replace(seq_len=seq), device,
                       global_batch))
         seq //= 2
@@ -277,10 +284,16 @@ def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[st
     lines = [f"{est.total_bytes / GiB:.1f} of {usable / GiB:.1f} GiB usable per device "
              f"({100 * (1 - est.total_bytes / usable):.0f}% headroom); peak in the {est.peak_phase}; "
              f"{t.step_s:.3g} s a step, {t.tokens_per_s:,.0f} tokens/s, {t.bound}-bound"]
-    mesh = est.mesh
-    if mesh["fsdp"] > 1:
-        lines.append(f"fsdp={mesh['fsdp']} splits weights, gradients and optimizer state {mesh['fsdp']} ways "
+    mesh, zero = est.mesh, zero_ways(est.mesh)
+    if zero > 1:
+        axes = " x ".join(f"{axis}={mesh[axis]}" for axis in ZERO_AXES if mesh[axis] > 1)
+        lines.append(f"{axes} splits weights, gradients and optimizer state {zero} ways "
                      f"(model states {est.model_states_bytes / GiB:.1f} GiB a device)")
+    if mesh["context"] > 1:
+        how = ("passing key/value blocks round a ring" if plan.context_attention == "ring" else
+               "gathering each layer's keys and values")
+        lines.append(f"context={mesh['context']} splits each row's {plan.seq_len:,} tokens, "
+                     f"{plan.seq_len // mesh['context']:,} a device; attention reaches the others' by {how}")
     if mesh["tensor"] > 1:
         lines.append(f"tensor={mesh['tensor']} splits heads, MLP and vocabulary: activations per device shrink, at "
                      f"the cost of per-layer all-reduces")

@@ -1,29 +1,35 @@
 """Predicted step time (`step_time(est) -> StepTime`): FLOPs and bytes against the device's rates, a roofline.
 
-Per micro-batch on one device (n tokens through P matmul weights, split `tensor` ways): FLOPs of the forward (2 n P
-plus attention), the backward (input gradients always, weight gradients when the weights train, attention
-recomputed), full remat's recompute, the chunked loss's logits again, a reference's or teacher's forward, GRPO's
-decode; bytes moved (weights each pass, saved activations, logits); the fsdp, data and tensor collectives.
-step = accumulation x (max(compute, memory) + tensor all-reduces + the collectives not hidden behind
-`HIDDEN_COMM_SHARE` of the compute) + the AdamW update + host transfers, compute at `MFU_CEILING` of peak (as PaLM
-reports for tuned training, Chowdhery et al. 2022) and memory at `BANDWIDTH_CEILING` of bandwidth.
+Per micro-batch on one device (n tokens, its rows' share of a context axis, through P matmul weights, split `tensor`
+ways): FLOPs of the forward (2 n P plus attention), the backward (input gradients always, weight gradients when the
+weights train, attention recomputed), full remat's recompute, the chunked loss's logits again, a reference's or
+teacher's forward, GRPO's decode; bytes moved; the collectives of ZeRO-3, data, tensor and context (`context_bytes`).
+step = accumulation x (max(compute, memory) + tensor all-reduces and context all-gathers + the collectives not
+hidden behind `HIDDEN_COMM_SHARE` of the compute, a ring's among them) + the AdamW update + host transfers; compute
+at `MFU_CEILING` of peak (PaLM's tuned training, Chowdhery et al. 2022), memory at `BANDWIDTH_CEILING` of bandwidth.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from jaxtune.config import MeshConfig, ModelConfig
+from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.methods.base import adapted_modules, method_unit
+from jaxtune.models.context_attention import context_layout
 from jaxtune.models.fused_attention import splash_covers
 from jaxtune.models.moe import grouped_kernel
 from jaxtune.models.params import linear_shapes
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives import rows as rows_of
+from jaxtune.parallel.mesh import abstract_mesh
 from jaxtune.planner import activations as act
-from jaxtune.planner.estimate import Estimate
+from jaxtune.planner.estimate import Estimate, zero_ways
+from jaxtune.spine.run import traced_on
 
 MFU_CEILING = 0.5
 BANDWIDTH_CEILING = 0.8
@@ -52,15 +58,16 @@ class StepTime:
 def step_time(est: Estimate) -> StepTime:
     """The predicted time of one optimizer step of `est`'s plan on `est.device` (per device; all run in step)."""
     cfg, plan, dev = est.model, est.plan, est.device
-    data, fsdp, tensor = est.mesh["data"], est.mesh["fsdp"], est.mesh["tensor"]
+    data, context, tensor = est.mesh["data"], est.mesh["context"], est.mesh["tensor"]
+    zero = zero_ways(est.mesh)
     rows = rows_of(plan) // batch_ways(est.mesh)
     unit = method_unit(plan.method)
     prefix = unit.costs.attended_tokens(plan.method)
-    n = rows * plan.seq_len
+    n = rows * plan.seq_len // context  # a context axis splits each row's tokens, and (load-balanced) its attention
     matmul = act.matmul_params_per_token(cfg) / tensor
-    splash = (dev.family == "tpu" and plan.attention in ("auto", "splash")
+    splash = (dev.family == "tpu" and plan.attention in ("auto", "splash") and context == 1
               and splash_covers(plan.seq_len, plan.seq_len + prefix, prefix, True) is None)
-    attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix, splash) / tensor
+    attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix, splash) / (tensor * context)
     weight_grads = unit.trains_base
     passes = 3 if plan.remat == "full" else 2  # forward, backward (+ recompute)
     head = cfg.hidden_size * cfg.vocab_size / tensor
@@ -104,17 +111,23 @@ def step_time(est: Estimate) -> StepTime:
 
     comm = 0.0
     trainable_f32 = 4 * est.trainable_parameters / tensor
-    if fsdp > 1:
-        comm += passes * (fsdp - 1) / fsdp * weights_full + (fsdp - 1) / fsdp * trainable_f32
+    if zero > 1:
+        comm += passes * (zero - 1) / zero * weights_full + (zero - 1) / zero * trainable_f32
     if data > 1:
-        comm += 2 * (data - 1) / data * trainable_f32 / fsdp
-    # tensor parallelism's all-reduces sit between a layer's matmuls: nothing hides them
-    tensor_comm = 2 * passes * cfg.num_layers * 2 * (tensor - 1) / tensor * n * cfg.hidden_size * a
-    comm_s = (comm + tensor_comm) / dev.interconnect
+        comm += 2 * (data - 1) / data * trainable_f32 / zero
+    # tensor parallelism's all-reduces sit between a layer's matmuls: nothing hides them; nor does anything hide a
+    # layer's keys and values gathered before its attention, where a ring passes them on while it attends
+    exposed = 2 * passes * cfg.num_layers * 2 * (tensor - 1) / tensor * n * cfg.hidden_size * a
+    context_sent = context_bytes(cfg, plan, est.mesh, 1 + extra_forwards + (plan.remat == "full"))
+    if plan.context_attention == "all_gather":
+        exposed += context_sent
+    else:
+        comm += context_sent
+    comm_s = (comm + exposed) / dev.interconnect
     busy = max(compute_s, memory_s)
-    micro_s = busy + tensor_comm / dev.interconnect + max(0.0, comm / dev.interconnect - HIDDEN_COMM_SHARE * busy)
+    micro_s = busy + exposed / dev.interconnect + max(0.0, comm / dev.interconnect - HIDDEN_COMM_SHARE * busy)
 
-    update_s = 7 * 4 * est.trainable_parameters / (fsdp * tensor) / (dev.bandwidth * BANDWIDTH_CEILING)
+    update_s = 7 * 4 * est.trainable_parameters / (zero * tensor) / (dev.bandwidth * BANDWIDTH_CEILING)
     host = 0
     if plan.offload.optimizer_state:
         host += 2 * est.host_bytes
@@ -128,3 +141,30 @@ def step_time(est: Estimate) -> StepTime:
     tokens = plan.batch_size * plan.grad_accum * plan.seq_len
     return StepTime(plan.grad_accum * flops * dev.count, compute_s, memory_s, comm_s, update_s, host_s, step_s,
                     tokens / step_s, bound, plan.grad_accum * rollout * dev.count)
+
+
+def context_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, forwards: int) -> float:
+    """Bytes one device sends a micro-batch to attend across a context axis of N devices (0 without one), for
+    `forwards` forward passes of the layers (a reference's, full remat's recompute) and one backward. "ring": per
+    layer and forward, ring_steps - 1 key/value blocks [b, K, T / N, hd] in the compute dtype; in the backward the
+    same blocks again with their float32 gradients, which then go home in one more pass. "all_gather": per layer
+    and forward, (N - 1) / N of the layer's keys and values; in the backward that again, and the reduce-scatter of
+    their float32 gradients (`models/context_attention.py`)."""
+    N = sizes["context"]
+    if N == 1:
+        return 0.0
+    rows = rows_of(plan) // batch_ways(sizes)
+    a = jnp.dtype(plan.compute_dtype).itemsize
+    kv = 2 * rows * plan.seq_len * cfg.kv_size / sizes["tensor"]  # a layer's keys and values, whole rows
+    if plan.context_attention == "all_gather":
+        return cfg.num_layers * (N - 1) / N * kv * (a * (forwards + 1) + 4)
+    steps = ring_steps(cfg, plan, sizes)
+    block = kv / N
+    return cfg.num_layers * ((steps - 1) * block * (a * (forwards + 1) + 4) + (steps > 1) * block * 4)
+
+
+def ring_steps(cfg: ModelConfig, plan: TrainPlan, sizes: dict) -> int:
+    """The key/value blocks a device attends to on the ring (`ContextLayout.ring_steps`): N, fewer where every
+    layer's sliding window ends within the previous devices' tokens."""
+    with traced_on(abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))):
+        return context_layout(plan.seq_len, cfg.sliding_windows, plan.context_attention).ring_steps

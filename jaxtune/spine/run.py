@@ -185,8 +185,9 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
-    context = Context(cfg, method, ForwardOptions(plan.compute_dtype, Remat(plan.remat), attention=plan.attention),
-                      section, second_cfg)
+    options = ForwardOptions(plan.compute_dtype, Remat(plan.remat), attention=plan.attention,
+                             context_attention=plan.context_attention, tiled_mlp=plan.tiled_mlp)
+    context = Context(cfg, method, options, section, second_cfg)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
                        second, _with_shardings(batch, shardings.batch), shardings, optimizer,
                        learning_rate_schedule(train, total_steps))
@@ -227,7 +228,8 @@ def train_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan
     return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum, c.model.remat,
                      compute_dtype_for(c.model.compute_dtype, platform or jax.default_backend()),
                      cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
-                     offload=c.offload, attention=c.model.attention, objective=objective.name,
+                     offload=c.offload, attention=c.model.attention, context_attention=c.model.context_attention,
+                     tiled_mlp=c.model.tiled_mlp, objective=objective.name,
                      generate_tokens=objective.rollout_tokens(section), section=section,
                      second_model=None if second in (None, "base") else load_config(second))
 
