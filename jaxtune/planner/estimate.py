@@ -483,6 +483,12 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
             if unit.quantize_base is not None:
                 gathered += experts * 4 // (zero * sizes["expert"])
         copies_b += forwards * gathered
+    head_ways = sizes["tensor"] if cfg.vocab_size % sizes["tensor"] == 0 else 1
+    if sizes["context"] > 1 and vocab_ways > head_ways:
+        # a device's share of a row's tokens meets every vocabulary entry: the head is gathered over the ZeRO axes
+        # that split it (split over tensor only), in the compute dtype (XLA:CPU and the TPU compiler alike:
+        # tests/test_context_planner.py, experiments/tpu_compile_table.py)
+        copies_b += cfg.hidden_size * cfg.vocab_size * jnp.dtype(plan.compute_dtype).itemsize // head_ways
     layer_copies = 0 if zero > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
 
     extra_models_b = held.second
