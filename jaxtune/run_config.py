@@ -111,6 +111,10 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
     why = context_split_error(config.data.max_seq_len, config.mesh.context)
     if why:
         raise JaxtuneError(f"{where}: [data] max_seq_len = {config.data.max_seq_len} {why}")
+    if config.train.objective in ("grpo", "rlhf") and config.mesh.context > 1:
+        raise JaxtuneError(f"{where}: [train] objective = {config.train.objective!r} with [mesh] context = "
+                           f"{config.mesh.context}: its rollouts decode whole rows, which a context axis would split; "
+                           "use a mesh without one")
     return config
 
 

@@ -165,6 +165,9 @@ def test_run_config_reads_context_and_refuses_a_sequence_it_cannot_split():
         TrainPlan(MethodConfig("lora"), 1, 100, mesh=MeshConfig(context=4))
     with pytest.raises(JaxtuneError, match="--set model.context_attention=ulysses: choose one of ring, all_gather"):
         load_run_config(None, ["model.context_attention=ulysses"])
+    with pytest.raises(JaxtuneError, match=r"^config: \[train\] objective = 'grpo' with \[mesh\] context = 2: its "
+                                           r"rollouts decode whole rows"):
+        load_run_config(None, ["mesh.context=2", "train.objective=grpo", "grpo.reward=x.y"])
 
 
 def test_generation_on_a_context_mesh_is_refused_in_one_line():
