@@ -11,7 +11,7 @@ A mixture counts its K routed experts and shared expert as the MLP's width. The 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxtune.config import ModelConfig
 from jaxtune.methods.base import adapted_modules, method_unit
@@ -53,6 +53,12 @@ class Widths:
     expert_rows: int = 1  # the rows a device's experts see, as multiples of its own (gathered over the expert axis)
     context: int = 1
     strategy: str = "ring"
+    mlp_tile: int = 0  # `[model] tiled_mlp`: the MLP's tokens a row at a time (0: all T)
+
+    @property
+    def Tm(self) -> int:
+        """The tokens a row the MLP holds at once: a tile of a tiled MLP, else T."""
+        return self.mlp_tile if 0 < self.mlp_tile < self.T else self.T
 
 
 def mlp_width(cfg: ModelConfig) -> int:
@@ -63,11 +69,12 @@ def mlp_width(cfg: ModelConfig) -> int:
 
 
 def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, megablox: bool = False,
-           expert: int = 1, context: int = 1, strategy: str = "ring") -> Widths:
+           expert: int = 1, context: int = 1, strategy: str = "ring", mlp_tile: int = 0) -> Widths:
     """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
     as jaxtune.parallel's rules split the weights); with `megablox` a mixture's rows are gathered over the `expert`
     devices that split its experts (`models/moe.py`); a row's tokens split over `context` devices, whose attention
-    crosses them by `strategy` (`models/context_attention.py`)."""
+    crosses them by `strategy` (`models/context_attention.py`); a dense MLP tiled `mlp_tile` tokens a row at a time
+    (`llama.tiled_mlp`; a mixture's is counted untiled)."""
     split = lambda n: n // tensor if n % tensor == 0 else n
     heads_split = cfg.num_kv_heads % tensor == 0
     T = seq_len // context  # a multiple of 2 x context (`config.run.context_split_error`)
@@ -78,7 +85,7 @@ def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, 
                   cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim,
                   megablox and bool(cfg.num_experts),
                   expert if megablox and cfg.num_experts and cfg.num_experts % expert == 0 else 1,
-                  context, strategy)
+                  context, strategy, 0 if cfg.num_experts else mlp_tile)
 
 
 def _trains_input(method, module: str, adapted: dict) -> bool:
@@ -86,8 +93,20 @@ def _trains_input(method, module: str, adapted: dict) -> bool:
     return method_unit(method).costs.trains_input(method, module, adapted)
 
 
+def mlp_terms(cfg: ModelConfig) -> set[str]:
+    """The names of `saved_tensors`' entries that live inside the MLP (a tiled MLP holds them a tile at a time)."""
+    modules = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+    return {"gate", "up", "SwiGLU output"} | {f"{m} x A{ab}" for m in modules for ab in ("", " B")}
+
+
 def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
-    """One layer's saved activations as (name, shape, is_float32) with shapes [b, T, ...] on one device."""
+    """One layer's saved activations as (name, shape, is_float32) with shapes [b, T, ...] on one device; under a
+    tiled MLP, none of the MLP's own: each tile is recomputed from its input, the normalised x."""
+    if w.Tm < w.T:
+        saved = [t for t in saved_tensors(cfg, method, policy, replace(w, mlp_tile=0)) if t[0] not in mlp_terms(cfg)]
+        if policy == "none" and not any(name == "post-attention norm output" for name, _, _ in saved):
+            saved.append(("post-attention norm output", (w.b, w.T, w.D), False))
+        return saved
     b, T = w.b, w.T
     hd = w.head_dim
     q_shape, kv_shape = (b, T, w.heads, hd), (b, T, w.kv_heads, hd)
@@ -173,7 +192,7 @@ def grouped_matmul_elements(cfg: ModelConfig, w: Widths, experts_train: bool) ->
 def weight_gradient_elements(policy: str, w: Widths) -> int:
     """Elements of the transposed inputs XLA:CPU's backward of one layer makes for its weights' gradients
     (`WEIGHT_GRADIENT_COPIES`), where the base trains."""
-    return int(WEIGHT_GRADIENT_COPIES[policy] * w.b * w.T * w.F)
+    return int(WEIGHT_GRADIENT_COPIES[policy] * w.b * w.Tm * w.F)
 
 
 def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
@@ -185,7 +204,7 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
     mlp_adapted = sum(width * (m in adapted) for m, width in (("gate_proj", 1), ("up_proj", 1), ("gate_up_proj", 2),
                                                               ("down_proj", 1)))
-    return int(1.6 * mlp_adapted * w.b * w.T * w.F)
+    return int(1.6 * mlp_adapted * w.b * w.Tm * w.F)
 
 
 def attention_block(w: Widths) -> tuple[int, int, int, int]:
@@ -278,7 +297,10 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     if block_size(w.T) < w.T or block_size(w.S) < w.S:  # the accumulators: small beside whole scores otherwise
         attention += nbytes((w.b, w.heads, w.T, w.head_dim), 4) + 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), 4)
     attention += context_attention_bytes(w, itemsize, nbytes)
-    workspace = int(BACKWARD_SHARE[policy] * size(saved_tensors(cfg, method, "none", w), loose_nbytes or nbytes))
+    untiled = replace(w, mlp_tile=0)
+    layer = [(name, (shape[0], w.Tm, *shape[2:]) if name in mlp_terms(cfg) else shape, f32)  # a tile's MLP terms
+             for name, shape, f32 in saved_tensors(cfg, method, "none", untiled)]
+    workspace = int(BACKWARD_SHARE[policy] * size(layer, loose_nbytes or nbytes))
     workspace += adapter_backward_elements(cfg, method, w) * itemsize
     chunk = chunk_length(global_rows or w.b, w.T, cfg.vocab_size)
     logits_one = nbytes((w.b, chunk, w.V), 4)

@@ -417,7 +417,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     prefix = unit.costs.attended_tokens(method)
     megablox = grouped_kernel(cfg, device.family, tensor) == "megablox"  # else ragged_dot, dense on TPU
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"], sizes["context"],
-                   plan.context_attention)
+                   plan.context_attention,
+                   # under save_matmuls the tiles' matmul outputs are all kept: a tiled MLP saves nothing there
+                   plan.tiled_mlp if plan.remat != "save_matmuls" else 0)
     a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
