@@ -6,6 +6,7 @@ number of host devices when jax is first imported); each mode prints one JSON ob
     python tests/context_worker.py layout           # the load-balanced layout: who holds what, and its round trip
     python tests/context_worker.py memory           # compiled temporaries a device at 32k tokens, context 1 and 8
     python tests/context_worker.py flops            # program FLOPs of a causal and a sliding-window step
+    python tests/context_worker.py splash           # the ring with splash as its per-block kernel (interpreted)
 
 Gradients are of SFT's mean loss over a packed, padded micro-batch (spine.update.accumulate), the parameters sharded
 as the trainer shards them (ZeRO-3 over fsdp x context), float32; differences are each leaf's largest absolute one
@@ -58,6 +59,30 @@ CASES = {
     "ia3": (tiny_config(initializer_range=0.1), MethodConfig("ia3"), 2, 64, True, 0),
     "mixture": (tiny_model_config("qwen2_moe", initializer_range=0.1), MethodConfig("full"), 2, 64, True, 8),
 }
+
+
+def splash() -> dict:
+    """{mesh: [relative loss difference, largest relative gradient difference]} of the ring with splash as its
+    per-block kernel (`attention = "splash"`, Pallas' interpreter off TPU) against one device's blockwise kernel:
+    packed rows of 1,024 tokens (chunks of 128 and 256: splash's blocks), GQA, LoRA on every linear layer; and
+    whether the context step's program holds Pallas calls."""
+    cfg = tiny_config(initializer_range=0.1)
+    trainable, frozen = init_run(cfg, LORA)
+    trainable = rows_trained(trainable)
+    batch = packed_batch(cfg, 2, 1024, True)
+    loss, grads = loss_and_grads(cfg, LORA, trainable, frozen, batch, MeshConfig(fsdp=1), ForwardOptions())
+    options = ForwardOptions(attention="splash", context_attention="ring")
+    out = {}
+    for name in ("context=4 x fsdp=2", "context=2 x fsdp=2 x tensor=2"):
+        mesh_config = MESHES[name]
+        split_loss, split_grads = loss_and_grads(cfg, LORA, trainable, frozen, batch, mesh_config, options)
+        out[name] = [abs(split_loss - loss) / abs(loss), largest_difference(split_grads, grads)]
+    mesh = make_mesh(MESHES["context=4 x fsdp=2"])
+    with traced_on(mesh):
+        text = str(jax.make_jaxpr(lambda t, f, b: sft_gradients(t, f, b, cfg, LORA, options)[::2])(
+            trainable, frozen, jax.tree.map(np.asarray, batch)))
+    out["pallas calls"] = text.count("pallas_call")
+    return out
 
 
 def packed_batch(cfg, rows: int, T: int, packed: bool, seed: int = 0, accum: int = 1) -> dict:
@@ -210,6 +235,6 @@ def flops() -> dict:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    result = gradients(sys.argv[2]) if mode == "gradients" else {"objectives": objectives, "layout": layout,
-                                                                  "memory": memory, "flops": flops}[mode]()
+    modes = {"objectives": objectives, "layout": layout, "memory": memory, "flops": flops, "splash": splash}
+    result = gradients(sys.argv[2]) if mode == "gradients" else modes[mode]()
     print(json.dumps(result))

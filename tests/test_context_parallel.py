@@ -72,6 +72,17 @@ def test_both_strategies_give_one_devices_loss_and_gradients(case):
 
 
 @pytest.mark.slow
+def test_splash_as_the_rings_per_block_kernel_gives_one_devices_loss_and_gradients():
+    """`attention = "splash"` (on TPU, "auto") on a balanced ring: each block by splash's forward and backward
+    kernels (Pallas' interpreter here) given the whole attention's output and log-sum-exp; packed rows, GQA, LoRA,
+    on context=4 x fsdp=2 and context=2 x fsdp=2 x tensor=2, against one device's blockwise kernel."""
+    out = run("context_worker.py", "splash")
+    assert out.pop("pallas calls") > 0
+    for mesh, (loss, grads) in out.items():
+        assert loss < 1e-5 and grads < 1e-5, (mesh, loss, grads)
+
+
+@pytest.mark.slow
 def test_every_objective_trains_on_a_context_mesh_as_on_one_device():
     """Three spine steps of SFT, DPO (pairs), the reward model, GRPO's training step and distillation (the teacher
     split like the student) on context=4 x fsdp=2 give the one-device losses within 1e-5."""

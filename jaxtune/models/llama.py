@@ -23,6 +23,7 @@ from jaxtune.models.context_attention import (
     context_layout,
     gather_outputs,
     spread_inputs,
+    with_splash,
 )
 from jaxtune.models.fused_attention import (
     FusedAttention,
@@ -295,6 +296,9 @@ def decoder_and_routing(
             context, tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
         mask = training_mask(B, slots_T.shape[0], 0, attention_mask_BxT, segment_ids_BxT, slots_T)
         live_QxC, fused = None, None
+        context = with_splash(context, options.attention, B=B, T=T, K=cfg.num_kv_heads,
+                              G=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim, prefix=prefix,
+                              softcap=cfg.attn_logit_softcap, dtype=dtype, windows=cfg.sliding_windows)
     rope = rope_tables(positions_BxT, cfg, dtype)
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones(tokens_BxT.shape, bool))
