@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxtune.models.attention import AttentionMask, attend_blocks, attention_grads, live_blocks
-from jaxtune.models.fused_attention import FusedAttention, choose_kernel
+from jaxtune.models.fused_attention import FusedAttention, choose_kernel, splash_block_sizes
 from jaxtune.parallel.rules import context_ways, mesh_in_context, partition_spec, platform_in_context
 
 AXIS = "context"
@@ -213,18 +213,14 @@ def _splash_case(step, ways: int):
 
 
 def _splash_kernels(c: int, heads: int, call: _Call):
-    """Splash kernels of the three cases of `_splash_case` over chunks of c tokens, for `heads` query heads."""
+    """Splash kernels of the three cases of `_splash_case` over chunks of c tokens, for `heads` query heads (made
+    where traced: a kernel holds its mask's arrays)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    block = lambda n: next(b for b in (512, 256, 128) if n % b == 0)  # noqa: E731
-
     def make(mask):
-        bq, bk = block(mask.shape[0]), block(mask.shape[1])
-        sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
-                                  block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
         return splash.make_splash_mha(masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1,
-                                      block_sizes=sizes, attn_logits_soft_cap=call.softcap,
+                                      block_sizes=splash_block_sizes(*mask.shape), attn_logits_soft_cap=call.softcap,
                                       interpret=call.layout.splash.interpret)
 
     return make(masks.CausalMask((2 * c, 2 * c))), make(masks.FullMask((2 * c, c))), make(masks.FullMask((c, 2 * c)))

@@ -143,6 +143,17 @@ def right_padded(mask: AttentionMask) -> jax.Array:
     return jnp.all(valid[:, :-1] | ~valid[:, 1:])
 
 
+def splash_block_sizes(T: int, S: int):
+    """Splash's `BlockSizes` for T queries over S keys (both multiples of 128): the largest of 512, 256, 128 dividing
+    each, the same in the forward and both backward kernels."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    block_q, block_kv = (next(b for b in (512, 256, LANES) if n % b == 0) for n in (T, S))
+    return splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
+                             block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+                             block_kv_dq=block_kv)
+
+
 def splash_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask: AttentionMask, window: jax.Array,
                      kernel: FusedAttention, *, scale: float, softcap: float | None) -> jax.Array:
     """softmax(q k^T scale) v [B, K, G, T, hd] by Pallas splash attention, with the mask of the forward's P = S - T
@@ -158,10 +169,7 @@ def splash_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask: AttentionMask, win
     q_scaled = (q_BxKxGxTxh.astype(jnp.float32) * scale).astype(q_BxKxGxTxh.dtype)
     q_segment_BxT = mask.q_segment_BxT
     k_segment_BxS = jnp.where(mask.k_valid_BxS, mask.k_segment_BxS, -2)
-    block_q, block_kv = (next(b for b in (512, 256, LANES) if n % b == 0) for n in (T, S))
-    blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
-                               block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
-                               block_q_dq=block_q, block_kv_dq=block_kv)
+    blocks = splash_block_sizes(T, S)
 
     def kernel_for(w: int):
         one = (masks.CausalMask((T, S), offset=S - T) if w == 0
