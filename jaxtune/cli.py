@@ -219,12 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     init.set_defaults(run=cmd_init)
 
-    train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: sft, dpo, reward, grpo or "
-                           "distill); re-running resumes from the last checkpoint",
+    train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: "
+                           f"{', '.join(OBJECTIVES)}); re-running resumes from the last checkpoint",
                            epilog="Ctrl-C or SIGTERM: the step finishes, a checkpoint is saved, exit 130 or 143; "
                            "`jaxtune export --run RUN_DIR` writes the result of a stopped run.")
-    train.add_argument("config", help="run config (TOML with [model], [method], [data], [train], and [dpo], [grpo] "
-                       "or [distill] for those objectives)")
+    train.add_argument("config", help="run config (TOML with [model], [method], [data], [train], and the objective's "
+                       "own section, named as it: [dpo], [kto], [grpo], ...)")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
     cluster = train.add_argument_group("multi-process (jax.distributed); default: one process, or JAXTUNE_* env")
@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; with --params bfloat16, on cpu "
                       "float32)")
     plan.add_argument("--objective", default="sft", choices=(*OBJECTIVES, *ALIASES),
-                      help="the trainer's objective (rlhf: grpo); --batch counts pairs for dpo and reward")
+                      help="the trainer's objective (rlhf: grpo); --batch counts pairs for dpo, reward, orpo, cpo and "
+                      "simpo, examples for kto")
     plan.add_argument("--generate-tokens", type=int, default=0,
                       help="grpo: tokens each rollout samples, of the --seq tokens of a row")
     plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "

@@ -22,9 +22,13 @@ from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, O
 from jaxtune.config.run import context_split_error
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import objective_named
+from jaxtune.objectives.cpo import CPOConfig, SimPOConfig
 from jaxtune.objectives.distill import DistillConfig
 from jaxtune.objectives.dpo import PreferenceConfig
 from jaxtune.objectives.grpo import GRPOConfig
+from jaxtune.objectives.kto import KTOConfig
+from jaxtune.objectives.orpo import ORPOConfig
+from jaxtune.objectives.rloo import RLOOConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,12 @@ class RunConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rloo: RLOOConfig = field(default_factory=RLOOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
+    simpo: SimPOConfig = field(default_factory=SimPOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass, in TOML order
@@ -111,7 +120,10 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
     why = context_split_error(config.data.max_seq_len, config.mesh.context)
     if why:
         raise JaxtuneError(f"{where}: [data] max_seq_len = {config.data.max_seq_len} {why}")
-    if config.train.objective in ("grpo", "rlhf") and config.mesh.context > 1:
+    if config.offload.moments_dtype != "float32" and config.train.optimizer != "adamw":
+        raise JaxtuneError(f"{where}: [offload] moments_dtype = {config.offload.moments_dtype!r} is for [train] "
+                           f"optimizer = 'adamw', not {config.train.optimizer!r}")
+    if config.train.objective in ("grpo", "rlhf", "rloo") and config.mesh.context > 1:
         raise JaxtuneError(f"{where}: [train] objective = {config.train.objective!r} with [mesh] context = "
                            f"{config.mesh.context}: its rollouts decode whole rows, which a context axis would split; "
                            "use a mesh without one")

@@ -10,7 +10,7 @@ from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.objectives.grpo import GRPOConfig, load_reward_function, rollout_batch, sample_group
+from jaxtune.objectives.grpo import GRPOConfig, group_advantages, load_reward_function, rollout_batch, sample_group
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_grpo_raises_mean_reward():
         texts = [tokenizer.decode(c) for c in completions]
         rewards = reward([tokenizer.decode(r) for r in rows], texts)
         means.append(float(np.mean(rewards)))
-        batch = rollout_batch(rows, completions, rewards, grpo.group_size, 24)
+        batch = rollout_batch(rows, completions, rewards, group_advantages(rewards, grpo), 24)
         state, metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})
     assert np.mean(means[-5:]) > max(0.2, 3 * np.mean(means[:5])), means
     assert float(metrics["reward"]) == pytest.approx(means[-1], rel=1e-6)

@@ -13,6 +13,7 @@ from jaxtune.cli import main
 from jaxtune.config import ForwardOptions
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.models.reward_model import reward_scores
+from jaxtune.objectives import OBJECTIVES
 from jaxtune.objectives.dpo import sequence_row
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import dump_run_config, load_run_config
@@ -211,7 +212,7 @@ def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):
         (run_config(root, tmp_path / "c", "grpo", tmp_path / "prompts.jsonl", grpo={"reward": "nowhere.rewards.exact"}),
          "reward 'nowhere.rewards.exact' cannot be imported"),
         (run_config(root, tmp_path / "d", "ppo", root / "sft.jsonl"),
-         'train.objective = "ppo": choose one of sft, dpo, reward, grpo, distill'),
+         'train.objective = "ppo": choose one of ' + ", ".join(OBJECTIVES)),
         (run_config(root, tmp_path / "e", "dpo", root / "pairs.jsonl", dpo={"betta": 0.1}),
          "unknown key 'betta' in section [dpo]"),
     ]

@@ -104,9 +104,9 @@ def test_grpo_advantages_and_loss():
 @pytest.mark.parity
 @pytest.mark.parametrize("student_arch, teacher_arch", [("gemma2", "gemma3"), ("qwen3_moe", "mixtral")])
 def test_every_objective_reads_log_probs_as_transformers(student_arch, teacher_arch, hf_model_dir):
-    """DPO's sequence log-probs, GRPO's token log-probs and distillation's KL and NLL on a Gemma 2 student (final
-    logits soft-capped at 2) with a Gemma 3 teacher, and on a Qwen3-MoE student with a Mixtral teacher, equal what
-    transformers' logits give."""
+    """DPO's sequence log-probs, GRPO's token log-probs (at a sampling temperature) and distillation's KL and NLL
+    on a Gemma 2 student (final logits soft-capped at 2) with a Gemma 3 teacher, and on a Qwen3-MoE student with a
+    Mixtral teacher, equal what transformers' logits give."""
     import torch
 
     (student_dir, student), (teacher_dir, teacher) = hf_model_dir(student_arch), hf_model_dir(teacher_arch)
@@ -130,8 +130,9 @@ def test_every_objective_reads_log_probs_as_transformers(student_arch, teacher_a
     chosen, rejected, _ = dpo.pair_logps(params, batch, ctx, None, mean=False)
     sums = (logps * loss_mask).sum(axis=1)
     np.testing.assert_allclose(np.concatenate([chosen, rejected]), sums, rtol=1e-5, atol=1e-4)
-    token = grpo._token_logps(params, cfg, batch, None, ForwardOptions())
-    np.testing.assert_allclose(np.asarray(token) * loss_mask, logps * loss_mask, atol=1e-5)
+    token = grpo._token_logps(params, cfg, batch, None, ForwardOptions(), 0.7)  # TRL: soft-capped logits / T
+    tempered = torch.log_softmax(student_logits / 0.7, -1).gather(-1, torch.tensor(labels)[..., None])[..., 0]
+    np.testing.assert_allclose(np.asarray(token) * loss_mask, tempered.numpy() * loss_mask, atol=1e-5)
 
     kl, nll, count = distill._sums(params, teacher_params, batch, ctx)
     s, t = torch.log_softmax(student_logits / 2.0, -1), torch.log_softmax(teacher_logits / 2.0, -1)

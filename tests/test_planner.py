@@ -14,7 +14,17 @@ from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.objectives import objective_named
-from jaxtune.planner import CATALOGUE, compile_peak, compile_step, estimate, get_device, search, standard_config
+from jaxtune.objectives.dpo import PreferenceConfig
+from jaxtune.planner import (
+    CATALOGUE,
+    compile_peak,
+    compile_step,
+    estimate,
+    get_device,
+    search,
+    standard_config,
+    step_time,
+)
 from jaxtune.planner.command import public, run_plan
 
 GB, GiB = 1e9, 1 << 30
@@ -78,9 +88,19 @@ COMPILED_PLANS = {  # a fast subset of experiments/planner_accuracy.py, one devi
         MethodConfig("qlora", target_modules=("all-linear",)), 4, 256, 2, "save_matmuls", weights="bfloat16"),
     "LoRA, remat full": _plan(LORA, 8, 128, 1, "full"),
     "DPO, full": _plan(MethodConfig("full"), 2, 128, 1, "none", objective="dpo"),
+    "DPO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="dpo"),  # the reference forward's logits
+    "DPO, LoRA, precomputed reference": _plan(LORA, 4, 128, 1, "none", objective="dpo",
+                                              section=PreferenceConfig(precompute_reference=True)),
     "reward model, LoRA": _plan(LORA, 4, 128, 1, "none", objective="reward"),
     "GRPO, LoRA, rollout of 32 tokens": _plan(LORA, 4, 128, 1, "full", objective="grpo", generate_tokens=32),
     "distillation, LoRA": _plan(LORA, 2, 128, 1, "none", objective="distill"),
+    "ORPO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="orpo"),
+    "CPO, full": _plan(MethodConfig("full"), 2, 128, 1, "none", objective="cpo"),
+    "SimPO, LoRA, remat full": _plan(LORA, 4, 128, 1, "full", objective="simpo"),
+    "KTO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="kto"),
+    # the optimizers' states and update temporaries (spine/optimizers.py, estimate.UPDATE_COPIES)
+    **{f"full, no remat, {name}": _plan(MethodConfig("full"), 2, 128, 1, "none", optimizer=name)
+       for name in ("adafactor", "muon", "adamw_8bit")},
 }
 
 
@@ -256,6 +276,16 @@ def test_objectives_add_their_extra_models():
     assert dpo.phases["loss"]["activations"] > 1.5 * sft.phases["loss"]["activations"]  # two rows a pair
     lora_dpo = estimate(LLAMA2_7B, base.replace(objective="dpo", method=MethodConfig("lora")), device)
     assert lora_dpo.extra_models_bytes == 0  # the reference is the base with adapters off
+    # ORPO, CPO and SimPO read no reference; KTO reads one (a frozen copy for a full fine-tune) on two rows an example
+    free = {name: estimate(LLAMA2_7B, base.replace(objective=name), device) for name in ("orpo", "cpo", "simpo")}
+    assert all(e.extra_models_bytes == 0 for e in free.values())
+    assert all(e.phases["loss"]["activations"] == dpo.phases["loss"]["activations"] for e in free.values())
+    kto = estimate(LLAMA2_7B, base.replace(objective="kto"), device)
+    assert kto.extra_models_bytes == pytest.approx(copy, rel=0.01)
+    assert estimate(LLAMA2_7B, base.replace(objective="kto", method=MethodConfig("lora")), device
+                    ).extra_models_bytes == 0
+    orpo_time, kto_time = step_time(free["orpo"]).step_s, step_time(kto).step_s
+    assert kto_time > 1.2 * orpo_time  # the reference's forward over the same rows
     assert objective_named("rlhf").name == "grpo"
     rlhf = estimate(LLAMA2_7B, base.replace(objective="rlhf", generate_tokens=256), device)
     assert rlhf.total_bytes == grpo.total_bytes
@@ -397,7 +427,7 @@ def test_plan_of_the_demo_fine_tune_of_the_smollm2_gguf_is_within_ten_percent_of
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["dpo", "reward", "grpo", "distill"])
+@pytest.mark.parametrize("objective", ["dpo", "reward", "grpo", "rloo", "distill", "orpo", "cpo", "kto"])
 def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_path):
     """`plan --config` of a dpo, reward, grpo or distill run config reports what `plan` reports for the same run
     given by flags, and `--confirm` compiles exactly the step `jaxtune train` builds for that config (the same
@@ -416,12 +446,12 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
     model = write_random_model(tmp_path / "m", "llama")
     write_pairs(tmp_path / "pairs.jsonl", 16, 0)
     (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "Q{i}:"}}\n' for i in range(16)))
-    data = {"dpo": "pairs.jsonl", "reward": "pairs.jsonl", "grpo": "prompts.jsonl",
-            "distill": "pairs.jsonl"}[objective]
+    data = {"grpo": "prompts.jsonl", "rloo": "prompts.jsonl"}.get(objective, "pairs.jsonl")  # KTO splits the pairs
     if objective == "distill":
         (tmp_path / "sft.jsonl").write_text("".join(f'{{"prompt": "a{i}", "completion": " b"}}\n' for i in range(16)))
         data = "sft.jsonl"
     section = {"grpo": '[grpo]\nreward = "grpo_rewards.count_letter_a"\nmax_new_tokens = 8\n',
+               "rloo": '[rloo]\nreward = "grpo_rewards.count_letter_a"\nmax_new_tokens = 8\n',
                "distill": f'[distill]\nteacher = "{model}"\n'}.get(objective, "")
     (tmp_path / "run.toml").write_text(
         f'[model]\npath = "{model}"\n[method]\nkind = "lora"\nrank = 16\nalpha = 32.0\n'
@@ -431,7 +461,7 @@ def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_p
     by_config = public(run_plan(config=str(tmp_path / "run.toml"), target="cpu"))
     by_flags = public(run_plan(model=str(model), method="lora", rank=16, target="cpu", batch=2, seq=64,
                                compute_dtype="float32", objective=objective,
-                               generate_tokens=8 if objective == "grpo" else 0))
+                               generate_tokens=8 if objective in ("grpo", "rloo") else 0))
     assert by_config["per_device"] == by_flags["per_device"] and by_config["plan"] == by_flags["plan"]
     assert by_config["plan"]["objective"] == objective
 

@@ -76,10 +76,15 @@ class MethodConfig:
     a bias. modules_to_save: lm_head and/or embed_tokens, trained whole beside the adapter (PEFT's field of that
     name). target_parameters (PEFT's field): a mixture's expert stacks, `mlp.experts.gate_up_proj` and/or
     `mlp.experts.down_proj`, each expert with its own A and B (without dropout, DoRA, a LoRA bias or per-layer
-    rules, as PEFT's); target_modules may then be empty. QLoRA keeps every linear base weight (a mixture's experts
+    rules, as PEFT's); target_modules may then be empty. init (PEFT's `init_lora_weights`): "default" (A
+    kaiming-uniform, B zero), "gaussian" (A ~ N(0, 1/r)), or from the base weights, which it changes: "pissa" (top
+    singular vectors), "olora" (QR), or on a quantised base "loftq" (`loftq_iter` alternations), as
+    `jaxtune.methods.lora_init` says. QLoRA keeps every linear base weight (a mixture's experts
     too) frozen in `bits` (4: NF4, 8: int8), with `double_quant` compressing the NF4 block scales. Prefix tuning
     learns `num_virtual_tokens` keys and values per layer; bottleneck adapters of width `adapter_size` follow
     attention and MLP (Houlsby et al. 2019).
+    loraplus_lr_ratio (PEFT's `create_loraplus_optimizer`; LoRA+, Hayou et al. 2024): the LoRA B matrices (and
+    vectors: a LoRA bias, DoRA's magnitude) learn at learning_rate x this ratio (0: off; `spine.optimizers`).
 
     An invalid value raises a `ConfigError` (a ValueError) naming the field, the value and what is valid.
     """
@@ -103,6 +108,9 @@ class MethodConfig:
     lora_bias: bool = False
     modules_to_save: tuple[str, ...] = ()
     target_parameters: tuple[str, ...] = ()
+    loraplus_lr_ratio: float = 0.0
+    init: str = "default"
+    loftq_iter: int = 1
 
     def __post_init__(self):
         check_choice("kind", self.kind, tuple(METHOD_FIELDS))
@@ -135,6 +143,7 @@ class MethodConfig:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int):
             raise ConfigError("rank", self.rank, "LoRA's rank is a positive integer")
         check_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
+        check_range("loraplus_lr_ratio", self.loraplus_lr_ratio, 0.0)
         for name in CLAIMED_FIELDS:
             if getattr(self, name) != _DEFAULTS[name] and name not in unit.fields:
                 readers = [kind for kind, fields in METHOD_FIELDS.items() if name in fields.fields]
@@ -155,7 +164,8 @@ class MethodConfig:
 
 # Fields a method must read to be given: set on a method that does not read one, they are an error naming who does.
 CLAIMED_FIELDS = ("dropout", "rslora", "dora", "lora_bias", "rank_pattern", "alpha_pattern", "exclude_modules",
-                  "layers_to_transform", "modules_to_save", "target_parameters")
+                  "layers_to_transform", "modules_to_save", "target_parameters", "init", "loftq_iter",
+                  "loraplus_lr_ratio")
 _DEFAULTS = {f.name: f.default for f in fields(MethodConfig)}
 
 

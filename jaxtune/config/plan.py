@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from jaxtune.config.forward import ATTENTION_KERNELS, CONTEXT_ATTENTION, REMAT_POLICIES
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import ModelConfig
-from jaxtune.config.run import MeshConfig, OffloadConfig, context_split_error
+from jaxtune.config.run import OPTIMIZERS, MeshConfig, OffloadConfig, context_split_error
 from jaxtune.errors import ConfigError, check_choice, check_range
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a plan's compute_dtype and param_dtype may name
@@ -39,7 +39,8 @@ class TrainPlan:
     defaults), e.g. DPO's `precompute_reference` or GRPO's `group_size`, which change the arrays a step holds.
     `batch_size` counts examples: a pair is two rows, a GRPO prompt `group_size` rows (`objectives.rows(plan)`).
     second_model: the architecture of the objective's second model when it is a model directory (a teacher, a
-    reference); None: the policy's own.
+    reference); None: the policy's own. optimizer: `[train] optimizer`, which decides the optimizer state's arrays
+    (its moments in bfloat16, `offload.moments_dtype`, are AdamW's only).
     """
 
     method: MethodConfig = field(default_factory=lambda: MethodConfig("full"))
@@ -58,6 +59,7 @@ class TrainPlan:
     attention: str = "auto"
     context_attention: str = "ring"
     tiled_mlp: int = 0
+    optimizer: str = "adamw"
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -67,6 +69,10 @@ class TrainPlan:
         check_choice("attention", self.attention, ATTENTION_KERNELS)
         check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
         check_range("tiled_mlp", self.tiled_mlp, 0)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.offload.moments_dtype != "float32" and self.optimizer != "adamw":
+            raise ConfigError("moments_dtype", self.offload.moments_dtype, f"is for optimizer adamw, not "
+                              f"{self.optimizer} (adamw_8bit stores its moments in 8 bits)")
         why = context_split_error(self.seq_len, self.mesh.context)
         if why:
             raise ConfigError("seq_len", self.seq_len, why)

@@ -19,6 +19,8 @@ from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 MOMENT_DTYPES = ("float32", "bfloat16")
+OPTIMIZERS = ("adamw", "adafactor", "muon", "adamw_8bit")  # [train] optimizer (spine/optimizers.py)
+MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
 PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -96,13 +98,19 @@ REPORTERS = ("tensorboard", "wandb")  # [train] report_to (train/tracking.py)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows (for dpo and
-    reward: pairs; for grpo: prompts, each sampled `group_size` times).
+    """Optimisation and bookkeeping. A step consumes `grad_accum` micro-batches of `batch_size` rows (for dpo, orpo,
+    cpo, simpo and reward: pairs; kto: examples; grpo and rloo: prompts, each sampled `group_size` times).
 
-    objective: sft (masked cross-entropy), dpo (preference optimisation, [dpo]), reward (a Bradley-Terry reward
-    model), grpo (online RL against a reward, [grpo]) or distill (from a teacher, [distill]).
+    objective: sft (masked cross-entropy), dpo (preference optimisation, [dpo]), orpo / cpo / simpo (reference-free
+    preference optimisation), kto (unpaired desirable / undesirable examples), reward (a Bradley-Terry reward model),
+    grpo / rloo (online RL against a reward) or distill (from a teacher, [distill]); each reads its own section.
 
     schedule: warmup (linear, `warmup_steps`) then "cosine", "linear" (to `min_lr_ratio` x lr) or "constant".
+    optimizer (after clipping to `max_grad_norm`; `spine/optimizers.py`): "adamw" (adam_b1, adam_b2, adam_eps,
+    weight_decay), "adafactor" (factored second moments, as transformers' Trainer runs optim="adafactor"), "muon"
+    (Newton-Schulz orthogonalised momentum `muon_momentum` for the layers' matrices, its step scaled by
+    torch.optim.Muon's `muon_adjust_lr_fn`; AdamW for the rest) or "adamw_8bit" (AdamW with both moments in 8
+    bits, as bitsandbytes' AdamW8bit).
     max_steps: 0 trains `epochs` epochs. eval_every / checkpoint_every: in steps (0: at epoch ends / at the end).
     max_nonfinite_steps: the run stops after this many non-finite steps in a row (each is skipped and counted).
     report_to: where metrics go besides metrics.jsonl ("tensorboard": run_dir/tensorboard; "wandb": a W&B run named
@@ -126,6 +134,9 @@ class TrainConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_adjust_lr_fn: str = "match_rms_adamw"
     max_grad_norm: float = 1.0
     seed: int = 0
     log_every: int = 10
@@ -140,6 +151,8 @@ class TrainConfig:
 
     def __post_init__(self):
         check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("muon_adjust_lr_fn", self.muon_adjust_lr_fn, MUON_LR_ADJUSTMENTS)
         for kind in self.report_to:
             check_choice("report_to", kind, REPORTERS)
         if self.profile_steps and not (len(self.profile_steps) == 2 and all(
@@ -159,6 +172,7 @@ class TrainConfig:
         check_range("adam_b1", self.adam_b1, 0, 1, high_open=True)
         check_range("adam_b2", self.adam_b2, 0, 1, high_open=True)
         check_range("adam_eps", self.adam_eps, 0, low_open=True)
+        check_range("muon_momentum", self.muon_momentum, 0, 1, high_open=True)
         check_range("max_grad_norm", self.max_grad_norm, 0, low_open=True)
         check_range("resume_step", self.resume_step, -1)
 

@@ -4,10 +4,10 @@
   prompt/completion  {"prompt", "completion"}: encode(prompt) with special tokens + encode(completion) + [EOS]
   chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template (`render_chat`)
   preference         {"prompt", "chosen", "rejected"}: `preference_examples`, for DPO and reward models
+  unpaired           {"prompt", "completion", "label": true/false}: KTO's `labelled_examples` (pairs are split there)
   prompts            {"prompt", ...any other fields}: GRPO's prompts, `load_prompt_examples`
-`sft_examples` reads the first three, mixed (`as_chat` makes the first two chat turns); the loss covers completions
-and EOS, or the assistant turns' text. A prompt that fills `max_seq_len` is dropped, a longer example cut (`DataStats`).
-"""
+`sft_examples` reads the first three, mixed; the loss covers completions and EOS, or the assistant turns. A prompt
+that fills `max_seq_len` is dropped, a longer example cut (`DataStats`)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,16 @@ class PreferenceExample:
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]
     rejected: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LabelledExample:
+    """An unpaired completion (KTO): a prompt's ids (with special tokens), the completion ids + [EOS], and its label,
+    (1,) desirable or (0,) undesirable (a one-item field, as `data.store` keeps fields)."""
+
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+    label: tuple[int]
 
 
 @dataclass(frozen=True)
@@ -413,6 +423,51 @@ def load_preference_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len
     """Every pair of `preference_examples`, in a list, and what loading did."""
     stats = DataStats()
     return list(preference_examples(path, tokenizer, max_seq_len, columns, stats)), stats
+
+
+def labelled_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+                      columns: Mapping[str, str] | None = None, stats: DataStats | None = None
+                      ) -> Iterator[LabelledExample]:
+    """KTO's unpaired completions {prompt, completion, label: true | false} (TRL's unpaired preference format); a
+    pair {prompt, chosen, rejected} gives two, chosen desirable and rejected not (TRL's `unpair_preference_dataset`).
+    A chunk of records at a time, cut and dropped as `preference_examples`; raises once read if none was kept."""
+    _check_max_seq_len(max_seq_len)
+    eos = _eos(tokenizer)
+    stats = DataStats() if stats is None else stats
+    for chunk in _chunks(iter_records(path, columns)):
+        items = []  # (prompt, completion, label)
+        for n, record in chunk:
+            where = f"{path}:{n}"
+            if detect_format(record) == "preference":
+                prompt = _text(where, record, "preference", "prompt")
+                items += [(prompt, _text(where, record, "preference", "chosen"), 1),
+                          (prompt, _text(where, record, "preference", "rejected"), 0)]
+                fmt = "preference"
+            else:
+                texts = [_text(where, record, "unpaired", name) for name in ("prompt", "completion")]
+                if "label" not in record:
+                    raise JaxtuneError(f"{where}: unpaired record is missing field 'label' (true: a desirable "
+                                       "completion, false: an undesirable one)")
+                if not isinstance(record["label"], bool):
+                    raise JaxtuneError(f"{where}: unpaired field 'label' must be true or false, got "
+                                       f"{json_type(record['label'])}")
+                items.append((*texts, int(record["label"])))
+                fmt = "unpaired"
+            stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
+        prompts = _encode_batch(tokenizer, [p for p, _, _ in items], add_special_tokens=True)
+        completions = _encode_batch(tokenizer, [c for _, c, _ in items], add_special_tokens=False)
+        for p, c, (_, _, label) in zip(prompts, completions, items):
+            room = max_seq_len - len(p.ids)
+            if room <= 0:
+                stats.dropped_prompt_too_long += 1
+                continue
+            ids = (*c.ids, eos)
+            stats.truncated += len(ids) > room
+            stats.examples += 1
+            stats.loss_tokens += min(len(ids), room)
+            yield LabelledExample(tuple(p.ids), ids[:room], (label,))
+    if not stats.examples:
+        raise _no_example(path, max_seq_len, stats)
 
 
 def load_prompt_examples(path: str | Path, columns: Mapping[str, str] | None = None) -> list[PromptExample]:

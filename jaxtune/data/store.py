@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtune.data.formats import DataStats, Example, PreferenceExample
+from jaxtune.data.formats import DataStats, Example, LabelledExample, PreferenceExample
 
-EXAMPLE_TYPES = {cls.__name__: cls for cls in (Example, PreferenceExample)}
+EXAMPLE_TYPES = {cls.__name__: cls for cls in (Example, PreferenceExample, LabelledExample)}
 FLUSH_TOKENS = 1 << 18  # tokens a writer holds before appending them to its files
 FIELD_FILE_DTYPES = {"loss_mask": np.uint8}  # a field's file dtype; int32 (token ids) where unnamed
 

@@ -20,6 +20,7 @@ from jaxtune.config.method import CLAIMED_FIELDS, MethodFields
 from jaxtune.config.model import EXPERT_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts, module_keys
+from jaxtune.methods.lora_init import BASE_INITS, INITS
 from jaxtune.methods.targets import ModuleLoRA, layer_scales, lora_layout, peft_module, peft_names
 from jaxtune.models.adapters import AdapterForward, Branch, DenseHook
 from jaxtune.models.linear import dropout, kernel_of, wide
@@ -99,8 +100,12 @@ def _lora_leaves(kernel, lora: ModuleLoRA, method: MethodConfig, key) -> dict:
     """LoRA's leaves for one module, rank `lora.max_rank`; a layer of smaller rank holds zeros beyond its rank."""
     L, d_in, d_out = full_shape(kernel)
     R = lora.max_rank
-    bound = 1 / math.sqrt(d_in)  # torch kaiming_uniform_(a=sqrt(5)) on lora_A.weight [r, in]
-    lora_a = jax.random.uniform(key, (L, d_in, R), jnp.float32, -bound, bound)
+    if method.init == "gaussian":  # PEFT's "gaussian": normal_(std=1 / r) on lora_A.weight, r the layer's rank
+        std_L = 1 / np.maximum(np.asarray(lora.ranks, np.float32), 1)
+        lora_a = jax.random.normal(key, (L, d_in, R), jnp.float32) * std_L[:, None, None]
+    else:  # torch kaiming_uniform_(a=sqrt(5)) on lora_A.weight [r, in]; BASE_INITS' values come from `lora_init`
+        bound = 1 / math.sqrt(d_in)
+        lora_a = jax.random.uniform(key, (L, d_in, R), jnp.float32, -bound, bound)
     if min(lora.ranks) < R:
         lora_a = lora_a * (jnp.arange(R)[None, None, :] < jnp.asarray(lora.ranks)[:, None, None])
     leaves = {"lora_a": lora_a, "lora_b": jnp.zeros((L, R, d_out), jnp.float32)}
@@ -140,7 +145,7 @@ def quantize_base(params: dict, method: MethodConfig) -> dict:
     """The base tree with every linear kernel quantised for QLoRA (NF4 or int8), a mixture's experts too (each
     expert's matrix as one weight; the router stays in float)."""
     quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
-    quantized = lambda m: {**m, "kernel": quantize(m["kernel"])}
+    quantized = lambda m: m if isinstance(m["kernel"], QuantizedArray) else {**m, "kernel": quantize(m["kernel"])}
     layers = {**params["layers"], **{name: quantized(params["layers"][name])
                                      for name in LINEAR_MODULE_NAMES + SHARED_EXPERT_MODULES
                                      if name in params["layers"]}}
@@ -170,6 +175,16 @@ def _check(method: MethodConfig) -> None:
                                   "layer)")
     if method.dora and method.lora_bias:
         raise ConfigError("lora_bias", True, "DoRA has no LoRA bias (PEFT refuses use_dora with lora_bias too)")
+    check_choice("init", method.init, INITS)
+    if method.init in BASE_INITS and (method.dora or method.target_parameters):
+        raise ConfigError("init", method.init, "initialises plain LoRA on linear modules: not with dora nor "
+                          "target_parameters (expert stacks)")
+    if method.init == "loftq" and method.kind != "qlora":
+        raise ConfigError("init", method.init, "LoftQ initialises LoRA for a quantised base: use kind = qlora")
+    if isinstance(method.loftq_iter, bool) or not isinstance(method.loftq_iter, int) or method.loftq_iter < 1:
+        raise ConfigError("loftq_iter", method.loftq_iter, "LoftQ's iterations are an integer >= 1")
+    if method.loftq_iter != 1 and method.init != "loftq":
+        raise ConfigError("loftq_iter", method.loftq_iter, "is for init = loftq")
 
 
 def _check_qlora(method: MethodConfig) -> None:
@@ -307,7 +322,8 @@ def _peft_config(cfg: ModelConfig, method: MethodConfig) -> dict:
             "layers_to_transform": list(method.layers_to_transform) or None,
             "layers_pattern": list(method.layers_pattern) or None, "rank_pattern": dict(method.rank_pattern),
             "alpha_pattern": dict(method.alpha_pattern), "bias": "none", "lora_bias": method.lora_bias,
-            "use_rslora": method.rslora, "use_dora": method.dora, "fan_in_fan_out": False, "init_lora_weights": True,
+            "use_rslora": method.rslora, "use_dora": method.dora, "fan_in_fan_out": False,
+            "init_lora_weights": "gaussian" if method.init == "gaussian" else True,  # others load as trained
             "target_parameters": list(method.target_parameters) or None}
 
 

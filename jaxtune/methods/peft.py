@@ -25,6 +25,7 @@ from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import write_safetensors
 from jaxtune.methods.base import METHODS, method_unit
+from jaxtune.methods.lora_init import CONVERTED_INITS, as_plain_lora
 from jaxtune.methods.transform import add_method_leaves, apply_method, parameter_report, quantize_base
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
@@ -54,6 +55,8 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
     if method_unit(method).quantize_base is not None:
         config[QUANTIZED_BASE] = {"bits": method.bits, "double_quant": method.double_quant,
                                   "format": "nf4" if method.bits == 4 else "int8"}
+        if method.init == "loftq":  # the base is LoftQ's, recomputed from the original weights as it is read
+            config[QUANTIZED_BASE].update(init="loftq", loftq_iter=method.loftq_iter)
     return config
 
 
@@ -68,10 +71,17 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
 
 
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
-                      base_model: str = "") -> Path:
+                      base_model: str = "", initial: dict | None = None) -> Path:
     """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
-    `base_model_name_or_path` (a local path made absolute)."""
+    `base_model_name_or_path` (a local path made absolute). A PiSSA or OLoRA adapter (whose base was changed) is
+    written as PEFT converts it, a plain LoRA of rank 2r on the original base, from its init's A and B: `initial`
+    {module: {"lora_a", "lora_b"}} (`spine.load.initial_adapters`)."""
     directory = Path(directory)
+    if method.init in CONVERTED_INITS:
+        if initial is None:
+            raise JaxtuneError(f"a {method.init} adapter exports as a LoRA on the original weights: pass its init's "
+                               "A and B as `initial` (spine.load.initial_adapters recomputes them)")
+        params, method = as_plain_lora(params, method, initial, cfg.num_layers)
     if base_model and Path(base_model).exists():  # absolute, so PEFT finds the base from any working directory
         base_model = str(Path(base_model).resolve())
     config = peft_config(cfg, method, base_model)

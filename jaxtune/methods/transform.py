@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.methods.base import METHODS, adapter_keys, method_unit
+from jaxtune.methods.lora_init import initialise, with_initial
 from jaxtune.models.quant import QuantizedArray, full_shape
 
 
@@ -56,13 +57,15 @@ def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key:
 
 
 def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
-    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised).
+    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised; a LoRA init from
+    the weights, PiSSA, OLoRA or LoftQ, changes the adapted kernels first: `lora_init.initialise`).
 
     Pure and traceable: `jax.eval_shape(apply_method, ...)` gives the transformed abstract tree. The spine's loader
-    does the two halves apart: `quantize_base` tensor by tensor as it reads the checkpoint, `add_method_leaves` in
-    the new leaves' shardings.
+    does the parts apart: the init and `quantize_base` tensor by tensor as it reads the checkpoint,
+    `add_method_leaves` in the new leaves' shardings.
     """
-    return add_method_leaves(quantize_base(params, method), cfg, method, key)
+    params, initial = initialise(params, cfg, method)
+    return with_initial(add_method_leaves(quantize_base(params, method), cfg, method, key), initial)
 
 
 def _path_keys(path) -> list[str]:

@@ -95,11 +95,12 @@ def per_token(fn: Callable, *arrays_BxT: jax.Array, vocab: int):
     return over_tiles(fn, *arrays_BxT, tile=chunk_length(B, T // ways, vocab))
 
 
-def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array, softcap: float | None = None
-                ) -> jax.Array:
+def label_logps(params: dict, hidden_BxTxD: jax.Array, labels_BxT: jax.Array, softcap: float | None = None,
+                temperature: float = 1.0) -> jax.Array:
     """log p(label) [B, T] float32 (float64 in float64 runs) under the head (soft-capped by `softcap`, as for
-    `head_logits`), a chunk of tokens at a time."""
+    `head_logits`; divided by a sampling `temperature`), a chunk of tokens at a time."""
     def chunk(hidden_BxCxD, labels_BxC):
-        return token_logps(head_logits(params, hidden_BxCxD, softcap), labels_BxC)
+        logits = head_logits(params, hidden_BxCxD, softcap)
+        return token_logps(logits if temperature == 1.0 else logits / temperature, labels_BxC)
 
     return per_token(chunk, hidden_BxTxD, labels_BxT, vocab=vocab_size(params))

@@ -7,13 +7,18 @@ the spine, the planner and the TOML loader ([section], `train.objective`) all re
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError
 from jaxtune.objectives.base import Objective
+from jaxtune.objectives.cpo import CPO, SIMPO
 from jaxtune.objectives.distill import DISTILL
 from jaxtune.objectives.dpo import DPO
 from jaxtune.objectives.grpo import GRPO
+from jaxtune.objectives.kto import KTO
+from jaxtune.objectives.orpo import ORPO
 from jaxtune.objectives.reward import REWARD
+from jaxtune.objectives.rloo import RLOO
 from jaxtune.objectives.sft import SFT
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT, DPO, REWARD, GRPO, DISTILL)}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT, DPO, REWARD, GRPO, RLOO, DISTILL, ORPO, CPO, SIMPO,
+                                                            KTO)}
 ALIASES = {"rlhf": "grpo"}  # the design card's name for online policy optimisation
 
 

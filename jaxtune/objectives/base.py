@@ -6,7 +6,7 @@
     loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
     head, head_axes     the trainable leaves it adds (a reward model's score) and their logical axes
     prepare, export     the trainer's side (`ObjectiveInputs` -> `ObjectiveData`); what a finished run writes
-    for the planner     logits_copies, rollout_tokens, extra_forwards; unit (what batch_size counts), single_process
+    for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit, single_process
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Objective:
     rows: Callable[[object], int] = lambda section: 1
     batch_fields: Callable[[int, object], dict] = lambda rows, section: {}
     second_model: Callable[[object, MethodConfig], str | None] = lambda section, method: None
-    logits_copies: Callable[[MethodConfig], int] = lambda method: 2
+    logits_copies: Callable[[MethodConfig, object], int] = lambda method, section: 2
     head: Callable[[ModelConfig, jax.Array], dict] | None = None
     head_axes: dict = field(default_factory=dict)
     batch_metrics: Callable[[dict], dict] | None = None

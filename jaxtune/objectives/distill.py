@@ -98,5 +98,5 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
 
 
 DISTILL = Objective("distill", loss_terms, eval_terms, prepare, section=DistillConfig,
-                    second_model=lambda section, method: section.teacher, logits_copies=lambda method: 6,
+                    second_model=lambda section, method: section.teacher, logits_copies=lambda method, section: 6,
                     extra_forwards=lambda section: 1)

@@ -91,14 +91,20 @@ def preference_batches(examples: list[PreferenceExample], batch_size: int, seq_l
             for chunk in (order[start:start + batch_size] for start in range(0, len(order), batch_size))]
 
 
+def row_logps(params: dict, batch: dict, ctx: Context, method, dropout_key: jax.Array | None = None) -> jax.Array:
+    """log p(label) [R, T] of every position of an [R, T] batch of rows under `params` read with `method` (None: a
+    plain model); dropout_key: LoRA dropout in training."""
+    hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=ctx.options,
+                     dropout_key=dropout_key)
+    return label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
+
+
 def pair_logps(params: dict, batch: dict, ctx: Context, method, mean: bool, dropout_key: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(chosen log-probs [B], rejected log-probs [B], real-pair mask [B]) of a [2B, T] pair batch under `params`
     read with `method` (None: a plain model); dropout_key: LoRA dropout in training."""
-    hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=ctx.options,
-                     dropout_key=dropout_key)
-    logps_BxT = label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
+    logps_BxT = row_logps(params, batch, ctx, method, dropout_key)
     total_B, count_B = sequence_logps(logps_BxT, batch["loss_mask"])
     logps = total_B / jnp.maximum(count_B, 1.0) if mean else total_B
     B = logps.shape[0] // 2
@@ -208,5 +214,6 @@ def _batch_fields(rows: int, section: PreferenceConfig) -> dict:
 
 DPO = Objective("dpo", loss_terms, eval_terms, prepare, section=PreferenceConfig, rows=lambda section: 2,
                 batch_fields=_batch_fields, second_model=_second_model,
-                logits_copies=lambda method: 3 if method_unit(method).trains_base else 2, unit="pairs",
+                logits_copies=lambda method, section: 2 if section.precompute_reference and not method_unit(
+                    method).trains_base else 3, unit="pairs",
                 extra_forwards=lambda section: 0 if section.precompute_reference else 1)

@@ -1,17 +1,17 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): online policy optimisation against a reward function, no critic (`GRPO`,
-its section `GRPOConfig`).
+its section `GRPOConfig`); RLOO (`rloo.py`) shares its rollouts, rewards and data (`RolloutConfig`, `make_prepare`).
 
 Each step: for every prompt, sample `group_size` completions with jaxtune's own generation (`sample_group`), score
-them, normalise the rewards within each group into advantages (`group_advantages`), and take one gradient step on the
-clipped-ratio objective with a KL penalty to the reference (the base, adapters off; a frozen copy for a full
-fine-tune). Per-token terms are averaged over all completion tokens of the batch (as in DAPO). The reward is a
-callable `reward(prompts, completions, **fields) -> list[float]` named by a dotted path (`load_reward_function`;
-the prompt records' other fields come as keyword lists), or a reward model directory (`reward_model_function`).
-"""
+them, normalise the rewards into advantages (`group_advantages`, TRL's `scale_rewards`), and take one gradient step
+on the clipped-ratio objective with a KL penalty to the reference (the base, adapters off; a frozen copy for a full
+fine-tune), per-token terms aggregated as TRL 1.16's `loss_type` (`losses.grpo_aggregate`). The reward is a
+callable `reward(prompts, completions, **fields) -> list[float]` named by a dotted path (`load_reward_function`; the
+prompt records' other fields come as keyword lists), or a reward model directory (`reward_model_function`)."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -30,14 +30,15 @@ from jaxtune.models.llama import decoder
 from jaxtune.models.reward_model import reward_scores
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, reference_of
 from jaxtune.objectives.dpo import sequence_row
-from jaxtune.objectives.losses import grpo_advantages, grpo_token_loss
+from jaxtune.objectives.losses import GRPO_LOSS_TYPES, grpo_advantages, grpo_aggregate, grpo_token_loss
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
-    """reward: a dotted path to a reward function, or reward_model: a directory `objective = "reward"` exported.
-    group_size completions per prompt, sampled with temperature / top_k / top_p; clip: PPO's epsilon; kl_coef: the
-    KL penalty's beta."""
+class RolloutConfig:
+    """What GRPO and RLOO share. reward: a dotted path to a reward function, or reward_model: a directory
+    `objective = "reward"` exported. group_size completions per prompt, sampled with temperature / top_k / top_p.
+    clip: PPO's epsilon (TRL's `epsilon`), the ratio clipped to [1 - clip, 1 + epsilon_high]; epsilon_high: DAPO's
+    clip-higher (0: the same as clip, TRL's None); kl_coef: the KL penalty's beta (TRL's `beta`)."""
 
     reward: str = ""
     reward_model: str = ""
@@ -47,6 +48,7 @@ class GRPOConfig:
     top_k: int = 0
     top_p: float = 1.0
     clip: float = 0.2
+    epsilon_high: float = 0.0
     kl_coef: float = 0.04
 
     def __post_init__(self):
@@ -58,7 +60,39 @@ class GRPOConfig:
         check_range("top_k", self.top_k, 0)
         check_range("top_p", self.top_p, 0, 1, low_open=True)
         check_range("clip", self.clip, 0, low_open=True)
+        if self.epsilon_high and not self.epsilon_high >= self.clip:
+            raise ConfigError("epsilon_high", self.epsilon_high, f"must be >= clip = {self.clip} (or 0: the same)")
+        check_range("epsilon_high", self.epsilon_high, 0)
         check_range("kl_coef", self.kl_coef, 0)
+
+    @property
+    def clip_high(self) -> float:
+        """The ratio's upper clip, 1 + clip_high (TRL: epsilon_high if set, else epsilon)."""
+        return self.epsilon_high or self.clip
+
+
+@dataclass(frozen=True)
+class GRPOConfig(RolloutConfig):
+    """GRPO's section: `RolloutConfig`'s keys and TRL 1.16 GRPOConfig's, named as TRL names them.
+    loss_type: how per-token terms become the loss (`losses.grpo_aggregate`): "dapo" (TRL's default, and jaxtune's
+    before these keys existed), "grpo", "dr_grpo" or "bnpo". importance_sampling_level: "token", or "sequence"
+    (GSPO). scale_rewards: "group", "batch" or "none" (`losses.grpo_advantages`). delta: two-sided clipping's cap on
+    the ratio (INTELLECT-2; 0: none, TRL's None)."""
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    delta: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key, allowed in (("loss_type", GRPO_LOSS_TYPES), ("importance_sampling_level", ("token", "sequence")),
+                             ("scale_rewards", ("group", "batch", "none"))):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(key, getattr(self, key), "choose one of " + ", ".join(allowed))
+        if self.delta != 0 and not self.delta > 1:
+            raise ConfigError("delta", self.delta, "must be > 1 (a cap on the ratio, which starts at 1; TRL "
+                              "recommends > 1 + epsilon_high) or 0: none")
 
 
 def load_reward_function(path: str):
@@ -75,10 +109,10 @@ def load_reward_function(path: str):
     return function
 
 
-def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float], group_size: int,
-                  seq_len: int) -> dict:
-    """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their group-normalised
-    `advantages` [N] (rows of a prompt's group are consecutive)."""
+def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float],
+                  advantages: np.ndarray, seq_len: int) -> dict:
+    """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their `advantages`
+    [N] (rows of a prompt's group are consecutive)."""
     N = len(completions)
     batch = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -89,12 +123,12 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], reward
         batch["loss_mask"][i, len(prompt) - 1:n] = 1.0
         batch["segment_ids"][i, :n], batch["positions"][i, :n] = 1, np.arange(n)
     batch["rewards"] = np.asarray(rewards, np.float32)
-    batch["advantages"] = group_advantages(rewards, group_size).astype(np.float32)
+    batch["advantages"] = np.asarray(advantages, np.float32)
     return batch
 
 
 def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, prompts: list[list[int]],
-                 grpo: GRPOConfig, seed: int, eos_ids) -> tuple[list[list[int]], list[list[int]]]:
+                 grpo: RolloutConfig, seed: int, eos_ids) -> tuple[list[list[int]], list[list[int]]]:
     """G completions per prompt from the current policy: (prompt of each row, completion of each row); a completion
     that stopped ends with its EOS, so the step's loss covers the choice to stop."""
     repeated = [p for p in prompts for _ in range(grpo.group_size)]
@@ -103,29 +137,43 @@ def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, pr
     return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, method=method, include_stop=True)
 
 
-def group_advantages(rewards: list[float], group_size: int) -> np.ndarray:
-    return np.asarray(grpo_advantages(jnp.asarray(rewards, jnp.float32).reshape(-1, group_size))).reshape(-1)
+def group_advantages(rewards: list[float], grpo: GRPOConfig) -> np.ndarray:
+    """GRPO's advantages [N] of a step's rewards [N] (groups of `group_size` consecutive rows)."""
+    rewards_PxG = jnp.asarray(rewards, jnp.float32).reshape(-1, grpo.group_size)
+    return np.asarray(grpo_advantages(rewards_PxG, scale=grpo.scale_rewards)).reshape(-1)
 
 
-def _token_logps(params, cfg, batch, method, options, dropout_key=None):
+def _token_logps(params, cfg, batch, method, options, temperature: float, dropout_key=None):
     hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
-    return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap)
+    return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap, temperature)
 
 
-# One gradient step per batch: the old policy is the current one, so the ratio is 1 in value but not in gradient.
+def policy_and_reference_logps(ctx: Context, trainable, frozen, second, micro, key=None):
+    """log p(label) [B, T] under the policy (differentiable) and under the reference (constant), both of the logits
+    divided by the sampling temperature, as TRL's GRPO and RLOO trainers score them."""
+    t = ctx.section.temperature
+    logp = _token_logps(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, t, key)
+    ref_logp = _token_logps(reference_of(frozen, second), ctx.cfg, micro, None, ctx.options, t)
+    return logp, jax.lax.stop_gradient(ref_logp)
+
+
+# One gradient step per batch (TRL's num_iterations = 1): the old policy is the current one, so the ratio is 1 in
+# value but not in gradient.
 def loss_terms(ctx: Context):
-    """GRPO's clipped-ratio objective with a KL penalty to the reference, per micro-batch of rollouts."""
+    """GRPO's clipped-ratio objective with a KL penalty to the reference, per micro-batch of rollouts. Metric "kl":
+    the KL estimator aggregated as the loss aggregates its terms."""
     g = ctx.section
 
     def terms(trainable, frozen, second, micro, key=None):
-        logp = _token_logps(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, key)
-        ref_logp = jax.lax.stop_gradient(_token_logps(reference_of(frozen, second), ctx.cfg, micro, None,
-                                                      ctx.options))
+        logp, ref_logp = policy_and_reference_logps(ctx, trainable, frozen, second, micro, key)
         total_, count = grpo_token_loss(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
-                                        micro["loss_mask"], g.clip, g.kl_coef)
-        kl = jnp.sum((jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1) * micro["loss_mask"])
-        return total_, (count, {"kl": kl})
+                                        micro["loss_mask"], g.clip, g.kl_coef, clip_high=g.clip_high,
+                                        delta=g.delta or None, level=g.importance_sampling_level,
+                                        loss_type=g.loss_type, max_completion_length=g.max_new_tokens)
+        kl, _ = grpo_aggregate(jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1, micro["loss_mask"], g.loss_type,
+                               g.max_new_tokens)
+        return total_, (count, {"kl": jax.lax.stop_gradient(kl)})
 
     return terms
 
@@ -155,17 +203,22 @@ def reward_model_function(directory: str, seq_len: int, load_reward_model):
     return reward
 
 
-def prepare(setup: ObjectiveInputs) -> ObjectiveData:
-    """Prompts of data.train; each step samples `group_size` completions of `batch_size x grad_accum` of them with
-    the current policy, scores them and normalises the rewards into advantages."""
+def make_prepare(name: str, advantages: Callable[[list[float], RolloutConfig], np.ndarray]):
+    """The `prepare` of objective `name` whose section is a `RolloutConfig`: prompts of data.train; each step samples
+    `group_size` completions of `batch_size x grad_accum` of them with the current policy, scores them and turns the
+    rewards into advantages, `advantages(rewards [N], section) -> [N]`."""
+    return lambda setup: _prepare(setup, name, advantages)
+
+
+def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     c, g, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
     seq_len, tc, method = c.data.max_seq_len, c.train, c.method
     if bool(g.reward) == bool(g.reward_model):
-        raise JaxtuneError("[grpo] set exactly one of reward (a function's dotted path, e.g. 'mypkg.rewards.exact') "
+        raise JaxtuneError(f"[{name}] set exactly one of reward (a function's dotted path, e.g. 'mypkg.rewards.exact') "
                            "and reward_model (a reward model directory)")
     if c.offload.frozen_params:
-        raise JaxtuneError("[offload] frozen_params = true is not supported with objective grpo (rollouts decode "
-                           "from the frozen weights every step); set it to false")
+        raise JaxtuneError(f"[offload] frozen_params = true is not supported with objective {name} (rollouts "
+                           "decode from the frozen weights every step); set it to false")
     reward_fn = (load_reward_function(g.reward) if g.reward
                  else reward_model_function(g.reward_model, seq_len, setup.load_reward_model))
     examples = load_prompt_examples(c.data.train, dict(c.data.columns))
@@ -198,7 +251,8 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
         chosen = [train[j] for j in order[index * per_step:(index + 1) * per_step]]
         seed = int(np.random.default_rng([tc.seed, epoch, index]).integers(2**31))
         rows, completions = sample_group(params(), cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed, eos)
-        rollouts = rollout_batch(rows, completions, rewards(chosen, completions, g.group_size), g.group_size, seq_len)
+        scores = rewards(chosen, completions, g.group_size)
+        rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len)
         return {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
 
     def evaluate(_eval_step, params) -> dict:
@@ -217,9 +271,10 @@ def _batch_fields(rows: int, _section) -> dict:
 
 # The step takes the reference the policy started from: the frozen base with adapters off, or for a full
 # fine-tune a frozen copy of the base weights.
-GRPO = Objective("grpo", loss_terms, eval_terms, prepare, section=GRPOConfig,
+GRPO = Objective("grpo", loss_terms, eval_terms, make_prepare("grpo", group_advantages), section=GRPOConfig,
                  rows=lambda section: section.group_size, batch_fields=_batch_fields,
                  second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
-                 logits_copies=lambda method: 3, batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
+                 logits_copies=lambda method, section: 3,
+                 batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
                  unit="prompts", single_process=True, rollout_tokens=lambda section: section.max_new_tokens,
                  extra_forwards=lambda section: 1)

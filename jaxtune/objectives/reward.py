@@ -67,5 +67,6 @@ def export(run_dir: Path, config, cfg, params: dict) -> Path:
     return out
 
 
-REWARD = Objective("reward", loss_terms, eval_terms, prepare, rows=lambda section: 2, logits_copies=lambda m: 0,
+REWARD = Objective("reward", loss_terms, eval_terms, prepare, rows=lambda section: 2,
+                   logits_copies=lambda method, section: 0,
                    head=add_reward_head, head_axes={("score", "kernel"): ("embed",)}, export=export, unit="pairs")

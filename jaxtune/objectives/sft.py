@@ -109,4 +109,4 @@ def sft_training(setup: ObjectiveInputs, metrics=loss_metrics) -> ObjectiveData:
 
 
 SFT = Objective("sft", loss_terms, eval_terms, sft_training,
-                logits_copies=lambda method: 3 if method_unit(method).trains_base else 2)
+                logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from optax.contrib import MuonDimensionNumbers
 
 from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
@@ -46,6 +47,7 @@ from jaxtune.parallel.mesh import abstract_mesh
 from jaxtune.parallel.rules import ZERO_AXES, mesh_axes_of
 from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
+from jaxtune.spine.optimizers import QuantizedMoment, layer_stacked, muon_dimensions, row_chunks, scale_by_adam_8bit
 from jaxtune.spine.run import abstract_run
 
 MiB = 1 << 20
@@ -261,6 +263,7 @@ class RunBytes:
     loading_device: int
     loading_host: int
     largest_trainable: int  # the largest trainable leaf outside the layer stacks, whole
+    optimizer_temporaries: int = 0  # the update's working copies (`_optimizer_temporaries`)
 
 
 def run_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, tiled: bool) -> RunBytes:
@@ -280,7 +283,36 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
                     _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
                     _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
                     *_loading_transient(run, tiled),
-                    _largest_outside_layers(run.state["params"]))
+                    _largest_outside_layers(run.state["params"]),
+                    _optimizer_temporaries(plan.optimizer, run.state["params"], tiled))
+
+
+# The update's temporaries beyond the gradients, as (copies of a device's bytes of the leaves each optimizer works
+# on, and copies of one layer's slice of them), measured on XLA:CPU (the update alone after clipping, compiled; 4 and
+# 16 layers): optax's Adafactor keeps a float32 copy of every update; Muon and the 8-bit AdamW run layer by layer
+# (`spine.optimizers.by_layer`) and keep the clipped gradients and the step whole (Muon also a copy of its
+# momentum), plus one layer's Newton-Schulz products or dequantised moments. AdamW updates in place.
+UPDATE_COPIES = {"adafactor": (1.0, 0.0), "muon": (2.75, 4.2), "adamw_8bit": (1.0, 3.2)}
+
+
+def _optimizer_temporaries(optimizer: str, params, tiled: bool) -> int:
+    """Bytes on one device of the optimizer update's temporaries (`UPDATE_COPIES`)."""
+    if optimizer not in UPDATE_COPIES:
+        return 0
+    if optimizer == "muon":
+        dims = muon_dimensions(params)
+        params = jax.tree.map(lambda x, d: None if d is None else x, params, dims,
+                              is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+    elif optimizer == "adamw_8bit":
+        params = jax.tree.map(lambda x, m: x if isinstance(m, QuantizedMoment) else None, params,
+                              jax.eval_shape(scale_by_adam_8bit(0.9, 0.999, 1e-8).init, params).mu,
+                              is_leaf=lambda x: isinstance(x, QuantizedMoment))
+    whole, per_layer = UPDATE_COPIES[optimizer]
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:  # outside the stacks: 8-bit's row chunks
+        pieces = x.shape[0] if layer_stacked(path) else row_chunks(math.prod(x.shape))
+        total += (whole + per_layer / pieces) * _device_bytes([x], tiled)
+    return int(total)
 
 
 def _largest_outside_layers(params) -> int:
@@ -428,7 +460,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     n_total, n_trainable = held.parameters, held.trainable_parameters
     objective = objective_named(plan.objective)
 
-    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, objective.logits_copies(method), total_rows,
+    copies = objective.logits_copies(method, section_of(plan))
+    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, copies, total_rows,
                                 jnp.dtype(plan.compute_dtype).itemsize,
                                 (lambda shape, size: _tiled_bytes(shape, size, True)) if tiled else None)
     if device.family == "tpu" and plan.attention in ("auto", "splash") and w.context == 1 and splash_covers(
@@ -535,7 +568,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                  "weight_copies": residual_copies},
         "backward": {"activations": acts.saved + acts.attention + backward_workspace, "gradients": grads_in_flight,
                      "weight_copies": residual_copies + layer_copies},
-        "update": {"activations": 0, "gradients": grad_b + largest_gradient // zero, "weight_copies": 0},
+        "update": {"activations": held.optimizer_temporaries, "gradients": grad_b + largest_gradient // zero,
+                   "weight_copies": 0},
     }
     if device.family == "tpu" and zero > 1 and largest_gradient:
         phases["embedding gradient"] = {"activations": 0, "gradients": grads_in_flight + 2 * whole_table,
@@ -585,8 +619,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         saved, attention, logits, workspace = acts.saved, 0, logits_b, 0
     elif peak == "backward":
         saved, attention, logits, workspace = acts.saved, acts.attention, 0, backward_workspace
-    else:
-        saved = attention = logits = workspace = 0
+    else:  # the update's workspace: the optimizer's temporaries
+        saved = attention = logits = 0
+        workspace = phases["update"]["activations"] if peak == "update" else 0
     kv_at_peak = kv_b if peak == "generate" else 0
     if peak == "generate":
         saved = phases["generate"]["activations"] - kv_b

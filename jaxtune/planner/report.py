@@ -9,6 +9,7 @@ from jaxtune.planner.confirm import CompiledMemory
 from jaxtune.planner.estimate import Estimate
 from jaxtune.planner.search import LongestContext, SearchResult, explain
 from jaxtune.planner.timing import StepTime
+from jaxtune.spine.optimizers import STATE_LABELS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -112,11 +113,13 @@ def format_estimate(est: Estimate, time: StepTime | None = None) -> str:
         ("weights", est.weights_bytes, f"frozen {size(est.frozen_bytes)} + trainable float32 "
                                        f"{size(est.trainable_bytes)} + extra models {size(est.extra_models_bytes)}"),
         ("gradients", est.gradients_bytes, "float32, the copies alive at the peak"),
-        ("optimizer", est.optimizer_bytes, "Adam mu and nu" + (" (in host memory between steps)"
-                                                                if est.plan.offload.optimizer_state else "")),
+        ("optimizer", est.optimizer_bytes, STATE_LABELS[est.plan.optimizer] + (" (in host memory between steps)"
+                                                                             if est.plan.offload.optimizer_state
+                                                                             else "")),
         ("activations", est.activations_bytes, f"saved {size(est.saved_activations_bytes)} + attention "
                                                f"{size(est.attention_bytes)} + logits {size(est.logits_bytes)}"
-                                               f" + backward workspace {size(est.workspace_bytes)}"),
+                                               f" + {'update' if est.peak_phase == 'update' else 'backward'} "
+                                               f"workspace {size(est.workspace_bytes)}"),
         ("other", est.other_bytes, f"weight copies {size(est.weight_copies_bytes)} + KV cache "
                                    f"{size(est.kv_cache_bytes)} + batch {size(est.batch_bytes)} + reserve "
                                    f"{size(est.reserve_bytes)}"),

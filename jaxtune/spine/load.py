@@ -4,10 +4,9 @@ Every leaf of an abstract run that comes from the checkpoint is created shard by
 each device's shard is read from the files (safetensors: positioned reads of just that slice, `io/safetensors.py`)
 and cast on the way, so no whole copy of the model exists anywhere and each process reads only its devices' slices.
 A QLoRA kernel is quantised a few rows at a time as it is read (`models/quant.quantize_by_rows`, bit for bit the
-whole matrix's quantisation). The leaves a method or an objective adds (LoRA, a reward head, ...) are made by one
-jit straight into their shardings (DoRA's magnitudes read the loaded kernels there); a second model (a reference, a
-teacher) is read the same way into its own shardings.
-"""
+whole matrix's quantisation); a LoRA init from the weights (PiSSA, OLoRA, LoftQ: `methods/lora_init.py`) changes
+each adapted kernel a layer at a time as it is read. The leaves a method or an objective adds (LoRA, a reward head)
+are made by one jit straight into their shardings; a second model (a reference, a teacher) is read the same way."""
 
 from __future__ import annotations
 
@@ -17,10 +16,12 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxtune.config import ModelConfig
+from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.host_memory import release_freed_memory
 from jaxtune.io.gguf import forget_readers
+from jaxtune.methods.lora_init import changed_modules, init_layer
+from jaxtune.methods.targets import ModuleLoRA
 from jaxtune.methods.transform import add_method_leaves, combine
 from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
@@ -114,10 +115,56 @@ def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: Mo
     return jax.tree.unflatten(treedef, placed)
 
 
-def read_tree(reader, abstract: dict, cfg: ModelConfig) -> dict:
+def _initialised_leaf(reader, keys: tuple[str, ...], leaf, cfg: ModelConfig, method: MethodConfig,
+                      lora: ModuleLoRA) -> tuple:
+    """(kernel, {"lora_a" [L, in, R], "lora_b" [L, R, out]} host float32): an adapted kernel read one layer at a
+    time, each adapted layer initialised by `lora_init.init_layer`, the kernel placed in its sharding (as stored:
+    float, BitPattern or quantised)."""
+    quantized, bits = isinstance(leaf, QuantizedArray), isinstance(leaf, BitPattern)
+    dtype = np.dtype(leaf.dtype)
+    L, d_in, d_out = full_shape(leaf.bits if bits else leaf)
+    a = np.zeros((L, d_in, lora.max_rank), np.float32)
+    b = np.zeros((L, lora.max_rank, d_out), np.float32)
+    if quantized:
+        children, treedef = jax.tree.flatten(leaf)
+        host = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
+    else:
+        host = np.empty((L, d_in, d_out), dtype)
+    for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
+        w_IxO = _read(reader, keys, i, (slice(None), slice(None)), cfg).astype(dtype)
+        if r:
+            a[i, :, :r], b[i, :r], base = jax.device_get(init_layer(jax.numpy.asarray(w_IxO), r, float(scale), method))
+        elif quantized:
+            base = quantize_by_rows(lambda x, y: w_IxO.T[x:y], (d_in, d_out), dtype, method.bits, method.double_quant)
+        else:
+            base = w_IxO
+        if quantized:
+            for h, c in zip(host, jax.tree.leaves(base)):
+                h[i] = c
+        else:
+            host[i] = base
+    if quantized:
+        placed = [_make_array(c.shape, c.sharding, lambda index, h=h: h[index]) for c, h in zip(children, host)]
+        kernel = jax.tree.unflatten(treedef, placed)
+    else:
+        target = leaf.bits if bits else leaf
+        values = host.view(np.uint16) if bits else host
+        kernel = _make_array(target.shape, target.sharding, lambda index: values[index])
+        kernel = BitPattern(kernel, leaf.dtype) if bits else kernel
+    del host
+    _return_freed_host_memory()
+    return kernel, {"lora_a": a, "lora_b": b}
+
+
+def read_tree(reader, abstract: dict, cfg: ModelConfig, method: MethodConfig | None = None,
+              initial: dict | None = None) -> dict:
     """The leaves of `abstract` (ShapeDtypeStructs with shardings, quantised leaves whole) that a checkpoint of
-    `cfg` holds, read into their shardings; None where a leaf does not come from the checkpoint."""
+    `cfg` holds, read into their shardings; None where a leaf does not come from the checkpoint.
+
+    method: where its LoRA init changes the base (PiSSA, OLoRA, LoftQ), the adapted kernels are read initialised,
+    and their initial {"lora_a", "lora_b"} (host arrays) put in `initial` (a dict) by module name."""
     paths = checkpoint_paths(cfg)
+    changed = changed_modules(method, cfg) if method is not None else {}
 
     def read(path, leaf):
         keys = _keys(path)
@@ -125,11 +172,36 @@ def read_tree(reader, abstract: dict, cfg: ModelConfig) -> dict:
             return None
         if isinstance(leaf, QuantizedArray) and leaf.codes is None:  # the trainable half of a frozen kernel
             return leaf
+        if keys[0] == "layers" and keys[1] in changed and keys[2:] == ("kernel",):
+            kernel, leaves = _initialised_leaf(reader, keys, leaf, cfg, method, changed[keys[1]])
+            if initial is not None:
+                initial[keys[1]] = leaves
+            return kernel
         if isinstance(leaf, QuantizedArray):
             return _quantized_leaf(reader, keys, leaf, cfg)
         return _float_leaf(reader, keys, leaf, cfg)
 
     return jax.tree_util.tree_map_with_path(read, abstract, is_leaf=_is_stored)
+
+
+def initial_adapters(model: str | Path, cfg: ModelConfig, method: MethodConfig, params: dict) -> dict:
+    """{module: {"lora_a" [L, in, R], "lora_b" [L, R, out]}} of `method`'s init (PiSSA, OLoRA), recomputed a layer
+    at a time from the original weights in `model`, each cast to the dtype of its kernel in `params` (as in training):
+    the A0 and B0 `lora_init.as_plain_lora` converts a trained adapter with."""
+    initial = {}
+    with checked_reader(model, cfg) as reader:
+        for name, lora in changed_modules(method, cfg).items():
+            dtype = np.dtype(params["layers"][name]["kernel"].dtype)
+            d_in, d_out = full_shape(params["layers"][name]["kernel"])[-2:]
+            a = np.zeros((cfg.num_layers, d_in, lora.max_rank), np.float32)
+            b = np.zeros((cfg.num_layers, lora.max_rank, d_out), np.float32)
+            for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
+                if r:
+                    w_IxO = jax.numpy.asarray(_read(reader, ("layers", name, "kernel"), i, (slice(None),) * 2, cfg)
+                                              .astype(dtype))
+                    a[i, :, :r], b[i, :r] = jax.device_get(init_layer(w_IxO, r, float(scale), method)[:2])
+            initial[name] = {"lora_a": a, "lora_b": b}
+    return initial
 
 
 def _new_leaves(run: AbstractRun, loaded: dict, seed: int) -> dict:
@@ -165,8 +237,9 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
     seed + 1) and of the state's RNG. second: the objective's second model, "base" or a model directory (None when
     the run has none).
     """
+    initial = {}  # a LoRA init's A and B, read with the kernels it changes
     with checked_reader(model, run.cfg) as reader:
-        frozen = read_tree(reader, run.frozen, run.cfg)
+        frozen = read_tree(reader, run.frozen, run.cfg, run.plan.method, initial)
         trainable = read_tree(reader, run.state["params"], run.cfg)
         second_params = read_tree(reader, run.second, run.cfg) if second == "base" else None
     if second not in (None, "base"):
@@ -176,6 +249,10 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
         raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
     new = _new_leaves(run, combine(trainable, frozen), seed)
     trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
+    for name, leaves in initial.items():
+        abstract = run.state["params"]["layers"][name]
+        placed = {k: _make_array(v.shape, abstract[k].sharding, lambda index, v=v: v[index]) for k, v in leaves.items()}
+        trainable["layers"][name] = {**trainable["layers"][name], **placed}
     state = run.init_state(trainable, seed, donate=True)
     forget_readers()  # a GGUF file's parsed metadata would stay resident for the whole run
     _return_freed_host_memory()

@@ -10,6 +10,7 @@ base quantised); `load.read_tree` reads the checkpoint into exactly those, a sha
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -19,8 +20,9 @@ from jax.sharding import Mesh
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
 from jaxtune.errors import check_choice
+from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
-from jaxtune.methods.peft import CONFIG_FILE, load_peft_adapter, quantized_base
+from jaxtune.methods.peft import CONFIG_FILE, load_peft_adapter, method_from_peft_config, quantized_base
 from jaxtune.methods.transform import quantize_base
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
@@ -46,11 +48,12 @@ def load_model(model: str | Path, dtype=None, method: MethodConfig | None = None
                ) -> tuple[ModelConfig, dict]:
     """(config, params) of a Hugging Face directory or a GGUF file, each leaf read into its sharding.
 
-    dtype: of the float leaves (default: the checkpoint's own); method: quantise the base as it is read (QLoRA)."""
+    dtype: of the float leaves (default: the checkpoint's own); method: quantise the base as it is read (QLoRA), the
+    kernels its LoRA init changes changed (LoftQ's base)."""
     cfg = load_config(model)
     with checked_reader(model, cfg) as reader:
         dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
-        return cfg, read_tree(reader, abstract_model(cfg, dtype, method, mesh), cfg)
+        return cfg, read_tree(reader, abstract_model(cfg, dtype, method, mesh), cfg, method)
 
 
 def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None, dtype=None,
@@ -65,6 +68,11 @@ def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None
     use_quantized = quantization is not None and base == "as-trained"
     quantized = MethodConfig("qlora", bits=int(quantization.get("bits", 4)),
                              double_quant=bool(quantization.get("double_quant", True))) if use_quantized else None
+    if use_quantized and quantization.get("init") == "loftq":  # LoftQ's base, from the adapter's modules and ranks
+        where = Path(adapter, CONFIG_FILE)
+        quantized = dataclasses.replace(method_from_peft_config(read_json(where), where), kind="qlora",
+                                        bits=quantized.bits, double_quant=quantized.double_quant, init="loftq",
+                                        loftq_iter=int(quantization.get("loftq_iter", 1)))
     cfg, params = load_model(model, dtype, quantized)
     if adapter is None:
         return cfg, params, None

@@ -30,8 +30,9 @@ from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Context, Objective
 from jaxtune.parallel.distributed import global_array
 from jaxtune.parallel.offload import HOST, check_host_memory, on_device, with_memory_kind
+from jaxtune.spine.optimizers import make_optimizer
 from jaxtune.spine.shardings import batch_sharding, optimizer_shardings, param_shardings
-from jaxtune.spine.state import init_state, learning_rate_schedule, make_optimizer
+from jaxtune.spine.state import init_state, learning_rate_schedule
 from jaxtune.spine.update import make_step
 
 AnyMesh = Mesh | AbstractMesh
@@ -159,7 +160,8 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
                  total_steps: int = 1000) -> AbstractRun:
     """Every array of `plan`'s run of `cfg` on `mesh`, abstract and sharded, and its step (see the module docstring).
 
-    train, total_steps: the optimizer's hyper-parameters and schedule length (they change values, not shapes).
+    train, total_steps: the optimizer's hyper-parameters and schedule length (they change values, not shapes; the
+    optimizer itself is `plan.optimizer`, which does).
     The objective's second model has `plan.second_model`'s architecture (default: `cfg`'s).
     """
     objective, section = objective_named(plan.objective), section_of(plan)
@@ -167,7 +169,8 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     params = model_tree(cfg, plan, objective)
     trainable, frozen = partition(params, trainable_mask(params, method))
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
-    optimizer = make_optimizer(train, total_steps, trainable, plan.offload.moments_dtype)
+    optimizer = make_optimizer(plan.optimizer, train, total_steps, trainable, plan.offload.moments_dtype,
+                               method.loraplus_lr_ratio)
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
 
     second_name = objective.second_model(section, method)
@@ -229,7 +232,7 @@ def train_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan
                      compute_dtype_for(c.model.compute_dtype, platform or jax.default_backend()),
                      cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
                      offload=c.offload, attention=c.model.attention, context_attention=c.model.context_attention,
-                     tiled_mlp=c.model.tiled_mlp, objective=objective.name,
+                     tiled_mlp=c.model.tiled_mlp, objective=objective.name, optimizer=c.train.optimizer,
                      generate_tokens=objective.rollout_tokens(section), section=section,
                      second_model=None if second in (None, "base") else load_config(second))
 

@@ -1,6 +1,6 @@
 """Shardings of everything a training run holds, from the one rules table (`parallel/rules.py`): parameters
-(`param_shardings`, method and quantised leaves included), optimizer state (`optimizer_shardings`: Adam's mu and nu
-as their parameters, counters replicated) and batches (`batch_sharding`: [A, B, T], B over data, fsdp, expert).
+(`param_shardings`, method and quantised leaves included), optimizer state (`optimizer_shardings`: moments of
+a parameter's shape as it, the rest replicated) and batches (`batch_sharding`: [A, B, T], B over data, fsdp, expert).
 
 Logical axes come from `param_specs` for the base weights, `methods.transform.method_leaf_axes` for a method's leaves
 (a LoRA A [L, in, r] splits as its kernel's input), and `extra_axes` for an objective's (a reward head); a leaf no
@@ -107,16 +107,23 @@ def param_shardings(params: dict, cfg: ModelConfig, mesh: AnyMesh, extra_axes: d
 
 
 def optimizer_shardings(optimizer: optax.GradientTransformation, params: dict, shardings: dict, mesh: AnyMesh):
-    """Shardings of `optimizer.init(params)`: params-shaped subtrees (Adam's mu, nu) as `shardings`, the rest
-    (step counters) replicated. `params` may be abstract."""
+    """Shardings of `optimizer.init(params)`: a state leaf of its parameter's shape, under that parameter's dict path
+    (Adam's mu and nu, Muon's momentum, 8-bit codes), as the parameter; the rest (step counters, factored moments,
+    block scales) replicated. `params` may be abstract."""
     abstract = jax.eval_shape(optimizer.init, params)
+    by_path = {_keys(path): (tuple(p.shape), s) for (path, p), s in
+               zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings))}
     rep = replicated(mesh)
 
-    def like_param(state_leaf, param, sharding):
-        return sharding if tuple(state_leaf.shape) == tuple(param.shape) else rep
+    def sharding(path, leaf):
+        keys = _keys(path)  # the parameter's path, after the keys of the optimizers wrapping it (optax.partition's)
+        for start in range(len(keys)):
+            shape, param_sharding = by_path.get(keys[start:], (None, None))
+            if shape is not None:
+                return param_sharding if tuple(leaf.shape) == shape else rep
+        return rep
 
-    return optax.tree_utils.tree_map_params(optimizer, like_param, abstract, params, shardings,
-                                            transform_non_params=lambda _: rep)
+    return jax.tree_util.tree_map_with_path(sharding, abstract)
 
 
 def batch_sharding(mesh: AnyMesh, batch_size: int) -> NamedSharding:

@@ -1,10 +1,10 @@
-"""The train state (`init_state`) and its optimiser (`make_optimizer`: clipping, then AdamW on the schedule).
+"""The train state (`init_state`) and what every optimiser shares: the schedule, the weight-decay mask and global-norm
+clipping (the optimisers: `optimizers.make_optimizer`).
 
 The state is a plain dict pytree, so orbax saves and restores it as it is:
 
     {"step": int32, "params": trainable tree (None where frozen), "opt_state": optax state,
      "rng": uint32[2], "skipped": int32 (non-finite steps so far), "bad_streak": int32 (in a row)}
-
 Frozen weights (and an objective's second model) are separate arguments of the step: never donated, never
 differentiated, never checkpointed.
 """
@@ -17,7 +17,6 @@ import optax
 
 from jaxtune.config import TrainConfig
 from jaxtune.models.params import is_norm
-from jaxtune.parallel.offload import low_precision_moments
 
 
 def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedule:
@@ -36,11 +35,12 @@ def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedu
 
 
 def weight_decay_mask(trainable: dict) -> dict:
-    """False for norm scales and biases (as transformers' Trainer does), True for every other trainable leaf."""
+    """False for norm scales and biases (names containing "bias", a LoRA bias too, as transformers' Trainer and
+    PEFT's LoRA+ groups decide), True for every other trainable leaf."""
 
     def decays(path, _) -> bool:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return not (names[-1] == "bias" or any(is_norm(n) for n in names))
+        return not ("bias" in names[-1] or any(is_norm(n) for n in names))
 
     return jax.tree_util.tree_map_with_path(decays, trainable)
 
@@ -57,18 +57,6 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         return jax.tree.map(lambda g: g * factor.astype(g.dtype), gradients), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
-
-
-def make_optimizer(train: TrainConfig, total_steps: int, trainable: dict,
-                   moments_dtype: str = "float32") -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with the schedule and no decay on norms and biases; moments stored in
-    `moments_dtype` ("bfloat16": rounded between steps, updated in float32)."""
-    optimizer = optax.chain(
-        clip_by_global_norm(train.max_grad_norm),
-        optax.adamw(learning_rate_schedule(train, total_steps), b1=train.adam_b1, b2=train.adam_b2,
-                    eps=train.adam_eps, weight_decay=train.weight_decay, mask=weight_decay_mask(trainable)),
-    )
-    return optimizer if moments_dtype == "float32" else low_precision_moments(optimizer, moments_dtype)
 
 
 def init_state(trainable: dict, optimizer: optax.GradientTransformation, seed: int) -> dict:

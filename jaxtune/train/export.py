@@ -21,6 +21,7 @@ from jaxtune.data.tokenizer import copy_tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.gguf_export import save_gguf, save_gguf_lora
+from jaxtune.methods.lora_init import CONVERTED_INITS
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
@@ -29,7 +30,7 @@ from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.paths import check_output_dir, run_directories
 from jaxtune.run_config import RunConfig
-from jaxtune.spine.load import read_tree
+from jaxtune.spine.load import initial_adapters, read_tree
 from jaxtune.spine.model import load_model_with_adapter
 from jaxtune.spine.run import abstract_run, train_plan
 from jaxtune.train.checkpoint import Checkpoints
@@ -77,15 +78,20 @@ def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, lo
     return save_gguf_lora(out, cfg, params, method, name=Path(str(adapter)).name)
 
 
-def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: dict, method: MethodConfig) -> Path:
+def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: dict, method: MethodConfig,
+                  initial: dict | None = None) -> Path:
     """run_dir/adapter, or for a full fine-tune run_dir/model: an HF directory with the base's tokenizer, in
-    [model] dtype (the float32 master weights when it is "auto")."""
+    [model] dtype (the float32 master weights when it is "auto"). A PiSSA or OLoRA adapter is written as the plain
+    LoRA of rank 2r it is on the original weights, with its init's A and B (`initial`; recomputed when None)."""
     if method_unit(method).trains_base:
         dtype = None if config.model.dtype == "auto" else config.model.dtype
         out = save_model(run_dir / "model", cfg, params, dtype=dtype)
         copy_tokenizer(config.model.path, out)
         return out
-    return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)))
+    if method.init in CONVERTED_INITS and initial is None:
+        initial = initial_adapters(config.model.path, cfg, method, params)
+    return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)),
+                             initial=initial)
 
 
 def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None, log=None) -> Path:
@@ -111,13 +117,14 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
     plan = replace(plan, mesh=MeshConfig(), offload=OffloadConfig(moments_dtype=plan.offload.moments_dtype))
     run = abstract_run(cfg, plan, make_mesh(), config.train, total_steps=max(step, 1))
     trainable = checkpoints.restore_params(step, run.state["params"])
+    initial = {}
     with checked_reader(model, cfg) as reader:
-        frozen = read_tree(reader, run.frozen, cfg)
+        frozen = read_tree(reader, run.frozen, cfg, config.method, initial)
     params = combine(trainable, frozen)
     objective = objective_named(config.train.objective)
     if objective.export is not None:
         return objective.export(out_dir, config, cfg, params)
-    return export_result(out_dir, config, cfg, params, config.method)
+    return export_result(out_dir, config, cfg, params, config.method, initial or None)
 
 
 def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | None = None, gguf_type: str = "f16",

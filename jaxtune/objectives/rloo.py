@@ -1,0 +1,89 @@
+"""RLOO, REINFORCE leave-one-out (Ahmadian et al. 2024), as TRL 1.16's RLOOTrainer runs it (`RLOO`, its section
+`RLOOConfig`); rollouts, rewards and data are GRPO's (`grpo.py`).
+
+Each step samples `group_size` completions per prompt. A row's reward, less beta times its sequence KL to the
+reference (the sum over its completion tokens of log pi - log ref, the first-order estimate: the KL goes into the
+reward, not the loss), minus the mean of the other rows of its group is its advantage. The loss is PPO's clipped
+ratio of whole sequences, exp(sum of token log-ratios), averaged over rows. The rewards' leave-one-out part is
+computed with the rollout (`rloo_advantages`); the KL's needs the policy's and the reference's log-probs, which the
+step computes anyway, so it is added there (`step_advantages`; leave-one-out is linear, so the sum is TRL's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.objectives.base import Context
+from jaxtune.objectives.grpo import GRPO, RolloutConfig, make_prepare, policy_and_reference_logps
+from jaxtune.objectives.losses import rloo_advantages, rloo_sequence_loss
+
+
+@dataclass(frozen=True)
+class RLOOConfig(RolloutConfig):
+    """RLOO's section: `RolloutConfig`'s keys (kl_coef defaults to TRL's beta, 0.05) and TRL 1.16 RLOOConfig's:
+    normalize_advantages (over the step's batch: mean 0, std 1), reward_clip_range ([min, max], or [] for none)."""
+
+    kl_coef: float = 0.05
+    normalize_advantages: bool = False
+    reward_clip_range: tuple = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        low_high = self.reward_clip_range
+        if low_high and not (len(low_high) == 2 and all(isinstance(x, (int, float)) for x in low_high)
+                             and low_high[0] <= low_high[1]):
+            raise ConfigError("reward_clip_range", list(low_high), "must be [min, max] with min <= max, or []")
+
+
+def reward_advantages(rewards: list[float], rloo: RLOOConfig) -> np.ndarray:
+    """The rewards' part of RLOO's advantages [N]: rewards clipped to `reward_clip_range`, leave-one-out."""
+    rewards_N = np.asarray(rewards, np.float32)
+    if rloo.reward_clip_range:
+        rewards_N = np.clip(rewards_N, *rloo.reward_clip_range)
+    return np.asarray(rloo_advantages(jnp.asarray(rewards_N).reshape(-1, rloo.group_size))).reshape(-1)
+
+
+def step_advantages(advantages_B: jax.Array, kl_B: jax.Array, rloo: RLOOConfig) -> jax.Array:
+    """RLOO's advantages [B] of a batch: the rewards' part [B] less kl_coef times the leave-one-out of the rows'
+    sequence KL [B], normalised over the batch (std with Bessel's correction, + 1e-4) if normalize_advantages."""
+    advantages_B = advantages_B - rloo.kl_coef * rloo_advantages(kl_B.reshape(-1, rloo.group_size)).reshape(-1)
+    if rloo.normalize_advantages:
+        advantages_B = (advantages_B - jnp.mean(advantages_B)) / (jnp.std(advantages_B, ddof=1) + 1e-4)
+    return advantages_B
+
+
+# One gradient step per batch (TRL's num_iterations = 1): the rollout's policy is the current one, so the ratio is 1
+# in value but not in gradient, and the KL in the reward is read from this step's log-probs (as a constant).
+def loss_terms(ctx: Context):
+    """RLOO's clipped sequence-ratio loss per micro-batch of rollouts (a sum over rows, counted in rows). Metric "kl":
+    the rows' mean sequence KL sum(log pi - log ref), the term kl_coef scales in the reward."""
+    r = ctx.section
+
+    def terms(trainable, frozen, second, micro, key=None):
+        logp, ref_logp = policy_and_reference_logps(ctx, trainable, frozen, second, micro, key)
+        mask = micro["loss_mask"].astype(jnp.float32)
+        kl_B = jax.lax.stop_gradient(jnp.sum((logp - ref_logp) * mask, -1))
+        advantages = step_advantages(micro["advantages"], kl_B, r)
+        total, rows = rloo_sequence_loss(logp, jax.lax.stop_gradient(logp), advantages, mask, r.clip, r.clip_high)
+        return total, (rows, {"kl": jnp.sum(kl_B)})
+
+    return terms
+
+
+def _prepare(setup):
+    """GRPO's data with RLOO's advantages; normalising over the step's batch needs the batch in one micro-batch."""
+    if setup.section.normalize_advantages and setup.config.train.grad_accum > 1:
+        raise JaxtuneError(f"[rloo] normalize_advantages = true with [train] grad_accum = "
+                           f"{setup.config.train.grad_accum}: advantages are normalised over the step's batch inside "
+                           "the step, which needs the batch in one micro-batch; set grad_accum = 1")
+    return make_prepare("rloo", reward_advantages)(setup)
+
+
+# Everything else (rows, batch fields, reference, planner figures, metrics) is GRPO's.
+RLOO = dataclasses.replace(GRPO, name="rloo", loss_terms=loss_terms, prepare=_prepare, section=RLOOConfig)
