@@ -20,7 +20,7 @@ from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.objectives.base import Context, Objective
 from jaxtune.objectives.dpo import pair_training, row_logps
-from jaxtune.objectives.losses import sequence_logps
+from jaxtune.objectives.losses import margin_loss, sequence_logps
 
 
 @dataclass(frozen=True)
@@ -67,16 +67,9 @@ def cpo_loss(chosen_B: jax.Array, rejected_B: jax.Array, beta: float, kind: str 
       ipo: (h - 1 / (2 beta))^2               (mean per-token log-probs)       hinge: max(0, 1 - beta h)
     Metrics [B]: `reward_metrics` of the rewards beta log pi."""
     h = chosen_B - rejected_B
-    if kind in ("sigmoid", "simpo"):
-        h = h - simpo_gamma / beta if kind == "simpo" else h
-        losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
-    elif kind == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif kind == "hinge":
-        losses = jax.nn.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown CPO loss {kind!r}; choose sigmoid, hinge, ipo or simpo")
-    return losses, reward_metrics(beta * chosen_B, beta * rejected_B)
+    if kind == "simpo":  # the sigmoid loss of the margin beyond gamma
+        h, kind = h - simpo_gamma / beta, "sigmoid"
+    return margin_loss(h, beta, kind, label_smoothing), reward_metrics(beta * chosen_B, beta * rejected_B)
 
 
 def pair_nll_terms(pair_losses_B: jax.Array, metrics: dict, chosen_B: jax.Array, rejected_B: jax.Array,
@@ -121,20 +114,28 @@ def _sums(params, micro, ctx: Context, key=None):
     return cpo_terms(*pair_forward(params, micro, ctx, ctx.method, mean, "loss_mask", key), ctx.section)
 
 
-def loss_terms(ctx: Context):
-    def terms(trainable, frozen, _second, micro, key=None):
-        loss, pairs, sums = _sums(combine(trainable, frozen), micro, ctx, key)
-        return loss, (pairs, sums)
+def reference_free_terms(sums):
+    """(loss_terms, eval_terms) of a pair objective without a reference model from its `sums(params, micro, ctx,
+    key) -> (loss sum, pairs, metric sums)`."""
 
-    return terms
+    def loss_terms(ctx: Context):
+        def terms(trainable, frozen, _second, micro, key=None):
+            loss, pairs, metric_sums = sums(combine(trainable, frozen), micro, ctx, key)
+            return loss, (pairs, metric_sums)
+
+        return terms
+
+    def eval_terms(ctx: Context):
+        def terms(params, _second, batch):
+            loss, pairs, metric_sums = sums(params, batch, ctx)
+            return {"loss": loss, "pairs": pairs, **metric_sums}
+
+        return terms
+
+    return loss_terms, eval_terms
 
 
-def eval_terms(ctx: Context):
-    def terms(params, _second, batch):
-        loss, pairs, sums = _sums(params, batch, ctx)
-        return {"loss": loss, "pairs": pairs, **sums}
-
-    return terms
+loss_terms, eval_terms = reference_free_terms(_sums)
 
 
 def pair_logits_copies(method, section=None) -> int:

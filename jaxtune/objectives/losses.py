@@ -15,6 +15,19 @@ def sequence_logps(logps_BxT: jax.Array, loss_mask_BxT: jax.Array) -> tuple[jax.
     return jnp.sum(logps_BxT * mask, axis=-1), jnp.sum(mask, axis=-1)
 
 
+def margin_loss(h_B: jax.Array, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0) -> jax.Array:
+    """Per-pair losses [B] of a preference margin h [B] (`preference_loss` says which is which; CPO's h has no
+    reference): sigmoid (label-smoothed), ipo or hinge."""
+    if kind == "sigmoid":
+        return (-(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h_B)
+                - label_smoothing * jax.nn.log_sigmoid(-beta * h_B))
+    if kind == "ipo":
+        return (h_B - 1 / (2 * beta)) ** 2
+    if kind == "hinge":
+        return jax.nn.relu(1 - beta * h_B)
+    raise ValueError(f"unknown preference loss {kind!r}; choose sigmoid, ipo or hinge")
+
+
 def preference_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_chosen: jax.Array,
                     reference_rejected: jax.Array, beta: float, kind: str = "sigmoid",
                     label_smoothing: float = 0.0) -> tuple[jax.Array, dict]:
@@ -28,14 +41,7 @@ def preference_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, refere
     Metrics: implicit rewards beta (log pi - log ref) of chosen and rejected, their margin, and whether chosen wins.
     """
     h = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
-    if kind == "sigmoid":
-        losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
-    elif kind == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif kind == "hinge":
-        losses = jax.nn.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown preference loss {kind!r}; choose sigmoid, ipo or hinge")
+    losses = margin_loss(h, beta, kind, label_smoothing)
     chosen_reward = beta * (policy_chosen - reference_chosen)
     rejected_reward = beta * (policy_rejected - reference_rejected)
     metrics = {"rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,

@@ -14,9 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.errors import check_range
-from jaxtune.methods.transform import combine
 from jaxtune.objectives.base import Context, Objective
-from jaxtune.objectives.cpo import pair_forward, pair_logits_copies, pair_nll_terms, reward_metrics
+from jaxtune.objectives.cpo import (
+    pair_forward,
+    pair_logits_copies,
+    pair_nll_terms,
+    reference_free_terms,
+    reward_metrics,
+)
 from jaxtune.objectives.dpo import pair_training
 
 
@@ -61,20 +66,7 @@ def _sums(params, micro, ctx: Context, key=None):
     return orpo_terms(*pair_forward(params, micro, ctx, ctx.method, True, "segment_ids", key), ctx.section.beta)
 
 
-def loss_terms(ctx: Context):
-    def terms(trainable, frozen, _second, micro, key=None):
-        loss, pairs, sums = _sums(combine(trainable, frozen), micro, ctx, key)
-        return loss, (pairs, sums)
-
-    return terms
-
-
-def eval_terms(ctx: Context):
-    def terms(params, _second, batch):
-        loss, pairs, sums = _sums(params, batch, ctx)
-        return {"loss": loss, "pairs": pairs, **sums}
-
-    return terms
+loss_terms, eval_terms = reference_free_terms(_sums)
 
 
 ORPO = Objective("orpo", loss_terms, eval_terms, pair_training, section=ORPOConfig, rows=lambda section: 2,
