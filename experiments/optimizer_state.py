@@ -5,7 +5,8 @@ linear module, on one device and under ZeRO-3 over 8: the state (`Estimate.optim
 state's own arrays), bytes of state per trainable parameter, the update's temporaries the planner adds (measured on
 XLA:CPU: `estimate.UPDATE_COPIES`) and the step's peak (one row of 2,048 tokens, remat full).
 
-    python experiments/optimizer_state.py
+    python experiments/optimizer_state.py          # the table
+    python experiments/optimizer_state.py --tpu    # each optimizer's step compiled by libtpu for v5e-4, vs the planner
 """
 
 from __future__ import annotations
@@ -37,5 +38,28 @@ def main() -> None:
                   f"{one.phases['update']['activations'] / GiB:.2f} | {one.compiled_bytes / GiB:.2f} |")
 
 
+def tpu_rows() -> None:
+    """Each optimizer's full fine-tune step (a 512-wide model of 4 and 12 layers, 4 x 256 tokens, bfloat16 compute)
+    compiled by the TPU compiler for v5e-4 (fsdp=4) on this host, beside the planner's figure (MiB a chip)."""
+    from jaxtune.planner.confirm import compile_step
+    from jaxtune.planner.slices import topology_devices, tpu_slice
+
+    device = get_device("v5e-4")
+    devices = topology_devices(tpu_slice(device))
+    print("| layers | optimizer | compiled (MiB a chip) | planner | error |")
+    print("|---|---|---:|---:|---:|")
+    for layers in (4, 12):
+        cfg = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=layers, num_heads=8,
+                          num_kv_heads=4, head_dim=64)
+        for optimizer in OPTIMIZERS:
+            plan = TrainPlan(MethodConfig("full"), 4, 256, 1, "full", "bfloat16", "float32",
+                             mesh=MeshConfig(fsdp=4), optimizer=optimizer)
+            compiled, planned = compile_step(cfg, plan, devices).total_bytes, estimate(cfg, plan, device).compiled_bytes
+            print(f"| {layers} | {optimizer} | {compiled / 2**20:.1f} | {planned / 2**20:.1f} | "
+                  f"{planned / compiled - 1:+.0%} |")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    tpu_rows() if "--tpu" in sys.argv else main()
