@@ -2,9 +2,6 @@
 Keller Jordan's Newton-Schulz iteration (torch), a float64 transcription of bitsandbytes' block-wise 8-bit AdamW,
 PEFT's `create_loraplus_optimizer` groups under torch's AdamW; the planner's count of each state; exact resume."""
 
-import signal
-import subprocess
-import sys
 from dataclasses import replace
 
 import jax
@@ -12,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_run_safety import train_killed_after_checkpoint
 from test_train import metric_lines, setup, write_config  # noqa: F401 - setup: the tiny model and data fixture
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig, TrainConfig
@@ -428,14 +426,6 @@ def test_a_kill_after_a_checkpoint_resumes_exactly(setup, tmp_path, optimizer):
     fine_tune(load_run_config(full_config("ref")), log=lambda _: None)
     config = full_config("run")
     assert load_run_config(config).method.kind == "full"
-    killer = ("import os, signal\nfrom jaxtune.run_config import load_run_config\n"
-              "from jaxtune.train.checkpoint import Checkpoints\nfrom jaxtune.train.loop import fine_tune\n"
-              "save = Checkpoints.save\n"
-              "def save_then_die(self, step, state, meta):\n    save(self, step, state, meta)\n"
-              "    if step == 4:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "Checkpoints.save = save_then_die\n"
-              f"fine_tune(load_run_config({str(config)!r}), log=lambda _: None)\n")
-    died = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True)
-    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    train_killed_after_checkpoint(config, 4)
     assert fine_tune(load_run_config(config), log=lambda _: None).step == 6
     assert metric_lines(tmp_path / "run") == metric_lines(tmp_path / "ref")

@@ -157,6 +157,19 @@ def test_resume_records_changes_that_keep_the_run_and_refuses_the_others(setup, 
 
 
 @pytest.mark.slow
+def train_killed_after_checkpoint(config, step: int) -> None:
+    """`fine_tune(config)` in a subprocess that SIGKILLs itself the moment the step-`step` checkpoint is published."""
+    killer = ("import os, signal\nfrom jaxtune.run_config import load_run_config\n"
+              "from jaxtune.train.checkpoint import Checkpoints\nfrom jaxtune.train.loop import fine_tune\n"
+              "save = Checkpoints.save\n"
+              "def save_then_die(self, step, state, meta):\n    save(self, step, state, meta)\n"
+              f"    if step == {step}:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+              "Checkpoints.save = save_then_die\n"
+              f"fine_tune(load_run_config({str(config)!r}), log=lambda _: None)\n")
+    died = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True)
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+
+
 @pytest.mark.parametrize("eval_every", [0, 2])
 def test_a_kill_right_after_a_checkpoint_loses_no_metrics_line(setup, tmp_path, eval_every):
     """SIGKILL the moment the step-4 checkpoint is published, before step 5 runs: step 4's line was still on the
@@ -166,15 +179,7 @@ def test_a_kill_right_after_a_checkpoint_loses_no_metrics_line(setup, tmp_path, 
     reference = write_config(tmp_path / "ref.toml", model, data, tmp_path / "ref", max_steps=6, eval_every=eval_every)
     fine_tune(load_run_config(reference), **QUIET)
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=6, eval_every=eval_every)
-    killer = ("import os, signal\nfrom jaxtune.run_config import load_run_config\n"
-              "from jaxtune.train.checkpoint import Checkpoints\nfrom jaxtune.train.loop import fine_tune\n"
-              "save = Checkpoints.save\n"
-              "def save_then_die(self, step, state, meta):\n    save(self, step, state, meta)\n"
-              "    if step == 4:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "Checkpoints.save = save_then_die\n"
-              f"fine_tune(load_run_config({str(config)!r}), log=lambda _: None)\n")
-    died = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True)
-    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    train_killed_after_checkpoint(config, 4)
     assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
     assert fine_tune(load_run_config(config), **QUIET).step == 6
     assert metric_lines(tmp_path / "run") == metric_lines(tmp_path / "ref")
