@@ -122,6 +122,10 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> None:
     note = lambda text: print(text, file=sys.stderr)
+    if args.tasks:
+        return _eval_tasks(args, note)
+    if args.data is None:
+        raise JaxtuneError("eval needs --data FILE (held-out loss) or --tasks NAMES (benchmark tasks)")
     if is_preference_file(args.data):
         result = evaluate_preference_file(args.model, args.data, args.adapter, args.max_seq_len, args.batch_size,
                                           base=args.base, log=note)
@@ -133,6 +137,26 @@ def cmd_eval(args) -> None:
         text = (f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  "
                 f"({result['tokens']} completion tokens)")
     print(json.dumps(result) if args.json else text)
+
+
+def _eval_tasks(args, note) -> None:
+    """lm-eval tasks through jaxtune's model: the results JSON and its table written, the table (or with --json
+    lm-eval's `results` object) printed."""
+    from jaxtune.harness import JaxtuneLM, evaluate_tasks, table, write_results
+
+    tasks = [name for entry in args.tasks for name in entry.split(",") if name]
+    settings = {"batch_size": args.batch_size, **({"max_length": args.max_seq_len} if args.max_seq_len else {})}
+    for item in filter(None, (args.model_args or "").split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise JaxtuneError(f"--model-args: {item!r} is not KEY=VALUE")
+        settings[key.strip()] = value.strip()
+    lm = JaxtuneLM(model=args.model, adapter=args.adapter, base=args.base, **settings)
+    results = evaluate_tasks(lm, tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                             apply_chat_template=args.chat)
+    out = Path(args.output or Path("eval_results", time.strftime("results_%Y%m%dT%H%M%S.json")))
+    note(f"wrote {write_results(results, out)} and {out.with_suffix('.md')}")
+    print(json.dumps(results["results"], indent=2, default=str) if args.json else table(results))
 
 
 def _read_prompts(path: str) -> list[str | list[dict]]:
@@ -236,23 +260,34 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(run=cmd_train)
 
     evaluate = sub.add_parser("eval", help="completion-token loss and perplexity on SFT data; pairwise accuracy on "
-                              "preference data")
+                              "preference data; benchmark tasks through lm-evaluation-harness (--tasks)")
     evaluate.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file, or a reward "
                           "model as `objective = \"reward\"` exports it")
     evaluate.add_argument("--adapter", help="PEFT adapter directory to apply (on preference data: scored against "
                           "--model alone as the DPO reference)")
-    evaluate.add_argument("--data", required=True, help="JSONL: alpaca, prompt/completion or chat messages; or "
-                          "{prompt, chosen, rejected} pairs")
+    what = evaluate.add_mutually_exclusive_group(required=True)
+    what.add_argument("--data", help="JSONL: alpaca, prompt/completion or chat messages; or {prompt, chosen, "
+                      "rejected} pairs")
+    what.add_argument("--tasks", nargs="+", metavar="TASK", help="lm-eval tasks (pip install 'jaxtune[eval]'): "
+                      "names from its registry, task YAML files (data files relative to the YAML), or the bundled "
+                      "jaxtune_facts, jaxtune_qa, jaxtune_text; space- or comma-separated")
+    evaluate.add_argument("--limit", type=float, help="with --tasks: examples a task at most (a fraction if < 1)")
+    evaluate.add_argument("--num-fewshot", type=int, help="with --tasks: few-shot examples (default: the task's)")
+    evaluate.add_argument("--model-args", metavar="K=V,...", help="with --tasks: more of the lm-eval model's settings "
+                          "(compute_dtype, batch_tokens, max_gen_toks, add_bos_token; see docs/evaluation.md)")
+    evaluate.add_argument("--output", metavar="FILE.json", help="with --tasks: lm-eval's results JSON (a .md table "
+                          "beside it; default eval_results/results_<time>.json)")
     evaluate.add_argument("--max-seq-len", type=int, help="a cap, not a padding target: longer examples are cut, "
                           "ones whose prompt fills it dropped (default: the model's context); batches are padded to "
                           "the power of two of their longest row")
     evaluate.add_argument("--chat", action="store_true", help="render prompt/completion and alpaca records as a user "
-                          "and an assistant turn of the model's chat template, as [data] apply_chat_template trains")
+                          "and an assistant turn of the model's chat template, as [data] apply_chat_template trains; "
+                          "with --tasks, lm-eval's --apply_chat_template")
     evaluate.add_argument("--base", choices=("as-trained", "float"), default="as-trained", help=BASE_HELP)
     evaluate.add_argument("--batch-size", type=int, default=8, help="rows a batch (default 8)")
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens", "examples", '
                           '"dropped"}; on preference data {"kind": "reward"|"policy", "pairs", "accuracy", "margin", '
-                          '"loss", "dropped"}')
+                          '"loss", "dropped"}; with --tasks lm-eval\'s "results" object')
     evaluate.set_defaults(run=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")

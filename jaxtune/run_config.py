@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
+from jaxtune.config import DataConfig, EvalConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.config.run import context_split_error
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives import objective_named
@@ -43,6 +43,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rloo: RLOOConfig = field(default_factory=RLOOConfig)

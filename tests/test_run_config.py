@@ -3,12 +3,12 @@
 import dataclasses
 import typing
 
-from jaxtune.config import DataConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
+from jaxtune.config import DataConfig, EvalConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.objectives import OBJECTIVES
 from jaxtune.run_config import SECTIONS, RunConfig, dump_run_config, load_run_config
 
 RUN_SECTIONS = {"model": ModelSection, "method": MethodConfig, "data": DataConfig, "train": TrainConfig,
-                "mesh": MeshConfig, "offload": OffloadConfig}
+                "mesh": MeshConfig, "offload": OffloadConfig, "eval": EvalConfig}
 
 
 def test_every_objective_section_is_a_typed_field_of_run_config():

@@ -3,7 +3,8 @@
     model.py     ModelConfig, RopeScaling: a decoder's architecture
     method.py    MethodConfig: a fine-tuning method (`methods/targets.py`: which modules and layers it adapts)
     forward.py   ForwardOptions, Remat: how the forward computes
-    run.py       the sections of a training run: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig
+    run.py       the sections of a training run: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig,
+                 EvalConfig
     plan.py      TrainPlan: what fixes a run's arrays and its step (the spine's and planner's input; not re-exported)
     sampling.py  SamplingConfig: how generation picks tokens
 """
@@ -18,6 +19,7 @@ from jaxtune.config.model import ModelConfig as ModelConfig
 from jaxtune.config.model import RopeScaling as RopeScaling
 from jaxtune.config.model import tiny_config as tiny_config
 from jaxtune.config.run import DataConfig as DataConfig
+from jaxtune.config.run import EvalConfig as EvalConfig
 from jaxtune.config.run import MeshConfig as MeshConfig
 from jaxtune.config.run import ModelSection as ModelSection
 from jaxtune.config.run import OffloadConfig as OffloadConfig

@@ -5,6 +5,7 @@
     [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, ...
     [mesh]    MeshConfig: data, fsdp, expert, context, tensor (device mesh sizes; -1 takes the rest; `batch_ways`)
     [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
+    [eval]    EvalConfig: tasks (lm-eval benchmark tasks scored at each evaluation), limit, num_fewshot, ...
 [method] is `MethodConfig` (method.py); an objective's own section ([dpo], [grpo], [distill]) is declared with the
 objective (`jaxtune/objectives/`). `jaxtune.run_config` assembles them into a `RunConfig` and reads TOML.
 """
@@ -248,3 +249,26 @@ class OffloadConfig:
 
     def __post_init__(self):
         check_choice("moments_dtype", self.moments_dtype, MOMENT_DTYPES)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Benchmark tasks scored at each evaluation ([train] eval_every, epoch ends, the end) through
+    lm-evaluation-harness (`jaxtune.harness`; pip install "jaxtune[eval]"), their scores in metrics.jsonl as
+    `eval_<task>/<metric>`. tasks: as `jaxtune eval --tasks` names them (lm-eval's registry, task YAML files, the
+    bundled jaxtune_facts, jaxtune_qa, jaxtune_text). limit: examples a task (0: all; below 1: a fraction).
+    num_fewshot: -1 keeps each task's own. batch_size: generation rows. apply_chat_template: as lm-eval's flag."""
+
+    tasks: tuple = ()
+    limit: float = 0.0
+    num_fewshot: int = -1
+    batch_size: int = 16
+    apply_chat_template: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.tasks, str) or not all(isinstance(t, str) and t for t in self.tasks):
+            raise ConfigError("tasks", self.tasks, "must be a list of task names or task YAML files")
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        check_range("limit", self.limit, 0.0)
+        check_range("num_fewshot", self.num_fewshot, -1)
+        check_range("batch_size", self.batch_size, 1)

@@ -40,6 +40,7 @@ from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
 from jaxtune.train.resume import check_resume, export_hint, record_config
 from jaxtune.train.setup_checks import warn_degenerate
 from jaxtune.train.start import StartedRun, start_run_on
+from jaxtune.train.task_scores import task_scorer
 from jaxtune.train.tracking import ProgressLines, Trackers
 
 HIDDEN_METRICS = ("tokens", "loss_tokens", "bad_streak")  # used for tokens/s and the stop rule, not logged as is
@@ -144,6 +145,7 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
         loading = time.perf_counter()
         log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
         task = start_run(config, log)
+        score_tasks = task_scorer(config, task.run.context, task.run.shardings.params)
         log(f"ready in {time.perf_counter() - loading:.0f} s")
         checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
         held.callback(checkpoints.close)
@@ -170,12 +172,14 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
             log(f"stopped by {signal.Signals(stop['signal']).name} before training from step {start}: nothing new to "
                 "save")
             return RunResult(run_dir, start, float("nan"), None, None, 0, None, True, signal=stop["signal"])
-        return _steps(config, task, checkpoints, start, state, changes, run_dir, writer, log, progress_log, stop)
+        return _steps(config, task, checkpoints, start, state, changes, run_dir, writer, log, progress_log, stop,
+                      score_tasks)
 
 
 def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start: int, state: dict, changes: dict,
-           run_dir: Path, writer: bool, log, progress_log, stop: dict) -> RunResult:
-    """The step loop from `start` to the last step, then what a finished run leaves."""
+           run_dir: Path, writer: bool, log, progress_log, stop: dict, score_tasks=None) -> RunResult:
+    """The step loop from `start` to the last step, then what a finished run leaves. score_tasks(params): the
+    `[eval] tasks` scores (`task_scores.task_scorer`), recorded with each evaluation."""
     tc, run = config.train, task.run
     total_steps, steps_per_epoch = task.total_steps, task.steps_per_epoch
     objective = task.run.objective
@@ -198,7 +202,9 @@ def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start:
 
     def run_eval(step: int) -> None:
         result = timed("eval", task.evaluate, state)
-        if result is None:
+        if score_tasks is not None:
+            result = {**(result or {}), **timed("eval", score_tasks, combine(state["params"], task.frozen))}
+        if not result:
             return
         record({"step": step, "epoch": step / steps_per_epoch, **result})
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

@@ -56,7 +56,8 @@ def perplexity(mean_loss: float) -> float:
 
 
 def plot_losses(records: list[dict], path: str | Path) -> Path:
-    """Training loss per logged step and eval loss per evaluation, as a PNG."""
+    """Training loss per logged step and eval loss per evaluation, as a PNG; with `[eval] tasks`, their scores
+    (`eval_<task>/<metric>`) per evaluation in a second panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +65,9 @@ def plot_losses(records: list[dict], path: str | Path) -> Path:
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    task_keys = sorted({k for r in records for k in r if k.startswith("eval_") and "/" in k})
+    fig, axes = plt.subplots(1, 2 if task_keys else 1, figsize=(12 if task_keys else 7, 4), squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train loss (completion tokens)")
     if evals:
@@ -73,6 +76,14 @@ def plot_losses(records: list[dict], path: str | Path) -> Path:
     ax.set_ylabel("mean token loss (nats)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if task_keys:
+        ax = axes[0, 1]
+        for key in task_keys:
+            ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), "o-", label=key.removeprefix("eval_"))
+        ax.set_xlabel("step")
+        ax.set_ylabel("task score")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,205 @@
+"""`JaxtuneLM`: jaxtune's model behind lm-evaluation-harness's `LM` interface, registered as `jaxtune`.
+
+    lm_eval.simple_evaluate(model="jaxtune", model_args="model=DIR_OR_GGUF,adapter=RUN/adapter", tasks=[...])
+
+Tokenisation follows lm-eval's `hf` model (its `TemplateLM` splits context and continuation; BOS as the tokenizer
+adds it), so requests are the same token ids; `loglikelihood` scores them packed (`scoring.score_requests`),
+`loglikelihood_rolling` over lm-eval's disjoint windows, and `generate_until` through jaxtune's generation engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from jaxtune.config import ForwardOptions, SamplingConfig
+from jaxtune.data.formats import render_chat
+from jaxtune.data.tokenizer import load_tokenizer
+from jaxtune.errors import JaxtuneError
+from jaxtune.generation import generate
+from jaxtune.harness.scoring import score_requests
+from jaxtune.spine.model import load_model_with_adapter
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's
+
+
+def _as_bool(key: str, value) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise JaxtuneError(f"model_args: {key}={value!r} is not true or false")
+
+
+def _as_int(key: str, value, low: int = 1) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < low or str(number) != str(value).strip():
+        raise JaxtuneError(f"model_args: {key}={value!r} is not an integer >= {low}")
+    return number
+
+
+@register_model("jaxtune")
+class JaxtuneLM(TemplateLM):
+    """An lm-eval model over jaxtune's forward. model_args (lm-eval's `key=value,...`):
+
+    model (or pretrained): a Hugging Face directory or a .gguf file. adapter: a PEFT or jaxtune run adapter
+    directory. base: as-trained | float (a QLoRA adapter's base). compute_dtype: float32 | bfloat16.
+    batch_size: generation rows a batch (lm-eval's --batch_size; default 16). batch_tokens: packed tokens a
+    scoring forward (default 4096). max_length: the context (default the model's). max_gen_toks: default 256.
+    add_bos_token: as lm-eval's hf model (default: as the tokenizer adds it).
+    """
+
+    def __init__(self, model: str | None = None, pretrained: str | None = None, adapter: str | None = None,
+                 base: str = "as-trained", compute_dtype: str = "float32", batch_size=16, batch_tokens=4096,
+                 max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None, **unknown):
+        super().__init__()
+        for key in ("device", "max_batch_size", "trust_remote_code", "dtype"):  # lm-eval's defaults for every model
+            unknown.pop(key, None)
+        if unknown:
+            raise JaxtuneError(f"model_args: unknown key {sorted(unknown)[0]!r} (jaxtune takes model, adapter, base, "
+                               "compute_dtype, batch_size, batch_tokens, max_length, max_gen_toks, add_bos_token)")
+        path = model or pretrained
+        if not path:
+            raise JaxtuneError("model_args: model=DIR_OR_GGUF is required (a Hugging Face directory or .gguf file)")
+        cfg, params, method = load_model_with_adapter(path, adapter, base=base,
+                                                      log=lambda text: print(text, file=sys.stderr))
+        self._setup(cfg, params, method, load_tokenizer(path), str(path), ForwardOptions(compute_dtype=compute_dtype),
+                    batch_size=batch_size, batch_tokens=batch_tokens, max_length=max_length,
+                    max_gen_toks=max_gen_toks, add_bos_token=add_bos_token)
+
+    @classmethod
+    def from_params(cls, cfg, params: dict, method, tokenizer, name: str, options: ForwardOptions = ForwardOptions(),
+                    **settings) -> JaxtuneLM:
+        """The model of parameters already in memory (a training run's): `settings` as the model_args."""
+        lm = cls.__new__(cls)
+        TemplateLM.__init__(lm)
+        lm._setup(cfg, params, method, tokenizer, name, options, **settings)
+        return lm
+
+    def _setup(self, cfg, params, method, tokenizer, name: str, options: ForwardOptions, batch_size=16,
+               batch_tokens=4096, max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None) -> None:
+        self.cfg, self.params, self.method, self.tokenizer = cfg, params, method, tokenizer
+        self.model_path, self.options = name, options
+        auto = batch_size is None or str(batch_size).startswith("auto")  # lm-eval's "auto": our default
+        self.batch_rows = _as_int("batch_size", 16 if auto else batch_size)
+        self.batch_tokens = _as_int("batch_tokens", batch_tokens)
+        self._max_length = cfg.max_position_embeddings if max_length is None else _as_int("max_length", max_length, 2)
+        self._max_gen_toks = _as_int("max_gen_toks", max_gen_toks)
+        self.add_bos_token = _as_bool("add_bos_token", add_bos_token)
+        self._eot = int(tokenizer.eos_id if tokenizer.eos_id is not None else cfg.eos_token_id[0])
+
+    # What TemplateLM asks -----------------------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self._eot
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.model_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """As lm-eval's hf model: the flag if given, else add_bos_token, else the tokenizer's default (special
+        tokens added), but never a second BOS before a string that starts with one."""
+        if add_special_tokens is None:
+            bos = self.tokenizer.decode([self.prefix_token_id], skip_special_tokens=False)
+            add_special_tokens = (False if bos and string.startswith(bos)
+                                  else True if self.add_bos_token is None else self.add_bos_token)
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render_chat(chat_history, self.tokenizer, add_generation_prompt=add_generation_prompt)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tokenizer.chat_template if chat_template else None
+
+    # Scoring -------------------------------------------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(log p, greedy) per ((context, continuation), context ids, continuation ids), cut on the left to the
+        context + 1 tokens as lm-eval's hf model cuts them."""
+        pairs = []
+        for _, context, continuation in requests:
+            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+            pairs.append((whole[: len(whole) - len(continuation)], whole[len(whole) - len(continuation):]))
+        results = score_requests(self.params, self.cfg, pairs, method=self.method, options=self.options,
+                                 batch_tokens=max(self.batch_tokens, self.max_length))
+        for (key, _, _), answer in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """The whole text's log-likelihood, over lm-eval's disjoint windows of `max_length` tokens."""
+        windows, owners = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                    context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logp, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[i] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # Generation ----------------------------------------------------------------------------------------------------
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each context's continuation up to the first of its `until` strings (and EOS), greedy unless the request
+        samples; requests with the same generation arguments share batches, longest first."""
+        eos_text = self.tokenizer.decode([self._eot], skip_special_tokens=False)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        results: list[str | None] = [None] * len(requests)
+        for members in groups.values():
+            kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_new = int(kwargs.pop("max_gen_toks"))
+            sampling = self._sampling(kwargs, max_new)
+            ids = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in members}
+            order = sorted(members, key=lambda i: -len(ids[i]))
+            for start in range(0, len(order), self.batch_rows):
+                batch = order[start: start + self.batch_rows]
+                new = generate(self.params, self.cfg, [ids[i] for i in batch], sampling, eos_ids=[self._eot],
+                               method=self.method, options=self.options)
+                for i, tokens in zip(batch, new):
+                    text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until,
+                                                      None)
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return results
+
+    def _sampling(self, kwargs: dict, max_new_tokens: int) -> SamplingConfig:
+        """The request's decoding: greedy unless do_sample with a temperature > 0."""
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens)
+        if kwargs.pop("do_sample", False) and float(kwargs.get("temperature", 0.0)) > 0:
+            sampling = dataclasses.replace(sampling, temperature=float(kwargs["temperature"]),
+                                           top_p=float(kwargs.get("top_p", 1.0)), top_k=int(kwargs.get("top_k", 0)),
+                                           seed=int(kwargs.get("seed", 0)))
+        return sampling
