@@ -6,8 +6,7 @@
     [mesh]    MeshConfig: data, fsdp, expert, context, tensor (device mesh sizes; -1 takes the rest; `batch_ways`)
     [offload] OffloadConfig: optimizer_state, frozen_params (host memory), moments_dtype
     [eval]    EvalConfig: tasks (lm-eval benchmark tasks scored at each evaluation), limit, num_fewshot, ...
-[method] is `MethodConfig` (method.py); an objective's own section ([dpo], [grpo], [distill]) is declared with the
-objective (`jaxtune/objectives/`). `jaxtune.run_config` assembles them into a `RunConfig` and reads TOML.
+[method] is `MethodConfig` (method.py), an objective's section ([dpo], ...) its own; `run_config` makes a `RunConfig`.
 """
 
 from __future__ import annotations
