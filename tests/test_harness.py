@@ -226,3 +226,18 @@ def test_training_records_task_scores_in_metrics_tensorboard_wandb_and_plot(task
     lm = JaxtuneLM(model=str(tmp_path / "model"), adapter=str(tmp_path / "run" / "adapter"))
     final = scores(evaluate_tasks(lm, [str(tasks / "tiny_mc.yaml"), str(tasks / "tiny_qa.yaml")]))
     assert final == {k.removeprefix("eval_"): v for k, v in scored[-1].items() if k.startswith("eval_tiny")}
+
+
+def test_weights_split_over_a_mesh_score_as_on_one_device(model_dir, tasks):
+    """model_args fsdp=4,tensor=2 on 8 devices: the weights split as training splits them, every log-likelihood within
+    1e-5 of one device's and the same greedy generations."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("harness_worker.py")), str(model_dir),
+                          str(tasks / "tiny_mc.yaml"), str(tasks / "tiny_qa.yaml")], env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result.pop("devices") == 8
+    for (ours, split), in zip(*[iter(result["tiny_mc"])]):
+        assert [r[0][1] for r in ours] == [r[0][1] for r in split]
+        assert max(abs(a[0][0] - b[0][0]) for a, b in zip(ours, split)) < 1e-5
+    assert [one for one, _ in result["tiny_qa"]] == [split for _, split in result["tiny_qa"]]

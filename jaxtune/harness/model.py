@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from contextlib import nullcontext
 
+import jax
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from jaxtune.config import ForwardOptions, SamplingConfig
+from jaxtune.config import ForwardOptions, MeshConfig, SamplingConfig
 from jaxtune.data.formats import render_chat
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate
 from jaxtune.harness.scoring import score_requests
+from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.model import load_model_with_adapter
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's
@@ -56,39 +59,52 @@ class JaxtuneLM(TemplateLM):
     directory. base: as-trained | float (a QLoRA adapter's base). compute_dtype: float32 | bfloat16.
     batch_size: generation rows a batch (lm-eval's --batch_size; default 16). batch_tokens: packed tokens a
     scoring forward (default 4096). max_length: the context (default the model's). max_gen_toks: default 256.
-    add_bos_token: as lm-eval's hf model (default: as the tokenizer adds it).
+    add_bos_token: as lm-eval's hf model (default: as the tokenizer adds it). fsdp, tensor: a mesh of fsdp x tensor
+    devices the weights are split over (ZeRO-3's and tensor parallelism's layout; default one device).
     """
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, adapter: str | None = None,
                  base: str = "as-trained", compute_dtype: str = "float32", batch_size=16, batch_tokens=4096,
-                 max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None, **unknown):
+                 max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None, fsdp=1, tensor=1,
+                 **unknown):
         super().__init__()
         for key in ("device", "max_batch_size", "trust_remote_code", "dtype"):  # lm-eval's defaults for every model
             unknown.pop(key, None)
         if unknown:
             raise JaxtuneError(f"model_args: unknown key {sorted(unknown)[0]!r} (jaxtune takes model, adapter, base, "
-                               "compute_dtype, batch_size, batch_tokens, max_length, max_gen_toks, add_bos_token)")
+                               "compute_dtype, batch_size, batch_tokens, max_length, max_gen_toks, add_bos_token, "
+                               "fsdp, tensor)")
         path = model or pretrained
         if not path:
             raise JaxtuneError("model_args: model=DIR_OR_GGUF is required (a Hugging Face directory or .gguf file)")
-        cfg, params, method = load_model_with_adapter(path, adapter, base=base,
+        ways = {"fsdp": _as_int("fsdp", fsdp), "tensor": _as_int("tensor", tensor)}
+        if ways["fsdp"] * ways["tensor"] > len(jax.devices()):
+            raise JaxtuneError(f"model_args: fsdp={ways['fsdp']} x tensor={ways['tensor']} needs more devices than "
+                               f"the {len(jax.devices())} there are")
+        mesh = (make_mesh(MeshConfig(**ways), jax.devices()[: ways["fsdp"] * ways["tensor"]])
+                if ways["fsdp"] * ways["tensor"] > 1 else None)
+        cfg, params, method = load_model_with_adapter(path, adapter, base=base, mesh=mesh,
                                                       log=lambda text: print(text, file=sys.stderr))
         self._setup(cfg, params, method, load_tokenizer(path), str(path), ForwardOptions(compute_dtype=compute_dtype),
                     batch_size=batch_size, batch_tokens=batch_tokens, max_length=max_length,
-                    max_gen_toks=max_gen_toks, add_bos_token=add_bos_token)
+                    max_gen_toks=max_gen_toks, add_bos_token=add_bos_token, mesh=mesh)
 
     @classmethod
     def from_params(cls, cfg, params: dict, method, tokenizer, name: str, options: ForwardOptions = ForwardOptions(),
                     **settings) -> JaxtuneLM:
-        """The model of parameters already in memory (a training run's): `settings` as the model_args."""
+        """The model of parameters already in memory (a training run's): `settings` as the model_args, and `mesh`,
+        the one the parameters are split over (None: one device)."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
         lm._setup(cfg, params, method, tokenizer, name, options, **settings)
         return lm
 
     def _setup(self, cfg, params, method, tokenizer, name: str, options: ForwardOptions, batch_size=16,
-               batch_tokens=4096, max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None) -> None:
+               batch_tokens=4096, max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None,
+               mesh=None) -> None:
         self.cfg, self.params, self.method, self.tokenizer = cfg, params, method, tokenizer
+        # traced under the weights' mesh, so each layer's rows are split as in training (`rules.constrain`)
+        self._traced = (lambda: jax.sharding.use_abstract_mesh(mesh.abstract_mesh)) if mesh is not None else nullcontext
         self.model_path, self.options = name, options
         auto = batch_size is None or str(batch_size).startswith("auto")  # lm-eval's "auto": our default
         self.batch_rows = _as_int("batch_size", 16 if auto else batch_size)
@@ -144,8 +160,9 @@ class JaxtuneLM(TemplateLM):
         for _, context, continuation in requests:
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
             pairs.append((whole[: len(whole) - len(continuation)], whole[len(whole) - len(continuation):]))
-        results = score_requests(self.params, self.cfg, pairs, method=self.method, options=self.options,
-                                 batch_tokens=max(self.batch_tokens, self.max_length))
+        with self._traced():
+            results = score_requests(self.params, self.cfg, pairs, method=self.method, options=self.options,
+                                     batch_tokens=max(self.batch_tokens, self.max_length))
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -186,8 +203,9 @@ class JaxtuneLM(TemplateLM):
             order = sorted(members, key=lambda i: -len(ids[i]))
             for start in range(0, len(order), self.batch_rows):
                 batch = order[start: start + self.batch_rows]
-                new = generate(self.params, self.cfg, [ids[i] for i in batch], sampling, eos_ids=[self._eot],
-                               method=self.method, options=self.options)
+                with self._traced():
+                    new = generate(self.params, self.cfg, [ids[i] for i in batch], sampling, eos_ids=[self._eot],
+                                   method=self.method, options=self.options)
                 for i, tokens in zip(batch, new):
                     text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until,
                                                       None)

@@ -57,8 +57,10 @@ def load_model(model: str | Path, dtype=None, method: MethodConfig | None = None
 
 
 def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None, dtype=None,
-                            base: str = "as-trained", log=None) -> tuple[ModelConfig, dict, MethodConfig | None]:
-    """(config, params, method) of a model, with a PEFT adapter applied if given.
+                            base: str = "as-trained", log=None, mesh: Mesh | None = None
+                            ) -> tuple[ModelConfig, dict, MethodConfig | None]:
+    """(config, params, method) of a model, with a PEFT adapter applied if given; the base read into its shardings
+    over `mesh` (default one device).
 
     base: "as-trained" puts a QLoRA adapter that records its quantised base (`jaxtune_quantized_base`) on that
     base, quantised as it is read; "float" uses the float weights. `log(text)` is told which base is used.
@@ -73,7 +75,7 @@ def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None
         quantized = dataclasses.replace(method_from_peft_config(read_json(where), where), kind="qlora",
                                         bits=quantized.bits, double_quant=quantized.double_quant, init="loftq",
                                         loftq_iter=int(quantization.get("loftq_iter", 1)))
-    cfg, params = load_model(model, dtype, quantized)
+    cfg, params = load_model(model, dtype, quantized, mesh)
     if adapter is None:
         return cfg, params, None
     method, params = load_peft_adapter(adapter, params, cfg, kind="qlora" if use_quantized else None,

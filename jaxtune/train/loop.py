@@ -145,7 +145,7 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
         loading = time.perf_counter()
         log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
         task = start_run(config, log)
-        score_tasks = task_scorer(config, task.run.context, task.run.shardings.params)
+        score_tasks = task_scorer(config, task.run.context, task.run.shardings.params, task.run.mesh)
         log(f"ready in {time.perf_counter() - loading:.0f} s")
         checkpoints = Checkpoints(checkpoint_dir, tc.keep_checkpoints)
         held.callback(checkpoints.close)

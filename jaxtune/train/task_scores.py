@@ -10,11 +10,12 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.run_config import RunConfig
 
 
-def task_scorer(config: RunConfig, context, shardings) -> Callable[[dict], dict] | None:
+def task_scorer(config: RunConfig, context, shardings, mesh) -> Callable[[dict], dict] | None:
     """None without `[eval] tasks`; else params -> {"eval_<task>/<metric>": value} (lm-eval's metrics, filters
     other than `none` in brackets). Raises JaxtuneError now for a missing or unknown task or no lm-eval installed.
 
-    context: the run's `objectives.base.Context` (its config, method and compute dtype); shardings: the params'.
+    context: the run's `objectives.base.Context` (its config, method and compute dtype); shardings: the params';
+    mesh: the run's.
     """
     ec = config.eval
     if not ec.tasks:
@@ -29,7 +30,8 @@ def task_scorer(config: RunConfig, context, shardings) -> Callable[[dict], dict]
 
     def score(params: dict) -> dict:
         lm = JaxtuneLM.from_params(context.cfg, on_device(params, shardings), context.method, tokenizer,
-                                   config.model.path, options, batch_size=ec.batch_size)
+                                   config.model.path, options, batch_size=ec.batch_size,
+                                   mesh=mesh if mesh.size > 1 else None)
         results = evaluate_tasks(lm, ec.tasks, limit=ec.limit or None,
                                  num_fewshot=None if ec.num_fewshot < 0 else ec.num_fewshot,
                                  apply_chat_template=ec.apply_chat_template)
