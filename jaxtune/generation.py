@@ -1,29 +1,37 @@
-"""Text generation: batched prompts, a key/value cache, greedy or sampled decoding, EOS and stop tokens.
+"""Text generation: batched prompts, a key/value cache, greedy or sampled decoding, EOS, stop tokens and strings.
 
-    ids = generate(params, cfg, [[1, 5, 9], [1, 7]], SamplingConfig(max_new_tokens=32))
-    texts = generate_text(params, cfg, tokenizer, ["Once upon"], SamplingConfig(temperature=0.7, top_p=0.9))
-
-Prompts are padded on the left (`models/kv_cache.py`); prefill and the decode loop (a `lax.while_loop` until every
-row has finished) are one jit, `decode`, compiled once per bucket (batch and prompt length padded to powers of
-two; the cache sized by the prompts, not the context). Temperature, top-k, top-p and the seed are traced, greedy
-and `max_new_tokens` static; sampling is transformers' order (`filter_logits`). Tokens stop before EOS or a stop token.
+    texts = generate_text(params, cfg, tokenizer, ["Q: 2+2?"], stop_strings=["\n"])  # ["\n"] or one list per row
+Two programs, each compiled once per bucket: `begin` prefills the prompts packed several to a row (`pack_prompts`;
+compute ~ their tokens, not rows x the longest) into a cache of left-padded rows, and `decode_more` runs a
+`lax.while_loop` of decode steps on it (donated) until every row has finished or step `until`. Without stop strings
+one call decodes to the end; with them, chunks of `chunk_steps` steps, the host checking each row's text in between.
+Temperature, top-k, top-p, the seed and each row's limit are traced; sampling is transformers' order (`filter_logits`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
-from jaxtune.data.batching import MIN_BUCKET, bucket
+from jaxtune.data.batching import MIN_BUCKET, bucket, pack_plan
 from jaxtune.data.formats import render_chat
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.kv_cache import decode_step, prefill, prefix_length, refuse_context_axis
+from jaxtune.models.adapter_rows import adapter_slots
+from jaxtune.models.kv_cache import (
+    KVCache,
+    PackedPrompts,
+    decode_step,
+    prefill_packed,
+    prefix_length,
+    refuse_context_axis,
+)
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -51,48 +59,118 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k:
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
 
-def decode_arguments(rows: int, prompt_len: int, vocab_size: int, sharding=None) -> tuple:
-    """`decode`'s arguments after the params as ShapeDtypeStructs (placed by `sharding`, if given): the prompts and
-    their mask [rows, prompt_len], the live rows, the stop set [V], temperature, top_k, top_p and the key."""
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    key = jax.eval_shape(jax.random.key, 0)
-    return (spec((rows, prompt_len), jnp.int32), spec((rows, prompt_len), jnp.int32), spec((rows,), jnp.bool_),
-            spec((vocab_size,), jnp.bool_), spec((), jnp.float32), spec((), jnp.int32), spec((), jnp.float32),
-            spec(key.shape, key.dtype))
+class DecodeState(NamedTuple):
+    """The decode loop's carry, a pytree: step [] int32 (tokens picked so far), the logits [B, V] to pick the next
+    from, the cache, out_BxN (each row's tokens, -1 once it has finished) and done_B."""
+
+    step: jax.Array
+    logits_BxV: jax.Array
+    cache: KVCache
+    out_BxN: jax.Array
+    done_B: jax.Array
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "options", "cache_size", "max_new_tokens", "greedy"))
-def decode(params, tokens_BxT, mask_BxT, live_B, is_stop_V, temperature, top_k, top_p, key, *,
-              cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, cache_size: int,
-              max_new_tokens: int, greedy: bool) -> jax.Array:
-    """New tokens [B, N]: each row's tokens up to and including its first stop token, then -1. The one program of
-    `generate` and of GRPO's rollouts, which `planner.confirm` lowers with `decode_arguments`."""
-    B = tokens_BxT.shape[0]
+@partial(jax.jit, static_argnames=("cfg", "method", "options", "cache_size", "max_new_tokens"))
+def begin(params, packed: PackedPrompts, live_B, limit_B, *, cfg: ModelConfig, method: MethodConfig | None,
+          options: ForwardOptions, cache_size: int, max_new_tokens: int) -> DecodeState:
+    """The state before the first new token: the packed prompts prefilled (`kv_cache.prefill_packed`) into B cache
+    rows. live_B: rows that hold a prompt (the rest pad the batch bucket); limit_B: [B] int32, each row's limit."""
+    logits_BxV, cache = prefill_packed(params, packed, cfg, cache_size=cache_size, method=method, options=options)
+    out_BxN = jnp.full((live_B.shape[0], max_new_tokens), -1, jnp.int32)
+    return DecodeState(jnp.asarray(0, jnp.int32), logits_BxV, cache, out_BxN, ~live_B | (limit_B < 1))
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "options", "greedy"), donate_argnames=("state",))
+def decode_more(params, state: DecodeState, limit_B, is_stop_V, temperature, top_k, top_p, key, until,
+                adapter_B=None, *, cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions,
+                greedy: bool) -> DecodeState:
+    """`state` after decode steps until every row is done or `until` tokens are picked (a traced int32, so chunks of
+    any length share the program). A row is done after a token of `is_stop_V` [V] (kept in out_BxN) or its
+    `limit_B` tokens. adapter_B: [B] int32, each row's slot of the adapter stacks `params` carries, or None."""
 
     def pick(logits_BxV, step):
         if greedy:
             return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
         return sample(logits_BxV, jax.random.fold_in(key, step), temperature, top_k, top_p)
 
-    logits_BxV, cache = prefill(params, tokens_BxT, cfg, mask_BxT, cache_size=cache_size, method=method,
-                                options=options)
+    def unfinished(s: DecodeState):
+        return (s.step < until) & ~jnp.all(s.done_B)
 
-    def unfinished(carry):
-        step, _, _, _, done_B = carry
-        return (step < max_new_tokens) & ~jnp.all(done_B)
+    # Each step picks token `step` from the logits so far, then runs it. The last run's logits are read only by a
+    # next chunk: one wasted decode at the end, so that the picking code (slow to compile) appears once, not twice.
+    def step_fn(s: DecodeState):
+        token_B = pick(s.logits_BxV, s.step)
+        out_BxN = s.out_BxN.at[:, s.step].set(jnp.where(s.done_B, -1, token_B))
+        logits_BxV, cache = decode_step(params, token_B, s.cache, cfg, method=method, options=options,
+                                        adapter_B=adapter_B)
+        done_B = s.done_B | is_stop_V[token_B] | (s.step + 1 >= limit_B)
+        return DecodeState(s.step + 1, logits_BxV, cache, out_BxN, done_B)
 
-    # Each step picks token `step` from the logits so far, then runs it. The last run's logits are never read:
-    # one wasted decode, so that the picking code (slow to compile when sampling) appears once, not twice.
-    def step_fn(carry):
-        step, logits_BxV, cache, out_BxN, done_B = carry
-        token_B = pick(logits_BxV, step)
-        out_BxN = out_BxN.at[:, step].set(jnp.where(done_B, -1, token_B))
-        logits_BxV, cache = decode_step(params, token_B, cache, cfg, method=method, options=options)
-        return step + 1, logits_BxV, cache, out_BxN, done_B | is_stop_V[token_B]
+    return jax.lax.while_loop(unfinished, step_fn, state)
 
-    out_BxN = jnp.full((B, max_new_tokens), -1, jnp.int32)
-    carry = (jnp.asarray(0, jnp.int32), logits_BxV, cache, out_BxN, ~live_B)
-    return jax.lax.while_loop(unfinished, step_fn, carry)[3]
+
+@partial(jax.jit, static_argnames=("cfg", "method", "options", "cache_size", "max_new_tokens", "greedy"))
+def decode(params, packed: PackedPrompts, live_B, limit_B, is_stop_V, temperature, top_k, top_p, key, adapter_B=None,
+           *, cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, cache_size: int,
+           max_new_tokens: int, greedy: bool) -> DecodeState:
+    """`begin`, then `decode_more` to the end, as one program: what a rollout (`generate` without stop strings, as
+    GRPO's) holds at its peak, which `planner.confirm` lowers with `decode_arguments`."""
+    state = begin(params, packed, live_B, limit_B, cfg=cfg, method=method, options=options, cache_size=cache_size,
+                  max_new_tokens=max_new_tokens)
+    return decode_more(params, state, limit_B, is_stop_V, temperature, top_k, top_p, key, max_new_tokens, adapter_B,
+                       cfg=cfg, method=method, options=options, greedy=greedy)
+
+
+def decode_arguments(rows: int, prompt_len: int, vocab_size: int, sharding=None) -> tuple:
+    """`decode`'s arguments after the params as ShapeDtypeStructs (placed by `sharding`, if given), for `rows`
+    prompts of `prompt_len` tokens (the packing's worst case: one a row): the packed prompts, the live rows, their
+    limits, the stop set [V], temperature, top_k, top_p and the key."""
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    key = jax.eval_shape(jax.random.key, 0)
+    packed = PackedPrompts(*(spec((rows, prompt_len), jnp.int32) for _ in range(4)), spec((rows,), jnp.int32))
+    return (packed, spec((rows,), jnp.bool_), spec((rows,), jnp.int32), spec((vocab_size,), jnp.bool_),
+            spec((), jnp.float32), spec((), jnp.int32), spec((), jnp.float32), spec(key.shape, key.dtype))
+
+
+def rows_bucket(n: int) -> int:
+    """The packed rows for n >= 1: n up to 8, then n rounded up to an eighth of its power of two (10, 12, 14, 16,
+    20, 24, ...), so padding rows cost at most an eighth more, with at most eight prefill shapes per power of two."""
+    step = max(1, bucket(n) // 8)
+    return -(-n // step) * step
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefix: int = 0,
+                 adapter_B: np.ndarray | None = None, one_per_row: bool = False) -> PackedPrompts:
+    """The prompts packed for `kv_cache.prefill_packed` (numpy arrays): rows of `width` tokens filled best-fit by
+    decreasing length (`data.batching.pack_plan`), only prompts of one adapter to a row (adapter_B: [batch] slots,
+    or None), `rows_bucket` rows; cache rows `batch`, prompt slots `width`; positions from `prefix` (P).
+
+    one_per_row: each prompt alone, right-aligned, as the cache holds it (prefix tuning under a sliding window,
+    which counts slots: there a later segment would see fewer prefix keys than the cache's decode steps do)."""
+    lengths = [len(p) for p in prompts]
+    groups: dict[int, list[int]] = {}
+    for i in range(len(prompts)):
+        groups.setdefault(0 if adapter_B is None else int(adapter_B[i]), []).append(i)
+    rows, row_adapter = [], []
+    for slot, members in groups.items():
+        plan = ([[i] for i in members] if one_per_row
+                else [[members[j] for j in row] for row in pack_plan([lengths[i] for i in members], width)])
+        rows += plan
+        row_adapter += [slot] * len(plan)
+    R = rows_bucket(len(rows))
+    tokens, positions, segments = (np.zeros((R, width), np.int32) for _ in range(3))
+    source, last = np.full((batch, width), -1, np.int32), np.zeros(batch, np.int32)
+    for r, members in enumerate(rows):
+        at = width - lengths[members[0]] if one_per_row else 0
+        for segment, i in enumerate(members, start=1):
+            n = lengths[i]
+            tokens[r, at: at + n], positions[r, at: at + n], segments[r, at: at + n] = prompts[i], \
+                prefix + np.arange(n), segment
+            source[i, width - n:] = r * width + at + np.arange(n)
+            last[i] = r * width + at + n - 1
+            at += n
+    adapter_R = None if adapter_B is None else np.pad(np.asarray(row_adapter, np.int32), (0, R - len(rows)))
+    return PackedPrompts(tokens, positions, segments, source, last, adapter_R)
 
 
 def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
@@ -101,22 +179,50 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
         raise JaxtuneError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
 
+def _new_tokens(row_N: np.ndarray, is_stop_V: np.ndarray, include_stop: bool) -> list[int]:
+    """A row of out_BxN as its tokens: up to the first -1, ending before (or with) its first stop token."""
+    tokens = []
+    for token in row_N.tolist():
+        if token < 0:
+            break
+        if is_stop_V[token]:
+            return tokens + [token] if include_stop else tokens
+        tokens.append(token)
+    return tokens
+
+
 def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              sampling: SamplingConfig = SamplingConfig(), *, eos_ids: Sequence[int] | None = None,
              stop_token_ids: Sequence[int] = (),
              method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions(),
-             include_stop: bool = False) -> list[list[int]]:
+             include_stop: bool = False, adapter_of_row: Sequence[int] | None = None,
+             max_new_tokens_of_row: Sequence[int] | None = None,
+             stop_when: Callable[[int, list[int]], bool] | None = None, chunk_steps: int = 16) -> list[list[int]]:
     """The new tokens of each prompt: at most `max_new_tokens`, ending before the first EOS or stop token (with
     `include_stop`, ending with it: what a policy-gradient step must credit for stopping).
 
     prompts: token ids, BOS included if the model wants one. eos_ids: default the model's `eos_token_id`.
     method: the `MethodConfig` whose leaves `params` carries (for its LoRA scale; prefix tuning is found in
-    `params`). Raises JaxtuneError for no prompts, an empty prompt, an id outside the vocabulary, or a prompt
-    that with `max_new_tokens` would run past the model's context (`max_position_embeddings`).
+    `params`). adapter_of_row: with adapters stacked in `params` (`spine.model.load_adapters`), each prompt's
+    adapter slot (0: the base model). max_new_tokens_of_row: each prompt's own limit (default: the sampling's).
+    stop_when(row, its new tokens so far): asked on the host after every `chunk_steps` decode steps for each row
+    still running; True ends that row's decoding (its tokens then run to the end of that chunk). Raises JaxtuneError
+    for no prompts, an empty prompt, an id outside the vocabulary, a bad adapter slot or limit, or a prompt that with
+    its batch's largest limit would run past the model's context (`max_position_embeddings`).
     """
     if not prompts:
         raise JaxtuneError("no prompts to generate from")
     refuse_context_axis()
+    limits = [sampling.max_new_tokens] * len(prompts) if max_new_tokens_of_row is None else max_new_tokens_of_row
+    if len(limits) != len(prompts):
+        raise JaxtuneError(f"max_new_tokens_of_row has {len(limits)} entries for {len(prompts)} prompts")
+    bad = next((i for i, n in enumerate(limits) if isinstance(n, bool) or not isinstance(n, int | np.integer)
+                or n < 1), None)
+    if bad is not None:
+        raise JaxtuneError(f"max_new_tokens_of_row[{bad}] = {limits[bad]!r}: must be an integer >= 1")
+    if chunk_steps < 1:
+        raise JaxtuneError(f"chunk_steps = {chunk_steps}: must be >= 1")
+    N = int(max(limits))
     P = prefix_length(params)
     context = cfg.max_position_embeddings
     for i, prompt in enumerate(prompts):
@@ -126,62 +232,90 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         if P + len(prompt) > context:
             raise JaxtuneError(f"prompt {i} has {len(prompt)} tokens{f' after {P} prefix tokens' if P else ''}, "
                                f"more than the model's context of {context} (max_position_embeddings)")
-        if P + len(prompt) + sampling.max_new_tokens > context:
+        if P + len(prompt) + N > context:
             raise JaxtuneError(f"prompt {i} has {len(prompt)} tokens{f' after {P} prefix tokens' if P else ''}: "
-                               f"with max_new_tokens={sampling.max_new_tokens} it would pass the model's context "
+                               f"with max_new_tokens={N} it would pass the model's context "
                                f"of {context} (max_position_embeddings); lower max_new_tokens")
     stops = tuple(cfg.eos_token_id if eos_ids is None else eos_ids) + tuple(stop_token_ids)
     _check_ids(stops, cfg.vocab_size, "EOS and stop tokens")
 
-    # The bucket never needs to pass the context: every prompt fits in context - P - max_new_tokens (checked above).
+    # The bucket never needs to pass the context: every prompt fits in context - P - N (checked above).
     B = bucket(len(prompts))
-    T = min(bucket(max(len(p) for p in prompts), MIN_BUCKET), context - P - sampling.max_new_tokens)
-    tokens_BxT, mask_BxT = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
-    for row, prompt in enumerate(prompts):  # left padding: every row's last prompt token at index T - 1
-        tokens_BxT[row, T - len(prompt):] = prompt
-        mask_BxT[row, T - len(prompt):] = 1
+    W = min(bucket(max(len(p) for p in prompts), MIN_BUCKET), context - P - N)
+    adapter_B = adapter_slots(params, method, adapter_of_row, len(prompts), B)
+    packed = pack_prompts(prompts, B, W, P, adapter_B, one_per_row=bool(P and any(cfg.sliding_windows)))
     live_B = np.arange(B) < len(prompts)  # rows added to fill the batch bucket start finished
+    limit_B = np.pad(np.asarray(limits, np.int32), (0, B - len(prompts)))
     is_stop_V = np.zeros(cfg.vocab_size, bool)
     is_stop_V[list(stops)] = True
-    out_BxN = decode(
-        params, tokens_BxT, mask_BxT, live_B, is_stop_V, np.float32(max(sampling.temperature, 1e-6)),
-        np.int32(sampling.top_k), np.float32(sampling.top_p), jax.random.key(sampling.seed),
-        cfg=cfg, method=method, options=options, cache_size=P + T + sampling.max_new_tokens,
-        max_new_tokens=sampling.max_new_tokens, greedy=sampling.greedy)
-    results = []
-    for row in np.asarray(out_BxN)[: len(prompts)]:  # the one device -> host transfer
-        tokens = []
-        for token in row.tolist():
-            if token < 0:
-                break
-            if is_stop_V[token]:
-                tokens += [token] if include_stop else []
-                break
-            tokens.append(token)
-        results.append(tokens)
-    return results
+    sampling_args = (is_stop_V, np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k),
+                     np.float32(sampling.top_p), jax.random.key(sampling.seed))
+    program = dict(cfg=cfg, method=method, options=options)
+    state = begin(params, packed, live_B, limit_B, **program, cache_size=P + W + N, max_new_tokens=N)
+    until = N if stop_when is None else min(chunk_steps, N)
+    state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program,
+                        greedy=sampling.greedy)
+    while until < N:  # with stop_when: the host reads each chunk's tokens (one transfer) to end rows
+        out_BxN, done_B = jax.device_get((state.out_BxN, state.done_B))
+        done_B = done_B.copy()
+        for row in np.flatnonzero(~done_B):
+            done_B[row] = stop_when(int(row), _new_tokens(out_BxN[row], is_stop_V, False))
+        if done_B.all():
+            break
+        until = min(until + chunk_steps, N)
+        state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
+                            adapter_B, **program, greedy=sampling.greedy)
+    return [_new_tokens(row, is_stop_V, include_stop) for row in np.asarray(state.out_BxN)[: len(prompts)]]
+
+
+def _stops_of_rows(stop_strings, rows: int) -> list[tuple[str, ...]]:
+    """Each row's stop strings from one list for every row or one list per row."""
+    if isinstance(stop_strings, str):
+        raise JaxtuneError(f"stop_strings takes a list of strings (or one list per prompt), got the string "
+                           f"{stop_strings!r}")
+    stop_strings = list(stop_strings)
+    if all(isinstance(s, str) for s in stop_strings):
+        return [tuple(s for s in stop_strings if s)] * rows
+    if len(stop_strings) != rows or not all(not isinstance(row, str) and all(isinstance(s, str) for s in row)
+                                            for row in stop_strings):
+        raise JaxtuneError(f"stop_strings: give one list of strings for every prompt or one list per prompt "
+                           f"({rows}), got {stop_strings!r:.80}")
+    return [tuple(s for s in row if s) for row in stop_strings]
 
 
 def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts: Sequence[str | list[dict]],
-                  sampling: SamplingConfig = SamplingConfig(), stop_strings: Sequence[str] = (),
-                  method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions()) -> list[str]:
-    """The text each prompt continues with, cut before the first of `stop_strings`.
+                  sampling: SamplingConfig = SamplingConfig(),
+                  stop_strings: Sequence[str] | Sequence[Sequence[str]] = (),
+                  method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions(),
+                  adapter_of_row: Sequence[int] | None = None, max_new_tokens_of_row: Sequence[int] | None = None,
+                  chunk_steps: int = 16) -> list[str]:
+    """The text each prompt continues with, cut before the first of its stop strings (as lm-eval's `generate_until`
+    cuts at its `until` strings).
 
     A text prompt is encoded with special tokens (BOS when the tokenizer adds one); a conversation (a list of
     {"role", "content"} messages) is rendered by the tokenizer's chat template with the assistant's generation
     prompt and encoded without them (the template writes its own), as transformers' `apply_chat_template` does.
-    Generation stops at the tokenizer's or the model's EOS. Stop strings are found in the decoded text after
-    generation, so they shorten the answer, not the decode loop.
+    Generation stops at the tokenizer's or the model's EOS. stop_strings: one list for every prompt, or one list per
+    prompt; a row whose decoded text holds one stops decoding at the end of that chunk of `chunk_steps` steps.
+    adapter_of_row, max_new_tokens_of_row: as for `generate`.
     """
     if isinstance(prompts, str):
         raise JaxtuneError("generate_text takes a list of prompts, got a single string")
+    stops = _stops_of_rows(stop_strings, len(prompts))
     eos = {*cfg.eos_token_id, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
     ids = [tokenizer.encode(render_chat(p, tokenizer, add_generation_prompt=True), add_special_tokens=False)
            if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=True) for p in prompts]
-    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), method=method, options=options)
-    texts = []
-    for tokens in new:
+
+    def stop_when(row: int, tokens: list[int]) -> bool:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stop_strings if s and s in text]
+        return any(s in text for s in stops[row])
+
+    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), method=method, options=options,
+                   adapter_of_row=adapter_of_row, max_new_tokens_of_row=max_new_tokens_of_row,
+                   stop_when=stop_when if any(stops) else None, chunk_steps=chunk_steps)
+    texts = []
+    for tokens, row_stops in zip(new, stops):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in row_stops if s in text]
         texts.append(text[: min(cuts)] if cuts else text)
     return texts

@@ -157,11 +157,11 @@ def greedy_without_cache(params, cfg, prompt, steps):
 def test_generation_cache_is_the_prompt_bucket_plus_new_tokens(gen_params, monkeypatch):
     from jaxtune import generation
 
-    calls = record(monkeypatch, generation, "decode")
+    calls = record(monkeypatch, generation, "begin")
     prompts = [[5, 17, 3, 99, 42], [7, 8, 9]]
     out = generation.generate(gen_params, GEN_CFG, prompts, SamplingConfig(max_new_tokens=NEW), eos_ids=())
-    (_, tokens_BxT, *_), kwargs = calls[0]
-    assert tokens_BxT.shape == (2, MIN_BUCKET) and kwargs["cache_size"] == MIN_BUCKET + NEW
+    (_, packed, *_), kwargs = calls[0]
+    assert packed.source_BxW.shape == (2, MIN_BUCKET) and kwargs["cache_size"] == MIN_BUCKET + NEW
     assert out == [greedy_without_cache(gen_params, GEN_CFG, p, NEW) for p in prompts]
 
 
@@ -170,11 +170,11 @@ def test_generation_bucket_is_cut_back_to_the_context(gen_params, monkeypatch):
     from jaxtune import generation
 
     cfg = GEN_CFG.replace(max_position_embeddings=64)
-    calls = record(monkeypatch, generation, "decode")
+    calls = record(monkeypatch, generation, "begin")
     prompt = np.random.RandomState(1).randint(0, cfg.vocab_size, 40).tolist()
     out = generation.generate(gen_params, cfg, [prompt], SamplingConfig(max_new_tokens=NEW), eos_ids=())
-    (_, tokens_BxT, *_), kwargs = calls[0]
-    assert tokens_BxT.shape == (1, 64 - NEW) and kwargs["cache_size"] == 64
+    (_, packed, *_), kwargs = calls[0]
+    assert packed.source_BxW.shape == (1, 64 - NEW) and kwargs["cache_size"] == 64
     assert out == [greedy_without_cache(gen_params, cfg, prompt, NEW)]
     with pytest.raises(JaxtuneError, match="prompt 0 has 60 tokens: with max_new_tokens=12 it would pass the "
                                            "model's context of 64"):

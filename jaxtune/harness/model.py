@@ -201,11 +201,14 @@ class JaxtuneLM(TemplateLM):
             sampling = self._sampling(kwargs, max_new)
             ids = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in members}
             order = sorted(members, key=lambda i: -len(ids[i]))
+            stops = [s for s in until if s]
+            stop_when = lambda _, tokens: any(s in self.tokenizer.decode(tokens, skip_special_tokens=True)
+                                              for s in stops)  # a row stops decoding once its text has one
             for start in range(0, len(order), self.batch_rows):
                 batch = order[start: start + self.batch_rows]
                 with self._traced():
                     new = generate(self.params, self.cfg, [ids[i] for i in batch], sampling, eos_ids=[self._eot],
-                                   method=self.method, options=self.options)
+                                   method=self.method, options=self.options, stop_when=stop_when)
                 for i, tokens in zip(batch, new):
                     text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until,
                                                       None)

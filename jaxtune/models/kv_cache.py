@@ -1,12 +1,12 @@
-"""Incremental decoding with a key/value cache (`KVCache`): `prefill` a batch of left-padded prompts, then
+"""Incremental decoding with a key/value cache (`KVCache`): `prefill_packed` (or `prefill`) the prompts, then
 `decode_step`, both one function, `extend`.
 
-The cache holds every layer's rotated keys and values stacked on the layer axis, [L, B, S, K, hd], so a step still
+The cache holds every layer's rotated keys and values stacked on the layer axis, [L, B, K, S, hd], so a step still
 scans one `decoder_layer`. `extend` writes the new tokens' keys and values at slots `length .. length+T-1` and lets
 their queries attend over the whole buffer: slot j is seen from slot i when it is valid (`valid_BxS`: not padding,
-already written), j <= i and within the layer's sliding window, as transformers indexes its cache. RoPE positions
-come from the attention mask (cumsum - 1), as `transformers.generate` computes them. Prefix tuning's keys and values
-fill the first P slots (`init_cache`), as PEFT's `past_key_values` does; other methods live in the layers' modules.
+already written), j <= i, within the layer's sliding window and, packed, of i's segment, as transformers indexes its
+cache. Row b's prompt sits left-padded in slots P .. P+W-1, RoPE positions from P (`prefill_packed` computes the
+prompts packed several to a row, then moves their keys and values there); prefix tuning's fill slots 0 .. P-1.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.adapter_rows import rows_of
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
-from jaxtune.models.llama import attend, decoder_layer, embed, lora_scaled_layers, norm, project_qkv
+from jaxtune.models.linear import wide
+from jaxtune.models.llama import attend, decoder_layer, embed, lora_scaled_layers, norm, project, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import context_ways
 
@@ -28,7 +30,8 @@ from jaxtune.parallel.rules import context_ways
 class KVCache(NamedTuple):
     """Decoding state, a pytree.
 
-    k, v: [L, B, S, K, hd] rotated keys and values in the compute dtype.
+    k, v: [L, B, K, S, hd] rotated keys and values in the compute dtype (each head's slots contiguous, as a decode
+    step's attention reads them).
     valid_BxS: which slots hold a key a later token may attend to (prefix and real tokens, not padding).
     length: [] int32, slots written so far (the next token goes to slot `length`).
     next_position_B: [B] int32, the RoPE position of each row's next token.
@@ -42,7 +45,7 @@ class KVCache(NamedTuple):
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def prefix_length(params: dict) -> int:
@@ -53,12 +56,13 @@ def prefix_length(params: dict) -> int:
 def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of `size` slots per row, with any prefix-tuning keys and values in the first P."""
     P = prefix_length(params)
-    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    if P:
-        as_batch = lambda a: jnp.broadcast_to(a.astype(dtype)[:, None], (a.shape[0], batch) + a.shape[1:])
-        k = k.at[:, :, :P].set(as_batch(params["layers"]["prefix"]["key"]))
-        v = v.at[:, :, :P].set(as_batch(params["layers"]["prefix"]["value"]))
+    if P:  # prefix [L, P, K, hd] -> [L, B, K, P, hd]
+        as_batch = lambda a: jnp.broadcast_to(jnp.swapaxes(a.astype(dtype), 1, 2)[:, None],  # noqa: E731
+                                              shape[:3] + (P,) + shape[4:])
+        k = k.at[:, :, :, :P].set(as_batch(params["layers"]["prefix"]["key"]))
+        v = v.at[:, :, :, :P].set(as_batch(params["layers"]["prefix"]["value"]))
     valid_BxS = jnp.broadcast_to(jnp.arange(size) < P, (batch, size))
     return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32))
 
@@ -70,9 +74,34 @@ def refuse_context_axis() -> None:
                            "mesh without a context axis")
 
 
+def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: jax.Array, k_BxKxSxh: jax.Array,
+                   v_BxKxSxh: jax.Array, seen_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """One new query per row over the cache's `seen_BxS` slots and its own new key: softmax(q k^T scale) v [B, K, G,
+    hd] in q's dtype (float32 scores), with the model's scale and soft cap, as `attention.blockwise_attention`.
+
+    Dense over the S slots: a step's scores are [B, K, G, S], and the cache is read in place (no padded blocks, no
+    copy with the new key written in)."""
+    f32 = wide(q_BxKxGxh.dtype)
+    scale = cfg.attention_scale
+    old_BxKxGxS = jnp.einsum("bkgh,bksh->bkgs", q_BxKxGxh, k_BxKxSxh, preferred_element_type=f32) * scale
+    new_BxKxGx1 = jnp.einsum("bkgh,bkh->bkg", q_BxKxGxh, k_new_BxKxh, preferred_element_type=f32)[..., None] * scale
+    if cfg.attn_logit_softcap:
+        cap = cfg.attn_logit_softcap
+        old_BxKxGxS, new_BxKxGx1 = cap * jnp.tanh(old_BxKxGxS / cap), cap * jnp.tanh(new_BxKxGx1 / cap)
+    old_BxKxGxS = jnp.where(seen_BxS[:, None, None], old_BxKxGxS, -jnp.inf)
+    max_BxKxGx1 = jnp.maximum(jnp.max(old_BxKxGxS, axis=-1, keepdims=True), new_BxKxGx1)  # finite: the new key
+    p_old, p_new = jnp.exp(old_BxKxGxS - max_BxKxGx1), jnp.exp(new_BxKxGx1 - max_BxKxGx1)
+    out = jnp.einsum("bkgs,bksh->bkgh", p_old, v_BxKxSxh.astype(f32)) + p_new * v_new_BxKxh[:, :, None].astype(f32)
+    return (out / (jnp.sum(p_old, axis=-1, keepdims=True) + p_new)).astype(q_BxKxGxh.dtype)
+
+
 def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, cache: KVCache,
-           cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions) -> tuple[jax.Array, KVCache]:
-    """Run T new tokens against the cache: final-norm hidden states [B, T, D] and the cache with them written."""
+           cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, adapter_B: jax.Array | None = None,
+           segment_ids_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Run T new tokens against the cache: final-norm hidden states [B, T, D] and the cache with them written.
+
+    adapter_B: [B] int32, each row's slot of the adapter stacks `params` carries (`models/adapter_rows.py`).
+    segment_ids_BxT: packed rows written into an empty cache; a token sees the prefix and its own segment only."""
     refuse_context_axis()
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
@@ -80,17 +109,30 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     start = cache.length
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT > 0, (0, start))
     mask = cache_mask(start, T, valid_BxS)
-    live_QxC = live_blocks(mask, T, cache.size)
+    if segment_ids_BxT is not None:  # slots outside the new tokens (the prefix): segment -1, seen by every segment
+        segment_BxT = segment_ids_BxT.astype(jnp.int32)
+        k_segment_BxS = jax.lax.dynamic_update_slice(jnp.full(valid_BxS.shape, -1, jnp.int32), segment_BxT, (0, start))
+        mask = mask._replace(q_segment_BxT=segment_BxT, k_segment_BxS=k_segment_BxS)
+    live_QxC = live_blocks(mask, T, cache.size) if T > 1 else None
     rope = rope_tables(positions_BxT, cfg, dtype)
+    slot_S = jnp.arange(cache.size)
 
     def block(x_BxTxD, layer_window_kv):
-        layer, window, k_BxSxKxh, v_BxSxKxh = layer_window_kv
+        layer, window, k_BxKxSxh, v_BxKxSxh = layer_window_kv
+        layer = rows_of(layer, adapter_B)
         cos, sin = layer_rope(rope, window)
 
         def cached_attention(h_BxTxD):
             q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, lora_scale)
-            k_all = jax.lax.dynamic_update_slice(k_BxSxKxh, k_new.astype(dtype), (0, start, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(v_BxSxKxh, v_new.astype(dtype), (0, start, 0, 0))
+            k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
+            if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
+                seen_BxS = cache.valid_BxS & ((window == 0) | (start - slot_S < window))
+                out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
+                                             seen_BxS, cfg)
+                return project(out_BxKxGxh.reshape(B, 1, -1), layer, "o_proj", lora_scale), (k_new, v_new)
+            k_all, v_all = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 1, 2), (0, 0, start, 0))
+                            for a, new in ((k_BxKxSxh, k_new), (v_BxKxSxh, v_new)))
+            k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)  # attend's [B, S, K, hd]
             return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, lora_scale), (k_new, v_new)
 
         return decoder_layer(x_BxTxD, layer, cached_attention, cfg, lora_scale)[:2]
@@ -99,8 +141,8 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, cache.k, cache.v))
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
-    k = jax.lax.dynamic_update_slice(cache.k, k_LxBxTxKxh.astype(dtype), (0, 0, start, 0, 0))
-    v = jax.lax.dynamic_update_slice(cache.v, v_LxBxTxKxh.astype(dtype), (0, 0, start, 0, 0))
+    k, v = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 2, 3), (0, 0, 0, start, 0))
+            for a, new in ((cache.k, k_LxBxTxKxh), (cache.v, v_LxBxTxKxh)))
     next_position_B = cache.next_position_B + jnp.sum(mask_BxT > 0, axis=1, dtype=jnp.int32)
     cache = KVCache(k, v, valid_BxS, start + T, next_position_B)
     return norm(x_BxTxD, params["norm"], cfg), cache
@@ -108,7 +150,8 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
 
 def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mask_BxT: jax.Array | None = None, *,
             cache_size: int | None = None, method: MethodConfig | None = None,
-            options: ForwardOptions = ForwardOptions()) -> tuple[jax.Array, KVCache]:
+            options: ForwardOptions = ForwardOptions(), adapter_B: jax.Array | None = None
+            ) -> tuple[jax.Array, KVCache]:
     """Float32 logits [B, V] for the token after each left-padded prompt, and the cache holding the prompts.
 
     tokens_BxT: prompts padded on the left; attention_mask_BxT: 1 for real tokens, 0 for padding (default all 1).
@@ -124,13 +167,68 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
         attention_mask_BxT = jnp.ones((B, T), jnp.int32)
     cache = init_cache(params, cfg, B, size, jnp.dtype(options.compute_dtype))
     positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
-    hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options)
+    hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options,
+                                 adapter_B)
     return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap, pieces=False)[:, 0], cache
+
+
+class PackedPrompts(NamedTuple):
+    """B prompts packed into R rows of T tokens for one prefill, and where each goes in the cache; a pytree.
+
+    tokens_RxT, positions_RxT, segments_RxT: int32 packed rows, each prompt a segment (1, 2, ...; 0 pads) whose RoPE
+    positions run from P. source_BxW: int32, for cache row b's prompt left-padded to W slots, the flat index into
+    R*T of each slot's token (-1: padding). last_B: int32, the flat index of each prompt's last token. adapter_R:
+    int32 [R], each packed row's adapter slot (all of a row's prompts share it), or None.
+    """
+
+    tokens_RxT: jax.Array
+    positions_RxT: jax.Array
+    segments_RxT: jax.Array
+    source_BxW: jax.Array
+    last_B: jax.Array
+    adapter_R: jax.Array | None = None
+
+
+def prefill_packed(params: dict, packed: PackedPrompts, cfg: ModelConfig, *, cache_size: int,
+                   method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions()
+                   ) -> tuple[jax.Array, KVCache]:
+    """Float32 logits [B, V] for the token after each prompt, and the cache of B rows holding them left-padded.
+
+    One forward over the packed rows (compute ~ R x T, the prompts' tokens bucketed, not B x the longest), whose keys
+    and values are then gathered into slots P .. P+W-1 of each cache row. cache_size: slots per row, >= P + W.
+    Jit with `static_argnames=("cfg", "cache_size", "method", "options")`.
+    """
+    R, T = packed.tokens_RxT.shape
+    B, W = packed.source_BxW.shape
+    P = prefix_length(params)
+    if P + W > cache_size:
+        raise JaxtuneError(f"prompt length {W} (+ {P} prefix tokens) does not fit the cache of {cache_size} slots")
+    dtype = jnp.dtype(options.compute_dtype)
+    rows = init_cache(params, cfg, R, P + T, dtype)
+    hidden_RxTxD, rows = extend(params, packed.tokens_RxT, packed.positions_RxT, packed.segments_RxT, rows, cfg,
+                                method, options, packed.adapter_R, segment_ids_BxT=packed.segments_RxT)
+    last_Bx1xD = hidden_RxTxD.reshape(R * T, -1)[packed.last_B][:, None]
+    logits_BxV = head_logits(params, last_Bx1xD, cfg.final_logit_softcap, pieces=False)[:, 0]
+    is_token_BxW = packed.source_BxW >= 0
+    source_BxW = jnp.maximum(packed.source_BxW, 0)  # padding slots take any key: they are never valid
+
+    def gathered(a_LxRxKxSxh):  # -> [L, B, K, W, hd]
+        L, _, K, _, hd = a_LxRxKxSxh.shape
+        tokens_LxRTxKxh = jnp.swapaxes(a_LxRxKxSxh[:, :, :, P:], 2, 3).reshape(L, R * T, K, hd)
+        return jnp.swapaxes(tokens_LxRTxKxh[:, source_BxW], 2, 3)
+
+    cache = init_cache(params, cfg, B, cache_size, dtype)
+    k = jax.lax.dynamic_update_slice(cache.k, gathered(rows.k), (0, 0, 0, P, 0))
+    v = jax.lax.dynamic_update_slice(cache.v, gathered(rows.v), (0, 0, 0, P, 0))
+    valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, is_token_BxW, (0, P))
+    next_position_B = P + jnp.sum(is_token_BxW, axis=1, dtype=jnp.int32)
+    return logits_BxV, KVCache(k, v, valid_BxS, jnp.asarray(P + W, jnp.int32), next_position_B)
 
 
 def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConfig, *,
                 method: MethodConfig | None = None,
-                options: ForwardOptions = ForwardOptions()) -> tuple[jax.Array, KVCache]:
+                options: ForwardOptions = ForwardOptions(), adapter_B: jax.Array | None = None
+                ) -> tuple[jax.Array, KVCache]:
     """Float32 logits [B, V] for the token after `token_B`, and the cache with `token_B` appended.
 
     The cache must have a free slot (`length < size`): past the end, XLA clamps the write and the output is wrong.
@@ -138,5 +236,6 @@ def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConf
     """
     positions_Bx1 = cache.next_position_B[:, None]
     mask_Bx1 = jnp.ones_like(positions_Bx1)
-    hidden_Bx1xD, cache = extend(params, token_B[:, None], positions_Bx1, mask_Bx1, cache, cfg, method, options)
+    hidden_Bx1xD, cache = extend(params, token_B[:, None], positions_Bx1, mask_Bx1, cache, cfg, method, options,
+                                 adapter_B)
     return head_logits(params, hidden_Bx1xD, cfg.final_logit_softcap, pieces=False)[:, 0], cache

@@ -2,6 +2,7 @@
 
     cfg, params = load_model("path/to/model")                            # HF directory or GGUF file
     cfg, params, method = load_model_with_adapter(model, "run/adapter")   # + a PEFT adapter
+    cfg, params, slots = load_adapters(model, {"a": "run-a/adapter", "b": "run-b/adapter"})   # stacked, one batch
     cfg, params = load_reward_model("run/reward_model")                   # + its `score` head
 
 `abstract_model` is the tree as ShapeDtypeStructs in their shardings (one device unless a mesh is given, a QLoRA
@@ -19,10 +20,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
-from jaxtune.errors import check_choice
+from jaxtune.errors import JaxtuneError, check_choice
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
-from jaxtune.methods.peft import CONFIG_FILE, load_peft_adapter, method_from_peft_config, quantized_base
+from jaxtune.methods.adapter_rows import check_mixable, stack_adapters
+from jaxtune.methods.peft import CONFIG_FILE, QUANTIZED_BASE, load_peft_adapter, method_from_peft_config, quantized_base
 from jaxtune.methods.transform import quantize_base
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
@@ -87,6 +89,52 @@ def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None
             "weights" if use_quantized else
             f"{adapter}: QLoRA adapter trained on a quantised base ({fmt}), applied to the float weights")
     return cfg, params, method
+
+
+def load_adapters(model: str | Path, adapters: dict[str, str | Path], dtype=None, base: str = "as-trained", log=None,
+                  mesh: Mesh | None = None) -> tuple[ModelConfig, dict, dict[str, int]]:
+    """(config, params with the adapters stacked, name -> slot) for generating with several LoRA adapters in one
+    batch (`methods/adapter_rows.py`; slot 0 is the base model). The base is read once.
+
+    adapters: name -> PEFT adapter directory. base: as for `load_model_with_adapter`; QLoRA adapters go on their
+    quantised base only if all of them were trained on the same one. One-line JaxtuneErrors name the adapter that
+    cannot mix (not LoRA, DoRA, another base model or quantisation).
+    """
+    check_choice("base", base, ("as-trained", "float"))
+    if not adapters:
+        raise JaxtuneError("no adapters to load")
+    quantizations, models = {}, {}
+    for name, directory in adapters.items():
+        where = Path(directory, CONFIG_FILE)
+        if not where.is_file():
+            raise JaxtuneError(f"adapter {name}: {where}: file not found (a PEFT adapter directory holds it)")
+        config = read_json(where)
+        check_mixable(method_from_peft_config(config, where), name)
+        quantization = config.get(QUANTIZED_BASE)
+        if quantization is not None and quantization.get("init") == "loftq":
+            check_mixable(MethodConfig("qlora", init="loftq"), name)
+        quantizations[name] = "float" if quantization is None or base == "float" else (
+            f"{'nf4' if int(quantization.get('bits', 4)) == 4 else 'int8'}"
+            f"{' double-quantised' if quantization.get('double_quant', True) else ''}")
+        if config.get("base_model_name_or_path"):
+            models[name] = Path(str(config["base_model_name_or_path"]).rstrip("/")).name
+    for kinds, what in ((quantizations, "base weights (QLoRA bits; --base float puts all on the float weights)"),
+                        (models, "base model (base_model_name_or_path)")):
+        if len(set(kinds.values())) > 1:
+            first = next(iter(kinds))
+            other = next(name for name, kind in kinds.items() if kind != kinds[first])
+            raise JaxtuneError(f"adapters {first} and {other} differ in their {what}: {kinds[first]} vs "
+                               f"{kinds[other]}; adapters in one batch share their base")
+    weights = next(iter(quantizations.values()))
+    q = None if weights == "float" else {"bits": 4 if weights.startswith("nf4") else 8,
+                                         "double_quant": weights.endswith("double-quantised")}
+    quantized = None if q is None else MethodConfig("qlora", bits=q["bits"], double_quant=q["double_quant"])
+    cfg, params = load_model(model, dtype, quantized, mesh)
+    if quantized is not None and log is not None:
+        log(f"adapters on their base quantised as in training ({weights}); --base float for the float weights")
+    loaded = {name: load_peft_adapter(directory, params, cfg, kind="qlora" if q else None, quantization=q)
+              for name, directory in adapters.items()}
+    return cfg, stack_adapters(loaded, cfg), {name: i + 1 for i, name in enumerate(adapters)}
 
 
 def load_reward_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
