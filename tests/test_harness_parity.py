@@ -46,9 +46,10 @@ def test_multiple_choice_and_rolling_log_likelihoods_equal_lm_eval_hf(smollm2_di
     pairs = [(a[0], b[0]) for s, t in zip(theirs, mine) for a, b in zip(s["resps"], t["resps"])]
     # Both are float32 forwards of 30 layers: against a float64 forward of the same weights, lm-eval's hf model is off
     # by up to 8.4e-5 on these requests, jaxtune by up to 6e-5 (docs/evaluation.md), so 1e-4 absolute is the noise
-    # floor (measured max 9.9e-5 with AVX-512); with AVX2 forced both round differently, hence 3e-4 and the mean.
+    # floor (measured max 9.9e-5, mean 1.7e-5 with AVX-512); with AVX2 forced both round differently (measured max
+    # 1.7e-4, mean 3.3e-5), hence 3e-4 and 6e-5.
     errors = [abs(a[0] - b[0]) for a, b in pairs]
-    assert max(errors) < 3e-4 and sum(errors) / len(errors) < 3e-5, (max(errors), sum(errors) / len(errors))
+    assert max(errors) < 3e-4 and sum(errors) / len(errors) < 6e-5, (max(errors), sum(errors) / len(errors))
     assert [a[1] for a, b in pairs] == [b[1] for a, b in pairs]
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"]["jaxtune_facts"][metric] == hf["results"]["jaxtune_facts"][metric]
