@@ -22,10 +22,11 @@ from test_tracking import _items, _train, _wandb_records, no_wandb_credentials  
 from jaxtune.cli import main
 from jaxtune.config import MethodConfig, tiny_config
 from jaxtune.errors import JaxtuneError
-from jaxtune.harness import JaxtuneLM, evaluate_tasks, scores
+from jaxtune.harness import JaxtuneLM, evaluate_tasks, scores, scoring
 from jaxtune.harness.scoring import pack_rows, score_requests
 from jaxtune.harness.tasks import bundled_tasks
 from jaxtune.methods.transform import apply_method
+from jaxtune.models.attention import BRANCH_SHIFT
 from jaxtune.models.llama import forward
 from jaxtune.presets import write_random_model
 
@@ -96,12 +97,14 @@ def test_packing_fills_rows_longest_first():
     assert all(sum([5, 9, 3, 7, 2, 16][i] for i in row) <= 16 for row in rows)
 
 
+@pytest.mark.parametrize("windows", [(0, 6), (0, 0)], ids=["window", "trees"])
 @pytest.mark.parametrize("method", [None, MethodConfig("lora", rank=4, target_modules=("q_proj", "v_proj", "o_proj")),
                                     MethodConfig("prefix", num_virtual_tokens=3)], ids=["base", "lora", "prefix"])
-def test_packed_scores_equal_each_requests_own_forward(method):
+def test_packed_scores_equal_each_requests_own_forward(method, windows, monkeypatch):
     """Requests of 2..40 tokens packed several to a row (and over several batches) score as each alone: the sum of
-    float64 log-softmax of its own forward's logits at the continuation, and whether each token is the argmax."""
-    cfg = tiny_config(vocab_size=259, num_layers=2, sliding_windows=(0, 6))
+    float64 log-softmax of its own forward's logits at the continuation, and whether each token is the argmax.
+    Requests sharing a context share its computation (prefix trees) unless a sliding window is narrower than a row."""
+    cfg = tiny_config(vocab_size=259, num_layers=2, sliding_windows=windows)
     params = numpy_random_params(cfg)
     if method is not None:
         params = apply_method(params, cfg, method, jax.random.key(1))
@@ -109,8 +112,15 @@ def test_packed_scores_equal_each_requests_own_forward(method):
     rng = np.random.RandomState(0)
     totals, conts = rng.choice([9, 17, 31], 14), rng.randint(1, 8, 14)  # 3 input lengths: 3 reference compiles
     requests = [(rng.randint(0, 259, t - c).tolist(), rng.randint(0, 259, c).tolist()) for t, c in zip(totals, conts)]
+    for ctx in (requests[0][0], requests[5][0]):  # choices of one question: 1 to 4 tokens, one equal to another's
+        requests += [(ctx, rng.randint(0, 259, 1 + k % 4).tolist()) for k in range(5)] + [(ctx, requests[-1][1])]
     logits = lambda ids: np.asarray(jit_forward(params, np.asarray([ids]), cfg, method=method)[0], np.float64)
+    segments = []
+    real = scoring.continuation_logprobs
+    monkeypatch.setattr(scoring, "continuation_logprobs",
+                        lambda *args, **kw: segments.append(np.max(args[3])) or real(*args, **kw))
     got = score_requests(params, cfg, requests, method=method, batch_tokens=64)
+    assert (max(segments) >= 2 ** BRANCH_SHIFT) == (windows == (0, 0))  # branches only where windows allow them
     for (ctx, cont), (logp, greedy) in zip(requests, got):
         x = logits((ctx + cont)[:-1])[-len(cont):]
         log_softmax = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)

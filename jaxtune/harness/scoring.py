@@ -1,13 +1,15 @@
 """Log-likelihoods of many (context, continuation) token requests, packed: `score_requests`.
 
-Each request's input, (context + continuation)[:-1] as lm-eval's causal models feed it, is one segment of a packed
-row (RoPE positions restart per segment, attention stays inside it), rows first-fit by length, longest first. One
-forward per batch of rows computes hidden states; only the continuation positions go through the head, so a
-request costs its tokens, not a padded row's, and never a [tokens, vocab] logits block for its context.
+Each request's input, (context + continuation)[:-1] as lm-eval's causal models feed it, is computed in packed rows
+(RoPE positions restart per segment, attention stays inside it), rows first-fit by length, longest first. Requests
+that share a context (a question's choices) share one computation of it: the context, then each continuation as a
+branch of a prefix tree (`attention.branch_segment`). One forward per batch of rows; only the continuation
+positions go through the head, so a request costs its own tokens, never a [tokens, vocab] block for its context.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 
@@ -17,9 +19,11 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.data.batching import bucket
+from jaxtune.models.attention import BRANCH_SHIFT, branch_segment
 from jaxtune.models.head import head_logits
 from jaxtune.models.kv_cache import prefix_length
 from jaxtune.models.llama import decoder
+from jaxtune.parallel.rules import context_ways
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "options"))
@@ -56,42 +60,81 @@ def pack_rows(lengths: Sequence[int], row_length: int) -> list[list[int]]:
     return rows
 
 
+def _trees(requests, shared: bool) -> list[tuple[list[int], list[int]]]:
+    """(context ids, request indices) per computation: requests with equal contexts together if `shared`."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (ctx, _) in enumerate(requests):
+        groups.setdefault(tuple(ctx) if shared else (i,), []).append(i)
+    return [(list(requests[members[0]][0]), members) for members in groups.values()]
+
+
+def _split(trees, requests, cap: int) -> list[tuple[list[int], list[int]]]:
+    """The trees cut so that each holds at most `cap` tokens (its context once, each branch's continuation[:-1])."""
+    pieces = []
+    for ctx, members in trees:
+        piece, size = [], len(ctx)
+        for i in members:
+            n = len(requests[i][1]) - 1
+            if piece and size + n > cap:
+                pieces.append((ctx, piece))
+                piece, size = [], len(ctx)
+            piece.append(i)
+            size += n
+        pieces.append((ctx, piece))
+    return pieces
+
+
 def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                    method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions(),
                    batch_tokens: int = 4096, progress=None) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), whether every continuation token is the greedy one) per request.
-    With prefix tuning on a model with sliding windows, one request a row.
 
     requests: (context ids, continuation ids), both non-empty, together at most the model's context + 1 tokens
-    (lm-eval truncates on the left before this). batch_tokens: tokens a forward (rows x row length) at least; the row
-    length is the power-of-two bucket of the longest request. Every batch is dispatched before the first is read;
-    progress(n) is told as n requests finish.
+    (lm-eval truncates on the left before this). Equal contexts are computed once (a prefix tree; with the
+    blockwise attention kernel), except under a sliding window narrower than a row or with a context mesh axis;
+    with prefix tuning on a model with sliding windows, one request a row. batch_tokens: tokens a forward (rows x
+    row length) at least; the row length is the power-of-two bucket of the largest tree, at most twice the longest
+    request's. Every batch is dispatched before the first is read; progress(n) is told as n requests finish.
     """
-    inputs = [(list(ctx) + list(cont))[:-1] for ctx, cont in requests]
-    lengths = [len(x) for x in inputs]
+    lengths = [len(ctx) + len(cont) - 1 for ctx, cont in requests]
     P = prefix_length(params)
-    T = bucket(max(lengths), 16)
-    # A sliding window measures distance in row slots: a later segment would lose sight of the prefix-tuning keys.
-    rows = [[i] for i in np.argsort(lengths)[::-1]] if P and any(cfg.sliding_windows) else pack_rows(lengths, T)
-    R = min(bucket(len(rows)), max(1, batch_tokens // T))
+    alone = bool(P and any(cfg.sliding_windows))  # a window counts slots: later segments would lose the prefix keys
+    cap = bucket(2 * max(lengths), 16)
+    shared = (not alone and context_ways() == 1 and cap < 2 ** BRANCH_SHIFT // 2
+              and all(w == 0 or w >= cap for w in cfg.sliding_windows))
+    trees = _trees(requests, shared)
+    sizes = [len(ctx) + sum(len(requests[i][1]) - 1 for i in members) for ctx, members in trees]
+    T = min(bucket(max(sizes), 16), cap)
+    trees = _split(trees, requests, T)
+    sizes = [len(ctx) + sum(len(requests[i][1]) - 1 for i in members) for ctx, members in trees]
+    if any(len(members) > 1 for _, members in trees):
+        options = dataclasses.replace(options, attention="blockwise")  # fused kernels know plain segments only
+    rows = [[i] for i in np.argsort(sizes)[::-1]] if alone else pack_rows(sizes, T)
+    most = max(1, batch_tokens // T)
+    R = -(-len(rows) // -(-len(rows) // most))  # the rows spread evenly over the fewest batches
     batches = []
     for start in range(0, len(rows), R):
         tokens, positions, segments = (np.zeros((R, T), np.int32) for _ in range(3))
         picks, targets, owner = [], [], []
         for r, members in enumerate(rows[start: start + R]):
             at = 0
-            for segment, i in enumerate(members, start=1):
-                n, cont = lengths[i], requests[i][1]
-                tokens[r, at: at + n] = inputs[i]
-                positions[r, at: at + n] = P + np.arange(n)
-                segments[r, at: at + n] = segment
-                first = r * T + at + n - len(cont)  # the position whose next token is cont[0]
-                picks += range(first, first + len(cont))
-                targets += cont
-                owner += [i] * len(cont)
-                at += n
+            for segment, t in enumerate(members, start=1):
+                ctx, branches = trees[t]
+                n = len(ctx)
+                tokens[r, at: at + n], positions[r, at: at + n], segments[r, at: at + n] = ctx, P + np.arange(n), \
+                    segment
+                last, at = r * T + at + n - 1, at + n  # the context's last token: it predicts each cont[0]
+                for branch, i in enumerate(branches, start=1):
+                    cont = list(requests[i][1])
+                    m = len(cont) - 1
+                    tokens[r, at: at + m], positions[r, at: at + m] = cont[:-1], P + n + np.arange(m)
+                    segments[r, at: at + m] = branch_segment(segment, branch) if len(branches) > 1 else segment
+                    picks += [last, *range(r * T + at, r * T + at + m)]
+                    targets += cont
+                    owner += [i] * len(cont)
+                    at += m
         batches.append((tokens, positions, segments, picks, targets, np.asarray(owner)))
-    C = bucket(max(len(b[3]) for b in batches), 16)  # one shape for every batch: one compile
+    C = -(-max(len(b[3]) for b in batches) // 128) * 128  # one shape for every batch: one compile
     pending = []
     for tokens, positions, segments, picks, targets, owner in batches:
         picks_C, targets_C = np.zeros(C, np.int32), np.zeros(C, np.int32)

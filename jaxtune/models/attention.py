@@ -2,11 +2,11 @@
 (FlashAttention's algorithm, Dao et al. 2022, in pure JAX; any scale, optionally soft-capped) and a hand-written
 backward that recomputes each block's scores, so memory is O(T x block) per layer, not the [B, K, G, T, S] scores.
 
-The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cache_mask`) holds what it is made of
-(valid keys, query and key slots, packed segments, the sliding window; P prefix-tuning keys in slots 0..P-1, seen
-by every query) and a block's piece is built when the block is computed. Blocks no query may see are skipped in
-both passes (`live_blocks`, decided once per call, outside the layer scan). Scores, softmax and accumulators are
-float32 (float64 for float64 inputs). `attend_blocks`, `attention_grads`: the passes over one key block (context).
+The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cache_mask`) holds its parts (valid
+keys, query and key slots, packed segments or prefix trees (`branch_segment`), the window; P prefix keys in slots
+0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
+skipped in both passes (`live_blocks`, decided once per call, outside the layer scan). Scores, softmax and
+accumulators are float32 (float64 inputs: float64). `attend_blocks`, `attention_grads`: one key block's passes.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class AttentionMask(NamedTuple):
     """What one attention call's mask is made of (see the module docstring); a pytree.
 
     q_slot_T: int32 [T], each query's slot. k_valid_BxS: bool [B, S], keys that may be attended to (not padding,
-    written cache slots). q_segment_BxT, k_segment_BxS: int32 packed-segment ids (keys < 0 are seen by all).
-    k_slot_S: int32 [S], each key's slot (0..S-1 but where a context-parallel device holds other keys).
+    written cache slots). q_segment_BxT, k_segment_BxS: int32 packed-segment ids, 1 .. 2**16 - 1 (keys < 0 are seen
+    by all; a `branch_segment` query also sees its segment's shared keys). k_slot_S: int32 [S], each key's slot
+    (0..S-1 but where a context-parallel device holds other keys).
     """
 
     q_slot_T: jax.Array
@@ -36,6 +37,18 @@ class AttentionMask(NamedTuple):
     q_segment_BxT: jax.Array
     k_segment_BxS: jax.Array
     k_slot_S: jax.Array
+
+
+BRANCH_SHIFT = 16  # a prefix tree's branch ids: (segment << BRANCH_SHIFT) | branch
+
+
+def branch_segment(segment, branch):
+    """The segment id of branch `branch` (1 .. 2**16 - 1) of segment `segment` (1 .. 2**15 - 1): a prefix tree in one
+    packed row. The segment's shared tokens come first (id `segment`), then each branch's; a branch's tokens see the
+    shared ones and their own (causally), not other branches', and take RoPE positions after the shared ones, so
+    each branch computes as shared + branch alone would (requests sharing a context, prompts sharing a prefix).
+    Needs the blockwise kernel and slots that do not feed a sliding window (a branch's slots run past its position)."""
+    return (segment << BRANCH_SHIFT) | branch
 
 
 def training_mask(B: int, T: int, prefix: int, attention_mask_BxT: jax.Array | None,
@@ -67,7 +80,9 @@ def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, wind
     """[B, Q, C] boolean: which of Q queries may see which of C keys."""
     relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
     position_QxC = (relative_QxC >= 0) & ((window == 0) | (relative_QxC < window))
-    segment_BxQxC = (k_segment_BxC[:, None, :] < 0) | (q_segment_BxQ[:, :, None] == k_segment_BxC[:, None, :])
+    q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
+    shared_BxQxC = (k_Bx1xC > 0) & ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC)  # a branch's query, its tree's shared key
+    segment_BxQxC = (k_Bx1xC < 0) | (q_BxQx1 == k_Bx1xC) | shared_BxQxC
     return position_QxC[None] & k_valid_BxC[:, None, :] & segment_BxQxC
 
 
