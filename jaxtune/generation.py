@@ -2,9 +2,10 @@
 
     texts = generate_text(params, cfg, tokenizer, ["Q: 2+2?"], stop_strings=["\n"])  # ["\n"] or one list per row
 Two programs, each compiled once per bucket: `begin` prefills the prompts packed several to a row (`pack_prompts`;
-compute ~ their tokens, not rows x the longest) into a cache of left-padded rows, and `decode_more` runs a
-`lax.while_loop` of decode steps on it (donated) until every row has finished or step `until`. Without stop strings
-one call decodes to the end; with them, chunks of `chunk_steps` steps, the host checking each row's text in between.
+compute ~ their tokens, not rows x the longest; a prefix shared by several prompts once, `prefix_trees`) into a
+cache of left-padded rows, and `decode_more` runs a `lax.while_loop` of decode steps on it (donated) until every
+row has finished or step `until`. Without stop strings one call decodes to the end; with them, chunks of
+`chunk_steps` steps, the host checking each row's text in between.
 Temperature, top-k, top-p, the seed and each row's limit are traced; sampling is transformers' order (`filter_logits`).
 """
 
@@ -24,6 +25,7 @@ from jaxtune.data.formats import render_chat
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapter_rows import adapter_slots
+from jaxtune.models.attention import branch_segment
 from jaxtune.models.kv_cache import (
     KVCache,
     PackedPrompts,
@@ -139,36 +141,82 @@ def rows_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+SHARED_MIN = 8  # prompts sharing at least this many first tokens compute them once (`prefix_trees`)
+TREE_ROW = 2048  # the widest packed row a prefix tree may take when the prompts are shorter
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def prefix_trees(prompts: Sequence[Sequence[int]], members: Sequence[int], cap: int) -> list[tuple[int, list[int]]]:
+    """(shared tokens c, prompt indices) per tree: `members` grouped so that each group's prompts begin with the
+    same c >= SHARED_MIN tokens (c = 0: one prompt alone), each keeps at least one token of its own, and c plus
+    every member's rest fits in `cap`. Greedy over the prompts in sorted order: a prompt joins the open group while
+    the tokens saved do not drop (n members sharing c save (n - 1) c)."""
+    order = sorted(members, key=lambda i: list(prompts[i]))
+    groups: list[tuple[int, list[int]]] = []
+    for i in order:
+        if groups:
+            c, group = groups[-1]
+            shared = min(_common(prompts[group[0]], prompts[i]), c if len(group) > 1 else len(prompts[group[0]]) - 1,
+                         len(prompts[i]) - 1)
+            size = shared + sum(len(prompts[j]) - shared for j in (*group, i))
+            if shared >= SHARED_MIN and len(group) * shared >= (len(group) - 1) * c and size <= cap:
+                groups[-1] = (shared, group + [i])
+                continue
+        groups.append((0, [i]))
+    return [(c if len(group) > 1 else 0, group) for c, group in groups]
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefix: int = 0,
-                 adapter_B: np.ndarray | None = None, one_per_row: bool = False) -> PackedPrompts:
+                 adapter_B: np.ndarray | None = None, one_per_row: bool = False, share: bool = False
+                 ) -> PackedPrompts:
     """The prompts packed for `kv_cache.prefill_packed` (numpy arrays): rows of `width` tokens filled best-fit by
     decreasing length (`data.batching.pack_plan`), only prompts of one adapter to a row (adapter_B: [batch] slots,
     or None), `rows_bucket` rows; cache rows `batch`, prompt slots `width`; positions from `prefix` (P).
 
-    one_per_row: each prompt alone, right-aligned, as the cache holds it (prefix tuning under a sliding window,
-    which counts slots: there a later segment would see fewer prefix keys than the cache's decode steps do)."""
+    share: prompts that begin alike (`prefix_trees`) are packed as a prefix tree (`attention.branch_segment`), the
+    shared tokens once, in rows of up to max(width, TREE_ROW) tokens; only where no sliding window is narrower
+    than that (a branch's slots run past its positions). one_per_row: each prompt alone, right-aligned, as the
+    cache holds it (prefix tuning under a sliding window, which counts slots: there a later segment would see fewer
+    prefix keys than the cache's decode steps do)."""
     lengths = [len(p) for p in prompts]
     groups: dict[int, list[int]] = {}
     for i in range(len(prompts)):
         groups.setdefault(0 if adapter_B is None else int(adapter_B[i]), []).append(i)
+    cap = max(width, TREE_ROW) if share else width
+    trees = [tree for members in groups.values()
+             for tree in (prefix_trees(prompts, members, cap) if share else [(0, [i]) for i in members])]
+    sizes = [c + sum(lengths[i] - c for i in members) for c, members in trees]
+    T = min(bucket(max(sizes), MIN_BUCKET), cap) if share else width
     rows, row_adapter = [], []
-    for slot, members in groups.items():
-        plan = ([[i] for i in members] if one_per_row
-                else [[members[j] for j in row] for row in pack_plan([lengths[i] for i in members], width)])
+    for slot in groups:
+        mine = [t for t, (_, members) in enumerate(trees) if adapter_B is None or int(adapter_B[members[0]]) == slot]
+        plan = ([[t] for t in mine] if one_per_row
+                else [[mine[j] for j in row] for row in pack_plan([sizes[t] for t in mine], T)])
         rows += plan
         row_adapter += [slot] * len(plan)
     R = rows_bucket(len(rows))
-    tokens, positions, segments = (np.zeros((R, width), np.int32) for _ in range(3))
+    tokens, positions, segments = (np.zeros((R, T), np.int32) for _ in range(3))
     source, last = np.full((batch, width), -1, np.int32), np.zeros(batch, np.int32)
-    for r, members in enumerate(rows):
-        at = width - lengths[members[0]] if one_per_row else 0
-        for segment, i in enumerate(members, start=1):
-            n = lengths[i]
-            tokens[r, at: at + n], positions[r, at: at + n], segments[r, at: at + n] = prompts[i], \
-                prefix + np.arange(n), segment
-            source[i, width - n:] = r * width + at + np.arange(n)
-            last[i] = r * width + at + n - 1
-            at += n
+    for r, row in enumerate(rows):
+        at = T - sizes[row[0]] if one_per_row else 0
+        for segment, t in enumerate(row, start=1):
+            c, members = trees[t]
+            first = prompts[members[0]]
+            tokens[r, at: at + c], positions[r, at: at + c], segments[r, at: at + c] = first[:c], \
+                prefix + np.arange(c), segment
+            shared, at = r * T + at + np.arange(c), at + c
+            for branch, i in enumerate(members, start=1):
+                n = lengths[i] - c
+                tokens[r, at: at + n], positions[r, at: at + n] = prompts[i][c:], prefix + c + np.arange(n)
+                segments[r, at: at + n] = branch_segment(segment, branch) if c else segment
+                source[i, width - lengths[i]:] = np.concatenate([shared, r * T + at + np.arange(n)])
+                last[i] = r * T + at + n - 1
+                at += n
     adapter_R = None if adapter_B is None else np.pad(np.asarray(row_adapter, np.int32), (0, R - len(rows)))
     return PackedPrompts(tokens, positions, segments, source, last, adapter_R)
 
@@ -243,7 +291,9 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     B = bucket(len(prompts))
     W = min(bucket(max(len(p) for p in prompts), MIN_BUCKET), context - P - N)
     adapter_B = adapter_slots(params, method, adapter_of_row, len(prompts), B)
-    packed = pack_prompts(prompts, B, W, P, adapter_B, one_per_row=bool(P and any(cfg.sliding_windows)))
+    one_per_row = bool(P and any(cfg.sliding_windows))
+    share = not one_per_row and all(w == 0 or w >= max(W, TREE_ROW) for w in cfg.sliding_windows)
+    packed = pack_prompts(prompts, B, W, P, adapter_B, one_per_row, share)
     live_B = np.arange(B) < len(prompts)  # rows added to fill the batch bucket start finished
     limit_B = np.pad(np.asarray(limits, np.int32), (0, B - len(prompts)))
     is_stop_V = np.zeros(cfg.vocab_size, bool)
@@ -296,7 +346,8 @@ def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts:
     {"role", "content"} messages) is rendered by the tokenizer's chat template with the assistant's generation
     prompt and encoded without them (the template writes its own), as transformers' `apply_chat_template` does.
     Generation stops at the tokenizer's or the model's EOS. stop_strings: one list for every prompt, or one list per
-    prompt; a row whose decoded text holds one stops decoding at the end of that chunk of `chunk_steps` steps.
+    prompt; a row whose decoded text holds one stops decoding at the end of that chunk of `chunk_steps` steps, or at
+    once where the strings are the same for every row and one token's own text holds one.
     adapter_of_row, max_new_tokens_of_row: as for `generate`.
     """
     if isinstance(prompts, str):
@@ -310,12 +361,15 @@ def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         return any(s in text for s in stops[row])
 
-    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), method=method, options=options,
-                   adapter_of_row=adapter_of_row, max_new_tokens_of_row=max_new_tokens_of_row,
-                   stop_when=stop_when if any(stops) else None, chunk_steps=chunk_steps)
+    # One stop set for all rows: a token whose own text holds a stop string ends its row at once (kept, then cut).
+    stop_ids = tokenizer.tokens_containing(stops[0]) if len(set(stops)) == 1 else []
+    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), stop_token_ids=stop_ids, include_stop=True,
+                   method=method, options=options, adapter_of_row=adapter_of_row,
+                   max_new_tokens_of_row=max_new_tokens_of_row, stop_when=stop_when if any(stops) else None,
+                   chunk_steps=chunk_steps)
     texts = []
     for tokens, row_stops in zip(new, stops):
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        text = tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in eos else tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in row_stops if s in text]
         texts.append(text[: min(cuts)] if cuts else text)
     return texts

@@ -14,6 +14,7 @@ from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate, generate_text, pack_prompts, rows_bucket
 from jaxtune.methods.transform import apply_method
+from jaxtune.models.attention import BRANCH_SHIFT
 from jaxtune.models.kv_cache import decode_step, prefill, prefill_packed, prefix_length
 
 jit_prefill = jax.jit(prefill, static_argnames=("cfg", "cache_size", "method", "options"))
@@ -86,26 +87,54 @@ def test_prompts_pack_into_fewer_rows():
         assert one.source_BxW[i, 16 - len(p):].tolist() == list(range(16 * i + 16 - len(p), 16 * (i + 1)))
 
 
-def test_packed_prefill_equals_the_left_padded_prefill(model):
-    """The same cache (keys and values of every valid slot, which slots are valid, next positions) and last-token
-    logits, with a sliding window (6) shorter than the prompts and with prefix tuning (packed without a window,
-    one prompt a row under one)."""
-    cfg, params, method = model
-    batch = prompts(cfg.vocab_size)
-    P, T, size = prefix_length(params), 16, prefix_length(params) + 16 + N
+def assert_same_prefill(params, cfg, method, batch, packed, T):
+    """The packed prefill's cache (keys and values of every valid slot, which slots are valid, next positions) and
+    last-token logits equal the left-padded prefill's."""
+    P = prefix_length(params)
+    size = P + T + N
     ids, mask = left_padded(batch, T)
     logits, cache = jit_prefill(params, jnp.asarray(ids), cfg, jnp.asarray(mask), cache_size=size, method=method)
-    packed = pack_prompts(batch, 8, T, P, one_per_row=bool(P and any(cfg.sliding_windows)))
-    assert packed.tokens_RxT.shape[0] == (rows_bucket(len(batch)) if P and any(cfg.sliding_windows) else 4)
     packed_logits, packed_cache = jit_packed(params, packed, cfg, cache_size=size, method=method)
-    valid = np.asarray(cache.valid_BxS)
+    valid, B = np.asarray(cache.valid_BxS), len(batch)
     np.testing.assert_array_equal(np.asarray(packed_cache.valid_BxS), valid)
-    np.testing.assert_array_equal(np.asarray(packed_cache.next_position_B)[:7], np.asarray(cache.next_position_B)[:7])
+    np.testing.assert_array_equal(np.asarray(packed_cache.next_position_B)[:B], np.asarray(cache.next_position_B)[:B])
     assert int(packed_cache.length) == int(cache.length) == P + T
     for new, old in ((packed_cache.k, cache.k), (packed_cache.v, cache.v)):
         new, old = (np.moveaxis(np.asarray(a), 3, 2) for a in (new, old))  # [L, B, S, K, hd]
         assert np.abs(new[:, valid] - old[:, valid]).max() <= 1e-5
-    assert np.abs(np.asarray(packed_logits)[:7] - np.asarray(logits)[:7]).max() <= 1e-4
+    assert np.abs(np.asarray(packed_logits)[:B] - np.asarray(logits)[:B]).max() <= 1e-4
+
+
+def test_packed_prefill_equals_the_left_padded_prefill(model):
+    """With a sliding window (6) shorter than the prompts and with prefix tuning (packed without a window, one
+    prompt a row under one)."""
+    cfg, params, method = model
+    batch = prompts(cfg.vocab_size)
+    P = prefix_length(params)
+    packed = pack_prompts(batch, 8, 16, P, one_per_row=bool(P and any(cfg.sliding_windows)))
+    assert packed.tokens_RxT.shape[0] == (rows_bucket(len(batch)) if P and any(cfg.sliding_windows) else 4)
+    assert_same_prefill(params, cfg, method, batch, packed, 16)
+
+
+def test_prompts_sharing_a_prefix_compute_it_once(model):
+    """Prompts that begin alike (12 tokens, 10 for one; one prompt is that beginning, one repeats another) are packed
+    as a prefix tree, its shared tokens once, where no sliding window is narrower than a row; the prefill and the
+    greedy tokens are those of each prompt alone."""
+    cfg, params, method = model
+    rng = np.random.RandomState(3)
+    extra = lambda n: rng.randint(0, cfg.vocab_size, n).tolist()  # noqa: E731
+    base = extra(12)
+    batch = [base + extra(1), base + extra(3), base[:10] + extra(4), base, base + extra(5), extra(6)]
+    batch.append(list(batch[1]))
+    P = prefix_length(params)
+    share = not any(cfg.sliding_windows)
+    packed = pack_prompts(batch, 8, 32, P, share=share)
+    assert (packed.segments_RxT >= 2 ** BRANCH_SHIFT).any() == share
+    # six prompts share 10 tokens (saving 50), more than five sharing 12 (48)
+    assert (packed.segments_RxT > 0).sum() == sum(map(len, batch)) - (5 * 10 if share else 0)
+    assert_same_prefill(params, cfg, method, batch, packed, 32)
+    ours = generate(params, cfg, batch, SamplingConfig(max_new_tokens=N), eos_ids=(), method=method)
+    assert ours == left_padded_greedy(params, cfg, batch, N, method)
 
 
 def test_greedy_tokens_equal_the_left_padded_engine(model):
@@ -163,6 +192,11 @@ def test_stop_strings_per_row_equal_generating_to_the_end_then_cutting(tiny):
     shared = [per_row[0][0], per_row[3][0]]
     assert (generate_text(params, cfg, tokenizer, texts_in, sampling, stop_strings=shared, chunk_steps=5)
             == [cut(text, shared) for text in full])
+    # a one-character stop string is a token's whole text: its rows end at that token, within a chunk
+    char = next(c for c in full[1] if c.isascii() and c.isprintable())
+    assert tokenizer.tokens_containing([char, "two chars"]) == tokenizer.encode(char, add_special_tokens=False)
+    assert (generate_text(params, cfg, tokenizer, texts_in, sampling, stop_strings=[char], chunk_steps=24)
+            == [cut(text, [char]) for text in full])
 
 
 def test_each_row_has_its_own_limit(tiny):

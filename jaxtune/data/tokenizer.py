@@ -10,6 +10,7 @@ token, EOS pads. The built-in tokenizer (`Tokenizer.byte_level`) is a byte-level
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -80,6 +81,16 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def tokens_containing(self, strings) -> list[int]:
+        """Ids of the tokens whose own text (special tokens skipped) holds one of `strings`: a text that ends with
+        such a token holds that string, so generation may stop there (a string spread over tokens is not found)."""
+        strings = tuple(s for s in strings if s)
+        return [i for i, text in enumerate(self._texts()) if any(s in text for s in strings)] if strings else []
+
+    @functools.cache  # noqa: B019 (one decode of the vocabulary per tokenizer, kept as long as it is)
+    def _texts(self) -> list[str]:
+        return self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
 
     def save(self, directory: str | Path) -> None:
         """Write `tokenizer.json` and a `tokenizer_config.json` naming the special tokens."""

@@ -204,12 +204,15 @@ class JaxtuneLM(TemplateLM):
             stops = [s for s in until if s]
             stop_when = lambda _, tokens: any(s in self.tokenizer.decode(tokens, skip_special_tokens=True)
                                               for s in stops)  # a row stops decoding once its text has one
+            stop_ids = self.tokenizer.tokens_containing(stops)  # ends a row at once: its text holds a stop string
             for start in range(0, len(order), self.batch_rows):
                 batch = order[start: start + self.batch_rows]
                 with self._traced():
                     new = generate(self.params, self.cfg, [ids[i] for i in batch], sampling, eos_ids=[self._eot],
-                                   method=self.method, options=self.options, stop_when=stop_when)
+                                   stop_token_ids=stop_ids, include_stop=True, method=self.method,
+                                   options=self.options, stop_when=stop_when)
                 for i, tokens in zip(batch, new):
+                    tokens = tokens[:-1] if tokens and tokens[-1] == self._eot else tokens
                     text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until,
                                                       None)
                     results[i] = text
