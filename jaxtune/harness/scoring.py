@@ -102,11 +102,11 @@ def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequ
     cap = bucket(2 * max(lengths), 16)
     shared = (not alone and context_ways() == 1 and cap < 2 ** BRANCH_SHIFT // 2
               and all(w == 0 or w >= cap for w in cfg.sliding_windows))
+    size = lambda tree: len(tree[0]) + sum(len(requests[i][1]) - 1 for i in tree[1])  # noqa: E731
     trees = _trees(requests, shared)
-    sizes = [len(ctx) + sum(len(requests[i][1]) - 1 for i in members) for ctx, members in trees]
-    T = min(bucket(max(sizes), 16), cap)
+    T = min(bucket(max(map(size, trees)), 16), cap)
     trees = _split(trees, requests, T)
-    sizes = [len(ctx) + sum(len(requests[i][1]) - 1 for i in members) for ctx, members in trees]
+    sizes = [size(tree) for tree in trees]
     if any(len(members) > 1 for _, members in trees):
         options = dataclasses.replace(options, attention="blockwise")  # fused kernels know plain segments only
     rows = [[i] for i in np.argsort(sizes)[::-1]] if alone else pack_rows(sizes, T)
