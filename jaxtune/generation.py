@@ -25,7 +25,7 @@ from jaxtune.data.formats import render_chat
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapter_rows import adapter_slots
-from jaxtune.models.attention import branch_segment
+from jaxtune.models.attention import MAX_BRANCHES, branch_segment
 from jaxtune.models.kv_cache import (
     KVCache,
     PackedPrompts,
@@ -151,11 +151,14 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def prefix_trees(prompts: Sequence[Sequence[int]], members: Sequence[int], cap: int) -> list[tuple[int, list[int]]]:
+def prefix_trees(prompts: Sequence[Sequence[int]], members: Sequence[int], cap: int,
+                 extra: Sequence[int] | None = None, min_shared: int = SHARED_MIN) -> list[tuple[int, list[int]]]:
     """(shared tokens c, prompt indices) per tree: `members` grouped so that each group's prompts begin with the
-    same c >= SHARED_MIN tokens (c = 0: one prompt alone), each keeps at least one token of its own, and c plus
-    every member's rest fits in `cap`. Greedy over the prompts in sorted order: a prompt joins the open group while
-    the tokens saved do not drop (n members sharing c save (n - 1) c)."""
+    same c >= min_shared tokens (c = 0: one prompt alone), each keeps at least one token of its own, at most
+    `attention.MAX_BRANCHES` to a group, and c plus every member's rest (and its `extra[i]` tokens) fits in `cap`.
+    Greedy over the prompts in sorted order: a prompt joins the open group while the tokens saved do not drop (n
+    members sharing c save (n - 1) c)."""
+    extra = extra or [0] * len(prompts)
     order = sorted(members, key=lambda i: list(prompts[i]))
     groups: list[tuple[int, list[int]]] = []
     for i in order:
@@ -163,8 +166,9 @@ def prefix_trees(prompts: Sequence[Sequence[int]], members: Sequence[int], cap: 
             c, group = groups[-1]
             shared = min(_common(prompts[group[0]], prompts[i]), c if len(group) > 1 else len(prompts[group[0]]) - 1,
                          len(prompts[i]) - 1)
-            size = shared + sum(len(prompts[j]) - shared for j in (*group, i))
-            if shared >= SHARED_MIN and len(group) * shared >= (len(group) - 1) * c and size <= cap:
+            size = shared + sum(len(prompts[j]) - shared + extra[j] for j in (*group, i))
+            if (shared >= min_shared and len(group) * shared >= (len(group) - 1) * c and size <= cap
+                    and len(group) < MAX_BRANCHES):
                 groups[-1] = (shared, group + [i])
                 continue
         groups.append((0, [i]))
@@ -172,8 +176,8 @@ def prefix_trees(prompts: Sequence[Sequence[int]], members: Sequence[int], cap: 
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefix: int = 0,
-                 adapter_B: np.ndarray | None = None, one_per_row: bool = False, share: bool = False
-                 ) -> PackedPrompts:
+                 adapter_B: np.ndarray | None = None, one_per_row: bool = False, share: bool = False,
+                 shape: tuple[int, int] = (0, 0)) -> PackedPrompts:
     """The prompts packed for `kv_cache.prefill_packed` (numpy arrays): rows of `width` tokens filled best-fit by
     decreasing length (`data.batching.pack_plan`), only prompts of one adapter to a row (adapter_B: [batch] slots,
     or None), `rows_bucket` rows; cache rows `batch`, prompt slots `width`; positions from `prefix` (P).
@@ -182,7 +186,8 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
     shared tokens once, in rows of up to max(width, TREE_ROW) tokens; only where no sliding window is narrower
     than that (a branch's slots run past its positions). one_per_row: each prompt alone, right-aligned, as the
     cache holds it (prefix tuning under a sliding window, which counts slots: there a later segment would see fewer
-    prefix keys than the cache's decode steps do)."""
+    prefix keys than the cache's decode steps do). shape: (the fewest rows, the row tokens, which every tree must
+    fit), so that the batches of one call share a shape; (0, 0): their buckets."""
     lengths = [len(p) for p in prompts]
     groups: dict[int, list[int]] = {}
     for i in range(len(prompts)):
@@ -191,7 +196,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
     trees = [tree for members in groups.values()
              for tree in (prefix_trees(prompts, members, cap) if share else [(0, [i]) for i in members])]
     sizes = [c + sum(lengths[i] - c for i in members) for c, members in trees]
-    T = min(bucket(max(sizes), MIN_BUCKET), cap) if share else width
+    T = shape[1] or (min(bucket(max(sizes), MIN_BUCKET), cap) if share else width)
     rows, row_adapter = [], []
     for slot in groups:
         mine = [t for t, (_, members) in enumerate(trees) if adapter_B is None or int(adapter_B[members[0]]) == slot]
@@ -199,7 +204,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
                 else [[mine[j] for j in row] for row in pack_plan([sizes[t] for t in mine], T)])
         rows += plan
         row_adapter += [slot] * len(plan)
-    R = rows_bucket(len(rows))
+    R = max(rows_bucket(len(rows)), shape[0])
     tokens, positions, segments = (np.zeros((R, T), np.int32) for _ in range(3))
     source, last = np.full((batch, width), -1, np.int32), np.zeros(batch, np.int32)
     for r, row in enumerate(rows):
@@ -245,7 +250,8 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              method: MethodConfig | None = None, options: ForwardOptions = ForwardOptions(),
              include_stop: bool = False, adapter_of_row: Sequence[int] | None = None,
              max_new_tokens_of_row: Sequence[int] | None = None,
-             stop_when: Callable[[int, list[int]], bool] | None = None, chunk_steps: int = 16) -> list[list[int]]:
+             stop_when: Callable[[int, list[int]], bool] | None = None, chunk_steps: int = 16,
+             batch_rows: int | None = None) -> list[list[int]]:
     """The new tokens of each prompt: at most `max_new_tokens`, ending before the first EOS or stop token (with
     `include_stop`, ending with it: what a policy-gradient step must credit for stopping).
 
@@ -253,10 +259,12 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     method: the `MethodConfig` whose leaves `params` carries (for its LoRA scale; prefix tuning is found in
     `params`). adapter_of_row: with adapters stacked in `params` (`spine.model.load_adapters`), each prompt's
     adapter slot (0: the base model). max_new_tokens_of_row: each prompt's own limit (default: the sampling's).
-    stop_when(row, its new tokens so far): asked on the host after every `chunk_steps` decode steps for each row
-    still running; True ends that row's decoding (its tokens then run to the end of that chunk). Raises JaxtuneError
-    for no prompts, an empty prompt, an id outside the vocabulary, a bad adapter slot or limit, or a prompt that with
-    its batch's largest limit would run past the model's context (`max_position_embeddings`).
+    stop_when(prompt index, its new tokens so far): asked on the host after every `chunk_steps` decode steps for
+    each row still running; True ends that row's decoding (its tokens then run to the end of that chunk).
+    batch_rows: decode at most this many prompts at once, in their order (the batches share one prefill and one
+    decode shape; default all at once). Raises JaxtuneError for no prompts, an empty prompt, an id outside the
+    vocabulary, a bad adapter slot or limit, or a prompt that with the largest limit would run past the model's
+    context (`max_position_embeddings`).
     """
     if not prompts:
         raise JaxtuneError("no prompts to generate from")
@@ -288,34 +296,47 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     _check_ids(stops, cfg.vocab_size, "EOS and stop tokens")
 
     # The bucket never needs to pass the context: every prompt fits in context - P - N (checked above).
-    B = bucket(len(prompts))
+    rows = len(prompts) if batch_rows is None else min(batch_rows, len(prompts))
+    B = bucket(rows)
     W = min(bucket(max(len(p) for p in prompts), MIN_BUCKET), context - P - N)
-    adapter_B = adapter_slots(params, method, adapter_of_row, len(prompts), B)
+    adapter_of_prompt = adapter_slots(params, method, adapter_of_row, len(prompts), len(prompts))
     one_per_row = bool(P and any(cfg.sliding_windows))
     share = not one_per_row and all(w == 0 or w >= max(W, TREE_ROW) for w in cfg.sliding_windows)
-    packed = pack_prompts(prompts, B, W, P, adapter_B, one_per_row, share)
-    live_B = np.arange(B) < len(prompts)  # rows added to fill the batch bucket start finished
-    limit_B = np.pad(np.asarray(limits, np.int32), (0, B - len(prompts)))
+    batches = [range(at, min(at + rows, len(prompts))) for at in range(0, len(prompts), rows)]
+    adapters = [None if adapter_of_prompt is None else np.pad(adapter_of_prompt[batch], (0, B - len(batch)))
+                for batch in batches]
+    pack = lambda shape: [pack_prompts([prompts[i] for i in batch], B, W, P, adapter_B, one_per_row, share, shape)  # noqa: E731
+                          for batch, adapter_B in zip(batches, adapters)]
+    packs = pack((0, 0))
+    if len(batches) > 1:  # one prefill shape for all: rows of the widest fill, in eighths of its power of two
+        fill = max(int(np.max(np.sum(p.segments_RxT > 0, axis=1))) for p in packs)
+        T = W if one_per_row else max(MIN_BUCKET, rows_bucket(fill))
+        packs = pack((max(p.tokens_RxT.shape[0] for p in pack((0, T))), T))
     is_stop_V = np.zeros(cfg.vocab_size, bool)
     is_stop_V[list(stops)] = True
     sampling_args = (is_stop_V, np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k),
                      np.float32(sampling.top_p), jax.random.key(sampling.seed))
     program = dict(cfg=cfg, method=method, options=options)
-    state = begin(params, packed, live_B, limit_B, **program, cache_size=P + W + N, max_new_tokens=N)
-    until = N if stop_when is None else min(chunk_steps, N)
-    state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program,
-                        greedy=sampling.greedy)
-    while until < N:  # with stop_when: the host reads each chunk's tokens (one transfer) to end rows
-        out_BxN, done_B = jax.device_get((state.out_BxN, state.done_B))
-        done_B = done_B.copy()
-        for row in np.flatnonzero(~done_B):
-            done_B[row] = stop_when(int(row), _new_tokens(out_BxN[row], is_stop_V, False))
-        if done_B.all():
-            break
-        until = min(until + chunk_steps, N)
-        state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
-                            adapter_B, **program, greedy=sampling.greedy)
-    return [_new_tokens(row, is_stop_V, include_stop) for row in np.asarray(state.out_BxN)[: len(prompts)]]
+    new_tokens = []
+    for batch, packed, adapter_B in zip(batches, packs, adapters):
+        live_B = np.arange(B) < len(batch)  # rows added to fill the batch bucket start finished
+        limit_B = np.pad(np.asarray([limits[i] for i in batch], np.int32), (0, B - len(batch)))
+        state = begin(params, packed, live_B, limit_B, **program, cache_size=P + W + N, max_new_tokens=N)
+        until = N if stop_when is None else min(chunk_steps, N)
+        state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program,
+                            greedy=sampling.greedy)
+        while until < N:  # with stop_when: the host reads each chunk's tokens (one transfer) to end rows
+            out_BxN, done_B = jax.device_get((state.out_BxN, state.done_B))
+            done_B = done_B.copy()
+            for row in np.flatnonzero(~done_B):
+                done_B[row] = stop_when(batch[row], _new_tokens(out_BxN[row], is_stop_V, False))
+            if done_B.all():
+                break
+            until = min(until + chunk_steps, N)
+            state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
+                                adapter_B, **program, greedy=sampling.greedy)
+        new_tokens += [_new_tokens(row, is_stop_V, include_stop) for row in np.asarray(state.out_BxN)[: len(batch)]]
+    return new_tokens
 
 
 def _stops_of_rows(stop_strings, rows: int) -> list[tuple[str, ...]]:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import numpy_random_params
 
+from jaxtune import generation
 from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
 from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.data.tokenizer import Tokenizer
@@ -141,6 +142,20 @@ def test_greedy_tokens_equal_the_left_padded_engine(model):
     cfg, params, method = model
     batch = prompts(cfg.vocab_size, seed=1)
     ours = generate(params, cfg, batch, SamplingConfig(max_new_tokens=N), eos_ids=(), method=method)
+    assert ours == left_padded_greedy(params, cfg, batch, N, method)
+
+
+def test_batches_of_one_call_share_one_shape(model, monkeypatch):
+    """batch_rows: the prompts decode a few at a time, every batch one prefill shape (rows and row tokens) and one
+    cache, and each prompt's greedy tokens are those of the left-padded engine."""
+    cfg, params, method = model
+    batch = prompts(cfg.vocab_size, seed=1)
+    shapes = []
+    real = generation.begin
+    monkeypatch.setattr(generation, "begin", lambda params, packed, *a, **kw: shapes.append(
+        (packed.tokens_RxT.shape, packed.source_BxW.shape, kw["cache_size"])) or real(params, packed, *a, **kw))
+    ours = generate(params, cfg, batch, SamplingConfig(max_new_tokens=N), eos_ids=(), method=method, batch_rows=2)
+    assert len(shapes) == -(-len(batch) // 2) and len(set(shapes)) == 1
     assert ours == left_padded_greedy(params, cfg, batch, N, method)
 
 

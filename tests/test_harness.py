@@ -114,13 +114,20 @@ def test_packed_scores_equal_each_requests_own_forward(method, windows, monkeypa
     requests = [(rng.randint(0, 259, t - c).tolist(), rng.randint(0, 259, c).tolist()) for t, c in zip(totals, conts)]
     for ctx in (requests[0][0], requests[5][0]):  # choices of one question: 1 to 4 tokens, one equal to another's
         requests += [(ctx, rng.randint(0, 259, 1 + k % 4).tolist()) for k in range(5)] + [(ctx, requests[-1][1])]
+    fewshot = rng.randint(0, 259, 7).tolist()  # questions after one few-shot prefix: a tree's root, a branch each
+    requests += [(fewshot + rng.randint(0, 259, 2).tolist(), rng.randint(0, 259, 1 + k).tolist())
+                 for _ in range(3) for k in range(3)]
     logits = lambda ids: np.asarray(jit_forward(params, np.asarray([ids]), cfg, method=method)[0], np.float64)
     segments = []
     real = scoring.continuation_logprobs
     monkeypatch.setattr(scoring, "continuation_logprobs",
-                        lambda *args, **kw: segments.append(np.max(args[3])) or real(*args, **kw))
+                        lambda *args, **kw: segments.append(np.asarray(args[3])) or real(*args, **kw))
     got = score_requests(params, cfg, requests, method=method, batch_tokens=64)
-    assert (max(segments) >= 2 ** BRANCH_SHIFT) == (windows == (0, 0))  # branches only where windows allow them
+    trees = windows == (0, 0)
+    assert (max(s.max() for s in segments) >= 2 ** BRANCH_SHIFT) == trees  # branches only where windows allow them
+    roots = [set(row[(row > 0) & (row < 2 ** BRANCH_SHIFT)]) & set(row[row >= 2 ** BRANCH_SHIFT] >> BRANCH_SHIFT)
+             for s in segments for row in s]
+    assert any(roots) == trees  # the few-shot prefix computed once, as a root under several branches
     for (ctx, cont), (logp, greedy) in zip(requests, got):
         x = logits((ctx + cont)[:-1])[-len(cont):]
         log_softmax = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
@@ -143,6 +150,7 @@ def test_lm_eval_api_scores_two_tasks_with_model_jaxtune(model_dir, tasks):
     assert all(logp < 0 for s in mc for ((logp, _),) in s["resps"])
     flat = scores(results)
     assert set(flat) == {"tiny_mc/acc", "tiny_qa/exact_match"} and 0 <= flat["tiny_mc/acc"] <= 1
+    assert results["pretty_env_info"].startswith(f"jax {jax.__version__}")  # not torch's collect_env (seconds)
     via_registry = lm_eval.simple_evaluate(model="jaxtune", model_args=f"model={model_dir},batch_size=2",
                                            tasks=[_absolute(tasks / "tiny_mc.yaml")], log_samples=True,
                                            torch_random_seed=None, bootstrap_iters=0)
@@ -157,9 +165,11 @@ def _absolute(yaml_path: Path) -> dict:
 
 def test_lm_eval_command_line_runs_two_tasks_with_model_jaxtune(model_dir, tasks, tmp_path):
     """lm-eval's own entry point (`cli_evaluate`, here with jaxtune registered: `python -m jaxtune.harness`), as an
-    lm-eval user runs it: two task files, --model jaxtune, results JSON written by lm-eval."""
+    lm-eval user runs it: two task files, --model jaxtune, results JSON written by lm-eval; compile_cache keeps the
+    compiled programs."""
     out = subprocess.run([sys.executable, "-m", "jaxtune.harness", "run", "--model", "jaxtune", "--model_args",
-                          f"model={model_dir}", "--tasks", "tiny_mc.yaml", "tiny_qa.yaml", "--batch_size", "4",
+                          f"model={model_dir},compile_cache={tmp_path / 'xla'}", "--tasks", "tiny_mc.yaml",
+                          "tiny_qa.yaml", "--batch_size", "4",
                           "--output_path", str(tmp_path / "out")], cwd=tasks, env=ENV, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -167,6 +177,7 @@ def test_lm_eval_command_line_runs_two_tasks_with_model_jaxtune(model_dir, tasks
     results = json.loads(written.read_text())
     assert set(results["results"]) == {"tiny_mc", "tiny_qa"} and results["config"]["model"] == "jaxtune"
     assert "|tiny_mc|" in out.stdout.replace(" ", "")
+    assert len(list((tmp_path / "xla").iterdir())) >= 3  # scoring, prefill, decode
 
 
 def test_jaxtune_eval_tasks_writes_results_and_table(model_dir, tasks, tmp_path):

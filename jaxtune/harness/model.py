@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import jax
 from lm_eval.api.model import TemplateLM
@@ -61,22 +62,27 @@ class JaxtuneLM(TemplateLM):
     scoring forward (default 4096). max_length: the context (default the model's). max_gen_toks: default 256.
     add_bos_token: as lm-eval's hf model (default: as the tokenizer adds it). fsdp, tensor: a mesh of fsdp x tensor
     devices the weights are split over (ZeRO-3's and tensor parallelism's layout; default one device).
+    compile_cache: a directory where XLA's compiled programs are kept (JAX's persistent compilation cache, for the
+    whole process), so that a later evaluation with the same shapes loads them instead of compiling.
     """
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, adapter: str | None = None,
                  base: str = "as-trained", compute_dtype: str = "float32", batch_size=16, batch_tokens=4096,
                  max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, add_bos_token=None, fsdp=1, tensor=1,
-                 **unknown):
+                 compile_cache=None, **unknown):
         super().__init__()
         for key in ("device", "max_batch_size", "trust_remote_code", "dtype"):  # lm-eval's defaults for every model
             unknown.pop(key, None)
         if unknown:
             raise JaxtuneError(f"model_args: unknown key {sorted(unknown)[0]!r} (jaxtune takes model, adapter, base, "
                                "compute_dtype, batch_size, batch_tokens, max_length, max_gen_toks, add_bos_token, "
-                               "fsdp, tensor)")
+                               "fsdp, tensor, compile_cache)")
         path = model or pretrained
         if not path:
             raise JaxtuneError("model_args: model=DIR_OR_GGUF is required (a Hugging Face directory or .gguf file)")
+        if compile_cache:
+            jax.config.update("jax_compilation_cache_dir", str(Path(compile_cache).expanduser()))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # each program: a second or less
         ways = {"fsdp": _as_int("fsdp", fsdp), "tensor": _as_int("tensor", tensor)}
         if ways["fsdp"] * ways["tensor"] > len(jax.devices()):
             raise JaxtuneError(f"model_args: fsdp={ways['fsdp']} x tensor={ways['tensor']} needs more devices than "
@@ -188,7 +194,7 @@ class JaxtuneLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each context's continuation up to the first of its `until` strings (and EOS), greedy unless the request
-        samples; requests with the same generation arguments share batches, longest first."""
+        samples; requests with the same generation arguments share batches (one prefill shape), in token order."""
         eos_text = self.tokenizer.decode([self._eot], skip_special_tokens=False)
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
@@ -200,23 +206,20 @@ class JaxtuneLM(TemplateLM):
             max_new = int(kwargs.pop("max_gen_toks"))
             sampling = self._sampling(kwargs, max_new)
             ids = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in members}
-            order = sorted(members, key=lambda i: -len(ids[i]))
+            order = sorted(members, key=lambda i: ids[i])  # neighbours in a batch share the longest prefixes
             stops = [s for s in until if s]
             stop_when = lambda _, tokens: any(s in self.tokenizer.decode(tokens, skip_special_tokens=True)
                                               for s in stops)  # a row stops decoding once its text has one
             stop_ids = self.tokenizer.tokens_containing(stops)  # ends a row at once: its text holds a stop string
-            for start in range(0, len(order), self.batch_rows):
-                batch = order[start: start + self.batch_rows]
-                with self._traced():
-                    new = generate(self.params, self.cfg, [ids[i] for i in batch], sampling, eos_ids=[self._eot],
-                                   stop_token_ids=stop_ids, include_stop=True, method=self.method,
-                                   options=self.options, stop_when=stop_when)
-                for i, tokens in zip(batch, new):
-                    tokens = tokens[:-1] if tokens and tokens[-1] == self._eot else tokens
-                    text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until,
-                                                      None)
-                    results[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            with self._traced():
+                new = generate(self.params, self.cfg, [ids[i] for i in order], sampling, eos_ids=[self._eot],
+                               stop_token_ids=stop_ids, include_stop=True, method=self.method, options=self.options,
+                               stop_when=stop_when, batch_rows=self.batch_rows)
+            for i, tokens in zip(order, new):
+                tokens = tokens[:-1] if tokens and tokens[-1] == self._eot else tokens
+                text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)
+                results[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return results
 
     def _sampling(self, kwargs: dict, max_new_tokens: int) -> SamplingConfig:

@@ -1,10 +1,11 @@
 """Log-likelihoods of many (context, continuation) token requests, packed: `score_requests`.
 
 Each request's input, (context + continuation)[:-1] as lm-eval's causal models feed it, is computed in packed rows
-(RoPE positions restart per segment, attention stays inside it), rows first-fit by length, longest first. Requests
-that share a context (a question's choices) share one computation of it: the context, then each continuation as a
-branch of a prefix tree (`attention.branch_segment`). One forward per batch of rows; only the continuation
-positions go through the head, so a request costs its own tokens, never a [tokens, vocab] block for its context.
+(RoPE positions restart per segment, attention stays inside it), rows first-fit by length, longest first. Shared
+tokens are computed once, as a prefix tree (`attention.branch_segment`): its root the first tokens several contexts
+share (a few-shot prefix, a task's question template), a branch per context, a leaf per continuation (a question's
+choices). One forward per batch of rows; only the continuation positions go through the head, so a request costs
+its own tokens, never a [tokens, vocab] block for its context.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.data.batching import bucket
-from jaxtune.models.attention import BRANCH_SHIFT, branch_segment
+from jaxtune.generation import prefix_trees
+from jaxtune.models.attention import BRANCH_SHIFT, MAX_BRANCHES, branch_segment
 from jaxtune.models.head import head_logits
 from jaxtune.models.kv_cache import prefix_length
 from jaxtune.models.llama import decoder
@@ -60,18 +62,20 @@ def pack_rows(lengths: Sequence[int], row_length: int) -> list[list[int]]:
     return rows
 
 
-def _trees(requests, shared: bool) -> list[tuple[list[int], list[int]]]:
-    """(context ids, request indices) per computation: requests with equal contexts together if `shared`."""
+def _contexts(requests, shared: bool) -> list[tuple[list[int], list[int]]]:
+    """(context ids, request indices) per context: requests with equal contexts together if `shared`, cut so that
+    each holds at most MAX_BRANCHES requests."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(requests):
         groups.setdefault(tuple(ctx) if shared else (i,), []).append(i)
-    return [(list(requests[members[0]][0]), members) for members in groups.values()]
+    return [(list(requests[members[0]][0]), members[at: at + MAX_BRANCHES])
+            for members in groups.values() for at in range(0, len(members), MAX_BRANCHES)]
 
 
-def _split(trees, requests, cap: int) -> list[tuple[list[int], list[int]]]:
-    """The trees cut so that each holds at most `cap` tokens (its context once, each branch's continuation[:-1])."""
+def _split(contexts, requests, cap: int) -> list[tuple[list[int], list[int]]]:
+    """The contexts cut so that each holds at most `cap` tokens (itself once, each request's continuation[:-1])."""
     pieces = []
-    for ctx, members in trees:
+    for ctx, members in contexts:
         piece, size = [], len(ctx)
         for i in members:
             n = len(requests[i][1]) - 1
@@ -90,24 +94,27 @@ def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequ
     """(sum of log p(continuation | context), whether every continuation token is the greedy one) per request.
 
     requests: (context ids, continuation ids), both non-empty, together at most the model's context + 1 tokens
-    (lm-eval truncates on the left before this). Equal contexts are computed once (a prefix tree; with the
-    blockwise attention kernel), except under a sliding window narrower than a row or with a context mesh axis;
-    with prefix tuning on a model with sliding windows, one request a row. batch_tokens: tokens a forward (rows x
-    row length) at least; the row length is the power-of-two bucket of the largest tree, at most twice the longest
-    request's. Every batch is dispatched before the first is read; progress(n) is told as n requests finish.
+    (lm-eval truncates on the left before this). Shared computation, with the blockwise attention kernel: a prefix
+    tree per row piece, its root the first tokens several contexts share (a few-shot prefix), a branch per context,
+    a leaf per continuation; except under a sliding window narrower than a row or with a context mesh axis. With
+    prefix tuning on a model with sliding windows, one request a row. batch_tokens: tokens a forward (rows x row
+    length) at least; the row length is the power-of-two bucket of the largest tree, at most 2 x bucket(2 x the
+    longest request). Every batch is dispatched before the first is read; progress(n) is told as n requests finish.
     """
     lengths = [len(ctx) + len(cont) - 1 for ctx, cont in requests]
     P = prefix_length(params)
     alone = bool(P and any(cfg.sliding_windows))  # a window counts slots: later segments would lose the prefix keys
-    cap = bucket(2 * max(lengths), 16)
-    shared = (not alone and context_ways() == 1 and cap < 2 ** BRANCH_SHIFT // 2
-              and all(w == 0 or w >= cap for w in cfg.sliding_windows))
-    size = lambda tree: len(tree[0]) + sum(len(requests[i][1]) - 1 for i in tree[1])  # noqa: E731
-    trees = _trees(requests, shared)
-    T = min(bucket(max(map(size, trees)), 16), cap)
-    trees = _split(trees, requests, T)
-    sizes = [size(tree) for tree in trees]
-    if any(len(members) > 1 for _, members in trees):
+    row = bucket(2 * max(lengths), 16)
+    narrowest = min([w for w in cfg.sliding_windows if w], default=2 * row)  # no slot of a row may leave a window
+    shared = not alone and context_ways() == 1 and 2 * row < 2 ** BRANCH_SHIFT // 2 and narrowest >= row
+    cap = min(2 * row, narrowest) if shared else row  # room for a tree of several questions
+    contexts = _split(_contexts(requests, shared), requests, cap)
+    extra = [sum(len(requests[i][1]) - 1 for i in members) for _, members in contexts]
+    trees = (prefix_trees([ctx for ctx, _ in contexts], range(len(contexts)), cap, extra, min_shared=1) if shared
+             else [(0, [t]) for t in range(len(contexts))])
+    sizes = [c + sum(len(contexts[t][0]) - c + extra[t] for t in branches) for c, branches in trees]
+    T = min(bucket(max(sizes), 16), cap)
+    if shared:
         options = dataclasses.replace(options, attention="blockwise")  # fused kernels know plain segments only
     rows = [[i] for i in np.argsort(sizes)[::-1]] if alone else pack_rows(sizes, T)
     most = max(1, batch_tokens // T)
@@ -116,23 +123,29 @@ def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequ
     for start in range(0, len(rows), R):
         tokens, positions, segments = (np.zeros((R, T), np.int32) for _ in range(3))
         picks, targets, owner = [], [], []
+
+        def put(r, at, ids, first, segment):  # ids at row r from slot `at`, RoPE positions from `first`
+            n = len(ids)
+            tokens[r, at: at + n], positions[r, at: at + n], segments[r, at: at + n] = ids, P + first + np.arange(n), \
+                segment
+            return at + n
+
         for r, members in enumerate(rows[start: start + R]):
             at = 0
             for segment, t in enumerate(members, start=1):
-                ctx, branches = trees[t]
-                n = len(ctx)
-                tokens[r, at: at + n], positions[r, at: at + n], segments[r, at: at + n] = ctx, P + np.arange(n), \
-                    segment
-                last, at = r * T + at + n - 1, at + n  # the context's last token: it predicts each cont[0]
-                for branch, i in enumerate(branches, start=1):
-                    cont = list(requests[i][1])
-                    m = len(cont) - 1
-                    tokens[r, at: at + m], positions[r, at: at + m] = cont[:-1], P + n + np.arange(m)
-                    segments[r, at: at + m] = branch_segment(segment, branch) if len(branches) > 1 else segment
-                    picks += [last, *range(r * T + at, r * T + at + m)]
-                    targets += cont
-                    owner += [i] * len(cont)
-                    at += m
+                c, branches = trees[t]
+                at = put(r, at, contexts[branches[0]][0][:c], 0, segment)
+                for branch, b in enumerate(branches, start=1):
+                    ctx, leaves = contexts[b]
+                    at = put(r, at, ctx[c:], c, branch_segment(segment, branch) if shared else segment)
+                    last = r * T + at - 1  # the context's last token: it predicts each cont[0]
+                    for leaf, i in enumerate(leaves, start=1):
+                        cont = list(requests[i][1])
+                        picks += [last, *range(r * T + at, r * T + at + len(cont) - 1)]
+                        at = put(r, at, cont[:-1], len(ctx), branch_segment(segment, branch, leaf) if shared
+                                 else segment)
+                        targets += cont
+                        owner += [i] * len(cont)
         batches.append((tokens, positions, segments, picks, targets, np.asarray(owner)))
     C = -(-max(len(b[3]) for b in batches) // 128) * 128  # one shape for every batch: one compile
     pending = []

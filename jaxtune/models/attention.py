@@ -39,16 +39,19 @@ class AttentionMask(NamedTuple):
     k_slot_S: jax.Array
 
 
-BRANCH_SHIFT = 16  # a prefix tree's branch ids: (segment << BRANCH_SHIFT) | branch
+BRANCH_SHIFT = 16  # a prefix tree's ids: (segment << BRANCH_SHIFT) | (branch << LEAF_BITS) | leaf
+LEAF_BITS = 8
+MAX_BRANCHES = 2**LEAF_BITS - 1  # branches of a tree, and leaves of a branch
 
 
-def branch_segment(segment, branch):
-    """The segment id of branch `branch` (1 .. 2**16 - 1) of segment `segment` (1 .. 2**15 - 1): a prefix tree in one
-    packed row. The segment's shared tokens come first (id `segment`), then each branch's; a branch's tokens see the
-    shared ones and their own (causally), not other branches', and take RoPE positions after the shared ones, so
-    each branch computes as shared + branch alone would (requests sharing a context, prompts sharing a prefix).
+def branch_segment(segment, branch, leaf=0):
+    """The segment id of branch `branch` (1 .. 255) of segment `segment` (1 .. 2**15 - 1), or of that branch's leaf
+    `leaf` (1 .. 255): a prefix tree in one packed row. The segment's shared tokens come first (id `segment`), then
+    each branch's, then its leaves'; a token sees its own id's tokens (causally) and its ancestors', not its
+    siblings', and takes RoPE positions after its ancestors' tokens, so each path computes as its tokens alone would
+    (prompts sharing a prefix; requests sharing a few-shot prefix, then a question, then each choice).
     Needs the blockwise kernel and slots that do not feed a sliding window (a branch's slots run past its position)."""
-    return (segment << BRANCH_SHIFT) | branch
+    return (segment << BRANCH_SHIFT) | (branch << LEAF_BITS) | leaf
 
 
 def training_mask(B: int, T: int, prefix: int, attention_mask_BxT: jax.Array | None,
@@ -81,7 +84,8 @@ def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, wind
     relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
     position_QxC = (relative_QxC >= 0) & ((window == 0) | (relative_QxC < window))
     q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
-    shared_BxQxC = (k_Bx1xC > 0) & ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC)  # a branch's query, its tree's shared key
+    ancestor_BxQxC = ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC) | ((q_BxQx1 & -(2**LEAF_BITS)) == k_Bx1xC)
+    shared_BxQxC = (k_Bx1xC > 0) & (q_BxQx1 >= 2**BRANCH_SHIFT) & ancestor_BxQxC  # a branch's or leaf's ancestors
     segment_BxQxC = (k_Bx1xC < 0) | (q_BxQx1 == k_Bx1xC) | shared_BxQxC
     return position_QxC[None] & k_valid_BxC[:, None, :] & segment_BxQxC
 
