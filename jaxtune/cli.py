@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=float, help="with --tasks: examples a task at most (a fraction if < 1)")
     evaluate.add_argument("--num-fewshot", type=int, help="with --tasks: few-shot examples (default: the task's)")
     evaluate.add_argument("--model-args", metavar="K=V,...", help="with --tasks: more of the lm-eval model's settings "
-                          "(compute_dtype, batch_tokens, max_gen_toks, add_bos_token; see docs/evaluation.md)")
+                          "(compute_dtype, batch_tokens, max_gen_toks, add_bos_token, compile_cache; see "
+                          "docs/evaluation.md)")
     evaluate.add_argument("--output", metavar="FILE.json", help="with --tasks: lm-eval's results JSON (a .md table "
                           "beside it; default eval_results/results_<time>.json)")
     evaluate.add_argument("--max-seq-len", type=int, help="a cap, not a padding target: longer examples are cut, "

@@ -7,15 +7,32 @@ from __future__ import annotations
 import json
 import logging
 import math
+import platform
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
+from unittest import mock
 
+import jax
+import jaxlib
 import lm_eval
+import lm_eval.evaluator
 from lm_eval.utils import handle_non_serializable, make_table
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.harness.model import JaxtuneLM
 from jaxtune.harness.tasks import task_specs
+
+
+def _environment(storage: dict) -> None:
+    """lm-eval's environment record for jaxtune's model: jax's versions and devices, in place of torch's collect_env
+    (imports torch and transformers, runs pip and nvidia-smi: seconds an evaluation, about a library not used)."""
+    devices = jax.devices()
+    storage.update({"pretty_env_info": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, {len(devices)} x "
+                                       f"{devices[0].device_kind} ({devices[0].platform}), python "
+                                       f"{platform.python_version()}, {platform.platform()}",
+                    "transformers_version": "N/A (jaxtune's model)", "lm_eval_version": version("lm_eval"),
+                    "upper_git_hash": None})
 
 
 def evaluate_tasks(lm: JaxtuneLM, tasks: Sequence[str], *, limit: float | None = None,
@@ -24,16 +41,18 @@ def evaluate_tasks(lm: JaxtuneLM, tasks: Sequence[str], *, limit: float | None =
     """lm-eval's results object (`results`, `groups`, `configs`, `versions`, `n-shot`, ...) of `tasks` (names, task
     YAML files or bundled tasks: `harness.tasks.task_specs`) scored by `lm`.
 
-    limit: examples a task at most (a fraction of it if < 1), as lm-eval's --limit.
+    limit: examples a task at most (a fraction of it if < 1), as lm-eval's --limit. The results' environment record
+    is jax's (`_environment`).
     """
     specs, manager = task_specs(tasks)
     if quiet:
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-            apply_chat_template=apply_chat_template, log_samples=log_samples, torch_random_seed=None,
-            bootstrap_iters=0 if quiet else 100000)
+        with mock.patch.object(lm_eval.evaluator, "add_env_info", _environment):
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                apply_chat_template=apply_chat_template, log_samples=log_samples, torch_random_seed=None,
+                bootstrap_iters=0 if quiet else 100000)
     except JaxtuneError:
         raise
     except (FileNotFoundError, ValueError, KeyError) as e:  # a task's data or config, as lm-eval/datasets say it
