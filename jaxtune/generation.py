@@ -278,6 +278,8 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         raise JaxtuneError(f"max_new_tokens_of_row[{bad}] = {limits[bad]!r}: must be an integer >= 1")
     if chunk_steps < 1:
         raise JaxtuneError(f"chunk_steps = {chunk_steps}: must be >= 1")
+    if batch_rows is not None and batch_rows < 1:
+        raise JaxtuneError(f"batch_rows = {batch_rows}: must be >= 1")
     N = int(max(limits))
     P = prefix_length(params)
     context = cfg.max_position_embeddings
@@ -305,8 +307,11 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     batches = [range(at, min(at + rows, len(prompts))) for at in range(0, len(prompts), rows)]
     adapters = [None if adapter_of_prompt is None else np.pad(adapter_of_prompt[batch], (0, B - len(batch)))
                 for batch in batches]
-    pack = lambda shape: [pack_prompts([prompts[i] for i in batch], B, W, P, adapter_B, one_per_row, share, shape)  # noqa: E731
-                          for batch, adapter_B in zip(batches, adapters)]
+
+    def pack(shape: tuple[int, int]) -> list[PackedPrompts]:
+        return [pack_prompts([prompts[i] for i in batch], B, W, P, adapter_B, one_per_row, share, shape)
+                for batch, adapter_B in zip(batches, adapters)]
+
     packs = pack((0, 0))
     if len(batches) > 1:  # one prefill shape for all: rows of the widest fill, in eighths of its power of two
         fill = max(int(np.max(np.sum(p.segments_RxT > 0, axis=1))) for p in packs)

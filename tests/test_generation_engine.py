@@ -236,3 +236,5 @@ def test_bad_stop_strings_and_limits_raise_clear_errors(tiny):
         generate(params, cfg, [[1], [2]], max_new_tokens_of_row=[3, 0])
     with pytest.raises(JaxtuneError, match="chunk_steps = 0: must be >= 1"):
         generate(params, cfg, [[1]], chunk_steps=0)
+    with pytest.raises(JaxtuneError, match="batch_rows = 0: must be >= 1"):
+        generate(params, cfg, [[1]], batch_rows=0)
