@@ -221,6 +221,8 @@ def test_model_args_errors_name_the_key(model_dir):
         JaxtuneLM()
     with pytest.raises(JaxtuneError, match="model_args: add_bos_token='maybe' is not true or false"):
         JaxtuneLM(model=str(model_dir), add_bos_token="maybe")
+    with pytest.raises(JaxtuneError, match="model_args: compile_cache='.*config.json' is a file, not a directory"):
+        JaxtuneLM(model=str(model_dir), compile_cache=str(model_dir / "config.json"))
 
 
 def test_training_records_task_scores_in_metrics_tensorboard_wandb_and_plot(tasks, tmp_path, no_wandb_credentials):

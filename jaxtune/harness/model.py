@@ -81,7 +81,10 @@ class JaxtuneLM(TemplateLM):
         if not path:
             raise JaxtuneError("model_args: model=DIR_OR_GGUF is required (a Hugging Face directory or .gguf file)")
         if compile_cache:
-            jax.config.update("jax_compilation_cache_dir", str(Path(compile_cache).expanduser()))
+            cache = Path(compile_cache).expanduser()
+            if cache.exists() and not cache.is_dir():
+                raise JaxtuneError(f"model_args: compile_cache={compile_cache!r} is a file, not a directory")
+            jax.config.update("jax_compilation_cache_dir", str(cache))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # each program: a second or less
         ways = {"fsdp": _as_int("fsdp", fsdp), "tensor": _as_int("tensor", tensor)}
         if ways["fsdp"] * ways["tensor"] > len(jax.devices()):
