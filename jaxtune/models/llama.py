@@ -160,12 +160,14 @@ def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, c
     return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, lora_scale, dropout, fused)
 
 
+# The activation is computed in float32 (float64) and rounded once, as torch's bfloat16 kernels compute it: in
+# bfloat16 XLA:CPU rounds after each of its five operations, converting there and back around each.
 def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate_BxTxF) * up_BxTxF
+    return jax.nn.silu(gate_BxTxF.astype(wide(gate_BxTxF.dtype))).astype(gate_BxTxF.dtype) * up_BxTxF
 
 
-def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
-    return jax.nn.gelu(gate_BxTxF, approximate=True) * up_BxTxF  # transformers' gelu_pytorch_tanh
+def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:  # transformers' gelu_pytorch_tanh
+    return jax.nn.gelu(gate_BxTxF.astype(wide(gate_BxTxF.dtype)), approximate=True).astype(gate_BxTxF.dtype) * up_BxTxF
 
 
 # Elementwise, so the backward recomputes them from gate and up (fused into the gradient's own pass) rather than

@@ -1,16 +1,17 @@
-"""A layer's rematerialisation under a `Remat` policy (`remat_layer`), with full remat keeping a 16-bit layer input
-as its bits.
+"""A layer's rematerialisation under a `Remat` policy (`remat_layer`), its 16-bit residuals kept as their bits.
 
-Full remat keeps only each layer's input, stacked by the layer scan, and recomputes the layer in the backward.
-XLA:CPU converts a scanned bfloat16 residual stack to float32 before the backward loop (a float normalisation of
-the loop's dynamic slice, hoisted out of the loop): twice the stack's bytes, alive through the loss and every
-layer's backward. An integer stack is left alone, so here the layer input is kept as its uint16 bit pattern and
-bitcast back in the backward, which is free on every backend and changes no value.
+XLA:CPU float-normalises a scanned bfloat16 residual stack: the forward's dynamic update slice converts the whole
+stack to float32 and back at every layer (O(layers^2) work: over half of a bfloat16 LoRA step at 8 layers), and
+the backward's dynamic slice converts the whole stack before the loop (twice its bytes, alive through every layer's
+backward). An integer stack is left alone, so under a 16-bit compute dtype a layer's backward residuals, whatever
+the policy keeps (with full remat, the layer input), are kept as their uint16 bit pattern and bitcast back in the
+backward: free on every backend, no value changed.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,27 +21,42 @@ from jaxtune.config import Remat
 
 def remat_layer(block, remat: Remat, dtype):
     """`block(x, per_layer, shared) -> (x, aux)`, a layer scan's body (`shared`: what every layer reads), under
-    `remat`; with full remat and a 16-bit `dtype` (x's), `x` is kept for the backward as its bits (see the module
-    docstring); otherwise `remat.wrap(block)`."""
-    if remat.policy != "full" or jnp.dtype(dtype).itemsize != 2:
+    `remat` (`remat.wrap(block)`); with a 16-bit `dtype` (x's), its 16-bit residuals are kept as their bits (see
+    the module docstring)."""
+    if jnp.dtype(dtype).itemsize != 2:
         return remat.wrap(block)
-    return partial(_bits_checkpoint, block)
+    return partial(_bits_residuals, remat.wrap(block))
+
+
+class _Bits(NamedTuple):
+    """A 16-bit float residual as its uint16 bits, and an empty array of its dtype."""
+
+    bits: jax.Array
+    like: jax.Array
+
+
+def _keep(x):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return _Bits(jax.lax.bitcast_convert_type(x, jnp.uint16), jnp.zeros((0,), x.dtype))
+    return x
+
+
+def _kept(x):
+    return jax.lax.bitcast_convert_type(x.bits, x.like.dtype) if isinstance(x, _Bits) else x
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _bits_checkpoint(fn, x, per_layer, shared):
+def _bits_residuals(fn, x, per_layer, shared):
     return fn(x, per_layer, shared)
 
 
-def _bits_checkpoint_fwd(fn, x, per_layer, shared):
-    return fn(x, per_layer, shared), (jax.lax.bitcast_convert_type(x, jnp.uint16), per_layer, shared)
+def _bits_residuals_fwd(fn, x, per_layer, shared):
+    out, vjp = jax.vjp(fn, x, per_layer, shared)
+    return out, jax.tree.map(_keep, vjp)
 
 
-def _bits_checkpoint_bwd(fn, residuals, g):
-    bits, per_layer, shared = residuals
-    primal_x = jax.lax.bitcast_convert_type(bits, g[0].dtype)
-    _, vjp = jax.vjp(fn, primal_x, per_layer, shared)
-    return vjp(g)
+def _bits_residuals_bwd(fn, residuals, g):
+    return jax.tree.map(_kept, residuals, is_leaf=lambda r: isinstance(r, _Bits))(g)
 
 
-_bits_checkpoint.defvjp(_bits_checkpoint_fwd, _bits_checkpoint_bwd)
+_bits_residuals.defvjp(_bits_residuals_fwd, _bits_residuals_bwd)

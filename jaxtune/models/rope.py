@@ -62,12 +62,14 @@ def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
 
 def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array) -> jax.Array:
     """Rotate the first R dimensions of each head's vector, x * cos + rotate_half(x) * sin, and pass the rest
-    (R < hd: Phi-3's partial rotary factor)."""
+    (R < hd: Phi-3's partial rotary factor). Computed in float32 (float64) and rounded once: XLA:CPU rounds a
+    bfloat16 product or sum at each operation, converting there and back around each (4-6x the float32 time)."""
     R = cos_BxTxR.shape[-1]
-    x_rot, x_pass = x_BxTxNxH[..., :R], x_BxTxNxH[..., R:]
+    wide = jnp.promote_types(x_BxTxNxH.dtype, jnp.float32)
+    x_rot, x_pass = x_BxTxNxH[..., :R].astype(wide), x_BxTxNxH[..., R:]
     half = R // 2
     rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
-    out = x_rot * cos_BxTxR[:, :, None, :] + rotated * sin_BxTxR[:, :, None, :]
+    out = (x_rot * cos_BxTxR[:, :, None, :] + rotated * sin_BxTxR[:, :, None, :]).astype(x_BxTxNxH.dtype)
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
