@@ -23,7 +23,11 @@ A shared machine skews everything, PyTorch most (its OpenMP threads spin at barr
 many cores other processes used meanwhile (from /proc/stat); runs under QUIET_CORES are "quiet", the table uses
 only those where there are any, and marks rows that have none. CPU seconds per step are reported beside wall time.
 
-XLA flags: none are set here; jaxtune runs with JAX's defaults (set XLA_FLAGS yourself to try others).
+XLA flags: none are set here; jaxtune runs with JAX's defaults (set XLA_FLAGS yourself to try others). Every
+result records the machine it ran on (`machine()`: CPU model, vendor, the ISA extensions that decide the kernels,
+XLA_FLAGS' ISA cap, ATEN_CPU_CAPABILITY) and its kind (`machine_kind`, e.g. "GenuineIntel AVX-512+AMX" or
+"AuthenticAMD AVX-512, capped at AVX2"); the table has one section per kind, so saved runs of several machines
+(`--from-json`) are never mixed.
 """
 
 from __future__ import annotations
@@ -118,18 +122,50 @@ def wait_for_idle(max_wait_s: float, threshold_cores: float = QUIET_CORES) -> fl
         time.sleep(4.0)
 
 
+ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # the extensions XLA:CPU's and torch's kernels key on
+
+
+def machine() -> dict:
+    """This host as the benchmark records it with every result."""
+    from jaxtune.host_cpu import CPUINFO, cpu_flags, max_isa
+
+    cpuinfo = CPUINFO.read_text() if CPUINFO.exists() else ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = cpu_flags(cpuinfo)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    return {"cpu_model": fields.get("model name", platform.processor()), "vendor": fields.get("vendor_id", ""),
+            "cpu_count": os.cpu_count(), "isa": [f for f in ISA if f in flags], "xla_flags": xla_flags,
+            "xla_max_isa": max_isa(xla_flags), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+            "python": platform.python_version()}
+
+
+def machine_kind(m: dict, source: str = "") -> str:
+    """A machine's kind: vendor and widest vector ISA (+AMX), and any cap XLA_FLAGS put on XLA's ISA."""
+    from jaxtune.host_cpu import max_isa
+
+    cap = m.get("xla_max_isa", max_isa(m.get("xla_flags", "")))
+    cap = f", capped at {cap}" if cap else ""
+    if "isa" not in m:  # saved before the benchmark recorded the CPU: the file is all that tells machines apart
+        return f"CPU not recorded ({source}){cap}"
+    isa = set(m["isa"])
+    level = "AVX-512" if "avx512f" in isa else "AVX2" if "avx2" in isa else "no AVX2"
+    level += "+AMX" if "amx_bf16" in isa else "+BF16" if "avx512_bf16" in isa else ""
+    return f"{m.get('vendor') or 'unknown CPU'} {level}{cap}"
+
+
 AGGREGATED = ("tokens_per_s", "step_s_median", "compile_s", "peak_rss_mib", "baseline_rss_mib",
               "train_peak_rss_mib", "cpu_s_per_step", "other_load_cores")
 
 
 
 def aggregate(results: list[dict]) -> list[dict]:
-    """One record per (framework, config, variant): the median over repeats of each measured number, with the
-    tokens/s of every repeat in `tokens_per_s_runs`. Where some repeats ran on a quiet machine, only those count:
-    on a shared 2-core machine a busy neighbour halves the cores a run gets."""
+    """One record per (machine kind, framework, config, variant): the median over repeats of each measured number,
+    with the tokens/s of every repeat in `tokens_per_s_runs`. Where some repeats ran on a quiet machine, only those
+    count: on a shared 2-core machine a busy neighbour halves the cores a run gets."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["framework"], r["config"], r.get("variant")), []).append(r)
+        groups.setdefault((r.get("machine_kind"), r["framework"], r["config"], r.get("variant")), []).append(r)
     merged = []
     for runs in groups.values():
         ok = [r for r in runs if "tokens_per_s" in r]
@@ -164,8 +200,22 @@ def _speed(r: dict) -> str:
     return f"{r['tokens_per_s']:.0f}{spread}"
 
 
+def tables(records: list[dict]) -> str:
+    """One section per machine kind: its machine, its table and the targets checked on its numbers."""
+    kinds = dict.fromkeys(r.get("machine_kind") for r in records)
+    sections = []
+    for kind in kinds:
+        mine = [r for r in records if r.get("machine_kind") == kind]
+        m = next((r["machine"] for r in mine if "machine" in r), {})
+        head = (f"### {kind}: {m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores; "
+                f"XLA_FLAGS={m.get('xla_flags') or '(none)'}; ATEN_CPU_CAPABILITY="
+                f"{m.get('aten_cpu_capability') or '(default)'}") if kind else "### (machine not recorded)"
+        sections.append(head + "\n\n" + table(mine) + "\n\n" + "\n".join(targets(mine)))
+    return "\n\n".join(sections)
+
+
 def table(records: list[dict]) -> str:
-    """The markdown table: one jaxtune and one (fastest) PyTorch row per configuration."""
+    """The markdown table of one machine kind: one jaxtune and one (fastest) PyTorch row per configuration."""
     torch_best = best_torch(records)
     rows = ["| config | framework | tokens/s | step ms | CPU s/step | compile s | peak RSS MiB | "
             "baseline / train-peak RSS MiB | ratio vs PEFT |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -216,6 +266,11 @@ def targets(records: list[dict]) -> list[str]:
             speed = ours["tokens_per_s"] / theirs["tokens_per_s"]
             lines.append(f"{LABELS[config]} tokens/s vs PEFT {LABELS[against]}: {speed:.2f}x (target >= {target}x): "
                          f"{verdict(speed >= target, ours, theirs)}")
+    ours, theirs = by.get(("jax", "lora_qv_bf16")), torch_best.get("lora_qv_bf16")
+    if ours and theirs and "tokens_per_s" in theirs:  # issue 34: >= 1.0x PEFT's autocast
+        speed = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        lines.append(f"{LABELS['lora_qv_bf16']} tokens/s vs PEFT autocast: {speed:.2f}x (target >= 1.0x): "
+                     f"{verdict(speed >= 1.0, ours, theirs)}")
     if jax_qv and torch_qv and "tokens_per_s" in torch_qv:
         jax_peak, torch_peak = jax_qv["peak_rss_mib"], torch_qv["peak_rss_mib"]
         lines.append(f"LoRA (q,v) peak RSS {jax_peak:.0f} vs PEFT {torch_peak:.0f} MiB (target <=): "
@@ -252,9 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.from_json:
-        results = [r for path in args.from_json for r in json.loads(Path(path).read_text())["results"]]
-        records = aggregate(results)
-        print(table(records) + "\n\n" + "\n".join(targets(records)))
+        results = []
+        for path in args.from_json:
+            report = json.loads(Path(path).read_text())
+            for r in report["results"]:  # runs saved before results carried their machine: the file's
+                r.setdefault("machine", report.get("machine", {}))
+                r.setdefault("machine_kind", machine_kind(r["machine"], Path(path).name))
+                results.append(r)
+        print(tables(aggregate(results)))
         return
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (3 if args.quick else 10)
@@ -270,12 +330,13 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         torch_available = False
     results = []
+    host = machine()
     todo = [(r, n, 0) for r in range(args.repeat) for n in worker_names(args.only, torch_available)]
     while todo:
         repeat, name, attempt = todo.pop(0)
         idle_before = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else None
         result = spawn(name, warmup, steps)
-        result.update(repeat=repeat, other_load_before=idle_before)
+        result.update(repeat=repeat, other_load_before=idle_before, machine=host, machine_kind=machine_kind(host))
         results.append(result)
         if result.get("other_load_cores", 0.0) >= QUIET_CORES and attempt < args.retry_busy:
             todo.append((repeat, name, attempt + 1))  # measured on a busy machine: try again later
@@ -284,15 +345,12 @@ def main(argv: list[str] | None = None) -> None:
                    if "tokens_per_s" in result else result.get("unavailable") or result.get("error"))
         print(f"{name}: {summary}", file=sys.stderr, flush=True)
         records = write_report(args.output, warmup, steps, results)  # after every worker: a partial run is kept
-    print(table(records))
-    print()
-    print("\n".join(targets(records)))
+    print(tables(records))
 
 
 def write_report(path: str, warmup: int, steps: int, results: list[dict]) -> list[dict]:
     records = aggregate(results)
-    report = {"machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
-                          "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
+    report = {"machine": machine(),
               "shape": M.SHAPE, "batch": [M.BATCH, M.SEQ], "warmup": warmup, "steps": steps,
               "summary": records, "results": results}
     out = Path(path)
