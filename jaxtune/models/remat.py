@@ -1,7 +1,7 @@
 """A layer's rematerialisation under a `Remat` policy (`remat_layer`), its 16-bit residuals kept as their bits.
 
 XLA:CPU float-normalises a scanned bfloat16 residual stack: the forward's dynamic update slice converts the whole
-stack to float32 and back at every layer (O(layers^2) work: 13% of a bfloat16 LoRA step's time at 8 layers), and
+stack to float32 and back at every layer (O(layers^2) work; benchmarks/README.md, issue 34), and
 the backward's dynamic slice converts the whole stack before the loop (twice its bytes, alive through every layer's
 backward). An integer stack is left alone, so under a 16-bit compute dtype a layer's backward residuals, whatever
 the policy keeps (with full remat, the layer input), are kept as their uint16 bit pattern and bitcast back in the

@@ -63,7 +63,7 @@ def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
 def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array) -> jax.Array:
     """Rotate the first R dimensions of each head's vector, x * cos + rotate_half(x) * sin, and pass the rest
     (R < hd: Phi-3's partial rotary factor). Computed in float32 (float64) and rounded once: XLA:CPU rounds a
-    bfloat16 product or sum at each operation, converting there and back around each (4-6x the float32 time)."""
+    bfloat16 product or sum at each operation, converting there and back around each."""
     R = cos_BxTxR.shape[-1]
     wide = jnp.promote_types(x_BxTxNxH.dtype, jnp.float32)
     x_rot, x_pass = x_BxTxNxH[..., :R].astype(wide), x_BxTxNxH[..., R:]
