@@ -131,11 +131,11 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
                   ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),
                   ("up", (b, T, w.F), False), ("norm statistics", (b, T, 2), True)]
-        if cfg.sandwich_norms:  # Gemma: the sub-layers' outputs, normalised before the residual add
-            saved += [("attention block output", (b, T, w.D), False), ("MLP block output", (b, T, w.D), False),
+        if cfg.sandwich_norms:  # Gemma: the sub-layers' outputs, normalised (in float32) before the residual add
+            saved += [("attention block output", (b, T, w.D), True), ("MLP block output", (b, T, w.D), True),
                       ("output norm statistics", (b, T, 2), True)]
-        if cfg.qk_norm:  # Qwen3, Gemma 3: the query and key norms' inputs and statistics, for their backward
-            saved += [("q before its norm", q_shape, False), ("k before its norm", kv_shape, False),
+        if cfg.qk_norm:  # Qwen3, Gemma 3: the query and key norms' float32 inputs and statistics, for their backward
+            saved += [("q before its norm", q_shape, True), ("k before its norm", kv_shape, True),
                       ("query and key norm statistics", (b, T, w.heads + w.kv_heads), True)]
         if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj", "qkv_proj")):
             saved.append(("input norm output", (b, T, w.D), False))
@@ -281,17 +281,18 @@ class ActivationBytes:
 
 
 def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
-                     logits_copies: int = 2, global_rows: int | None = None,
-                     input_itemsize: int | None = None, loose_nbytes=None) -> ActivationBytes:
+                     logits_copies: int = 2, global_rows: int | None = None, loose_nbytes=None,
+                     workspace_itemsize: int | None = None) -> ActivationBytes:
     """The activation terms for `policy`, with `itemsize` bytes per activation value, `nbytes(shape, itemsize)` the
     bytes an array of that shape occupies on the device (tiles on TPU), and `logits_copies` [b, T, V] float32
     chunk buffers alive at the loss (the objective's `Objective.logits_copies`, measured on XLA:CPU; a chunk holds
     `head.chunk_length` tokens a row, set by the `global_rows` of the whole micro-batch (default b), all T of a
-    short sequence). `input_itemsize`: bytes per value of the layer inputs full remat keeps, when not `itemsize`
-    (a 16-bit input is kept as its bits, `models/remat.py`, where XLA:CPU would widen other activations).
-    `loose_nbytes`: the bytes of an array inside one layer's backward, where the compiler lays it out freely (TPU:
-    a [b, T, H, 64] array untiled along its 64), if not `nbytes`."""
-    size = lambda tensors, nbytes=nbytes: sum(nbytes(shape, 4 if f32 else itemsize) for _, shape, f32 in tensors)
+    short sequence). `loose_nbytes`: the bytes of an array inside one layer's backward, where the compiler lays it
+    out freely (TPU: a [b, T, H, 64] array untiled along its 64), if not `nbytes`; `workspace_itemsize`: bytes per
+    value there, if not `itemsize` (XLA:CPU widens 16-bit values inside a layer; the scan's stacks keep their
+    bits, `models/remat.py`)."""
+    size = lambda tensors, nbytes=nbytes, itemsize=itemsize: sum(nbytes(shape, 4 if f32 else itemsize)
+                                                                 for _, shape, f32 in tensors)
     block = attention_block(w)
     attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
     if block_size(w.T) < w.T or block_size(w.S) < w.S:  # the accumulators: small beside whole scores otherwise
@@ -300,8 +301,8 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     untiled = replace(w, mlp_tile=0)
     layer = [(name, (shape[0], w.Tm, *shape[2:]) if name in mlp_terms(cfg) else shape, f32)  # a tile's MLP terms
              for name, shape, f32 in saved_tensors(cfg, method, "none", untiled)]
-    workspace = int(BACKWARD_SHARE[policy] * size(layer, loose_nbytes or nbytes))
-    workspace += adapter_backward_elements(cfg, method, w) * itemsize
+    workspace = int(BACKWARD_SHARE[policy] * size(layer, loose_nbytes or nbytes, workspace_itemsize or itemsize))
+    workspace += adapter_backward_elements(cfg, method, w) * (workspace_itemsize or itemsize)
     chunk = chunk_length(global_rows or w.b, w.T, cfg.vocab_size)
     logits_one = nbytes((w.b, chunk, w.V), 4)
     if w.context > 1 and chunk >= w.T:  # one tile a device: three chunk buffers at least (measured on XLA:CPU)
@@ -310,8 +311,7 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     if policy == "none":  # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
         saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
                   ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
-    saved_bytes = (sum(nbytes(shape, input_itemsize) for _, shape, _ in saved) if policy == "full" and input_itemsize
-                   else size(saved))
+    saved_bytes = size(saved)
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
     return ActivationBytes(cfg.num_layers * saved_bytes, attention, workspace, logits_one,

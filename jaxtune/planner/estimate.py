@@ -56,7 +56,9 @@ ROLLOUT_SCORE_COPIES = 2.1  # GRPO's prefill: [b, H, bq, bk] float32 score block
 
 @dataclass(frozen=True)
 class FamilyRules:
-    """How a hardware family changes the arithmetic. activation_itemsize: None for the compute dtype's.
+    """How a hardware family changes the arithmetic. workspace_itemsize: bytes per value inside one layer's backward
+    (XLA:CPU widens 16-bit values there; the stacks the layer scan keeps stay 16-bit, `models/remat.py`), None
+    for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
     dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU;
     on TPU jaxtune runs megablox instead, unless a tensor axis does not divide the experts' hidden units).
@@ -64,7 +66,7 @@ class FamilyRules:
     the base trains (`activations.weight_gradient_elements`; XLA:CPU).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
-    activation_itemsize: int | None
+    workspace_itemsize: int | None
     tiled: bool
     reserve_fixed: int
     reserve_fraction: float
@@ -85,7 +87,8 @@ FAMILY_RULES = {
                          "assumption)"),
     "cpu": FamilyRules(4, False, 520 * MiB, 0.0,
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
-                       "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU keeps activations in float32",
+                       "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU widens 16-bit values inside a "
+                       "layer's backward",
                        dense_grouped_matmul=True, transposed_weight_gradients=True),
 }
 
@@ -457,7 +460,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                    plan.context_attention,
                    # under save_matmuls the tiles' matmul outputs are all kept: a tiled MLP saves nothing there
                    plan.tiled_mlp if plan.remat != "save_matmuls" else 0)
-    a = rules.activation_itemsize or jnp.dtype(plan.compute_dtype).itemsize
+    a = jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
     held = run_bytes(cfg, plan, sizes, tiled)
@@ -467,8 +470,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
 
     copies = objective.logits_copies(method, section_of(plan))
     acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, copies, total_rows,
-                                jnp.dtype(plan.compute_dtype).itemsize,
-                                (lambda shape, size: _tiled_bytes(shape, size, True)) if tiled else None)
+                                (lambda shape, size: _tiled_bytes(shape, size, True)) if tiled else None,
+                                rules.workspace_itemsize)
     if device.family == "tpu" and plan.attention in ("auto", "splash") and w.context == 1 and splash_covers(
             plan.seq_len, plan.seq_len + prefix, prefix, True) is None:
         acts = replace(acts, attention=0)  # splash keeps its score blocks in VMEM, not HBM
