@@ -344,13 +344,13 @@ def main(argv: list[str] | None = None) -> None:
                    f"{result['cpu_s_per_step']:.2f} CPU-s/step, others used {result['other_load_cores']:.2f} cores"
                    if "tokens_per_s" in result else result.get("unavailable") or result.get("error"))
         print(f"{name}: {summary}", file=sys.stderr, flush=True)
-        records = write_report(args.output, warmup, steps, results)  # after every worker: a partial run is kept
+        records = write_report(args.output, host, warmup, steps, results)  # after every worker: a partial run is kept
     print(tables(records))
 
 
-def write_report(path: str, warmup: int, steps: int, results: list[dict]) -> list[dict]:
+def write_report(path: str, host: dict, warmup: int, steps: int, results: list[dict]) -> list[dict]:
     records = aggregate(results)
-    report = {"machine": machine(),
+    report = {"machine": host,
               "shape": M.SHAPE, "batch": [M.BATCH, M.SEQ], "warmup": warmup, "steps": steps,
               "summary": records, "results": results}
     out = Path(path)
