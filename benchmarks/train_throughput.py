@@ -23,7 +23,9 @@ A shared machine skews everything, PyTorch most (its OpenMP threads spin at barr
 many cores other processes used meanwhile (from /proc/stat); runs under QUIET_CORES are "quiet", the table uses
 only those where there are any, and marks rows that have none. CPU seconds per step are reported beside wall time.
 
-XLA flags: none are set here; jaxtune runs with JAX's defaults (set XLA_FLAGS yourself to try others). Every
+XLA flags: none are set here; jaxtune runs with JAX's defaults (set XLA_FLAGS yourself to try others), and with
+glibc's huge pages for its step buffers as `jaxtune train` runs (`host_memory.huge_pages_environment`, recorded as
+glibc_tunables); PyTorch with the environment as given. Every
 result records the machine it ran on (`machine()`: CPU model, vendor, the ISA extensions that decide the kernels,
 XLA_FLAGS' ISA cap, ATEN_CPU_CAPABILITY) and its kind (`machine_kind`, e.g. "GenuineIntel AVX-512+AMX" or
 "AuthenticAMD AVX-512, capped at AVX2"); the table has one section per kind, so saved runs of several machines
@@ -85,15 +87,21 @@ def spawn(name: str, warmup: int, steps: int) -> dict:
     """Run one worker in a fresh interpreter; its last stdout line is its JSON result."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--warmup", str(warmup),
            "--steps", str(steps)]
+    from jaxtune.host_memory import huge_pages_environment
+
+    env = os.environ.copy()
+    if name.startswith("jax:"):  # as `jaxtune train` runs (host_memory.restart_with_huge_pages)
+        env = huge_pages_environment(env) or env
     t0, busy0, own0 = time.perf_counter(), cpu_busy_s(), children_cpu_s()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall, others = time.perf_counter() - t0, cpu_busy_s() - busy0 - (children_cpu_s() - own0)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         return {"framework": name.split(":")[0], "config": name.split(":")[1], "error": " | ".join(tail)}
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # CPU time that other processes took while this one ran, in cores: the machine may be shared.
-    result.update(process_wall_s=wall, other_load_cores=max(others, 0.0) / wall)
+    result.update(process_wall_s=wall, other_load_cores=max(others, 0.0) / wall,
+                  glibc_tunables=env.get("GLIBC_TUNABLES", ""))
     return result
 
 

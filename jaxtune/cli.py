@@ -31,6 +31,7 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.demo import run_demo
 from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
 from jaxtune.generation import generate_text
+from jaxtune.host_memory import restart_with_huge_pages
 from jaxtune.launch import TpuTarget, launch_tpu
 from jaxtune.methods import METHODS
 from jaxtune.methods.peft import adapter_summary, save_peft_adapter
@@ -446,14 +447,20 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     return _python_format_warning(message, category, filename, lineno, line)
 
 
+# commands whose work is training steps: run as a program, they start again under `restart_with_huge_pages`
+HUGE_PAGE_COMMANDS = ("train", "demo")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    as_program, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = _format_warning
     rest = []
     if "--" in argv:  # `launch ... -- train CONFIG.toml`: what follows is the remote command
         rest, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args = build_parser().parse_args(argv)
     args.rest = rest
+    if as_program and args.command in HUGE_PAGE_COMMANDS:
+        restart_with_huge_pages()
     try:
         _start_backends_quietly()
         return args.run(args) or 0

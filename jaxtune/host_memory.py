@@ -1,12 +1,12 @@
 """Host memory the runtime frees goes back to the operating system: after each compile, and large blocks when freed.
 
-Compiling a step allocates much in small pieces (HLO, LLVM IR, buffer assignment) and frees it once the executable
-is built; glibc keeps freed small pieces in its heap, under the step's own buffers, for the whole run.
-`release_after_compiles` calls `malloc_trim` (`release_freed_memory`) after every backend compile of
-`MIN_COMPILE_SECONDS` or more (JAX's `COMPILE_EVENT`). `return_large_blocks` pins glibc's mmap threshold at
-`MMAP_THRESHOLD_BYTES` (glibc raises it as blocks are freed, so later step buffers would come from the fragmented
-heap) and its trim threshold at `TRIM_THRESHOLD_BYTES`: resident memory against page faults, as measured by
-benchmarks/load_memory.py and benchmarks/train_throughput.py. Without glibc nothing is done.
+Compiling a step allocates much in small pieces and frees it once the executable is built; glibc keeps them in its
+heap, under the step's buffers, for the whole run: `release_after_compiles` calls `malloc_trim` after every compile
+of `MIN_COMPILE_SECONDS` or more. `return_large_blocks` pins glibc's mmap threshold at `MMAP_THRESHOLD_BYTES` (glibc
+raises it as blocks are freed, so step buffers would come from the fragmented heap) and its trim threshold: resident
+memory against page faults (benchmarks/load_memory.py, train_throughput.py). `restart_with_huge_pages` (`jaxtune
+train`, `demo`) runs the program again with glibc mapping those blocks as transparent huge pages, so a step's freshly
+mapped temporaries fault in 2 MiB at a time. Without glibc nothing is done.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 
@@ -28,6 +32,9 @@ MIN_COMPILE_SECONDS = 1.0
 MMAP_THRESHOLD_BYTES = 1 << 22
 TRIM_THRESHOLD_BYTES = 1 << 26
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) the memory malloc maps
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never": the kernel's choice
 
 
 @functools.cache
@@ -68,3 +75,40 @@ def release_after_compiles() -> None:
     """From now on in this process, `release_freed_memory` after every XLA compile of `MIN_COMPILE_SECONDS` or more
     (registered once)."""
     jax.monitoring.register_event_duration_secs_listener(_after_compile)
+
+
+def _glibc_version() -> tuple[int, ...]:
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
+    except (ValueError, OSError, AttributeError):
+        return ()
+    return tuple(int(part) for part in version.split(".")[:2]) if name == "glibc" else ()
+
+
+def huge_pages_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """`environ` with `HUGE_PAGES_TUNABLE` added to GLIBC_TUNABLES (which glibc reads once, as a process starts), or
+    None where that would change nothing: glibc older than 2.35 or none, transparent huge pages only on request
+    ("madvise") not the kernel's mode, or the tunable already set."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if _glibc_version() < (2, 35) or "glibc.malloc.hugetlb=" in tunables:
+        return None
+    try:
+        if "[madvise]" not in THP_MODE.read_text():
+            return None
+    except OSError:
+        return None
+    return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES_TUNABLE]))}
+
+
+def restart_with_huge_pages() -> None:
+    """Run this program again in place (`os.execve`: same interpreter, arguments and process id) under
+    `huge_pages_environment`, where it changes something; else return.
+
+    XLA:CPU maps a step's large temporaries anew at every step (see `return_large_blocks`); with 4 KiB pages their
+    first writes cost tens of thousands of page faults a step (benchmarks/README.md, issue 34). Call it before any
+    work: what the process holds is not carried over."""
+    environ = huge_pages_environment(os.environ)
+    if environ is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, environ)
