@@ -6,7 +6,7 @@ of `MIN_COMPILE_SECONDS` or more. `return_large_blocks` pins glibc's mmap thresh
 raises it as blocks are freed, so step buffers would come from the fragmented heap) and its trim threshold: resident
 memory against page faults (benchmarks/load_memory.py, train_throughput.py). `restart_with_huge_pages` (`jaxtune
 train`, `demo`) runs the program again with glibc mapping those blocks as transparent huge pages, so a step's freshly
-mapped temporaries fault in 2 MiB at a time. Without glibc nothing is done.
+mapped temporaries fault in a huge page at a time. Without glibc nothing is done.
 """
 
 from __future__ import annotations
