@@ -108,7 +108,11 @@ def restart_with_huge_pages() -> None:
     first writes cost tens of thousands of page faults a step (benchmarks/README.md, issue 34). Call it before any
     work: what the process holds is not carried over."""
     environ = huge_pages_environment(os.environ)
-    if environ is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    if environ is None or not sys.executable:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
         os.execve(sys.executable, sys.orig_argv, environ)
+    except OSError:  # the interpreter cannot be run again (an embedded one): go on with 4 KiB pages
+        return
