@@ -225,7 +225,11 @@ def test_two_runs_on_one_directory_at_once(setup, tmp_path):
     for line in first.stdout:
         if line.startswith("training"):
             break
-    second = jaxtune("train", config)
+    os.kill(first.pid, signal.SIGSTOP)  # still training while the second starts, however fast its 30 steps are
+    try:
+        second = jaxtune("train", config)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err
     assert second.returncode == 2 and second.stderr.count("\n") == 1
