@@ -85,10 +85,10 @@ def run_worker(name: str, warmup: int, steps: int) -> dict:
 
 def spawn(name: str, warmup: int, steps: int) -> dict:
     """Run one worker in a fresh interpreter; its last stdout line is its JSON result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--warmup", str(warmup),
-           "--steps", str(steps)]
     from jaxtune.host_memory import huge_pages_environment
 
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--warmup", str(warmup),
+           "--steps", str(steps)]
     env = os.environ.copy()
     if name.startswith("jax:"):  # as `jaxtune train` runs (host_memory.restart_with_huge_pages)
         env = huge_pages_environment(env) or env

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import platform
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,10 +79,7 @@ def release_after_compiles() -> None:
 
 
 def _glibc_version() -> tuple[int, ...]:
-    try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
-    except (ValueError, OSError, AttributeError):
-        return ()
+    name, version = platform.libc_ver()  # ("glibc", "2.36"); ("", "") off glibc
     return tuple(int(part) for part in version.split(".")[:2]) if name == "glibc" else ()
 
 
