@@ -7,6 +7,9 @@ and padded last blocks all occur.
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,8 +88,15 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(attention, "BLOCK", 4)
 
 
+@pytest.fixture(params=[4, 64], ids=["blocks", "one_block"])
+def blocks(request, monkeypatch):
+    """Blocks of 4 (several query and key blocks, dead and padded ones: the loops) or of 64 (the whole row one
+    block: the loop-free path)."""
+    monkeypatch.setattr(attention, "BLOCK", request.param)
+
+
 @pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "packed", "prefix", "cache"])
-def test_blockwise_equals_dense_float32(kind, small_blocks):
+def test_blockwise_equals_dense_float32(kind, blocks):
     T = 4 if kind == "cache" else 13  # 13: four query blocks of 4, the last padded
     mask, window = masks(T, kind)
     S = mask.k_valid_BxS.shape[1]
@@ -108,7 +118,7 @@ def test_blockwise_equals_dense_float32(kind, small_blocks):
 
 
 @pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "prefix"])
-def test_soft_capped_attention_equals_dense_float64(kind, small_blocks):
+def test_soft_capped_attention_equals_dense_float64(kind, blocks):
     """Gemma 2's attention: scores scaled by 1 / sqrt(query_pre_attn_scalar) and capped at 2.0 (the inputs are
     scaled up so most scores sit on the tanh's flat part; uncapped, the result differs)."""
     T = 13
@@ -134,7 +144,7 @@ def test_soft_capped_attention_equals_dense_float64(kind, small_blocks):
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed", "prefix"])
-def test_blockwise_bfloat16_rounds_the_float32_result(kind, small_blocks):
+def test_blockwise_bfloat16_rounds_the_float32_result(kind, blocks):
     """bfloat16 inputs: scores, softmax and sums are float32, so the output is the float32 dense result of the
     same bfloat16 inputs rounded once (within one bfloat16 step, 2^-8 relative), and the gradients (the incoming
     bfloat16 gradient rounded too) are within 2^-7 of the largest and closer than the dense form run in bfloat16."""
@@ -169,6 +179,36 @@ def test_skipped_blocks(small_blocks):
     blocked = attention._blocked_mask(training_mask(1, T, 0, None, None), T, T)
     windowed = np.asarray(attention._window_live(blocked, jnp.asarray(3))) & causal
     np.testing.assert_array_equal(windowed, np.eye(4, dtype=bool) | np.eye(4, k=-1, dtype=bool))
+
+
+def _compiled_attention(T: int, block: int, monkeypatch) -> tuple[str, str]:
+    """(forward, backward) XLA:CPU programs of one causal attention call over T tokens in blocks of `block`, as
+    separate programs (as the layer scan's forward and backward are)."""
+    monkeypatch.setattr(attention, "BLOCK", block)
+    q = jnp.zeros((2, 2, 2, T, 16), jnp.float32)
+    k = v = jnp.zeros((2, 2, T, 16), jnp.float32)
+    mask = training_mask(2, T, 0, None, None)
+    forward = jax.jit(lambda q, k, v: jax.vjp(lambda *a: blockwise_attention(*a, mask), q, k, v))
+    _, vjp = forward(q, k, v)
+    backward = jax.jit(lambda vjp, g: vjp(g))
+    return forward.lower(q, k, v).compile().as_text(), backward.lower(vjp, q).compile().as_text()
+
+
+def test_one_block_runs_without_loops_and_multiplies_no_score_block_transposed(monkeypatch):
+    """A row that is one block (up to BLOCK tokens) computes with no loop or conditional (on XLA:CPU they cost
+    about a third of a short row's attention), and the backward contracts the score-sized [G*T, S] blocks as they
+    are: only [T, head_dim]-sized operands are transposed, never a whole p or ds block. Several blocks: loops
+    that skip dead blocks."""
+    T = 64
+    score_elements = 2 * 2 * 2 * T * T  # [B, K, G, T, S]
+    for block, loops in ((T, False), (16, True)):
+        forward, backward = _compiled_attention(T, block, monkeypatch)
+        for text in (forward, backward):
+            assert bool(re.search(r" (while|conditional)\(", text)) == loops, (block, text[:2000])
+        transposed = [math.prod(int(d) for d in dims.split(",")) for dims in
+                      re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} (?:copy|transpose)\(", backward)]
+        if not loops:
+            assert transposed and max(transposed) <= score_elements // 4, transposed  # q-sized: 1/4 here
 
 
 def test_long_sequence_memory_is_linear():

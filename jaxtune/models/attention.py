@@ -5,8 +5,9 @@ backward that recomputes each block's scores, so memory is O(T x block) per laye
 The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cache_mask`) holds its parts (valid
 keys, query and key slots, packed segments or prefix trees (`branch_segment`), the window; P prefix keys in slots
 0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
-skipped in both passes (`live_blocks`, decided once per call, outside the layer scan). Scores, softmax and
-accumulators are float32 (float64 inputs: float64). `attend_blocks`, `attention_grads`: one key block's passes.
+skipped in both passes (`live_blocks`, decided once per call, outside the layer scan); a row of one block runs
+without loops or conditionals. Scores, softmax and accumulators are float32 (float64 inputs: float64).
+`attend_blocks`, `attention_grads`: one key block's passes.
 """
 
 from __future__ import annotations
@@ -110,14 +111,10 @@ class _Blocked(NamedTuple):
 
 
 def block_size(n: int) -> int:
-    """Positions per block along a dimension of n: n itself up to BLOCK / 2, BLOCK / 2 up to BLOCK, then BLOCK.
-
-    Measured on XLA:CPU (one layer's forward and backward, 8 heads of 64, causal): at T = 256, blocks of 128 take
-    8.7 ms against 13.8 for one block (a quarter of the work is a dead block, and a block's scores stay in cache);
-    at 512 and 1,024, blocks of 256 take 22 and 59 ms against 44 and 89 with 512 and 128; at 4,096, 646 ms against
-    889 (512) and 1,052 (128)."""
-    half = BLOCK // 2
-    return n if n <= half else half if n <= BLOCK else BLOCK
+    """Positions per block along a dimension of n: n itself up to BLOCK (a row of one block runs with no loop,
+    `_scan_blocks`), then BLOCK. On XLA:CPU one block of 256 is faster than four of 128 that skip the dead one, and
+    on longer rows blocks of 256 are faster than 128 or 512 (benchmarks/README.md, issue 34)."""
+    return min(n, BLOCK)
 
 
 def _cut(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
@@ -165,6 +162,31 @@ def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
     return (window == 0) | (first_q[:, None] - last_k[None, :] < window)
 
 
+def _scan_blocks(body, carry, blocks):
+    """lax.scan(body, carry, blocks), or body applied once, with no loop, when there is one block: on XLA:CPU a
+    loop's control flow and per-iteration buffers cost more than a dead block they could skip."""
+    if jax.tree.leaves(blocks)[0].shape[0] > 1:
+        return jax.lax.scan(body, carry, blocks)
+    carry, out = body(carry, jax.tree.map(lambda a: a[0], blocks))
+    return carry, jax.tree.map(lambda a: a[None], out)
+
+
+def _if_live(live, update, skip, carry, loop: bool):
+    """update(carry) if the block is live else skip(carry): a lax.cond in a loop of blocks, which skips the dead
+    blocks' work; a select of the two when the row is one block (no control flow, and nothing to skip)."""
+    if loop:
+        return jax.lax.cond(live, update, skip, carry)
+    return jax.tree.map(partial(jnp.where, live), update(carry), skip(carry))
+
+
+def _contract_rows(small_BxKxGxQxh, big_BxKxGxQxC):
+    """einsum("bkgqc,bkgqh->bkch", big, small) as the transpose of small^T big: only the small operand and result
+    are transposed. Contracted the other way, XLA:CPU copies the whole [Q, C] block transposed first; the barrier
+    keeps XLA from folding the final transpose back into the dot (which would make it that copy again)."""
+    product_BxKxhxC = jnp.einsum("bkgqh,bkgqc->bkhc", small_BxKxGxQxh, big_BxKxGxQxC)
+    return jnp.swapaxes(jax.lax.optimization_barrier(product_BxKxhxC), 2, 3)
+
+
 # Masked scores take the float's minimum, as the dense form does: a query with no allowed key averages the keys it was
 # computed against (nothing in a model reads such a query's output).
 def _scores(q_blk, k_blk, allowed_BxQxC, scale: float, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
@@ -189,8 +211,9 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
     live_QxC = live_QxC & _window_live(m, window)
     bq = blocks.q.shape[-2]
     f32 = wide(q.dtype)
+    loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
 
-    def query_block(args):
+    def query_block(_, args):
         q_blk, q_slot, q_segment, live_C = args
 
         def key_block(carry, key_args):
@@ -207,16 +230,16 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
                 acc = acc * correction[..., None] + jnp.einsum("bkgqc,bkch->bkgqh", p, v_blk.astype(f32))
                 return new_max, norm, acc
 
-            return jax.lax.cond(live, update, lambda c: c, carry), None
+            return _if_live(live, update, lambda c: c, carry, loop), None
 
         init = (jnp.full((B, K, G, bq), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G, bq), f32),
                 jnp.zeros((B, K, G, bq, hd), f32))
-        (max_, norm, acc), _ = jax.lax.scan(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
-                                                             m.k_segment, live_C))
+        (max_, norm, acc), _ = _scan_blocks(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
+                                                              m.k_segment, live_C))
         norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached: output 0
-        return acc / norm[..., None], max_ + jnp.log(norm)
+        return None, (acc / norm[..., None], max_ + jnp.log(norm))
 
-    out, lse = jax.lax.map(query_block, (blocks.q, m.q_slot, m.q_segment, live_QxC))
+    _, (out, lse) = _scan_blocks(query_block, None, (blocks.q, m.q_slot, m.q_segment, live_QxC))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, -1)[:, :, :, :T]
     return out, lse
@@ -257,6 +280,7 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
     g_blocks = _cut(g, 3, bq)
     delta = _cut(jnp.sum(g.astype(f32) * out.astype(f32), axis=-1), 3, bq)  # [nq, B, K, G, bq]
     lse_blocks = _cut(lse, 3, bq)
+    loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
 
     def key_block(dq, key_args):
         k_blk, v_blk, k_slot, k_valid, k_segment, live_Q = key_args
@@ -269,24 +293,24 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
                 allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
                 s, tanh = _scores(q_blk, k_blk, allowed, scale, softcap)
                 p = jnp.exp(s - lse_blk[..., None])
-                dv = dv + jnp.einsum("bkgqc,bkgqh->bkch", p, g_blk.astype(f32))
+                dv = dv + _contract_rows(g_blk.astype(f32), p)
                 dp = jnp.einsum("bkgqh,bkch->bkgqc", g_blk, v_blk, preferred_element_type=f32)
                 ds = p * (dp - delta_blk[..., None]) * scale
                 if softcap:
                     ds = ds * (1 - tanh * tanh)
-                dk = dk + jnp.einsum("bkgqc,bkgqh->bkch", ds, q_blk.astype(f32))
+                dk = dk + _contract_rows(q_blk.astype(f32), ds)
                 return (dk, dv), jnp.einsum("bkgqc,bkch->bkgqh", ds, k_blk.astype(f32))
 
             skip = lambda carry: (carry, jnp.zeros(q_blk.shape, f32))
-            return jax.lax.cond(live, update, skip, carry)
+            return _if_live(live, update, skip, carry, loop)
 
         zeros = jnp.zeros(k_blk.shape, f32)
-        (dk, dv), dq_blocks = jax.lax.scan(query_block, (zeros, zeros), (
+        (dk, dv), dq_blocks = _scan_blocks(query_block, (zeros, zeros), (
             blocks.q, g_blocks, lse_blocks, delta, m.q_slot, m.q_segment, live_Q))
         return dq + dq_blocks, (dk, dv)
 
     dq = jnp.zeros(blocks.q.shape, f32)
-    dq, (dk, dv) = jax.lax.scan(key_block, dq, (blocks.k, blocks.v, m.k_slot, m.k_valid,
+    dq, (dk, dv) = _scan_blocks(key_block, dq, (blocks.k, blocks.v, m.k_slot, m.k_valid,
                                                  m.k_segment, live_QxC.T))
     dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     dk, dv = (jnp.moveaxis(d, 0, 2).reshape(B, K, -1, hd)[:, :, :S] for d in (dk, dv))

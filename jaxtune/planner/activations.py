@@ -6,7 +6,8 @@ the gated MLP's activation are recomputed in the backward, so scores are never k
 remat "none" keeps what a backward reads (x, rotated q and k, v, gate and up, the attention kernel's output and
 log-sum-exp, each trained module's input, LoRA's x A); "save_matmuls" x and the weight matmuls' outputs; "full" x.
 A mixture counts its K routed experts and shared expert as the MLP's width. The backward's workspace
-(`BACKWARD_SHARE`, `ATTENTION_COPIES_F32`) was measured on XLA:CPU by experiments/planner_accuracy.py.
+(`BACKWARD_SHARE`, `ATTENTION_COPIES_F32`, `ONE_BLOCK_COPIES_F32`) was measured on XLA:CPU by
+experiments/planner_accuracy.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.3}
 # Float32 [b, H, bq, bk] blocks one layer's attention backward holds beside one in the compute dtype (measured on
 # XLA:CPU): scores, probabilities and their gradients; under save_matmuls the kernel's forward is recomputed apart.
 ATTENTION_COPIES_F32 = {"none": 4, "save_matmuls": 2, "full": 4}
+# The same for a row of one block, which runs with no loop (`attention._scan_blocks`) and keeps no loop buffers or
+# accumulators: under save_matmuls one block fewer (fitted on XLA:CPU to the compiled steps of tests/test_planner.py
+# and tests/parallel_worker.py, 128 and 256 tokens).
+ONE_BLOCK_COPIES_F32 = {"none": 4, "save_matmuls": 1, "full": 4}
 # [b, T, F] float32 arrays one layer's backward holds where the base's weights train, on XLA:CPU: the inputs of the
 # weight gradients' matmuls laid out again, transposed (measured at 8k tokens on three Llama shapes, within 3%)
 WEIGHT_GRADIENT_COPIES = {"none": 3.0, "save_matmuls": 3.0, "full": 1.6}
@@ -294,8 +299,10 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     size = lambda tensors, nbytes=nbytes, itemsize=itemsize: sum(nbytes(shape, 4 if f32 else itemsize)
                                                                  for _, shape, f32 in tensors)
     block = attention_block(w)
-    attention = ATTENTION_COPIES_F32[policy] * nbytes(block, 4) + nbytes(block, itemsize)
-    if block_size(w.T) < w.T or block_size(w.S) < w.S:  # the accumulators: small beside whole scores otherwise
+    loops = block_size(w.T) < w.T or block_size(w.S) < w.S
+    copies = (ATTENTION_COPIES_F32 if loops else ONE_BLOCK_COPIES_F32)[policy]
+    attention = copies * nbytes(block, 4) + nbytes(block, itemsize)
+    if loops:  # the accumulators the loops carry
         attention += nbytes((w.b, w.heads, w.T, w.head_dim), 4) + 2 * nbytes((w.b, w.kv_heads, w.S, w.head_dim), 4)
     attention += context_attention_bytes(w, itemsize, nbytes)
     untiled = replace(w, mlp_tile=0)
