@@ -5,6 +5,7 @@ PyTorch's `scaled_dot_product_attention` on the same shapes, in one process, mea
     .venv/bin/python benchmarks/attention_layer.py --seq 256 --dtype bfloat16
     git show REV:jaxtune/models/attention.py > /tmp/attention_rev.py
     .venv/bin/python benchmarks/attention_layer.py --compare /tmp/attention_rev.py   # and another version of the kernel
+    .venv/bin/python benchmarks/attention_layer.py --step lora_qv --compare /tmp/attention_rev.py   # whole steps
 
 The benchmark model's heads (8 query heads sharing 4 key/value heads of 64), causal, every row one packed segment
 (as `jaxtune train` packs). jaxtune: the kernel inside an 8-layer `lax.scan`, the gradient of q, k and v taken
@@ -13,8 +14,9 @@ and backward compiled into one program without the scan would share the forward'
 recomputation). PyTorch: `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)` forward and backward,
 2 intra-op threads (its CPU flash-attention kernel). Per configuration: milliseconds a layer, forward and backward
 together, the median of `--rounds` rounds taken in turn, each the median of 3 calls. `--compare FILE` adds a
-second attention module (another revision of `jaxtune/models/attention.py`), measured in the same rounds.
-Results: benchmarks/results/attention_layer.json.
+second attention module (another revision of `jaxtune/models/attention.py`), measured in the same rounds;
+`--step CONFIG --compare FILE` times the train-throughput benchmark's whole jaxtune step of CONFIG compiled with each
+module (milliseconds a step, steps in turn in one process). Results: benchmarks/results/attention_layer.json.
 """
 
 from __future__ import annotations
@@ -81,6 +83,56 @@ def torch_layer(T: int, B: int, dtype: str):
     return run
 
 
+def train_steps(kernels: dict, config: str):
+    """The train-throughput benchmark's jaxtune step (`_jax_worker`'s model, batch and spine step) compiled once
+    with each attention module in `kernels` (the model's three attention names swapped in while it traces); returns
+    {name: a function taking one step}."""
+    import _measure as M
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, TrainConfig
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods.transform import apply_method, partition, trainable_mask
+    from jaxtune.models import llama
+    from jaxtune.models.params import init_params
+    from jaxtune.parallel.mesh import make_mesh
+    from jaxtune.spine.run import abstract_run
+
+    kind, targets = M.METHODS[config]
+    cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
+    method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
+    key = jax.random.key(0)
+    params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
+    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, M.REMAT, M.COMPUTE_DTYPE.get(config, "float32"), "float32")
+    tokens, ones = M.fixed_tokens(), np.ones((M.BATCH, M.SEQ), np.int32)
+    batch = jax.device_put({
+        "input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:], "loss_mask": ones[None].astype(np.float32),
+        "segment_ids": ones[None], "positions": np.broadcast_to(np.arange(M.SEQ, dtype=np.int32), ones.shape)[None]})
+    names = ("blockwise_attention", "live_blocks", "training_mask")
+    own = {name: getattr(llama, name) for name in names}
+    steps = {}
+    for label, module in kernels.items():
+        for name in names:
+            setattr(llama, name, getattr(module, name))
+        jax.clear_caches()  # each module traced anew, not the cached trace of the other
+        run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), tc, 10_000)
+        holder = {"state": run.init_state(jax.tree.map(jnp.copy, trainable), seed=0)}
+        compiled = run.step.lower(holder["state"], frozen, None, batch).compile()
+
+        def step(compiled=compiled, holder=holder):
+            holder["state"], _ = compiled(holder["state"], frozen, None, batch)
+            jax.block_until_ready(holder["state"])
+
+        steps[label] = step
+    for name in names:
+        setattr(llama, name, own[name])
+    return steps
+
+
 def load_attention(path: str | None):
     if path is None:
         from jaxtune.models import attention
@@ -91,8 +143,9 @@ def load_attention(path: str | None):
     return module
 
 
-def measure(fns: dict, rounds: int) -> dict:
-    """Milliseconds a layer for each function: rounds in turn, each the median of 3 calls after one."""
+def measure(fns: dict, rounds: int, per_call: int = LAYERS) -> dict:
+    """Milliseconds a call / per_call (a layer) for each function: rounds in turn, each the median of 3 calls after
+    one."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -102,8 +155,8 @@ def measure(fns: dict, rounds: int) -> dict:
                 t0 = time.perf_counter()
                 fn()
                 calls.append(time.perf_counter() - t0)
-            times[name].append(statistics.median(calls) * 1e3 / LAYERS)
-    return {name: {"ms_per_layer": round(statistics.median(t), 2), "min": round(min(t), 2), "max": round(max(t), 2)}
+            times[name].append(statistics.median(calls) * 1e3 / per_call)
+    return {name: {"ms": round(statistics.median(t), 2), "min": round(min(t), 2), "max": round(max(t), 2)}
             for name, t in times.items()}
 
 
@@ -114,15 +167,24 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--compare", metavar="FILE", help="another attention.py, measured beside this one")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--step", metavar="CONFIG", help="time the train-throughput benchmark's whole jaxtune step "
+                        "(full, lora_qv, lora_all, qlora, lora_qv_bf16) with each kernel instead, in turn")
     parser.add_argument("--output", default=str(HERE / "results" / "attention_layer.json"))
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE))
     from train_throughput import machine
 
-    cases = [(T, 4 if T <= 512 else 1) for T in args.seq] if args.seq else DEFAULT_CASES
     kernels = {"jaxtune": load_attention(None)}
     if args.compare:
         kernels[f"jaxtune ({Path(args.compare).name})"] = load_attention(args.compare)
+    if args.step:  # whole train steps, milliseconds a step
+        result = measure(train_steps(kernels, args.step), args.rounds, per_call=1)
+        record = {"step": args.step, "results": result, "machine": machine(), "python": platform.python_version()}
+        print(json.dumps(record["results"] | {"step": args.step}), flush=True)
+        out = Path(args.output)
+        out.write_text(json.dumps((json.loads(out.read_text()) if out.exists() else []) + [record], indent=1) + "\n")
+        return
+    cases = [(T, 4 if T <= 512 else 1) for T in args.seq] if args.seq else DEFAULT_CASES
     records = []
     for T, B in cases:
         fns = {name: jax_layer(module, T, B, args.dtype) for name, module in kernels.items()}
@@ -138,7 +200,7 @@ def main(argv=None):
     out.write_text(json.dumps(saved + records, indent=1) + "\n")
     print(f"{'T':>5} {'B':>2} " + " ".join(f"{name:>34}" for name in records[0]["results"]))
     for r in records:
-        cells = " ".join(f"{v['ms_per_layer']:>34.2f}" for v in r["results"].values())
+        cells = " ".join(f"{v['ms']:>34.2f}" for v in r["results"].values())
         print(f"{r['seq']:>5} {r['batch']:>2} {cells}")
 
 
