@@ -13,42 +13,50 @@ import time
 import _measure as M
 
 
-def run(name: str, warmup: int, steps: int) -> dict:
+def model_and_batch(name: str) -> tuple:
+    """(cfg, plan, train config, trainable, frozen, batch) of configuration `name`: a random model from
+    `init_params` with the method applied and partitioned, and the fixed batch ([A=1, B, T]: loss on every token,
+    one segment per row)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, TrainConfig
+    from jaxtune.config import MethodConfig, ModelConfig, TrainConfig
     from jaxtune.config.plan import TrainPlan
-    from jaxtune.host_memory import release_after_compiles, return_large_blocks
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
-    from jaxtune.parallel.mesh import make_mesh
-    from jaxtune.spine.run import abstract_run
 
-    release_after_compiles()  # the host memory settings `jaxtune train` runs with (train/loop.start_run)
-    return_large_blocks()
     kind, targets = M.METHODS[name]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
     method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
     key = jax.random.key(0)
     params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
     trainable, frozen = partition(params, trainable_mask(params, method))
-    del params
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
-    total_steps = warmup + steps
     plan = TrainPlan(method, M.BATCH, M.SEQ, 1, M.REMAT, M.COMPUTE_DTYPE.get(name, "float32"), "float32")
-    run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), tc, total_steps)
-    state = run.init_state(trainable, seed=0)
-    del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated
-
     tokens = M.fixed_tokens()
     ones = np.ones((M.BATCH, M.SEQ), np.int32)
-    batch = {  # [A=1, B, T]: loss on every token, one segment per row
+    batch = {
         "input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:], "loss_mask": ones[None].astype(np.float32),
         "segment_ids": ones[None], "positions": np.broadcast_to(np.arange(M.SEQ, dtype=np.int32), ones.shape)[None],
     }
-    batch = jax.device_put(batch)
+    return cfg, plan, tc, trainable, frozen, jax.device_put(batch)
+
+
+def run(name: str, warmup: int, steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtune.config import MeshConfig
+    from jaxtune.host_memory import release_after_compiles, return_large_blocks
+    from jaxtune.parallel.mesh import make_mesh
+    from jaxtune.spine.run import abstract_run
+
+    release_after_compiles()  # the host memory settings `jaxtune train` runs with (train/loop.start_run)
+    return_large_blocks()
+    cfg, plan, tc, trainable, frozen, batch = model_and_batch(name)
+    run = abstract_run(cfg, plan, make_mesh(MeshConfig(), jax.devices()[:1]), tc, warmup + steps)
+    state = run.init_state(trainable, seed=0)
+    del trainable  # for a full fine-tune the state's params are these buffers, and the state is donated
     jax.block_until_ready((state, frozen, batch))
     baseline = M.rss_mib()
     M.reset_peak_rss()

@@ -87,31 +87,16 @@ def train_steps(kernels: dict, config: str):
     """The train-throughput benchmark's jaxtune step (`_jax_worker`'s model, batch and spine step) compiled once
     with each attention module in `kernels` (the model's three attention names swapped in while it traces); returns
     {name: a function taking one step}."""
-    import _measure as M
     import jax
     import jax.numpy as jnp
-    import numpy as np
+    from _jax_worker import model_and_batch
 
-    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, TrainConfig
-    from jaxtune.config.plan import TrainPlan
-    from jaxtune.methods.transform import apply_method, partition, trainable_mask
+    from jaxtune.config import MeshConfig
     from jaxtune.models import llama
-    from jaxtune.models.params import init_params
     from jaxtune.parallel.mesh import make_mesh
     from jaxtune.spine.run import abstract_run
 
-    kind, targets = M.METHODS[config]
-    cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
-    method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
-    key = jax.random.key(0)
-    params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
-    trainable, frozen = partition(params, trainable_mask(params, method))
-    tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
-    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, M.REMAT, M.COMPUTE_DTYPE.get(config, "float32"), "float32")
-    tokens, ones = M.fixed_tokens(), np.ones((M.BATCH, M.SEQ), np.int32)
-    batch = jax.device_put({
-        "input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:], "loss_mask": ones[None].astype(np.float32),
-        "segment_ids": ones[None], "positions": np.broadcast_to(np.arange(M.SEQ, dtype=np.int32), ones.shape)[None]})
+    cfg, plan, tc, trainable, frozen, batch = model_and_batch(config)
     names = ("blockwise_attention", "live_blocks", "training_mask")
     own = {name: getattr(llama, name) for name in names}
     steps = {}
