@@ -6,8 +6,7 @@ The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cach
 keys, query and key slots, packed segments or prefix trees (`branch_segment`), the window; P prefix keys in slots
 0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
 skipped in both passes (`live_blocks`, decided once per call, outside the layer scan); a row of one block runs
-without loops or conditionals. Scores, softmax and accumulators are float32 (float64 inputs: float64).
-`attend_blocks`, `attention_grads`: one key block's passes.
+without loops. Scores, softmax and sums are float32 (float64 inputs: float64); `attend_blocks`, `attention_grads`.
 """
 
 from __future__ import annotations

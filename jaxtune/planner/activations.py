@@ -6,8 +6,7 @@ the gated MLP's activation are recomputed in the backward, so scores are never k
 remat "none" keeps what a backward reads (x, rotated q and k, v, gate and up, the attention kernel's output and
 log-sum-exp, each trained module's input, LoRA's x A); "save_matmuls" x and the weight matmuls' outputs; "full" x.
 A mixture counts its K routed experts and shared expert as the MLP's width. The backward's workspace
-(`BACKWARD_SHARE`, `ATTENTION_COPIES_F32`, `ONE_BLOCK_COPIES_F32`) was measured on XLA:CPU by
-experiments/planner_accuracy.py.
+(`BACKWARD_SHARE`, `ATTENTION_COPIES_F32`, ...) was measured on XLA:CPU by experiments/planner_accuracy.py.
 """
 
 from __future__ import annotations
