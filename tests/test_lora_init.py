@@ -85,13 +85,14 @@ def exact_svd_factors(w_OxI: np.ndarray, rank: int, scale: float) -> tuple:
 def assert_same_init(a_IxR, b_RxO, ref_a_RxI, ref_b_OxR, exact=None):
     """jaxtune's A and B equal PEFT's to 1e-5, each rank component's sign aligned; or, where float32 SVDs of
     close singular values differ by more (`exact`: the float64 factors), are within twice PEFT's own error of the
-    exact ones (or 2e-5 of them: one element of one SmolLM2 layer's PiSSA B is 1.1e-5 off PEFT's, 1.2e-5 off the
-    exact value where PEFT's is 1.2e-6)."""
+    exact ones or within 4e-5 of them (XLA's float32 SVD differs by CPU: one element of one SmolLM2 layer's PiSSA B
+    is 1.2e-5 off the exact value on an Intel Xeon, 2.0e-5 on an AMD Zen 4, where PEFT's is 1.2e-6 and 5.6e-6);
+    their product B A equals PEFT's to 1e-5 either way."""
     a_RxI, b_OxR = np.asarray(a_IxR).T, np.asarray(b_RxO).T
     if _distance(a_RxI, b_OxR, ref_a_RxI, ref_b_OxR) <= TOL:
         return
     assert exact is not None, _distance(a_RxI, b_OxR, ref_a_RxI, ref_b_OxR)
-    assert _distance(a_RxI, b_OxR, *exact) <= max(2 * _distance(ref_a_RxI, ref_b_OxR, *exact), 2 * TOL)
+    assert _distance(a_RxI, b_OxR, *exact) <= max(2 * _distance(ref_a_RxI, ref_b_OxR, *exact), 4 * TOL)
     np.testing.assert_allclose(b_OxR @ a_RxI, ref_b_OxR @ ref_a_RxI, atol=TOL, rtol=0)
 
 
