@@ -217,11 +217,12 @@ def smollm2():
 def test_smollm2_logits_and_greedy_generation_equal_transformers(smollm2):
     """The real SmolLM2-135M-Instruct (a Llama, 30 layers, tied embeddings, Q4_1 with a Q8_0 embedding): float32
     logits as close to float64 as transformers' loading of the same file, and greedy answers to a chat prompt
-    equal token for token."""
+    equal token for token. (30 float32 layers: each side's largest logit is 1-2.6e-4 off the float64 one, on every
+    CPU, so the two float32 results may differ by 2.1e-4, as measured with XLA capped at AVX2 on an AMD Zen 4.)"""
     path, reference = smollm2
     cfg, params = load_model(path, dtype=np.float32)
     out = logits_four_ways(reference, params, cfg)
-    assert_float32_parity(out["out32"], out["ref32"], out["ref64"], out["valid"], atol=2e-4)
+    assert_float32_parity(out["out32"], out["ref32"], out["ref64"], out["valid"], atol=3e-4)
     tokenizer = load_tokenizer(path)
     ref_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
