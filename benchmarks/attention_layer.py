@@ -36,7 +36,7 @@ DEFAULT_CASES = ((128, 4), (256, 4), (512, 4), (1024, 1))
 
 
 def jax_layer(attention, T: int, B: int, dtype: str):
-    """A function running `LAYERS` layers of the kernel's forward and backward; returns it and its inputs."""
+    """A function running `LAYERS` layers of the kernel's forward and backward (compiled, on fixed inputs)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -128,6 +128,12 @@ def load_attention(path: str | None):
     return module
 
 
+def append_records(path: str, records: list) -> None:
+    """Add `records` to the JSON list saved at `path` (created if absent)."""
+    out = Path(path)
+    out.write_text(json.dumps((json.loads(out.read_text()) if out.exists() else []) + records, indent=1) + "\n")
+
+
 def measure(fns: dict, rounds: int, per_call: int = LAYERS) -> dict:
     """Milliseconds a call / per_call (a layer) for each function: rounds in turn, each the median of 3 calls after
     one."""
@@ -166,8 +172,7 @@ def main(argv=None):
         result = measure(train_steps(kernels, args.step), args.rounds, per_call=1)
         record = {"step": args.step, "results": result, "machine": machine(), "python": platform.python_version()}
         print(json.dumps(record["results"] | {"step": args.step}), flush=True)
-        out = Path(args.output)
-        out.write_text(json.dumps((json.loads(out.read_text()) if out.exists() else []) + [record], indent=1) + "\n")
+        append_records(args.output, [record])
         return
     cases = [(T, 4 if T <= 512 else 1) for T in args.seq] if args.seq else DEFAULT_CASES
     records = []
@@ -180,9 +185,7 @@ def main(argv=None):
                   "python": platform.python_version()}
         records.append(record)
         print(json.dumps(record["results"] | {"seq": T, "batch": B, "dtype": args.dtype}), flush=True)
-    out = Path(args.output)
-    saved = json.loads(out.read_text()) if out.exists() else []
-    out.write_text(json.dumps(saved + records, indent=1) + "\n")
+    append_records(args.output, records)
     print(f"{'T':>5} {'B':>2} " + " ".join(f"{name:>34}" for name in records[0]["results"]))
     for r in records:
         cells = " ".join(f"{v['ms']:>34.2f}" for v in r["results"].values())
