@@ -158,8 +158,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--compare", metavar="FILE", help="another attention.py, measured beside this one")
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--step", metavar="CONFIG", help="time the train-throughput benchmark's whole jaxtune step "
-                        "(full, lora_qv, lora_all, qlora, lora_qv_bf16) with each kernel instead, in turn")
+    parser.add_argument("--step", metavar="CONFIG", choices=("full", "lora_qv", "lora_all", "qlora", "lora_qv_bf16"),
+                        help="time the train-throughput benchmark's whole jaxtune step of CONFIG (full, lora_qv, "
+                        "lora_all, qlora, lora_qv_bf16) with each kernel instead, in turn")
     parser.add_argument("--output", default=str(HERE / "results" / "attention_layer.json"))
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE))
