@@ -62,11 +62,65 @@ def _lora_branch_bwd(residuals, g):
     g = g.astype(x.dtype)
     db = jnp.einsum("...r,...o->ro", xa, g)
     dxa = g @ b.T
-    da = jnp.einsum("...r,...i->ri", dxa, x).T
-    return dxa @ a.T, da, db
+    return dxa @ a.T, _a_gradient(x, dxa), db
 
 
 lora_branch.defvjp(_lora_branch_fwd, _lora_branch_bwd)
+
+
+def _a_gradient(x: jax.Array, dxa: jax.Array, accumulate=None) -> jax.Array:
+    """A's gradient x^T dxa [in, r] (x [..., in], dxa [..., r]), taken as (dxa^T x)^T: the narrow operand first, its
+    small [r, in] result transposed. The barrier keeps XLA from folding that transpose back into the product, which
+    XLA:CPU then multiplies as x^T dxa, transposing x ([tokens, in]) first (several times slower)."""
+    da_RxI = jnp.einsum("...r,...i->ri", dxa, x, preferred_element_type=accumulate)
+    return jnp.swapaxes(jax.lax.optimization_barrier(da_RxI), 0, 1)
+
+
+@jax.custom_vjp
+def lora_product(x: jax.Array, x_lora: jax.Array, kernel: jax.Array, a: jax.Array, b: jax.Array,
+                 scale: float | jax.Array) -> jax.Array:
+    """x @ kernel + scale (x_lora @ a) @ b [..., out] in x's dtype, as one product [x | scale x_lora a] @
+    [kernel ; b] (x, x_lora [..., in], kernel [in, out], a [in, r], b [r, out]; x_lora is x, or x after dropout).
+
+    `linear.dense` uses it on CPU (`LORA_HOOK.product`), where XLA:CPU spends more on a separate [tokens, r] x [r,
+    out] product and the add over [tokens, out] than on the r extra rows of the kernel's GEMM. Below float32 the
+    products accumulate in float32 and round once, as `linear.matmul`'s. The backward takes the kernel's products
+    apart (x's gradient g kernel^T, dxa = scale g b^T, a's and b's gradients as `lora_branch`'s)."""
+    return _lora_product_fwd(x, x_lora, kernel, a, b, scale)[0]
+
+
+def _accumulation(dtype) -> jnp.dtype:
+    return jnp.dtype(dtype) if dtype in (jnp.float32, jnp.float64) else jnp.dtype(jnp.float32)
+
+
+def _lora_product_fwd(x, x_lora, kernel, a, b, scale):
+    accumulate = _accumulation(x.dtype)
+    scale = jnp.asarray(scale, accumulate)
+    x_NxI = x.reshape(-1, x.shape[-1])
+    xa_NxR = jnp.einsum("ni,ir->nr", x_lora.reshape(x_NxI.shape), a, preferred_element_type=accumulate)
+    xa_NxR = (xa_NxR * scale).astype(x.dtype)
+    y_NxO = jnp.einsum("ni,io->no", jnp.concatenate([x_NxI, xa_NxR], axis=-1), jnp.concatenate([kernel, b], axis=0),
+                       preferred_element_type=accumulate)
+    return y_NxO.reshape(*x.shape[:-1], kernel.shape[-1]).astype(x.dtype), (x, x_lora, kernel, a, b, xa_NxR, scale)
+
+
+def _lora_product_bwd(residuals, g):
+    x, x_lora, kernel, a, b, xa_NxR, scale = residuals
+    accumulate = _accumulation(x.dtype)
+    g_NxO = g.astype(x.dtype).reshape(-1, g.shape[-1])
+    x_NxI = x.reshape(-1, x.shape[-1])
+    dx_NxI = jnp.einsum("no,io->ni", g_NxO, kernel, preferred_element_type=accumulate)
+    dxa_NxR = (jnp.einsum("no,ro->nr", g_NxO, b, preferred_element_type=accumulate) * scale).astype(x.dtype)
+    dx_lora_NxI = jnp.einsum("nr,ir->ni", dxa_NxR, a, preferred_element_type=accumulate)
+    da = _a_gradient(x_lora.reshape(x_NxI.shape), dxa_NxR, accumulate)
+    db = jnp.einsum("nr,no->ro", xa_NxR, g_NxO, preferred_element_type=accumulate)
+    dkernel = jnp.einsum("ni,no->io", x_NxI, g_NxO, preferred_element_type=accumulate)
+    as_x = lambda d: d.reshape(x.shape).astype(x.dtype)  # noqa: E731
+    return (as_x(dx_NxI), as_x(dx_lora_NxI), dkernel.astype(kernel.dtype), da.astype(a.dtype), db.astype(b.dtype),
+            None)
+
+
+lora_product.defvjp(_lora_product_fwd, _lora_product_bwd)
 
 
 def _branch(x: jax.Array, y: jax.Array, module: dict, kernel: jax.Array | None, branch: Branch) -> jax.Array:
@@ -93,7 +147,15 @@ def _branch(x: jax.Array, y: jax.Array, module: dict, kernel: jax.Array | None, 
     return y + (scale - 1) * (x_lora @ kernel) + scale * lora_y
 
 
-LORA_HOOK = DenseHook("lora_a", add=_branch, needs_kernel=lambda module: "magnitude" in module, dropout=True)
+def _product(x: jax.Array, kernel: jax.Array, module: dict, branch: Branch) -> jax.Array:
+    """x W + s B A dropout(x) as one product (`lora_product`): `linear.dense`'s fused form of `_branch`."""
+    x_lora = x if branch.dropout_key is None else dropout(x, branch.dropout_key, branch.dropout_rate)
+    return lora_product(x, x_lora, kernel, module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype),
+                        branch.scale)
+
+
+LORA_HOOK = DenseHook("lora_a", add=_branch, needs_kernel=lambda module: "magnitude" in module, dropout=True,
+                      product=_product, fuses=lambda module: not {"magnitude", "lora_bias"} & set(module))
 
 
 def _lora_leaves(kernel, lora: ModuleLoRA, method: MethodConfig, key) -> dict:

@@ -36,6 +36,8 @@ class DenseHook:
     scale_input(x, module) -> x before the base matmul; add(x, y, module, kernel, branch) -> y after it (`kernel`:
     the whole base weight in x's dtype where `needs_kernel(module)`, else None); scale_output(y, module) -> y after
     the bias. dropout: the hook reads `branch.dropout_key` (no key is drawn for modules without such a hook).
+    product(x, kernel, module, branch) -> y: the base matmul with `add`'s branch folded in, one product in place of
+    both, which `dense` takes on CPU for a whole float kernel where `fuses(module)`.
     """
 
     trigger: str
@@ -44,6 +46,8 @@ class DenseHook:
     scale_output: Callable | None = None
     needs_kernel: Callable[[dict], bool] = lambda module: False
     dropout: bool = False
+    product: Callable | None = None
+    fuses: Callable[[dict], bool] = lambda module: False
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from jaxtune.models.quant import (
     full_shape,
 )
 from jaxtune.parallel.rules import (
+    ZERO_AXES,
     context_ways,
     gathered,
     mesh_axes_of,
@@ -364,7 +365,8 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
     whole = any(hook.needs_kernel(module) for hook in hooks)  # DoRA's norm needs the whole kernel
     derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not whole
     layout = pieces_of(module["kernel"], x.dtype, kernel_axes) if derived else None
-    kernel = None
+    branch = Branch(lora_scale, dropout_key, dropout_rate, kernel_axes)
+    kernel, fused = None, None
     if split is not None and not whole:
         y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
     elif layout is not None:
@@ -375,10 +377,12 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
         elif kernel_axes is not None and context_ways() > 1:  # left to XLA, the 2-D split's output was replicated
             module = {**module, "kernel": gathered(kernel_of(module, x.dtype), kernel_axes)}
         kernel = kernel_of(module, x.dtype)
-        y = matmul(x, kernel)
-    branch = Branch(lora_scale, dropout_key, dropout_rate, kernel_axes)
+        fused = None if stored or whole else _fused_hook(hooks, module, kernel_axes, kernel.shape,
+                                                         gathered=context_ways() > 1)
+        y = (matmul(x, kernel) if fused is None else
+             checkpoint_name(fused.product(x, kernel, module, branch), MATMUL_OUTPUT))
     for hook in hooks:
-        if hook.add is not None:
+        if hook.add is not None and hook is not fused:
             y = hook.add(x, y, module, kernel if whole else None, branch)
     if "bias" in module:
         y = y + module["bias"].astype(x.dtype)
@@ -386,6 +390,19 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
         if hook.scale_output is not None:
             y = hook.scale_output(y, module)
     return y
+
+
+def _fused_hook(hooks, module: dict, kernel_axes: tuple[str, str] | None, shape: tuple[int, int], gathered: bool):
+    """The hook whose branch `_dense` folds into the base product, or None: on XLA:CPU, where a rank-r branch
+    computed on its own (its [tokens, r] x [r, out] product and the add over [tokens, out]) costs more than the r
+    extra rows of one GEMM (benchmarks/README.md, issue 34), for a kernel whole at the product: no mesh axis splits
+    it, or only the ZeRO axes where `gathered` (the concatenated kernel of a split one is laid out anew). On GPU and
+    TPU the concatenation would copy a weight the dot reads in place."""
+    mesh = mesh_in_context()
+    split = [] if mesh is None or kernel_axes is None else mesh_axes_of(kernel_axes, shape, mesh.shape)
+    if platform_in_context() != "cpu" or any(set(axes) - (set(ZERO_AXES) if gathered else set()) for axes in split):
+        return None
+    return next((hook for hook in hooks if hook.product is not None and hook.fuses(module)), None)
 
 
 def with_lora_scales(layers: dict, scales: float | dict) -> tuple[dict, float]:

@@ -58,6 +58,7 @@ class Widths:
     context: int = 1
     strategy: str = "ring"
     mlp_tile: int = 0  # `[model] tiled_mlp`: the MLP's tokens a row at a time (0: all T)
+    fused_low_rank: bool = False  # LoRA branches folded into their base products (`linear.dense` on CPU)
 
     @property
     def Tm(self) -> int:
@@ -73,12 +74,14 @@ def mlp_width(cfg: ModelConfig) -> int:
 
 
 def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, megablox: bool = False,
-           expert: int = 1, context: int = 1, strategy: str = "ring", mlp_tile: int = 0) -> Widths:
+           expert: int = 1, context: int = 1, strategy: str = "ring", mlp_tile: int = 0,
+           fused_low_rank: bool = False) -> Widths:
     """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
     as jaxtune.parallel's rules split the weights); with `megablox` a mixture's rows are gathered over the `expert`
     devices that split its experts (`models/moe.py`); a row's tokens split over `context` devices, whose attention
     crosses them by `strategy` (`models/context_attention.py`); a dense MLP tiled `mlp_tile` tokens a row at a time
-    (`llama.tiled_mlp`; a mixture's is counted untiled)."""
+    (`llama.tiled_mlp`; a mixture's is counted untiled); `fused_low_rank`: LoRA branches folded into their base
+    products."""
     split = lambda n: n // tensor if n % tensor == 0 else n
     heads_split = cfg.num_kv_heads % tensor == 0
     T = seq_len // context  # a multiple of 2 x context (`config.run.context_split_error`)
@@ -89,7 +92,7 @@ def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, 
                   cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim,
                   megablox and bool(cfg.num_experts),
                   expert if megablox and cfg.num_experts and cfg.num_experts % expert == 0 else 1,
-                  context, strategy, 0 if cfg.num_experts else mlp_tile)
+                  context, strategy, 0 if cfg.num_experts else mlp_tile, fused_low_rank)
 
 
 def _trains_input(method, module: str, adapted: dict) -> bool:
@@ -129,7 +132,8 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
                   ("o_proj out", (b, T, w.D), False), ("gate", (b, T, w.F), False), ("up", (b, T, w.F), False)]
         for m in lora:
             saved.append((f"{m} x A", (b, T, lora[m]), False))
-            if m != "down_proj" or method.dora:  # (down_proj's output only meets the residual add)
+            # (down_proj's output only meets the residual add; a folded branch is its module's output)
+            if (m != "down_proj" or method.dora) and not w.fused_low_rank:
                 saved.append((f"{m} x A B", out_width[m], False))
     else:
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
@@ -202,13 +206,14 @@ def weight_gradient_elements(policy: str, w: Widths) -> int:
 def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     """Extra [b, T, F] elements one layer's backward holds for each MLP module with a LoRA branch: the branch's own
     gradient beside the frozen matmul's, about 1.6 of them a module (measured on XLA:CPU; attention modules' branches
-    are narrow enough to hide in BACKWARD_SHARE)."""
+    are narrow enough to hide in BACKWARD_SHARE); folded into its base product (`Widths.fused_low_rank`), about 1.0
+    (fitted: 0.1 of them on 2 x 128-token rows to 2 on a 16k-token row's tiles, XLA:CPU)."""
     if not method_unit(method).costs.low_rank:
         return 0
     adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
     mlp_adapted = sum(width * (m in adapted) for m, width in (("gate_proj", 1), ("up_proj", 1), ("gate_up_proj", 2),
                                                               ("down_proj", 1)))
-    return int(1.6 * mlp_adapted * w.b * w.Tm * w.F)
+    return int((1.0 if w.fused_low_rank else 1.6) * mlp_adapted * w.b * w.Tm * w.F)
 
 
 def attention_block(w: Widths) -> tuple[int, int, int, int]:

@@ -64,6 +64,8 @@ class FamilyRules:
     on TPU jaxtune runs megablox instead, unless a tensor axis does not divide the experts' hidden units).
     transposed_weight_gradients: a layer's backward lays the inputs of its weight gradients' matmuls out again, where
     the base trains (`activations.weight_gradient_elements`; XLA:CPU).
+    fused_low_rank: a LoRA branch is folded into its base product where the kernel is used whole (`linear.dense`,
+    `_fused_low_rank`; XLA:CPU).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     workspace_itemsize: int | None
@@ -73,6 +75,7 @@ class FamilyRules:
     reserve_note: str
     dense_grouped_matmul: bool = False
     transposed_weight_gradients: bool = False
+    fused_low_rank: bool = False
 
 
 FAMILY_RULES = {
@@ -89,7 +92,7 @@ FAMILY_RULES = {
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
                        "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU widens 16-bit values inside a "
                        "layer's backward",
-                       dense_grouped_matmul=True, transposed_weight_gradients=True),
+                       dense_grouped_matmul=True, transposed_weight_gradients=True, fused_low_rank=True),
 }
 
 
@@ -404,6 +407,16 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, 
     return residual, copies
 
 
+def _fused_low_rank(cfg: ModelConfig, plan: TrainPlan, sizes: dict, device: Device) -> bool:
+    """Whether `linear.dense` folds the method's LoRA branches into their base products: plain LoRA (no DoRA, no
+    LoRA bias) whose kernels are whole at the product: no tensor axis, and no fsdp axis unless a context axis has the
+    layer gather them; used whole, not a piece at a time (`_layer_copies`)."""
+    method = plan.method
+    return (method_unit(method).costs.low_rank and not method.dora and not method.lora_bias
+            and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or sizes["context"] > 1)
+            and _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) == 0)
+
+
 def _layer_copies(cfg: ModelConfig, plan: TrainPlan, piece_bytes: int) -> int:
     """Bytes of one layer's derived frozen kernels as its backward holds them, on one device: each kernel that
     is dequantised or widened from 16 bits and larger than a piece so derived, a piece
@@ -459,7 +472,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"], sizes["context"],
                    plan.context_attention,
                    # under save_matmuls the tiles' matmul outputs are all kept: a tiled MLP saves nothing there
-                   plan.tiled_mlp if plan.remat != "save_matmuls" else 0)
+                   plan.tiled_mlp if plan.remat != "save_matmuls" else 0,
+                   rules.fused_low_rank and _fused_low_rank(cfg, plan, sizes, device))
     a = jnp.dtype(plan.compute_dtype).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
