@@ -6,7 +6,8 @@ ratio of two steps taken back to back is steadier than two runs' medians.
     XLA_FLAGS=--xla_cpu_max_isa=AVX2 .venv/bin/python benchmarks/paired_step.py lora_all PATCH   # as on Zen 3
 
 A patch is a Python file that replaces some of jaxtune's functions when run and defines `undo()`; the patched step
-is traced and compiled between the two. Prints and appends to benchmarks/results/paired_step.json: both compile
+is traced and compiled between the two. Prints and appends to benchmarks/results/paired_step.json: the machine
+(as train_throughput.py records it), both compile
 times, both median step times, the median of the per-pair ratios (patched time / current time: above 1, the
 current code is faster) with a bootstrap 90% interval, and in how many pairs the current code was faster.
 """
@@ -21,6 +22,8 @@ import runpy
 import statistics
 import time
 from pathlib import Path
+
+from train_throughput import machine
 
 HERE = Path(__file__).resolve().parent
 
@@ -84,7 +87,7 @@ def main() -> None:
     boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
     result = {
         "config": args.config, "patch": os.path.basename(args.patch), "pairs": args.pairs,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "cpu": _cpu_model(),
+        "machine": machine(),
         "compile_s": {"current": round(current_compile, 2), "patched": round(patched_compile, 2)},
         "step_ms": {name: round(statistics.median(t) * 1e3, 1) for name, t in times.items()},
         "speedup": round(statistics.median(ratios), 3), "speedup_90": [round(boot[100], 3), round(boot[1899], 3)],
@@ -94,13 +97,6 @@ def main() -> None:
     path = Path(args.output)
     runs = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(runs + [result], indent=1) + "\n")
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

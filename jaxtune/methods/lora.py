@@ -123,9 +123,14 @@ def _lora_product_bwd(residuals, g):
 lora_product.defvjp(_lora_product_fwd, _lora_product_bwd)
 
 
+def _dropped(x: jax.Array, branch: Branch) -> jax.Array:
+    """The branch's input: x, or x after the branch's dropout."""
+    return x if branch.dropout_key is None else dropout(x, branch.dropout_key, branch.dropout_rate)
+
+
 def _branch(x: jax.Array, y: jax.Array, module: dict, kernel: jax.Array | None, branch: Branch) -> jax.Array:
     """y + s (B A dropout(x) + b); DoRA: (y + s B A x) m / ||W + s B A|| (with dropout, PEFT's form)."""
-    x_lora = x if branch.dropout_key is None else dropout(x, branch.dropout_key, branch.dropout_rate)
+    x_lora = _dropped(x, branch)
     lora_a, lora_b = module["lora_a"], module["lora_b"]
     if branch.kernel_axes is not None and context_ways() > 1:  # gathered over ZeRO's axes as their kernel is
         lora_a = gathered(lora_a, (branch.kernel_axes[0], "lora_rank"))
@@ -149,9 +154,8 @@ def _branch(x: jax.Array, y: jax.Array, module: dict, kernel: jax.Array | None, 
 
 def _product(x: jax.Array, kernel: jax.Array, module: dict, branch: Branch) -> jax.Array:
     """x W + s B A dropout(x) as one product (`lora_product`): `linear.dense`'s fused form of `_branch`."""
-    x_lora = x if branch.dropout_key is None else dropout(x, branch.dropout_key, branch.dropout_rate)
-    return lora_product(x, x_lora, kernel, module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype),
-                        branch.scale)
+    a, b = module["lora_a"].astype(x.dtype), module["lora_b"].astype(x.dtype)
+    return lora_product(x, _dropped(x, branch), kernel, a, b, branch.scale)
 
 
 LORA_HOOK = DenseHook("lora_a", add=_branch, needs_kernel=lambda module: "magnitude" in module, dropout=True,
