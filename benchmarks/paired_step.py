@@ -38,7 +38,7 @@ def compiled_step(config: str, patch: str | None):
     from jaxtune.parallel.mesh import make_mesh
     from jaxtune.spine.run import abstract_run
 
-    undo = runpy.run_path(patch)["undo"] if patch else None
+    undo = _undo_of(patch) if patch else None
     try:
         jax.clear_caches()
         cfg, plan, tc, trainable, frozen, batch = worker.model_and_batch(config)
@@ -60,6 +60,14 @@ def compiled_step(config: str, patch: str | None):
     return step, compile_s
 
 
+def _undo_of(patch: str):
+    """Runs the patch file and returns its `undo`; a file without one is a one-line error naming it."""
+    undo = runpy.run_path(patch).get("undo")
+    if not callable(undo):
+        raise SystemExit(f"{patch}: defines no undo() to restore what it patched")
+    return undo
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", choices=("full", "lora_qv", "lora_all", "qlora", "lora_qv_bf16"))
@@ -68,6 +76,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--output", default=str(HERE / "results" / "paired_step.json"))
     args = parser.parse_args()
+    if not Path(args.patch).is_file():
+        parser.error(f"{args.patch}: no such patch file")
 
     from jaxtune.host_memory import release_after_compiles, return_large_blocks
 
