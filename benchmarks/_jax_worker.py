@@ -20,19 +20,21 @@ def model_and_batch(name: str) -> tuple:
     import jax
     import numpy as np
 
-    from jaxtune.config import MethodConfig, ModelConfig, TrainConfig
+    from jaxtune.config import ForwardOptions, ModelConfig, TrainConfig
     from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
 
     kind, targets = M.METHODS[name]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
-    method = MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
+    method = method_config(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
     key = jax.random.key(0)
     params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
     trainable, frozen = partition(params, trainable_mask(params, method))
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
-    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, M.REMAT, M.COMPUTE_DTYPE.get(name, "float32"), "float32")
+    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype=M.COMPUTE_DTYPE.get(name, "float32"), remat=M.REMAT))
     tokens = M.fixed_tokens()
     ones = np.ones((M.BATCH, M.SEQ), np.int32)
     batch = {

@@ -95,14 +95,16 @@ def spawn(variant: str, seq: int, steps: int) -> dict:
 def jax_compiled_mib(seq: int) -> float:
     """XLA's memory analysis of the jaxtune step at `seq` tokens (arguments + temporaries + outputs - aliases)."""
     configure(seq)
-    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+    from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
     from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
     from jaxtune.planner import compile_step
 
     kind, targets = M.METHODS["lora_qv"]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
-    plan = TrainPlan(MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1, "full",
-                     "float32", "float32", mesh=MeshConfig(1, 1, 1))
+    plan = TrainPlan(method_config(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1,
+                     param_dtype="float32", forward=ForwardOptions(compute_dtype="float32", remat="full"),
+                     mesh=MeshConfig(1, 1, 1))
     return compile_step(cfg, plan).total_bytes / 2**20
 
 
@@ -154,8 +156,9 @@ CONTEXT_WAYS = (1, 2, 4, 8)
 
 def context_rows() -> list[dict]:
     """Per-device compiled MiB of the LoRA step for each T, N and strategy (run under 8 fake devices)."""
-    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+    from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
     from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
     from jaxtune.planner import compile_step
 
     kind, targets = M.METHODS["lora_qv"]
@@ -164,9 +167,11 @@ def context_rows() -> list[dict]:
         cfg = ModelConfig(**M.SHAPE, max_position_embeddings=seq)
         for ways in CONTEXT_WAYS:
             for strategy in ("ring", "all_gather") if ways > 1 else ("ring",):
-                plan = TrainPlan(MethodConfig(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1,
-                                 "full", "float32", "float32", mesh=MeshConfig(fsdp=1, context=ways),
-                                 context_attention=strategy)
+                plan = TrainPlan(method_config(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1,
+                                 param_dtype="float32",
+                                 forward=ForwardOptions(compute_dtype="float32", remat="full",
+                                                        context_attention=strategy),
+                                 mesh=MeshConfig(fsdp=1, context=ways))
                 compiled = compile_step(cfg, plan)
                 rows.append({"seq": seq, "context": ways, "strategy": strategy if ways > 1 else "-",
                              "device_mib": compiled.total_bytes / 2**20, "temp_mib": compiled.temp_bytes / 2**20,

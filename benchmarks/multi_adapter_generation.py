@@ -23,11 +23,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
+from jaxtune.config import SamplingConfig, tiny_config
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.demo import smollm2_path
 from jaxtune.generation import generate
-from jaxtune.methods.adapter_rows import stack_adapters
+from jaxtune.methods import method_config
+from jaxtune.methods.lora.rows import stack_adapters
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.params import init_params
 from jaxtune.spine.model import load_model
@@ -38,11 +39,11 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      tie_word_embeddings=True, sliding_windows=(0,) * 30, eos_token_id=(2,))
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS = {
-    "qv_r8": MethodConfig("lora", rank=8, alpha=16.0, target_modules=("q_proj", "v_proj")),
-    "all_r16": MethodConfig("lora", rank=16, alpha=32.0, target_modules=ALL),
-    "qkvo_r8_rs": MethodConfig("lora", rank=8, alpha=8.0, rslora=True,
+    "qv_r8": method_config("lora", rank=8, alpha=16.0, target_modules=("q_proj", "v_proj")),
+    "all_r16": method_config("lora", rank=16, alpha=32.0, target_modules=ALL),
+    "qkvo_r8_rs": method_config("lora", rank=8, alpha=8.0, rslora=True,
                                target_modules=("q_proj", "k_proj", "v_proj", "o_proj")),
-    "mlp_r4": MethodConfig("lora", rank=4, alpha=4.0, target_modules=("up_proj", "down_proj")),
+    "mlp_r4": method_config("lora", rank=4, alpha=4.0, target_modules=("up_proj", "down_proj")),
 }
 
 

@@ -194,13 +194,14 @@ def prepare(a) -> dict:
 def run_jaxtune(a) -> dict:
     import jax
 
-    from jaxtune.config import DataConfig, MethodConfig, ModelSection, TrainConfig
+    from jaxtune.config import DataConfig, ModelSection, TrainConfig
+    from jaxtune.methods import method_config
     from jaxtune.run_config import RunConfig
     from jaxtune.train import loop
 
     config = RunConfig(
         model=ModelSection(path=str(a.model)),
-        method=MethodConfig("lora", rank=M.RANK, alpha=M.ALPHA, target_modules=TARGETS),
+        method=method_config("lora", rank=M.RANK, alpha=M.ALPHA, target_modules=TARGETS),
         data=DataConfig(train=str(a.train), eval=str(a.eval), max_seq_len=SEQ),
         train=TrainConfig(output_dir=str(a.run_dir), batch_size=1, learning_rate=M.LEARNING_RATE,
                           schedule="constant", max_grad_norm=M.MAX_GRAD_NORM, max_steps=a.max_steps,

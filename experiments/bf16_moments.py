@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jaxtune.config import DataConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
 from jaxtune.demo import ASSETS, BASE_SHAPE
+from jaxtune.methods import method_config
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import RunConfig
 from jaxtune.train.loop import fine_tune
@@ -41,8 +42,8 @@ def main() -> None:
     out = Path(args.out)
     model = write_random_model(out / "random-init", "llama", seed=0, **BASE_SHAPE)
     rows = []
-    for name, method, data in (("full", MethodConfig("full"), "demo_corpus.jsonl"),
-                               ("lora", MethodConfig("lora", rank=16, alpha=16, target_modules=("all-linear",)),
+    for name, method, data in (("full", method_config("full"), "demo_corpus.jsonl"),
+                               ("lora", method_config("lora", rank=16, alpha=16, target_modules=("all-linear",)),
                                 "demo_instructions.jsonl")):
         pair = [run(name, model, method, data, moments, out, args.steps) for moments in ("float32", "bfloat16")]
         for r in pair:

@@ -42,9 +42,10 @@ def run_one(name: str, out: Path) -> dict:
     """Train and score one method in this process."""
     import jax
 
-    from jaxtune.config import DataConfig, MethodConfig, ModelSection, TrainConfig
+    from jaxtune.config import DataConfig, ModelSection, TrainConfig
     from jaxtune.data.tokenizer import load_tokenizer
     from jaxtune.demo import _answers, _write_chats, date_examples, smollm2_path
+    from jaxtune.methods import method_config
     from jaxtune.methods.transform import apply_method, parameter_report
     from jaxtune.models.hf_config import load_config
     from jaxtune.models.params import abstract_params
@@ -54,7 +55,7 @@ def run_one(name: str, out: Path) -> dict:
 
     model = smollm2_path()
     kwargs, lr = METHODS[name]
-    method = MethodConfig(**kwargs)
+    method = method_config(**kwargs)
     held_out = date_examples(40, seed=1)
     train = date_examples(400, seed=2, exclude={q for q, _ in held_out})
     started = time.perf_counter()

@@ -11,8 +11,9 @@ XLA:CPU: `estimate.UPDATE_COPIES`) and the step's peak (one row of 2,048 tokens,
 
 from __future__ import annotations
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.planner import estimate, get_device
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -22,17 +23,21 @@ GiB = 1 << 30
 
 
 def main() -> None:
-    methods = {"full": MethodConfig("full"),
-               "LoRA r=16 all-linear": MethodConfig("lora", rank=16, alpha=32, target_modules=("all-linear",))}
+    methods = {"full": method_config("full"),
+               "LoRA r=16 all-linear": method_config("lora", rank=16, alpha=32, target_modules=("all-linear",))}
     print("| method | optimizer | state, 1 device (GiB) | bytes / trainable parameter | fsdp=8: state a device "
           "(GiB) | update temporaries, 1 device (GiB) | step's peak, 1 device (GiB) |")
     print("|---|---|---|---|---|---|---|")
     for name, method in methods.items():
         for optimizer in OPTIMIZERS:
-            one = estimate(LLAMA31_8B, TrainPlan(method, 1, 2048, 1, "full", optimizer=optimizer,
-                                                 mesh=MeshConfig(fsdp=1)), get_device("h200-141gb"))
-            eight = estimate(LLAMA31_8B, TrainPlan(method, 8, 2048, 1, "full", optimizer=optimizer,
-                                                   mesh=MeshConfig(fsdp=8)), get_device("h200-141gb-8"))
+            one = estimate(LLAMA31_8B, TrainPlan(method, 1, 2048, 1,
+                                                 forward=ForwardOptions(compute_dtype="bfloat16", remat="full"),
+                                                 optimizer=optimizer, mesh=MeshConfig(fsdp=1)),
+                  get_device("h200-141gb"))
+            eight = estimate(LLAMA31_8B, TrainPlan(method, 8, 2048, 1,
+                                                   forward=ForwardOptions(compute_dtype="bfloat16", remat="full"),
+                                                   optimizer=optimizer, mesh=MeshConfig(fsdp=8)),
+                    get_device("h200-141gb-8"))
             print(f"| {name} | {optimizer} | {one.optimizer_bytes / GiB:.2f} | "
                   f"{one.optimizer_bytes / one.trainable_parameters:.3f} | {eight.optimizer_bytes / GiB:.2f} | "
                   f"{one.phases['update']['activations'] / GiB:.2f} | {one.compiled_bytes / GiB:.2f} |")
@@ -52,8 +57,9 @@ def tpu_rows() -> None:
         cfg = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=layers, num_heads=8,
                           num_kv_heads=4, head_dim=64)
         for optimizer in OPTIMIZERS:
-            plan = TrainPlan(MethodConfig("full"), 4, 256, 1, "full", "bfloat16", "float32",
-                             mesh=MeshConfig(fsdp=4), optimizer=optimizer)
+            plan = TrainPlan(method_config("full"), 4, 256, 1, param_dtype="float32",
+                             forward=ForwardOptions(compute_dtype="bfloat16", remat="full"), mesh=MeshConfig(fsdp=4),
+                             optimizer=optimizer)
             compiled, planned = compile_step(cfg, plan, devices).total_bytes, estimate(cfg, plan, device).compiled_bytes
             print(f"| {layers} | {optimizer} | {compiled / 2**20:.1f} | {planned / 2**20:.1f} | "
                   f"{planned / compiled - 1:+.0%} |")

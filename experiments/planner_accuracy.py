@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.planner import compile_peak, estimate, get_device
 
@@ -108,9 +108,10 @@ def configurations() -> list[tuple[str, ModelConfig, TrainPlan]]:
     out = []
     for name, cfg, method, batch, seq, accum, remat, dtypes, mesh, *rest in rows:
         offload_cfg, objective, generate = (rest + [None, "sft", 0][len(rest):])
-        out.append((name, cfg, TrainPlan(method, batch, seq, accum, remat, mesh=mesh, objective=objective,
-                                         offload=offload_cfg or OffloadConfig(), generate_tokens=generate,
-                                         **dtypes)))
+        out.append((name, cfg, TrainPlan(method, batch, seq, accum,
+                                         forward=ForwardOptions(compute_dtype="bfloat16", remat=remat), mesh=mesh,
+                                         objective=objective, offload=offload_cfg or OffloadConfig(),
+                                         generate_tokens=generate, **dtypes)))
     return out
 
 
@@ -133,10 +134,11 @@ def compiler_table(only: list[int] | None = None) -> list[dict]:
         xla, program = compile_peak(cfg, plan)
         err = est.compiled_bytes / xla - 1
         objective = plan.objective + (f" +{plan.generate_tokens} ({program})" if plan.generate_tokens else "")
-        rows.append(dict(i=i, model=name, method=_method_label(plan.method), objective=objective, remat=plan.remat,
+        rows.append(dict(i=i, model=name, method=_method_label(plan.method), objective=objective,
+                         remat=plan.forward.remat.policy,
                          batch=f"{plan.batch_size}x{plan.seq_len}" + (f" A{plan.grad_accum}" if plan.grad_accum > 1
                                                                       else ""),
-                         dtypes="/".join(SHORT[d] for d in (plan.compute_dtype, plan.param_dtype)),
+                         dtypes="/".join(SHORT[d] for d in (plan.forward.compute_dtype, plan.param_dtype)),
                          mesh="1" if n == 1 else f"{sizes['data']}/{sizes['fsdp']}/{sizes['tensor']}",
                          offload="optimizer" if plan.offload.optimizer_state else "",
                          xla_mib=xla / MiB, estimate_mib=est.compiled_bytes / MiB, error=err, peak=est.peak_phase))

@@ -137,8 +137,9 @@ def label(row) -> str:
 
 def model_and_plan(row):
     """(model config, plan, device) of a row."""
-    from jaxtune.config import MethodConfig
+    from jaxtune.config import ForwardOptions
     from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
     from jaxtune.models.hf_config import config_from_hf
     from jaxtune.planner import get_device
     from jaxtune.planner.command import parse_mesh
@@ -146,8 +147,9 @@ def model_and_plan(row):
     model, method, objective, seq, batch, target, mesh, remat = row
     kind = "lora" if method == "dora" else method
     targets = ("all-linear",) if kind in ("lora", "qlora") else ()
-    plan = TrainPlan(MethodConfig(kind, rank=16, alpha=32.0, target_modules=targets, dora=method == "dora"),
-                     batch, seq, 1, remat, "bfloat16", "bfloat16", mesh=parse_mesh(mesh), objective=objective,
+    plan = TrainPlan(method_config(kind, rank=16, alpha=32.0, target_modules=targets, dora=method == "dora"), batch,
+                     seq, 1, param_dtype="bfloat16", forward=ForwardOptions(compute_dtype="bfloat16", remat=remat),
+                     mesh=parse_mesh(mesh), objective=objective,
                      generate_tokens=GRPO_TOKENS if objective == "grpo" else 0)
     return config_from_hf(MODELS[model], model), plan, get_device(target)
 
@@ -176,7 +178,7 @@ def replan(result: dict, row) -> dict:
         mesh = _mesh(plan, topology_devices(tpu_slice(device)))
         flops = step_flops(abstract_run(cfg, plan, mesh)) / mesh.size
     out = {**result, **planner_columns(est), "program_flops": flops}
-    out["modelled_step_seconds"] = flops / est.device.peak(plan.compute_dtype)
+    out["modelled_step_seconds"] = flops / est.device.peak(plan.forward.compute_dtype)
     peak = out["compiled_bytes"] + out.get("rollout_extra_bytes", 0)
     out["compiler_fits"] = not out["over_memory"] and peak + est.reserve_bytes <= est.device.usable_bytes
     return out

@@ -21,35 +21,18 @@ import traceback
 import warnings
 from pathlib import Path
 
-import jax
-
-from jaxtune.completions import generate_file
-from jaxtune.config import SamplingConfig
-from jaxtune.data.formats import is_preference_file
-from jaxtune.data.sources import read_records
-from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.demo import run_demo
 from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
-from jaxtune.generation import generate_text
 from jaxtune.host_memory import restart_with_huge_pages
-from jaxtune.launch import TpuTarget, launch_tpu
-from jaxtune.methods import METHODS
-from jaxtune.methods.peft import adapter_summary, save_peft_adapter
-from jaxtune.models.summary import model_summary
-from jaxtune.objectives import ALIASES, OBJECTIVES
-from jaxtune.parallel.distributed import cluster_from_env, join_cluster
-from jaxtune.paths import check_output_dir, human_bytes
-from jaxtune.planner.command import public, render, run_plan, suggestion_for_run
-from jaxtune.planner.slices import libtpu_quiet
-from jaxtune.presets import write_random_model
-from jaxtune.run_config import load_run_config
-from jaxtune.spine.model import load_model_with_adapter
-from jaxtune.train.evaluation import evaluate_file, evaluate_preference_file
-from jaxtune.train.export import export_gguf, export_gguf_lora, export_merged, export_run
-from jaxtune.train.loop import fine_tune
+
+# Each command imports the library it calls when it runs, so `jaxtune --help` and a bad flag answer without loading
+# JAX, and a command loads only what it uses.
 
 
 def cmd_info(args) -> None:
+    from jaxtune.methods.peft import adapter_summary
+    from jaxtune.models.summary import model_summary
+    from jaxtune.paths import human_bytes
+
     summary = model_summary(args.model)
     if args.adapter:
         summary["adapter"] = adapter_summary(args.model, args.adapter)
@@ -71,11 +54,18 @@ def cmd_info(args) -> None:
 
 
 def cmd_init(args) -> None:
+    from jaxtune.presets import write_random_model
+
     path = write_random_model(args.out, args.arch, seed=args.seed)
     print(f"wrote a random {args.arch} model to {path}")
 
 
 def cmd_export(args) -> None:
+    from jaxtune.methods.peft import save_peft_adapter
+    from jaxtune.paths import check_output_dir
+    from jaxtune.spine.model import load_model_with_adapter
+    from jaxtune.train.export import export_gguf, export_gguf_lora, export_merged
+
     note = lambda text: print(text, file=sys.stderr)
     if (args.model is None) == (args.run_dir is None):
         raise JaxtuneError("export needs --model (with --adapter) or --run (a run directory), not both")
@@ -106,6 +96,8 @@ def cmd_export(args) -> None:
 
 
 def _export_run(args, note) -> None:
+    from jaxtune.train.export import export_run
+
     if args.adapter is not None:
         raise JaxtuneError("--adapter goes with --model; --run exports the run's own result")
     target, out = next((t, o) for t, o in (("peft", args.peft), ("merged", args.merged), ("gguf", args.gguf),
@@ -115,14 +107,25 @@ def _export_run(args, note) -> None:
 
 
 def cmd_train(args) -> int:
-    """0 when the run finished; 128 + the signal (130 SIGINT, 143 SIGTERM) when it was stopped and checkpointed."""
+    """0 when the run finished; 128 + the signal (130 SIGINT, 143 SIGTERM) when it was stopped and checkpointed.
+
+    The cluster is joined before anything touches a backend (`jax.distributed.initialize` refuses to run after):
+    the config is read first, so a bad one fails at once on every process without waiting for the others."""
+    from jaxtune.parallel.distributed import cluster_from_env, join_cluster
+    from jaxtune.run_config import load_run_config
+    from jaxtune.train.loop import fine_tune
+
     config = load_run_config(args.config, args.set)
     join_cluster(cluster_from_env(args.coordinator, args.num_processes, args.process_id, args.auto_cluster))
+    _start_backends_quietly()
     result = fine_tune(config)
     return 128 + result.signal if result.interrupted else 0
 
 
 def cmd_eval(args) -> None:
+    from jaxtune.data.formats import is_preference_file
+    from jaxtune.train.evaluation import evaluate_file, evaluate_preference_file
+
     note = lambda text: print(text, file=sys.stderr)
     if args.tasks:
         return _eval_tasks(args, note)
@@ -163,6 +166,8 @@ def _eval_tasks(args, note) -> None:
 
 def _read_prompts(path: str) -> list[str | list[dict]]:
     """A .jsonl file's "prompt" fields or "messages" conversations, or any other file's non-empty lines."""
+    from jaxtune.data.sources import read_records
+
     if path.endswith(".jsonl"):
         prompts = []
         for line, record in read_records(path):
@@ -201,6 +206,12 @@ def _adapter_args(values: list[str] | None) -> tuple[str | None, dict[str, str]]
 
 
 def cmd_generate(args) -> None:
+    from jaxtune.completions import generate_file
+    from jaxtune.config import SamplingConfig
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.generation import generate_text
+    from jaxtune.spine.model import load_model_with_adapter
+
     adapter, adapters = _adapter_args(args.adapter)
     if args.data is not None:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -235,10 +246,14 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
+    from jaxtune.demo import run_demo
+
     run_demo(args.out, tiny=args.tiny)
 
 
 def cmd_launch(args) -> int:
+    from jaxtune.launch import TpuTarget, launch_tpu
+
     rest = args.rest
     target = TpuTarget(args.name, args.zone, args.accelerator, args.project, args.spot, args.queued)
     return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts,
@@ -246,6 +261,8 @@ def cmd_launch(args) -> int:
 
 
 def cmd_plan(args) -> None:
+    from jaxtune.planner.command import public, render, run_plan
+
     names = ("model", "params", "config", "method", "target", "batch", "seq", "accum", "remat", "mesh", "offload",
              "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens", "context_attention")
     result = run_plan(search_plans=args.search, longest=args.longest_context, step=args.seq_step, confirm=args.confirm,
@@ -276,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     init.set_defaults(run=cmd_init)
 
-    train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: "
-                           f"{', '.join(OBJECTIVES)}); re-running resumes from the last checkpoint",
+    train = sub.add_parser("train", help="fine-tune from a TOML run config (train.objective: sft, dpo, grpo, "
+                           "distill, ...); re-running resumes from the last checkpoint",
                            epilog="Ctrl-C or SIGTERM: the step finishes, a checkpoint is saved, exit 130 or 143; "
                            "`jaxtune export --run RUN_DIR` writes the result of a stopped run.")
     train.add_argument("config", help="run config (TOML with [model], [method], [data], [train], and the objective's "
@@ -401,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
     model.add_argument("--config", metavar="RUN.toml", help="a `jaxtune train` config: its model, method, batch, "
                        "sequence, remat, mesh and offload")
-    plan.add_argument("--method", default="lora", help=f"{', '.join(METHODS)} (default: lora)")
+    plan.add_argument("--method", default="lora", help="full, lora, qlora, ia3, prefix, adapter (default: lora; an "
+                      "unknown kind lists the registered ones)")
     plan.add_argument("--target", required=True, metavar="DEVICE[-N]", help="e.g. h100-80gb, h100-80gb-8, v5e-8, "
                       "v5p-32, gaudi3, cpu (an unknown name lists the known ones)")
     plan.add_argument("--batch", type=int, help="rows per micro-batch over all devices (default: one a device)")
@@ -419,9 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compute-dtype", help="default bfloat16 on accelerators, float32 on cpu")
     plan.add_argument("--param-dtype", help="frozen weights' dtype (default: as stored; with --params bfloat16, on cpu "
                       "float32)")
-    plan.add_argument("--objective", default="sft", choices=(*OBJECTIVES, *ALIASES),
-                      help="the trainer's objective (rlhf: grpo); --batch counts pairs for dpo, reward, orpo, cpo and "
-                      "simpo, examples for kto")
+    plan.add_argument("--objective", default="sft",
+                      help="the trainer's objective (sft, dpo, grpo, ...; rlhf: grpo); --batch counts pairs for dpo, "
+                      "reward, orpo, cpo and simpo, examples for kto")
     plan.add_argument("--generate-tokens", type=int, default=0,
                       help="grpo: tokens each rollout samples, of the --seq tokens of a row")
     plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "
@@ -449,6 +467,8 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
 
 # commands whose work is training steps: run as a program, they start again under `restart_with_huge_pages`
 HUGE_PAGE_COMMANDS = ("train", "demo")
+# commands that start JAX's backends themselves: `train` joins a multi-process cluster first
+STARTS_ITS_OWN_BACKENDS = ("train",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     if as_program and args.command in HUGE_PAGE_COMMANDS:
         restart_with_huge_pages()
     try:
-        _start_backends_quietly()
+        if args.command not in STARTS_ITS_OWN_BACKENDS:
+            _start_backends_quietly()
         return args.run(args) or 0
     except JaxtuneError as e:
         print(f"jaxtune: error: {_as_flag(e, argv)}", file=sys.stderr)
@@ -487,6 +508,10 @@ def _start_backends_quietly() -> None:
         return
     if any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists():
         return
+    import jax
+
+    from jaxtune.planner.slices import libtpu_quiet
+
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another jaxtune may hold libtpu's lockfile
     with libtpu_quiet():
         jax.devices()
@@ -523,6 +548,8 @@ def _write_traceback(argv: list[str]) -> Path:
 
 def out_of_memory(args, e: BaseException) -> str:
     """One line: what ran out, what to lower for this command, and for `train` the plan that fits."""
+    from jaxtune.planner.command import suggestion_for_run
+
     detail = _first_line(e).removeprefix("RESOURCE_EXHAUSTED: ")
     if args.command == "train":
         return f"out of memory ({detail}); {suggestion_for_run(args.config, args.set)}"

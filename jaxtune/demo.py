@@ -17,9 +17,10 @@ import random
 import time
 from pathlib import Path
 
-from jaxtune.config import DataConfig, MethodConfig, ModelSection, SamplingConfig, TrainConfig
+from jaxtune.config import DataConfig, ModelSection, SamplingConfig, TrainConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.generation import generate_text
+from jaxtune.methods import method_config
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import RunConfig
 from jaxtune.spine.model import load_model_with_adapter
@@ -116,7 +117,7 @@ def run_pretrained_demo(model: str | Path, out: str | Path = "runs/demo", log=pr
     log(f"[2/3] LoRA fine-tune (all linear layers, rank 16, 40 steps of 8) on {len(train)} conversations ...")
     lora = fine_tune(RunConfig(
         model=ModelSection(path=str(model)),
-        method=MethodConfig("lora", rank=16, alpha=32, target_modules=("all-linear",)),
+        method=method_config("lora", rank=16, alpha=32, target_modules=("all-linear",)),
         data=DataConfig(train=str(train_file), eval=str(held_out_file), max_seq_len=64),
         train=TrainConfig(output_dir=str(out / "lora"), max_steps=40, batch_size=8, learning_rate=2e-3,
                           warmup_steps=5, log_every=10, eval_every=40)), log=_quiet, progress=_indented(log))
@@ -147,7 +148,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
     base_dir = write_random_model(out / "random-init", "llama", seed=0, **BASE_SHAPE)
     log(f"[1/3] built a tiny Llama ({base_dir}); training its base on plain text (full fine-tune) ...")
     base = fine_tune(RunConfig(
-        model=ModelSection(path=str(base_dir)), method=MethodConfig("full"),
+        model=ModelSection(path=str(base_dir)), method=method_config("full"),
         data=DataConfig(train=str(ASSETS / "demo_corpus.jsonl"), eval_fraction=0.02, max_seq_len=128),
         train=TrainConfig(output_dir=str(out / "base"), max_steps=100, batch_size=16, learning_rate=3e-3,
                           warmup_steps=10, log_every=10)), log=_quiet, progress=_indented(log))
@@ -156,7 +157,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
     log("[2/3] LoRA fine-tune (all linear layers, rank 16) on the bundled instructions ...")
     lora = fine_tune(RunConfig(
         model=ModelSection(path=str(base.result_path)),
-        method=MethodConfig("lora", rank=16, alpha=16, target_modules=("all-linear",)),
+        method=method_config("lora", rank=16, alpha=16, target_modules=("all-linear",)),
         data=DataConfig(train=str(ASSETS / "demo_instructions.jsonl"), eval_fraction=0.1, max_seq_len=128),
         train=TrainConfig(output_dir=str(out / "lora"), max_steps=100, batch_size=16, learning_rate=3e-3,
                           log_every=10, eval_every=50)), log=_quiet, progress=_indented(log))

@@ -20,8 +20,6 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import jax
-
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Compiles shorter than this are not followed by a trim: they free little, and the pages a trim returns are
 # faulted in again by the next compile (trimming after every compile made the tiny demo's run 12% slower).
@@ -75,6 +73,8 @@ def _after_compile(event: str, duration_secs: float, **kwargs) -> None:
 def release_after_compiles() -> None:
     """From now on in this process, `release_freed_memory` after every XLA compile of `MIN_COMPILE_SECONDS` or more
     (registered once)."""
+    import jax  # here: `jaxtune` restarts under huge pages (`restart_with_huge_pages`) before it loads JAX
+
     jax.monitoring.register_event_duration_secs_listener(_after_compile)
 
 

@@ -159,7 +159,7 @@ def compile_check(run, accelerator: str, config_path: Path) -> str:
     target = get_device(accelerator.replace("v5litepod", "v5e"))
     try:
         cfg, plan = plan_from_run_config(run, "tpu")
-        plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan, target)))
+        plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan.mesh, target)))
         confirmation = confirm_plan(cfg, plan, target)
     except JaxtuneError as e:  # the model not readable here, no libtpu, a slice Cloud TPU does not make
         raise JaxtuneError(f"the compile check: {e} (--no-compile-check to launch without it)") from None

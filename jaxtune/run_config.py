@@ -1,6 +1,6 @@
 """Reading and writing a training run's TOML: `RunConfig`, one frozen dataclass with a field per section.
 
-    [model] [method] [data] [train] [mesh] [offload]   the sections of `jaxtune.config` (run.py, method.py)
+    [model] [method] [data] [train] [mesh] [offload] [eval]   the run's own (`jaxtune.config`; [method]: its kind's)
     [dpo] [grpo] [distill] ...                          each registered objective's own section, if it has one
     config = load_run_config("run.toml", ["train.learning_rate=1e-4"])   # `--set` items: TOML values, or bare text
     text = dump_run_config(config)                                       # TOML that reads back to an equal config
@@ -17,44 +17,61 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jaxtune.config import DataConfig, EvalConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
+from jaxtune.config.forward import ForwardOptions, Remat
+from jaxtune.config.plan import FORWARD_KNOBS
 from jaxtune.config.run import context_split_error
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.objectives import objective_named
-from jaxtune.objectives.cpo import CPOConfig, SimPOConfig
-from jaxtune.objectives.distill import DistillConfig
-from jaxtune.objectives.dpo import PreferenceConfig
-from jaxtune.objectives.grpo import GRPOConfig
-from jaxtune.objectives.kto import KTOConfig
-from jaxtune.objectives.orpo import ORPOConfig
-from jaxtune.objectives.rloo import RLOOConfig
+from jaxtune.methods import METHODS, LoRAConfig, method_unit, option_names
+from jaxtune.models.kernels import check_choice as check_kernel
+from jaxtune.objectives import OBJECTIVES, objective_named
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A training run: a field per TOML section, every one defaulted. After the run's own sections, one per
-    registered objective that has a section, named as the objective (tests/test_run_config.py keeps them in step
-    with `objectives.OBJECTIVES`)."""
+    """A training run: a field per TOML section of the run's own, every one defaulted, and `objectives`: the section
+    of each registered objective that has one ([dpo], [grpo], ...), by name, in the registry's order (each
+    objective's defaults unless the TOML gives keys). `section(name)` reads one."""
 
     model: ModelSection = field(default_factory=ModelSection)
-    method: MethodConfig = field(default_factory=MethodConfig)
+    method: MethodConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    rloo: RLOOConfig = field(default_factory=RLOOConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    orpo: ORPOConfig = field(default_factory=ORPOConfig)
-    cpo: CPOConfig = field(default_factory=CPOConfig)
-    simpo: SimPOConfig = field(default_factory=SimPOConfig)
-    kto: KTOConfig = field(default_factory=KTOConfig)
+    objectives: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        given = dict(self.objectives)
+        sections = objective_sections()
+        unknown = sorted(set(given) - set(sections))
+        if unknown:
+            raise JaxtuneError(f"RunConfig objectives: {unknown[0]!r} is no registered objective with a section "
+                               f"(those with one: {', '.join(sections)})")
+        object.__setattr__(self, "objectives", tuple((name, given.get(name) or cls()) for name, cls in
+                                                     sections.items()))
+
+    def section(self, objective: str):
+        """The section of objective `objective` (None: it has none)."""
+        return dict(self.objectives).get(objective)
 
 
-SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass, in TOML order
+RUN_SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(RunConfig).items()
+                                 if name != "objectives"}
+
+
+def objective_sections() -> dict[str, type]:
+    """{objective name: its section's dataclass} of the registered objectives that have a section, in order."""
+    return {o.name: o.section for o in OBJECTIVES.values() if o.section is not None}
+
+
+def sections() -> dict[str, type]:
+    """Every TOML section a run config may hold, in the order `dump_run_config` writes them (the method's options
+    class depends on its kind: `MethodConfig` stands for it)."""
+    return {**RUN_SECTIONS, **objective_sections()}
 
 
 def _parse_value(text: str):
@@ -94,41 +111,78 @@ def _located(error: ConfigError, source: str) -> JaxtuneError:
 
 def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> RunConfig:
     """`overridden`: (section, key) -> the `--set` item that gave it, named in its errors instead of the file."""
-    sections = {}
+    known_sections = sections()
+    parts: dict[str, object] = {}
     for name, values in raw.items():
-        if name not in SECTIONS:
-            raise JaxtuneError(f"{where}: unknown section [{name}] (sections: {', '.join(SECTIONS)})")
+        if name not in known_sections:
+            raise JaxtuneError(f"{where}: unknown section [{name}] (sections: {', '.join(known_sections)})")
         if not isinstance(values, dict):
             raise JaxtuneError(f"{where}: [{name}] must be a table")
-        cls = SECTIONS[name]
-        known = {f.name: f for f in dataclasses.fields(cls)}
         source = lambda key: f"--set {overridden[name, key]}" if (name, key) in overridden else where
-        for key, value in values.items():
-            if key not in known:
-                raise JaxtuneError(f"{source(key)}: unknown key {key!r} in section [{name}] "
-                                   f"(known: {', '.join(known)})")
+        if name == "method":  # the kind names the unit whose options the other keys are
+            kind = values.pop("kind", "lora")
             try:
-                values[key] = _value(name, key, value, type(getattr(cls(), key)))
+                cls = method_unit(_value(name, "kind", kind, str)).options
+            except ConfigError as e:
+                raise _located(e.in_section(name), source("kind")) from None
+        else:
+            cls = known_sections[name]
+        defaults = _flat(cls())
+        for key, value in values.items():
+            if key not in defaults:
+                raise JaxtuneError(f"{source(key)}: {_unknown(name, key, cls)}")
+            try:
+                values[key] = _value(name, key, value, type(defaults[key]))
             except ConfigError as e:
                 raise _located(e, source(key)) from None
         try:
-            sections[name] = cls(**values)
+            if name == "model":  # the forward's knobs are keys of [model]
+                forward = {k: values.pop(k) for k in list(values) if k in FORWARD_KNOBS}
+                values["forward"] = ForwardOptions(**{**_flat(ModelSection().forward), **forward})
+                check_kernel(values["forward"].attention)
+            parts[name] = cls(**values)
             if name == "train":
-                objective_named(sections[name].objective)
+                objective_named(parts[name].objective)
         except ConfigError as e:
             raise _located(e.in_section(name), source(e.field.split("[")[0])) from None
-    config = RunConfig(**sections)
+    config = RunConfig(**{k: v for k, v in parts.items() if k in RUN_SECTIONS},
+                       objectives=tuple((k, v) for k, v in parts.items() if k not in RUN_SECTIONS))
     why = context_split_error(config.data.max_seq_len, config.mesh.context)
     if why:
         raise JaxtuneError(f"{where}: [data] max_seq_len = {config.data.max_seq_len} {why}")
     if config.offload.moments_dtype != "float32" and config.train.optimizer != "adamw":
         raise JaxtuneError(f"{where}: [offload] moments_dtype = {config.offload.moments_dtype!r} is for [train] "
                            f"optimizer = 'adamw', not {config.train.optimizer!r}")
-    if config.train.objective in ("grpo", "rlhf", "rloo") and config.mesh.context > 1:
+    if objective_named(config.train.objective).generates and config.mesh.context > 1:
         raise JaxtuneError(f"{where}: [train] objective = {config.train.objective!r} with [mesh] context = "
                            f"{config.mesh.context}: its rollouts decode whole rows, which a context axis would split; "
                            "use a mesh without one")
     return config
+
+
+def _flat(section) -> dict[str, object]:
+    """A section's TOML keys and values: its fields, a `ForwardOptions` field's knobs in its place (remat as its
+    policy's name)."""
+    items: dict[str, object] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, ForwardOptions):
+            items.update(_flat(value))
+        else:
+            items[f.name] = value.policy if isinstance(value, Remat) else value
+    return items
+
+
+def _unknown(section: str, key: str, cls: type) -> str:
+    """Why `key` is not a key of [section] (read into `cls`), naming the known ones, and for [method] the kinds
+    that read it."""
+    known = ", ".join(_flat(cls()))
+    if section != "method":
+        return f"unknown key {key!r} in section [{section}] (known: {known})"
+    kind = cls.kind  # type: ignore[attr-defined]
+    readers = [k for k in METHODS if key in option_names(k)]
+    whose = f"; it is an option of {', '.join(readers)}" if readers else ""
+    return f"unknown key {key!r} in section [method] for kind {kind!r} (known: kind, {known or 'nothing else'}){whose}"
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -167,18 +221,25 @@ def _toml_value(value) -> str:
     return repr(value)
 
 
+def _sections_of(config: RunConfig) -> dict[str, object]:
+    """{TOML section name: its dataclass} of `config`, in the order `sections()` gives."""
+    return {**{name: getattr(config, name) for name in RUN_SECTIONS}, **dict(config.objectives)}
+
+
 def config_items(config: RunConfig) -> dict[str, object]:
     """The config flattened to "section.key" -> a JSON value (tuples as lists), as checkpoints record it."""
-    return json.loads(json.dumps({f"{name}.{f.name}": getattr(getattr(config, name), f.name)
-                                  for name in SECTIONS for f in dataclasses.fields(getattr(config, name))}))
+    items = {f"{name}.{key}": value for name, section in _sections_of(config).items()
+             for key, value in _flat(section).items()}
+    return json.loads(json.dumps({"method.kind": config.method.kind, **items}))
 
 
 def dump_run_config(config: RunConfig) -> str:
     """The config as TOML text that `load_run_config` reads back to an equal config."""
     lines = []
-    for name in SECTIONS:
+    for name, section in _sections_of(config).items():
         lines.append(f"[{name}]")
-        section = getattr(config, name)
-        lines += [f"{f.name} = {_toml_value(getattr(section, f.name))}" for f in dataclasses.fields(section)]
+        if name == "method":
+            lines.append(f"kind = {_toml_value(section.kind)}")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in _flat(section).items()]
         lines.append("")
     return "\n".join(lines)

@@ -20,14 +20,15 @@ import sys
 if "jax" not in sys.modules:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.planner import compile_step, estimate, get_device
 
 SMALL = ModelConfig(vocab_size=8000, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
                     num_kv_heads=4, head_dim=32, max_position_embeddings=32768)
-METHODS = {"lora": MethodConfig("lora", rank=16, target_modules=("all-linear",)), "full": MethodConfig("full"),
-           "qlora": MethodConfig("qlora", rank=16, target_modules=("all-linear",))}
+METHODS = {"lora": method_config("lora", rank=16, target_modules=("all-linear",)), "full": method_config("full"),
+           "qlora": method_config("qlora", rank=16, target_modules=("all-linear",))}
 # (tokens a row, rows, mesh, context attention, remat, method)
 ROWS = [
     (2048, 1, "context=2", "ring", "none", "lora"),
@@ -54,8 +55,9 @@ def label(row) -> str:
 def plan_of(row) -> TrainPlan:
     seq, rows, mesh, strategy, remat, method = row
     sizes = {"fsdp": 1} | {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
-    return TrainPlan(METHODS[method], rows, seq, 1, remat, "float32", "float32", mesh=MeshConfig(**sizes),
-                     context_attention=strategy)
+    return TrainPlan(METHODS[method], rows, seq, 1, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype="float32", remat=remat, context_attention=strategy),
+                     mesh=MeshConfig(**sizes))
 
 
 def accuracy() -> dict:

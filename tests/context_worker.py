@@ -25,8 +25,9 @@ if "jax" not in sys.modules:
 import jax
 import numpy as np
 
-from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import ForwardOptions, MeshConfig, TrainConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.models.context_attention import ContextLayout, balanced_order, gather_outputs, to_layout
 from jaxtune.objectives import objective_named
 from jaxtune.objectives.distill import DistillConfig
@@ -42,22 +43,22 @@ from jaxtune.spine.shardings import batch_sharding, param_shardings
 sys.path.insert(0, os.path.dirname(__file__))
 from steps import sft_gradients  # noqa: E402
 
-LORA = MethodConfig("lora", rank=4, target_modules=("all-linear",))
+LORA = method_config("lora", rank=4, target_modules=("all-linear",))
 MESHES = {"context=8": MeshConfig(fsdp=1, context=8), "context=4 x fsdp=2": MeshConfig(fsdp=2, context=4),
           "context=2 x fsdp=2 x tensor=2": MeshConfig(fsdp=2, context=2, tensor=2)}
 MIXTURE_MESH = {"context=2 x expert=2 x tensor=2": MeshConfig(fsdp=1, expert=2, context=2, tensor=2)}
 # case: (model, method, rows, tokens, packed, tiled MLP tile)
 CASES = {
-    "causal": (tiny_config(initializer_range=0.1), MethodConfig("full"), 2, 64, False, 0),
+    "causal": (tiny_config(initializer_range=0.1), method_config("full"), 2, 64, False, 0),
     "packed": (tiny_config(initializer_range=0.1), LORA, 2, 64, True, 0),
     "sliding": (tiny_model_config("mistral", initializer_range=0.1), LORA, 2, 256, True, 0),
     "gemma2": (tiny_model_config("gemma2", initializer_range=0.1), LORA, 2, 128, True, 0),
-    "prefix": (tiny_config(initializer_range=0.1), MethodConfig("prefix", num_virtual_tokens=4), 2, 64, True, 0),
+    "prefix": (tiny_config(initializer_range=0.1), method_config("prefix", num_virtual_tokens=4), 2, 64, True, 0),
     "tiled": (tiny_config(initializer_range=0.1), LORA, 2, 64, True, 8),
-    "qlora": (tiny_config(initializer_range=0.1), MethodConfig("qlora", rank=4, target_modules=("all-linear",), bits=4,
+    "qlora": (tiny_config(initializer_range=0.1), method_config("qlora", rank=4, target_modules=("all-linear",), bits=4,
                                                                double_quant=True), 2, 64, True, 0),
-    "ia3": (tiny_config(initializer_range=0.1), MethodConfig("ia3"), 2, 64, True, 0),
-    "mixture": (tiny_model_config("qwen2_moe", initializer_range=0.1), MethodConfig("full"), 2, 64, True, 8),
+    "ia3": (tiny_config(initializer_range=0.1), method_config("ia3"), 2, 64, True, 0),
+    "mixture": (tiny_model_config("qwen2_moe", initializer_range=0.1), method_config("full"), 2, 64, True, 8),
 }
 
 
@@ -149,11 +150,11 @@ def objectives() -> dict:
     out = {}
     for name, section in sections.items():
         objective = objective_named(name)
-        trainable, frozen = init_run(cfg, LORA, head=objective.head)
+        trainable, frozen = init_run(cfg, LORA, objective=objective)
         trainable = rows_trained(trainable)
         teacher = None
         if name == "distill":
-            teacher = jax.tree.map(np.asarray, init_run(cfg, MethodConfig("full"), seed=5)[0])
+            teacher = jax.tree.map(np.asarray, init_run(cfg, method_config("full"), seed=5)[0])
         rows = 4 * objective.rows(section)
         steps = []
         for s in range(3):
@@ -165,8 +166,9 @@ def objectives() -> dict:
             steps.append(batch)
         losses = {}
         for mesh_name, mesh_config in (("one", MeshConfig(fsdp=1)), ("context", MeshConfig(fsdp=2, context=4))):
-            plan = TrainPlan(LORA, 4, T, 1, "none", "float32", "float32", mesh=mesh_config, objective=name,
-                             section=section)
+            plan = TrainPlan(LORA, 4, T, 1, param_dtype="float32",
+                             forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=mesh_config,
+                             objective=name, section=section)
             single = mesh_name == "one"
             run = abstract_run(cfg, plan, make_mesh(mesh_config, jax.devices()[:1] if single else None), train, 10)
             state = run.init_state(jax.tree.map(np.asarray, trainable), 0)
@@ -213,8 +215,9 @@ def memory() -> dict:
     for name, mesh_config, strategy in (("one", MeshConfig(fsdp=1), "ring"),
                                         ("ring", MESHES["context=8"], "ring"),
                                         ("all_gather", MESHES["context=8"], "all_gather")):
-        plan = TrainPlan(LORA, 1, 32768, 1, "full", "float32", "float32", mesh=mesh_config,
-                         context_attention=strategy)
+        plan = TrainPlan(LORA, 1, 32768, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="full", context_attention=strategy),
+                         mesh=mesh_config)
         mesh = make_mesh(mesh_config, jax.devices()[:1] if name == "one" else None)
         run = abstract_run(cfg, plan, mesh, TrainConfig(batch_size=1), 10)
         compiled = run.step.lower(run.state, run.frozen, run.second, run.batch).compile()
@@ -228,7 +231,8 @@ def flops() -> dict:
     out = {}
     for name, windows in (("causal", 0), ("window 128", 128)):
         cfg = tiny_config(sliding_windows=(windows, windows))
-        plan = TrainPlan(LORA, 1, 2048, 1, "none", "float32", "float32", mesh=MESHES["context=8"])
+        plan = TrainPlan(LORA, 1, 2048, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES["context=8"])
         out[name] = step_flops(abstract_run(cfg, plan, make_mesh(MESHES["context=8"]), TrainConfig(batch_size=1), 10))
     return out
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtune.config import MeshConfig, MethodConfig
+from jaxtune.config import ForwardOptions, MeshConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.io.safetensors import CheckpointReader
+from jaxtune.methods import method_config
 from jaxtune.models.hf_config import load_config
 from jaxtune.parallel.distributed import ClusterConfig, host_copy, join_cluster
 from jaxtune.parallel.mesh import make_mesh
@@ -26,7 +27,8 @@ from jaxtune.spine.run import abstract_run
 coordinator, processes, process_id, model_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 join_cluster(ClusterConfig(coordinator, processes, process_id))
 cfg = load_config(model_dir)
-plan = TrainPlan(MethodConfig("lora", rank=4), processes, 32, 1, "none", "float32", "float32", mesh=MeshConfig())
+plan = TrainPlan(method_config("lora", rank=4), processes, 32, 1, param_dtype="float32",
+                 forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MeshConfig())
 run = abstract_run(cfg, plan, make_mesh(MeshConfig()))
 state, frozen, _ = load_run(run, model_dir, 0)
 checksum = float(sum(np.abs(x).sum() for x in jax.tree.leaves(host_copy(frozen))))

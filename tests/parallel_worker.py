@@ -30,8 +30,9 @@ if "jax" not in sys.modules:
 import jax
 import numpy as np
 
-from jaxtune.config import MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
+from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.parallel import make_mesh
@@ -42,9 +43,9 @@ from jaxtune.spine.shardings import bytes_per_device, total_bytes
 STEPS, ACCUM, ROWS, SEQ = 10, 2, 8, 32
 CFG = tiny_config(initializer_range=0.1)
 METHODS = {
-    "full": MethodConfig("full"),
-    "lora": MethodConfig("lora", rank=4, target_modules=("all-linear",)),
-    "qlora": MethodConfig("qlora", rank=4, target_modules=("all-linear",), bits=4, double_quant=True),
+    "full": method_config("full"),
+    "lora": method_config("lora", rank=4, target_modules=("all-linear",)),
+    "qlora": method_config("qlora", rank=4, target_modules=("all-linear",), bits=4, double_quant=True),
 }
 MESHES = {
     "fsdp=8": MeshConfig(fsdp=8),
@@ -54,7 +55,7 @@ MESHES = {
 }
 TRAIN = TrainConfig(learning_rate=1e-2, grad_accum=ACCUM, batch_size=ROWS, warmup_steps=2)
 MIXTURES = (("mixtral", METHODS["full"]), ("qwen3_moe", METHODS["full"]),
-             ("qwen2_moe", MethodConfig("lora", rank=4, target_modules=("all-linear",),
+             ("qwen2_moe", method_config("lora", rank=4, target_modules=("all-linear",),
                                         target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))))
 MIXTURE_MESHES = {"one": MeshConfig(fsdp=1), "fsdp=8": MeshConfig(fsdp=8), "expert=8": MeshConfig(fsdp=1, expert=8),
                   "fsdp=2 x expert=4": MeshConfig(fsdp=2, expert=4),
@@ -93,7 +94,8 @@ def train(method_name: str, mesh_config: MeshConfig, devices=None, offload=Offlo
     """Losses of STEPS steps of the spine's run (and, with keep, the final state, frozen weights and shardings)."""
     method = METHODS[method_name]
     trainable, frozen = setup(method)
-    plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=mesh_config, offload=offload)
+    plan = TrainPlan(method, ROWS, SEQ, ACCUM, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=mesh_config, offload=offload)
     run = abstract_run(CFG, plan, make_mesh(mesh_config, devices), TRAIN, STEPS)
     state = run.init_state(trainable, 0)
     frozen = jax.device_put(frozen, run.shardings.frozen)
@@ -124,7 +126,8 @@ def frozen_bf16() -> dict:
                           frozen)
 
     def losses(mesh_config, devices=None):
-        plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "bfloat16", mesh=mesh_config)
+        plan = TrainPlan(method, ROWS, SEQ, ACCUM, param_dtype="bfloat16",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=mesh_config)
         run = abstract_run(CFG, plan, make_mesh(mesh_config, devices), TRAIN, STEPS)
         state = run.init_state(trainable, 0)
         placed = jax.device_put(as_bit_patterns(frozen, head=True), run.shardings.frozen)
@@ -204,13 +207,18 @@ def planner() -> dict:
     cfg = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=32)
     plans = {
-        "fsdp=8": TrainPlan(MethodConfig("full"), 16, 128, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"]),
-        "data=8": TrainPlan(METHODS["lora"], 16, 128, 1, "full", "float32", "float32", mesh=MESHES["data=8"]),
-        "data=2 x fsdp=4": TrainPlan(MethodConfig("full"), 16, 128, 1, "save_matmuls", "float32", "float32",
+        "fsdp=8": TrainPlan(method_config("full"), 16, 128, 1, param_dtype="float32",
+                            forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES["fsdp=8"]),
+        "data=8": TrainPlan(METHODS["lora"], 16, 128, 1, param_dtype="float32",
+                            forward=ForwardOptions(compute_dtype="float32", remat="full"), mesh=MESHES["data=8"]),
+        "data=2 x fsdp=4": TrainPlan(method_config("full"), 16, 128, 1, param_dtype="float32",
+                                     forward=ForwardOptions(compute_dtype="float32", remat="save_matmuls"),
                                      mesh=MESHES["data=2 x fsdp=4"]),
-        "fsdp=4 x tensor=2": TrainPlan(METHODS["qlora"], 16, 128, 1, "none", "float32", "float32",
+        "fsdp=4 x tensor=2": TrainPlan(METHODS["qlora"], 16, 128, 1, param_dtype="float32",
+                                       forward=ForwardOptions(compute_dtype="float32", remat="none"),
                                        mesh=MESHES["fsdp=4 x tensor=2"]),
-        "dpo, fsdp=8": TrainPlan(METHODS["lora"], 8, 128, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"],
+        "dpo, fsdp=8": TrainPlan(METHODS["lora"], 8, 128, 1, param_dtype="float32",
+                                 forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES["fsdp=8"],
                                  objective="dpo"),
     }
     return {name: (estimate(cfg, plan, get_device("cpu-8")).compiled_bytes, compile_step(cfg, plan).total_bytes)
@@ -225,7 +233,7 @@ def eval_rows() -> dict:
 
     from jaxtune.methods.transform import combine
 
-    method, cfg = MethodConfig("full"), CFG
+    method, cfg = method_config("full"), CFG
     trainable, frozen = setup(method)
     params = combine(trainable, frozen)
     T = 32
@@ -233,7 +241,8 @@ def eval_rows() -> dict:
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
     rows = {}
     for name in ("fsdp=8", "data=8"):
-        plan = TrainPlan(method, 8, T, 1, "none", "float32", "float32", mesh=MESHES[name])
+        plan = TrainPlan(method, 8, T, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES[name])
         run = abstract_run(cfg, plan, make_mesh(MESHES[name]), TRAIN, STEPS)
         hlo = run.eval_step.lower(jax.device_put(params, run.shardings.params), None, batch).compile().as_text()
         shapes = re.findall(rf"f32\[(\d+),{T},(\d+)\]", hlo)
@@ -268,7 +277,8 @@ def load(model_dir: str, method_name: str) -> dict:
         return read(self, name, index)
 
     CheckpointReader.read = spying_read
-    plan = TrainPlan(METHODS[method_name], 8, SEQ, 1, "none", "float32", "float32", mesh=MESHES["fsdp=8"])
+    plan = TrainPlan(METHODS[method_name], 8, SEQ, 1, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES["fsdp=8"])
     run = abstract_run(cfg, plan, make_mesh(MESHES["fsdp=8"]), TRAIN, STEPS)
     before = CheckpointReader.total_bytes_read
     state, frozen, _ = load_run(run, model_dir, 0)
@@ -296,7 +306,8 @@ def tiny_run(arch: str, method: MethodConfig, **overrides):
 
 def four_steps(cfg, method: MethodConfig, mesh_config: MeshConfig, trainable, frozen) -> tuple[list[float], dict]:
     """The losses of 4 steps of the spine's run on `mesh_config` (one device where it has one), and the final state."""
-    plan = TrainPlan(method, ROWS, SEQ, ACCUM, "none", "float32", "float32", mesh=mesh_config)
+    plan = TrainPlan(method, ROWS, SEQ, ACCUM, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=mesh_config)
     single = mesh_config.data * mesh_config.fsdp * mesh_config.expert * mesh_config.tensor == 1
     run = abstract_run(cfg, plan, make_mesh(mesh_config, jax.devices()[:1] if single else None), TRAIN, STEPS)
     state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)
@@ -348,7 +359,9 @@ def splash() -> dict:
     for name, attention, config in (("blockwise", "blockwise", MeshConfig(fsdp=1)),
                                     ("splash", "splash", MeshConfig(fsdp=1)),
                                     ("splash fsdp=4 x tensor=2", "splash", MESHES["fsdp=4 x tensor=2"])):
-        plan = TrainPlan(method, ROWS, 128, ACCUM, "none", "float32", "float32", mesh=config, attention=attention)
+        plan = TrainPlan(method, ROWS, 128, ACCUM, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none", attention=attention),
+                         mesh=config)
         devices = jax.devices()[:1] if config.fsdp == 1 else None
         run = abstract_run(cfg, plan, make_mesh(config, devices), TRAIN, STEPS)
         state, placed = run.init_state(trainable, 0), jax.device_put(frozen, run.shardings.frozen)

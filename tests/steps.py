@@ -17,8 +17,9 @@ def one_device_run(cfg, method, objective: str = "sft", *, train: TrainConfig = 
                    second_model=None) -> AbstractRun:
     """The spine's run of `method` and `objective` on `cfg` on the first device: `.step(state, frozen, second,
     batch)`, `.init_state(trainable, seed)`, `.eval_step(params, second, batch)`."""
-    plan = TrainPlan(method, batch_size, seq_len, grad_accum, options.remat.policy, options.compute_dtype,
-                     param_dtype, objective=objective, section=section, second_model=second_model)
+    plan = TrainPlan(method, batch_size, seq_len, grad_accum, param_dtype=param_dtype,
+                     forward=ForwardOptions(compute_dtype=options.compute_dtype, remat=options.remat.policy),
+                     objective=objective, section=section, second_model=second_model)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     return abstract_run(cfg, plan, mesh, train, total_steps)
 

@@ -13,13 +13,14 @@ from conftest import numpy_random_params
 
 from jaxtune.cli import main
 from jaxtune.completions import read_requests
-from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
+from jaxtune.config import SamplingConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate, generate_text
-from jaxtune.methods.adapter_rows import stack_adapters
+from jaxtune.methods import method_config
+from jaxtune.methods.lora.layout import lora_layout
+from jaxtune.methods.lora.rows import stack_adapters
 from jaxtune.methods.peft import save_peft_adapter
-from jaxtune.methods.targets import lora_layout
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.kv_cache import prefill
 from jaxtune.presets import write_random_model
@@ -29,10 +30,10 @@ jit_prefill = jax.jit(prefill, static_argnames=("cfg", "cache_size", "method", "
 
 # Different ranks, alphas, scalings and targets: a and b share v_proj, each adapts modules the other does not.
 METHODS = {
-    "a": MethodConfig("lora", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj")),
-    "b": MethodConfig("lora", rank=8, alpha=4.0, rslora=True, target_modules=("v_proj", "up_proj", "down_proj"),
+    "a": method_config("lora", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj")),
+    "b": method_config("lora", rank=8, alpha=4.0, rslora=True, target_modules=("v_proj", "up_proj", "down_proj"),
                       rank_pattern=(("down_proj", 2),)),
-    "c": MethodConfig("lora", rank=2, alpha=16.0, target_modules=("o_proj", "gate_proj"), layers_to_transform=(1,)),
+    "c": method_config("lora", rank=2, alpha=16.0, target_modules=("o_proj", "gate_proj"), layers_to_transform=(1,)),
 }
 GREEDY = SamplingConfig(max_new_tokens=10)
 
@@ -176,8 +177,8 @@ def test_cli_unknown_adapter_name_is_one_line(model_dir, tmp_path, capsys):
 def test_what_cannot_mix_is_refused(model_dir, tmp_path):
     """DoRA, IA3, another quantised base or another base model: one line naming the adapter."""
     cfg, base = load_model(model_dir)
-    for name, method in {"dora": MethodConfig("lora", rank=2, dora=True),
-                         "ia3": MethodConfig("ia3")}.items():
+    for name, method in {"dora": method_config("lora", rank=2, dora=True),
+                         "ia3": method_config("ia3")}.items():
         save_peft_adapter(tmp_path / name, apply_method(base, cfg, method, jax.random.key(0)), cfg, method)
         with pytest.raises(JaxtuneError, match=f"^adapter {name}: .*cannot share a batch"):
             load_adapters(model_dir, {"a": model_dir.parent / "a", name: tmp_path / name})

@@ -36,7 +36,7 @@ def test_module_docstrings_are_short_and_hold_no_measurements():
 
 
 # The floors, lowest first: a package or top-level module imports only from its own floor or the ones below it, and
-# two units of one floor never import each other both ways. Imports under `if TYPE_CHECKING:` are annotations only.
+# two units of one floor never import each other both ways; imports under `if TYPE_CHECKING:` (annotations) too.
 FLOORS = (
     ("errors", "paths", "io", "host_cpu", "host_memory"),  # ground: knows only errors
     ("config",),  # typed frozen dataclasses
@@ -55,11 +55,12 @@ FLOORS = (
 )
 
 
-def _runtime_imports(tree: ast.Module, package: str) -> list[str]:
-    """Dotted names of the jaxtune modules `tree` imports at run time (relative imports resolved from `package`)."""
+def _runtime_imports(tree: ast.Module, package: str, annotations: bool = False) -> list[str]:
+    """Dotted names of the jaxtune modules `tree` imports at run time (relative imports resolved from `package`);
+    with `annotations`, those under `if TYPE_CHECKING:` too."""
     skipped = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not annotations:
             skipped.update(id(n) for n in ast.walk(node))
     names = []
     for node in ast.walk(tree):
@@ -86,7 +87,7 @@ def folder_imports() -> dict[str, set[str]]:
         unit = parts[0]
         module = ".".join(("jaxtune",) + parts)
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        for name in _runtime_imports(ast.parse(path.read_text()), package):
+        for name in _runtime_imports(ast.parse(path.read_text()), package, annotations=True):
             target = name.split(".")[1]
             if target != unit:
                 edges.setdefault(unit, set()).add(target)
@@ -106,10 +107,109 @@ def test_folder_imports_point_only_down():
 
 
 def test_the_floor_check_sees_an_upward_import(tmp_path):
-    """The check reads the imports that matter: a models module reaching into methods is an upward edge, one under
-    TYPE_CHECKING is not."""
+    """The check reads every import: a models module reaching into methods is an upward edge, at run time or under
+    TYPE_CHECKING for its annotations alone."""
     source = "from typing import TYPE_CHECKING\nfrom jaxtune.methods.base import Method\n"
     assert _runtime_imports(ast.parse(source), "jaxtune.models") == ["jaxtune.methods.base"]
     guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaxtune.methods.base import Method\n"
     assert _runtime_imports(ast.parse(guarded), "jaxtune.models") == []
+    assert _runtime_imports(ast.parse(guarded), "jaxtune.models", annotations=True) == ["jaxtune.methods.base"]
     assert _runtime_imports(ast.parse("from ..methods import base\n"), "jaxtune.models") == ["jaxtune.methods"]
+
+
+# ---- units: a method, an objective or an attention kernel is named only in its own module (or package) ----------
+
+def unit_homes() -> dict[str, set[Path]]:
+    """{a unit's name: the files that may compare it}: its own module (or package, for a unit that is one), and
+    its registry's `__init__.py`. Method kinds, objective names (and aliases) and attention kernels."""
+    import inspect
+
+    from jaxtune.methods import METHODS
+    from jaxtune.models.kernels import KERNELS
+    from jaxtune.objectives import ALIASES, OBJECTIVES
+
+    def home(obj) -> set[Path]:
+        path = Path(inspect.getsourcefile(obj)).resolve()
+        package = path.parent
+        own = {package} if (package / "__init__.py").is_file() and package.name not in (
+            "methods", "objectives", "kernels") else {path}
+        return own
+    homes: dict[str, set[Path]] = {}
+    for kind, unit in METHODS.items():
+        homes.setdefault(kind, set()).update(home(unit.options) | {ROOT / "jaxtune/methods/__init__.py"})
+    for name, objective in OBJECTIVES.items():
+        homes.setdefault(name, set()).update(home(objective.loss_terms) | home(objective.prepare)
+                                             | {ROOT / "jaxtune/objectives/__init__.py"})
+    for alias, name in ALIASES.items():
+        homes[alias] = homes[name]
+    for name, kernel in KERNELS.items():
+        homes.setdefault(name, set()).update(home(kernel.attend) | {ROOT / "jaxtune/models/kernels/__init__.py"})
+    return homes
+
+
+# an expression that holds a unit's identity: a method's kind, an objective's name, an attention choice
+UNIT_FIELDS = re.compile(r"\b(kind|objective|method|attention|choice|kernel)\b")
+
+
+def _strings(node) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for element in node.elts for s in _strings(element)]
+    return []
+
+
+def unit_names_compared(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, what) of each place `source` compares a unit's identity with one of `names`: `x.kind == "lora"`,
+    `objective in ("grpo", "rloo")`, a `match` on one, or a table keyed by two or more of them."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = [s for side in sides for s in _strings(side) if s in names]
+            about = [side for side in sides if not _strings(side) and UNIT_FIELDS.search(ast.unparse(side))]
+            if named and about:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and k.value in names]
+            if len(keys) >= 2:
+                found.append((node.lineno, f"a table keyed by {keys}"))
+        elif isinstance(node, ast.Match) and UNIT_FIELDS.search(ast.unparse(node.subject)):
+            cases = [p.value.value for c in node.cases for p in ast.walk(c.pattern)
+                     if isinstance(p, ast.MatchValue) and isinstance(p.value, ast.Constant)]
+            if any(c in names for c in cases):
+                found.append((node.lineno, f"match {ast.unparse(node.subject)}"))
+    return found
+
+
+def test_no_unit_is_compared_outside_its_own_module():
+    """Nothing outside a unit asks which method, objective or attention kernel it is dealing with by name: it asks
+    the unit (`Method`, `Objective`, `AttentionKernel`) what it declares."""
+    homes = unit_homes()
+    problems = []
+    for path in sorted((ROOT / "jaxtune").rglob("*.py")):
+        path = path.resolve()
+        names = {name for name, where in homes.items()
+                 if not any(path == h or h in path.parents for h in where)}
+        for line, what in unit_names_compared(path.read_text(), names):
+            problems.append(f"{path.relative_to(ROOT)}:{line}: {what}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_unit_check_sees_a_planted_comparison():
+    """A `kind == "lora"` planted in the planner is found; the same text in LoRA's own package, or a remat policy
+    compared with "full", is not."""
+    homes = unit_homes()
+    planner = (ROOT / "jaxtune/planner/estimate.py").read_text()
+    names_outside = {name for name, where in homes.items()
+                     if not any(ROOT / "jaxtune/planner" in h.parents or h == ROOT / "jaxtune/planner" for h in where)}
+    assert unit_names_compared(planner, names_outside) == []
+    planted = planner + "\n\ndef _leak(plan):\n    return plan.method.kind == \"lora\"\n"
+    assert [what for _, what in unit_names_compared(planted, names_outside)] == ["plan.method.kind == 'lora'"]
+    for leak in ('x = objective in ("grpo", "rloo")', 'x = {"full": 1, "lora": 2}[plan.method.kind]',
+                 'match choice:\n    case "splash":\n        pass'):
+        assert unit_names_compared(leak, names_outside), leak
+    assert unit_names_compared('x = plan.forward.remat.policy == "full"', names_outside) == []
+    lora_home = homes["lora"]
+    assert any((ROOT / "jaxtune/methods/lora/options.py").resolve().is_relative_to(h) or
+               (ROOT / "jaxtune/methods/lora/options.py").resolve() == h for h in lora_home)

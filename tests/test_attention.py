@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtune.methods import method_config
 from jaxtune.models import attention
 from jaxtune.models.attention import AttentionMask, blockwise_attention, cache_mask, live_blocks, training_mask
 
@@ -232,13 +233,14 @@ def test_long_sequence_memory_is_linear():
 def test_a_16k_token_lora_step_compiles_to_memory_linear_in_the_sequence():
     """The trainer's own step (the spine's), LoRA on q and v, one row: its compiled temporaries at 16,384 tokens are
     at most 4x (plus 10%) those at 4,096, and a small fraction of one dense [1, H, T, T] float32 score tensor."""
-    from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+    from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
     from jaxtune.config.plan import TrainPlan
     from jaxtune.planner import compile_step
 
     cfg = ModelConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, max_position_embeddings=16384)
-    temp = {T: compile_step(cfg, TrainPlan(MethodConfig("lora", rank=8), 1, T, 1, "full", "float32", "float32",
+    temp = {T: compile_step(cfg, TrainPlan(method_config("lora", rank=8), 1, T, 1, param_dtype="float32",
+                                           forward=ForwardOptions(compute_dtype="float32", remat="full"),
                                            mesh=MeshConfig(1, 1, 1))).temp_bytes
             for T in (4096, 16384)}
     dense_scores = 4 * 16384 * 16384 * 4

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from jaxtune.cli import main
-from jaxtune.config import MethodConfig
+from jaxtune.methods import method_config
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import apply_method
 from jaxtune.presets import write_random_model
@@ -37,11 +37,11 @@ def world(tmp_path_factory):
         "checkpoint_every = 1", "keep_checkpoints = 3", "log_every = 1"]) + "\n")
     assert main(["train", str(config)]) == 0
     cfg, params = load_model(model)
-    ia3 = MethodConfig("ia3")
+    ia3 = method_config("ia3")
     save_peft_adapter(root / "ia3", apply_method(params, cfg, ia3, jax.random.key(0)), cfg, ia3)
     other = write_random_model(root / "other", "llama", hidden_size=32, head_dim=8)
     other_cfg, other_params = load_model(other)
-    lora = MethodConfig("lora", rank=4)
+    lora = method_config("lora", rank=4)
     save_peft_adapter(root / "other_adapter", apply_method(other_params, other_cfg, lora,
                                                            jax.random.key(0)), other_cfg, lora)
     return root
@@ -161,7 +161,7 @@ CASES = {
     # export
     "merge a method that has no merge": (lambda r: ["export", "--model", str(r / "model"), "--adapter", str(r / "ia3"),
                                                     "--merged", str(r / "merged")],
-                                         "only LoRA and DoRA adapters merge"),
+                                         "only lora and qlora adapters merge into the weights, not ia3"),
     "export to an unwritable directory": (lambda r: ["export", "--model", str(r / "model"), "--adapter",
                                                      str(r / "run" / "adapter"), "--peft", "/proc/jaxtune-export"],
                                           "is not writable"),

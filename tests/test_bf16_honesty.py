@@ -9,9 +9,10 @@ import pytest
 from test_train import DEMO_DATA, write_config
 
 from jaxtune import host_cpu
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.host_cpu import SLOW_BF16, SlowBfloat16Warning, native_bf16, warn_if_slow_bf16
+from jaxtune.methods import method_config
 from jaxtune.planner import estimate, get_device, step_time
 from jaxtune.planner.devices import cpu_device
 from jaxtune.presets import write_random_model
@@ -127,7 +128,8 @@ def test_jaxtune_train_prints_the_warning_as_one_line(tmp_path):
 # --- the planner --------------------------------------------------------------------------------------------------
 
 def _compute_s(compute_dtype: str, native: bool) -> float:
-    plan = TrainPlan(MethodConfig("full"), 4, 256, 1, "none", compute_dtype, "float32", mesh=MeshConfig(1, 1, 1))
+    plan = TrainPlan(method_config("full"), 4, 256, 1, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype=compute_dtype, remat="none"), mesh=MeshConfig(1, 1, 1))
     return step_time(estimate(SMALL, plan, cpu_device(native_bf16=native))).compute_s
 
 

@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import CHAT_TEMPLATE, TOKENS, write_gguf
 
 from jaxtune.cli import build_parser, main
-from jaxtune.config import MethodConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.demo import smollm2_path
+from jaxtune.methods import method_config
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.llama import forward
@@ -130,7 +130,7 @@ def umask():
 def lora_adapter(model: Path, out: Path, base_model: str = "") -> Path:
     """A LoRA adapter (q, v; B moved off zero) of `model` written by jaxtune."""
     cfg, params = load_model(model)
-    method = MethodConfig("lora", rank=4, alpha=8)
+    method = method_config("lora", rank=4, alpha=8)
     params = apply_method(params, cfg, method, jax.random.key(0))
     layers = params["layers"]
     for name in ("q_proj", "v_proj"):

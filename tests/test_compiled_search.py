@@ -5,13 +5,14 @@ import types
 
 import pytest
 
-from jaxtune.config import MeshConfig, MethodConfig, tiny_config
+from jaxtune.config import MeshConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.planner import compiled_search
 from jaxtune.planner.devices import get_device
 
-PLAN = TrainPlan(MethodConfig("lora", rank=4, target_modules=("all-linear",)), 8, 4096, mesh=MeshConfig(fsdp=4))
+PLAN = TrainPlan(method_config("lora", rank=4, target_modules=("all-linear",)), 8, 4096, mesh=MeshConfig(fsdp=4))
 
 
 def bounded(monkeypatch, field: str, largest: int) -> list[int]:
@@ -69,7 +70,7 @@ def test_compute_dtype_auto_follows_the_devices(tmp_path):
     model = write_random_model(tmp_path / "model", "llama")
     (tmp_path / "run.toml").write_text(f'[model]\npath = "{model}"\n[data]\ntrain = "t.jsonl"\n')
     config = load_run_config(tmp_path / "run.toml")
-    assert config.model.compute_dtype == "auto"
+    assert config.model.forward.compute_dtype == "auto"
     assert plan_from_run_config(config, "tpu")[1].compute_dtype == "bfloat16"
     assert plan_from_run_config(config, "gpu")[1].compute_dtype == "bfloat16"
     assert plan_from_run_config(config, "cpu")[1].compute_dtype == "float32"

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, tiny_config
+from jaxtune.config import MeshConfig, ModelConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.generation import generate
+from jaxtune.methods import method_config
 from jaxtune.models.context_attention import (
     ContextLayout,
     balanced_order,
@@ -156,7 +157,7 @@ def test_context_splits_tokens_and_partitions_parameters_over_fsdp_x_context():
         "fsdp", "context", None)
     assert partition_spec(("layers", "embed", "mlp"), (32, 4096, 14336), sizes) == jax.sharding.PartitionSpec(
         None, ("fsdp", "context"), None)
-    method = MethodConfig("lora", rank=16, target_modules=("all-linear",))
+    method = method_config("lora", rank=16, target_modules=("all-linear",))
     held = {}
     for name, mesh in (("context=8", MeshConfig(fsdp=1, context=8)), ("fsdp=8", MeshConfig(fsdp=8))):
         run_ = abstract_run(LLAMA3_8B, TrainPlan(method, 8, 4096, mesh=mesh), abstract_mesh(mesh, 8))
@@ -167,13 +168,13 @@ def test_context_splits_tokens_and_partitions_parameters_over_fsdp_x_context():
 def test_run_config_reads_context_and_refuses_a_sequence_it_cannot_split():
     config = load_run_config(None, ["mesh.context=4", "mesh.fsdp=2", "model.context_attention=all_gather",
                                     "model.tiled_mlp=1024", "data.max_seq_len=1024"])
-    assert config.mesh == MeshConfig(fsdp=2, context=4) and config.model.context_attention == "all_gather"
+    assert config.mesh == MeshConfig(fsdp=2, context=4) and config.model.forward.context_attention == "all_gather"
     assert "context = 4" in dump_run_config(config) and "tiled_mlp = 1024" in dump_run_config(config)
     with pytest.raises(JaxtuneError, match=r"^config: \[data\] max_seq_len = 100 does not split over \[mesh\] "
                                            r"context = 4: a row is cut into 2 x 4 chunks, so use a multiple of 8$"):
         load_run_config(None, ["mesh.context=4", "data.max_seq_len=100"])
     with pytest.raises(ConfigError, match=r"^seq_len = 100: does not split over \[mesh\] context = 4"):
-        TrainPlan(MethodConfig("lora"), 1, 100, mesh=MeshConfig(context=4))
+        TrainPlan(method_config("lora"), 1, 100, mesh=MeshConfig(context=4))
     with pytest.raises(JaxtuneError, match="--set model.context_attention=ulysses: choose one of ring, all_gather"):
         load_run_config(None, ["model.context_attention=ulysses"])
     with pytest.raises(JaxtuneError, match=r"^config: \[train\] objective = 'grpo' with \[mesh\] context = 2: its "

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.planner import estimate, get_device, longest_context, search, step_time
 from jaxtune.planner.command import parse_mesh
 from jaxtune.planner.timing import context_bytes, ring_steps
@@ -24,7 +25,7 @@ WORKER = Path(__file__).parent / "context_planner_worker.py"
 # Llama-3.1-8B's shape (its config.json), with room for contexts beyond its own 131,072 tokens
 LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                        num_kv_heads=8, head_dim=128, max_position_embeddings=1 << 21)
-LORA = MethodConfig("lora", rank=16, target_modules=("all-linear",))
+LORA = method_config("lora", rank=16, target_modules=("all-linear",))
 ONE_DEVICE = MeshConfig(fsdp=1)
 
 
@@ -57,7 +58,7 @@ def test_plan_command_takes_a_context_axis_and_its_strategy(capsys):
 def test_context_8_holds_a_fraction_of_one_devices_activations():
     """One 32,768-token row of Llama-3.1-8B, LoRA, remat full: on context=8 each device holds an eighth of the
     tokens' activations and an eighth of the weights (ZeRO-3 over context)."""
-    plan = TrainPlan(LORA, 1, 32768, 1, "full")
+    plan = TrainPlan(LORA, 1, 32768, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     one = estimate(LLAMA_8B, plan.replace(mesh=ONE_DEVICE), get_device("h100-80gb"))
     eight = estimate(LLAMA_8B, plan.replace(mesh=MeshConfig(fsdp=1, context=8)), get_device("h100-80gb-8"))
     assert eight.saved_activations_bytes == one.saved_activations_bytes // 8
@@ -68,7 +69,7 @@ def test_context_8_holds_a_fraction_of_one_devices_activations():
 
 def test_zero_3_splits_model_states_over_fsdp_and_context_alike():
     """Weights, gradients and optimizer state a device: the same on fsdp=8, context=8 and fsdp=2 x context=4."""
-    plan = TrainPlan(MethodConfig("full"), 8, 2048, 1, "full")
+    plan = TrainPlan(method_config("full"), 8, 2048, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     states = [estimate(LLAMA_8B, plan.replace(mesh=mesh), get_device("h100-80gb-8")) for mesh in
               (MeshConfig(fsdp=8), MeshConfig(fsdp=1, context=8), MeshConfig(fsdp=2, context=4))]
     assert len({(e.trainable_bytes, e.optimizer_bytes, e.model_states_bytes) for e in states}) == 1
@@ -78,7 +79,8 @@ def test_ring_and_all_gather_collectives():
     """Both send (N - 1) / N of a layer's keys and values a pass; a ring whose windows reach only the previous
     device's tokens stops there, and sends a fraction of it."""
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 8, "tensor": 1}
-    plan = TrainPlan(LORA, 1, 65536, 1, "full", mesh=MeshConfig(fsdp=1, context=8))
+    plan = TrainPlan(LORA, 1, 65536, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"),
+                     mesh=MeshConfig(fsdp=1, context=8))
     ring, gather = (context_bytes(LLAMA_8B, plan.replace(context_attention=s), sizes, 2) for s in
                     ("ring", "all_gather"))
     assert ring == pytest.approx(gather, rel=0.1)
@@ -90,7 +92,7 @@ def test_ring_and_all_gather_collectives():
 
 def test_a_context_axis_shares_the_work():
     """The step's FLOPs over all devices are one device's: each of 8 does an eighth of the row."""
-    plan = TrainPlan(LORA, 1, 32768, 1, "full")
+    plan = TrainPlan(LORA, 1, 32768, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     one = step_time(estimate(LLAMA_8B, plan.replace(mesh=ONE_DEVICE), get_device("h100-80gb")))
     eight = step_time(estimate(LLAMA_8B, plan.replace(mesh=MeshConfig(fsdp=1, context=8)),
                                get_device("h100-80gb-8")))
@@ -100,7 +102,7 @@ def test_a_context_axis_shares_the_work():
 
 def test_search_splits_one_long_row_over_context():
     """A batch of one 131,072-token row on 8 H100s: fsdp cannot split it, a context axis can."""
-    plan = TrainPlan(LORA, 1, 131072, 1, "full")
+    plan = TrainPlan(LORA, 1, 131072, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     result = search(LLAMA_8B, plan, get_device("h100-80gb-8"))
     assert result.candidates and all(c.estimate.mesh["fsdp"] == 1 for c in result.candidates)
     assert result.candidates[0].estimate.mesh["context"] > 1
@@ -109,7 +111,7 @@ def test_search_splits_one_long_row_over_context():
 
 
 def test_longest_context_on_eight_devices_is_far_beyond_one():
-    plan = TrainPlan(LORA, 1, 2048, 1, "full")
+    plan = TrainPlan(LORA, 1, 2048, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     one = longest_context(LLAMA_8B, plan, get_device("h100-80gb"), step=4096)
     eight = longest_context(LLAMA_8B, plan, get_device("h100-80gb-8"), step=4096)
     assert eight.seq_len > 6 * one.seq_len, (one.seq_len, eight.seq_len)
@@ -117,8 +119,8 @@ def test_longest_context_on_eight_devices_is_far_beyond_one():
 
 
 def test_grpo_keeps_its_rows_whole():
-    plan = TrainPlan(LORA, 1, 4096, 1, "full", mesh=MeshConfig(fsdp=1, context=2), objective="grpo",
-                     generate_tokens=256)
+    plan = TrainPlan(LORA, 1, 4096, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"),
+                     mesh=MeshConfig(fsdp=1, context=2), objective="grpo", generate_tokens=256)
     with pytest.raises(JaxtuneError, match="rollout"):
         estimate(LLAMA_8B, plan, get_device("h100-80gb-2"))
 
@@ -166,10 +168,12 @@ def test_a_tiled_mlp_is_counted_as_the_compiler_holds_it():
     cfg = ModelConfig(vocab_size=8000, hidden_size=256, intermediate_size=1408, num_layers=4, num_heads=8,
                       num_kv_heads=4, head_dim=32, max_position_embeddings=16384)
     cpu = get_device("cpu")
-    for method, remat in ((LORA, "full"), (LORA, "none"), (MethodConfig("full"), "full")):
-        plan = TrainPlan(method, 1, 16384, 1, remat, "float32", "float32", mesh=ONE_DEVICE, tiled_mlp=2048)
+    for method, remat in ((LORA, "full"), (LORA, "none"), (method_config("full"), "full")):
+        plan = TrainPlan(method, 1, 16384, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat=remat, tiled_mlp=2048), mesh=ONE_DEVICE)
         tiled = estimate(cfg, plan, cpu).compiled_bytes
         assert abs(tiled / compile_step(cfg, plan).total_bytes - 1) < 0.15, (method.kind, remat)
         assert tiled < 0.6 * estimate(cfg, plan.replace(tiled_mlp=0), cpu).compiled_bytes, (method.kind, remat)
-    plan = TrainPlan(LORA, 1, 16384, 1, "save_matmuls", "float32", "float32", mesh=ONE_DEVICE)
+    plan = TrainPlan(LORA, 1, 16384, 1, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype="float32", remat="save_matmuls"), mesh=ONE_DEVICE)
     assert estimate(cfg, plan.replace(tiled_mlp=2048), cpu).compiled_bytes == estimate(cfg, plan, cpu).compiled_bytes

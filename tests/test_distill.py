@@ -6,11 +6,12 @@ import jax
 import pytest
 from steps import one_device_run
 
-from jaxtune.config import MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import TrainConfig, tiny_config
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.objectives.distill import DistillConfig, check_teacher
@@ -27,7 +28,7 @@ def test_distillation_lowers_held_out_kl(tmp_path, reverse):
     teacher_cfg = tiny_config(vocab_size=259, hidden_size=96, num_layers=3, initializer_range=0.15)
     teacher = jax.jit(init_params, static_argnums=0)(teacher_cfg, jax.random.key(7))
     cfg = tiny_config(vocab_size=259, initializer_range=0.1)
-    method = MethodConfig("full") if reverse else MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    method = method_config("full") if reverse else method_config("lora", rank=8, target_modules=("all-linear",))
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
                           jax.random.key(1))
     trainable, frozen = partition(params, trainable_mask(params, method))

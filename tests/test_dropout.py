@@ -13,9 +13,12 @@ from steps import one_device_run, sft_gradients
 from test_train import DEMO_DATA, metric_lines, write_config
 
 from jaxtune.config import ForwardOptions, MethodConfig, Remat, TrainConfig, tiny_config
+from jaxtune.methods import method_config
 from jaxtune.methods.lora import merge
+from jaxtune.methods.lora.product import LORA_HOOK
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
-from jaxtune.models.linear import adapter_dropout_key, dense, dropout, dropout_keep_mask, kernel_of
+from jaxtune.models.adapters import Adapters, adapter_dropout_key
+from jaxtune.models.linear import dense, dropout, dropout_keep_mask, kernel_of
 from jaxtune.models.llama import forward
 from jaxtune.models.params import init_params
 from jaxtune.models.rope import inverse_frequencies
@@ -28,9 +31,10 @@ CFG = tiny_config(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size
 RATE = 0.3
 jit_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))
 METHODS = {
-    "lora_all_rslora": MethodConfig("lora", rank=4, alpha=8, dropout=RATE, rslora=True, target_modules=("all-linear",)),
-    "dora_all": MethodConfig("lora", rank=4, alpha=8, dropout=RATE, dora=True, target_modules=("all-linear",)),
-    "qlora_qv": MethodConfig("qlora", rank=4, alpha=8, dropout=RATE, bits=8),
+    "lora_all_rslora": method_config("lora", rank=4, alpha=8, dropout=RATE, rslora=True,
+                                     target_modules=("all-linear",)),
+    "dora_all": method_config("lora", rank=4, alpha=8, dropout=RATE, dora=True, target_modules=("all-linear",)),
+    "qlora_qv": method_config("qlora", rank=4, alpha=8, dropout=RATE, bits=8),
 }
 
 
@@ -153,11 +157,16 @@ def test_dense_matches_peft_train_mode_with_the_same_mask(dora):
     layer.lora_dropout["default"] = FixedMask()
     peft_model.train()
     expected = peft_model(torch.from_numpy(x)).detach().numpy()
-    out = dense(jnp.asarray(x, jnp.float32), module, alpha / r, key, RATE)
+    out = lora_dense(jnp.asarray(x, jnp.float32), module, alpha / r, key, RATE)
     np.testing.assert_allclose(out, expected, atol=1e-5)
     peft_model.eval()  # eval: PEFT skips dropout; jaxtune without a key
-    np.testing.assert_allclose(dense(jnp.asarray(x, jnp.float32), module, alpha / r),
+    np.testing.assert_allclose(lora_dense(jnp.asarray(x, jnp.float32), module, alpha / r),
                                peft_model(torch.from_numpy(x)).detach().numpy(), atol=1e-5)
+
+
+def lora_dense(x, module: dict, scale: float, key=None, rate: float = 0.0):
+    """`dense` through LoRA's hook, the module holding its scale as the forward puts it there."""
+    return dense(x, {**module, "lora_scale": jnp.asarray(scale, jnp.float32)}, Adapters((LORA_HOOK,), key, rate))
 
 
 def primitives(jaxpr) -> list[str]:
@@ -174,7 +183,7 @@ def test_no_dropout_in_eval_merge_or_with_rate_zero():
     """(b) Rate 0 with a key, or any rate without one, is the no-dropout forward bit for bit, and traces no
     random-number work at all; merging ignores dropout."""
     method = METHODS["lora_all_rslora"]
-    zero = MethodConfig("lora", rank=4, alpha=8, dropout=0.0, rslora=True, target_modules=("all-linear",))
+    zero = method_config("lora", rank=4, alpha=8, dropout=0.0, rslora=True, target_modules=("all-linear",))
     params, ids, key = adapted(method), tokens(), jax.random.key(7)
     plain = jit_forward(params, ids, CFG, method=zero)
     np.testing.assert_array_equal(jit_forward(params, ids, CFG, method=zero, dropout_key=key), plain)
@@ -235,8 +244,8 @@ def test_dropout_is_unbiased_with_torch_scaling():
     n = 20000
     keys = jax.random.split(jax.random.key(2), n)
     for m in (module, {k: v for k, v in module.items() if k != "magnitude"}):
-        samples = jax.vmap(lambda key: dense(x, m, 2.0, key, RATE))(keys)
-        error = jnp.abs(samples.mean(0) - dense(x, m, 2.0))
+        samples = jax.vmap(lambda key: lora_dense(x, m, 2.0, key, RATE))(keys)
+        error = jnp.abs(samples.mean(0) - lora_dense(x, m, 2.0))
         assert float(jnp.max(error / (samples.std(0) / np.sqrt(n)))) < 5.0
 
 

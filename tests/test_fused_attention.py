@@ -1,4 +1,4 @@
-"""The backends' fused attention kernels (jaxtune/models/fused_attention.py) equal the dense form wherever the
+"""The backends' fused attention kernels (jaxtune/models/kernels/) equal the dense form wherever the
 dispatcher uses them, and the dispatcher picks them only where they cover the mask.
 
 Splash attention is TPU's Pallas kernel; here it runs in Pallas' interpreter: the same kernel code (its blocks, its
@@ -24,9 +24,13 @@ from test_attention import dense_attention, seen_queries, values_and_grads
 
 from jaxtune.config import ForwardOptions
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.models import fused_attention, llama
+from jaxtune.models import llama
 from jaxtune.models.attention import training_mask
-from jaxtune.models.fused_attention import FusedAttention, choose_kernel, cudnn_attention, splash_attention
+from jaxtune.models.kernels import AttentionShape, FusedAttention, FusedAttentionWarning, choose_kernel
+from jaxtune.models.kernels import cudnn as cudnn_kernel
+from jaxtune.models.kernels import splash as splash_kernel
+from jaxtune.models.kernels.cudnn import cudnn_attention
+from jaxtune.models.kernels.splash import splash_attention
 from jaxtune.models.params import init_params
 from jaxtune.presets import tiny_model_config
 
@@ -126,7 +130,7 @@ def test_cudnn_call_equals_dense(kind):
     windows = tuple(sorted({0, window}))
     call = lambda q, k, v: jnp.moveaxis(cudnn_attention(*to_heads_last(q, k, v), jnp.int32(window), windows,
                                                         scale=HD ** -0.5, implementation="xla"), 1, 3)
-    assert bool(fused_attention.right_padded(mask))
+    assert bool(cudnn_kernel.right_padded(mask))
     real = valid.astype(bool)
     out, grads = values_and_grads(call, q, k, v, real)
     ref, ref_grads = values_and_grads(lambda q, k, v: dense_attention(q, k, v, mask, window), q, k, v, real)
@@ -138,13 +142,13 @@ def test_cudnn_call_equals_dense(kind):
 def test_left_padding_is_not_right_padding():
     valid = np.ones((B, T), np.int32)
     valid[1, :3] = 0
-    assert not bool(fused_attention.right_padded(training_mask(B, T, 0, jnp.asarray(valid), None)))
+    assert not bool(cudnn_kernel.right_padded(training_mask(B, T, 0, jnp.asarray(valid), None)))
 
 
 def decide(choice="auto", **changes):
     facts = dict(B=2, T=256, S=256, K=2, G=2, head_dim=64, prefix=0, packed=False, padded=False, softcap=None,
                  dtype=jnp.bfloat16, windows=(0,))
-    return choose_kernel(choice, **{**facts, **changes})
+    return choose_kernel(choice, AttentionShape(**{**facts, **changes}), jax.default_backend())
 
 
 def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monkeypatch):
@@ -160,11 +164,11 @@ def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monke
     assert decide(dtype=jnp.float32) is None  # cuDNN's flash attention is 16-bit
     assert decide(packed=True) is None and decide(softcap=50.0) is None and decide(prefix=4, S=260) is None
     assert decide(padded=True) is None  # the probe: this machine's jax refuses the cuDNN call
-    assert "cuDNN" in fused_attention._cudnn_refuses(2, 256, 2, 2, 64, jnp.bfloat16, (0, 64))
+    assert "cuDNN" in cudnn_kernel._cudnn_refuses(2, 256, 2, 2, 64, jnp.bfloat16, (0, 64))
     probed = []
-    monkeypatch.setattr(fused_attention, "_cudnn_refuses", lambda *args: probed.append(args) or None)
+    monkeypatch.setattr(cudnn_kernel, "_cudnn_refuses", lambda *args: probed.append(args) or None)
     assert decide(padded=True) == FusedAttention("cudnn", (0,), True)
-    monkeypatch.setattr(fused_attention, "_cudnn_refuses", lambda *args: "RuntimeError: cuDNN 8.9 or newer")
+    monkeypatch.setattr(cudnn_kernel, "_cudnn_refuses", lambda *args: "RuntimeError: cuDNN 8.9 or newer")
     assert decide() is None  # cuDNN refusing the shapes: blockwise
     assert len(probed) == 1
 
@@ -172,18 +176,18 @@ def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monke
 def test_a_fused_kernel_asked_for_where_it_cannot_run_says_why(monkeypatch):
     """Asked for, a kernel runs wherever it covers the mask; a forward it cannot run (an eval batch of 200 tokens)
     takes the blockwise kernel with a warning naming why; cuDNN off a GPU is an error."""
-    with pytest.warns(fused_attention.FusedAttentionWarning,
+    with pytest.warns(FusedAttentionWarning,
                       match='attention = "splash": .* multiples of 128 positions; the sequence has 200 queries'):
         assert decide("splash", T=200, S=200) is None
     assert decide("splash") == FusedAttention("splash", (0,), False, interpret=True)  # off TPU: interpreted
     with pytest.raises(ConfigError, match='attention = "cudnn": cuDNN runs on NVIDIA GPUs; this backend is cpu'):
         decide("cudnn")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(fused_attention, "_cudnn_refuses", lambda *args: "RuntimeError: cuDNN 8.9 or newer")
-    with pytest.warns(fused_attention.FusedAttentionWarning, match="RuntimeError: cuDNN 8.9 or newer"):
+    monkeypatch.setattr(cudnn_kernel, "_cudnn_refuses", lambda *args: "RuntimeError: cuDNN 8.9 or newer")
+    with pytest.warns(FusedAttentionWarning, match="RuntimeError: cuDNN 8.9 or newer"):
         assert decide("cudnn") is None
-    with pytest.raises(ConfigError, match="attention"):
-        ForwardOptions(attention="flash")
+    with pytest.raises(ConfigError, match='attention = "flash": choose one of auto, blockwise, splash, cudnn'):
+        decide("flash")
 
 
 def test_gemma2_forward_and_gradients_with_splash_equal_blockwise(monkeypatch):
@@ -200,7 +204,8 @@ def test_gemma2_forward_and_gradients_with_splash_equal_blockwise(monkeypatch):
     segments[:, 120:] = 0
     weights = jnp.asarray(rng.standard_normal((2, 128, cfg.vocab_size)), jnp.float32)
     traced = []
-    monkeypatch.setattr(llama, "splash_attention", lambda *a, **k: traced.append(1) or splash_attention(*a, **k))
+    monkeypatch.setattr(splash_kernel, "splash_attention",
+                        lambda *a, **k: traced.append(1) or splash_attention(*a, **k))
 
     def logits_and_grads(attention: str):
         options = ForwardOptions(attention=attention)
@@ -237,9 +242,9 @@ def test_the_run_config_chooses_the_kernel_for_the_trainer_and_the_planner(tmp_p
     from jaxtune.spine.run import train_plan
 
     config = load_run_config(None, ["model.attention=blockwise"])
-    assert load_run_config(None, [f"model.attention={config.model.attention}"]) == config
+    assert load_run_config(None, [f"model.attention={config.model.forward.attention}"]) == config
     assert "attention = \"blockwise\"" in dump_run_config(config)
-    assert train_plan(config, "float32").attention == "blockwise"
-    assert train_plan(load_run_config(None), "float32").attention == "auto"
+    assert train_plan(config, "float32").forward.attention == "blockwise"
+    assert train_plan(load_run_config(None), "float32").forward.attention == "auto"
     with pytest.raises(JaxtuneError, match="model.attention=flash: choose one of auto, blockwise, splash, cudnn"):
         load_run_config(None, ["model.attention=flash"])

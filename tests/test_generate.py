@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import numpy_random_params, padded_batch
 
-from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
+from jaxtune.config import SamplingConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.generation import begin, decode_more, filter_logits, generate, generate_text
+from jaxtune.methods import method_config
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter
 from jaxtune.methods.transform import apply_method
@@ -74,7 +75,7 @@ def test_prefill_and_decode_equal_the_full_forward(tiny):
     """Every step's logits, for an unpadded and a left-padded row, with a sliding window (6) shorter than the
     sequence, and prefix tuning: its keys fill the first P cache slots and real tokens start at position P."""
     cfg, params = tiny
-    method = MethodConfig("prefix", num_virtual_tokens=5)
+    method = method_config("prefix", num_virtual_tokens=5)
     params = apply_method(params, cfg, method, jax.random.key(1))
     ids, mask, _ = padded_batch(cfg.vocab_size)
     ids, mask = ids[:2], mask[:2]
@@ -145,7 +146,7 @@ def test_greedy_with_prefix_tuning_equals_peft(hf_model_dir, tmp_path):
 
 def test_lora_generation_equals_merged_generation(tiny):
     cfg, params = tiny
-    method = MethodConfig("lora", rank=4, alpha=8, target_modules=("all-linear",))
+    method = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
     adapted = randomize_lora(apply_method(params, cfg, method, jax.random.key(2)))
     batch = prompts(cfg.vocab_size)
     ours = generate(adapted, cfg, batch, GREEDY, eos_ids=(), method=method)

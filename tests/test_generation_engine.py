@@ -9,11 +9,12 @@ import pytest
 from conftest import numpy_random_params
 
 from jaxtune import generation
-from jaxtune.config import MethodConfig, SamplingConfig, tiny_config
+from jaxtune.config import SamplingConfig, tiny_config
 from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate, generate_text, pack_prompts, rows_bucket
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.attention import BRANCH_SHIFT
 from jaxtune.models.kv_cache import decode_step, prefill, prefill_packed, prefix_length
@@ -26,7 +27,7 @@ LENGTHS = (3, 14, 5, 9, 16, 2, 7)  # 7 prompts: a batch bucket of 8, prompt slot
 N = 10
 WINDOWED = tiny_config(vocab_size=259, num_layers=2, sliding_windows=(0, 6))
 FULL = tiny_config(vocab_size=259, num_layers=2)
-PREFIX = MethodConfig("prefix", num_virtual_tokens=4)
+PREFIX = method_config("prefix", num_virtual_tokens=4)
 
 
 def prompts(vocab, lengths=LENGTHS, seed=0):

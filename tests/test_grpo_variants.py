@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from steps import one_device_run
 
-from jaxtune.config import MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import TrainConfig, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.objectives.grpo import GRPOConfig, group_advantages, load_reward_function, rollout_batch, sample_group
@@ -264,7 +265,7 @@ def test_each_variant_raises_the_held_out_reward(objective, variant):
     prompts = [tokenizer.encode(p) for p in ["Write:", "Say:", "Go:", "Now:"]]
     held_out = [tokenizer.encode(p) for p in ["Tell:", "Do:", "Sing:"]]
     cfg = tiny_config(vocab_size=259, initializer_range=0.3, eos_token_id=(2,), max_position_embeddings=64)
-    method = MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    method = method_config("lora", rank=8, target_modules=("all-linear",))
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
                           jax.random.key(1))
     trainable, frozen = partition(params, trainable_mask(params, method))

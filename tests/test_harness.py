@@ -20,11 +20,12 @@ from test_generate import randomize_lora
 from test_tracking import _items, _train, _wandb_records, no_wandb_credentials  # noqa: F401
 
 from jaxtune.cli import main
-from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.config import tiny_config
 from jaxtune.errors import JaxtuneError
 from jaxtune.harness import JaxtuneLM, evaluate_tasks, scores, scoring
 from jaxtune.harness.scoring import pack_rows, score_requests
 from jaxtune.harness.tasks import bundled_tasks
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.attention import BRANCH_SHIFT
 from jaxtune.models.llama import forward
@@ -98,8 +99,8 @@ def test_packing_fills_rows_longest_first():
 
 
 @pytest.mark.parametrize("windows", [(0, 6), (0, 0)], ids=["window", "trees"])
-@pytest.mark.parametrize("method", [None, MethodConfig("lora", rank=4, target_modules=("q_proj", "v_proj", "o_proj")),
-                                    MethodConfig("prefix", num_virtual_tokens=3)], ids=["base", "lora", "prefix"])
+@pytest.mark.parametrize("method", [None, method_config("lora", rank=4, target_modules=("q_proj", "v_proj", "o_proj")),
+                                    method_config("prefix", num_virtual_tokens=3)], ids=["base", "lora", "prefix"])
 def test_packed_scores_equal_each_requests_own_forward(method, windows, monkeypatch):
     """Requests of 2..40 tokens packed several to a row (and over several batches) score as each alone: the sum of
     float64 log-softmax of its own forward's logits at the continuation, and whether each token is the argmax.

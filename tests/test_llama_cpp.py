@@ -21,9 +21,10 @@ import torch
 from test_gguf import smollm2_path, transformers_gguf
 
 from jaxtune.cli import main
-from jaxtune.config import MethodConfig, SamplingConfig
+from jaxtune.config import SamplingConfig
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.generation import generate
+from jaxtune.methods import method_config
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.llama import forward
@@ -138,7 +139,7 @@ def test_llama_cpp_applies_the_gguf_lora_as_peft_does(exports, tmp_path):
     paths, prompts = exports
     source = smollm2_path()
     cfg, params = load_model(source, dtype=np.float32)
-    method = MethodConfig("lora", rank=8, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))
+    method = method_config("lora", rank=8, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))
     adapted = apply_method(params, cfg, method, jax.random.key(0))
     keys = iter(jax.random.split(jax.random.key(1), 8))
     layers = {name: {**m, "lora_b": 0.05 * jax.random.normal(next(keys), m["lora_b"].shape)}

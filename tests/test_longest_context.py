@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from jaxtune.config import MethodConfig, ModelConfig, tiny_config
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.planner import estimate, get_device, longest_context, search
 
 GiB = 1 << 30
@@ -14,12 +15,13 @@ GiB = 1 << 30
 # memory, not the model, is the limit.
 LLAMA3_8B_1M = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                            num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=1 << 20)
-LORA = MethodConfig("lora", rank=8, target_modules=("q_proj", "v_proj"))
-QLORA = MethodConfig("qlora", rank=8, bits=4, target_modules=("q_proj", "v_proj"))
+LORA = method_config("lora", rank=8, target_modules=("q_proj", "v_proj"))
+QLORA = method_config("qlora", rank=8, bits=4, target_modules=("q_proj", "v_proj"))
 
 
 def _plan(method: MethodConfig) -> TrainPlan:
-    return TrainPlan(method, 1, 512, 1, "none", "bfloat16", "bfloat16")
+    return TrainPlan(method, 1, 512, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat="none"))
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -63,13 +65,13 @@ def test_the_models_own_context_is_the_cap(context, answer):
 def test_a_step_of_choice_and_fixed_choices_are_kept():
     found = longest_context(LLAMA3_8B_1M, _plan(LORA), get_device("rtx-4090"), step=1000, fixed=("remat",))
     assert found.seq_len % 1000 == 0 and found.too_long == found.seq_len + 1000
-    assert found.fastest.plan.remat == "none"
+    assert found.fastest.plan.forward.remat.policy == "none"
 
 
 def test_nothing_fits_even_the_shortest_length():
     with pytest.raises(JaxtuneError, match=r"fits rtx-4090 even at the shortest length tried, 256 tokens \(the "
                                            r"leanest needs .* GiB, 21.6 GiB usable\)"):
-        longest_context(LLAMA3_8B_1M, _plan(MethodConfig("full")), get_device("rtx-4090"))
+        longest_context(LLAMA3_8B_1M, _plan(method_config("full")), get_device("rtx-4090"))
 
 
 def test_cli_prints_the_line_and_json_has_the_numbers(capsys):

@@ -22,10 +22,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from test_quant import ref_dequantize_nf4, ref_quantize_nf4
 from test_train import DEMO_DATA, write_config
 
-from jaxtune.config import MethodConfig
 from jaxtune.demo import smollm2_path
 from jaxtune.errors import ConfigError
-from jaxtune.methods.lora_init import init_layer, initialise
+from jaxtune.methods import method_config
+from jaxtune.methods.lora.init import init_layer, initialise
 from jaxtune.methods.transform import apply_method, combine
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader, stored_dtype
@@ -104,7 +104,7 @@ def test_init_equals_peft_on_a_real_smollm2_layer(smollm2, init, module):
     base equal PEFT's to 1e-5."""
     cfg, params = smollm2
     w_IxO = np.asarray(params["layers"][module]["kernel"][3])
-    method = MethodConfig("lora", rank=8, alpha=16, init=init, target_modules=(module,))
+    method = method_config("lora", rank=8, alpha=16, init=init, target_modules=(module,))
     a, b, base = init_layer(jnp.asarray(w_IxO), 8, method.lora_scale, method)
     ref_a, ref_b, ref_base = peft_init(w_IxO, init, 8, 16)
     assert_same_init(a, b, ref_a, ref_b, exact_svd_factors(w_IxO.T, 8, 2.0) if init == "pissa" else None)
@@ -119,7 +119,7 @@ def test_layer_stacked_init_equals_peft_layer_by_layer(smollm2, init):
     rank 2 (padded to 4) and layers_to_transform skipping layer 2: each layer equals PEFT's init of that layer with
     its own rank and scale; the padding is zero and a skipped layer keeps its weights."""
     cfg, params = smollm2
-    method = MethodConfig("lora", rank=4, alpha=8, rslora=True, init=init, target_modules=("v_proj",),
+    method = method_config("lora", rank=4, alpha=8, rslora=True, init=init, target_modules=("v_proj",),
                           layers_to_transform=tuple(i for i in range(cfg.num_layers) if i != 2),
                           rank_pattern={"layers.1.self_attn.v_proj": 2})
     changed, initial = initialise(params, cfg, method)
@@ -185,7 +185,7 @@ def test_loftq_equals_peft_loftq_init_on_a_real_smollm2_layer(smollm2, loftq_ite
     weight = torch.tensor(np.ascontiguousarray(w_IxO.T)).as_subclass(_Host)
     ref_base, ref_a, ref_b = (t.as_subclass(torch.Tensor).numpy() for t in loftq_utils.loftq_init(
         weight, num_bits=4, reduced_rank=8, num_iter=loftq_iter))
-    method = MethodConfig("qlora", rank=8, alpha=8, init="loftq", loftq_iter=loftq_iter, double_quant=False,
+    method = method_config("qlora", rank=8, alpha=8, init="loftq", loftq_iter=loftq_iter, double_quant=False,
                           target_modules=("o_proj",))
     a, b, base = init_layer(jnp.asarray(w_IxO), 8, method.lora_scale, method)
     np.testing.assert_allclose(np.asarray(dequantize(base)).T, ref_base, atol=TOL, rtol=0)
@@ -258,7 +258,7 @@ def test_trained_adapter_loads_in_peft_on_the_original_base_with_jaxtune_logits(
 ])
 def test_bad_init_values_are_one_line_config_errors(fields, message):
     with pytest.raises(ConfigError, match=message) as error:
-        MethodConfig(**fields)
+        method_config(**fields)
     assert "\n" not in str(error.value)
 
 
@@ -268,12 +268,12 @@ def test_in_memory_apply_method_runs_the_init(tiny):
     from jaxtune.models.quant import NF4Array
 
     cfg, params = load_model(tiny[1], dtype=np.float32)
-    method = MethodConfig("lora", rank=4, alpha=8, init="pissa")
+    method = method_config("lora", rank=4, alpha=8, init="pissa")
     adapted = apply_method(params, cfg, method, jax.random.key(1))
     q = adapted["layers"]["q_proj"]
     delta = 2.0 * jnp.einsum("lir,lro->lio", q["lora_a"], q["lora_b"])
     np.testing.assert_allclose(q["kernel"] + delta, params["layers"]["q_proj"]["kernel"], atol=1e-5)
-    loftq = apply_method(params, cfg, MethodConfig("qlora", rank=4, alpha=4, init="loftq"), jax.random.key(1))
+    loftq = apply_method(params, cfg, method_config("qlora", rank=4, alpha=4, init="loftq"), jax.random.key(1))
     assert isinstance(loftq["layers"]["q_proj"]["kernel"], NF4Array)
 
 

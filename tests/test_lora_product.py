@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.config import MethodConfig, tiny_config
-from jaxtune.methods.lora import lora_branch, lora_product
+from jaxtune.config import tiny_config
+from jaxtune.methods import method_config
+from jaxtune.methods.lora.product import lora_branch, lora_product
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models import linear
 from jaxtune.models.llama import forward
@@ -83,7 +84,7 @@ def lora_loss_and_grads(method, unfolded: bool, monkeypatch):
 def test_folded_model_equals_the_unfolded_one(monkeypatch):
     """Every linear module adapted, B non-zero: the folded and unfolded models' losses and adapter gradients agree
     to float32 rounding."""
-    method = MethodConfig("lora", rank=4, alpha=8, target_modules=("all-linear",))
+    method = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
     folded, folded_grads, _ = lora_loss_and_grads(method, False, monkeypatch)
     plain, plain_grads, _ = lora_loss_and_grads(method, True, monkeypatch)
     np.testing.assert_allclose(float(folded), float(plain), rtol=1e-6)
@@ -95,7 +96,7 @@ def test_folded_step_has_no_rank_r_product_over_the_outputs(monkeypatch):
     """Folded, the forward has no [tokens, r] x [r, out] product: of the dots contracting r = 4 into [48 tokens, n],
     only the backward's dxa A^T are left, one a module (7); unfolded, each module's forward adds its own. Neither
     multiplies A's gradient as x^T dxa ([in, r] out of x contracted along its tokens, XLA:CPU's slow form)."""
-    method = MethodConfig("lora", rank=4, alpha=8, target_modules=("all-linear",))
+    method = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
 
     def rank_products(hlo):  # dots whose first operand is [tokens, r], written over the tokens
         return re.findall(r"= f32\[48,\d+\]\{[^}]*\} dot\(f32\[48,4\]", _with_operand_shapes(hlo))

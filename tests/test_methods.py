@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.config import MethodConfig, tiny_config
+from jaxtune.config import tiny_config
+from jaxtune.methods import method_config
 from jaxtune.methods.lora import merge, unmerge
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
 from jaxtune.models.llama import forward
@@ -28,9 +29,9 @@ def ids(seed=0, shape=(2, 16)):
     return jax.random.randint(jax.random.key(seed), shape, 0, CFG.vocab_size)
 
 
-@pytest.mark.parametrize("method", [MethodConfig("lora"),
-                                    MethodConfig("lora", dora=True, target_modules=("all-linear",)),
-                                    MethodConfig("ia3"), MethodConfig("adapter", adapter_size=16)])
+@pytest.mark.parametrize("method", [method_config("lora"),
+                                    method_config("lora", dora=True, target_modules=("all-linear",)),
+                                    method_config("ia3"), method_config("adapter", adapter_size=16)])
 def test_fresh_adapters_leave_the_model_unchanged(params, method):
     """LoRA with B = 0, DoRA with m = ||W||, IA3 with ones and adapters with up = 0 compute the base model."""
     adapted = apply_method(params, CFG, method, jax.random.key(1))
@@ -39,7 +40,7 @@ def test_fresh_adapters_leave_the_model_unchanged(params, method):
 
 
 def test_merge_equals_unmerged_and_unmerge_restores(params):
-    method = MethodConfig("lora", rank=4, target_modules=("all-linear",), rslora=True)
+    method = method_config("lora", rank=4, target_modules=("all-linear",), rslora=True)
     adapted = apply_method(params, CFG, method, jax.random.key(1))
     q_proj = adapted["layers"]["q_proj"]
     q_proj["lora_b"] = 0.1 * jax.random.normal(jax.random.key(2), q_proj["lora_b"].shape)
@@ -50,12 +51,12 @@ def test_merge_equals_unmerged_and_unmerge_restores(params):
     restored = unmerge(merged, partition(adapted, trainable_mask(adapted, method))[0], method)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), restored, adapted)
     with pytest.raises(ValueError, match="DoRA cannot be unmerged"):
-        unmerge(merged, adapted, MethodConfig("lora", dora=True))
+        unmerge(merged, adapted, method_config("lora", dora=True))
 
 
 @pytest.mark.parametrize("double_quant, limit", [(True, 0.52), (False, 0.57)])
 def test_qlora_frozen_weights_bytes_per_parameter(params, double_quant, limit):
-    method = MethodConfig("qlora", bits=4, double_quant=double_quant)
+    method = method_config("qlora", bits=4, double_quant=double_quant)
     adapted = apply_method(params, CFG, method, jax.random.key(1))
     kernels = [m["kernel"] for m in adapted["layers"].values() if isinstance(m, dict) and "kernel" in m]
     assert all(isinstance(k, NF4Array) for k in kernels) and len(kernels) == 7
@@ -68,7 +69,7 @@ def test_qlora_forward_is_the_dequantised_model(params, bits, tolerance):
     """QLoRA at init computes the model with dequantised weights. Its distance to the float model is the
     quantisation error: weights lose 9% (NF4) and 0.6% (int8) relative RMS, which this random, untrained model
     amplifies to about 36% and 3% of the logits."""
-    method = MethodConfig("qlora", bits=bits)
+    method = method_config("qlora", bits=bits)
     adapted = apply_method(params, CFG, method, jax.random.key(1))
     out = jit_forward(adapted, ids(), CFG, method=method)
     dequantised = merge(adapted, method)  # B = 0: the merge is exactly the dequantised base
@@ -77,9 +78,9 @@ def test_qlora_forward_is_the_dequantised_model(params, bits, tolerance):
     assert 0 < float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < tolerance
 
 
-@pytest.mark.parametrize("method", [MethodConfig("lora"), MethodConfig("qlora"),
-                                    MethodConfig("prefix", num_virtual_tokens=4),
-                                    MethodConfig("adapter", adapter_size=8)])
+@pytest.mark.parametrize("method", [method_config("lora"), method_config("qlora"),
+                                    method_config("prefix", num_virtual_tokens=4),
+                                    method_config("adapter", adapter_size=8)])
 def test_gradients_reach_only_trainable_leaves(params, method):
     """Differentiating w.r.t. the trainable half only: the compiled gradient holds exactly the trainable bytes,
     so frozen weights get no gradient buffers."""
@@ -103,7 +104,7 @@ def test_gradients_reach_only_trainable_leaves(params, method):
 
 
 def test_full_fine_tune_is_the_identity_transform(params):
-    method = MethodConfig("full")
+    method = method_config("full")
     adapted = apply_method(params, CFG, method, jax.random.key(1))
     assert jax.tree.structure(adapted) == jax.tree.structure(params)
     report = parameter_report(adapted, method)
@@ -111,7 +112,7 @@ def test_full_fine_tune_is_the_identity_transform(params):
 
 
 def test_report_counts_quantised_weights_by_elements(params):
-    method = MethodConfig("qlora", rank=8, target_modules=("all-linear",))
+    method = method_config("qlora", rank=8, target_modules=("all-linear",))
     adapted = apply_method(params, CFG, method, jax.random.key(1))
     report = parameter_report(adapted, method)
     D, F, L = CFG.hidden_size, CFG.intermediate_size, CFG.num_layers
@@ -127,7 +128,7 @@ def test_abstract_transform_allocates_nothing():
     from test_model_shapes import REAL
 
     cfg = REAL["Llama-3-8B"][0]
-    method = MethodConfig("qlora", rank=16, target_modules=("all-linear",))
+    method = method_config("qlora", rank=16, target_modules=("all-linear",))
     shapes = jax.eval_shape(lambda k: apply_method(init_params(cfg, k, "bfloat16"), cfg, method, k), jax.random.key(0))
     report = parameter_report(shapes, method)
     assert report.total - report.trainable == 8_030_261_248
@@ -145,4 +146,4 @@ def test_abstract_transform_allocates_nothing():
 ])
 def test_bad_method_configs_are_named(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        MethodConfig(**kwargs)
+        method_config(**kwargs)

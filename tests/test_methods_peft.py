@@ -21,8 +21,8 @@ from peft import IA3Config, LoraConfig, PeftModel, PrefixTuningConfig, get_peft_
 from reference import assert_float32_parity, jaxtune_float64, logits_four_ways
 
 from jaxtune.cli import main
-from jaxtune.config import MethodConfig
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.methods.base import adapter_keys
 from jaxtune.methods.lora import merge
 from jaxtune.methods.peft import load_peft_adapter, save_peft_adapter
@@ -35,18 +35,18 @@ pytestmark = [pytest.mark.parity, pytest.mark.reference]  # also run with AVX2 f
 jit_forward = jax.jit(forward, static_argnames=("cfg", "method", "options"))
 
 METHODS = {
-    "lora_qv": (MethodConfig("lora", rank=4, alpha=8),
+    "lora_qv": (method_config("lora", rank=4, alpha=8),
                 LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")),
-    "lora_all_linear": (MethodConfig("lora", rank=4, alpha=16, target_modules=("all-linear",)),
+    "lora_all_linear": (method_config("lora", rank=4, alpha=16, target_modules=("all-linear",)),
                         LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")),
-    "rslora": (MethodConfig("lora", rank=4, alpha=8, rslora=True, target_modules=("q_proj", "k_proj", "up_proj")),
+    "rslora": (method_config("lora", rank=4, alpha=8, rslora=True, target_modules=("q_proj", "k_proj", "up_proj")),
                LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "k_proj", "up_proj"],
                           task_type="CAUSAL_LM")),
-    "dora": (MethodConfig("lora", rank=4, alpha=8, dora=True, target_modules=("q_proj", "v_proj", "down_proj")),
+    "dora": (method_config("lora", rank=4, alpha=8, dora=True, target_modules=("q_proj", "v_proj", "down_proj")),
              LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"],
                         task_type="CAUSAL_LM")),
-    "ia3": (MethodConfig("ia3"), IA3Config(task_type="CAUSAL_LM")),
-    "prefix": (MethodConfig("prefix", num_virtual_tokens=5),
+    "ia3": (method_config("ia3"), IA3Config(task_type="CAUSAL_LM")),
+    "prefix": (method_config("prefix", num_virtual_tokens=5),
                PrefixTuningConfig(num_virtual_tokens=5, task_type="CAUSAL_LM")),
 }
 
@@ -230,7 +230,7 @@ def test_layer_patterns_train_only_the_adapted_ranks(bases):
     """A layer of smaller rank (rank_pattern) or none (layers_to_transform) holds zeros beyond its rank; their
     gradients are exactly zero, so training keeps them zero and the adapter stays what PEFT can load."""
     _, cfg, params = bases("llama")
-    method = MethodConfig("lora", rank=4, alpha=8, target_modules=("q_proj", "v_proj"), layers_to_transform=(0, 2),
+    method = method_config("lora", rank=4, alpha=8, target_modules=("q_proj", "v_proj"), layers_to_transform=(0, 2),
                           rank_pattern={"layers.2.self_attn.q_proj": 2})
     adapted = randomize_adapter(apply_method(params, cfg, method, jax.random.key(0)))
     a, b = (np.array(adapted["layers"]["q_proj"][k]) for k in ("lora_a", "lora_b"))
@@ -260,7 +260,7 @@ def test_layer_patterns_train_only_the_adapted_ranks(bases):
 ])
 def test_what_jaxtune_cannot_represent_is_refused_naming_the_field(field, value, message, base, tmp_path):
     directory, cfg, params = base
-    method = MethodConfig("lora", rank=4)
+    method = method_config("lora", rank=4)
     save_peft_adapter(tmp_path, apply_method(params, cfg, method, jax.random.key(0)), cfg, method)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, field: value}))
@@ -344,7 +344,7 @@ def test_unknown_peft_kind_is_named(base, tmp_path):
 
 def test_adapter_with_wrong_tensor_shape_is_named(base, tmp_path):
     directory, cfg, params = base
-    method = MethodConfig("lora", rank=4)
+    method = method_config("lora", rank=4)
     save_peft_adapter(tmp_path, apply_method(params, cfg, method, jax.random.key(0)), cfg, method)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
@@ -368,7 +368,7 @@ def test_lora_targets_phi3_lacks_name_its_fused_modules(bases):
     directory, cfg, params = bases("phi3")
     with pytest.raises(JaxtuneError, match=r"selects no module of a 3-layer model with modules qkv_proj, o_proj, "
                                            r"gate_up_proj, down_proj.*Phi-3 fuses q, k and v into qkv_proj"):
-        apply_method(params, cfg, MethodConfig("lora"), jax.random.key(0))
+        apply_method(params, cfg, method_config("lora"), jax.random.key(0))
 
 
 def test_info_counts_lora_on_experts_as_peft(bases, tmp_path, capsys):
@@ -385,7 +385,7 @@ def test_info_counts_lora_on_experts_as_peft(bases, tmp_path, capsys):
 
 def test_lora_on_experts_refuses_what_peft_refuses():
     with pytest.raises(ConfigError, match="dropout = 0.1: does not go with target_parameters"):
-        MethodConfig("lora", dropout=0.1, target_parameters=("mlp.experts.down_proj",))
+        method_config("lora", dropout=0.1, target_parameters=("mlp.experts.down_proj",))
     with pytest.raises(ConfigError,
                        match='target_parameters = "mlp.gate.weight": jaxtune adapts a mixture.s expert stacks'):
-        MethodConfig("lora", target_parameters=("mlp.gate.weight",))
+        method_config("lora", target_parameters=("mlp.gate.weight",))

@@ -12,9 +12,10 @@ import pytest
 from test_run_safety import train_killed_after_checkpoint
 from test_train import metric_lines, setup, write_config  # noqa: F401 - setup: the tiny model and data fixture
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig, TrainConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfig, TrainConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.methods import method_config, method_unit
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.planner import compile_step, estimate, format_estimate, get_device
 from jaxtune.run_config import load_run_config
@@ -23,7 +24,6 @@ from jaxtune.spine.optimizers import (
     UNSIGNED_MAP,
     QuantizedMoment,
     dequantize_blockwise,
-    lora_b_group,
     make_optimizer,
     quantize_blockwise,
     row_chunks,
@@ -71,11 +71,11 @@ def test_bad_values_are_one_line_errors_naming_the_key():
     with pytest.raises(ConfigError, match=r'^muon_adjust_lr_fn = "x": choose one of match_rms_adamw, original$'):
         TrainConfig(muon_adjust_lr_fn="x")
     with pytest.raises(ConfigError, match=r"^loraplus_lr_ratio = 4: is for lora and qlora, not full$"):
-        MethodConfig("full", loraplus_lr_ratio=4)
+        method_config("full", loraplus_lr_ratio=4)
     with pytest.raises(ConfigError, match=r"^loraplus_lr_ratio = -1: must be >= 0"):
-        MethodConfig("lora", loraplus_lr_ratio=-1)
+        method_config("lora", loraplus_lr_ratio=-1)
     with pytest.raises(ConfigError, match=r'^moments_dtype = "bfloat16": is for optimizer adamw, not adamw_8bit'):
-        TrainPlan(optimizer="adamw_8bit", offload=OffloadConfig(moments_dtype="bfloat16"))
+        TrainPlan(method_config("full"), optimizer="adamw_8bit", offload=OffloadConfig(moments_dtype="bfloat16"))
     with pytest.raises(JaxtuneError, match=r"^config: \[offload\] moments_dtype = 'bfloat16' is for \[train\] "
                                            r"optimizer = 'adamw', not 'muon'$"):
         load_run_config(None, ["train.optimizer=muon", "offload.moments_dtype=bfloat16"])
@@ -271,15 +271,22 @@ def test_adamw_8bit_clips_inside_its_update_and_chunks_leaves_outside_the_stacks
 
 # --- LoRA+ ----------------------------------------------------------------------------------------------------------
 
+def lora_b_group(method, trainable: dict) -> dict:
+    """True at the leaves LoRA+ trains at ratio x the learning rate (`Method.learning_rates`)."""
+    rates = method_unit(method).learning_rates(method.replace(loraplus_lr_ratio=4.0), trainable)
+    return jax.tree.map(lambda rate: rate == 4.0, rates)
+
+
 def test_loraplus_group_is_peft_s_b_group_on_jaxtune_s_leaves():
-    method = MethodConfig("lora", dora=True, modules_to_save=("lm_head",))
+    method = method_config("lora", dora=True, modules_to_save=("lm_head",))
     trainable, _ = init_run(TINY, method)
-    group = lora_b_group(trainable)
+    group = lora_b_group(method, trainable)
     assert {k: v for k, v in group["layers"]["q_proj"].items() if v is not None} == {
         "lora_a": False, "lora_b": True, "magnitude": True}
     assert group["lm_head"] == {"kernel": False}
-    trainable, _ = init_run(TINY, MethodConfig("lora", lora_bias=True))
-    group = lora_b_group(trainable)
+    method = method_config("lora", lora_bias=True)
+    trainable, _ = init_run(TINY, method)
+    group = lora_b_group(method, trainable)
     assert {k: v for k, v in group["layers"]["v_proj"].items() if v is not None} == {
         "lora_a": False, "lora_b": True, "lora_bias": True}
     assert not weight_decay_mask(trainable)["layers"]["v_proj"]["lora_bias"]  # "bias" in its name, as in PEFT
@@ -385,8 +392,10 @@ def test_newton_schulz_equals_keller_jordan_s_zeropower_via_newtonschulz5():
 def test_the_planner_counts_each_optimizer_s_state_exactly(optimizer):
     """estimate's optimizer bytes = the abstract run's state = the state `init_state` allocates (full fine-tune, where
     the state is largest, and LoRA with LoRA+), and the report names the state."""
-    for method in (MethodConfig("full"), MethodConfig("lora", loraplus_lr_ratio=16)):
-        plan = TrainPlan(method, 2, 32, 1, "none", "float32", "float32", mesh=MeshConfig(1, 1, 1), optimizer=optimizer)
+    for method in (method_config("full"), method_config("lora", loraplus_lr_ratio=16)):
+        plan = TrainPlan(method, 2, 32, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MeshConfig(1, 1, 1),
+                         optimizer=optimizer)
         est = estimate(TINY, plan, get_device("cpu"))
         run = abstract_run(TINY, plan, make_mesh(MeshConfig(), jax.devices()[:1]))
         abstract = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.state["opt_state"]))
@@ -399,7 +408,8 @@ def test_the_planner_counts_each_optimizer_s_state_exactly(optimizer):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_the_compiled_step_takes_the_planned_state_as_arguments(optimizer):
-    plan = TrainPlan(MethodConfig("full"), 2, 32, 1, "none", "float32", "float32", mesh=MeshConfig(1, 1, 1),
+    plan = TrainPlan(method_config("full"), 2, 32, 1, param_dtype="float32",
+                     forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MeshConfig(1, 1, 1),
                      optimizer=optimizer)
     est = estimate(TINY, plan, get_device("cpu"))
     args = est.frozen_bytes + est.trainable_bytes + est.optimizer_bytes + est.batch_bytes

@@ -25,9 +25,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.parallel import abstract_mesh, low_precision_moments, make_mesh, partition_spec
@@ -173,12 +174,14 @@ def test_offloaded_state_stays_in_host_memory_through_steps_and_checkpoints(tmp_
     """Placement mechanics on this process's one CPU device: the optimizer state and frozen weights start, stay and
     are restored in pinned host memory, the trainable params on the device, and the step computes what it computes
     without offload."""
-    method = MethodConfig("lora", rank=2, target_modules=("all-linear",))
+    method = method_config("lora", rank=2, target_modules=("all-linear",))
     params = apply_method(init_params(TINY, jax.random.key(0)), TINY, method, jax.random.key(1))
     params["layers"]["q_proj"]["lora_b"] += 0.1
     trainable, frozen = partition(params, trainable_mask(params, method))
     offload = lambda on: OffloadConfig(optimizer_state=on, frozen_params=on)
-    runs = {on: abstract_run(TINY, TrainPlan(method, 8, 4, 1, "none", "float32", "float32", offload=offload(on)),
+    runs = {on: abstract_run(TINY, TrainPlan(method, 8, 4, 1, param_dtype="float32",
+                                             forward=ForwardOptions(compute_dtype="float32", remat="none"),
+                                             offload=offload(on)),
                              make_mesh(MeshConfig())) for on in (True, False)}
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
     states = {k: run.init_state(trainable, 0) for k, run in runs.items()}
@@ -224,14 +227,14 @@ def test_rules_split_heads_and_hidden_and_drop_what_does_not_divide():
 
 
 METHODS_8B = {
-    "full": MethodConfig("full"),
-    "lora": MethodConfig("lora", rank=16, target_modules=("all-linear",)),
-    "dora": MethodConfig("lora", rank=16, target_modules=("all-linear",), dora=True),
-    "qlora": MethodConfig("qlora", rank=16, target_modules=("all-linear",)),
-    "qlora8": MethodConfig("qlora", rank=16, target_modules=("all-linear",), bits=8),
-    "ia3": MethodConfig("ia3"),
-    "prefix": MethodConfig("prefix"),
-    "adapter": MethodConfig("adapter"),
+    "full": method_config("full"),
+    "lora": method_config("lora", rank=16, target_modules=("all-linear",)),
+    "dora": method_config("lora", rank=16, target_modules=("all-linear",), dora=True),
+    "qlora": method_config("qlora", rank=16, target_modules=("all-linear",)),
+    "qlora8": method_config("qlora", rank=16, target_modules=("all-linear",), bits=8),
+    "ia3": method_config("ia3"),
+    "prefix": method_config("prefix"),
+    "adapter": method_config("adapter"),
 }
 
 
@@ -241,7 +244,8 @@ def test_llama3_8b_every_leaf_kind_is_partitioned(kind, mesh_config):
     """Per-device bytes of trainable params, optimizer state and frozen weights are 1/(fsdp x tensor) of the total,
     for every method's leaves on the real Llama-3-8B shapes (from `NamedSharding.shard_shape`, nothing allocated)."""
     method = METHODS_8B[kind]
-    plan = TrainPlan(method, 8, 128, 1, "none", "bfloat16", "bfloat16", mesh=mesh_config)
+    plan = TrainPlan(method, 8, 128, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat="none"), mesh=mesh_config)
     run = abstract_run(LLAMA3_8B, plan, abstract_mesh(mesh_config, 8))
     ways = mesh_config.resolve(8)["fsdp"] * mesh_config.resolve(8)["tensor"]
     for name, tree in (("params", run.state["params"]), ("opt_state", run.state["opt_state"]),
@@ -255,7 +259,7 @@ def test_method_leaves_follow_their_base_kernel():
     IA3's vectors take the output (input) axis's."""
     cfg = LLAMA3_8B
     mesh = abstract_mesh(MeshConfig(fsdp=4, tensor=2), 8)
-    method = MethodConfig("lora", rank=16, target_modules=("all-linear",), dora=True)
+    method = method_config("lora", rank=16, target_modules=("all-linear",), dora=True)
     params = jax.eval_shape(lambda k: apply_method(init_params(cfg, k), cfg, method, k), jax.random.key(0))
     shardings = param_shardings(params, cfg, mesh)
     as_tuple = lambda spec: [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
@@ -272,7 +276,7 @@ def test_method_leaves_follow_their_base_kernel():
 def test_nf4_blocks_stay_whole_on_every_device():
     """Each device's codes are exactly the blocks its absmax entries describe: the flat split is whole blocks."""
     cfg = LLAMA3_8B
-    method = MethodConfig("qlora", rank=16, target_modules=("all-linear",))
+    method = method_config("qlora", rank=16, target_modules=("all-linear",))
     params = jax.eval_shape(lambda k: apply_method(init_params(cfg, k), cfg, method, k), jax.random.key(0))
     for mesh_config in (MeshConfig(fsdp=8), MeshConfig(fsdp=4, tensor=2)):
         shardings = param_shardings(params, cfg, abstract_mesh(mesh_config, 8))
@@ -308,7 +312,7 @@ def test_offload_where_the_backend_has_no_host_memory_says_so(monkeypatch):
     mesh = make_mesh(MeshConfig())
     assert "pinned_host" in offload_module.memory_kinds(mesh)  # the CPU backend has it
     monkeypatch.setattr(offload_module, "memory_kinds", lambda mesh: ("device",))
-    plan = TrainPlan(MethodConfig("lora"), 8, 4, offload=OffloadConfig(optimizer_state=True))
+    plan = TrainPlan(method_config("lora"), 8, 4, offload=OffloadConfig(optimizer_state=True))
     with pytest.raises(JaxtuneError, match=r"\[offload\] optimizer_state = true: the cpu backend has no "
                                            r"'pinned_host' memory \(memory kinds: device\); set it to false"):
         abstract_run(TINY, plan, mesh)

@@ -10,9 +10,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.objectives import objective_named
 from jaxtune.objectives.dpo import PreferenceConfig
 from jaxtune.planner import (
@@ -78,16 +79,17 @@ def test_cpu_is_this_host_read_at_run_time():
 # --- against the compiler -----------------------------------------------------------------------------------------
 
 def _plan(method, batch, seq, accum, remat, compute="float32", weights="float32", **kw):
-    return TrainPlan(method, batch, seq, accum, remat, compute, weights, mesh=MeshConfig(1, 1, 1), **kw)
+    return TrainPlan(method, batch, seq, accum, param_dtype=weights,
+                     forward=ForwardOptions(compute_dtype=compute, remat=remat), mesh=MeshConfig(1, 1, 1), **kw)
 
 
-LORA = MethodConfig("lora", rank=8, target_modules=("q_proj", "v_proj"))
+LORA = method_config("lora", rank=8, target_modules=("q_proj", "v_proj"))
 COMPILED_PLANS = {  # a fast subset of experiments/planner_accuracy.py, one device; objectives as the trainer runs them
-    "full, no remat": _plan(MethodConfig("full"), 2, 128, 1, "none"),
+    "full, no remat": _plan(method_config("full"), 2, 128, 1, "none"),
     "QLoRA all-linear, save_matmuls, bf16 weights, accumulation": _plan(
-        MethodConfig("qlora", target_modules=("all-linear",)), 4, 256, 2, "save_matmuls", weights="bfloat16"),
+        method_config("qlora", target_modules=("all-linear",)), 4, 256, 2, "save_matmuls", weights="bfloat16"),
     "LoRA, remat full": _plan(LORA, 8, 128, 1, "full"),
-    "DPO, full": _plan(MethodConfig("full"), 2, 128, 1, "none", objective="dpo"),
+    "DPO, full": _plan(method_config("full"), 2, 128, 1, "none", objective="dpo"),
     "DPO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="dpo"),  # the reference forward's logits
     "DPO, LoRA, precomputed reference": _plan(LORA, 4, 128, 1, "none", objective="dpo",
                                               section=PreferenceConfig(precompute_reference=True)),
@@ -95,11 +97,11 @@ COMPILED_PLANS = {  # a fast subset of experiments/planner_accuracy.py, one devi
     "GRPO, LoRA, rollout of 32 tokens": _plan(LORA, 4, 128, 1, "full", objective="grpo", generate_tokens=32),
     "distillation, LoRA": _plan(LORA, 2, 128, 1, "none", objective="distill"),
     "ORPO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="orpo"),
-    "CPO, full": _plan(MethodConfig("full"), 2, 128, 1, "none", objective="cpo"),
+    "CPO, full": _plan(method_config("full"), 2, 128, 1, "none", objective="cpo"),
     "SimPO, LoRA, remat full": _plan(LORA, 4, 128, 1, "full", objective="simpo"),
     "KTO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="kto"),
     # the optimizers' states and update temporaries (spine/optimizers.py, estimate.UPDATE_COPIES)
-    **{f"full, no remat, {name}": _plan(MethodConfig("full"), 2, 128, 1, "none", optimizer=name)
+    **{f"full, no remat, {name}": _plan(method_config("full"), 2, 128, 1, "none", optimizer=name)
        for name in ("adafactor", "muon", "adamw_8bit")},
 }
 
@@ -128,7 +130,7 @@ def test_median_and_worst_error_against_the_compiler(compiled):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("method, rows, seq_len", [(MethodConfig("full"), 4, 256), (MethodConfig("lora"), 4, 512)])
+@pytest.mark.parametrize("method, rows, seq_len", [(method_config("full"), 4, 256), (method_config("lora"), 4, 512)])
 def test_estimate_of_each_family_is_within_ten_percent_of_the_compiled_step(arch, method, rows, seq_len):
     """Query/key norms (Qwen3, Gemma 3), Phi-3's fused projections (LoRA on qkv_proj), Gemma's sandwich norms and
     its final-logit soft cap (its tanh keeps a logits buffer more: without it the Gemma 2 LoRA estimate is 21% under
@@ -141,8 +143,8 @@ def test_estimate_of_each_family_is_within_ten_percent_of_the_compiled_step(arch
     cfg = ModelConfig(architecture=ARCH_NAMES[arch], vocab_size=8000, hidden_size=256, intermediate_size=704,
                       num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, **traits)
     if arch == "phi3" and method.kind == "lora":
-        method = MethodConfig("lora", target_modules=("qkv_proj",))
-    plan = TrainPlan(method, rows, seq_len, 1, "none")
+        method = method_config("lora", target_modules=("qkv_proj",))
+    plan = TrainPlan(method, rows, seq_len, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="none"))
     xla, _ = compile_peak(cfg, plan)
     assert abs(estimate(cfg, plan, get_device("cpu")).compiled_bytes / xla - 1) < 0.10
 
@@ -165,8 +167,9 @@ def test_qlora_of_a_mixture_is_planned_with_its_exact_arguments():
 
     cfg = ModelConfig(architecture=ARCH_NAMES["mixtral"], vocab_size=8000, hidden_size=256, intermediate_size=704,
                       num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, **family_traits("mixtral", 4))
-    plan = TrainPlan(MethodConfig("qlora", target_modules=("all-linear",), target_parameters=(
-        "mlp.experts.gate_up_proj", "mlp.experts.down_proj")), 4, 256, 1, "none")
+    plan = TrainPlan(method_config("qlora", target_modules=("all-linear",), target_parameters=(
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj")), 4, 256, 1,
+        forward=ForwardOptions(compute_dtype="bfloat16", remat="none"))
     est = estimate(cfg, plan, get_device("cpu"))
     args = est.frozen_bytes + est.trainable_bytes + est.optimizer_bytes + est.batch_bytes
     assert abs(args - compile_step(cfg, plan).argument_bytes) < 64
@@ -200,7 +203,8 @@ def test_zero_paper_7_5b_model_states_120gb_and_1_9gb_each_under_zero3_over_64()
     120 GB for a 7.5B model; ZeRO-3 over 64 devices leaves 1.9 GB each. jaxtune's 16 bytes are float32 masters (4),
     one float32 gradient (4) and Adam's float32 moments (8) instead of fp16 weights and gradients + fp32 masters."""
     cfg = standard_config(7500)
-    plan = TrainPlan(MethodConfig("full"), 64, 512, 1, "full", "bfloat16", "bfloat16")
+    plan = TrainPlan(method_config("full"), 64, 512, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     one = estimate(cfg, plan, get_device("a100-80gb"))
     assert abs(one.parameters / 7.5e9 - 1) < 0.01
     assert abs(one.model_states_bytes / 120e9 - 1) < 0.02
@@ -212,12 +216,12 @@ def test_zero_paper_7_5b_model_states_120gb_and_1_9gb_each_under_zero3_over_64()
 def test_qlora_paper_65b_fits_one_48gb_gpu_at_batch_1_with_remat():
     """Dettmers et al. 2023 (QLoRA): a 65B model fine-tuned on a single 48 GB GPU. NF4 + double quantisation, LoRA on
     every linear layer (rank 16: the paper's rank 64 needs 52.7 GiB in jaxtune, see docs/planner.md), remat full."""
-    plan = TrainPlan(MethodConfig("qlora", rank=16, target_modules=("all-linear",)), 1, 512, 1, "full",
-                     "bfloat16", "bfloat16")
+    plan = TrainPlan(method_config("qlora", rank=16, target_modules=("all-linear",)), 1, 512, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     est = estimate(LLAMA_65B, plan, get_device("rtx-a6000"))
     assert est.fits and est.device.memory_bytes == 48 * GiB
     assert 0.5 < est.frozen_bytes / LLAMA_65B_PARAMS < 0.53  # NF4 with double-quantised scales, bf16 embeddings
-    lora = MethodConfig("lora", rank=16, target_modules=("all-linear",))
+    lora = method_config("lora", rank=16, target_modules=("all-linear",))
     sixteen_bit = estimate(LLAMA_65B, plan.replace(method=lora), get_device("rtx-a6000"))
     assert not sixteen_bit.fits and sixteen_bit.total_bytes > 120 * GiB
 
@@ -226,7 +230,8 @@ LLAMA_65B_PARAMS = 65_285_660_672
 
 
 def test_llama2_7b_full_fine_tune_needs_more_than_one_h100_and_fits_eight_with_fsdp():
-    plan = TrainPlan(MethodConfig("full"), 8, 2048, 1, "full", "bfloat16", "bfloat16")
+    plan = TrainPlan(method_config("full"), 8, 2048, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     one = estimate(LLAMA2_7B, plan, get_device("h100-80gb"))
     assert one.parameters == 6_738_415_616 and not one.fits
     eight = estimate(LLAMA2_7B, plan, get_device("h100-80gb-8"))
@@ -242,7 +247,8 @@ def test_tpu_pads_small_dimensions_to_tiles():
     Llama-3.2-1B LoRA step's arguments, planner 311 MiB = compiler 311 MiB), while a small square pads."""
     from jaxtune.planner.estimate import _tiled_bytes
 
-    plan = TrainPlan(MethodConfig("lora", rank=8), 8, 1024, 1, "full", "bfloat16", "bfloat16", mesh=MeshConfig(1, 1, 1))
+    plan = TrainPlan(method_config("lora", rank=8), 8, 1024, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat="full"), mesh=MeshConfig(1, 1, 1))
     gpu = estimate(LLAMA2_7B, plan, get_device("a100-80gb"))
     tpu = estimate(LLAMA2_7B, plan, get_device("v5p"))
     assert tpu.trainable_bytes == gpu.trainable_bytes
@@ -250,7 +256,7 @@ def test_tpu_pads_small_dimensions_to_tiles():
     assert _tiled_bytes((3, 5), 4) == 8 * 128 * 4 and _tiled_bytes((2, 3, 5), 2) == 2 * 16 * 128 * 2
 
 def test_family_reserves_differ():
-    plan = TrainPlan(MethodConfig("lora"), 1, 512, 1, "full")
+    plan = TrainPlan(method_config("lora"), 1, 512, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     reserves = {name: estimate(LLAMA2_7B, plan, get_device(name)).reserve_bytes for name in ("h100-80gb", "v5p",
                                                                                              "gaudi3")}
     assert reserves["gaudi3"] > reserves["h100-80gb"] > reserves["v5p"] > 0
@@ -259,7 +265,7 @@ def test_family_reserves_differ():
 # --- objectives ---------------------------------------------------------------------------------------------------
 
 def test_objectives_add_their_extra_models():
-    base = TrainPlan(MethodConfig("full"), 8, 1024, 1, "full")
+    base = TrainPlan(method_config("full"), 8, 1024, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="full"))
     device = get_device("h100-80gb-8")
     sft = estimate(LLAMA2_7B, base, device)
     dpo = estimate(LLAMA2_7B, base.replace(objective="dpo"), device)
@@ -274,7 +280,7 @@ def test_objectives_add_their_extra_models():
     assert sft.extra_models_bytes == reward.extra_models_bytes == 0
     assert reward.phases["loss"]["activations"] < dpo.phases["loss"]["activations"]  # same rows, no [b, T, V] logits
     assert dpo.phases["loss"]["activations"] > 1.5 * sft.phases["loss"]["activations"]  # two rows a pair
-    lora_dpo = estimate(LLAMA2_7B, base.replace(objective="dpo", method=MethodConfig("lora")), device)
+    lora_dpo = estimate(LLAMA2_7B, base.replace(objective="dpo", method=method_config("lora")), device)
     assert lora_dpo.extra_models_bytes == 0  # the reference is the base with adapters off
     # ORPO, CPO and SimPO read no reference; KTO reads one (a frozen copy for a full fine-tune) on two rows an example
     free = {name: estimate(LLAMA2_7B, base.replace(objective=name), device) for name in ("orpo", "cpo", "simpo")}
@@ -282,7 +288,7 @@ def test_objectives_add_their_extra_models():
     assert all(e.phases["loss"]["activations"] == dpo.phases["loss"]["activations"] for e in free.values())
     kto = estimate(LLAMA2_7B, base.replace(objective="kto"), device)
     assert kto.extra_models_bytes == pytest.approx(copy, rel=0.01)
-    assert estimate(LLAMA2_7B, base.replace(objective="kto", method=MethodConfig("lora")), device
+    assert estimate(LLAMA2_7B, base.replace(objective="kto", method=method_config("lora")), device
                     ).extra_models_bytes == 0
     orpo_time, kto_time = step_time(free["orpo"]).step_s, step_time(kto).step_s
     assert kto_time > 1.2 * orpo_time  # the reference's forward over the same rows
@@ -299,7 +305,7 @@ LLAMA2_7B_PARAMS = 6_738_415_616
 # --- search -------------------------------------------------------------------------------------------------------
 
 def test_search_ranks_only_fitting_plans_by_time():
-    result = search(LLAMA2_7B, TrainPlan(MethodConfig("full"), 32, 2048), get_device("h100-80gb-8"))
+    result = search(LLAMA2_7B, TrainPlan(method_config("full"), 32, 2048), get_device("h100-80gb-8"))
     assert result.candidates and all(c.estimate.fits for c in result.candidates)
     times = [float(f"{c.time.step_s:.3g}") for c in result.candidates]
     assert times == sorted(times)
@@ -307,7 +313,7 @@ def test_search_ranks_only_fitting_plans_by_time():
 
 
 def test_no_plan_fits_says_the_smallest_change_that_would():
-    result = search(LLAMA2_7B, TrainPlan(MethodConfig("full"), 8, 2048), get_device("l4"))
+    result = search(LLAMA2_7B, TrainPlan(method_config("full"), 8, 2048), get_device("l4"))
     assert not result.candidates
     assert "instead of" in result.suggestion and result.suggested.estimate.fits
 
@@ -386,7 +392,7 @@ def test_cli_no_plan_fits_names_the_change(capsys):
 def test_standard_shapes_hit_their_size():
     for millions in (125, 1300, 7000, 13000, 65000):
         cfg = standard_config(millions)
-        est = estimate(cfg, TrainPlan(MethodConfig("lora")), get_device("h100-80gb"))
+        est = estimate(cfg, TrainPlan(method_config("lora")), get_device("h100-80gb"))
         assert abs(est.parameters / (millions * 1e6) - 1) < 0.05
     with pytest.raises(JaxtuneError):
         standard_config(0)

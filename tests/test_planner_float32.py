@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from steps import sft_gradients
 
-from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, ModelConfig, tiny_config
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models import linear
 from jaxtune.models.params import init_params
@@ -21,9 +22,9 @@ from jaxtune.planner import compile_step, estimate, get_device
 from jaxtune.spine.run import abstract_run
 
 F32 = ForwardOptions(compute_dtype="float32")
-METHODS = {"lora": MethodConfig("lora", rank=4, target_modules=("all-linear",)),
-           "qlora nf4": MethodConfig("qlora", rank=4, target_modules=("all-linear",)),
-           "qlora int8": MethodConfig("qlora", rank=4, bits=8)}
+METHODS = {"lora": method_config("lora", rank=4, target_modules=("all-linear",)),
+           "qlora nf4": method_config("qlora", rank=4, target_modules=("all-linear",)),
+           "qlora int8": method_config("qlora", rank=4, bits=8)}
 
 
 def bf16_run(cfg, method):
@@ -72,7 +73,8 @@ def test_float32_compute_holds_no_whole_widened_head_or_kernel(name):
     array of the head's or of a kernel's shape, nor a 16-bit copy or slice of one: the head and each layer's
     kernels are read from their bits a piece at a time, never widened or sliced whole (XLA:CPU had converted
     the whole head once for the step, and sliced every layer's kernels off their stacks)."""
-    plan = TrainPlan(METHODS[name], 2, 128, 1, "full", "float32", "bfloat16")  # 256 tokens, not D
+    plan = TrainPlan(METHODS[name], 2, 128, 1, param_dtype="bfloat16",
+                     forward=ForwardOptions(compute_dtype="float32", remat="full"))  # 256 tokens, not D
     run = abstract_run(WIDE, plan, make_mesh(MeshConfig(), jax.devices()[:1]))
     text = run.step.lower(run.state, run.frozen, run.second, run.batch).compile().as_text()
     D, F, V = WIDE.hidden_size, WIDE.intermediate_size, WIDE.vocab_size
@@ -83,12 +85,13 @@ def test_float32_compute_holds_no_whole_widened_head_or_kernel(name):
 
 @pytest.mark.parametrize("method, param_dtype, remat", [
     (METHODS["lora"], "bfloat16", "full"), (METHODS["lora"], "bfloat16", "none"),
-    (MethodConfig("lora"), "float32", "full"), (MethodConfig("qlora"), "bfloat16", "full"),
+    (method_config("lora"), "float32", "full"), (method_config("qlora"), "bfloat16", "full"),
     (METHODS["qlora nf4"], "bfloat16", "none")])
 def test_estimate_under_float32_compute_is_within_ten_percent_of_the_compiled_step(method, param_dtype, remat):
     """The planner's per-device figure (without the runtime reserve) against XLA's analysis of the trainer's step,
     float32 compute over bfloat16, NF4 and float32 weights (4 rows of 128 tokens: the loss is one chunk): no
     widened head, the one more logits buffer and the layer's derived pieces that reading by pieces holds."""
-    plan = TrainPlan(method, 4, 128, 1, remat, "float32", param_dtype, mesh=MeshConfig(fsdp=1))
+    plan = TrainPlan(method, 4, 128, 1, param_dtype=param_dtype,
+                     forward=ForwardOptions(compute_dtype="float32", remat=remat), mesh=MeshConfig(fsdp=1))
     compiled, est = compile_step(WIDE, plan), estimate(WIDE, plan, get_device("cpu"))
     assert abs(est.compiled_bytes / compiled.total_bytes - 1) < 0.10, (compiled, est.to_dict()["per_device"])

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from steps import one_device_run
 
-from jaxtune.config import MethodConfig, TrainConfig, tiny_config
+from jaxtune.config import TrainConfig, tiny_config
 from jaxtune.data.formats import load_preference_examples
 from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.objectives.base import strip_adapters
@@ -53,7 +54,7 @@ def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
     train, _ = load_preference_examples(tmp_path / "train.jsonl", tokenizer, 48)
     held_out, _ = load_preference_examples(tmp_path / "eval.jsonl", tokenizer, 48)
     cfg = tiny_config(vocab_size=259, initializer_range=0.1)
-    method = MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    method = method_config("lora", rank=8, target_modules=("all-linear",))
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
                           jax.random.key(1))
     trainable, frozen = partition(params, trainable_mask(params, method))
@@ -94,7 +95,7 @@ def test_reward_model_learns_held_out_pairwise_accuracy(tmp_path):
     train, _ = load_preference_examples(tmp_path / "train.jsonl", tokenizer, 48)
     held_out, _ = load_preference_examples(tmp_path / "eval.jsonl", tokenizer, 48)
     cfg = tiny_config(vocab_size=259, initializer_range=0.1)
-    method = MethodConfig("lora", rank=8, target_modules=("all-linear",))
+    method = method_config("lora", rank=8, target_modules=("all-linear",))
     base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     params = add_reward_head(apply_method(base, cfg, method, jax.random.key(1)), cfg, jax.random.key(2))
     trainable, frozen = partition(params, trainable_mask(params, method))

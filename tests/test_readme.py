@@ -137,8 +137,9 @@ def test_the_objective_recipe_runs_through_the_spine(monkeypatch):
     module builds an Objective, and a LoRA run of it on a tiny model traces to a loss."""
     import jax
 
-    from jaxtune.config import MeshConfig, MethodConfig, tiny_config
+    from jaxtune.config import ForwardOptions, MeshConfig, tiny_config
     from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
     from jaxtune.objectives import OBJECTIVES
     from jaxtune.objectives.base import Objective
     from jaxtune.parallel import make_mesh
@@ -150,8 +151,8 @@ def test_the_objective_recipe_runs_through_the_spine(monkeypatch):
     exec(compile(example, str(ARCHITECTURE), "exec"), namespace)
     (objective,) = [v for v in namespace.values() if isinstance(v, Objective)]
     monkeypatch.setitem(OBJECTIVES, objective.name, objective)
-    plan = TrainPlan(MethodConfig("lora", rank=4), batch_size=2, seq_len=32, compute_dtype="float32",
-                     param_dtype="float32", mesh=MeshConfig(fsdp=1), objective=objective.name)
+    plan = TrainPlan(method_config("lora", rank=4), forward=ForwardOptions(compute_dtype="float32"), batch_size=2,
+                     seq_len=32, param_dtype="float32", mesh=MeshConfig(fsdp=1), objective=objective.name)
     run = abstract_run(tiny_config(), plan, make_mesh(plan.mesh, jax.devices()[:1]))
     _, metrics = jax.eval_shape(run.step, run.state, run.frozen, run.second, run.batch)
     assert metrics["loss"].shape == () and metrics["loss_tokens"].shape == ()

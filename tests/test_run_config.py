@@ -1,30 +1,41 @@
-"""`RunConfig` is a typed dataclass written out by hand: these keep it in step with the objective registry."""
+"""`RunConfig`'s sections: the run's own, typed fields written out by hand, and one per registered objective that
+has a section, taken from the objective registry (an objective is one unit: its section needs no other file)."""
 
 import dataclasses
 import typing
 
+import pytest
+
 from jaxtune.config import DataConfig, EvalConfig, MeshConfig, MethodConfig, ModelSection, OffloadConfig, TrainConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods import LoRAConfig
 from jaxtune.objectives import OBJECTIVES
-from jaxtune.run_config import SECTIONS, RunConfig, dump_run_config, load_run_config
+from jaxtune.run_config import RUN_SECTIONS, RunConfig, dump_run_config, load_run_config, sections
 
-RUN_SECTIONS = {"model": ModelSection, "method": MethodConfig, "data": DataConfig, "train": TrainConfig,
-                "mesh": MeshConfig, "offload": OffloadConfig, "eval": EvalConfig}
+RUN_OWN = {"model": ModelSection, "method": MethodConfig, "data": DataConfig, "train": TrainConfig,
+           "mesh": MeshConfig, "offload": OffloadConfig, "eval": EvalConfig}
 
 
-def test_every_objective_section_is_a_typed_field_of_run_config():
-    """An objective registered with a section fails here until RunConfig has a field of its name and type (and a
-    field left behind by an objective that is gone, or lost its section, fails too)."""
+def test_the_sections_are_the_run_s_own_and_each_objective_s():
+    """The run's own sections are RunConfig's typed fields; an objective registered with a section adds its own, in
+    the registry's order, and one left behind by an objective that is gone (or lost its section) is refused."""
     fields = typing.get_type_hints(RunConfig)
+    assert {k: v for k, v in fields.items() if k != "objectives"} == RUN_OWN == RUN_SECTIONS
     objective_sections = {o.name: o.section for o in OBJECTIVES.values() if o.section is not None}
-    assert fields == {**RUN_SECTIONS, **objective_sections}
-    assert SECTIONS == fields and list(SECTIONS) == [f.name for f in dataclasses.fields(RunConfig)]
+    assert sections() == {**RUN_OWN, **objective_sections}
+    assert [name for name, _ in RunConfig().objectives] == list(objective_sections)
+    assert list(sections()) == [f.name for f in dataclasses.fields(RunConfig) if f.name != "objectives"] + list(
+        objective_sections)
+    with pytest.raises(JaxtuneError, match="'gone' is no registered objective with a section"):
+        RunConfig(objectives=(("gone", None),))
 
 
 def test_every_section_defaults_and_reads_back():
     """Each field defaults to its section's defaults, and the TOML written of the defaults reads back equal."""
     config = RunConfig()
-    for name, cls in SECTIONS.items():
-        assert getattr(config, name) == cls()
+    for name, cls in sections().items():
+        section = config.section(name) if name not in RUN_OWN else getattr(config, name)
+        assert section == (LoRAConfig() if cls is MethodConfig else cls())
     assert load_run_config(None) == config
     text = dump_run_config(config)
-    assert [line[1:-1] for line in text.splitlines() if line.startswith("[")] == list(SECTIONS)
+    assert [line[1:-1] for line in text.splitlines() if line.startswith("[")] == list(sections())

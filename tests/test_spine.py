@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtune.config import MeshConfig, MethodConfig
+from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.parallel.mesh import make_mesh
@@ -19,13 +20,13 @@ from jaxtune.presets import tiny_model_config, write_random_model
 from jaxtune.spine.load import load_run
 from jaxtune.spine.run import abstract_run, init_run
 
-METHODS = {"lora": MethodConfig("lora", rank=4, target_modules=("all-linear",)), "qlora": MethodConfig("qlora"),
-           "full": MethodConfig("full")}
+METHODS = {"lora": method_config("lora", rank=4, target_modules=("all-linear",)), "qlora": method_config("qlora"),
+           "full": method_config("full")}
 
 
 def plan_of(method: MethodConfig) -> TrainPlan:
-    return TrainPlan(method, batch_size=2, seq_len=32, grad_accum=2, compute_dtype="float32", param_dtype="float32",
-                     mesh=MeshConfig())
+    return TrainPlan(method, forward=ForwardOptions(compute_dtype="float32"), batch_size=2, seq_len=32, grad_accum=2,
+                     param_dtype="float32", mesh=MeshConfig())
 
 
 def device_bytes(tree) -> int:

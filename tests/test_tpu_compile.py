@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from jaxtune.cli import main
-from jaxtune.config import MeshConfig, MethodConfig
+from jaxtune.config import ForwardOptions, MeshConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods import method_config
 from jaxtune.planner.confirm import attention_kernel, collectives, compile_step
 from jaxtune.planner.devices import get_device
 from jaxtune.planner.slices import topology_devices, tpu_slice
@@ -18,7 +19,7 @@ from jaxtune.presets import tiny_model_config, write_random_model
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("libtpu", reason='no libtpu for this platform (jax[tpu] installs on Linux x86-64 only)')
-LORA = MethodConfig("lora", rank=4, target_modules=("all-linear",))
+LORA = method_config("lora", rank=4, target_modules=("all-linear",))
 
 
 def tpu_devices(accelerator: str) -> list:
@@ -53,7 +54,8 @@ def test_the_step_compiles_for_a_tpu_slice_with_the_tpu_kernels(arch, accelerato
     host: splash attention is in the program because the mesh's devices are TPUs (the host's backend is CPU), each
     device holds its share, and the mesh's collectives are there (all-to-all for experts routed across devices)."""
     cfg = tiny_model_config(arch, max_position_embeddings=512)
-    plan = TrainPlan(LORA, batch_size=4, seq_len=256, compute_dtype="bfloat16", param_dtype="bfloat16", mesh=mesh)
+    plan = TrainPlan(LORA, forward=ForwardOptions(compute_dtype="bfloat16"), batch_size=4, seq_len=256,
+                     param_dtype="bfloat16", mesh=mesh)
     compiled = compile_step(cfg, plan, tpu_devices(accelerator))
     assert compiled.backend == "tpu" and compiled.attention == "splash"
     assert 0 < compiled.total_bytes < 64 * 2**20 and compiled.flops > compiled.xla_flops > 0

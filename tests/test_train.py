@@ -15,11 +15,12 @@ import pytest
 from steps import one_device_run, sft_gradients
 
 from jaxtune.cli import main
-from jaxtune.config import ForwardOptions, MethodConfig
+from jaxtune.config import ForwardOptions
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.objectives.base import stack_micro_batches
 from jaxtune.presets import ARCH_NAMES, write_random_model
@@ -60,7 +61,7 @@ def metric_lines(run: Path) -> list[dict]:
 def test_accumulated_micro_batches_equal_one_large_batch(setup):
     _, model, data = setup
     cfg, base = load_model(model)
-    method = MethodConfig("lora", rank=4, target_modules=("all-linear",))
+    method = method_config("lora", rank=4, target_modules=("all-linear",))
     params = apply_method(base, cfg, method, jax.random.key(0))
     params["layers"]["q_proj"]["lora_b"] += 0.05  # B != 0 so every adapter leaf gets a gradient
     trainable, frozen = partition(params, trainable_mask(params, method))
@@ -82,7 +83,7 @@ def test_prompt_tokens_never_contribute_to_the_loss(setup):
     """Changing the labels (the next tokens) at prompt positions changes neither loss nor gradients."""
     _, model, data = setup
     cfg, base = load_model(model)
-    method = MethodConfig("lora", rank=4)
+    method = method_config("lora", rank=4)
     params = apply_method(base, cfg, method, jax.random.key(0))
     trainable, frozen = partition(params, trainable_mask(params, method))
     examples, _ = load_sft_examples(data, load_tokenizer(model), 96)
@@ -97,7 +98,7 @@ def test_prompt_tokens_never_contribute_to_the_loss(setup):
 def test_non_finite_step_is_skipped_and_counted(setup):
     _, model, data = setup
     cfg, base = load_model(model)
-    method = MethodConfig("lora", rank=4)
+    method = method_config("lora", rank=4)
     params = apply_method(base, cfg, method, jax.random.key(0))
     trainable, frozen = partition(params, trainable_mask(params, method))
     run = one_device_run(cfg, method, total_steps=10, batch_size=4, seq_len=96)
@@ -347,7 +348,8 @@ def test_a_full_fine_tune_updates_its_weights_and_moments_in_place():
 
     cfg = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_layers=4, num_heads=8,
                       num_kv_heads=8, head_dim=128)
-    step = compile_step(cfg, TrainPlan(MethodConfig("full"), 1, 64, 1, "none", "float32", "float32",
+    step = compile_step(cfg, TrainPlan(method_config("full"), 1, 64, 1, param_dtype="float32",
+                                       forward=ForwardOptions(compute_dtype="float32", remat="none"),
                                        mesh=MeshConfig(1, 1, 1)))
     trainable = step.argument_bytes / 3  # weights, mu, nu
     assert step.temp_bytes <= 1.5 * trainable, (step.temp_bytes / 2**20, trainable / 2**20)

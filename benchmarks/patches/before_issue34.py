@@ -4,14 +4,14 @@ branch x W + s (x A) B added after the base product on every platform, and A's g
 
 import jax.numpy as jnp
 
-from jaxtune.methods import lora
+from jaxtune.methods.lora import product as lora
 from jaxtune.models import linear
 
-_saved = lora._a_gradient, linear._fused_hook
+_saved = lora._a_gradient, linear.folds_branch
 lora._a_gradient = lambda x, dxa, accumulate=None: jnp.einsum("...r,...i->ri", dxa, x,
                                                                preferred_element_type=accumulate).T
-linear._fused_hook = lambda *args, **kwargs: None
+linear.folds_branch = lambda *args, **kwargs: False
 
 
 def undo():
-    lora._a_gradient, linear._fused_hook = _saved
+    lora._a_gradient, linear.folds_branch = _saved

@@ -1,7 +1,7 @@
 """Every configuration type, gathered: frozen dataclasses that validate their values where they are set.
 
     model.py     ModelConfig, RopeScaling: a decoder's architecture
-    method.py    MethodConfig: a fine-tuning method (`methods/targets.py`: which modules and layers it adapts)
+    method.py    MethodConfig: the base of every method's options (each unit declares its own), AdapterForward
     forward.py   ForwardOptions, Remat: how the forward computes
     run.py       the sections of a training run: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig,
                  EvalConfig
@@ -12,9 +12,9 @@
 from jaxtune.config.forward import REMAT_POLICIES as REMAT_POLICIES
 from jaxtune.config.forward import ForwardOptions as ForwardOptions
 from jaxtune.config.forward import Remat as Remat
-from jaxtune.config.method import LINEAR_MODULE_NAMES as LINEAR_MODULE_NAMES
 from jaxtune.config.method import MethodConfig as MethodConfig
 from jaxtune.config.model import ARCHITECTURES as ARCHITECTURES
+from jaxtune.config.model import LINEAR_MODULE_NAMES as LINEAR_MODULE_NAMES
 from jaxtune.config.model import ModelConfig as ModelConfig
 from jaxtune.config.model import RopeScaling as RopeScaling
 from jaxtune.config.model import tiny_config as tiny_config

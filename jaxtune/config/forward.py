@@ -3,16 +3,18 @@ Static under `jax.jit`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 
-from jaxtune.errors import check_choice, check_range
+from jaxtune.errors import ConfigError, check_choice, check_range
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
-# the attention kernel of a full forward (`models/fused_attention.py`): "auto" takes the backend's fused kernel
-# where it covers the mask (splash on TPU, cuDNN on NVIDIA GPUs), else the blockwise one
-ATTENTION_KERNELS = ("auto", "blockwise", "splash", "cudnn")
+# the dtype of activations and matmuls: "auto" is what the devices multiply fast (bfloat16 on accelerators, float32
+# on CPUs, `ForwardOptions.dtype`); "float64" is the tests' reference numerics, under `jax.enable_x64`
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float64")
 # how attention crosses a `context` mesh axis (`models/context_attention.py`): key/value blocks passed around a ring,
 # or all of them gathered on every device
 CONTEXT_ATTENTION = ("ring", "all_gather")
@@ -50,10 +52,15 @@ class Remat:
 
 @dataclass(frozen=True)
 class ForwardOptions:
-    """How (not what) the forward computes. Hashable, so it can be a static argument under `jax.jit`.
+    """How (not what) the forward computes, each knob declared here once: `[model]` in a run's TOML holds them beside
+    its own keys, a `TrainPlan` holds the options its step runs with. Hashable: a static argument under `jax.jit`.
 
-    context_attention: "ring" or "all_gather", on a mesh with a `context` axis. tiled_mlp: tokens a row per tile of
-    the MLP, each tile recomputed in the backward (0: the whole sequence at once)."""
+    compute_dtype: of activations and matmuls (`COMPUTE_DTYPES`). remat: what a layer keeps for the backward.
+    scan_layers: the layers run under one `lax.scan` (False: unrolled; tests). attention: the kernel of a full
+    forward, "auto" (the backend's fused kernel where it covers the mask), "blockwise" or a registered kernel's name
+    (`models/kernels/`, which checks it). context_attention: "ring" or "all_gather", on a mesh with a `context` axis.
+    tiled_mlp: tokens a row per tile of the MLP, each tile recomputed in the backward (0: the whole sequence at once).
+    """
 
     compute_dtype: str = "float32"
     remat: Remat = field(default_factory=Remat)
@@ -63,6 +70,22 @@ class ForwardOptions:
     tiled_mlp: int = 0
 
     def __post_init__(self):
-        check_choice("attention", self.attention, ATTENTION_KERNELS)
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        if isinstance(self.remat, str):  # as TOML and `--set` give it
+            object.__setattr__(self, "remat", Remat(self.remat))
         check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
         check_range("tiled_mlp", self.tiled_mlp, 0)
+
+    def dtype(self, platform: str) -> jnp.dtype:
+        """The compute dtype on `platform` ("cpu", "gpu", "tpu", ...): "auto" is float32 on a CPU (bfloat16 is
+        emulated on most), bfloat16 on an accelerator; "float64" only under `jax.enable_x64`."""
+        name = self.resolved(platform).compute_dtype
+        if name == "float64" and not jax.config.jax_enable_x64:
+            raise ConfigError("compute_dtype", name, "is the tests' reference numerics: it needs jax.enable_x64")
+        return jnp.dtype(name)
+
+    def resolved(self, platform: str) -> ForwardOptions:
+        """The same options with "auto" compute made the platform's dtype (`dtype`)."""
+        if self.compute_dtype != "auto":
+            return self
+        return dataclasses.replace(self, compute_dtype="float32" if platform == "cpu" else "bfloat16")

@@ -13,6 +13,9 @@ SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")  # Qwen2-MoE
 EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [E, in, out] (gate and up fused)
+# Every family's linear module names (Phi-3's fused ones last: a module's index seeds its adapter dropout masks).
+LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                       "gate_up_proj")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU with tanh-approximated GELU
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jaxtune.config.forward import ATTENTION_KERNELS, CONTEXT_ATTENTION, REMAT_POLICIES
+from jaxtune.config.forward import ForwardOptions
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import ModelConfig
-from jaxtune.config.run import OPTIMIZERS, MeshConfig, OffloadConfig, context_split_error
+from jaxtune.config.run import OPTIMIZERS, PARAM_DTYPES, MeshConfig, OffloadConfig, context_split_error
 from jaxtune.errors import ConfigError, check_choice, check_range
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a plan's compute_dtype and param_dtype may name
+FORWARD_KNOBS = tuple(f.name for f in dataclasses.fields(ForwardOptions))  # what `TrainPlan.replace` routes to forward
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class TrainPlan:
     """One configuration of a fine-tuning step.
 
     param_dtype: the frozen base weights' dtype (trainable leaves are always float32 master copies, as
-    `init_state` makes them). compute_dtype: activations and matmuls. attention, context_attention, tiled_mlp: as
-    `ForwardOptions` has them.
+    `init_state` makes them). forward: the `ForwardOptions` the step's forward runs with (its compute dtype a
+    device's, not "auto": `ForwardOptions.resolved`).
     objective, as the trainer's steps run them:
     "sft"; "dpo" (`batch_size` pairs = 2 x batch_size rows through the policy and a frozen reference, a copy of the
     weights only for a full fine-tune: adapter methods use the base with adapters off); "reward" (pairs through the
@@ -43,32 +43,27 @@ class TrainPlan:
     (its moments in bfloat16, `offload.moments_dtype`, are AdamW's only).
     """
 
-    method: MethodConfig = field(default_factory=lambda: MethodConfig("full"))
+    method: MethodConfig
     batch_size: int = 1
     seq_len: int = 512
     grad_accum: int = 1
-    remat: str = "none"
-    compute_dtype: str = "bfloat16"
     param_dtype: str = "bfloat16"
+    forward: ForwardOptions = field(default_factory=lambda: ForwardOptions(compute_dtype="bfloat16"))
     mesh: MeshConfig = field(default_factory=MeshConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     objective: str = "sft"
     generate_tokens: int = 0
     section: object = None
     second_model: ModelConfig | None = None
-    attention: str = "auto"
-    context_attention: str = "ring"
-    tiled_mlp: int = 0
     optimizer: str = "adamw"
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
             check_range(name, getattr(self, name), 1)
-        object.__setattr__(self, "remat", self.remat.replace("-", "_"))
-        check_choice("remat", self.remat, REMAT_POLICIES)
-        check_choice("attention", self.attention, ATTENTION_KERNELS)
-        check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
-        check_range("tiled_mlp", self.tiled_mlp, 0)
+        if self.forward.compute_dtype == "auto":
+            raise ConfigError("compute_dtype", "auto", "a plan's compute dtype is its devices' (ForwardOptions."
+                              "resolved(platform) names it)")
+        check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.offload.moments_dtype != "float32" and self.optimizer != "adamw":
             raise ConfigError("moments_dtype", self.offload.moments_dtype, f"is for optimizer adamw, not "
@@ -76,8 +71,6 @@ class TrainPlan:
         why = context_split_error(self.seq_len, self.mesh.context)
         if why:
             raise ConfigError("seq_len", self.seq_len, why)
-        for name in ("compute_dtype", "param_dtype"):
-            check_choice(name, getattr(self, name), FLOAT_DTYPES)
         if not 0 <= self.generate_tokens < self.seq_len:
             raise ConfigError("generate_tokens", self.generate_tokens, "the rollout's prompt and completion share a "
                               f"row of seq_len {self.seq_len} tokens, so use 0 to {self.seq_len - 1}")
@@ -88,4 +81,8 @@ class TrainPlan:
         return self.batch_size * self.grad_accum
 
     def replace(self, **changes) -> TrainPlan:
+        """A copy with `changes`; a forward knob (remat, compute_dtype, attention, ...) changes `forward`."""
+        knobs = {name: changes.pop(name) for name in list(changes) if name in FORWARD_KNOBS}
+        if knobs:
+            changes["forward"] = dataclasses.replace(changes.get("forward", self.forward), **knobs)
         return dataclasses.replace(self, **changes)

@@ -1,6 +1,6 @@
 """The sections of a training run's TOML, each a frozen dataclass that validates its own values.
 
-    [model]   ModelSection: path, dtype, compute_dtype, remat, attention, context_attention, tiled_mlp, ...
+    [model]   ModelSection: path, dtype, router_aux_loss_coef, and the `ForwardOptions` (compute_dtype, remat, ...)
     [data]    DataConfig: train, eval, eval_fraction, max_seq_len, pack, seed, columns, apply_chat_template
     [train]   TrainConfig: objective, output_dir, epochs, max_steps, batch_size, grad_accum, learning_rate, ...
     [mesh]    MeshConfig: data, fsdp, expert, context, tensor (device mesh sizes; -1 takes the rest; `batch_ways`)
@@ -12,47 +12,35 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from jaxtune.config.forward import ATTENTION_KERNELS, CONTEXT_ATTENTION, Remat
+from jaxtune.config.forward import ForwardOptions
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 MOMENT_DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("adamw", "adafactor", "muon", "adamw_8bit")  # [train] optimizer (spine/optimizers.py)
 MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
-PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base
-COMPUTE_DTYPES = ("float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base (a run's, a plan's)
 
 
 @dataclass(frozen=True)
 class ModelSection:
     """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
-    always float32 master weights; compute_dtype "bfloat16" gives mixed precision, "auto" (the default) what the
-    run's devices multiply fast: bfloat16 on TPUs, GPUs and Gaudis, float32 on CPUs (`spine.run.train_plan`).
-    attention: the kernel (`ForwardOptions.attention`: "auto", "blockwise", "splash", "cudnn").
-    context_attention: how attention crosses a `context` mesh axis, "ring" or "all_gather" (`ForwardOptions`).
-    tiled_mlp: tokens a row per tile of the MLP (0: untiled; `ForwardOptions.tiled_mlp`).
-    router_aux_loss_coef: a mixture of experts' load-balancing loss weight in training (0: none); -1: as its
-    config.json says (transformers':
-    `router_aux_loss_coef` if `output_router_logits`, else none)."""
+    always float32 master weights. forward: how the forward computes (`ForwardOptions`: compute_dtype, remat,
+    scan_layers, attention, context_attention, tiled_mlp), written as keys of [model] beside these in a run's TOML;
+    its compute_dtype defaults to "auto" here, what the run's devices multiply fast (bfloat16 on TPUs, GPUs and
+    Gaudis, float32 on CPUs). router_aux_loss_coef: a mixture of experts' load-balancing loss weight in training
+    (0: none); -1: as its config.json says (transformers': `router_aux_loss_coef` if `output_router_logits`, else
+    none)."""
 
     path: str = ""
     dtype: str = "auto"
-    compute_dtype: str = "auto"
-    remat: str = "none"
-    attention: str = "auto"
-    context_attention: str = "ring"
-    tiled_mlp: int = 0
     router_aux_loss_coef: float = -1.0
+    forward: ForwardOptions = field(default_factory=lambda: ForwardOptions(compute_dtype="auto"))
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("auto",) + PARAM_DTYPES)
-        check_choice("attention", self.attention, ATTENTION_KERNELS)
-        check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
-        check_range("tiled_mlp", self.tiled_mlp, 0)
-        check_choice("compute_dtype", self.compute_dtype, ("auto",) + COMPUTE_DTYPES)
-        Remat(self.remat)
         if self.router_aux_loss_coef < 0 and self.router_aux_loss_coef != -1:
             raise ConfigError("router_aux_loss_coef", self.router_aux_loss_coef, "needs >= 0, or -1 (config.json's)")
 

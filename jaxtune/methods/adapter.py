@@ -7,14 +7,29 @@ such adapters; they are written in PEFT's layout under jaxtune's own peft_type J
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.config.method import MethodFields
+from jaxtune.config import ModelConfig
+from jaxtune.config.method import MethodConfig
 from jaxtune.errors import check_range
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts, module_keys
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterConfig(MethodConfig):
+    """adapter_size: the bottleneck's width m."""
+
+    kind: ClassVar[str] = "adapter"
+
+    adapter_size: int = 64
+
+    def __post_init__(self):
+        check_range("adapter_size", self.adapter_size, 1)
 
 ADAPTERS = ("attn_adapter", "mlp_adapter")
 BOTTLENECK_LEAVES = [(a, p, leaf) for a in ADAPTERS for p in ("down", "up") for leaf in ("kernel", "bias")]
@@ -27,7 +42,7 @@ def _adapter(L: int, D: int, size: int, key) -> dict:
     }
 
 
-def add_adapters(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
+def add_adapters(params: dict, cfg: ModelConfig, method: AdapterConfig, key: jax.Array) -> dict:
     keys = module_keys(key)
     adapters = {name: _adapter(cfg.num_layers, cfg.hidden_size, method.adapter_size, keys[where])
                 for name, where in zip(ADAPTERS, ("attn", "mlp"))}
@@ -38,7 +53,7 @@ def _name(adapter: str, proj: str, leaf: str, layer: int) -> str:
     return f"base_model.model.model.layers.{layer}.{adapter}.{proj}.{'weight' if leaf == 'kernel' else 'bias'}"
 
 
-def _peft_tensors(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[str, np.ndarray]:
+def _peft_tensors(params: dict, cfg: ModelConfig, method: AdapterConfig) -> dict[str, np.ndarray]:
     state = {}
     for adapter, proj, leaf in BOTTLENECK_LEAVES:
         value = np.asarray(params["layers"][adapter][proj][leaf], np.float32)
@@ -47,7 +62,7 @@ def _peft_tensors(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[
     return state
 
 
-def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: MethodConfig) -> dict:
+def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: AdapterConfig) -> dict:
     layers = dict(params["layers"])
     for adapter, proj, leaf in BOTTLENECK_LEAVES:
         value = np.stack([state[_name(adapter, proj, leaf, i)] for i in range(cfg.num_layers)])
@@ -64,7 +79,7 @@ def _saved(method, adapted, out_width, b, T, D) -> list:
 
 ADAPTER = Method(
     kind="adapter",
-    fields=MethodFields(check=lambda method: check_range("adapter_size", method.adapter_size, 1)),
+    options=AdapterConfig,
     add_leaves=add_adapters,
     leaves=ADAPTERS,
     leaf_axes={**{("layers", a, "down", "kernel"): ("layers", "embed", "adapter") for a in ADAPTERS},
@@ -73,7 +88,7 @@ ADAPTER = Method(
                **{("layers", a, "up", "bias"): ("layers", "embed") for a in ADAPTERS}},
     peft=PeftFormat(("JAXTUNE_BOTTLENECK",), (), lambda cfg, method: {"peft_type": "JAXTUNE_BOTTLENECK",
                                                                        "adapter_size": method.adapter_size},
-                    _peft_tensors, lambda config, get, targets: MethodConfig(
-                        kind="adapter", adapter_size=int(config["adapter_size"])), _peft_load),
+                    _peft_tensors, lambda config, get, targets: AdapterConfig(
+                        adapter_size=int(config["adapter_size"])), _peft_load),
     costs=PlannerCosts(saved=_saved),
 )

@@ -1,107 +1,159 @@
-"""A fine-tuning method, declared once: what the config, the forward, the trainer, the exporters and the planner know.
+"""A fine-tuning method, declared once (`Method`): what the config, the forward, the loader, the trainer, the
+exporters and the planner know of it.
 
-Adding a method is one module in this package that builds a `Method`, and its `register` line in `__init__.py`;
-nothing else names methods. A kind the registry does not know fails loudly wherever it is used (`method_unit`).
+Adding a method is one module (or package) in `jaxtune/methods/` that declares its options class (a `MethodConfig`)
+and builds a `Method`, and its entry in `methods/__init__.py`'s registry; nothing else names methods. A `Method` is
+generic in its options type, so a unit's functions are checked against the options they read. A kind the registry
+does not know fails loudly wherever it is used (`method_unit`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import jax
+import numpy as np
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.config.method import METHOD_FIELDS, MethodFields
-from jaxtune.config.model import SEPARATE_MODULES, SHARED_EXPERT_MODULES
+from jaxtune.config.method import MethodConfig
+from jaxtune.config.model import SEPARATE_MODULES, SHARED_EXPERT_MODULES, ModelConfig
 from jaxtune.errors import ConfigError
-from jaxtune.models.adapters import ADAPTER_FORWARDS, DENSE_HOOKS, AdapterForward, DenseHook
+
+Options = TypeVar("Options", bound=MethodConfig)
 
 
 @dataclass(frozen=True)
-class PeftFormat:
-    """A method's PEFT adapter format: config(cfg, method) -> its adapter_config.json keys (`peft.peft_config` adds
-    the common ones); tensors(params, cfg, method) -> {PEFT name: float32 array in torch's layout}; method_of(config,
-    get, targets) -> the MethodConfig a PEFT config describes (get(key, default) reads a key, None as unset;
-    targets: its target_modules checked); load(tensors, params, cfg, method) -> params with the adapter's leaves.
-    peft_types: the `peft_type` values it reads (none: it writes adapters jaxtune reads as another method's);
-    read_fields: the config fields it reads."""
+class PeftFormat(Generic[Options]):
+    """A method's PEFT adapter format.
+
+    config(cfg, method) -> its adapter_config.json keys (`peft.peft_config` adds the common ones); tensors(params,
+    cfg, method) -> {PEFT name: float32 array in torch's layout}; method_of(config, get, targets) -> the options a
+    PEFT config describes (get(key, default) reads a key, None as unset; targets: its target_modules checked);
+    load(tensors, params, cfg, method) -> params with the adapter's leaves. peft_types: the `peft_type` values it
+    reads (none: it writes adapters jaxtune reads as another method's); read_fields: the config fields it reads.
+    as_stored(params, method, initial, num_layers) -> (params, method) as PEFT stores them, where the method's init
+    changed the base (`BaseInit`: PiSSA and OLoRA convert to a LoRA on the original weights from the init's leaves
+    `initial`); needs_initial(method): whether it needs them.
+    """
 
     peft_types: tuple[str, ...]
     read_fields: tuple[str, ...]
-    config: Callable
-    tensors: Callable
-    method_of: Callable | None = None
-    load: Callable | None = None
+    config: Callable[[ModelConfig, Options], dict]
+    tensors: Callable[[dict, ModelConfig, Options], dict[str, np.ndarray]]
+    method_of: Callable[[dict, Callable[[str, Any], Any], Any], Options] | None = None
+    load: Callable[[dict, dict, ModelConfig, Options], dict] | None = None
+    as_stored: Callable[[dict, Options, dict | None, int], tuple[dict, Options]] | None = None
+    needs_initial: Callable[[Options], bool] = lambda method: False
 
 
 @dataclass(frozen=True)
-class PlannerCosts:
-    """What the planner counts for a method beyond its trees (which it takes from the spine).
+class BaseInit(Generic[Options]):
+    """A method whose initial leaves come from the base weights, which it changes (LoRA's PiSSA, OLoRA, LoftQ).
+
+    modules(method, cfg) -> the linear modules whose kernels it changes (none: the base stays as read).
+    layers(method, cfg, name, read_layer) -> for each layer i of module `name`, (its new base kernel [in, out],
+    in the dtype of read_layer(i)'s [in, out] host array or quantised as the method holds its base; {leaf: its
+    value for layer i, float32}), one layer at a time, so the loader never holds more than a layer beside what it
+    places (`spine/load.py`).
+    tree(params, cfg, method) -> (params with each changed kernel, {module: {leaf: [L, ...]}}): the same on a float
+    base tree in memory, traceable (`transform.apply_method`).
+    """
+
+    modules: Callable[[Options, ModelConfig], tuple[str, ...]]
+    layers: Callable[[Options, ModelConfig, str, Callable[[int], np.ndarray]], Iterator[tuple[Any, dict]]]
+    tree: Callable[[dict, ModelConfig, Options], tuple[dict, dict]]
+
+
+@dataclass(frozen=True)
+class AdapterRows(Generic[Options]):
+    """Several adapters of a method in one batch, each row its own (LoRA's sums: `models/adapter_rows.py` runs them).
+
+    why_not(method) -> what keeps an adapter of these options out of such a batch (DoRA, ...), or None.
+    stack({name: (method, params)}, cfg) -> the shared base tree with the adapters stacked, adapter i in slot i + 1.
+    """
+
+    why_not: Callable[[Options], str | None]
+    stack: Callable[[dict, ModelConfig], dict]
+
+
+@dataclass(frozen=True)
+class PlannerCosts(Generic[Options]):
+    """What the planner counts for a method beyond its trees (which it takes from the spine), and the choices it
+    suggests.
 
     trains_input(method, module, adapted): the backward keeps `module`'s input (its weights or a branch read it);
     saved(method, adapted, out_width, b, T, D): extra per-layer saved activations [(name, shape, is_float32)];
     low_rank: LoRA-like branches x A B on each adapted module (x A saved, 6 FLOPs a trainable parameter a token, the
     branch's gradient beside the frozen matmul's); attended_tokens(method): key positions added to every row.
+    lighter(method) -> ((what to say, options), ...): methods that hold less, for the search to suggest in order.
+    searched: {option: values} the search tries (QLoRA's bits), unless the user fixed that option.
     """
 
-    trains_input: Callable[[MethodConfig, str, dict], bool] = lambda method, module, adapted: False
-    saved: Callable = lambda method, adapted, out_width, b, T, D: []
+    trains_input: Callable[[Options, str, dict], bool] = lambda method, module, adapted: False
+    saved: Callable[[Options, dict, dict, int, int, int], list] = lambda method, adapted, out_width, b, T, D: []
     low_rank: bool = False
-    attended_tokens: Callable[[MethodConfig], int] = lambda method: 0
+    attended_tokens: Callable[[Options], int] = lambda method: 0
+    lighter: Callable[[Options], tuple[tuple[str, MethodConfig], ...]] = lambda method: ()
+    searched: Mapping[str, tuple] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class Method:
+class Method(Generic[Options]):
     """One fine-tuning method.
 
-    kind            the `[method] kind` value
-    fields          what it reads of MethodConfig, its default targets and its value checks
+    kind            the `[method] kind` value (the options class's `kind`)
+    options         its options class: the `[method]` keys it reads, checked where they are set
     add_leaves      (params, cfg, method, key) -> the (quantised) base tree with its leaves added
     leaves          names of the leaves it adds: trainable, stripped for a reference "with adapters off"
     module_axes     logical axes of a leaf in a linear module, from the kernel's (layers, in, out)
     leaf_axes       logical axes of other leaves, by dict path
-    dense           its parts of `models.linear.dense`; forward: its dropout rate and scales
     adapted         (method, num_layers, modules) -> {module: largest rank (0 without one)} it adapts
     count           (params, method, adapted) -> PEFT's count of its parameters where padding differs, else None
     trains_base     the base weights train (full fine-tuning)
     quantize_base   (params, method) -> the frozen base quantised (QLoRA), None: the base is kept as loaded
+    base_init       its init from the base weights, which it changes (`BaseInit`), or None
     merge           (params, method, dtype) -> a plain model; merged_layer(params, method) -> tensor(path, layer)
-    peft            its PEFT format, None without one; gguf_lora: it exports as a GGUF LoRA adapter
-    costs           the planner's view; label(method): how reports name it
+    peft            its PEFT format, None without one
+    frozen_base     (method) -> how it holds the frozen base when not as stored ("NF4, double quantisation"), or None
+    on_float_base   (method) -> the same adapter on the float weights (QLoRA's as LoRA), None: it runs on them
+    gguf_lora       (path, cfg, params, method, name) -> path: writes it as llama.cpp's GGUF LoRA; None: it cannot
+    adapter_rows    how adapters of it share a batch, each row its own (`AdapterRows`); None: they cannot
+    learning_rates  (method, trainable) -> a tree like `trainable` of learning-rate multiples (LoRA+), None: all 1
+    costs           the planner's view; label(method): how the planner's reports name it; summary(method): how
+                    `jaxtune info` names an adapter of it
     """
 
     kind: str
-    fields: MethodFields = field(default_factory=MethodFields)
-    add_leaves: Callable[[dict, ModelConfig, MethodConfig, jax.Array], dict] = lambda p, cfg, method, key: p
+    options: type[Options]
+    add_leaves: Callable[[dict, ModelConfig, Options, jax.Array], dict] = lambda params, cfg, method, key: params
     leaves: tuple[str, ...] = ()
     module_axes: Mapping[str, Callable] = field(default_factory=dict)
     leaf_axes: Mapping[tuple, tuple] = field(default_factory=dict)
-    dense: tuple[DenseHook, ...] = ()
-    forward: AdapterForward = field(default_factory=AdapterForward)
-    adapted: Callable[[MethodConfig, int, tuple], dict] = lambda method, num_layers, modules: {}
-    count: Callable | None = None
+    adapted: Callable[[Options, int, tuple[str, ...]], dict[str, int]] = lambda method, num_layers, modules: {}
+    count: Callable[[dict, Options, dict], dict[str, int]] | None = None
     trains_base: bool = False
-    quantize_base: Callable[[dict, MethodConfig], dict] | None = None
-    merge: Callable | None = None
-    merged_layer: Callable | None = None
-    peft: PeftFormat | None = None
-    gguf_lora: bool = False
-    costs: PlannerCosts = field(default_factory=PlannerCosts)
-    label: Callable[[MethodConfig], str] = lambda method: method.kind
+    quantize_base: Callable[[dict, Options], dict] | None = None
+    base_init: BaseInit[Options] | None = None
+    merge: Callable[..., dict] | None = None
+    merged_layer: Callable[[dict, Options], Callable] | None = None
+    peft: PeftFormat[Options] | None = None
+    frozen_base: Callable[[Options], str | None] = lambda method: None
+    on_float_base: Callable[[Options], MethodConfig] | None = None
+    gguf_lora: Callable[..., Any] | None = None
+    adapter_rows: AdapterRows[Options] | None = None
+    learning_rates: Callable[[Options, dict], dict | None] = lambda method, trainable: None
+    costs: PlannerCosts[Options] = field(default_factory=PlannerCosts)
+    label: Callable[[Options], str] = lambda method: method.kind
+    summary: Callable[[Options], str] = lambda method: method.kind
+
+    def __post_init__(self):
+        if self.options.kind != self.kind:
+            raise ValueError(f"method {self.kind!r}: its options class {self.options.__name__} says kind "
+                             f"{self.options.kind!r}")
 
 
-METHODS: dict[str, Method] = {}
-
-
-def register(unit: Method) -> Method:
-    """Make `unit` known to the config, the forward and everything that reads `METHODS`."""
-    METHODS[unit.kind] = unit
-    METHOD_FIELDS[unit.kind] = unit.fields
-    ADAPTER_FORWARDS[unit.kind] = unit.forward
-    for hook in unit.dense:
-        DENSE_HOOKS[hook.trigger] = hook
-    return unit
+METHODS: dict[str, Method] = {}  # kind -> unit, filled in one place: `jaxtune/methods/__init__.py`
 
 
 def method_unit(method: MethodConfig | str) -> Method:
@@ -113,8 +165,8 @@ def method_unit(method: MethodConfig | str) -> Method:
 
 
 def adapter_keys() -> tuple[str, ...]:
-    """Every leaf name a registered method adds, and a reward model's `score` head (trained with any method)."""
-    return tuple(dict.fromkeys(leaf for unit in METHODS.values() for leaf in unit.leaves)) + ("score",)
+    """Every leaf name a registered method adds."""
+    return tuple(dict.fromkeys(leaf for unit in METHODS.values() for leaf in unit.leaves))
 
 
 def adapted_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...]) -> dict[str, int]:

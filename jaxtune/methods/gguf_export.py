@@ -1,8 +1,7 @@
-"""A model as a GGUF file that llama.cpp (and Ollama, LM Studio, transformers) loads (`save_gguf`), and a LoRA
-adapter as llama.cpp's GGUF LoRA (`save_gguf_lora`).
+"""A model as a GGUF file that llama.cpp (and Ollama, LM Studio, transformers) loads (`save_gguf`); a method that
+has a GGUF adapter form writes it itself (`Method.gguf_lora`: LoRA's `lora/gguf.py`).
 
     save_gguf("model.gguf", cfg, params, tokenizer, kind="q8_0")   # kind: f32, f16, bf16 or q8_0
-    save_gguf_lora("adapter.gguf", cfg, params, method)            # llama-cli -m model.gguf --lora adapter.gguf
 
 The inverse of `models/gguf.py`, as llama.cpp's `convert_hf_to_gguf.py` writes it: the config as `{arch}.*`
 metadata, the tokenizer as `tokenizer.ggml.*`, the tensors under llama.cpp's names (a Llama's query and key rows
@@ -16,14 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.base import method_unit
-from jaxtune.methods.lora import module_scales
-from jaxtune.methods.targets import lora_layout
 from jaxtune.models.gguf import ARCHITECTURES, LAYER_NAMES, PERMUTED_QK, ROPE_FREQS, TOP_NAMES, permute_qk
-from jaxtune.models.hf_weights import hf_module_path, tensor_entries
+from jaxtune.models.hf_weights import tensor_entries
 from jaxtune.paths import writing
 
 KINDS = ("f32", "f16", "bf16", "q8_0")
@@ -41,7 +37,7 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{_MODULES[module]}.{suffix}"
 
 
-def _gguf_arch(cfg: ModelConfig) -> str:
+def gguf_arch(cfg: ModelConfig) -> str:
     arch = next((a for a, (cls, _) in ARCHITECTURES.items() if cls == cfg.architecture), None)
     if arch == "mistral":
         arch = "llama"  # llama.cpp reads a dense Mistral as a Llama
@@ -179,7 +175,7 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
 
     if kind not in KINDS:
         raise JaxtuneError(f"--type {kind!r}: expected one of {', '.join(KINDS)}")
-    arch = _gguf_arch(cfg)
+    arch = gguf_arch(cfg)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = [(gguf_tensor_name(n), shape, produce) for n, shape, _, produce in
@@ -206,46 +202,3 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
             writer.write_tensor_data(_converted(x, kind))
         writer.close()
     return path
-
-
-def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: MethodConfig,
-                   name: str = "jaxtune adapter") -> Path:
-    """A LoRA adapter as llama.cpp's GGUF LoRA (`llama-cli --lora`, `llama_adapter_lora_init`), for the base model
-    written by `save_gguf`: for each adapted module and layer `blk.{i}.{module}.weight.lora_a` [r, in] and `.lora_b`
-    [out, r] (torch's layout, float32; a Llama's q/k rows of B interleaved as its base weight's). LoRA's scale is
-    folded into B and `adapter.lora.alpha` is 0, so llama.cpp adds B A at its adapter scale (1 by default) whatever
-    the rank and alpha patterns; layers an adapter skips get no tensors."""
-    import gguf
-
-    if not method_unit(method).gguf_lora or method.dora or method.lora_bias or method.modules_to_save \
-            or method.target_parameters:
-        raise JaxtuneError("a GGUF LoRA adapter holds plain LoRA only (no DoRA, LoRA bias, modules_to_save or "
-                           "expert targets); export --gguf merges any adapter into the model instead")
-    arch = _gguf_arch(cfg)
-    layers = params["layers"]
-    modules = [m for m in layers if isinstance(layers[m], dict) and "lora_a" in layers[m]]
-    layout = lora_layout(method, cfg.num_layers, tuple(modules))
-    heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
-    writer.add_type(gguf.GGUFType.ADAPTER)
-    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
-    for module in modules:
-        a_LxIxR, b_LxRxO = np.asarray(layers[module]["lora_a"], np.float32), np.asarray(layers[module]["lora_b"],
-                                                                                          np.float32)
-        scales = np.asarray(module_scales(method, module, cfg.num_layers))
-        for i, rank in enumerate(layout[module].ranks):
-            if not rank:
-                continue
-            b_OxR = (b_LxRxO[i, :rank] * scales[i]).T
-            if arch in PERMUTED_QK and module in heads:
-                b_OxR = permute_qk(b_OxR, heads[module])
-            stem = gguf_tensor_name(f"model.layers.{i}.{hf_module_path(module)}.weight")
-            writer.add_tensor(f"{stem}.lora_a", np.ascontiguousarray(a_LxIxR[i, :, :rank].T))
-            writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(b_OxR))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)

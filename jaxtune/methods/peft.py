@@ -4,14 +4,12 @@
 
 Key names and layouts follow what PEFT itself saves (`save_pretrained`, `get_peft_model_state_dict`); each method
 unit declares its own (`methods.base.PeftFormat`: LoRA's `...q_proj.lora_A.weight` [r, in], IA3's `ia3_l`, prefix
-tuning's `prompt_embeddings`, ...), and a unit without one has no PEFT format. `modules_to_save` are PEFT's whole
-tensors beside them; a QLoRA adapter records its quantised base (`jaxtune_quantized_base`), so it loads onto the
-base it was trained on.
+tuning's `prompt_embeddings`, ...; a QLoRA adapter records the quantised base it was trained on, so it loads onto
+that base), and a unit without one has no PEFT format. `modules_to_save` are PEFT's whole tensors beside them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import write_safetensors
 from jaxtune.methods.base import METHODS, method_unit
-from jaxtune.methods.lora_init import CONVERTED_INITS, as_plain_lora
+from jaxtune.methods.targets import Targeted
 from jaxtune.methods.transform import add_method_leaves, apply_method, parameter_report, quantize_base
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
@@ -35,7 +33,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 SAVED_TENSORS = {"lm_head": "base_model.model.lm_head.weight",
                  "embed_tokens": "base_model.model.model.embed_tokens.weight"}
-QUANTIZED_BASE = "jaxtune_quantized_base"  # beside PEFT's fields: the frozen base a QLoRA adapter was trained on
 
 
 def _format(method: MethodConfig):
@@ -50,13 +47,8 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
     """The keys PEFT needs to rebuild `method` on a transformers model of `cfg`."""
     config = {"base_model_name_or_path": base_model, "task_type": "CAUSAL_LM", "inference_mode": True,
               **_format(method).config(cfg, method)}
-    if "modules_to_save" in method_unit(method).fields.fields:
+    if isinstance(method, Targeted):  # PEFT's field of the configs that target modules
         config["modules_to_save"] = list(method.modules_to_save) or None
-    if method_unit(method).quantize_base is not None:
-        config[QUANTIZED_BASE] = {"bits": method.bits, "double_quant": method.double_quant,
-                                  "format": "nf4" if method.bits == 4 else "int8"}
-        if method.init == "loftq":  # the base is LoftQ's, recomputed from the original weights as it is read
-            config[QUANTIZED_BASE].update(init="loftq", loftq_iter=method.loftq_iter)
     return config
 
 
@@ -66,7 +58,7 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
     f32 = lambda x: np.asarray(x, np.float32)
     state = {SAVED_TENSORS[name]: np.ascontiguousarray(
         f32(params["lm_head"]["kernel"]).T if name == "lm_head" else f32(params["embed_tokens"]))
-        for name in method.modules_to_save}
+        for name in method.trained_whole}
     return {**state, **_format(method).tensors(params, cfg, method)}
 
 
@@ -75,13 +67,11 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
     `base_model_name_or_path` (a local path made absolute). A PiSSA or OLoRA adapter (whose base was changed) is
     written as PEFT converts it, a plain LoRA of rank 2r on the original base, from its init's A and B: `initial`
-    {module: {"lora_a", "lora_b"}} (`spine.load.initial_adapters`)."""
+    {module: {"lora_a", "lora_b"}} (`spine.load.initial_leaves`; `PeftFormat.as_stored`)."""
     directory = Path(directory)
-    if method.init in CONVERTED_INITS:
-        if initial is None:
-            raise JaxtuneError(f"a {method.init} adapter exports as a LoRA on the original weights: pass its init's "
-                               "A and B as `initial` (spine.load.initial_adapters recomputes them)")
-        params, method = as_plain_lora(params, method, initial, cfg.num_layers)
+    as_stored = _format(method).as_stored
+    if as_stored is not None:
+        params, method = as_stored(params, method, initial, cfg.num_layers)
     if base_model and Path(base_model).exists():  # absolute, so PEFT finds the base from any working directory
         base_model = str(Path(base_model).resolve())
     config = peft_config(cfg, method, base_model)
@@ -98,7 +88,7 @@ IGNORED_FIELDS = {"task_type", "peft_type", "auto_mapping", "peft_version", "bas
                   "inference_mode", "init_lora_weights", "init_ia3_weights", "init_weights", "loftq_config",
                   "eva_config", "corda_config", "lora_ga_config", "runtime_config", "megatron_core", "lora_dropout",
                   "num_layers", "num_attention_heads", "token_dim", "encoder_hidden_size",
-                  "num_transformer_submodules", "adapter_size", "qalora_group_size", QUANTIZED_BASE}
+                  "num_transformer_submodules", "adapter_size", "qalora_group_size"}
 
 
 def _is_unset(value) -> bool:
@@ -106,8 +96,9 @@ def _is_unset(value) -> bool:
 
 
 def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
-    """The `MethodConfig` of a PEFT adapter config. A field jaxtune does not compute (set to anything but its
-    default), or a value it cannot represent, is refused naming the field: nothing is silently dropped."""
+    """The method options of a PEFT adapter config, as trained (a QLoRA adapter's on its quantised base). A field
+    jaxtune does not compute (set to anything but its default), or a value it cannot represent, is refused naming
+    the field: nothing is silently dropped."""
     kind = config.get("peft_type")
     formats = {t: unit.peft for unit in METHODS.values() if unit.peft is not None for t in unit.peft.peft_types}
     if kind not in formats:
@@ -142,32 +133,34 @@ def _targets(config: dict, where: Path):
     return targets
 
 
-def quantized_base(directory: str | Path) -> dict | None:
-    """The frozen base a jaxtune QLoRA adapter was trained on, {"bits", "double_quant", "format"}, or None."""
-    return read_json(Path(directory) / CONFIG_FILE).get(QUANTIZED_BASE)
+def adapter_method(directory: str | Path) -> MethodConfig:
+    """The method options an adapter directory was trained with (`method_from_peft_config` of its config)."""
+    where = Path(directory) / CONFIG_FILE
+    if not where.is_file():
+        raise JaxtuneError(f"{where}: file not found (a PEFT adapter directory holds it)")
+    return method_from_peft_config(read_json(where), where)
 
 
 def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedArray)
 
 
-def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig,
-                      kind: str | None = None, quantization: dict | None = None) -> tuple[MethodConfig, dict]:
+def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig | None = None
+                      ) -> tuple[MethodConfig, dict]:
     """(method, params with the adapter's leaves) for a PEFT adapter directory and base `params`.
 
-    kind="qlora" puts a LoRA adapter on a quantised copy of the base, with `quantization` {"bits",
-    "double_quant"} (default NF4 with double quantisation).
+    method: the options to apply it as (default: as trained, on the base as given: an adapter trained on a
+    quantised base goes on float `params` as its unit's `on_float_base` says, and quantises nothing). A method
+    that holds its base quantised quantises float `params` (`quantize_base`).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise JaxtuneError(f"{directory}: adapter directory not found")
-    method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
-    if kind == "qlora":
-        if method.kind != "lora":
-            raise JaxtuneError(f"{directory}: a quantised base takes a LoRA adapter, not {method.kind}")
-        q = quantization or {}
-        method = dataclasses.replace(method, kind="qlora", bits=int(q.get("bits", 4)),
-                                     double_quant=bool(q.get("double_quant", True)))
+    if method is None:
+        method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
+        on_float = method_unit(method).on_float_base
+        if on_float is not None and not any(_is_quantized(x) for x in jax.tree.leaves(params, is_leaf=_is_quantized)):
+            method = on_float(method)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise JaxtuneError(f"{path}: file not found")
@@ -176,7 +169,7 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig,
     except Exception as e:  # safetensors raises its own error type, or OSError, for damaged files
         raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
     try:
-        quantized = any(isinstance(leaf, QuantizedArray) for leaf in jax.tree.leaves(params, is_leaf=_is_quantized))
+        quantized = any(_is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=_is_quantized))
         base = params if quantized else quantize_base(params, method)  # a base may come quantised as it was read
         params = add_method_leaves(base, cfg, method, jax.random.key(0))
     except JaxtuneError as e:
@@ -203,9 +196,9 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig,
 def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[str, np.ndarray]) -> dict:
     """Inverse of `adapter_state_dict`: the loaded tensors in place of the freshly initialised leaves."""
     params = dict(params)
-    if "lm_head" in method.modules_to_save:
+    if "lm_head" in method.trained_whole:
         params["lm_head"] = {"kernel": jnp.asarray(state[SAVED_TENSORS["lm_head"]].T)}
-    if "embed_tokens" in method.modules_to_save:
+    if "embed_tokens" in method.trained_whole:
         params["embed_tokens"] = jnp.asarray(state[SAVED_TENSORS["embed_tokens"]])
     load = _format(method).load
     if load is None:
@@ -219,5 +212,5 @@ def adapter_summary(model: str | Path, adapter: str | Path) -> dict:
     method = method_from_peft_config(read_json(Path(adapter) / CONFIG_FILE), Path(adapter) / CONFIG_FILE)
     shapes = jax.eval_shape(lambda p, key: apply_method(p, cfg, method, key), abstract_params(cfg), jax.random.key(0))
     report = parameter_report(shapes, method, cfg)
-    return {"method": method.kind + (" (DoRA)" if method.dora else ""), "trainable": report.trainable,
-            "total": report.total, "percent": report.percent}
+    return {"method": method_unit(method).summary(method), "trainable": report.trainable, "total": report.total,
+            "percent": report.percent}

@@ -6,43 +6,58 @@ past_key_values (`models/llama.attention`, `models/kv_cache`). PEFT's tensor: `p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.config.method import MethodFields
+from jaxtune.config import ModelConfig
+from jaxtune.config.method import MethodConfig
 from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts, module_keys
 
 
-def add_prefix(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class PrefixConfig(MethodConfig):
+    """num_virtual_tokens: the learned key/value positions every layer attends to first (PEFT's field)."""
+
+    kind: ClassVar[str] = "prefix"
+
+    num_virtual_tokens: int = 16
+
+    def __post_init__(self):
+        check_range("num_virtual_tokens", self.num_virtual_tokens, 1)
+
+
+def add_prefix(params: dict, cfg: ModelConfig, method: PrefixConfig, key: jax.Array) -> dict:
     shape = (cfg.num_layers, method.num_virtual_tokens, cfg.num_kv_heads, cfg.head_dim)
     k_key, v_key = jax.random.split(module_keys(key)["prefix"])
     prefix = {"key": jax.random.normal(k_key, shape), "value": jax.random.normal(v_key, shape)}
     return {**params, "layers": {**params["layers"], "prefix": prefix}}
 
 
-def _peft_config(cfg: ModelConfig, method: MethodConfig) -> dict:
+def _peft_config(cfg: ModelConfig, method: PrefixConfig) -> dict:
     return {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": method.num_virtual_tokens,
             "num_layers": cfg.num_layers, "num_attention_heads": cfg.num_kv_heads, "token_dim": cfg.kv_size,
             "encoder_hidden_size": cfg.kv_size, "num_transformer_submodules": 1, "prefix_projection": False}
 
 
-def _peft_tensors(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[str, np.ndarray]:
+def _peft_tensors(params: dict, cfg: ModelConfig, method: PrefixConfig) -> dict[str, np.ndarray]:
     prefix = params["layers"]["prefix"]
     stacked = np.stack([np.asarray(prefix["key"], np.float32), np.asarray(prefix["value"], np.float32)], axis=1)
     return {"prompt_embeddings": np.ascontiguousarray(  # [L, 2, P, K, hd] -> [P, L 2 K hd]
         stacked.transpose(2, 0, 1, 3, 4).reshape(method.num_virtual_tokens, -1))}
 
 
-def _method_of(config: dict, get, targets) -> MethodConfig:
+def _method_of(config: dict, get, targets) -> PrefixConfig:
     if config.get("prefix_projection"):
         raise JaxtuneError("prefix tuning with prefix_projection=true is not supported")
-    return MethodConfig(kind="prefix", num_virtual_tokens=int(config["num_virtual_tokens"]))
+    return PrefixConfig(num_virtual_tokens=int(config["num_virtual_tokens"]))
 
 
-def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: MethodConfig) -> dict:
+def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: PrefixConfig) -> dict:
     emb = state["prompt_embeddings"].reshape(method.num_virtual_tokens, cfg.num_layers, 2, cfg.num_kv_heads,
                                              cfg.head_dim)
     stacked = emb.transpose(1, 2, 0, 3, 4)  # [L, 2, P, K, hd]
@@ -52,7 +67,7 @@ def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: MethodConfig
 
 PREFIX = Method(
     kind="prefix",
-    fields=MethodFields(check=lambda method: check_range("num_virtual_tokens", method.num_virtual_tokens, 1)),
+    options=PrefixConfig,
     add_leaves=add_prefix,
     leaves=("prefix",),
     leaf_axes={("layers", "prefix", "key"): ("layers", "prefix", "kv_heads", "head_dim"),

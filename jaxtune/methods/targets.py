@@ -13,13 +13,110 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
-
-import numpy as np
+from typing import ClassVar
 
 from jaxtune.config.method import MethodConfig
-from jaxtune.config.model import SEPARATE_MODULES
-from jaxtune.errors import JaxtuneError
+from jaxtune.config.model import FUSED_MODULES, LINEAR_MODULE_NAMES, SEPARATE_MODULES
+from jaxtune.errors import ConfigError
+
+SAVABLE_MODULES = ("lm_head", "embed_tokens")  # what `modules_to_save` may name: trained whole, beside the adapter
+
+
+def _is_regex(field: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(field, pattern, f"not a regular expression ({e})") from None
+
+
+def _module_names(field: str, names) -> tuple[str, ...]:
+    """PEFT's list form of target_modules / exclude_modules: module names or dotted paths ending in one."""
+    names = tuple(names)
+    if names in (("all-linear",), ("all_linear",)):
+        return LINEAR_MODULE_NAMES
+    for name in names:
+        if not isinstance(name, str) or name.rsplit(".", 1)[-1] not in LINEAR_MODULE_NAMES:
+            hint = " (train it whole with modules_to_save)" if str(name).rsplit(".", 1)[-1] in SAVABLE_MODULES else ""
+            raise ConfigError(field, name, f"not a linear module of a decoder layer{hint}; valid names: "
+                              f"{', '.join(LINEAR_MODULE_NAMES)}, all-linear, or paths such as "
+                              "model.layers.0.self_attn.q_proj")
+    if all(n in LINEAR_MODULE_NAMES for n in names):
+        if set(names) >= set(SEPARATE_MODULES) or set(names) >= set(FUSED_MODULES):  # every one of a layout's
+            return LINEAR_MODULE_NAMES
+        return tuple(n for n in LINEAR_MODULE_NAMES if n in names)
+    return tuple(sorted(set(names)))
+
+
+def module_selection(field: str, value) -> tuple[str, ...] | str:
+    """A tuple of names (canonical order), or a str: a regular expression over module paths, as in PEFT."""
+    if isinstance(value, str):
+        if value in ("all-linear", "all_linear") or value in LINEAR_MODULE_NAMES:
+            return _module_names(field, (value,))
+        _is_regex(field, value)
+        return value
+    return _module_names(field, value)
+
+
+def regex_table(field: str, value, kind) -> tuple:
+    """PEFT's rank_pattern / alpha_pattern ({regex: value}) as a hashable tuple of pairs, in the given order."""
+    pairs = tuple(value.items()) if isinstance(value, dict) else tuple(tuple(p) for p in value)
+    for key, v in pairs:
+        _is_regex(field, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) or not v > 0:
+            raise ConfigError(f"{field}[{key!r}]", v, f"must be a positive {'integer' if kind is int else 'number'}")
+    return tuple((str(k), kind(v)) for k, v in pairs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Targeted(MethodConfig):
+    """The options of a method that adapts chosen linear modules (LoRA, IA3), with PEFT's matching rules.
+
+    target_modules: module names (q_proj ... down_proj; Phi-3's fused qkv_proj and gate_up_proj), ("all-linear",)
+    (every linear module of the model's layers; a list naming all of one layout's is the same), module paths as PEFT
+    writes them (`model.layers.1.mlp.up_proj`), or a string: a regular expression over such paths (PEFT's string
+    form); empty: the unit's `default_targets`. exclude_modules, layers_to_transform (+ layers_pattern) narrow that
+    per module and layer (`is_target`). modules_to_save: lm_head and/or embed_tokens, trained whole beside the
+    adapter (PEFT's field of that name).
+    """
+
+    default_targets: ClassVar[tuple[str, ...]] = ()
+
+    target_modules: tuple[str, ...] | str = ()
+    exclude_modules: tuple[str, ...] | str = ()
+    layers_to_transform: tuple[int, ...] = ()
+    layers_pattern: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        set_("target_modules", module_selection("target_modules", self.target_modules or self._default_targets()))
+        set_("exclude_modules", module_selection("exclude_modules", self.exclude_modules)
+             if self.exclude_modules else ())
+        layers = (self.layers_to_transform,) if isinstance(self.layers_to_transform, int) else self.layers_to_transform
+        set_("layers_to_transform", tuple(sorted(set(layers))))
+        for layer in self.layers_to_transform:
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ConfigError("layers_to_transform", layer, "layer indices are integers >= 0")
+        if self.layers_to_transform and isinstance(self.target_modules, str):
+            raise ConfigError("layers_to_transform", self.layers_to_transform, "cannot be used with a regular "
+                              "expression as target_modules (nor can it in PEFT): put the layers in the expression")
+        pattern = (self.layers_pattern,) if isinstance(self.layers_pattern, str) else tuple(self.layers_pattern)
+        set_("layers_pattern", tuple(p for p in pattern if p))
+        for p in self.layers_pattern:
+            _is_regex("layers_pattern", p)
+        saved = (self.modules_to_save,) if isinstance(self.modules_to_save, str) else tuple(self.modules_to_save)
+        for module in saved:
+            if module not in SAVABLE_MODULES:
+                raise ConfigError("modules_to_save", module, f"jaxtune trains whole {' and '.join(SAVABLE_MODULES)}")
+        set_("modules_to_save", tuple(m for m in SAVABLE_MODULES if m in saved))
+
+    def _default_targets(self) -> tuple[str, ...]:
+        """target_modules when none are given."""
+        return self.default_targets
+
+    @property
+    def trained_whole(self) -> tuple[str, ...]:
+        return self.modules_to_save
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 FUSED_HINT = " (Phi-3 fuses q, k and v into qkv_proj, gate and up into gate_up_proj: target those)"
@@ -40,30 +137,6 @@ def peft_names(value):
     return value if isinstance(value, str) else (list(value) or None)
 
 
-@dataclass(frozen=True)
-class ModuleLoRA:
-    """One module's LoRA over the layers: `ranks[i]` (0: layer i not adapted) and `alphas[i]`."""
-
-    ranks: tuple[int, ...]
-    alphas: tuple[float, ...]
-    rslora: bool
-
-    @property
-    def max_rank(self) -> int:
-        return max(self.ranks)
-
-    @property
-    def scales(self) -> np.ndarray:
-        """[L] float64: alpha / r (rsLoRA: alpha / sqrt(r)) per layer, 0 where the layer is not adapted."""
-        r = np.asarray(self.ranks, np.float64)
-        denominator = np.sqrt(r) if self.rslora else r
-        return np.where(r > 0, np.asarray(self.alphas) / np.maximum(denominator, 1), 0.0)
-
-    @property
-    def uniform(self) -> bool:
-        return len(set(self.ranks)) == 1 and len(set(self.alphas)) == 1
-
-
 def _names_match(names: tuple[str, ...], path: str) -> bool:
     return path in names or any(path.endswith("." + name) for name in names)
 
@@ -76,7 +149,7 @@ def _layer_of(path: str, layers_pattern: tuple[str, ...]) -> int | None:
     return int(match.group("idx")) if match else None
 
 
-def is_target(method: MethodConfig, path: str) -> bool:
+def is_target(method: Targeted, path: str) -> bool:
     """Whether PEFT adapts the module at `path` under `method`'s target, exclude and layer fields."""
     exclude = method.exclude_modules
     if exclude and (re.fullmatch(exclude, path) if isinstance(exclude, str) else _names_match(exclude, path)):
@@ -89,70 +162,3 @@ def is_target(method: MethodConfig, path: str) -> bool:
     if method.layers_to_transform:
         return _layer_of(path, method.layers_pattern) in method.layers_to_transform
     return True
-
-
-def _pattern_value(patterns: tuple[tuple[str, float], ...], path: str, default):
-    return next((value for key, value in patterns if re.match(rf"(.*\.)?({key})$", path)), default)
-
-
-@lru_cache(maxsize=256)
-def lora_layout(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                ) -> dict[str, ModuleLoRA]:
-    """The modules `method` (lora or qlora) adapts on a model of `num_layers` layers whose layers hold `modules`
-    (`ModelConfig.linear_modules`), in that order.
-
-    An error names the method's fields when they select no module at all (PEFT's "Target modules ... not found").
-    """
-    layout = {}
-    for name in modules:
-        paths = [module_path(name, i) for i in range(num_layers)]
-        ranks = tuple(int(_pattern_value(method.rank_pattern, p, method.rank)) if is_target(method, p) else 0
-                      for p in paths)
-        if any(ranks):
-            alphas = tuple(float(_pattern_value(method.alpha_pattern, p, method.alpha)) if r else 0.0
-                           for p, r in zip(paths, ranks))
-            layout[name] = ModuleLoRA(ranks, alphas, method.rslora)
-    if not layout and not method.target_parameters:
-        raise JaxtuneError(f"target_modules={method.target_modules!r} (exclude_modules={method.exclude_modules!r}, "
-                           f"layers_to_transform={method.layers_to_transform!r}) selects no module of a "
-                           f"{num_layers}-layer model with modules {', '.join(modules)}; module paths look like "
-                           f"{module_path(modules[0], 0)!r}" + FUSED_HINT * ("qkv_proj" in modules))
-    return layout
-
-
-def layer_scales(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                 ) -> float | dict[str, np.ndarray]:
-    """The LoRA scale the forward multiplies by: one float when every adapted module and layer shares it (the
-    common case: the compiled program is the plain one), else per module a [L] array (0 where not adapted).
-
-    A layer that is not adapted needs no scale for LoRA (its zero `lora_a`/`lora_b` add nothing), but does for
-    DoRA, whose magnitude would otherwise rescale it: scale 0 turns DoRA's m / ||W + s B A|| into 1 there.
-    """
-    layout = lora_layout(method, num_layers, modules)
-    active = {float(s) for m in layout.values() for s, r in zip(m.scales, m.ranks) if r}
-    skipped = any(0 in m.ranks for m in layout.values())
-    if not active:  # experts alone (target_parameters): one rank and alpha everywhere
-        return method.lora_scale
-    if len(active) == 1 and not (method.dora and skipped):
-        return active.pop()
-    return {name: m.scales for name, m in layout.items()}
-
-
-def ia3_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                ) -> tuple[str, ...]:
-    """The modules IA3 scales. IA3's vectors are stacked over all layers, so a module is adapted in every layer or
-    in none; target fields that pick some layers of a module are refused, naming the module."""
-    names = []
-    for name in modules:
-        hits = [is_target(method, module_path(name, i)) for i in range(num_layers)]
-        if any(hits) and not all(hits):
-            raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} (layers_to_transform="
-                               f"{method.layers_to_transform!r}) adapts {name} in layers "
-                               f"{[i for i, h in enumerate(hits) if h]} only: jaxtune's IA3 scales a module in "
-                               "every layer or in none")
-        if all(hits):
-            names.append(name)
-    if not names:
-        raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} selects no module"
-                           + FUSED_HINT * ("qkv_proj" in modules))
-    return tuple(names)

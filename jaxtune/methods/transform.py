@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.methods.base import METHODS, adapter_keys, method_unit
-from jaxtune.methods.lora_init import initialise, with_initial
 from jaxtune.models.quant import QuantizedArray, full_shape
 
 
@@ -51,36 +50,44 @@ def add_method_leaves(params: dict, cfg: ModelConfig, method: MethodConfig, key:
     """The (already quantised) base tree with `method`'s new leaves added. Reads the kernels' shapes, and their
     values only for DoRA's magnitude and a tied head parted from the embedding."""
     params = method_unit(method).add_leaves(params, cfg, method, key)
-    if method.modules_to_save and "lm_head" not in params:  # tied: the head and the embedding part ways, as in PEFT
+    if method.trained_whole and "lm_head" not in params:  # tied: the head and the embedding part ways, as in PEFT
         params = {**params, "lm_head": {"kernel": params["embed_tokens"].T}}
     return params
 
 
 def apply_method(params: dict, cfg: ModelConfig, method: MethodConfig, key: jax.Array) -> dict:
-    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised; a LoRA init from
-    the weights, PiSSA, OLoRA or LoftQ, changes the adapted kernels first: `lora_init.initialise`).
+    """The base tree with `method`'s leaves added (and, for QLoRA, every linear kernel quantised; an init from the
+    weights, LoRA's PiSSA, OLoRA or LoftQ, changes the adapted kernels first: `Method.base_init`).
 
     Pure and traceable: `jax.eval_shape(apply_method, ...)` gives the transformed abstract tree. The spine's loader
     does the parts apart: the init and `quantize_base` tensor by tensor as it reads the checkpoint,
     `add_method_leaves` in the new leaves' shardings.
     """
-    params, initial = initialise(params, cfg, method)
+    base_init = method_unit(method).base_init
+    params, initial = (params, {}) if base_init is None else base_init.tree(params, cfg, method)
     return with_initial(add_method_leaves(quantize_base(params, method), cfg, method, key), initial)
+
+
+def with_initial(params: dict, initial: dict) -> dict:
+    """`params` with the leaves of `initial` ({module: {leaf: value}}) in place of those it has."""
+    layers = {**params["layers"], **{name: {**params["layers"][name], **leaves} for name, leaves in initial.items()}}
+    return {**params, "layers": layers}
 
 
 def _path_keys(path) -> list[str]:
     return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
 
 
-def trainable_mask(params: dict, method: MethodConfig) -> dict:
-    """True at the leaves the optimiser updates: everything for a full fine-tune, else only the method's leaves."""
-    unit, adapters = method_unit(method), adapter_keys()
+def trainable_mask(params: dict, method: MethodConfig, heads: tuple[str, ...] = ()) -> dict:
+    """True at the leaves the optimiser updates: everything for a full fine-tune, else only the method's leaves, the
+    modules it trains whole and `heads` (the top-level leaves an objective adds: a reward model's score)."""
+    unit, adapters = method_unit(method), adapter_keys() + heads
 
     def trainable(path, leaf) -> bool:
         if unit.trains_base:
             return jnp.issubdtype(leaf.dtype, jnp.floating)
         keys = _path_keys(path)
-        return keys[0] in method.modules_to_save or any(k in adapters for k in keys)
+        return keys[0] in method.trained_whole or any(k in adapters for k in keys)
 
     return jax.tree_util.tree_map_with_path(trainable, params)
 
@@ -112,15 +119,17 @@ class ParameterReport:
         return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable%: {self.percent:.4f}"
 
 
-def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None = None) -> ParameterReport:
-    """Counts as PEFT's `get_nb_trainable_parameters` gives them, for a tree of arrays or ShapeDtypeStructs.
+def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None = None,
+                     heads: tuple[str, ...] = ()) -> ParameterReport:
+    """Counts as PEFT's `get_nb_trainable_parameters` gives them, for a tree of arrays or ShapeDtypeStructs; `heads`:
+    top-level leaves an objective adds, counted with the adapter's.
 
     PEFT keeps the original of each of `modules_to_save` beside its trained copy, so both count in the total; on
     a model with tied embeddings (pass its `cfg`) one original is the tied matrix the tree already holds.
     """
     is_quantized = lambda x: isinstance(x, QuantizedArray)
     leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized)
-    unit, adapter_leaves = method_unit(method), adapter_keys()
+    unit, adapter_leaves = method_unit(method), adapter_keys() + heads
     if unit.trains_base:
         total = sum(math.prod(full_shape(leaf)) for _, leaf in leaves)
         return ParameterReport(total, total)
@@ -137,11 +146,11 @@ def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None
             continue
         if any(k in adapter_leaves for k in keys):
             adapters += size
-        elif keys[0] in method.modules_to_save:
+        elif keys[0] in method.trained_whole:
             saved += size
         else:
             base += size
     adapters += sum(counted.values())
-    tied = cfg is not None and cfg.tie_word_embeddings and bool(method.modules_to_save)
+    tied = cfg is not None and cfg.tie_word_embeddings and bool(method.trained_whole)
     originals = saved - (math.prod(params["embed_tokens"].shape) if tied else 0)
     return ParameterReport(adapters + saved, base + adapters + saved + originals)

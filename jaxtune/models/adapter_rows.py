@@ -4,8 +4,9 @@ A module holding stacked adapters (`methods/adapter_rows.py`) carries `stack_a` 
 [L, N+1, R, out], each adapter's scale already folded into its B (slot 0 zeros). The layer scan slices one layer,
 [N+1, in, R]; `rows_of` gathers each row's adapter from it, `row_a` [B, in, R] and `row_b` [B, R, out], so only one
 layer's rows exist at a time (never [L, B, in, R]), and the dense hook `ROW_HOOK` adds (x_b A_b) B_b row by row
-(S-LoRA's and Punica's batched LoRA, as batched matmuls). A decode step multiplies by all N+1 adapters and masks
-instead (`_row_branch`: it reads each adapter once, not once a row; faster on a GPU at 64 and 256 rows).
+(S-LoRA's and Punica's batched LoRA, as batched matmuls; `kv_cache.extend` runs it where rows name adapters). A
+decode step multiplies by all N+1 adapters and masks instead (`_row_branch`: it reads each adapter once, not once a
+row; faster on a GPU at 64 and 256 rows).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import MethodConfig
+from jaxtune.config.method import Branch, DenseHook, MethodConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.adapters import DENSE_HOOKS, Branch, DenseHook
 
 STACK_LEAVES = ("stack_a", "stack_b")
 
@@ -85,5 +85,4 @@ def _row_branch(x: jax.Array, y: jax.Array, module: dict, kernel, branch: Branch
     return y + jnp.einsum("btr,bro->bto", xa_BxTxR, module["row_b"].astype(x.dtype))
 
 
-ROW_HOOK = DenseHook("row_a", add=_row_branch)
-DENSE_HOOKS[ROW_HOOK.trigger] = ROW_HOOK  # not a method (nothing trains it): registered where the forward uses it
+ROW_HOOK = DenseHook("row_a", add=_row_branch)  # not a method's (nothing trains it): the cache runs it with stacks

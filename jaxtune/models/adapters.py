@@ -1,77 +1,55 @@
-"""Where a fine-tuning method enters the forward pass: hook tables that `jaxtune.methods`' units fill.
+"""Where a fine-tuning method enters the forward pass: the method's `AdapterForward` (`config/method.py`), asked of
+its options once a forward (`adapter_forward`), and `Adapters`, what one layer's linear modules run of it.
 
-`DENSE_HOOKS[leaf]` runs in `linear.dense` wherever a module holds that leaf (LoRA's `lora_a`, IA3's `ia3_in` /
-`ia3_out`); `ADAPTER_FORWARDS[kind]` gives a method's dropout rate and per-module, per-layer scales. The forward
-names no method: a kind without a registered entry fails loudly (`adapter_forward`). Prefix keys (`prefix`) and
-bottleneck adapters (`attn_adapter`, `mlp_adapter`) have fixed places in `llama.py`'s layer.
+`linear.dense` runs a dense hook wherever a module holds the hook's trigger leaf (LoRA's `lora_a`, IA3's `ia3_in` /
+`ia3_out`, the adapter rows' `row_a`); `moe` runs the expert hook on expert stacks. The forward names no method.
+Prefix keys (`prefix`) and bottleneck adapters (`attn_adapter`, `mlp_adapter`) have fixed places in `llama.py`'s
+layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.config.method import AdapterForward, DenseHook, MethodConfig
+from jaxtune.config.model import LINEAR_MODULE_NAMES, ModelConfig
 
 
-class Branch(NamedTuple):
-    """What a dense hook's `add` gets besides the module: the adapter's scale (a static float, or [] traced where
-    scales differ across layers), in training the module's dropout key and rate (key None: no dropout), and the
-    base kernel's logical (in, out) axes where known (a hook gathers its leaves by them: `rules.gathered`)."""
-
-    scale: float | jax.Array
-    dropout_key: jax.Array | None
-    dropout_rate: float
-    kernel_axes: tuple[str | None, str | None] | None = None
+def adapter_forward(method: MethodConfig | None, cfg: ModelConfig) -> AdapterForward:
+    """The forward's view of `method` on a model of `cfg` (None: the base model)."""
+    return AdapterForward() if method is None else method.forward_of(cfg)
 
 
-@dataclass(frozen=True)
-class DenseHook:
-    """A method's part of `dense` for modules holding leaf `trigger`.
-
-    scale_input(x, module) -> x before the base matmul; add(x, y, module, kernel, branch) -> y after it (`kernel`:
-    the whole base weight in x's dtype where `needs_kernel(module)`, else None); scale_output(y, module) -> y after
-    the bias. dropout: the hook reads `branch.dropout_key` (no key is drawn for modules without such a hook).
-    product(x, kernel, module, branch) -> y: the base matmul with `add`'s branch folded in, one product in place of
-    both, which `dense` takes on CPU for a whole float kernel where `fuses(module)`.
-    """
-
-    trigger: str
-    scale_input: Callable | None = None
-    add: Callable | None = None
-    scale_output: Callable | None = None
-    needs_kernel: Callable[[dict], bool] = lambda module: False
-    dropout: bool = False
-    product: Callable | None = None
-    fuses: Callable[[dict], bool] = lambda module: False
+def adapter_dropout_key(layer_key: jax.Array, name: str) -> jax.Array:
+    """The dropout key of module `name` (q_proj, ..., down_proj) from its layer's key."""
+    return jax.random.fold_in(layer_key, LINEAR_MODULE_NAMES.index(name))
 
 
-@dataclass(frozen=True)
-class AdapterForward:
-    """dropout_rate(method): the rate training drops the method's branch inputs at; scales(method, cfg): one static
-    scale, or {module: [L] scales} carried in the layers (`linear.with_lora_scales`)."""
+class Adapters(NamedTuple):
+    """What one layer's linear modules run of a method: its dense hooks, and in training its dropout (the layer's
+    key and the rate; key None: no dropout). `Adapters()` runs the base model."""
 
-    dropout_rate: Callable[[MethodConfig], float] = lambda method: 0.0
-    scales: Callable[[MethodConfig, ModelConfig], float | dict] = lambda method, cfg: 1.0
+    hooks: tuple[DenseHook, ...] = ()
+    dropout_key: jax.Array | None = None
+    dropout_rate: float = 0.0
+
+    def of_module(self, name: str) -> Adapters:
+        """The same, with module `name`'s dropout key (`adapter_dropout_key` of the layer's)."""
+        return self if self.dropout_key is None else self._replace(dropout_key=adapter_dropout_key(self.dropout_key,
+                                                                                                   name))
+
+    def with_key(self, key: jax.Array) -> Adapters:
+        """The same, drawing its dropout from `key` instead (a tile of a tiled MLP): unchanged without dropout."""
+        return self if self.dropout_key is None else self._replace(dropout_key=key)
+
+    def hooks_of(self, module: dict) -> tuple[DenseHook, ...]:
+        """The hooks whose trigger leaf `module` holds, in the method's order."""
+        return tuple(hook for hook in self.hooks if hook.trigger in module)
 
 
-DENSE_HOOKS: dict[str, DenseHook] = {}
-ADAPTER_FORWARDS: dict[str, AdapterForward] = {}
-
-
-def adapter_forward(method: MethodConfig | None) -> AdapterForward:
-    """The forward's view of `method` (None: the base model)."""
-    if method is None:
-        return AdapterForward()
-    if method.kind not in ADAPTER_FORWARDS:
-        raise JaxtuneError(f"method kind {method.kind!r} has no forward registered (jaxtune.methods.register)")
-    return ADAPTER_FORWARDS[method.kind]
-
-
-def dense_hooks(module: dict) -> list[DenseHook]:
-    """The hooks of the leaves `module` holds, in registration order."""
-    return [hook for trigger, hook in DENSE_HOOKS.items() if trigger in module]
+def layer_adapters(forward: AdapterForward, layer_key: jax.Array | None) -> Adapters:
+    """One layer's `Adapters` of a method's forward view; layer_key: the layer's dropout key (None: no dropout)."""
+    use = layer_key is not None and forward.dropout_rate > 0
+    return Adapters(forward.dense, layer_key if use else None, forward.dropout_rate if use else 0.0)

@@ -4,9 +4,9 @@ Layout (`context_layout`): with a global-attention layer, rows are load-balanced
 2N-1-i of 2N (`spread_inputs`; `gather_outputs` restores the order with two `ppermute`s); with a window on every
 layer, chunks stay contiguous and the ring stops at the last device a window reaches. "ring": key/value blocks
 (with their slots, validity, segments) travel the ring by `ppermute` while each device attends to the block it
-holds (blockwise kernel, or splash on TPU: `with_splash`), merging by log-sum-exp; the backward passes each block's
-gradient one hop behind it. "all_gather": each layer's keys and values gathered, gradients reduce-scattered.
-Prefix keys are on every device; masked-out blocks are skipped. Each strategy is a `custom_vjp` of `shard_map`s.
+holds (blockwise, or a fused kernel's ring form: `with_ring_kernel`), merging by log-sum-exp; the backward passes
+each block's gradient one hop behind it. "all_gather": each layer's keys and values gathered, gradients
+reduce-scattered. Prefix keys are on every device; masked-out blocks are skipped. Each strategy is a `custom_vjp`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxtune.models.attention import AttentionMask, attend_blocks, attention_grads, live_blocks
-from jaxtune.models.fused_attention import FusedAttention, choose_kernel, splash_block_sizes
+from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, RingCall, choose_kernel
 from jaxtune.parallel.rules import context_ways, mesh_in_context, partition_spec, platform_in_context
 
 AXIS = "context"
-NO_KEY = float(np.finfo(np.float32).min)  # the lse of queries that see no key of a block
 
 
 class ContextLayout(NamedTuple):
@@ -32,14 +31,14 @@ class ContextLayout(NamedTuple):
 
     ways: N, the devices sharing a row. balanced: device i holds chunks i and 2N-1-i of 2N (else chunk i of N).
     strategy: "ring" or "all_gather". ring_steps: key/value blocks a device attends to (N, or fewer when every
-    layer's window ends within the previous devices' chunks). splash: the balanced ring's per-block kernel is
-    splash (`fused_attention.choose_kernel` picked it), else the blockwise one."""
+    layer's window ends within the previous devices' chunks). fused: the balanced ring's per-block kernel, a fused
+    one's ring form (`kernels.choose_kernel` picked it; `AttentionKernel.ring`), else the blockwise one."""
 
     ways: int
     balanced: bool
     strategy: str
     ring_steps: int
-    splash: FusedAttention | None = None
+    fused: FusedAttention | None = None
 
 
 def context_layout(T: int, sliding_windows: tuple[int, ...], strategy: str) -> ContextLayout | None:
@@ -54,18 +53,17 @@ def context_layout(T: int, sliding_windows: tuple[int, ...], strategy: str) -> C
     return ContextLayout(ways, balanced, strategy, steps)
 
 
-def with_splash(layout: ContextLayout | None, choice: str, *, B: int, T: int, K: int, G: int, head_dim: int,
-                prefix: int, softcap: float | None, dtype, windows: tuple[int, ...]) -> ContextLayout | None:
-    """`layout` with splash as the ring's per-block kernel where `[model] attention` picks it (on TPU, or "splash"
-    anywhere: interpreted off TPU) for a device's chunks: a balanced ring without prefix keys or windows; else the
+def with_ring_kernel(layout: ContextLayout | None, choice: str, *, B: int, T: int, K: int, G: int, head_dim: int,
+                     prefix: int, softcap: float | None, dtype, windows: tuple[int, ...]) -> ContextLayout | None:
+    """`layout` with a fused kernel as the ring's per-block kernel where `[model] attention` picks it for a device's
+    chunks (`kernels.choose_kernel`) and it has a ring form: a balanced ring without prefix keys or windows; else the
     blockwise kernel (also for the all-gather strategy)."""
-    if (layout is None or not layout.balanced or layout.strategy != "ring" or prefix or set(windows) != {0}
-            or choice not in ("auto", "splash") or (choice == "auto" and platform_in_context() != "tpu")):
+    if layout is None or not layout.balanced or layout.strategy != "ring" or prefix or set(windows) != {0}:
         return layout
     c = padded_length(T, layout.ways) // (2 * layout.ways)
-    fused = choose_kernel(choice, B=B, T=c, S=c, K=K, G=G, head_dim=head_dim, prefix=0, packed=True, padded=True,
-                          softcap=softcap, dtype=dtype, windows=(0,))
-    return layout if fused is None else layout._replace(splash=fused)
+    fused = choose_kernel(choice, AttentionShape(B, c, c, K, G, head_dim, 0, True, True, softcap, dtype, (0,)),
+                          platform_in_context())
+    return layout if fused is None or KERNELS[fused.kind].ring is None else layout._replace(fused=fused)
 
 
 def padded_length(T: int, ways: int) -> int:
@@ -186,122 +184,25 @@ def _mask(queries, keys) -> AttentionMask:
     return AttentionMask(q_slot, k_valid, q_segment, k_segment, k_slot)
 
 
+def _ring_call(call: _Call) -> RingCall:
+    return RingCall(call.layout.ways, AXIS, call.scale, call.softcap, call.layout.fused.interpret)
+
+
 def _attend(q, queries, keys, window, call: _Call, step=0):
-    """(out, lse) of q over one key block, the ring's `step`-th (its kernel: splash or blockwise)."""
-    if call.layout.splash is not None:
-        return _splash_attend(q, queries, keys, step, call)
+    """(out, lse) of q over one key block, the ring's `step`-th (its kernel: a fused one's ring form, or blockwise)."""
+    if call.layout.fused is not None:
+        return KERNELS[call.layout.fused.kind].ring.attend(q, queries, keys, step, _ring_call(call))
     mask = _mask(queries, keys)
     live = live_blocks(mask, q.shape[3], keys[0].shape[2])
     return attend_blocks(q, keys[0], keys[1], mask, window, live, call.scale, call.softcap)
 
 
 def _grads(q, queries, keys, window, out, lse, g, call: _Call, step=0):
-    if call.layout.splash is not None:
-        return _splash_grads(q, queries, keys, step, out, lse, g, call)
+    if call.layout.fused is not None:
+        return KERNELS[call.layout.fused.kind].ring.grads(q, queries, keys, step, out, lse, g, _ring_call(call))
     mask = _mask(queries, keys)
     live = live_blocks(mask, q.shape[3], keys[0].shape[2])
     return attention_grads(q, keys[0], keys[1], mask, window, live, out, lse, g, call.scale, call.softcap)
-
-
-def _splash_case(step, ways: int):
-    """Which part of the step's block a device's two chunks (i, 2N-1-i) see, the block coming from device
-    j = i - step: 0, both chunks' own keys, causally (step 0); 1, j < i: every query sees the block's first chunk
-    and not its second; 2, j > i: the second chunk's queries see the whole block, the first's nothing."""
-    i = jax.lax.axis_index(AXIS)
-    source = (i - step) % ways
-    return jnp.where(step == 0, 0, jnp.where(source < i, 1, 2))
-
-
-def _splash_kernels(c: int, heads: int, call: _Call):
-    """Splash kernels of the three cases of `_splash_case` over chunks of c tokens, for `heads` query heads (made
-    where traced: a kernel holds its mask's arrays)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-
-    def make(mask):
-        return splash.make_splash_mha(masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1,
-                                      block_sizes=splash_block_sizes(*mask.shape), attn_logits_soft_cap=call.softcap,
-                                      interpret=call.layout.splash.interpret)
-
-    return make(masks.CausalMask((2 * c, 2 * c))), make(masks.FullMask((2 * c, c))), make(masks.FullMask((c, 2 * c)))
-
-
-def _splash_parts(q, queries, keys, call: _Call):
-    """Per device: q scaled [b, H, 2c, hd], k and v [b, K', 2c, hd], segment ids (padding keys in none), c."""
-    b, k_heads, G, T2, hd = q.shape
-    q_scaled = (q.astype(jnp.float32) * call.scale).astype(q.dtype).reshape(b, k_heads * G, T2, hd)
-    k, v, _, valid, k_segment = keys
-    return q_scaled, k, v, queries[1], jnp.where(valid, k_segment, -2), T2 // 2
-
-
-def _splash_attend(q, queries, keys, step, call: _Call):
-    """`_attend` by splash: (out [b, K', G, 2c, hd], lse [b, K', G, 2c]) float32 of the step's block."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-
-    b, k_heads, G, T2, hd = q.shape
-    q_s, k, v, q_segment, k_segment, c = _splash_parts(q, queries, keys, call)
-    kernels = _splash_kernels(c, k_heads * G, call)
-
-    def run(kernel, q, k, v, q_segment, k_segment):
-        kw = kernel.kwargs
-        out, (lse,) = jax.vmap(lambda q, k, v, qs, ks: splash._splash_attention_forward(
-            kernel.fwd_mask_info, q, k, v, splash.SegmentIds(q=qs, kv=ks), None, mask_value=kw["mask_value"],
-            is_mqa=kw["is_mqa"], block_sizes=kw["block_sizes"], residual_checkpoint_name=None, save_residuals=True,
-            mask_function=kw["mask_function"], attn_logits_soft_cap=kw["attn_logits_soft_cap"],
-            interpret=kw["interpret"]))(q, k, v, q_segment, k_segment)
-        return out.astype(jnp.float32), lse.astype(jnp.float32)
-
-    def bottom():  # the second chunk's queries over the whole block; the first's see none of it
-        out, lse = run(kernels[2], q_s[:, :, c:], k, v, q_segment[:, c:], k_segment)
-        # (made inside the branch: made in the ring's loop body, a differentiated scan would stack a copy a step)
-        return (jnp.concatenate([jnp.zeros_like(out), out], axis=2),
-                jnp.concatenate([jnp.full_like(lse, NO_KEY), lse], axis=2))
-
-    cases = [lambda: run(kernels[0], q_s, k, v, q_segment, k_segment),
-             lambda: run(kernels[1], q_s, k[:, :, :c], v[:, :, :c], q_segment, k_segment[:, :c]), bottom]
-    out, lse = jax.lax.switch(_splash_case(step, call.layout.ways), cases)
-    return out.reshape(b, k_heads, G, T2, hd), lse.reshape(b, k_heads, G, T2)
-
-
-def _splash_grads(q, queries, keys, step, out, lse, g, call: _Call):
-    """`_grads` by splash's backward kernels, given the whole attention's output and lse: (dq, dk, dv) float32."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-
-    b, k_heads, G, T2, hd = q.shape
-    H = k_heads * G
-    q_s, k, v, q_segment, k_segment, c = _splash_parts(q, queries, keys, call)
-    kernels = _splash_kernels(c, H, call)
-    o, do, lse = out.reshape(b, H, T2, hd), g.astype(out.dtype).reshape(b, H, T2, hd), lse.reshape(b, H, T2)
-
-    def run(kernel, q, k, v, q_segment, k_segment, o, do, lse):
-        kw = kernel.kwargs
-
-        def one(q, k, v, qs, ks, o, do, lse):
-            residuals = (q, k, v, splash.SegmentIds(q=qs, kv=ks), None, o, lse, kernel.dq_mask_info,
-                         kernel.dkv_mask_info)
-            grads = splash._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None,
-                                                 kw["mask_function"], kw["attn_logits_soft_cap"], kw["interpret"],
-                                                 residuals, do)
-            return grads[3:6]
-
-        dq, dk, dv = jax.vmap(one)(q, k, v, q_segment, k_segment, o, do, lse)
-        return dq.astype(jnp.float32) * call.scale, dk.astype(jnp.float32), dv.astype(jnp.float32)
-
-    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
-
-    def left():  # every query over the block's first chunk
-        dq, dk, dv = run(kernels[1], q_s, k[:, :, :c], v[:, :, :c], q_segment, k_segment[:, :c], o, do, lse)
-        rest = zeros(b, k_heads, c, hd)
-        return dq, jnp.concatenate([dk, rest], axis=2), jnp.concatenate([dv, rest], axis=2)
-
-    def bottom():  # the second chunk's queries over the whole block
-        dq, dk, dv = run(kernels[2], q_s[:, :, c:], k, v, q_segment[:, c:], k_segment, o[:, :, c:], do[:, :, c:],
-                         lse[:, :, c:])
-        return jnp.concatenate([zeros(b, H, c, hd), dq], axis=2), dk, dv
-
-    cases = [lambda: run(kernels[0], q_s, k, v, q_segment, k_segment, o, do, lse), left, bottom]
-    dq, dk, dv = jax.lax.switch(_splash_case(step, call.layout.ways), cases)
-    return dq.reshape(b, k_heads, G, T2, hd), dk, dv
 
 
 def _one_from(x):

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.adapter_rows import rows_of
+from jaxtune.models.adapter_rows import ROW_HOOK, rows_of
+from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
 from jaxtune.models.linear import wide
-from jaxtune.models.llama import attend, decoder_layer, embed, lora_scaled_layers, norm, project, project_qkv
+from jaxtune.models.llama import attend, decoder_layer, embed, norm, project, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import context_ways
 
@@ -105,7 +106,9 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     refuse_context_axis()
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
-    layers, lora_scale = lora_scaled_layers(params["layers"], method, cfg)
+    view = adapter_forward(method, cfg)
+    layers = params["layers"] if view.prepare is None else view.prepare(params["layers"])
+    adapters = Adapters(view.dense + ((ROW_HOOK,) if adapter_B is not None else ()))
     start = cache.length
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT > 0, (0, start))
     mask = cache_mask(start, T, valid_BxS)
@@ -123,19 +126,19 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         cos, sin = layer_rope(rope, window)
 
         def cached_attention(h_BxTxD):
-            q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, lora_scale)
+            q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, adapters)
             k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
             if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
                 seen_BxS = cache.valid_BxS & ((window == 0) | (start - slot_S < window))
                 out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
                                              seen_BxS, cfg)
-                return project(out_BxKxGxh.reshape(B, 1, -1), layer, "o_proj", lora_scale), (k_new, v_new)
+                return project(out_BxKxGxh.reshape(B, 1, -1), layer, "o_proj", adapters), (k_new, v_new)
             k_all, v_all = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 1, 2), (0, 0, start, 0))
                             for a, new in ((k_BxKxSxh, k_new), (v_BxKxSxh, v_new)))
             k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)  # attend's [B, S, K, hd]
-            return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, lora_scale), (k_new, v_new)
+            return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, adapters), (k_new, v_new)
 
-        return decoder_layer(x_BxTxD, layer, cached_attention, cfg, lora_scale)[:2]
+        return decoder_layer(x_BxTxD, layer, cached_attention, cfg, adapters, view.experts)[:2]
 
     x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)

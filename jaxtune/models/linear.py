@@ -2,11 +2,10 @@
 
 A module is a dict of one layer's leaves: `kernel` [in, out] (a float array, a quantised leaf or a `BitPattern`),
 optional `bias` [out], and the leaves methods add (LoRA's `lora_a` [in, r] and `lora_b` [r, out], DoRA's
-`magnitude`, IA3's `ia3_in` / `ia3_out`, ...). A method enters through the hooks its leaves trigger
-(`models/adapters.py`'s `DENSE_HOOKS`): nothing here names a method. A frozen kernel in another dtype is derived a
-piece at a time where it is used (`derived_piecewise_matmul`; over fsdp in its stored bits: `gathered_piecewise_matmul`)
-and again in the backward, never kept. Scales that differ across modules or layers ride in the scanned layers as
-`lora_scale` (`with_lora_scales`); dropout keys come from `adapter_dropout_key(layer_key, name)`.
+`magnitude`, IA3's `ia3_in` / `ia3_out`, ...). A method enters through the hooks it hands the forward
+(`models/adapters.py`), each run where a module holds its leaf: nothing here names a method. A frozen kernel in
+another dtype is derived a piece at a time where it is used (`derived_piecewise_matmul`; over fsdp in its stored
+bits: `gathered_piecewise_matmul`) and again in the backward, never kept.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxtune.config import LINEAR_MODULE_NAMES
 from jaxtune.config.forward import MATMUL_OUTPUT
-from jaxtune.models.adapters import Branch, dense_hooks
+from jaxtune.config.method import Branch, DenseHook
+from jaxtune.models.adapters import Adapters
 from jaxtune.models.quant import (
     BitPattern,
     NF4Array,
@@ -307,11 +306,6 @@ def derived_piecewise_matmul(x: jax.Array, w, layout: Pieces, out_dtype=None) ->
     return checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), MATMUL_OUTPUT)
 
 
-def adapter_dropout_key(layer_key: jax.Array, name: str) -> jax.Array:
-    """The dropout key of module `name` (q_proj, ..., down_proj) from its layer's key."""
-    return jax.random.fold_in(layer_key, LINEAR_MODULE_NAMES.index(name))
-
-
 def dropout_keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
     """Boolean [shape]: True where an element is kept, each independently with probability 1 - rate."""
     return jax.random.bernoulli(key, 1.0 - rate, shape)
@@ -322,13 +316,12 @@ def dropout(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
     return jnp.where(dropout_keep_mask(key, x.shape, rate), x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), 0)
 
 
-def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropout_key: jax.Array | None = None,
-          dropout_rate: float = 0.0, kernel_axes: tuple[str, str] | None = None) -> jax.Array:
-    """y = x @ W (+ bias), with the dense hooks of the method leaves the module holds, in x's dtype; x is [..., in],
-    y [..., out].
+def dense(x: jax.Array, module: dict, adapters: Adapters = Adapters(),
+          kernel_axes: tuple[str | None, str | None] | None = None) -> jax.Array:
+    """y = x @ W (+ bias), with the dense hooks of `adapters` whose leaves the module holds, in x's dtype; x is
+    [..., in], y [..., out].
 
-    lora_scale: the adapter's static scale, unless the module carries its own `lora_scale` (module docstring).
-    dropout_key, dropout_rate: dropout on the adapter's input (training); None or rate 0 is no dropout.
+    adapters: the method's hooks and, in training, the module's dropout key and rate (`Adapters.of_module`).
     kernel_axes: the kernel's logical axes (in, out); with them a frozen 16-bit kernel is all-gathered over fsdp
     right where it is used, in its stored bits (`rules.gathered`), a piece at a time where fsdp alone splits it
     (`gathered_piecewise_matmul`; whole for DoRA, whose norm needs it). A kernel derived in another dtype where it
@@ -341,22 +334,18 @@ def dense(x: jax.Array, module: dict, lora_scale: float | jax.Array = 1.0, dropo
     a 607M QLoRA step held 189 MiB of temporaries with two derivations, 131 MiB with one); across the layer scan's
     forward and backward loops there is nothing to merge, so no W outlives its layer.
     """
-    hooks = dense_hooks(module)
-    if dropout_rate == 0.0 or not any(hook.dropout for hook in hooks):
-        dropout_key = None
-    if "lora_scale" in module:
-        module = dict(module)
-        lora_scale = module.pop("lora_scale")
+    hooks = adapters.hooks_of(module)
+    key, rate = adapters.dropout_key, adapters.dropout_rate
+    if rate == 0.0 or not any(hook.dropout for hook in hooks):
+        key, rate = None, 0.0
     if isinstance(module["kernel"], QuantizedArray | BitPattern):
-        static = (2, 4, 5) if isinstance(lora_scale, float) else (4, 5)
-        rederived = jax.checkpoint(_dense, static_argnums=static, prevent_cse=False)
-        return rederived(x, module, lora_scale, dropout_key, dropout_rate, kernel_axes)
-    return _dense(x, module, lora_scale, dropout_key, dropout_rate, kernel_axes)
+        rederived = jax.checkpoint(_dense, static_argnums=(3, 4, 5), prevent_cse=False)
+        return rederived(x, module, key, hooks, rate, kernel_axes)
+    return _dense(x, module, key, hooks, rate, kernel_axes)
 
 
-def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_key: jax.Array | None,
-           dropout_rate: float, kernel_axes: tuple[str, str] | None) -> jax.Array:
-    hooks = dense_hooks(module)
+def _dense(x: jax.Array, module: dict, dropout_key: jax.Array | None, hooks: tuple[DenseHook, ...],
+           dropout_rate: float, kernel_axes: tuple[str | None, str | None] | None) -> jax.Array:
     for hook in hooks:
         if hook.scale_input is not None:
             x = hook.scale_input(x, module)
@@ -365,7 +354,7 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
     whole = any(hook.needs_kernel(module) for hook in hooks)  # DoRA's norm needs the whole kernel
     derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not whole
     layout = pieces_of(module["kernel"], x.dtype, kernel_axes) if derived else None
-    branch = Branch(lora_scale, dropout_key, dropout_rate, kernel_axes)
+    branch = Branch(dropout_key, dropout_rate, kernel_axes)
     kernel, fused = None, None
     if split is not None and not whole:
         y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
@@ -377,8 +366,11 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
         elif kernel_axes is not None and context_ways() > 1:  # left to XLA, the 2-D split's output was replicated
             module = {**module, "kernel": gathered(kernel_of(module, x.dtype), kernel_axes)}
         kernel = kernel_of(module, x.dtype)
-        fused = None if stored or whole else _fused_hook(hooks, module, kernel_axes, kernel.shape,
-                                                         gathered=context_ways() > 1)
+        if not stored and not whole:
+            fused = next((hook for hook in hooks if hook.product is not None and hook.fuses(module)), None)
+        if fused is not None and not folds_branch(platform_in_context(), _split_axes(kernel_axes, kernel.shape),
+                                                  gathered=context_ways() > 1):
+            fused = None
         y = (matmul(x, kernel) if fused is None else
              checkpoint_name(fused.product(x, kernel, module, branch), MATMUL_OUTPUT))
     for hook in hooks:
@@ -392,23 +384,18 @@ def _dense(x: jax.Array, module: dict, lora_scale: float | jax.Array, dropout_ke
     return y
 
 
-def _fused_hook(hooks, module: dict, kernel_axes: tuple[str, str] | None, shape: tuple[int, int], gathered: bool):
-    """The hook whose branch `_dense` folds into the base product, or None: on XLA:CPU, where a rank-r branch
-    computed on its own (its [tokens, r] x [r, out] product and the add over [tokens, out]) costs more than the r
-    extra rows of one GEMM (benchmarks/README.md, issue 34), for a kernel whole at the product: no mesh axis splits
-    it, or only the ZeRO axes where `gathered` (the concatenated kernel of a split one is laid out anew). On GPU and
-    TPU the concatenation would copy a weight the dot reads in place."""
+def _split_axes(kernel_axes, shape: tuple[int, ...]) -> list[tuple[str, ...]]:
+    """The mesh axes in context that split each dimension of a kernel of `shape` (none off a mesh)."""
     mesh = mesh_in_context()
-    split = [] if mesh is None or kernel_axes is None else mesh_axes_of(kernel_axes, shape, mesh.shape)
-    if platform_in_context() != "cpu" or any(set(axes) - (set(ZERO_AXES) if gathered else set()) for axes in split):
-        return None
-    return next((hook for hook in hooks if hook.product is not None and hook.fuses(module)), None)
+    return [] if mesh is None or kernel_axes is None else list(mesh_axes_of(kernel_axes, shape, mesh.shape))
 
 
-def with_lora_scales(layers: dict, scales: float | dict) -> tuple[dict, float]:
-    """(layers, static scale) for the forward: a float scale is passed as is; per-module [L] scales
-    (`methods.targets.layer_scales`) go into each module's `lora_scale` entry, which the layer scan slices."""
-    if not isinstance(scales, dict):
-        return layers, scales
-    layers = {**layers, **{name: {**layers[name], "lora_scale": jnp.asarray(s)} for name, s in scales.items()}}
-    return layers, 1.0
+def folds_branch(platform: str, split_axes: list[tuple[str, ...]], gathered: bool) -> bool:
+    """Whether `dense` folds a hook's low-rank branch into its base product (`DenseHook.product`), the one
+    predicate the forward and the planner ask: on XLA:CPU, where a rank-r branch computed on its own (its
+    [tokens, r] x [r, out] product and the add over [tokens, out]) costs more than the r extra rows of one GEMM
+    (benchmarks/README.md, issue 34), for a kernel whole at the product: no mesh axis splits it (`split_axes`, per
+    dimension), or only the ZeRO axes where `gathered` (the concatenated kernel of a split one is laid out anew).
+    On GPU and TPU the concatenation would copy a weight the dot reads in place."""
+    allowed = set(ZERO_AXES) if gathered else set()
+    return platform == "cpu" and not any(set(axes) - allowed for axes in split_axes)

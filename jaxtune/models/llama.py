@@ -3,7 +3,7 @@ Qwen3-MoE) as pure functions over `params.py`'s tree: `forward` (logits [B, T, V
 
 One block is written once and run over the stacked layers with `lax.scan`, so compile time does not grow with
 depth, under a `Remat` policy (`remat.py`). Attention is blockwise (`attention.py`), the backend's fused kernel
-where it covers the mask (`fused_attention.py`), or across a mesh's context axis (`context_attention.py`); a
+where it covers the mask (`kernels/`), or across a mesh's context axis (`context_attention.py`); a
 mixture's MLP is `moe.py`; `tiled_mlp` runs the MLP in tiles of tokens. Numerics follow transformers: RMSNorm and
 softmax in float32, RoPE angles in float32 cast to the compute dtype, the rest in the compute dtype; "float64"
 compute (under `jax.enable_x64`) widens the float32 parts too: the tests' float64 reference.
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
-from jaxtune.models.adapters import adapter_forward
+from jaxtune.models.adapters import Adapters, adapter_forward, layer_adapters
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.context_attention import (
     ContextLayout,
@@ -23,24 +23,18 @@ from jaxtune.models.context_attention import (
     context_layout,
     gather_outputs,
     spread_inputs,
-    with_splash,
-)
-from jaxtune.models.fused_attention import (
-    FusedAttention,
-    choose_kernel,
-    cudnn_attention,
-    right_padded,
-    splash_attention,
+    with_ring_kernel,
 )
 from jaxtune.models.head import head_logits
-from jaxtune.models.linear import adapter_dropout_key, dense, wide, with_lora_scales
+from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
+from jaxtune.models.linear import dense, wide
 from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
 from jaxtune.models.rope import apply_rope, layer_rope, rope_tables
 from jaxtune.models.tiles import cut_tiles, join_tiles, tile_count
-from jaxtune.parallel.rules import constrain, context_ways, gathered, mesh_in_context
+from jaxtune.parallel.rules import constrain, context_ways, gathered, mesh_in_context, platform_in_context
 
 
 def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
@@ -75,29 +69,21 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.A
     return x_BxTxD * jnp.asarray(cfg.hidden_size**0.5, dtype) if cfg.scale_embeddings else x_BxTxD
 
 
-def lora_scaled_layers(layers: dict, method: MethodConfig | None, cfg: ModelConfig) -> tuple[dict, float]:
-    """(layers to scan, static adapter scale): per-module, per-layer scales ride in the layers when they differ."""
-    return with_lora_scales(layers, adapter_forward(method).scales(method, cfg))
+def project(x, layer: dict, name: str, adapters: Adapters):
+    """`dense` through module `name` of one layer, with the method's `adapters` (its dropout key drawn for it)."""
+    return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])
 
 
-def project(x, layer: dict, name: str, lora_scale: float, dropout: tuple[jax.Array, float] | None = None):
-    """`dense` through module `name` of one layer; dropout = (the layer's dropout key, rate) in training, else None."""
-    if dropout is None:
-        return dense(x, layer[name], lora_scale, kernel_axes=LINEAR_AXES[name])
-    layer_key, rate = dropout
-    return dense(x, layer[name], lora_scale, adapter_dropout_key(layer_key, name), rate, LINEAR_AXES[name])
-
-
-def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, dropout=None):
+def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, adapters: Adapters):
     """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
     values [B, T, K, hd]."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj" in layer:  # Phi-3: one projection, split as [queries | keys | values]
-        qkv_BxTxE = project(x_BxTxD, layer, "qkv_proj", lora_scale, dropout)
+        qkv_BxTxE = project(x_BxTxD, layer, "qkv_proj", adapters)
         q_BxTxQ, k_BxTxV, v_BxTxV = jnp.split(qkv_BxTxE, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
-        q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, lora_scale, dropout)
+        q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, adapters)
                                      for name in ("q_proj", "k_proj", "v_proj"))
     q_BxTxHxh, k_BxTxKxh = q_BxTxQ.reshape(B, T, K * G, hd), k_BxTxV.reshape(B, T, K, hd)
     if cfg.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
@@ -108,16 +94,16 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, lora_scale: float, d
 
 
 def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, cfg: ModelConfig,
-           lora_scale: float, dropout=None, fused: FusedAttention | None = None) -> jax.Array:
+           adapters: Adapters, fused: FusedAttention | None = None) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T scale) v over the S keys
     that `mask` allows within `window` (with the model's scale and soft cap), then o_proj; returns [B, T, D].
 
-    fused: the full forward's fused kernel (`fused_attention.choose_kernel`); None: `attention.blockwise_attention`.
+    fused: the full forward's fused kernel (`kernels.choose_kernel`); None: `attention.blockwise_attention`.
     """
     B, T, K, G, hd = q_BxTxKxGxh.shape
-    k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
 
     def blockwise():
+        k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
         q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
         out = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC,
                                   scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
@@ -125,25 +111,19 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
 
     if fused is None:
         out_BxTxKxGxh = blockwise()
-    elif fused.kind == "splash":
-        q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
-        out = splash_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, fused,
-                               scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
-        out_BxTxKxGxh = jnp.transpose(out, (0, 3, 1, 2, 4))
-    else:  # cuDNN: causal attention, right for every row padded on the right; a batch with left padding is not
-        cudnn = lambda: cudnn_attention(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, window, fused.windows,  # noqa: E731
-                                        scale=cfg.attention_scale)
-        out_BxTxKxGxh = jax.lax.cond(right_padded(mask), cudnn, blockwise) if fused.masked else cudnn()
-    return project(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer, "o_proj", lora_scale, dropout)
+    else:
+        call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise)
+        out_BxTxKxGxh = KERNELS[fused.kind].attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call)
+    return project(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer, "o_proj", adapters)
 
 
-def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, cfg: ModelConfig, lora_scale: float,
-              dropout=None, fused: FusedAttention | None = None, context: ContextLayout | None = None):
+def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, cfg: ModelConfig, adapters: Adapters,
+              fused: FusedAttention | None = None, context: ContextLayout | None = None):
     """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D].
 
     context: the tokens' layout on a context axis (`context_attention.py`; `mask` then the tokens' own)."""
     B, T, _ = x_BxTxD.shape
-    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, lora_scale, dropout)
+    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, adapters)
     K, hd = cfg.num_kv_heads, cfg.head_dim
     as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)  # noqa: E731
     if context is not None:
@@ -153,11 +133,11 @@ def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, c
                                                      for a in (k_BxSxKxh, v_BxSxKxh, *prefix_BxPxKxh))
         out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
                                 mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
-        return project(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), layer, "o_proj", lora_scale, dropout)
+        return project(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), layer, "o_proj", adapters)
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, lora_scale, dropout, fused)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, adapters, fused)
 
 
 # The activation is computed in float32 (float64) and rounded once, as torch's bfloat16 kernels compute it: in
@@ -175,48 +155,49 @@ def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:  # transfor
 GATED = {"silu": jax.checkpoint(_swiglu), "gelu_tanh": jax.checkpoint(_geglu)}
 
 
-def gated_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None,
-              prefix: str = "") -> jax.Array:
+def gated_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters, prefix: str = "") -> jax.Array:
     """down(act(gate(x)) * up(x)) through the layer's `{prefix}gate_proj`, ...: SwiGLU, or GeGLU with tanh-GELU
     (Gemma); Phi-3's gate and up are the halves of one projection."""
     if "gate_up_proj" in layer:
-        gate_BxTxF, up_BxTxF = jnp.split(project(x_BxTxD, layer, "gate_up_proj", lora_scale, dropout), 2, axis=-1)
+        gate_BxTxF, up_BxTxF = jnp.split(project(x_BxTxD, layer, "gate_up_proj", adapters), 2, axis=-1)
     else:
-        gate_BxTxF, up_BxTxF = (project(x_BxTxD, layer, prefix + name, lora_scale, dropout)
+        gate_BxTxF, up_BxTxF = (project(x_BxTxD, layer, prefix + name, adapters)
                                 for name in ("gate_proj", "up_proj"))
     hidden = GATED[cfg.hidden_act](gate_BxTxF, up_BxTxF)
-    return project(hidden, layer, prefix + "down_proj", lora_scale, dropout)
+    return project(hidden, layer, prefix + "down_proj", adapters)
 
 
-def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None, valid_BxT=None):
+def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters, expert_hook=None, valid_BxT=None):
     """(the layer's feed-forward output [B, T, D], its routing sums or None): the gated MLP, or a mixture of
     experts (`moe.py`) plus Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)).
 
+    expert_hook: the method's part of the experts' grouped products (`AdapterForward.experts`), or None.
     valid_BxT: the tokens the routing sums count (not padding); None: all of them."""
     if "experts" not in layer:
-        return gated_mlp(x_BxTxD, layer, cfg, lora_scale, dropout), None
+        return gated_mlp(x_BxTxD, layer, cfg, adapters), None
     valid_BxT = jnp.ones(x_BxTxD.shape[:2], bool) if valid_BxT is None else valid_BxT
-    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, GATED[cfg.hidden_act], lora_scale)
+    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, GATED[cfg.hidden_act], expert_hook)
     if "shared_expert_gate" in layer:
         gate_BxTx1 = jax.nn.sigmoid(dense(x_BxTxD, layer["shared_expert_gate"], kernel_axes=("embed", None)))
-        out_BxTxD = out_BxTxD + gate_BxTx1 * gated_mlp(x_BxTxD, layer, cfg, lora_scale, dropout, "shared_expert.")
+        out_BxTxD = out_BxTxD + gate_BxTx1 * gated_mlp(x_BxTxD, layer, cfg, adapters, "shared_expert.")
     return out_BxTxD, routing
 
 
-def tiled_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, lora_scale: float, dropout=None, valid_BxT=None,
-              tile: int = 0):
+def tiled_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters, expert_hook=None,
+              valid_BxT=None, tile: int = 0):
     """`mlp` over tiles of `tile` tokens a row (a device's share of them on a context axis), each recomputed in the
     backward, so no [B, T, F] activation exists whole (ALST's tiled MLP); the routing sums add up over the tiles.
     Tile i draws its dropout from the layer's key folded with i. tile 0, or rows no longer than a tile: `mlp`."""
     B, T, _ = x_BxTxD.shape
     if not tile or T // tile_count(T, 1)[0] <= tile:
-        return mlp(x_BxTxD, layer, cfg, lora_scale, dropout, valid_BxT)
+        return mlp(x_BxTxD, layer, cfg, adapters, expert_hook, valid_BxT)
     valid_BxT = jnp.ones((B, T), bool) if valid_BxT is None else valid_BxT
 
     def one(_, args):
         x, valid, i = args
-        tile_dropout = None if dropout is None else (jax.random.fold_in(dropout[0], i), dropout[1])
-        return None, mlp(x, layer, cfg, lora_scale, tile_dropout, valid)
+        tile_adapters = adapters if adapters.dropout_key is None else adapters.with_key(
+            jax.random.fold_in(adapters.dropout_key, i))
+        return None, mlp(x, layer, cfg, tile_adapters, expert_hook, valid)
 
     tiles = cut_tiles(x_BxTxD, tile)
     _, (out, routing) = jax.lax.scan(jax.checkpoint(one, prevent_cse=False), None,
@@ -229,15 +210,16 @@ def bottleneck(x_BxTxD: jax.Array, adapter: dict) -> jax.Array:
     return x_BxTxD + dense(jax.nn.silu(dense(x_BxTxD, adapter["down"])), adapter["up"])
 
 
-def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, lora_scale: float, dropout=None,
-                  valid_BxT=None, mlp_tile: int = 0):
+def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, adapters: Adapters,
+                  expert_hook=None, valid_BxT=None, mlp_tile: int = 0):
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
     With `cfg.sandwich_norms` (Gemma) each sub-layer's output is normalised too: x + norm(attn(norm(x))) with
     input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm.
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
     aux (the layer's new keys and values) is returned beside the new x, then a mixture's routing sums (or None;
-    `mlp`, counting the tokens of valid_BxT). dropout: as for `project` (the MLP's). mlp_tile: `tiled_mlp`'s tile.
+    `mlp`, counting the tokens of valid_BxT). adapters, expert_hook: the method's (the MLP's). mlp_tile: `tiled_mlp`'s
+    tile.
     """
     sandwich = cfg.sandwich_norms
     with jax.named_scope("attention"):
@@ -246,7 +228,8 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
     with jax.named_scope("mlp"):
         pre_mlp = layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]
-        h, routing = tiled_mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, lora_scale, dropout, valid_BxT, mlp_tile)
+        h, routing = tiled_mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, adapters, expert_hook, valid_BxT,
+                                mlp_tile)
         h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
     return x_BxTxD, aux, routing
@@ -276,11 +259,12 @@ def decoder_and_routing(
     segment_ids_BxT: packed rows; a token attends only to earlier tokens of its own segment.
     method: the fine-tuning method whose leaves `params` carries (its LoRA scaling is static).
     dropout_key: training only, with a LoRA method whose `dropout` > 0: layer i draws its masks from
-    `jax.random.split(dropout_key, L)[i]` (see `linear.adapter_dropout_key`). None (eval, generation): no dropout.
+    `jax.random.split(dropout_key, L)[i]` (see `Adapters.of_module`). None (eval, generation): no dropout.
     """
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
-    layers, lora_scale = lora_scaled_layers(params["layers"], method, cfg)
+    view = adapter_forward(method, cfg)
+    layers = params["layers"] if view.prepare is None else view.prepare(params["layers"])
     prefix = params["layers"]["prefix"]["key"].shape[1] if "prefix" in params["layers"] else 0
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
@@ -289,23 +273,22 @@ def decoder_and_routing(
         mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
         live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
         K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-        fused = choose_kernel(options.attention, B=B, T=T, S=prefix + T, K=K, G=G, head_dim=cfg.head_dim,
-                              prefix=prefix, packed=segment_ids_BxT is not None, padded=attention_mask_BxT is not None,
-                              softcap=cfg.attn_logit_softcap, dtype=dtype,
-                              windows=tuple(sorted(set(cfg.sliding_windows))))
+        shape = AttentionShape(B, T, prefix + T, K, G, cfg.head_dim, prefix, segment_ids_BxT is not None,
+                               attention_mask_BxT is not None, cfg.attn_logit_softcap, dtype,
+                               tuple(sorted(set(cfg.sliding_windows))))
+        fused = choose_kernel(options.attention, shape, platform_in_context())
     else:  # each row's tokens split over the context axis, in its layout's order (the prefix apart)
         tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, slots_T = spread_inputs(
             context, tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
         mask = training_mask(B, slots_T.shape[0], 0, attention_mask_BxT, segment_ids_BxT, slots_T)
         live_QxC, fused = None, None
-        context = with_splash(context, options.attention, B=B, T=T, K=cfg.num_kv_heads,
+        context = with_ring_kernel(context, options.attention, B=B, T=T, K=cfg.num_kv_heads,
                               G=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim, prefix=prefix,
                               softcap=cfg.attn_logit_softcap, dtype=dtype, windows=cfg.sliding_windows)
     rope = rope_tables(positions_BxT, cfg, dtype)
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones(tokens_BxT.shape, bool))
-    rate = adapter_forward(method).dropout_rate(method)
-    use_dropout = dropout_key is not None and rate > 0  # otherwise no key enters the scan: no random-number work
+    use_dropout = dropout_key is not None and view.dropout_rate > 0  # else no key enters the scan: no random work
 
     stacks, layers = unsliced_kernels(layers, dtype)
 
@@ -314,11 +297,11 @@ def decoder_and_routing(
         rope, mask, live_QxC, stacks, valid_BxT = shared
         cos, sin = layer_rope(rope, window)
         layer = with_kernels_of_layer(layer, stacks, index)
-        dropout = (layer_key, rate) if use_dropout else None
+        adapters = layer_adapters(view, layer_key)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context
-        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, lora_scale, dropout, fused,
+        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, adapters, fused,
                                          context), None)
-        x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, lora_scale, dropout, valid_BxT,
+        x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, adapters, view.experts, valid_BxT,
                                             options.tiled_mlp)
         return x_BxTxD, routing
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.method import ExpertHook
 from jaxtune.models.linear import dense, kernel_of
 from jaxtune.models.params import EXPERT_AXES
 from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
@@ -38,15 +39,17 @@ def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, 
 
 
 def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axes: tuple[str, ...],
-                   lora_scale: float = 1.0) -> jax.Array:
+                   hook: ExpertHook | None = None) -> jax.Array:
     """Rows of x, sorted by expert (group_sizes_E rows each), times their expert's kernel [E, in, out]: [M, out];
-    with the module's LoRA (A [E, in, r], B [E, r, out]) added as two more grouped matmuls, s (x A_e) B_e."""
-    kernel_ExIxO = gathered(kernel_of(module, x_MxI.dtype), axes[1:])
-    y_MxO = jax.lax.ragged_dot(x_MxI, kernel_ExIxO, group_sizes_E)
-    if "lora_a" not in module:
-        return y_MxO
-    xa_MxR = jax.lax.ragged_dot(x_MxI, module["lora_a"].astype(x_MxI.dtype), group_sizes_E)
-    return y_MxO + lora_scale * jax.lax.ragged_dot(xa_MxR, module["lora_b"].astype(x_MxI.dtype), group_sizes_E)
+    with the method's branch where the stack holds its leaves (`hook`, e.g. LoRA's two more grouped products)."""
+    product = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes_E)  # noqa: E731
+    y_MxO = product(x_MxI, gathered(kernel_of(module, x_MxI.dtype), axes[1:]))
+    return _with_hook(x_MxI, y_MxO, module, hook, product)
+
+
+def _with_hook(x_MxI, y_MxO, module: dict, hook: ExpertHook | None, product) -> jax.Array:
+    """y plus the hook's branch where the stack holds the hook's leaf."""
+    return y_MxO if hook is None or hook.trigger not in module else hook.add(x_MxI, y_MxO, module, product)
 
 
 def grouped_kernel(cfg: ModelConfig, platform: str, tensor: int) -> str:
@@ -62,10 +65,10 @@ def expert_platform() -> tuple[str, bool]:
 
 
 def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT: jax.Array, gated,
-                   lora_scale: float = 1.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                   hook: ExpertHook | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(the experts' weighted sum [B, T, D], (assignments [E], probability sums [E] over the valid tokens)).
 
-    gated(gate, up): the experts' activation (`llama.GATED`); lora_scale: of LoRA on the expert stacks."""
+    gated(gate, up): the experts' activation (`llama.GATED`); hook: a method's part of the stacks' products."""
     B, T, D = x_BxTxD.shape
     K, E = cfg.experts_per_token, cfg.num_experts
     probs_NxE, weights_NxK, experts_NxK = route(x_BxTxD.reshape(B * T, D), layer["router"], cfg)
@@ -73,11 +76,11 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     mesh = mesh_in_context()
     if grouped_kernel(cfg, platform, 1 if mesh is None else mesh.shape["tensor"]) == "megablox":
         out_BxTxD = _megablox_experts(x_BxTxD, weights_NxK.reshape(B, T, K), experts_NxK.reshape(B, T, K),
-                                      layer["experts"], gated, lora_scale, E, interpret)
+                                      layer["experts"], gated, hook, E, interpret)
     else:
         experts = layer["experts"]
         matmul = lambda x, name, sizes_E: grouped_matmul(x, experts[name], sizes_E, EXPERT_AXES[name],  # noqa: E731
-                                                         lora_scale)
+                                                         hook)
         out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E,
                                  matmul).reshape(B, T, D)
     valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
@@ -102,8 +105,8 @@ def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumul
     return jnp.einsum("nkd,nk->nd", y_NxKxD.astype(dtype), weights_NxK.astype(dtype))
 
 
-def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gated, lora_scale: float, E: int,
-                      interpret: bool) -> jax.Array:
+def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gated, hook: ExpertHook | None,
+                      E: int, interpret: bool) -> jax.Array:
     """The mixture's output [B, T, D] by megablox on every device's rows: with an expert axis that splits the
     experts, rows gathered over it, each device's own experts computed, partial sums reduce-scattered back; with a
     tensor axis, each device its share of every expert's hidden units (gate and up side by side, as [E, in, 2, F]
@@ -115,16 +118,20 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
         ("tensor",) if mesh.shape["tensor"] > 1 else ())
     gather_rows = bool(expert_axes) and set(expert_axes) <= set(row_axes)
     stacks, specs = {}, {}  # each leaf gathered over fsdp, split over the expert axis and (on F) tensor
+    hook_dims = {} if hook is None else dict(hook.leaf_dims)
     for name, module in experts.items():
-        for leaf in ("kernel", "lora_a", "lora_b"):
-            if leaf not in module:
-                continue
+        follows = {"kernel": ("in", "out"), **(hook_dims if hook is not None and hook.trigger in module else {})}
+        for leaf, (rows_dim, columns_dim) in follows.items():
             value = kernel_of(module, dtype) if leaf == "kernel" else module[leaf]
+            if value.ndim < 3:  # a leaf of no expert dimensions (a scale): replicated
+                specs.setdefault(name, {})[leaf] = to_spec([()] * value.ndim)
+                stacks.setdefault(name, {})[leaf] = value
+                continue
             dims = [expert_axes] + [()] * (value.ndim - 1)
-            if (name, leaf) in (("gate_up_proj", "kernel"), ("gate_up_proj", "lora_b")):  # [E, in, 2F] -> [E, in, 2, F]
+            if name == "gate_up_proj" and columns_dim == "out":  # [E, in, 2F] -> [E, in, 2, F]
                 value = value.reshape(*value.shape[:-1], 2, value.shape[-1] // 2)
                 dims = [expert_axes, (), (), tensor_axes]
-            elif (name, leaf) in (("down_proj", "kernel"), ("down_proj", "lora_a")):  # [E, F, out]
+            elif name == "down_proj" and rows_dim == "in":  # [E, F, out]
                 dims[1] = tensor_axes
             specs.setdefault(name, {})[leaf] = to_spec(dims)
             stacks.setdefault(name, {})[leaf] = (value if mesh is None
@@ -141,7 +148,7 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
         unpaired = {name: {leaf: v.reshape(*v.shape[:-2], -1) if v.ndim == 4 else v for leaf, v in module.items()}
                     for name, module in stacks.items()}  # gate_up: [E, in, 2, F'] -> [E, in, 2 F'], [gate' | up']
         matmul = lambda x, name, sizes_E: megablox_matmul(  # noqa: E731
-            x, unpaired[name], sizes_E, jnp.asarray(offset, jnp.int32), lora_scale, interpret)
+            x, unpaired[name], sizes_E, jnp.asarray(offset, jnp.int32), hook, interpret)
         out_NxD = _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E, matmul,
                                accumulate=jnp.promote_types(dtype, jnp.float32))
         if tensor_axes:  # each device's hidden units' share of every expert output
@@ -159,11 +166,11 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
                          out_specs=rows_spec, check_vma=False)(x_BxTxD, weights_BxTxK, experts_BxTxK, stacks)
 
 
-def megablox_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, offset: jax.Array, lora_scale: float,
-                    interpret: bool) -> jax.Array:
+def megablox_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, offset: jax.Array,
+                    hook: ExpertHook | None, interpret: bool) -> jax.Array:
     """Rows sorted by expert times the local experts' kernels [E_local, in, out] (experts offset.. offset +
-    E_local of group_sizes_E; other rows come out zero), LoRA's two grouped matmuls added as in `grouped_matmul`;
-    rows padded to megablox's tile."""
+    E_local of group_sizes_E; other rows come out zero), the method's branch added as in `grouped_matmul`; rows
+    padded to megablox's tile."""
     M = x_MxI.shape[0]
     padded = -(-M // 128) * 128
     x_MxI = jnp.pad(x_MxI, ((0, padded - M), (0, 0)))
@@ -174,9 +181,7 @@ def megablox_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, of
         return megablox.gmm(x, kernel.astype(x.dtype), group_sizes_E, x.dtype, gmm_tiles, offset, None, False,
                             interpret)
 
-    y = gmm(x_MxI, module["kernel"])
-    if "lora_a" in module:
-        y = y + lora_scale * gmm(gmm(x_MxI, module["lora_a"]), module["lora_b"])
+    y = _with_hook(x_MxI, gmm(x_MxI, module["kernel"]), module, hook, gmm)
     return y[:M]
 
 

@@ -1,30 +1,40 @@
-"""An objective, declared once (`Objective`); adding one is a module here and its line in `__init__.py`. Its fields:
-
-    name, section       the `train.objective` value; its TOML section's dataclass ([dpo], [grpo], [distill]) or None
-    rows, batch_fields  rows a micro-batch holds per example (a preference pair: 2); its arrays beside SFT's five
-    second_model        None, "base" (a full fine-tune's frozen copy; adapter methods: the base, adapters off) or a dir
-    loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
-    head, head_axes     the trainable leaves it adds (a reward model's score) and their logical axes
-    prepare, export     the trainer's side (`ObjectiveInputs` -> `ObjectiveData`); what a finished run writes
-    for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit, single_process
+"""An objective, declared once (`Objective`, its fields described there); adding one is a module here and its
+entry in `__init__.py`'s registry. It declares its TOML section, the rows and arrays a micro-batch holds, its second
+model (a reference, a teacher), whether it generates (rollouts), its loss and eval terms, the head it adds, its data
+(`prepare`: `ObjectiveInputs` -> `ObjectiveData`), what a finished run exports, and the planner's figures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
 import jax
 import numpy as np
 
-from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.config import (
+    DataConfig,
+    ForwardOptions,
+    MethodConfig,
+    ModelConfig,
+    ModelSection,
+    OffloadConfig,
+    TrainConfig,
+)
 from jaxtune.data.batching import BATCH_FIELDS
 from jaxtune.methods.base import adapter_keys
 
-if TYPE_CHECKING:  # run_config assembles the objectives' sections, so it imports this package
-    from jaxtune.run_config import RunConfig
+
+class RunSections(Protocol):
+    """The sections of a run config an objective reads (`jaxtune.run_config.RunConfig` has them)."""
+
+    model: ModelSection
+    method: MethodConfig
+    data: DataConfig
+    train: TrainConfig
+    offload: OffloadConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,7 @@ class Context:
     cfg: ModelConfig
     method: MethodConfig | None
     options: ForwardOptions
-    section: object = None
+    section: Any = None
     second_cfg: ModelConfig | None = None
 
 
@@ -46,10 +56,10 @@ class ObjectiveInputs:
     checked (a run that fails to start leaves its directory as it was). load_reward_model(directory) -> (cfg,
     params): the spine's loader, handed down (a reward model scoring GRPO's rollouts)."""
 
-    config: RunConfig
-    section: object
+    config: RunSections
+    section: Any
     cfg: ModelConfig
-    tokenizer: object
+    tokenizer: Any
     log: Callable[[str], None]
     cache_dir: Path | None = None
     cache_writes: list = field(default_factory=list)
@@ -63,7 +73,9 @@ class ObjectiveData:
     batch(epoch, index, params) -> host arrays [A, rows, ...] of step `index` of `epoch` (a function of the data
     seed, the epoch and the index; for GRPO also of the current params, which a resumed run restores exactly).
     evaluate(eval_step, params) -> {"eval_...": value} over the held-out data, None without any.
-    start(trainer) runs once the weights are loaded (DPO scores its pairs with the reference there).
+    start(read_reference, context) runs once the weights are loaded (DPO scores its pairs with the reference there);
+    read_reference(reference) -> params: "base" (the frozen base with adapters off, or read again for a full
+    fine-tune) or a model directory, read into the frozen weights' shardings.
     rows_per_epoch, tokens_per_epoch: the rows of data an epoch's batches hold and the token positions in them (None
     where the objective does not know them before it runs), for `train.setup_checks`' padding warnings.
     """
@@ -71,37 +83,63 @@ class ObjectiveData:
     steps_per_epoch: int
     batch: Callable[[int, int, Callable[[], dict]], dict]
     evaluate: Callable | None = None
-    start: Callable | None = None
+    start: Callable[[Callable[[str], dict], Context], None] | None = None
     rows_per_epoch: int | None = None
     tokens_per_epoch: int | None = None
 
 
+Section = TypeVar("Section")
+# (trainable, frozen, second model, micro-batch, dropout key) -> (loss sum, (count, {metric: sum}))
+LossTerms = Callable[..., tuple[jax.Array, tuple[jax.Array, dict]]]
+# (params, second model, held-out batch) -> {name: sum}
+EvalTerms = Callable[[dict, Any, dict], dict]
+
+
 @dataclass(frozen=True)
-class Objective:
-    """One training objective (see the module docstring for each field)."""
+class Objective(Generic[Section]):
+    """One training objective.
+
+    name, section       the `train.objective` value; its TOML section's dataclass ([dpo], [grpo], [distill]) or None
+    rows, batch_fields  rows a micro-batch holds per example (a preference pair: 2); its arrays beside SFT's five
+    second_model        None, "base" (a full fine-tune's frozen copy; adapter methods: the base, adapters off) or a dir
+    generates           its step samples from the policy (rollouts): rows decoded whole (no context axis)
+    loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
+    head, head_axes     (params, cfg, key) -> params with the trainable leaves it adds (a reward model's score);
+                        their logical axes by dict path
+    prepare             the trainer's side (`ObjectiveInputs` -> `ObjectiveData`)
+    export, result      writes a finished run's result instead of the method's (a reward model), and what it is
+    for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit, single_process
+    """
 
     name: str
-    loss_terms: Callable[[Context], Callable]
-    eval_terms: Callable[[Context], Callable]
-    prepare: Callable
-    section: type | None = None
-    rows: Callable[[object], int] = lambda section: 1
-    batch_fields: Callable[[int, object], dict] = lambda rows, section: {}
-    second_model: Callable[[object, MethodConfig], str | None] = lambda section, method: None
-    logits_copies: Callable[[MethodConfig, object], int] = lambda method, section: 2
-    head: Callable[[ModelConfig, jax.Array], dict] | None = None
-    head_axes: dict = field(default_factory=dict)
+    loss_terms: Callable[[Context], LossTerms]
+    eval_terms: Callable[[Context], EvalTerms]
+    prepare: Callable[[ObjectiveInputs], ObjectiveData]
+    section: type[Section] | None = None
+    rows: Callable[[Section], int] = lambda section: 1
+    batch_fields: Callable[[int, Section], dict] = lambda rows, section: {}
+    second_model: Callable[[Section, MethodConfig], str | None] = lambda section, method: None
+    generates: bool = False
+    logits_copies: Callable[[MethodConfig, Section], int] = lambda method, section: 2
+    head: Callable[[dict, ModelConfig, jax.Array], dict] | None = None
+    head_axes: Mapping[tuple, tuple] = field(default_factory=dict)
     batch_metrics: Callable[[dict], dict] | None = None
-    export: Callable | None = None
+    export: Callable[[Path, RunSections, ModelConfig, dict], Path] | None = None
+    result: str = ""
     unit: str = "rows"
     single_process: bool = False
-    rollout_tokens: Callable[[object], int] = lambda section: 0
-    extra_forwards: Callable[[object], int] = lambda section: 0
+    rollout_tokens: Callable[[Section], int] = lambda section: 0
+    extra_forwards: Callable[[Section], int] = lambda section: 0
 
     def micro_batch(self, rows: int, seq_len: int, section) -> dict:
         """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's."""
         arrays = {k: jax.ShapeDtypeStruct((rows, seq_len), np.dtype(d)) for k, d in BATCH_FIELDS.items()}
         return {**arrays, **self.batch_fields(rows, section)}
+
+    @property
+    def head_leaves(self) -> tuple[str, ...]:
+        """The top-level names of the leaves its head adds (trained with any method)."""
+        return tuple(dict.fromkeys(path[0] for path in self.head_axes))
 
 
 def strip_adapters(params: dict) -> dict:

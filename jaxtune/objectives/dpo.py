@@ -174,9 +174,9 @@ def pair_training(setup: ObjectiveInputs, metrics=per_pair) -> ObjectiveData:
                                                            c.data.seed, epoch, ref)
     steps = -(-len(batches(train, 0, None)) // c.train.grad_accum)
 
-    def start(reference, ctx: Context) -> None:
+    def start(read_reference, ctx: Context) -> None:
         if getattr(setup.section, "precompute_reference", False):
-            params = reference()
+            params = read_reference(getattr(setup.section, "reference", "base"))
             scores["train"], scores["held_out"] = (reference_logps(params, pairs, ctx, c.train.batch_size,
                                                                    c.data.max_seq_len) for pairs in (train, held_out))
             setup.log(f"reference log-probs precomputed for {len(train)} + {len(held_out)} pairs")

@@ -276,5 +276,6 @@ GRPO = Objective("grpo", loss_terms, eval_terms, make_prepare("grpo", group_adva
                  second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
                  logits_copies=lambda method, section: 3,
                  batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
-                 unit="prompts", single_process=True, rollout_tokens=lambda section: section.max_new_tokens,
+                 unit="prompts", single_process=True, generates=True,
+                 rollout_tokens=lambda section: section.max_new_tokens,
                  extra_forwards=lambda section: 1)

@@ -69,4 +69,5 @@ def export(run_dir: Path, config, cfg, params: dict) -> Path:
 
 REWARD = Objective("reward", loss_terms, eval_terms, prepare, rows=lambda section: 2,
                    logits_copies=lambda method, section: 0,
-                   head=add_reward_head, head_axes={("score", "kernel"): ("embed",)}, export=export, unit="pairs")
+                   head=add_reward_head, head_axes={("score", "kernel"): ("embed",)}, export=export,
+                   result="an HF sequence-classification directory (reward_model/)", unit="pairs")

@@ -59,6 +59,7 @@ class Widths:
     strategy: str = "ring"
     mlp_tile: int = 0  # `[model] tiled_mlp`: the MLP's tokens a row at a time (0: all T)
     fused_low_rank: bool = False  # LoRA branches folded into their base products (`linear.dense` on CPU)
+    whole_kernel: bool = False  # a method hook needs the whole kernel (DoRA): its branch's output is read again
 
     @property
     def Tm(self) -> int:
@@ -75,7 +76,7 @@ def mlp_width(cfg: ModelConfig) -> int:
 
 def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, megablox: bool = False,
            expert: int = 1, context: int = 1, strategy: str = "ring", mlp_tile: int = 0,
-           fused_low_rank: bool = False) -> Widths:
+           fused_low_rank: bool = False, whole_kernel: bool = False) -> Widths:
     """Widths on one device when heads, MLP columns and the vocabulary are split `tensor` ways (where they divide,
     as jaxtune.parallel's rules split the weights); with `megablox` a mixture's rows are gathered over the `expert`
     devices that split its experts (`models/moe.py`); a row's tokens split over `context` devices, whose attention
@@ -92,7 +93,7 @@ def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, 
                   cfg.num_kv_heads // tensor if heads_split else cfg.num_kv_heads, cfg.head_dim,
                   megablox and bool(cfg.num_experts),
                   expert if megablox and cfg.num_experts and cfg.num_experts % expert == 0 else 1,
-                  context, strategy, 0 if cfg.num_experts else mlp_tile, fused_low_rank)
+                  context, strategy, 0 if cfg.num_experts else mlp_tile, fused_low_rank, whole_kernel)
 
 
 def _trains_input(method, module: str, adapted: dict) -> bool:
@@ -133,7 +134,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         for m in lora:
             saved.append((f"{m} x A", (b, T, lora[m]), False))
             # (down_proj's output only meets the residual add; a folded branch is its module's output)
-            if (m != "down_proj" or method.dora) and not w.fused_low_rank:
+            if (m != "down_proj" or w.whole_kernel) and not w.fused_low_rank:
                 saved.append((f"{m} x A B", out_width[m], False))
     else:
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
@@ -236,13 +237,12 @@ def context_attention_bytes(w: Widths, itemsize: int, nbytes) -> int:
     return 2 * nbytes(block, itemsize) + 2 * nbytes(block, 4) + nbytes((w.b, w.heads, w.T, w.head_dim), 4)
 
 
-def live_block_fraction(T: int, prefix: int, splash: bool = False) -> float:
+def live_block_fraction(T: int, prefix: int, blocks=None) -> float:
     """The share of a causal attention's query x key blocks the kernel computes (the rest the mask removes
-    entirely): all of them for one block, about half for many. Blocks: the blockwise kernel's, or splash's (512,
-    256 or 128 positions, the largest that divides the length)."""
+    entirely): all of them for one block, about half for many. blocks(T, S) -> (query, key) block sizes: a fused
+    kernel's (`KernelCosts.blocks`); None: the blockwise kernel's."""
     S = prefix + T
-    bq, bk = ((next(b for b in (512, 256, 128) if n % b == 0) for n in (T, S)) if splash else
-              (block_size(T), block_size(S)))
+    bq, bk = blocks(T, S) if blocks is not None else (block_size(T), block_size(S))
     nq, nk = -(-T // bq), -(-S // bk)
     live = sum(min(nk, -(-(prefix + (i + 1) * bq) // bk)) for i in range(nq))
     return live / (nq * nk)
@@ -269,11 +269,11 @@ def kernel_elements_per_layer(cfg: ModelConfig) -> int:
     return D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * mlp + D * cfg.num_experts
 
 
-def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int, splash: bool = False) -> int:
+def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int, blocks=None) -> int:
     """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers, over the blocks the causal
-    mask leaves live (`live_block_fraction`, of splash's blocks or the blockwise kernel's)."""
+    mask leaves live (`live_block_fraction`, of a fused kernel's blocks or the blockwise kernel's)."""
     dense = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
-    return int(dense * live_block_fraction(seq_len, prefix, splash))
+    return int(dense * live_block_fraction(seq_len, prefix, blocks))
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ import os
 
 import jax
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.methods.base import method_unit
+from jaxtune.methods import method_config, option_names
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
 from jaxtune.planner.compiled_search import confirm_plan, format_bound, largest_accepted
@@ -100,17 +100,16 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
         cfg, stored = standard_config(params), ("bfloat16" if device.family != "cpu" else "float32")
     accelerator = device.family != "cpu"
     try:
-        low_rank = method_unit(method).costs.low_rank
-        method_cfg = MethodConfig(method, rank=rank, alpha=2.0 * rank, bits=bits,
-                                  target_modules=tuple(targets.split(",")) if low_rank else ())
+        values = {"rank": rank, "alpha": 2.0 * rank, "bits": bits, "target_modules": tuple(targets.split(","))}
+        method_cfg = method_config(method, **{k: v for k, v in values.items() if k in option_names(method)})
         mesh_cfg = parse_mesh(mesh) or MeshConfig()
         if batch is None:
-            sizes = resolve_mesh(TrainPlan(mesh=mesh_cfg), device)
-            batch = batch_ways(sizes)
-        plan = TrainPlan(method_cfg, batch, seq, accum, remat or "none",
-                         compute_dtype or ("bfloat16" if accelerator else "float32"), param_dtype or stored,
+            batch = batch_ways(resolve_mesh(mesh_cfg, device))
+        plan = TrainPlan(method_cfg, batch, seq, accum, param_dtype=param_dtype or stored,
+                         forward=ForwardOptions(compute_dtype or ("bfloat16" if accelerator else "float32"),
+                                                remat or "none", context_attention=context_attention),
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
-                         generate_tokens=generate_tokens, context_attention=context_attention)
+                         generate_tokens=generate_tokens)
     except ConfigError:
         raise
     except ValueError as e:
@@ -169,7 +168,7 @@ def run_plan(*, search_plans: bool = False, longest: bool = False, step: int = 2
         out["_estimate"] = (est, time)
     if confirm:
         chosen = out["_estimate"][0].plan  # the plan reported: given, or the best found
-        chosen = chosen.replace(mesh=MeshConfig(**resolve_mesh(chosen, device)))  # the target's device count
+        chosen = chosen.replace(mesh=MeshConfig(**resolve_mesh(chosen.mesh, device)))  # the target's device count
         if device.family == "tpu" and (longest or search_plans):
             out.update(_search_with_compiler(cfg, chosen, device, out, step, top, longest))
         else:
@@ -191,13 +190,13 @@ def _search_with_compiler(cfg: ModelConfig, chosen: TrainPlan, device, out: dict
     else:
         plans = [c.estimate.plan for c in out["_search"].candidates[:top]] or [chosen]
         for plan in plans:
-            plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan, device)))
+            plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan.mesh, device)))
             confirmation = confirm_plan(cfg, plan, device)
             found.setdefault("compiled_candidates", []).append(confirmation.to_dict())
             if confirmation.fits:
                 chosen = plan
                 break
-        ways = batch_ways(resolve_mesh(chosen, device))
+        ways = batch_ways(resolve_mesh(chosen.mesh, device))
         bound = largest_accepted(cfg, chosen, device, "batch_size", chosen.batch_size, ways,
                                  max(ways, 8 * chosen.batch_size))
     found.update({"compiled": bound.confirmation.to_dict(), "_confirm": bound.confirmation,
@@ -253,4 +252,4 @@ def suggestion_for_run(config_path: str, overrides: list[str]) -> str:
     best = result.candidates[0].plan
     return (f"{advice}; the planner's fastest plan that fits ({command.replace('TARGET', device.target)}): "
             f"train.batch_size = {best.batch_size}, train.grad_accum = {best.grad_accum}, model.remat = "
-            f"\"{best.remat}\"" + (", with optimizer offload" if best.offload.optimizer_state else ""))
+            f"\"{best.forward.remat.policy}\"" + (", with optimizer offload" if best.offload.optimizer_state else ""))

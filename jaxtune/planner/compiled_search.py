@@ -57,7 +57,7 @@ class Confirmation:
         """A step time from the program's FLOPs at the device's peak FLOP/s (a model, never a measurement: the
         roofline's compute side; XLA's bytes accessed count a loop body once, so no memory side is modelled), and
         the share of those FLOPs the planner counts as the step's useful work."""
-        device, compute = self.estimate.device, self.estimate.plan.compute_dtype
+        device, compute = self.estimate.device, self.estimate.plan.forward.compute_dtype
         seconds = self.compiled.flops / device.peak(compute)
         planned = step_time(self.estimate)  # the step's FLOPs (a GRPO rollout is a program of its own)
         useful = (planned.flops - planned.rollout_flops) / device.count
@@ -70,7 +70,8 @@ class Confirmation:
         out = {**self.compiled.to_dict(), "estimate_bytes": self.estimate.compiled_bytes,
                "estimate_device": self.estimate.device.target,
                "peak_bytes": self.peak_bytes, "relative_error": self.estimate.compiled_bytes / self.peak_bytes - 1,
-               "remat": self.estimate.plan.remat, "fits": self.fits, "reserve_bytes": self.estimate.reserve_bytes,
+               "remat": self.estimate.plan.forward.remat.policy, "fits": self.fits,
+               "reserve_bytes": self.estimate.reserve_bytes,
                "usable_bytes": self.estimate.device.usable_bytes}
         if self.rollout is not None:
             out["rollout"] = self.rollout.to_dict()

@@ -152,7 +152,7 @@ def compile_rollout(cfg: ModelConfig, plan: TrainPlan, devices=None) -> Compiled
     rows, prompt = rows_of(plan) * plan.grad_accum, plan.seq_len - plan.generate_tokens
     prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     on_mesh = NamedSharding(mesh, PartitionSpec())  # the prompts and sampling values on every device
-    options = ForwardOptions(compute_dtype=plan.compute_dtype, attention=plan.attention)
+    options = ForwardOptions(compute_dtype=plan.forward.compute_dtype, attention=plan.forward.attention)  # a decode
     start = time.perf_counter()
     with traced_on(mesh), _cache_for(mesh):
         compiled = decode.lower(

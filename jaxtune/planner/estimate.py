@@ -11,7 +11,9 @@ are checked against XLA's compiled memory by experiments/planner_accuracy.py and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -27,7 +29,6 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import parameter_report
 from jaxtune.models.attention import block_size
-from jaxtune.models.fused_attention import splash_covers
 from jaxtune.models.head import chunk_length
 from jaxtune.models.linear import gathered_piece_bytes
 from jaxtune.models.moe import grouped_kernel
@@ -47,6 +48,8 @@ from jaxtune.parallel.mesh import abstract_mesh
 from jaxtune.parallel.rules import ZERO_AXES, mesh_axes_of
 from jaxtune.planner import activations as act
 from jaxtune.planner.devices import Device, GiB
+from jaxtune.planner.hooks import folds_everywhere, hook_facts
+from jaxtune.planner.kernels import planned_kernel
 from jaxtune.spine.optimizers import QuantizedMoment, layer_stacked, muon_dimensions, row_chunks, scale_by_adam_8bit
 from jaxtune.spine.run import abstract_run
 
@@ -64,8 +67,6 @@ class FamilyRules:
     on TPU jaxtune runs megablox instead, unless a tensor axis does not divide the experts' hidden units).
     transposed_weight_gradients: a layer's backward lays the inputs of its weight gradients' matmuls out again, where
     the base trains (`activations.weight_gradient_elements`; XLA:CPU).
-    fused_low_rank: a LoRA branch is folded into its base product where the kernel is used whole (`linear.dense`,
-    `_fused_low_rank`; XLA:CPU).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
 
     workspace_itemsize: int | None
@@ -75,7 +76,6 @@ class FamilyRules:
     reserve_note: str
     dense_grouped_matmul: bool = False
     transposed_weight_gradients: bool = False
-    fused_low_rank: bool = False
 
 
 FAMILY_RULES = {
@@ -92,7 +92,7 @@ FAMILY_RULES = {
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
                        "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU widens 16-bit values inside a "
                        "layer's backward",
-                       dense_grouped_matmul=True, transposed_weight_gradients=True, fused_low_rank=True),
+                       dense_grouped_matmul=True, transposed_weight_gradients=True),
 }
 
 
@@ -211,13 +211,14 @@ class Estimate:
             "peak_phase": self.peak_phase,
             "phases": self.phases,
             "host_bytes": self.host_bytes,
-            "plan": {"method": p.method.kind, "rank": p.method.rank, "bits": p.method.bits,
+            "plan": {"method": p.method.kind, "method_options": json.loads(json.dumps(dataclasses.asdict(p.method))),
                      "batch_size": p.batch_size, "seq_len": p.seq_len, "grad_accum": p.grad_accum,
-                     "remat": p.remat, "compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype,
+                     "remat": p.forward.remat.policy, "compute_dtype": p.forward.compute_dtype,
+                     "param_dtype": p.param_dtype,
                      "mesh": self.mesh, "offload": {"optimizer_state": p.offload.optimizer_state,
                                                     "frozen_params": p.offload.frozen_params,
                                                     "moments_dtype": p.offload.moments_dtype},
-                     "objective": p.objective, "context_attention": p.context_attention},
+                     "objective": p.objective, "context_attention": p.forward.context_attention},
             "model": {"parameters": self.base_parameters, "method_parameters": self.parameters - self.base_parameters,
                       "trainable_parameters": self.trainable_parameters,
                       "layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
@@ -226,12 +227,12 @@ class Estimate:
         }
 
 
-def resolve_mesh(plan: TrainPlan, device: Device) -> dict:
-    """{"data", "fsdp", "expert", "context", "tensor"} sizes for the plan's mesh on `device.count` devices."""
+def resolve_mesh(mesh: MeshConfig, device: Device) -> dict:
+    """{"data", "fsdp", "expert", "context", "tensor"} sizes for `mesh` on `device.count` devices."""
     try:
-        return plan.mesh.resolve(device.count)
+        return mesh.resolve(device.count)
     except JaxtuneError:
-        sizes = plan.mesh.sizes()
+        sizes = mesh.sizes()
         fixed = math.prod(s for s in sizes.values() if s != -1)
         described = " x ".join(f"{k}={v}" for k, v in sizes.items())
         raise JaxtuneError(f"mesh {described} does not divide the {device.count} device(s) of {device.target}: the "
@@ -284,7 +285,7 @@ def _run_bytes(cfg, plan, sizes, tiled) -> RunBytes:
     mesh = abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
     run = abstract_run(cfg, plan, mesh)
     trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(run.state["params"]))
-    report = parameter_report(run.params, plan.method, cfg)
+    report = parameter_report(run.params, plan.method, cfg, run.objective.head_leaves)
     return RunBytes(_device_bytes(run.frozen, tiled), _device_bytes(run.state["params"], tiled),
                     _device_bytes(run.state["opt_state"], tiled), _device_bytes(run.second, tiled),
                     _device_bytes(run.batch, tiled), report.total, trainable, count_params(abstract_params(cfg)),
@@ -398,22 +399,19 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, 
     kernel_dtype = plan.param_dtype if frozen else "float32"
     residual = copies = 0
     kept = not frozen or (method_unit(plan.method).quantize_base is None and jnp.dtype(kernel_dtype).itemsize > 2)
-    if plan.remat == "none" and kept and kernel_dtype != plan.compute_dtype:
+    if plan.forward.remat.policy == "none" and kept and kernel_dtype != plan.forward.compute_dtype:
         # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
         # cast to bf16 stay bf16
-        residual = layer_kernels * (a if frozen else jnp.dtype(plan.compute_dtype).itemsize)
-    if frozen and plan.param_dtype != plan.compute_dtype and not head_pieces:
-        copies += head_kernel * jnp.dtype(plan.compute_dtype).itemsize
+        residual = layer_kernels * (a if frozen else jnp.dtype(plan.forward.compute_dtype).itemsize)
+    if frozen and plan.param_dtype != plan.forward.compute_dtype and not head_pieces:
+        copies += head_kernel * jnp.dtype(plan.forward.compute_dtype).itemsize
     return residual, copies
 
 
 def _fused_low_rank(cfg: ModelConfig, plan: TrainPlan, sizes: dict, device: Device) -> bool:
-    """Whether `linear.dense` folds the method's LoRA branches into their base products: plain LoRA (no DoRA, no
-    LoRA bias) whose kernels are whole at the product: no tensor axis, and no fsdp axis unless a context axis has the
-    layer gather them; used whole, not a piece at a time (`_layer_copies`)."""
-    method = plan.method
-    return (method_unit(method).costs.low_rank and not method.dora and not method.lora_bias
-            and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or sizes["context"] > 1)
+    """Whether `linear.dense` folds the method's branches into their base products (`hooks.folds_everywhere`: the
+    hooks' own predicates on the abstract tree), for kernels used whole, not a piece at a time (`_layer_copies`)."""
+    return (folds_everywhere(cfg, plan.method, sizes, device.family)
             and _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) == 0)
 
 
@@ -422,7 +420,7 @@ def _layer_copies(cfg: ModelConfig, plan: TrainPlan, piece_bytes: int) -> int:
     is dequantised or widened from 16 bits and larger than a piece so derived, a piece
     (`linear.derived_piecewise_matmul`; XLA:CPU derives the modules' pieces side by side, measured)."""
     quantised = method_unit(plan.method).quantize_base is not None
-    derived = max(jnp.dtype(plan.compute_dtype).itemsize, 4 if quantised else 2)
+    derived = max(jnp.dtype(plan.forward.compute_dtype).itemsize, 4 if quantised else 2)
     if method_unit(plan.method).trains_base or not (quantised or _widened(plan)):
         return 0
     D, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
@@ -433,7 +431,7 @@ def _layer_copies(cfg: ModelConfig, plan: TrainPlan, piece_bytes: int) -> int:
 
 def _widened(plan: TrainPlan) -> bool:
     """Whether frozen 16-bit weights are widened where they are used (float32 compute)."""
-    return jnp.dtype(plan.param_dtype).itemsize == 2 < jnp.dtype(plan.compute_dtype).itemsize
+    return jnp.dtype(plan.param_dtype).itemsize == 2 < jnp.dtype(plan.forward.compute_dtype).itemsize
 
 
 def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
@@ -441,7 +439,7 @@ def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
     prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
     return 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim),
-                                       jnp.dtype(plan.compute_dtype).itemsize)
+                                       jnp.dtype(plan.forward.compute_dtype).itemsize)
 
 
 def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
@@ -451,8 +449,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     on the spine's abstract run (`run_bytes`); its transient memory (activations, logits, gradients, copies) by
     the rules below.
     """
+    remat, compute = plan.forward.remat.policy, plan.forward.compute_dtype
     rules = FAMILY_RULES[device.family]
-    sizes = resolve_mesh(plan, device)
+    sizes = resolve_mesh(plan.mesh, device)
     data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
     zero = zero_ways(sizes)  # ZeRO-3: fsdp x context devices split the weights, gradients and optimizer state
     method, tiled = plan.method, rules.tiled
@@ -470,11 +469,11 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     prefix = unit.costs.attended_tokens(method)
     megablox = grouped_kernel(cfg, device.family, tensor) == "megablox"  # else ragged_dot, dense on TPU
     w = act.widths(cfg, rows, plan.seq_len, prefix, tensor, megablox, sizes["expert"], sizes["context"],
-                   plan.context_attention,
+                   plan.forward.context_attention,
                    # under save_matmuls the tiles' matmul outputs are all kept: a tiled MLP saves nothing there
-                   plan.tiled_mlp if plan.remat != "save_matmuls" else 0,
-                   rules.fused_low_rank and _fused_low_rank(cfg, plan, sizes, device))
-    a = jnp.dtype(plan.compute_dtype).itemsize
+                   plan.forward.tiled_mlp if remat != "save_matmuls" else 0,
+                   _fused_low_rank(cfg, plan, sizes, device), hook_facts(cfg, method).whole_kernel)
+    a = jnp.dtype(compute).itemsize
     nbytes = (lambda shape, size: _tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
     held = run_bytes(cfg, plan, sizes, tiled)
@@ -483,18 +482,18 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     objective = objective_named(plan.objective)
 
     copies = objective.logits_copies(method, section_of(plan))
-    acts = act.activation_bytes(cfg, method, plan.remat, w, a, nbytes, copies, total_rows,
+    acts = act.activation_bytes(cfg, method, remat, w, a, nbytes, copies, total_rows,
                                 (lambda shape, size: _tiled_bytes(shape, size, True)) if tiled else None,
                                 rules.workspace_itemsize)
-    if device.family == "tpu" and plan.attention in ("auto", "splash") and w.context == 1 and splash_covers(
-            plan.seq_len, plan.seq_len + prefix, prefix, True) is None:
-        acts = replace(acts, attention=0)  # splash keeps its score blocks in VMEM, not HBM
+    kernel = planned_kernel(cfg, plan, device.family, rows, prefix, w.context)
+    if kernel is not None and kernel.costs.workspace is not None:  # a fused kernel's own (splash: VMEM, not HBM)
+        acts = replace(acts, attention=kernel.costs.workspace(w.b, w.heads, w.T, w.S, a))
     logits_b = acts.logits
     # a frozen 16-bit head under wider compute is read from its bits a piece at a time where a device's share of
     # it is larger than a piece (`linear.pieces_of`)
     vocab_ways = math.prod(sizes[a] for a in mesh_axes_of(("vocab",), (cfg.vocab_size,), sizes)[0])
     head_pieces = (not unit.trains_base and _widened(plan) and cfg.hidden_size * cfg.vocab_size // vocab_ways
-                   * jnp.dtype(plan.compute_dtype).itemsize > gathered_piece_bytes(device.family))
+                   * jnp.dtype(compute).itemsize > gathered_piece_bytes(device.family))
     one_chunk = chunk_length(total_rows, w.T, cfg.vocab_size) >= w.T
     if head_pieces and (one_chunk or vocab_ways > 1):
         # it writes the logits into a buffer of their own: XLA:CPU gave it one more chunk buffer where the loss is
@@ -507,7 +506,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     shard = zero * tensor
     residual_copies, copies_b = (c // shard for c in _cast_copies(plan, layer_kernels, head_kernel, a, head_pieces))
     if copies_b:
-        notes.append(f"the frozen {plan.param_dtype} head is converted to {plan.compute_dtype} for the step: that "
+        notes.append(f"the frozen {plan.param_dtype} head is converted to {compute} for the step: that "
                      "copy is counted")
     if zero > 1:
         # ZeRO-3: a layer's weights are all-gathered where they are used, one layer at a time inside the scan; a
@@ -519,10 +518,11 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # compiled to its SFT step's bytes, experiments/tpu_compile_table.py)
         forwards = 1 + (objective.extra_forwards(section_of(plan)) if device.family != "tpu" else 0)
         stored = not unit.trains_base and unit.quantize_base is None and jnp.dtype(plan.param_dtype).itemsize == 2
-        if stored and tensor == 1 and not method.dora:
+        whole_kernel = hook_facts(cfg, method).whole_kernel  # DoRA's norm: each kernel whole
+        if stored and tensor == 1 and not whole_kernel:
             largest = 2 * cfg.hidden_size * max(cfg.q_size, cfg.intermediate_size)  # bytes of a layer's widest kernel
             piece = min(gathered_piece_bytes(device.family), largest)
-            gathered = piece + piece * jnp.dtype(plan.compute_dtype).itemsize // 2  # and its copy in the compute dtype
+            gathered = piece + piece * jnp.dtype(compute).itemsize // 2  # and its copy in the compute dtype
         elif stored:  # under tensor parallelism, or for DoRA's norm: each kernel whole over fsdp
             gathered = (layer_kernels // cfg.num_layers) * 2 // tensor
         else:
@@ -533,7 +533,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
             # experiments/tpu_compile_table.py)
             experts = act.expert_kernel_elements(cfg)
             local = experts // sizes["expert"]
-            if stored and tensor == 1 and not method.dora:  # the dense modules a piece at a time, the experts whole
+            if stored and tensor == 1 and not whole_kernel:  # the dense modules a piece at a time, the experts whole
                 gathered += local * 2
             else:  # every module whole, a device's experts only
                 gathered -= (experts - local) * (2 if stored else a) // tensor
@@ -545,7 +545,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         # a device's share of a row's tokens meets every vocabulary entry: the head is gathered over the ZeRO axes
         # that split it (split over tensor only), in the compute dtype (XLA:CPU and the TPU compiler alike:
         # tests/test_context_planner.py, experiments/tpu_compile_table.py)
-        copies_b += cfg.hidden_size * cfg.vocab_size * jnp.dtype(plan.compute_dtype).itemsize // head_ways
+        copies_b += cfg.hidden_size * cfg.vocab_size * jnp.dtype(compute).itemsize // head_ways
     layer_copies = 0 if zero > 1 else _layer_copies(cfg, plan, gathered_piece_bytes(device.family)) // tensor
 
     extra_models_b = held.second
@@ -562,8 +562,8 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if rules.dense_grouped_matmul or (device.family == "tpu" and not megablox):
         backward_workspace += act.grouped_matmul_elements(cfg, w, unit.trains_base) * a
     if rules.transposed_weight_gradients and unit.trains_base:
-        backward_workspace += act.weight_gradient_elements(plan.remat, w) * 4
-    if device.family == "tpu" and plan.remat == "full":
+        backward_workspace += act.weight_gradient_elements(remat, w) * 4
+    if device.family == "tpu" and remat == "full":
         # The TPU compiler's program holds about two layers' backward working sets (a pipelined backward loop fits
         # what it shows; the cause is not in the dumped HLO): its memory_analysis exceeds its own buffer assignment
         # by 0.8-1.0 of a layer's working set on TPU, 0.45 of this estimate's one (LoRA, QLoRA and DoRA rows of
@@ -583,7 +583,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     # tpu_compile_table.py): the embedding's gradient is scattered into a whole table in the compute dtype and
     # all-reduced whole (two whole tables) at the end of the backward; where the micro-batch has fewer tokens than the
     # vocabulary, the compiler moves [tokens, D] rows instead (Llama-3.2-3B's DPO on v5p-64).
-    whole_table = largest_gradient * jnp.dtype(plan.compute_dtype).itemsize // 4  # (trainable leaves: float32)
+    whole_table = largest_gradient * jnp.dtype(compute).itemsize // 4  # (trainable leaves: float32)
     whole_table = int(whole_table * min(cfg.vocab_size, total_rows * plan.seq_len) / cfg.vocab_size)
     phases = {
         "loss": {"activations": acts.saved + logits_b, "gradients": largest_gradient,
@@ -616,9 +616,9 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         prompt_kv = kv_b * prompt // w.S
         working = max(int(ROLLOUT_SCORE_COPIES * scores), prefill_mlp, kv_b)
         # weights not already in the compute dtype: float32 masters, and a frozen base stored otherwise or quantised
-        frozen_widened = unit.quantize_base is not None or plan.param_dtype != plan.compute_dtype
+        frozen_widened = unit.quantize_base is not None or plan.param_dtype != compute
         widened = n_trainable + (n_total - n_trainable if frozen_widened else 0)
-        cast = widened * jnp.dtype(plan.compute_dtype).itemsize // shard if plan.compute_dtype != "float32" else 0
+        cast = widened * jnp.dtype(compute).itemsize // shard if compute != "float32" else 0
         phases["generate"] = {"activations": prompt_kv + working, "gradients": 0, "weight_copies": cast}
     for p in phases.values():
         p["total"] = sum(p.values())

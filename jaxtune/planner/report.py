@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from jaxtune.config import LINEAR_MODULE_NAMES
 from jaxtune.methods.base import method_unit
 from jaxtune.planner.confirm import CompiledMemory
 from jaxtune.planner.estimate import Estimate
@@ -49,8 +48,8 @@ def _describe(est: Estimate) -> list[str]:
         f"vocab {cfg.vocab_size}){f'; the method adds {_count(added)}' if added else ''}; "
         f"trainable {est.trainable_parameters:,}",
         f"plan: {method}, {p.objective}; batch {p.batch_size} x {p.grad_accum} accumulation, sequence {p.seq_len}, "
-        f"remat {p.remat}, compute {p.compute_dtype}, weights {p.param_dtype}"
-        f"{f', context attention {p.context_attention}' if mesh['context'] > 1 else ''}",
+        f"remat {p.forward.remat.policy}, compute {p.forward.compute_dtype}, weights {p.param_dtype}"
+        f"{f', context attention {p.forward.context_attention}' if mesh['context'] > 1 else ''}",
         f"target: {est.device.count} x {est.device.name} (mesh {mesh_label(mesh)})"
         f"{', offload ' + _offload(est) if _offload(est) else ''}",
     ]
@@ -98,7 +97,8 @@ def format_compiled(confirmation) -> str:
             f"{verdict}",
             f"program: {compiled.flops / 1e12:.3f} TFLOP of matmuls a device, loops by their trip counts (planner: "
             f"{model['planner_flops'] / 1e12:.3f}); attention kernel {compiled.attention}"
-            f"{', experts by ' + compiled.grouped_matmul if compiled.grouped_matmul else ''}, remat {est.plan.remat}; "
+            f"{', experts by ' + compiled.grouped_matmul if compiled.grouped_matmul else ''}, remat "
+            f"{est.plan.forward.remat.policy}; "
             f"collectives (each once, a loop body's too): {collectives}",
             f"modelled, not measured: {model['modelled_step_seconds'] * 1e3:.1f} ms a step at the chip's peak FLOP/s"]
     return "\n".join(lines)
@@ -157,22 +157,12 @@ def format_search(result: SearchResult, top: int = 3) -> str:
     lines = [f"{len(result.candidates)} of {result.tried} plans fit; the fastest:"]
     for i, c in enumerate(result.candidates[:top], 1):
         p, m = c.plan, c.estimate.mesh
-        lines += ["", f"#{i}: batch {p.batch_size} x {p.grad_accum}, remat {p.remat}, mesh {mesh_label(m)}"
-                      + (f", QLoRA {p.method.bits}-bit" if method_unit(p.method).quantize_base else "")
+        lines += ["", f"#{i}: batch {p.batch_size} x {p.grad_accum}, remat {p.forward.remat.policy}, "
+                      f"mesh {mesh_label(m)}"
+                      + (f", {method_unit(p.method).label(p.method)}" if method_unit(p.method).costs.searched else "")
                       + (", optimizer state in host memory" if p.offload.optimizer_state else "")]
         lines += [f"    {line}" for line in explain(c, result.candidates)]
     return "\n".join(lines)
-
-
-def _method_label(method) -> str:
-    """"LoRA r=8 on q_proj,v_proj", "QLoRA 4-bit r=16 on all-linear", "full fine-tuning", "ia3"."""
-    unit = method_unit(method)
-    if not unit.costs.low_rank:
-        return "full fine-tuning" if unit.trains_base else method.kind
-    targets = method.target_modules if isinstance(method.target_modules, str) else ",".join(method.target_modules)
-    targets = "all-linear" if targets == ",".join(LINEAR_MODULE_NAMES) else targets
-    name = f"QLoRA {method.bits}-bit" if unit.quantize_base else "LoRA"
-    return f"{name} r={method.rank}" + (f" on {targets}" if targets else "")
 
 
 def longest_context_dict(result: LongestContext) -> dict:
@@ -189,7 +179,8 @@ def format_longest_context(result: LongestContext) -> str:
     c = result.fastest
     p, device = c.plan, c.estimate.device
     m = c.estimate.mesh
-    choices = [_method_label(p.method), f"batch {p.batch_size} x {p.grad_accum}", f"remat {p.remat}"]
+    choices = [method_unit(p.method).label(p.method), f"batch {p.batch_size} x {p.grad_accum}",
+               f"remat {p.forward.remat.policy}"]
     if device.count > 1:
         choices.append(f"mesh {mesh_label(m)}")
     if p.offload.optimizer_state:

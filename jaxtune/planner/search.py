@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
+from jaxtune.config import MeshConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways, context_split_error
 from jaxtune.errors import JaxtuneError
@@ -81,10 +81,9 @@ def _batch_splits(global_batch: int, ways: int) -> list[tuple[int, int]]:
 
 def _variants(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
     mesh_options = [base.mesh] if "mesh" in fixed else meshes(cfg, device.count, base.seq_len)
-    remat_options = [base.remat] if "remat" in fixed else list(REMATS)
-    methods = [base.method]
-    if method_unit(base.method).quantize_base is not None and "bits" not in fixed:
-        methods = [replace(base.method, bits=b) for b in (4, 8)]
+    remat_options = [base.forward.remat.policy] if "remat" in fixed else list(REMATS)
+    varied = {name: values for name, values in method_unit(base.method).costs.searched.items() if name not in fixed}
+    methods = [base.method.replace(**dict(zip(varied, values))) for values in itertools.product(*varied.values())]
     offloads = [base.offload] if "offload" in fixed else [base.offload, replace(base.offload, optimizer_state=True)]
     for mesh, remat, method, offload in itertools.product(mesh_options, remat_options, methods, offloads):
         try:
@@ -134,7 +133,8 @@ def _fitting(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: in
     fitting = [Candidate(est, step_time(est)) for est in estimates if est.fits]
     # Equal times (compute-bound plans often tie): less recomputation, rows split over fewer devices, fewer
     # accumulation steps, less memory.
-    fitting.sort(key=lambda c: (float(f"{c.time.step_s:.3g}"), REMATS.index(c.plan.remat), c.estimate.mesh["context"],
+    fitting.sort(key=lambda c: (float(f"{c.time.step_s:.3g}"), REMATS.index(c.plan.forward.remat.policy),
+                                c.estimate.mesh["context"],
                                 c.plan.grad_accum, c.estimate.total_bytes))
     return fitting, tried
 
@@ -147,12 +147,8 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
     tries.append(("keep Adam's moments in bfloat16 and the optimizer state in host memory",
                   base.replace(offload=OffloadConfig(True, base.offload.frozen_params, "bfloat16")), device,
                   global_batch))
-    lighter = {"full": [MethodConfig("lora", target_modules=("all-linear",)), MethodConfig("qlora", bits=4)],
-               "lora": [replace(base.method, kind="qlora", bits=4)]}.get(base.method.kind, [])
-    if method_unit(base.method).quantize_base is not None and base.method.bits == 8:
-        lighter = [replace(base.method, bits=4)]
-    for m in lighter:
-        label = "QLoRA 4-bit" if m.kind == "qlora" else "LoRA on all linear layers"
+    lighter = method_unit(base.method).costs.lighter(base.method)  # ((what to say, options), ...)
+    for label, m in lighter:
         tries.append((f"{label} instead of {base.method.kind}", base.replace(method=m), device, global_batch))
     seq = base.seq_len // 2
     while seq >= 128 and not context_split_error(seq, base.mesh.context):
@@ -183,13 +179,12 @@ def smallest_change(cfg: ModelConfig, base: TrainPlan, device: Device, global_ba
                         return f"{label}; keeping {base.method.kind}: {more_label}", fitting[0]
             return label, fitting[0]
     # No single change: a lighter method together with more devices or a larger device.
-    for m in lighter:
+    for name, m in lighter:
         for label, plan, target, batch in tries:
             if target is device or plan.method != base.method:
                 continue
             fitting, _ = _fitting(cfg, plan.replace(method=m), target, batch, set(free))
             if fitting:
-                name = "QLoRA 4-bit" if m.kind == "qlora" else "LoRA on all linear layers"
                 return f"{name} instead of {base.method.kind}, and {label}", fitting[0]
     return ("nothing tried fits: offloading, lighter methods, shorter sequences, a batch of 1, up to "
             f"{limit} devices, every larger device, and a lighter method with more or larger devices"), None
@@ -290,7 +285,7 @@ def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[st
         lines.append(f"{axes} splits weights, gradients and optimizer state {zero} ways "
                      f"(model states {est.model_states_bytes / GiB:.1f} GiB a device)")
     if mesh["context"] > 1:
-        how = ("passing key/value blocks round a ring" if plan.context_attention == "ring" else
+        how = ("passing key/value blocks round a ring" if plan.forward.context_attention == "ring" else
                "gathering each layer's keys and values")
         lines.append(f"context={mesh['context']} splits each row's {plan.seq_len:,} tokens, "
                      f"{plan.seq_len // mesh['context']:,} a device; attention reaches the others' by {how}")
@@ -302,10 +297,11 @@ def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[st
     if plan.grad_accum > 1:
         lines.append(f"{plan.batch_size} rows a micro-batch x {plan.grad_accum} accumulation steps reach the global "
                      f"batch of {plan.global_batch} without holding it all at once")
-    if plan.remat != "none":
+    if plan.forward.remat.policy != "none":
         lighter = estimate(est.model, plan.replace(remat="none"), est.device)
         verdict = "does not fit" if not lighter.fits else "fits but ranks lower"
-        lines.append(f"remat {plan.remat}: without remat the step needs {lighter.total_bytes / GiB:.1f} GiB "
+        lines.append(f"remat {plan.forward.remat.policy}: without remat the step needs "
+                     f"{lighter.total_bytes / GiB:.1f} GiB "
                      f"({verdict})")
     if plan.offload.optimizer_state:
         lines.append(f"optimizer state in host memory ({est.host_bytes / GiB:.1f} GiB), moved each step over the "

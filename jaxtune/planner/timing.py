@@ -21,7 +21,7 @@ from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.methods.base import adapted_modules, method_unit
 from jaxtune.models.context_attention import context_layout
-from jaxtune.models.fused_attention import splash_covers
+from jaxtune.models.kernels import KernelCosts
 from jaxtune.models.moe import grouped_kernel
 from jaxtune.models.params import linear_shapes
 from jaxtune.objectives import objective_named, section_of
@@ -29,6 +29,8 @@ from jaxtune.objectives import rows as rows_of
 from jaxtune.parallel.mesh import abstract_mesh
 from jaxtune.planner import activations as act
 from jaxtune.planner.estimate import Estimate, zero_ways
+from jaxtune.planner.hooks import hook_facts
+from jaxtune.planner.kernels import planned_kernel
 from jaxtune.spine.run import traced_on
 
 MFU_CEILING = 0.5
@@ -58,6 +60,7 @@ class StepTime:
 def step_time(est: Estimate) -> StepTime:
     """The predicted time of one optimizer step of `est`'s plan on `est.device` (per device; all run in step)."""
     cfg, plan, dev = est.model, est.plan, est.device
+    remat, compute_dtype = plan.forward.remat.policy, plan.forward.compute_dtype
     data, context, tensor = est.mesh["data"], est.mesh["context"], est.mesh["tensor"]
     zero = zero_ways(est.mesh)
     rows = rows_of(plan) // batch_ways(est.mesh)
@@ -65,29 +68,30 @@ def step_time(est: Estimate) -> StepTime:
     prefix = unit.costs.attended_tokens(plan.method)
     n = rows * plan.seq_len // context  # a context axis splits each row's tokens, and (load-balanced) its attention
     matmul = act.matmul_params_per_token(cfg) / tensor
-    splash = (dev.family == "tpu" and plan.attention in ("auto", "splash") and context == 1
-              and splash_covers(plan.seq_len, plan.seq_len + prefix, prefix, True) is None)
-    attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix, splash) / (tensor * context)
+    kernel = planned_kernel(cfg, plan, dev.family, rows, prefix, context)
+    costs = KernelCosts() if kernel is None else kernel.costs  # the blockwise kernel's, or the fused one's
+    attention = rows * act.attention_flops_per_row(cfg, plan.seq_len, prefix, costs.blocks) / (tensor * context)
     weight_grads = unit.trains_base
-    passes = 3 if plan.remat == "full" else 2  # forward, backward (+ recompute)
+    passes = 3 if remat == "full" else 2  # forward, backward (+ recompute)
     head = cfg.hidden_size * cfg.vocab_size / tensor
     flops = 2 * n * matmul * (1 + 1 + (1 if weight_grads else 0))
-    if plan.remat == "full":  # the layers' forward again, but for the head and each layer's last matmul (the MLP's
+    if remat == "full":  # the layers' forward again, but for the head and each layer's last matmul (the MLP's
         # down projection, whose output only the residual add reads; Gemma's post-MLP norm reads it too)
         # (a mixture's experts' outputs are read by the routing weights' gradient)
         last = 0 if cfg.sandwich_norms or cfg.num_experts else cfg.hidden_size * act.mlp_width(cfg) / tensor
         flops += 2 * n * (matmul - head - cfg.num_layers * last)
     flops += 2 * n * head  # the chunked loss recomputes its logits in the backward
-    if cfg.num_experts and grouped_kernel(cfg, dev.family, tensor) == "megablox" and plan.remat == "save_matmuls":
+    if cfg.num_experts and grouped_kernel(cfg, dev.family, tensor) == "megablox" and remat == "save_matmuls":
         # megablox's products are no dots the policy saves: the routed experts' forward runs again in the backward
         flops += 2 * n * cfg.num_layers * cfg.experts_per_token * 3 * cfg.hidden_size * cfg.expert_size / tensor
-    # forward, a backward of twice the forward (splash's: 7 matmuls of the forward's 2), full remat's recompute
-    flops += ((3.5 if splash else 3) + 1 + (plan.remat == "full")) * attention
+    # forward, a backward of twice the forward (`KernelCosts.passes`; splash's: 7 matmuls of the forward's 2), full
+    # remat's recompute
+    flops += (costs.passes + 1 + (remat == "full")) * attention
     if unit.costs.low_rank:
         lora_params = est.trainable_parameters
         flops += 2 * n * lora_params * 3
     recomputed_frozen = unit.quantize_base is not None or jnp.dtype(plan.param_dtype).itemsize == 2
-    if plan.method.dora and recomputed_frozen and plan.remat != "save_matmuls":
+    if hook_facts(cfg, plan.method).whole_kernel and recomputed_frozen and remat != "save_matmuls":
         # a frozen kernel kept as bits or quantised is derived again in the backward (`linear.dense`), and DoRA's
         # magnitude gradient needs x W: the adapted modules' forward matmuls once more
         shapes = linear_shapes(cfg)
@@ -98,14 +102,13 @@ def step_time(est: Estimate) -> StepTime:
     flops += extra_forwards * (2 * n * matmul + attention)
     rollout = 2 * rows * plan.generate_tokens * matmul  # a rollout's decode (GRPO)
     flops += rollout
-    compute_dtype = plan.compute_dtype
     compute_s = flops / (dev.peak(compute_dtype) * MFU_CEILING)
 
     a = jnp.dtype(compute_dtype).itemsize
     weights_full = (cfg.num_layers * act.kernel_elements_per_layer(cfg) + cfg.hidden_size * cfg.vocab_size) * a / tensor
     moved = passes * weights_full + 2 * est.phases["backward"]["activations"] + 3 * n * cfg.vocab_size * 4 / tensor
 
-    if plan.remat == "save_matmuls":  # elementwise work and attention recomputed from the saved matmul outputs
+    if remat == "save_matmuls":  # elementwise work and attention recomputed from the saved matmul outputs
         moved += est.phases["backward"]["activations"]
     memory_s = moved / (dev.bandwidth * BANDWIDTH_CEILING)
 
@@ -118,8 +121,8 @@ def step_time(est: Estimate) -> StepTime:
     # tensor parallelism's all-reduces sit between a layer's matmuls: nothing hides them; nor does anything hide a
     # layer's keys and values gathered before its attention, where a ring passes them on while it attends
     exposed = 2 * passes * cfg.num_layers * 2 * (tensor - 1) / tensor * n * cfg.hidden_size * a
-    context_sent = context_bytes(cfg, plan, est.mesh, 1 + extra_forwards + (plan.remat == "full"))
-    if plan.context_attention == "all_gather":
+    context_sent = context_bytes(cfg, plan, est.mesh, 1 + extra_forwards + (remat == "full"))
+    if plan.forward.context_attention == "all_gather":
         exposed += context_sent
     else:
         comm += context_sent
@@ -154,9 +157,9 @@ def context_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, forwards: int)
     if N == 1:
         return 0.0
     rows = rows_of(plan) // batch_ways(sizes)
-    a = jnp.dtype(plan.compute_dtype).itemsize
+    a = jnp.dtype(plan.forward.compute_dtype).itemsize
     kv = 2 * rows * plan.seq_len * cfg.kv_size / sizes["tensor"]  # a layer's keys and values, whole rows
-    if plan.context_attention == "all_gather":
+    if plan.forward.context_attention == "all_gather":
         return cfg.num_layers * (N - 1) / N * kv * (a * (forwards + 1) + 4)
     steps = ring_steps(cfg, plan, sizes)
     block = kv / N
@@ -167,4 +170,4 @@ def ring_steps(cfg: ModelConfig, plan: TrainPlan, sizes: dict) -> int:
     """The key/value blocks a device attends to on the ring (`ContextLayout.ring_steps`): N, fewer where every
     layer's sliding window ends within the previous devices' tokens."""
     with traced_on(abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))):
-        return context_layout(plan.seq_len, cfg.sliding_windows, plan.context_attention).ring_steps
+        return context_layout(plan.seq_len, cfg.sliding_windows, plan.forward.context_attention).ring_steps

@@ -4,9 +4,10 @@ Every leaf of an abstract run that comes from the checkpoint is created shard by
 each device's shard is read from the files (safetensors: positioned reads of just that slice, `io/safetensors.py`)
 and cast on the way, so no whole copy of the model exists anywhere and each process reads only its devices' slices.
 A QLoRA kernel is quantised a few rows at a time as it is read (`models/quant.quantize_by_rows`, bit for bit the
-whole matrix's quantisation); a LoRA init from the weights (PiSSA, OLoRA, LoftQ: `methods/lora_init.py`) changes
-each adapted kernel a layer at a time as it is read. The leaves a method or an objective adds (LoRA, a reward head)
-are made by one jit straight into their shardings; a second model (a reference, a teacher) is read the same way."""
+whole matrix's quantisation); a method's init from the weights (`Method.base_init`: LoRA's PiSSA, OLoRA, LoftQ)
+changes each kernel it adapts a layer at a time as it is read. The leaves a method or an objective adds (LoRA, a
+reward head) are made by one jit straight into their shardings; a second model (a reference, a teacher) is read the
+same way."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.host_memory import release_freed_memory
 from jaxtune.io.gguf import forget_readers
-from jaxtune.methods.lora_init import changed_modules, init_layer
-from jaxtune.methods.targets import ModuleLoRA
+from jaxtune.methods.base import BaseInit, method_unit
 from jaxtune.methods.transform import add_method_leaves, combine
 from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
@@ -116,33 +116,27 @@ def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: Mo
 
 
 def _initialised_leaf(reader, keys: tuple[str, ...], leaf, cfg: ModelConfig, method: MethodConfig,
-                      lora: ModuleLoRA) -> tuple:
-    """(kernel, {"lora_a" [L, in, R], "lora_b" [L, R, out]} host float32): an adapted kernel read one layer at a
-    time, each adapted layer initialised by `lora_init.init_layer`, the kernel placed in its sharding (as stored:
-    float, BitPattern or quantised)."""
+                      base_init: BaseInit) -> tuple:
+    """(kernel, {leaf: [L, ...] host float32}): a kernel the method's init changes (`BaseInit.layers`: LoRA's PiSSA,
+    OLoRA, LoftQ) read and initialised one layer at a time, the kernel placed in its sharding (as stored: float,
+    BitPattern or quantised)."""
     quantized, bits = isinstance(leaf, QuantizedArray), isinstance(leaf, BitPattern)
     dtype = np.dtype(leaf.dtype)
-    L, d_in, d_out = full_shape(leaf.bits if bits else leaf)
-    a = np.zeros((L, d_in, lora.max_rank), np.float32)
-    b = np.zeros((L, lora.max_rank, d_out), np.float32)
-    if quantized:
-        children, treedef = jax.tree.flatten(leaf)
-        host = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
-    else:
-        host = np.empty((L, d_in, d_out), dtype)
-    for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
-        w_IxO = _read(reader, keys, i, (slice(None), slice(None)), cfg).astype(dtype)
-        if r:
-            a[i, :, :r], b[i, :r], base = jax.device_get(init_layer(jax.numpy.asarray(w_IxO), r, float(scale), method))
-        elif quantized:
-            base = quantize_by_rows(lambda x, y: w_IxO.T[x:y], (d_in, d_out), dtype, method.bits, method.double_quant)
-        else:
-            base = w_IxO
+    L = full_shape(leaf.bits if bits else leaf)[0]
+    children, treedef = jax.tree.flatten(leaf) if quantized else ([], None)
+    host: list | np.ndarray = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
+    leaves: dict[str, np.ndarray] = {}
+    read_layer = lambda i: _read(reader, keys, i, (slice(None), slice(None)), cfg).astype(dtype)  # noqa: E731
+    for i, (base, new) in enumerate(base_init.layers(method, cfg, keys[1], read_layer)):
         if quantized:
             for h, c in zip(host, jax.tree.leaves(base)):
                 h[i] = c
         else:
+            if i == 0:
+                host = np.empty((L, *base.shape), dtype)
             host[i] = base
+        for name, value in new.items():
+            leaves.setdefault(name, np.empty((L, *value.shape), np.float32))[i] = value
     if quantized:
         placed = [_make_array(c.shape, c.sharding, lambda index, h=h: h[index]) for c, h in zip(children, host)]
         kernel = jax.tree.unflatten(treedef, placed)
@@ -153,7 +147,7 @@ def _initialised_leaf(reader, keys: tuple[str, ...], leaf, cfg: ModelConfig, met
         kernel = BitPattern(kernel, leaf.dtype) if bits else kernel
     del host
     _return_freed_host_memory()
-    return kernel, {"lora_a": a, "lora_b": b}
+    return kernel, leaves
 
 
 def read_tree(reader, abstract: dict, cfg: ModelConfig, method: MethodConfig | None = None,
@@ -161,10 +155,11 @@ def read_tree(reader, abstract: dict, cfg: ModelConfig, method: MethodConfig | N
     """The leaves of `abstract` (ShapeDtypeStructs with shardings, quantised leaves whole) that a checkpoint of
     `cfg` holds, read into their shardings; None where a leaf does not come from the checkpoint.
 
-    method: where its LoRA init changes the base (PiSSA, OLoRA, LoftQ), the adapted kernels are read initialised,
-    and their initial {"lora_a", "lora_b"} (host arrays) put in `initial` (a dict) by module name."""
+    method: where its init changes the base (`Method.base_init`: LoRA's PiSSA, OLoRA, LoftQ), those kernels are read
+    initialised, and the init's leaves (host arrays) put in `initial` (a dict) by module name."""
     paths = checkpoint_paths(cfg)
-    changed = changed_modules(method, cfg) if method is not None else {}
+    base_init = None if method is None else method_unit(method).base_init
+    changed = () if base_init is None else base_init.modules(method, cfg)
 
     def read(path, leaf):
         keys = _keys(path)
@@ -173,7 +168,7 @@ def read_tree(reader, abstract: dict, cfg: ModelConfig, method: MethodConfig | N
         if isinstance(leaf, QuantizedArray) and leaf.codes is None:  # the trainable half of a frozen kernel
             return leaf
         if keys[0] == "layers" and keys[1] in changed and keys[2:] == ("kernel",):
-            kernel, leaves = _initialised_leaf(reader, keys, leaf, cfg, method, changed[keys[1]])
+            kernel, leaves = _initialised_leaf(reader, keys, leaf, cfg, method, base_init)
             if initial is not None:
                 initial[keys[1]] = leaves
             return kernel
@@ -184,23 +179,22 @@ def read_tree(reader, abstract: dict, cfg: ModelConfig, method: MethodConfig | N
     return jax.tree_util.tree_map_with_path(read, abstract, is_leaf=_is_stored)
 
 
-def initial_adapters(model: str | Path, cfg: ModelConfig, method: MethodConfig, params: dict) -> dict:
-    """{module: {"lora_a" [L, in, R], "lora_b" [L, R, out]}} of `method`'s init (PiSSA, OLoRA), recomputed a layer
-    at a time from the original weights in `model`, each cast to the dtype of its kernel in `params` (as in training):
-    the A0 and B0 `lora_init.as_plain_lora` converts a trained adapter with."""
-    initial = {}
+def initial_leaves(model: str | Path, cfg: ModelConfig, method: MethodConfig, params: dict) -> dict:
+    """{module: {leaf: [L, ...] float32}} of `method`'s init from the base weights (`Method.base_init`: PiSSA, OLoRA),
+    recomputed a layer at a time from the original weights in `model`, each kernel cast to its dtype in `params` (as
+    in training): what `PeftFormat.as_stored` converts a trained adapter with."""
+    base_init = method_unit(method).base_init
+    initial: dict[str, dict] = {}
+    if base_init is None:
+        return initial
     with checked_reader(model, cfg) as reader:
-        for name, lora in changed_modules(method, cfg).items():
+        for name in base_init.modules(method, cfg):
             dtype = np.dtype(params["layers"][name]["kernel"].dtype)
-            d_in, d_out = full_shape(params["layers"][name]["kernel"])[-2:]
-            a = np.zeros((cfg.num_layers, d_in, lora.max_rank), np.float32)
-            b = np.zeros((cfg.num_layers, lora.max_rank, d_out), np.float32)
-            for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
-                if r:
-                    w_IxO = jax.numpy.asarray(_read(reader, ("layers", name, "kernel"), i, (slice(None),) * 2, cfg)
-                                              .astype(dtype))
-                    a[i, :, :r], b[i, :r] = jax.device_get(init_layer(w_IxO, r, float(scale), method)[:2])
-            initial[name] = {"lora_a": a, "lora_b": b}
+            keys = ("layers", name, "kernel")
+            read_layer = lambda i, keys=keys, dtype=dtype: _read(  # noqa: E731
+                reader, keys, i, (slice(None),) * 2, cfg).astype(dtype)
+            layers = [new for _, new in base_init.layers(method, cfg, name, read_layer)]
+            initial[name] = {leaf: np.stack([layer[leaf] for layer in layers]) for leaf in layers[0]}
     return initial
 
 

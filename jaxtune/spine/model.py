@@ -11,7 +11,6 @@ base quantised); `load.read_tree` reads the checkpoint into exactly those, a sha
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -23,8 +22,8 @@ from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError, check_choice
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
-from jaxtune.methods.adapter_rows import check_mixable, stack_adapters
-from jaxtune.methods.peft import CONFIG_FILE, QUANTIZED_BASE, load_peft_adapter, method_from_peft_config, quantized_base
+from jaxtune.methods.base import method_unit
+from jaxtune.methods.peft import CONFIG_FILE, adapter_method, load_peft_adapter
 from jaxtune.methods.transform import quantize_base
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
@@ -64,77 +63,75 @@ def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None
     """(config, params, method) of a model, with a PEFT adapter applied if given; the base read into its shardings
     over `mesh` (default one device).
 
-    base: "as-trained" puts a QLoRA adapter that records its quantised base (`jaxtune_quantized_base`) on that
-    base, quantised as it is read; "float" uses the float weights. `log(text)` is told which base is used.
+    base: "as-trained" puts an adapter on its base held as in training (QLoRA's quantised base, recorded in its
+    config, quantised as it is read; LoftQ's changed one); "float" uses the float weights (the unit's
+    `on_float_base`). `log(text)` is told which base is used.
     """
     check_choice("base", base, ("as-trained", "float"))
-    quantization = quantized_base(adapter) if adapter is not None and Path(adapter, CONFIG_FILE).is_file() else None
-    use_quantized = quantization is not None and base == "as-trained"
-    quantized = MethodConfig("qlora", bits=int(quantization.get("bits", 4)),
-                             double_quant=bool(quantization.get("double_quant", True))) if use_quantized else None
-    if use_quantized and quantization.get("init") == "loftq":  # LoftQ's base, from the adapter's modules and ranks
-        where = Path(adapter, CONFIG_FILE)
-        quantized = dataclasses.replace(method_from_peft_config(read_json(where), where), kind="qlora",
-                                        bits=quantized.bits, double_quant=quantized.double_quant, init="loftq",
-                                        loftq_iter=int(quantization.get("loftq_iter", 1)))
-    cfg, params = load_model(model, dtype, quantized, mesh)
     if adapter is None:
-        return cfg, params, None
-    method, params = load_peft_adapter(adapter, params, cfg, kind="qlora" if use_quantized else None,
-                                       quantization=quantization)
-    if quantization is not None and log is not None:
-        fmt = str(quantization.get("format", "nf4")).upper() + (", double quantisation" if quantization.get(
-            "double_quant") else "")
-        log(f"{adapter}: QLoRA adapter on its base quantised as in training ({fmt}); --base float for the float "
-            "weights" if use_quantized else
-            f"{adapter}: QLoRA adapter trained on a quantised base ({fmt}), applied to the float weights")
+        return (*load_model(model, dtype, mesh=mesh), None)
+    trained = adapter_method(adapter)
+    method = _on_base(trained, base)
+    cfg, params = load_model(model, dtype, method, mesh)
+    method, params = load_peft_adapter(adapter, params, cfg, method)
+    held = method_unit(trained).frozen_base(trained)
+    if held is not None and log is not None:
+        log(f"{adapter}: adapter on its base quantised as in training ({held}); --base float for the float weights"
+            if method == trained else
+            f"{adapter}: adapter trained on a quantised base ({held}), applied to the float weights")
     return cfg, params, method
+
+
+def _on_base(method: MethodConfig, base: str) -> MethodConfig:
+    """`method` as it runs on the base `base` chooses: as trained, or on the float weights."""
+    on_float = method_unit(method).on_float_base
+    return on_float(method) if base == "float" and on_float is not None else method
 
 
 def load_adapters(model: str | Path, adapters: dict[str, str | Path], dtype=None, base: str = "as-trained", log=None,
                   mesh: Mesh | None = None) -> tuple[ModelConfig, dict, dict[str, int]]:
-    """(config, params with the adapters stacked, name -> slot) for generating with several LoRA adapters in one
-    batch (`methods/adapter_rows.py`; slot 0 is the base model). The base is read once.
+    """(config, params with the adapters stacked, name -> slot) for generating with several adapters in one batch
+    (`Method.adapter_rows`: LoRA's; slot 0 is the base model). The base is read once.
 
-    adapters: name -> PEFT adapter directory. base: as for `load_model_with_adapter`; QLoRA adapters go on their
-    quantised base only if all of them were trained on the same one. One-line JaxtuneErrors name the adapter that
-    cannot mix (not LoRA, DoRA, another base model or quantisation).
+    adapters: name -> PEFT adapter directory. base: as for `load_model_with_adapter`; adapters on a quantised base go
+    on it only if all of them were trained on the same one. One-line JaxtuneErrors name the adapter that cannot mix
+    (its method, DoRA, another base model or quantisation).
     """
     check_choice("base", base, ("as-trained", "float"))
     if not adapters:
         raise JaxtuneError("no adapters to load")
-    quantizations, models = {}, {}
+    methods, bases, models = {}, {}, {}
     for name, directory in adapters.items():
-        where = Path(directory, CONFIG_FILE)
-        if not where.is_file():
-            raise JaxtuneError(f"adapter {name}: {where}: file not found (a PEFT adapter directory holds it)")
-        config = read_json(where)
-        check_mixable(method_from_peft_config(config, where), name)
-        quantization = config.get(QUANTIZED_BASE)
-        if quantization is not None and quantization.get("init") == "loftq":
-            check_mixable(MethodConfig("qlora", init="loftq"), name)
-        quantizations[name] = "float" if quantization is None or base == "float" else (
-            f"{'nf4' if int(quantization.get('bits', 4)) == 4 else 'int8'}"
-            f"{' double-quantised' if quantization.get('double_quant', True) else ''}")
-        if config.get("base_model_name_or_path"):
-            models[name] = Path(str(config["base_model_name_or_path"]).rstrip("/")).name
-    for kinds, what in ((quantizations, "base weights (QLoRA bits; --base float puts all on the float weights)"),
+        try:
+            trained = adapter_method(directory)
+        except JaxtuneError as e:
+            raise JaxtuneError(f"adapter {name}: {e}") from None
+        rows = method_unit(trained).adapter_rows
+        why = f"a {trained.kind} adapter cannot share a batch with other adapters" if rows is None else \
+            rows.why_not(trained)
+        if why is not None:
+            raise JaxtuneError(f"adapter {name}: {why}; generate with it alone")
+        methods[name] = _on_base(trained, base)
+        bases[name] = method_unit(methods[name]).frozen_base(methods[name]) or "float"
+        named = read_json(Path(directory, CONFIG_FILE)).get("base_model_name_or_path")
+        if named:
+            models[name] = Path(str(named).rstrip("/")).name
+    for kinds, what in ((bases, "base weights (QLoRA bits; --base float puts all on the float weights)"),
                         (models, "base model (base_model_name_or_path)")):
         if len(set(kinds.values())) > 1:
             first = next(iter(kinds))
             other = next(name for name, kind in kinds.items() if kind != kinds[first])
             raise JaxtuneError(f"adapters {first} and {other} differ in their {what}: {kinds[first]} vs "
                                f"{kinds[other]}; adapters in one batch share their base")
-    weights = next(iter(quantizations.values()))
-    q = None if weights == "float" else {"bits": 4 if weights.startswith("nf4") else 8,
-                                         "double_quant": weights.endswith("double-quantised")}
-    quantized = None if q is None else MethodConfig("qlora", bits=q["bits"], double_quant=q["double_quant"])
-    cfg, params = load_model(model, dtype, quantized, mesh)
-    if quantized is not None and log is not None:
+    first = next(iter(methods.values()))
+    cfg, params = load_model(model, dtype, first, mesh)
+    weights = next(iter(bases.values()))
+    if weights != "float" and log is not None:
         log(f"adapters on their base quantised as in training ({weights}); --base float for the float weights")
-    loaded = {name: load_peft_adapter(directory, params, cfg, kind="qlora" if q else None, quantization=q)
-              for name, directory in adapters.items()}
-    return cfg, stack_adapters(loaded, cfg), {name: i + 1 for i, name in enumerate(adapters)}
+    loaded = {name: load_peft_adapter(directory, params, cfg, methods[name]) for name, directory in adapters.items()}
+    rows = method_unit(first).adapter_rows
+    assert rows is not None  # checked above, for every adapter
+    return cfg, rows.stack(loaded, cfg), {name: i + 1 for i, name in enumerate(adapters)}
 
 
 def load_reward_model(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict]:

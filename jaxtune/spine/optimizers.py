@@ -1,4 +1,4 @@
-"""The optimizer a run trains with (`[train] optimizer`), and LoRA+ (`[method] loraplus_lr_ratio`).
+"""The optimizer a run trains with (`[train] optimizer`), and a method's learning-rate multiples (LoRA+).
 
 Each runs after the same global-norm clipping, on the same schedule, with decoupled weight decay (times the learning
 rate, as torch's AdamW) off norms and biases (`state.weight_decay_mask`). Bytes of state a trainable parameter:
@@ -44,10 +44,11 @@ def layer_stacked(path) -> bool:
 
 
 def make_optimizer(name: str, train: TrainConfig, total_steps: int, trainable: dict, moments_dtype: str = "float32",
-                   loraplus_lr_ratio: float = 0.0) -> optax.GradientTransformation:
+                   rates: dict | None = None) -> optax.GradientTransformation:
     """Clipping to `train.max_grad_norm`, then optimizer `name` (see the module docstring) on the schedule, with
-    `train.weight_decay` off norms and biases; LoRA+ scales the LoRA B group's updates by `loraplus_lr_ratio` (0:
-    off). moments_dtype "bfloat16": AdamW's moments rounded between steps, updated in float32."""
+    `train.weight_decay` off norms and biases; `rates`, a tree like `trainable` (`Method.learning_rates`: LoRA+),
+    scales each leaf's updates (None: off). moments_dtype "bfloat16": AdamW's moments rounded between steps, updated
+    in float32."""
     schedule = learning_rate_schedule(train, total_steps)
     decay = weight_decay_mask(trainable)
     if name == "adamw":
@@ -65,8 +66,8 @@ def make_optimizer(name: str, train: TrainConfig, total_steps: int, trainable: d
         raise ValueError(f"unknown optimizer {name!r}")
     # 8-bit AdamW clips inside its layer-by-layer update (a clipped copy of the gradients would be written out whole)
     parts = [optax.identity() if name == "adamw_8bit" else clip_by_global_norm(train.max_grad_norm), core]
-    if loraplus_lr_ratio:
-        parts.append(scale_lora_b(loraplus_lr_ratio, trainable))
+    if rates is not None:
+        parts.append(scale_updates(rates))
     optimizer = optax.chain(*parts)
     return optimizer if moments_dtype == "float32" else low_precision_moments(optimizer, moments_dtype)
 
@@ -286,27 +287,14 @@ def by_layer(update, g, *state):
     return jax.lax.fori_loop(0, jax.tree.leaves(g)[0].shape[0], layer, (jax.tree.map(jnp.zeros_like, g), *state))
 
 
-# --- LoRA+ ----------------------------------------------------------------------------------------------------------
+# --- learning-rate multiples ----------------------------------------------------------------------------------------
 
-def lora_b_group(trainable: dict) -> dict:
-    """True for the leaves PEFT's `create_loraplus_optimizer` puts in its B groups: `lora_b` and every vector (a
-    tensor of one dimension per layer: a LoRA bias, DoRA's magnitude); False for A and the matrices trained whole
-    (`modules_to_save`). PEFT's embedding group (LoRA on an embedding, `loraplus_lr_embedding`) has no counterpart:
-    jaxtune adapts linear modules only."""
-
-    def in_b(path, x) -> bool:
-        return _names(path)[-1] == "lora_b" or x.ndim - layer_stacked(path) == 1
-
-    return jax.tree_util.tree_map_with_path(in_b, trainable)
-
-
-def scale_lora_b(ratio: float, trainable: dict) -> optax.GradientTransformation:
-    """LoRA+ (Hayou et al. 2024): the B group's final updates times `ratio`, i.e. its learning rate (and with it its
-    decoupled weight decay) lr x ratio, as PEFT's param groups give torch's optimizers. No state."""
-    group = lora_b_group(trainable)
+def scale_updates(rates: dict) -> optax.GradientTransformation:
+    """Each leaf's final update times its multiple in `rates`, i.e. its learning rate (and with it its decoupled
+    weight decay) lr x the multiple, as param groups give torch's optimizers. No state."""
 
     def update(updates, state, params=None):
         del params
-        return jax.tree.map(lambda u, b: u * ratio if b else u, updates, group), state
+        return jax.tree.map(lambda u, r: u if r == 1.0 else u * r, updates, rates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, Remat, TrainConfig
+from jaxtune.config import MethodConfig, ModelConfig, TrainConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
+from jaxtune.models.adapters import adapter_forward
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params, init_params
 from jaxtune.models.quant import as_bit_patterns
@@ -83,13 +85,14 @@ class AbstractRun:
     @property
     def parameters(self) -> int:
         """Parameters as PEFT counts them (the planner's and `info`'s number)."""
-        return parameter_report(self.params, self.plan.method, self.cfg).total
+        return parameter_report(self.params, self.plan.method, self.cfg, self.objective.head_leaves).total
 
     @cached_property
     def step(self):
         """`step(state, frozen, second, batch) -> (state, metrics)`: one jit, the run's shardings, state donated."""
         sh = self.shardings
-        inner = make_step(self.objective.loss_terms(self.context), self.plan.method, self.optimizer, self.schedule,
+        dropout = adapter_forward(self.plan.method, self.cfg).dropout_rate > 0
+        inner = make_step(self.objective.loss_terms(self.context), dropout, self.optimizer, self.schedule,
                           self.objective.batch_metrics)
 
         def step(state, frozen, second, batch):
@@ -128,15 +131,17 @@ class AbstractRun:
         return {k: global_array(v, self.shardings.batch[k]) for k, v in batch.items()}
 
 
-def init_run(cfg: ModelConfig, method: MethodConfig, seed: int = 0, head=None) -> tuple[dict, dict]:
+def init_run(cfg: ModelConfig, method: MethodConfig, seed: int = 0, objective: Objective | None = None
+             ) -> tuple[dict, dict]:
     """(trainable, frozen) of a randomly initialised `cfg` under `method`, on the default device: the base drawn
-    from key(seed), the method's leaves from key(seed + 1), `head(params, cfg, key)` (an objective's) from
+    from key(seed), the method's leaves from key(seed + 1), the `objective`'s head (if it has one) from
     key(seed + 2). What a test or a notebook trains without a checkpoint."""
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed)), cfg, method,
                           jax.random.key(seed + 1))
-    if head is not None:
-        params = head(params, cfg, jax.random.key(seed + 2))
-    return partition(params, trainable_mask(params, method))
+    heads = ()
+    if objective is not None and objective.head is not None:
+        params, heads = objective.head(params, cfg, jax.random.key(seed + 2)), objective.head_leaves
+    return partition(params, trainable_mask(params, method, heads))
 
 
 def traced_on(mesh: AnyMesh):
@@ -167,10 +172,10 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     objective, section = objective_named(plan.objective), section_of(plan)
     method = plan.method
     params = model_tree(cfg, plan, objective)
-    trainable, frozen = partition(params, trainable_mask(params, method))
+    trainable, frozen = partition(params, trainable_mask(params, method, objective.head_leaves))
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
     optimizer = make_optimizer(plan.optimizer, train, total_steps, trainable, plan.offload.moments_dtype,
-                               method.loraplus_lr_ratio)
+                               method_unit(method).learning_rates(method, trainable))
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
 
     second_name = objective.second_model(section, method)
@@ -184,13 +189,11 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     shardings = _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, objective, plan)
     # the frozen 16-bit kernels travel as bit patterns (models/quant.BitPattern), in the same shardings; so do the
     # embedding table and head where the compute dtype is wider
-    head = jnp.dtype(plan.compute_dtype).itemsize > 2
+    head = jnp.dtype(plan.forward.compute_dtype).itemsize > 2
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
-    options = ForwardOptions(plan.compute_dtype, Remat(plan.remat), attention=plan.attention,
-                             context_attention=plan.context_attention, tiled_mlp=plan.tiled_mlp)
-    context = Context(cfg, method, options, section, second_cfg)
+    context = Context(cfg, method, plan.forward, section, second_cfg)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
                        second, _with_shardings(batch, shardings.batch), shardings, optimizer,
                        learning_rate_schedule(train, total_steps))
@@ -226,23 +229,14 @@ def train_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan
     default this process's backend), for `[model] compute_dtype = "auto"`."""
     c = config
     objective = objective_named(c.train.objective)
-    section = getattr(c, objective.name) if objective.section else None
+    section = c.section(objective.name)
     second = objective.second_model(section, c.method)
-    return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum, c.model.remat,
-                     compute_dtype_for(c.model.compute_dtype, platform or jax.default_backend()),
-                     cfg_dtype if c.model.dtype == "auto" else c.model.dtype, mesh=c.mesh,
-                     offload=c.offload, attention=c.model.attention, context_attention=c.model.context_attention,
-                     tiled_mlp=c.model.tiled_mlp, objective=objective.name, optimizer=c.train.optimizer,
+    return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum,
+                     cfg_dtype if c.model.dtype == "auto" else c.model.dtype,
+                     c.model.forward.resolved(platform or jax.default_backend()), mesh=c.mesh, offload=c.offload,
+                     objective=objective.name, optimizer=c.train.optimizer,
                      generate_tokens=objective.rollout_tokens(section), section=section,
                      second_model=None if second in (None, "base") else load_config(second))
-
-
-def compute_dtype_for(choice: str, platform: str) -> str:
-    """`[model] compute_dtype` on `platform`: "auto" is float32 on a CPU (bfloat16 is emulated on most), bfloat16 on
-    an accelerator."""
-    if choice != "auto":
-        return choice
-    return "float32" if platform == "cpu" else "bfloat16"
 
 
 def per_device_bytes(tree) -> int:

@@ -1,7 +1,7 @@
 """The one step every objective trains with (`make_step`): accumulate the objective's loss over micro-batches
 (`accumulate`), then apply the update, or skip a non-finite one (`apply_update`).
 
-    step = make_step(objective.loss_terms(context), method, optimizer, schedule)
+    step = make_step(objective.loss_terms(context), dropout, optimizer, schedule)
     state, metrics = step(state, frozen, second, batch)      # batch: [A, rows, ...] arrays, A micro-batches
 
 `loss_terms(trainable, frozen, second, micro, key) -> (loss sum, (count, metric sums))` returns sums, divided once by
@@ -14,8 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-
-from jaxtune.models.adapters import adapter_forward
 
 
 def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = None
@@ -75,20 +73,17 @@ def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.Gra
     return new_state, metrics
 
 
-def dropout_key(state: dict, method) -> jax.Array | None:
-    """This step's LoRA dropout key, `fold_in(state["rng"], step)`; None when `method` trains without dropout."""
-    return jax.random.fold_in(state["rng"], state["step"]) if adapter_forward(method).dropout_rate(method) > 0 else None
-
-
-def make_step(loss_terms, method, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+def make_step(loss_terms, dropout: bool, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
               batch_metrics=None):
     """`step(state, frozen, second, batch[A, rows, ...]) -> (state, metrics)`: `accumulate` the objective's
-    `loss_terms` over the micro-batches with this step's dropout key, then `apply_update`. Metrics: the update's,
-    the loss terms' means, the batch's real tokens, its loss tokens, and `batch_metrics(batch)`."""
+    `loss_terms` over the micro-batches with this step's dropout key (`fold_in(state["rng"], step)`, where the
+    method trains with `dropout`), then `apply_update`. Metrics: the update's, the loss terms' means, the batch's
+    real tokens, its loss tokens, and `batch_metrics(batch)`."""
 
     def step(state, frozen, second, batch):
         loss_fn = lambda trainable, micro, key=None: loss_terms(trainable, frozen, second, micro, key)
-        loss, count, grads, metrics = accumulate(loss_fn, state["params"], batch, dropout_key(state, method))
+        key = jax.random.fold_in(state["rng"], state["step"]) if dropout else None
+        loss, count, grads, metrics = accumulate(loss_fn, state["params"], batch, key)
         state, update_metrics = apply_update(state, grads, loss, optimizer, schedule)
         extra = batch_metrics(batch) if batch_metrics else {}
         return state, {**update_metrics, **metrics, "tokens": jnp.sum(batch["segment_ids"] > 0),

@@ -19,9 +19,8 @@ import numpy as np
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.data.tokenizer import copy_tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.base import method_unit
-from jaxtune.methods.gguf_export import save_gguf, save_gguf_lora
-from jaxtune.methods.lora_init import CONVERTED_INITS
+from jaxtune.methods.base import METHODS, method_unit
+from jaxtune.methods.gguf_export import save_gguf
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
@@ -30,7 +29,7 @@ from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.paths import check_output_dir, run_directories
 from jaxtune.run_config import RunConfig
-from jaxtune.spine.load import initial_adapters, read_tree
+from jaxtune.spine.load import initial_leaves, read_tree
 from jaxtune.spine.model import load_model_with_adapter
 from jaxtune.spine.run import abstract_run, train_plan
 from jaxtune.train.checkpoint import Checkpoints
@@ -45,7 +44,8 @@ def _merged_layer(adapter, params: dict, method: MethodConfig | None):
         return None
     unit = method_unit(method)
     if unit.merged_layer is None:
-        raise JaxtuneError(f"{adapter}: only LoRA and DoRA adapters merge into the weights, not {method.kind}")
+        merging = " and ".join(kind for kind, other in METHODS.items() if other.merged_layer is not None)
+        raise JaxtuneError(f"{adapter}: only {merging} adapters merge into the weights, not {method.kind}")
     return unit.merged_layer(params, method)
 
 
@@ -75,7 +75,11 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
 def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
     """A PEFT LoRA adapter as llama.cpp's GGUF LoRA, for `model` written by `export_gguf` (or any GGUF of it)."""
     cfg, params, method = load_model_with_adapter(model, adapter, log=log)
-    return save_gguf_lora(out, cfg, params, method, name=Path(str(adapter)).name)
+    write = method_unit(method).gguf_lora
+    if write is None:
+        raise JaxtuneError(f"{adapter}: a {method.kind} adapter has no GGUF LoRA form; export --gguf merges it into "
+                           "the model instead")
+    return write(out, cfg, params, method, name=Path(str(adapter)).name)
 
 
 def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: dict, method: MethodConfig,
@@ -88,8 +92,9 @@ def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: di
         out = save_model(run_dir / "model", cfg, params, dtype=dtype)
         copy_tokenizer(config.model.path, out)
         return out
-    if method.init in CONVERTED_INITS and initial is None:
-        initial = initial_adapters(config.model.path, cfg, method, params)
+    peft = method_unit(method).peft
+    if peft is not None and peft.needs_initial(method) and initial is None:
+        initial = initial_leaves(config.model.path, cfg, method, params)
     return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)),
                              initial=initial)
 
@@ -149,8 +154,9 @@ def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | No
         result = write_run_result(run_dir, scratch, step, log)
         config = run_config_at(run_dir, step if step is not None else 1 << 62)
         model, adapter = (result, None) if result.name != "adapter" else (config.model.path, result)
-        if config.train.objective == "reward" and target != "merged":
-            raise JaxtuneError(f"{run_dir}: a reward model exports as an HF sequence-classification directory: use "
+        objective = objective_named(config.train.objective)
+        if objective.export is not None and target != "merged":
+            raise JaxtuneError(f"{run_dir}: a {objective.name} run's result is {objective.result}: export it with "
                                "--merged")
         if target in ("peft", "gguf-lora") and adapter is None:
             raise JaxtuneError(f"{run_dir}: a {config.method.kind} fine-tune ({config.train.objective}) has no "

@@ -115,7 +115,7 @@ def start_run(config: RunConfig, log) -> StartedRun:
     if not config.data.train:
         raise JaxtuneError("[data] train is not set")
     mesh = make_mesh(config.mesh)
-    warn_if_slow_bf16(config.model.compute_dtype)
+    warn_if_slow_bf16(config.model.forward.compute_dtype)
     release_after_compiles()
     return_large_blocks()
     cfg = load_config(config.model.path)
@@ -303,7 +303,8 @@ def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start:
     evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in metrics_log.records()
              if any(k.startswith("eval_") for k in r)]
     last = evals[-1] if evals else None
-    log(f"done: {final_step} steps, {skipped} skipped; result in {result_path}")
+    where = f"result in {result_path}" if writer else f"process {jax.process_index()}: process 0 writes the result"
+    log(f"done: {final_step} steps, {skipped} skipped; {where}")
     return RunResult(run_dir, final_step, train_loss, last and last.get("eval_loss"),
                      last and last.get("eval_perplexity"), skipped, result_path, eval_metrics=last)
 

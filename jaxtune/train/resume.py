@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import method_unit
+from jaxtune.objectives import objective_named
 from jaxtune.run_config import RunConfig, dump_run_config, load_run_config
 
 RESUMABLE = frozenset({
@@ -64,6 +65,6 @@ def run_config_at(run_dir: str | Path, step: int) -> RunConfig:
 
 def export_hint(run_dir: Path, config: RunConfig, step: int) -> str:
     """How to get a result out of the run's checkpoint at `step`, as a clause for a message."""
-    merged = method_unit(config.method).trains_base or config.train.objective == "reward"
+    merged = method_unit(config.method).trains_base or objective_named(config.train.objective).export is not None
     target = "--merged OUT" if merged else "--peft OUT"
     return f"`jaxtune export --run {run_dir} --step {step} {target}` writes its result"

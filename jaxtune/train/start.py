@@ -78,7 +78,7 @@ def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     run = abstract_run(cfg, plan, mesh, c.train, total_steps)
     state, frozen, second = load_run(run, c.model.path, c.train.seed, objective.second_model(section, c.method))
     if training.start is not None:
-        training.start(lambda: _reference_for_scoring(run, c, section, frozen), run.context)
+        training.start(lambda reference: _read_reference(run, c, reference, frozen), run.context)
     if objective.export is not None:
         export_fn = lambda run_dir, params: objective.export(run_dir, c, cfg, params)
     else:
@@ -86,10 +86,10 @@ def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     return StartedRun(run, training, total_steps, state, frozen, second, export_fn, setup.cache_writes)
 
 
-def _reference_for_scoring(run: AbstractRun, config, section, frozen: dict) -> dict:
-    """The reference a DPO run scores its pairs with before training: the frozen base (adapters off) or a model
-    read whole into the policy's frozen shardings ("base" of a full fine-tune, or a directory)."""
-    reference = getattr(section, "reference", "base")
+def _read_reference(run: AbstractRun, config, reference: str, frozen: dict) -> dict:
+    """A reference model an objective scores with before training (`ObjectiveData.start`): "base", the frozen base
+    (adapters off), or a model read whole into the policy's frozen shardings ("base" of a full fine-tune, or a
+    directory)."""
     if reference == "base" and not method_unit(config.method).trains_base:
         return strip_adapters(frozen)
     base = abstract_params(run.cfg, jax.numpy.dtype(run.plan.param_dtype))

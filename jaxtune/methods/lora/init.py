@@ -10,25 +10,30 @@ component. `as_plain_lora` is PEFT's conversion to a LoRA of rank 2r on the unch
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import MethodConfig, ModelConfig
-from jaxtune.methods.targets import ModuleLoRA, lora_layout
-from jaxtune.models.quant import QuantizedArray, dequantize, quantize_int8, quantize_nf4
+from jaxtune.config import ModelConfig
+from jaxtune.methods.lora.layout import ModuleLoRA, lora_layout
+from jaxtune.models.quant import QuantizedArray, dequantize, quantize_by_rows, quantize_int8, quantize_nf4
+
+if TYPE_CHECKING:
+    from jaxtune.methods.lora.options import LoRAConfig
 
 BASE_INITS = ("pissa", "olora", "loftq")  # the inits that change the frozen base
 INITS = ("default", "gaussian") + BASE_INITS
 CONVERTED_INITS = ("pissa", "olora")  # exported as PEFT's plain LoRA of rank 2r on the original weights
 
 
-def changed_modules(method: MethodConfig, cfg: ModelConfig) -> dict[str, ModuleLoRA]:
+def changed_modules(method: LoRAConfig, cfg: ModelConfig) -> dict[str, ModuleLoRA]:
     """{module: its LoRA layout} of the modules whose base `method`'s init changes (none for other inits)."""
-    if method.kind not in ("lora", "qlora") or method.init not in BASE_INITS:
+    if method.init not in BASE_INITS:
         return {}
     return lora_layout(method, cfg.num_layers, cfg.linear_modules)
 
@@ -66,13 +71,13 @@ def _loftq(w_OxI, rank: int, bits: int, iters: int):
 
 
 @partial(jax.jit, static_argnames=("rank", "method"))
-def init_layer(w_IxO: jax.Array, rank: int, scale: float, method: MethodConfig):
+def init_layer(w_IxO: jax.Array, rank: int, scale: float, method: LoRAConfig):
     """One layer's (lora_a [in, rank] float32, lora_b [rank, out] float32, base) under `method.init` (one of
     BASE_INITS) from its kernel [in, out]. base: [in, out] in the kernel's dtype, or for QLoRA the quantised
     `method.bits` weight of one layer (NF4 with `method.double_quant`)."""
     w_OxI = w_IxO.T.astype(jnp.float32)
-    quantized = method.kind == "qlora"
-    quantize = (lambda x: quantize_nf4(x, method.double_quant)) if method.bits == 4 else quantize_int8
+    quantized = method.quantized
+    quantize = _quantizer(method) if quantized else None
     if method.init == "pissa":
         a_RxI, b_OxR, base = _pissa(w_OxI, rank, scale)
         base = base.astype(w_IxO.dtype)  # PEFT's residual model, as saved; quantised as a QLoRA base loads it
@@ -96,14 +101,18 @@ def _stack(layers: list):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
 
-def initialise_module(kernel, lora: ModuleLoRA, method: MethodConfig, layer=None):
+def _quantizer(method):
+    """QLoRA's quantisation of one weight [in, out] (NF4, with `double_quant`, or int8)."""
+    return (lambda x: quantize_nf4(x, method.double_quant)) if method.bits == 4 else quantize_int8
+
+
+def initialise_module(kernel, lora: ModuleLoRA, method: LoRAConfig, layer=None):
     """(lora_a [L, in, R], lora_b [L, R, out], base kernel [L, in, out], quantised for QLoRA) of one module of L
     layers, each adapted layer initialised by `init_layer` (a layer of rank r < R padded with zeros, one not
     adapted kept). layer(i) -> kernel [in, out] of layer i in its dtype (default: `kernel[i]`)."""
     layer = layer or (lambda i: kernel[i])
     R = lora.max_rank
     a_list, b_list, bases = [], [], []
-    quantize = (lambda x: quantize_nf4(x, method.double_quant)) if method.bits == 4 else quantize_int8
     for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
         w = layer(i)
         if r:
@@ -111,14 +120,14 @@ def initialise_module(kernel, lora: ModuleLoRA, method: MethodConfig, layer=None
         else:
             d_in, d_out = w.shape
             a, b = jnp.zeros((d_in, 0), jnp.float32), jnp.zeros((0, d_out), jnp.float32)
-            base = replace(quantize(w), dtype=np.dtype(w.dtype)) if method.kind == "qlora" else w
+            base = replace(_quantizer(method)(w), dtype=np.dtype(w.dtype)) if method.quantized else w
         a_list.append(jnp.pad(a, ((0, 0), (0, R - r))))
         b_list.append(jnp.pad(b, ((0, R - r), (0, 0))))
         bases.append(base)
     return _stack(a_list), _stack(b_list), _stack(bases)
 
 
-def initialise(params: dict, cfg: ModelConfig, method: MethodConfig) -> tuple[dict, dict]:
+def initialise(params: dict, cfg: ModelConfig, method: LoRAConfig) -> tuple[dict, dict]:
     """(params with each changed module's base kernel, {module: {"lora_a", "lora_b"}}) for a float base tree in
     memory; a QLoRA method's changed kernels come back quantised. Identity where `method.init` keeps the base."""
     layers, initial = dict(params["layers"]), {}
@@ -132,13 +141,7 @@ def initialise(params: dict, cfg: ModelConfig, method: MethodConfig) -> tuple[di
     return {**params, "layers": layers}, initial
 
 
-def with_initial(params: dict, initial: dict) -> dict:
-    """`params` with the LoRA leaves of `initial` ({module: {"lora_a", "lora_b"}}) in place of those it has."""
-    layers = {**params["layers"], **{name: {**params["layers"][name], **leaves} for name, leaves in initial.items()}}
-    return {**params, "layers": layers}
-
-
-def as_plain_lora(params: dict, method: MethodConfig, initial: dict, num_layers: int) -> tuple[dict, MethodConfig]:
+def as_plain_lora(params: dict, method: LoRAConfig, initial: dict, num_layers: int) -> tuple[dict, LoRAConfig]:
     """A PiSSA/OLoRA adapter as PEFT's plain LoRA on the original base (`PeftModel.save_pretrained` with
     `path_initial_model_for_weight_conversion`): W + s (B A - B0 A0) = (W - s B0 A0) + s B A, so per layer of rank
     r, A' = [A; A0] and B' = [B, -B0] of rank 2r, alpha doubled (rsLoRA: times sqrt 2; PEFT doubles an alpha_pattern
@@ -158,3 +161,28 @@ def as_plain_lora(params: dict, method: MethodConfig, initial: dict, num_layers:
             b2[i, :2 * r] = np.concatenate([b[i, :r], -b0[i, :r]], axis=0)
         layers[name] = {**layers[name], "lora_a": a2, "lora_b": b2}
     return {**params, "layers": layers}, plain
+
+
+def changed_module_names(method: LoRAConfig, cfg: ModelConfig) -> tuple[str, ...]:
+    """The modules whose kernels `method`'s init changes (`BaseInit.modules`)."""
+    return tuple(changed_modules(method, cfg))
+
+
+def read_layers(method: LoRAConfig, cfg: ModelConfig, name: str, read_layer: Callable[[int], np.ndarray]
+                ) -> Iterator[tuple[object, dict[str, np.ndarray]]]:
+    """For each layer of module `name`, read as its [in, out] array by read_layer(i): (its base kernel as the
+    init leaves it, quantised for QLoRA, on the host; {"lora_a" [in, R], "lora_b" [R, out]} float32) where R is
+    the module's largest rank, a layer of rank r < R zero beyond r, one not adapted all zeros (`BaseInit.layers`)."""
+    lora = changed_modules(method, cfg)[name]
+    R = lora.max_rank
+    for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
+        w_IxO = read_layer(i)
+        a, b = np.zeros((w_IxO.shape[0], R), np.float32), np.zeros((R, w_IxO.shape[1]), np.float32)
+        if r:
+            a[:, :r], b[:r], base = jax.device_get(init_layer(jnp.asarray(w_IxO), r, float(scale), method))
+        elif method.quantized:
+            base = quantize_by_rows(lambda x, y: w_IxO.T[x:y], w_IxO.shape, w_IxO.dtype, method.bits,
+                                    method.double_quant)
+        else:
+            base = w_IxO
+        yield base, {"lora_a": a, "lora_b": b}

@@ -14,28 +14,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtune.config import MethodConfig, ModelConfig
+from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.lora import LORA_LEAVES
-from jaxtune.methods.lora_init import BASE_INITS
-from jaxtune.methods.targets import lora_layout
+from jaxtune.methods.lora.init import BASE_INITS
+from jaxtune.methods.lora.layout import lora_layout
+from jaxtune.methods.lora.leaves import LORA_LEAVES
+from jaxtune.methods.lora.options import LoRAConfig
 from jaxtune.models.adapter_rows import STACK_LEAVES
 from jaxtune.models.quant import full_shape
 
 
-def check_mixable(method: MethodConfig, name: str) -> None:
-    """A one-line JaxtuneError naming adapter `name` and what keeps it out of a mixed batch."""
-    if method.kind not in ("lora", "qlora"):
-        raise JaxtuneError(f"adapter {name}: a {method.kind} adapter cannot share a batch with other adapters "
-                           "(only LoRA adapters mix; generate with it alone)")
+def why_not_mixed(method: LoRAConfig) -> str | None:
+    """What keeps an adapter of `method` out of a batch with other adapters, or None (`Method.mixes`)."""
     refused = {"DoRA (use_dora)": method.dora, "a LoRA bias (lora_bias)": method.lora_bias,
                f"modules_to_save {list(method.modules_to_save)}": method.modules_to_save,
                "LoRA on expert stacks (target_parameters)": method.target_parameters,
                f"init {method.init} (it changes the base weights)": method.init in BASE_INITS}
     what = next((what for what, present in refused.items() if present), None)
-    if what is not None:
-        raise JaxtuneError(f"adapter {name}: {what} cannot share a batch with other adapters (only plain LoRA "
-                           "mixes; generate with it alone)")
+    return None if what is None else f"{what} cannot share a batch with other adapters (only plain LoRA mixes)"
 
 
 def base_of(params: dict) -> dict:
@@ -50,16 +46,15 @@ def _signature(params: dict):
     return jax.tree.structure(params), [(x.shape, x.dtype) for x in jax.tree.leaves(params)]
 
 
-def stack_adapters(adapters: dict[str, tuple[MethodConfig, dict]], cfg: ModelConfig) -> dict:
+def stack_adapters(adapters: dict[str, tuple[LoRAConfig, dict]], cfg: ModelConfig) -> dict:
     """The base tree of the adapters' params with their LoRA stacked: adapter i (in `adapters`' order) is slot i + 1.
 
     adapters: name -> (method, params with that method's LoRA leaves), all on the same base tree (same model, same
-    quantisation). Raises a one-line JaxtuneError naming the adapter that cannot mix.
+    quantisation), each one that mixes (`why_not_mixed`). Raises a one-line JaxtuneError naming an adapter whose
+    base differs.
     """
     if not adapters:
         raise JaxtuneError("no adapters to stack")
-    for name, (method, _) in adapters.items():
-        check_mixable(method, name)
     (first, (_, first_params)), L = next(iter(adapters.items())), cfg.num_layers
     base = base_of(first_params)
     for name, (method, params) in adapters.items():

@@ -1,0 +1,102 @@
+"""Which modules of which layers LoRA adapts, with which rank and alpha: PEFT's rules on our modules
+(`lora_layout -> {module: ModuleLoRA}`, `layer_scales`, `module_scales`; the target fields' own rules are
+`methods.targets.is_target`).
+
+After the target fields, PEFT takes rank_pattern and alpha_pattern per module path (`get_pattern_key`: the first key
+whose regex `(.*\\.)?key$` matches the path). A module's `lora_a` [L, in, R] and `lora_b` [L, R, out] have its
+largest rank R: a layer of rank r < R holds zeros beyond r (with zero gradients they stay zero under AdamW), and a
+layer the adapter skips has rank 0 and scale 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.config.model import SEPARATE_MODULES
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.targets import FUSED_HINT, is_target, module_path
+
+if TYPE_CHECKING:
+    from jaxtune.methods.lora.options import LoRAConfig
+
+
+@dataclass(frozen=True)
+class ModuleLoRA:
+    """One module's LoRA over the layers: `ranks[i]` (0: layer i not adapted) and `alphas[i]`."""
+
+    ranks: tuple[int, ...]
+    alphas: tuple[float, ...]
+    rslora: bool
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+    @property
+    def scales(self) -> np.ndarray:
+        """[L] float64: alpha / r (rsLoRA: alpha / sqrt(r)) per layer, 0 where the layer is not adapted."""
+        r = np.asarray(self.ranks, np.float64)
+        denominator = np.sqrt(r) if self.rslora else r
+        return np.where(r > 0, np.asarray(self.alphas) / np.maximum(denominator, 1), 0.0)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.ranks)) == 1 and len(set(self.alphas)) == 1
+
+
+def _pattern_value(patterns: tuple[tuple[str, float], ...], path: str, default):
+    return next((value for key, value in patterns if re.match(rf"(.*\.)?({key})$", path)), default)
+
+
+@lru_cache(maxsize=256)
+def lora_layout(method: LoRAConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
+                ) -> dict[str, ModuleLoRA]:
+    """The modules `method` (lora or qlora) adapts on a model of `num_layers` layers whose layers hold `modules`
+    (`ModelConfig.linear_modules`), in that order.
+
+    An error names the method's fields when they select no module at all (PEFT's "Target modules ... not found").
+    """
+    layout = {}
+    for name in modules:
+        paths = [module_path(name, i) for i in range(num_layers)]
+        ranks = tuple(int(_pattern_value(method.rank_pattern, p, method.rank)) if is_target(method, p) else 0
+                      for p in paths)
+        if any(ranks):
+            alphas = tuple(float(_pattern_value(method.alpha_pattern, p, method.alpha)) if r else 0.0
+                           for p, r in zip(paths, ranks))
+            layout[name] = ModuleLoRA(ranks, alphas, method.rslora)
+    if not layout and not method.target_parameters:
+        raise JaxtuneError(f"target_modules={method.target_modules!r} (exclude_modules={method.exclude_modules!r}, "
+                           f"layers_to_transform={method.layers_to_transform!r}) selects no module of a "
+                           f"{num_layers}-layer model with modules {', '.join(modules)}; module paths look like "
+                           f"{module_path(modules[0], 0)!r}" + FUSED_HINT * ("qkv_proj" in modules))
+    return layout
+
+
+def layer_scales(method: LoRAConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
+                 ) -> float | dict[str, np.ndarray]:
+    """The LoRA scale the forward multiplies by: one float when every adapted module and layer shares it (the
+    common case: the compiled program is the plain one), else per module a [L] array (0 where not adapted).
+
+    A layer that is not adapted needs no scale for LoRA (its zero `lora_a`/`lora_b` add nothing), but does for
+    DoRA, whose magnitude would otherwise rescale it: scale 0 turns DoRA's m / ||W + s B A|| into 1 there.
+    """
+    layout = lora_layout(method, num_layers, modules)
+    active = {float(s) for m in layout.values() for s, r in zip(m.scales, m.ranks) if r}
+    skipped = any(0 in m.ranks for m in layout.values())
+    if not active:  # experts alone (target_parameters): one rank and alpha everywhere
+        return method.lora_scale
+    if len(active) == 1 and not (method.dora and skipped):
+        return active.pop()
+    return {name: m.scales for name, m in layout.items()}
+
+
+def module_scales(method: LoRAConfig, name: str, num_layers: int) -> jnp.ndarray:
+    """[L]: module `name`'s LoRA scale per layer (0 where the layer is not adapted), float32 (float64 with x64)."""
+    return jnp.asarray(lora_layout(method, num_layers, (name,))[name].scales)
