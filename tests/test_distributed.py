@@ -1,5 +1,7 @@
-"""Multi-process training: two local processes joined by `jax.distributed` (gloo CPU collectives on 127.0.0.1)
-train the tiny model as one program and match a single-process run."""
+"""Multi-process training: two local `jaxtune train` processes joined by `jax.distributed` (gloo CPU collectives on
+127.0.0.1) train the tiny model as one program and match a single-process run. They run as users run them: the CLI
+with no JAX_PLATFORMS, so where libtpu is installed (the full tier's install) JAX looks for a TPU first, and the
+cluster must be joined before anything touches a backend."""
 
 import json
 import os
@@ -27,8 +29,8 @@ def free_port() -> int:
 
 
 def train(config: Path, *flags: str, env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", str(config), *flags], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -66,6 +68,8 @@ def test_two_processes_train_as_one_and_match_a_single_process(tmp_path):
     outputs = [finish(p) for p in cluster]
     assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
     assert "2 devices" in outputs[0]
+    assert "result in " in outputs[0] and "process 1: process 0 writes the result" in outputs[1]
+    assert "result in None" not in outputs[1]
 
     one, two = records(tmp_path / "single"), records(tmp_path / "pair")
     assert [sorted(r) for r in one] == [sorted(r) for r in two]  # written once, by process 0 only

@@ -25,6 +25,17 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
 
 
+def test_lm_eval_is_named_by_the_command_that_registers_jaxtune():
+    """`lm_eval --model jaxtune` finds no such model (lm-eval 0.4 loads no plugins): wherever the README and docs/
+    give lm-eval's `--model jaxtune`, they give it through `python -m jaxtune.harness run`, which registers it
+    (tests/test_harness.py runs that command)."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in page.read_text().splitlines():
+            if "--model jaxtune" in line:
+                assert "python -m jaxtune.harness run --model jaxtune" in line, f"{page.name}: {line}"
+            assert not re.search(r"\blm[-_]eval\s+(?:run\s+)?--model\s+jaxtune", line), f"{page.name}: {line}"
+
+
 def test_readme_python_examples_import_what_they_name():
     """Every `from jaxtune... import a, b` line of the Python examples of the README and docs/ names something that
     exists (but the module the objective recipe of docs/architecture.md creates)."""

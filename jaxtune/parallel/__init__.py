@@ -1,5 +1,5 @@
-"""Scale-out: one device mesh ("data", "fsdp", "expert", "tensor"), one rules table from logical axes to mesh axes,
-and host offload through memory kinds (the run's shardings are derived in `jaxtune.spine.shardings`).
+"""Scale-out: one device mesh ("data", "fsdp", "expert", "context", "tensor"), one rules table from logical axes to
+mesh axes, and host offload through memory kinds (the run's shardings are derived in `jaxtune.spine.shardings`).
 
 The public API, one name a line.
 """

@@ -1,12 +1,12 @@
-"""The device mesh: one `jax.sharding.Mesh` with named axes ("data", "fsdp", "expert", "tensor"), from `make_mesh`
-(or `abstract_mesh`, without devices, for planning).
+"""The device mesh: one `jax.sharding.Mesh` with the five named axes of `MESH_AXES`, from `make_mesh` (or
+`abstract_mesh`, without devices, for planning).
 
     data    plain data parallelism: parameters and optimizer state replicated, the batch split.
     fsdp    ZeRO-3: the batch split *and* parameters, gradients and optimizer state partitioned.
     expert  expert parallelism: a mixture's experts split E / expert a device, the batch split as over data.
+    context each row's tokens split (context parallelism), and with fsdp ZeRO-3's partitions (`context_attention`).
     tensor  tensor parallelism: attention heads, MLP columns and the vocabulary split (Megatron-style).
-
-Which dimension goes to which mesh axis is one table, `parallel/rules.py`. One size may be -1, "the rest".
+Which dimension goes to which axis is one table, `parallel/rules.py`. One size may be -1, "the rest".
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jaxtune.config.run import MESH_AXES, MeshConfig
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
-    """A Mesh over `devices` (default: all of `jax.devices()`) with axes ("data", "fsdp", "expert", "tensor").
+    """A Mesh over `devices` (default: all of `jax.devices()`) with axes ("data", "fsdp", "expert", "context",
+    "tensor").
 
     `jax.make_mesh` orders the devices by the physical topology (rings on a TPU slice); `tensor` is the innermost
     axis, so tensor-parallel partners are neighbours, the pairs with the fastest links. Sizes that do not tile the
