@@ -91,6 +91,7 @@ def cmd_export(args) -> None:
         print(f"wrote the {'merged ' if args.adapter else ''}model to {path}")
         return
     cfg, params, method = load_model_with_adapter(args.model, args.adapter, log=note)
+    assert method is not None  # --peft needs --adapter, checked above
     path = save_peft_adapter(args.peft, params, cfg, method, base_model=str(args.model))
     print(f"wrote the {method.kind} adapter in PEFT format to {path}")
 
@@ -168,8 +169,8 @@ def _read_prompts(path: str) -> list[str | list[dict]]:
     """A .jsonl file's "prompt" fields or "messages" conversations, or any other file's non-empty lines."""
     from jaxtune.data.sources import read_records
 
+    prompts: list[str | list[dict]] = []
     if path.endswith(".jsonl"):
-        prompts = []
         for line, record in read_records(path):
             messages = record.get("messages")
             if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):

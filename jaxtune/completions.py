@@ -58,7 +58,9 @@ def _request(path, line: int, record: dict, names: Sequence[str]) -> Request:
     limit = record.get("max_new_tokens")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise JaxtuneError(f"{where}: key 'max_new_tokens' must be a positive integer, got {json.dumps(limit)}")
-    return Request(messages if messages is not None else prompt, adapter, tuple(stop), limit, line)
+    chosen = messages if messages is not None else prompt
+    assert chosen is not None  # one of the two, checked above
+    return Request(chosen, adapter, tuple(stop), limit, line)
 
 
 def read_requests(path: str | Path, names: Sequence[str] = ()) -> list[Request]:
@@ -78,7 +80,7 @@ def complete(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, requests: Seq
     """Each request's completion, in order: one `generate_text` batch per distinct max_new_tokens, each row with
     its adapter (`slots`: name -> stack slot, for params that carry stacked adapters; else `method`'s), cut before
     the first of `stop_strings` and the request's own stops. chat: text prompts go in as a user turn."""
-    texts: list[str | None] = [None] * len(requests)
+    texts = [""] * len(requests)  # each row's group fills it
     groups: dict[int, list[int]] = {}
     for i, request in enumerate(requests):
         groups.setdefault(request.max_new_tokens or sampling.max_new_tokens, []).append(i)
@@ -86,7 +88,8 @@ def complete(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, requests: Seq
         prompts = [requests[i].prompt for i in rows]
         if chat:
             prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-        adapter_of_row = None if slots is None else [slots.get(requests[i].adapter, 0) for i in rows]
+        names = [requests[i].adapter for i in rows]
+        adapter_of_row = None if slots is None else [0 if a is None else slots.get(a, 0) for a in names]
         answers = generate_text(params, cfg, tokenizer, prompts, dataclasses.replace(sampling, max_new_tokens=limit),
                                 method=method, adapter_of_row=adapter_of_row)
         for i, text in zip(rows, answers):

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import random
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from jaxtune.config import DataConfig, ModelSection, SamplingConfig, TrainConfig
@@ -56,9 +57,10 @@ def smollm2_path() -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def date_examples(n: int, seed: int, exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+def date_examples(n: int, seed: int, exclude: Collection[str] = frozenset()) -> list[tuple[str, str]]:
     """n (question, answer) pairs: a date written one of three ways, and the same date in ISO 8601."""
-    rng, examples = random.Random(seed), []
+    rng = random.Random(seed)
+    examples: list[tuple[str, str]] = []
     while len(examples) < n:
         year, month, day = rng.randint(1950, 2049), rng.randint(1, 12), rng.randint(1, 28)
         name = MONTHS[month - 1]
@@ -169,6 +171,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
         f"(over {after['eval_tokens']} held-out completion tokens)")
 
     log("[3/3] greedy answers with the adapter:")
+    assert base.result_path is not None and lora.result_path is not None  # one process: it writes the results
     cfg, params, method = load_model_with_adapter(base.result_path, lora.result_path)
     tokenizer = load_tokenizer(base.result_path)
     answers = generate_text(params, cfg, tokenizer, SAMPLE_PROMPTS, SamplingConfig(max_new_tokens=24),

@@ -129,7 +129,7 @@ def decode_arguments(rows: int, prompt_len: int, vocab_size: int, sharding=None)
     limits, the stop set [V], temperature, top_k, top_p and the key."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     key = jax.eval_shape(jax.random.key, 0)
-    packed = PackedPrompts(*(spec((rows, prompt_len), jnp.int32) for _ in range(4)), spec((rows,), jnp.int32))
+    packed = PackedPrompts(*(spec((rows, prompt_len), jnp.int32),) * 4, spec((rows,), jnp.int32))
     return (packed, spec((rows,), jnp.bool_), spec((rows,), jnp.int32), spec((vocab_size,), jnp.bool_),
             spec((), jnp.float32), spec((), jnp.int32), spec((), jnp.float32), spec(key.shape, key.dtype))
 
@@ -205,8 +205,11 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
         rows += plan
         row_adapter += [slot] * len(plan)
     R = max(rows_bucket(len(rows)), shape[0])
-    tokens, positions, segments = (np.zeros((R, T), np.int32) for _ in range(3))
-    source, last = np.full((batch, width), -1, np.int32), np.zeros(batch, np.int32)
+    tokens: np.ndarray = np.zeros((R, T), np.int32)
+    positions: np.ndarray = np.zeros((R, T), np.int32)
+    segments: np.ndarray = np.zeros((R, T), np.int32)
+    source: np.ndarray = np.full((batch, width), -1, np.int32)
+    last: np.ndarray = np.zeros(batch, np.int32)
     for r, row in enumerate(rows):
         at = T - sizes[row[0]] if one_per_row else 0
         for segment, t in enumerate(row, start=1):
@@ -214,7 +217,8 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
             first = prompts[members[0]]
             tokens[r, at: at + c], positions[r, at: at + c], segments[r, at: at + c] = first[:c], \
                 prefix + np.arange(c), segment
-            shared, at = r * T + at + np.arange(c), at + c
+            shared: np.ndarray = r * T + at + np.arange(c)
+            at += c
             for branch, i in enumerate(members, start=1):
                 n = lengths[i] - c
                 tokens[r, at: at + n], positions[r, at: at + n] = prompts[i][c:], prefix + c + np.arange(n)
@@ -234,7 +238,7 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
 
 def _new_tokens(row_N: np.ndarray, is_stop_V: np.ndarray, include_stop: bool) -> list[int]:
     """A row of out_BxN as its tokens: up to the first -1, ending before (or with) its first stop token."""
-    tokens = []
+    tokens: list[int] = []
     for token in row_N.tolist():
         if token < 0:
             break
@@ -317,7 +321,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         fill = max(int(np.max(np.sum(p.segments_RxT > 0, axis=1))) for p in packs)
         T = W if one_per_row else max(MIN_BUCKET, rows_bucket(fill))
         packs = pack((max(p.tokens_RxT.shape[0] for p in pack((0, T))), T))
-    is_stop_V = np.zeros(cfg.vocab_size, bool)
+    is_stop_V: np.ndarray = np.zeros(cfg.vocab_size, bool)
     is_stop_V[list(stops)] = True
     sampling_args = (is_stop_V, np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k),
                      np.float32(sampling.top_p), jax.random.key(sampling.seed))
@@ -330,7 +334,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         until = N if stop_when is None else min(chunk_steps, N)
         state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program,
                             greedy=sampling.greedy)
-        while until < N:  # with stop_when: the host reads each chunk's tokens (one transfer) to end rows
+        while stop_when is not None and until < N:  # the host reads each chunk's tokens (one transfer) to end rows
             out_BxN, done_B = jax.device_get((state.out_BxN, state.done_B))
             done_B = done_B.copy()
             for row in np.flatnonzero(~done_B):

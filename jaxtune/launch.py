@@ -164,6 +164,7 @@ def compile_check(run, accelerator: str, config_path: Path) -> str:
     except JaxtuneError as e:  # the model not readable here, no libtpu, a slice Cloud TPU does not make
         raise JaxtuneError(f"the compile check: {e} (--no-compile-check to launch without it)") from None
     c = confirmation.compiled
+    assert c is not None  # a TPU slice's step is compiled
     figures = (f"the step compiled for {confirmation.topology} needs {confirmation.peak_bytes / 2**30:.2f} GiB a chip "
                f"+ {confirmation.estimate.reserve_bytes / 2**30:.2f} GiB reserve, of "
                f"{confirmation.estimate.device.usable_bytes / 2**30:.2f} GiB usable (compiled in "

@@ -47,7 +47,7 @@ def run_directories(output_dir: str) -> tuple[Path, str | Path]:
 
 
 @contextmanager
-def run_directory_lock(run_dir: Path, what: str = "train.output_dir") -> Iterator[None]:
+def run_directory_lock(run_dir: Path, what: str = "train.output_dir") -> Iterator[_DirectoryLock]:
     """Hold `run_dir` for one writer: an exclusive `flock` on the directory itself while the block runs, or a
     JaxtuneError naming the process that holds it. The kernel drops the lock with its process, so a killed run
     leaves nothing stuck, and no file is added to the directory. A directory that does not exist yet is locked once
@@ -63,7 +63,8 @@ def run_directory_lock(run_dir: Path, what: str = "train.output_dir") -> Iterato
 
 class _DirectoryLock:
     def __init__(self, path: Path, what: str):
-        self.path, self.what, self.fd = Path(path), what, None
+        self.path, self.what = Path(path), what
+        self.fd: int | None = None
 
     def acquire(self) -> None:
         if self.fd is not None or not self.path.is_dir():

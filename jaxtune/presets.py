@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -22,13 +23,15 @@ def family_traits(arch: str, num_layers: int) -> dict:
     sliding layers alternate with full ones (Gemma 3 has one full layer in six at scale; two layers show both);
     Phi-3's fused projections, with Phi-4-mini's partial rotary factor; mixtures of 4 to 8 experts, top 2, Mixtral's
     as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert."""
-    traits = {"qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
-              "mistral": dict(sliding_windows=(64,) * num_layers),
-              "phi3": dict(fused_projections=True, partial_rotary_factor=0.75),
-              "mixtral": dict(num_experts=4, experts_per_token=2),
-              "qwen2_moe": dict(qkv_bias=True, num_experts=4, experts_per_token=2, expert_size=64,
-                                shared_expert_size=128, normalize_top_k=False),
-              "qwen3_moe": dict(qk_norm=True, num_experts=8, experts_per_token=2, expert_size=64)}.get(arch, {})
+    known: dict[str, dict[str, Any]] = {
+        "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
+        "mistral": dict(sliding_windows=(64,) * num_layers),
+        "phi3": dict(fused_projections=True, partial_rotary_factor=0.75),
+        "mixtral": dict(num_experts=4, experts_per_token=2),
+        "qwen2_moe": dict(qkv_bias=True, num_experts=4, experts_per_token=2, expert_size=64,
+                          shared_expert_size=128, normalize_top_k=False),
+        "qwen3_moe": dict(qk_norm=True, num_experts=8, experts_per_token=2, expert_size=64)}
+    traits = known.get(arch, {})
     if arch.startswith("gemma"):
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
                       tie_word_embeddings=True, query_pre_attn_scalar=24.0,

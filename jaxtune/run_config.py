@@ -15,6 +15,7 @@ import dataclasses
 import json
 import tomllib
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ def _located(error: ConfigError, source: str) -> JaxtuneError:
 def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> RunConfig:
     """`overridden`: (section, key) -> the `--set` item that gave it, named in its errors instead of the file."""
     known_sections = sections()
-    parts: dict[str, object] = {}
+    parts: dict[str, Any] = {}  # section name -> its dataclass
     for name, values in raw.items():
         if name not in known_sections:
             raise JaxtuneError(f"{where}: unknown section [{name}] (sections: {', '.join(known_sections)})")
@@ -185,7 +186,7 @@ def _unknown(section: str, key: str, cls: type) -> str:
     return f"unknown key {key!r} in section [method] for kind {kind!r} (known: kind, {known or 'nothing else'}){whose}"
 
 
-def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a TOML run config (or start from defaults when `path` is None) and apply "section.key=value" overrides."""
     raw: dict = {}
     where = "config"
@@ -221,7 +222,7 @@ def _toml_value(value) -> str:
     return repr(value)
 
 
-def _sections_of(config: RunConfig) -> dict[str, object]:
+def _sections_of(config: RunConfig) -> dict[str, Any]:
     """{TOML section name: its dataclass} of `config`, in the order `sections()` gives."""
     return {**{name: getattr(config, name) for name in RUN_SECTIONS}, **dict(config.objectives)}
 

@@ -1,11 +1,12 @@
-"""What every test needs: the environment (the CPU backend, XLA's compilation cache shared by the test processes),
-XLA_FLAGS restored after each test, torch-free helpers, and the two tiers.
+"""What every test needs: the environment (the CPU backend, XLA's compilation cache shared by the test processes and
+reported at the end, no huge-pages restart of the CLI), XLA_FLAGS restored after each test, torch-free helpers, and
+the tiers.
 
-The fast tier, `JAXTUNE_TESTS_NO_TORCH=1 pytest -m "not reference"`, runs without torch, transformers and peft: with
-that variable set, importing them raises ImportError here and in the processes the tests start (no_torch/), and the
-test files marked `reference` as a whole are not imported. A test that needs them (directly, through
-tests/reference.py or tests/hf_models.py, through `hf_model_dir`, or in a process it starts) is marked `reference`:
-`pytest -m reference` is the other tier.
+The everyday tier is `pytest` (the README's test command): every test not marked `full`. `pytest --full` runs every
+test (`.ci/full`: with llama.cpp and libtpu installed, and the parity tests again with AVX2 forced). Tests that need
+torch, transformers or peft (directly, through tests/reference.py or tests/hf_models.py, through `hf_model_dir`, or
+in a process they start) are marked `reference`: with JAXTUNE_TESTS_NO_TORCH=1, importing those raises ImportError
+here and in the processes the tests start (no_torch/), so `-m "not reference"` proves the rest runs without them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = hashlib.sha256(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:12]
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"jaxtune-tests-xla-{_flags}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# `jaxtune train` and `demo` run as programs restart once under glibc's huge pages (`host_memory`): a test's CLI
+# process has nothing to gain from that, so the tunable is set (to off) and they start once.
+if "glibc.malloc.hugetlb=" not in os.environ.get("GLIBC_TUNABLES", ""):
+    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=0"]))
 
 NO_TORCH = os.environ.get("JAXTUNE_TESTS_NO_TORCH") == "1"
 if NO_TORCH:
@@ -38,6 +43,40 @@ if NO_TORCH:
 
 import numpy as np
 import pytest
+
+CACHE = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+def _cache_entries() -> tuple[int, int]:
+    """(programs, bytes) in XLA's compilation cache directory."""
+    files = [p for p in CACHE.rglob("*") if p.is_file()] if CACHE.is_dir() else []
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+_CACHE_AT_START = _cache_entries()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="the full tier: tests marked `full` too (.ci/full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The everyday tier leaves out the tests marked `full` (deselected, as `-m "not full"` would)."""
+    if config.getoption("--full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full") is not None])
+        items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """XLA's compilation cache: what it held at the start and the end (a warm cache makes the suite faster)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    (n0, b0), (n1, b1) = _CACHE_AT_START, _cache_entries()
+    terminalreporter.write_line(f"XLA compilation cache {CACHE}: {n0} programs ({b0 / 2**20:.0f} MiB) at the start, "
+                                f"{n1} ({b1 / 2**20:.0f} MiB) at the end")
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
@@ -159,7 +160,7 @@ class ModelConfig:
 
 def tiny_config(**overrides) -> ModelConfig:
     """A tiny Llama shape (about 0.2M parameters) for tests, examples and the demo."""
-    base = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=16, max_position_embeddings=512)
+    base: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16, max_position_embeddings=512)
     base.update(overrides)
     return ModelConfig(**base)

@@ -92,7 +92,7 @@ def _plan(examples: Sequence[Example], seq_len: int, pack: bool) -> list[list[in
 
 def _fill(examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: int, num_rows: int) -> dict:
     """Arrays [num_rows, seq_len] holding `rows` (lists of example indices) then empty rows."""
-    out = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in BATCH_FIELDS.items()}
+    out: dict[str, np.ndarray] = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in BATCH_FIELDS.items()}
     for r, row in enumerate(rows):
         t = 0
         for segment, i in enumerate(row, 1):

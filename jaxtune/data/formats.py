@@ -377,7 +377,7 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
         encodings = tokenizer.backend.encode_batch([t for _, t, _ in chats], add_special_tokens=False)
         for (k, _, spans), enc in zip(chats, encodings):
             built[k] = Example(tuple(enc.ids), tuple(_span_mask(enc.offsets, spans)))
-    return [ex for ex in (_fit(b, max_seq_len, stats) for b in built) if ex is not None]
+    return [ex for ex in (_fit(b, max_seq_len, stats) for b in built if b is not None) if ex is not None]
 
 
 def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
@@ -435,7 +435,7 @@ def labelled_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
     eos = _eos(tokenizer)
     stats = DataStats() if stats is None else stats
     for chunk in _chunks(iter_records(path, columns)):
-        items = []  # (prompt, completion, label)
+        items: list[tuple[str, str, int]] = []  # (prompt, completion, label)
         for n, record in chunk:
             where = f"{path}:{n}"
             if detect_format(record) == "preference":
@@ -451,7 +451,7 @@ def labelled_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
                 if not isinstance(record["label"], bool):
                     raise JaxtuneError(f"{where}: unpaired field 'label' must be true or false, got "
                                        f"{json_type(record['label'])}")
-                items.append((*texts, int(record["label"])))
+                items.append((texts[0], texts[1], int(record["label"])))
                 fmt = "unpaired"
             stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
         prompts = _encode_batch(tokenizer, [p for p, _, _ in items], add_special_tokens=True)
@@ -494,7 +494,7 @@ def train_eval_split(examples: Sequence, eval_fraction: float, seed: int) -> tup
     n_eval = 0 if eval_fraction == 0 else max(1, round(eval_fraction * n))
     if n_eval >= n and n_eval > 0:
         raise JaxtuneError(f"eval_fraction={eval_fraction} of {n} examples leaves none to train on")
-    is_eval = np.zeros(n, bool)
+    is_eval: np.ndarray = np.zeros(n, bool)
     is_eval[np.random.default_rng(seed).permutation(n)[:n_eval]] = True
     if hasattr(examples, "take"):
         return examples.take(np.flatnonzero(~is_eval)), examples.take(np.flatnonzero(is_eval))

@@ -16,6 +16,7 @@ import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -33,7 +34,11 @@ class StoreWriter:
     def __init__(self, directory: str | Path, stats: DataStats | None = None):
         self.directory, self.stats = Path(directory), stats
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.cls, self.files, self.pending, self.lengths, self.held = None, {}, {}, {}, 0
+        self.cls: type[Any] | None = None
+        self.files: dict[str, BinaryIO] = {}
+        self.pending: dict[str, list] = {}
+        self.lengths: dict[str, list[int]] = {}
+        self.held = 0
 
     def append(self, example) -> None:
         if self.cls is None:
@@ -102,8 +107,9 @@ class TokenStore(Sequence):
         names = [f.name for f in dataclasses.fields(example_type)]
         offsets = {n: np.load(directory / f"{n}.offsets.npy") for n in names}
         dtype = lambda n: FIELD_FILE_DTYPES.get(n, np.int32)
-        values = {n: np.memmap(directory / f"{n}.bin", dtype(n), "r") if offsets[n][-1] else np.zeros(0, dtype(n))
-                  for n in names}
+        values: dict[str, np.ndarray] = {
+            n: np.memmap(directory / f"{n}.bin", dtype(n), "r") if offsets[n][-1] else np.zeros(0, dtype(n))
+            for n in names}
         stats = DataStats(**meta["stats"]) if meta["stats"] is not None else None
         return cls(example_type, StoreFiles(values, offsets), np.arange(meta["count"]), stats)
 

@@ -168,7 +168,7 @@ def _gguf_byte_level(meta: dict) -> Backend:
              for i, t in enumerate(meta["tokens"])}
     merges = [tuple(m.split(" ")) for m in meta.get("merges", [])]
     backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    split = GGUF_SPLITS.get(meta.get("pre"))
+    split = GGUF_SPLITS.get(meta.get("pre", ""))
     backend.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
                              pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                                       pre_tokenizers.ByteLevel(add_prefix_space=False,

@@ -202,7 +202,7 @@ class JaxtuneLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
-        results: list[str | None] = [None] * len(requests)
+        results = [""] * len(requests)  # each request's group fills it
         for members in groups.values():
             kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)

@@ -49,7 +49,8 @@ def continuation_logprobs(params: dict, tokens_RxT, positions_RxT, segments_RxT,
 
 def pack_rows(lengths: Sequence[int], row_length: int) -> list[list[int]]:
     """Request indices per row, first-fit decreasing by length: every row holds at most `row_length` tokens."""
-    rows, room = [], []
+    rows: list[list[int]] = []
+    room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         for r, free in enumerate(room):
             if lengths[i] <= free:
@@ -76,7 +77,8 @@ def _split(contexts, requests, cap: int) -> list[tuple[list[int], list[int]]]:
     """The contexts cut so that each holds at most `cap` tokens (itself once, each request's continuation[:-1])."""
     pieces = []
     for ctx, members in contexts:
-        piece, size = [], len(ctx)
+        piece: list[int] = []
+        size = len(ctx)
         for i in members:
             n = len(requests[i][1]) - 1
             if piece and size + n > cap:
@@ -121,7 +123,9 @@ def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequ
     R = -(-len(rows) // -(-len(rows) // most))  # the rows spread evenly over the fewest batches
     batches = []
     for start in range(0, len(rows), R):
-        tokens, positions, segments = (np.zeros((R, T), np.int32) for _ in range(3))
+        tokens: np.ndarray = np.zeros((R, T), np.int32)
+        positions: np.ndarray = np.zeros((R, T), np.int32)
+        segments: np.ndarray = np.zeros((R, T), np.int32)
         picks, targets, owner = [], [], []
 
         def put(r, at, ids, first, segment):  # ids at row r from slot `at`, RoPE positions from `first`
@@ -150,7 +154,8 @@ def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequ
     C = -(-max(len(b[3]) for b in batches) // 128) * 128  # one shape for every batch: one compile
     pending = []
     for tokens, positions, segments, picks, targets, owner in batches:
-        picks_C, targets_C = np.zeros(C, np.int32), np.zeros(C, np.int32)
+        picks_C: np.ndarray = np.zeros(C, np.int32)
+        targets_C: np.ndarray = np.zeros(C, np.int32)
         picks_C[: len(picks)], targets_C[: len(targets)] = picks, targets
         pending.append((owner, continuation_logprobs(params, tokens, positions, segments, picks_C, targets_C,
                                                      cfg=cfg, method=method, options=options)))
@@ -162,4 +167,6 @@ def score_requests(params: dict, cfg: ModelConfig, requests: Sequence[tuple[Sequ
             results[i] = (float(np.sum(logp_C[mine], dtype=np.float32)), bool(np.all(greedy_C[mine])))
         if progress is not None:
             progress(len(np.unique(owner)))
-    return results
+    scored = [r for r in results if r is not None]
+    assert len(scored) == len(results)  # every continuation is non-empty, so every request is scored
+    return scored

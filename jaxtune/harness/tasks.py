@@ -57,7 +57,8 @@ def task_specs(names: Sequence[str]) -> tuple[list[str | dict], TaskManager]:
     """
     if not names:
         raise JaxtuneError("no tasks given: name lm-eval tasks, task YAML files, or " + ", ".join(bundled_tasks()))
-    specs, registry = [], []
+    specs: list[str | dict] = []
+    registry: list[str] = []
     for name in names:
         if name.endswith((".yaml", ".yml")):
             if not Path(name).is_file():

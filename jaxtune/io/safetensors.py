@@ -16,6 +16,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -172,7 +173,8 @@ def write_safetensors(path: str | Path, entries: Iterable[tuple[str, tuple, np.d
     """Write `entries` (name, shape, dtype, produce) in order; each `produce()` is called once, when its bytes are
     written, so at most one tensor is held at a time."""
     entries = list(entries)
-    header, offset = {}, 0
+    header: dict[str, Any] = {}
+    offset = 0
     for name, shape, dtype, _ in entries:
         size = math.prod(shape) * np.dtype(dtype).itemsize
         header[name] = {"dtype": SAFETENSORS_NAMES[np.dtype(dtype)], "shape": list(shape),
@@ -201,7 +203,9 @@ def write_weights(directory: str | Path, entries: list[tuple[str, tuple, np.dtyp
     for stale in [directory / SINGLE_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     check_room(directory / SINGLE_FILE, sum(math.prod(e[1]) * np.dtype(e[2]).itemsize for e in entries))
-    shards, current, size = [], [], 0
+    shards: list[list[tuple]] = []
+    current: list[tuple] = []
+    size = 0
     for entry in entries:
         nbytes = math.prod(entry[1]) * np.dtype(entry[2]).itemsize
         if current and size + nbytes > max_shard_bytes:

@@ -41,7 +41,7 @@ class PeftFormat(Generic[Options]):
     read_fields: tuple[str, ...]
     config: Callable[[ModelConfig, Options], dict]
     tensors: Callable[[dict, ModelConfig, Options], dict[str, np.ndarray]]
-    method_of: Callable[[dict, Callable[[str, Any], Any], Any], Options] | None = None
+    method_of: Callable[[dict, Callable[[str, Any], Any], Any], MethodConfig] | None = None
     load: Callable[[dict, dict, ModelConfig, Options], dict] | None = None
     as_stored: Callable[[dict, Options, dict | None, int], tuple[dict, Options]] | None = None
     needs_initial: Callable[[Options], bool] = lambda method: False

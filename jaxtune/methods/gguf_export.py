@@ -50,12 +50,14 @@ def gguf_arch(cfg: ModelConfig) -> str:
     if found:
         raise JaxtuneError(f"{cfg.architecture}: cannot be written as GGUF ({', '.join(found)}); supported: "
                            f"{', '.join(cls for cls, _ in ARCHITECTURES.values())}")
+    assert arch is not None  # a problem above otherwise
     return arch
 
 
 def _rope_factors(cfg: ModelConfig) -> np.ndarray:
     """Llama 3.1's rope scaling as llama.cpp stores it: a factor per frequency (`convert_hf_to_gguf.py`'s loop)."""
     s = cfg.rope_scaling
+    assert s is not None  # called for a llama3 rope scaling
     inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
     wavelength = 2 * np.pi / inv_freq
     smooth = np.clip((s.original_max_position_embeddings / wavelength - s.low_freq_factor)

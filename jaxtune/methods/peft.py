@@ -112,8 +112,10 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
             raise JaxtuneError(f"{where}: field {field} = {json.dumps(value)} is not supported by jaxtune "
                                f"({kind} adapters are read with {', '.join(sorted(read)) or 'no fields'})")
     get = lambda key, default: default if config.get(key) is None else config[key]
+    method_of = formats[kind].method_of
+    assert method_of is not None  # a format that reads a peft_type has its reader
     try:
-        return formats[kind].method_of(config, get, _targets(config, where) if "target_modules" in read else ())
+        return method_of(config, get, _targets(config, where) if "target_modules" in read else ())
     except KeyError as e:
         raise JaxtuneError(f"{where}: missing key {e.args[0]!r}") from None
     except ConfigError as e:

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxtune.models.attention import AttentionMask, attend_blocks, attention_grads, live_blocks
-from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, RingCall, choose_kernel
+from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, RingCall, RingKernel, choose_kernel
 from jaxtune.parallel.rules import context_ways, mesh_in_context, partition_spec, platform_in_context
 
 AXIS = "context"
@@ -184,22 +184,30 @@ def _mask(queries, keys) -> AttentionMask:
     return AttentionMask(q_slot, k_valid, q_segment, k_segment, k_slot)
 
 
-def _ring_call(call: _Call) -> RingCall:
-    return RingCall(call.layout.ways, AXIS, call.scale, call.softcap, call.layout.fused.interpret)
+def _ring_call(call: _Call, fused: FusedAttention) -> RingCall:
+    return RingCall(call.layout.ways, AXIS, call.scale, call.softcap, fused.interpret)
+
+
+def _ring(fused: FusedAttention) -> RingKernel:
+    ring = KERNELS[fused.kind].ring
+    assert ring is not None  # `with_ring_kernel` sets a fused kernel only with its ring form
+    return ring
 
 
 def _attend(q, queries, keys, window, call: _Call, step=0):
     """(out, lse) of q over one key block, the ring's `step`-th (its kernel: a fused one's ring form, or blockwise)."""
-    if call.layout.fused is not None:
-        return KERNELS[call.layout.fused.kind].ring.attend(q, queries, keys, step, _ring_call(call))
+    fused = call.layout.fused
+    if fused is not None:
+        return _ring(fused).attend(q, queries, keys, step, _ring_call(call, fused))
     mask = _mask(queries, keys)
     live = live_blocks(mask, q.shape[3], keys[0].shape[2])
     return attend_blocks(q, keys[0], keys[1], mask, window, live, call.scale, call.softcap)
 
 
 def _grads(q, queries, keys, window, out, lse, g, call: _Call, step=0):
-    if call.layout.fused is not None:
-        return KERNELS[call.layout.fused.kind].ring.grads(q, queries, keys, step, out, lse, g, _ring_call(call))
+    fused = call.layout.fused
+    if fused is not None:
+        return _ring(fused).grads(q, queries, keys, step, out, lse, g, _ring_call(call, fused))
     mask = _mask(queries, keys)
     live = live_blocks(mask, q.shape[3], keys[0].shape[2])
     return attention_grads(q, keys[0], keys[1], mask, window, live, out, lse, g, call.scale, call.softcap)

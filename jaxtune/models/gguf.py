@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -86,6 +87,7 @@ def gguf_config(path: str | Path) -> dict:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                    or hidden // heads)
     vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    hf: dict[str, Any]
     hf = {"architectures": [cls], "model_type": model_type, "vocab_size": int(vocab), "hidden_size": hidden,
           "intermediate_size": int(key("feed_forward_length")), "num_hidden_layers": int(key("block_count")),
           "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
@@ -99,7 +101,7 @@ def gguf_config(path: str | Path) -> dict:
         if f"{arch}.rope.scaling.original_context_length" in meta:
             hf["rope_scaling"]["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
     if ROPE_FREQS in names:
-        factors = dequantized(next(t for t in reader.tensors if t.name == ROPE_FREQS)).astype(np.float64)
+        factors: np.ndarray = dequantized(next(t for t in reader.tensors if t.name == ROPE_FREQS)).astype(np.float64)
         hf["rope_scaling"] = llama3_rope_parameters(factors, hf["rope_theta"], head_dim)
     for name in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{name}_token_id" in meta:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
@@ -199,7 +200,7 @@ def load_config(path: str | Path) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """A config.json dict that transformers reads back as the same architecture."""
     windows = set(cfg.sliding_windows) - {0}
-    hf = {
+    hf: dict[str, Any] = {
         "architectures": [cfg.architecture],
         "model_type": MODEL_TYPES[cfg.architecture],
         "vocab_size": cfg.vocab_size,
@@ -276,8 +277,9 @@ def _experts_to_hf(cfg: ModelConfig) -> dict:
         raise JaxtuneError(f"{cfg.architecture} has no {'unnormalised top k' if mixtral else 'shared expert'}")
     if cfg.architecture in QWEN_MOE and cfg.o_bias:
         raise JaxtuneError(f"{cfg.architecture} has no o_proj bias")
-    out = {"num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
-           "output_router_logits": cfg.output_router_logits}
+    out: dict[str, Any] = {"num_experts_per_tok": cfg.experts_per_token,
+                           "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                           "output_router_logits": cfg.output_router_logits}
     if mixtral:
         if cfg.expert_size != cfg.intermediate_size:
             raise JaxtuneError("MixtralForCausalLM's experts are intermediate_size wide")

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import jax
 import ml_dtypes
@@ -29,6 +30,8 @@ from jaxtune.models.gguf import GGUFCheckpoint
 from jaxtune.models.hf_config import config_to_hf, model_dir
 from jaxtune.models.params import ATTENTION_MODULES, QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
+
+Reader: TypeAlias = CheckpointReader | GGUFCheckpoint  # what `checked_reader` opens; one interface
 
 STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # name -> numpy's
 
@@ -72,7 +75,7 @@ def fused_expert_name(module: str, layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts.{module}"
 
 
-def has_fused_experts(reader: CheckpointReader) -> bool:
+def has_fused_experts(reader: Reader) -> bool:
     return any(name.endswith(".mlp.experts.gate_up_proj") for name in reader.names())
 
 
@@ -104,7 +107,7 @@ def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
 def expected_tensors(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape in torch's layout ([out, in] for kernels), for every parameter; a
     mixture's experts in the hub's layout, or with `fused_experts` in transformers 5's."""
-    expected = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for path, spec in _leaf_paths(param_specs(cfg)):
         if _is_expert(path):
             E, d_in, d_out = spec.shape[1:]
@@ -124,7 +127,7 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False) -> dict[str,
     return expected
 
 
-def check_tensors(reader: CheckpointReader, directory: Path, cfg: ModelConfig,
+def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
                   expected: dict[str, tuple[int, ...]] | None = None) -> None:
     """From the headers alone: the checkpoint holds exactly the tensors `cfg` needs (`expected`, by default
     `expected_tensors(cfg)`), with the right shapes; else an error naming the tensor (and file)."""
@@ -146,7 +149,7 @@ def check_tensors(reader: CheckpointReader, directory: Path, cfg: ModelConfig,
 
 
 @contextmanager
-def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[CheckpointReader]:
+def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[Reader]:
     """A `CheckpointReader` of `directory`'s weights (a `GGUFCheckpoint` of a GGUF file), after `check_tensors`."""
     directory = Path(directory) if is_gguf(directory) else model_dir(directory)
     with (GGUFCheckpoint if is_gguf(directory) else CheckpointReader)(directory, canonical_name) as reader:
@@ -163,12 +166,12 @@ def stored_dtype(directory: str | Path) -> str:
         return str(reader.dtype("model.embed_tokens.weight"))
 
 
-def _read(reader: CheckpointReader, name: str, index: tuple[slice, ...], kernel: bool) -> np.ndarray:
+def _read(reader: Reader, name: str, index: tuple[slice, ...], kernel: bool) -> np.ndarray:
     """tensor[index] in our layout: kernels are stored [out, in], ours are [in, out]."""
     return reader.read(name, (index[1], index[0])).T if kernel else reader.read(name, index)
 
 
-def expert_rows(reader: CheckpointReader, module: str, layer: int, expert: int, rows: slice, cols: slice,
+def expert_rows(reader: Reader, module: str, layer: int, expert: int, rows: slice, cols: slice,
                 size: int) -> np.ndarray:
     """Rows `rows` (and columns `cols`) of one expert's `module` matrix in torch's layout [out, in], from either
     layout; gate_up_proj's rows are gate's `size` then up's."""
@@ -182,7 +185,7 @@ def expert_rows(reader: CheckpointReader, module: str, layer: int, expert: int, 
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def read_layer(reader: CheckpointReader, path: tuple[str, ...], layer: int | None, index: tuple[slice, ...],
+def read_layer(reader: Reader, path: tuple[str, ...], layer: int | None, index: tuple[slice, ...],
                cfg: ModelConfig) -> np.ndarray:
     """Leaf `path`'s `layer` (None: an unstacked leaf) restricted to `index` (slices of its per-layer dims), in
     our layout."""
@@ -190,6 +193,7 @@ def read_layer(reader: CheckpointReader, path: tuple[str, ...], layer: int | Non
     if not _is_expert(path):
         return _read(reader, hf_tensor_name(path, layer), index, kernel)
     experts, cols, rows = index
+    assert layer is not None  # an expert stack is a layer's
     size = cfg.expert_size if path[2] == "gate_up_proj" else cfg.hidden_size
     return np.stack([expert_rows(reader, path[2], layer, e, rows, cols, size).T
                      for e in range(*experts.indices(cfg.num_experts))])
@@ -203,7 +207,7 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
     tensor(path, layer): if given and not None for a stacked leaf's layer, what to write instead of `leaf[layer]`
     (a merged export computes each merged layer there). Leaves a method adds (LoRA, ...) are not model tensors and
     are left out: `tensor` merges them where they change one."""
-    entries = []
+    entries: list[tuple] = []
     model_paths = {path for path, _ in _leaf_paths(param_specs(cfg))} | {("lm_head", "kernel")}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, BitPattern))[0]:
         path = tuple(k.key for k in path)
@@ -234,7 +238,8 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
 def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, tensor) -> list[tuple]:
     """The hub tensors of an expert stack [L, E, in, out] (or a merged layer from `tensor`): each expert's parts,
     [out, in]; a layer is gathered once for all its experts' tensors."""
-    entries, held = [], {}
+    entries: list[tuple] = []
+    held: dict[int, Any] = {}
     E, d_in, d_out = (leaf.bits.shape if isinstance(leaf, BitPattern) else leaf.shape)[1:]
 
     def layer_of(i):

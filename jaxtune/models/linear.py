@@ -115,7 +115,8 @@ def gathered_piece_bytes(backend: str) -> int:
     return GATHERED_PIECE_BYTES.get(backend, GATHERED_PIECE_BYTES["other"])
 
 
-def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str, str], split: int) -> jax.Array:
+def gathered_piecewise_matmul(x: jax.Array, kernel: BitPattern, axes: tuple[str | None, str | None], split: int
+                              ) -> jax.Array:
     """x [..., in] @ W [in, out] for a frozen 16-bit kernel that fsdp alone splits, along dimension `split`, gathering
     W a piece at a time (about `gathered_piece_bytes`) in a loop, so a device never holds the whole gathered
     kernel: pieces of output columns when fsdp splits the input rows (y is their concatenation), pieces of input
@@ -168,7 +169,7 @@ class Pieces(NamedTuple):
     ways: int
     units: int
     width: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count; callers (and tests) read `.count`
     axes: tuple[str, ...]
     transposed: bool
 
@@ -185,9 +186,12 @@ def pieces_of(w, x_dtype, axes: tuple[str | None, str | None] | None = None, tra
         return None  # used as it is, or bitcast back from its bits: nothing derived
     shape = full_shape(w)[-2:] if isinstance(w, QuantizedArray) else getattr(w, "bits", w).shape[-2:]
     d_in, d_out = shape[::-1] if transposed else shape
-    mesh, unit_axes = mesh_in_context(), ()
+    mesh = mesh_in_context()
+    unit_axes: tuple[str, ...] = ()
     if mesh is not None:
-        in_axes, unit_axes = (None, None) if axes is None else mesh_axes_of(axes, (d_in, d_out), mesh.shape)
+        if axes is None:  # how the mesh splits it is not known: used whole
+            return None
+        in_axes, unit_axes = mesh_axes_of(axes, (d_in, d_out), mesh.shape)
         if in_axes != () or (unit_axes and isinstance(w, QuantizedArray)):
             return None
     ways = math.prod(mesh.shape[a] for a in unit_axes) if unit_axes else 1
@@ -350,18 +354,19 @@ def _dense(x: jax.Array, module: dict, dropout_key: jax.Array | None, hooks: tup
         if hook.scale_input is not None:
             x = hook.scale_input(x, module)
     stored = kernel_axes is not None and isinstance(module["kernel"], BitPattern)
-    split = zero_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored else None
+    split = zero_only_dim(kernel_axes, module["kernel"].bits.shape[-2:]) if stored and kernel_axes is not None else None
     whole = any(hook.needs_kernel(module) for hook in hooks)  # DoRA's norm needs the whole kernel
     derived = isinstance(module["kernel"], QuantizedArray | BitPattern) and not whole
     layout = pieces_of(module["kernel"], x.dtype, kernel_axes) if derived else None
     branch = Branch(dropout_key, dropout_rate, kernel_axes)
     kernel, fused = None, None
     if split is not None and not whole:
+        assert kernel_axes is not None  # a split is a stored kernel's
         y = gathered_piecewise_matmul(x, module["kernel"], kernel_axes, split)
     elif layout is not None:
         y = derived_piecewise_matmul(x, module["kernel"], layout)
     else:
-        if stored:
+        if stored and kernel_axes is not None:
             module = {**module, "kernel": gathered(dequantize(module["kernel"]), kernel_axes)}
         elif kernel_axes is not None and context_ways() > 1:  # left to XLA, the 2-D split's output was replicated
             module = {**module, "kernel": gathered(kernel_of(module, x.dtype), kernel_axes)}
@@ -371,8 +376,9 @@ def _dense(x: jax.Array, module: dict, dropout_key: jax.Array | None, hooks: tup
         if fused is not None and not folds_branch(platform_in_context(), _split_axes(kernel_axes, kernel.shape),
                                                   gathered=context_ways() > 1):
             fused = None
-        y = (matmul(x, kernel) if fused is None else
-             checkpoint_name(fused.product(x, kernel, module, branch), MATMUL_OUTPUT))
+        product = None if fused is None else fused.product
+        y = (matmul(x, kernel) if product is None else
+             checkpoint_name(product(x, kernel, module, branch), MATMUL_OUTPUT))
     for hook in hooks:
         if hook.add is not None and hook is not fused:
             y = hook.add(x, y, module, kernel if whole else None, branch)

@@ -292,7 +292,7 @@ def decoder_and_routing(
 
     stacks, layers = unsliced_kernels(layers, dtype)
 
-    def block(x_BxTxD, per_layer, shared):
+    def layer_block(x_BxTxD, per_layer, shared):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
         rope, mask, live_QxC, stacks, valid_BxT = shared
         cos, sin = layer_rope(rope, window)
@@ -305,13 +305,14 @@ def decoder_and_routing(
                                             options.tiled_mlp)
         return x_BxTxD, routing
 
-    rematted = remat_layer(block, options.remat, dtype)
+    rematted = remat_layer(layer_block, options.remat, dtype)
     shared = (rope, mask, live_QxC, stacks, valid_BxT)
     block = lambda x, per_layer: rematted(x, per_layer, shared)  # noqa: E731
     x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", "seq", None))
-    per_layer = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.arange(cfg.num_layers))
+    per_layer: tuple = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.arange(cfg.num_layers))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
+    routing: tuple[jax.Array, jax.Array] | None  # a mixture's (assigned [L, E], probability sums [L, E])
     if options.scan_layers:
         x_BxTxD, routing = jax.lax.scan(block, x_BxTxD, per_layer)
     else:

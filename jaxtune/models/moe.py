@@ -117,7 +117,8 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
         mesh_axes_of(("experts",), (E,), mesh.shape)[0], mesh_axes_of(("batch", "seq"), x_BxTxD.shape[:2], mesh.shape),
         ("tensor",) if mesh.shape["tensor"] > 1 else ())
     gather_rows = bool(expert_axes) and set(expert_axes) <= set(row_axes)
-    stacks, specs = {}, {}  # each leaf gathered over fsdp, split over the expert axis and (on F) tensor
+    stacks: dict[str, dict] = {}  # each leaf gathered over fsdp, split over the expert axis and (on F) tensor
+    specs: dict[str, dict] = {}
     hook_dims = {} if hook is None else dict(hook.leaf_dims)
     for name, module in experts.items():
         follows = {"kernel": ("in", "out"), **(hook_dims if hook is not None and hook.trigger in module else {})}

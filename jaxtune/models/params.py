@@ -29,7 +29,7 @@ class ParamSpec:
     """One leaf: its shape, a logical name per axis, and how to initialise it ("normal", "ones", "zeros")."""
 
     shape: tuple[int, ...]
-    axes: tuple[str, ...]
+    axes: tuple[str | None, ...]
     init: str = "normal"
 
     @property
@@ -72,9 +72,9 @@ def param_specs(cfg: ModelConfig) -> dict:
             "o_proj": cfg.o_bias, "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "gate_up_proj": cfg.mlp_bias,
             "down_proj": cfg.mlp_bias}
     unit = "zeros" if cfg.norm_unit_offset else "ones"  # a norm's scale is 1 either way
-    norms = ("input_layernorm", "post_attention_layernorm")
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
-    layers = {name: ParamSpec((L, D), ("layers", "embed"), unit) for name in norms}
+    layers: dict[str, ParamSpec | dict] = {name: ParamSpec((L, D), ("layers", "embed"), unit) for name in norms}
     if cfg.qk_norm:
         layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():

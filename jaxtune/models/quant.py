@@ -258,8 +258,8 @@ def quantize_by_rows(read_rows, shape: tuple[int, int], dtype, bits: int, double
         return Int8Array(codes=np.concatenate([np.asarray(q.codes) for q in parts], axis=-1),
                          absmax=np.concatenate([np.asarray(q.absmax) for q in parts]), dtype=np.dtype(dtype))
     n = d_in * d_out
-    codes_H = np.empty(-(-n // 2), np.uint8)
-    absmax_K = np.empty(-(-n // NF4_BLOCKSIZE), np.float32)
+    codes_H: np.ndarray = np.empty(-(-n // 2), np.uint8)
+    absmax_K: np.ndarray = np.empty(-(-n // NF4_BLOCKSIZE), np.float32)
     for a, b in row_slices(d_out, d_in, NF4_BLOCKSIZE, max_elements):
         codes_1xH, absmax_1xK = nf4_codes(jnp.asarray(read_rows(a, b)).reshape(1, -1))
         codes_H[a * d_in // 2: a * d_in // 2 + codes_1xH.shape[1]] = np.asarray(codes_1xH[0])

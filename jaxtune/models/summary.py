@@ -31,11 +31,12 @@ def model_summary(directory: str | Path) -> dict:
     Every tensor's name and shape is checked against the config on the way (headers only, no data read).
     """
     cfg = load_config(directory)
-    counts = Counter()
+    counts: Counter[str] = Counter()
     flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))[0]
     for path, spec in flat:
         counts[_group(tuple(k.key for k in path))] += spec.size
-    dtypes, weight_bytes = Counter(), 0
+    dtypes: Counter[str] = Counter()
+    weight_bytes = 0
     with checked_reader(directory, cfg) as reader:
         for name in reader.names():  # as stored: a GGUF's block types and bytes, not the float32 they read as
             dtypes[reader.stored_type(name)] += math.prod(reader.shape(name))

@@ -6,7 +6,7 @@ model (a reference, a teacher), whether it generates (rollouts), its loss and ev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -28,13 +28,22 @@ from jaxtune.methods.base import adapter_keys
 
 
 class RunSections(Protocol):
-    """The sections of a run config an objective reads (`jaxtune.run_config.RunConfig` has them)."""
+    """The sections of a run config an objective reads (`jaxtune.run_config.RunConfig` has them), read-only."""
 
-    model: ModelSection
-    method: MethodConfig
-    data: DataConfig
-    train: TrainConfig
-    offload: OffloadConfig
+    @property
+    def model(self) -> ModelSection: ...
+
+    @property
+    def method(self) -> MethodConfig: ...
+
+    @property
+    def data(self) -> DataConfig: ...
+
+    @property
+    def train(self) -> TrainConfig: ...
+
+    @property
+    def offload(self) -> OffloadConfig: ...
 
 
 @dataclass(frozen=True)
@@ -155,16 +164,16 @@ def reference_of(frozen: dict, second: dict | None) -> dict:
     return strip_adapters(frozen) if second is None else second
 
 
-def stack_micro_batches(batches: list[dict], grad_accum: int, index: int) -> dict:
+def stack_micro_batches(batches: Sequence[dict], grad_accum: int, index: int) -> dict:
     """Micro-batches index*A .. index*A+A-1 stacked to [A, rows, ...]; missing ones are empty (no loss tokens)."""
-    chunk = batches[index * grad_accum:(index + 1) * grad_accum]
+    chunk = list(batches[index * grad_accum:(index + 1) * grad_accum])
     chunk += [{k: np.zeros_like(v) for k, v in batches[0].items()}] * (grad_accum - len(chunk))
     return {k: np.stack([b[k] for b in chunk]) for k in chunk[0]}
 
 
-def epoch_cache(make_batches: Callable[[int], list[dict]], grad_accum: int):
+def epoch_cache(make_batches: Callable[[int], Sequence[dict]], grad_accum: int):
     """`batch(epoch, index, params)` over one epoch's batches, built once per epoch."""
-    cache = {}
+    cache: dict[int, Sequence[dict]] = {}
 
     def batch(epoch: int, index: int, _params) -> dict:
         if epoch not in cache:

@@ -87,7 +87,8 @@ def pair_nll_terms(pair_losses_B: jax.Array, metrics: dict, chosen_B: jax.Array,
     return jnp.sum(pair_losses_B * real_B) + nll_weight * pairs * nll, pairs, sums
 
 
-def pair_forward(params: dict, micro: dict, ctx: Context, method, mean: bool, nll_mask: str, key=None):
+def pair_forward(params: dict, micro: dict, ctx: Context, method, mean: bool, nll_mask: str, key=None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One forward of a [2B, T] pair batch: (chosen [B], rejected [B] log-probs, summed or per-token means, real
     pairs [B], NLL sum and token count of the chosen rows over `nll_mask`: "loss_mask" (the completion and EOS) or
     "segment_ids" (every real target, prompt included))."""

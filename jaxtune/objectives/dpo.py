@@ -10,6 +10,7 @@ tree of its own; with `precompute_reference` every pair is scored once before tr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -55,7 +56,8 @@ def sequence_row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
     """One [seq_len] row of prompt + completion `ids` (len <= seq_len + 1): inputs ids[:-1], targets ids[1:], the
     loss mask on the completion's targets."""
     n = len(ids) - 1
-    row = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
+    row: dict[str, np.ndarray] = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32)
+                                  for k in PAIR_FIELDS}
     row["input_ids"][:n] = ids[:-1]
     row["labels"][:n] = ids[1:]
     row["loss_mask"][prompt_len - 1:n] = 1.0
@@ -64,19 +66,20 @@ def sequence_row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
     return row
 
 
-def pair_batch(pairs: list[PreferenceExample], batch_size: int, seq_len: int,
+def pair_batch(pairs: Sequence[PreferenceExample], batch_size: int, seq_len: int,
                reference: np.ndarray | None = None) -> dict:
     """`pairs` (at most batch_size) as [2 * batch_size, seq_len] arrays, chosen rows then rejected rows, filled
     with empty pairs (no loss tokens). With `reference` ([len(pairs), 2] log-probs of chosen and rejected) also
     "reference_logps" [2 * batch_size]."""
-    empty = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
+    empty: dict[str, np.ndarray] = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32)
+                                    for k in PAIR_FIELDS}
     chosen = [sequence_row(p.prompt + p.chosen, len(p.prompt), seq_len) for p in pairs]
     rejected = [sequence_row(p.prompt + p.rejected, len(p.prompt), seq_len) for p in pairs]
     pad = [empty] * (batch_size - len(pairs))
     rows = chosen + pad + rejected + pad
     batch = {k: np.stack([r[k] for r in rows]) for k in PAIR_FIELDS}
     if reference is not None:
-        zeros = np.zeros(batch_size - len(pairs), np.float32)
+        zeros: np.ndarray = np.zeros(batch_size - len(pairs), np.float32)
         batch["reference_logps"] = np.concatenate([reference[:, 0], zeros, reference[:, 1], zeros]).astype(np.float32)
     return batch
 
@@ -152,7 +155,7 @@ def per_pair(sums: dict) -> dict:
     return {f"eval_{k}": v / max(pairs, 1) for k, v in sums.items()} | {"eval_pairs": int(pairs)}
 
 
-def reference_logps(reference: dict, examples: list[PreferenceExample], ctx: Context, batch_size: int,
+def reference_logps(reference: dict, examples: Sequence[PreferenceExample], ctx: Context, batch_size: int,
                     seq_len: int) -> np.ndarray:
     """[N, 2] log-probs of each example's chosen and rejected completion under the reference model (summed, or the
     per-token mean for IPO), computed once, batch by batch."""
@@ -169,7 +172,7 @@ def pair_training(setup: ObjectiveInputs, metrics=per_pair) -> ObjectiveData:
     """Pair batches of data.train and, if `precompute_reference`, their reference scores (at `start`)."""
     c = setup.config
     train, held_out = train_and_held_out(setup, preference_examples, "pairs")
-    scores = {"train": None, "held_out": None}
+    scores: dict[str, np.ndarray | None] = {"train": None, "held_out": None}
     batches = lambda pairs, epoch, ref: preference_batches(pairs, c.train.batch_size, c.data.max_seq_len,
                                                            c.data.seed, epoch, ref)
     steps = -(-len(batches(train, 0, None)) // c.train.grad_accum)

@@ -11,15 +11,16 @@ prompt records' other fields come as keyword lists), or a reward model directory
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
-from jaxtune.data.formats import load_prompt_examples, train_eval_split
+from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval_split
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import generate
@@ -114,8 +115,8 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], reward
     """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their `advantages`
     [N] (rows of a prompt's group are consecutive)."""
     N = len(completions)
-    batch = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
-             for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
+    batch: dict[str, np.ndarray] = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
+                                    for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         ids = (prompt + completion)[: seq_len + 1]
         n = len(ids) - 1
@@ -203,7 +204,10 @@ def reward_model_function(directory: str, seq_len: int, load_reward_model):
     return reward
 
 
-def make_prepare(name: str, advantages: Callable[[list[float], RolloutConfig], np.ndarray]):
+Rollout = TypeVar("Rollout", bound=RolloutConfig)  # a `RolloutConfig`: GRPO's section, RLOO's
+
+
+def make_prepare(name: str, advantages: Callable[[list[float], Rollout], np.ndarray]):
     """The `prepare` of objective `name` whose section is a `RolloutConfig`: prompts of data.train; each step samples
     `group_size` completions of `batch_size x grad_accum` of them with the current policy, scores them and turns the
     rewards into advantages, `advantages(rewards [N], section) -> [N]`."""
@@ -222,6 +226,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     reward_fn = (load_reward_function(g.reward) if g.reward
                  else reward_model_function(g.reward_model, seq_len, setup.load_reward_model))
     examples = load_prompt_examples(c.data.train, dict(c.data.columns))
+    held_out: Sequence[PromptExample] | None
     held_out = load_prompt_examples(c.data.eval, dict(c.data.columns)) if c.data.eval else None
     fits = lambda e: len(tok.encode(e.prompt)) + g.max_new_tokens <= seq_len + 1
     kept = [e for e in examples if fits(e)]
@@ -271,11 +276,13 @@ def _batch_fields(rows: int, _section) -> dict:
 
 # The step takes the reference the policy started from: the frozen base with adapters off, or for a full
 # fine-tune a frozen copy of the base weights.
-GRPO = Objective("grpo", loss_terms, eval_terms, make_prepare("grpo", group_advantages), section=GRPOConfig,
-                 rows=lambda section: section.group_size, batch_fields=_batch_fields,
-                 second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
-                 logits_copies=lambda method, section: 3,
-                 batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
-                 unit="prompts", single_process=True, generates=True,
-                 rollout_tokens=lambda section: section.max_new_tokens,
-                 extra_forwards=lambda section: 1)
+GRPO: Objective[RolloutConfig] = Objective(
+    "grpo", loss_terms, eval_terms, make_prepare("grpo", group_advantages), section=GRPOConfig,
+    rows=lambda section: section.group_size, batch_fields=_batch_fields,
+    second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
+    logits_copies=lambda method, section: 3,
+    batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
+    unit="prompts", single_process=True, generates=True,
+    rollout_tokens=lambda section: section.max_new_tokens,
+    extra_forwards=lambda section: 1
+)

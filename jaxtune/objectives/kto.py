@@ -79,7 +79,8 @@ def kto_batch(examples: list[LabelledExample], batch_size: int, seq_len: int, mi
     """`examples` (at most batch_size) as [batch_size, seq_len] rows of prompt + completion, filled with empty rows;
     `mismatched`: then as many rows of prompt_i + completion_(i-1) of the real examples (cut to seq_len). "desirable"
     [rows]: 1.0 on a desirable example's own row."""
-    empty = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32) for k in PAIR_FIELDS}
+    empty: dict[str, np.ndarray] = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32)
+                                    for k in PAIR_FIELDS}
     pad = [empty] * (batch_size - len(examples))
     rows = [sequence_row(e.prompt + e.completion, len(e.prompt), seq_len) for e in examples] + pad
     if mismatched:

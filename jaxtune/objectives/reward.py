@@ -58,16 +58,18 @@ def prepare(setup):
 def export(run_dir: Path, config, cfg, params: dict) -> Path:
     method = config.method
     unit = method_unit(method)
-    if unit.quantize_base is not None:  # a plain float model, dequantised as PEFT's merge_and_unload gives it
-        params = unit.merge(params, method)
-    tensor = None if unit.trains_base else unit.merged_layer(params, method)
+    merge, merged_layer = unit.merge, unit.merged_layer
+    assert unit.trains_base or (merge is not None and merged_layer is not None)  # `prepare` checked
+    if unit.quantize_base is not None and merge is not None:  # a float model, dequantised as PEFT's merge_and_unload
+        params = merge(params, method)
+    tensor = None if unit.trains_base or merged_layer is None else merged_layer(params, method)
     out = save_reward_model(run_dir / "reward_model", cfg, params,
                             dtype=None if config.model.dtype == "auto" else config.model.dtype, tensor=tensor)
     copy_tokenizer(config.model.path, out)
     return out
 
 
-REWARD = Objective("reward", loss_terms, eval_terms, prepare, rows=lambda section: 2,
-                   logits_copies=lambda method, section: 0,
-                   head=add_reward_head, head_axes={("score", "kernel"): ("embed",)}, export=export,
-                   result="an HF sequence-classification directory (reward_model/)", unit="pairs")
+REWARD: Objective[None] = Objective("reward", loss_terms, eval_terms, prepare, rows=lambda section: 2,
+                                    logits_copies=lambda method, section: 0,
+                                    head=add_reward_head, head_axes={("score", "kernel"): ("embed",)}, export=export,
+                                    result="an HF sequence-classification directory (reward_model/)", unit="pairs")

@@ -108,5 +108,5 @@ def sft_training(setup: ObjectiveInputs, metrics=loss_metrics) -> ObjectiveData:
                     tokens_per_epoch=int((example_lengths(train) - 1).clip(0).sum()))
 
 
-SFT = Objective("sft", loss_terms, eval_terms, sft_training,
-                logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2)
+SFT: Objective[None] = Objective("sft", loss_terms, eval_terms, sft_training,
+                                 logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2)

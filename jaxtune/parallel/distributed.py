@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,7 +48,7 @@ class ClusterConfig:
 def cluster_from_env(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, auto: bool = False) -> ClusterConfig:
     """A ClusterConfig from explicit values, falling back on the JAXTUNE_* environment variables."""
-    values = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    values: dict[str, Any] = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
     for key, var in ENV.items():
         if values[key] is None and os.environ.get(var):
             raw = os.environ[var]

@@ -125,7 +125,7 @@ def mesh_in_context():
     return None if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
 
 
-def zero_only_dim(axes: tuple[str, str], shape: tuple[int, int]) -> int | None:
+def zero_only_dim(axes: tuple[str | None, str | None], shape: tuple[int, int]) -> int | None:
     """The dimension of a matrix with logical `axes` and `shape` that the mesh in context splits over ZeRO-3's axes
     alone (fsdp, context), the other dimension whole (so pieces of that one can be cut on every device alike), or
     None."""

@@ -14,7 +14,7 @@ import os
 
 import jax
 
-from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfig
+from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfig, Remat
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
@@ -97,6 +97,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
     if model is not None:
         cfg, stored = model_from_directory(model)
     else:
+        assert params is not None  # exactly one of the three, checked above
         cfg, stored = standard_config(params), ("bfloat16" if device.family != "cpu" else "float32")
     accelerator = device.family != "cpu"
     try:
@@ -107,7 +108,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
             batch = batch_ways(resolve_mesh(mesh_cfg, device))
         plan = TrainPlan(method_cfg, batch, seq, accum, param_dtype=param_dtype or stored,
                          forward=ForwardOptions(compute_dtype or ("bfloat16" if accelerator else "float32"),
-                                                remat or "none", context_attention=context_attention),
+                                                Remat(remat or "none"), context_attention=context_attention),
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
                          generate_tokens=generate_tokens)
     except ConfigError:

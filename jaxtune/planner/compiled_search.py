@@ -42,6 +42,7 @@ class Confirmation:
     def peak_bytes(self) -> int:
         """The compiled per-device bytes of the iteration's peak: the step's, or GRPO's rollout's (on the same mesh)
         with the optimizer state beside it."""
+        assert self.compiled is not None  # not a skipped confirmation
         step = self.compiled.total_bytes
         return max(step, self.rollout.total_bytes + self.estimate.optimizer_bytes) if self.rollout else step
 
@@ -49,6 +50,7 @@ class Confirmation:
     def fits(self) -> bool:
         """The compiler's bytes and the runtime's reserve within the device's usable memory (never when the compiler
         refused the program as over the device's memory)."""
+        assert self.compiled is not None  # not a skipped confirmation
         if self.compiled.over_memory:
             return False
         return self.peak_bytes + self.estimate.reserve_bytes <= self.estimate.device.usable_bytes
@@ -57,6 +59,7 @@ class Confirmation:
         """A step time from the program's FLOPs at the device's peak FLOP/s (a model, never a measurement: the
         roofline's compute side; XLA's bytes accessed count a loop body once, so no memory side is modelled), and
         the share of those FLOPs the planner counts as the step's useful work."""
+        assert self.compiled is not None  # not a skipped confirmation
         device, compute = self.estimate.device, self.estimate.plan.forward.compute_dtype
         seconds = self.compiled.flops / device.peak(compute)
         planned = step_time(self.estimate)  # the step's FLOPs (a GRPO rollout is a program of its own)
@@ -147,6 +150,7 @@ def largest_accepted(cfg: ModelConfig, plan: TrainPlan, device: Device, field: s
 
     def fits(value: int) -> bool:
         confirmation = confirm_plan(cfg, plan.replace(**{field: value}), device)
+        assert confirmation.compiled is not None  # a TPU slice's step is compiled
         confirmations[value] = confirmation
         tries.append(Try(value, confirmation.fits, confirmation.peak_bytes,
                          confirmation.compiled.compile_seconds))
@@ -162,7 +166,7 @@ def largest_accepted(cfg: ModelConfig, plan: TrainPlan, device: Device, field: s
             lo, delta = value, 2 * delta
         else:
             hi = value
-    while lo is None and hi > step:  # down: 1, 2, 4, ... steps until accepted (or the first step refused)
+    while lo is None and hi is not None and hi > step:  # down: 1, 2, 4, ... steps until accepted (or `step` refused)
         value = max(hi - delta, step)
         if fits(value):
             lo = value

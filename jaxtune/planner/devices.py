@@ -182,7 +182,7 @@ def get_device(target: str) -> Device:
     """
     text = target.strip().lower()
     match = re.fullmatch(r"(.+?)(?:-(\d+))?", text)
-    name, count = match.group(1), match.group(2)
+    name, count = (match.group(1), match.group(2)) if match else (text, None)  # "": unknown, below
     if name not in CATALOGUE and name != "cpu" and name not in ALIASES and count is not None:
         name, count = text, None  # a name that ends in digits, like "a100-80gb" without a count
     if name in AMBIGUOUS:

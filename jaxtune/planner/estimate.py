@@ -320,7 +320,7 @@ def _optimizer_temporaries(optimizer: str, params, tiled: bool) -> int:
                               jax.eval_shape(scale_by_adam_8bit(0.9, 0.999, 1e-8).init, params).mu,
                               is_leaf=lambda x: isinstance(x, QuantizedMoment))
     whole, per_layer = copies[optimizer]
-    total = 0
+    total = 0.0
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:  # outside the stacks: 8-bit's row chunks
         pieces = x.shape[0] if layer_stacked(path) else row_chunks(math.prod(x.shape))
         total += (whole + per_layer / pieces) * _device_bytes([x], tiled)

@@ -34,14 +34,16 @@ def hook_facts(cfg: ModelConfig, method: MethodConfig) -> HookFacts:
     if not hooks:
         return HookFacts((), False)
     tree = jax.eval_shape(lambda p, key: apply_method(p, cfg, method, key), abstract_params(cfg), jax.random.key(0))
-    fused, whole = [], False
+    fused: list[tuple[tuple[int, int], tuple[str, str]]] = []
+    whole = False
     for name, module in tree["layers"].items():
         if not isinstance(module, dict) or name not in LINEAR_AXES:
             continue
         present = [hook for hook in hooks if hook.trigger in module]
         whole = whole or any(hook.needs_kernel(module) for hook in present)
         if any(hook.product is not None and hook.fuses(module) for hook in present):
-            fused.append((tuple(full_shape(module["kernel"]))[-2:], LINEAR_AXES[name]))
+            d_in, d_out = full_shape(module["kernel"])[-2:]
+            fused.append(((d_in, d_out), LINEAR_AXES[name]))
     return HookFacts(tuple(fused), whole)
 
 

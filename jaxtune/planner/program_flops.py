@@ -48,7 +48,7 @@ def _eqn_flops(eqn) -> float:
         if estimate is not None and getattr(estimate, "flops", None):
             return float(estimate.flops)
         grid = tuple(g for g in params["grid_mapping"].grid if isinstance(g, int))
-        blocks = math.prod(grid)
+        blocks: float = math.prod(grid)
         square = [n for i, n in enumerate(grid) if n in grid[i + 1:]]  # heads x query blocks x key blocks, any order
         if str(params.get("name", "")).startswith("splash_mha") and square:
             blocks = blocks * (square[0] + 1) / (2 * square[0])  # causal: n(n+1)/2 of n x n blocks run

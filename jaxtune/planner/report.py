@@ -148,6 +148,7 @@ def format_estimate(est: Estimate, time: StepTime | None = None) -> str:
 def format_search(result: SearchResult, top: int = 3) -> str:
     """The best `top` fitting plans with why they win, or the smallest change that would make one fit."""
     if not result.candidates:
+        assert result.suggestion is not None  # a search that found no plan says what would fit, or that nothing did
         lines = [f"no plan fits ({result.tried} tried)."]
         lines.append(f"smallest change that fits: {result.suggestion}" if result.suggested is not None
                      else result.suggestion)
@@ -185,7 +186,7 @@ def format_longest_context(result: LongestContext) -> str:
         choices.append(f"mesh {mesh_label(m)}")
     if p.offload.optimizer_state:
         choices.append("optimizer state in host memory")
-    if result.too_long is None:
+    if result.too_long is None or result.leanest_too_long is None:  # both None together
         limit = f"the model's own context, {result.context:,} tokens (max_position_embeddings), is the limit"
     else:
         limit = (f"{result.too_long:,} does not fit ({result.leanest_too_long.peak_bytes / GiB:.2f} GiB needed, "

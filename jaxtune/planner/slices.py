@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.planner.devices import Device
@@ -24,7 +26,8 @@ from jaxtune.planner.devices import Device
 SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
              256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16)}
-GENERATIONS = {"v4": SHAPES_3D, "v5p": SHAPES_3D, "v5e": SHAPES_2D, "v6e": SHAPES_2D}
+GENERATIONS: dict[str, Mapping[int, tuple[int, ...]]] = {"v4": SHAPES_3D, "v5p": SHAPES_3D, "v5e": SHAPES_2D,
+                                                         "v6e": SHAPES_2D}
 SINGLE_HOST_CHIPS = {"v5e": 8, "v6e": 8, "v4": 4, "v5p": 4}  # the most chips one host of the generation carries
 INSTALL = 'pip install "jaxtune[tpu]" (libtpu, the TPU compiler; it runs on any Linux x86-64 host)'
 
@@ -76,7 +79,7 @@ def topology_devices(slice_: TpuSlice) -> list:
     # Only compiling: other processes may use libtpu at once (an xdist worker and the CLI it runs, a running
     # trainer), which its lockfile would refuse.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    kwargs = {"chip_config_name": "megacore"} if slice_.generation == "v4" else {}
+    kwargs: dict[str, Any] = {"chip_config_name": "megacore"} if slice_.generation == "v4" else {}
     if slice_.chips_per_host != 4 and len(slice_.shape) == 2:
         kwargs["chips_per_host_bounds"] = (*slice_.shape, 1)
     with libtpu_quiet() as said:

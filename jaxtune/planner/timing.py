@@ -170,4 +170,6 @@ def ring_steps(cfg: ModelConfig, plan: TrainPlan, sizes: dict) -> int:
     """The key/value blocks a device attends to on the ring (`ContextLayout.ring_steps`): N, fewer where every
     layer's sliding window ends within the previous devices' tokens."""
     with traced_on(abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))):
-        return context_layout(plan.seq_len, cfg.sliding_windows, plan.forward.context_attention).ring_steps
+        layout = context_layout(plan.seq_len, cfg.sliding_windows, plan.forward.context_attention)
+    assert layout is not None  # asked of a mesh with a context axis
+    return layout.ring_steps

@@ -54,7 +54,7 @@ def _float_leaf(reader, keys: tuple[str, ...], leaf: jax.ShapeDtypeStruct | BitP
     """A float leaf, or a BitPattern's bits (the values cast to its dtype, viewed as uint16), read shard by shard."""
     stacked = keys[0] == "layers"
     bits = isinstance(leaf, BitPattern)
-    dtype, target = np.dtype(leaf.dtype), leaf.bits if bits else leaf
+    dtype, target = np.dtype(leaf.dtype), leaf.bits if isinstance(leaf, BitPattern) else leaf
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         if not stacked:
@@ -96,16 +96,17 @@ def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: Mo
     children, treedef = jax.tree.flatten(leaf)
     host = [np.empty(c.shape, np.dtype(c.dtype)) for c in children]
     bits = 4 if isinstance(leaf, NF4Array) else 8
-    double_quant = bits == 4 and leaf.absmax2 is not None
+    double_quant = isinstance(leaf, NF4Array) and leaf.absmax2 is not None
     experts = keys[:2] == ("layers", "experts")
     size = (cfg.expert_size if keys[2] == "gate_up_proj" else cfg.hidden_size) if experts else 0
+    d_in, d_out = full_shape(leaf)[-2:]
     for i in range(cfg.num_layers):
         for e in range(cfg.num_experts) if experts else [None]:
             def rows(a, b, i=i, e=e):  # torch's layout [out, in]
                 if experts:
                     return expert_rows(reader, keys[2], i, e, slice(a, b), slice(None), size)
                 return _read(reader, keys, i, (slice(None), slice(a, b)), cfg).T
-            q = quantize_by_rows(rows, full_shape(leaf)[-2:], leaf.dtype, bits, double_quant)
+            q = quantize_by_rows(rows, (d_in, d_out), leaf.dtype, bits, double_quant)
             at = (i,) if e is None else (i, e)
             for h, c in zip(host, jax.tree.leaves(q)):
                 h[at] = c
@@ -141,6 +142,7 @@ def _initialised_leaf(reader, keys: tuple[str, ...], leaf, cfg: ModelConfig, met
         placed = [_make_array(c.shape, c.sharding, lambda index, h=h: h[index]) for c, h in zip(children, host)]
         kernel = jax.tree.unflatten(treedef, placed)
     else:
+        assert isinstance(host, np.ndarray)  # filled by the layers above
         target = leaf.bits if bits else leaf
         values = host.view(np.uint16) if bits else host
         kernel = _make_array(target.shape, target.sharding, lambda index: values[index])
@@ -191,8 +193,10 @@ def initial_leaves(model: str | Path, cfg: ModelConfig, method: MethodConfig, pa
         for name in base_init.modules(method, cfg):
             dtype = np.dtype(params["layers"][name]["kernel"].dtype)
             keys = ("layers", name, "kernel")
-            read_layer = lambda i, keys=keys, dtype=dtype: _read(  # noqa: E731
-                reader, keys, i, (slice(None),) * 2, cfg).astype(dtype)
+
+            def read_layer(i: int, keys: tuple[str, ...] = keys, dtype: np.dtype = dtype) -> np.ndarray:
+                return _read(reader, keys, i, (slice(None),) * 2, cfg).astype(dtype)
+
             layers = [new for _, new in base_init.layers(method, cfg, name, read_layer)]
             initial[name] = {leaf: np.stack([layer[leaf] for layer in layers]) for leaf in layers[0]}
     return initial
@@ -231,16 +235,17 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
     seed + 1) and of the state's RNG. second: the objective's second model, "base" or a model directory (None when
     the run has none).
     """
-    initial = {}  # a LoRA init's A and B, read with the kernels it changes
+    if (second is None) != (run.second is None):
+        raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
+    initial: dict[str, dict] = {}  # a LoRA init's A and B, read with the kernels it changes
     with checked_reader(model, run.cfg) as reader:
         frozen = read_tree(reader, run.frozen, run.cfg, run.plan.method, initial)
         trainable = read_tree(reader, run.state["params"], run.cfg)
-        second_params = read_tree(reader, run.second, run.cfg) if second == "base" else None
-    if second not in (None, "base"):
+        second_params = read_tree(reader, run.second, run.cfg) if second == "base" and run.second is not None else None
+    if second is not None and second != "base" and run.second is not None:
+        assert run.context.second_cfg is not None  # a run with a second model has its architecture
         with checked_reader(second, run.context.second_cfg) as reader:
             second_params = read_tree(reader, run.second, run.context.second_cfg)
-    if (second is None) != (run.second is None):
-        raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
     new = _new_leaves(run, combine(trainable, frozen), seed)
     trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
     for name, leaves in initial.items():

@@ -11,6 +11,7 @@ base quantised); `load.read_tree` reads the checkpoint into exactly those, a sha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -88,8 +89,8 @@ def _on_base(method: MethodConfig, base: str) -> MethodConfig:
     return on_float(method) if base == "float" and on_float is not None else method
 
 
-def load_adapters(model: str | Path, adapters: dict[str, str | Path], dtype=None, base: str = "as-trained", log=None,
-                  mesh: Mesh | None = None) -> tuple[ModelConfig, dict, dict[str, int]]:
+def load_adapters(model: str | Path, adapters: Mapping[str, str | Path], dtype=None, base: str = "as-trained",
+                  log=None, mesh: Mesh | None = None) -> tuple[ModelConfig, dict, dict[str, int]]:
     """(config, params with the adapters stacked, name -> slot) for generating with several adapters in one batch
     (`Method.adapter_rows`: LoRA's; slot 0 is the base model). The base is read once.
 
@@ -123,13 +124,13 @@ def load_adapters(model: str | Path, adapters: dict[str, str | Path], dtype=None
             other = next(name for name, kind in kinds.items() if kind != kinds[first])
             raise JaxtuneError(f"adapters {first} and {other} differ in their {what}: {kinds[first]} vs "
                                f"{kinds[other]}; adapters in one batch share their base")
-    first = next(iter(methods.values()))
-    cfg, params = load_model(model, dtype, first, mesh)
+    first_method = next(iter(methods.values()))
+    cfg, params = load_model(model, dtype, first_method, mesh)
     weights = next(iter(bases.values()))
     if weights != "float" and log is not None:
         log(f"adapters on their base quantised as in training ({weights}); --base float for the float weights")
     loaded = {name: load_peft_adapter(directory, params, cfg, methods[name]) for name, directory in adapters.items()}
-    rows = method_unit(first).adapter_rows
+    rows = method_unit(first_method).adapter_rows
     assert rows is not None  # checked above, for every adapter
     return cfg, rows.stack(loaded, cfg), {name: i + 1 for i, name in enumerate(adapters)}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from jaxtune.spine.shardings import batch_sharding, optimizer_shardings, param_s
 from jaxtune.spine.state import init_state, learning_rate_schedule
 from jaxtune.spine.update import make_step
 
-AnyMesh = Mesh | AbstractMesh
+AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def init_run(cfg: ModelConfig, method: MethodConfig, seed: int = 0, objective: O
     key(seed + 2). What a test or a notebook trains without a checkpoint."""
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed)), cfg, method,
                           jax.random.key(seed + 1))
-    heads = ()
+    heads: tuple[str, ...] = ()
     if objective is not None and objective.head is not None:
         params, heads = objective.head(params, cfg, jax.random.key(seed + 2)), objective.head_leaves
     return partition(params, trainable_mask(params, method, heads))
@@ -180,7 +181,7 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
 
     second_name = objective.second_model(section, method)
     second_cfg = None if second_name is None else cfg if second_name == "base" else plan.second_model or cfg
-    second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_name is not None else None
+    second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_cfg is not None else None
 
     rows = plan.batch_size * objective.rows(section)
     micro = objective.micro_batch(rows, plan.seq_len, section)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from typing import TypeAlias
 
 import jax
 import numpy as np
@@ -27,7 +28,7 @@ from jaxtune.models.params import logical_axes
 from jaxtune.models.quant import ABSMAX_BLOCKSIZE, Int8Array, QuantizedArray, full_shape
 from jaxtune.parallel.rules import mesh_axes_of, partition_spec, to_spec
 
-AnyMesh = Mesh | AbstractMesh  # shardings on an AbstractMesh give shapes for planning without devices
+AnyMesh: TypeAlias = Mesh | AbstractMesh  # shardings on an AbstractMesh give shapes for planning without devices
 
 def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedArray)

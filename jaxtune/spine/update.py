@@ -23,22 +23,23 @@ def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = No
     Returns (mean loss, count, gradients of the mean, metric means). key: if given, micro-batch a draws from
     `jax.random.fold_in(key, a)`, so every micro-batch has its own randomness (dropout).
     """
+    micros: dict | tuple = batch  # with a key: (batch, keys_A)
     if key is not None:
         A = jax.tree.leaves(batch)[0].shape[0]
         keys_A = jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(A))
-        batch, keyed_loss_fn = (batch, keys_A), loss_fn
+        micros, keyed_loss_fn = (batch, keys_A), loss_fn
         loss_fn = lambda params, micro_and_key: keyed_loss_fn(params, *micro_and_key)
 
     def body(carry, micro):
         (loss, (count, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, micro)
         return jax.tree.map(jnp.add, carry, (grads, loss, count, metrics)), None
 
-    first = jax.tree.map(lambda x: x[0], batch)
+    first = jax.tree.map(lambda x: x[0], micros)
     shapes = jax.eval_shape(lambda p, m: jax.value_and_grad(loss_fn, has_aux=True)(p, m), trainable, first)
     (_, (_, metric_shapes)), _ = shapes
     zeros = (jax.tree.map(jnp.zeros_like, trainable), jnp.zeros(()), jnp.zeros(()),
              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
-    (grads, loss, count, metrics), _ = jax.lax.scan(body, zeros, batch)
+    (grads, loss, count, metrics), _ = jax.lax.scan(body, zeros, micros)
     denom = jnp.maximum(count, 1.0)
     return loss / denom, count, jax.tree.map(lambda g: g / denom, grads), {k: v / denom for k, v in metrics.items()}
 

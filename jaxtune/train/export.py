@@ -42,6 +42,7 @@ def _merged_layer(adapter, params: dict, method: MethodConfig | None):
     """`save_model`'s tensor(path, layer) with the adapter merged in; None without an adapter."""
     if adapter is None:
         return None
+    assert method is not None  # the adapter's
     unit = method_unit(method)
     if unit.merged_layer is None:
         merging = " and ".join(kind for kind, other in METHODS.items() if other.merged_layer is not None)
@@ -75,6 +76,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
 def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
     """A PEFT LoRA adapter as llama.cpp's GGUF LoRA, for `model` written by `export_gguf` (or any GGUF of it)."""
     cfg, params, method = load_model_with_adapter(model, adapter, log=log)
+    assert method is not None  # the adapter's
     write = method_unit(method).gguf_lora
     if write is None:
         raise JaxtuneError(f"{adapter}: a {method.kind} adapter has no GGUF LoRA form; export --gguf merges it into "
@@ -122,7 +124,7 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
     plan = replace(plan, mesh=MeshConfig(), offload=OffloadConfig(moments_dtype=plan.offload.moments_dtype))
     run = abstract_run(cfg, plan, make_mesh(), config.train, total_steps=max(step, 1))
     trainable = checkpoints.restore_params(step, run.state["params"])
-    initial = {}
+    initial: dict[str, dict] = {}
     with checked_reader(model, cfg) as reader:
         frozen = read_tree(reader, run.frozen, cfg, config.method, initial)
     params = combine(trainable, frozen)
@@ -167,6 +169,7 @@ def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | No
             return export_merged(model, adapter, out, log=log)
         if target == "gguf":
             return export_gguf(model, adapter, out, gguf_type, log=log)
+        assert adapter is not None  # gguf-lora of a run without one: refused above
         return export_gguf_lora(model, adapter, out, log=log)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -158,6 +158,7 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
             state, meta = checkpoints.restore(start, state)
             state = jax.device_put(state, task.run.shardings.state)
         if writer:
+            assert lock is not None  # the writer's
             run_dir.mkdir(parents=True, exist_ok=True)
             lock.acquire()  # a new directory is held from here
             record_config(run_dir, config, start, changes)
@@ -305,8 +306,8 @@ def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start:
     last = evals[-1] if evals else None
     where = f"result in {result_path}" if writer else f"process {jax.process_index()}: process 0 writes the result"
     log(f"done: {final_step} steps, {skipped} skipped; {where}")
-    return RunResult(run_dir, final_step, train_loss, last and last.get("eval_loss"),
-                     last and last.get("eval_perplexity"), skipped, result_path, eval_metrics=last)
+    return RunResult(run_dir, final_step, train_loss, None if last is None else last.get("eval_loss"),
+                     None if last is None else last.get("eval_perplexity"), skipped, result_path, eval_metrics=last)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ and the weights loaded into its shardings. Nothing here names an objective: they
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class StartedRun:
     state: dict
     frozen: dict
     second: dict | None
-    export_fn: object
+    export_fn: Callable[[Path, dict], Path]
     cache_writes: list  # tokenised data to cache, once the run starts (`objectives.base.ObjectiveInputs`)
 
     @property

@@ -11,6 +11,8 @@ int8 base: the two units, and everything they know, a file an idea.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxtune.config.method import MethodConfig
 from jaxtune.methods.base import AdapterRows, BaseInit, Method, PeftFormat, PlannerCosts
 from jaxtune.methods.lora.gguf import save_gguf_lora
@@ -46,14 +48,18 @@ def _lighter(method: LoRAConfig) -> tuple[tuple[str, MethodConfig], ...]:
     """QLoRA 4-bit of the same adapter (from LoRA, or from 8-bit QLoRA)."""
     if isinstance(method, QLoRAConfig):
         return () if method.bits == 4 else (("QLoRA 4-bit", method.replace(bits=4)),)
-    fields = {name: getattr(method, name) for name in method.__dataclass_fields__}
+    fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
     return (("QLoRA 4-bit", QLoRAConfig(**fields, bits=4)),)
 
 
 def _float_base(method: QLoRAConfig) -> LoRAConfig:
     """The same adapter on the float weights (an init that changed the quantised base is gone with it)."""
-    fields = {name: getattr(method, name) for name in LoRAConfig.__dataclass_fields__}
+    fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(LoRAConfig)}
     return LoRAConfig(**{**fields, "init": "default" if method.init == "loftq" else method.init, "loftq_iter": 1})
+
+
+def _needs_initial(method: LoRAConfig) -> bool:
+    return method.init in CONVERTED_INITS
 
 
 def _base(method: QLoRAConfig) -> str:
@@ -74,7 +80,7 @@ LORA: Method[LoRAConfig] = Method(
     merge=merge,
     merged_layer=merged_layer,
     peft=PeftFormat(("LORA",), PEFT_READ_FIELDS, _peft_config, _peft_tensors, _method_of, _peft_load, as_stored,
-                    needs_initial=lambda method: method.init in CONVERTED_INITS),
+                    needs_initial=_needs_initial),
     gguf_lora=save_gguf_lora,
     adapter_rows=AdapterRows(why_not_mixed, stack_adapters),
     learning_rates=loraplus_rates,
@@ -98,7 +104,7 @@ QLORA: Method[QLoRAConfig] = Method(
     merge=merge,
     merged_layer=merged_layer,
     peft=PeftFormat((), PEFT_READ_FIELDS, _qlora_peft_config, _peft_tensors, _method_of, _peft_load, as_stored,
-                    needs_initial=LORA.peft.needs_initial),
+                    needs_initial=_needs_initial),
     gguf_lora=save_gguf_lora,
     adapter_rows=AdapterRows(why_not_mixed, stack_adapters),
     learning_rates=loraplus_rates,

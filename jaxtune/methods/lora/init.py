@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,8 @@ from jaxtune.models.quant import QuantizedArray, dequantize, quantize_by_rows, q
 
 if TYPE_CHECKING:
     from jaxtune.methods.lora.options import LoRAConfig
+
+LoRAOptions = TypeVar("LoRAOptions", bound="LoRAConfig")  # LoRA's or QLoRA's
 
 BASE_INITS = ("pissa", "olora", "loftq")  # the inits that change the frozen base
 INITS = ("default", "gaussian") + BASE_INITS
@@ -75,21 +77,24 @@ def init_layer(w_IxO: jax.Array, rank: int, scale: float, method: LoRAConfig):
     """One layer's (lora_a [in, rank] float32, lora_b [rank, out] float32, base) under `method.init` (one of
     BASE_INITS) from its kernel [in, out]. base: [in, out] in the kernel's dtype, or for QLoRA the quantised
     `method.bits` weight of one layer (NF4 with `method.double_quant`)."""
+    from jaxtune.methods.lora.options import QLoRAConfig  # here: options imports this module
+
     w_OxI = w_IxO.T.astype(jnp.float32)
-    quantized = method.quantized
-    quantize = _quantizer(method) if quantized else None
+    quantize = _quantizer(method) if isinstance(method, QLoRAConfig) else None
     if method.init == "pissa":
         a_RxI, b_OxR, base = _pissa(w_OxI, rank, scale)
         base = base.astype(w_IxO.dtype)  # PEFT's residual model, as saved; quantised as a QLoRA base loads it
     elif method.init == "olora":
-        if quantized:  # PEFT's OLoRA on a bitsandbytes layer: Q R of the dequantised weight, re-quantised in float32
+        # PEFT's OLoRA on a bitsandbytes layer: Q R of the dequantised weight, re-quantised in float32
+        if quantize is not None:
             w_OxI = dequantize(quantize(w_IxO)).T.astype(jnp.float32)
         a_RxI, b_OxR, base = _olora(w_OxI, rank, scale)
-        base = base if quantized else base.astype(w_IxO.dtype)
+        base = base if quantize is not None else base.astype(w_IxO.dtype)
     else:
+        assert isinstance(method, QLoRAConfig)  # LoftQ is QLoRA's (`LoRAConfig` checks)
         a_RxI, b_OxR, base = _loftq(w_OxI, rank, method.bits, method.loftq_iter)
         base = base.astype(w_IxO.dtype)  # PEFT's LoftQ base, as saved and then loaded quantised
-    if quantized:
+    if quantize is not None:
         q = quantize(base.T)
         base = replace(q, dtype=np.dtype(w_IxO.dtype))
     else:
@@ -141,7 +146,7 @@ def initialise(params: dict, cfg: ModelConfig, method: LoRAConfig) -> tuple[dict
     return {**params, "layers": layers}, initial
 
 
-def as_plain_lora(params: dict, method: LoRAConfig, initial: dict, num_layers: int) -> tuple[dict, LoRAConfig]:
+def as_plain_lora(params: dict, method: LoRAOptions, initial: dict, num_layers: int) -> tuple[dict, LoRAOptions]:
     """A PiSSA/OLoRA adapter as PEFT's plain LoRA on the original base (`PeftModel.save_pretrained` with
     `path_initial_model_for_weight_conversion`): W + s (B A - B0 A0) = (W - s B0 A0) + s B A, so per layer of rank
     r, A' = [A; A0] and B' = [B, -B0] of rank 2r, alpha doubled (rsLoRA: times sqrt 2; PEFT doubles an alpha_pattern
@@ -173,6 +178,8 @@ def read_layers(method: LoRAConfig, cfg: ModelConfig, name: str, read_layer: Cal
     """For each layer of module `name`, read as its [in, out] array by read_layer(i): (its base kernel as the
     init leaves it, quantised for QLoRA, on the host; {"lora_a" [in, R], "lora_b" [R, out]} float32) where R is
     the module's largest rank, a layer of rank r < R zero beyond r, one not adapted all zeros (`BaseInit.layers`)."""
+    from jaxtune.methods.lora.options import QLoRAConfig  # here: options imports this module
+
     lora = changed_modules(method, cfg)[name]
     R = lora.max_rank
     for i, (r, scale) in enumerate(zip(lora.ranks, lora.scales)):
@@ -180,7 +187,7 @@ def read_layers(method: LoRAConfig, cfg: ModelConfig, name: str, read_layer: Cal
         a, b = np.zeros((w_IxO.shape[0], R), np.float32), np.zeros((R, w_IxO.shape[1]), np.float32)
         if r:
             a[:, :r], b[:r], base = jax.device_get(init_layer(jnp.asarray(w_IxO), r, float(scale), method))
-        elif method.quantized:
+        elif isinstance(method, QLoRAConfig):
             base = quantize_by_rows(lambda x, y: w_IxO.T[x:y], w_IxO.shape, w_IxO.dtype, method.bits,
                                     method.double_quant)
         else:

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.lora.init import CONVERTED_INITS, as_plain_lora
+from jaxtune.methods.lora.init import CONVERTED_INITS, LoRAOptions, as_plain_lora
 from jaxtune.methods.lora.layout import lora_layout
 from jaxtune.methods.lora.leaves import LORA_LEAVES
 from jaxtune.methods.lora.options import LoRAConfig, QLoRAConfig
@@ -121,7 +121,8 @@ def _qlora_peft_config(cfg: ModelConfig, method: QLoRAConfig) -> dict:
     return config
 
 
-def as_stored(params: dict, method: LoRAConfig, initial: dict | None, num_layers: int) -> tuple[dict, LoRAConfig]:
+def as_stored(params: dict, method: LoRAOptions, initial: dict | None, num_layers: int
+              ) -> tuple[dict, LoRAOptions]:
     """A PiSSA or OLoRA adapter as PEFT stores it: the plain LoRA of rank 2r it is on the original weights, from its
     init's A and B `initial` (`spine.load.initial_leaves` recomputes them); other adapters as they are."""
     if method.init not in CONVERTED_INITS:
