@@ -60,6 +60,7 @@ def model_dir(tmp_path_factory):
     return model
 
 
+@pytest.mark.full
 def test_stacks_fold_each_scale_pad_ranks_and_zero_the_base_slot():
     """Slot 0 zeros; slot i adapter i's A (padded to the module's largest rank) and alpha/r (rsLoRA alpha/sqrt(r))
     times its B, per layer; a module an adapter skips holds zeros in its slot."""
@@ -84,6 +85,7 @@ def test_stacks_fold_each_scale_pad_ranks_and_zero_the_base_slot():
 
 
 @pytest.mark.parity
+@pytest.mark.full
 def test_mixed_batch_equals_each_adapter_alone(model_dir):
     """Rows of adapters a, b, c and the base in one batch: prefill logits within 1e-5 of each adapter's own batch
     (PEFT directories loaded by name) and the same greedy tokens; every adapter changes its rows' logits."""
@@ -121,6 +123,7 @@ def requests_file(path, records):
     return path
 
 
+@pytest.mark.full
 def test_cli_generate_data_with_two_named_adapters(model_dir, tmp_path, capsys):
     """`generate --data` with --adapter a=DIR --adapter b=DIR: one answer per request in input order, each the
     completion of its adapter alone (the base without one), cut by its own stop strings and max_new_tokens."""

@@ -97,6 +97,7 @@ def blocks(request, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "packed", "prefix", "cache"])
+@pytest.mark.full
 def test_blockwise_equals_dense_float32(kind, blocks):
     T = 4 if kind == "cache" else 13  # 13: four query blocks of 4, the last padded
     mask, window = masks(T, kind)
@@ -195,6 +196,7 @@ def _compiled_attention(T: int, block: int, monkeypatch) -> tuple[str, str]:
     return forward.lower(q, k, v).compile().as_text(), backward.lower(vjp, q).compile().as_text()
 
 
+@pytest.mark.full
 def test_one_block_runs_without_loops_and_multiplies_no_score_block_transposed(monkeypatch):
     """A row that is one block (up to BLOCK tokens) computes with no loop or conditional (on XLA:CPU they cost
     about a third of a short row's attention), and the backward contracts the score-sized [G*T, S] blocks as they
@@ -212,6 +214,7 @@ def test_one_block_runs_without_loops_and_multiplies_no_score_block_transposed(m
             assert transposed and max(transposed) <= score_elements // 4, transposed  # q-sized: 1/4 here
 
 
+@pytest.mark.full
 def test_long_sequence_memory_is_linear():
     """The compiled forward and backward of one attention call hold O(T x block) temporaries, not O(T^2)."""
     def temp_bytes(T):
@@ -230,6 +233,7 @@ def test_long_sequence_memory_is_linear():
     assert large <= 4.5 * small, (small, large)  # 4x the tokens: at most ~4x the memory
 
 
+@pytest.mark.full
 def test_a_16k_token_lora_step_compiles_to_memory_linear_in_the_sequence():
     """The trainer's own step (the spine's), LoRA on q and v, one row: its compiled temporaries at 16,384 tokens are
     at most 4x (plus 10%) those at 4,096, and a small fraction of one dense [1, H, T, T] float32 score tensor."""

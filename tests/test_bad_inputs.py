@@ -234,7 +234,7 @@ def test_a_bug_is_one_line_and_a_traceback_file(world, capsys, monkeypatch):
     def broken(_):
         raise TypeError("an internal mistake")
 
-    monkeypatch.setattr("jaxtune.cli.model_summary", broken)
+    monkeypatch.setattr("jaxtune.models.summary.model_summary", broken)
     code = main(["info", "--model", str(world / "model")])
     err = capsys.readouterr().err
     assert code == 3 and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -108,6 +108,7 @@ def test_no_warning_with_native_bf16_float32_compute_or_another_backend(slow_war
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_jaxtune_train_prints_the_warning_as_one_line(tmp_path):
     """`jaxtune train` with bfloat16 compute and XLA capped to AVX2 (so on any x86 host no native bfloat16)."""
     model = write_random_model(tmp_path / "model", "llama", seed=0)

@@ -68,6 +68,7 @@ def test_info_of_a_gguf_reports_its_stored_types_and_bytes(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_info_of_smollm2_reports_q4_1_and_its_92_mib(capsys):
     """The real SmolLM2 Q4_1 file (embedding Q8_0, norms F32): its types and ~92 MiB, not float32's 513 MiB."""
     path = smollm2_path()
@@ -106,6 +107,7 @@ def test_export_merged_of_a_gguf_loads_in_transformers_with_its_own_logits(arch,
 
 @pytest.mark.reference
 @pytest.mark.slow
+@pytest.mark.full
 def test_export_merged_of_smollm2_equals_transformers_loading_the_file(tmp_path):
     import torch
     import transformers
@@ -139,6 +141,7 @@ def lora_adapter(model: Path, out: Path, base_model: str = "") -> Path:
     return save_peft_adapter(out, {**params, "layers": layers}, cfg, method, base_model=base_model)
 
 
+@pytest.mark.full
 def test_written_files_get_the_umasks_mode(tmp_path, umask):
     """Adapters, merged models and GGUF files are created as `open()` creates them: 0666 less the umask."""
     model = write_random_model(tmp_path / "model")

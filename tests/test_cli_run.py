@@ -10,6 +10,7 @@ from jaxtune.data.tokenizer import Tokenizer
 
 
 @pytest.mark.reference
+@pytest.mark.full
 def test_cli_greedy_generate_equals_transformers(tmp_path):
     import torch
     from hf_models import make_hf_model
@@ -46,6 +47,7 @@ def test_cli_generate_rejects_prompt_longer_than_context(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_demo_teaches_smollm2_dates_to_iso(tmp_path):
     """The README's first command, with SmolLM2-135M-Instruct installed (as the README's setup installs it): the
     shipped model answers none of the held-out prompts; after 40 LoRA steps it answers most."""

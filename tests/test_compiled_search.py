@@ -71,14 +71,14 @@ def test_compute_dtype_auto_follows_the_devices(tmp_path):
     (tmp_path / "run.toml").write_text(f'[model]\npath = "{model}"\n[data]\ntrain = "t.jsonl"\n')
     config = load_run_config(tmp_path / "run.toml")
     assert config.model.forward.compute_dtype == "auto"
-    assert plan_from_run_config(config, "tpu")[1].compute_dtype == "bfloat16"
-    assert plan_from_run_config(config, "gpu")[1].compute_dtype == "bfloat16"
-    assert plan_from_run_config(config, "cpu")[1].compute_dtype == "float32"
-    assert plan_from_run_config(config)[1].compute_dtype == "float32"  # this host: a CPU
-    assert make_plan(config=str(tmp_path / "run.toml"), target="v5e-8")[1].compute_dtype == "bfloat16"
+    assert plan_from_run_config(config, "tpu")[1].forward.compute_dtype == "bfloat16"
+    assert plan_from_run_config(config, "gpu")[1].forward.compute_dtype == "bfloat16"
+    assert plan_from_run_config(config, "cpu")[1].forward.compute_dtype == "float32"
+    assert plan_from_run_config(config)[1].forward.compute_dtype == "float32"  # this host: a CPU
+    assert make_plan(config=str(tmp_path / "run.toml"), target="v5e-8")[1].forward.compute_dtype == "bfloat16"
     (tmp_path / "run.toml").write_text(f'[model]\npath = "{model}"\ncompute_dtype = "float32"\n'
                                        '[data]\ntrain = "t.jsonl"\n')
-    assert plan_from_run_config(load_run_config(tmp_path / "run.toml"), "tpu")[1].compute_dtype == "float32"
+    assert plan_from_run_config(load_run_config(tmp_path / "run.toml"), "tpu")[1].forward.compute_dtype == "float32"
 
 
 def test_no_tpu_compiler_says_what_to_install(monkeypatch):

@@ -55,8 +55,8 @@ def run(worker: str, *args: str, optimize: bool = False) -> dict:
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["causal", "packed", "sliding", "gemma2", "prefix", "qlora", "ia3", "tiled",
-                                  "mixture"])
+@pytest.mark.parametrize("case", ["causal", *(pytest.param(case, marks=pytest.mark.full) for case in (
+    "packed", "sliding", "gemma2", "prefix", "qlora", "ia3", "tiled", "mixture"))])
 def test_both_strategies_give_one_devices_loss_and_gradients(case):
     """SFT's loss and every trainable leaf's gradient on context=8, context=4 x fsdp=2 and context=2 x fsdp=2 x
     tensor=2, ring and all-gather, within 1e-5 (relative, float32) of one device: a causal GQA model (full
@@ -73,6 +73,7 @@ def test_both_strategies_give_one_devices_loss_and_gradients(case):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_splash_as_the_rings_per_block_kernel_gives_one_devices_loss_and_gradients():
     """`attention = "splash"` (on TPU, "auto") on a balanced ring: each block by splash's forward and backward
     kernels (Pallas' interpreter here) given the whole attention's output and log-sum-exp; packed rows, GQA, LoRA,
@@ -84,6 +85,7 @@ def test_splash_as_the_rings_per_block_kernel_gives_one_devices_loss_and_gradien
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_every_objective_trains_on_a_context_mesh_as_on_one_device():
     """Three spine steps of SFT, DPO (pairs), the reward model, GRPO's training step and distillation (the teacher
     split like the student) on context=4 x fsdp=2 give the one-device losses within 1e-5."""
@@ -92,6 +94,7 @@ def test_every_objective_trains_on_a_context_mesh_as_on_one_device():
     assert all(d <= 1e-5 for d in out.values()), out
 
 
+@pytest.mark.full
 def test_balanced_layout_holds_chunks_i_and_2n_minus_1_minus_i_and_round_trips():
     out = run("context_worker.py", "layout")
     for name, ways in (("context=8", 8), ("context=4 x fsdp=2", 4)):
@@ -99,6 +102,7 @@ def test_balanced_layout_holds_chunks_i_and_2n_minus_1_minus_i_and_round_trips()
         assert out[name]["round trip"], name
 
 
+@pytest.mark.full
 def test_a_sliding_window_step_runs_fewer_flops_than_a_causal_one():
     """With a window on every layer the chunks stay contiguous and the ring stops at the devices a window reaches
     (3 of 8 blocks at 2,048 tokens, window 128): the program's FLOPs fall well below the causal step's."""
@@ -107,6 +111,7 @@ def test_a_sliding_window_step_runs_fewer_flops_than_a_causal_one():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_context_8_holds_at_most_a_fifth_of_one_devices_temporaries_at_32k_tokens():
     """Compiled temporaries a device of a LoRA step on one 32,768-token row (remat full): context=8, ring or
     all-gather, at most 1/5 of one device's."""
@@ -115,6 +120,7 @@ def test_context_8_holds_at_most_a_fifth_of_one_devices_temporaries_at_32k_token
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_jaxtune_train_on_a_context_mesh_equals_one_device(tmp_path):
     """`fine_tune` with [mesh] context = 4, fsdp = 2 (LoRA, packed rows, eval and checkpoints) gives the one-device
     run's train and eval losses and gradient norms within 1e-5."""

@@ -126,6 +126,7 @@ def test_grpo_keeps_its_rows_whole():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_estimate_on_context_meshes_agrees_with_the_compiled_step():
     """13 context-parallel steps of a small Llama (2k to 32k tokens, context 2 to 8, ring and all-gather, remat none
     and full, LoRA, QLoRA and full fine-tuning, beside fsdp, data and tensor) on 8 fake CPU devices: the per-device
@@ -159,6 +160,7 @@ def test_todays_planner_meets_the_tpu_compilers_context_rows():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_tiled_mlp_is_counted_as_the_compiler_holds_it():
     """`[model] tiled_mlp`: one 16,384-token row in tiles of 2,048 on one CPU device (LoRA remat full and none, a
     full fine-tune): the estimate within 15% of XLA's compiled step, and well below the untiled estimate; under

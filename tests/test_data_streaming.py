@@ -9,6 +9,7 @@ import tracemalloc
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from jaxtune.data.batching import count_epoch_batches, epoch_batches
 from jaxtune.data.cache import cached_examples
@@ -47,6 +48,7 @@ def _stream_and_train(tmp_path, data, tokenizer):
     return store, stats, train, held_out, batches
 
 
+@pytest.mark.full
 def test_a_large_dataset_streams_through_a_store(tmp_path):
     """Four times the data: the in-memory loader's peak grows with it (to four times the dataset's int32 ids), the
     store's does not (its constant: a chunk of records being tokenised, the writer's buffer; measured 11 and 12 MB

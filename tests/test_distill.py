@@ -20,7 +20,7 @@ DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("reverse", [pytest.param(False, marks=pytest.mark.full), True])
 def test_distillation_lowers_held_out_kl(tmp_path, reverse):
     (tmp_path / "d.jsonl").write_text("".join(DATA.read_text().splitlines(keepends=True)[:96]))
     examples, _ = load_sft_examples(tmp_path / "d.jsonl", Tokenizer.byte_level(), 64)

@@ -113,6 +113,7 @@ def test_cluster_settings_from_flags_and_environment(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_processes_each_read_about_half_of_the_checkpoint(tmp_path):
     """Two processes on fsdp=2 (one CPU device each) read only the slices their device holds: about half of the
     checkpoint's tensor bytes each, all of it together; the weights they assemble are the checkpoint's."""

@@ -108,6 +108,7 @@ def reference_forward(params, ids, method: MethodConfig, key) -> np.ndarray:
 
 @pytest.mark.parity
 @pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.full
 def test_forward_with_dropout_equals_float64_restatement(name):
     """(a) The same masks in a float64 numpy Llama: logits agree; the re-statement also agrees with no dropout."""
     method = METHODS[name]
@@ -179,6 +180,7 @@ def primitives(jaxpr) -> list[str]:
     return names
 
 
+@pytest.mark.full
 def test_no_dropout_in_eval_merge_or_with_rate_zero():
     """(b) Rate 0 with a key, or any rate without one, is the no-dropout forward bit for bit, and traces no
     random-number work at all; merging ignores dropout."""
@@ -204,6 +206,7 @@ def small_batch(A: int, seed: int = 0) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_masks_differ_across_micro_batches_and_steps():
     """(c) Two equal micro-batches with dropout: their mean loss differs from one alone, so their masks differ
     (without dropout the two are equal: tests/test_train.py's accumulation test). Two steps at learning rate 0 on
@@ -226,6 +229,7 @@ def test_masks_differ_across_micro_batches_and_steps():
 
 
 @pytest.mark.reference
+@pytest.mark.full
 def test_dropout_is_unbiased_with_torch_scaling():
     """(d) Kept elements are x / (1 - p) as torch's `nn.Dropout` gives them, and over many keys the mean LoRA and
     DoRA output approaches the no-dropout output (within 5 standard errors, elementwise)."""
@@ -250,6 +254,7 @@ def test_dropout_is_unbiased_with_torch_scaling():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_training_with_dropout_learns_and_resumes_exactly(tmp_path):
     """(e) `jaxtune train` with LoRA dropout 0.1: the held-out loss falls, and a run interrupted after step 1 and
     resumed writes the same metrics as one never interrupted (the masks come from the checkpointed rng)."""
@@ -281,6 +286,7 @@ def test_training_with_dropout_learns_and_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora_all_rslora", "qlora_qv"])
+@pytest.mark.full
 def test_remat_recomputes_the_same_masks(name):
     """Under `full` remat the backward recomputes the block, dropout included: gradients equal no remat's."""
     method = METHODS[name]

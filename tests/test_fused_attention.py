@@ -80,7 +80,9 @@ def relative(got, want, seen_BxT=None) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "packed", "prefix"])
+@pytest.mark.parametrize("kind", [*(pytest.param(kind, marks=pytest.mark.full) for kind in ("causal", "sliding",
+                                                                                               "padded")),
+                                  "packed", pytest.param("prefix", marks=pytest.mark.full)])
 def test_splash_equals_dense_float32(kind):
     """Values and gradients within 1e-5 of the float64 dense form, for every query that sees a key."""
     mask, window, masked = masks(kind)
@@ -98,6 +100,7 @@ def test_splash_equals_dense_float32(kind):
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed"])
+@pytest.mark.full
 def test_splash_bfloat16_is_the_float32_result_rounded(kind):
     """bfloat16 inputs: the output within one bfloat16 step (2^-8) of the float32 dense result of the same inputs,
     the gradients within 2^-7 of the largest."""
@@ -190,6 +193,7 @@ def test_a_fused_kernel_asked_for_where_it_cannot_run_says_why(monkeypatch):
         decide("flash")
 
 
+@pytest.mark.full
 def test_gemma2_forward_and_gradients_with_splash_equal_blockwise(monkeypatch):
     """A tiny Gemma 2 (a sliding layer and a full one, soft-capped scores, 1 / sqrt(query_pre_attn_scalar)) on
     packed rows with padding: logits and every parameter's gradient through splash attention equal the blockwise
@@ -222,6 +226,7 @@ def test_gemma2_forward_and_gradients_with_splash_equal_blockwise(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_splash_trains_under_shard_map_on_a_mesh_as_blockwise_on_one_device():
     """LoRA on the tiny Gemma 2, three steps of the spine's step: splash attention on one device and on
     fsdp=4 x tensor=2 (each device's rows and key/value heads under shard_map) give the blockwise kernel's losses

@@ -71,6 +71,7 @@ def cached_logits(params, cfg, ids, mask, t0, method=None):
     return np.stack(out, axis=1)
 
 
+@pytest.mark.full
 def test_prefill_and_decode_equal_the_full_forward(tiny):
     """Every step's logits, for an unpadded and a left-padded row, with a sliding window (6) shorter than the
     sequence, and prefix tuning: its keys fill the first P cache slots and real tokens start at position P."""
@@ -87,8 +88,8 @@ def test_prefill_and_decode_equal_the_full_forward(tiny):
 
 @pytest.mark.reference
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2_sliding", "qwen3", "gemma2", "gemma3",
-                                  "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", *(pytest.param(arch, marks=pytest.mark.full) for arch in (
+    "mistral", "qwen2_sliding", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe")), "qwen3_moe"])
 def test_greedy_equals_transformers_generate(arch, hf_model_dir):
     """A batch of prompts of different lengths, left-padded in transformers; Mistral's window (5) and Qwen2's (4,
     on two of three layers) are shorter than prompt + generation."""
@@ -124,6 +125,7 @@ def peft_greedy(model, ids, mask, steps):
 
 @pytest.mark.reference
 @pytest.mark.parity
+@pytest.mark.full
 def test_greedy_with_prefix_tuning_equals_peft(hf_model_dir, tmp_path):
     """Left-padded prompts of different lengths: PEFT too starts real tokens at position P + cumsum(mask) - 1."""
     import peft
@@ -144,6 +146,7 @@ def test_greedy_with_prefix_tuning_equals_peft(hf_model_dir, tmp_path):
     assert ours != generate(params, cfg, batch, SamplingConfig(max_new_tokens=16), eos_ids=())
 
 
+@pytest.mark.full
 def test_lora_generation_equals_merged_generation(tiny):
     cfg, params = tiny
     method = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
@@ -221,6 +224,7 @@ def test_generate_text_cuts_at_stop_strings(tiny):
     assert len(cut[0]) <= 3 < len(texts[0])
 
 
+@pytest.mark.full
 def test_decode_loop_compiles_once_per_bucket(tiny):
     """Other prompts (lengths within one bucket), another batch size below the same power of two, another seed,
     temperature and top-k: the same decode loop; the prefill once per number of packed rows (1, then 2)."""

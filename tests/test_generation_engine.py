@@ -57,7 +57,9 @@ def left_padded_greedy(params, cfg, prompts_, steps, method=None):
     return np.stack(out, 1)[: len(prompts_)].tolist()
 
 
-@pytest.fixture(scope="module", params=["windowed", "full", "prefix_windowed", "prefix_full"])
+@pytest.fixture(scope="module", params=[pytest.param("windowed", marks=pytest.mark.full), "full",
+                                        pytest.param("prefix_windowed", marks=pytest.mark.full),
+                                        pytest.param("prefix_full", marks=pytest.mark.full)])
 def model(request):
     cfg = WINDOWED if "windowed" in request.param else FULL
     params = numpy_random_params(cfg)
@@ -146,6 +148,7 @@ def test_greedy_tokens_equal_the_left_padded_engine(model):
     assert ours == left_padded_greedy(params, cfg, batch, N, method)
 
 
+@pytest.mark.full
 def test_batches_of_one_call_share_one_shape(model, monkeypatch):
     """batch_rows: the prompts decode a few at a time, every batch one prefill shape (rows and row tokens) and one
     cache, and each prompt's greedy tokens are those of the left-padded engine."""
@@ -165,6 +168,7 @@ def tiny():
     return WINDOWED, numpy_random_params(WINDOWED)
 
 
+@pytest.mark.full
 def test_stop_when_ends_a_row_at_its_chunk(tiny):
     """A row whose check fires stops at the end of that chunk of 4 steps, the others run on, and every row's tokens
     begin as they do without the check; once all rows have stopped nothing more is decoded or asked."""

@@ -156,6 +156,7 @@ def test_gguf_bad_files(tmp_path, gguf_file):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_train_on_a_gguf_and_export_merged(tmp_path, gguf_file):
     """`[model] path` a GGUF file: LoRA trains on its dequantised base, and `export --merged` writes a Hugging Face
     directory, with the file's tokenizer and chat template, whose logits in transformers equal jaxtune's of the
@@ -214,6 +215,7 @@ def smollm2():
 
 @pytest.mark.slow
 @pytest.mark.parity
+@pytest.mark.full
 def test_smollm2_logits_and_greedy_generation_equal_transformers(smollm2):
     """The real SmolLM2-135M-Instruct (a Llama, 30 layers, tied embeddings, Q4_1 with a Q8_0 embedding): float32
     logits as close to float64 as transformers' loading of the same file, and greedy answers to a chat prompt
@@ -253,6 +255,7 @@ def test_gguf_tensor_names_follow_llama_cpp():
     assert hf_tensor_name("blk.0.unknown.weight") == "blk.0.unknown.weight"  # left for the shape check to name
 
 
+@pytest.mark.full
 def test_generate_chat_renders_the_files_template(gguf_file, capsys):
     """`jaxtune generate --chat`: the prompt as a user turn of the model's chat template with the generation
     prompt, tokenized as transformers' `apply_chat_template` tokenizes it; raw text draws a note about --chat."""

@@ -253,9 +253,10 @@ def _sampled_reward(params, cfg, method, prompts, tokenizer, reward, section) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective, variant", [
-    ("grpo", {"loss_type": "grpo", "importance_sampling_level": "sequence"}),  # GSPO
-    ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none"}),  # Dr. GRPO
-    ("grpo", {"loss_type": "bnpo", "epsilon_high": 0.28, "scale_rewards": "batch"}),
+    pytest.param("grpo", {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
+                 marks=pytest.mark.full),
+    pytest.param("grpo", {"loss_type": "dr_grpo", "scale_rewards": "none"}, marks=pytest.mark.full),  # Dr. GRPO
+    pytest.param("grpo", {"loss_type": "bnpo", "epsilon_high": 0.28, "scale_rewards": "batch"}, marks=pytest.mark.full),
     ("rloo", {"normalize_advantages": True})])
 def test_each_variant_raises_the_held_out_reward(objective, variant):
     """test_grpo.py's task (reward: the share of 'a' in the completion; no KL penalty, as there) for 20 steps: the

@@ -101,6 +101,7 @@ def test_packing_fills_rows_longest_first():
 @pytest.mark.parametrize("windows", [(0, 6), (0, 0)], ids=["window", "trees"])
 @pytest.mark.parametrize("method", [None, method_config("lora", rank=4, target_modules=("q_proj", "v_proj", "o_proj")),
                                     method_config("prefix", num_virtual_tokens=3)], ids=["base", "lora", "prefix"])
+@pytest.mark.full
 def test_packed_scores_equal_each_requests_own_forward(method, windows, monkeypatch):
     """Requests of 2..40 tokens packed several to a row (and over several batches) score as each alone: the sum of
     float64 log-softmax of its own forward's logits at the continuation, and whether each token is the argmax.
@@ -140,6 +141,7 @@ def test_packed_scores_equal_each_requests_own_forward(method, windows, monkeypa
     assert score_requests(params, cfg, [(ctx, cont)], method=method)[0][1] is True
 
 
+@pytest.mark.full
 def test_lm_eval_api_scores_two_tasks_with_model_jaxtune(model_dir, tasks):
     """lm_eval.simple_evaluate(model="jaxtune", model_args="model=...") on a multiple-choice and a generation task
     (YAML files whose data lie beside them); the flat scores are what training logs."""
@@ -181,6 +183,7 @@ def test_lm_eval_command_line_runs_two_tasks_with_model_jaxtune(model_dir, tasks
     assert len(list((tmp_path / "xla").iterdir())) >= 3  # scoring, prefill, decode
 
 
+@pytest.mark.full
 def test_jaxtune_eval_tasks_writes_results_and_table(model_dir, tasks, tmp_path):
     out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "eval", "--model", str(model_dir), "--tasks",
                           f"{tasks / 'tiny_mc.yaml'},{tasks / 'tiny_qa.yaml'}", "--output", str(tmp_path / "r.json"),
@@ -205,6 +208,7 @@ def test_bad_tasks_and_model_args_are_one_line_errors(model_dir, capsys, args, m
     assert err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.full
 def test_lm_eval_command_line_bad_model_args_is_one_line(model_dir, tasks):
     out = subprocess.run([sys.executable, "-m", "jaxtune.harness", "run", "--model", "jaxtune", "--model_args",
                           f"model={model_dir},compute_dtype=float32,max_gen_toks=0", "--tasks", "tiny_mc.yaml"],
@@ -226,6 +230,7 @@ def test_model_args_errors_name_the_key(model_dir):
         JaxtuneLM(model=str(model_dir), compile_cache=str(model_dir / "config.json"))
 
 
+@pytest.mark.full
 def test_training_records_task_scores_in_metrics_tensorboard_wandb_and_plot(tasks, tmp_path, no_wandb_credentials):
     """[eval] tasks are scored at step 0, every eval_every steps and at the end: lm-eval's metrics as
     eval_<task>/<metric> in metrics.jsonl, the same numbers in TensorBoard and the offline W&B run, a second panel in
@@ -252,6 +257,7 @@ def test_training_records_task_scores_in_metrics_tensorboard_wandb_and_plot(task
     assert final == {k.removeprefix("eval_"): v for k, v in scored[-1].items() if k.startswith("eval_tiny")}
 
 
+@pytest.mark.full
 def test_weights_split_over_a_mesh_score_as_on_one_device(model_dir, tasks):
     """model_args fsdp=4,tensor=2 on 8 devices: the weights split as training splits them, every log-likelihood within
     1e-5 of one device's and the same greedy generations."""

@@ -39,6 +39,7 @@ def both(directory, tasks, limit=None):
     return hf, ours
 
 
+@pytest.mark.full
 def test_multiple_choice_and_rolling_log_likelihoods_equal_lm_eval_hf(smollm2_dir):
     hf, ours = both(smollm2_dir, ["jaxtune_facts", "jaxtune_text"])
     theirs, mine = hf["samples"]["jaxtune_facts"], ours["samples"]["jaxtune_facts"]
@@ -62,6 +63,7 @@ def test_multiple_choice_and_rolling_log_likelihoods_equal_lm_eval_hf(smollm2_di
         hf["results"]["jaxtune_text"]["word_perplexity,none"], rel=1e-4)
 
 
+@pytest.mark.full
 def test_greedy_generate_until_equals_lm_eval_hf(smollm2_dir):
     hf, ours = both(smollm2_dir, ["jaxtune_qa"])
     theirs, mine = hf["samples"]["jaxtune_qa"], ours["samples"]["jaxtune_qa"]

@@ -59,6 +59,7 @@ print(resident() - before)
 """
 
 
+@pytest.mark.full
 def test_large_freed_blocks_go_back_to_the_system():
     assert platform.libc_ver()[0] == "glibc"  # what the project runs on; off glibc return_large_blocks does nothing
     stays = {mode: int(subprocess.run([sys.executable, "-c", FREED_BLOCK_STAYS, mode], capture_output=True, text=True,
@@ -101,6 +102,7 @@ print(faults() - before)
 """
 
 
+@pytest.mark.full
 def test_with_huge_pages_a_mapped_block_faults_in_two_mib_at_a_time():
     huge = host_memory.huge_pages_environment(dict(os.environ))
     assert huge is not None  # glibc >= 2.35 and THP on request: the machines the project runs on

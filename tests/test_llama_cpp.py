@@ -58,6 +58,7 @@ def build_features(request):
     return info
 
 
+@pytest.mark.full
 def test_models_load_on_the_plain_cpu_buffers(exports, capfd):
     """The loader really turns the extra buffer types off (their AMX path crashes): llama.cpp's own load log puts
     every weight of a q8_0 file in a plain CPU buffer, none in an AMX or repacked one."""
@@ -101,6 +102,7 @@ def exports(tmp_path_factory):
     return paths, prompts
 
 
+@pytest.mark.full
 def test_llama_cpp_greedy_on_the_f16_export_equals_jaxtune(exports):
     """llama.cpp loads the f16 export (names, metadata, tokenizer, interleaved q/k rows) and continues three chat
     prompts as jaxtune does on the same file, token for token; its tokenizer gives jaxtune's ids."""
@@ -114,6 +116,7 @@ def test_llama_cpp_greedy_on_the_f16_export_equals_jaxtune(exports):
     assert model.tokenize(text.encode(), add_bos=False, special=True) == load_tokenizer(paths["f16"]).encode(text)
 
 
+@pytest.mark.full
 def test_llama_cpp_logits_of_the_f32_and_q8_0_exports(exports):
     """llama.cpp's logits of the f32 export equal jaxtune's of the same file (measured 4e-4 relative); the q8_0
     export moves them by what its 8-bit weights (measured in jaxtune, 2.7%) and llama.cpp's 8-bit activations in
@@ -133,6 +136,7 @@ def test_llama_cpp_logits_of_the_f32_and_q8_0_exports(exports):
     assert (theirs["q8_0"].argmax(-1) == theirs["f32"].argmax(-1)).mean() >= 0.85
 
 
+@pytest.mark.full
 def test_llama_cpp_applies_the_gguf_lora_as_peft_does(exports, tmp_path):
     """A LoRA adapter (random B, ranks 8 on attention and down_proj) exported with `--gguf-lora`: llama.cpp's
     logits with it applied to the f32 export equal transformers' with the PEFT adapter, as far from the base's."""

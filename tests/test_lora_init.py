@@ -217,6 +217,7 @@ def _trained_params(run_dir, model, config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("init", ["pissa", "olora"])
+@pytest.mark.full
 def test_trained_adapter_loads_in_peft_on_the_original_base_with_jaxtune_logits(tiny, tmp_path, init):
     """`jaxtune train` with init = pissa/olora (rank 4, alpha 8, all-linear, rank_pattern on v_proj), 6 steps: the
     run's model (changed base + trained A, B) gives the logits PEFT gives with the exported adapter (a plain LoRA
@@ -262,6 +263,7 @@ def test_bad_init_values_are_one_line_config_errors(fields, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.full
 def test_in_memory_apply_method_runs_the_init(tiny):
     """`apply_method` on a float tree: PiSSA's base plus s B A is the original kernel (the model is unchanged at
     step 0), and a QLoRA LoftQ tree holds the NF4 base."""
@@ -278,6 +280,7 @@ def test_in_memory_apply_method_runs_the_init(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_loftq_qlora_run_is_evaluated_on_its_loftq_base(tiny, tmp_path, capsys):
     """`jaxtune train` with kind = qlora, init = loftq (2 iterations): the adapter records its LoftQ base, and
     `jaxtune eval` rebuilds that base from the original weights and reproduces the run's held-out loss."""

@@ -81,6 +81,7 @@ def lora_loss_and_grads(method, unfolded: bool, monkeypatch):
     return value, grads, hlo
 
 
+@pytest.mark.full
 def test_folded_model_equals_the_unfolded_one(monkeypatch):
     """Every linear module adapted, B non-zero: the folded and unfolded models' losses and adapter gradients agree
     to float32 rounding."""
@@ -92,6 +93,7 @@ def test_folded_model_equals_the_unfolded_one(monkeypatch):
         assert np.max(np.abs(np.asarray(have) - np.asarray(want))) <= 1e-5 * np.max(np.abs(np.asarray(want)))
 
 
+@pytest.mark.full
 def test_folded_step_has_no_rank_r_product_over_the_outputs(monkeypatch):
     """Folded, the forward has no [tokens, r] x [r, out] product: of the dots contracting r = 4 into [48 tokens, n],
     only the backward's dxa A^T are left, one a module (7); unfolded, each module's forward adds its own. Neither

@@ -64,7 +64,7 @@ def test_qlora_frozen_weights_bytes_per_parameter(params, double_quant, limit):
     assert sum(nbytes(k) for k in kernels) / elements <= limit
 
 
-@pytest.mark.parametrize("bits, tolerance", [(4, 0.5), (8, 0.05)])
+@pytest.mark.parametrize("bits, tolerance", [(4, 0.5), pytest.param(8, 0.05, marks=pytest.mark.full)])
 def test_qlora_forward_is_the_dequantised_model(params, bits, tolerance):
     """QLoRA at init computes the model with dequantised weights. Its distance to the float model is the
     quantisation error: weights lose 9% (NF4) and 0.6% (int8) relative RMS, which this random, untrained model
@@ -78,9 +78,9 @@ def test_qlora_forward_is_the_dequantised_model(params, bits, tolerance):
     assert 0 < float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < tolerance
 
 
-@pytest.mark.parametrize("method", [method_config("lora"), method_config("qlora"),
-                                    method_config("prefix", num_virtual_tokens=4),
-                                    method_config("adapter", adapter_size=8)])
+@pytest.mark.parametrize("method", [method_config("lora"), pytest.param(method_config("qlora"), marks=pytest.mark.full),
+                                    pytest.param(method_config("prefix", num_virtual_tokens=4), marks=pytest.mark.full),
+                                    pytest.param(method_config("adapter", adapter_size=8), marks=pytest.mark.full)])
 def test_gradients_reach_only_trainable_leaves(params, method):
     """Differentiating w.r.t. the trainable half only: the compiled gradient holds exactly the trainable bytes,
     so frozen weights get no gradient buffers."""

@@ -208,6 +208,7 @@ def test_peft_adapter_imports_with_equal_logits(name, base, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(WILD))
+@pytest.mark.full
 def test_wild_peft_adapter_imports_and_exports_with_equal_logits(name, bases, tmp_path):
     """Target paths, regular expressions, exclude_modules, layers_to_transform, rank/alpha patterns,
     modules_to_save (untied and tied) and lora_bias: PEFT saves -> jaxtune loads (same logits, PEFT's parameter
@@ -226,6 +227,7 @@ def test_wild_peft_adapter_imports_and_exports_with_equal_logits(name, bases, tm
     jax.tree.map(np.testing.assert_array_equal, again, loaded)
 
 
+@pytest.mark.full
 def test_layer_patterns_train_only_the_adapted_ranks(bases):
     """A layer of smaller rank (rank_pattern) or none (layers_to_transform) holds zeros beyond its rank; their
     gradients are exactly zero, so training keeps them zero and the adapter stays what PEFT can load."""
@@ -315,6 +317,7 @@ def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tm
                                   "qwen3_all_linear", "gemma2_all_linear", "gemma3_dora_qk", "phi3_all_linear",
                                   "phi3_dora_fused", "qwen2_moe_shared", "qwen3_moe_dora", "qwen3_moe_experts",
                                   "mixtral_experts_only"])
+@pytest.mark.full
 def test_merged_export_of_a_wild_adapter_equals_peft_merge_and_unload(name, bases, tmp_path):
     directory, cfg, params, peft_model, method, loaded = wild_adapter(name, bases, tmp_path / "peft")
     assert_merged_export(directory, tmp_path / "peft", cfg, method, loaded, peft_model.merge_and_unload().eval(),

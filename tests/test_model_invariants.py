@@ -33,6 +33,7 @@ def loss(params, ids, options):
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
 
 
+@pytest.mark.full
 def test_scan_equals_unrolled_loop(params):
     ids = tokens()
     scanned = forward(params, ids, CFG)
@@ -40,7 +41,7 @@ def test_scan_equals_unrolled_loop(params):
     np.testing.assert_allclose(scanned, looped, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["full", "save_matmuls"])
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.full), "save_matmuls"])
 def test_remat_equals_no_remat_in_values_and_gradients(params, policy):
     ids = tokens(1)
     base_value, base_grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(params, ids, ForwardOptions())
@@ -53,6 +54,7 @@ def test_remat_equals_no_remat_in_values_and_gradients(params, policy):
         assert float(jnp.abs(g1 - g0).max()) <= 1e-5 * float(jnp.abs(g0).max())
 
 
+@pytest.mark.full
 def test_remat_policy_changes_what_is_saved(params):
     """The policies differ in the compiled program: full remat recomputes, so it saves fewer residuals."""
     ids = tokens(1, (4, 64))
@@ -88,6 +90,7 @@ def test_save_matmuls_keeps_every_projection_output(params, dtype):
 
 
 @pytest.mark.parametrize("policy", ["none", "save_matmuls", "full"])
+@pytest.mark.full
 def test_bfloat16_residuals_are_kept_as_bits(params, monkeypatch, policy):
     """In bfloat16 a layer's residuals, whatever the policy keeps, are kept as their uint16 bits, and the compiled
     gradient holds no float32 stack of them (XLA:CPU float-normalises a scanned bfloat16 stack: the forward's
@@ -133,6 +136,7 @@ def test_causality(params):
         assert float(jnp.abs(changed[:, t:] - base[:, t:]).max()) > 1e-3
 
 
+@pytest.mark.full
 def test_packed_segments_equal_separate_rows(params):
     """Two sequences packed in one row, with segment ids and restarted positions, have their own logits."""
     a, b = tokens(3, (1, 9)), tokens(4, (1, 7))

@@ -56,6 +56,7 @@ def evals(run, key):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_dpo_run_learns_held_out_preferences_resumes_exactly_and_evals(models, tmp_path, capsys):
     root = models
     config = run_config(root, tmp_path / "dpo", "dpo", root / "pairs.jsonl", root / "held_out.jsonl",
@@ -92,6 +93,7 @@ def test_dpo_run_learns_held_out_preferences_resumes_exactly_and_evals(models, t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,reference", [("lora", "base"), ("full", "model")])
+@pytest.mark.full
 def test_precomputed_reference_logps_give_the_same_run(models, tmp_path, method, reference):
     """Scoring the pairs with the reference once before training (LoRA: the base with adapters off; full: a
     separate reference directory, then dropped) gives the step-for-step metrics of scoring them in every step."""
@@ -115,6 +117,7 @@ def test_precomputed_reference_logps_give_the_same_run(models, tmp_path, method,
 
 @pytest.mark.reference
 @pytest.mark.slow
+@pytest.mark.full
 def test_reward_model_run_exports_what_transformers_scores_the_same(models, tmp_path, capsys):
     import torch
     import transformers
@@ -153,6 +156,7 @@ def test_reward_model_run_exports_what_transformers_scores_the_same(models, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
     """Prompt records carry an "answer" field the reward function checks (tests/grpo_rewards.py)."""
     write_random_model(tmp_path / "model", "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
@@ -171,6 +175,7 @@ def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_distillation_run_lowers_held_out_kl(models, tmp_path):
     root = models
     teacher = write_random_model(tmp_path / "teacher", "llama", seed=7, hidden_size=96, initializer_range=0.15)
@@ -225,6 +230,7 @@ def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["dpo", "reward", "distill"])
+@pytest.mark.full
 def test_lora_dropout_reaches_every_objective_and_is_deterministic(models, tmp_path, objective):
     """With [method] dropout the policy's forward drops the adapters' inputs (B = 0 at step 1, so the loss is
     unchanged but A's gradient is not): the grad norm moves, and the same config gives the same run again."""

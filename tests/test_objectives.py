@@ -102,7 +102,8 @@ def test_grpo_advantages_and_loss():
 
 @pytest.mark.reference
 @pytest.mark.parity
-@pytest.mark.parametrize("student_arch, teacher_arch", [("gemma2", "gemma3"), ("qwen3_moe", "mixtral")])
+@pytest.mark.parametrize("student_arch, teacher_arch", [pytest.param("gemma2", "gemma3", marks=pytest.mark.full),
+                                                       ("qwen3_moe", "mixtral")])
 def test_every_objective_reads_log_probs_as_transformers(student_arch, teacher_arch, hf_model_dir):
     """DPO's sequence log-probs, GRPO's token log-probs (at a sampling temperature) and distillation's KL and NLL
     on a Gemma 2 student (final logits soft-capped at 2) with a Gemma 3 teacher, and on a Qwen3-MoE student with a
@@ -144,6 +145,7 @@ def test_every_objective_reads_log_probs_as_transformers(student_arch, teacher_a
 
 @pytest.mark.reference
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.full
 def test_sft_loss_with_the_router_loss_equals_transformers(arch, tmp_path):
     """A mixture trained with its load-balancing loss: one micro-batch's loss / tokens is transformers'
     `loss + router_aux_loss_coef * aux_loss` (output_router_logits), padding left out of both; without the flag

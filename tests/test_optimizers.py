@@ -90,6 +90,7 @@ def test_adamw_state_is_unchanged_so_earlier_checkpoints_resume():
 
 # --- each optimizer against its reference ---------------------------------------------------------------------------
 
+@pytest.mark.full
 def test_adafactor_equals_optax_adafactor():
     """optax.adafactor as transformers' Trainer sets it (no parameter scaling), its decay rate lr x weight_decay
     (decoupled decay times the learning rate, as AdamW's), masked off norms; three steps."""
@@ -216,6 +217,7 @@ def bnb_adamw_8bit(p, grads, lr, b1, b2, eps, wd):
     return p
 
 
+@pytest.mark.full
 def test_adamw_8bit_is_adamw_at_step_one_and_bitsandbytes_after():
     """Step 1 (moments from zero) = optax.adamw; five steps = bitsandbytes' 8-bit AdamW (float64 transcription), and
     within the quantisation error of float AdamW; a tensor under 4096 elements a layer keeps float32 moments."""
@@ -242,6 +244,7 @@ def test_adamw_8bit_is_adamw_at_step_one_and_bitsandbytes_after():
     assert 1e-4 * lr < quantisation < 0.5 * lr and np.abs(np.asarray(ours) - float_adamw).max() < 0.5 * lr
 
 
+@pytest.mark.full
 def test_adamw_8bit_clips_inside_its_update_and_chunks_leaves_outside_the_stacks():
     """The global-norm clip 8-bit AdamW applies a layer (or a row chunk) at a time = clipping first (optax), and a
     leaf outside the layer stacks (an embedding), updated in 16 chunks of whole blocks, = bitsandbytes' 8-bit AdamW
@@ -277,6 +280,7 @@ def lora_b_group(method, trainable: dict) -> dict:
     return jax.tree.map(lambda rate: rate == 4.0, rates)
 
 
+@pytest.mark.full
 def test_loraplus_group_is_peft_s_b_group_on_jaxtune_s_leaves():
     method = method_config("lora", dora=True, modules_to_save=("lm_head",))
     trainable, _ = init_run(TINY, method)
@@ -343,7 +347,10 @@ def test_loraplus_equals_torch_adamw_on_peft_s_loraplus_groups(variant):
 
     params = jaxtune_tree(values)
     train = TrainConfig(learning_rate=lr, schedule="constant", weight_decay=wd, max_grad_norm=1e9)
-    ours, _ = run_steps(make_optimizer("adamw", train, 10, params, loraplus_lr_ratio=ratio), params,
+    method = method_config("lora", rank=4, alpha=8, loraplus_lr_ratio=ratio,
+                           **(dict(lora_bias=True) if variant == "lora_bias" else dict(dora=True)))
+    rates = method_unit(method).learning_rates(method, params)
+    ours, _ = run_steps(make_optimizer("adamw", train, 10, params, rates=rates), params,
                         [jaxtune_tree(g) for g in grads])
     theirs = jaxtune_tree({n: p.detach().numpy() for n, p in named.items()})
     # B's steps are ~0.16; optax's bias corrections are float32 (1 - 0.999 off by 1.3e-5), torch's float64
@@ -407,6 +414,7 @@ def test_the_planner_counts_each_optimizer_s_state_exactly(optimizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.full
 def test_the_compiled_step_takes_the_planned_state_as_arguments(optimizer):
     plan = TrainPlan(method_config("full"), 2, 32, 1, param_dtype="float32",
                      forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MeshConfig(1, 1, 1),
@@ -420,6 +428,7 @@ def test_the_compiled_step_takes_the_planned_state_as_arguments(optimizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS[1:])
+@pytest.mark.full
 def test_a_kill_after_a_checkpoint_resumes_exactly(setup, tmp_path, optimizer):
     """A full fine-tune (every kind of state: 8-bit codes, Muon's and Adam's moments, factored ones), SIGKILLed right
     after the step-4 checkpoint; the same command again ends with the metrics.jsonl of a run never interrupted (the

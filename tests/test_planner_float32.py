@@ -42,6 +42,7 @@ def bf16_run(cfg, method):
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.full
 def test_pieces_compute_what_the_whole_weight_computes(name, tied, monkeypatch):
     """Loss and gradients of a step whose frozen bfloat16 head and bfloat16, NF4 or int8 kernels are derived in
     float32 a few columns at a time (pieces of 1,280 bytes: 5 of the head's 509 units, so the last piece
@@ -68,6 +69,7 @@ WIDE = ModelConfig(vocab_size=16000, hidden_size=512, intermediate_size=2816, nu
 
 
 @pytest.mark.parametrize("name", ["lora", "qlora nf4"])
+@pytest.mark.full
 def test_float32_compute_holds_no_whole_widened_head_or_kernel(name):
     """The compiled float32 step over a frozen bfloat16 tied head and bfloat16 (or NF4) kernels makes no float32
     array of the head's or of a kernel's shape, nor a 16-bit copy or slice of one: the head and each layer's
@@ -87,6 +89,7 @@ def test_float32_compute_holds_no_whole_widened_head_or_kernel(name):
     (METHODS["lora"], "bfloat16", "full"), (METHODS["lora"], "bfloat16", "none"),
     (method_config("lora"), "float32", "full"), (method_config("qlora"), "bfloat16", "full"),
     (METHODS["qlora nf4"], "bfloat16", "none")])
+@pytest.mark.full
 def test_estimate_under_float32_compute_is_within_ten_percent_of_the_compiled_step(method, param_dtype, remat):
     """The planner's per-device figure (without the runtime reserve) against XLA's analysis of the trainer's step,
     float32 compute over bfloat16, NF4 and float32 weights (4 rows of 128 tokens: the loss is one chunk): no

@@ -46,7 +46,7 @@ def test_batches_pair_chosen_and_rejected_rows(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss", ["sigmoid", pytest.param("ipo", marks=pytest.mark.full)])
 def test_dpo_with_lora_raises_held_out_preference_accuracy(tmp_path, loss):
     write_pairs(tmp_path / "train.jsonl", 64, 0)
     write_pairs(tmp_path / "eval.jsonl", 32, 1)

@@ -74,6 +74,7 @@ def test_kto_batch_rotates_completions_for_the_reference_point(tmp_path):
     assert kto_batch(examples, 4, 16, mismatched=False)["input_ids"].shape == (4, 16)
 
 
+@pytest.mark.full
 def test_pair_forward_reads_what_trl_reads(tmp_path):
     """ORPO's NLL covers the chosen rows' prompt and completion (TRL: "computed over the full prompt and response"),
     CPO's their completion and EOS; the pair log-probs are per-token means (ORPO, SimPO, IPO) or sums; empty pairs

@@ -228,6 +228,7 @@ def test_your_first_fine_tune_runs_as_printed(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_instruction_fine_tuning_config_trains_as_printed(tmp_path):
     """The README's config of every key ("Configuration"), as printed, where a new user runs it: a tiny model at its
     `path/to/hf-model` and a few dozen lines at its `train.jsonl` (it once crashed at its last step there, its
@@ -248,6 +249,7 @@ def test_the_instruction_fine_tuning_config_trains_as_printed(tmp_path):
 
 @pytest.mark.reference
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_notebook_examples_run_as_printed(tmp_path, monkeypatch):
     """The newcomer's notebook path, executed as printed in one namespace, in order: "From a notebook" (a model
     loaded, run and saved; a GGUF chat model generating, the demo, the llama.cpp exports) and the fine-tune of

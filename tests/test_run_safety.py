@@ -34,6 +34,7 @@ def jaxtune(*args, **kwargs) -> subprocess.CompletedProcess:
                           **kwargs)
 
 
+@pytest.mark.full
 def test_a_degenerate_setup_is_said_once_at_start_and_still_trains(setup, tmp_path):
     """The README's example settings on a small dataset (what a new user ran): a profile window after the run's
     last step crashed it at the end, losing everything. Now the run finishes and leaves its adapter, and each waste
@@ -57,6 +58,7 @@ def test_a_degenerate_setup_is_said_once_at_start_and_still_trains(setup, tmp_pa
     assert not (tmp_path / "run" / "profile").exists()
 
 
+@pytest.mark.full
 def test_a_sane_setup_draws_no_warning(setup, tmp_path, recwarn):
     _, model, data = setup
     fine_tune(load_run_config(write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=4,
@@ -89,6 +91,7 @@ def test_a_failure_after_the_last_step_keeps_the_checkpoint_and_the_run_exports_
         assert (tmp_path / "exported" / name).read_bytes() == (rerun.result_path / name).read_bytes()
 
 
+@pytest.mark.full
 def test_a_trace_that_fails_to_stop_is_a_warning(setup, tmp_path, monkeypatch):
     _, model, data = setup
 
@@ -104,6 +107,7 @@ def test_a_trace_that_fails_to_stop_is_a_warning(setup, tmp_path, monkeypatch):
     jax.profiler.stop_trace()  # the trace is process-wide: a later test in this worker starts its own
 
 
+@pytest.mark.full
 def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(setup, tmp_path):
     """While a run holds its directory, another `train` on it is one line naming the holder, and changes nothing;
     the kernel drops the lock with a killed process, so the next run starts."""
@@ -128,6 +132,7 @@ def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(setup, tmp_p
         pass
 
 
+@pytest.mark.full
 def test_resume_records_changes_that_keep_the_run_and_refuses_the_others(setup, tmp_path):
     """A resume may change the schedule and the run's length: logged, recorded in metrics.jsonl at the step it took
     effect, and kept as config-step-N.toml beside the config the run started with. A change of the data order is
@@ -171,6 +176,7 @@ def train_killed_after_checkpoint(config, step: int) -> None:
 
 
 @pytest.mark.parametrize("eval_every", [0, 2])
+@pytest.mark.full
 def test_a_kill_right_after_a_checkpoint_loses_no_metrics_line(setup, tmp_path, eval_every):
     """SIGKILL the moment the step-4 checkpoint is published, before step 5 runs: step 4's line was still on the
     device (metrics come one step late) and, with eval_every 2, its evaluation not yet run. The same command again
@@ -186,7 +192,7 @@ def test_a_kill_right_after_a_checkpoint_loses_no_metrics_line(setup, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.full)])
 def test_a_stopped_run_exits_non_zero_and_stays_exportable(setup, tmp_path, stop):
     """Ctrl-C (or a scheduler's SIGTERM) mid-run: the step is finished and checkpointed, the exit status is 130
     (143), one line says how to resume, and `jaxtune export --run` writes the adapter as of that step."""
@@ -215,6 +221,7 @@ def test_a_stopped_run_exits_non_zero_and_stays_exportable(setup, tmp_path, stop
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_runs_on_one_directory_at_once(setup, tmp_path):
     """Two `jaxtune train` on one new output directory: the one that creates it first trains; the other exits 2
     naming the holder, and metrics.jsonl logs every step once."""
@@ -246,6 +253,7 @@ def full_fine_tune(path: Path, model: Path, data: Path, out: Path) -> Path:
     return path
 
 
+@pytest.mark.full
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes(setup, tmp_path, monkeypatch):
     """tensorstore's error for a full disk, injected into the step-4 save after orbax has begun writing: one line
     naming the directory, the space a checkpoint takes and what is free; the step-2 checkpoint intact, the partial
@@ -286,6 +294,7 @@ cp -r {mount}/run {mount}/../run
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_full_disk_for_real(setup, tmp_path):
     """The same on a real full disk: the run directory on a tmpfs with room for one checkpoint and a half, in a
     private mount namespace (`unshare -m`, as root: CI's machines are), then the tmpfs made larger and the same

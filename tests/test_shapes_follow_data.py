@@ -86,6 +86,7 @@ def test_sft_eval_pads_to_the_longest_row_bucket_and_scores_as_a_small_max_seq_l
     assert evaluation.evaluate_file(model, sft, max_seq_len=SMALL, batch_size=BATCH) == result
 
 
+@pytest.mark.full
 def test_sft_eval_memory_is_set_by_the_rows_not_the_context(files, monkeypatch):
     """The compiled step at the shapes run needs a small fraction of the temporary memory of one at the context."""
     model, _, sft, _ = files
@@ -102,6 +103,7 @@ def test_sft_eval_memory_is_set_by_the_rows_not_the_context(files, monkeypatch):
     assert 0 < run * 64 < at_context, (run, at_context)  # the context is 256 times the rows' bucket
 
 
+@pytest.mark.full
 def test_preference_eval_pads_to_the_longest_pair_bucket_and_scores_as_before(files, monkeypatch):
     model, reward_model, _, pairs_file = files
     calls = record(monkeypatch, evaluation, "pair_eval_batches")
@@ -154,6 +156,7 @@ def greedy_without_cache(params, cfg, prompt, steps):
     return tokens[len(prompt):]
 
 
+@pytest.mark.full
 def test_generation_cache_is_the_prompt_bucket_plus_new_tokens(gen_params, monkeypatch):
     from jaxtune import generation
 
@@ -165,6 +168,7 @@ def test_generation_cache_is_the_prompt_bucket_plus_new_tokens(gen_params, monke
     assert out == [greedy_without_cache(gen_params, GEN_CFG, p, NEW) for p in prompts]
 
 
+@pytest.mark.full
 def test_generation_bucket_is_cut_back_to_the_context(gen_params, monkeypatch):
     """A 40-token prompt's bucket (64) + 12 new tokens would pass a 64-position context: the cache is the context."""
     from jaxtune import generation

@@ -49,3 +49,20 @@ def test_jaxtune_and_its_cli_do_not_import_the_reference_stack():
                          env=environment(), timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "[]\n"
+
+
+def test_importing_jaxtune_and_its_cli_loads_no_heavy_library():
+    """`import jaxtune` (its public names load on first use) and the CLI's module load none of JAX, orbax,
+    tensorstore, matplotlib or jinja2; `jaxtune --help` answers without them (benchmarks/import_time.py times it)."""
+    heavy = ("jax", "jaxlib", "orbax", "tensorstore", "matplotlib", "jinja2", "optax", "numpy")
+    code = ("import sys, jaxtune, jaxtune.cli; print(sorted(m for m in sys.modules if m.partition('.')[0] in "
+            f"{heavy}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment(), timeout=120)
+    assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr
+    code = ("import sys\nfrom jaxtune.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            f"    assert e.code == 0\nprint(sorted(m for m in sys.modules if m.partition('.')[0] in {heavy}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment(), timeout=120)
+    assert out.returncode == 0 and out.stdout.endswith("[]\n") and "usage: jaxtune" in out.stdout, out.stderr
+    code = "import jaxtune; print(jaxtune.ModelConfig.__module__, 'load_model' in dir(jaxtune))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment(), timeout=300)
+    assert out.stdout == "jaxtune.config.model True\n", out.stderr

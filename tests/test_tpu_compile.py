@@ -26,6 +26,7 @@ def tpu_devices(accelerator: str) -> list:
     return topology_devices(tpu_slice(get_device(accelerator)))
 
 
+@pytest.mark.full
 def test_slices_are_the_topologies_cloud_tpu_makes():
     """Chips, shape and hosts of each generation's slices as Cloud TPU names them (v4/v5p count TensorCores), and
     libtpu's devices for them: one a chip, on as many hosts."""
@@ -49,6 +50,7 @@ def test_slices_are_the_topologies_cloud_tpu_makes():
     ("mixtral", "v5p-8", MeshConfig(fsdp=2, expert=2)),
     ("mixtral", "v5e-4", MeshConfig(expert=2, tensor=2)),
 ])
+@pytest.mark.full
 def test_the_step_compiles_for_a_tpu_slice_with_the_tpu_kernels(arch, accelerator, mesh):
     """The trainer's LoRA step (bfloat16, 4 x 256 tokens) compiled by the TPU compiler for the slice, whatever the
     host: splash attention is in the program because the mesh's devices are TPUs (the host's backend is CPU), each
@@ -80,6 +82,7 @@ def test_hlo_readers_on_known_text():
     assert attention_kernel(text) == "splash" and attention_kernel("%dot.1 = f32[2] dot(%a, %b)") == "blockwise"
 
 
+@pytest.mark.full
 def test_plan_confirm_on_a_tpu_target_reports_the_compilers_figures(tmp_path):
     """`jaxtune plan --confirm --target v5e-4 --json` on this CPU host: the TPU compiler's bytes a chip, FLOPs and
     bytes accessed, collectives, the kernel and remat compiled, its verdict against the chip's memory and a step
@@ -97,12 +100,14 @@ def test_plan_confirm_on_a_tpu_target_reports_the_compilers_figures(tmp_path):
     assert out.stderr == ""  # libtpu's start-up notices stay off the terminal
 
 
+@pytest.mark.full
 def test_plan_confirm_on_a_gpu_target_says_it_cannot_compile_here(capsys):
     assert main(["plan", "--params", "100", "--method", "lora", "--target", "h100-80gb", "--confirm"]) == 0
     assert ("not compiled: no GPU compiler runs without a GPU: this host's backend is cpu, so the planner's figure "
             "stands") in capsys.readouterr().out
 
 
+@pytest.mark.full
 def test_launch_refuses_a_run_the_compiler_does_not_fit_before_any_gcloud_command(tmp_path):
     """`launch tpu --dry-run` compiles the run's step for the slice first: 128 rows of 8,192 tokens through a small
     model without remat need more than a v5e chip's 16 GiB (the compiler itself refuses the program), so it stops
@@ -131,6 +136,7 @@ def test_launch_refuses_a_run_the_compiler_does_not_fit_before_any_gcloud_comman
     assert first_command.startswith("+ gcloud compute tpus tpu-vm describe t")
 
 
+@pytest.mark.full
 def test_program_flops_count_loops_by_their_trip_counts():
     """XLA's cost analysis counts a loop body once; the program's count multiplies a scan's body by its length and
     counts the backward's matmuls: 5 scanned [8, 16] @ [16, 16] matmuls are 5 x 2 x 8 x 16 x 16 FLOPs forward, three
@@ -150,6 +156,7 @@ def test_program_flops_count_loops_by_their_trip_counts():
     assert xla["flops"] < 2 * 2 * 8 * 16 * 16 * 3  # one trip of the loop, not five
 
 
+@pytest.mark.full
 def test_program_flops_count_megablox_by_the_rows_of_the_local_experts():
     """A megablox grouped matmul of 256 rows over E = 4 groups with the kernels of 2 of them (a device of a 2-way
     expert axis) counts half of 2 x 256 x 64 x 96 FLOPs, and its backward (gmm for the rows, tgmm for the kernels)
@@ -168,6 +175,7 @@ def test_program_flops_count_megablox_by_the_rows_of_the_local_experts():
     assert jaxpr_flops(jax.make_jaxpr(every)(x, jnp.ones((4, 64, 96)))) == 2 * 256 * 64 * 96
 
 
+@pytest.mark.full
 def test_plan_search_confirm_compiles_the_best_candidate_and_bisects_its_batch(tmp_path):
     """`plan --search --confirm` on a TPU slice: the best candidate compiled by the TPU compiler, then the largest
     batch it accepts for that plan, bisected in multiples of the rows a batch splits into (a tiny model fits every

@@ -34,6 +34,7 @@ def _train(tmp_path: Path, train_toml: str, log=lambda line: None) -> list[dict]
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.full
 def test_tensorboard_progress_phases_and_profile(tmp_path):
     lines = []
     records = _train(tmp_path, 'report_to = ["tensorboard"]\nprofile_steps = [2, 3]\nprogress_every_s = 1e-6\n',

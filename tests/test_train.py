@@ -118,6 +118,7 @@ def test_non_finite_step_is_skipped_and_counted(setup):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_run_stops_after_n_non_finite_steps_in_a_row(setup, tmp_path):
     root, model, data = setup
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", learning_rate=1e30, max_grad_norm=1e30,
@@ -127,6 +128,7 @@ def test_run_stops_after_n_non_finite_steps_in_a_row(setup, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_run_directory_and_sigterm_resume_equal_an_uninterrupted_run(setup, tmp_path):
     root, model, data = setup
     full = write_config(tmp_path / "full.toml", model, data, tmp_path / "full")
@@ -178,6 +180,7 @@ def test_killed_process_resumes_with_the_same_metrics(setup, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp_path):
     root, model, data = setup
     config = write_config(tmp_path / "c.toml", model, data, tmp_path / "run", max_steps=4)
@@ -194,7 +197,7 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_can_be_used(setup, tmp
 
 @pytest.mark.reference
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma2", marks=pytest.mark.full)])
 def test_eval_equals_transformers_loss(arch, tmp_path):
     """`jaxtune eval --json` = transformers' mean cross-entropy over completion tokens (+ EOS) of the file (Gemma 2:
     of its soft-capped logits)."""
@@ -258,6 +261,7 @@ def test_unknown_config_key_names_key_and_section(setup, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path):
     """bf16 frozen base and bf16 compute; trainable leaves and Adam moments stay float32, and the loss falls."""
     _, model, data = setup
@@ -304,6 +308,7 @@ def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_pat
 
 @pytest.mark.reference
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.full
 def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path):
     """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16), a
     Gemma 2 (soft caps, sandwich norms, GeGLU), a Gemma 3 (local and global RoPE), a Phi-3 (fused projections,

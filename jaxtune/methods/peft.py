@@ -137,6 +137,8 @@ def _targets(config: dict, where: Path):
 
 def adapter_method(directory: str | Path) -> MethodConfig:
     """The method options an adapter directory was trained with (`method_from_peft_config` of its config)."""
+    if not Path(directory).is_dir():
+        raise JaxtuneError(f"{directory}: adapter directory not found")
     where = Path(directory) / CONFIG_FILE
     if not where.is_file():
         raise JaxtuneError(f"{where}: file not found (a PEFT adapter directory holds it)")
