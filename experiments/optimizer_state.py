@@ -3,7 +3,7 @@
 Llama-3.1-8B's shape, a full fine-tune (every parameter trained, so the state is largest) and LoRA r=16 on every
 linear module, on one device and under ZeRO-3 over 8: the state (`Estimate.optimizer_bytes`, the abstract train
 state's own arrays), bytes of state per trainable parameter, the update's temporaries the planner adds (measured on
-XLA:CPU: `estimate.UPDATE_COPIES`) and the step's peak (one row of 2,048 tokens, remat full).
+XLA:CPU: `held.UPDATE_COPIES`) and the step's peak (one row of 2,048 tokens, remat full).
 
     python experiments/optimizer_state.py          # the table
     python experiments/optimizer_state.py --tpu    # each optimizer's step compiled by libtpu for v5e-4, vs the planner

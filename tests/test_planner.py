@@ -100,7 +100,7 @@ COMPILED_PLANS = {  # a fast subset of experiments/planner_accuracy.py, one devi
     "CPO, full": _plan(method_config("full"), 2, 128, 1, "none", objective="cpo"),
     "SimPO, LoRA, remat full": _plan(LORA, 4, 128, 1, "full", objective="simpo"),
     "KTO, LoRA": _plan(LORA, 4, 128, 1, "none", objective="kto"),
-    # the optimizers' states and update temporaries (spine/optimizers.py, estimate.UPDATE_COPIES)
+    # the optimizers' states and update temporaries (spine/optimizers.py, held.UPDATE_COPIES)
     **{f"full, no remat, {name}": _plan(method_config("full"), 2, 128, 1, "none", optimizer=name)
        for name in ("adafactor", "muon", "adamw_8bit")},
 }
@@ -248,7 +248,7 @@ def test_tpu_pads_small_dimensions_to_tiles():
     """TPU arrays occupy whole (8, 128) tiles over their last two dimensions, laid out the way that pads least:
     the TPU compiler keeps a [D, r] LoRA factor at its own bytes (D minor; experiments/tpu_compile_table.py: a
     Llama-3.2-1B LoRA step's arguments, planner 311 MiB = compiler 311 MiB), while a small square pads."""
-    from jaxtune.planner.estimate import _tiled_bytes
+    from jaxtune.planner.held import tiled_bytes as _tiled_bytes
 
     plan = TrainPlan(method_config("lora", rank=8), 8, 1024, 1, param_dtype="bfloat16",
                      forward=ForwardOptions(compute_dtype="bfloat16", remat="full"), mesh=MeshConfig(1, 1, 1))
