@@ -213,3 +213,51 @@ def test_the_unit_check_sees_a_planted_comparison():
     lora_home = homes["lora"]
     assert any((ROOT / "jaxtune/methods/lora/options.py").resolve().is_relative_to(h) or
                (ROOT / "jaxtune/methods/lora/options.py").resolve() == h for h in lora_home)
+
+
+# ---- kernel choices: each made by one predicate, which the model and the planner both ask ------------------------
+
+# {predicate: the module that defines it}: the attention kernel (registry of fused kernels, else blockwise), a
+# mixture's grouped matmul (megablox or ragged_dot), whether a method's branch folds into its base product
+KERNEL_PREDICATES = {"choose_kernel": "jaxtune/models/kernels/base.py", "grouped_kernel": "jaxtune/models/moe.py",
+                     "folds_branch": "jaxtune/models/linear.py"}
+# what an attention kernel's choice reads (`AttentionKernel`): read anywhere else, the choice is being made again
+KERNEL_CHOICE_FIELDS = {"covers", "probe", "platforms", "off_platform"}
+
+
+def kernel_choice_reads(source: str) -> list[tuple[int, str]]:
+    """(line, what) of each read of an attention kernel's choice fields in `source`."""
+    return [(node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in KERNEL_CHOICE_FIELDS]
+
+
+def predicate_callers(name: str) -> set[str]:
+    """The top-level packages of jaxtune ("models", "planner", ...) whose modules call `name`."""
+    callers = set()
+    for path in (ROOT / "jaxtune").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == name:
+                callers.add(path.relative_to(ROOT / "jaxtune").parts[0])
+    return callers
+
+
+def test_each_kernel_choice_is_made_once_and_asked_by_model_and_planner():
+    """The attention kernel, the grouped matmul and the folded branch are each decided by one function, which both
+    the forward (`jaxtune/models/`) and the planner call; nothing outside `kernels/base.py` reads what an attention
+    kernel's choice is made of."""
+    for name, home in KERNEL_PREDICATES.items():
+        assert f"def {name}(" in (ROOT / home).read_text(), (name, home)
+        assert {"models", "planner"} <= predicate_callers(name), (name, predicate_callers(name))
+    reads = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in sorted((ROOT / "jaxtune").rglob("*.py"))
+             if path != ROOT / KERNEL_PREDICATES["choose_kernel"]
+             for line, what in kernel_choice_reads(path.read_text())]
+    assert not reads, "\n".join(reads)
+
+
+def test_the_kernel_check_sees_a_second_choice():
+    """A planner that asks a kernel whether it covers a shape itself, or which platforms it runs on, is found."""
+    planner = (ROOT / "jaxtune/planner/kernels.py").read_text()
+    assert kernel_choice_reads(planner) == []
+    planted = planner + "\n\ndef _again(kernel, shape):\n    return kernel.covers(shape) is None\n"
+    assert [what for _, what in kernel_choice_reads(planted)] == ["kernel.covers"]
+    assert kernel_choice_reads("x = 'tpu' in KERNELS['splash'].platforms") == [(1, "KERNELS['splash'].platforms")]

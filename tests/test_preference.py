@@ -14,6 +14,7 @@ from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
+from jaxtune.objectives import objective_named
 from jaxtune.objectives.base import strip_adapters
 from jaxtune.objectives.dpo import PreferenceConfig, preference_batches
 
@@ -98,7 +99,7 @@ def test_reward_model_learns_held_out_pairwise_accuracy(tmp_path):
     method = method_config("lora", rank=8, target_modules=("all-linear",))
     base = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     params = add_reward_head(apply_method(base, cfg, method, jax.random.key(1)), cfg, jax.random.key(2))
-    trainable, frozen = partition(params, trainable_mask(params, method))
+    trainable, frozen = partition(params, trainable_mask(params, method, objective_named("reward").head_leaves))
     assert trainable["score"]["kernel"].shape == (cfg.hidden_size,)
     tc = TrainConfig(learning_rate=5e-3, schedule="constant")
     run = one_device_run(cfg, method, "reward", train=tc, total_steps=40, batch_size=16, seq_len=48)

@@ -66,3 +66,21 @@ def test_importing_jaxtune_and_its_cli_loads_no_heavy_library():
     code = "import jaxtune; print(jaxtune.ModelConfig.__module__, 'load_model' in dir(jaxtune))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment(), timeout=300)
     assert out.stdout == "jaxtune.config.model True\n", out.stderr
+
+
+def test_every_public_name_loads_from_the_module_the_table_names():
+    """Each name of `jaxtune.PUBLIC` is defined where the table says (a renamed or moved function fails here, not in
+    a user's notebook), and `import jaxtune` offers nothing else."""
+    import importlib
+
+    import jaxtune
+
+    for name, module in jaxtune.PUBLIC.items():
+        assert getattr(jaxtune, name) is getattr(importlib.import_module(module), name), name
+    assert set(jaxtune.__all__) == set(jaxtune.PUBLIC)
+    try:
+        jaxtune.not_a_public_name  # noqa: B018
+    except AttributeError as e:
+        assert "no attribute 'not_a_public_name'" in str(e)
+    else:
+        raise AssertionError("an unknown name resolved")

@@ -1,12 +1,13 @@
 """The memory planner: will this fine-tune fit, how should it be laid out, and how fast will it run.
 
     cfg = standard_config(7000)                                    # or model_from_directory(dir)[0]
-    plan = TrainPlan(MethodConfig("lora"), batch_size=8, seq_len=2048, remat="full")
+    plan = TrainPlan(LoRAConfig(), batch_size=8, seq_len=2048, forward=ForwardOptions(remat="full"))
     est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated; est.fits
     search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits (longest_context too)
 
-`devices.py` the catalogue, `estimate.py` and `activations.py` the memory, `timing.py` the step time, `search.py`
-the search, `confirm.py` XLA's own figure (`compile_step`), `report.py` the table, `command.py` `jaxtune plan`.
+`devices.py` the catalogue, `estimate.py`, `held.py` and `activations.py` the memory, `timing.py` the step time,
+`search.py` the search, `confirm.py` XLA's own figure (`compile_step`), `report.py` the table, `command.py` `jaxtune
+plan`.
 """
 
 from jaxtune.config.plan import TrainPlan as TrainPlan

@@ -1,12 +1,11 @@
 """The analytical memory estimate of one training step, per device: `estimate(cfg, plan, device) -> Estimate`.
 
-Nothing is allocated. The arrays the step holds are counted exactly on the spine's abstract run (`held.py`). The
-transient memory is the largest of the step's moments (`step_phases`; XLA gives buffers not alive together the same
-memory), each a function of the step's shape (`step_of`): the loss's logits (`loss_logits`), the backward's saved
-activations and one layer's workspace (`backward_workspace`, activations.py), the update, GRPO's rollout
-(`rollout_phase`), with the weight copies alive then (`weight_copies`: dtype casts, ZeRO-3's gathered layer, a
-context axis's head). Beside them: the second model, the runtime reserve of the hardware family (`FAMILY_RULES`),
-and the peak while loading (`spine/load.py`). Counts are checked against XLA's compiled memory by
+Nothing is allocated. The arrays the step holds are counted exactly on the spine's abstract run (`held.py`); the
+transient memory is the largest of the step's moments (`step_phases`: XLA gives buffers not alive together the same
+memory), each a function of the step's shape (`step_of`): the loss's logits, the backward's saved activations and
+one layer's workspace (activations.py), the update, GRPO's rollout, with the weight copies alive then (dtype casts,
+ZeRO-3's gathered layer, a context axis's head). Beside them: the second model, the family's runtime reserve
+(`FAMILY_RULES`), the peak while loading (`spine/load.py`). Checked against XLA's compiled memory by
 experiments/planner_accuracy.py and experiments/tpu_compile_table.py.
 """
 
