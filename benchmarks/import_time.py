@@ -30,6 +30,16 @@ def seconds(source: Path, args: list[str]) -> float:
     return time.perf_counter() - started
 
 
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name, with "AMX" where the CPU has it (the README keeps a section per CPU kind)."""
+    from jaxtune.host_cpu import CPUINFO, cpu_flags
+
+    info = CPUINFO.read_text() if CPUINFO.exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine())
+    return name + (", AMX" if "amx_tile" in cpu_flags(info) else "")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="a checkout of the revision to compare against")
@@ -39,8 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     for name, command in COMMANDS.items():  # once each, untimed: the page cache and .pyc files
         seconds(args.before, command), seconds(args.after, command)
-    result: dict = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-                    "rounds": args.rounds, "commands": {}}
+    result: dict = {"machine": cpu_model(), "python": platform.python_version(), "rounds": args.rounds,
+                    "commands": {}}
     for name, command in COMMANDS.items():
         before, after = [], []
         for i in range(args.rounds):

@@ -152,7 +152,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
     base = fine_tune(RunConfig(
         model=ModelSection(path=str(base_dir)), method=method_config("full"),
         data=DataConfig(train=str(ASSETS / "demo_corpus.jsonl"), eval_fraction=0.02, max_seq_len=128),
-        train=TrainConfig(output_dir=str(out / "base"), max_steps=100, batch_size=16, learning_rate=3e-3,
+        train=TrainConfig(output_dir=str(out / "base"), max_steps=100, batch_size=8, learning_rate=3e-3,
                           warmup_steps=10, log_every=10)), log=_quiet, progress=_indented(log))
     log(f"      base text loss {base.eval_loss:.3f} (perplexity {base.eval_perplexity:.2f})")
 
@@ -161,7 +161,7 @@ def run_tiny_demo(out: str | Path = "runs/demo", log=print) -> dict:
         model=ModelSection(path=str(base.result_path)),
         method=method_config("lora", rank=16, alpha=16, target_modules=("all-linear",)),
         data=DataConfig(train=str(ASSETS / "demo_instructions.jsonl"), eval_fraction=0.1, max_seq_len=128),
-        train=TrainConfig(output_dir=str(out / "lora"), max_steps=100, batch_size=16, learning_rate=3e-3,
+        train=TrainConfig(output_dir=str(out / "lora"), max_steps=100, batch_size=8, learning_rate=3e-3,
                           log_every=10, eval_every=50)), log=_quiet, progress=_indented(log))
     records = [json.loads(line) for line in (out / "lora" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]

@@ -1,5 +1,5 @@
-"""Context parallelism on 8 fake CPU devices, run by tests/test_context_parallel.py in a subprocess (XLA fixes the
-number of host devices when jax is first imported); each mode prints one JSON object:
+"""Context parallelism on 8 fake CPU devices, run by tests/test_context_parallel.py in a process that serves the
+module's calls (tests/eight_devices.py; XLA fixes the number of host devices when jax is first imported), or once:
 
     python tests/context_worker.py gradients CASE   # loss and gradients on context meshes against one device
     python tests/context_worker.py objectives       # 3 spine steps of every objective on context=4 x fsdp=2
@@ -15,7 +15,6 @@ over its largest magnitude.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ if "jax" not in sys.modules:
 
 import jax
 import numpy as np
+from eight_devices import serve
 
 from jaxtune.config import ForwardOptions, MeshConfig, TrainConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
@@ -237,8 +237,12 @@ def flops() -> dict:
     return out
 
 
+def dispatch(args: list[str]) -> dict:
+    """One request: a mode and its arguments."""
+    modes = {"gradients": gradients, "objectives": objectives, "layout": layout, "memory": memory, "flops": flops,
+             "splash": splash}
+    return modes[args[0]](*args[1:])
+
+
 if __name__ == "__main__":
-    mode = sys.argv[1]
-    modes = {"objectives": objectives, "layout": layout, "memory": memory, "flops": flops, "splash": splash}
-    result = gradients(sys.argv[2]) if mode == "gradients" else modes[mode]()
-    print(json.dumps(result))
+    serve(dispatch)

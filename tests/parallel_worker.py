@@ -1,7 +1,8 @@
 """Sharded training on 8 fake CPU devices, run by tests/test_parallel.py in a subprocess.
 
 XLA fixes the number of host devices when jax is first imported, which a pytest worker has already done, so the
-sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=8, and print one JSON object:
+sharded checks run here, under XLA_FLAGS=--xla_force_host_platform_device_count=8: one process serving a test
+module's calls (tests/eight_devices.py), or one call printing one JSON object:
 
     python tests/parallel_worker.py full|lora|qlora
     python tests/parallel_worker.py loop CONFIG.toml [section.key=value ...]
@@ -29,6 +30,7 @@ if "jax" not in sys.modules:
 
 import jax
 import numpy as np
+from eight_devices import serve
 
 from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
@@ -276,13 +278,16 @@ def load(model_dir: str, method_name: str) -> dict:
         snapshot()
         return read(self, name, index)
 
-    CheckpointReader.read = spying_read
     plan = TrainPlan(METHODS[method_name], 8, SEQ, 1, param_dtype="float32",
                      forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES["fsdp=8"])
     run = abstract_run(cfg, plan, make_mesh(MESHES["fsdp=8"]), TRAIN, STEPS)
     before = CheckpointReader.total_bytes_read
-    state, frozen, _ = load_run(run, model_dir, 0)
-    jax.block_until_ready((state, frozen))
+    CheckpointReader.read = spying_read
+    try:
+        state, frozen, _ = load_run(run, model_dir, 0)
+        jax.block_until_ready((state, frozen))
+    finally:
+        CheckpointReader.read = read
     during = sorted({shape for shape, _ in seen if shape in full})
     snapshots = len(seen)
     seen.clear()
@@ -418,25 +423,13 @@ def megablox() -> dict:
     return out
 
 
-if __name__ == "__main__":
+def dispatch(args: list[str]) -> dict:
+    """One request: a method's name, or a check's name and its arguments."""
     assert jax.device_count() == 8, jax.devices()
-    if sys.argv[1] == "load":
-        print(json.dumps(load(sys.argv[2], sys.argv[3])))
-    elif sys.argv[1] == "frozen_bf16":
-        print(json.dumps(frozen_bf16()))
-    elif sys.argv[1] == "eval":
-        print(json.dumps(eval_rows()))
-    elif sys.argv[1] == "loop":
-        print(json.dumps(loop(sys.argv[2], sys.argv[3:])))
-    elif sys.argv[1] == "planner":
-        print(json.dumps(planner()))
-    elif sys.argv[1] == "megablox":
-        print(json.dumps(megablox()))
-    elif sys.argv[1] == "families":
-        print(json.dumps(families()))
-    elif sys.argv[1] == "splash":
-        print(json.dumps(splash()))
-    elif sys.argv[1] == "mixtures":
-        print(json.dumps(mixtures()))
-    else:
-        print(json.dumps(run(sys.argv[1])))
+    checks = {"load": load, "frozen_bf16": frozen_bf16, "eval": eval_rows, "loop": lambda c, *o: loop(c, list(o)),
+              "planner": planner, "megablox": megablox, "families": families, "splash": splash, "mixtures": mixtures}
+    return checks[args[0]](*args[1:]) if args[0] in checks else run(args[0])
+
+
+if __name__ == "__main__":
+    serve(dispatch)

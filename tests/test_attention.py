@@ -89,15 +89,26 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(attention, "BLOCK", 4)
 
 
-@pytest.fixture(params=[4, 64], ids=["blocks", "one_block"])
+BLOCKS = {"blocks": 4, "one_block": 64}
+
+
+@pytest.fixture
 def blocks(request, monkeypatch):
     """Blocks of 4 (several query and key blocks, dead and padded ones: the loops) or of 64 (the whole row one
     block: the loop-free path)."""
-    monkeypatch.setattr(attention, "BLOCK", request.param)
+    monkeypatch.setattr(attention, "BLOCK", BLOCKS[request.param])
 
 
-@pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "packed", "prefix", "cache"])
-@pytest.mark.full
+def kinds_and_blocks(kinds: list[str], everyday: tuple[str, str]) -> list:
+    """Every (kind, blocks) case; all but the `everyday` (blocks, kind) one are in the full tier."""
+    return [pytest.param(kind, b, id=f"{b}-{kind}", marks=() if (b, kind) == everyday else pytest.mark.full)
+            for b in BLOCKS for kind in kinds]
+
+
+FLOAT32_KINDS = ["causal", "sliding", "padded", "packed", "prefix", "cache"]
+
+
+@pytest.mark.parametrize("kind, blocks", kinds_and_blocks(FLOAT32_KINDS, ("blocks", "packed")), indirect=["blocks"])
 def test_blockwise_equals_dense_float32(kind, blocks):
     T = 4 if kind == "cache" else 13  # 13: four query blocks of 4, the last padded
     mask, window = masks(T, kind)
@@ -119,7 +130,8 @@ def test_blockwise_equals_dense_float32(kind, blocks):
         assert err <= 1e-5, (name, err)
 
 
-@pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "prefix"])
+@pytest.mark.parametrize("kind, blocks", kinds_and_blocks(["causal", "sliding", "padded", "prefix"],
+                                                          ("one_block", "sliding")), indirect=["blocks"])
 def test_soft_capped_attention_equals_dense_float64(kind, blocks):
     """Gemma 2's attention: scores scaled by 1 / sqrt(query_pre_attn_scalar) and capped at 2.0 (the inputs are
     scaled up so most scores sit on the tanh's flat part; uncapped, the result differs)."""
@@ -145,7 +157,8 @@ def test_soft_capped_attention_equals_dense_float64(kind, blocks):
         assert np.max(np.abs(np.asarray(got) - want)) / np.max(np.abs(want)) <= 1e-5, name
 
 
-@pytest.mark.parametrize("kind", ["causal", "packed", "prefix"])
+@pytest.mark.parametrize("kind, blocks", kinds_and_blocks(["causal", "packed", "prefix"], ("blocks", "prefix")),
+                         indirect=["blocks"])
 def test_blockwise_bfloat16_rounds_the_float32_result(kind, blocks):
     """bfloat16 inputs: scores, softmax and sums are float32, so the output is the float32 dense result of the
     same bfloat16 inputs rounded once (within one bfloat16 step, 2^-8 relative), and the gradients (the incoming

@@ -8,15 +8,13 @@ The 8-device checks run in subprocesses (tests/context_worker.py, tests/parallel
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from eight_devices import DeviceWorker
 
 from jaxtune.config import MeshConfig, ModelConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
@@ -43,13 +41,22 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0)
 
 
+WORKERS: dict[tuple[str, bool], DeviceWorker] = {}  # one process per worker script and flags, for this module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_workers():
+    yield
+    for worker in WORKERS.values():
+        worker.close()
+    WORKERS.clear()
+
+
 def run(worker: str, *args: str, optimize: bool = False) -> dict:
-    flags = "--xla_force_host_platform_device_count=8" + ("" if optimize else " --xla_backend_optimization_level=0")
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(HERE / worker), *args], env=env, capture_output=True, text=True,
-                         timeout=1200)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """`worker`'s answer to `args` on 8 fake devices (XLA's backend optimisation off unless `optimize`)."""
+    if (worker, optimize) not in WORKERS:
+        WORKERS[worker, optimize] = DeviceWorker(HERE / worker, optimize=optimize)
+    return WORKERS[worker, optimize](*args)
 
 
 # -- 8 fake devices ------------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ def test_every_source_gives_the_jsonl_examples_and_batches(files):
     assert load_sft_examples(files["chat_parquet"], tokenizer, 64)[0] == chats  # messages: a list of structs
 
 
+@pytest.mark.full
 def test_training_reads_a_parquet_file_through_mapped_columns(files, tmp_path):
     """`[data] columns = {prompt = "question", completion = "answer"}` in a run's TOML: the run trains on the
     Parquet file as on the JSONL one, loss for loss."""

@@ -202,6 +202,7 @@ def test_jaxtune_eval_tasks_writes_results_and_table(model_dir, tasks, tmp_path)
     (["--tasks", "jaxtune_facts", "--model-args", "batch_tokens=lots"], "model_args: batch_tokens='lots' is not an"),
     (["--tasks", "jaxtune_facts", "--model-args", "colour=blue"], "model_args: unknown key 'colour'"),
 ])
+@pytest.mark.full
 def test_bad_tasks_and_model_args_are_one_line_errors(model_dir, capsys, args, message):
     assert main(["eval", "--model", str(model_dir), *args]) == 2
     err = capsys.readouterr().err

@@ -113,7 +113,7 @@ def test_init_equals_peft_on_a_real_smollm2_layer(smollm2, init, module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("init", ["pissa", "olora"])
+@pytest.mark.parametrize("init", [pytest.param("pissa", marks=pytest.mark.full), "olora"])
 def test_layer_stacked_init_equals_peft_layer_by_layer(smollm2, init):
     """`initialise` on SmolLM2's stacked v_proj kernel [30, 576, 192] with rsLoRA and a rank_pattern giving layer 1
     rank 2 (padded to 4) and layers_to_transform skipping layer 2: each layer equals PEFT's init of that layer with

@@ -301,7 +301,8 @@ def assert_merged_export(directory, adapter, cfg, method, params, peft_merged, t
     assert_float32_parity(ours32, theirs32, ref64, mask > 0)
 
 
-@pytest.mark.parametrize("name", ["lora_qv", "lora_all_linear", "dora"])
+@pytest.mark.parametrize("name", ["lora_qv", *(pytest.param(n, marks=pytest.mark.full)
+                                              for n in ("lora_all_linear", "dora"))])
 def test_merged_export_loads_in_transformers_with_unmerged_logits(name, base, tmp_path):
     directory, cfg, params = base
     method, _ = METHODS[name]

@@ -81,6 +81,7 @@ def test_qwen3_reads_its_head_dim_query_key_norms_and_sliding_layers(hf_model_di
     assert np.abs(unnormalised - hf_logits(model, ids, mask, positions))[mask > 0].max() > 1e-2
 
 
+@pytest.mark.full
 def test_gemma2_reads_its_soft_caps_scale_norms_and_sliding_layers(hf_model_dir):
     """Gemma 2's distinctive parts are read, and each matters: the logits move without it."""
     directory, model = hf_model_dir("gemma2")
@@ -99,6 +100,7 @@ def test_gemma2_reads_its_soft_caps_scale_norms_and_sliding_layers(hf_model_dir)
         assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
 
 
+@pytest.mark.full
 def test_gemma3_reads_its_local_and_global_rope_and_query_key_norms(hf_model_dir):
     """Gemma 3: sliding layers rotate with base 1e4, full ones with base 1e6 scaled by 4; q and k normalised."""
     directory, model = hf_model_dir("gemma3")
@@ -113,6 +115,7 @@ def test_gemma3_reads_its_local_and_global_rope_and_query_key_norms(hf_model_dir
         assert np.abs(moved - ref)[mask > 0].max() > 1e-2, change
 
 
+@pytest.mark.full
 def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_dir, tmp_path):
     """Phi-3's fused qkv_proj / gate_up_proj are kept fused (as PEFT targets them); RoPE turns 12 of 16 dimensions;
     longrope's short factors below 64 positions and, for a model whose original context is 8, its long factors and
@@ -141,7 +144,8 @@ def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_d
     assert np.abs(jax_logits(params8, long_off, ids, mask, positions) - ref8)[mask > 0].max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.full)
+                                             for a in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"))])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.

@@ -104,7 +104,8 @@ def test_adafactor_equals_optax_adafactor():
     assert not np.allclose(ours["norm"], PARAMS["norm"])
 
 
-@pytest.mark.parametrize("adjust, rms", [("match_rms_adamw", 0.2), ("original", None)])
+@pytest.mark.parametrize("adjust, rms", [pytest.param("match_rms_adamw", 0.2, marks=pytest.mark.full),
+                                         ("original", None)])
 def test_muon_of_a_stacked_kernel_equals_per_layer_optax_muon(adjust, rms):
     """Muon on [L, in, out] stacks = optax.contrib.muon on each layer's [in, out] matrix on its own (its width
     scaling too); the embedding and the norms = optax.adamw with the decay mask; three steps."""

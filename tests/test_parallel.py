@@ -1,7 +1,7 @@
 """Scale-out: the mesh config, the rules table, shardings of every kind of leaf, ZeRO-3 bytes, host offload,
 bfloat16 moments, and sharded training equal to one device.
 
-The 8-device checks run in a subprocess (tests/parallel_worker.py) under
+The 8-device checks run in one process serving this module (tests/parallel_worker.py, tests/eight_devices.py) under
 XLA_FLAGS=--xla_force_host_platform_device_count=8: a pytest worker has imported jax with one device already.
 The worker's backend optimisation level is 0, which halves XLA's compile time on CPU; the single-device reference
 runs in the same process with the same flags. Shape-level checks use an `abstract_mesh` of the real Llama-3-8B
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from eight_devices import DeviceWorker
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
@@ -49,12 +47,13 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0)
 
 
-def run_worker(*args: str) -> dict:
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+run_worker = DeviceWorker(WORKER)  # one process on 8 fake devices serves this module's calls
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worker():
+    yield
+    run_worker.close()
 
 
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
@@ -175,6 +174,7 @@ def test_fine_tune_on_8_devices_with_offload_equals_one_device(tmp_path):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
 
 
+@pytest.mark.full
 def test_offloaded_state_stays_in_host_memory_through_steps_and_checkpoints(tmp_path):
     """Placement mechanics on this process's one CPU device: the optimizer state and frozen weights start, stay and
     are restored in pinned host memory, the trainable params on the device, and the step computes what it computes

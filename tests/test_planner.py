@@ -122,6 +122,7 @@ def test_estimate_is_within_ten_percent_of_the_compiled_step(compiled, name):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_median_and_worst_error_against_the_compiler(compiled):
     """The planner issue's bar, on this subset: median |error| within 10%, the worst within 20%."""
     errors = sorted(abs(estimate(SMALL, plan, get_device("cpu")).compiled_bytes / compiled[name] - 1)

@@ -196,6 +196,7 @@ def run_printed(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.reference
 @pytest.mark.slow
+@pytest.mark.full
 def test_your_first_fine_tune_runs_as_printed(tmp_path):
     """"Your first fine-tune": its data lines as train.jsonl, its config as first.toml, its commands one after the
     other, all as printed — with a tiny Llama written as a Q4_1 GGUF file in SmolLM2's place (same name, a chat

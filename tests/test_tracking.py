@@ -102,6 +102,7 @@ def no_wandb_credentials(tmp_path, monkeypatch):
     wandb.teardown()
 
 
+@pytest.mark.full
 def test_wandb_offline_run_matches_metrics(tmp_path, no_wandb_credentials):
     records = _train(tmp_path, 'report_to = ["wandb"]\n')
     (log,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")

@@ -282,6 +282,7 @@ def test_mixed_precision_keeps_float32_master_weights_and_trains(setup, tmp_path
     assert {v.dtype for v in stored.values()} == {np.dtype("float32")}
 
 
+@pytest.mark.full
 def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_path, capsys):
     """The adapter records its NF4 base; `eval` uses it (saying so) and reproduces the run's held-out loss, and
     `--base float` takes the float weights (saying so), which gives another loss."""

@@ -59,8 +59,9 @@ class ExpertHook:
 
     add(x_MxI, y_MxO, module, product) -> y: the rows' products with their experts' kernels `y` plus the method's
     branch, where product(x, w) is the grouped product over the same experts (ragged_dot, or megablox on TPU) and
-    `module` one layer's stack leaves [E, ...]. leaf_dims: for each leaf [E, a, b] it reads, which of the kernel's
-    dimensions ("in", "out" or None) a and b follow: a leaf is split over devices as its kernel is.
+    `module` one layer's stack leaves [E, ...]. leaf_dims: every leaf it reads; for a leaf [E, a, b], which of the
+    kernel's dimensions ("in", "out" or None) a and b follow: a leaf is split over devices as its kernel is (a leaf
+    without an expert dimension, a scale, is replicated). A kernel that runs per device (megablox) sees only these.
     """
 
     trigger: str

@@ -5,9 +5,8 @@
     est = estimate(cfg, plan, get_device("h100-80gb-8"))           # nothing is allocated; est.fits
     search(cfg, plan, get_device("v5e-8")).candidates[0]           # the fastest plan that fits (longest_context too)
 
-`devices.py` the catalogue, `estimate.py`, `held.py` and `activations.py` the memory, `timing.py` the step time,
-`search.py` the search, `confirm.py` XLA's own figure (`compile_step`), `report.py` the table, `command.py` `jaxtune
-plan`.
+`devices.py` the catalogue, `estimate.py`, `held.py`, `activations.py` the memory, `timing.py` the step time,
+`search.py` the search, `confirm.py` XLA's figure (`compile_step`), `report.py` the table, `command.py` the CLI.
 """
 
 from jaxtune.config.plan import TrainPlan as TrainPlan

@@ -161,7 +161,8 @@ def _expert_branch(x_MxI: jax.Array, y_MxO: jax.Array, module: dict, product) ->
     return y_MxO + module["lora_scale"].astype(y_MxO.dtype) * product(xa_MxR, module["lora_b"])
 
 
-EXPERT_HOOK = ExpertHook("lora_a", add=_expert_branch, leaf_dims={"lora_a": ("in", None), "lora_b": (None, "out")})
+EXPERT_HOOK = ExpertHook("lora_a", add=_expert_branch, leaf_dims={"lora_a": ("in", None), "lora_b": (None, "out"),
+                                                                "lora_scale": (None, None)})
 
 
 def lora_forward(method: LoRAConfig, cfg: ModelConfig) -> AdapterForward:
