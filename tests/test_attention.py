@@ -81,7 +81,7 @@ def values_and_grads(fn, q, k, v, seen_BxT):
     weights = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
     seen = jnp.asarray(seen_BxT)[:, None, None, :, None]
     loss = lambda q, k, v: jnp.sum(jnp.where(seen, fn(q, k, v).astype(jnp.float32) * weights, 0))
-    return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(fn)(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)  # one program each
 
 
 @pytest.fixture

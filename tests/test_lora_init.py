@@ -97,8 +97,9 @@ def assert_same_init(a_IxR, b_RxO, ref_a_RxI, ref_b_OxR, exact=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("init", ["pissa", "olora"])
-@pytest.mark.parametrize("module", ["q_proj", "down_proj"])
+@pytest.mark.parametrize("init, module", [("pissa", "q_proj"), *(pytest.param(i, m, marks=pytest.mark.full) for i, m in
+                                                               (("olora", "q_proj"), ("pissa", "down_proj"),
+                                                                ("olora", "down_proj")))])
 def test_init_equals_peft_on_a_real_smollm2_layer(smollm2, init, module):
     """Layer 3's q_proj [576, 576] and down_proj [1536 -> 576] of SmolLM2, rank 8, alpha 16: A, B and the changed
     base equal PEFT's to 1e-5."""
@@ -172,7 +173,7 @@ class _Host(torch.Tensor):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loftq_iter", [1, 2])
+@pytest.mark.parametrize("loftq_iter", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_loftq_equals_peft_loftq_init_on_a_real_smollm2_layer(smollm2, loftq_iter, monkeypatch):
     """QLoRA (NF4, no double quantisation) with init = loftq on SmolLM2's layer-3 o_proj, rank 8: the dequantised
     NF4 base jaxtune holds and B A equal PEFT's `loftq_init` (its own loop and SVDs; bitsandbytes' NF4 from

@@ -181,7 +181,8 @@ def assert_adapter_matters(ref, directory, cfg, seed=0):
     assert np.abs(base_logits - ref)[mask > 0].max() > 0.1, "the adapter must change the logits"
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n in ("lora_all_linear", "rslora") else n
+                                  for n in METHODS])  # the everyday tier: one of each PEFT type, and DoRA
 def test_export_loads_in_peft_with_equal_logits(name, base, tmp_path):
     directory, cfg, params = base
     method, _ = METHODS[name]
