@@ -23,10 +23,11 @@ COMMANDS = {"import jaxtune": ["-c", "import jaxtune"], "jaxtune --help": ["-m",
 
 
 def seconds(source: Path, args: list[str]) -> float:
-    """Wall seconds of one interpreter running `args` with `source` first on the import path."""
+    """Wall seconds of one interpreter running `args` in `source` (first on the import path: `-c` puts the working
+    directory there)."""
     env = {**os.environ, "PYTHONPATH": str(source), "JAX_PLATFORMS": "cpu"}
     started = time.perf_counter()
-    subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, *args], env=env, cwd=source, check=True, capture_output=True)
     return time.perf_counter() - started
 
 

@@ -60,6 +60,15 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="the full tier: tests marked `full` too (.ci/full)")
 
 
+# Modules whose every test is the full tier's and which import what only the full tier installs (llama.cpp, built from
+# source): the everyday tier does not collect them.
+FULL_TIER_MODULES = ("test_llama_cpp.py",)
+
+
+def pytest_ignore_collect(collection_path, config):
+    return collection_path.name in FULL_TIER_MODULES and not config.getoption("--full")
+
+
 def pytest_collection_modifyitems(config, items):
     """The everyday tier leaves out the tests marked `full` (deselected, as `-m "not full"` would)."""
     if config.getoption("--full"):

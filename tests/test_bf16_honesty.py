@@ -6,10 +6,11 @@ import sys
 import warnings
 
 import pytest
+from shapes import SMALL
 from test_train import DEMO_DATA, write_config
 
 from jaxtune import host_cpu
-from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
+from jaxtune.config import ForwardOptions, MeshConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.host_cpu import SLOW_BF16, SlowBfloat16Warning, native_bf16, warn_if_slow_bf16
 from jaxtune.methods import method_config
@@ -46,8 +47,6 @@ rng
 CPU implementer\t: 0x41
 CPU part\t: 0xd40
 """
-SMALL = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
-                    num_kv_heads=2, head_dim=32)
 
 
 # --- detection ----------------------------------------------------------------------------------------------------

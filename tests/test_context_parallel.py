@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eight_devices import DeviceWorker
+from shapes import LLAMA3_8B
 
-from jaxtune.config import MeshConfig, ModelConfig, tiny_config
+from jaxtune.config import MeshConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.generation import generate
@@ -37,8 +38,6 @@ from jaxtune.train.loop import fine_tune
 
 HERE = Path(__file__).parent
 DEMO_DATA = HERE.parent / "jaxtune" / "assets" / "demo_instructions.jsonl"
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, rope_theta=500000.0)
 
 
 WORKERS: dict[tuple[str, bool], DeviceWorker] = {}  # one process per worker script and flags, for this module

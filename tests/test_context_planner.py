@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shapes import LLAMA3_8B
 
 from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
@@ -23,8 +24,7 @@ from jaxtune.planner.timing import context_bytes, ring_steps
 
 WORKER = Path(__file__).parent / "context_planner_worker.py"
 # Llama-3.1-8B's shape (its config.json), with room for contexts beyond its own 131,072 tokens
-LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, max_position_embeddings=1 << 21)
+LLAMA_8B = LLAMA3_8B.replace(max_position_embeddings=1 << 21)
 LORA = method_config("lora", rank=16, target_modules=("all-linear",))
 ONE_DEVICE = MeshConfig(fsdp=1)
 

@@ -3,8 +3,9 @@
 import json
 
 import pytest
+from shapes import LLAMA3_8B
 
-from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, tiny_config
+from jaxtune.config import ForwardOptions, MethodConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods import method_config
@@ -13,8 +14,7 @@ from jaxtune.planner import estimate, get_device, longest_context, search
 GiB = 1 << 30
 # Llama-3-8B's shape with a context longer than any GPU fits (gradientai/Llama-3-8B-Instruct-Gradient-1048k), so
 # memory, not the model, is the limit.
-LLAMA3_8B_1M = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                           num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=1 << 20)
+LLAMA3_8B_1M = LLAMA3_8B.replace(max_position_embeddings=1 << 20)
 LORA = method_config("lora", rank=8, target_modules=("q_proj", "v_proj"))
 QLORA = method_config("qlora", rank=8, bits=4, target_modules=("q_proj", "v_proj"))
 

@@ -43,7 +43,9 @@ def write_config(path, sections: dict):
 
 
 def run_config(root, out, objective, data, eval_data="", method=None, train=None, **sections):
-    method = {"kind": "lora", "rank": 8, "target_modules": ["all-linear"], **(method or {})}
+    method = method or {}  # LoRA's options below, another kind's as given
+    if method.get("kind", "lora") == "lora":
+        method = {"kind": "lora", "rank": 8, "target_modules": ["all-linear"], **method}
     train = {"objective": objective, "output_dir": str(out), "batch_size": 16, "learning_rate": 5e-3,
              "schedule": "constant", "log_every": 1, **(train or {})}
     data = {"train": str(data), "eval": str(eval_data), "max_seq_len": 48}
@@ -104,7 +106,8 @@ def test_precomputed_reference_logps_give_the_same_run(models, tmp_path, method,
     for precompute in (False, True):
         out = tmp_path / f"{method}-{precompute}"
         config = run_config(root, out, "dpo", root / "pairs.jsonl", root / "held_out.jsonl",
-                            method={"kind": method}, train={"max_steps": 4, "eval_every": 2, "learning_rate": 1e-3},
+                            method={"kind": "full"} if method == "full" else None,
+                            train={"max_steps": 4, "eval_every": 2, "learning_rate": 1e-3},
                             dpo={**dpo, "precompute_reference": precompute})
         fine_tune(load_run_config(config), **QUIET)
         runs[precompute] = metric_lines(out)

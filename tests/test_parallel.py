@@ -22,6 +22,7 @@ import pytest
 from eight_devices import DeviceWorker
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
+from shapes import LLAMA3_8B
 
 from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
@@ -43,8 +44,6 @@ DEMO_DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_i
 MESHES = ("fsdp=8", "data=8", "data=2 x fsdp=4", "fsdp=4 x tensor=2")
 TINY = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                    head_dim=4)
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, rope_theta=500000.0)
 
 
 run_worker = DeviceWorker(WORKER)  # one process on 8 fake devices serves this module's calls

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from shapes import LLAMA2_7B, SMALL
 
 from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
 from jaxtune.config.plan import TrainPlan
@@ -29,12 +30,8 @@ from jaxtune.planner import (
 from jaxtune.planner.command import public, run_plan
 
 GB, GiB = 1e9, 1 << 30
-LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-                        num_kv_heads=32, head_dim=128)
 LLAMA_65B = ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_layers=80, num_heads=64,
                         num_kv_heads=64, head_dim=128)
-SMALL = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
-                    num_kv_heads=2, head_dim=32)
 
 
 def run_cli(*args):

@@ -1,6 +1,8 @@
-"""The fast tier runs without the reference stack: with JAXTUNE_TESTS_NO_TORCH=1 the test processes, and the
-processes they start, cannot import torch, transformers or peft; and jaxtune itself never imports them."""
+"""What the tiers and jaxtune import: with JAXTUNE_TESTS_NO_TORCH=1 the test processes, and the processes they start,
+cannot import torch, transformers or peft; jaxtune itself never imports them, and `import jaxtune` loads no heavy
+library; the modules the everyday tier leaves uncollected hold only full-tier tests."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -84,3 +86,15 @@ def test_every_public_name_loads_from_the_module_the_table_names():
         assert "no attribute 'not_a_public_name'" in str(e)
     else:
         raise AssertionError("an unknown name resolved")
+
+
+def test_the_modules_the_everyday_tier_does_not_collect_are_wholly_the_full_tiers():
+    """tests/conftest.py's FULL_TIER_MODULES import what only `.ci/full` installs: every test in them is marked `full`,
+    so not collecting them in the everyday tier leaves out nothing the everyday tier runs."""
+    from conftest import FULL_TIER_MODULES
+
+    for name in FULL_TIER_MODULES:
+        tree = ast.parse((TESTS / name).read_text())
+        tests = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test")]
+        marks = [{ast.unparse(d) for d in node.decorator_list} for node in tests]
+        assert tests and all("pytest.mark.full" in m for m in marks), name
