@@ -12,6 +12,7 @@ here and in the processes the tests start (no_torch/), so `-m "not reference"` p
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import hashlib
 import os
@@ -65,18 +66,17 @@ def pytest_addoption(parser):
 FULL_TIER_MODULES = ("test_llama_cpp.py",)
 
 
-def pytest_ignore_collect(collection_path, config):
-    return collection_path.name in FULL_TIER_MODULES and not config.getoption("--full")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The everyday tier leaves out the tests marked `full` (deselected, as `-m "not full"` would)."""
-    if config.getoption("--full"):
-        return
-    kept = [item for item in items if item.get_closest_marker("full") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full") is not None])
-        items[:] = kept
+    """The everyday tier leaves out the tests marked `full` (deselected, as `-m "not full"` would). The modules with
+    the most end-to-end (`slow`) tests come first: `--dist loadfile` hands whole modules to the workers in this
+    order, so the longest are not left to one worker at the end."""
+    if not config.getoption("--full"):
+        kept = [item for item in items if item.get_closest_marker("full") is None]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full") is not None])
+            items[:] = kept
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: each module's own order is kept
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -155,7 +155,10 @@ def marked_reference(path: Path) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Path, config):
-    """Without torch, a test file marked `reference` as a whole is not imported (it may import torch at the top)."""
+    """Not imported: the full tier's own modules in the everyday tier (FULL_TIER_MODULES) and, without torch, a test
+    file marked `reference` as a whole (it may import torch at the top). None: the other hooks decide."""
+    if collection_path.name in FULL_TIER_MODULES and not config.getoption("--full"):
+        return True
     if NO_TORCH and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
         return marked_reference(collection_path) or None
     return None
