@@ -219,7 +219,7 @@ def _kernel_elements(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.num_layers * act.kernel_elements_per_layer(cfg), cfg.hidden_size * cfg.vocab_size
 
 
-def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, head_pieces: bool
+def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, head_converted: bool
                  ) -> tuple[int, int]:
     """(bytes kept for the backward, bytes alive all step) of weight copies that dtype casts make, before sharding.
 
@@ -228,9 +228,8 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, 
     Frozen kernels quantised or held as bit patterns (`models/quant.BitPattern`, every 16-bit one) are re-derived
     in the backward instead (models/linear.py).
     A frozen head (or tied embedding) stored in a dtype other than the compute dtype is converted once for the step,
-    out of the chunked loss's loop (measured on XLA:CPU; under fsdp, each device its vocabulary shard), unless it
-    is read from its bits a piece at a time (`head_pieces`: a 16-bit head under wider compute, larger than a piece
-    on each device; `linear.derived_piecewise_matmul`).
+    out of the chunked loss's loop (measured on XLA:CPU; under fsdp, each device its vocabulary shard):
+    `head_converted` (`_head_converted`).
     """
     frozen = not method_unit(plan.method).trains_base
     kernel_dtype = plan.param_dtype if frozen else "float32"
@@ -240,7 +239,7 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, 
         # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
         # cast to bf16 stay bf16
         residual = layer_kernels * (a if frozen else jnp.dtype(plan.forward.compute_dtype).itemsize)
-    if frozen and plan.param_dtype != plan.forward.compute_dtype and not head_pieces:
+    if head_converted:
         copies += head_kernel * jnp.dtype(plan.forward.compute_dtype).itemsize
     return residual, copies
 
@@ -318,7 +317,12 @@ class Step:
 
     def nbytes(self, shape, itemsize: int) -> int:
         """Bytes of an array of `shape` on the device (in whole tiles where the family tiles)."""
-        return tiled_bytes(shape, itemsize) if self.rules.tiled else math.prod(shape) * itemsize
+        return _array_bytes(self.rules.tiled)(shape, itemsize)
+
+
+def _array_bytes(tiled: bool):
+    """(shape, itemsize) -> bytes of such an array on a device, in whole tiles where `tiled`."""
+    return (lambda shape, size: tiled_bytes(shape, size)) if tiled else (lambda shape, size: math.prod(shape) * size)
 
 
 def step_of(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Step:
@@ -344,10 +348,8 @@ def step_of(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Step:
                    plan.forward.tiled_mlp if remat != "save_matmuls" else 0,
                    _fused_low_rank(cfg, plan, sizes, device), hook_facts(cfg, plan.method).whole_kernel)
     a = jnp.dtype(plan.forward.compute_dtype).itemsize
-    nbytes = ((lambda shape, size: tiled_bytes(shape, size)) if rules.tiled
-              else (lambda shape, size: math.prod(shape) * size))
     copies = objective_named(plan.objective).logits_copies(plan.method, section_of(plan))
-    acts = act.activation_bytes(cfg, plan.method, remat, w, a, nbytes, copies, total_rows,
+    acts = act.activation_bytes(cfg, plan.method, remat, w, a, _array_bytes(rules.tiled), copies, total_rows,
                                 (lambda shape, size: tiled_bytes(shape, size, True)) if rules.tiled else None,
                                 rules.workspace_itemsize)
     kernel = planned_kernel(cfg, plan, device.family, rows, prefix, w.context)
@@ -368,6 +370,13 @@ def _head_pieces(step: Step) -> bool:
     cfg, plan = step.cfg, step.plan
     return (not step.unit.trains_base and _widened(plan) and cfg.hidden_size * cfg.vocab_size // _vocab_ways(step)
             * step.compute_size > gathered_piece_bytes(step.device.family))
+
+
+def _head_converted(step: Step) -> bool:
+    """Whether a frozen head (or tied embedding) stored in another dtype than the compute dtype is converted once
+    for the step, rather than read from its bits a piece at a time (`_head_pieces`)."""
+    plan = step.plan
+    return not step.unit.trains_base and plan.param_dtype != plan.forward.compute_dtype and not _head_pieces(step)
 
 
 def loss_logits(step: Step) -> int:
@@ -423,7 +432,7 @@ def weight_copies(step: Step) -> tuple[int, int, int]:
     the weight copies that dtype casts, ZeRO-3's gathers and a context axis's head gather make."""
     cfg, sizes = step.cfg, step.sizes
     layer_kernels, head_kernel = _kernel_elements(cfg)
-    cast = _cast_copies(step.plan, layer_kernels, head_kernel, step.compute_size, _head_pieces(step))
+    cast = _cast_copies(step.plan, layer_kernels, head_kernel, step.compute_size, _head_converted(step))
     residual, copies = (c // (step.zero * step.tensor) for c in cast)
     if step.zero > 1:
         copies += _zero_gathered(step)
@@ -531,7 +540,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     notes: list[str] = []
     logits = loss_logits(step)
     residual_copies, copies, layer_copies = weight_copies(step)
-    if _cast_copies(plan, *_kernel_elements(cfg), step.compute_size, _head_pieces(step))[1]:
+    if _head_converted(step):
         notes.append(f"the frozen {plan.param_dtype} head is converted to {plan.forward.compute_dtype} for the step: "
                      "that copy is counted")
     if held.second:
