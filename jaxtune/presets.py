@@ -15,14 +15,17 @@ from jaxtune.models.params import init_params
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
               "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM"}
+              "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+              "olmo3": "Olmo3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def family_traits(arch: str, num_layers: int) -> dict:
     """What sets `arch` (a key of ARCH_NAMES) apart from Llama, as `ModelConfig` fields, in a tiny model: Gemma's
     sliding layers alternate with full ones (Gemma 3 has one full layer in six at scale; two layers show both);
     Phi-3's fused projections, with Phi-4-mini's partial rotary factor; mixtures of 4 to 8 experts, top 2, Mixtral's
-    as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert."""
+    as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert; SmolLM3's NoPE layer last (every fourth
+    at scale), OLMo's norms (OLMo 3's first layer sliding); gpt-oss's experts with biases, sinks, sliding and full layers."""
+    olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
         "mistral": dict(sliding_windows=(64,) * num_layers),
@@ -30,7 +33,14 @@ def family_traits(arch: str, num_layers: int) -> dict:
         "mixtral": dict(num_experts=4, experts_per_token=2),
         "qwen2_moe": dict(qkv_bias=True, num_experts=4, experts_per_token=2, expert_size=64,
                           shared_expert_size=128, normalize_top_k=False),
-        "qwen3_moe": dict(qk_norm=True, num_experts=8, experts_per_token=2, expert_size=64)}
+        "qwen3_moe": dict(qk_norm=True, num_experts=8, experts_per_token=2, expert_size=64),
+        "smollm3": dict(nope_layers=(num_layers - 1,), tie_word_embeddings=True), "olmo2": olmo,
+        "olmo3": dict(olmo, local_rope_theta=10_000.0,
+                      sliding_windows=tuple(64 if i % 2 == 0 else 0 for i in range(num_layers))),
+        "gpt_oss": dict(num_experts=4, experts_per_token=2, expert_size=64, router_bias=True, expert_bias=True,
+                        attention_sinks=True, hidden_act="clamped_swiglu", qkv_bias=True, o_bias=True,
+                        norm_float32_scale=True, sliding_windows=tuple(64 if i % 2 == 0 else 0
+                                                                       for i in range(num_layers)))}
     traits = known.get(arch, {})
     if arch.startswith("gemma"):
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,

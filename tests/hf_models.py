@@ -56,6 +56,26 @@ ARCHS = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
         "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 2,
         "norm_topk_prob": True}),
+    # SmolLM3: layer 1 NoPE and sliding (window 4), layers 0 and 2 rotating over full attention.
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, {
+        "no_rope_layers": [1, 0, 1], "use_sliding_window": True, "sliding_window": 4, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2}),
+    # OLMo 2: norms after each sub-layer, query/key norms over the whole projection; OLMo 3 adds sliding layers
+    # (window 4) with their own unscaled RoPE, full layers with YaRN (past 16 positions, factor 4).
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {"pad_token_id": 0, "eos_token_id": 2}),
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, {"pad_token_id": 0, "eos_token_id": 2,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500_000.0,
+                                               "original_max_position_embeddings": 16},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
+    # gpt-oss: 4 experts (top 2) with biases and the clamped SwiGLU, attention sinks and biases, layers sliding
+    # (window 4), full, sliding; YaRN (factor 4 past 16 positions, the ramp's ends not rounded).
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, {
+        "intermediate_size": 32, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150_000.0},
+        "pad_token_id": 0, "eos_token_id": 2, "attn_implementation": "eager"}),
 }
 
 

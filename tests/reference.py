@@ -54,7 +54,8 @@ def _rotary_float64(self, x, position_ids, layer_type=None):
     prefix = f"{layer_type}_" if layer_type else ""  # Gemma 3 keeps one table a layer type
     inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
     freqs = position_ids[..., None].float() * inv_freq.to(dtype=torch.float)  # float32 angles, as in float32
-    emb = torch.cat((freqs, freqs), dim=-1).double()
+    # gpt-oss's tables are half width (its rotation reads each half against the same angles)
+    emb = (freqs if type(self).__name__ == "GptOssRotaryEmbedding" else torch.cat((freqs, freqs), dim=-1)).double()
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
@@ -86,7 +87,7 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
     mixture's experts as a loop over experts: torch's grouped matmul has no float64)."""
     model = copy.deepcopy(model).double().eval()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith("Mixtral"):
+    if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith(("Mixtral", "GptOss")):
         base.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
@@ -94,7 +95,7 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_rms_norm_float64, module)
         elif name.endswith("RotaryEmbedding"):
             module.forward = types.MethodType(_rotary_float64, module)
-        elif name.endswith("TopKRouter"):
+        elif name.endswith("TopKRouter") and name != "GptOssTopKRouter":  # gpt-oss's computes in its own dtype
             module.forward = types.MethodType(_router_float64, module)
     return model
 

@@ -144,8 +144,8 @@ def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_d
     assert np.abs(jax_logits(params8, long_off, ids, mask, positions) - ref8)[mask > 0].max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.full)
-                                             for a in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"))])
+@pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.full) for a in (
+    "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3"))])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.
@@ -169,7 +169,8 @@ def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding", "qwen3", "gemma2",
-                                  "gemma3", "phi3", "mixtral", "qwen2_moe"])
+                                  "gemma3", "phi3", "mixtral", "qwen2_moe", "smollm3", "olmo2", "olmo3",
+                                  "gpt_oss"])
 @pytest.mark.parametrize("max_shard_bytes", [2**31, 20_000])
 def test_round_trip_through_transformers(arch, max_shard_bytes, hf_model_dir, tmp_path):
     """load -> save -> transformers loads the saved directory (single file or shards) -> same logits."""
@@ -211,3 +212,27 @@ def test_mixture_reads_the_hub_and_transformers_5_expert_layouts_alike(arch, hf_
         written = set(f.keys())
     with safe_open(str(directory / "model.safetensors"), "np") as f:
         assert written == set(f.keys())  # the hub's names, Mixtral's w1/w2/w3 included
+
+
+def test_smollm3_reads_its_nope_and_sliding_layers(hf_model_dir):
+    """Layer 1 neither rotates nor sees past 4 tokens; rotating it would change the logits."""
+    directory, model = hf_model_dir("smollm3")
+    cfg, params = load_model(directory)
+    assert (cfg.nope_layers, cfg.sliding_windows, cfg.rope_table_of_layer) == ((1,), (0, 4, 0), (0, 1, 0))
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(model, ids, mask, positions)
+    assert np.abs(jax_logits(params, cfg.replace(nope_layers=()), ids, mask, positions) - ref)[mask > 0].max() > 1e-2
+
+
+def test_olmo3_reads_post_norms_whole_projection_qk_norms_and_yarn(hf_model_dir):
+    """Full layers YaRN-scaled (factor 4 past 16 positions, cos and sin scaled by 0.1 ln 4 + 1), sliding ones at
+    their own unscaled base; dropping the scaling changes the logits."""
+    directory, model = hf_model_dir("olmo3")
+    cfg, params = load_model(directory)
+    assert (cfg.post_norms, cfg.qk_norm_whole, cfg.sliding_windows) == (True, True, (4, 0, 4))
+    assert (cfg.rope_scaling.kind, cfg.rope_theta, cfg.local_rope_theta) == ("yarn", 500_000.0, 10_000.0)
+    assert cfg.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert params["layers"]["q_norm"].shape == (3, cfg.q_size) and "input_layernorm" not in params["layers"]
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(model, ids, mask, positions)
+    assert np.abs(jax_logits(params, cfg.replace(rope_scaling=None), ids, mask, positions) - ref)[mask > 0].max() > 1e-2

@@ -8,7 +8,8 @@ from typing import Any
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                 "Qwen3MoeForCausalLM")
+                 "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+                 "GptOssForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -17,7 +18,8 @@ EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [
 # Every family's linear module names (Phi-3's fused ones last: a module's index seeds its adapter dropout masks).
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                        "gate_up_proj")
-ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU with tanh-approximated GELU
+# the gated MLP's activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,10 @@ class RopeScaling:
     kind: "linear" divides every frequency by `factor`; "llama3" divides only the low frequencies and
     interpolates the band between (Llama 3.1 report, section 3.3 of transformers' `_compute_llama3_parameters`);
     "longrope" (Phi-3) divides frequency i by `short_factor[i]`, or by `long_factor[i]` when a call's positions
-    reach past `original_max_position_embeddings`, and scales cos and sin by `attention_factor`.
+    reach past `original_max_position_embeddings`, and scales cos and sin by `attention_factor`; "yarn" (Peng et
+    al. 2023; gpt-oss, OLMo 3) keeps the frequencies that turn more than `beta_fast` times over the original
+    length, divides those turning fewer than `beta_slow` times by `factor`, ramps linearly between (the ramp's
+    ends rounded outward when `truncate`), and scales cos and sin by `attention_factor`.
     """
 
     kind: str
@@ -38,6 +43,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,13 @@ class ModelConfig:
     and on the logits; `local_rope_theta`, the RoPE base of sliding layers (Gemma 3; unscaled), while full layers
     use `rope_theta` and `rope_scaling`.
 
+    SmolLM3: `nope_layers`, the layers that rotate neither queries nor keys (NoPE, every 4th by default).
+    OLMo 2 and 3: `post_norms`, each sub-layer's output normalised before the residual add and its input not
+    (x + norm(attn(x)), norms `post_attention_layernorm` and `post_feedforward_layernorm`); `qk_norm_whole`, the
+    query and key norms over the whole projection (weights [H*hd], [K*hd]) rather than a head; `norm_float32_scale`,
+    RMSNorm's weight multiplied in float32 before the cast back (as Gemma's). OLMo 3's sliding layers keep the
+    unscaled RoPE of `local_rope_theta`, its full layers `rope_scaling` (YaRN).
+
     Phi-3: `fused_projections`, one `qkv_proj` [D, q + 2 kv] and one `gate_up_proj` [D, 2F] (gate first) in
     place of q/k/v_proj and gate/up_proj; `partial_rotary_factor`, RoPE on the first head_dim x factor dimensions
     of each head only.
@@ -65,6 +80,10 @@ class ModelConfig:
     `normalize_top_k`) and E gated MLPs of width `expert_size` (0: intermediate_size), run as grouped matmuls
     over the tokens sorted by expert. `shared_expert_size` > 0 (Qwen2-MoE) adds a gated MLP every token passes
     through, scaled by sigmoid(shared_expert_gate(x)); its modules are `shared_expert.{gate,up,down}_proj`.
+    gpt-oss: `router_bias` and `expert_bias`, biases on the router's logits and on each expert's gate_up and down
+    products; hidden_act "clamped_swiglu", (clip(up, -limit, limit) + 1) * g sigmoid(alpha g) with g = min(gate,
+    limit) (`swiglu_alpha`, `swiglu_limit`); `attention_sinks`, a learned logit per query head joining its softmax's
+    denominator (layer leaf `sinks` [H]).
     `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
     routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
@@ -97,11 +116,20 @@ class ModelConfig:
     local_rope_theta: float | None = None
     fused_projections: bool = False
     partial_rotary_factor: float = 1.0
+    nope_layers: tuple[int, ...] = ()
+    post_norms: bool = False
+    qk_norm_whole: bool = False
+    norm_float32_scale: bool = False
     num_experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
     normalize_top_k: bool = True
     shared_expert_size: int = 0
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     initializer_range: float = 0.02
@@ -120,6 +148,10 @@ class ModelConfig:
             object.__setattr__(self, "expert_size", self.intermediate_size)
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} is not in 1..num_experts={self.num_experts}")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers={self.nope_layers} names a layer outside 0..{self.num_layers - 1}")
+        if self.post_norms and self.sandwich_norms:
+            raise ValueError("post_norms and sandwich_norms are two different layer layouts; pick one")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -148,6 +180,15 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The leading dimensions of each head RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_table_of_layer(self) -> tuple[int, ...]:
+        """Which of `rope.rope_tables`' tables each layer rotates by: 0 the full layers' (`rope_theta`,
+        `rope_scaling`), 1 the sliding layers' own (`local_rope_theta`), the last the identity (`nope_layers`)."""
+        local = self.local_rope_theta is not None
+        nope = 1 + local
+        return tuple(nope if i in self.nope_layers else int(local and w > 0)
+                     for i, w in enumerate(self.sliding_windows))
 
     @property
     def attention_scale(self) -> float:

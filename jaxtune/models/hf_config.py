@@ -12,11 +12,12 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.io.gguf import is_gguf
 from jaxtune.io.json import read_json
 from jaxtune.models.gguf import gguf_config
+from jaxtune.models.hf_families import FAMILIES, family_to_hf
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
                "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-               "Qwen3MoeForCausalLM": "qwen3_moe"}
+               "Qwen3MoeForCausalLM": "qwen3_moe", **{arch: f.model_type for arch, f in FAMILIES.items()}}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 MOE = ("MixtralForCausalLM",) + QWEN_MOE
@@ -52,6 +53,20 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
             float(params["high_freq_factor"]),
             int(params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
         )
+    if kind == "yarn":
+        original = int(params.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+        factor = float(params.get("factor") or hf["max_position_embeddings"] / original)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:  # YaRN's 0.1 ln(s) + 1, or DeepSeek's ratio of two such terms
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            yarn = lambda m=1.0: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+            attention_factor = yarn(mscale) / yarn(mscale_all_dim) if mscale and mscale_all_dim else yarn()
+        # transformers reads `truncate` from the top of rope_parameters (a per-layer-type dict has none: True)
+        truncate = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("truncate", True)
+        return theta, RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                                  attention_factor=float(attention_factor),
+                                  beta_fast=float(params.get("beta_fast") or 32),
+                                  beta_slow=float(params.get("beta_slow") or 1), truncate=bool(truncate))
     if kind in ("longrope", "su"):  # Phi-3's; "su" its older name
         original = int(params.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
         factor = float(params.get("factor") or hf.get("max_position_embeddings", original) / original)
@@ -62,7 +77,8 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
                                   short_factor=tuple(map(float, params["short_factor"])),
                                   long_factor=tuple(map(float, params["long_factor"])),
                                   attention_factor=float(attention_factor))
-    raise JaxtuneError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+    raise JaxtuneError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3, longrope, "
+                       "yarn)")
 
 
 def _partial_rotary_factor(hf: dict) -> float:
@@ -148,7 +164,9 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         eos = hf.get("eos_token_id")
         qwen = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and hf.get("qkv_bias", True))
         cap = lambda key: float(hf[key]) if gemma and hf.get(key) else None
-        return ModelConfig(
+        family = FAMILIES[arch].from_hf(hf, where, lambda params, theta: _rope(hf, where, params, theta)
+                                        ) if arch in FAMILIES else {}
+        return ModelConfig(**{**dict(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -182,7 +200,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             pad_token_id=hf.get("pad_token_id"),
-        )
+        ), **family})
     except KeyError as e:
         raise JaxtuneError(f"{where}: missing key {e.args[0]!r}") from None
     except ValueError as e:
@@ -210,7 +228,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": {v: k for k, v in HF_ACTIVATIONS.items()}[cfg.hidden_act],
+        "hidden_act": {v: k for k, v in HF_ACTIVATIONS.items()}.get(cfg.hidden_act, cfg.hidden_act),
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "initializer_range": cfg.initializer_range,
@@ -228,6 +246,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         if s.kind == "llama3":
             scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                            original_max_position_embeddings=s.original_max_position_embeddings)
+        if s.kind == "yarn":
+            scaling.update(original_max_position_embeddings=s.original_max_position_embeddings,
+                           attention_factor=s.attention_factor, beta_fast=s.beta_fast, beta_slow=s.beta_slow,
+                           truncate=s.truncate)
         if s.kind == "longrope":
             scaling.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor),
                            attention_factor=s.attention_factor,
@@ -244,10 +266,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["partial_rotary_factor"] = cfg.partial_rotary_factor
         if "rope_parameters" in hf:
             hf["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
-    if (cfg.architecture in MOE) != bool(cfg.num_experts):
+    if cfg.architecture not in FAMILIES and (cfg.architecture in MOE) != bool(cfg.num_experts):
         raise JaxtuneError(f"{cfg.architecture} with num_experts={cfg.num_experts}: mixtures are "
                            f"{', '.join(MOE)}")
-    if cfg.num_experts:
+    if cfg.num_experts and cfg.architecture in MOE:
         hf.update(_experts_to_hf(cfg))
     if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") + GEMMA:
         if cfg.qkv_bias != cfg.o_bias:
@@ -262,6 +284,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["sliding_window"] = max(windows) if windows else None
     elif cfg.architecture in GEMMA:
         hf.update(_gemma_to_hf(cfg, hf))
+    elif cfg.architecture in FAMILIES:
+        hf.update(family_to_hf(cfg, hf))
     else:
         hf["use_sliding_window"] = bool(windows)
         hf["sliding_window"] = max(windows) if windows else None

@@ -121,9 +121,9 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     slot_S = jnp.arange(cache.size)
 
     def block(x_BxTxD, layer_window_kv):
-        layer, window, k_BxKxSxh, v_BxKxSxh = layer_window_kv
+        layer, window, table, k_BxKxSxh, v_BxKxSxh = layer_window_kv
         layer = rows_of(layer, adapter_B)
-        cos, sin = layer_rope(rope, window)
+        cos, sin = layer_rope(rope, table)
 
         def cached_attention(h_BxTxD):
             q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, adapters)
@@ -142,7 +142,9 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
 
     x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
-    x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, cache.k, cache.v))
+    tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
+    x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
+                                                                         cache.v))
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
     k, v = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 2, 3), (0, 0, 0, start, 0))
             for a, new in ((cache.k, k_LxBxTxKxh), (cache.v, v_LxBxTxKxh)))

@@ -37,19 +37,23 @@ from jaxtune.models.tiles import cut_tiles, join_tiles, tile_count
 from jaxtune.parallel.rules import constrain, context_ways, gathered, mesh_in_context, platform_in_context
 
 
-def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False,
+             float32_scale: bool = False) -> jax.Array:
     """x / rms(x) * weight, the statistics in float32 (or wider), the product in the input dtype; with
-    `unit_offset` (Gemma), x / rms(x) * (1 + weight) with the product in float32 before the cast."""
+    `unit_offset` (Gemma), x / rms(x) * (1 + weight) with the product in float32 before the cast; with
+    `float32_scale` (OLMo), x / rms(x) * weight likewise."""
     x32 = x_BxTxD.astype(wide(x_BxTxD.dtype))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if unit_offset:
         return (x32 * (1 + weight_D.astype(x32.dtype))).astype(x_BxTxD.dtype)
+    if float32_scale:
+        return (x32 * weight_D.astype(x32.dtype)).astype(x_BxTxD.dtype)
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
 
 
 def norm(x_BxTxD: jax.Array, weight_D: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The model's RMSNorm (`rms_norm` with its epsilon and, for Gemma, the unit offset)."""
-    return rms_norm(x_BxTxD, weight_D, cfg.rms_norm_eps, cfg.norm_unit_offset)
+    """The model's RMSNorm (`rms_norm` with its epsilon and, for Gemma and OLMo, their products)."""
+    return rms_norm(x_BxTxD, weight_D, cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.norm_float32_scale)
 
 
 def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
@@ -86,7 +90,10 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, adapters: Adapters):
         q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, adapters)
                                      for name in ("q_proj", "k_proj", "v_proj"))
     q_BxTxHxh, k_BxTxKxh = q_BxTxQ.reshape(B, T, K * G, hd), k_BxTxV.reshape(B, T, K, hd)
-    if cfg.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
+    if cfg.qk_norm_whole:  # OLMo 2, 3: all heads' queries, and keys, normalised together before RoPE
+        q_BxTxHxh = norm(q_BxTxQ, layer["q_norm"], cfg).reshape(B, T, K * G, hd)
+        k_BxTxKxh = norm(k_BxTxV, layer["k_norm"], cfg).reshape(B, T, K, hd)
+    elif cfg.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
         q_BxTxHxh = norm(q_BxTxHxh, layer["q_norm"], cfg)
         k_BxTxKxh = norm(k_BxTxKxh, layer["k_norm"], cfg)
     q_BxTxHxh, k_BxTxKxh = apply_rope(q_BxTxHxh, cos, sin), apply_rope(k_BxTxKxh, cos, sin)
@@ -150,9 +157,23 @@ def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:  # transfor
     return jax.nn.gelu(gate_BxTxF.astype(wide(gate_BxTxF.dtype)), approximate=True).astype(gate_BxTxF.dtype) * up_BxTxF
 
 
+def _clamped_swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); in float32 (float64)."""
+    g = jnp.minimum(gate_BxTxF.astype(wide(gate_BxTxF.dtype)), limit)
+    up = jnp.clip(up_BxTxF.astype(g.dtype), -limit, limit)
+    return ((up + 1) * (g * jax.nn.sigmoid(g * alpha))).astype(gate_BxTxF.dtype)
+
+
 # Elementwise, so the backward recomputes them from gate and up (fused into the gradient's own pass) rather than
 # keeping silu(gate), its sigmoid and the product as three more [B, T, F] arrays per layer.
 GATED = {"silu": jax.checkpoint(_swiglu), "gelu_tanh": jax.checkpoint(_geglu)}
+
+
+def gated_activation(cfg: ModelConfig):
+    """act(gate, up) of `cfg`'s gated MLPs and experts."""
+    if cfg.hidden_act == "clamped_swiglu":
+        return jax.checkpoint(lambda g, u: _clamped_swiglu(g, u, cfg.swiglu_alpha, cfg.swiglu_limit))
+    return GATED[cfg.hidden_act]
 
 
 def gated_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters, prefix: str = "") -> jax.Array:
@@ -163,7 +184,7 @@ def gated_mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapt
     else:
         gate_BxTxF, up_BxTxF = (project(x_BxTxD, layer, prefix + name, adapters)
                                 for name in ("gate_proj", "up_proj"))
-    hidden = GATED[cfg.hidden_act](gate_BxTxF, up_BxTxF)
+    hidden = gated_activation(cfg)(gate_BxTxF, up_BxTxF)
     return project(hidden, layer, prefix + "down_proj", adapters)
 
 
@@ -176,7 +197,7 @@ def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters, e
     if "experts" not in layer:
         return gated_mlp(x_BxTxD, layer, cfg, adapters), None
     valid_BxT = jnp.ones(x_BxTxD.shape[:2], bool) if valid_BxT is None else valid_BxT
-    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, GATED[cfg.hidden_act], expert_hook)
+    out_BxTxD, routing = routed_experts(x_BxTxD, layer, cfg, valid_BxT, gated_activation(cfg), expert_hook)
     if "shared_expert_gate" in layer:
         gate_BxTx1 = jax.nn.sigmoid(dense(x_BxTxD, layer["shared_expert_gate"], kernel_axes=("embed", None)))
         out_BxTxD = out_BxTxD + gate_BxTx1 * gated_mlp(x_BxTxD, layer, cfg, adapters, "shared_expert.")
@@ -214,23 +235,24 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
                   expert_hook=None, valid_BxT=None, mlp_tile: int = 0):
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
     With `cfg.sandwich_norms` (Gemma) each sub-layer's output is normalised too: x + norm(attn(norm(x))) with
-    input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm.
+    input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm;
+    with `cfg.post_norms` (OLMo) only the outputs are: x + norm(attn(x)), then x + norm(mlp(x)).
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
     aux (the layer's new keys and values) is returned beside the new x, then a mixture's routing sums (or None;
     `mlp`, counting the tokens of valid_BxT). adapters, expert_hook: the method's (the MLP's). mlp_tile: `tiled_mlp`'s
     tile.
     """
-    sandwich = cfg.sandwich_norms
+    sandwich, post = cfg.sandwich_norms, cfg.post_norms
     with jax.named_scope("attention"):
-        h, aux = attend_fn(norm(x_BxTxD, layer["input_layernorm"], cfg))
-        h = norm(h, layer["post_attention_layernorm"], cfg) if sandwich else h
+        h, aux = attend_fn(x_BxTxD if post else norm(x_BxTxD, layer["input_layernorm"], cfg))
+        h = norm(h, layer["post_attention_layernorm"], cfg) if sandwich or post else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["attn_adapter"]) if "attn_adapter" in layer else h)
     with jax.named_scope("mlp"):
-        pre_mlp = layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]
-        h, routing = tiled_mlp(norm(x_BxTxD, pre_mlp, cfg), layer, cfg, adapters, expert_hook, valid_BxT,
-                                mlp_tile)
-        h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich else h
+        h_in = x_BxTxD if post else norm(
+            x_BxTxD, layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"], cfg)
+        h, routing = tiled_mlp(h_in, layer, cfg, adapters, expert_hook, valid_BxT, mlp_tile)
+        h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich or post else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
     return x_BxTxD, aux, routing
 
@@ -295,7 +317,7 @@ def decoder_and_routing(
     def layer_block(x_BxTxD, per_layer, shared):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
         rope, mask, live_QxC, stacks, valid_BxT = shared
-        cos, sin = layer_rope(rope, window)
+        cos, sin = layer_rope(rope, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index])
         layer = with_kernels_of_layer(layer, stacks, index)
         adapters = layer_adapters(view, layer_key)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context

@@ -53,9 +53,11 @@ def _with_hook(x_MxI, y_MxO, module: dict, hook: ExpertHook | None, product) -> 
 
 
 def grouped_kernel(cfg: ModelConfig, platform: str, tensor: int) -> str:
-    """The grouped matmul a mixture runs: "megablox" on TPU where the tensor axis divides each expert's hidden units,
-    else "ragged_dot" (which the TPU compiler makes a dense matmul per expert). The planner asks the same."""
-    return "megablox" if platform == "tpu" and cfg.expert_size % tensor == 0 else "ragged_dot"
+    """The grouped matmul a mixture runs: "megablox" on TPU where the tensor axis divides each expert's hidden units
+    (and, with expert biases, does not split them: each device adds its rows' whole biases), else "ragged_dot"
+    (which the TPU compiler makes a dense matmul per expert). The planner asks the same."""
+    splits = tensor > 1 and cfg.expert_bias
+    return "megablox" if platform == "tpu" and cfg.expert_size % tensor == 0 and not splits else "ragged_dot"
 
 
 def expert_platform() -> tuple[str, bool]:
@@ -81,25 +83,37 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
         experts = layer["experts"]
         matmul = lambda x, name, sizes_E: grouped_matmul(x, experts[name], sizes_E, EXPERT_AXES[name],  # noqa: E731
                                                          hook)
-        out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E,
-                                 matmul).reshape(B, T, D)
+        out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E, matmul,
+                                 biases=expert_biases(experts)).reshape(B, T, D)
     valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
     assigned_E = jnp.zeros(E, jnp.float32).at[experts_NxK.reshape(-1)].add(jnp.repeat(valid_N, K))
     prob_sums_E = jnp.sum(probs_NxE.astype(jnp.float32) * valid_N[:, None], axis=0)
     return out_BxTxD, (assigned_E, prob_sums_E)
 
 
-def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumulate=None) -> jax.Array:
+def expert_biases(experts: dict) -> dict:
+    """{stack name: its bias [E, out]} of the stacks that have one (gpt-oss)."""
+    return {name: m["bias"] for name, m in experts.items() if "bias" in m}
+
+
+def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumulate=None,
+                 biases: dict | None = None) -> jax.Array:
     """Every token's K experts' gated MLPs, weighted and summed: [N, D] (in `accumulate`'s dtype if given).
     matmul(x_MxI, "gate_up_proj" or "down_proj", group_sizes_E): that stack's grouped matmul over rows sorted by
-    expert."""
+    expert; biases: {stack name: [E, out]}, each row's expert's added to its product."""
     N, K = experts_NxK.shape
     expert_M = experts_NxK.reshape(-1)  # M = N K assignments, token-major
     order_M = jnp.argsort(expert_M, stable=True)
     sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
     x_MxD = x_NxD[order_M // K]
-    hidden_MxF = gated(*jnp.split(matmul(x_MxD, "gate_up_proj", sizes_E), 2, axis=-1))
-    y_MxD = matmul(hidden_MxF, "down_proj", sizes_E)
+    biases = biases or {}
+
+    def product(x_MxI, name):
+        y_MxO = matmul(x_MxI, name, sizes_E)
+        return y_MxO if name not in biases else y_MxO + biases[name][expert_M[order_M]].astype(y_MxO.dtype)
+
+    hidden_MxF = gated(*jnp.split(product(x_MxD, "gate_up_proj"), 2, axis=-1))
+    y_MxD = product(hidden_MxF, "down_proj")
     y_NxKxD = y_MxD[jnp.argsort(order_M)].reshape(N, K, y_MxD.shape[-1])
     dtype = accumulate or y_NxKxD.dtype
     return jnp.einsum("nkd,nk->nd", y_NxKxD.astype(dtype), weights_NxK.astype(dtype))
@@ -121,10 +135,11 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
     specs: dict[str, dict] = {}
     hook_dims = {} if hook is None else dict(hook.leaf_dims)
     for name, module in experts.items():
-        follows = {"kernel": ("in", "out"), **(hook_dims if hook is not None and hook.trigger in module else {})}
+        follows = {"kernel": ("in", "out"), **(hook_dims if hook is not None and hook.trigger in module else {}),
+                   **({"bias": ("in", "out")} if "bias" in module else {})}
         for leaf, (rows_dim, columns_dim) in follows.items():
             value = kernel_of(module, dtype) if leaf == "kernel" else module[leaf]
-            if value.ndim < 3:  # a leaf of no expert dimensions (a scale): replicated
+            if value.ndim < 3:  # a leaf of no expert dimensions (a scale) or an expert bias [E, out]: replicated
                 specs.setdefault(name, {})[leaf] = to_spec([()] * value.ndim)
                 stacks.setdefault(name, {})[leaf] = value
                 continue
@@ -151,7 +166,7 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
         matmul = lambda x, name, sizes_E: megablox_matmul(  # noqa: E731
             x, unpaired[name], sizes_E, jnp.asarray(offset, jnp.int32), hook, interpret)
         out_NxD = _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E, matmul,
-                               accumulate=jnp.promote_types(dtype, jnp.float32))
+                               accumulate=jnp.promote_types(dtype, jnp.float32), biases=expert_biases(stacks))
         if tensor_axes:  # each device's hidden units' share of every expert output
             out_NxD = jax.lax.psum(out_NxD, tensor_axes)
         if gather_rows:

@@ -74,13 +74,19 @@ def param_specs(cfg: ModelConfig) -> dict:
     unit = "zeros" if cfg.norm_unit_offset else "ones"  # a norm's scale is 1 either way
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms else norms
     layers: dict[str, ParamSpec | dict] = {name: ParamSpec((L, D), ("layers", "embed"), unit) for name in norms}
-    if cfg.qk_norm:
+    if cfg.qk_norm_whole:  # OLMo: over all heads' queries, and keys
+        layers["q_norm"] = ParamSpec((L, cfg.q_size), ("layers", None), unit)
+        layers["k_norm"] = ParamSpec((L, cfg.kv_size), ("layers", None), unit)
+    elif cfg.qk_norm:
         layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
         layers[name] = _linear(cfg, d_in, d_out, axes, bias.get(name, False))
     if cfg.num_experts:
         layers.update(expert_specs(cfg))
+    if cfg.attention_sinks:  # gpt-oss: a logit per query head in its softmax's denominator
+        layers["sinks"] = ParamSpec((L, cfg.num_heads), ("layers", None))
     specs = {
         "embed_tokens": ParamSpec((V, D), ("vocab", "table_embed")),
         "layers": layers,
@@ -97,6 +103,11 @@ def expert_specs(cfg: ModelConfig) -> dict:
     specs = {"router": {"kernel": ParamSpec((L, D, E), ("layers", "embed", None))},
              "experts": {"gate_up_proj": {"kernel": ParamSpec((L, E, D, 2 * F), EXPERT_AXES["gate_up_proj"])},
                          "down_proj": {"kernel": ParamSpec((L, E, F, D), EXPERT_AXES["down_proj"])}}}
+    if cfg.router_bias:
+        specs["router"]["bias"] = ParamSpec((L, E), ("layers", None), "zeros")
+    if cfg.expert_bias:
+        specs["experts"]["gate_up_proj"]["bias"] = ParamSpec((L, E, 2 * F), ("layers", "experts", "mlp"), "zeros")
+        specs["experts"]["down_proj"]["bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), "zeros")
     if cfg.shared_expert_size:
         specs["shared_expert_gate"] = {"kernel": ParamSpec((L, D, 1), ("layers", "embed", None))}
     return specs

@@ -13,8 +13,8 @@ from jaxtune.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
-    """[rotary_dim/2] float32 inverse frequencies, after `rope_scaling` (none, linear, llama3 or longrope: its
-    short factors, or its long ones with `long`)."""
+    """[rotary_dim/2] float32 inverse frequencies, after `rope_scaling` (none, linear, llama3, yarn or longrope:
+    its short factors, or its long ones with `long`)."""
     dim = cfg.rotary_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     scaling = cfg.rope_scaling
@@ -27,6 +27,8 @@ def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
         return inv_freq
     if scaling.kind == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(cfg.rope_theta, dim, scaling)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
@@ -37,6 +39,27 @@ def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_frequencies(theta: float, dim: int, scaling) -> np.ndarray:
+    """YaRN's blend of the original (extrapolated) and `factor`-divided (interpolated) frequencies, in float32
+    steps as transformers' `_compute_yarn_parameters`."""
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    powers = (theta ** exponents.astype(np.float64)).astype(np.float32)  # torch's scalar ** tensor rounds once
+    extrapolated, interpolated = np.float32(1.0) / powers, np.float32(1.0) / (np.float32(scaling.factor) * powers)
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(turns: float) -> float:  # the dimension whose wave turns `turns` times over `original`
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = np.float32(1.0) - ramp.astype(np.float32)
+    return (interpolated * (np.float32(1.0) - keep) + extrapolated * keep).astype(np.float32)
 
 
 def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
@@ -52,6 +75,8 @@ def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
     if scaling is not None and scaling.kind == "longrope":
         long = jnp.max(positions_BxT) + 1 > scaling.original_max_position_embeddings
         inv_freq = jnp.where(long, jnp.asarray(inverse_frequencies(cfg, long=True)), inv_freq)
+        attention_factor = scaling.attention_factor
+    if scaling is not None and scaling.kind == "yarn":
         attention_factor = scaling.attention_factor
     freqs_BxTxH = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs_BxTxH, freqs_BxTxH], axis=-1).astype(jnp.promote_types(dtype, jnp.float32))
@@ -74,19 +99,21 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array)
 
 
 def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [R, B, T, hd] (`rope_angles`): R = 1, or 2 when sliding layers have their own base, Gemma 3's
-    `local_rope_theta` (then [full layers', sliding layers'], the sliding ones unscaled)."""
+    """cos and sin [R, B, T, hd] (`rope_angles`), the tables of `cfg.rope_table_of_layer`: the full layers', then
+    the sliding layers' own when they have their own base (`local_rope_theta`: Gemma 3, OLMo 3; unscaled), then
+    the identity (cos 1, sin 0) when some layers are NoPE (`nope_layers`)."""
     tables = [rope_angles(positions_BxT, cfg, dtype)]
     if cfg.local_rope_theta is not None:
         local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
         tables.append(rope_angles(positions_BxT, local, dtype))
+    if cfg.nope_layers:
+        tables.append((jnp.ones_like(tables[0][0]), jnp.zeros_like(tables[0][1])))
     return tuple(jnp.stack(parts) for parts in zip(*tables))
 
 
-def layer_rope(tables: tuple[jax.Array, jax.Array], window: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A layer's cos and sin [B, T, hd] from `rope_tables`: the sliding layers' (window > 0) when there are two."""
+def layer_rope(tables: tuple[jax.Array, jax.Array], table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A layer's cos and sin [B, T, hd]: table `table` (its entry of `cfg.rope_table_of_layer`) of `rope_tables`."""
     cos_RxBxTxH, sin_RxBxTxH = tables
     if cos_RxBxTxH.shape[0] == 1:
         return cos_RxBxTxH[0], sin_RxBxTxH[0]
-    local = (window > 0).astype(jnp.int32)
-    return cos_RxBxTxH[local], sin_RxBxTxH[local]
+    return cos_RxBxTxH[table], sin_RxBxTxH[table]

@@ -140,7 +140,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved += [("x after attention", (b, T, w.D), False), ("q rotated", q_shape, False),
                   ("k rotated", kv_shape, False), ("v", kv_shape, False), ("gate", (b, T, w.F), False),
                   ("up", (b, T, w.F), False), ("norm statistics", (b, T, 2), True)]
-        if cfg.sandwich_norms:  # Gemma: the sub-layers' outputs, normalised (in float32) before the residual add
+        if cfg.sandwich_norms or cfg.post_norms:  # Gemma, OLMo: sub-layer outputs normalised before the add
             saved += [("attention block output", (b, T, w.D), True), ("MLP block output", (b, T, w.D), True),
                       ("output norm statistics", (b, T, 2), True)]
         if cfg.qk_norm:  # Qwen3, Gemma 3: the query and key norms' float32 inputs and statistics, for their backward

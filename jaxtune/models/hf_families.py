@@ -1,0 +1,168 @@
+"""The families added after the Llama-shaped ones, each its `config.json` reading and writing in one place: what a
+family sets apart from Llama as `ModelConfig` fields (`Family.from_hf`), and the keys transformers needs to build
+the same model back (`Family.to_hf`). `hf_config.config_from_hf` reads the fields every family shares, then a
+registered family's own; `config_to_hf` likewise.
+
+SmolLM3 (transformers' `modeling_smollm3`): Llama with NoPE layers (`no_rope_layers`, 1 = RoPE, 0 = NoPE; by
+default every `no_rope_layer_interval`-th), sliding windows only where `use_sliding_window`.
+OLMo 2 and OLMo 3 (`modeling_olmo2`, `modeling_olmo3`): norms after each sub-layer only, query and key norms over
+the whole projection, RMSNorm scaling in float32; OLMo 3 adds sliding layers (three of every four by default) whose
+RoPE is unscaled while its full layers' may be YaRN.
+gpt-oss (`modeling_gpt_oss`): every layer a mixture (router with a bias, softmax over the top k logits, experts
+with biases and the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers alternating,
+YaRN; its experts' tensors are `gpt_oss_experts`'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jaxtune.config import ModelConfig
+from jaxtune.errors import JaxtuneError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """model_type: transformers' name. from_hf(hf, where, rope) -> the family's `ModelConfig` fields, given
+    `rope(params, default_theta)` -> (theta, RopeScaling | None) reading one RoPE entry. fixed: fields the family
+    fixes (a config that changes one has no transformers counterpart). to_hf(cfg, hf) -> its own config.json keys,
+    given the shared ones already written (`hf`)."""
+
+    model_type: str
+    from_hf: Callable[[dict, str, Callable], dict]
+    fixed: dict[str, Any]
+    to_hf: Callable[[ModelConfig, dict], dict]
+
+
+def _layer_types(windows: tuple[int, ...]) -> list[str]:
+    return ["sliding_attention" if w else "full_attention" for w in windows]
+
+
+def _one_window(cfg: ModelConfig) -> int | None:
+    windows = set(cfg.sliding_windows) - {0}
+    if len(windows) > 1:
+        raise JaxtuneError(f"{cfg.architecture} has one sliding_window; this config has {sorted(windows)}")
+    return windows.pop() if windows else None
+
+
+def _bias(hf: dict) -> dict:
+    return dict(qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)))
+
+
+def _bias_to_hf(cfg: ModelConfig) -> dict:
+    if cfg.qkv_bias != cfg.o_bias:
+        raise JaxtuneError(f"{cfg.architecture} has one attention_bias flag for q, k, v and o alike")
+    return {"attention_bias": cfg.qkv_bias}
+
+
+def _smollm3_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    interval = int(hf.get("no_rope_layer_interval") or 4)
+    uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(uses_rope) < layers:
+        raise JaxtuneError(f"{where}: no_rope_layers has {len(uses_rope)} entries for {layers} layers")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") or ["sliding_attention" if window and not uses_rope[i] else "full_attention"
+                                      for i in range(layers)]
+    return dict(nope_layers=tuple(i for i in range(layers) if not uses_rope[i]),
+                sliding_windows=tuple(int(window or 0) if t == "sliding_attention" else 0 for t in types),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), mlp_bias=bool(hf.get("mlp_bias")),
+                **_bias(hf))
+
+
+def _smollm3_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    window = _one_window(cfg)
+    return {**_bias_to_hf(cfg), "mlp_bias": cfg.mlp_bias, "use_sliding_window": window is not None,
+            "sliding_window": window, "layer_types": _layer_types(cfg.sliding_windows),
+            "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]}
+
+
+OLMO_FIXED = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True, hidden_act="silu", mlp_bias=False)
+
+
+def _olmo2_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    return {**OLMO_FIXED, **_bias(hf)}
+
+
+def _olmo3_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    window = hf.get("sliding_window", 4096)
+    if "sliding_attention" in types and not window:
+        raise JaxtuneError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
+    by_type = hf.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        theta, scaling = rope(by_type.get("full_attention") or {}, 500_000.0)
+        local_theta, local_scaling = rope(by_type.get("sliding_attention") or {}, 500_000.0)
+    else:  # one entry (or `rope_scaling`): the full layers', as transformers' `convert_rope_params_to_dict`
+        theta, scaling = rope(by_type or hf.get("rope_scaling") or {}, hf.get("rope_theta", 500_000.0))
+        local_theta, local_scaling = theta, None
+    if local_scaling is not None:
+        raise JaxtuneError(f"{where}: scaled RoPE on sliding layers is not supported")
+    return {**OLMO_FIXED, **_bias(hf), "rope_theta": theta, "rope_scaling": scaling,
+            "local_rope_theta": local_theta if "sliding_attention" in types else None,
+            "sliding_windows": tuple(int(window) if t == "sliding_attention" else 0 for t in types)}
+
+
+def _olmo2_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    if set(cfg.sliding_windows) != {0}:
+        raise JaxtuneError("Olmo2ForCausalLM has no sliding layers (Olmo3ForCausalLM has)")
+    return _bias_to_hf(cfg)
+
+
+def _olmo3_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    local_theta = cfg.rope_theta if cfg.local_rope_theta is None else cfg.local_rope_theta
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **hf.get("rope_parameters", {})}
+    return {**_bias_to_hf(cfg), "sliding_window": _one_window(cfg), "layer_types": _layer_types(cfg.sliding_windows),
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+
+
+def _gpt_oss_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    window = int(hf.get("sliding_window") or 0)
+    if "sliding_attention" in types and not window:
+        raise JaxtuneError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
+    return dict(num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
+                experts_per_token=int(hf["num_experts_per_tok"]), expert_size=int(hf["intermediate_size"]),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+                output_router_logits=bool(hf.get("output_router_logits", False)),
+                sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                **GPT_OSS_FIXED, **_bias(hf))
+
+
+def _gpt_oss_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    return {**_bias_to_hf(cfg), "hidden_act": "silu", "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token, "swiglu_alpha": cfg.swiglu_alpha,
+            "swiglu_limit": cfg.swiglu_limit, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "output_router_logits": cfg.output_router_logits, "sliding_window": _one_window(cfg),
+            "layer_types": _layer_types(cfg.sliding_windows)}
+
+
+GPT_OSS_FIXED = dict(hidden_act="clamped_swiglu", router_bias=True, expert_bias=True, attention_sinks=True,
+                     normalize_top_k=True, mlp_bias=False, shared_expert_size=0, norm_float32_scale=True)
+
+
+FAMILIES = {
+    "SmolLM3ForCausalLM": Family(model_type="smollm3", from_hf=_smollm3_from_hf, to_hf=_smollm3_to_hf, fixed={}),
+    "Olmo2ForCausalLM": Family(model_type="olmo2", from_hf=_olmo2_from_hf, to_hf=_olmo2_to_hf,
+                               fixed={**OLMO_FIXED, "nope_layers": ()}),
+    "Olmo3ForCausalLM": Family(model_type="olmo3", from_hf=_olmo3_from_hf, to_hf=_olmo3_to_hf,
+                               fixed={**OLMO_FIXED, "nope_layers": ()}),
+    "GptOssForCausalLM": Family(model_type="gpt_oss", from_hf=_gpt_oss_from_hf, to_hf=_gpt_oss_to_hf,
+                                fixed=GPT_OSS_FIXED),
+}
+
+
+def family_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    """The registered family's own config.json keys (`hf`: the shared ones already written, its RoPE entry
+    included)."""
+    family = FAMILIES[cfg.architecture]
+    for name, value in family.fixed.items():
+        if getattr(cfg, name) != value:
+            raise JaxtuneError(f"{cfg.architecture} has {name}={value!r}, this config {getattr(cfg, name)!r}")
+    return family.to_hf(cfg, hf)

@@ -1,0 +1,114 @@
+"""The families of 2025-26 (`models/hf_families.py`) against transformers and PEFT, each on its tiny random
+config (tests/hf_models.py): LoRA gradients equal PEFT's, greedy generation equals transformers' `generate` over
+20 tokens, a jaxtune-trained adapter loads in PEFT with the same logits and merges into a directory transformers
+loads. (Their logits, bfloat16 and round trips are test_model_parity.py's, over every family.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import padded_batch
+from peft import LoraConfig, PeftModel, get_peft_model
+from reference import float64_reference
+from test_generate import left_padded, prompts
+from test_methods_peft import assert_merged_export, assert_same_as_peft, randomize_adapter, randomize_peft
+
+from jaxtune.config import ForwardOptions, SamplingConfig
+from jaxtune.generation import generate
+from jaxtune.methods import method_config
+from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter, save_peft_adapter
+from jaxtune.methods.transform import apply_method
+from jaxtune.models.llama import forward
+from jaxtune.spine.model import load_model
+
+pytestmark = [pytest.mark.parity, pytest.mark.reference]
+
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss"]
+
+
+def everyday(arch: str) -> list:
+    """FAMILIES with all but `arch` in the full tier (the everyday tier reads every family's logits already)."""
+    return [a if a == arch else pytest.param(a, marks=pytest.mark.full) for a in FAMILIES]
+ALL_LINEAR = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
+
+
+@pytest.fixture(scope="module")
+def family(hf_model_dir):
+    def get(arch):
+        directory, model = hf_model_dir(arch)
+        return directory, model, *load_model(directory)
+    return get
+
+
+def token_loss(logits, ids, mask):
+    """Mean next-token cross entropy over the real tokens (either library's arrays)."""
+    lib = torch if isinstance(logits, torch.Tensor) else jnp
+    logp = lib.log_softmax(logits[:, :-1], -1) if lib is torch else jax.nn.log_softmax(logits[:, :-1], -1)
+    target = ids[:, 1:]
+    picked = (torch.gather(logp, -1, target[..., None])[..., 0] if lib is torch
+              else jnp.take_along_axis(logp, target[..., None], -1)[..., 0])
+    valid = (mask[:, 1:] * mask[:, :-1])
+    return -(picked * valid).sum() / valid.sum()
+
+
+@pytest.mark.parametrize("arch", everyday("olmo3"))
+def test_lora_gradients_equal_peft(arch, family, tmp_path):
+    """d(loss)/d(LoRA A, B) on every linear module, both in float64, named as PEFT names them (`adapter_state_dict`,
+    which writes float32): equal to float32's rounding, 1e-6 of the largest."""
+    directory, model, cfg, params = family(arch)
+    peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")))
+    peft_model.save_pretrained(tmp_path)
+    method, with_adapter = load_peft_adapter(tmp_path, params, cfg)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    reference = float64_reference(peft_model)
+    ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
+    token_loss(reference(input_ids=ids_t, attention_mask=mask_t, position_ids=torch.tensor(positions)).logits,
+               ids_t, mask_t).backward()
+    theirs = {name.replace(".default", ""): p.grad.numpy() for name, p in reference.named_parameters()
+              if p.requires_grad}
+    with jax.enable_x64(True):
+        params64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), with_adapter)
+
+        def loss(p):
+            logits = forward(p, jnp.asarray(ids), cfg, method=method, positions_BxT=jnp.asarray(positions),
+                             attention_mask_BxT=jnp.asarray(mask), options=ForwardOptions(compute_dtype="float64"))
+            return token_loss(logits, jnp.asarray(ids), jnp.asarray(mask))
+
+        grads = jax.grad(loss)(params64)
+        ours = adapter_state_dict(jax.tree.map(lambda g: np.asarray(g, np.float64), grads), cfg, method)
+    assert set(ours) == set(theirs) and len(ours) == 2 * len(cfg.linear_modules) * cfg.num_layers
+    for name, want in theirs.items():
+        assert np.abs(ours[name] - want).max() <= 1e-6 * np.abs(want).max(), name
+    assert min(np.abs(g).max() for g in theirs.values()) > 1e-6  # every adapted module reaches the loss
+
+
+@pytest.mark.parametrize("arch", everyday("smollm3"))
+def test_greedy_equals_transformers_generate(arch, family):
+    """20 new tokens after left-padded prompts of different lengths (past the sliding windows of 4; gpt-oss's
+    sinks in the cached decode)."""
+    directory, model, cfg, params = family(arch)
+    batch = prompts(cfg.vocab_size)
+    ids, mask = left_padded(batch)
+    n = 20
+    with torch.no_grad():
+        ref = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    assert generate(params, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=()) == ref[
+        :, ids.shape[1]:].numpy().tolist()
+
+
+@pytest.mark.parametrize("arch", everyday("gpt_oss"))
+def test_trained_adapter_loads_in_peft_and_merges(arch, family, tmp_path):
+    """A LoRA adapter on every linear module, as jaxtune saves it, loads in PEFT with jaxtune's logits; its merged
+    export loads in transformers with the unmerged logits."""
+    directory, model, cfg, params = family(arch)
+    with_adapter = randomize_adapter(apply_method(params, cfg, ALL_LINEAR, jax.random.key(0)))
+    save_peft_adapter(tmp_path / "adapter", with_adapter, cfg, ALL_LINEAR)
+    peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                           tmp_path / "adapter").eval()
+    assert_same_as_peft(peft_model, with_adapter, cfg, ALL_LINEAR)
+    assert_merged_export(directory, tmp_path / "adapter", cfg, ALL_LINEAR, with_adapter,
+                         peft_model.merge_and_unload().eval(), tmp_path / "merged")
