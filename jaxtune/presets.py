@@ -24,7 +24,8 @@ def family_traits(arch: str, num_layers: int) -> dict:
     sliding layers alternate with full ones (Gemma 3 has one full layer in six at scale; two layers show both);
     Phi-3's fused projections, with Phi-4-mini's partial rotary factor; mixtures of 4 to 8 experts, top 2, Mixtral's
     as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert; SmolLM3's NoPE layer last (every fourth
-    at scale), OLMo's norms (OLMo 3's first layer sliding); gpt-oss's experts with biases, sinks, sliding and full layers."""
+    at scale), OLMo's norms (OLMo 3's first layer sliding); gpt-oss's experts with biases, sinks, sliding and
+    full layers."""
     olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),

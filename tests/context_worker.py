@@ -7,6 +7,7 @@ module's calls (tests/eight_devices.py; XLA fixes the number of host devices whe
     python tests/context_worker.py memory           # compiled temporaries a device at 32k tokens, context 1 and 8
     python tests/context_worker.py flops            # program FLOPs of a causal and a sliding-window step
     python tests/context_worker.py splash           # the ring with splash as its per-block kernel (interpreted)
+    python tests/context_worker.py sinks            # context attention with attention sinks against one device
 
 Gradients are of SFT's mean loss over a packed, padded micro-batch (spine.update.accumulate), the parameters sharded
 as the trainer shards them (ZeRO-3 over fsdp x context), float32; differences are each leaf's largest absolute one
@@ -22,13 +23,22 @@ if "jax" not in sys.modules:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from eight_devices import serve
 
 from jaxtune.config import ForwardOptions, MeshConfig, TrainConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.methods import method_config
-from jaxtune.models.context_attention import ContextLayout, balanced_order, gather_outputs, to_layout
+from jaxtune.models.attention import blockwise_attention, training_mask
+from jaxtune.models.context_attention import (
+    ContextLayout,
+    balanced_order,
+    context_attention,
+    context_layout,
+    gather_outputs,
+    to_layout,
+)
 from jaxtune.objectives import objective_named
 from jaxtune.objectives.distill import DistillConfig
 from jaxtune.objectives.dpo import PreferenceConfig
@@ -237,10 +247,54 @@ def flops() -> dict:
     return out
 
 
+def sinks() -> dict:
+    """{"strategy window mesh": [relative output difference, largest relative gradient difference (q, k, v, sinks)]}
+    of `context_attention` with attention sinks [K, G] against the blockwise kernel on one device: 2 rows of 64
+    tokens (row 0's first 5 padding: queries that see no key), GQA, float32; on context=4 x fsdp=2 the balanced
+    ring (window 0: 4 steps) and the ring cut short (window 12, contiguous chunks: 2 steps), on context=2 x fsdp=2 x
+    tensor=2 the all-gather (the sinks split with the key/value heads)."""
+    B, K, G, T, hd = 2, 2, 2, 64, 8
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, K, G, T, hd), np.float32)
+    k, v = rng.standard_normal((2, B, K, T, hd), np.float32)
+    sinks_KxG = 2 * rng.standard_normal((K, G), np.float32)
+    weights = rng.standard_normal(q.shape, np.float32)
+    valid = np.ones((B, T), np.int32)
+    valid[0, :5] = 0
+    mask = training_mask(B, T, 0, jnp.asarray(valid), None)
+
+    def values_and_grads(fn, weights):
+        loss = lambda *a: jnp.sum(fn(*a) * weights)  # noqa: E731
+        return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, sinks_KxG)
+
+    out = {}
+    for strategy, window, name in (("ring", 0, "context=4 x fsdp=2"), ("ring", 12, "context=4 x fsdp=2"),
+                                   ("all_gather", 0, "context=2 x fsdp=2 x tensor=2")):
+        want, want_grads = values_and_grads(lambda q, k, v, s: blockwise_attention(q, k, v, mask, window,
+                                                                                   sinks_KxG=s), weights)
+        mesh = make_mesh(MESHES[name])
+        with traced_on(mesh), jax.set_mesh(mesh):
+            layout = context_layout(T, (window,), strategy)
+            spread = training_mask(B, T, 0, to_layout(jnp.asarray(valid), layout), None,
+                                   to_layout(jnp.arange(T, dtype=jnp.int32), layout, axis=0))
+            no_prefix = jnp.zeros((B, K, 0, hd), jnp.float32)
+
+            def split(q, k, v, s):  # the output in the layout's order
+                return context_attention(to_layout(q, layout, 3), to_layout(k, layout, 2), to_layout(v, layout, 2),
+                                         no_prefix, no_prefix, spread, window, layout, scale=hd**-0.5, softcap=None,
+                                         sinks_KxG=s)
+
+            got, grads = values_and_grads(split, to_layout(jnp.asarray(weights), layout, 3))
+            ordered = to_layout(want, layout, 3)
+        out[f"{strategy} {window} {name}"] = [largest_difference([got], [np.asarray(ordered)]),
+                                              largest_difference(grads, want_grads)]
+    return out
+
+
 def dispatch(args: list[str]) -> dict:
     """One request: a mode and its arguments."""
     modes = {"gradients": gradients, "objectives": objectives, "layout": layout, "memory": memory, "flops": flops,
-             "splash": splash}
+             "splash": splash, "sinks": sinks}
     return modes[args[0]](*args[1:])
 
 

@@ -15,14 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtune.config import ForwardOptions, tiny_config
 from jaxtune.methods import method_config
 from jaxtune.models import attention
 from jaxtune.models.attention import AttentionMask, blockwise_attention, cache_mask, live_blocks, training_mask
+from jaxtune.models.kernels import FusedAttentionWarning
+from jaxtune.models.kv_cache import decode_step, prefill
+from jaxtune.models.llama import forward
+from jaxtune.models.params import init_params
 
 
-def dense_attention(q, k, v, mask: AttentionMask, window: int, scale=None, softcap=None):
+def dense_attention(q, k, v, mask: AttentionMask, window: int, scale=None, softcap=None, sinks=None):
     """softmax(q k^T / sqrt(hd)) v with the whole mask, masked scores at the float's minimum; `scale` in place of
-    1 / sqrt(hd), scores soft-capped as Gemma 2's eager attention does (c * tanh(s / c)) when `softcap`."""
+    1 / sqrt(hd), scores soft-capped as Gemma 2's eager attention does (c * tanh(s / c)) when `softcap`; with
+    `sinks` [K, G], gpt-oss's eager attention: each head's sink appended as a last column of the scores, softmaxed
+    with them, then dropped."""
     S = k.shape[2]
     allowed = attention._allowed(mask.q_slot_T, mask.q_segment_BxT, jnp.arange(S), mask.k_valid_BxS,
                                  mask.k_segment_BxS, window)
@@ -30,7 +37,11 @@ def dense_attention(q, k, v, mask: AttentionMask, window: int, scale=None, softc
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
-    return jnp.einsum("bkgts,bksh->bkgth", jax.nn.softmax(s, axis=-1), v)
+    if sinks is None:
+        return jnp.einsum("bkgts,bksh->bkgth", jax.nn.softmax(s, axis=-1), v)
+    sink_column = jnp.broadcast_to(sinks[None, :, :, None, None], s.shape[:-1] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([s, sink_column], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bkgts,bksh->bkgth", p, v)
 
 
 B, K, G, HD = 2, 2, 2, 8
@@ -180,6 +191,82 @@ def test_blockwise_bfloat16_rounds_the_float32_result(kind, blocks):
         err, dense_err = (np.max(np.abs(np.asarray(g, np.float32) - np.asarray(want))) / np.max(np.abs(want))
                           for g in (got, bf16))
         assert err <= 2**-7 and err <= dense_err, (name, err, dense_err)
+
+
+def sink_case(case: str):
+    """(mask, window, block size, [B, T] queries that see no key: those before their row's first real token)."""
+    T, window, block = {"one_block": (13, 5, 64), "dead_blocks": (13, 3, 4),
+                        "gpt_oss": (300, 128, attention.BLOCK)}[case]
+    valid = np.ones((B, T), np.int32)
+    if case == "dead_blocks":  # both rows' first 5 tokens padding: query block 0 sees no key in any row (skipped)
+        valid[:, :5] = 0
+    else:  # left padding in row 0, right padding in row 1
+        valid[0, :3] = 0
+        valid[1, T - 4:] = 0
+    return training_mask(B, T, 0, jnp.asarray(valid), None), window, block, np.cumsum(valid, axis=1) == 0
+
+
+@pytest.mark.parametrize("case", ["one_block", "dead_blocks", "gpt_oss"])
+def test_attention_sinks_equal_dense_float64(case, monkeypatch):
+    """gpt-oss's sinks: output and gradients of q, k, v and the sinks equal the dense form's (the sink a last score
+    column, dropped after the softmax) in float64, on every query: one that sees no key gets 0, finite. Cases: one
+    block (the loop-free path) with padding and a window; blocks of 4 with a whole query block dead (skipped), a
+    window killing blocks below the diagonal and a padded last block; 300 tokens in blocks of 256 with gpt-oss's
+    window of 128 and padding."""
+    mask, window, block, unseen_BxT = sink_case(case)
+    monkeypatch.setattr(attention, "BLOCK", block)
+    T, S = mask.q_slot_T.shape[0], mask.k_valid_BxS.shape[1]
+    if case == "dead_blocks":
+        assert not np.asarray(jax.jit(live_blocks, static_argnums=(1, 2))(mask, T, S))[0].any()
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True):
+        q, k, v = inputs(T, S, jnp.float64)
+        sinks = jnp.asarray(2 * rng.standard_normal((K, G)))
+        weights = jnp.asarray(rng.standard_normal(q.shape))
+
+        def values_and_grads(fn):  # output, then the gradients of q, k, v, sinks, as float64 numpy arrays
+            loss = lambda *a: jnp.sum(fn(*a) * weights)  # noqa: E731
+            return [np.asarray(a) for a in jax.tree.leaves(
+                jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, sinks))]
+
+        got = values_and_grads(lambda q, k, v, s: blockwise_attention(q, k, v, mask, window, sinks_KxG=s))
+        want = values_and_grads(lambda q, k, v, s: dense_attention(q, k, v, mask, window, sinks=s))
+        no_sinks = np.asarray(jax.jit(lambda q, k, v: dense_attention(q, k, v, mask, window))(q, k, v))
+    relative = lambda got, want: np.max(np.abs(got - want)) / np.max(np.abs(want))  # noqa: E731
+    for name, got_, want_ in zip(["out", "q", "k", "v", "sinks"], got, want):
+        assert got_.dtype == np.float64 and relative(got_, want_) <= 1e-12, name
+    unseen = np.broadcast_to(unseen_BxT[:, None, None, :, None], got[0].shape)
+    assert unseen.any() and np.all(got[0][unseen] == 0)
+    assert relative(no_sinks, want[0]) > 0.1  # the sinks matter
+
+
+def test_a_model_with_sinks_decodes_as_its_forward():
+    """Sinks in a model's layers (`layers["sinks"]` [L, H]; a sliding layer of 6 and a global one): the full
+    forward's logits equal a prefill's and then each decode step's (its dense one-query attention) for a left-padded
+    row and a full one, and differ from the model's without sinks; a fused kernel asked for declines the sinks."""
+    cfg = tiny_config(vocab_size=64, sliding_windows=(6, 0), initializer_range=0.1)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))  # one program, not op by op
+    sinks_LxH = jnp.asarray(np.random.default_rng(1).standard_normal((cfg.num_layers, cfg.num_heads)), jnp.float32)
+    with_sinks = {**params, "layers": {**params["layers"], "sinks": sinks_LxH}}
+    T, t0 = 10, 4
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, T)), jnp.int32)
+    mask_np = np.ones((2, T), np.int32)
+    mask_np[0, :3] = 0
+    mask, positions = jnp.asarray(mask_np), jnp.asarray(np.clip(np.cumsum(mask_np, axis=1) - 1, 0, None))
+    full = lambda p: forward(p, ids, cfg, positions_BxT=positions, attention_mask_BxT=mask)  # noqa: E731
+    want, without = (np.asarray(a) for a in jax.jit(lambda: (full(with_sinks), full(params)))())
+    logits, cache = jax.jit(prefill, static_argnames=("cfg", "cache_size"))(with_sinks, ids[:, :t0], cfg,
+                                                                              mask[:, :t0], cache_size=T)
+    decode = jax.jit(decode_step, static_argnames=("cfg",))
+    got = [logits]
+    for t in range(t0, T):
+        logits, cache = decode(with_sinks, ids[:, t], cache, cfg)
+        got.append(logits)
+    assert np.max(np.abs(np.stack(got, axis=1) - want[:, t0 - 1:])) <= 1e-5
+    assert np.max(np.abs(without - want)) > 1e-2
+    with pytest.warns(FusedAttentionWarning, match="sinks"):  # splash's blocks fit 128 tokens; not its sinks
+        jax.eval_shape(lambda p: forward(p, jnp.zeros((2, 128), jnp.int32), cfg,
+                                         options=ForwardOptions(attention="splash")), with_sinks)
 
 
 def test_skipped_blocks(small_blocks):

@@ -79,6 +79,17 @@ def test_both_strategies_give_one_devices_loss_and_gradients(case):
 
 
 @pytest.mark.slow
+def test_attention_sinks_count_once_on_a_context_axis():
+    """gpt-oss's sinks joined once per query after the blocks' merge: the output and the gradients of q, k, v and
+    the sinks of the balanced ring and the ring cut short by a window (context=4 x fsdp=2) and the all-gather
+    (context=2 x fsdp=2 x tensor=2) within 1e-5 of one device's blockwise kernel (padded rows included)."""
+    out = run("context_worker.py", "sinks")
+    assert len(out) == 3
+    for name, (values, grads) in out.items():
+        assert values <= 1e-5 and grads <= 1e-5, (name, values, grads)
+
+
+@pytest.mark.slow
 @pytest.mark.full
 def test_splash_as_the_rings_per_block_kernel_gives_one_devices_loss_and_gradients():
     """`attention = "splash"` (on TPU, "auto") on a balanced ring: each block by splash's forward and backward

@@ -149,7 +149,7 @@ def test_left_padding_is_not_right_padding():
 
 def decide(choice="auto", **changes):
     facts = dict(B=2, T=256, S=256, K=2, G=2, head_dim=64, prefix=0, packed=False, padded=False, softcap=None,
-                 dtype=jnp.bfloat16, windows=(0,))
+                 dtype=jnp.bfloat16, windows=(0,), sinks=False)
     return choose_kernel(choice, AttentionShape(**{**facts, **changes}), jax.default_backend())
 
 
@@ -162,6 +162,7 @@ def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monke
     assert decide(prefix=128, S=384) is not None  # prefix keys: a causal mask with an offset
     assert decide(prefix=128, S=384, packed=True) is None  # prefix keys seen by every segment: blockwise
     assert decide(T=200, S=200) is None  # not a multiple of 128
+    assert decide(sinks=True) is None  # attention sinks (gpt-oss): blockwise
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert decide(dtype=jnp.float32) is None  # cuDNN's flash attention is 16-bit
     assert decide(packed=True) is None and decide(softcap=50.0) is None and decide(prefix=4, S=260) is None
@@ -170,6 +171,7 @@ def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monke
     probed = []
     monkeypatch.setattr(cudnn_kernel, "_cudnn_refuses", lambda *args: probed.append(args) or None)
     assert decide(padded=True) == FusedAttention("cudnn", (0,), True)
+    assert decide(sinks=True) is None  # refused before the probe
     monkeypatch.setattr(cudnn_kernel, "_cudnn_refuses", lambda *args: "RuntimeError: cuDNN 8.9 or newer")
     assert decide() is None  # cuDNN refusing the shapes: blockwise
     assert len(probed) == 1

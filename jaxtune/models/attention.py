@@ -7,6 +7,10 @@ keys, query and key slots, packed segments or prefix trees (`branch_segment`), t
 0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
 skipped in both passes (`live_blocks`, decided once per call, outside the layer scan); a row of one block runs
 without loops. Scores, softmax and sums are float32 (float64 inputs: float64); `attend_blocks`, `attention_grads`.
+
+Attention sinks (gpt-oss): a learned logit per query head joins every query's softmax denominator as a key of value
+0 (softmax over [scores, sink], the sink's probability dropped); `join_sinks` and `sink_grads` for a caller that
+merges attention over key blocks itself (`context_attention.py`).
 """
 
 from __future__ import annotations
@@ -201,9 +205,11 @@ def _scores(q_blk, k_blk, allowed_BxQxC, scale: float, softcap: float | None) ->
     return jnp.where(allowed_BxQxC[:, None, None], s, jnp.finfo(dtype).min), tanh
 
 
-def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softcap: float | None):
+def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, softcap: float | None,
+                  sinks_KxG: jax.Array | None = None):
     """(out [B, K, G, T, hd] and log-sum-exp [B, K, G, T], both float32 (float64 for float64 q)) of q [B, K, G, T,
-    hd] over keys and values [B, K, S, hd] as `blockwise_attention` computes them, without its backward."""
+    hd] over keys and values [B, K, S, hd] (and the sinks [K, G], in the log-sum-exp too) as `blockwise_attention`
+    computes them, without its backward."""
     B, K, G, T, hd = q.shape
     blocks = _blocked(q, k, v, mask)
     m = blocks.mask
@@ -231,11 +237,16 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
 
             return _if_live(live, update, lambda c: c, carry, loop), None
 
-        init = (jnp.full((B, K, G, bq), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G, bq), f32),
-                jnp.zeros((B, K, G, bq, hd), f32))
+        if sinks_KxG is None:
+            max_norm = (jnp.full((B, K, G, bq), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G, bq), f32))
+        else:  # the sink is the first key every query sees: max = sink, norm = exp(sink - max) = 1, its value 0;
+            # so a query that sees no key gets output 0 (each masked score's exp(min - sink) is 0), finite
+            sink_BxKxGxQ = jnp.broadcast_to(sinks_KxG.astype(f32)[:, :, None], (B, K, G, bq))
+            max_norm = (sink_BxKxGxQ, jnp.ones((B, K, G, bq), f32))
+        init = (*max_norm, jnp.zeros((B, K, G, bq, hd), f32))
         (max_, norm, acc), _ = _scan_blocks(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
                                                               m.k_segment, live_C))
-        norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached: output 0
+        norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached (and no sink): output 0
         return None, (acc / norm[..., None], max_ + jnp.log(norm))
 
     _, (out, lse) = _scan_blocks(query_block, None, (blocks.q, m.q_slot, m.q_segment, live_QxC))
@@ -244,27 +255,46 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
     return out, lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k, v, mask, window, live_QxC, scale, softcap):
-    return attend_blocks(q, k, v, mask, window, live_QxC, scale, softcap)[0].astype(q.dtype)
+def join_sinks(out, lse, sinks_KxG: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) of attention over some keys [B, K, G, T, hd], [B, K, G, T] float32 (float64) with the sinks [K, G]
+    joined to each query's denominator: once, after merging every key block's (out, lse)."""
+    lse_with = jnp.logaddexp(lse, sinks_KxG.astype(lse.dtype)[:, :, None])
+    return out * jnp.exp(lse - lse_with)[..., None], lse_with
 
 
-def _attention_fwd(q, k, v, mask, window, live_QxC, scale, softcap):
-    out, lse = attend_blocks(q, k, v, mask, window, live_QxC, scale, softcap)
+def sink_grads(sinks_KxG: jax.Array, out, lse, g) -> jax.Array:
+    """d/d sinks [K, G] float32 (float64) for the cotangent g [B, K, G, T, hd] of the attention's output `out`, its
+    log-sum-exp `lse` [B, K, G, T] including the sinks: -sum over rows and queries of p_sink * rowsum(g out), p_sink =
+    exp(sink - lse) (the sink's value is 0: it moves the output only through the denominator)."""
+    f32 = lse.dtype
+    delta_BxKxGxT = jnp.sum(g.astype(f32) * out.astype(f32), axis=-1)
+    p_sink_BxKxGxT = jnp.exp(sinks_KxG.astype(f32)[:, :, None] - lse)
+    return -jnp.sum(p_sink_BxKxGxT * delta_BxKxGxT, axis=(0, 3))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _attention(q, k, v, mask, window, live_QxC, sinks_KxG, scale, softcap):
+    return attend_blocks(q, k, v, mask, window, live_QxC, scale, softcap, sinks_KxG)[0].astype(q.dtype)
+
+
+def _attention_fwd(q, k, v, mask, window, live_QxC, sinks_KxG, scale, softcap):
+    out, lse = attend_blocks(q, k, v, mask, window, live_QxC, scale, softcap, sinks_KxG)
     out = out.astype(q.dtype)
-    return out, (q, k, v, mask, window, live_QxC, out, lse)
+    return out, (q, k, v, mask, window, live_QxC, sinks_KxG, out, lse)
 
 
 def _attention_bwd(scale, softcap, residuals, g):
-    q, k, v, mask, window, live_QxC, out, lse = residuals
+    q, k, v, mask, window, live_QxC, sinks_KxG, out, lse = residuals
     dq, dk, dv = attention_grads(q, k, v, mask, window, live_QxC, out, lse, g, scale, softcap)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    dsinks = None if sinks_KxG is None else sink_grads(sinks_KxG, out, lse, g).astype(sinks_KxG.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks
 
 
 def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g, scale: float,
                     softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) in float32 (float64) of `attend_blocks`' output for the cotangent g [B, K, G, T, hd], given the
-    output `out` and log-sum-exp `lse` of the whole attention (over these keys and any others).
+    output `out` and log-sum-exp `lse` of the whole attention (over these keys, any others and any sinks: a sink
+    reaches dq, dk, dv only through lse; its own gradient is `sink_grads`).
 
     FlashAttention-2's backward: per block, p = exp(s - lse), dv += p^T g, ds = p (g v^T - rowsum(g o)),
     dq += ds k, dk += ds^T q (both scaled; with a soft cap, ds also times 1 - tanh^2); an outer loop over key
@@ -321,19 +351,21 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def blockwise_attention(q_BxKxGxTxh: jax.Array, k_BxKxSxh: jax.Array, v_BxKxSxh: jax.Array, mask: AttentionMask,
                         window: jax.Array | int = 0, live_QxC: jax.Array | None = None, *, scale: float | None = None,
-                        softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None, sinks_KxG: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T scale) v [B, K, G, T, hd] over the keys `mask` allows (G query heads share each of the K
     key/value heads), in q's dtype.
 
     window: the layer's sliding window (0: none), as the slots count it. live_QxC: `live_blocks(mask, T, S)` when
     the caller computes it once for many layers; None computes it here. scale: default 1 / sqrt(hd). softcap: the
-    scores become softcap * tanh(scores / softcap) before the mask and the softmax (None: uncapped).
+    scores become softcap * tanh(scores / softcap) before the mask and the softmax (None: uncapped). sinks_KxG: each
+    query head's attention sink [K, G], a logit in every query's softmax (not capped) whose probability is dropped
+    (gpt-oss; a query that sees no key then gets 0), differentiable; None: no sinks (nor any cost of them).
     """
     T, S = q_BxKxGxTxh.shape[3], k_BxKxSxh.shape[2]
     if live_QxC is None:
         live_QxC = live_blocks(mask, T, S)
     scale = q_BxKxGxTxh.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, jnp.asarray(window, jnp.int32), live_QxC, scale,
-                      float(softcap) if softcap else None)
+    return _attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, jnp.asarray(window, jnp.int32), live_QxC, sinks_KxG,
+                      scale, float(softcap) if softcap else None)
 
 

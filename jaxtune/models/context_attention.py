@@ -7,6 +7,8 @@ layer, chunks stay contiguous and the ring stops at the last device a window rea
 holds (blockwise, or a fused kernel's ring form: `with_ring_kernel`), merging by log-sum-exp; the backward passes
 each block's gradient one hop behind it. "all_gather": each layer's keys and values gathered, gradients
 reduce-scattered. Prefix keys are on every device; masked-out blocks are skipped. Each strategy is a `custom_vjp`.
+Attention sinks join each query's denominator once, after its blocks are merged (`attention.join_sinks`); the
+blocks' gradients take that lse, and the sinks' own is taken once over the whole output (`attention.sink_grads`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from jaxtune.models.attention import AttentionMask, attend_blocks, attention_grads, live_blocks
+from jaxtune.models.attention import (
+    AttentionMask,
+    attend_blocks,
+    attention_grads,
+    join_sinks,
+    live_blocks,
+    sink_grads,
+)
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, RingCall, RingKernel, choose_kernel
 from jaxtune.parallel.rules import context_ways, mesh_in_context, partition_spec, platform_in_context
 
@@ -57,11 +66,12 @@ def with_ring_kernel(layout: ContextLayout | None, choice: str, *, B: int, T: in
                      prefix: int, softcap: float | None, dtype, windows: tuple[int, ...]) -> ContextLayout | None:
     """`layout` with a fused kernel as the ring's per-block kernel where `[model] attention` picks it for a device's
     chunks (`kernels.choose_kernel`) and it has a ring form: a balanced ring without prefix keys or windows; else the
-    blockwise kernel (also for the all-gather strategy)."""
+    blockwise kernel (also for the all-gather strategy). A ring's per-block kernel never sees the sinks (joined
+    after the merge; its backward takes the lse that holds them), so it is chosen as for a model without them."""
     if layout is None or not layout.balanced or layout.strategy != "ring" or prefix or set(windows) != {0}:
         return layout
     c = padded_length(T, layout.ways) // (2 * layout.ways)
-    fused = choose_kernel(choice, AttentionShape(B, c, c, K, G, head_dim, 0, True, True, softcap, dtype, (0,)),
+    fused = choose_kernel(choice, AttentionShape(B, c, c, K, G, head_dim, 0, True, True, softcap, dtype, (0,), False),
                           platform_in_context())
     return layout if fused is None or KERNELS[fused.kind].ring is None else layout._replace(fused=fused)
 
@@ -131,26 +141,29 @@ class _Call(NamedTuple):
 
 
 def context_attention(q_BxKxGxTxh, k_BxKxTxh, v_BxKxTxh, prefix_k_BxKxPxh, prefix_v_BxKxPxh, mask: AttentionMask,
-                      window, layout: ContextLayout, *, scale: float, softcap: float | None) -> jax.Array:
+                      window, layout: ContextLayout, *, scale: float, softcap: float | None,
+                      sinks_KxG: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T scale) v [B, K, G, T, hd] of a context-split forward: q, k, v with tokens in the layout's order
     (split over the context axis), P prefix keys and values (P may be 0) held whole, and `mask` the tokens' own
-    (`training_mask` without prefix: slots, validity, segments)."""
+    (`training_mask` without prefix: slots, validity, segments). sinks_KxG: attention sinks [K, G]
+    (`attention.blockwise_attention`), or None."""
     mesh = mesh_in_context()
     spec = partition_spec(("batch", "kv_heads", None, "seq", None), q_BxKxGxTxh.shape, mesh.shape)
     if spec[3] != AXIS:
         raise ValueError(f"{q_BxKxGxTxh.shape[3]} tokens do not split over context = {layout.ways}")
     call = _Call(layout, float(scale), float(softcap) if softcap else None, mesh, spec)
     return _context_attention(q_BxKxGxTxh, k_BxKxTxh, v_BxKxTxh, prefix_k_BxKxPxh, prefix_v_BxKxPxh,
-                              mask.q_slot_T, mask.k_valid_BxS, mask.q_segment_BxT, jnp.asarray(window, jnp.int32), call)
+                              mask.q_slot_T, mask.k_valid_BxS, mask.q_segment_BxT, jnp.asarray(window, jnp.int32),
+                              sinks_KxG, call)
 
 
 def _specs(call: _Call):
-    """in_specs of (q, k, v, prefix k, prefix v, slots, valid, segments, window) and the lse's spec."""
+    """in_specs of (q, k, v, prefix k, prefix v, slots, valid, segments, window, sinks) and the lse's spec."""
     rows, heads, _, seq, _ = call.q
     kv, prefix, tokens = PartitionSpec(rows, heads, seq, None), PartitionSpec(rows, heads, None, None), \
         PartitionSpec(rows, seq)
-    return (call.q, kv, kv, prefix, prefix, PartitionSpec(seq), tokens, tokens, PartitionSpec()), \
-        PartitionSpec(rows, heads, None, seq)
+    return (call.q, kv, kv, prefix, prefix, PartitionSpec(seq), tokens, tokens, PartitionSpec(),
+            PartitionSpec(heads, None)), PartitionSpec(rows, heads, None, seq)
 
 
 def _pass(tree, ways: int, shift: int = 1):
@@ -218,16 +231,23 @@ def _one_from(x):
     return x.ravel()[0].astype(jnp.int32) * 0 + 1
 
 
-def _forward_on_device(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, call: _Call):
-    """(out in q's dtype, lse) of one device's queries over every device's keys."""
+def _forward_on_device(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, sinks_KxG, call: _Call):
+    """(out in q's dtype, lse) of one device's queries over every device's keys and the sinks (if any)."""
+    out, lse = _attend_every_block(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, call)
+    if sinks_KxG is not None:
+        out, lse = join_sinks(out, lse, sinks_KxG)
+    return out.astype(q.dtype), lse
+
+
+def _attend_every_block(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, call: _Call):
+    """(out, lse) float32 of one device's queries over every device's keys, the blocks merged by log-sum-exp."""
     queries, keys = (slots, segment), (k, v, slots, (valid > 0), segment)
     if call.layout.strategy == "all_gather":
-        out, lse = _attend(q, queries, _with_prefix(_gather(keys), prefix_k, prefix_v), window, call)
-        return out.astype(q.dtype), lse
+        return _attend(q, queries, _with_prefix(_gather(keys), prefix_k, prefix_v), window, call)
     out, lse = _attend(q, queries, _with_prefix(keys, prefix_k, prefix_v), window, call)
     steps, ways = call.layout.ring_steps, call.layout.ways
     if steps == 1:
-        return out.astype(q.dtype), lse
+        return out, lse
 
     def merge(out, lse, current, j):
         out_j, lse_j = _attend(q, queries, current, window, call, j)
@@ -242,13 +262,13 @@ def _forward_on_device(q, k, v, prefix_k, prefix_v, slots, valid, segment, windo
     # (the step counter is carried, not scanned over: a splash kernel's case known per step would be split out of
     # the loop by a differentiated scan, with the constants of its branches stacked a step each)
     (out, lse, last, _), _ = jax.lax.scan(step, (out, lse, _pass(keys, ways), _one_from(lse)), None, length=steps - 2)
-    out, lse = merge(out, lse, last, steps - 1)
-    return out.astype(q.dtype), lse
+    return merge(out, lse, last, steps - 1)
 
 
 def _backward_on_device(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, out, lse, g, call: _Call):
-    """(dq, dk, dv, d prefix k, d prefix v) of one device's share, in the inputs' dtypes. In the ring, each key
-    block's float32 gradient travels one hop behind the block, gathering every device's share, and goes home."""
+    """(dq, dk, dv, d prefix k, d prefix v) of one device's share, in the inputs' dtypes (any sinks reach them only
+    through lse). In the ring, each key block's float32 gradient travels one hop behind the block, gathering every
+    device's share, and goes home."""
     P, ways, steps = prefix_k.shape[2], call.layout.ways, call.layout.ring_steps
     queries, keys = (slots, segment), (k, v, slots, (valid > 0), segment)
     if call.layout.strategy == "all_gather":
@@ -278,25 +298,28 @@ def _backward_on_device(q, k, v, prefix_k, prefix_v, slots, valid, segment, wind
             d_prefix[0].astype(prefix_k.dtype), d_prefix[1].astype(prefix_v.dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _context_attention(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, call: _Call):
-    return _context_attention_fwd(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, call)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _context_attention(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, sinks_KxG, call: _Call):
+    return _context_attention_fwd(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, sinks_KxG, call)[0]
 
 
-def _context_attention_fwd(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, call: _Call):
+def _context_attention_fwd(q, k, v, prefix_k, prefix_v, slots, valid, segment, window, sinks_KxG, call: _Call):
     in_specs, lse_spec = _specs(call)
     out, lse = jax.shard_map(partial(_forward_on_device, call=call), mesh=call.mesh, in_specs=in_specs,
                              out_specs=(call.q, lse_spec), check_vma=False)(
-        q, k, v, prefix_k, prefix_v, slots, valid, segment, window)
-    return out, (q, k, v, prefix_k, prefix_v, slots, valid, segment, window, out, lse)
+        q, k, v, prefix_k, prefix_v, slots, valid, segment, window, sinks_KxG)
+    return out, (q, k, v, prefix_k, prefix_v, slots, valid, segment, window, sinks_KxG, out, lse)
 
 
 def _context_attention_bwd(call: _Call, residuals, g):
     in_specs, lse_spec = _specs(call)
+    *inputs, sinks_KxG, out, lse = residuals
     grads = jax.shard_map(partial(_backward_on_device, call=call), mesh=call.mesh,
-                          in_specs=in_specs + (call.q, lse_spec, call.q), out_specs=in_specs[:5], check_vma=False)(
-        *residuals, g)
-    return (*grads, None, None, None, None)
+                          in_specs=in_specs[:9] + (call.q, lse_spec, call.q), out_specs=in_specs[:5],
+                          check_vma=False)(*inputs, out, lse, g)
+    # the sinks' gradient once, over every device's queries (a sum the partitioner splits)
+    d_sinks = None if sinks_KxG is None else sink_grads(sinks_KxG, out, lse, g).astype(sinks_KxG.dtype)
+    return (*grads, None, None, None, None, d_sinks)
 
 
 _context_attention.defvjp(_context_attention_fwd, _context_attention_bwd)

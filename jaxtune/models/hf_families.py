@@ -79,7 +79,8 @@ def _smollm3_to_hf(cfg: ModelConfig, hf: dict) -> dict:
             "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]}
 
 
-OLMO_FIXED = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True, hidden_act="silu", mlp_bias=False)
+OLMO_FIXED = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True, hidden_act="silu",
+                  mlp_bias=False)
 
 
 def _olmo2_from_hf(hf: dict, where: str, rope: Callable) -> dict:

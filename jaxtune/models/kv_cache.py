@@ -23,7 +23,7 @@ from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
 from jaxtune.models.linear import wide
-from jaxtune.models.llama import attend, decoder_layer, embed, norm, project, project_qkv
+from jaxtune.models.llama import attend, decoder_layer, embed, layer_sinks, norm, project, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import context_ways
 
@@ -76,9 +76,11 @@ def refuse_context_axis() -> None:
 
 
 def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: jax.Array, k_BxKxSxh: jax.Array,
-                   v_BxKxSxh: jax.Array, seen_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+                   v_BxKxSxh: jax.Array, seen_BxS: jax.Array, cfg: ModelConfig,
+                   sinks_KxG: jax.Array | None = None) -> jax.Array:
     """One new query per row over the cache's `seen_BxS` slots and its own new key: softmax(q k^T scale) v [B, K, G,
-    hd] in q's dtype (float32 scores), with the model's scale and soft cap, as `attention.blockwise_attention`.
+    hd] in q's dtype (float32 scores), with the model's scale and soft cap and the layer's attention sinks [K, G]
+    (None: none), as `attention.blockwise_attention`.
 
     Dense over the S slots: a step's scores are [B, K, G, S], and the cache is read in place (no padded blocks, no
     copy with the new key written in)."""
@@ -91,9 +93,15 @@ def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: ja
         old_BxKxGxS, new_BxKxGx1 = cap * jnp.tanh(old_BxKxGxS / cap), cap * jnp.tanh(new_BxKxGx1 / cap)
     old_BxKxGxS = jnp.where(seen_BxS[:, None, None], old_BxKxGxS, -jnp.inf)
     max_BxKxGx1 = jnp.maximum(jnp.max(old_BxKxGxS, axis=-1, keepdims=True), new_BxKxGx1)  # finite: the new key
+    if sinks_KxG is not None:
+        sink_KxGx1 = sinks_KxG.astype(f32)[:, :, None]
+        max_BxKxGx1 = jnp.maximum(max_BxKxGx1, sink_KxGx1)
     p_old, p_new = jnp.exp(old_BxKxGxS - max_BxKxGx1), jnp.exp(new_BxKxGx1 - max_BxKxGx1)
     out = jnp.einsum("bkgs,bksh->bkgh", p_old, v_BxKxSxh.astype(f32)) + p_new * v_new_BxKxh[:, :, None].astype(f32)
-    return (out / (jnp.sum(p_old, axis=-1, keepdims=True) + p_new)).astype(q_BxKxGxh.dtype)
+    denominator_BxKxGx1 = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
+    if sinks_KxG is not None:  # the sink's probability joins the denominator; its value is 0
+        denominator_BxKxGx1 = denominator_BxKxGx1 + jnp.exp(sink_KxGx1 - max_BxKxGx1)
+    return (out / denominator_BxKxGx1).astype(q_BxKxGxh.dtype)
 
 
 def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, cache: KVCache,
@@ -131,7 +139,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
             if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
                 seen_BxS = cache.valid_BxS & ((window == 0) | (start - slot_S < window))
                 out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
-                                             seen_BxS, cfg)
+                                             seen_BxS, cfg, layer_sinks(layer, cfg))
                 return project(out_BxKxGxh.reshape(B, 1, -1), layer, "o_proj", adapters), (k_new, v_new)
             k_all, v_all = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 1, 2), (0, 0, start, 0))
                             for a, new in ((k_BxKxSxh, k_new), (v_BxKxSxh, v_new)))

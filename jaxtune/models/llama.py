@@ -100,12 +100,18 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, adapters: Adapters):
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxV.reshape(B, T, K, hd)
 
 
+def layer_sinks(layer: dict, cfg: ModelConfig) -> jax.Array | None:
+    """One layer's attention sinks [H] (gpt-oss) as [K, G], query head k * G + g of key/value head k; None without."""
+    return layer["sinks"].reshape(cfg.num_kv_heads, -1) if "sinks" in layer else None
+
+
 def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, cfg: ModelConfig,
            adapters: Adapters, fused: FusedAttention | None = None) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T scale) v over the S keys
     that `mask` allows within `window` (with the model's scale and soft cap), then o_proj; returns [B, T, D].
 
-    fused: the full forward's fused kernel (`kernels.choose_kernel`); None: `attention.blockwise_attention`.
+    fused: the full forward's fused kernel (`kernels.choose_kernel`, which takes none where the layer has sinks);
+    None: `attention.blockwise_attention`.
     """
     B, T, K, G, hd = q_BxTxKxGxh.shape
 
@@ -113,7 +119,8 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
         k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
         q_BxKxGxTxh = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4))
         out = blockwise_attention(q_BxKxGxTxh, k_BxKxSxh, v_BxKxSxh, mask, window, live_QxC,
-                                  scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+                                  scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
+                                  sinks_KxG=layer_sinks(layer, cfg))
         return jnp.transpose(out, (0, 3, 1, 2, 4))
 
     if fused is None:
@@ -139,7 +146,8 @@ def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, c
         k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v = (jnp.transpose(a, (0, 2, 1, 3))
                                                      for a in (k_BxSxKxh, v_BxSxKxh, *prefix_BxPxKxh))
         out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
-                                mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+                                mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
+                                sinks_KxG=layer_sinks(layer, cfg))
         return project(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), layer, "o_proj", adapters)
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
@@ -297,7 +305,7 @@ def decoder_and_routing(
         K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         shape = AttentionShape(B, T, prefix + T, K, G, cfg.head_dim, prefix, segment_ids_BxT is not None,
                                attention_mask_BxT is not None, cfg.attn_logit_softcap, dtype,
-                               tuple(sorted(set(cfg.sliding_windows))))
+                               tuple(sorted(set(cfg.sliding_windows))), "sinks" in params["layers"])
         fused = choose_kernel(options.attention, shape, platform_in_context())
     else:  # each row's tokens split over the context axis, in its layout's order (the prefix apart)
         tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, slots_T = spread_inputs(

@@ -100,14 +100,15 @@ def param_specs(cfg: ModelConfig) -> dict:
 def expert_specs(cfg: ModelConfig) -> dict:
     """A mixture's router, experts and (Qwen2-MoE) shared expert gate, stacked over the layers."""
     L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.expert_size
-    specs = {"router": {"kernel": ParamSpec((L, D, E), ("layers", "embed", None))},
-             "experts": {"gate_up_proj": {"kernel": ParamSpec((L, E, D, 2 * F), EXPERT_AXES["gate_up_proj"])},
-                         "down_proj": {"kernel": ParamSpec((L, E, F, D), EXPERT_AXES["down_proj"])}}}
-    if cfg.router_bias:
-        specs["router"]["bias"] = ParamSpec((L, E), ("layers", None), "zeros")
+    router: dict[str, ParamSpec] = {"kernel": ParamSpec((L, D, E), ("layers", "embed", None))}
+    gate_up: dict[str, ParamSpec] = {"kernel": ParamSpec((L, E, D, 2 * F), EXPERT_AXES["gate_up_proj"])}
+    down: dict[str, ParamSpec] = {"kernel": ParamSpec((L, E, F, D), EXPERT_AXES["down_proj"])}
+    if cfg.router_bias:  # gpt-oss
+        router["bias"] = ParamSpec((L, E), ("layers", None), "zeros")
     if cfg.expert_bias:
-        specs["experts"]["gate_up_proj"]["bias"] = ParamSpec((L, E, 2 * F), ("layers", "experts", "mlp"), "zeros")
-        specs["experts"]["down_proj"]["bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), "zeros")
+        gate_up["bias"] = ParamSpec((L, E, 2 * F), ("layers", "experts", "mlp"), "zeros")
+        down["bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), "zeros")
+    specs: dict[str, dict] = {"router": router, "experts": {"gate_up_proj": gate_up, "down_proj": down}}
     if cfg.shared_expert_size:
         specs["shared_expert_gate"] = {"kernel": ParamSpec((L, D, 1), ("layers", "embed", None))}
     return specs

@@ -6,6 +6,7 @@ from __future__ import annotations
 from jaxtune.config import ModelConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.models.kernels import KERNELS, AttentionKernel, AttentionShape, choose_kernel
+from jaxtune.models.params import param_specs
 
 
 def planned_kernel(cfg: ModelConfig, plan: TrainPlan, platform: str, rows: int, prefix: int, context: int
@@ -17,6 +18,7 @@ def planned_kernel(cfg: ModelConfig, plan: TrainPlan, platform: str, rows: int, 
         return None
     shape = AttentionShape(rows, plan.seq_len, plan.seq_len + prefix, cfg.num_kv_heads,
                            cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, prefix, True, False, cfg.attn_logit_softcap,
-                           plan.forward.compute_dtype, tuple(sorted(set(cfg.sliding_windows))))
+                           plan.forward.compute_dtype, tuple(sorted(set(cfg.sliding_windows))),
+                           "sinks" in param_specs(cfg)["layers"])  # as the forward reads them: from the parameters
     fused = choose_kernel(plan.forward.attention, shape, platform, planning=True)
     return None if fused is None else KERNELS[fused.kind]

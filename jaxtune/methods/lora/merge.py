@@ -40,12 +40,13 @@ def _merged(module: dict, scale_L: jnp.ndarray, name: str, dtype=None) -> dict:
 
 
 def _merged_experts(module: dict, scale: float, dtype=None) -> dict:
-    """An expert stack [..., E, in, out] with each expert's LoRA folded in: W_e + s A_e B_e."""
+    """An expert stack [..., E, in, out] with each expert's LoRA folded in: W_e + s A_e B_e (its bias kept)."""
     base = kernel_of(module, jnp.float32)
     if "lora_a" in module:
         base = base + scale * jnp.einsum("...ir,...ro->...io", module["lora_a"].astype(jnp.float32),
                                          module["lora_b"].astype(jnp.float32))
-    return {"kernel": base.astype(dtype or module["kernel"].dtype)}
+    return {**({"bias": module["bias"]} if "bias" in module else {}),
+            "kernel": base.astype(dtype or module["kernel"].dtype)}
 
 
 def merge(params: dict, method: LoRAConfig, dtype=None) -> dict:

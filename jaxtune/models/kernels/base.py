@@ -27,7 +27,8 @@ BLOCKWISE = "blockwise"
 class AttentionShape(NamedTuple):
     """The static facts of a full forward's attention: B rows of T queries over S keys (S - T = prefix learned
     ones), K key/value heads each shared by G query heads of head_dim; packed segments or padding present; the
-    scores' soft cap; the compute dtype; the model's distinct sliding windows (0: none)."""
+    scores' soft cap; the compute dtype; the model's distinct sliding windows (0: none); attention sinks present
+    (gpt-oss's learned logit per query head in every softmax)."""
 
     B: int
     T: int
@@ -41,6 +42,7 @@ class AttentionShape(NamedTuple):
     softcap: float | None
     dtype: object
     windows: tuple[int, ...]
+    sinks: bool
 
 
 class FusedAttention(NamedTuple):

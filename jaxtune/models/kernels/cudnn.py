@@ -1,8 +1,8 @@
 """cuDNN's flash attention on NVIDIA GPUs through `jax.nn.dot_product_attention` (`CUDNN`): causal (sliding-window)
 attention, right for every row padded on the right; a batch with left padding takes the blockwise kernel (checked
-per batch). It covers no prefix keys, packing or soft cap, 16-bit compute only, its head sizes; and what cuDNN itself
-refuses (its version, the GPU) is found by tracing the call (`probe`). The planner counts it as the blockwise kernel
-(not measured)."""
+per batch). It covers no prefix keys, packing, soft cap or attention sinks, 16-bit compute only, its head sizes; and
+what cuDNN itself refuses (its version, the GPU) is found by tracing the call (`probe`). The planner counts it as the
+blockwise kernel (not measured)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from jaxtune.models.attention import AttentionMask
 from jaxtune.models.kernels.base import AttentionKernel, KernelCall, by_window
 
 
-def cudnn_covers(prefix: int, packed: bool, softcap: float | None, dtype, head_dim: int) -> str | None:
+def cudnn_covers(prefix: int, packed: bool, softcap: float | None, dtype, head_dim: int, sinks: bool) -> str | None:
     """Why cuDNN's flash attention cannot run this forward (before the probe), or None."""
+    if sinks:
+        return "jax.nn.dot_product_attention takes no attention sinks"
     if prefix:
         return "prefix keys need a mask cuDNN's causal attention does not take"
     if packed:
@@ -76,7 +78,8 @@ def _attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call: KernelCall) -> jax.Array:
 
 CUDNN = AttentionKernel(
     "cudnn", platforms=("gpu",),
-    covers=lambda shape: cudnn_covers(shape.prefix, shape.packed, shape.softcap, shape.dtype, shape.head_dim),
+    covers=lambda shape: cudnn_covers(shape.prefix, shape.packed, shape.softcap, shape.dtype, shape.head_dim,
+                                      shape.sinks),
     probe=lambda shape: _cudnn_refuses(shape.B, shape.T, shape.K, shape.G, shape.head_dim, shape.dtype,
                                        shape.windows),
     attend=_attend, runs_on="cuDNN runs on NVIDIA GPUs")
