@@ -94,6 +94,21 @@ HUB_CONFIGS |= {  # mixtures of experts
                            "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                            "use_sliding_window": False, "vocab_size": 151936}, 14.32e9, 14_315_784_192),
 }
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+           "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+           "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096}, "rope_theta": 150000.0}
+HUB_CONFIGS.update({  # issue 50's families; counts of transformers 5.24's model built on the meta device
+    "gpt-oss-20b": (GPT_OSS, 20.91e9, 20_914_757_184),
+    "gpt-oss-120b": ({**GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128}, 116.83e9, 116_829_156_672),
+    "SmolLM3-3B": ({"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+                    "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+                    "num_key_value_heads": 4, "rope_theta": 5e6, "tie_word_embeddings": True}, 3.08e9, 3_075_098_624),
+    "OLMo-3-7B": ({"architectures": ["Olmo3ForCausalLM"], "vocab_size": 100278, "hidden_size": 4096,
+                   "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "sliding_window": 4096, "tie_word_embeddings": False}, 7.30e9, 7_298_011_136),
+})
 REAL.update({name: (config_from_hf(hub, name), published, exact) for name, (hub, published, exact)
              in HUB_CONFIGS.items()})
 
@@ -122,6 +137,17 @@ def test_hub_mixture_configs_read_as_transformers_reads_them():
         1408, 5632, False, True, False)
     assert qwen2.linear_modules[4:] == ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
     assert not any(c.output_router_logits for c in (mixtral, qwen3, qwen2)) and mixtral.router_aux_loss_coef == 0.02
+
+
+def test_hub_configs_of_issue_50_read_as_transformers_reads_them():
+    """gpt-oss: sliding (128) and full layers alternating from the first, YaRN unrounded, biases, sinks, top 4 of 32;
+    SmolLM3: every fourth layer NoPE; OLMo 3: three sliding layers in four, post norms, whole-projection q/k norms."""
+    gpt, smol, olmo = (REAL[n][0] for n in ("gpt-oss-20b", "SmolLM3-3B", "OLMo-3-7B"))
+    assert gpt.sliding_windows == (128, 0) * 12 and (gpt.num_experts, gpt.experts_per_token) == (32, 4)
+    assert (gpt.rope_scaling.kind, gpt.rope_scaling.factor, gpt.rope_scaling.truncate) == ("yarn", 32.0, False)
+    assert gpt.attention_sinks and gpt.router_bias and gpt.expert_bias and gpt.qkv_bias and gpt.o_bias
+    assert smol.nope_layers == tuple(range(3, 36, 4)) and smol.tie_word_embeddings
+    assert olmo.sliding_windows == (4096, 4096, 4096, 0) * 8 and olmo.post_norms and olmo.qk_norm_whole
 
 
 @pytest.mark.parametrize("name", list(REAL))

@@ -7,10 +7,7 @@ keys, query and key slots, packed segments or prefix trees (`branch_segment`), t
 0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
 skipped in both passes (`live_blocks`, decided once per call, outside the layer scan); a row of one block runs
 without loops. Scores, softmax and sums are float32 (float64 inputs: float64); `attend_blocks`, `attention_grads`.
-
-Attention sinks (gpt-oss): a learned logit per query head joins every query's softmax denominator as a key of value
-0 (softmax over [scores, sink], the sink's probability dropped); `join_sinks` and `sink_grads` for a caller that
-merges attention over key blocks itself (`context_attention.py`).
+Sinks (gpt-oss): a logit per query head in each softmax's denominator, a key of value 0 (`join_sinks`, `sink_grads`).
 """
 
 from __future__ import annotations

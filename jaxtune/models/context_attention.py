@@ -7,8 +7,7 @@ layer, chunks stay contiguous and the ring stops at the last device a window rea
 holds (blockwise, or a fused kernel's ring form: `with_ring_kernel`), merging by log-sum-exp; the backward passes
 each block's gradient one hop behind it. "all_gather": each layer's keys and values gathered, gradients
 reduce-scattered. Prefix keys are on every device; masked-out blocks are skipped. Each strategy is a `custom_vjp`.
-Attention sinks join each query's denominator once, after its blocks are merged (`attention.join_sinks`); the
-blocks' gradients take that lse, and the sinks' own is taken once over the whole output (`attention.sink_grads`).
+Sinks join each query's denominator once, after its blocks are merged (`attention.join_sinks`, `sink_grads`).
 """
 
 from __future__ import annotations

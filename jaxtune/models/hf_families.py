@@ -1,16 +1,10 @@
-"""The families added after the Llama-shaped ones, each its `config.json` reading and writing in one place: what a
-family sets apart from Llama as `ModelConfig` fields (`Family.from_hf`), and the keys transformers needs to build
-the same model back (`Family.to_hf`). `hf_config.config_from_hf` reads the fields every family shares, then a
-registered family's own; `config_to_hf` likewise.
-
-SmolLM3 (transformers' `modeling_smollm3`): Llama with NoPE layers (`no_rope_layers`, 1 = RoPE, 0 = NoPE; by
-default every `no_rope_layer_interval`-th), sliding windows only where `use_sliding_window`.
-OLMo 2 and OLMo 3 (`modeling_olmo2`, `modeling_olmo3`): norms after each sub-layer only, query and key norms over
-the whole projection, RMSNorm scaling in float32; OLMo 3 adds sliding layers (three of every four by default) whose
-RoPE is unscaled while its full layers' may be YaRN.
-gpt-oss (`modeling_gpt_oss`): every layer a mixture (router with a bias, softmax over the top k logits, experts
-with biases and the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers alternating,
-YaRN; its experts' tensors are `gpt_oss_experts`'.
+"""The families added after the Llama-shaped ones, each its `config.json` reading (`Family.from_hf`: what sets it
+apart from Llama, as `ModelConfig` fields) and writing (`Family.to_hf`) in one place; `hf_config` reads the shared
+fields, then a registered family's own. SmolLM3: NoPE layers (`no_rope_layers`, 1 = RoPE; by default every fourth).
+OLMo 2 and 3: norms after each sub-layer only, q/k norms over the whole projection, RMSNorm scaled in float32; OLMo
+3's sliding layers (three in four) keep unscaled RoPE, its full ones YaRN. gpt-oss: every layer a mixture (router
+and experts with biases, the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers
+alternating, YaRN; its experts' tensors are `gpt_oss_experts`'. Each follows transformers' modelling file.
 """
 
 from __future__ import annotations
