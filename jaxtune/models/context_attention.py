@@ -1,13 +1,12 @@
 """Attention across a `context` mesh axis: each of its N devices holds T / N of every row's tokens through the step.
-
 Layout (`context_layout`): with a global-attention layer, rows are load-balanced, device i holding chunks i and
 2N-1-i of 2N (`spread_inputs`; `gather_outputs` restores the order with two `ppermute`s); with a window on every
 layer, chunks stay contiguous and the ring stops at the last device a window reaches. "ring": key/value blocks
 (with their slots, validity, segments) travel the ring by `ppermute` while each device attends to the block it
 holds (blockwise, or a fused kernel's ring form: `with_ring_kernel`), merging by log-sum-exp; the backward passes
 each block's gradient one hop behind it. "all_gather": each layer's keys and values gathered, gradients
-reduce-scattered. Prefix keys are on every device; masked-out blocks are skipped. Each strategy is a `custom_vjp`.
-Sinks join each query's denominator once, after its blocks are merged (`attention.join_sinks`, `sink_grads`).
+reduce-scattered. Prefix keys are on every device; masked-out blocks are skipped. Each strategy is a `custom_vjp`;
+sinks join each query's denominator once, after its blocks are merged (`attention.join_sinks`, `sink_grads`).
 """
 
 from __future__ import annotations
