@@ -76,6 +76,12 @@ ARCHS = {
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                             "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150_000.0},
         "pad_token_id": 0, "eos_token_id": 2, "attn_implementation": "eager"}),
+    # Llama 4 (text, Scout's shape): 4 experts (top 1) scaling their inputs, a shared expert; layers 0 and 1 rotate
+    # (interleaved pairs, L2-normed) within chunks of 4, layer 2 is NoPE and global with temperature (floor 4).
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, {
+        "intermediate_size": 32, "intermediate_size_mlp": 64, "head_dim": 16, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "no_rope_layers": [1, 1, 0], "attention_chunk_size": 4, "floor_scale": 4,
+        "attn_scale": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "attn_implementation": "eager"}),
 }
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
 from transformers.models.gemma3 import modeling_gemma3 as gemma3_modeling
+from transformers.models.llama4 import modeling_llama4 as llama4_modeling
 
 from jaxtune.config import ForwardOptions
 from jaxtune.models.llama import forward
@@ -38,7 +39,34 @@ def _rms_norm_float64(self, x):
     variance = x.pow(2).mean(-1, keepdim=True)
     if type(self).__name__.startswith("Gemma"):  # scales by 1 + weight
         return (1 + self.weight) * (x * torch.rsqrt(variance + self.eps))
-    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+    return self.weight * (x * torch.rsqrt(variance + getattr(self, "variance_epsilon", getattr(self, "eps", None))))
+
+
+def _l2_norm_float64(self, x):  # Llama 4's weightless query/key norm
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _sigmoid_router_float64(self, x):  # Llama 4's router (its sigmoid in float32 even in a float64 model)
+    logits = torch.nn.functional.linear(x, self.weight)
+    top, index = torch.topk(logits, self.top_k, dim=1)
+    return torch.full_like(logits, float("-inf")).scatter_(1, index, top).sigmoid(), logits
+
+
+def _complex_rotary_float64(self, x, position_ids):
+    """Llama 4's rotation as complex numbers: of the same float32 angles, in complex128."""
+    freqs = position_ids[..., None].float() * self.inv_freq.float()
+    return torch.polar(torch.ones_like(freqs, dtype=torch.float64), freqs.double()) * self.attention_scaling
+
+
+def _rotate_in_their_dtype(apply_rotary_emb):
+    """Llama 4's `apply_rotary_emb`, rotating float64 queries and keys in float64 (it casts them to float32)."""
+    def rotate(xq, xk, freqs_cis):
+        if xq.dtype != torch.float64:
+            return apply_rotary_emb(xq, xk, freqs_cis)
+        as_complex = lambda x: torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))  # noqa: E731
+        return tuple(torch.view_as_real(as_complex(x) * freqs_cis[:, :, None, :]).flatten(3) for x in (xq, xk))
+
+    return rotate
 
 
 def _router_float64(self, x):
@@ -80,6 +108,7 @@ def _softmax_in_float64(eager_attention_forward):
 
 for _module in (gemma2_modeling, gemma3_modeling):
     _module.eager_attention_forward = _softmax_in_float64(_module.eager_attention_forward)
+llama4_modeling.apply_rotary_emb = _rotate_in_their_dtype(llama4_modeling.apply_rotary_emb)
 
 
 def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
@@ -87,12 +116,19 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
     mixture's experts as a loop over experts: torch's grouped matmul has no float64)."""
     model = copy.deepcopy(model).double().eval()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith(("Mixtral", "GptOss")):
+    if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith(("Mixtral", "GptOss",
+                                                                                            "Llama4")):
         base.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             module.forward = types.MethodType(_rms_norm_float64, module)
+        elif name == "Llama4Router":
+            module.forward = types.MethodType(_sigmoid_router_float64, module)
+        elif name == "Llama4TextL2Norm":
+            module.forward = types.MethodType(_l2_norm_float64, module)
+        elif name == "Llama4TextRotaryEmbedding":
+            module.forward = types.MethodType(_complex_rotary_float64, module)
         elif name.endswith("RotaryEmbedding"):
             module.forward = types.MethodType(_rotary_float64, module)
         elif name.endswith("TopKRouter") and name != "GptOssTopKRouter":  # gpt-oss's computes in its own dtype

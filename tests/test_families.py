@@ -12,7 +12,7 @@ import transformers
 from conftest import padded_batch
 from peft import LoraConfig, PeftModel, get_peft_model
 from reference import float64_reference
-from test_generate import left_padded, prompts
+from test_generate import PROMPT_LENGTHS, left_padded, prompts
 from test_methods_peft import assert_merged_export, assert_same_as_peft, randomize_adapter, randomize_peft
 
 from jaxtune.config import ForwardOptions, SamplingConfig
@@ -25,13 +25,15 @@ from jaxtune.spine.model import load_model
 
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
-FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss"]
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4"]
 
 
 def everyday(arch: str) -> list:
     """FAMILIES with all but `arch` in the full tier (the everyday tier reads every family's logits already)."""
     return [a if a == arch else pytest.param(a, marks=pytest.mark.full) for a in FAMILIES]
 ALL_LINEAR = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
+# PEFT's all-linear takes Llama 4's router too (an nn.Linear), where jaxtune's LoRA does not go
+LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
     which writes float32): equal to float32's rounding, 1e-6 of the largest."""
     directory, model, cfg, params = family(arch)
     peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
-                                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")))
+                                               LoraConfig(r=4, lora_alpha=8, target_modules=LINEAR_MODULES)))
     peft_model.save_pretrained(tmp_path)
     method, with_adapter = load_peft_adapter(tmp_path, params, cfg)
     ids, mask, positions = padded_batch(cfg.vocab_size)
@@ -79,7 +81,8 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
 
         grads = jax.grad(loss)(params64)
         ours = adapter_state_dict(jax.tree.map(lambda g: np.asarray(g, np.float64), grads), cfg, method)
-    assert set(ours) == set(theirs) and len(ours) == 2 * len(cfg.linear_modules) * cfg.num_layers
+    assert set(ours) == set(theirs) and len(ours) == 2 * len(cfg.linear_modules) * cfg.num_layers, set(ours) ^ set(
+        theirs)
     for name, want in theirs.items():
         assert np.abs(ours[name] - want).max() <= 1e-6 * np.abs(want).max(), name
     assert min(np.abs(g).max() for g in theirs.values()) > 1e-6  # every adapted module reaches the loss
@@ -90,7 +93,9 @@ def test_greedy_equals_transformers_generate(arch, family):
     """20 new tokens after left-padded prompts of different lengths (past the sliding windows of 4; gpt-oss's
     sinks in the cached decode)."""
     directory, model, cfg, params = family(arch)
-    batch = prompts(cfg.vocab_size)
+    # Llama 4's chunks and temperature count cache slots, in transformers as here: left padding moves them, by as
+    # much as each library pads; rows of one length compare the model itself
+    batch = prompts(cfg.vocab_size, lengths=(12, 12, 12) if arch == "llama4" else PROMPT_LENGTHS)
     ids, mask = left_padded(batch)
     n = 20
     with torch.no_grad():

@@ -145,7 +145,7 @@ def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_d
 
 
 @pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.full) for a in (
-    "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3"))])
+    "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "llama4"))])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.
@@ -170,7 +170,7 @@ def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied_bias_linear", "mistral", "qwen2_sliding", "qwen3", "gemma2",
                                   "gemma3", "phi3", "mixtral", "qwen2_moe", "smollm3", "olmo2", "olmo3",
-                                  "gpt_oss"])
+                                  "gpt_oss", "llama4"])
 @pytest.mark.parametrize("max_shard_bytes", [2**31, 20_000])
 def test_round_trip_through_transformers(arch, max_shard_bytes, hf_model_dir, tmp_path):
     """load -> save -> transformers loads the saved directory (single file or shards) -> same logits."""
@@ -236,3 +236,17 @@ def test_olmo3_reads_post_norms_whole_projection_qk_norms_and_yarn(hf_model_dir)
     ids, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(model, ids, mask, positions)
     assert np.abs(jax_logits(params, cfg.replace(rope_scaling=None), ids, mask, positions) - ref)[mask > 0].max() > 1e-2
+
+
+def test_llama4_reads_its_chunks_nope_layers_temperature_and_router(hf_model_dir):
+    """Layers 0 and 1 chunked (4) and rotating by interleaved pairs, layer 2 NoPE with temperature; removing the
+    chunks, the interleaving or the temperature changes the logits."""
+    directory, model = hf_model_dir("llama4")
+    cfg, params = load_model(directory)
+    assert (cfg.sliding_windows, cfg.nope_layers, cfg.temperature_floor) == ((-4, -4, 0), (2,), 4)
+    assert (cfg.router_activation, cfg.expert_input_scaled, cfg.shared_expert_gated) == ("sigmoid", True, False)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(model, ids, mask, positions)
+    for changed in (cfg.replace(sliding_windows=(0, 0, 0)), cfg.replace(rope_interleaved=False),
+                    cfg.replace(temperature_floor=0)):
+        assert np.abs(jax_logits(params, changed, ids, mask, positions) - ref)[mask > 0].max() > 1e-2

@@ -108,6 +108,11 @@ HUB_CONFIGS.update({  # issue 50's families; counts of transformers 5.24's model
     "OLMo-3-7B": ({"architectures": ["Olmo3ForCausalLM"], "vocab_size": 100278, "hidden_size": 4096,
                    "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
                    "sliding_window": 4096, "tie_word_embeddings": False}, 7.30e9, 7_298_011_136),
+    "Llama-4-Scout (text)": ({"architectures": ["Llama4ForCausalLM"], "vocab_size": 202048, "hidden_size": 5120,
+                              "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+                              "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                              "num_local_experts": 16, "num_experts_per_tok": 1, "attention_chunk_size": 8192},
+                             107.77e9, 107_769_861_120),
 })
 REAL.update({name: (config_from_hf(hub, name), published, exact) for name, (hub, published, exact)
              in HUB_CONFIGS.items()})
@@ -141,13 +146,17 @@ def test_hub_mixture_configs_read_as_transformers_reads_them():
 
 def test_hub_configs_of_issue_50_read_as_transformers_reads_them():
     """gpt-oss: sliding (128) and full layers alternating from the first, YaRN unrounded, biases, sinks, top 4 of 32;
-    SmolLM3: every fourth layer NoPE; OLMo 3: three sliding layers in four, post norms, whole-projection q/k norms."""
+    SmolLM3: every fourth layer NoPE; OLMo 3: three sliding layers in four, post norms, whole-projection q/k norms;
+    Llama 4 Scout: three chunked rotating layers, then a global NoPE one; 16 experts, top 1, a shared expert."""
     gpt, smol, olmo = (REAL[n][0] for n in ("gpt-oss-20b", "SmolLM3-3B", "OLMo-3-7B"))
     assert gpt.sliding_windows == (128, 0) * 12 and (gpt.num_experts, gpt.experts_per_token) == (32, 4)
     assert (gpt.rope_scaling.kind, gpt.rope_scaling.factor, gpt.rope_scaling.truncate) == ("yarn", 32.0, False)
     assert gpt.attention_sinks and gpt.router_bias and gpt.expert_bias and gpt.qkv_bias and gpt.o_bias
     assert smol.nope_layers == tuple(range(3, 36, 4)) and smol.tie_word_embeddings
     assert olmo.sliding_windows == (4096, 4096, 4096, 0) * 8 and olmo.post_norms and olmo.qk_norm_whole
+    scout = REAL["Llama-4-Scout (text)"][0]
+    assert scout.sliding_windows == (-8192, -8192, -8192, 0) * 12 and scout.nope_layers == tuple(range(3, 48, 4))
+    assert (scout.num_experts, scout.experts_per_token, scout.shared_expert_size) == (16, 1, 8192)
 
 
 @pytest.mark.parametrize("name", list(REAL))

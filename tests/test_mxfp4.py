@@ -10,7 +10,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from jaxtune.models import gpt_oss_experts
+from jaxtune.models import stacked_experts
 from jaxtune.models.mxfp4 import decode_mxfp4, encode_mxfp4
 from jaxtune.spine.model import load_model
 
@@ -59,8 +59,8 @@ def test_a_checkpoint_with_mxfp4_experts_loads_as_its_dequantised_copy(hf_model_
         save_file(tensors, str(tmp_path / where / "model.safetensors"), metadata={"format": "pt"})
     cfg, params = load_model(tmp_path / "float")
     cfg_q, params_q = load_model(tmp_path / "released")
-    assert cfg_q == cfg and gpt_oss_experts.is_quantized(released)
-    for stack in gpt_oss_experts.STACKS:
+    assert cfg_q == cfg and stacked_experts.is_quantized(released)
+    for stack in stacked_experts.STACKS:
         np.testing.assert_array_equal(params_q["layers"]["experts"][stack]["kernel"],
                                       params["layers"]["experts"][stack]["kernel"])
     assert json.loads((directory / "config.json").read_text())["model_type"] == "gpt_oss"

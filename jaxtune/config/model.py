@@ -9,7 +9,7 @@ from typing import Any
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                  "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                 "GptOssForCausalLM")
+                 "GptOssForCausalLM", "Llama4ForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -53,7 +53,8 @@ class ModelConfig:
     """Architecture of a Llama-family decoder.
 
     `sliding_windows` has one entry per layer: 0 for full causal attention, w > 0 to let a query at index i see
-    keys at indices j with i - w < j <= i (Mistral; Qwen2 and Qwen3 layers marked "sliding_attention").
+    keys at indices j with i - w < j <= i (Mistral; Qwen2 and Qwen3 layers marked "sliding_attention"), w < 0 for
+    chunked attention (Llama 4): j <= i in the same chunk of -w slots, j // -w == i // -w.
     `qk_norm`: an RMSNorm over each head's query and key before RoPE, with weights [head_dim] (Qwen3, Gemma 3).
 
     Gemma 2 and 3: `hidden_act` "gelu_tanh"; `norm_unit_offset`, every RMSNorm scales by (1 + weight), multiplied
@@ -71,6 +72,10 @@ class ModelConfig:
     RMSNorm's weight multiplied in float32 before the cast back (as Gemma's). OLMo 3's sliding layers keep the
     unscaled RoPE of `local_rope_theta`, its full layers `rope_scaling` (YaRN).
 
+    Llama 4: `rope_interleaved`, RoPE rotating adjacent pairs (2i, 2i + 1) rather than halves; `qk_l2_norm`, queries
+    and keys of the RoPE layers scaled to unit RMS after rotation (no weight); `temperature_floor` > 0, the NoPE
+    layers' queries times log1p(floor((slot + 1) / temperature_floor)) * temperature_scale + 1.
+
     Phi-3: `fused_projections`, one `qkv_proj` [D, q + 2 kv] and one `gate_up_proj` [D, 2F] (gate first) in
     place of q/k/v_proj and gate/up_proj; `partial_rotary_factor`, RoPE on the first head_dim x factor dimensions
     of each head only.
@@ -84,6 +89,9 @@ class ModelConfig:
     products; hidden_act "clamped_swiglu", (clip(up, -limit, limit) + 1) * g sigmoid(alpha g) with g = min(gate,
     limit) (`swiglu_alpha`, `swiglu_limit`); `attention_sinks`, a learned logit per query head joining its softmax's
     denominator (layer leaf `sinks` [H]).
+    Llama 4: `router_activation` "sigmoid", each of the top k logits' sigmoid (not a softmax) weighting its expert;
+    `expert_input_scaled`, that weight multiplying the expert's input rather than its output; a shared expert with
+    no gate (`shared_expert_gated` False).
     `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
     routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
@@ -117,6 +125,10 @@ class ModelConfig:
     fused_projections: bool = False
     partial_rotary_factor: float = 1.0
     nope_layers: tuple[int, ...] = ()
+    rope_interleaved: bool = False
+    qk_l2_norm: bool = False
+    temperature_floor: int = 0
+    temperature_scale: float = 0.1
     post_norms: bool = False
     qk_norm_whole: bool = False
     norm_float32_scale: bool = False
@@ -125,6 +137,9 @@ class ModelConfig:
     expert_size: int = 0
     normalize_top_k: bool = True
     shared_expert_size: int = 0
+    shared_expert_gated: bool = True
+    router_activation: str = "softmax"
+    expert_input_scaled: bool = False
     router_bias: bool = False
     expert_bias: bool = False
     swiglu_alpha: float = 1.702

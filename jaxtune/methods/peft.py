@@ -59,7 +59,16 @@ def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> 
     state = {SAVED_TENSORS[name]: np.ascontiguousarray(
         f32(params["lm_head"]["kernel"]).T if name == "lm_head" else f32(params["embed_tokens"]))
         for name in method.trained_whole}
-    return {**state, **_format(method).tensors(params, cfg, method)}
+    return {**state, **{_as_peft_names(name, cfg): value
+                        for name, value in _format(method).tensors(params, cfg, method).items()}}
+
+
+def _as_peft_names(name: str, cfg: ModelConfig, back: bool = False) -> str:
+    """Llama 4's MLP modules are its `feed_forward` (jaxtune's names, as transformers 5's, say `mlp`); `back`:
+    PEFT's name to jaxtune's."""
+    if cfg.architecture != "Llama4ForCausalLM":
+        return name
+    return name.replace(".feed_forward.", ".mlp.") if back else name.replace(".mlp.", ".feed_forward.")
 
 
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
@@ -194,7 +203,8 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     for name, value in state.items():
         if value.shape != expected[name].shape:
             raise JaxtuneError(f"{path}: tensor {name} has shape {value.shape}, expected {expected[name].shape}")
-    return method, _insert(params, cfg, method, {k: v.astype(np.float32) for k, v in state.items()})
+    return method, _insert(params, cfg, method, {_as_peft_names(k, cfg, back=True): v.astype(np.float32)
+                                                 for k, v in state.items()})
 
 
 def _insert(params: dict, cfg: ModelConfig, method: MethodConfig, state: dict[str, np.ndarray]) -> dict:

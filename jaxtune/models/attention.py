@@ -82,7 +82,10 @@ def cache_mask(start: jax.Array, T: int, valid_BxS: jax.Array) -> AttentionMask:
 def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window) -> jax.Array:
     """[B, Q, C] boolean: which of Q queries may see which of C keys."""
     relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
-    position_QxC = (relative_QxC >= 0) & ((window == 0) | (relative_QxC < window))
+    chunk = jnp.maximum(-window, 1)  # window < 0: chunks of -window slots (Llama 4)
+    same_chunk_QxC = q_slot_Q[:, None] // chunk == k_slot_C[None, :] // chunk
+    position_QxC = (relative_QxC >= 0) & ((window == 0) | ((window > 0) & (relative_QxC < window))
+                                          | ((window < 0) & same_chunk_QxC))
     q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
     ancestor_BxQxC = ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC) | ((q_BxQx1 & -(2**LEAF_BITS)) == k_Bx1xC)
     shared_BxQxC = (k_Bx1xC > 0) & (q_BxQx1 >= 2**BRANCH_SHIFT) & ancestor_BxQxC  # a branch's or leaf's ancestors
@@ -158,7 +161,7 @@ def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
     """[nq, nk] boolean: blocks some query reaches within `window` (True everywhere when window is 0)."""
     first_q = jnp.min(jnp.where(m.q_slot >= 0, m.q_slot, NO_SLOT), axis=-1)
     last_k = jnp.max(jnp.where(m.k_slot < NO_SLOT, m.k_slot, -NO_SLOT), axis=-1)
-    return (window == 0) | (first_q[:, None] - last_k[None, :] < window)
+    return (window == 0) | (first_q[:, None] - last_k[None, :] < jnp.abs(window))  # a chunk reaches -window back
 
 
 def _scan_blocks(body, carry, blocks):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
+from jaxtune.errors import JaxtuneError
 from jaxtune.models.attention import (
     AttentionMask,
     attend_blocks,
@@ -54,6 +55,8 @@ def context_layout(T: int, sliding_windows: tuple[int, ...], strategy: str) -> C
     ways = context_ways()
     if ways == 1:
         return None
+    if min(sliding_windows) < 0:
+        raise JaxtuneError("a context axis with chunked attention (Llama 4's) is not supported: context=1")
     balanced = 0 in sliding_windows
     chunk = padded_length(T, ways) // ways
     steps = ways if balanced else min(ways, 1 + -(-(max(sliding_windows) - 1) // chunk))

@@ -4,7 +4,9 @@ fields, then a registered family's own. SmolLM3: NoPE layers (`no_rope_layers`, 
 OLMo 2 and 3: norms after each sub-layer only, q/k norms over the whole projection, RMSNorm scaled in float32; OLMo
 3's sliding layers (three in four) keep unscaled RoPE, its full ones YaRN. gpt-oss: every layer a mixture (router
 and experts with biases, the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers
-alternating, YaRN; its experts' tensors are `gpt_oss_experts`'. Each follows transformers' modelling file.
+alternating, YaRN. Llama 4 (text): every layer a mixture (sigmoid router, top-k scaling the experts' inputs, an
+ungated shared expert), NoPE layers with full attention and temperature, RoPE layers chunked, interleaved and
+L2-normed. Experts stored as stacks: `stacked_experts`. Each follows transformers' modelling file.
 """
 
 from __future__ import annotations
@@ -142,6 +144,49 @@ GPT_OSS_FIXED = dict(hidden_act="clamped_swiglu", router_bias=True, expert_bias=
                      normalize_top_k=True, mlp_bias=False, shared_expert_size=0, norm_float32_scale=True)
 
 
+def _llama4_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    moe_layers = hf.get("moe_layers")
+    step = int(hf.get("interleave_moe_layer_step") or 1)
+    if (moe_layers is not None and list(moe_layers) != list(range(layers))) or (moe_layers is None and step != 1):
+        raise JaxtuneError(f"{where}: dense layers between the mixtures (interleave_moe_layer_step={step}, "
+                           "Llama 4 Maverick's) are not supported; every layer a mixture (Scout's) is")
+    interval = int(hf.get("no_rope_layer_interval") or 4)
+    uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    chunk = hf.get("attention_chunk_size")
+    types = hf.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in uses_rope]
+    return dict(nope_layers=tuple(i for i in range(layers) if not uses_rope[i]),
+                sliding_windows=tuple(-int(chunk) if t == "chunked_attention" else 0 for t in types),
+                qk_l2_norm=bool(hf.get("use_qk_norm", True)),
+                temperature_floor=int(hf.get("floor_scale", 8192)) if hf.get("attn_temperature_tuning", True) else 0,
+                temperature_scale=float(hf.get("attn_scale", 0.1)),
+                num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                expert_size=int(hf["intermediate_size"]), shared_expert_size=int(hf["intermediate_size"]),
+                intermediate_size=int(hf.get("intermediate_size_mlp") or hf["intermediate_size"]),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+                output_router_logits=bool(hf.get("output_router_logits", False)), **LLAMA4_FIXED, **_bias(hf))
+
+
+def _llama4_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    chunks = set(-w for w in cfg.sliding_windows if w < 0)
+    if len(chunks) > 1 or any(w > 0 for w in cfg.sliding_windows) or cfg.expert_size != cfg.shared_expert_size:
+        raise JaxtuneError(f"{cfg.architecture}: one attention chunk, no sliding windows and a shared expert as wide "
+                           "as each expert are what transformers' Llama 4 holds")
+    return {**_bias_to_hf(cfg), "intermediate_size": cfg.expert_size, "intermediate_size_mlp": cfg.intermediate_size,
+            "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_layers": list(range(cfg.num_layers)), "interleave_moe_layer_step": 1,
+            "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)],
+            "attention_chunk_size": chunks.pop() if chunks else None,
+            "layer_types": ["chunked_attention" if w < 0 else "full_attention" for w in cfg.sliding_windows],
+            "use_qk_norm": cfg.qk_l2_norm, "attn_temperature_tuning": bool(cfg.temperature_floor),
+            "floor_scale": cfg.temperature_floor or 8192, "attn_scale": cfg.temperature_scale,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits}
+
+
+LLAMA4_FIXED = dict(rope_interleaved=True, router_activation="sigmoid", expert_input_scaled=True,
+                    shared_expert_gated=False, normalize_top_k=False, hidden_act="silu", mlp_bias=False)
+
+
 FAMILIES = {
     "SmolLM3ForCausalLM": Family(model_type="smollm3", from_hf=_smollm3_from_hf, to_hf=_smollm3_to_hf, fixed={}),
     "Olmo2ForCausalLM": Family(model_type="olmo2", from_hf=_olmo2_from_hf, to_hf=_olmo2_to_hf,
@@ -150,6 +195,8 @@ FAMILIES = {
                                fixed={**OLMO_FIXED, "nope_layers": ()}),
     "GptOssForCausalLM": Family(model_type="gpt_oss", from_hf=_gpt_oss_from_hf, to_hf=_gpt_oss_to_hf,
                                 fixed=GPT_OSS_FIXED),
+    "Llama4ForCausalLM": Family(model_type="llama4_text", from_hf=_llama4_from_hf, to_hf=_llama4_to_hf,
+                                fixed=LLAMA4_FIXED),
 }
 
 

@@ -26,7 +26,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.gguf import is_gguf
 from jaxtune.io.safetensors import CheckpointReader, write_weights
-from jaxtune.models import gpt_oss_experts
+from jaxtune.models import stacked_experts
 from jaxtune.models.gguf import GGUFCheckpoint
 from jaxtune.models.hf_config import config_to_hf, model_dir
 from jaxtune.models.params import ATTENTION_MODULES, QK_NORMS, ParamSpec, param_specs
@@ -53,6 +53,7 @@ def canonical_name(stored: str) -> str:
     """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become
     the names transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj), gpt-oss's router (`mlp.router`)
     the other mixtures' (`mlp.gate`); other names are kept."""
+    stored = stored.replace(".feed_forward.", ".mlp.")  # Llama 4's
     if ".mlp.router." in stored:
         return stored.replace(".mlp.router.", ".mlp.gate.")
     if ".block_sparse_moe." not in stored:
@@ -65,6 +66,8 @@ def stored_name(name: str, cfg: ModelConfig) -> str:
     """The name a hub checkpoint of `cfg` stores tensor `name` under (inverse of `canonical_name`)."""
     if cfg.architecture == "GptOssForCausalLM":
         return name.replace(".mlp.gate.", ".mlp.router.")
+    if cfg.architecture == "Llama4ForCausalLM":
+        return name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.", ".feed_forward.")
     if cfg.architecture != "MixtralForCausalLM" or not re.search(r"\.mlp\.(gate|experts)\.", name):
         return name
     parts = {v: k for k, v in MIXTRAL_PARTS.items()}
@@ -116,14 +119,14 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False, mxfp4: bool 
                      ) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape in torch's layout ([out, in] for kernels), for every parameter; a
     mixture's experts in the hub's layout, or with `fused_experts` in transformers 5's; gpt-oss's in its own
-    (`gpt_oss_experts`; `mxfp4`: as released)."""
+    (`stacked_experts`; `mxfp4`: gpt-oss as released)."""
     expected: dict[str, tuple[int, ...]] = {}
-    gpt_oss = cfg.architecture == "GptOssForCausalLM"
-    if gpt_oss:
-        expected.update(gpt_oss_experts.expected(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_size,
-                                                 mxfp4))
+    stacked = cfg.architecture in stacked_experts.INTERLEAVED
+    if stacked:
+        expected.update(stacked_experts.expected(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_size,
+                                                 mxfp4, cfg.expert_bias))
     for path, spec in _leaf_paths(param_specs(cfg)):
-        if _is_expert(path) and gpt_oss:
+        if _is_expert(path) and stacked:
             continue
         if _is_expert(path):
             E, d_in, d_out = spec.shape[1:]
@@ -148,7 +151,7 @@ def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
     """From the headers alone: the checkpoint holds exactly the tensors `cfg` needs (`expected`, by default
     `expected_tensors(cfg)`), with the right shapes; else an error naming the tensor (and file)."""
     fused = has_fused_experts(reader)
-    expected = expected_tensors(cfg, fused, gpt_oss_experts.is_quantized(reader.names())) if expected is None \
+    expected = expected_tensors(cfg, fused, stacked_experts.is_quantized(reader.names())) if expected is None \
         else expected
     names = set(reader.names())
     for name, shape in expected.items():
@@ -210,8 +213,9 @@ def read_layer(reader: Reader, path: tuple[str, ...], layer: int | None, index: 
     if not _is_expert(path):
         return _read(reader, hf_tensor_name(path, layer), index, kernel)
     assert layer is not None  # an expert stack is a layer's
-    if cfg.architecture == "GptOssForCausalLM":
-        return gpt_oss_experts.read(reader, layer, path[2], path[3], index)
+    if cfg.architecture in stacked_experts.INTERLEAVED:
+        return stacked_experts.read(reader, layer, path[2], path[3], index,
+                                    stacked_experts.INTERLEAVED[cfg.architecture])
     experts, cols, rows = index
     size = cfg.expert_size if path[2] == "gate_up_proj" else cfg.hidden_size
     return np.stack([expert_rows(reader, path[2], layer, e, rows, cols, size).T
@@ -268,10 +272,10 @@ def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, te
             held[i] = host_array(jax.tree.map(lambda a: a[i], leaf) if value is None else value)
         return held[i]
 
-    if cfg.architecture == "GptOssForCausalLM":  # one tensor a layer and leaf, [E, in, out] or [E, out]
-        part = "_bias" if path[3] == "bias" else ""
-        return [(gpt_oss_experts.tensor_name(i, path[2], part), full, out_dtype,
-                 lambda i=i: gpt_oss_experts.as_stored(path[2], layer_of(i)).astype(out_dtype))
+    if cfg.architecture in stacked_experts.INTERLEAVED:  # one tensor a layer and leaf, [E, in, out] or [E, out]
+        part, interleaved = "_bias" if path[3] == "bias" else "", stacked_experts.INTERLEAVED[cfg.architecture]
+        return [(stored_name(stacked_experts.tensor_name(i, path[2], part), cfg), full, out_dtype,
+                 lambda i=i: stacked_experts.as_stored(path[2], layer_of(i), interleaved).astype(out_dtype))
                 for i in range(cfg.num_layers)]
     E, d_in, d_out = full
     for i in range(cfg.num_layers):

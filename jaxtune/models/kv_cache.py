@@ -125,19 +125,21 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         k_segment_BxS = jax.lax.dynamic_update_slice(jnp.full(valid_BxS.shape, -1, jnp.int32), segment_BxT, (0, start))
         mask = mask._replace(q_segment_BxT=segment_BxT, k_segment_BxS=k_segment_BxS)
     live_QxC = live_blocks(mask, T, cache.size) if T > 1 else None
-    rope = rope_tables(positions_BxT, cfg, dtype)
+    rope = rope_tables(positions_BxT, cfg, dtype, mask.q_slot_T)
     slot_S = jnp.arange(cache.size)
 
     def block(x_BxTxD, layer_window_kv):
         layer, window, table, k_BxKxSxh, v_BxKxSxh = layer_window_kv
         layer = rows_of(layer, adapter_B)
-        cos, sin = layer_rope(rope, table)
+        rope_of_layer = layer_rope(rope, table, cfg)
 
         def cached_attention(h_BxTxD):
-            q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, cos, sin, cfg, adapters)
+            q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, rope_of_layer, cfg, adapters)
             k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
             if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
-                seen_BxS = cache.valid_BxS & ((window == 0) | (start - slot_S < window))
+                chunk = jnp.maximum(-window, 1)  # window < 0: Llama 4's chunks
+                seen_BxS = cache.valid_BxS & ((window == 0) | ((window > 0) & (start - slot_S < window))
+                                              | ((window < 0) & (start // chunk == slot_S // chunk)))
                 out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
                                              seen_BxS, cfg, layer_sinks(layer, cfg))
                 return project(out_BxKxGxh.reshape(B, 1, -1), layer, "o_proj", adapters), (k_new, v_new)

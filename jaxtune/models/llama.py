@@ -32,7 +32,7 @@ from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
-from jaxtune.models.rope import apply_rope, layer_rope, rope_tables
+from jaxtune.models.rope import LayerRope, apply_rope, layer_rope, rope_tables
 from jaxtune.models.tiles import cut_tiles, join_tiles, tile_count
 from jaxtune.parallel.rules import constrain, context_ways, gathered, mesh_in_context, platform_in_context
 
@@ -78,9 +78,15 @@ def project(x, layer: dict, name: str, adapters: Adapters):
     return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])
 
 
-def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, adapters: Adapters):
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis in float32 (float64), no weight (Llama 4's query and key norm)."""
+    x32 = x.astype(wide(x.dtype))
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Adapters):
     """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
-    values [B, T, K, hd]."""
+    values [B, T, K, hd]; Llama 4's L2 norm on rotating layers, its temperature on the others."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj" in layer:  # Phi-3: one projection, split as [queries | keys | values]
@@ -96,7 +102,15 @@ def project_qkv(x_BxTxD, layer, cos, sin, cfg: ModelConfig, adapters: Adapters):
     elif cfg.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
         q_BxTxHxh = norm(q_BxTxHxh, layer["q_norm"], cfg)
         k_BxTxKxh = norm(k_BxTxKxh, layer["k_norm"], cfg)
-    q_BxTxHxh, k_BxTxKxh = apply_rope(q_BxTxHxh, cos, sin), apply_rope(k_BxTxKxh, cos, sin)
+    q_BxTxHxh, k_BxTxKxh = (apply_rope(a, rope.cos, rope.sin, cfg.rope_interleaved) for a in (q_BxTxHxh, k_BxTxKxh))
+    if cfg.qk_l2_norm:  # Llama 4: after the rotation, on the layers that rotate
+        normed = l2_norm(q_BxTxHxh, cfg.rms_norm_eps), l2_norm(k_BxTxKxh, cfg.rms_norm_eps)
+        if rope.rotates is None:
+            q_BxTxHxh, k_BxTxKxh = normed
+        else:
+            q_BxTxHxh, k_BxTxKxh = (jnp.where(rope.rotates, n, a) for n, a in zip(normed, (q_BxTxHxh, k_BxTxKxh)))
+    if rope.q_scale_T is not None:  # Llama 4's temperature, in float32 and rounded once
+        q_BxTxHxh = (q_BxTxHxh * rope.q_scale_T[None, :, None, None]).astype(q_BxTxHxh.dtype)
     return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxV.reshape(B, T, K, hd)
 
 
@@ -131,13 +145,13 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
     return project(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer, "o_proj", adapters)
 
 
-def attention(x_BxTxD, layer, cos, sin, mask: AttentionMask, window, live_QxC, cfg: ModelConfig, adapters: Adapters,
-              fused: FusedAttention | None = None, context: ContextLayout | None = None):
+def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live_QxC, cfg: ModelConfig,
+              adapters: Adapters, fused: FusedAttention | None = None, context: ContextLayout | None = None):
     """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D].
 
     context: the tokens' layout on a context axis (`context_attention.py`; `mask` then the tokens' own)."""
     B, T, _ = x_BxTxD.shape
-    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, cos, sin, cfg, adapters)
+    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, rope, cfg, adapters)
     K, hd = cfg.num_kv_heads, cfg.head_dim
     as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)  # noqa: E731
     if context is not None:
@@ -209,6 +223,8 @@ def mlp(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters, e
     if "shared_expert_gate" in layer:
         gate_BxTx1 = jax.nn.sigmoid(dense(x_BxTxD, layer["shared_expert_gate"], kernel_axes=("embed", None)))
         out_BxTxD = out_BxTxD + gate_BxTx1 * gated_mlp(x_BxTxD, layer, cfg, adapters, "shared_expert.")
+    elif cfg.shared_expert_size:  # Llama 4's: ungated, added first
+        out_BxTxD = gated_mlp(x_BxTxD, layer, cfg, adapters, "shared_expert.") + out_BxTxD
     return out_BxTxD, routing
 
 
@@ -315,7 +331,7 @@ def decoder_and_routing(
         context = with_ring_kernel(context, options.attention, B=B, T=T, K=cfg.num_kv_heads,
                               G=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim, prefix=prefix,
                               softcap=cfg.attn_logit_softcap, dtype=dtype, windows=cfg.sliding_windows)
-    rope = rope_tables(positions_BxT, cfg, dtype)
+    rope = rope_tables(positions_BxT, cfg, dtype, mask.q_slot_T)
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones(tokens_BxT.shape, bool))
     use_dropout = dropout_key is not None and view.dropout_rate > 0  # else no key enters the scan: no random work
@@ -325,11 +341,11 @@ def decoder_and_routing(
     def layer_block(x_BxTxD, per_layer, shared):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
         rope, mask, live_QxC, stacks, valid_BxT = shared
-        cos, sin = layer_rope(rope, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index])
+        rope_of_layer = layer_rope(rope, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index], cfg)
         layer = with_kernels_of_layer(layer, stacks, index)
         adapters = layer_adapters(view, layer_key)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context
-        attend_fn = lambda h: (attention(h, layer, cos, sin, mask, window, live_QxC, cfg, adapters, fused,
+        attend_fn = lambda h: (attention(h, layer, rope_of_layer, mask, window, live_QxC, cfg, adapters, fused,
                                          context), None)
         x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, adapters, view.experts, valid_BxT,
                                             options.tiled_mlp)

@@ -21,17 +21,28 @@ from jaxtune.models.params import EXPERT_AXES
 from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
 
 
+GMM_VMEM_BYTES = 14 * 2**20  # of the 16 MiB scoped VMEM a TPU kernel may take, what megablox's tiles may fill
+
+
 def gmm_tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
     """megablox's tiles for an [m, k] x [k, n] product (its backward's too): rows 512, 256 or 128 (m is padded to
-    128), contraction and output 1,024 or the whole dimension where it is not a multiple of 128 (Mosaic's rule)."""
-    whole_or = lambda x, tile: x if x <= tile or x % 128 else tile  # noqa: E731
-    return next(t for t in (512, 256, 128) if m % t == 0), whole_or(k, 1024), whole_or(n, 1024)
+    128), contraction and output 1,024 or the whole dimension where it is not a multiple of 128 (Mosaic's rule),
+    the largest whose double-buffered bfloat16 inputs and float32 accumulator fit `GMM_VMEM_BYTES` (gpt-oss's
+    whole contraction of 2,880 with 512 x 1,024 tiles asked 19 MiB of VMEM)."""
+    options = lambda x: [x] if x % 128 else [t for t in (1024, 512, 256, 128) if t <= x] or [x]  # noqa: E731
+    fits = lambda tm, tk, tn: 2 * 2 * (tm * tk + tk * tn) + 4 * tm * tn <= GMM_VMEM_BYTES  # noqa: E731
+    tiles = [(tm, tk, tn) for tm in (512, 256, 128) if m % tm == 0 for tk in options(k) for tn in options(n)]
+    return next((t for t in tiles if fits(*t)), tiles[-1])
 
 
 def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(probabilities [N, E] float32, the top-K weights [N, K] float32, their experts [N, K] int32)."""
+    """(probabilities [N, E] float32, the top-K weights [N, K] float32, their experts [N, K] int32); Llama 4's
+    weights are the sigmoids of the top K logits (its probabilities, for the load-balancing loss, a softmax still)."""
     logits_NxE = dense(x_NxD, router, kernel_axes=("embed", None))
     probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.promote_types(x_NxD.dtype, jnp.float32)), axis=-1)
+    if cfg.router_activation == "sigmoid":
+        top_NxK, experts_NxK = jax.lax.top_k(logits_NxE, cfg.experts_per_token)
+        return probs_NxE, jax.nn.sigmoid(top_NxK.astype(probs_NxE.dtype)), experts_NxK
     weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, cfg.experts_per_token)
     if cfg.normalize_top_k:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
@@ -54,10 +65,14 @@ def _with_hook(x_MxI, y_MxO, module: dict, hook: ExpertHook | None, product) -> 
 
 def grouped_kernel(cfg: ModelConfig, platform: str, tensor: int) -> str:
     """The grouped matmul a mixture runs: "megablox" on TPU where the tensor axis divides each expert's hidden units
-    (and, with expert biases, does not split them: each device adds its rows' whole biases), else "ragged_dot"
+    into multiples of 128, as the hidden size is (and, with expert biases, does not split them), else "ragged_dot"
     (which the TPU compiler makes a dense matmul per expert). The planner asks the same."""
     splits = tensor > 1 and cfg.expert_bias
-    return "megablox" if platform == "tpu" and cfg.expert_size % tensor == 0 and not splits else "ragged_dot"
+    # Mosaic tiles a dimension by multiples of 128 or whole: gpt-oss's 2,880 is neither tileable nor, whole, within
+    # VMEM (2,880 x 2,880 bfloat16 is 16 MiB), so its products run as ragged_dot
+    tileable = cfg.hidden_size % 128 == 0 and (cfg.expert_size // tensor) % 128 == 0
+    return ("megablox" if platform == "tpu" and cfg.expert_size % tensor == 0 and tileable and not splits
+            else "ragged_dot")
 
 
 def expert_platform() -> tuple[str, bool]:
@@ -78,13 +93,14 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     mesh = mesh_in_context()
     if grouped_kernel(cfg, platform, 1 if mesh is None else mesh.shape["tensor"]) == "megablox":
         out_BxTxD = _megablox_experts(x_BxTxD, weights_NxK.reshape(B, T, K), experts_NxK.reshape(B, T, K),
-                                      layer["experts"], gated, hook, E, interpret)
+                                      layer["experts"], gated, hook, E, interpret, cfg.expert_input_scaled)
     else:
         experts = layer["experts"]
         matmul = lambda x, name, sizes_E: grouped_matmul(x, experts[name], sizes_E, EXPERT_AXES[name],  # noqa: E731
                                                          hook)
         out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E, matmul,
-                                 biases=expert_biases(experts)).reshape(B, T, D)
+                                 biases=expert_biases(experts), scale_inputs=cfg.expert_input_scaled
+                                 ).reshape(B, T, D)
     valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
     assigned_E = jnp.zeros(E, jnp.float32).at[experts_NxK.reshape(-1)].add(jnp.repeat(valid_N, K))
     prob_sums_E = jnp.sum(probs_NxE.astype(jnp.float32) * valid_N[:, None], axis=0)
@@ -97,15 +113,19 @@ def expert_biases(experts: dict) -> dict:
 
 
 def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumulate=None,
-                 biases: dict | None = None) -> jax.Array:
+                 biases: dict | None = None, scale_inputs: bool = False) -> jax.Array:
     """Every token's K experts' gated MLPs, weighted and summed: [N, D] (in `accumulate`'s dtype if given).
     matmul(x_MxI, "gate_up_proj" or "down_proj", group_sizes_E): that stack's grouped matmul over rows sorted by
-    expert; biases: {stack name: [E, out]}, each row's expert's added to its product."""
+    expert; biases: {stack name: [E, out]}, each row's expert's added to its product; scale_inputs (Llama 4): the
+    weights multiply each expert's input, in its dtype, and the outputs are summed as they are."""
     N, K = experts_NxK.shape
     expert_M = experts_NxK.reshape(-1)  # M = N K assignments, token-major
     order_M = jnp.argsort(expert_M, stable=True)
     sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
     x_MxD = x_NxD[order_M // K]
+    if scale_inputs:
+        x_MxD = x_MxD * weights_NxK.reshape(-1)[order_M][:, None].astype(x_MxD.dtype)
+        weights_NxK = jnp.ones_like(weights_NxK)
     biases = biases or {}
 
     def product(x_MxI, name):
@@ -120,7 +140,7 @@ def _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E: int, matmul, accumul
 
 
 def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gated, hook: ExpertHook | None,
-                      E: int, interpret: bool) -> jax.Array:
+                      E: int, interpret: bool, scale_inputs: bool = False) -> jax.Array:
     """The mixture's output [B, T, D] by megablox on every device's rows: with an expert axis that splits the
     experts, rows gathered over it, each device's own experts computed, partial sums reduce-scattered back; with a
     tensor axis, each device its share of every expert's hidden units (gate and up side by side, as [E, in, 2, F]
@@ -166,7 +186,8 @@ def _megablox_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, experts: dict, gate
         matmul = lambda x, name, sizes_E: megablox_matmul(  # noqa: E731
             x, unpaired[name], sizes_E, jnp.asarray(offset, jnp.int32), hook, interpret)
         out_NxD = _expert_rows(x_NxD, weights_NxK, experts_NxK, gated, E, matmul,
-                               accumulate=jnp.promote_types(dtype, jnp.float32), biases=expert_biases(stacks))
+                               accumulate=jnp.promote_types(dtype, jnp.float32), biases=expert_biases(stacks),
+                               scale_inputs=scale_inputs)
         if tensor_axes:  # each device's hidden units' share of every expert output
             out_NxD = jax.lax.psum(out_NxD, tensor_axes)
         if gather_rows:

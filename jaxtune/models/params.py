@@ -109,7 +109,7 @@ def expert_specs(cfg: ModelConfig) -> dict:
         gate_up["bias"] = ParamSpec((L, E, 2 * F), ("layers", "experts", "mlp"), "zeros")
         down["bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), "zeros")
     specs: dict[str, dict] = {"router": router, "experts": {"gate_up_proj": gate_up, "down_proj": down}}
-    if cfg.shared_expert_size:
+    if cfg.shared_expert_size and cfg.shared_expert_gated:
         specs["shared_expert_gate"] = {"kernel": ParamSpec((L, D, 1), ("layers", "embed", None))}
     return specs
 

@@ -4,6 +4,7 @@ rope scaling): `rope_tables` for a batch's positions, `layer_rope` a layer's pic
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,35 +86,66 @@ def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array) -> jax.Array:
+def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array, interleaved: bool = False
+               ) -> jax.Array:
     """Rotate the first R dimensions of each head's vector, x * cos + rotate_half(x) * sin, and pass the rest
-    (R < hd: Phi-3's partial rotary factor). Computed in float32 (float64) and rounded once: XLA:CPU rounds a
-    bfloat16 product or sum at each operation, converting there and back around each."""
+    (R < hd: Phi-3's partial rotary factor); `interleaved` (Llama 4): rotate adjacent pairs (x[2i], x[2i+1]) by
+    angle i, as a complex product. Computed in float32 (float64) and rounded once: XLA:CPU rounds a bfloat16
+    product or sum at each operation, converting there and back around each."""
     R = cos_BxTxR.shape[-1]
     wide = jnp.promote_types(x_BxTxNxH.dtype, jnp.float32)
     x_rot, x_pass = x_BxTxNxH[..., :R].astype(wide), x_BxTxNxH[..., R:]
     half = R // 2
-    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
-    out = (x_rot * cos_BxTxR[:, :, None, :] + rotated * sin_BxTxR[:, :, None, :]).astype(x_BxTxNxH.dtype)
+    cos, sin = cos_BxTxR[:, :, None, :], sin_BxTxR[:, :, None, :]
+    if interleaved:
+        even, odd = x_rot[..., 0::2], x_rot[..., 1::2]
+        cos, sin = cos[..., :half], sin[..., :half]
+        out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x_rot.shape)
+    else:
+        rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+        out = x_rot * cos + rotated * sin
+    out = out.astype(x_BxTxNxH.dtype)
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
-def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+class LayerRope(NamedTuple):
+    """One layer's pick of `rope_tables`: cos and sin [B, T, R]; rotates, a bool scalar (False on NoPE layers) or
+    None where every layer rotates; q_scale_T, Llama 4's NoPE-layer query temperature (1 on other layers) or None."""
+
+    cos: jax.Array
+    sin: jax.Array
+    rotates: jax.Array | None
+    q_scale_T: jax.Array | None
+
+
+def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype, slots_T: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """cos and sin [R, B, T, hd] (`rope_angles`), the tables of `cfg.rope_table_of_layer`: the full layers', then
     the sliding layers' own when they have their own base (`local_rope_theta`: Gemma 3, OLMo 3; unscaled), then
-    the identity (cos 1, sin 0) when some layers are NoPE (`nope_layers`)."""
+    the identity (cos 1, sin 0) when some layers are NoPE (`nope_layers`); and with `temperature_floor`, each
+    table's query scale [R, T] by the tokens' cache slots `slots_T` (else None)."""
     tables = [rope_angles(positions_BxT, cfg, dtype)]
     if cfg.local_rope_theta is not None:
         local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
         tables.append(rope_angles(positions_BxT, local, dtype))
     if cfg.nope_layers:
         tables.append((jnp.ones_like(tables[0][0]), jnp.zeros_like(tables[0][1])))
-    return tuple(jnp.stack(parts) for parts in zip(*tables))
+    cos, sin = (jnp.stack(parts) for parts in zip(*tables))
+    if not cfg.temperature_floor:
+        return cos, sin, None
+    assert slots_T is not None, "a model with attention temperature needs the tokens' slots"
+    floor = jnp.floor((slots_T.astype(jnp.float32) + 1.0) / cfg.temperature_floor)
+    temperature_T = jnp.log1p(floor) * cfg.temperature_scale + 1.0  # float32, as transformers computes it
+    scales = jnp.ones((len(tables), slots_T.shape[0]), jnp.float32)
+    return cos, sin, scales.at[-1].set(temperature_T)  # the NoPE layers' table is the last
 
 
-def layer_rope(tables: tuple[jax.Array, jax.Array], table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A layer's cos and sin [B, T, hd]: table `table` (its entry of `cfg.rope_table_of_layer`) of `rope_tables`."""
-    cos_RxBxTxH, sin_RxBxTxH = tables
+def layer_rope(tables: tuple[jax.Array, jax.Array, jax.Array | None], table: jax.Array, cfg: ModelConfig
+               ) -> LayerRope:
+    """A layer's `LayerRope`: table `table` (its entry of `cfg.rope_table_of_layer`) of `rope_tables`."""
+    cos_RxBxTxH, sin_RxBxTxH, scale_RxT = tables
+    rotates = table != cos_RxBxTxH.shape[0] - 1 if cfg.nope_layers else None
     if cos_RxBxTxH.shape[0] == 1:
-        return cos_RxBxTxH[0], sin_RxBxTxH[0]
-    return cos_RxBxTxH[table], sin_RxBxTxH[table]
+        return LayerRope(cos_RxBxTxH[0], sin_RxBxTxH[0], rotates, None)
+    return LayerRope(cos_RxBxTxH[table], sin_RxBxTxH[table], rotates,
+                     None if scale_RxT is None else scale_RxT[table])

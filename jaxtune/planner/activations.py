@@ -143,7 +143,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         if cfg.sandwich_norms or cfg.post_norms:  # Gemma, OLMo: sub-layer outputs normalised before the add
             saved += [("attention block output", (b, T, w.D), True), ("MLP block output", (b, T, w.D), True),
                       ("output norm statistics", (b, T, 2), True)]
-        if cfg.qk_norm:  # Qwen3, Gemma 3: the query and key norms' float32 inputs and statistics, for their backward
+        if cfg.qk_norm or cfg.qk_l2_norm:  # Qwen3, Gemma 3, OLMo, Llama 4: the q/k norms' float32 inputs, statistics
             saved += [("q before its norm", q_shape, True), ("k before its norm", kv_shape, True),
                       ("query and key norm statistics", (b, T, w.heads + w.kv_heads), True)]
         if any(trains_input(m) for m in ("q_proj", "k_proj", "v_proj", "qkv_proj")):
@@ -162,6 +162,8 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         saved.append(("router probabilities", (b, T, cfg.num_experts), True))
         if policy == "none" or not w.megablox:
             saved += [("tokens sorted by expert", (b, T, K * w.D), False), ("expert outputs", (b, T, K * w.D), False)]
+            if cfg.expert_input_scaled:  # Llama 4: the sorted tokens times their weights, the experts' input
+                saved.append(("weighted expert inputs", (b, T, K * w.D), False))
         if policy == "none":
             saved += expert_group_tensors(cfg, w)
         elif w.megablox:  # save_matmuls: megablox's products are recomputed, not saved (its kernel is no dot)

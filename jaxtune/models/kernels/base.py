@@ -169,7 +169,7 @@ def choose_kernel(choice: str, shape: AttentionShape, platform: str, planning: b
     if not native and kernel.off_platform == "refuse":
         runs_on = kernel.runs_on or f"{kernel.name} runs on {', '.join(kernel.platforms)}"
         raise ConfigError("attention", choice, f"{runs_on}; this backend is {platform}")
-    why = kernel.covers(shape)
+    why = "chunked attention (a negative window)" if min(shape.windows) < 0 else kernel.covers(shape)
     if why is None and native and not planning and kernel.probe is not None:
         why = kernel.probe(shape)
     if why is None:
