@@ -153,10 +153,12 @@ def _llama4_from_hf(hf: dict, where: str, rope: Callable) -> dict:
                            "Llama 4 Maverick's) are not supported; every layer a mixture (Scout's) is")
     interval = int(hf.get("no_rope_layer_interval") or 4)
     uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-    chunk = hf.get("attention_chunk_size")
+    chunk = int(hf.get("attention_chunk_size") or 0)
     types = hf.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in uses_rope]
+    if "chunked_attention" in types and not chunk:
+        raise JaxtuneError(f"{where}: layer_types has chunked layers but attention_chunk_size is {chunk}")
     return dict(nope_layers=tuple(i for i in range(layers) if not uses_rope[i]),
-                sliding_windows=tuple(-int(chunk) if t == "chunked_attention" else 0 for t in types),
+                sliding_windows=tuple(-chunk if t == "chunked_attention" else 0 for t in types),
                 qk_l2_norm=bool(hf.get("use_qk_norm", True)),
                 temperature_floor=int(hf.get("floor_scale", 8192)) if hf.get("attn_temperature_tuning", True) else 0,
                 temperature_scale=float(hf.get("attn_scale", 0.1)),

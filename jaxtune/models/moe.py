@@ -20,7 +20,6 @@ from jaxtune.models.linear import dense, kernel_of
 from jaxtune.models.params import EXPERT_AXES
 from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
 
-
 GMM_VMEM_BYTES = 14 * 2**20  # of the 16 MiB scoped VMEM a TPU kernel may take, what megablox's tiles may fill
 
 
