@@ -166,7 +166,7 @@ ROWS = [
     ("gpt-oss-20b", "lora", "sft", 4096, 8, "v5e-8", "fsdp=8", "full"),
     ("gpt-oss-20b", "full", "sft", 4096, 32, "v5p-64", "fsdp=8,expert=4", "full"),
     ("gpt-oss-120b", "lora", "sft", 4096, 32, "v5p-64", "fsdp=8,expert=4", "full"),
-    ("llama-4-scout", "lora", "sft", 8192, 32, "v5p-64", "fsdp=16,expert=4", "full"),
+    ("llama-4-scout", "lora", "sft", 8192, 32, "v5p-64", "fsdp=8,expert=4", "full"),
     ("smollm3-3b", "lora", "sft", 8192, 8, "v6e-8", "fsdp=8", "full"),
     ("olmo-3-7b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
 ]

@@ -125,7 +125,7 @@ def _gpt_oss_from_hf(hf: dict, where: str, rope: Callable) -> dict:
         raise JaxtuneError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
     return dict(num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
                 experts_per_token=int(hf["num_experts_per_tok"]), expert_size=int(hf["intermediate_size"]),
-                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                intermediate_size=int(hf["intermediate_size"]), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
                 output_router_logits=bool(hf.get("output_router_logits", False)),
                 sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
@@ -133,6 +133,8 @@ def _gpt_oss_from_hf(hf: dict, where: str, rope: Callable) -> dict:
 
 
 def _gpt_oss_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    if cfg.intermediate_size != cfg.expert_size:
+        raise JaxtuneError(f"{cfg.architecture} has no dense MLP: intermediate_size is its experts' width")
     return {**_bias_to_hf(cfg), "hidden_act": "silu", "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.experts_per_token, "swiglu_alpha": cfg.swiglu_alpha,
             "swiglu_limit": cfg.swiglu_limit, "router_aux_loss_coef": cfg.router_aux_loss_coef,
@@ -209,4 +211,6 @@ def family_to_hf(cfg: ModelConfig, hf: dict) -> dict:
     for name, value in family.fixed.items():
         if getattr(cfg, name) != value:
             raise JaxtuneError(f"{cfg.architecture} has {name}={value!r}, this config {getattr(cfg, name)!r}")
-    return family.to_hf(cfg, hf)
+    # explicit where unscaled: gpt-oss's config class would put its own YaRN in an absent entry's place
+    hf = {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, **hf}
+    return {"rope_parameters": hf["rope_parameters"], **family.to_hf(cfg, hf)}
