@@ -38,8 +38,8 @@ def family_traits(arch: str, num_layers: int) -> dict:
         "smollm3": dict(nope_layers=(num_layers - 1,), tie_word_embeddings=True), "olmo2": olmo,
         "olmo3": dict(olmo, local_rope_theta=10_000.0,
                       sliding_windows=tuple(64 if i % 2 == 0 else 0 for i in range(num_layers))),
-        "gpt_oss": dict(num_experts=4, experts_per_token=2, expert_size=64, intermediate_size=64, router_bias=True, expert_bias=True,
-                        attention_sinks=True, hidden_act="clamped_swiglu", qkv_bias=True, o_bias=True,
+        "gpt_oss": dict(num_experts=4, experts_per_token=2, expert_size=64, intermediate_size=64, router_bias=True,
+                        expert_bias=True, attention_sinks=True, hidden_act="clamped_swiglu", qkv_bias=True, o_bias=True,
                         norm_float32_scale=True, sliding_windows=tuple(64 if i % 2 == 0 else 0
                                                                        for i in range(num_layers))),
         "llama4": dict(num_experts=4, experts_per_token=1, expert_size=64, shared_expert_size=64,

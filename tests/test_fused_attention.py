@@ -98,6 +98,35 @@ def test_splash_equals_dense_float32(kind):
         assert relative(got, want) <= 1e-5, name
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("window, padded", [(0, False), (-128, False), (-256, True)])
+def test_splash_with_sinks_and_chunks_equals_dense(window, padded):
+    """gpt-oss's sinks (splash's `sinks`, against the scaled scores) with causal or Llama 4's chunked masks (chunks
+    of 128 and 256 over 384 tokens), with padding: values and the gradients of q, k, v and the sinks within 1e-5 of
+    the float64 dense form."""
+    valid = np.ones((B, T), np.int32)
+    valid[1, T - 40:] = 0 if padded else 1
+    mask = training_mask(B, T, 0, jnp.asarray(valid) if padded else None, None)
+    q, k, v = inputs(T, jnp.float32)
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal((K, G)), jnp.float32)
+    kernel = FusedAttention("splash", tuple(sorted({0, window})), padded, interpret=True)
+    seen = seen_queries(mask, T, window)
+
+    def loss_of(attend):
+        return lambda q, k, v, s: jnp.sum(jnp.where(seen[:, None, None, :, None], attend(q, k, v, s), 0) ** 2)
+
+    ours = lambda q, k, v, s: splash_attention(q, k, v, mask, jnp.int32(window), kernel, scale=HD ** -0.5,  # noqa
+                                               softcap=None, sinks_KxG=s)
+    out, grads = ours(q, k, v, sinks), jax.grad(loss_of(ours), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    with jax.enable_x64(True):
+        dense = lambda q, k, v, s: dense_attention(q, k, v, mask, window, sinks=s)  # noqa: E731
+        args = [a.astype(jnp.float64) for a in (q, k, v, sinks)]
+        ref, ref_grads = dense(*args), jax.grad(loss_of(dense), argnums=(0, 1, 2, 3))(*args)
+    assert relative(out, ref, seen) <= 1e-5
+    for name, got, want in zip(("q", "k", "v", "sinks"), grads, ref_grads):
+        assert relative(got, want) <= 1e-5, name
+
+
 @pytest.mark.parametrize("kind", ["causal", "packed"])
 @pytest.mark.full
 def test_splash_bfloat16_is_the_float32_result_rounded(kind):
@@ -162,8 +191,11 @@ def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monke
     assert decide(prefix=128, S=384) is not None  # prefix keys: a causal mask with an offset
     assert decide(prefix=128, S=384, packed=True) is None  # prefix keys seen by every segment: blockwise
     assert decide(T=200, S=200) is None  # not a multiple of 128
-    assert decide(sinks=True) is None  # attention sinks (gpt-oss): blockwise
+    assert decide(sinks=True) == FusedAttention("splash", (0,), False, interpret=False)  # gpt-oss's sinks
+    assert decide(windows=(-128, 0)) == FusedAttention("splash", (-128, 0), False, interpret=False)  # Llama 4
+    assert decide(windows=(-128, 0), prefix=128, S=384) is None  # chunks after prefix keys: blockwise
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decide(windows=(-128, 0)) is None  # no chunked mask in cuDNN
     assert decide(dtype=jnp.float32) is None  # cuDNN's flash attention is 16-bit
     assert decide(packed=True) is None and decide(softcap=50.0) is None and decide(prefix=4, S=260) is None
     assert decide(padded=True) is None  # the probe: this machine's jax refuses the cuDNN call

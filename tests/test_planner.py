@@ -141,8 +141,9 @@ def test_estimate_of_each_family_is_within_ten_percent_of_the_compiled_step(arch
 
     traits = family_traits(arch, 4)
     traits["sliding_windows"] = tuple(128 * ((w > 0) - (w < 0)) for w in traits.get("sliding_windows", (0,) * 4))
-    cfg = ModelConfig(**{**dict(architecture=ARCH_NAMES[arch], vocab_size=8000, hidden_size=256,
-                                intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32), **traits})
+    shape = dict(architecture=ARCH_NAMES[arch], vocab_size=8000, hidden_size=256, intermediate_size=704, num_layers=4,
+                 num_heads=8, num_kv_heads=4, head_dim=32)
+    cfg = ModelConfig(**{**shape, **traits})
     if arch == "phi3" and method.kind == "lora":
         method = method_config("lora", target_modules=("qkv_proj",))
     plan = TrainPlan(method, rows, seq_len, 1, forward=ForwardOptions(compute_dtype="bfloat16", remat="none"))

@@ -125,7 +125,8 @@ def _gpt_oss_from_hf(hf: dict, where: str, rope: Callable) -> dict:
         raise JaxtuneError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
     return dict(num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
                 experts_per_token=int(hf["num_experts_per_tok"]), expert_size=int(hf["intermediate_size"]),
-                intermediate_size=int(hf["intermediate_size"]), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                intermediate_size=int(hf["intermediate_size"]), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
                 output_router_logits=bool(hf.get("output_router_logits", False)),
                 sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),

@@ -140,7 +140,8 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
     if fused is None:
         out_BxTxKxGxh = blockwise()
     else:
-        call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise)
+        call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise,
+                          layer_sinks(layer, cfg))
         out_BxTxKxGxh = KERNELS[fused.kind].attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call)
     return project(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer, "o_proj", adapters)
 

@@ -58,8 +58,9 @@ class FusedAttention(NamedTuple):
 
 class KernelCall(NamedTuple):
     """What `AttentionKernel.attend` gets beside q, k, v: the forward's mask, the layer's (traced) window, the live
-    key blocks of each query block (the blockwise kernel's), the chosen kernel, the scores' scale and soft cap, and
-    `blockwise()`: the blockwise kernel's output for the same call (a kernel that falls back per batch)."""
+    key blocks of each query block (the blockwise kernel's), the chosen kernel, the scores' scale and soft cap,
+    `blockwise()`: the blockwise kernel's output for the same call (a kernel that falls back per batch), and the
+    layer's attention sinks [K, G] or None."""
 
     mask: AttentionMask
     window: jax.Array
@@ -68,6 +69,7 @@ class KernelCall(NamedTuple):
     scale: float
     softcap: float | None
     blockwise: Callable[[], jax.Array]
+    sinks_KxG: jax.Array | None = None
 
 
 class RingCall(NamedTuple):
@@ -169,7 +171,7 @@ def choose_kernel(choice: str, shape: AttentionShape, platform: str, planning: b
     if not native and kernel.off_platform == "refuse":
         runs_on = kernel.runs_on or f"{kernel.name} runs on {', '.join(kernel.platforms)}"
         raise ConfigError("attention", choice, f"{runs_on}; this backend is {platform}")
-    why = "chunked attention (a negative window)" if min(shape.windows) < 0 else kernel.covers(shape)
+    why = kernel.covers(shape)
     if why is None and native and not planning and kernel.probe is not None:
         why = kernel.probe(shape)
     if why is None:

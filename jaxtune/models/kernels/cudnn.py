@@ -78,8 +78,8 @@ def _attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call: KernelCall) -> jax.Array:
 
 CUDNN = AttentionKernel(
     "cudnn", platforms=("gpu",),
-    covers=lambda shape: cudnn_covers(shape.prefix, shape.packed, shape.softcap, shape.dtype, shape.head_dim,
-                                      shape.sinks),
+    covers=lambda shape: "it has no chunked mask (Llama 4's)" if min(shape.windows) < 0 else cudnn_covers(
+        shape.prefix, shape.packed, shape.softcap, shape.dtype, shape.head_dim, shape.sinks),
     probe=lambda shape: _cudnn_refuses(shape.B, shape.T, shape.K, shape.G, shape.head_dim, shape.dtype,
                                        shape.windows),
     attend=_attend, runs_on="cuDNN runs on NVIDIA GPUs")

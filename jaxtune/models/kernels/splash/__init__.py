@@ -16,15 +16,16 @@ from jaxtune.models.kernels.splash.ring import ring_attend, ring_grads
 
 
 def _covers(shape: AttentionShape) -> str | None:
-    if shape.sinks:  # jax's splash kernel takes them (`sinks=`, one a query head); not passed to it yet
-        return "attention sinks are not passed to it yet"
+    if min(shape.windows) < 0 and shape.prefix:
+        return "its chunked mask (Llama 4's) takes no prefix keys"
     return splash_covers(shape.T, shape.S, shape.prefix, shape.packed or shape.padded)
 
 
 def _attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call: KernelCall) -> jax.Array:
     q, k, v = jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), *(jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh,
                                                                                                    v_BxSxKxh))
-    out = splash_attention(q, k, v, call.mask, call.window, call.fused, scale=call.scale, softcap=call.softcap)
+    out = splash_attention(q, k, v, call.mask, call.window, call.fused, scale=call.scale, softcap=call.softcap,
+                           sinks_KxG=call.sinks_KxG)
     return jnp.transpose(out, (0, 3, 1, 2, 4))
 
 
