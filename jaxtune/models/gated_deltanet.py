@@ -1,0 +1,90 @@
+"""The gated delta rule (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks"), the linear attention of
+Qwen3-Next's and Qwen3.5's linear layers: per value head a state S [dk, dv] that each token decays by exp(g_t),
+corrects toward its value and reads with its query:
+
+    S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - k_t^T S_t))^T;  o_t = S_t^T q_t / sqrt(dk)
+
+`chunk_gated_delta_rule` trains it in chunks of C tokens: inside a chunk the updates are one lower-triangular solve
+(the UT transform) and a few matmuls, across chunks a `lax.scan` carries S, so the work is linear in T and every
+shape static; `recurrent_gated_delta_rule` steps token by token from a state (decoding). Both follow transformers'
+`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` (float32, q and k optionally L2-normalised).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.models.linear import wide
+
+
+def _heads_first(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, l2_normalize: bool):
+    """[B, N, T, ...] float32 (float64) inputs: q and k repeated from their H heads to the N value heads (each serving
+    N / H consecutive ones), L2-normalised if asked, q scaled by dk^-1/2."""
+    dtype = wide(q_BxTxHxK.dtype)
+    N, H = v_BxTxNxV.shape[2], q_BxTxHxK.shape[2]
+    q, k = (jnp.repeat(a, N // H, axis=2) for a in (q_BxTxHxK, k_BxTxHxK))
+    q, k, v, g, beta = (jnp.swapaxes(a.astype(dtype), 1, 2) for a in (q, k, v_BxTxNxV, g_BxTxN, beta_BxTxN))
+    if l2_normalize:  # as the FLA library: x / sqrt(sum x^2 + 1e-6)
+        q, k = (a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + 1e-6) for a in (q, k))
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, *, chunk: int = 64,
+                           state_BxNxKxV=None, l2_normalize: bool = True):
+    """(outputs [B, T, N, dv] in v's dtype, final state [B, N, dk, dv] float32) of the gated delta rule over T
+    tokens (padded to a multiple of `chunk` with tokens that change nothing: g = beta = 0), from `state_BxNxKxV`
+    (default zeros). g: log decays (<= 0); beta: update strengths in (0, 1)."""
+    B, T, N, dv = v_BxTxNxV.shape
+    q, k, v, g, beta = _heads_first(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, l2_normalize)
+    dk = q.shape[-1]
+    pad = -T % chunk
+    q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
+    g, beta = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (g, beta))
+    C, n = chunk, (T + pad) // chunk
+    as_chunks = lambda a: a.reshape(B, N, n, C, *a.shape[3:])  # noqa: E731
+    q, k, v, g, beta = map(as_chunks, (q, k, v, g, beta))  # [B, N, n, C, ...]
+    cum_BxNxnxC = jnp.cumsum(g, axis=-1)  # log decay from the chunk's start to each token
+    causal_CxC = jnp.tril(jnp.ones((C, C), bool))
+    decay_CxC = jnp.exp(jnp.where(causal_CxC, cum_BxNxnxC[..., :, None] - cum_BxNxnxC[..., None, :], -jnp.inf))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # The UT transform: the chunk's sequential corrections as (I + strictly_lower(K_beta K^T * decay))^-1
+    system_CxC = jnp.einsum("bnicd,bnied->bnice", k_beta, k) * decay_CxC
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system_CxC, rhs, lower=True,  # noqa: E731
+                                                          unit_diagonal=True)
+    values_new, keys_decayed = solve(v_beta), solve(k_beta * jnp.exp(cum_BxNxnxC)[..., None])
+    attn_CxC = jnp.einsum("bnicd,bnied->bnice", q, k) * decay_CxC
+    q_decayed = q * jnp.exp(cum_BxNxnxC)[..., None]
+    k_to_end = k * jnp.exp(cum_BxNxnxC[..., -1:] - cum_BxNxnxC)[..., None]
+    chunk_decay = jnp.exp(cum_BxNxnxC[..., -1])[..., None, None]  # [B, N, n, 1, 1]
+
+    def step(S_BxNxKxV, xs):
+        values, keys, queries, attn, to_end, decay = xs
+        v_new = values - keys @ S_BxNxKxV
+        out = queries @ S_BxNxKxV + attn @ v_new
+        return S_BxNxKxV * decay + jnp.swapaxes(to_end, -1, -2) @ v_new, out
+
+    S0 = (jnp.zeros((B, N, dk, dv), q.dtype) if state_BxNxKxV is None else state_BxNxKxV.astype(q.dtype))
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (values_new, keys_decayed, q_decayed, attn_CxC, k_to_end, chunk_decay))
+    S, out_nxBxNxCxV = jax.lax.scan(step, S0, xs)
+    out = jnp.moveaxis(out_nxBxNxCxV, 0, 2).reshape(B, N, n * C, dv)[:, :, :T]
+    return jnp.swapaxes(out, 1, 2).astype(v_BxTxNxV.dtype), S
+
+
+def recurrent_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, *, state_BxNxKxV=None,
+                               l2_normalize: bool = True):
+    """`chunk_gated_delta_rule`'s result token by token (a scan over T): decoding, one token a step, from the
+    state a prefill left."""
+    B, T, N, dv = v_BxTxNxV.shape
+    q, k, v, g, beta = _heads_first(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, l2_normalize)
+
+    def step(S_BxNxKxV, xs):
+        q_t, k_t, v_t, g_t, beta_t = xs  # [B, N, dk], [B, N, dk], [B, N, dv], [B, N], [B, N]
+        S_BxNxKxV = S_BxNxKxV * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bnk,bnkv->bnv", k_t, S_BxNxKxV)) * beta_t[..., None]
+        S_BxNxKxV = S_BxNxKxV + k_t[..., :, None] * delta[..., None, :]
+        return S_BxNxKxV, jnp.einsum("bnk,bnkv->bnv", q_t, S_BxNxKxV)
+
+    S0 = jnp.zeros((B, N, q.shape[-1], dv), q.dtype) if state_BxNxKxV is None else state_BxNxKxV.astype(q.dtype)
+    S, out_TxBxNxV = jax.lax.scan(step, S0, tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, v, g, beta)))
+    return jnp.moveaxis(out_TxBxNxV, 0, 1).astype(v_BxTxNxV.dtype), S
