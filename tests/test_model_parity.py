@@ -238,6 +238,7 @@ def test_olmo3_reads_post_norms_whole_projection_qk_norms_and_yarn(hf_model_dir)
     assert np.abs(jax_logits(params, cfg.replace(rope_scaling=None), ids, mask, positions) - ref)[mask > 0].max() > 1e-2
 
 
+@pytest.mark.full
 def test_llama4_reads_its_chunks_nope_layers_temperature_and_router(hf_model_dir):
     """Layers 0 and 1 chunked (4) and rotating by interleaved pairs, layer 2 NoPE with temperature; removing the
     chunks, the interleaving or the temperature changes the logits."""

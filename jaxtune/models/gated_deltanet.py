@@ -4,10 +4,9 @@ corrects toward its value and reads with its query:
 
     S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - k_t^T S_t))^T;  o_t = S_t^T q_t / sqrt(dk)
 
-`chunk_gated_delta_rule` trains it in chunks of C tokens: inside a chunk the updates are one lower-triangular solve
-(the UT transform) and a few matmuls, across chunks a `lax.scan` carries S, so the work is linear in T and every
-shape static; `recurrent_gated_delta_rule` steps token by token from a state (decoding). Both follow transformers'
-`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` (float32, q and k optionally L2-normalised).
+`chunk_gated_delta_rule` trains it in chunks: inside one, the updates are a lower-triangular solve (the UT
+transform) and a few matmuls; across chunks a `lax.scan` carries S (linear in T, static shapes).
+`recurrent_gated_delta_rule` steps token by token from a state (decoding). Both follow transformers' torch functions.
 """
 
 from __future__ import annotations
