@@ -242,6 +242,7 @@ def test_attention_sinks_equal_dense_float64(case, monkeypatch):
     assert relative(no_sinks, want[0]) > 0.1  # the sinks matter
 
 
+@pytest.mark.full  # the everyday tier decodes gpt-oss's sinks against transformers (test_families.py)
 def test_a_model_with_sinks_decodes_as_its_forward():
     """Sinks in a model's layers (`layers["sinks"]` [L, H]; a sliding layer of 6 and a global one): the full
     forward's logits equal a prefill's and then each decode step's (its dense one-query attention) for a left-padded
