@@ -28,10 +28,20 @@ def gmm_tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
     128), contraction and output 1,024 or the whole dimension where it is not a multiple of 128 (Mosaic's rule),
     the largest whose double-buffered bfloat16 inputs and float32 accumulator fit `GMM_VMEM_BYTES` (gpt-oss's
     whole contraction of 2,880 with 512 x 1,024 tiles asked 19 MiB of VMEM)."""
-    options = lambda x: [x] if x % 128 else [t for t in (1024, 512, 256, 128) if t <= x] or [x]  # noqa: E731
-    fits = lambda tm, tk, tn: 2 * 2 * (tm * tk + tk * tn) + 4 * tm * tn <= GMM_VMEM_BYTES  # noqa: E731
-    tiles = [(tm, tk, tn) for tm in (512, 256, 128) if m % tm == 0 for tk in options(k) for tn in options(n)]
-    return next((t for t in tiles if fits(*t)), tiles[-1])
+    tiles = [(tm, tk, tn) for tm in (512, 256, 128) if m % tm == 0 for tk in _tile_options(k)
+             for tn in _tile_options(n)]
+    return next((t for t in tiles if _tiles_fit(*t)), tiles[-1])
+
+
+def _tile_options(x: int) -> list[int]:
+    """Mosaic's tiles of a dimension x, largest first: x whole up to 1,024 or where it is no multiple of 128, else
+    1,024 down to 128."""
+    return [x] if x <= 1024 or x % 128 else [1024, 512, 256, 128]
+
+
+def _tiles_fit(tm: int, tk: int, tn: int) -> bool:
+    """Whether double-buffered bfloat16 tiles of x [tm, tk] and w [tk, tn] and a float32 [tm, tn] fit the VMEM."""
+    return 2 * 2 * (tm * tk + tk * tn) + 4 * tm * tn <= GMM_VMEM_BYTES
 
 
 def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -67,9 +77,11 @@ def grouped_kernel(cfg: ModelConfig, platform: str, tensor: int) -> str:
     into multiples of 128, as the hidden size is (and, with expert biases, does not split them), else "ragged_dot"
     (which the TPU compiler makes a dense matmul per expert). The planner asks the same."""
     splits = tensor > 1 and cfg.expert_bias
-    # Mosaic tiles a dimension by multiples of 128 or whole: gpt-oss's 2,880 is neither tileable nor, whole, within
-    # VMEM (2,880 x 2,880 bfloat16 is 16 MiB), so its products run as ragged_dot
-    tileable = cfg.hidden_size % 128 == 0 and (cfg.expert_size // tensor) % 128 == 0
+    # Mosaic tiles a dimension by multiples of 128 or whole: gpt-oss's 2,880 x 2,880 down projection is neither
+    # tileable nor, whole, within VMEM (16 MiB of bfloat16), so its products run as ragged_dot
+    D, F = cfg.hidden_size, cfg.expert_size // max(tensor, 1)
+    products = ((D, 2 * F), (F, D), (2 * F, D), (D, F))  # the forward's two and their input gradients'
+    tileable = all(_tiles_fit(128, min(_tile_options(k)), min(_tile_options(n))) for k, n in products)
     return ("megablox" if platform == "tpu" and cfg.expert_size % tensor == 0 and tileable and not splits
             else "ragged_dot")
 
