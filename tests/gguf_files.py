@@ -123,3 +123,136 @@ def spm_tokens() -> tuple[list[str], list[float], list[int]]:
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))][::-1]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     return tokens, scores, types
+
+
+# The 2025-26 families as llama.cpp's converter writes them (its `conversion/{llama,olmo,gpt_oss,llama4}.py`):
+# architecture, metadata beyond a Llama's, tensor names and the splitting of expert stacks, written out here apart
+# from jaxtune's own writer.
+FAMILY_ARCH = {"smollm3": "smollm3", "olmo2": "olmo2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "llama4": "llama4"}
+FAMILY_NAMES = {"post_attention_layernorm": {"olmo2": "post_attention_norm", "olmo3": "post_attention_norm",
+                                             "gpt_oss": "post_attention_norm"},
+                "post_feedforward_layernorm": {"olmo2": "post_ffw_norm", "olmo3": "post_ffw_norm"}}
+MOE_NAMES = {"router": "ffn_gate_inp", "shared_expert.gate_proj": "ffn_gate_shexp",
+             "shared_expert.up_proj": "ffn_up_shexp", "shared_expert.down_proj": "ffn_down_shexp",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def family_tensor_name(hf_name: str, family: str) -> str:
+    stem, _, suffix = hf_name.rpartition(".")
+    if hf_name.endswith("self_attn.sinks"):
+        return f"blk.{hf_name.split('.')[2]}.attn_sinks.weight"
+    if stem.startswith("model.layers."):
+        _, _, layer, module = stem.split(".", 3)
+        if module in FAMILY_NAMES and family in FAMILY_NAMES[module]:
+            return f"blk.{layer}.{FAMILY_NAMES[module][family]}.{suffix}"
+        for prefix in ("mlp.", "feed_forward."):
+            if module.startswith(prefix) and module[len(prefix):] in MOE_NAMES:
+                return f"blk.{layer}.{MOE_NAMES[module[len(prefix):]]}.{suffix}"
+    return gguf_name(hf_name)
+
+
+def mxfp4_as_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """transformers' MXFP4 ([..., n/32, 16] bytes, value 2k in byte k's low nibble, 2k+1 in its high one; E8M0
+    scales [..., n/32]) as GGML's blocks: the scale byte, then byte j holding value j (low) and j + 16 (high)."""
+    values = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    packed = values[..., :16] | (values[..., 16:] << 4)
+    return np.concatenate([scales[..., None], packed], axis=-1).reshape(*blocks.shape[:-2], -1)
+
+
+def write_family_gguf(path: str | Path, model, kind: Q = Q.F32, mxfp4: dict[str, tuple] | None = None) -> Path:
+    """`model` (a transformers SmolLM3, OLMo 2 or 3, gpt-oss or Llama 4) as llama.cpp's converter writes it; `mxfp4`:
+    expert stack name -> (blocks, scales) in transformers' layout, written as GGML MXFP4 in its place."""
+    cfg, family = model.config, model.config.model_type.removesuffix("_text")
+    arch = FAMILY_ARCH[family]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(getattr(cfg, "intermediate_size_mlp", cfg.intermediate_size))
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32.0))
+        writer.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1.0))
+    if rope.get("rope_type") == "llama3":  # as per-frequency divisors, its `generate_extra_tensors` loop
+        factors = []
+        for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+            wavelength, old = 2 * np.pi / freq, 8192  # the converter reads a top-level original length, or 8192
+            if wavelength < old / rope["high_freq_factor"]:
+                factors.append(1.0)
+            elif wavelength > old / rope["low_freq_factor"]:
+                factors.append(rope["factor"])
+            else:
+                low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+                smooth = (old / wavelength - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        writer.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
+    experts = getattr(cfg, "num_local_experts", 0)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    if family in ("olmo3", "gpt_oss"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if family == "olmo3":
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if family == "llama4":
+        writer.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
+    writer.add_file_type(int(kind))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS + [f"[PAD{i}]" for i in range(len(TOKENS), cfg.vocab_size)])
+    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3) + [5] * (cfg.vocab_size - len(TOKENS)))
+    writer.add_token_merges([" ".join(m) for m in MERGES])
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        if family == "smollm3" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = permute(w, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        if ".experts." in name:
+            layer, stack = name.split(".")[2], name.rpartition(".")[2]
+            if stack in ("gate_up_proj", "gate_up_proj_bias"):
+                if stack == "gate_up_proj":
+                    w = w.swapaxes(1, 2)  # [E, 2F, D]
+                F = w.shape[1] // 2
+                parts = (w[:, ::2], w[:, 1::2]) if family == "gpt_oss" else (w[:, :F], w[:, F:])
+                if mxfp4 and name in mxfp4:
+                    blocks, scales = mxfp4[name]
+                    parts = (mxfp4_as_ggml(blocks[:, ::2], scales[:, ::2]),
+                             mxfp4_as_ggml(blocks[:, 1::2], scales[:, 1::2]))
+                suffix = "bias" if stack.endswith("bias") else "weight"
+                for part, x in zip(("gate", "up"), parts):
+                    _add(writer, f"blk.{layer}.ffn_{part}_exps.{suffix}", x, kind, raw=mxfp4 and name in mxfp4)
+            else:
+                suffix = "bias" if stack.endswith("bias") else "weight"
+                x = w if suffix == "bias" else w.swapaxes(1, 2)
+                if mxfp4 and name in mxfp4:
+                    x = mxfp4_as_ggml(*mxfp4[name])
+                _add(writer, f"blk.{layer}.ffn_down_exps.{suffix}", x, kind, raw=mxfp4 and name in mxfp4)
+            continue
+        _add(writer, family_tensor_name(name, family), w, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _add(writer, name: str, w: np.ndarray, kind: Q, raw: bool = False) -> None:
+    if raw:
+        writer.add_tensor(name, np.ascontiguousarray(w), raw_dtype=Q.MXFP4)
+    elif w.ndim == 1 or not name.endswith(".weight") or "norm" in name or "ffn_gate_inp" in name or kind == Q.F32:
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    elif kind == Q.F16:
+        writer.add_tensor(name, w.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)

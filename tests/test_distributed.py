@@ -84,8 +84,8 @@ def test_two_processes_train_as_one_and_match_a_single_process(tmp_path):
     w1 = load_file(tmp_path / "single" / "model" / "model.safetensors")
     w2 = load_file(tmp_path / "pair" / "model" / "model.safetensors")
     assert w1.keys() == w2.keys()
-    for key in w1:
-        np.testing.assert_allclose(w2[key], w1[key], rtol=0, atol=2e-6, err_msg=key)
+    for key in w1:  # the gradient sums' order differs across two processes: seen 2.5e-6 apart on AMD Zen 3
+        np.testing.assert_allclose(w2[key], w1[key], rtol=0, atol=1e-5, err_msg=key)
 
     # both processes restore the step-2 checkpoint collectively and replay steps 3-4 exactly
     port = free_port()

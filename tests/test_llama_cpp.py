@@ -163,3 +163,27 @@ def test_llama_cpp_applies_the_gguf_lora_as_peft_does(exports, tmp_path):
     assert change > 1.0  # measured 8.0
     assert error < 0.02 * change  # measured 0.045, where the base alone differs by 0.040
     assert np.abs(plain - reference_base).max() < 0.02 * change
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4"])
+def test_llama_cpp_runs_the_family_exports(family, tmp_path):
+    """Each 2025-26 family (tiny, in the shape llama.cpp's loader fixes) written by `jaxtune export --gguf` (f32):
+    llama.cpp's logits equal jaxtune's of the same file. gpt-oss is compared with its YaRN ramp rounded, as
+    llama.cpp rounds it (transformers' gpt-oss does not)."""
+    import dataclasses
+
+    from gguf_files import TOKENS, write_family_gguf
+    from hf_models import make_hf_model
+    from test_gguf_families import EXPRESSIBLE
+
+    model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE[family])
+    source, out = write_family_gguf(tmp_path / "source.gguf", model), tmp_path / "out.gguf"
+    assert main(["export", "--model", str(source), "--gguf", str(out), "--type", "f32"]) == 0
+    cfg, params = load_model(out, dtype=np.float32)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn":
+        cfg = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, truncate=True))
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, len(TOKENS), 24)]
+    ours = np.asarray(forward(params, jnp.asarray([ids]), cfg))[0]
+    theirs = llama_cpp_logits(out, ids)
+    assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < 2e-3

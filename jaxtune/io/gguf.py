@@ -70,18 +70,18 @@ def tensor_shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
 
 
-def dequantized(tensor) -> np.ndarray:
-    """The whole tensor in numpy's layout: float32, or float16 / bfloat16 when it is stored so."""
+def dequantized(tensor, rows: slice = slice(None)) -> np.ndarray:
+    """The tensor (`rows` of its outermost dimension) in numpy's layout: float32, or float16 / bfloat16 when it is
+    stored so; only those rows are dequantised."""
     from gguf import GGMLQuantizationType, quants
 
-    kind = tensor.tensor_type
-    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        data = np.asarray(tensor.data)
-    elif kind == GGMLQuantizationType.BF16:
-        data = np.asarray(tensor.data).view(ml_dtypes.bfloat16)
-    else:
-        data = quants.dequantize(np.asarray(tensor.data), kind)
-    return data.reshape(tensor_shape(tensor))
+    kind, shape = tensor.tensor_type, tensor_shape(tensor)
+    data = np.asarray(tensor.data).reshape(shape[0], -1)[rows]
+    if kind == GGMLQuantizationType.BF16:
+        data = data.view(ml_dtypes.bfloat16)
+    elif kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        data = quants.dequantize(data, kind)
+    return data.reshape(-1, *shape[1:])
 
 
 def check_tensor_types(tensors, path: Path) -> None:

@@ -11,6 +11,8 @@ interleaved), converted and written one at a time after a header built from shap
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,54 +20,82 @@ import numpy as np
 from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import ARCHITECTURES, LAYER_NAMES, PERMUTED_QK, ROPE_FREQS, TOP_NAMES, permute_qk
+from jaxtune.models.gguf import ROPE_FREQS, TOP_NAMES, llama3_factors, permute_qk
+from jaxtune.models.gguf_forms import FORMS, GGUFForm, form_of
 from jaxtune.models.hf_weights import tensor_entries
 from jaxtune.paths import writing
 
 KINDS = ("f32", "f16", "bf16", "q8_0")
 GGUF_NORMAL, GGUF_UNUSED = 1, 5  # llama.cpp's token types (control and user-defined: data/tokenizer.py)
-_MODULES = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
 _TOP = {hf: gguf for gguf, hf in TOP_NAMES.items()}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, form: GGUFForm) -> str:
     """llama.cpp's name of a transformers tensor (`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`)."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
+    modules = {hf: gguf for gguf, hf in form.layer_names().items()}
+    if suffix == "sinks":  # gpt-oss's, a bare parameter
+        stem, suffix = hf_name, "weight"
     _, _, layer, module = stem.split(".", 3)
-    return f"blk.{layer}.{_MODULES[module]}.{suffix}"
+    return f"blk.{layer}.{modules[module]}.{suffix}"
 
 
-def gguf_arch(cfg: ModelConfig) -> str:
-    arch = next((a for a, (cls, _) in ARCHITECTURES.items() if cls == cfg.architecture), None)
-    if arch == "mistral":
-        arch = "llama"  # llama.cpp reads a dense Mistral as a Llama
-    problems = {"an architecture llama.cpp's GGUF writer here does not cover": arch is None,
-                "sliding-window layers": any(cfg.sliding_windows),
-                f"rope scaling {cfg.rope_scaling and cfg.rope_scaling.kind!r}":
-                    cfg.rope_scaling is not None and cfg.rope_scaling.kind not in ("linear", "llama3"),
-                "an MLP or output-projection bias": cfg.mlp_bias or cfg.o_bias}
-    found = [what for what, bad in problems.items() if bad]
-    if found:
-        raise JaxtuneError(f"{cfg.architecture}: cannot be written as GGUF ({', '.join(found)}); supported: "
-                           f"{', '.join(cls for cls, _ in ARCHITECTURES.values())}")
-    assert arch is not None  # a problem above otherwise
-    return arch
-
-
-def _rope_factors(cfg: ModelConfig) -> np.ndarray:
-    """Llama 3.1's rope scaling as llama.cpp stores it: a factor per frequency (`convert_hf_to_gguf.py`'s loop)."""
+def gguf_form(cfg: ModelConfig) -> GGUFForm:
+    """The form `cfg` is written in, or a one-line refusal naming what GGUF (llama.cpp's loader) cannot express."""
+    form = form_of(cfg.architecture)
+    windows_ok = form is not None and form.arch in ("olmo2", "gpt-oss", "llama4")
+    scalings = ("linear", "llama3") + (("yarn",) if windows_ok else ())
     s = cfg.rope_scaling
-    assert s is not None  # called for a llama3 rope scaling
-    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
-    wavelength = 2 * np.pi / inv_freq
-    smooth = np.clip((s.original_max_position_embeddings / wavelength - s.low_freq_factor)
-                     / (s.high_freq_factor - s.low_freq_factor), 0.0, 1.0)
-    return (1.0 / ((1 - smooth) / s.factor + smooth)).astype(np.float32)
+    default_yarn = s is not None and s.kind == "yarn" and math.isclose(
+        s.attention_factor, 0.1 * math.log(s.factor) + 1 if s.factor > 1 else 1.0, rel_tol=1e-6)
+    problems = {"an architecture llama.cpp's GGUF writer here does not cover": form is None,
+                "sliding-window layers": any(cfg.sliding_windows) and not windows_ok,
+                f"rope scaling {s and s.kind!r}": s is not None and s.kind not in scalings,
+                "a YaRN attention factor other than 0.1 ln(factor) + 1": s is not None and s.kind == "yarn"
+                and not default_yarn,
+                "an MLP bias": cfg.mlp_bias,
+                "an output-projection bias": cfg.o_bias and form is not None and form.arch != "gpt-oss"}
+    found = [what for what, bad in problems.items() if bad] + (form.refused(cfg) if form is not None else [])
+    if found:
+        raise JaxtuneError(f"{cfg.architecture}: cannot be written as GGUF ({'; '.join(found)}); supported: "
+                           f"{', '.join(dict.fromkeys(c for f in FORMS.values() for c in f.architectures))}")
+    assert form is not None  # a problem above otherwise
+    return form
 
 
-def _add_config(writer, cfg: ModelConfig, kind: str) -> None:
+def gguf_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUFForm) -> list[tuple]:
+    """(GGUF name, shape, produce) of a transformers tensor: an expert stack split as llama.cpp's converter splits
+    it (`gate_up_proj` [E, D, 2F] -> gate's and up's [E, F, D]; `down_proj` [E, F, D] -> [E, D, F]; biases
+    likewise), a layer's stack gathered once for its parts."""
+    match = _EXPERT.match(hf_name)
+    if match is None:
+        return [(gguf_tensor_name(hf_name, form), shape, produce)]
+    layer, stack, bias = match[1], match[2], bool(match[3])
+    suffix = "bias" if bias else "weight"
+    if stack == "down_proj":
+        out = shape if bias else (shape[0], shape[2], shape[1])
+        return [(f"blk.{layer}.ffn_down_exps.{suffix}", out, produce if bias else lambda: produce().swapaxes(1, 2))]
+    held: list = []
+
+    def part(j: int):
+        if not held:
+            held.append(produce() if bias else produce().swapaxes(1, 2))  # [E, 2F] or [E, 2F, D]
+        x, F = held[0], held[0].shape[1] // 2
+        value = x[:, j::2] if form.interleaved else x[:, j * F:(j + 1) * F]
+        if j:
+            held.clear()
+        return np.ascontiguousarray(value)
+
+    out = (shape[0], shape[1] // 2) if bias else (shape[0], shape[2] // 2, shape[1])
+    return [(f"blk.{layer}.ffn_{name}_exps.{suffix}", out, lambda j=j: part(j))
+            for j, name in enumerate(("gate", "up"))]
+
+
+def _add_config(writer, cfg: ModelConfig, kind: str, form: GGUFForm) -> None:
+    import gguf
     from gguf import LlamaFileType
 
     writer.add_block_count(cfg.num_layers)
@@ -80,9 +110,23 @@ def _add_config(writer, cfg: ModelConfig, kind: str) -> None:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
-        writer.add_rope_scaling_type("linear")
-        writer.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.experts_per_token)
+    s = cfg.rope_scaling
+    if s is not None and s.kind in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(s.kind))
+        writer.add_rope_scaling_factor(s.factor)
+    if s is not None and s.kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+        writer.add_rope_scaling_yarn_beta_fast(s.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(s.beta_slow)
+    for name, value in form.metadata(cfg).items():
+        key = f"{form.arch}.{name}"
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
     writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
                           "bf16": LlamaFileType.MOSTLY_BF16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[kind])
 
@@ -133,25 +177,25 @@ def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def _ggml_type(shape: tuple[int, ...], kind: str):
-    """The GGML type a tensor of `shape` is written in: vectors in float32 (as llama.cpp keeps its norms); a matrix
-    whose rows are not whole Q8_0 blocks (32 values) in float16."""
+def _ggml_type(name: str, shape: tuple[int, ...], kind: str):
+    """The GGML type a tensor is written in: vectors, biases, norms and routers in float32 (as llama.cpp's converter
+    keeps them); a matrix whose rows are not whole Q8_0 blocks (32 values) in float16."""
     from gguf import GGMLQuantizationType as Q
 
-    if len(shape) == 1 or kind == "f32":
+    if len(shape) == 1 or kind == "f32" or not name.endswith(".weight") or "_norm." in name or "ffn_gate_inp" in name:
         return Q.F32
     if kind == "q8_0" and shape[-1] % 32:
         return Q.F16
     return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[kind]
 
 
-def _tensor_info(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], np.dtype, int, object]:
+def _tensor_info(name: str, shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], np.dtype, int, object]:
     """(shape, dtype, bytes) of the array written for a tensor of `shape`, and its GGML type (block types and
     BF16 are written as bytes)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    qtype = _ggml_type(shape, kind)
+    qtype = _ggml_type(name, shape, kind)
     if qtype in (Q.F32, Q.F16):
         dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
         return shape, dtype, int(np.prod(shape)) * dtype.itemsize, qtype
@@ -159,12 +203,12 @@ def _tensor_info(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], np
     return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype
 
 
-def _converted(x: np.ndarray, kind: str) -> np.ndarray:
+def _converted(name: str, x: np.ndarray, kind: str) -> np.ndarray:
     """One tensor's data as written (see `_ggml_type`)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    qtype = _ggml_type(x.shape, kind)
+    qtype = _ggml_type(name, x.shape, kind)
     x = np.asarray(x, np.float32)
     return x if qtype == Q.F32 else x.astype(np.float16) if qtype == Q.F16 else quants.quantize(x, qtype)
 
@@ -177,19 +221,25 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
 
     if kind not in KINDS:
         raise JaxtuneError(f"--type {kind!r}: expected one of {', '.join(KINDS)}")
-    arch = gguf_arch(cfg)
+    form = gguf_form(cfg)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = [(gguf_tensor_name(n), shape, produce) for n, shape, _, produce in
-               tensor_entries(params, cfg, np.float32, tensor=tensor)]
-    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
-        entries.append((ROPE_FREQS, (cfg.head_dim // 2,), lambda: _rope_factors(cfg)))
+    entries = [e for n, shape, _, produce in tensor_entries(params, cfg, np.float32, tensor=tensor)
+               for e in gguf_entries(n, tuple(shape), produce, form)]
+    if form.untied_head and cfg.tie_word_embeddings:  # llama.cpp's loader requires the head: the table, again
+        embed = next(e for e in entries if e[0] == "token_embd.weight")
+        entries.append(("output.weight", *embed[1:]))
+    s = cfg.rope_scaling
+    if s is not None and s.kind == "llama3":
+        entries.append((ROPE_FREQS, (cfg.head_dim // 2,), lambda: llama3_factors(
+            cfg.rope_theta, cfg.head_dim, s.factor, s.low_freq_factor, s.high_freq_factor,
+            s.original_max_position_embeddings).astype(np.float32)))
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    infos = [(gguf_name, _tensor_info(tuple(shape), kind)) for gguf_name, shape, _ in entries]
+    infos = [(gguf_name, _tensor_info(gguf_name, tuple(shape), kind)) for gguf_name, shape, _ in entries]
     with writing(path, sum(info[2] for _, info in infos)):
-        writer = gguf.GGUFWriter(str(path), arch)
+        writer = gguf.GGUFWriter(str(path), form.arch)
         writer.add_name(name)
-        _add_config(writer, cfg, kind)
+        _add_config(writer, cfg, kind, form)
         _add_tokenizer(writer, tokenizer, cfg.vocab_size)
         for gguf_name, info in infos:
             writer.add_tensor_info(gguf_name, *info)
@@ -199,8 +249,8 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
         for gguf_name, _, produce in entries:
             x = produce()
             part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
-            if arch in PERMUTED_QK and part in heads:
+            if form.permuted_qk and part in heads:
                 x = permute_qk(x, heads[part])
-            writer.write_tensor_data(_converted(x, kind))
+            writer.write_tensor_data(_converted(gguf_name, x, kind))
         writer.close()
     return path

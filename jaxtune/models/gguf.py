@@ -12,6 +12,8 @@ Llama's query and key rows, interleaved for llama.cpp's rotary kernel, are put b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,48 +22,52 @@ import numpy as np
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.gguf import check_tensor_types, dequantized, gguf_metadata, gguf_reader, tensor_shape
+from jaxtune.models.gguf_forms import FORMS, GGUFForm
 
-# GGUF architecture -> (transformers class, model_type); llama.cpp writes Mistral's dense models as "llama".
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
-                 "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
-PERMUTED_QK = ("llama", "mistral")  # architectures whose q/k rows llama.cpp interleaves
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling, stored as a factor per frequency
+EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert stacks, [E, out, in] each
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, form: GGUFForm = FORMS["llama"]) -> str:
     """transformers' name of GGUF tensor `name` (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
     names it does not know are kept, for the shape check to report."""
     stem, _, suffix = name.rpartition(".")
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    parts, names = stem.split("."), form.layer_names()
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        module = names[parts[2]]
+        return f"model.layers.{parts[1]}.{module}" + ("" if module.endswith(".sinks") else f".{suffix}")
     return name
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float, original: int
+                   ) -> np.ndarray:
+    """Llama 3.1's rope scaling as llama.cpp stores it, a divisor per frequency [head_dim / 2] (its converter's
+    loop: 1 past the high band, `factor` below the low one, the smooth ramp between; Llama 4's bands coincide)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelength = 2 * math.pi / inv_freq
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (original / wavelength - low) / (high - low)
+        ramp = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, ramp))
 
 
 def llama3_rope_parameters(factors: np.ndarray, theta: float, head_dim: int) -> dict:
     """The Llama 3.1 `rope_scaling` whose per-frequency factors llama.cpp stored as `rope_freqs.weight`.
 
     llama.cpp keeps only the factors; transformers' config keeps (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings). Every Llama 3.x release uses low 1 and high 4; the factor is the largest
-    stored one, and the original context is found among those Meta used."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelength = 2 * math.pi / inv_freq
+    original_max_position_embeddings). Llama 3.x releases use low 1 and high 4, Llama 4 low and high 1; the factor
+    is the largest stored one, and the original context is found among those Meta used."""
     factor = float(np.max(factors))
-    for original in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
-        low, high = 1.0, 4.0
-        smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
-        expected = 1.0 / ((1 - smooth) / factor + smooth)
-        if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-3):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                    "original_max_position_embeddings": original, "rope_theta": theta}
-    raise JaxtuneError(f"{ROPE_FREQS}: rope factors that no Llama 3 rope_scaling (low 1, high 4) reproduces")
+    for low, high in ((1.0, 4.0), (1.0, 1.0)):
+        for original in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+            expected = llama3_factors(theta, head_dim, factor, low, high, original)
+            if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-3):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                        "original_max_position_embeddings": original, "rope_theta": theta}
+    raise JaxtuneError(f"{ROPE_FREQS}: rope factors that no Llama 3 or 4 rope_scaling reproduces")
 
 
 def gguf_config(path: str | Path) -> dict:
@@ -69,11 +75,11 @@ def gguf_config(path: str | Path) -> dict:
     path = Path(path)
     reader = gguf_reader(path)
     meta = gguf_metadata(reader, path)
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise JaxtuneError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
-                           f"{', '.join(ARCHITECTURES)}")
-    cls, model_type = ARCHITECTURES[arch]
+    form = FORMS.get(meta.get("general.architecture"))  # type: ignore[arg-type]
+    if form is None:
+        raise JaxtuneError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not supported; "
+                           f"supported: {', '.join(FORMS)}")
+    arch = form.arch
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -88,10 +94,11 @@ def gguf_config(path: str | Path) -> dict:
                    or hidden // heads)
     vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     hf: dict[str, Any]
-    hf = {"architectures": [cls], "model_type": model_type, "vocab_size": int(vocab), "hidden_size": hidden,
-          "intermediate_size": int(key("feed_forward_length")), "num_hidden_layers": int(key("block_count")),
-          "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-          "head_dim": head_dim, "max_position_embeddings": int(key("context_length")),
+    hf = {"architectures": [form.architectures[0]], "model_type": form.model_type, "vocab_size": int(vocab),
+          "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+          "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
+          "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
+          "max_position_embeddings": int(key("context_length")),
           "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
           "rope_theta": float(key("rope.freq_base", 10000.0)), "tie_word_embeddings": "output.weight" not in names,
           "attention_bias": "blk.0.attn_q.bias" in names}
@@ -100,13 +107,16 @@ def gguf_config(path: str | Path) -> dict:
         hf["rope_scaling"] = {"rope_type": scaling, "factor": float(key("rope.scaling.factor"))}
         if f"{arch}.rope.scaling.original_context_length" in meta:
             hf["rope_scaling"]["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        if scaling == "yarn":  # llama.cpp's defaults where not stored
+            hf["rope_scaling"].update(beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                                      beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)))
     if ROPE_FREQS in names:
         factors: np.ndarray = dequantized(next(t for t in reader.tensors if t.name == ROPE_FREQS)).astype(np.float64)
         hf["rope_scaling"] = llama3_rope_parameters(factors, hf["rope_theta"], head_dim)
     for name in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{name}_token_id" in meta:
             hf[f"{'pad' if name == 'padding' else name}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
-    return hf
+    return {**hf, **form.config_from(key, hf)}
 
 
 def permute_qk(rows_x: np.ndarray, heads: int) -> np.ndarray:
@@ -122,21 +132,73 @@ def unpermute_qk(rows_x: np.ndarray, heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(rows_x.shape)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """A transformers tensor made of GGUF tensors `parts`: `build(arrays)` -> the tensor; `experts`: the parts are
+    expert stacks, read an expert slice at a time."""
+
+    parts: tuple[Any, ...]
+    shape: tuple[int, ...]
+    build: Callable[..., np.ndarray]
+    experts: bool = False
+
+
+def _expert_sources(by_name: dict, form: GGUFForm) -> dict[str, _Source]:
+    """A mixture's GGUF stacks ([E, out, in] a part: gate, up, down, and their biases) as transformers' stacks
+    (`{prefix}.experts.gate_up_proj` [E, in, 2F], gate and up interleaved or in halves, `down_proj` [E, F, D],
+    gpt-oss's `_bias` [E, out])."""
+    def joined(*a: np.ndarray) -> np.ndarray:
+        return np.stack(a, axis=-1).reshape(*a[0].shape[:-1], -1) if form.interleaved else np.concatenate(a, -1)
+
+    sources = {}
+    for name in by_name:
+        if not (name.startswith("blk.") and name.endswith(".ffn_gate_exps.weight")):
+            continue
+        layer = name.split(".")[1]
+        gate, up, down = (by_name.get(f"blk.{layer}.{part}.weight") for part in EXPERT_PARTS)
+        if up is None or down is None:
+            raise JaxtuneError(f"{name}: its layer's ffn_up_exps or ffn_down_exps is missing")
+        E, F, D = tensor_shape(gate)
+        stem = f"model.layers.{layer}.{form.experts}.experts."
+        sources[stem + "gate_up_proj"] = _Source((gate, up), (E, D, 2 * F),
+                                                 lambda g, u: joined(g.swapaxes(1, 2), u.swapaxes(1, 2)), True)
+        sources[stem + "down_proj"] = _Source((down,), (E, F, D), lambda d: d.swapaxes(1, 2), True)
+        biases = [by_name.get(f"blk.{layer}.{part}.bias") for part in EXPERT_PARTS]
+        if all(b is not None for b in biases):
+            sources[stem + "gate_up_proj_bias"] = _Source(tuple(biases[:2]), (E, 2 * F), joined, True)
+            sources[stem + "down_proj_bias"] = _Source(tuple(biases[2:]), (E, D), lambda b: b, True)
+    return sources
+
+
 class GGUFCheckpoint:
     """`CheckpointReader`'s interface over a GGUF file: tensors under transformers' names, read whole or by slices,
-    dequantised on read (float32 for block-quantised types). Use as a context manager (or `close()`)."""
+    dequantised on read (float32 for block-quantised types); a mixture's expert stacks joined as transformers
+    holds them, dequantised for the experts read only. Use as a context manager (or `close()`)."""
 
     def __init__(self, path: str | Path, rename=None):
         """rename(transformers' name) -> the name this reader shows (as `CheckpointReader`'s)."""
         self.path = Path(path)
         reader = gguf_reader(self.path)
         config = gguf_config(self.path)
-        self._heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-        self._permuted = config["model_type"] in PERMUTED_QK
+        form = FORMS[str(gguf_metadata(reader, self.path)["general.architecture"])]
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         check_tensor_types(reader.tensors, self.path)
-        self._tensors = {(rename or str)(hf_tensor_name(t.name)): t for t in reader.tensors if t.name != ROPE_FREQS}
-        self._cached: tuple[str, np.ndarray] | None = None
+        by_name = {t.name: t for t in reader.tensors}
+        experts = _expert_sources(by_name, form)
+        joined = {t.name for source in experts.values() for t in source.parts}
+        sources = {hf_tensor_name(t.name, form): _Source((t,), tensor_shape(t), self._unpermuted(
+            t.name, heads, form.permuted_qk)) for t in reader.tensors if t.name not in joined | {ROPE_FREQS}}
+        sources.update(experts)
+        self._tensors = {(rename or str)(name): source for name, source in sources.items()}
+        self._cached: tuple[tuple, np.ndarray] | None = None
         self.bytes_read = 0
+
+    @staticmethod
+    def _unpermuted(name: str, heads: dict, permuted: bool) -> Callable[[np.ndarray], np.ndarray]:
+        part = name.split(".")[2] if name.startswith("blk.") else None
+        if permuted and part in heads:  # weights and biases alike
+            return lambda x: unpermute_qk(x, heads[part])
+        return lambda x: x
 
     def __enter__(self) -> GGUFCheckpoint:
         return self
@@ -153,42 +215,40 @@ class GGUFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
-    def _tensor(self, name: str):
+    def _source(self, name: str) -> _Source:
         if name not in self._tensors:
             raise JaxtuneError(f"tensor {name} is not in {self.path}")
         return self._tensors[name]
 
     def stored_name(self, name: str) -> str:
-        return self._tensor(name).name
+        return " + ".join(t.name for t in self._source(name).parts)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tensor_shape(self._tensor(name))
+        return self._source(name).shape
 
     def dtype(self, name: str) -> np.dtype:
         """float16 / bfloat16 / float32 as stored; float32 for block-quantised tensors (their dequantised dtype)."""
-        kind = self._tensor(name).tensor_type.name
+        kind = self._source(name).parts[0].tensor_type.name
         return np.dtype({"F16": np.float16, "BF16": ml_dtypes.bfloat16}.get(kind, np.float32))
 
     def stored_type(self, name: str) -> str:
-        """The type as llama.cpp names it (Q4_1, Q8_0, F32, ...)."""
-        return self._tensor(name).tensor_type.name
+        """The type as llama.cpp names it (Q4_1, Q8_0, F32, MXFP4, ...)."""
+        return self._source(name).parts[0].tensor_type.name
 
     def stored_bytes(self, name: str) -> int:
-        return int(self._tensor(name).n_bytes)
+        return sum(int(t.n_bytes) for t in self._source(name).parts)
 
     def file_of(self, name: str) -> Path:
         return self.path
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """`tensor[index]` in transformers' layout ([out, in] for a projection); the last tensor read is kept, so
-        reading one tensor slice by slice dequantises it once."""
-        if self._cached is None or self._cached[0] != name:
-            tensor = self._tensor(name)
-            whole = dequantized(tensor)
-            part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
-            if self._permuted and part in self._heads:  # weights and biases alike
-                whole = unpermute_qk(whole, self._heads[part])
-            self.bytes_read += int(tensor.n_bytes)
-            self._cached = (name, whole)
-        return np.ascontiguousarray(self._cached[1][tuple(index or ())])
-
+        """`tensor[index]` in transformers' layout ([out, in] for a projection); the last tensor (expert slice) read
+        is kept, so reading one slice by slice dequantises it once."""
+        source, index = self._source(name), tuple(index or ())
+        rows = index[0] if source.experts and index else slice(None)
+        key = (name, rows.start, rows.stop, rows.step)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, source.build(*(dequantized(t, rows) for t in source.parts)))
+            self.bytes_read += sum(int(t.n_bytes) for t in source.parts)
+        rest = index[1:] if source.experts and index else index
+        return np.ascontiguousarray(self._cached[1][(slice(None),) * bool(source.experts and index) + rest])

@@ -9,11 +9,11 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.gguf_export import gguf_arch, gguf_tensor_name
+from jaxtune.methods.gguf_export import gguf_form, gguf_tensor_name
 from jaxtune.methods.lora.layout import lora_layout, module_scales
 from jaxtune.methods.lora.options import LoRAConfig
-from jaxtune.models.gguf import PERMUTED_QK, permute_qk
-from jaxtune.models.hf_weights import hf_module_path
+from jaxtune.models.gguf import permute_qk
+from jaxtune.models.hf_weights import hf_module_path, stored_name
 
 
 def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoRAConfig,
@@ -28,12 +28,12 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
     if method.dora or method.lora_bias or method.modules_to_save or method.target_parameters:
         raise JaxtuneError("a GGUF LoRA adapter holds plain LoRA only (no DoRA, LoRA bias, modules_to_save or "
                            "expert targets); export --gguf merges any adapter into the model instead")
-    arch = gguf_arch(cfg)
+    form = gguf_form(cfg)
     layers = params["layers"]
     modules = [m for m in layers if isinstance(layers[m], dict) and "lora_a" in layers[m]]
     layout = lora_layout(method, cfg.num_layers, tuple(modules))
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), form.arch)
     writer.add_name(name)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -46,9 +46,9 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
             if not rank:
                 continue
             b_OxR = (b_LxRxO[i, :rank] * scales[i]).T
-            if arch in PERMUTED_QK and module in heads:
+            if form.permuted_qk and module in heads:
                 b_OxR = permute_qk(b_OxR, heads[module])
-            stem = gguf_tensor_name(f"model.layers.{i}.{hf_module_path(module)}.weight")
+            stem = gguf_tensor_name(stored_name(f"model.layers.{i}.{hf_module_path(module)}.weight", cfg), form)
             writer.add_tensor(f"{stem}.lora_a", np.ascontiguousarray(a_LxIxR[i, :, :rank].T))
             writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(b_OxR))
     writer.write_header_to_file()

@@ -1,0 +1,193 @@
+"""Each architecture as llama.cpp's `convert_hf_to_gguf.py` writes it and its loader reads it back (`GGUFForm`):
+the `general.architecture`, the tensor names where they differ from a Llama's, how expert stacks are split, the
+metadata beyond the shared keys, and what llama.cpp's loader fixes rather than reads (a config that differs there
+is refused by name). SmolLM3: NoPE every 4th layer (fixed). OLMo 2 and 3 (both "olmo2"): post-norms, sliding layers
+three in four (fixed) with the full layers' RoPE base. gpt-oss: sinks, biased experts split from their interleaved
+stacks, sliding layers every other one (fixed), alpha 1.702 and limit 7 (fixed). Llama 4: chunks of 8192, NoPE and
+temperature (floor 8192, scale 0.1) every 4th layer (fixed), experts split from their halves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxtune.config import ModelConfig
+
+# GGUF module -> transformers module (Llama's layout; a form's `names` adds to or replaces these)
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+POST_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def _none(*_) -> dict:
+    return {}
+
+
+def _nothing_refused(cfg: ModelConfig) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class GGUFForm:
+    """arch: `general.architecture`. architectures: the transformers classes written so (the first is read back,
+    unless `config_from` says otherwise). permuted_qk: query and key rows interleaved for llama.cpp's rotary kernel
+    (a Llama's). names: GGUF module -> transformers module, over `LAYER_NAMES`. experts: where a layer's expert
+    stacks live ("mlp" or "feed_forward") and `interleaved` how gate and up share `gate_up_proj`'s columns.
+    config_from(key, hf) -> config.json keys of the family, given `key(name, default)` reading `{arch}.{name}` and
+    the shared keys (`hf`). metadata(cfg) -> `{arch}.{name}` -> value, beside the shared keys. refused(cfg) -> what
+    llama.cpp's loader fixes that `cfg` differs in. untied_head: llama.cpp requires `output.weight`."""
+
+    arch: str
+    architectures: tuple[str, ...]
+    model_type: str
+    permuted_qk: bool = False
+    names: dict[str, str] = field(default_factory=dict)
+    experts: str = ""
+    interleaved: bool = False
+    config_from: Callable[[Callable[..., Any], dict], dict] = _none
+    metadata: Callable[[ModelConfig], dict[str, Any]] = _none
+    refused: Callable[[ModelConfig], list[str]] = _nothing_refused
+    untied_head: bool = False
+
+    def layer_names(self) -> dict[str, str]:
+        return {**LAYER_NAMES, **self.names}
+
+
+def _every(period: int, layers: int) -> list[bool]:
+    """Layer i is the period's last (i % period == period - 1): llama.cpp's fixed patterns."""
+    return [i % period == period - 1 for i in range(layers)]
+
+
+def _smollm3_refused(cfg: ModelConfig) -> list[str]:
+    nope = tuple(i for i, last in enumerate(_every(4, cfg.num_layers)) if last)
+    return ([f"NoPE layers {cfg.nope_layers} (llama.cpp's are every 4th: {nope})"] * (cfg.nope_layers != nope)
+            + ["sliding-window layers"] * any(cfg.sliding_windows))
+
+
+def _olmo_config(key, hf: dict) -> dict:
+    window = int(key("attention.sliding_window", 0))
+    if not window:
+        return {}
+    layers = hf["num_hidden_layers"]
+    full = {"rope_type": "default", **hf.pop("rope_scaling", {}), "rope_theta": hf["rope_theta"]}
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": window,
+            "layer_types": ["full_attention" if last else "sliding_attention" for last in _every(4, layers)],
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": hf["rope_theta"]}}}
+
+
+def _olmo_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    windows = set(cfg.sliding_windows) - {0}
+    if not windows:
+        return {}
+    return {"attention.sliding_window": windows.pop(), "attention.sliding_window_pattern": [
+        bool(w) for w in cfg.sliding_windows]}
+
+
+def _olmo_refused(cfg: ModelConfig) -> list[str]:
+    windows = set(cfg.sliding_windows) - {0}
+    if not windows:
+        return []
+    full = _every(4, cfg.num_layers)
+    return ([f"sliding layers {[bool(w) for w in cfg.sliding_windows]} (llama.cpp's: all but every 4th)"]
+            * any(bool(w) == last for w, last in zip(cfg.sliding_windows, full))
+            + [f"sliding windows {sorted(windows)} (one)"] * (len(windows) > 1)
+            + [f"a sliding layers' RoPE base {cfg.local_rope_theta} other than the full ones' {cfg.rope_theta}"]
+            * (cfg.local_rope_theta not in (None, cfg.rope_theta)))
+
+
+def _gpt_oss_config(key, hf: dict) -> dict:
+    layers = hf["num_hidden_layers"]
+    scaling = hf.pop("rope_scaling", None)
+    return {"num_local_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+            "intermediate_size": int(key("expert_feed_forward_length")),
+            "sliding_window": int(key("attention.sliding_window")),
+            "layer_types": ["full_attention" if last else "sliding_attention" for last in _every(2, layers)],
+            # released checkpoints leave YaRN's ramp unrounded (llama.cpp rounds it)
+            "rope_parameters": {"rope_type": "default", "rope_theta": hf["rope_theta"]} if scaling is None else
+            {**scaling, "rope_theta": hf["rope_theta"], "truncate": False}}
+
+
+def _gpt_oss_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    return {"attention.sliding_window": max(cfg.sliding_windows), "expert_feed_forward_length": cfg.expert_size}
+
+
+def _gpt_oss_refused(cfg: ModelConfig) -> list[str]:
+    sliding = [not last for last in _every(2, cfg.num_layers)]
+    return ([f"swiglu alpha {cfg.swiglu_alpha} and limit {cfg.swiglu_limit} (llama.cpp's: 1.702 and 7)"]
+            * ((cfg.swiglu_alpha, cfg.swiglu_limit) != (1.702, 7.0))
+            + [f"sliding layers {[bool(w) for w in cfg.sliding_windows]} (llama.cpp's: every other, from the "
+               "first)"] * ([bool(w) for w in cfg.sliding_windows] != sliding)
+            + [f"sliding windows {sorted(set(cfg.sliding_windows) - {0})} (one)"]
+            * (len(set(cfg.sliding_windows) - {0}) > 1))
+
+
+LLAMA4_CHUNK, LLAMA4_FLOOR, LLAMA4_SCALE = 8192, 8192, 0.1  # what llama.cpp's Llama 4 loader fixes
+
+
+def _llama4_config(key, hf: dict) -> dict:
+    layers, experts = hf["num_hidden_layers"], int(key("expert_count"))
+    chunked = int(key("attention.sliding_window", LLAMA4_CHUNK)) != 0
+    return {"num_local_experts": experts, "num_experts_per_tok": int(key("expert_used_count")),
+            "intermediate_size": int(key("expert_feed_forward_length")),
+            "intermediate_size_mlp": hf["intermediate_size"],
+            "interleave_moe_layer_step": int(key("interleave_moe_layer_step")),
+            "no_rope_layers": [int(not (last and chunked)) for last in _every(4, layers)],
+            "attention_chunk_size": LLAMA4_CHUNK if chunked else None,
+            "layer_types": ["full_attention" if last or not chunked else "chunked_attention"
+                            for last in _every(4, layers)],
+            "attn_temperature_tuning": chunked, "floor_scale": LLAMA4_FLOOR, "attn_scale": LLAMA4_SCALE,
+            "use_qk_norm": experts != 128}
+
+
+def _llama4_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    return {"expert_feed_forward_length": cfg.expert_size, "interleave_moe_layer_step": 1}
+
+
+def _llama4_refused(cfg: ModelConfig) -> list[str]:
+    last = _every(4, cfg.num_layers)
+    windows = [0 if is_last else -LLAMA4_CHUNK for is_last in last]
+    return ([f"attention chunks {sorted(set(cfg.sliding_windows))} (llama.cpp's: chunks of {LLAMA4_CHUNK}, every "
+             "4th layer global)"] * (list(cfg.sliding_windows) != windows)
+            + [f"NoPE layers {cfg.nope_layers} (llama.cpp's: every 4th)"]
+            * (cfg.nope_layers != tuple(i for i, x in enumerate(last) if x))
+            + [f"temperature floor {cfg.temperature_floor} and scale {cfg.temperature_scale} (llama.cpp's: "
+               f"{LLAMA4_FLOOR} and {LLAMA4_SCALE})"]
+            * ((cfg.temperature_floor, cfg.temperature_scale) != (LLAMA4_FLOOR, LLAMA4_SCALE))
+            + [f"the query/key L2 norm {'on' if cfg.qk_l2_norm else 'off'} with {cfg.num_experts} experts "
+               "(llama.cpp's: off with 128, on otherwise)"] * (cfg.qk_l2_norm != (cfg.num_experts != 128)))
+
+
+FORMS = {form.arch: form for form in (
+    GGUFForm(arch="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"), model_type="llama",
+             permuted_qk=True),
+    GGUFForm(arch="mistral", architectures=("MistralForCausalLM",), model_type="mistral", permuted_qk=True),
+    GGUFForm(arch="qwen2", architectures=("Qwen2ForCausalLM",), model_type="qwen2"),
+    GGUFForm(arch="qwen3", architectures=("Qwen3ForCausalLM",), model_type="qwen3"),
+    GGUFForm(arch="smollm3", architectures=("SmolLM3ForCausalLM",), model_type="smollm3", permuted_qk=True,
+             config_from=lambda key, hf: {"use_sliding_window": False}, refused=_smollm3_refused),
+    GGUFForm(arch="olmo2", architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"), model_type="olmo2",
+             names=POST_NORMS, config_from=_olmo_config, metadata=_olmo_metadata, refused=_olmo_refused,
+             untied_head=True),
+    GGUFForm(arch="gpt-oss", architectures=("GptOssForCausalLM",), model_type="gpt_oss",
+             names={"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                    "ffn_gate_inp": "mlp.router"},
+             experts="mlp", interleaved=True, config_from=_gpt_oss_config, metadata=_gpt_oss_metadata,
+             refused=_gpt_oss_refused, untied_head=True),
+    GGUFForm(arch="llama4", architectures=("Llama4ForCausalLM",), model_type="llama4_text",
+             names={"ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj",
+                    "ffn_down": "feed_forward.down_proj", "ffn_gate_inp": "feed_forward.router",
+                    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+                    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+                    "ffn_down_shexp": "feed_forward.shared_expert.down_proj"},
+             experts="feed_forward", config_from=_llama4_config, metadata=_llama4_metadata, refused=_llama4_refused),
+)}
+
+
+def form_of(architecture: str) -> GGUFForm | None:
+    """The form a transformers class is written in (a dense Mistral as a Llama, as llama.cpp's converter does)."""
+    return next((f for f in FORMS.values() if architecture in f.architectures), None)

@@ -1,0 +1,128 @@
+"""GGUF files of the 2025-26 families (SmolLM3, OLMo 2 and 3, gpt-oss with float or MXFP4 experts, Llama 4) as
+llama.cpp's converter writes them (tests/gguf_files.py, written apart from jaxtune): read with the source model's
+logits; written back by `save_gguf` tensor for tensor as that converter writes them; a config llama.cpp's loader
+cannot express refused by name. llama.cpp itself runs the exports in test_llama_cpp.py (full tier)."""
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import TOKENS, write_family_gguf
+from hf_models import make_hf_model
+from reference import assert_float32_parity, logits_four_ways
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from jaxtune.data.tokenizer import load_tokenizer
+from jaxtune.errors import JaxtuneError
+from jaxtune.methods.gguf_export import save_gguf
+from jaxtune.models.mxfp4 import encode_mxfp4
+from jaxtune.spine.model import load_model
+
+pytestmark = [pytest.mark.reference, pytest.mark.parity]
+
+# Each family's tiny model in the shape llama.cpp's loader fixes (NoPE, sliding and chunked layers every 4th or
+# every other; Llama 4's chunk 8192, temperature floor 8192 and scale 0.1, its RoPE scaled as Scout's: llama3
+# with equal bands), vocabulary the test tokenizer's.
+EXPRESSIBLE = {
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False),
+    "olmo2": {},
+    "olmo3": dict(num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500_000.0,
+                                                      "original_max_position_embeddings": 16},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}}),
+    "gpt_oss": {},
+    "llama4": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=8192, floor_scale=8192,
+                   attn_scale=0.1, rope_parameters={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 1.0, "rope_theta": 500_000.0,
+                                                    "original_max_position_embeddings": 8192}),
+}
+EVERYDAY = ("gpt_oss",)  # experts, sinks, biases, windows, YaRN; the others in the full tier
+
+
+@pytest.fixture(scope="module")
+def family_gguf(tmp_path_factory):
+    cache = {}
+
+    def get(family: str, mxfp4: bool = False):
+        if (family, mxfp4) not in cache:
+            directory = tmp_path_factory.mktemp(family)
+            model = make_hf_model(family, directory / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE[family])
+            stacks = {}
+            if mxfp4:  # the experts on the MXFP4 grid; the reference holds transformers' dequantisation of them
+                for name, p in model.named_parameters():
+                    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                        stacks[name] = encode_mxfp4(p.detach().numpy().swapaxes(1, 2))  # [E, out, in/32, 16]
+                        with torch.no_grad():
+                            p.copy_(convert_moe_packed_tensors(*map(torch.from_numpy, stacks[name]),
+                                                               dtype=torch.float32))
+            cache[family, mxfp4] = model, write_family_gguf(directory / "model.gguf", model, Q.F32, stacks)
+        return cache[family, mxfp4]
+
+    return get
+
+
+def every_family():
+    return [pytest.param(f, marks=() if f in EVERYDAY else pytest.mark.full) for f in EXPRESSIBLE]
+
+
+@pytest.mark.parametrize("family", every_family())
+def test_family_gguf_logits_equal_the_source_model(family, family_gguf):
+    """The converter's file read by jaxtune (its names, split experts, permuted rows, metadata into the family's
+    config) gives the source model's float32 logits on a padded batch."""
+    model, path = family_gguf(family)
+    cfg, params = load_model(path, dtype=np.float32)
+    assert cfg.architecture == type(model).__name__
+    out = logits_four_ways(model, params, cfg)
+    assert_float32_parity(out["out32"], out["ref32"], out["ref64"], out["valid"])
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts(family_gguf):
+    """gpt-oss's experts as GGML MXFP4 blocks (as llama.cpp's converter repacks the released ones): read an expert
+    slice at a time into the values transformers' own MXFP4 dequantisation gives."""
+    model, path = family_gguf("gpt_oss", mxfp4=True)
+    reader = gguf.GGUFReader(str(path))
+    assert {t.tensor_type for t in reader.tensors if "_exps.weight" in t.name} == {Q.MXFP4}
+    cfg, params = load_model(path, dtype=np.float32)
+    out = logits_four_ways(model, params, cfg)
+    assert_float32_parity(out["out32"], out["ref32"], out["ref64"], out["valid"])
+
+
+@pytest.mark.parametrize("family", every_family())
+def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gguf, tmp_path):
+    """`save_gguf` (f32) of the model read from the converter's file: the same architecture, tensors (names,
+    shapes, values) and the metadata llama.cpp's loader reads."""
+    _, source = family_gguf(family)
+    cfg, params = load_model(source, dtype=np.float32)
+    out = save_gguf(tmp_path / "out.gguf", cfg, params, load_tokenizer(source), kind="f32")
+    theirs, ours = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(out))
+    arch = ours.fields["general.architecture"].contents()
+    assert arch == theirs.fields["general.architecture"].contents()
+    want = {t.name: np.asarray(t.data) for t in theirs.tensors}
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
+        assert "rope_freqs.weight" in {t.name for t in ours.tensors}  # llama.cpp's form of Llama 3/4 scaling
+        want["rope_freqs.weight"] = next(np.asarray(t.data) for t in ours.tensors if t.name == "rope_freqs.weight")
+        np.testing.assert_array_equal(np.unique(want["rope_freqs.weight"]), [1.0, 16.0])
+    got = {t.name: np.asarray(t.data) for t in ours.tensors}
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    for key, field in theirs.fields.items():
+        if key.startswith(f"{arch}.") and not key.endswith("sliding_window_pattern"):
+            assert ours.fields[key].contents() == pytest.approx(field.contents()), key
+
+
+@pytest.mark.parametrize("family, change, named", [
+    ("smollm3", dict(no_rope_layers=[1, 0, 1, 1]), "NoPE layers (1,)"),
+    ("olmo3", dict(layer_types=["sliding_attention", "full_attention"] * 2), "sliding layers"),
+    ("gpt_oss", dict(swiglu_limit=5.0), "swiglu alpha 1.702 and limit 5.0"),
+    ("llama4", dict(attention_chunk_size=4, floor_scale=4), "attention chunks [-4, 0]"),
+])
+def test_what_llama_cpp_fixes_is_refused_by_name(family, change, named, tmp_path):
+    model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **{**EXPRESSIBLE[family], **change})
+    cfg, params = load_model(tmp_path / "hf", dtype=np.float32)
+    with pytest.raises(JaxtuneError, match=f"{type(model).__name__}: cannot be written as GGUF.*{re.escape(named)}"):
+        save_gguf(tmp_path / "out.gguf", cfg, params, None, kind="f32")  # type: ignore[arg-type]
+    assert not (tmp_path / "out.gguf").exists()
