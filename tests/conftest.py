@@ -24,6 +24,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The CPU backend only: with libtpu installed (the test extra, for compiling TPU programs from topologies), JAX would
 # otherwise try to start a TPU backend in every process and write libtpu's notices into the CLI's one-line stderr.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's backend (LLVM) optimisation off, as the device workers already run (tests/eight_devices.py): the suite's
+# programs are tiny and each compiled once, so compiling is most of their cost (measured: a third less wall time on
+# two modules); the results are XLA's either way (no fast-math), and benchmarks/ run with JAX's defaults.
+UNOPTIMISED = "--xla_backend_optimization_level=0"
+if UNOPTIMISED not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {UNOPTIMISED}".strip()
 # XLA's compiled programs are kept on disk and shared by the test processes (xdist workers and the CLI runs they
 # start), which compile the same tiny models' steps over and over: a third of the suite's time. The directory is
 # per XLA_FLAGS, so the AVX2-forced pass never reuses programs compiled for AVX-512.

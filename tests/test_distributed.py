@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from eight_devices import UNOPTIMISED
 from safetensors.numpy import load_file
 
 from jaxtune.errors import JaxtuneError
@@ -30,7 +31,7 @@ def free_port() -> int:
 
 def train(config: Path, *flags: str, env: dict | None = None) -> subprocess.Popen:
     env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **(env or {})}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=1{UNOPTIMISED}", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "train", str(config), *flags], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -120,7 +121,7 @@ def test_two_processes_each_read_about_half_of_the_checkpoint(tmp_path):
     model = write_random_model(tmp_path / "model", "llama", seed=0)
     port = free_port()
     worker = Path(__file__).with_name("load_worker.py")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=1{UNOPTIMISED}"}
     processes = [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", "2", str(i), str(model)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(2)]
