@@ -306,8 +306,8 @@ def test_a_kernel_from_a_test_runs_the_forward_and_is_planned(toys, monkeypatch)
     (want, want_grads), (got, got_grads) = logits_and_grads("blockwise"), logits_and_grads("toy_dense")
     real = np.asarray(segments > 0)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
-    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):  # float32 rounding of O(100) values
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(np.abs(w).max()))
 
     plan = TrainPlan(method_config("lora", rank=4), batch_size=2, seq_len=256, param_dtype="float32",
                      forward=ForwardOptions(compute_dtype="float32", attention="toy_dense"))
