@@ -1,10 +1,12 @@
 """`jaxtune generate` and `jaxtune demo` as a user runs them."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from eight_devices import UNOPTIMISED
 
 from jaxtune.data.tokenizer import Tokenizer
 
@@ -65,9 +67,11 @@ def test_demo_teaches_smollm2_dates_to_iso(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_demo_improves_the_held_out_score(tmp_path):
-    """`jaxtune demo --tiny` (what runs without SmolLM2): a real LoRA fine-tune whose held-out loss drops clearly."""
+    """`jaxtune demo --tiny` (what runs without SmolLM2): a real LoRA fine-tune whose held-out loss drops clearly.
+    Its 200 steps are run time, not compile time: XLA's backend optimises them (56 s, not 71 s, alone)."""
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace(UNOPTIMISED.strip(), "").strip()}
     out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "demo", "--tiny", "--out", str(tmp_path / "demo")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in (tmp_path / "demo" / "lora" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
