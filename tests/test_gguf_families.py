@@ -6,6 +6,7 @@ cannot express refused by name. llama.cpp itself runs the exports in test_llama_
 import re
 
 import gguf
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.gguf_export import save_gguf
+from jaxtune.models.gguf import GGUFCheckpoint
 from jaxtune.models.mxfp4 import encode_mxfp4
 from jaxtune.spine.model import load_model
 
@@ -88,6 +90,11 @@ def test_gpt_oss_gguf_with_mxfp4_experts(family_gguf):
     cfg, params = load_model(path, dtype=np.float32)
     out = logits_four_ways(model, params, cfg)
     assert_float32_parity(out["out32"], out["ref32"], out["ref64"], out["valid"])
+    with GGUFCheckpoint(path) as reader:  # MXFP4 is exact in bfloat16: read so, half float32's bytes
+        experts = reader.read("model.layers.0.mlp.experts.gate_up_proj", (slice(1, 3),))
+    assert experts.dtype == ml_dtypes.bfloat16 and experts.shape == (2, cfg.hidden_size, 2 * cfg.expert_size)
+    np.testing.assert_array_equal(experts.astype(np.float32), model.model.layers[0].mlp.experts.gate_up_proj[1:3]
+                                  .detach().numpy())
 
 
 @pytest.mark.parametrize("family", every_family())

@@ -227,9 +227,11 @@ class GGUFCheckpoint:
         return self._source(name).shape
 
     def dtype(self, name: str) -> np.dtype:
-        """float16 / bfloat16 / float32 as stored; float32 for block-quantised tensors (their dequantised dtype)."""
+        """float16 / bfloat16 / float32 as stored; bfloat16 for MXFP4 (exact), float32 for the other block-quantised
+        types (their dequantised dtype)."""
         kind = self._source(name).parts[0].tensor_type.name
-        return np.dtype({"F16": np.float16, "BF16": ml_dtypes.bfloat16}.get(kind, np.float32))
+        halves = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "MXFP4": ml_dtypes.bfloat16}
+        return np.dtype(halves.get(kind, np.float32))
 
     def stored_type(self, name: str) -> str:
         """The type as llama.cpp names it (Q4_1, Q8_0, F32, MXFP4, ...)."""
@@ -248,7 +250,8 @@ class GGUFCheckpoint:
         rows = index[0] if source.experts and index else slice(None)
         key = (name, rows.start, rows.stop, rows.step)
         if self._cached is None or self._cached[0] != key:
-            self._cached = (key, source.build(*(dequantized(t, rows) for t in source.parts)))
+            parts = (dequantized(t, rows) for t in source.parts)  # MXFP4's values are exact in bfloat16
+            self._cached = (key, source.build(*(x.astype(self.dtype(name)) for x in parts)))
             self.bytes_read += sum(int(t.n_bytes) for t in source.parts)
         rest = index[1:] if source.experts and index else index
         return np.ascontiguousarray(self._cached[1][(slice(None),) * bool(source.experts and index) + rest])
