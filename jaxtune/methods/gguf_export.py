@@ -46,7 +46,7 @@ def gguf_tensor_name(hf_name: str, form: GGUFForm) -> str:
 def gguf_form(cfg: ModelConfig) -> GGUFForm:
     """The form `cfg` is written in, or a one-line refusal naming what GGUF (llama.cpp's loader) cannot express."""
     form = form_of(cfg.architecture)
-    windows_ok = form is not None and form.arch in ("olmo2", "gpt-oss", "llama4")
+    windows_ok = form is not None and form.windows
     scalings = ("linear", "llama3") + (("yarn",) if windows_ok else ())
     s = cfg.rope_scaling
     default_yarn = s is not None and s.kind == "yarn" and math.isclose(
@@ -57,7 +57,7 @@ def gguf_form(cfg: ModelConfig) -> GGUFForm:
                 "a YaRN attention factor other than 0.1 ln(factor) + 1": s is not None and s.kind == "yarn"
                 and not default_yarn,
                 "an MLP bias": cfg.mlp_bias,
-                "an output-projection bias": cfg.o_bias and form is not None and form.arch != "gpt-oss"}
+                "an output-projection bias": cfg.o_bias and not (form is not None and form.output_bias)}
     found = [what for what, bad in problems.items() if bad] + (form.refused(cfg) if form is not None else [])
     if found:
         raise JaxtuneError(f"{cfg.architecture}: cannot be written as GGUF ({'; '.join(found)}); supported: "

@@ -39,7 +39,9 @@ class GGUFForm:
     stacks live ("mlp" or "feed_forward") and `interleaved` how gate and up share `gate_up_proj`'s columns.
     config_from(key, hf) -> config.json keys of the family, given `key(name, default)` reading `{arch}.{name}` and
     the shared keys (`hf`). metadata(cfg) -> `{arch}.{name}` -> value, beside the shared keys. refused(cfg) -> what
-    llama.cpp's loader fixes that `cfg` differs in. untied_head: llama.cpp requires `output.weight`."""
+    llama.cpp's loader fixes that `cfg` differs in. untied_head: llama.cpp requires `output.weight`. windows:
+    its loader reads sliding or chunked layers and YaRN for this architecture (their pattern is `refused`'s to
+    check). output_bias: it reads the output projection's bias."""
 
     arch: str
     architectures: tuple[str, ...]
@@ -52,6 +54,8 @@ class GGUFForm:
     metadata: Callable[[ModelConfig], dict[str, Any]] = _none
     refused: Callable[[ModelConfig], list[str]] = _nothing_refused
     untied_head: bool = False
+    windows: bool = False
+    output_bias: bool = False
 
     def layer_names(self) -> dict[str, str]:
         return {**LAYER_NAMES, **self.names}
@@ -172,19 +176,20 @@ FORMS = {form.arch: form for form in (
              config_from=lambda key, hf: {"use_sliding_window": False}, refused=_smollm3_refused),
     GGUFForm(arch="olmo2", architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"), model_type="olmo2",
              names=POST_NORMS, config_from=_olmo_config, metadata=_olmo_metadata, refused=_olmo_refused,
-             untied_head=True),
+             untied_head=True, windows=True),
     GGUFForm(arch="gpt-oss", architectures=("GptOssForCausalLM",), model_type="gpt_oss",
              names={"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
                     "ffn_gate_inp": "mlp.router"},
              experts="mlp", interleaved=True, config_from=_gpt_oss_config, metadata=_gpt_oss_metadata,
-             refused=_gpt_oss_refused, untied_head=True),
+             refused=_gpt_oss_refused, untied_head=True, windows=True, output_bias=True),
     GGUFForm(arch="llama4", architectures=("Llama4ForCausalLM",), model_type="llama4_text",
              names={"ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj",
                     "ffn_down": "feed_forward.down_proj", "ffn_gate_inp": "feed_forward.router",
                     "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
                     "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
                     "ffn_down_shexp": "feed_forward.shared_expert.down_proj"},
-             experts="feed_forward", config_from=_llama4_config, metadata=_llama4_metadata, refused=_llama4_refused),
+             experts="feed_forward", config_from=_llama4_config, metadata=_llama4_metadata, refused=_llama4_refused,
+             windows=True),
 )}
 
 
