@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="write a tiny random model (with the byte-level tokenizer) as an HF directory")
     init.add_argument("out", help="directory to write")
     init.add_argument("--arch", default="llama", choices=("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                                          "phi3", "smollm3", "olmo2", "olmo3"),
+                                                          "phi3", "smollm3", "olmo2", "olmo3", "qwen3_5"),
                       help="architecture (default llama)")
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     init.set_defaults(run=cmd_init)

@@ -186,7 +186,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
     shared tokens once, in rows of up to max(width, TREE_ROW) tokens; only where no sliding window is narrower
     than that (a branch's slots run past its positions). one_per_row: each prompt alone, right-aligned, as the
     cache holds it (prefix tuning under a sliding window, which counts slots: there a later segment would see fewer
-    prefix keys than the cache's decode steps do). shape: (the fewest rows, the row tokens, which every tree must
+    prefix keys than the cache's decode steps do; Gated DeltaNet layers, whose state is the row's). shape: (the fewest rows, the row tokens, which every tree must
     fit), so that the batches of one call share a shape; (0, 0): their buckets."""
     lengths = [len(p) for p in prompts]
     groups: dict[int, list[int]] = {}
@@ -306,7 +306,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     B = bucket(rows)
     W = min(bucket(max(len(p) for p in prompts), MIN_BUCKET), context - P - N)
     adapter_of_prompt = adapter_slots(params, method, adapter_of_row, len(prompts), len(prompts))
-    one_per_row = bool(P and any(cfg.sliding_windows))
+    one_per_row = bool(P and any(cfg.sliding_windows)) or bool(cfg.linear_attention_layers)
     share = not one_per_row and all(w == 0 or w >= max(W, TREE_ROW) for w in cfg.sliding_windows)
     batches = [range(at, min(at + rows, len(prompts))) for at in range(0, len(prompts), rows)]
     adapters = [None if adapter_of_prompt is None else np.pad(adapter_of_prompt[batch], (0, B - len(batch)))

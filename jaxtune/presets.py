@@ -16,7 +16,8 @@ ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
               "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
               "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-              "olmo3": "Olmo3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM"}
+              "olmo3": "Olmo3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
+              "qwen3_5": "Qwen3_5ForCausalLM"}
 
 
 def family_traits(arch: str, num_layers: int) -> dict:
@@ -25,7 +26,8 @@ def family_traits(arch: str, num_layers: int) -> dict:
     Phi-3's fused projections, with Phi-4-mini's partial rotary factor; mixtures of 4 to 8 experts, top 2, Mixtral's
     as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert; SmolLM3's NoPE layer last (every fourth
     at scale), OLMo's norms (OLMo 3's first layer sliding); gpt-oss's experts with biases, sinks, sliding and
-    full layers; Llama 4's chunked rotating layers, then a NoPE one."""
+    full layers; Llama 4's chunked rotating layers, then a NoPE one; Qwen3.5's Gated DeltaNet layer, then a gated
+    attention one (three to one at scale)."""
     olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -45,7 +47,10 @@ def family_traits(arch: str, num_layers: int) -> dict:
         "llama4": dict(num_experts=4, experts_per_token=1, expert_size=64, shared_expert_size=64,
                        shared_expert_gated=False, router_activation="sigmoid", expert_input_scaled=True,
                        normalize_top_k=False, rope_interleaved=True, qk_l2_norm=True, temperature_floor=64,
-                       nope_layers=(num_layers - 1,), sliding_windows=(-64,) * (num_layers - 1) + (0,))}
+                       nope_layers=(num_layers - 1,), sliding_windows=(-64,) * (num_layers - 1) + (0,)),
+        "qwen3_5": dict(linear_attention_layers=tuple(range(0, num_layers, 2)), linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        attention_output_gate=True, norm_unit_offset=True, qk_norm=True, partial_rotary_factor=0.25)}
     traits = known.get(arch, {})
     if arch.startswith("gemma"):
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,

@@ -78,6 +78,12 @@ ARCHS = {
         "pad_token_id": 0, "eos_token_id": 2, "attn_implementation": "eager"}),
     # Llama 4 (text, Scout's shape): 4 experts (top 1) scaling their inputs, a shared expert; layers 0 and 1 rotate
     # (interleaved pairs, L2-normed) within chunks of 4, layer 2 is NoPE and global with temperature (floor 4).
+    # Qwen3.5 (text): Gated DeltaNet layers 0 and 2 (2 key heads of 8 serving 4 value heads of 16, 4 taps), gated
+    # attention layers 1 and 3 with RoPE on a quarter of each head (4 of 16); two periods of the layer scan.
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {
+        "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, {
         "intermediate_size": 32, "intermediate_size_mlp": 64, "head_dim": 16, "num_local_experts": 4,
         "num_experts_per_tok": 1, "no_rope_layers": [1, 1, 0], "attention_chunk_size": 4, "floor_scale": 4,
@@ -86,15 +92,15 @@ ARCHS = {
 
 
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1) (Gemma's weights N(0, 0.1): it scales by 1 + weight),
-    biases ~ N(0, 0.1)."""
+    """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1) (Gemma's and Qwen3.5's weights N(0, 0.1): they scale
+    by 1 + weight, but for Qwen3.5's gated norm), biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
-    unit = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
+    unit = 0.0 if type(model).__name__.startswith(("Gemma", "Qwen3_5")) else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
-                p.copy_(unit + 0.1 * noise)
+                p.copy_((1.0 if "linear_attn.norm" in name else unit) + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
             else:

@@ -19,6 +19,8 @@ and 1.0x-1.3x on a well-conditioned one). So parity is asserted against a float6
 from __future__ import annotations
 
 import copy
+import inspect
+import textwrap
 import types
 
 import jax
@@ -28,6 +30,7 @@ import torch
 from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
 from transformers.models.gemma3 import modeling_gemma3 as gemma3_modeling
 from transformers.models.llama4 import modeling_llama4 as llama4_modeling
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
 
 from jaxtune.config import ForwardOptions
 from jaxtune.models.llama import forward
@@ -37,7 +40,7 @@ FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error; measured 
 
 def _rms_norm_float64(self, x):
     variance = x.pow(2).mean(-1, keepdim=True)
-    if type(self).__name__.startswith("Gemma"):  # scales by 1 + weight
+    if type(self).__name__.startswith(("Gemma", "Qwen3_5")):  # scales by 1 + weight
         return (1 + self.weight) * (x * torch.rsqrt(variance + self.eps))
     return self.weight * (x * torch.rsqrt(variance + getattr(self, "variance_epsilon", getattr(self, "eps", None))))
 
@@ -78,7 +81,41 @@ def _router_float64(self, x):
     return logits, top, index
 
 
+def _gated_rms_norm_float64(self, x, gate):  # Qwen3.5's Gated DeltaNet output norm
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * torch.nn.functional.silu(gate)
+
+
+def _delta_rule_in_float64(rule):
+    """Qwen3.5's gated delta rule (chunked or recurrent), for float64 inputs the recurrence token by token in float64
+    (transformers computes it in float32): S = exp(g) S, S += k (beta (v - k^T S))^T, o = S^T q / sqrt(dk)."""
+    def run(query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+            **kwargs):
+        if query.dtype != torch.float64:
+            return rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        **kwargs)
+        repeat = value.shape[2] // key.shape[2]
+        q, k = (a.repeat_interleave(repeat, dim=2) for a in (query, key))
+        if use_qk_l2norm_in_kernel:
+            q, k = (a * torch.rsqrt((a * a).sum(-1, keepdim=True) + 1e-6) for a in (q, k))
+        q = q * q.shape[-1] ** -0.5
+        B, T, N, dv = value.shape
+        S = torch.zeros(B, N, q.shape[-1], dv, dtype=torch.float64) if initial_state is None else initial_state.double()
+        out = torch.empty(B, T, N, dv, dtype=torch.float64)
+        for t in range(T):
+            S = S * g[:, t].double().exp()[..., None, None]
+            delta = (value[:, t] - torch.einsum("bnk,bnkv->bnv", k[:, t], S)) * beta[:, t, :, None]
+            S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+            out[:, t] = torch.einsum("bnk,bnkv->bnv", q[:, t], S)
+        return out, S if output_final_state else None
+
+    return run
+
+
 def _rotary_float64(self, x, position_ids, layer_type=None):
+    if position_ids.ndim == 3:  # Qwen3.5's three position streams, one for text: all equal
+        assert bool((position_ids == position_ids[:1]).all())
+        position_ids = position_ids[0]
     prefix = f"{layer_type}_" if layer_type else ""  # Gemma 3 keeps one table a layer type
     inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
     freqs = position_ids[..., None].float() * inv_freq.to(dtype=torch.float)  # float32 angles, as in float32
@@ -111,6 +148,22 @@ for _module in (gemma2_modeling, gemma3_modeling):
 llama4_modeling.apply_rotary_emb = _rotate_in_their_dtype(llama4_modeling.apply_rotary_emb)
 
 
+def _without_float32_casts(method):
+    """`method` recompiled with its `.float()` casts removed (Qwen3.5's Gated DeltaNet computes its decay from
+    float32 copies of A_log and of in_proj_a's output, even in a float64 model)."""
+    source = textwrap.dedent(inspect.getsource(method))
+    source = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("@"))
+    namespace: dict = {}
+    exec(compile(source.replace(".float()", ""), inspect.getsourcefile(method), "exec"),
+         vars(inspect.getmodule(method)), namespace)
+    return namespace[method.__name__]
+
+
+_deltanet_forward_float64 = _without_float32_casts(qwen3_5_modeling.Qwen3_5GatedDeltaNet.forward)
+for _name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+    setattr(qwen3_5_modeling, _name, _delta_rule_in_float64(getattr(qwen3_5_modeling, _name)))
+
+
 def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
     """A float64 copy of a transformers or PEFT model whose norms and rotary embeddings also run in float64 (a
     mixture's experts as a loop over experts: torch's grouped matmul has no float64)."""
@@ -123,6 +176,10 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             module.forward = types.MethodType(_rms_norm_float64, module)
+        elif name.endswith("RMSNormGated"):
+            module.forward = types.MethodType(_gated_rms_norm_float64, module)
+        elif name == "Qwen3_5GatedDeltaNet":
+            module.forward = types.MethodType(_deltanet_forward_float64, module)
         elif name == "Llama4Router":
             module.forward = types.MethodType(_sigmoid_router_float64, module)
         elif name == "Llama4TextL2Norm":
@@ -183,8 +240,10 @@ def relative_error(x: np.ndarray, ref: np.ndarray, valid: np.ndarray) -> float:
 def assert_float32_parity(ours: np.ndarray, theirs: np.ndarray, ref64: np.ndarray, valid: np.ndarray,
                           atol: float = 1e-4, factor: float = FACTOR) -> None:
     """jaxtune's float32 `ours` is as close to the float64 `ref64` as the other framework's float32 `theirs`
-    (within `factor`), and within `atol` of it."""
+    (within `factor`), and within `atol` of it beyond `theirs`' own largest error (Qwen3.5's float32 delta rule in
+    transformers is 1e-4 off on O(10) logits where jaxtune's is 3x closer)."""
     ours_error, their_error = relative_error(ours, ref64, valid), relative_error(theirs, ref64, valid)
     assert ours_error <= factor * their_error + 1e-9, (
         f"jaxtune float32 error {ours_error:.3g} > {factor} x the reference's own float32 error {their_error:.3g}")
-    assert np.abs(np.asarray(ours) - theirs)[valid].max() <= atol
+    their_largest = np.abs(np.asarray(theirs, np.float64) - ref64)[valid].max()
+    assert np.abs(np.asarray(ours) - theirs)[valid].max() <= atol + their_largest

@@ -25,7 +25,7 @@ from jaxtune.spine.model import load_model
 
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
-FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4"]
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "qwen3_5"]
 
 
 def everyday(arch: str) -> list:
@@ -34,6 +34,7 @@ def everyday(arch: str) -> list:
 ALL_LINEAR = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
 # PEFT's all-linear takes Llama 4's router too (an nn.Linear), where jaxtune's LoRA does not go
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DELTANET_MODULES = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5's linear attention
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,9 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
     """d(loss)/d(LoRA A, B) on every linear module, both in float64, named as PEFT names them (`adapter_state_dict`,
     which writes float32): equal to float32's rounding, 1e-6 of the largest."""
     directory, model, cfg, params = family(arch)
+    targets = LINEAR_MODULES + DELTANET_MODULES * bool(cfg.linear_attention_layers)
     peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
-                                               LoraConfig(r=4, lora_alpha=8, target_modules=LINEAR_MODULES)))
+                                               LoraConfig(r=4, lora_alpha=8, target_modules=targets)))
     peft_model.save_pretrained(tmp_path)
     method, with_adapter = load_peft_adapter(tmp_path, params, cfg)
     ids, mask, positions = padded_batch(cfg.vocab_size)
@@ -82,8 +84,8 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
 
         grads = jax.grad(loss)(params64)
         ours = adapter_state_dict(jax.tree.map(lambda g: np.asarray(g, np.float64), grads), cfg, method)
-    assert set(ours) == set(theirs) and len(ours) == 2 * len(cfg.linear_modules) * cfg.num_layers, set(ours) ^ set(
-        theirs)
+    adapted = sum(len(layers) for _, layers in cfg.layer_stacks())
+    assert set(ours) == set(theirs) and len(ours) == 2 * adapted, set(ours) ^ set(theirs)
     for name, want in theirs.items():
         assert np.abs(ours[name] - want).max() <= 1e-6 * np.abs(want).max(), name
     assert min(np.abs(g).max() for g in theirs.values()) > 1e-6  # every adapted module reaches the loss

@@ -104,3 +104,22 @@ def test_equal_to_transformers_torch_functions():
                               use_qk_l2norm_in_kernel=True, **kwargs)
         assert np.abs(np.asarray(ours) - theirs.numpy()).max() <= 1e-5 * np.abs(theirs.numpy()).max(), fn.__name__
         assert np.abs(np.asarray(ours_S) - theirs_S.numpy()).max() <= 1e-5 * np.abs(theirs_S.numpy()).max()
+
+
+def test_resets_restart_each_segment_from_zero():
+    """Packed rows: with resets at segment starts (one at a chunk's first token, one mid-chunk, one chunk with
+    none), each segment's outputs equal the float64 recurrence over that segment alone; the final state is the last
+    segment's."""
+    T, chunk = 40, 8
+    starts = [0, 8, 13, 29]  # 8: a chunk's first token; 13, 29 mid-chunk; chunk 16..23 has no reset
+    args = inputs(T, seed=3)
+    reset = np.zeros((B, T), bool)
+    reset[:, starts] = True
+    bounds = starts + [T]
+    with jax.enable_x64(True):
+        out, S = jax.jit(chunk_gated_delta_rule, static_argnames="chunk")(
+            *(jnp.asarray(a, jnp.float64) for a in args), chunk=chunk, reset_BxT=jnp.asarray(reset))
+    for a, b in zip(bounds, bounds[1:]):
+        want, want_S = numpy_recurrence(*(x[:, a:b] for x in args))
+        assert np.abs(np.asarray(out)[:, a:b] - want).max() <= 1e-10, (a, b)
+    assert np.abs(np.asarray(S) - want_S).max() <= 1e-10

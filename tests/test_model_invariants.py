@@ -164,3 +164,28 @@ def test_bfloat16_matmul_accumulates_in_float32_forward_and_backward():
     for ours, exact in ((y, x64 @ w64), (dx, g64 @ w64.T), (dw, np.einsum("bti,bto->io", x64, g64))):
         rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64)
         np.testing.assert_allclose(np.asarray(ours, np.float64), rounded, rtol=2**-7, atol=1e-2)
+
+
+def test_qwen3_5_packed_segments_equal_separate_rows():
+    """Qwen3.5's Gated DeltaNet layers restart their convolution and state at each segment (here one across the
+    64-token chunk boundary, then a padding tail): every segment's logits are its own row's, in float64 to 1e-10
+    (in float32 the chunks' sums round differently at another length)."""
+    from jaxtune.presets import tiny_model_config
+
+    cfg = tiny_model_config("qwen3_5", num_layers=4, vocab_size=101, initializer_range=0.2)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(1))
+    lengths = (50, 30, 20)
+    rows = [np.asarray(jax.random.randint(jax.random.key(i), (1, n), 0, cfg.vocab_size)) for i, n in enumerate(lengths)]
+    packed = np.concatenate(rows + [np.zeros((1, 4), np.int32)], axis=1)
+    segments = np.asarray([sum(([i + 1] * n for i, n in enumerate(lengths)), []) + [0] * 4])
+    positions = np.asarray([sum((list(range(n)) for n in lengths), []) + [0] * 4])
+    float64 = ForwardOptions(compute_dtype="float64")
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        out = forward(params, jnp.asarray(packed), cfg, positions_BxT=jnp.asarray(positions),
+                      segment_ids_BxT=jnp.asarray(segments), options=float64)
+        at = 0
+        for row, n in zip(rows, lengths):
+            np.testing.assert_allclose(out[:, at:at + n], forward(params, jnp.asarray(row), cfg, options=float64),
+                                       atol=1e-10)
+            at += n

@@ -120,7 +120,7 @@ TOY = Method(
     leaves=("toy_a", "toy_b"),
     module_axes={"toy_a": lambda layers, d_in, d_out: (layers, d_in, "lora_rank"),
                  "toy_b": lambda layers, d_in, d_out: (layers, "lora_rank", d_out)},
-    adapted=lambda method, num_layers, modules: {m: method.rank for m in method.target_modules if m in modules},
+    adapted=lambda method, stacks: {m: method.rank for m in method.target_modules if m in dict(stacks)},
     merge=toy_merge,
     merged_layer=toy_merged_layer,
     peft=PeftFormat((), (), toy_peft_config, toy_peft_tensors),

@@ -9,15 +9,19 @@ from typing import Any
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                  "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                 "GptOssForCausalLM", "Llama4ForCausalLM")
+                 "GptOssForCausalLM", "Llama4ForCausalLM", "Qwen3_5ForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")  # Qwen2-MoE
+# Gated DeltaNet's linear modules (Qwen3.5's linear-attention layers), under transformers' `linear_attn`
+LINEAR_ATTENTION_MODULES = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                            "linear_attn.in_proj_a", "linear_attn.out_proj")
+ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "sinks")  # self_attn's
 EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [E, in, out] (gate and up fused)
 # Every family's linear module names (Phi-3's fused ones last: a module's index seeds its adapter dropout masks).
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                       "gate_up_proj")
+                       "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # the gated MLP's activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
@@ -92,6 +96,12 @@ class ModelConfig:
     Llama 4: `router_activation` "sigmoid", each of the top k logits' sigmoid (not a softmax) weighting its expert;
     `expert_input_scaled`, that weight multiplying the expert's input rather than its output; a shared expert with
     no gate (`shared_expert_gated` False).
+    Qwen3.5: `linear_attention_layers`, the layers whose token mixer is Gated DeltaNet (`models/gated_deltanet.py`:
+    `linear_num_key_heads` x `linear_key_head_dim` queries and keys, `linear_num_value_heads` x
+    `linear_value_head_dim` values, a causal depthwise convolution of `linear_conv_kernel` taps over them, a gated
+    RMSNorm before `out_proj`); their modules `linear_attn.*` are stacked over those layers only, the attention's
+    over the others (`module_layers`). `attention_output_gate`: q_proj gives each head its queries then a gate,
+    sigmoid(gate) scaling the head's output before o_proj.
     `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
     routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
@@ -145,6 +155,13 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     attention_sinks: bool = False
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    attention_output_gate: bool = False
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     initializer_range: float = 0.02
@@ -167,6 +184,13 @@ class ModelConfig:
             raise ValueError(f"nope_layers={self.nope_layers} names a layer outside 0..{self.num_layers - 1}")
         if self.post_norms and self.sandwich_norms:
             raise ValueError("post_norms and sandwich_norms are two different layer layouts; pick one")
+        if any(not 0 <= i < self.num_layers for i in self.linear_attention_layers):
+            raise ValueError(f"linear_attention_layers={self.linear_attention_layers} names a layer outside "
+                             f"0..{self.num_layers - 1}")
+        if self.linear_attention_layers and (not self.linear_num_value_heads or not self.linear_num_key_heads
+                                             or self.linear_num_value_heads % self.linear_num_key_heads):
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a positive multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -182,9 +206,36 @@ class ModelConfig:
     def linear_modules(self) -> tuple[str, ...]:
         """The names of a layer's linear modules, attention's then the MLP's (a mixture's shared expert, if any:
         its experts are not among them)."""
+        linear = LINEAR_ATTENTION_MODULES * bool(self.linear_attention_layers)
         if self.num_experts:
-            return SEPARATE_MODULES[:4] + SHARED_EXPERT_MODULES * bool(self.shared_expert_size)
-        return FUSED_MODULES if self.fused_projections else SEPARATE_MODULES
+            return SEPARATE_MODULES[:4] + SHARED_EXPERT_MODULES * bool(self.shared_expert_size) + linear
+        return (FUSED_MODULES if self.fused_projections else SEPARATE_MODULES) + linear
+
+    @property
+    def linear_key_size(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose token mixer is softmax attention (all but `linear_attention_layers`)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_attention_layers)
+
+    def module_layers(self, name: str) -> tuple[int, ...]:
+        """The layers holding module (or bare leaf) `name` of a layer, in order: its stack's rows are theirs."""
+        if name.startswith("linear_attn."):
+            return self.linear_attention_layers
+        if name in ATTENTION_LEAVES or name == "prefix":
+            return self.attention_layers
+        return tuple(range(self.num_layers))
+
+    def layer_stacks(self, modules: tuple[str, ...] | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(module, its layers) of each of `modules` (default `linear_modules`): what a method's per-layer rules
+        walk."""
+        return tuple((name, self.module_layers(name)) for name in (self.linear_modules if modules is None else modules))
 
     @property
     def mlp_size(self) -> int:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxtune.config.method import MethodConfig
-from jaxtune.config.model import SEPARATE_MODULES, SHARED_EXPERT_MODULES, ModelConfig
+from jaxtune.config.model import LINEAR_ATTENTION_MODULES, SEPARATE_MODULES, SHARED_EXPERT_MODULES, ModelConfig
 from jaxtune.errors import ConfigError
 
 Options = TypeVar("Options", bound=MethodConfig)
@@ -32,7 +32,7 @@ class PeftFormat(Generic[Options]):
     PEFT config describes (get(key, default) reads a key, None as unset; targets: its target_modules checked);
     load(tensors, params, cfg, method) -> params with the adapter's leaves. peft_types: the `peft_type` values it
     reads (none: it writes adapters jaxtune reads as another method's); read_fields: the config fields it reads.
-    as_stored(params, method, initial, num_layers) -> (params, method) as PEFT stores them, where the method's init
+    as_stored(params, method, initial, cfg) -> (params, method) as PEFT stores them, where the method's init
     changed the base (`BaseInit`: PiSSA and OLoRA convert to a LoRA on the original weights from the init's leaves
     `initial`); needs_initial(method): whether it needs them.
     """
@@ -43,7 +43,7 @@ class PeftFormat(Generic[Options]):
     tensors: Callable[[dict, ModelConfig, Options], dict[str, np.ndarray]]
     method_of: Callable[[dict, Callable[[str, Any], Any], Any], MethodConfig] | None = None
     load: Callable[[dict, dict, ModelConfig, Options], dict] | None = None
-    as_stored: Callable[[dict, Options, dict | None, int], tuple[dict, Options]] | None = None
+    as_stored: Callable[[dict, Options, dict | None, ModelConfig], tuple[dict, Options]] | None = None
     needs_initial: Callable[[Options], bool] = lambda method: False
 
 
@@ -108,12 +108,14 @@ class Method(Generic[Options]):
     leaves          names of the leaves it adds: trainable, stripped for a reference "with adapters off"
     module_axes     logical axes of a leaf in a linear module, from the kernel's (layers, in, out)
     leaf_axes       logical axes of other leaves, by dict path
-    adapted         (method, num_layers, modules) -> {module: largest rank (0 without one)} it adapts
-    count           (params, method, adapted) -> PEFT's count of its parameters where padding differs, else None
+    adapted         (method, stacks) -> {module: largest rank (0 without one)} it adapts among `stacks`
+                    ((module, the layers holding it): `ModelConfig.layer_stacks`)
+    count           (params, method, stacks) -> PEFT's count of its parameters where padding differs, else None
     trains_base     the base weights train (full fine-tuning)
     quantize_base   (params, method) -> the frozen base quantised (QLoRA), None: the base is kept as loaded
     base_init       its init from the base weights, which it changes (`BaseInit`), or None
-    merge           (params, method, dtype) -> a plain model; merged_layer(params, method) -> tensor(path, layer)
+    merge           (params, method, dtype, cfg) -> a plain model; merged_layer(params, method, cfg) -> tensor(path,
+                    row): row `row` of a stacked leaf (cfg: whose layers hold each module; None: every layer)
     peft            its PEFT format, None without one
     frozen_base     (method) -> how it holds the frozen base when not as stored ("NF4, double quantisation"), or None
     on_float_base   (method) -> the same adapter on the float weights (QLoRA's as LoRA), None: it runs on them
@@ -130,13 +132,13 @@ class Method(Generic[Options]):
     leaves: tuple[str, ...] = ()
     module_axes: Mapping[str, Callable] = field(default_factory=dict)
     leaf_axes: Mapping[tuple, tuple] = field(default_factory=dict)
-    adapted: Callable[[Options, int, tuple[str, ...]], dict[str, int]] = lambda method, num_layers, modules: {}
-    count: Callable[[dict, Options, dict], dict[str, int]] | None = None
+    adapted: Callable[[Options, tuple], dict[str, int]] = lambda method, stacks: {}
+    count: Callable[[dict, Options, tuple], dict[str, int]] | None = None
     trains_base: bool = False
     quantize_base: Callable[[dict, Options], dict] | None = None
     base_init: BaseInit[Options] | None = None
     merge: Callable[..., dict] | None = None
-    merged_layer: Callable[[dict, Options], Callable] | None = None
+    merged_layer: Callable[[dict, Options, ModelConfig | None], Callable] | None = None
     peft: PeftFormat[Options] | None = None
     frozen_base: Callable[[Options], str | None] = lambda method: None
     on_float_base: Callable[[Options], MethodConfig] | None = None
@@ -169,14 +171,15 @@ def adapter_keys() -> tuple[str, ...]:
     return tuple(dict.fromkeys(leaf for unit in METHODS.values() for leaf in unit.leaves))
 
 
-def adapted_modules(method: MethodConfig, num_layers: int, modules: tuple[str, ...]) -> dict[str, int]:
+def adapted_modules(method: MethodConfig, stacks: tuple) -> dict[str, int]:
     """{module name: its largest rank (0 without one)} of the linear modules `method` adapts in any layer."""
-    return method_unit(method).adapted(method, num_layers, modules)
+    return method_unit(method).adapted(method, stacks)
 
 
 def module_keys(key: jax.Array) -> dict[str, jax.Array]:
     """One key per linear module (the split and fold-ins every method's leaves were first drawn with)."""
     keys = dict(zip(SEPARATE_MODULES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
     keys.update({name: jax.random.fold_in(key, i)
-                 for i, name in enumerate(("qkv_proj", "gate_up_proj") + SHARED_EXPERT_MODULES)})
+                 for i, name in enumerate(("qkv_proj", "gate_up_proj") + SHARED_EXPERT_MODULES
+                                          + LINEAR_ATTENTION_MODULES)})
     return keys

@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.method import AdapterForward, DenseHook
-from jaxtune.config.model import SEPARATE_MODULES
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts
 from jaxtune.methods.targets import FUSED_HINT, Targeted, is_target, module_path, peft_module, peft_names
@@ -39,32 +38,30 @@ class IA3Config(Targeted):
         return AdapterForward(dense=HOOKS)
 
 
-def ia3_modules(method: IA3Config, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                ) -> tuple[str, ...]:
+def ia3_modules(method: IA3Config, stacks: tuple) -> tuple[str, ...]:
     """The modules IA3 scales. IA3's vectors are stacked over all layers, so a module is adapted in every layer or
     in none; target fields that pick some layers of a module are refused, naming the module."""
     names = []
-    for name in modules:
-        hits = [is_target(method, module_path(name, i)) for i in range(num_layers)]
+    for name, layers in stacks:
+        hits = [is_target(method, module_path(name, i)) for i in layers]
         if any(hits) and not all(hits):
             raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} (layers_to_transform="
                                f"{method.layers_to_transform!r}) adapts {name} in layers "
-                               f"{[i for i, h in enumerate(hits) if h]} only: jaxtune's IA3 scales a module in "
+                               f"{[i for i, h in zip(layers, hits) if h]} only: jaxtune's IA3 scales a module in "
                                "every layer or in none")
         if all(hits):
             names.append(name)
     if not names:
         raise JaxtuneError(f"IA3 target_modules={method.target_modules!r} selects no module"
-                           + FUSED_HINT * ("qkv_proj" in modules))
+                           + FUSED_HINT * any(name == "qkv_proj" for name, _ in stacks))
     return tuple(names)
 
 
 def add_ia3(params: dict, cfg: ModelConfig, method: IA3Config, key: jax.Array) -> dict:
     """`params` with a vector of ones on every module `method` scales."""
     layers = dict(params["layers"])
-    L = cfg.num_layers
-    for name in ia3_modules(method, L, cfg.linear_modules):
-        d_in, d_out = full_shape(layers[name]["kernel"])[1:]
+    for name in ia3_modules(method, cfg.layer_stacks()):
+        L, d_in, d_out = full_shape(layers[name]["kernel"])
         feedforward = name.endswith("down_proj")  # a shared expert's too
         leaf = {"ia3_in": jnp.ones((L, d_in))} if feedforward else {"ia3_out": jnp.ones((L, d_out))}
         layers[name] = {**layers[name], **leaf}
@@ -76,7 +73,7 @@ def _name(module: str, layer: int) -> str:
 
 
 def _peft_config(cfg: ModelConfig, method: IA3Config) -> dict:
-    targets = ia3_modules(method, cfg.num_layers, cfg.linear_modules)
+    targets = ia3_modules(method, cfg.layer_stacks())
     # PEFT wants feedforward_modules within a list of target_modules: the names that pick a down_proj
     named = targets if isinstance(method.target_modules, str) else method.target_modules
     return {"peft_type": "IA3", "target_modules": peft_names(method.target_modules),
@@ -87,11 +84,11 @@ def _peft_config(cfg: ModelConfig, method: IA3Config) -> dict:
 
 def _peft_tensors(params: dict, cfg: ModelConfig, method: IA3Config) -> dict[str, np.ndarray]:
     state = {}
-    for name in ia3_modules(method, cfg.num_layers, cfg.linear_modules):
+    for name in ia3_modules(method, cfg.layer_stacks()):
         module = params["layers"][name]
-        for i in range(cfg.num_layers):
-            ia3 = (np.asarray(module["ia3_in"][i], np.float32)[None, :] if "ia3_in" in module
-                   else np.asarray(module["ia3_out"][i], np.float32)[:, None])
+        for row, i in enumerate(cfg.module_layers(name)):
+            ia3 = (np.asarray(module["ia3_in"][row], np.float32)[None, :] if "ia3_in" in module
+                   else np.asarray(module["ia3_out"][row], np.float32)[:, None])
             state[_name(name, i)] = np.ascontiguousarray(ia3)
     return state
 
@@ -111,9 +108,9 @@ def _method_of(config: dict, get, targets) -> IA3Config:
 
 def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: IA3Config) -> dict:
     layers = dict(params["layers"])
-    for name in ia3_modules(method, cfg.num_layers, cfg.linear_modules):
+    for name in ia3_modules(method, cfg.layer_stacks()):
         leaf = "ia3_in" if "ia3_in" in layers[name] else "ia3_out"
-        value = np.stack([np.ravel(state[_name(name, i)]) for i in range(cfg.num_layers)])
+        value = np.stack([np.ravel(state[_name(name, i)]) for i in cfg.module_layers(name)])
         layers[name] = {**layers[name], leaf: jnp.asarray(value)}
     return {**params, "layers": layers}
 
@@ -130,7 +127,7 @@ IA3 = Method(
     leaves=("ia3_in", "ia3_out"),
     module_axes={"ia3_in": lambda layers, d_in, d_out: (layers, d_in),
                  "ia3_out": lambda layers, d_in, d_out: (layers, d_out)},
-    adapted=lambda method, num_layers, modules: dict.fromkeys(ia3_modules(method, num_layers, modules), 0),
+    adapted=lambda method, stacks: dict.fromkeys(ia3_modules(method, stacks), 0),
     peft=PeftFormat(("IA3",), ("target_modules", "exclude_modules", "feedforward_modules", "modules_to_save"),
                     _peft_config, _peft_tensors, _method_of, _peft_load),
     costs=PlannerCosts(trains_input=lambda method, module, adapted: module == "down_proj" and module in adapted,

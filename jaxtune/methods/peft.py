@@ -80,7 +80,7 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     directory = Path(directory)
     as_stored = _format(method).as_stored
     if as_stored is not None:
-        params, method = as_stored(params, method, initial, cfg.num_layers)
+        params, method = as_stored(params, method, initial, cfg)
     if base_model and Path(base_model).exists():  # absolute, so PEFT finds the base from any working directory
         base_model = str(Path(base_model).resolve())
     config = peft_config(cfg, method, base_model)

@@ -32,6 +32,9 @@ class PrefixConfig(MethodConfig):
 
 
 def add_prefix(params: dict, cfg: ModelConfig, method: PrefixConfig, key: jax.Array) -> dict:
+    if cfg.linear_attention_layers:  # PEFT's past key values: one pair every layer
+        raise JaxtuneError(f"prefix tuning needs keys and values in every layer; {cfg.architecture}'s Gated DeltaNet "
+                           f"layers {list(cfg.linear_attention_layers)} have none (use LoRA)")
     shape = (cfg.num_layers, method.num_virtual_tokens, cfg.num_kv_heads, cfg.head_dim)
     k_key, v_key = jax.random.split(module_keys(key)["prefix"])
     prefix = {"key": jax.random.normal(k_key, shape), "value": jax.random.normal(v_key, shape)}

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import FUSED_MODULES, LINEAR_MODULE_NAMES, SEPARATE_MODULES
 from jaxtune.errors import ConfigError
 
+Stacks: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]  # (module, the layers holding it), in order
 SAVABLE_MODULES = ("lm_head", "embed_tokens")  # what `modules_to_save` may name: trained whole, beside the adapter
 
 
@@ -42,7 +43,7 @@ def _module_names(field: str, names) -> tuple[str, ...]:
                               "model.layers.0.self_attn.q_proj")
     if all(n in LINEAR_MODULE_NAMES for n in names):
         if set(names) >= set(SEPARATE_MODULES) or set(names) >= set(FUSED_MODULES):  # every one of a layout's
-            return LINEAR_MODULE_NAMES
+            names += SEPARATE_MODULES + FUSED_MODULES
         return tuple(n for n in LINEAR_MODULE_NAMES if n in names)
     return tuple(sorted(set(names)))
 
@@ -122,8 +123,15 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 FUSED_HINT = " (Phi-3 fuses q, k and v into qkv_proj, gate and up into gate_up_proj: target those)"
 
 
+def uniform_stacks(num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES) -> Stacks:
+    """`modules`, each held by every one of `num_layers` layers (a model without linear-attention layers)."""
+    return tuple((name, tuple(range(num_layers))) for name in modules)
+
+
 def module_path(name: str, layer: int) -> str:
     """The transformers path of linear module `name` of `layer`, e.g. 'model.layers.3.self_attn.q_proj'."""
+    if name.startswith("linear_attn."):
+        return f"model.layers.{layer}.{name}"
     return f"model.layers.{layer}.{'self_attn' if name in ATTENTION_MODULES else 'mlp'}.{name}"
 
 

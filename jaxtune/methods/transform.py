@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtune.config import MethodConfig, ModelConfig
 from jaxtune.config.model import FUSED_MODULES, SEPARATE_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.methods.base import METHODS, adapter_keys, method_unit
+from jaxtune.methods.targets import uniform_stacks
 from jaxtune.models.quant import QuantizedArray, full_shape
 
 
@@ -135,10 +136,13 @@ def parameter_report(params: dict, method: MethodConfig, cfg: ModelConfig | None
         return ParameterReport(total, total)
     counted = {}
     if unit.count is not None:  # PEFT counts these modules' parameters without jaxtune's padding
-        L = full_shape(params["layers"]["o_proj"]["kernel"])[0]
-        layout = FUSED_MODULES if "qkv_proj" in params["layers"] else SEPARATE_MODULES + SHARED_EXPERT_MODULES
-        modules = tuple(name for name in layout if name in params["layers"])
-        counted = unit.count(params, method, unit.adapted(method, L, modules))
+        if cfg is not None:
+            stacks = cfg.layer_stacks()
+        else:  # every layer holds every module
+            L = full_shape(params["layers"]["o_proj"]["kernel"])[0]
+            layout = FUSED_MODULES if "qkv_proj" in params["layers"] else SEPARATE_MODULES + SHARED_EXPERT_MODULES
+            stacks = uniform_stacks(L, tuple(name for name in layout if name in params["layers"]))
+        counted = unit.count(params, method, stacks)
     base = adapters = saved = 0
     for path, leaf in leaves:
         keys, size = _path_keys(path), math.prod(full_shape(leaf))

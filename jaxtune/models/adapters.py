@@ -23,8 +23,8 @@ def adapter_forward(method: MethodConfig | None, cfg: ModelConfig) -> AdapterFor
 
 
 def adapter_dropout_key(layer_key: jax.Array, name: str) -> jax.Array:
-    """The dropout key of module `name` (q_proj, ..., down_proj) from its layer's key."""
-    return jax.random.fold_in(layer_key, LINEAR_MODULE_NAMES.index(name))
+    """The dropout key of module `name` (q_proj, ..., down_proj, linear_attn.out_proj) from its layer's key."""
+    return jax.random.fold_in(layer_key, LINEAR_MODULE_NAMES.index(name.rsplit(".", 1)[-1]))
 
 
 class Adapters(NamedTuple):

@@ -7,6 +7,8 @@ corrects toward its value and reads with its query:
 `chunk_gated_delta_rule` trains it in chunks: inside one, the updates are a lower-triangular solve (the UT
 transform) and a few matmuls; across chunks a `lax.scan` carries S (linear in T, static shapes).
 `recurrent_gated_delta_rule` steps token by token from a state (decoding). Both follow transformers' torch functions.
+Packed rows: `reset_BxT` marks the tokens that start a segment, where the state restarts from zero (the chunked
+form masks whatever would cross the reset, so no -inf decay enters its sums).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ def _heads_first(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, l2_normal
 
 
 def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, *, chunk: int = 64,
-                           state_BxNxKxV=None, l2_normalize: bool = True):
+                           state_BxNxKxV=None, l2_normalize: bool = True, reset_BxT=None):
     """(outputs [B, T, N, dv] in v's dtype, final state [B, N, dk, dv] float32) of the gated delta rule over T
     tokens (padded to a multiple of `chunk` with tokens that change nothing: g = beta = 0), from `state_BxNxKxV`
-    (default zeros). g: log decays (<= 0); beta: update strengths in (0, 1)."""
+    (default zeros). g: log decays (<= 0); beta: update strengths in (0, 1); reset_BxT: tokens whose state starts
+    from zero (None: none)."""
     B, T, N, dv = v_BxTxNxV.shape
     q, k, v, g, beta = _heads_first(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, l2_normalize)
     dk = q.shape[-1]
@@ -45,17 +48,26 @@ def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN,
     q, k, v, g, beta = map(as_chunks, (q, k, v, g, beta))  # [B, N, n, C, ...]
     cum_BxNxnxC = jnp.cumsum(g, axis=-1)  # log decay from the chunk's start to each token
     causal_CxC = jnp.tril(jnp.ones((C, C), bool))
-    decay_CxC = jnp.exp(jnp.where(causal_CxC, cum_BxNxnxC[..., :, None] - cum_BxNxnxC[..., None, :], -jnp.inf))
+    # the resets so far within each token's chunk: tokens i, j see each other only with equal counts; a token sees
+    # the state carried into its chunk only before the chunk's first reset, and reaches the chunk's end only after
+    # its last
+    resets = (jnp.zeros((B, T + pad), jnp.int32) if reset_BxT is None
+              else jnp.pad(reset_BxT.astype(jnp.int32), ((0, 0), (0, pad))))
+    seen_Bx1xnxC = jnp.cumsum(resets.reshape(B, 1, n, C), axis=-1)
+    linked_CxC = causal_CxC & (seen_Bx1xnxC[..., :, None] == seen_Bx1xnxC[..., None, :])
+    from_start, reaches_end = seen_Bx1xnxC == 0, seen_Bx1xnxC == seen_Bx1xnxC[..., -1:]
+    decay_CxC = jnp.exp(jnp.where(linked_CxC, cum_BxNxnxC[..., :, None] - cum_BxNxnxC[..., None, :], -jnp.inf))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # The UT transform: the chunk's sequential corrections as (I + strictly_lower(K_beta K^T * decay))^-1
     system_CxC = jnp.einsum("bnicd,bnied->bnice", k_beta, k) * decay_CxC
     solve = lambda rhs: jax.scipy.linalg.solve_triangular(system_CxC, rhs, lower=True,  # noqa: E731
                                                           unit_diagonal=True)
-    values_new, keys_decayed = solve(v_beta), solve(k_beta * jnp.exp(cum_BxNxnxC)[..., None])
+    start_decay = jnp.where(from_start, jnp.exp(cum_BxNxnxC), 0)
+    values_new, keys_decayed = solve(v_beta), solve(k_beta * start_decay[..., None])
     attn_CxC = jnp.einsum("bnicd,bnied->bnice", q, k) * decay_CxC
-    q_decayed = q * jnp.exp(cum_BxNxnxC)[..., None]
-    k_to_end = k * jnp.exp(cum_BxNxnxC[..., -1:] - cum_BxNxnxC)[..., None]
-    chunk_decay = jnp.exp(cum_BxNxnxC[..., -1])[..., None, None]  # [B, N, n, 1, 1]
+    q_decayed = q * start_decay[..., None]
+    k_to_end = k * jnp.where(reaches_end, jnp.exp(cum_BxNxnxC[..., -1:] - cum_BxNxnxC), 0)[..., None]
+    chunk_decay = start_decay[..., -1][..., None, None]  # [B, N, n, 1, 1]
 
     def step(S_BxNxKxV, xs):
         values, keys, queries, attn, to_end, decay = xs

@@ -22,6 +22,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 MOE = ("MixtralForCausalLM",) + QWEN_MOE
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
+PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM")  # the architectures rotating part of each head
 
 
 def model_dir(path: str | Path) -> Path:
@@ -39,8 +40,8 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
     params = dict((hf.get("rope_parameters") or hf.get("rope_scaling") or {}) if params is None else params)
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0) if theta is None else theta))
     kind = params.get("rope_type", params.get("type", "default"))
-    if _partial_rotary_factor(hf) != 1.0 and hf.get("architectures") != ["Phi3ForCausalLM"]:
-        raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported (only Phi3ForCausalLM's)")
+    if _partial_rotary_factor(hf) != 1.0 and not set(hf.get("architectures") or []) & set(PARTIAL_ROTARY):
+        raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported (only {', '.join(PARTIAL_ROTARY)}'s)")
     if kind == "default":
         return theta, None
     if kind == "linear":
@@ -258,8 +259,9 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["rope_scaling"] = scaling
         hf["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_theta}
     phi3 = cfg.architecture == "Phi3ForCausalLM"
-    if cfg.fused_projections != phi3 or (cfg.partial_rotary_factor != 1.0 and not phi3):
-        raise JaxtuneError(f"{cfg.architecture}: fused projections and a partial rotary factor are Phi3ForCausalLM's")
+    if cfg.fused_projections != phi3 or (cfg.partial_rotary_factor != 1.0 and cfg.architecture not in PARTIAL_ROTARY):
+        raise JaxtuneError(f"{cfg.architecture}: fused projections are Phi3ForCausalLM's, a partial rotary factor "
+                           f"{' and '.join(PARTIAL_ROTARY)}'s")
     if phi3:
         if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
             raise JaxtuneError("Phi3ForCausalLM has no biases")

@@ -6,7 +6,9 @@ OLMo 2 and 3: norms after each sub-layer only, q/k norms over the whole projecti
 and experts with biases, the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers
 alternating, YaRN. Llama 4 (text): every layer a mixture (sigmoid router, top-k scaling the experts' inputs, an
 ungated shared expert), NoPE layers with full attention and temperature, RoPE layers chunked, interleaved and
-L2-normed. Experts stored as stacks: `stacked_experts`. Each follows transformers' modelling file.
+L2-normed. Qwen3.5 (text): Gated DeltaNet layers (`layer_types` "linear_attention", by default three in four)
+between gated attention layers (q_proj's second half a per-head output gate), RoPE on a quarter of each head, every
+RMSNorm scaling by 1 + weight. Experts stored as stacks: `stacked_experts`. Each follows transformers' modelling file.
 """
 
 from __future__ import annotations
@@ -192,6 +194,35 @@ LLAMA4_FIXED = dict(rope_interleaved=True, router_activation="sigmoid", expert_i
                     shared_expert_gated=False, normalize_top_k=False, hidden_act="silu", mlp_bias=False)
 
 
+def _qwen3_5_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    interval = int(hf.get("full_attention_interval") or 4)
+    types = hf.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                      for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise JaxtuneError(f"{where}: layer_types {types} is not one of linear_attention / full_attention a layer")
+    return dict(linear_attention_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+                linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **QWEN3_5_FIXED, **_bias(hf))
+
+
+def _qwen3_5_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    return {**_bias_to_hf(cfg), "linear_num_key_heads": cfg.linear_num_key_heads,
+            "linear_num_value_heads": cfg.linear_num_value_heads, "linear_key_head_dim": cfg.linear_key_head_dim,
+            "linear_value_head_dim": cfg.linear_value_head_dim, "linear_conv_kernel_dim": cfg.linear_conv_kernel,
+            "layer_types": ["linear_attention" if i in cfg.linear_attention_layers else "full_attention"
+                            for i in range(cfg.num_layers)],
+            "rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": cfg.partial_rotary_factor}}
+
+
+QWEN3_5_FIXED = dict(attention_output_gate=True, norm_unit_offset=True, qk_norm=True, hidden_act="silu",
+                     mlp_bias=False, sliding_windows=())
+
+
 FAMILIES = {
     "SmolLM3ForCausalLM": Family(model_type="smollm3", from_hf=_smollm3_from_hf, to_hf=_smollm3_to_hf, fixed={}),
     "Olmo2ForCausalLM": Family(model_type="olmo2", from_hf=_olmo2_from_hf, to_hf=_olmo2_to_hf,
@@ -202,6 +233,8 @@ FAMILIES = {
                                 fixed=GPT_OSS_FIXED),
     "Llama4ForCausalLM": Family(model_type="llama4_text", from_hf=_llama4_from_hf, to_hf=_llama4_to_hf,
                                 fixed=LLAMA4_FIXED),
+    "Qwen3_5ForCausalLM": Family(model_type="qwen3_5_text", from_hf=_qwen3_5_from_hf, to_hf=_qwen3_5_to_hf,
+                                 fixed={k: v for k, v in QWEN3_5_FIXED.items() if k != "sliding_windows"}),
 }
 
 

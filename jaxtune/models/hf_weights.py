@@ -43,7 +43,9 @@ EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_pr
 
 def hf_module_path(module: str) -> str:
     """Path of a per-layer module (or Qwen3's query/key norm) inside a Hugging Face decoder layer, e.g.
-    'self_attn.q_proj'; a mixture's router is 'mlp.gate'."""
+    'self_attn.q_proj'; a mixture's router is 'mlp.gate'; Gated DeltaNet's keep their `linear_attn.` path."""
+    if module.startswith("linear_attn."):
+        return module
     if module in ATTENTION_MODULES or module in QK_NORMS:
         return f"self_attn.{module}"
     return "mlp.gate" if module == "router" else f"mlp.{module}"
@@ -103,11 +105,13 @@ def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
     module, *leaf = path[1:]
     if module == "sinks":  # gpt-oss's, a bare parameter of self_attn
         return f"model.layers.{layer}.self_attn.sinks"
+    if module.startswith("linear_attn.") and not leaf:  # Gated DeltaNet's dt_bias, A_log
+        return f"model.layers.{layer}.{module}"
     if _is_expert(path):
         raise ValueError(f"{path}: expert stacks are many tensors (expert_tensor_names)")
     if module.endswith("layernorm"):
         return f"model.layers.{layer}.{module}.weight"
-    return f"model.layers.{layer}.{hf_module_path(module)}.{'weight' if leaf in (['kernel'], []) else 'bias'}"
+    return f"model.layers.{layer}.{hf_module_path(module)}.{'bias' if leaf == ['bias'] else 'weight'}"
 
 
 def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
@@ -142,7 +146,7 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False, mxfp4: bool 
             expected[hf_tensor_name(path, None)] = shape
         else:
             per_layer = spec.shape[1:][::-1] if path[-1] == "kernel" else spec.shape[1:]
-            expected.update({hf_tensor_name(path, i): per_layer for i in range(cfg.num_layers)})
+            expected.update({hf_tensor_name(path, i): per_layer for i in cfg.module_layers(path[1])})
     return expected
 
 
@@ -249,10 +253,10 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
             entries += _expert_entries(leaf, path, cfg, out_dtype, tensor)
             continue
         shape = tuple(full[1:][::-1] if kernel else full[1:])
-        for i in range(cfg.num_layers):
-            def produce(leaf=leaf, path=path, i=i, layout=layout, d=out_dtype):
-                value = None if tensor is None else tensor(path, i)
-                return layout(host_array(jax.tree.map(lambda a: a[i], leaf) if value is None else value)).astype(d)
+        for row, i in enumerate(cfg.module_layers(path[1])):
+            def produce(leaf=leaf, path=path, row=row, layout=layout, d=out_dtype):
+                value = None if tensor is None else tensor(path, row)
+                return layout(host_array(jax.tree.map(lambda a: a[row], leaf) if value is None else value)).astype(d)
 
             entries.append((stored_name(hf_tensor_name(path, i), cfg), shape, out_dtype, produce))
     return entries

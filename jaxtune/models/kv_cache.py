@@ -7,6 +7,8 @@ their queries attend over the whole buffer: slot j is seen from slot i when it i
 already written), j <= i, within the layer's sliding window and, packed, of i's segment, as transformers indexes its
 cache. Row b's prompt sits left-padded in slots P .. P+W-1, RoPE positions from P (`prefill_packed` computes the
 prompts packed several to a row, then moves their keys and values there); prefix tuning's fill slots 0 .. P-1.
+Qwen3.5's cache holds keys and values for its attention layers and a `LinearState` for each Gated DeltaNet layer
+(`linear_attention.py`): one prompt a packed row then, its state the row's last.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from jaxtune.models.adapter_rows import ROW_HOOK, rows_of
 from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
+from jaxtune.models.layer_groups import scan_layer_groups
+from jaxtune.models.linear_attention import LinearState, empty_state, gated_deltanet_layer
 from jaxtune.models.linear import wide
-from jaxtune.models.llama import attend, decoder_layer, embed, layer_sinks, norm, project, project_qkv
+from jaxtune.models.llama import attend, decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import context_ways
 
@@ -36,6 +40,8 @@ class KVCache(NamedTuple):
     valid_BxS: which slots hold a key a later token may attend to (prefix and real tokens, not padding).
     length: [] int32, slots written so far (the next token goes to slot `length`).
     next_position_B: [B] int32, the RoPE position of each row's next token.
+    linear: the Gated DeltaNet layers' states stacked on their own layer axis (k and v then the attention layers'
+    only), or None.
     """
 
     k: jax.Array
@@ -43,6 +49,7 @@ class KVCache(NamedTuple):
     valid_BxS: jax.Array
     length: jax.Array
     next_position_B: jax.Array
+    linear: LinearState | None = None
 
     @property
     def size(self) -> int:
@@ -57,7 +64,7 @@ def prefix_length(params: dict) -> int:
 def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of `size` slots per row, with any prefix-tuning keys and values in the first P."""
     P = prefix_length(params)
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
+    shape = (len(cfg.attention_layers), batch, cfg.num_kv_heads, size, cfg.head_dim)
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if P:  # prefix [L, P, K, hd] -> [L, B, K, P, hd]
         as_batch = lambda a: jnp.broadcast_to(jnp.swapaxes(a.astype(dtype), 1, 2)[:, None],  # noqa: E731
@@ -65,7 +72,11 @@ def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.
         k = k.at[:, :, :, :P].set(as_batch(params["layers"]["prefix"]["key"]))
         v = v.at[:, :, :, :P].set(as_batch(params["layers"]["prefix"]["value"]))
     valid_BxS = jnp.broadcast_to(jnp.arange(size) < P, (batch, size))
-    return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32))
+    linear = None
+    if cfg.linear_attention_layers:
+        linear = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(cfg.linear_attention_layers), *a.shape)),
+                              empty_state(cfg, batch, dtype))
+    return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32), linear)
 
 
 def refuse_context_axis() -> None:
@@ -134,7 +145,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         rope_of_layer = layer_rope(rope, table, cfg)
 
         def cached_attention(h_BxTxD):
-            q_BxTxKxGxh, k_new, v_new = project_qkv(h_BxTxD, layer, rope_of_layer, cfg, adapters)
+            q_BxTxKxGxh, k_new, v_new, gate_BxTxQ = project_qkv(h_BxTxD, layer, rope_of_layer, cfg, adapters)
             k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
             if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
                 chunk = jnp.maximum(-window, 1)  # window < 0: Llama 4's chunks
@@ -142,24 +153,47 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
                                               | ((window < 0) & (start // chunk == slot_S // chunk)))
                 out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
                                              seen_BxS, cfg, layer_sinks(layer, cfg))
-                return project(out_BxKxGxh.reshape(B, 1, -1), layer, "o_proj", adapters), (k_new, v_new)
+                return output_projection(out_BxKxGxh.reshape(B, 1, -1), gate_BxTxQ, layer, adapters), (k_new, v_new)
             k_all, v_all = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 1, 2), (0, 0, start, 0))
                             for a, new in ((k_BxKxSxh, k_new), (v_BxKxSxh, v_new)))
             k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)  # attend's [B, S, K, hd]
-            return attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, adapters), (k_new, v_new)
+            return (attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, adapters,
+                           gate_BxTxQ=gate_BxTxQ), (k_new, v_new))
 
         return decoder_layer(x_BxTxD, layer, cached_attention, cfg, adapters, view.experts)[:2]
+
+    def linear_block(x_BxTxD, layer, state: LinearState):
+        layer = rows_of(layer, adapter_B)
+        mixer = lambda h: gated_deltanet_layer(h, layer, cfg, adapters, mask_BxT > 0, state)  # noqa: E731
+        return decoder_layer(x_BxTxD, layer, mixer, cfg, adapters, view.experts)[:2]
 
     x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
-    x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
-                                                                         cache.v))
+    linear = cache.linear
+    if linear is None:
+        x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
+                                                                             cache.v))
+    else:  # Qwen3.5: its attention and linear-attention layers in one scan over their periods
+        every = tuple(range(cfg.num_layers))
+        items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
+        items.update({"per_layer.window": (windows_L, every), "per_layer.table": (tables_L, every),
+                      "per_layer.kv": ((cache.k, cache.v), cfg.attention_layers),
+                      "per_layer.state": (linear, cfg.linear_attention_layers)})
+
+        def mixed_block(x, rows, is_linear):
+            layer = {name: rows[name] for name in layers if name in rows}
+            if is_linear:
+                return linear_block(x, layer, rows["per_layer.state"])
+            return block(x, (layer, rows["per_layer.window"], rows["per_layer.table"], *rows["per_layer.kv"]))
+
+        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg)
+        (k_LxBxTxKxh, v_LxBxTxKxh), linear = by_kind[False], by_kind[True]
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
     k, v = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 2, 3), (0, 0, 0, start, 0))
             for a, new in ((cache.k, k_LxBxTxKxh), (cache.v, v_LxBxTxKxh)))
     next_position_B = cache.next_position_B + jnp.sum(mask_BxT > 0, axis=1, dtype=jnp.int32)
-    cache = KVCache(k, v, valid_BxS, start + T, next_position_B)
+    cache = KVCache(k, v, valid_BxS, start + T, next_position_B, linear)
     return norm(x_BxTxD, params["norm"], cfg), cache
 
 
@@ -237,7 +271,9 @@ def prefill_packed(params: dict, packed: PackedPrompts, cfg: ModelConfig, *, cac
     v = jax.lax.dynamic_update_slice(cache.v, gathered(rows.v), (0, 0, 0, P, 0))
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, is_token_BxW, (0, P))
     next_position_B = P + jnp.sum(is_token_BxW, axis=1, dtype=jnp.int32)
-    return logits_BxV, KVCache(k, v, valid_BxS, jnp.asarray(P + W, jnp.int32), next_position_B)
+    # a linear layer's state is its packed row's at the row's end: one prompt a row, right-aligned (`pack_prompts`)
+    linear = None if rows.linear is None else jax.tree.map(lambda a: a[:, packed.last_B // T], rows.linear)
+    return logits_BxV, KVCache(k, v, valid_BxS, jnp.asarray(P + W, jnp.int32), next_position_B, linear)
 
 
 def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConfig, *,

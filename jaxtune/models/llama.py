@@ -11,10 +11,13 @@ compute (under `jax.enable_x64`) widens the float32 parts too: the tests' float6
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapters import Adapters, adapter_forward, layer_adapters
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.context_attention import (
@@ -26,6 +29,8 @@ from jaxtune.models.context_attention import (
     with_ring_kernel,
 )
 from jaxtune.models.head import head_logits
+from jaxtune.models.layer_groups import scan_layer_groups
+from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
 from jaxtune.models.linear import dense, wide
 from jaxtune.models.moe import routed_experts, router_loss
@@ -86,15 +91,20 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
 
 def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Adapters):
     """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
-    values [B, T, K, hd]; Llama 4's L2 norm on rotating layers, its temperature on the others."""
+    values [B, T, K, hd], and the output gate [B, T, H*hd] (`attention_output_gate`) or None; Llama 4's L2 norm on
+    rotating layers, its temperature on the others."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    gate_BxTxQ = None
     if "qkv_proj" in layer:  # Phi-3: one projection, split as [queries | keys | values]
         qkv_BxTxE = project(x_BxTxD, layer, "qkv_proj", adapters)
         q_BxTxQ, k_BxTxV, v_BxTxV = jnp.split(qkv_BxTxE, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
         q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, adapters)
                                      for name in ("q_proj", "k_proj", "v_proj"))
+    if cfg.attention_output_gate:  # Qwen3.5: each head's queries, then its gate
+        q_BxTxHx2h = q_BxTxQ.reshape(B, T, K * G, 2 * hd)
+        q_BxTxQ, gate_BxTxQ = (a.reshape(B, T, K * G * hd) for a in jnp.split(q_BxTxHx2h, 2, axis=-1))
     q_BxTxHxh, k_BxTxKxh = q_BxTxQ.reshape(B, T, K * G, hd), k_BxTxV.reshape(B, T, K, hd)
     if cfg.qk_norm_whole:  # OLMo 2, 3: all heads' queries, and keys, normalised together before RoPE
         q_BxTxHxh = norm(q_BxTxQ, layer["q_norm"], cfg).reshape(B, T, K * G, hd)
@@ -111,7 +121,14 @@ def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Ada
             q_BxTxHxh, k_BxTxKxh = (jnp.where(rope.rotates, n, a) for n, a in zip(normed, (q_BxTxHxh, k_BxTxKxh)))
     if rope.q_scale_T is not None:  # Llama 4's temperature, in float32 and rounded once
         q_BxTxHxh = (q_BxTxHxh * rope.q_scale_T[None, :, None, None]).astype(q_BxTxHxh.dtype)
-    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxV.reshape(B, T, K, hd)
+    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxV.reshape(B, T, K, hd), gate_BxTxQ
+
+
+def output_projection(out_BxTxQ: jax.Array, gate_BxTxQ: jax.Array | None, layer: dict, adapters: Adapters):
+    """o_proj of the heads' outputs [B, T, H*hd], each first scaled by sigmoid(gate) where the layer gates them."""
+    if gate_BxTxQ is not None:
+        out_BxTxQ = out_BxTxQ * jax.nn.sigmoid(gate_BxTxQ.astype(wide(gate_BxTxQ.dtype))).astype(out_BxTxQ.dtype)
+    return project(out_BxTxQ, layer, "o_proj", adapters)
 
 
 def layer_sinks(layer: dict, cfg: ModelConfig) -> jax.Array | None:
@@ -120,9 +137,10 @@ def layer_sinks(layer: dict, cfg: ModelConfig) -> jax.Array | None:
 
 
 def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_QxC, layer, cfg: ModelConfig,
-           adapters: Adapters, fused: FusedAttention | None = None) -> jax.Array:
+           adapters: Adapters, fused: FusedAttention | None = None, gate_BxTxQ: jax.Array | None = None) -> jax.Array:
     """The attention core shared by the full forward and the cached decode: softmax(q k^T scale) v over the S keys
-    that `mask` allows within `window` (with the model's scale and soft cap), then o_proj; returns [B, T, D].
+    that `mask` allows within `window` (with the model's scale and soft cap), then `output_projection` (gated by
+    `gate_BxTxQ` where given); returns [B, T, D].
 
     fused: the full forward's fused kernel (`kernels.choose_kernel`, which takes none where the layer has sinks);
     None: `attention.blockwise_attention`.
@@ -143,7 +161,7 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
         call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise,
                           layer_sinks(layer, cfg))
         out_BxTxKxGxh = KERNELS[fused.kind].attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call)
-    return project(out_BxTxKxGxh.reshape(B, T, K * G * hd), layer, "o_proj", adapters)
+    return output_projection(out_BxTxKxGxh.reshape(B, T, K * G * hd), gate_BxTxQ, layer, adapters)
 
 
 def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live_QxC, cfg: ModelConfig,
@@ -152,7 +170,7 @@ def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live
 
     context: the tokens' layout on a context axis (`context_attention.py`; `mask` then the tokens' own)."""
     B, T, _ = x_BxTxD.shape
-    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh = project_qkv(x_BxTxD, layer, rope, cfg, adapters)
+    q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, gate_BxTxQ = project_qkv(x_BxTxD, layer, rope, cfg, adapters)
     K, hd = cfg.num_kv_heads, cfg.head_dim
     as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)  # noqa: E731
     if context is not None:
@@ -163,11 +181,11 @@ def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live
         out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
                                 mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
                                 sinks_KxG=layer_sinks(layer, cfg))
-        return project(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), layer, "o_proj", adapters)
+        return output_projection(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), gate_BxTxQ, layer, adapters)
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, adapters, fused)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, adapters, fused, gate_BxTxQ)
 
 
 # The activation is computed in float32 (float64) and rounded once, as torch's bfloat16 kernels compute it: in
@@ -336,18 +354,26 @@ def decoder_and_routing(
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones(tokens_BxT.shape, bool))
     use_dropout = dropout_key is not None and view.dropout_rate > 0  # else no key enters the scan: no random work
+    hybrid = bool(cfg.linear_attention_layers)
+    if hybrid and context is not None:
+        raise JaxtuneError(f"{cfg.architecture}'s Gated DeltaNet layers carry a state along the row: a [mesh] context "
+                           "axis, which splits rows over devices, is not supported; train on one device's length")
+    stacks, layers = ({}, layers) if hybrid else unsliced_kernels(layers, dtype)
+    padded_BxT = None if attention_mask_BxT is None and segment_ids_BxT is None else valid_BxT  # zeroed there
 
-    stacks, layers = unsliced_kernels(layers, dtype)
-
-    def layer_block(x_BxTxD, per_layer, shared):
+    def layer_block(x_BxTxD, per_layer, shared, linear=False):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
         rope, mask, live_QxC, stacks, valid_BxT = shared
         rope_of_layer = layer_rope(rope, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index], cfg)
         layer = with_kernels_of_layer(layer, stacks, index)
         adapters = layer_adapters(view, layer_key)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context
-        attend_fn = lambda h: (attention(h, layer, rope_of_layer, mask, window, live_QxC, cfg, adapters, fused,
-                                         context), None)
+        if linear:
+            attend_fn = lambda h: (gated_deltanet_layer(h, layer, cfg, adapters, padded_BxT,
+                                                        segment_ids_BxT=segment_ids_BxT)[0], None)
+        else:
+            attend_fn = lambda h: (attention(h, layer, rope_of_layer, mask, window, live_QxC, cfg, adapters, fused,
+                                             context), None)
         x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, adapters, view.experts, valid_BxT,
                                             options.tiled_mlp)
         return x_BxTxD, routing
@@ -360,7 +386,20 @@ def decoder_and_routing(
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     routing: tuple[jax.Array, jax.Array] | None  # a mixture's (assigned [L, E], probability sums [L, E])
-    if options.scan_layers:
+    if hybrid:
+        linear_block = remat_layer(partial(layer_block, linear=True), options.remat, dtype)
+        every = tuple(range(cfg.num_layers))
+        items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
+        items.update({f"per_layer.{i}": (a, every) for i, a in enumerate(per_layer[1:])})
+
+        def mixed_block(x, rows, linear):
+            layer = {name: rows[name] for name in layers if name in rows}
+            one = (layer, *(rows[f"per_layer.{i}"] for i in range(len(per_layer) - 1)))
+            return (linear_block if linear else rematted)(x, one, shared)
+
+        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg)
+        routing = jax.tree.map(lambda *a: jnp.concatenate(a), *by_kind.values()) if cfg.num_experts else None
+    elif options.scan_layers:
         x_BxTxD, routing = jax.lax.scan(block, x_BxTxD, per_layer)
     else:
         outputs = []

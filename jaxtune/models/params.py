@@ -7,6 +7,8 @@ The tree mirrors Hugging Face's module names, so methods target `q_proj`, `v_pro
 for `lax.scan`: norms [L, D], `q_proj.kernel` [L, D, H*hd], `k_proj`, `v_proj` [L, D, K*hd], `o_proj`, the gated
 MLP (Phi-3 fuses `qkv_proj` and `gate_up_proj`); a mixture's `router` [L, D, E] and `experts` stacks [L, E, D, 2Fe]
 and [L, E, Fe, D], with Qwen2-MoE's `shared_expert.*`. Kernels are [in, out] (x @ kernel); HF stores [out, in].
+Qwen3.5's attention modules are stacked over its attention layers only and its `linear_attn.*` (Gated DeltaNet)
+over the others (`ModelConfig.module_layers`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-def _linear(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool) -> dict:
-    L = cfg.num_layers
+def _linear(L: int, d_in: int, d_out: int, axes: tuple[str, str], bias: bool) -> dict:
     spec = {"kernel": ParamSpec((L, d_in, d_out), ("layers",) + axes)}
     if bias:
         spec["bias"] = ParamSpec((L, d_out), ("layers", axes[1]), "zeros")
@@ -51,6 +52,10 @@ LINEAR_AXES = {  # logical axes (in, out) of each per-layer linear module's kern
     "down_proj": ("mlp", "embed"), "qkv_proj": ("embed", "q_heads"), "gate_up_proj": ("embed", "mlp"),
     "shared_expert.gate_proj": ("embed", "mlp"), "shared_expert.up_proj": ("embed", "mlp"),
     "shared_expert.down_proj": ("mlp", "embed"),
+    # Gated DeltaNet's: its heads' query, key and value columns are one projection, convolved before the split
+    "linear_attn.in_proj_qkv": ("embed", None), "linear_attn.in_proj_z": ("embed", None),
+    "linear_attn.in_proj_b": ("embed", None), "linear_attn.in_proj_a": ("embed", None),
+    "linear_attn.out_proj": (None, "embed"),
 }
 EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixture's expert stacks [L, E, in, out]
                "down_proj": ("layers", "experts", "mlp", "embed")}
@@ -59,9 +64,14 @@ EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixtu
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str, str]]]:
     """(in, out, logical axes) of each per-layer linear module of `cfg`, keyed by its Hugging Face name."""
     D, F, q, kv = cfg.hidden_size, cfg.mlp_size, cfg.q_size, cfg.kv_size
-    sizes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D), "gate_proj": (D, F),
-             "up_proj": (D, F), "down_proj": (F, D), "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F),
-             "shared_expert.gate_proj": (D, F), "shared_expert.up_proj": (D, F), "shared_expert.down_proj": (F, D)}
+    keys, values, heads = cfg.linear_key_size, cfg.linear_value_size, cfg.linear_num_value_heads
+    sizes = {"q_proj": (D, q * (1 + cfg.attention_output_gate)), "k_proj": (D, kv), "v_proj": (D, kv),
+             "o_proj": (q, D), "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D),
+             "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F), "shared_expert.gate_proj": (D, F),
+             "shared_expert.up_proj": (D, F), "shared_expert.down_proj": (F, D),
+             "linear_attn.in_proj_qkv": (D, 2 * keys + values), "linear_attn.in_proj_z": (D, values),
+             "linear_attn.in_proj_b": (D, heads), "linear_attn.in_proj_a": (D, heads),
+             "linear_attn.out_proj": (values, D)}
     return {name: (*sizes[name], LINEAR_AXES[name]) for name in cfg.linear_modules}
 
 
@@ -76,17 +86,20 @@ def param_specs(cfg: ModelConfig) -> dict:
     norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
     norms = ("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms else norms
     layers: dict[str, ParamSpec | dict] = {name: ParamSpec((L, D), ("layers", "embed"), unit) for name in norms}
+    La = len(cfg.attention_layers)
     if cfg.qk_norm_whole:  # OLMo: over all heads' queries, and keys
-        layers["q_norm"] = ParamSpec((L, cfg.q_size), ("layers", None), unit)
-        layers["k_norm"] = ParamSpec((L, cfg.kv_size), ("layers", None), unit)
+        layers["q_norm"] = ParamSpec((La, cfg.q_size), ("layers", None), unit)
+        layers["k_norm"] = ParamSpec((La, cfg.kv_size), ("layers", None), unit)
     elif cfg.qk_norm:
-        layers.update({name: ParamSpec((L, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
+        layers.update({name: ParamSpec((La, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
-        layers[name] = _linear(cfg, d_in, d_out, axes, bias.get(name, False))
+        layers[name] = _linear(len(cfg.module_layers(name)), d_in, d_out, axes, bias.get(name, False))
     if cfg.num_experts:
         layers.update(expert_specs(cfg))
     if cfg.attention_sinks:  # gpt-oss: a logit per query head in its softmax's denominator
-        layers["sinks"] = ParamSpec((L, cfg.num_heads), ("layers", None))
+        layers["sinks"] = ParamSpec((La, cfg.num_heads), ("layers", None))
+    if cfg.linear_attention_layers:
+        layers.update(linear_attention_specs(cfg))
     specs = {
         "embed_tokens": ParamSpec((V, D), ("vocab", "table_embed")),
         "layers": layers,
@@ -114,9 +127,21 @@ def expert_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
+def linear_attention_specs(cfg: ModelConfig) -> dict:
+    """Gated DeltaNet's leaves besides its linear modules, stacked over its layers, as transformers names them: the
+    depthwise convolution's `conv1d.weight` [C, 1, taps], `dt_bias` and `A_log` [value heads], the gated RMSNorm's
+    `norm.weight` [value head dim]."""
+    L, C, N = len(cfg.linear_attention_layers), 2 * cfg.linear_key_size + cfg.linear_value_size, cfg.linear_num_value_heads
+    return {"linear_attn.conv1d": {"weight": ParamSpec((L, C, 1, cfg.linear_conv_kernel), ("layers", None, None, None))},
+            "linear_attn.dt_bias": ParamSpec((L, N), ("layers", None), "ones"),
+            "linear_attn.A_log": ParamSpec((L, N), ("layers", None), "zeros"),
+            "linear_attn.norm": {"weight": ParamSpec((L, cfg.linear_value_head_dim), ("layers", None), "ones")}}
+
+
 def is_norm(name: str) -> bool:
-    """Whether a leaf named `name` (the final `norm`, a layer's `*_layernorm`, `q_norm`, `k_norm`) is a norm scale."""
-    return name == "norm" or name.endswith("layernorm") or name in QK_NORMS
+    """Whether a leaf named `name` (the final `norm`, a layer's `*_layernorm`, `q_norm`, `k_norm`, Gated DeltaNet's
+    `linear_attn.norm`) is a norm scale."""
+    return name in ("norm", "linear_attn.norm") or name.endswith("layernorm") or name in QK_NORMS
 
 
 def _is_spec(x) -> bool:

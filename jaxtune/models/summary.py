@@ -21,6 +21,8 @@ def _group(path: tuple[str, ...]) -> str:
         return "attention"
     if is_norm(path[-1]) or is_norm(path[1]):
         return "norms"
+    if path[1].startswith("linear_attn."):
+        return "linear attention"
     return "attention" if path[1] in ATTENTION_MODULES else "mlp" if path[1] in MLP_MODULES else path[1]
 
 

@@ -61,8 +61,8 @@ def export(run_dir: Path, config, cfg, params: dict) -> Path:
     merge, merged_layer = unit.merge, unit.merged_layer
     assert unit.trains_base or (merge is not None and merged_layer is not None)  # `prepare` checked
     if unit.quantize_base is not None and merge is not None:  # a float model, dequantised as PEFT's merge_and_unload
-        params = merge(params, method)
-    tensor = None if unit.trains_base or merged_layer is None else merged_layer(params, method)
+        params = merge(params, method, cfg=cfg)
+    tensor = None if unit.trains_base or merged_layer is None else merged_layer(params, method, cfg)
     out = save_reward_model(run_dir / "reward_model", cfg, params,
                             dtype=None if config.model.dtype == "auto" else config.model.dtype, tensor=tensor)
     copy_tokenizer(config.model.path, out)

@@ -121,7 +121,7 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
     out_width = {"q_proj": q_shape, "k_proj": kv_shape, "v_proj": kv_shape, "o_proj": (b, T, w.D),
                  "gate_proj": (b, T, w.F), "up_proj": (b, T, w.F), "down_proj": (b, T, w.D),
                  "qkv_proj": (b, T, w.q + 2 * w.kv), "gate_up_proj": (b, T, 2 * w.F)}
-    adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
+    adapted = adapted_modules(method, cfg.layer_stacks())
     unit = method_unit(method)
     lora = adapted if unit.costs.low_rank else {}
     trains_input = lambda module: _trains_input(method, module, adapted)
@@ -213,7 +213,7 @@ def adapter_backward_elements(cfg: ModelConfig, method, w: Widths) -> int:
     (fitted: 0.1 of them on 2 x 128-token rows to 2 on a 16k-token row's tiles, XLA:CPU)."""
     if not method_unit(method).costs.low_rank:
         return 0
-    adapted = adapted_modules(method, cfg.num_layers, cfg.linear_modules)
+    adapted = adapted_modules(method, cfg.layer_stacks())
     mlp_adapted = sum(width * (m in adapted) for m, width in (("gate_proj", 1), ("up_proj", 1), ("gate_up_proj", 2),
                                                               ("down_proj", 1)))
     return int((1.0 if w.fused_low_rank else 1.6) * mlp_adapted * w.b * w.Tm * w.F)

@@ -95,7 +95,7 @@ def step_time(est: Estimate) -> StepTime:
         # a frozen kernel kept as bits or quantised is derived again in the backward (`linear.dense`), and DoRA's
         # magnitude gradient needs x W: the adapted modules' forward matmuls once more
         shapes = linear_shapes(cfg)
-        adapted = adapted_modules(plan.method, cfg.num_layers, cfg.linear_modules)
+        adapted = adapted_modules(plan.method, cfg.layer_stacks())
         flops += 2 * n * cfg.num_layers * sum(shapes[m][0] * shapes[m][1] for m in adapted) / tensor
     # the reference's forward (DPO, GRPO; the base with adapters off for adapter methods), the teacher's (distill)
     extra_forwards = objective_named(plan.objective).extra_forwards(section_of(plan))

@@ -43,11 +43,11 @@ def checkpoint_paths(cfg: ModelConfig) -> set[tuple[str, ...]]:
     return {_keys(path) for path, _ in flat} | {("lm_head", "kernel")}
 
 
-def _read(reader, keys: tuple[str, ...], layer: int | None, index: tuple[slice, ...], cfg: ModelConfig) -> np.ndarray:
-    """Leaf `keys`'s `layer`, sliced by `index`, in our layout."""
+def _read(reader, keys: tuple[str, ...], row: int | None, index: tuple[slice, ...], cfg: ModelConfig) -> np.ndarray:
+    """Row `row` of stacked leaf `keys` (None: an unstacked leaf), sliced by `index`, in our layout."""
     if keys == ("lm_head", "kernel") and cfg.tie_word_embeddings:
         return read_layer(reader, ("embed_tokens",), None, index[::-1], cfg).T  # a head parted from a tied embedding
-    return read_layer(reader, keys, layer, index, cfg)
+    return read_layer(reader, keys, None if row is None else cfg.module_layers(keys[1])[row], index, cfg)
 
 
 def _float_leaf(reader, keys: tuple[str, ...], leaf: jax.ShapeDtypeStruct | BitPattern, cfg: ModelConfig):
@@ -99,11 +99,11 @@ def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: Mo
     double_quant = isinstance(leaf, NF4Array) and leaf.absmax2 is not None
     experts = keys[:2] == ("layers", "experts")
     size = (cfg.expert_size if keys[2] == "gate_up_proj" else cfg.hidden_size) if experts else 0
-    d_in, d_out = full_shape(leaf)[-2:]
-    for i in range(cfg.num_layers):
+    L, d_in, d_out = full_shape(leaf)[0], *full_shape(leaf)[-2:]
+    for i in range(L):
         for e in range(cfg.num_experts) if experts else [None]:
             def rows(a, b, i=i, e=e):  # torch's layout [out, in]
-                if experts:
+                if experts:  # in every layer
                     return expert_rows(reader, keys[2], i, e, slice(a, b), slice(None), size)
                 return _read(reader, keys, i, (slice(None), slice(a, b)), cfg).T
             q = quantize_by_rows(rows, (d_in, d_out), leaf.dtype, bits, double_quant)

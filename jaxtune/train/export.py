@@ -38,7 +38,7 @@ from jaxtune.train.resume import run_config_at
 EXPORT_TARGETS = ("peft", "merged", "gguf", "gguf-lora")
 
 
-def _merged_layer(adapter, params: dict, method: MethodConfig | None):
+def _merged_layer(adapter, params: dict, method: MethodConfig | None, cfg: ModelConfig):
     """`save_model`'s tensor(path, layer) with the adapter merged in; None without an adapter."""
     if adapter is None:
         return None
@@ -47,7 +47,7 @@ def _merged_layer(adapter, params: dict, method: MethodConfig | None):
     if unit.merged_layer is None:
         merging = " and ".join(kind for kind, other in METHODS.items() if other.merged_layer is not None)
         raise JaxtuneError(f"{adapter}: only {merging} adapters merge into the weights, not {method.kind}")
-    return unit.merged_layer(params, method)
+    return unit.merged_layer(params, method, cfg)
 
 
 def export_merged(model: str | Path, adapter: str | Path | None, out: str | Path, log=None) -> Path:
@@ -58,7 +58,7 @@ def export_merged(model: str | Path, adapter: str | Path | None, out: str | Path
     it (blocks dequantised to float32, the tokenizer and chat template from its metadata).
     """
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
-    tensor = _merged_layer(adapter, params, method)
+    tensor = _merged_layer(adapter, params, method, cfg)
     dtype = str(np.dtype(params["embed_tokens"].dtype))
     path = save_model(out, cfg, params, dtype=dtype, tensor=tensor)
     copy_tokenizer(model, path)
@@ -69,7 +69,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     """A model, with a PEFT LoRA/DoRA adapter merged in when given (a full fine-tune's model directory needs none),
     written as a GGUF file of `kind` (f32, f16, bf16, q8_0) with its tokenizer and chat template."""
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
-    tensor = _merged_layer(adapter, params, method)
+    tensor = _merged_layer(adapter, params, method, cfg)
     return save_gguf(out, cfg, params, load_tokenizer(model), kind, tensor=tensor, name=Path(str(model)).stem)
 
 

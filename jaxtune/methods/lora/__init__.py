@@ -73,8 +73,7 @@ LORA: Method[LoRAConfig] = Method(
     add_leaves=add_lora,
     leaves=LORA_LEAVES,
     module_axes=LORA_AXES,
-    adapted=lambda method, num_layers, modules: {name: m.max_rank
-                                                 for name, m in lora_layout(method, num_layers, modules).items()},
+    adapted=lambda method, stacks: {name: m.max_rank for name, m in lora_layout(method, stacks).items()},
     count=count,
     base_init=BaseInit(changed_module_names, read_layers, initialise),
     merge=merge,

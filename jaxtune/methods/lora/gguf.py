@@ -31,7 +31,7 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
     form = gguf_form(cfg)
     layers = params["layers"]
     modules = [m for m in layers if isinstance(layers[m], dict) and "lora_a" in layers[m]]
-    layout = lora_layout(method, cfg.num_layers, tuple(modules))
+    layout = lora_layout(method, cfg.layer_stacks(tuple(modules)))
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     writer = gguf.GGUFWriter(str(path), form.arch)
     writer.add_name(name)
@@ -41,7 +41,7 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
     for module in modules:
         a_LxIxR, b_LxRxO = np.asarray(layers[module]["lora_a"], np.float32), np.asarray(layers[module]["lora_b"],
                                                                                           np.float32)
-        scales = np.asarray(module_scales(method, module, cfg.num_layers))
+        scales = np.asarray(module_scales(method, module, cfg.module_layers(module)))
         for i, rank in enumerate(layout[module].ranks):
             if not rank:
                 continue

@@ -37,7 +37,7 @@ def changed_modules(method: LoRAConfig, cfg: ModelConfig) -> dict[str, ModuleLoR
     """{module: its LoRA layout} of the modules whose base `method`'s init changes (none for other inits)."""
     if method.init not in BASE_INITS:
         return {}
-    return lora_layout(method, cfg.num_layers, cfg.linear_modules)
+    return lora_layout(method, cfg.layer_stacks())
 
 
 def _round_trip(x_OxI: jax.Array, bits: int) -> jax.Array:
@@ -146,7 +146,7 @@ def initialise(params: dict, cfg: ModelConfig, method: LoRAConfig) -> tuple[dict
     return {**params, "layers": layers}, initial
 
 
-def as_plain_lora(params: dict, method: LoRAOptions, initial: dict, num_layers: int) -> tuple[dict, LoRAOptions]:
+def as_plain_lora(params: dict, method: LoRAOptions, initial: dict, cfg: ModelConfig) -> tuple[dict, LoRAOptions]:
     """A PiSSA/OLoRA adapter as PEFT's plain LoRA on the original base (`PeftModel.save_pretrained` with
     `path_initial_model_for_weight_conversion`): W + s (B A - B0 A0) = (W - s B0 A0) + s B A, so per layer of rank
     r, A' = [A; A0] and B' = [B, -B0] of rank 2r, alpha doubled (rsLoRA: times sqrt 2; PEFT doubles an alpha_pattern
@@ -156,7 +156,7 @@ def as_plain_lora(params: dict, method: LoRAOptions, initial: dict, num_layers: 
                     rank_pattern=tuple((k, 2 * v) for k, v in method.rank_pattern),
                     alpha_pattern=tuple((k, factor * v) for k, v in method.alpha_pattern))
     layers = dict(params["layers"])
-    for name, lora in lora_layout(method, num_layers, tuple(initial)).items():
+    for name, lora in lora_layout(method, cfg.layer_stacks(tuple(initial))).items():
         a, b = (np.asarray(layers[name][k], np.float32) for k in ("lora_a", "lora_b"))
         a0, b0 = (np.asarray(initial[name][k], np.float32) for k in ("lora_a", "lora_b"))
         a2, b2 = np.zeros((*a.shape[:2], 2 * a.shape[2]), np.float32), np.zeros((b.shape[0], 2 * b.shape[1],

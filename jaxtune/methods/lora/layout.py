@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config.model import SEPARATE_MODULES
 from jaxtune.errors import JaxtuneError
-from jaxtune.methods.targets import FUSED_HINT, is_target, module_path
+from jaxtune.methods.targets import FUSED_HINT, Stacks, is_target, module_path
 
 if TYPE_CHECKING:
     from jaxtune.methods.lora.options import LoRAConfig
@@ -28,8 +27,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModuleLoRA:
-    """One module's LoRA over the layers: `ranks[i]` (0: layer i not adapted) and `alphas[i]`."""
+    """One module's LoRA over the layers holding it (`layers`, its stack's rows): `ranks[i]` (0: layers[i] not
+    adapted) and `alphas[i]`."""
 
+    layers: tuple[int, ...]
     ranks: tuple[int, ...]
     alphas: tuple[float, ...]
     rslora: bool
@@ -55,39 +56,39 @@ def _pattern_value(patterns: tuple[tuple[str, float], ...], path: str, default):
 
 
 @lru_cache(maxsize=256)
-def lora_layout(method: LoRAConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                ) -> dict[str, ModuleLoRA]:
-    """The modules `method` (lora or qlora) adapts on a model of `num_layers` layers whose layers hold `modules`
-    (`ModelConfig.linear_modules`), in that order.
+def lora_layout(method: LoRAConfig, stacks: Stacks) -> dict[str, ModuleLoRA]:
+    """The modules `method` (lora or qlora) adapts among `stacks` ((module, the layers holding it), in order:
+    `ModelConfig.layer_stacks`, or `uniform_stacks`).
 
     An error names the method's fields when they select no module at all (PEFT's "Target modules ... not found").
     """
     layout = {}
-    for name in modules:
-        paths = [module_path(name, i) for i in range(num_layers)]
+    for name, layers in stacks:
+        paths = [module_path(name, i) for i in layers]
         ranks = tuple(int(_pattern_value(method.rank_pattern, p, method.rank)) if is_target(method, p) else 0
                       for p in paths)
         if any(ranks):
             alphas = tuple(float(_pattern_value(method.alpha_pattern, p, method.alpha)) if r else 0.0
                            for p, r in zip(paths, ranks))
-            layout[name] = ModuleLoRA(ranks, alphas, method.rslora)
+            layout[name] = ModuleLoRA(layers, ranks, alphas, method.rslora)
     if not layout and not method.target_parameters:
+        names = [name for name, _ in stacks]
         raise JaxtuneError(f"target_modules={method.target_modules!r} (exclude_modules={method.exclude_modules!r}, "
                            f"layers_to_transform={method.layers_to_transform!r}) selects no module of a "
-                           f"{num_layers}-layer model with modules {', '.join(modules)}; module paths look like "
-                           f"{module_path(modules[0], 0)!r}" + FUSED_HINT * ("qkv_proj" in modules))
+                           f"{1 + max(max(layers, default=0) for _, layers in stacks)}-layer model with modules "
+                           f"{', '.join(names)}; module paths look like {module_path(names[0], stacks[0][1][0])!r}"
+                           + FUSED_HINT * ("qkv_proj" in names))
     return layout
 
 
-def layer_scales(method: LoRAConfig, num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES
-                 ) -> float | dict[str, np.ndarray]:
+def layer_scales(method: LoRAConfig, stacks: Stacks) -> float | dict[str, np.ndarray]:
     """The LoRA scale the forward multiplies by: one float when every adapted module and layer shares it (the
     common case: the compiled program is the plain one), else per module a [L] array (0 where not adapted).
 
     A layer that is not adapted needs no scale for LoRA (its zero `lora_a`/`lora_b` add nothing), but does for
     DoRA, whose magnitude would otherwise rescale it: scale 0 turns DoRA's m / ||W + s B A|| into 1 there.
     """
-    layout = lora_layout(method, num_layers, modules)
+    layout = lora_layout(method, stacks)
     active = {float(s) for m in layout.values() for s, r in zip(m.scales, m.ranks) if r}
     skipped = any(0 in m.ranks for m in layout.values())
     if not active:  # experts alone (target_parameters): one rank and alpha everywhere
@@ -97,6 +98,7 @@ def layer_scales(method: LoRAConfig, num_layers: int, modules: tuple[str, ...] =
     return {name: m.scales for name, m in layout.items()}
 
 
-def module_scales(method: LoRAConfig, name: str, num_layers: int) -> jnp.ndarray:
-    """[L]: module `name`'s LoRA scale per layer (0 where the layer is not adapted), float32 (float64 with x64)."""
-    return jnp.asarray(lora_layout(method, num_layers, (name,))[name].scales)
+def module_scales(method: LoRAConfig, name: str, layers: tuple[int, ...]) -> jnp.ndarray:
+    """[len(layers)]: module `name`'s LoRA scale in each of `layers` (those holding it; 0 where not adapted), float32
+    (float64 with x64)."""
+    return jnp.asarray(lora_layout(method, ((name, layers),))[name].scales)

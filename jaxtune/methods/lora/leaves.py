@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ModelConfig
-from jaxtune.config.model import LINEAR_MODULE_NAMES, SHARED_EXPERT_MODULES
+from jaxtune.config.model import LINEAR_MODULE_NAMES
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import module_keys
-from jaxtune.methods.lora.layout import ModuleLoRA, lora_layout
+from jaxtune.methods.lora.layout import ModuleLoRA, Stacks, lora_layout
 from jaxtune.methods.lora.options import LoRAConfig, QLoRAConfig
 from jaxtune.models.quant import QuantizedArray, dequantize, full_shape, quantize_int8, quantize_nf4
 
@@ -62,7 +62,7 @@ def add_lora(params: dict, cfg: ModelConfig, method: LoRAConfig, key: jax.Array)
     """`params` with LoRA's leaves on every module (and expert stack) `method` adapts."""
     layers = dict(params["layers"])
     keys = module_keys(key)
-    for name, lora in lora_layout(method, cfg.num_layers, cfg.linear_modules).items():
+    for name, lora in lora_layout(method, cfg.layer_stacks()).items():
         layers[name] = {**layers[name], **_lora_leaves(layers[name]["kernel"], lora, method, keys[name])}
     if method.target_parameters and not cfg.num_experts:
         raise JaxtuneError(f"target_parameters {list(method.target_parameters)}: a {cfg.architecture} has no experts")
@@ -78,20 +78,18 @@ def quantize_base(params: dict, method: QLoRAConfig) -> dict:
     expert's matrix as one weight; the router stays in float)."""
     quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
     quantized = lambda m: m if isinstance(m["kernel"], QuantizedArray) else {**m, "kernel": quantize(m["kernel"])}
-    layers = {**params["layers"], **{name: quantized(params["layers"][name])
-                                     for name in LINEAR_MODULE_NAMES + SHARED_EXPERT_MODULES
-                                     if name in params["layers"]}}
+    layers = {**params["layers"], **{name: quantized(module) for name, module in params["layers"].items()
+                                     if name.rsplit(".", 1)[-1] in LINEAR_MODULE_NAMES}}
     if "experts" in layers:
         layers["experts"] = {name: quantized(m) for name, m in layers["experts"].items()}
     return {**params, "layers": layers}
 
 
-def count(params: dict, method: LoRAConfig, adapted: dict) -> dict[str, int]:
-    """{module: parameters PEFT creates for its LoRA}: per adapted layer r (in + out), + out for DoRA's magnitude
-    and for lora_bias (the zero padding of smaller ranks is not a parameter)."""
-    L = full_shape(params["layers"]["o_proj"]["kernel"])[0]
+def count(params: dict, method: LoRAConfig, stacks: Stacks) -> dict[str, int]:
+    """{module: parameters PEFT creates for its LoRA} among `stacks` (`lora_layout`'s): per adapted layer r (in +
+    out), + out for DoRA's magnitude and for lora_bias (the zero padding of smaller ranks is not a parameter)."""
     counts = {}
-    for name, lora in lora_layout(method, L, tuple(adapted)).items():
+    for name, lora in lora_layout(method, stacks).items():
         module = params["layers"][name]
         d_in, d_out = module["lora_a"].shape[1], module["lora_b"].shape[2]
         counts[name] = sum(r * (d_in + d_out) + d_out * (method.dora + method.lora_bias) for r in lora.ranks if r)

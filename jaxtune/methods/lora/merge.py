@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.lora.layout import module_scales
 from jaxtune.methods.lora.leaves import LORA_LEAVES
@@ -49,7 +50,13 @@ def _merged_experts(module: dict, scale: float, dtype=None) -> dict:
             "kernel": base.astype(dtype or module["kernel"].dtype)}
 
 
-def merge(params: dict, method: LoRAConfig, dtype=None) -> dict:
+def _scales(method: LoRAConfig, name: str, module: dict, cfg: ModelConfig | None) -> jax.Array:
+    """[L] module `name`'s LoRA scales over the layers holding it (`cfg`'s; None: every layer of the stack)."""
+    return module_scales(method, name, tuple(range(module["lora_a"].shape[0])) if cfg is None
+                         else cfg.module_layers(name))
+
+
+def merge(params: dict, method: LoRAConfig, dtype=None, cfg: ModelConfig | None = None) -> dict:
     """The tree with every LoRA/DoRA module folded into its kernel and the adapter leaves removed (and every
     quantised kernel dequantised, every kernel held as a bit pattern bitcast back).
 
@@ -62,13 +69,13 @@ def merge(params: dict, method: LoRAConfig, dtype=None) -> dict:
         if name == "experts":
             layers[name] = {m: _merged_experts(e, method.lora_scale, dtype) for m, e in module.items()}
         elif isinstance(module, dict) and "lora_a" in module:
-            layers[name] = _merged(module, module_scales(method, name, module["lora_a"].shape[0]), name, dtype)
+            layers[name] = _merged(module, _scales(method, name, module, cfg), name, dtype)
         elif isinstance(module, dict) and isinstance(module.get("kernel"), QuantizedArray | BitPattern):  # not adapted
             layers[name] = {**module, "kernel": kernel_of(module, dtype or module["kernel"].dtype)}
     return {**params, "layers": layers}
 
 
-def merged_layer(params: dict, method: LoRAConfig):
+def merged_layer(params: dict, method: LoRAConfig, cfg: ModelConfig | None = None):
     """`tensor(path, layer)` for `save_model`: layer `layer` of leaf `path` of `merge(params, method)`, computed
     alone (a merged export then never holds the merged model beside the adapted one); None for leaves merging
     leaves as they are."""
@@ -84,14 +91,14 @@ def merged_layer(params: dict, method: LoRAConfig):
         module = params["layers"].get(path[1]) if path[0] == "layers" and len(path) == 3 else None
         if not isinstance(module, dict) or "lora_a" not in module:
             return None
-        scale = module_scales(method, path[1], module["lora_a"].shape[0])[layer:layer + 1]
+        scale = _scales(method, path[1], module, cfg)[layer:layer + 1]
         one = jax.tree.map(lambda x: x[layer:layer + 1], module)
         return merge_one(one, scale, path[1])[path[2]][0]
 
     return tensor
 
 
-def unmerge(merged: dict, adapters: dict, method: LoRAConfig) -> dict:
+def unmerge(merged: dict, adapters: dict, method: LoRAConfig, cfg: ModelConfig | None = None) -> dict:
     """Inverse of `merge` for LoRA: kernels W' - s A B, with `adapters`' LoRA leaves put back.
 
     `adapters` is any tree holding the LoRA leaves (e.g. the trainable half of `partition`). DoRA cannot be
@@ -107,6 +114,6 @@ def unmerge(merged: dict, adapters: dict, method: LoRAConfig) -> dict:
             continue
         lora = {k: module[k] for k in ("lora_a", "lora_b")}
         kernel = layers[name]["kernel"]
-        restored = kernel.astype(jnp.float32) - _delta(lora, module_scales(method, name, lora["lora_a"].shape[0]))
+        restored = kernel.astype(jnp.float32) - _delta(lora, _scales(method, name, lora, cfg))
         layers[name] = {**layers[name], **lora, "kernel": restored.astype(kernel.dtype)}
     return {**merged, "layers": layers}

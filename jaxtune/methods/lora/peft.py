@@ -44,12 +44,12 @@ def _peft_config(cfg: ModelConfig, method: LoRAConfig) -> dict:
 def _peft_tensors(params: dict, cfg: ModelConfig, method: LoRAConfig) -> dict[str, np.ndarray]:
     layers, state = params["layers"], {}
     f32 = lambda x: np.asarray(x, np.float32)
-    for name, lora in lora_layout(method, cfg.num_layers, cfg.linear_modules).items():
+    for name, lora in lora_layout(method, cfg.layer_stacks()).items():
         module = {k: f32(v) for k, v in layers[name].items() if k in LORA_LEAVES}
-        for i, r in enumerate(lora.ranks):
+        for i, (layer, r) in enumerate(zip(lora.layers, lora.ranks)):
             if not r:
                 continue
-            prefix = peft_module(name, i)
+            prefix = peft_module(name, layer)
             state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(module["lora_a"][i][:, :r].T)
             state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(module["lora_b"][i][:r].T)
             if method.lora_bias:
@@ -86,15 +86,15 @@ def _method_of(config: dict, get, targets) -> LoRAConfig:
 
 def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: LoRAConfig) -> dict:
     """The loaded tensors in place of the freshly initialised leaves."""
-    layers, L = dict(params["layers"]), cfg.num_layers
-    for name, lora in lora_layout(method, L, cfg.linear_modules).items():
+    layers = dict(params["layers"])
+    for name, lora in lora_layout(method, cfg.layer_stacks()).items():
         module = {k: np.array(v, np.float32) for k, v in layers[name].items() if k in LORA_LEAVES}
         module["lora_a"][:] = 0
         module["lora_b"][:] = 0
-        for i, r in enumerate(lora.ranks):
+        for i, (layer, r) in enumerate(zip(lora.layers, lora.ranks)):
             if not r:
                 continue
-            prefix = peft_module(name, i)
+            prefix = peft_module(name, layer)
             module["lora_a"][i, :, :r] = state[f"{prefix}.lora_A.weight"].T
             module["lora_b"][i, :r] = state[f"{prefix}.lora_B.weight"].T
             if method.lora_bias:
@@ -121,7 +121,7 @@ def _qlora_peft_config(cfg: ModelConfig, method: QLoRAConfig) -> dict:
     return config
 
 
-def as_stored(params: dict, method: LoRAOptions, initial: dict | None, num_layers: int
+def as_stored(params: dict, method: LoRAOptions, initial: dict | None, cfg: ModelConfig
               ) -> tuple[dict, LoRAOptions]:
     """A PiSSA or OLoRA adapter as PEFT stores it: the plain LoRA of rank 2r it is on the original weights, from its
     init's A and B `initial` (`spine.load.initial_leaves` recomputes them); other adapters as they are."""
@@ -130,4 +130,4 @@ def as_stored(params: dict, method: LoRAOptions, initial: dict | None, num_layer
     if initial is None:
         raise JaxtuneError(f"a {method.init} adapter exports as a LoRA on the original weights: pass its init's "
                            "A and B as `initial` (spine.load.initial_leaves recomputes them)")
-    return as_plain_lora(params, method, initial, num_layers)
+    return as_plain_lora(params, method, initial, cfg)

@@ -168,7 +168,7 @@ EXPERT_HOOK = ExpertHook("lora_a", add=_expert_branch, leaf_dims={"lora_a": ("in
 def lora_forward(method: LoRAConfig, cfg: ModelConfig) -> AdapterForward:
     """What the forward runs of `method` on a model of `cfg`: the hooks, the dropout rate, and its per-layer scales
     put beside each adapted module's (and expert stack's) leaves."""
-    scales = {name: m.scales for name, m in lora_layout(method, cfg.num_layers, cfg.linear_modules).items()}
+    scales = {name: m.scales for name, m in lora_layout(method, cfg.layer_stacks()).items()}
 
     def prepare(layers: dict) -> dict:
         with_scale = lambda module, scale_L: {**module, "lora_scale": jnp.asarray(scale_L)}  # noqa: E731

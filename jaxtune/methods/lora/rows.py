@@ -61,7 +61,7 @@ def stack_adapters(adapters: dict[str, tuple[LoRAConfig, dict]], cfg: ModelConfi
         if _signature(base_of(params)) != _signature(base):
             raise JaxtuneError(f"adapter {name}: its base differs from adapter {first}'s (another model, or another "
                                "quantisation: QLoRA bits): adapters in one batch share their base")
-    layouts = [lora_layout(method, L, cfg.linear_modules) for method, _ in adapters.values()]
+    layouts = [lora_layout(method, cfg.layer_stacks()) for method, _ in adapters.values()]
     layers = dict(base["layers"])
     for module in cfg.linear_modules:
         adapted = [(layout[module], params["layers"][module]) for layout, (_, params) in zip(layouts, adapters.values())
