@@ -186,8 +186,9 @@ def pack_prompts(prompts: Sequence[Sequence[int]], batch: int, width: int, prefi
     shared tokens once, in rows of up to max(width, TREE_ROW) tokens; only where no sliding window is narrower
     than that (a branch's slots run past its positions). one_per_row: each prompt alone, right-aligned, as the
     cache holds it (prefix tuning under a sliding window, which counts slots: there a later segment would see fewer
-    prefix keys than the cache's decode steps do; Gated DeltaNet layers, whose state is the row's). shape: (the fewest rows, the row tokens, which every tree must
-    fit), so that the batches of one call share a shape; (0, 0): their buckets."""
+    prefix keys than the cache's decode steps do; Gated DeltaNet layers, whose state is the row's). shape: (the
+    fewest rows, the row tokens, which every tree must fit), so that the batches of one call share a shape; (0, 0):
+    their buckets."""
     lengths = [len(p) for p in prompts]
     groups: dict[int, list[int]] = {}
     for i in range(len(prompts)):

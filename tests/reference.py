@@ -82,7 +82,8 @@ def _router_float64(self, x):
 
 
 def _gated_rms_norm_float64(self, x, gate):  # Qwen3.5's Gated DeltaNet output norm
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * torch.nn.functional.silu(gate)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * normed * torch.nn.functional.silu(gate)
 
 
 def _delta_rule_in_float64(rule):

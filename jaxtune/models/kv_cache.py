@@ -25,8 +25,8 @@ from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
 from jaxtune.models.layer_groups import scan_layer_groups
-from jaxtune.models.linear_attention import LinearState, empty_state, gated_deltanet_layer
 from jaxtune.models.linear import wide
+from jaxtune.models.linear_attention import LinearState, empty_state, gated_deltanet_layer
 from jaxtune.models.llama import attend, decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import context_ways

@@ -34,7 +34,7 @@ def scan_layer_groups(block, x: jax.Array, stacks: dict[str, tuple[Any, tuple[in
     grouped = {name: jax.tree.map(lambda a, n=len(within[name]): a.reshape(G, n, *a.shape[1:]), tree)
                for name, (tree, _) in stacks.items()}
 
-    def period(x, group):
+    def period(x: jax.Array, group: dict) -> tuple[jax.Array, dict]:
         outs: dict[bool, list] = {True: [], False: []}
         for j in range(P):
             rows = {name: jax.tree.map(lambda a, k=within[name].index(j): a[k], group[name])

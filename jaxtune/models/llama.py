@@ -29,10 +29,10 @@ from jaxtune.models.context_attention import (
     with_ring_kernel,
 )
 from jaxtune.models.head import head_logits
-from jaxtune.models.layer_groups import scan_layer_groups
-from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
+from jaxtune.models.layer_groups import scan_layer_groups
 from jaxtune.models.linear import dense, wide
+from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern

@@ -39,7 +39,7 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-def _linear(L: int, d_in: int, d_out: int, axes: tuple[str, str], bias: bool) -> dict:
+def _linear(L: int, d_in: int, d_out: int, axes: tuple[str | None, str | None], bias: bool) -> dict:
     spec = {"kernel": ParamSpec((L, d_in, d_out), ("layers",) + axes)}
     if bias:
         spec["bias"] = ParamSpec((L, d_out), ("layers", axes[1]), "zeros")
@@ -61,7 +61,7 @@ EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixtu
                "down_proj": ("layers", "experts", "mlp", "embed")}
 
 
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str, str]]]:
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str | None, str | None]]]:
     """(in, out, logical axes) of each per-layer linear module of `cfg`, keyed by its Hugging Face name."""
     D, F, q, kv = cfg.hidden_size, cfg.mlp_size, cfg.q_size, cfg.kv_size
     keys, values, heads = cfg.linear_key_size, cfg.linear_value_size, cfg.linear_num_value_heads
@@ -131,8 +131,10 @@ def linear_attention_specs(cfg: ModelConfig) -> dict:
     """Gated DeltaNet's leaves besides its linear modules, stacked over its layers, as transformers names them: the
     depthwise convolution's `conv1d.weight` [C, 1, taps], `dt_bias` and `A_log` [value heads], the gated RMSNorm's
     `norm.weight` [value head dim]."""
-    L, C, N = len(cfg.linear_attention_layers), 2 * cfg.linear_key_size + cfg.linear_value_size, cfg.linear_num_value_heads
-    return {"linear_attn.conv1d": {"weight": ParamSpec((L, C, 1, cfg.linear_conv_kernel), ("layers", None, None, None))},
+    L, N = len(cfg.linear_attention_layers), cfg.linear_num_value_heads
+    C = 2 * cfg.linear_key_size + cfg.linear_value_size
+    conv = ParamSpec((L, C, 1, cfg.linear_conv_kernel), ("layers", None, None, None))
+    return {"linear_attn.conv1d": {"weight": conv},
             "linear_attn.dt_bias": ParamSpec((L, N), ("layers", None), "ones"),
             "linear_attn.A_log": ParamSpec((L, N), ("layers", None), "zeros"),
             "linear_attn.norm": {"weight": ParamSpec((L, cfg.linear_value_head_dim), ("layers", None), "ones")}}

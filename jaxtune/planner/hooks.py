@@ -23,7 +23,7 @@ class HookFacts:
     product (`DenseHook.fuses`); whole_kernel: a hook needs the module's whole kernel (DoRA's norm): kernels are
     not used a piece at a time, and the branch's output is read beyond the residual add."""
 
-    fused: tuple[tuple[tuple[int, int], tuple[str, str]], ...]
+    fused: tuple[tuple[tuple[int, int], tuple[str | None, str | None]], ...]
     whole_kernel: bool
 
 
@@ -34,7 +34,7 @@ def hook_facts(cfg: ModelConfig, method: MethodConfig) -> HookFacts:
     if not hooks:
         return HookFacts((), False)
     tree = jax.eval_shape(lambda p, key: apply_method(p, cfg, method, key), abstract_params(cfg), jax.random.key(0))
-    fused: list[tuple[tuple[int, int], tuple[str, str]]] = []
+    fused: list[tuple[tuple[int, int], tuple[str | None, str | None]]] = []
     whole = False
     for name, module in tree["layers"].items():
         if not isinstance(module, dict) or name not in LINEAR_AXES:
