@@ -84,6 +84,12 @@ ARCHS = {
         "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
+    # Qwen3.5-MoE: the same layers, each MLP 4 experts (top 2, renormalised) and a gated shared expert.
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, {
+        "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, {
         "intermediate_size": 32, "intermediate_size_mlp": 64, "head_dim": 16, "num_local_experts": 4,
         "num_experts_per_tok": 1, "no_rope_layers": [1, 1, 0], "attention_chunk_size": 4, "floor_scale": 4,
@@ -95,7 +101,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1) (Gemma's and Qwen3.5's weights N(0, 0.1): they scale
     by 1 + weight, but for Qwen3.5's gated norm), biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
-    unit = 0.0 if type(model).__name__.startswith(("Gemma", "Qwen3_5")) else 1.0
+    unit = 0.0 if type(model).__name__.startswith(("Gemma", "Qwen3_5")) else 1.0  # Qwen3_5Moe too
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)

@@ -31,6 +31,7 @@ from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
 from transformers.models.gemma3 import modeling_gemma3 as gemma3_modeling
 from transformers.models.llama4 import modeling_llama4 as llama4_modeling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe_modeling
 
 from jaxtune.config import ForwardOptions
 from jaxtune.models.llama import forward
@@ -160,9 +161,11 @@ def _without_float32_casts(method):
     return namespace[method.__name__]
 
 
-_deltanet_forward_float64 = _without_float32_casts(qwen3_5_modeling.Qwen3_5GatedDeltaNet.forward)
-for _name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-    setattr(qwen3_5_modeling, _name, _delta_rule_in_float64(getattr(qwen3_5_modeling, _name)))
+_deltanet_forward_float64 = {cls.__name__: _without_float32_casts(cls.forward) for cls in (
+    qwen3_5_modeling.Qwen3_5GatedDeltaNet, qwen3_5_moe_modeling.Qwen3_5MoeGatedDeltaNet)}
+for _module in (qwen3_5_modeling, qwen3_5_moe_modeling):
+    for _name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(_module, _name, _delta_rule_in_float64(getattr(_module, _name)))
 
 
 def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
@@ -179,8 +182,8 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_rms_norm_float64, module)
         elif name.endswith("RMSNormGated"):
             module.forward = types.MethodType(_gated_rms_norm_float64, module)
-        elif name == "Qwen3_5GatedDeltaNet":
-            module.forward = types.MethodType(_deltanet_forward_float64, module)
+        elif name in _deltanet_forward_float64:
+            module.forward = types.MethodType(_deltanet_forward_float64[name], module)
         elif name == "Llama4Router":
             module.forward = types.MethodType(_sigmoid_router_float64, module)
         elif name == "Llama4TextL2Norm":

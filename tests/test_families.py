@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import padded_batch
+from hf_models import randomize
 from peft import LoraConfig, PeftModel, get_peft_model
 from reference import float64_reference
 from test_generate import PROMPT_LENGTHS, left_padded, prompts
@@ -25,7 +26,7 @@ from jaxtune.spine.model import load_model
 
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
-FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "qwen3_5"]
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "qwen3_5", "qwen3_5_moe"]
 
 
 def everyday(arch: str) -> list:
@@ -120,3 +121,36 @@ def test_trained_adapter_loads_in_peft_and_merges(arch, family, tmp_path):
     assert_same_as_peft(peft_model, with_adapter, cfg, ALL_LINEAR)
     assert_merged_export(directory, tmp_path / "adapter", cfg, ALL_LINEAR, with_adapter,
                          peft_model.merge_and_unload().eval(), tmp_path / "merged")
+
+
+def test_qwen3_5_reads_the_text_model_of_its_vision_language_checkpoint(tmp_path):
+    """Qwen3.5 as released (Qwen3_5ForConditionalGeneration: `text_config`, `model.language_model.*`, a vision
+    tower): jaxtune reads its text model, as transformers' AutoModelForCausalLM does, with that model's logits; a
+    PEFT adapter trained on the vision-language model's text modules loads onto it."""
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    randomize(transformers.Qwen3_5ForConditionalGeneration(config), 0).save_pretrained(tmp_path / "vl")
+    text_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "vl").eval()
+    cfg, params = load_model(tmp_path / "vl")
+    assert cfg.architecture == "Qwen3_5ForCausalLM" and cfg.linear_attention_layers == (0,)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    with torch.no_grad():
+        want = text_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = forward(params, jnp.asarray(ids), cfg, positions_BxT=jnp.asarray(positions),
+                   attention_mask_BxT=jnp.asarray(mask))
+    assert np.abs(np.asarray(ours) - want)[mask > 0].max() <= 1e-4
+    vl_model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "vl")
+    peft_model = randomize_peft(get_peft_model(vl_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
+                                                                                                       "in_proj_z"])))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    method, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
+    with torch.no_grad():  # text alone through the vision-language model and its adapter
+        want = peft_model.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = forward(with_adapter, jnp.asarray(ids), cfg, method=method, positions_BxT=jnp.asarray(positions),
+                   attention_mask_BxT=jnp.asarray(mask))
+    assert np.abs(np.asarray(ours) - want)[mask > 0].max() <= 1e-4

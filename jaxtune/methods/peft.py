@@ -177,8 +177,8 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise JaxtuneError(f"{path}: file not found")
-    try:
-        state = load_file(str(path))
+    try:  # an adapter trained on a vision-language model's text model: its modules under model.language_model
+        state = {k.replace(".model.language_model.", ".model."): v for k, v in load_file(str(path)).items()}
     except Exception as e:  # safetensors raises its own error type, or OSError, for damaged files
         raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
     try:

@@ -4,11 +4,9 @@ corrects toward its value and reads with its query:
 
     S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - k_t^T S_t))^T;  o_t = S_t^T q_t / sqrt(dk)
 
-`chunk_gated_delta_rule` trains it in chunks: inside one, the updates are a lower-triangular solve (the UT
-transform) and a few matmuls; across chunks a `lax.scan` carries S (linear in T, static shapes).
+`chunk_gated_delta_rule` trains it in chunks (inside one a triangular solve, the UT transform, and matmuls; across
+chunks a `lax.scan` carries S; packed rows' segments restart at `reset_BxT`, masked so no -inf enters a sum);
 `recurrent_gated_delta_rule` steps token by token from a state (decoding). Both follow transformers' torch functions.
-Packed rows: `reset_BxT` marks the tokens that start a segment, where the state restarts from zero (the chunked
-form masks whatever would cross the reset, so no -inf decay enters its sums).
 """
 
 from __future__ import annotations

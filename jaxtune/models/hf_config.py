@@ -22,7 +22,12 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 MOE = ("MixtralForCausalLM",) + QWEN_MOE
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
-PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM")  # the architectures rotating part of each head
+# the architectures rotating part of each head
+PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# vision-language checkpoints whose text model jaxtune reads (as transformers' AutoModelForCausalLM does): its
+# `text_config`, its `model.language_model.*` tensors; the vision tower and a multi-token-prediction head are left
+VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
 def model_dir(path: str | Path) -> Path:
@@ -148,6 +153,12 @@ def _experts(hf: dict, arch: str, layers: int, where: str) -> dict:
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Translate a transformers config dict; `where` names the file in error messages."""
     archs = hf.get("architectures") or []
+    composite = next((a for a in archs if a in VISION_LANGUAGE), None)
+    if composite is not None:
+        text = hf.get("text_config") or {}
+        hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
+              "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+        archs = hf["architectures"]
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         found = ", ".join(archs) or f"model_type={hf.get('model_type')!r}"
@@ -171,7 +182,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf["intermediate_size"] if "moe_intermediate_size" not in hf  # a mixture alone:
+                                  else hf.get("intermediate_size") or hf["moe_intermediate_size"]),  # its experts
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),

@@ -6,9 +6,7 @@ OLMo 2 and 3: norms after each sub-layer only, q/k norms over the whole projecti
 and experts with biases, the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers
 alternating, YaRN. Llama 4 (text): every layer a mixture (sigmoid router, top-k scaling the experts' inputs, an
 ungated shared expert), NoPE layers with full attention and temperature, RoPE layers chunked, interleaved and
-L2-normed. Qwen3.5 (text): Gated DeltaNet layers (`layer_types` "linear_attention", by default three in four)
-between gated attention layers (q_proj's second half a per-head output gate), RoPE on a quarter of each head, every
-RMSNorm scaling by 1 + weight. Experts stored as stacks: `stacked_experts`. Each follows transformers' modelling file.
+L2-normed. Qwen3.5 (text): Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs Qwen2-MoE's).
 """
 
 from __future__ import annotations
@@ -219,6 +217,25 @@ def _qwen3_5_to_hf(cfg: ModelConfig, hf: dict) -> dict:
             "rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": cfg.partial_rotary_factor}}
 
 
+def _qwen3_5_moe_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    return {**_qwen3_5_from_hf(hf, where, rope), "num_experts": int(hf["num_experts"]),
+            "experts_per_token": int(hf["num_experts_per_tok"]), "expert_size": int(hf["moe_intermediate_size"]),
+            "intermediate_size": int(hf["moe_intermediate_size"]),
+            "shared_expert_size": int(hf["shared_expert_intermediate_size"]),
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+            "output_router_logits": bool(hf.get("output_router_logits", False)), **QWEN3_5_MOE_FIXED}
+
+
+def _qwen3_5_moe_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    if not cfg.num_experts or not cfg.shared_expert_size or cfg.intermediate_size != cfg.expert_size:
+        raise JaxtuneError(f"{cfg.architecture}: every layer a mixture with a shared expert, intermediate_size its "
+                           "experts' width")
+    return {**_qwen3_5_to_hf(cfg, hf), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.expert_size, "shared_expert_intermediate_size": cfg.shared_expert_size,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits}
+
+
+QWEN3_5_MOE_FIXED = dict(normalize_top_k=True, shared_expert_gated=True, router_activation="softmax")
 QWEN3_5_FIXED = dict(attention_output_gate=True, norm_unit_offset=True, qk_norm=True, hidden_act="silu",
                      mlp_bias=False, sliding_windows=())
 
@@ -235,6 +252,10 @@ FAMILIES = {
                                 fixed=LLAMA4_FIXED),
     "Qwen3_5ForCausalLM": Family(model_type="qwen3_5_text", from_hf=_qwen3_5_from_hf, to_hf=_qwen3_5_to_hf,
                                  fixed={k: v for k, v in QWEN3_5_FIXED.items() if k != "sliding_windows"}),
+    "Qwen3_5MoeForCausalLM": Family(model_type="qwen3_5_moe_text", from_hf=_qwen3_5_moe_from_hf,
+                                    to_hf=_qwen3_5_moe_to_hf,
+                                    fixed={**{k: v for k, v in QWEN3_5_FIXED.items() if k != "sliding_windows"},
+                                           **QWEN3_5_MOE_FIXED}),
 }
 
 

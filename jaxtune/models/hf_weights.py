@@ -38,6 +38,7 @@ STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16
 
 
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's hub names of an expert's parts
+LEFT_PARTS = ("model.visual.", "mtp.")  # a vision-language checkpoint's vision tower, Qwen3.5's multi-token head
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # hub parts of our modules
 
 
@@ -54,8 +55,11 @@ def hf_module_path(module: str) -> str:
 def canonical_name(stored: str) -> str:
     """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become
     the names transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj), gpt-oss's router (`mlp.router`)
-    the other mixtures' (`mlp.gate`); other names are kept."""
+    the other mixtures' (`mlp.gate`), a vision-language checkpoint's text model (`model.language_model.`) a text
+    model's (`model.`); other names are kept."""
     stored = stored.replace(".feed_forward.", ".mlp.")  # Llama 4's
+    if stored.startswith("model.language_model."):  # a vision-language checkpoint's text model
+        stored = "model." + stored[len("model.language_model."):]
     if ".mlp.router." in stored:
         return stored.replace(".mlp.router.", ".mlp.gate.")
     if ".block_sparse_moe." not in stored:
@@ -166,7 +170,8 @@ def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
             raise JaxtuneError(f"{reader.file_of(name)}: tensor {reader.stored_name(name)} has shape "
                                f"{reader.shape(name)}, expected {shape}")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unused = sorted(reader.stored_name(n) for n in names - set(expected) - ignorable if "rotary_emb" not in n)
+    unused = sorted(reader.stored_name(n) for n in names - set(expected) - ignorable
+                    if "rotary_emb" not in n and not n.startswith(LEFT_PARTS))
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise JaxtuneError(f"{directory}: unexpected tensors {', '.join(unused[:3])}{more} for {cfg.architecture}")

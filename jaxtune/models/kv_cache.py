@@ -1,14 +1,12 @@
 """Incremental decoding with a key/value cache (`KVCache`): `prefill_packed` (or `prefill`) the prompts, then
-`decode_step`, both one function, `extend`.
-
-The cache holds every layer's rotated keys and values stacked on the layer axis, [L, B, K, S, hd], so a step still
-scans one `decoder_layer`. `extend` writes the new tokens' keys and values at slots `length .. length+T-1` and lets
-their queries attend over the whole buffer: slot j is seen from slot i when it is valid (`valid_BxS`: not padding,
-already written), j <= i, within the layer's sliding window and, packed, of i's segment, as transformers indexes its
-cache. Row b's prompt sits left-padded in slots P .. P+W-1, RoPE positions from P (`prefill_packed` computes the
-prompts packed several to a row, then moves their keys and values there); prefix tuning's fill slots 0 .. P-1.
-Qwen3.5's cache holds keys and values for its attention layers and a `LinearState` for each Gated DeltaNet layer
-(`linear_attention.py`): one prompt a packed row then, its state the row's last.
+`decode_step`, both one function, `extend`. The cache holds every layer's rotated keys and values stacked on the layer
+axis, [L, B, K, S, hd], so a step still scans one `decoder_layer`. `extend` writes the new tokens' keys and values at
+slots `length .. length+T-1` and lets their queries attend over the whole buffer: slot j is seen from slot i when it is
+valid (`valid_BxS`: not padding, already written), j <= i, within the layer's sliding window and, packed, of i's
+segment, as transformers indexes its cache. Row b's prompt sits left-padded in slots P .. P+W-1, RoPE positions from P
+(`prefill_packed` computes the prompts packed several to a row, then moves their keys and values there); prefix tuning's
+fill slots 0 .. P-1. Qwen3.5's Gated DeltaNet layers hold a `LinearState` each instead (one prompt a packed row: its
+state the row's).
 """
 
 from __future__ import annotations

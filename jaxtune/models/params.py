@@ -1,14 +1,12 @@
-"""Parameters declared before they exist: `param_specs(cfg)` is the single source of truth for the parameter tree,
-every leaf's shape, logical axis names and initialiser; `abstract_params` (planner, `jax.eval_shape`), `logical_axes`
-(sharding rules) and `init_params` (random weights) derive from it without allocating.
-
-The tree mirrors Hugging Face's module names, so methods target `q_proj`, `v_proj`, ... directly: `embed_tokens`
-[V, D], `norm` [D], `lm_head.kernel` [D, V] (absent when tied) and `layers`, each leaf stacked on a leading [L] axis
-for `lax.scan`: norms [L, D], `q_proj.kernel` [L, D, H*hd], `k_proj`, `v_proj` [L, D, K*hd], `o_proj`, the gated
-MLP (Phi-3 fuses `qkv_proj` and `gate_up_proj`); a mixture's `router` [L, D, E] and `experts` stacks [L, E, D, 2Fe]
-and [L, E, Fe, D], with Qwen2-MoE's `shared_expert.*`. Kernels are [in, out] (x @ kernel); HF stores [out, in].
-Qwen3.5's attention modules are stacked over its attention layers only and its `linear_attn.*` (Gated DeltaNet)
-over the others (`ModelConfig.module_layers`).
+"""Parameters declared before they exist: `param_specs(cfg)` is the single source of truth for the parameter tree, every
+leaf's shape, logical axis names and initialiser; `abstract_params` (planner, `jax.eval_shape`), `logical_axes`
+(sharding rules) and `init_params` (random weights) derive from it without allocating. The tree mirrors Hugging Face's
+module names, so methods target `q_proj`, `v_proj`, ... directly: `embed_tokens` [V, D], `norm` [D], `lm_head.kernel`
+[D, V] (absent when tied) and `layers`, each leaf stacked on a leading [L] axis for `lax.scan`: norms [L, D],
+`q_proj.kernel` [L, D, H*hd], `k_proj`, `v_proj` [L, D, K*hd], `o_proj`, the gated MLP (Phi-3 fuses `qkv_proj` and
+`gate_up_proj`); a mixture's `router` [L, D, E] and `experts` stacks [L, E, D, 2Fe] and [L, E, Fe, D], with Qwen2-MoE's
+`shared_expert.*`; Qwen3.5's attention and `linear_attn.*` modules over their own layers (`ModelConfig.module_layers`).
+Kernels are [in, out] (x @ kernel); HF stores [out, in].
 """
 
 from __future__ import annotations

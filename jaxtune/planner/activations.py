@@ -1,11 +1,10 @@
-"""What one training step keeps for its backward pass (`saved_tensors`, `activation_bytes`), and what the backward
-of one layer needs on top, counted against jaxtune's own forward (`models/llama.py`).
-
-Layers run under `lax.scan`, so what the backward needs from a layer is stacked [L, ...]; the attention core and
-the gated MLP's activation are recomputed in the backward, so scores are never kept per layer. Per layer and token,
-remat "none" keeps what a backward reads (x, rotated q and k, v, gate and up, the attention kernel's output and
-log-sum-exp, each trained module's input, LoRA's x A); "save_matmuls" x and the weight matmuls' outputs; "full" x.
-A mixture counts its K routed experts and shared expert as the MLP's width. The backward's workspace
+"""What one training step keeps for its backward pass (`saved_tensors`, `activation_bytes`), and what the backward of
+one layer needs on top, counted against jaxtune's own forward (`models/llama.py`). Layers run under `lax.scan`, so what
+the backward needs from a layer is stacked [L, ...]; the attention core and the gated MLP's activation are recomputed in
+the backward, so scores are never kept per layer. Per layer and token, remat "none" keeps what a backward reads (x,
+rotated q and k, v, gate and up, the attention kernel's output and log-sum-exp, each trained module's input, LoRA's x
+A); "save_matmuls" x and the weight matmuls' outputs; "full" x. A mixture counts its K routed experts and shared expert
+as the MLP's width; a Gated DeltaNet layer its own set (`linear_layer_saved`). The backward's workspace
 (`BACKWARD_SHARE`, `ATTENTION_COPIES_F32`, ...) was measured on XLA:CPU by experiments/planner_accuracy.py.
 """
 
@@ -17,6 +16,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.methods.base import adapted_modules, method_unit
 from jaxtune.models.attention import block_size
 from jaxtune.models.head import chunk_length
+from jaxtune.models.params import linear_shapes
 
 # One layer's backward workspace, as a multiple of that layer's no-remat activation set (measured on XLA:CPU).
 BACKWARD_SHARE = {"none": 0.8, "save_matmuls": 0.85, "full": 1.3}
@@ -174,6 +174,43 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
     return saved + unit.costs.saved(method, adapted, out_width, b, T, w.D)
 
 
+ATTENTION_TERMS = ("q", "k", "v", "o_proj out", "q rotated", "k rotated", "q before its norm", "k before its norm",
+                   "query and key norm statistics", "attention output", "input norm output")
+LINEAR_CHUNK = 64  # `gated_deltanet.chunk_gated_delta_rule`'s chunk
+
+
+def linear_layer_saved(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
+    """One Gated DeltaNet layer's saved activations (`saved_tensors`' set with the linear attention's in place of
+    attention's): under "none" the projections' outputs, the convolution's, the rule's output and the gated norm's
+    inputs, and the chunked rule's float32 residuals (normalised q and k, v, three [C]-wide blocks a token — decays,
+    the in-chunk scores, the triangular system — the two solves, and the [dk, dv] state each chunk starts from);
+    under "save_matmuls" the projections' outputs; under "full" x alone."""
+    adapted = adapted_modules(method, cfg.layer_stacks())
+    attention_adapters = {f"{m} x A" for m in adapted if m in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")}
+    shared = [t for t in saved_tensors(cfg, method, policy, w)
+              if t[0] not in ATTENTION_TERMS and t[0] not in attention_adapters and not t[0].startswith(
+                  tuple(f"{m} x A" for m in ("q_proj", "k_proj", "v_proj", "o_proj")))]
+    if policy == "full":
+        return shared
+    b, T, N = w.b, w.T, cfg.linear_num_value_heads
+    C, values, dk, dv = (2 * cfg.linear_key_size + cfg.linear_value_size, cfg.linear_value_size,
+                         cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    projections = [("linear qkv", (b, T, C), False), ("linear z", (b, T, values), False),
+                   ("linear beta and decay", (b, T, 2 * N), True), ("linear out_proj out", (b, T, w.D), False)]
+    if policy == "save_matmuls":
+        return shared + projections
+    padded = -(-T // LINEAR_CHUNK) * LINEAR_CHUNK
+    rule = [("linear convolution output", (b, T, C), False), ("linear rule output", (b, T, values), False),
+            ("linear gated norm statistics", (b, T, N), True),
+            ("linear rule q, k", (b, N, padded, 2 * dk), True), ("linear rule v", (b, N, padded, dv), True),
+            ("linear rule blocks", (b, N, padded, 3 * LINEAR_CHUNK), True),
+            ("linear rule solves", (b, N, padded, dk + dv), True),
+            ("linear chunk states", (b, N, padded // LINEAR_CHUNK, dk, dv), True)]
+    if any(m.startswith("linear_attn.in_proj") for m in adapted) or method_unit(method).trains_base:
+        rule.append(("input norm output", (b, T, w.D), False))
+    return shared + projections[:3] + rule
+
+
 def expert_group_tensors(cfg: ModelConfig, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
     """What a layer's megablox mixture holds beyond its own rows' share when the rows of its expert group are
     gathered (`models/moe.py`): the other devices' tokens, their K expert inputs, gate and up, SwiGLU outputs and
@@ -250,13 +287,19 @@ def live_block_fraction(T: int, prefix: int, blocks=None) -> float:
     return live / (nq * nk)
 
 
+def _linear_module_elements(cfg: ModelConfig) -> int:
+    """Elements of every layer's linear modules' kernels (not a mixture's experts or router), over the layers
+    holding each."""
+    return sum(d_in * d_out * len(cfg.module_layers(name)) for name, (d_in, d_out, _) in linear_shapes(cfg).items())
+
+
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights each token multiplies through (2 FLOPs each in the forward): every linear layer (of a mixture, the
     router and the K experts it routes to) and the head."""
     D, L = cfg.hidden_size, cfg.num_layers
-    per_layer = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * mlp_width(cfg)
-    per_layer += D * (cfg.num_experts + bool(cfg.shared_expert_size))
-    return L * per_layer + D * cfg.vocab_size
+    routed = 3 * D * cfg.experts_per_token * cfg.expert_size if cfg.num_experts else 0
+    return (_linear_module_elements(cfg) + L * (routed + D * (cfg.num_experts + bool(cfg.shared_expert_size)))
+            + D * cfg.vocab_size)
 
 
 def expert_kernel_elements(cfg: ModelConfig) -> int:
@@ -265,17 +308,25 @@ def expert_kernel_elements(cfg: ModelConfig) -> int:
 
 
 def kernel_elements_per_layer(cfg: ModelConfig) -> int:
-    """Elements of one layer's linear kernels, every expert's included."""
-    D = cfg.hidden_size
-    mlp = cfg.num_experts * cfg.expert_size + cfg.shared_expert_size if cfg.num_experts else cfg.intermediate_size
-    return D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * mlp + D * cfg.num_experts
+    """Elements of one layer's linear kernels, every expert's included (Qwen3.5's: the mean over its two kinds)."""
+    return (_linear_module_elements(cfg) // cfg.num_layers + expert_kernel_elements(cfg)
+            + cfg.hidden_size * cfg.num_experts)
 
 
 def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int, blocks=None) -> int:
     """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers, over the blocks the causal
     mask leaves live (`live_block_fraction`, of a fused kernel's blocks or the blockwise kernel's)."""
-    dense = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
-    return int(dense * live_block_fraction(seq_len, prefix, blocks))
+    dense = len(cfg.attention_layers) * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
+    return int(dense * live_block_fraction(seq_len, prefix, blocks)) + linear_attention_flops_per_row(cfg, seq_len)
+
+
+def linear_attention_flops_per_row(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of the chunked delta rule for one row, all Gated DeltaNet layers: per token and value head, its
+    chunk's scores and system (2 x C x dk each), their products with the values and the two solves (C x (dv + dk)
+    each, the solves' half triangle counted whole), and the state's read and update (3 x dk x dv)."""
+    C, dk, dv = LINEAR_CHUNK, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per_token = 2 * cfg.linear_num_value_heads * (2 * C * dk + 2 * C * (dk + dv) + 3 * dk * dv)
+    return len(cfg.linear_attention_layers) * seq_len * per_token
 
 
 @dataclass(frozen=True)
@@ -324,8 +375,12 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     if policy == "none":  # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
         saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
                   ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
-    saved_bytes = size(saved)
+    saved_bytes = len(cfg.attention_layers) * size(saved)
+    if cfg.linear_attention_layers:  # and its workspace: the larger of the two kinds' backward
+        linear = linear_layer_saved(cfg, method, "none", untiled)
+        workspace = max(workspace, int(BACKWARD_SHARE[policy] * size(linear, loose_nbytes or nbytes,
+                                                                      workspace_itemsize or itemsize)))
+        saved_bytes += len(cfg.linear_attention_layers) * size(linear_layer_saved(cfg, method, policy, w))
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
-    return ActivationBytes(cfg.num_layers * saved_bytes, attention, workspace, logits_one,
-                           int(logits_copies * logits_one))
+    return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one))

@@ -260,7 +260,7 @@ def _layer_copies(cfg: ModelConfig, plan: TrainPlan, piece_bytes: int) -> int:
     if method_unit(plan.method).trains_base or not (quantised or _widened(plan)):
         return 0
     D, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    mlp = act.kernel_elements_per_layer(cfg) - D * (2 * q + 2 * kv)
+    mlp = act.kernel_elements_per_layer(cfg) - D * (2 * q + 2 * kv)  # (Qwen3.5's: a mean layer's other kernels)
     modules = [D * q, D * kv, D * kv, q * D] + [mlp // 3] * 3  # elements of each kernel (a mixture's: its MLP)
     return sum(piece_bytes for m in modules if m * derived > piece_bytes)
 
