@@ -11,8 +11,6 @@ compute (under `jax.enable_x64`) widens the float32 parts too: the tests' float6
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
@@ -30,7 +28,7 @@ from jaxtune.models.context_attention import (
 )
 from jaxtune.models.head import head_logits
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
-from jaxtune.models.layer_groups import scan_layer_groups
+from jaxtune.models.layer_groups import scan_layers_by_kind
 from jaxtune.models.linear import dense, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
@@ -387,7 +385,6 @@ def decoder_and_routing(
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     routing: tuple[jax.Array, jax.Array] | None  # a mixture's (assigned [L, E], probability sums [L, E])
     if hybrid:
-        linear_block = remat_layer(partial(layer_block, linear=True), options.remat, dtype)
         every = tuple(range(cfg.num_layers))
         items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
         items.update({f"per_layer.{i}": (a, every) for i, a in enumerate(per_layer[1:])})
@@ -395,10 +392,10 @@ def decoder_and_routing(
         def mixed_block(x, rows, linear):
             layer = {name: rows[name] for name in layers if name in rows}
             one = (layer, *(rows[f"per_layer.{i}"] for i in range(len(per_layer) - 1)))
-            return (linear_block if linear else rematted)(x, one, shared)
+            return layer_block(x, one, shared, linear)
 
-        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg)
-        routing = jax.tree.map(lambda *a: jnp.concatenate(a), *by_kind.values()) if cfg.num_experts else None
+        x_BxTxD, routing = scan_layers_by_kind(mixed_block, x_BxTxD, items, cfg,
+                                               lambda fn: remat_layer(fn, options.remat, dtype))
     elif options.scan_layers:
         x_BxTxD, routing = jax.lax.scan(block, x_BxTxD, per_layer)
     else:

@@ -177,6 +177,10 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
 ATTENTION_TERMS = ("q", "k", "v", "o_proj out", "q rotated", "k rotated", "q before its norm", "k before its norm",
                    "query and key norm statistics", "attention output", "input norm output")
 LINEAR_CHUNK = 64  # `gated_deltanet.chunk_gated_delta_rule`'s chunk
+# [C]-wide float32 blocks a token and value head the rule's linearisation keeps (decays, scores, the system, their
+# masks and exponentials, the solves' operands), and three copies of each chunk's starting state: counted in its
+# residuals on XLA:CPU (issue 50)
+RULE_BLOCKS = 14
 
 
 def linear_layer_saved(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -203,9 +207,9 @@ def linear_layer_saved(cfg: ModelConfig, method, policy: str, w: Widths) -> list
     rule = [("linear convolution output", (b, T, C), False), ("linear rule output", (b, T, values), False),
             ("linear gated norm statistics", (b, T, N), True),
             ("linear rule q, k", (b, N, padded, 2 * dk), True), ("linear rule v", (b, N, padded, dv), True),
-            ("linear rule blocks", (b, N, padded, 3 * LINEAR_CHUNK), True),
-            ("linear rule solves", (b, N, padded, dk + dv), True),
-            ("linear chunk states", (b, N, padded // LINEAR_CHUNK, dk, dv), True)]
+            ("linear rule blocks", (b, N, padded, RULE_BLOCKS * LINEAR_CHUNK), True),
+            ("linear rule solves", (b, N, padded, dk + 2 * dv), True),
+            ("linear chunk states", (b, N, 3 * padded // LINEAR_CHUNK, dk, dv), True)]
     if any(m.startswith("linear_attn.in_proj") for m in adapted) or method_unit(method).trains_base:
         rule.append(("input norm output", (b, T, w.D), False))
     return shared + projections[:3] + rule
@@ -376,11 +380,16 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
         saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
                   ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
     saved_bytes = len(cfg.attention_layers) * size(saved)
-    if cfg.linear_attention_layers:  # and its workspace: the larger of the two kinds' backward
+    if cfg.linear_attention_layers:  # a layer's step switches between the kinds: each keeps its own workspace
         linear = linear_layer_saved(cfg, method, "none", untiled)
-        workspace = max(workspace, int(BACKWARD_SHARE[policy] * size(linear, loose_nbytes or nbytes,
-                                                                      workspace_itemsize or itemsize)))
-        saved_bytes += len(cfg.linear_attention_layers) * size(linear_layer_saved(cfg, method, policy, w))
+        linear_workspace = int(BACKWARD_SHARE[policy] * size(linear, loose_nbytes or nbytes,
+                                                             workspace_itemsize or itemsize))
+        workspace = linear_workspace + (workspace if cfg.attention_layers else 0)
+        linear_saved = size(linear_layer_saved(cfg, method, policy, w))
+        if policy == "none" and cfg.attention_layers:  # the switch keeps both kinds' residuals every layer
+            saved_bytes = cfg.num_layers * (saved_bytes // len(cfg.attention_layers) + linear_saved)
+        else:
+            saved_bytes += len(cfg.linear_attention_layers) * linear_saved
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
     return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one))
