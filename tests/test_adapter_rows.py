@@ -74,13 +74,13 @@ def test_stacks_fold_each_scale_pad_ranks_and_zero_the_base_slot():
     assert not np.any(v["stack_a"][:, 0]) and not np.any(v["stack_b"][:, 0]) and not np.any(v["stack_b"][:, 3])
     for slot, name in ((1, "a"), (2, "b")):
         method, params = adapted[name]
-        scale_L = lora_layout(method, 2, cfg.linear_modules)["v_proj"].scales
+        scale_L = lora_layout(method, cfg.layer_stacks())["v_proj"].scales
         r = method.rank
         np.testing.assert_array_equal(v["stack_a"][:, slot, :, :r], params["layers"]["v_proj"]["lora_a"])
         assert not np.any(v["stack_a"][:, slot, :, r:])
         np.testing.assert_allclose(v["stack_b"][:, slot, :r], scale_L[:, None, None]
                                    * np.asarray(params["layers"]["v_proj"]["lora_b"]), rtol=1e-6)
-    assert lora_layout(METHODS["b"], 2, cfg.linear_modules)["v_proj"].scales[0] == pytest.approx(4 / 8**0.5)
+    assert lora_layout(METHODS["b"], cfg.layer_stacks())["v_proj"].scales[0] == pytest.approx(4 / 8**0.5)
     assert "stack_a" not in stacked["layers"]["k_proj"] and "lora_a" not in stacked["layers"]["q_proj"]
 
 
