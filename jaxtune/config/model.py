@@ -228,7 +228,7 @@ class ModelConfig:
         """The layers holding module (or bare leaf) `name` of a layer, in order: its stack's rows are theirs."""
         if name.startswith("linear_attn."):
             return self.linear_attention_layers
-        if name in ATTENTION_LEAVES or name == "prefix":
+        if name in ATTENTION_LEAVES:
             return self.attention_layers
         return tuple(range(self.num_layers))
 
