@@ -4,11 +4,11 @@
     .venv/bin/python benchmarks/family_step.py --only gpt_oss --rounds 3
 
 Per family: a small random transformers model of its architecture (hidden 256, 4 layers, 8 heads / 4 KV heads of
-32, vocab 4096; a mixture's 4 experts of 256; its own traits: windows, sinks, chunks, NoPE layers) written to a
-directory that both load. LoRA rank 8, alpha 16 on q,v; AdamW 2e-4, clipping at 1.0; batch 4 x 256 tokens,
-float32, loss on every token. jaxtune runs the spine's jitted step (`abstract_run(...).step`, as `jaxtune train`
-does); PyTorch runs transformers' eager attention (gpt-oss's sinks and Llama 4's chunks need it) with 2 threads.
-The two alternate, a round of steps each, so a busy machine slows both alike; the ratio is jaxtune's tokens/s over
+32, vocab 4096; a mixture's 4 experts of 256; its own traits: windows, sinks, chunks, NoPE layers, Gated DeltaNet)
+written to a directory that both load. LoRA rank 8, alpha 16 on q,v (and the hybrids' linear layers' input and
+output projections); AdamW 2e-4, clipping at 1.0; batch 4 x 256 tokens, float32, loss on every token. jaxtune
+runs the spine's jitted step (`abstract_run(...).step`, as `jaxtune train` does); PyTorch runs transformers' eager
+attention (gpt-oss's sinks and Llama 4's chunks need it) with 2 threads. The two alternate, a round of steps each, so a busy machine slows both alike; the ratio is jaxtune's tokens/s over
 PEFT's, of the per-round medians. Compile time (jaxtune's `lower().compile()`) is reported apart. Results:
 benchmarks/results/family_step.json, with the machine they ran on.
 """
@@ -41,7 +41,16 @@ FAMILIES = {  # transformers class names, and what sets each apart (at this size
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"intermediate_size": 256, "intermediate_size_mlp": 704,
                                                           "num_local_experts": 4, "num_experts_per_tok": 1,
                                                           "attention_chunk_size": 128, "floor_scale": 128}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {"linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                                                             "linear_key_head_dim": 32, "linear_value_head_dim": 32}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256}),
 }
+# LoRA's modules: q and v; the hybrids' linear-attention layers (three in four) their input and output projections too
+TARGETS = {"qwen3_5": ("q_proj", "v_proj", "in_proj_qkv", "out_proj"),
+           "qwen3_next": ("q_proj", "v_proj", "in_proj_qkvz", "out_proj")}
 
 
 def write_model(family: str, directory: Path) -> None:
@@ -54,7 +63,7 @@ def write_model(family: str, directory: Path) -> None:
     getattr(transformers, model_name)(config).save_pretrained(directory)
 
 
-def jaxtune_step(directory: Path):
+def jaxtune_step(directory: Path, targets: tuple[str, ...]):
     """step() running one jitted LoRA step, and its compile seconds."""
     import jax
     import numpy as np
@@ -68,7 +77,7 @@ def jaxtune_step(directory: Path):
     from jaxtune.spine.run import abstract_run
 
     cfg, params = load_model(directory)
-    method = method_config("lora", rank=RANK, alpha=ALPHA, target_modules=("q_proj", "v_proj"))
+    method = method_config("lora", rank=RANK, alpha=ALPHA, target_modules=targets)
     trainable, frozen = partition(*(lambda p: (p, trainable_mask(p, method)))(
         apply_method(params, cfg, method, jax.random.key(1))))
     plan = TrainPlan(method, BATCH, SEQ, 1, param_dtype="float32", forward=ForwardOptions(remat="none"))
@@ -92,7 +101,7 @@ def jaxtune_step(directory: Path):
     return step, compile_s
 
 
-def peft_step(directory: Path):
+def peft_step(directory: Path, targets: tuple[str, ...]):
     import numpy as np
     import peft
     import torch
@@ -101,7 +110,7 @@ def peft_step(directory: Path):
     torch.set_num_threads(2)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                                       target_modules=["q_proj", "v_proj"])).train()
+                                                       target_modules=list(targets))).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0, foreach=True)
     ids = torch.tensor(np.random.default_rng(0).integers(3, SHAPE["vocab_size"], (BATCH, SEQ), dtype=np.int64))
@@ -142,8 +151,9 @@ def main() -> None:
     for family in [args.only] if args.only else list(FAMILIES):
         with tempfile.TemporaryDirectory() as tmp:
             write_model(family, Path(tmp))
-            jax_step, compile_s = jaxtune_step(Path(tmp))
-            times = rounds({"jaxtune": jax_step, "peft": peft_step(Path(tmp))}, args.rounds, args.steps)
+            targets = TARGETS.get(family, ("q_proj", "v_proj"))
+            jax_step, compile_s = jaxtune_step(Path(tmp), targets)
+            times = rounds({"jaxtune": jax_step, "peft": peft_step(Path(tmp), targets)}, args.rounds, args.steps)
         jax_s, peft_s = (statistics.median(times[k]) for k in ("jaxtune", "peft"))
         ratios = [p / j for j, p in zip(times["jaxtune"], times["peft"])]
         result = {"family": family, "jaxtune_step_s": jax_s, "peft_step_s": peft_s, "compile_s": compile_s,

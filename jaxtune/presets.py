@@ -17,7 +17,8 @@ ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
               "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
               "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
               "olmo3": "Olmo3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
-              "qwen3_5": "Qwen3_5ForCausalLM"}
+              "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+              "llama4_maverick": "Llama4ForCausalLM"}
 
 
 def family_traits(arch: str, num_layers: int) -> dict:
@@ -26,8 +27,9 @@ def family_traits(arch: str, num_layers: int) -> dict:
     Phi-3's fused projections, with Phi-4-mini's partial rotary factor; mixtures of 4 to 8 experts, top 2, Mixtral's
     as wide as the MLP, Qwen's narrower, Qwen2-MoE's with a shared expert; SmolLM3's NoPE layer last (every fourth
     at scale), OLMo's norms (OLMo 3's first layer sliding); gpt-oss's experts with biases, sinks, sliding and
-    full layers; Llama 4's chunked rotating layers, then a NoPE one; Qwen3.5's Gated DeltaNet layer, then a gated
-    attention one (three to one at scale)."""
+    full layers; Llama 4's chunked rotating layers, then a NoPE one (Maverick's with dense MLP layers between the
+    mixtures); Qwen3.5's Gated DeltaNet layer, then a gated attention one (three to one at scale); Qwen3-Next's the
+    same, fused, with Qwen2-MoE's mixture."""
     olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -51,6 +53,9 @@ def family_traits(arch: str, num_layers: int) -> dict:
         "qwen3_5": dict(linear_attention_layers=tuple(range(0, num_layers, 2)), linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                         attention_output_gate=True, norm_unit_offset=True, qk_norm=True, partial_rotary_factor=0.25)}
+    known["llama4_maverick"] = dict(known["llama4"], dense_layers=tuple(range(0, num_layers, 2)))
+    known["qwen3_next"] = dict(known["qwen3_5"], linear_attention_fused=True, num_experts=8, experts_per_token=2,
+                               expert_size=64, intermediate_size=64, shared_expert_size=128)
     traits = known.get(arch, {})
     if arch.startswith("gemma"):
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,

@@ -90,10 +90,22 @@ ARCHS = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
         "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
+    # Qwen3-Next: Qwen3.5-MoE's layers with Gated DeltaNet's projections fused key head by key head.
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, {
+        "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, {
         "intermediate_size": 32, "intermediate_size_mlp": 64, "head_dim": 16, "num_local_experts": 4,
         "num_experts_per_tok": 1, "no_rope_layers": [1, 1, 0], "attention_chunk_size": 4, "floor_scale": 4,
         "attn_scale": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "attn_implementation": "eager"}),
+    # Llama 4 Maverick's shape: dense MLP layers (0, 2) between the mixtures (1, 3)
+    "llama4_maverick": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, {
+        "num_hidden_layers": 4, "intermediate_size": 32, "intermediate_size_mlp": 64, "head_dim": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 4,
+        "floor_scale": 4, "attn_scale": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "attn_implementation": "eager"}),
 }
 
 
@@ -101,7 +113,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Weights ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1) (Gemma's and Qwen3.5's weights N(0, 0.1): they scale
     by 1 + weight, but for Qwen3.5's gated norm), biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
-    unit = 0.0 if type(model).__name__.startswith(("Gemma", "Qwen3_5")) else 1.0  # Qwen3_5Moe too
+    unit = 0.0 if type(model).__name__.startswith(("Gemma", "Qwen3_5", "Qwen3Next")) else 1.0  # Qwen3_5Moe too
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)

@@ -32,6 +32,7 @@ from transformers.models.gemma3 import modeling_gemma3 as gemma3_modeling
 from transformers.models.llama4 import modeling_llama4 as llama4_modeling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe_modeling
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_modeling
 
 from jaxtune.config import ForwardOptions
 from jaxtune.models.llama import forward
@@ -41,7 +42,7 @@ FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error; measured 
 
 def _rms_norm_float64(self, x):
     variance = x.pow(2).mean(-1, keepdim=True)
-    if type(self).__name__.startswith(("Gemma", "Qwen3_5")):  # scales by 1 + weight
+    if type(self).__name__.startswith(("Gemma", "Qwen3_5", "Qwen3Next")):  # scales by 1 + weight
         return (1 + self.weight) * (x * torch.rsqrt(variance + self.eps))
     return self.weight * (x * torch.rsqrt(variance + getattr(self, "variance_epsilon", getattr(self, "eps", None))))
 
@@ -162,8 +163,9 @@ def _without_float32_casts(method):
 
 
 _deltanet_forward_float64 = {cls.__name__: _without_float32_casts(cls.forward) for cls in (
-    qwen3_5_modeling.Qwen3_5GatedDeltaNet, qwen3_5_moe_modeling.Qwen3_5MoeGatedDeltaNet)}
-for _module in (qwen3_5_modeling, qwen3_5_moe_modeling):
+    qwen3_5_modeling.Qwen3_5GatedDeltaNet, qwen3_5_moe_modeling.Qwen3_5MoeGatedDeltaNet,
+    qwen3_next_modeling.Qwen3NextGatedDeltaNet)}
+for _module in (qwen3_5_modeling, qwen3_5_moe_modeling, qwen3_next_modeling):
     for _name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         setattr(_module, _name, _delta_rule_in_float64(getattr(_module, _name)))
 
@@ -174,7 +176,7 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
     model = copy.deepcopy(model).double().eval()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith(("Mixtral", "GptOss",
-                                                                                            "Llama4")):
+                                                                                            "Llama4", "Qwen3Next")):
         base.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__

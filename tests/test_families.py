@@ -17,16 +17,19 @@ from test_generate import PROMPT_LENGTHS, left_padded, prompts
 from test_methods_peft import assert_merged_export, assert_same_as_peft, randomize_adapter, randomize_peft
 
 from jaxtune.config import ForwardOptions, SamplingConfig
+from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate
 from jaxtune.methods import method_config
 from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter, save_peft_adapter
 from jaxtune.methods.transform import apply_method
+from jaxtune.models.hf_families import peft_unloadable
 from jaxtune.models.llama import forward
 from jaxtune.spine.model import load_model
 
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
-FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "llama4_maverick", "qwen3_5", "qwen3_5_moe",
+            "qwen3_next"]
 
 
 def everyday(arch: str) -> list:
@@ -35,7 +38,9 @@ def everyday(arch: str) -> list:
 ALL_LINEAR = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
 # PEFT's all-linear takes Llama 4's router too (an nn.Linear), where jaxtune's LoRA does not go
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DELTANET_MODULES = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5's linear attention
+# Qwen3.5's linear attention, Qwen3-Next's fused
+DELTANET_MODULES = {False: ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+                    True: ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,7 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
     """d(loss)/d(LoRA A, B) on every linear module, both in float64, named as PEFT names them (`adapter_state_dict`,
     which writes float32): equal to float32's rounding, 1e-6 of the largest."""
     directory, model, cfg, params = family(arch)
-    targets = LINEAR_MODULES + DELTANET_MODULES * bool(cfg.linear_attention_layers)
+    targets = LINEAR_MODULES + DELTANET_MODULES[cfg.linear_attention_fused] * bool(cfg.linear_attention_layers)
     peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
                                                LoraConfig(r=4, lora_alpha=8, target_modules=targets)))
     peft_model.save_pretrained(tmp_path)
@@ -85,7 +90,12 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
 
         grads = jax.grad(loss)(params64)
         ours = adapter_state_dict(jax.tree.map(lambda g: np.asarray(g, np.float64), grads), cfg, method)
-    adapted = sum(len(layers) for _, layers in cfg.layer_stacks())
+    # PEFT takes Qwen3-Next's gate/up/down_proj for its experts (gate_up_proj at twice the rank), its shared expert
+    # then unadapted
+    unloadable = peft_unloadable(cfg)
+    adapted = sum(len(layers) for name, layers in cfg.layer_stacks() if name not in unloadable)
+    adapted += cfg.num_layers * len(method.expert_modules)
+    assert bool(method.expert_modules) == bool(unloadable)
     assert set(ours) == set(theirs) and len(ours) == 2 * adapted, set(ours) ^ set(theirs)
     for name, want in theirs.items():
         assert np.abs(ours[name] - want).max() <= 1e-6 * np.abs(want).max(), name
@@ -98,8 +108,8 @@ def test_greedy_equals_transformers_generate(arch, family):
     sinks in the cached decode)."""
     directory, model, cfg, params = family(arch)
     # Llama 4's chunks and temperature count cache slots, in transformers as here: left padding moves them, by as
-    # much as each library pads; rows of one length compare the model itself
-    batch = prompts(cfg.vocab_size, lengths=(12, 12, 12) if arch == "llama4" else PROMPT_LENGTHS)
+    # much as each library pads; rows of one length, jaxtune's prompt bucket (16), compare the model itself
+    batch = prompts(cfg.vocab_size, lengths=(16, 16, 16) if arch.startswith("llama4") else PROMPT_LENGTHS)
     ids, mask = left_padded(batch)
     n = 20
     with torch.no_grad():
@@ -112,14 +122,24 @@ def test_greedy_equals_transformers_generate(arch, family):
 @pytest.mark.parametrize("arch", everyday("olmo2"))
 def test_trained_adapter_loads_in_peft_and_merges(arch, family, tmp_path):
     """A LoRA adapter on every linear module, as jaxtune saves it, loads in PEFT with jaxtune's logits; its merged
-    export loads in transformers with the unmerged logits."""
+    export loads in transformers with the unmerged logits. Qwen3-Next's: on every expert in place of its shared
+    expert (PEFT reads no LoRA there), gate_up_proj at twice the rank, as PEFT makes it."""
     directory, model, cfg, params = family(arch)
-    with_adapter = randomize_adapter(apply_method(params, cfg, ALL_LINEAR, jax.random.key(0)))
-    save_peft_adapter(tmp_path / "adapter", with_adapter, cfg, ALL_LINEAR)
+    method = ALL_LINEAR
+    if peft_unloadable(cfg):
+        with pytest.raises(JaxtuneError, match="LoRA on shared_expert.gate_proj, shared_expert.up_proj, "
+                                               "shared_expert.down_proj: PEFT takes a Qwen3NextForCausalLM adapter"):
+            save_peft_adapter(tmp_path / "refused", apply_method(params, cfg, method, jax.random.key(0)), cfg, method)
+        method = method_config("lora", rank=4, alpha=8, target_modules=(
+            "q_proj", "k_proj", "v_proj", "o_proj", *DELTANET_MODULES[True]), rank_pattern={r".*\.gate_up_proj": 8},
+            alpha_pattern={r".*\.gate_up_proj": 16}, target_parameters=("mlp.experts.gate_up_proj",
+                                                                           "mlp.experts.down_proj"))
+    with_adapter = randomize_adapter(apply_method(params, cfg, method, jax.random.key(0)))
+    save_peft_adapter(tmp_path / "adapter", with_adapter, cfg, method)
     peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
                                            tmp_path / "adapter").eval()
-    assert_same_as_peft(peft_model, with_adapter, cfg, ALL_LINEAR)
-    assert_merged_export(directory, tmp_path / "adapter", cfg, ALL_LINEAR, with_adapter,
+    assert_same_as_peft(peft_model, with_adapter, cfg, method)
+    assert_merged_export(directory, tmp_path / "adapter", cfg, method, with_adapter,
                          peft_model.merge_and_unload().eval(), tmp_path / "merged")
 
 

@@ -1,13 +1,14 @@
 """The gated delta rule (`models/gated_deltanet.py`): the chunked form against a float64 recurrence written here in
 numpy, over lengths that are and are not multiples of the chunk, its gradients against the recurrence's, the
-token-by-token form continuing a chunked prefill, and both against transformers' own torch functions."""
+token-by-token form continuing a chunked prefill, and both against transformers' own torch functions; the UT
+transform's inverse against numpy's, by matmuls alone."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from jaxtune.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule, unit_lower_inverse
 
 B, H, N, DK, DV = 2, 2, 4, 8, 6  # two query/key heads serve four value heads
 
@@ -123,3 +124,19 @@ def test_resets_restart_each_segment_from_zero():
         want, want_S = numpy_recurrence(*(x[:, a:b] for x in args))
         assert np.abs(np.asarray(out)[:, a:b] - want).max() <= 1e-10, (a, b)
     assert np.abs(np.asarray(S) - want_S).max() <= 1e-10
+
+
+@pytest.mark.parametrize("C", [1, 6, 64])
+def test_unit_lower_inverse_equals_numpy_and_calls_no_lapack(C):
+    """(I + strictly_lower(a))^-1 to float64's rounding (a's upper part and diagonal ignored, C padded to a power of
+    two); the rule's backward lowers to no LAPACK call (jaxlib's batched triangular solve, run twice at once from
+    XLA:CPU's 2-thread pool, waited on that pool forever: a Qwen3.5 training step hung)."""
+    a = np.random.default_rng(C).normal(size=(3, C, C)) * 0.5
+    with jax.enable_x64(True):
+        got = np.asarray(unit_lower_inverse(jnp.asarray(a)))
+    want = np.linalg.inv(np.eye(C) + np.tril(a, -1))
+    assert np.abs(got - want).max() <= 1e-12 * max(1.0, np.abs(want).max())
+    q, k, v, g, beta = inputs(70)
+    loss = lambda v: chunk_gated_delta_rule(q, k, v, g, beta)[0].sum()  # noqa: E731
+    hlo = jax.jit(jax.grad(loss)).lower(jnp.asarray(v)).compile().as_text()
+    assert "custom_call_target=\"lapack" not in hlo

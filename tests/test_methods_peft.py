@@ -104,6 +104,10 @@ WILD = {
     "qwen3_moe_experts": ("qwen3_moe", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["v_proj"],
                                                   target_parameters=["mlp.experts.gate_up_proj",
                                                                      "mlp.experts.down_proj"])),
+    # v4's names for the experts: PEFT under transformers 5 turns gate_proj and up_proj into gate_up_proj at twice
+    # the rank and alpha (rank_pattern, alpha_pattern), down_proj into the experts' down_proj
+    "qwen3_moe_mlp_names": ("qwen3_moe", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=[
+        "q_proj", "gate_proj", "up_proj", "down_proj"])),
     "mixtral_experts_only": ("mixtral", LoraConfig(r=4, lora_alpha=16, task_type="CAUSAL_LM",
                                                    target_parameters=["experts.down_proj"])),
     "qwen2_moe_ia3": ("qwen2_moe", IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
@@ -381,15 +385,16 @@ def test_lora_targets_phi3_lacks_name_its_fused_modules(bases):
 
 
 def test_info_counts_lora_on_experts_as_peft(bases, tmp_path, capsys):
-    """PEFT's trainable and total counts for LoRA on a Qwen3-MoE's v_proj and every expert (r E (in + out) a stack
-    and layer)."""
+    """PEFT's trainable and total counts for LoRA on a Qwen3-MoE's q_proj and every expert (r E (in + out) a stack
+    and layer), from v4's module names: gate_up_proj's rank twice down_proj's."""
     directory, _, _ = bases("qwen3_moe")
-    _, peft_config = WILD["qwen3_moe_experts"]
+    _, peft_config = WILD["qwen3_moe_mlp_names"]
     peft_model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), peft_config)
     peft_model.save_pretrained(tmp_path)
     assert main(["info", "--model", str(directory), "--adapter", str(tmp_path), "--json"]) == 0
     adapter = json.loads(capsys.readouterr().out)["adapter"]
     assert (adapter["trainable"], adapter["total"]) == peft_model.get_nb_trainable_parameters()
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["rank_pattern"] == {r".*\.gate_up_proj": 8}
 
 
 def test_lora_on_experts_refuses_what_peft_refuses():

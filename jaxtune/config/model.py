@@ -9,7 +9,8 @@ from typing import Any
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                  "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                 "GptOssForCausalLM", "Llama4ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+                 "GptOssForCausalLM", "Llama4ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                 "Qwen3NextForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -17,11 +18,16 @@ SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "sh
 # Gated DeltaNet's linear modules (Qwen3.5's linear-attention layers), under transformers' `linear_attn`
 LINEAR_ATTENTION_MODULES = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                             "linear_attn.in_proj_a", "linear_attn.out_proj")
+# Qwen3-Next's: a key head's queries, keys, values and gates side by side in one projection, its b and a in another
+FUSED_LINEAR_ATTENTION_MODULES = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj")
 ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "sinks")  # self_attn's
+MIXTURE_LEAVES = ("router", "experts", "shared_expert_gate") + SHARED_EXPERT_MODULES  # a mixture layer's own
+DENSE_MLP_MODULES = SEPARATE_MODULES[4:]  # gate_proj, up_proj, down_proj
 EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [E, in, out] (gate and up fused)
 # Every family's linear module names (Phi-3's fused ones last: a module's index seeds its adapter dropout masks).
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                       "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+                       "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                       "in_proj_qkvz", "in_proj_ba")
 # the gated MLP's activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
@@ -101,7 +107,11 @@ class ModelConfig:
     `linear_value_head_dim` values, a causal depthwise convolution of `linear_conv_kernel` taps over them, a gated
     RMSNorm before `out_proj`); their modules `linear_attn.*` are stacked over those layers only, the attention's
     over the others (`module_layers`). `attention_output_gate`: q_proj gives each head its queries then a gate,
-    sigmoid(gate) scaling the head's output before o_proj.
+    sigmoid(gate) scaling the head's output before o_proj. Qwen3-Next: `linear_attention_fused`, Gated DeltaNet's
+    projections as `linear_attn.in_proj_qkvz` (per key head: its query, key, then its value heads' values and gates)
+    and `linear_attn.in_proj_ba` (per key head: its value heads' b, then their a).
+    `dense_layers` (Llama 4 Maverick, every other layer): in a mixture, the layers whose feed-forward is a gated MLP
+    of `intermediate_size` (modules gate/up/down_proj) instead; the mixture's leaves are stacked over the others.
     `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
     routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
@@ -161,7 +171,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    linear_attention_fused: bool = False
     attention_output_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     initializer_range: float = 0.02
@@ -184,6 +196,10 @@ class ModelConfig:
             raise ValueError(f"nope_layers={self.nope_layers} names a layer outside 0..{self.num_layers - 1}")
         if self.post_norms and self.sandwich_norms:
             raise ValueError("post_norms and sandwich_norms are two different layer layouts; pick one")
+        if self.dense_layers and (not self.num_experts or any(not 0 <= i < self.num_layers for i in self.dense_layers)
+                                  or len(self.dense_layers) == self.num_layers):
+            raise ValueError(f"dense_layers={self.dense_layers} must name some, not all, of the layers "
+                             f"0..{self.num_layers - 1} of a mixture (num_experts={self.num_experts})")
         if any(not 0 <= i < self.num_layers for i in self.linear_attention_layers):
             raise ValueError(f"linear_attention_layers={self.linear_attention_layers} names a layer outside "
                              f"0..{self.num_layers - 1}")
@@ -206,9 +222,11 @@ class ModelConfig:
     def linear_modules(self) -> tuple[str, ...]:
         """The names of a layer's linear modules, attention's then the MLP's (a mixture's shared expert, if any:
         its experts are not among them)."""
-        linear = LINEAR_ATTENTION_MODULES * bool(self.linear_attention_layers)
+        linear = ((FUSED_LINEAR_ATTENTION_MODULES if self.linear_attention_fused else LINEAR_ATTENTION_MODULES)
+                  * bool(self.linear_attention_layers))
         if self.num_experts:
-            return SEPARATE_MODULES[:4] + SHARED_EXPERT_MODULES * bool(self.shared_expert_size) + linear
+            return (SEPARATE_MODULES[:4] + DENSE_MLP_MODULES * bool(self.dense_layers)
+                    + SHARED_EXPERT_MODULES * bool(self.shared_expert_size) + linear)
         return (FUSED_MODULES if self.fused_projections else SEPARATE_MODULES) + linear
 
     @property
@@ -230,17 +248,28 @@ class ModelConfig:
             return self.linear_attention_layers
         if name in ATTENTION_LEAVES:
             return self.attention_layers
+        if self.dense_layers and name in MIXTURE_LEAVES:
+            return self.mixture_layers
+        if self.dense_layers and name in DENSE_MLP_MODULES:
+            return self.dense_layers
         return tuple(range(self.num_layers))
+
+    @property
+    def mixture_layers(self) -> tuple[int, ...]:
+        """The layers whose feed-forward is the mixture (a mixture's all but `dense_layers`; none without one)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers) if self.num_experts else ()
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[bool, bool], ...]:
+        """Each layer's kind, (its token mixer is linear attention, its feed-forward a dense MLP in a mixture): what
+        the layer scan switches on."""
+        linear, dense = set(self.linear_attention_layers), set(self.dense_layers)
+        return tuple((i in linear, i in dense) for i in range(self.num_layers))
 
     def layer_stacks(self, modules: tuple[str, ...] | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """(module, its layers) of each of `modules` (default `linear_modules`): what a method's per-layer rules
         walk."""
         return tuple((name, self.module_layers(name)) for name in (self.linear_modules if modules is None else modules))
-
-    @property
-    def mlp_size(self) -> int:
-        """The width of the layer's gate/up/down_proj: the MLP's, or a mixture's shared expert's."""
-        return self.shared_expert_size if self.num_experts else self.intermediate_size
 
     @property
     def rotary_dim(self) -> int:

@@ -1,5 +1,5 @@
 """Which modules of which layers a method adapts, with which rank and alpha: PEFT's matching rules on our modules
-(`is_target`, `lora_layout -> {module: ModuleLoRA}`, `layer_scales`, `ia3_modules`).
+(`is_target`, `lora_layout -> {module: ModuleLoRA}`, `ia3_modules`).
 
 PEFT decides per module path of the transformers model (`model.layers.{i}.self_attn.q_proj`), in this order
 (`check_target_module_exists`, `get_pattern_key`): exclude_modules, then target_modules (a regex, full match, or

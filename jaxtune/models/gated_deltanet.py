@@ -4,8 +4,8 @@ corrects toward its value and reads with its query:
 
     S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - k_t^T S_t))^T;  o_t = S_t^T q_t / sqrt(dk)
 
-`chunk_gated_delta_rule` trains it in chunks (inside one a triangular solve, the UT transform, and matmuls; across
-chunks a `lax.scan` carries S; packed rows' segments restart at `reset_BxT`, masked so no -inf enters a sum);
+`chunk_gated_delta_rule` trains it in chunks (in one, the UT transform's inverse by block doubling and matmuls;
+across chunks a `lax.scan` carries S; packed rows' segments restart at `reset_BxT`, masked so no -inf enters a sum);
 `recurrent_gated_delta_rule` steps token by token from a state (decoding). Both follow transformers' torch functions.
 """
 
@@ -27,6 +27,27 @@ def _heads_first(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, l2_normal
     if l2_normalize:  # as the FLA library: x / sqrt(sum x^2 + 1e-6)
         q, k = (a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + 1e-6) for a in (q, k))
     return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def unit_lower_inverse(a_xCxC: jax.Array) -> jax.Array:
+    """(I + strictly_lower(a))^-1 [..., C, C] by doubling: the inverses of the diagonal blocks of size s give those
+    of size 2s, [[A^-1, 0], [-B^-1 L A^-1, B^-1]] with L the block below A; matmuls only, log2 C rounds. (jaxlib's
+    batched triangular solve on CPU waits for its batch on XLA's intra-op pool from a thread of that pool: two at
+    once on a 2-thread pool hung the Qwen3.5 backward for good.)"""
+    *batch, C, _ = a_xCxC.shape
+    P = 1 << (C - 1).bit_length()  # padded to a power of two with identity rows
+    lower = jnp.pad(jnp.tril(a_xCxC, -1), [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)])
+    inv = jnp.ones((*batch, P, 1, 1), a_xCxC.dtype)  # the inverses of the 1 x 1 diagonal blocks
+    s = 1
+    while s < P:
+        m = P // (2 * s)
+        pairs = jnp.moveaxis(jnp.diagonal(lower.reshape(*batch, m, 2 * s, m, 2 * s), axis1=-4, axis2=-2), -1, -3)
+        A, B = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        below = -B @ pairs[..., s:, :s] @ A
+        zeros = jnp.zeros_like(below)
+        inv = jnp.concatenate([jnp.concatenate([A, zeros], -1), jnp.concatenate([below, B], -1)], -2)
+        s *= 2
+    return inv[..., 0, :C, :C]
 
 
 def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN, *, chunk: int = 64,
@@ -57,11 +78,9 @@ def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxNxV, g_BxTxN, beta_BxTxN,
     decay_CxC = jnp.exp(jnp.where(linked_CxC, cum_BxNxnxC[..., :, None] - cum_BxNxnxC[..., None, :], -jnp.inf))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # The UT transform: the chunk's sequential corrections as (I + strictly_lower(K_beta K^T * decay))^-1
-    system_CxC = jnp.einsum("bnicd,bnied->bnice", k_beta, k) * decay_CxC
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system_CxC, rhs, lower=True,  # noqa: E731
-                                                          unit_diagonal=True)
+    corrections_CxC = unit_lower_inverse(jnp.einsum("bnicd,bnied->bnice", k_beta, k) * decay_CxC)
     start_decay = jnp.where(from_start, jnp.exp(cum_BxNxnxC), 0)
-    values_new, keys_decayed = solve(v_beta), solve(k_beta * start_decay[..., None])
+    values_new, keys_decayed = corrections_CxC @ v_beta, corrections_CxC @ (k_beta * start_decay[..., None])
     attn_CxC = jnp.einsum("bnicd,bnied->bnice", q, k) * decay_CxC
     q_decayed = q * start_decay[..., None]
     k_to_end = k * jnp.where(reaches_end, jnp.exp(cum_BxNxnxC[..., -1:] - cum_BxNxnxC), 0)[..., None]

@@ -163,7 +163,9 @@ def _llama4_refused(cfg: ModelConfig) -> list[str]:
                f"{LLAMA4_FLOOR} and {LLAMA4_SCALE})"]
             * ((cfg.temperature_floor, cfg.temperature_scale) != (LLAMA4_FLOOR, LLAMA4_SCALE))
             + [f"the query/key L2 norm {'on' if cfg.qk_l2_norm else 'off'} with {cfg.num_experts} experts "
-               "(llama.cpp's: off with 128, on otherwise)"] * (cfg.qk_l2_norm != (cfg.num_experts != 128)))
+               "(llama.cpp's: off with 128, on otherwise)"] * (cfg.qk_l2_norm != (cfg.num_experts != 128))
+            + [f"dense layers {list(cfg.dense_layers)} between the mixtures (Maverick's: not written as GGUF here)"]
+            * bool(cfg.dense_layers))
 
 
 FORMS = {form.arch: form for form in (

@@ -23,7 +23,7 @@ QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 MOE = ("MixtralForCausalLM",) + QWEN_MOE
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 # the architectures rotating part of each head
-PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # vision-language checkpoints whose text model jaxtune reads (as transformers' AutoModelForCausalLM does): its
 # `text_config`, its `model.language_model.*` tensors; the vision tower and a multi-token-prediction head are left
 VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",

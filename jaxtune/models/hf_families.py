@@ -4,10 +4,10 @@ fields, then a registered family's own. SmolLM3: NoPE layers (`no_rope_layers`, 
 OLMo 2 and 3: norms after each sub-layer only, q/k norms over the whole projection, RMSNorm scaled in float32; OLMo
 3's sliding layers (three in four) keep unscaled RoPE, its full ones YaRN. gpt-oss: every layer a mixture (router
 and experts with biases, the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers
-alternating, YaRN. Llama 4 (text): every layer a mixture (sigmoid router, top-k scaling the experts' inputs, an
-ungated shared expert), NoPE layers with full attention and temperature, RoPE layers chunked, interleaved and
-L2-normed. Qwen3.5 (text): Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs Qwen2-MoE's).
-"""
+alternating, YaRN. Llama 4 (text): mixtures (sigmoid router, top-k scaling the experts' inputs, an ungated shared
+expert; Maverick's between dense layers), NoPE layers with full attention and temperature, RoPE layers chunked,
+interleaved, L2-normed. Qwen3.5 (text): Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs
+Qwen2-MoE's); Qwen3-Next: Qwen3.5-MoE's layers, Gated DeltaNet's projections fused key head by key head."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.model import SHARED_EXPERT_MODULES
 from jaxtune.errors import JaxtuneError
 
 
@@ -24,12 +25,14 @@ class Family:
     """model_type: transformers' name. from_hf(hf, where, rope) -> the family's `ModelConfig` fields, given
     `rope(params, default_theta)` -> (theta, RopeScaling | None) reading one RoPE entry. fixed: fields the family
     fixes (a config that changes one has no transformers counterpart). to_hf(cfg, hf) -> its own config.json keys,
-    given the shared ones already written (`hf`)."""
+    given the shared ones already written (`hf`). peft_experts_by_mlp_names: PEFT (under transformers 5) reads a
+    LoRA adapter's gate_proj/up_proj/down_proj targets, a shared expert's too, as the routed experts."""
 
     model_type: str
     from_hf: Callable[[dict, str, Callable], dict]
     fixed: dict[str, Any]
     to_hf: Callable[[ModelConfig, dict], dict]
+    peft_experts_by_mlp_names: bool = False
 
 
 def _layer_types(windows: tuple[int, ...]) -> list[str]:
@@ -149,11 +152,11 @@ GPT_OSS_FIXED = dict(hidden_act="clamped_swiglu", router_bias=True, expert_bias=
 
 def _llama4_from_hf(hf: dict, where: str, rope: Callable) -> dict:
     layers = int(hf["num_hidden_layers"])
-    moe_layers = hf.get("moe_layers")
     step = int(hf.get("interleave_moe_layer_step") or 1)
-    if (moe_layers is not None and list(moe_layers) != list(range(layers))) or (moe_layers is None and step != 1):
-        raise JaxtuneError(f"{where}: dense layers between the mixtures (interleave_moe_layer_step={step}, "
-                           "Llama 4 Maverick's) are not supported; every layer a mixture (Scout's) is")
+    moe_layers = hf.get("moe_layers")
+    moe_layers = set(range(step - 1, layers, step) if moe_layers is None else moe_layers)
+    if not moe_layers or moe_layers - set(range(layers)):
+        raise JaxtuneError(f"{where}: moe_layers {sorted(moe_layers)} must name some of the layers 0..{layers - 1}")
     interval = int(hf.get("no_rope_layer_interval") or 4)
     uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     chunk = int(hf.get("attention_chunk_size") or 0)
@@ -168,6 +171,7 @@ def _llama4_from_hf(hf: dict, where: str, rope: Callable) -> dict:
                 num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
                 expert_size=int(hf["intermediate_size"]), shared_expert_size=int(hf["intermediate_size"]),
                 intermediate_size=int(hf.get("intermediate_size_mlp") or hf["intermediate_size"]),
+                dense_layers=tuple(i for i in range(layers) if i not in moe_layers),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
                 output_router_logits=bool(hf.get("output_router_logits", False)), **LLAMA4_FIXED, **_bias(hf))
 
@@ -179,13 +183,20 @@ def _llama4_to_hf(cfg: ModelConfig, hf: dict) -> dict:
                            "as each expert are what transformers' Llama 4 holds")
     return {**_bias_to_hf(cfg), "intermediate_size": cfg.expert_size, "intermediate_size_mlp": cfg.intermediate_size,
             "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
-            "moe_layers": list(range(cfg.num_layers)), "interleave_moe_layer_step": 1,
+            "moe_layers": list(cfg.mixture_layers), "interleave_moe_layer_step": _interleave_step(cfg),
             "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)],
             "attention_chunk_size": chunks.pop() if chunks else None,
             "layer_types": ["chunked_attention" if w < 0 else "full_attention" for w in cfg.sliding_windows],
             "use_qk_norm": cfg.qk_l2_norm, "attn_temperature_tuning": bool(cfg.temperature_floor),
             "floor_scale": cfg.temperature_floor or 8192, "attn_scale": cfg.temperature_scale,
             "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits}
+
+
+def _interleave_step(cfg: ModelConfig) -> int:
+    """Llama 4's interleave_moe_layer_step: s when the mixtures are layers s - 1, 2s - 1, ... (moe_layers, written
+    beside it, rules either way)."""
+    return next((s for s in range(1, cfg.num_layers + 1)
+                 if cfg.mixture_layers == tuple(range(s - 1, cfg.num_layers, s))), 1)
 
 
 LLAMA4_FIXED = dict(rope_interleaved=True, router_activation="sigmoid", expert_input_scaled=True,
@@ -235,6 +246,25 @@ def _qwen3_5_moe_to_hf(cfg: ModelConfig, hf: dict) -> dict:
             "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits}
 
 
+def _qwen3_next_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    if not int(hf.get("num_experts") or 0):
+        return {**_qwen3_5_from_hf(hf, where, rope), "linear_attention_fused": True}
+    layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
+    dense = sorted({*(hf.get("mlp_only_layers") or []), *(i for i in range(layers) if (i + 1) % step)})
+    if dense:
+        raise JaxtuneError(f"{where}: mlp_only_layers / decoder_sparse_step make layers {dense} dense MLPs between "
+                           "mixtures; jaxtune reads Qwen3-Next with every layer a mixture (as released) or none")
+    return {**_qwen3_5_moe_from_hf(hf, where, rope), "normalize_top_k": bool(hf.get("norm_topk_prob", True)),
+            "linear_attention_fused": True}
+
+
+def _qwen3_next_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    if not cfg.num_experts:
+        return {**_qwen3_5_to_hf(cfg, hf), "num_experts": 0}
+    return {**_qwen3_5_moe_to_hf(cfg, hf), "norm_topk_prob": cfg.normalize_top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
 QWEN3_5_MOE_FIXED = dict(normalize_top_k=True, shared_expert_gated=True, router_activation="softmax")
 QWEN3_5_FIXED = dict(attention_output_gate=True, norm_unit_offset=True, qk_norm=True, hidden_act="silu",
                      mlp_bias=False, sliding_windows=())
@@ -256,7 +286,18 @@ FAMILIES = {
                                     to_hf=_qwen3_5_moe_to_hf,
                                     fixed={**{k: v for k, v in QWEN3_5_FIXED.items() if k != "sliding_windows"},
                                            **QWEN3_5_MOE_FIXED}),
+    "Qwen3NextForCausalLM": Family(model_type="qwen3_next", from_hf=_qwen3_next_from_hf, to_hf=_qwen3_next_to_hf,
+                                   fixed={**{k: v for k, v in QWEN3_5_FIXED.items() if k != "sliding_windows"},
+                                          "linear_attention_fused": True, "shared_expert_gated": True,
+                                          "router_activation": "softmax"}, peft_experts_by_mlp_names=True),
 }
+
+
+def peft_unloadable(cfg: ModelConfig) -> tuple[str, ...]:
+    """The linear modules whose LoRA PEFT does not load on `cfg`'s family (a shared expert's, where PEFT takes its
+    names for the routed experts')."""
+    family = FAMILIES.get(cfg.architecture)
+    return SHARED_EXPERT_MODULES if family is not None and family.peft_experts_by_mlp_names else ()
 
 
 def family_to_hf(cfg: ModelConfig, hf: dict) -> dict:

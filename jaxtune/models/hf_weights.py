@@ -131,14 +131,14 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False, mxfp4: bool 
     expected: dict[str, tuple[int, ...]] = {}
     stacked = cfg.architecture in stacked_experts.INTERLEAVED
     if stacked:
-        expected.update(stacked_experts.expected(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_size,
-                                                 mxfp4, cfg.expert_bias))
+        expected.update(stacked_experts.expected(cfg.module_layers("experts"), cfg.num_experts, cfg.hidden_size,
+                                                 cfg.expert_size, mxfp4, cfg.expert_bias))
     for path, spec in _leaf_paths(param_specs(cfg)):
         if _is_expert(path) and stacked:
             continue
         if _is_expert(path):
             E, d_in, d_out = spec.shape[1:]
-            for i in range(cfg.num_layers):
+            for i in cfg.module_layers("experts"):
                 if fused_experts:
                     expected[fused_expert_name(path[2], i)] = (E, d_out, d_in)
                     continue
@@ -268,31 +268,32 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
 
 
 def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, tensor) -> list[tuple]:
-    """The hub tensors of an expert stack [L, E, in, out] (or a merged layer from `tensor`): each expert's parts,
-    [out, in]; a layer is gathered once for all its experts' tensors."""
+    """The hub tensors of an expert stack [L, E, in, out] (or a merged layer from `tensor`; its rows the mixture's
+    layers): each expert's parts, [out, in]; a layer is gathered once for all its experts' tensors."""
     entries: list[tuple] = []
     held: dict[int, Any] = {}
     full = (leaf.bits.shape if isinstance(leaf, BitPattern) else leaf.shape)[1:]
 
-    def layer_of(i):
-        if i not in held:
+    def row_of(row):
+        if row not in held:
             held.clear()
-            value = None if tensor is None else tensor(path, i)
-            held[i] = host_array(jax.tree.map(lambda a: a[i], leaf) if value is None else value)
-        return held[i]
+            value = None if tensor is None else tensor(path, row)
+            held[row] = host_array(jax.tree.map(lambda a: a[row], leaf) if value is None else value)
+        return held[row]
 
+    layers = enumerate(cfg.module_layers("experts"))
     if cfg.architecture in stacked_experts.INTERLEAVED:  # one tensor a layer and leaf, [E, in, out] or [E, out]
         part, interleaved = "_bias" if path[3] == "bias" else "", stacked_experts.INTERLEAVED[cfg.architecture]
         return [(stored_name(stacked_experts.tensor_name(i, path[2], part), cfg), full, out_dtype,
-                 lambda i=i: stacked_experts.as_stored(path[2], layer_of(i), interleaved).astype(out_dtype))
-                for i in range(cfg.num_layers)]
+                 lambda row=row: stacked_experts.as_stored(path[2], row_of(row), interleaved).astype(out_dtype))
+                for row, i in layers]
     E, d_in, d_out = full
-    for i in range(cfg.num_layers):
+    for row, i in layers:
         for e in range(E):
             names = expert_tensor_names(path[2], i, e)
             width = d_out // len(names)
             for j, name in enumerate(names):
-                produce = lambda i=i, e=e, j=j, w=width: layer_of(i)[e][:, j * w:(j + 1) * w].T.astype(out_dtype)
+                produce = lambda row=row, e=e, j=j, w=width: row_of(row)[e][:, j * w:(j + 1) * w].T.astype(out_dtype)
                 entries.append((stored_name(name, cfg), (width, d_in), out_dtype, produce))
     return entries
 

@@ -169,24 +169,25 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
     linear = cache.linear
-    if linear is None:
+    if len(set(cfg.layer_kinds)) == 1 and linear is None:
         x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
                                                                              cache.v))
-    else:  # Qwen3.5: its attention and linear-attention layers in one scan over their periods
+    else:  # layers of several kinds (Qwen3.5's linear attention, Maverick's dense MLPs): one scan over their periods
         every = tuple(range(cfg.num_layers))
         items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
         items.update({"per_layer.window": (windows_L, every), "per_layer.table": (tables_L, every),
-                      "per_layer.kv": ((cache.k, cache.v), cfg.attention_layers),
-                      "per_layer.state": (linear, cfg.linear_attention_layers)})
+                      "per_layer.kv": ((cache.k, cache.v), cfg.attention_layers)})
+        if linear is not None:
+            items["per_layer.state"] = (linear, cfg.linear_attention_layers)
 
-        def mixed_block(x, rows, is_linear):
+        def mixed_block(x, rows, kind):
             layer = {name: rows[name] for name in layers if name in rows}
-            if is_linear:
+            if kind[0]:
                 return linear_block(x, layer, rows["per_layer.state"])
             return block(x, (layer, rows["per_layer.window"], rows["per_layer.table"], *rows["per_layer.kv"]))
 
         x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg)
-        (k_LxBxTxKxh, v_LxBxTxKxh), linear = by_kind[False], by_kind[True]
+        (k_LxBxTxKxh, v_LxBxTxKxh), linear = by_kind[False], by_kind.get(True)
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
     k, v = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 2, 3), (0, 0, 0, start, 0))
             for a, new in ((cache.k, k_LxBxTxKxh), (cache.v, v_LxBxTxKxh)))

@@ -1,6 +1,7 @@
-"""Scanning layers of two kinds, Qwen3.5's Gated DeltaNet layers between its attention layers, each kind's modules
-stacked over its own layers. `stacks` maps a name to (a pytree whose leaves are stacked over some layers, those
-layers); layer(x, rows, linear) runs one layer on its rows (the names holding it).
+"""Scanning layers of several kinds (`ModelConfig.layer_kinds`: Qwen3.5's Gated DeltaNet layers between its
+attention layers, Llama 4 Maverick's dense MLP layers between its mixtures), each kind's modules stacked over its own
+layers. `stacks` maps a name to (a pytree whose leaves are stacked over some layers, those layers); layer(x, rows,
+kind) runs one layer of `kind` (linear, dense) on its rows (the names holding it).
 
 `scan_layers_by_kind` (training): one scan step a layer, switching to its kind, its rows read by index from the
 stacks (loop constants, never copied); the backward holds one layer's work at a time (unrolled layers' would be
@@ -20,50 +21,48 @@ from jaxtune.config import ModelConfig
 
 def scan_layers_by_kind(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig,
                         wrap=lambda fn: fn) -> tuple[jax.Array, Any]:
-    """(x after every layer, layer's outputs stacked over the L layers; one structure for both kinds). wrap(fn) ->
-    fn: the step's remat round fn(x, per_layer, stacks) (under remat "none" the switch keeps both kinds' residuals
+    """(x after every layer, layer's outputs stacked over the L layers; one structure for every kind). wrap(fn) ->
+    fn: the step's remat round fn(x, per_layer, stacks) (under remat "none" the switch keeps every kind's residuals
     a layer, and the rows it read)."""
-    L = cfg.num_layers
-    linear = set(cfg.linear_attention_layers)
+    L, kinds = cfg.num_layers, cfg.layer_kinds
+    present = sorted(set(kinds))  # a model of one kind needs no switch
     trees = {name: tree for name, (tree, _) in stacks.items()}
     index = {name: jnp.asarray([layers.index(i) if i in layers else 0 for i in range(L)], jnp.int32)
              for name, (_, layers) in stacks.items()}
 
-    def kind(is_linear: bool):
-        names = [name for name, (_, layers) in stacks.items() if any((i in linear) == is_linear for i in layers)]
+    def branch(kind: tuple[bool, bool]):
+        names = [name for name, (_, layers) in stacks.items() if any(kinds[i] == kind for i in layers)]
 
         def run(x, trees, rows_i):
             rows = {name: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, rows_i[name], keepdims=False),
                                        trees[name]) for name in names}
-            return layer(x, rows, is_linear)
+            return layer(x, rows, kind)
         return run
 
-    present = sorted({i in linear for i in range(L)})  # a model of one kind needs no switch
-
     def one(x, per_layer, trees):
-        is_linear, rows_i = per_layer
+        kind_i, rows_i = per_layer
         if len(present) == 1:
-            return kind(present[0])(x, trees, rows_i)
-        return jax.lax.switch(is_linear, [kind(False), kind(True)], x, trees, rows_i)
+            return branch(present[0])(x, trees, rows_i)
+        return jax.lax.switch(kind_i, [branch(kind) for kind in present], x, trees, rows_i)
 
     step = wrap(one)
-    kinds = jnp.asarray([i in linear for i in range(L)], jnp.int32)
-    return jax.lax.scan(lambda x, per_layer: step(x, per_layer, trees), x, (kinds, index))
+    kind_L = jnp.asarray([present.index(kind) for kind in kinds], jnp.int32)
+    return jax.lax.scan(lambda x, per_layer: step(x, per_layer, trees), x, (kind_L, index))
 
 
 def layer_period(cfg: ModelConfig) -> int:
     """The smallest P dividing L such that layer i and layer i + P are of one kind."""
-    L, linear = cfg.num_layers, set(cfg.linear_attention_layers)
-    return next(p for p in range(1, L + 1) if L % p == 0 and all((i in linear) == (i % p in linear) for i in range(L)))
+    L, kinds = cfg.num_layers, cfg.layer_kinds
+    return next(p for p in range(1, L + 1) if L % p == 0 and all(kinds[i] == kinds[i % p] for i in range(L)))
 
 
 def scan_layer_groups(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig
                       ) -> tuple[jax.Array, dict[bool, Any]]:
-    """(x after every layer, {linear: layer's outputs stacked over the layers of that kind}). Every name's layers
-    must follow the period (as `ModelConfig.module_layers` do)."""
+    """(x after every layer, {linear: layer's outputs stacked over the layers whose token mixer is (not) linear}).
+    Every name's layers must follow the period (as `ModelConfig.module_layers` do)."""
     P = layer_period(cfg)
     G = cfg.num_layers // P
-    linear = set(cfg.linear_attention_layers)
+    kinds = cfg.layer_kinds
     within = {name: [i for i in layers if i < P] for name, (_, layers) in stacks.items()}  # the first period's
     grouped = {name: jax.tree.map(lambda a, n=len(within[name]): a.reshape(G, n, *a.shape[1:]), tree)
                for name, (tree, _) in stacks.items()}
@@ -73,8 +72,8 @@ def scan_layer_groups(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[in
         for j in range(P):
             rows = {name: jax.tree.map(lambda a, k=within[name].index(j): a[k], group[name])
                     for name in group if j in within[name]}
-            x, out = layer(x, rows, j in linear)
-            outs[j in linear].append(out)
+            x, out = layer(x, rows, kinds[j])
+            outs[kinds[j][0]].append(out)
         return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *o) for kind, o in outs.items() if o}
 
     x, outs = jax.lax.scan(period, x, grouped)

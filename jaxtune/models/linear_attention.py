@@ -1,7 +1,8 @@
 """Qwen3.5's (and Qwen3-Next's) linear-attention layer, Gated DeltaNet as transformers runs it: `in_proj_qkv` through
 a causal depthwise convolution (silu), split into L2-normed queries and keys and values; the gated delta rule
 (`gated_deltanet.py`) with beta = sigmoid(in_proj_b x) and log decay g = -exp(A_log) softplus(in_proj_a x + dt_bias);
-each head's output RMS-normed, scaled by `norm.weight` and by silu(in_proj_z x), then `out_proj`.
+each head's output RMS-normed, scaled by `norm.weight` and by silu(in_proj_z x), then `out_proj`. Qwen3-Next's
+fused `in_proj_qkvz` and `in_proj_ba` hold the same columns grouped by key head (`_projections`).
 
 `gated_deltanet_layer` runs T tokens from a `LinearState` (the convolution's last inputs and the rule's state: what a
 decode carries from step to step) and returns the state after them; None starts from zeros (training).
@@ -40,6 +41,23 @@ def empty_state(cfg: ModelConfig, batch: int, dtype) -> LinearState:
 def _project(x, layer: dict, name: str, adapters: Adapters):
     name = f"linear_attn.{name}"
     return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])
+
+
+def _projections(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters) -> tuple[jax.Array, ...]:
+    """(qkv [B, T, 2 keys + values] as the convolution reads it, z [B, T, values], b and a [B, T, value heads]);
+    from Qwen3-Next's fused projections, whose columns run key head by key head: its query, its key, its value
+    heads' values, their gates (b then a in `in_proj_ba`)."""
+    if not cfg.linear_attention_fused:
+        return tuple(_project(x_BxTxD, layer, name, adapters) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                             "in_proj_a"))
+    B, T, _ = x_BxTxD.shape
+    Hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // Hk
+    qkvz = _project(x_BxTxD, layer, "in_proj_qkvz", adapters).reshape(B, T, Hk, 2 * dk + 2 * r * dv)
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    b, a = jnp.split(_project(x_BxTxD, layer, "in_proj_ba", adapters).reshape(B, T, Hk, 2 * r), 2, axis=-1)
+    qkv = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+    return qkv, z.reshape(B, T, -1), b.reshape(B, T, -1), a.reshape(B, T, -1)
 
 
 def causal_conv(x_BxTxC: jax.Array, weight_Cx1xK: jax.Array, history_BxKxC: jax.Array,
@@ -81,15 +99,15 @@ def gated_deltanet_layer(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adap
     if valid_BxT is not None:
         x_BxTxD = x_BxTxD * valid_BxT[..., None].astype(x_BxTxD.dtype)
     state = empty_state(cfg, B, x_BxTxD.dtype) if state is None else state
-    qkv_BxTxC, conv_BxKxC = causal_conv(_project(x_BxTxD, layer, "in_proj_qkv", adapters),
-                                        layer["linear_attn.conv1d"]["weight"], state.conv_BxKxC, segment_ids_BxT)
+    qkv_BxTxC, z_BxTxV, b_BxTxN, a_BxTxN = _projections(x_BxTxD, layer, cfg, adapters)
+    qkv_BxTxC, conv_BxKxC = causal_conv(qkv_BxTxC, layer["linear_attn.conv1d"]["weight"], state.conv_BxKxC,
+                                        segment_ids_BxT)
     q, k, v = jnp.split(qkv_BxTxC, [Hk * dk, 2 * Hk * dk], axis=-1)
     q, k, v = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Nv, dv)
     f32 = wide(x_BxTxD.dtype)
-    beta_BxTxN = jax.nn.sigmoid(_project(x_BxTxD, layer, "in_proj_b", adapters))
-    a_BxTxN = _project(x_BxTxD, layer, "in_proj_a", adapters).astype(f32)
+    beta_BxTxN = jax.nn.sigmoid(b_BxTxN)
     g_BxTxN = -jnp.exp(layer["linear_attn.A_log"].astype(f32)) * jax.nn.softplus(
-        a_BxTxN + layer["linear_attn.dt_bias"].astype(f32))
+        a_BxTxN.astype(f32) + layer["linear_attn.dt_bias"].astype(f32))
     if T == 1:
         out_BxTxNxV, recurrent = recurrent_gated_delta_rule(q, k, v, g_BxTxN, beta_BxTxN,
                                                             state_BxNxKxV=state.recurrent_BxNxKxV)
@@ -98,7 +116,7 @@ def gated_deltanet_layer(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adap
             segment_ids_BxT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
         out_BxTxNxV, recurrent = chunk_gated_delta_rule(q, k, v, g_BxTxN, beta_BxTxN, reset_BxT=reset_BxT,
                                                         state_BxNxKxV=state.recurrent_BxNxKxV)
-    z_BxTxNxV = _project(x_BxTxD, layer, "in_proj_z", adapters).reshape(B, T, Nv, dv)
+    z_BxTxNxV = z_BxTxV.reshape(B, T, Nv, dv)
     normed = gated_rms_norm(out_BxTxNxV, z_BxTxNxV, layer["linear_attn.norm"]["weight"], cfg.rms_norm_eps)
     out_BxTxD = _project(normed.reshape(B, T, Nv * dv), layer, "out_proj", adapters)
     return out_BxTxD, LinearState(conv_BxKxC.astype(state.conv_BxKxC.dtype), recurrent.astype(f32))

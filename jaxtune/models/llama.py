@@ -352,11 +352,11 @@ def decoder_and_routing(
     valid_BxT = (attention_mask_BxT > 0 if attention_mask_BxT is not None
                  else segment_ids_BxT > 0 if segment_ids_BxT is not None else jnp.ones(tokens_BxT.shape, bool))
     use_dropout = dropout_key is not None and view.dropout_rate > 0  # else no key enters the scan: no random work
-    hybrid = bool(cfg.linear_attention_layers)
-    if hybrid and context is not None:
+    if cfg.linear_attention_layers and context is not None:
         raise JaxtuneError(f"{cfg.architecture}'s Gated DeltaNet layers carry a state along the row: a [mesh] context "
                            "axis, which splits rows over devices, is not supported; train on one device's length")
-    stacks, layers = ({}, layers) if hybrid else unsliced_kernels(layers, dtype)
+    by_kind = bool(cfg.linear_attention_layers or cfg.dense_layers)  # modules stacked over their own layers
+    stacks, layers = ({}, layers) if by_kind else unsliced_kernels(layers, dtype)
     padded_BxT = None if attention_mask_BxT is None and segment_ids_BxT is None else valid_BxT  # zeroed there
 
     def layer_block(x_BxTxD, per_layer, shared, linear=False):
@@ -384,18 +384,22 @@ def decoder_and_routing(
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     routing: tuple[jax.Array, jax.Array] | None  # a mixture's (assigned [L, E], probability sums [L, E])
-    if hybrid:
+    if by_kind:
         every = tuple(range(cfg.num_layers))
         items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
         items.update({f"per_layer.{i}": (a, every) for i, a in enumerate(per_layer[1:])})
+        no_routing = (jnp.zeros(cfg.num_experts, jnp.float32),) * 2  # a dense layer's, beside the mixtures'
 
-        def mixed_block(x, rows, linear):
+        def mixed_block(x, rows, kind):
             layer = {name: rows[name] for name in layers if name in rows}
             one = (layer, *(rows[f"per_layer.{i}"] for i in range(len(per_layer) - 1)))
-            return layer_block(x, one, shared, linear)
+            x, routing = layer_block(x, one, shared, kind[0])
+            return x, no_routing if routing is None and cfg.num_experts else routing
 
         x_BxTxD, routing = scan_layers_by_kind(mixed_block, x_BxTxD, items, cfg,
                                                lambda fn: remat_layer(fn, options.remat, dtype))
+        if cfg.dense_layers:  # the load-balancing loss counts the mixtures' layers
+            routing = jax.tree.map(lambda a: a[jnp.asarray(cfg.mixture_layers)], routing)
     elif options.scan_layers:
         x_BxTxD, routing = jax.lax.scan(block, x_BxTxD, per_layer)
     else:

@@ -53,7 +53,8 @@ LINEAR_AXES = {  # logical axes (in, out) of each per-layer linear module's kern
     # Gated DeltaNet's: its heads' query, key and value columns are one projection, convolved before the split
     "linear_attn.in_proj_qkv": ("embed", None), "linear_attn.in_proj_z": ("embed", None),
     "linear_attn.in_proj_b": ("embed", None), "linear_attn.in_proj_a": ("embed", None),
-    "linear_attn.out_proj": (None, "embed"),
+    "linear_attn.out_proj": (None, "embed"), "linear_attn.in_proj_qkvz": ("embed", None),
+    "linear_attn.in_proj_ba": ("embed", None),
 }
 EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixture's expert stacks [L, E, in, out]
                "down_proj": ("layers", "experts", "mlp", "embed")}
@@ -61,15 +62,16 @@ EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixtu
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str | None, str | None]]]:
     """(in, out, logical axes) of each per-layer linear module of `cfg`, keyed by its Hugging Face name."""
-    D, F, q, kv = cfg.hidden_size, cfg.mlp_size, cfg.q_size, cfg.kv_size
+    D, F, S, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.shared_expert_size, cfg.q_size, cfg.kv_size
     keys, values, heads = cfg.linear_key_size, cfg.linear_value_size, cfg.linear_num_value_heads
     sizes = {"q_proj": (D, q * (1 + cfg.attention_output_gate)), "k_proj": (D, kv), "v_proj": (D, kv),
              "o_proj": (q, D), "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D),
-             "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F), "shared_expert.gate_proj": (D, F),
-             "shared_expert.up_proj": (D, F), "shared_expert.down_proj": (F, D),
+             "qkv_proj": (D, q + 2 * kv), "gate_up_proj": (D, 2 * F), "shared_expert.gate_proj": (D, S),
+             "shared_expert.up_proj": (D, S), "shared_expert.down_proj": (S, D),
              "linear_attn.in_proj_qkv": (D, 2 * keys + values), "linear_attn.in_proj_z": (D, values),
              "linear_attn.in_proj_b": (D, heads), "linear_attn.in_proj_a": (D, heads),
-             "linear_attn.out_proj": (values, D)}
+             "linear_attn.out_proj": (values, D), "linear_attn.in_proj_qkvz": (D, 2 * keys + 2 * values),
+             "linear_attn.in_proj_ba": (D, 2 * heads)}
     return {name: (*sizes[name], LINEAR_AXES[name]) for name in cfg.linear_modules}
 
 
@@ -109,8 +111,8 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def expert_specs(cfg: ModelConfig) -> dict:
-    """A mixture's router, experts and (Qwen2-MoE) shared expert gate, stacked over the layers."""
-    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    """A mixture's router, experts and (Qwen2-MoE) shared expert gate, stacked over its layers."""
+    L, D, E, F = len(cfg.mixture_layers), cfg.hidden_size, cfg.num_experts, cfg.expert_size
     router: dict[str, ParamSpec] = {"kernel": ParamSpec((L, D, E), ("layers", "embed", None))}
     gate_up: dict[str, ParamSpec] = {"kernel": ParamSpec((L, E, D, 2 * F), EXPERT_AXES["gate_up_proj"])}
     down: dict[str, ParamSpec] = {"kernel": ParamSpec((L, E, F, D), EXPERT_AXES["down_proj"])}

@@ -23,10 +23,11 @@ def tensor_name(layer: int, stack: str, part: str = "") -> str:
     return f"model.layers.{layer}.mlp.experts.{stack}{part}"
 
 
-def expected(L: int, E: int, D: int, F: int, quantized: bool, bias: bool) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of every layer's experts, as transformers holds them or (`quantized`) as MXFP4."""
+def expected(layers: tuple[int, ...], E: int, D: int, F: int, quantized: bool, bias: bool
+             ) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the experts of `layers`, as transformers holds them or (`quantized`) as MXFP4."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(L):
+    for i in layers:
         for stack, (d_in, d_out) in (("gate_up_proj", (D, 2 * F)), ("down_proj", (F, D))):
             if quantized:
                 shapes[tensor_name(i, stack, "_blocks")] = (E, d_out, d_in // 32, 16)

@@ -10,6 +10,7 @@ as the MLP's width; a Gated DeltaNet layer its own set (`linear_layer_saved`). T
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from jaxtune.config import ModelConfig
@@ -346,6 +347,15 @@ class ActivationBytes:
     logits: int
 
 
+def _union(*kinds: list) -> list:
+    """The tensors of several kinds' lists, each (shape, float32) as many times as the most any kind holds."""
+    counts: dict = {}
+    for tensors in kinds:
+        for key, n in Counter((shape, f32) for _, shape, f32 in tensors).items():
+            counts[key] = max(counts.get(key, 0), n)
+    return [("union", shape, f32) for (shape, f32), n in counts.items() for _ in range(n)]
+
+
 def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize: int, nbytes,
                      logits_copies: int = 2, global_rows: int | None = None, loose_nbytes=None,
                      workspace_itemsize: int | None = None) -> ActivationBytes:
@@ -375,10 +385,10 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     logits_one = nbytes((w.b, chunk, w.V), 4)
     if w.context > 1 and chunk >= w.T:  # one tile a device: three chunk buffers at least (measured on XLA:CPU)
         logits_copies = max(logits_copies, 3)
-    saved = saved_tensors(cfg, method, policy, w)
-    if policy == "none":  # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
-        saved += [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
-                  ("attention log-sum-exp", (w.b, w.T, w.heads), True)]
+    # the attention kernel's residuals; a remat'd layer recomputes them in its workspace
+    kernel_saved = [("attention output", (w.b, w.T, w.heads, w.head_dim), False),
+                    ("attention log-sum-exp", (w.b, w.T, w.heads), True)] * (policy == "none")
+    saved = saved_tensors(cfg, method, policy, w) + kernel_saved
     saved_bytes = len(cfg.attention_layers) * size(saved)
     if cfg.linear_attention_layers:  # a layer's step switches between the kinds: each keeps its own workspace
         linear = linear_layer_saved(cfg, method, "none", untiled)
@@ -390,6 +400,17 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
             saved_bytes = cfg.num_layers * (saved_bytes // len(cfg.attention_layers) + linear_saved)
         else:
             saved_bytes += len(cfg.linear_attention_layers) * linear_saved
+    if cfg.dense_layers:  # Maverick's dense MLP layers: the switch's other kind
+        dense_cfg = cfg.replace(num_experts=0, dense_layers=(), shared_expert_size=0)
+        w_dense = replace(w, F=w.F * cfg.intermediate_size // mlp_width(cfg), megablox=False, expert_rows=1)
+        dense = activation_bytes(dense_cfg, method, policy, w_dense, itemsize, nbytes, logits_copies, global_rows,
+                                 loose_nbytes, workspace_itemsize)
+        dense_saved = saved_tensors(dense_cfg, method, policy, w_dense) + kernel_saved
+        if policy == "none":  # each layer keeps both kinds' residuals, those of one shape and type shared (jax's
+            saved_bytes = cfg.num_layers * size(_union(saved, dense_saved))  # cond merges branch residuals so)
+        else:
+            saved_bytes = len(cfg.mixture_layers) * size(saved) + len(cfg.dense_layers) * size(dense_saved)
+        workspace = max(workspace, dense.workspace)
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
     return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one))

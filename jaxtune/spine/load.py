@@ -103,8 +103,9 @@ def _quantized_leaf(reader, keys: tuple[str, ...], leaf: QuantizedArray, cfg: Mo
     for i in range(L):
         for e in range(cfg.num_experts) if experts else [None]:
             def rows(a, b, i=i, e=e):  # torch's layout [out, in]
-                if experts:  # in every layer
-                    return expert_rows(reader, keys[2], i, e, slice(a, b), slice(None), size)
+                if experts:  # row i of the stack: the mixture's i-th layer
+                    return expert_rows(reader, keys[2], cfg.module_layers("experts")[i], e, slice(a, b), slice(None),
+                                       size)
                 return _read(reader, keys, i, (slice(None), slice(a, b)), cfg).T
             q = quantize_by_rows(rows, (d_in, d_out), leaf.dtype, bits, double_quant)
             at = (i,) if e is None else (i, e)

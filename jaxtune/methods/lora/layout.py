@@ -1,5 +1,5 @@
 """Which modules of which layers LoRA adapts, with which rank and alpha: PEFT's rules on our modules
-(`lora_layout -> {module: ModuleLoRA}`, `layer_scales`, `module_scales`; the target fields' own rules are
+(`lora_layout -> {module: ModuleLoRA}`, `module_scales`; the target fields' own rules are
 `methods.targets.is_target`).
 
 After the target fields, PEFT takes rank_pattern and alpha_pattern per module path (`get_pattern_key`: the first key
@@ -51,7 +51,8 @@ class ModuleLoRA:
         return len(set(self.ranks)) == 1 and len(set(self.alphas)) == 1
 
 
-def _pattern_value(patterns: tuple[tuple[str, float], ...], path: str, default):
+def pattern_value(patterns: tuple[tuple[str, float], ...], path: str, default):
+    r"""PEFT's `get_pattern_key`: the value of the first key whose regex `(.*\.)?key$` matches `path`."""
     return next((value for key, value in patterns if re.match(rf"(.*\.)?({key})$", path)), default)
 
 
@@ -65,10 +66,10 @@ def lora_layout(method: LoRAConfig, stacks: Stacks) -> dict[str, ModuleLoRA]:
     layout = {}
     for name, layers in stacks:
         paths = [module_path(name, i) for i in layers]
-        ranks = tuple(int(_pattern_value(method.rank_pattern, p, method.rank)) if is_target(method, p) else 0
+        ranks = tuple(int(pattern_value(method.rank_pattern, p, method.rank)) if is_target(method, p) else 0
                       for p in paths)
         if any(ranks):
-            alphas = tuple(float(_pattern_value(method.alpha_pattern, p, method.alpha)) if r else 0.0
+            alphas = tuple(float(pattern_value(method.alpha_pattern, p, method.alpha)) if r else 0.0
                            for p, r in zip(paths, ranks))
             layout[name] = ModuleLoRA(layers, ranks, alphas, method.rslora)
     if not layout and not method.target_parameters:
@@ -79,23 +80,6 @@ def lora_layout(method: LoRAConfig, stacks: Stacks) -> dict[str, ModuleLoRA]:
                            f"{', '.join(names)}; module paths look like {module_path(names[0], stacks[0][1][0])!r}"
                            + FUSED_HINT * ("qkv_proj" in names))
     return layout
-
-
-def layer_scales(method: LoRAConfig, stacks: Stacks) -> float | dict[str, np.ndarray]:
-    """The LoRA scale the forward multiplies by: one float when every adapted module and layer shares it (the
-    common case: the compiled program is the plain one), else per module a [L] array (0 where not adapted).
-
-    A layer that is not adapted needs no scale for LoRA (its zero `lora_a`/`lora_b` add nothing), but does for
-    DoRA, whose magnitude would otherwise rescale it: scale 0 turns DoRA's m / ||W + s B A|| into 1 there.
-    """
-    layout = lora_layout(method, stacks)
-    active = {float(s) for m in layout.values() for s, r in zip(m.scales, m.ranks) if r}
-    skipped = any(0 in m.ranks for m in layout.values())
-    if not active:  # experts alone (target_parameters): one rank and alpha everywhere
-        return method.lora_scale
-    if len(active) == 1 and not (method.dora and skipped):
-        return active.pop()
-    return {name: m.scales for name, m in layout.items()}
 
 
 def module_scales(method: LoRAConfig, name: str, layers: tuple[int, ...]) -> jnp.ndarray:

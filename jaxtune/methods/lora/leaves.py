@@ -49,13 +49,13 @@ def _lora_leaves(kernel, lora: ModuleLoRA, method: LoRAConfig, key) -> dict:
     return leaves
 
 
-def _expert_lora_leaves(kernel, method: LoRAConfig, key) -> dict:
+def _expert_lora_leaves(kernel, rank: int, key) -> dict:
     """LoRA's leaves for an expert stack [L, E, in, out]: each expert's A (PEFT's ParamWrapper draws its lora_A
     [r E, in] kaiming-uniform, bound 1 / sqrt(in)) and B (zeros)."""
     L, E, d_in, d_out = full_shape(kernel)
     bound = 1 / math.sqrt(d_in)
-    return {"lora_a": jax.random.uniform(key, (L, E, d_in, method.rank), jnp.float32, -bound, bound),
-            "lora_b": jnp.zeros((L, E, method.rank, d_out), jnp.float32)}
+    return {"lora_a": jax.random.uniform(key, (L, E, d_in, rank), jnp.float32, -bound, bound),
+            "lora_b": jnp.zeros((L, E, rank, d_out), jnp.float32)}
 
 
 def add_lora(params: dict, cfg: ModelConfig, method: LoRAConfig, key: jax.Array) -> dict:
@@ -68,7 +68,8 @@ def add_lora(params: dict, cfg: ModelConfig, method: LoRAConfig, key: jax.Array)
         raise JaxtuneError(f"target_parameters {list(method.target_parameters)}: a {cfg.architecture} has no experts")
     for i, name in enumerate(method.expert_modules):
         experts = layers["experts"]
-        leaves = _expert_lora_leaves(experts[name]["kernel"], method, jax.random.fold_in(key, 100 + i))
+        rank, _ = method.expert_lora(name, cfg.module_layers("experts"))
+        leaves = _expert_lora_leaves(experts[name]["kernel"], rank, jax.random.fold_in(key, 100 + i))
         layers["experts"] = {**experts, name: {**experts[name], **leaves}}
     return {**params, "layers": layers}
 

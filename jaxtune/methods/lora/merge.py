@@ -50,6 +50,15 @@ def _merged_experts(module: dict, scale: float, dtype=None) -> dict:
             "kernel": base.astype(dtype or module["kernel"].dtype)}
 
 
+def _expert_scale(method: LoRAConfig, name: str, module: dict, cfg: ModelConfig | None) -> float:
+    """Expert stack `name`'s LoRA scale (1 when it has no LoRA: nothing to fold) over `cfg`'s mixture layers (None:
+    every row of the stack)."""
+    if "lora_a" not in module:
+        return 1.0
+    return method.expert_lora(name, tuple(range(module["lora_a"].shape[0])) if cfg is None
+                              else cfg.module_layers("experts"))[1]
+
+
 def _scales(method: LoRAConfig, name: str, module: dict, cfg: ModelConfig | None) -> jax.Array:
     """[L] module `name`'s LoRA scales over the layers holding it (`cfg`'s; None: every layer of the stack)."""
     return module_scales(method, name, tuple(range(module["lora_a"].shape[0])) if cfg is None
@@ -67,7 +76,7 @@ def merge(params: dict, method: LoRAConfig, dtype=None, cfg: ModelConfig | None 
     layers = dict(params["layers"])
     for name, module in params["layers"].items():
         if name == "experts":
-            layers[name] = {m: _merged_experts(e, method.lora_scale, dtype) for m, e in module.items()}
+            layers[name] = {m: _merged_experts(e, _expert_scale(method, m, e, cfg), dtype) for m, e in module.items()}
         elif isinstance(module, dict) and "lora_a" in module:
             layers[name] = _merged(module, _scales(method, name, module, cfg), name, dtype)
         elif isinstance(module, dict) and isinstance(module.get("kernel"), QuantizedArray | BitPattern):  # not adapted
@@ -87,7 +96,8 @@ def merged_layer(params: dict, method: LoRAConfig, cfg: ModelConfig | None = Non
             module = params["layers"]["experts"][path[2]]
             if "lora_a" not in module:
                 return None
-            return merge_experts(jax.tree.map(lambda x: x[layer], module), method.lora_scale)["kernel"]
+            return merge_experts(jax.tree.map(lambda x: x[layer], module),
+                                 _expert_scale(method, path[2], module, cfg))["kernel"]
         module = params["layers"].get(path[1]) if path[0] == "layers" and len(path) == 3 else None
         if not isinstance(module, dict) or "lora_a" not in module:
             return None

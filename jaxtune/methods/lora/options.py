@@ -10,6 +10,7 @@ from jaxtune.config.method import AdapterForward
 from jaxtune.config.model import EXPERT_MODULES, ModelConfig
 from jaxtune.errors import ConfigError, check_choice, check_range
 from jaxtune.methods.lora.init import BASE_INITS, INITS
+from jaxtune.methods.lora.layout import pattern_value
 from jaxtune.methods.lora.product import lora_forward
 from jaxtune.methods.targets import Targeted, regex_table
 
@@ -23,7 +24,9 @@ class LoRAConfig(Targeted):
     (`lora.layout`). dropout: on the branch's input in training. `dora` adds DoRA's magnitude vector (Liu et al.
     2024); `lora_bias` gives LoRA's B a bias. target_parameters (PEFT's field): a mixture's expert stacks,
     `mlp.experts.gate_up_proj` and/or `mlp.experts.down_proj`, each expert with its own A and B (without dropout,
-    DoRA, a LoRA bias or per-layer rules, as PEFT's); target_modules may then be empty. init (PEFT's
+    DoRA, a LoRA bias or layers_to_transform, as PEFT's), a stack's rank and alpha its patterns' (one in every
+    layer: PEFT fuses a Qwen-MoE adapter's gate_proj and up_proj targets as gate_up_proj at twice both);
+    target_modules may then be empty. init (PEFT's
     `init_lora_weights`): "default" (A kaiming-uniform, B zero), "gaussian" (A ~ N(0, 1/r)), or from the base
     weights, which it changes: "pissa" (top singular vectors), "olora" (QR), or on a quantised base "loftq"
     (`loftq_iter` alternations), as `lora.init` says. loraplus_lr_ratio (PEFT's `create_loraplus_optimizer`;
@@ -83,7 +86,6 @@ class LoRAConfig(Targeted):
         if not self.target_parameters:
             return
         unsupported = {"dropout": self.dropout, "dora": self.dora, "lora_bias": self.lora_bias,
-                       "rank_pattern": self.rank_pattern, "alpha_pattern": self.alpha_pattern,
                        "layers_to_transform": self.layers_to_transform}
         for name, value in unsupported.items():
             if value:
@@ -99,6 +101,19 @@ class LoRAConfig(Targeted):
         """The expert stacks `target_parameters` adapts, in the tree's order (gate_up_proj, down_proj)."""
         named = {p.rsplit(".", 1)[-1] for p in self.target_parameters}
         return tuple(m for m in EXPERT_MODULES if m in named)
+
+    def expert_lora(self, name: str, layers: tuple[int, ...]) -> tuple[int, float]:
+        """(rank, scale) of expert stack `name` (gate_up_proj or down_proj) over the mixture's `layers`:
+        rank_pattern and alpha_pattern on its PEFT path `model.layers.{i}.mlp.experts.{name}`, which must give each
+        the same."""
+        values = {(int(pattern_value(self.rank_pattern, path, self.rank)),
+                   float(pattern_value(self.alpha_pattern, path, self.alpha)))
+                  for path in (f"model.layers.{i}.mlp.experts.{name}" for i in layers)}
+        if len(values) > 1:
+            raise ConfigError("rank_pattern", dict(self.rank_pattern), f"gives mlp.experts.{name} different ranks "
+                              "or alphas in different layers (jaxtune gives experts one rank and alpha in every layer)")
+        rank, alpha = values.pop()
+        return rank, alpha / (rank**0.5 if self.rslora else rank)
 
     @property
     def lora_scale(self) -> float:

@@ -15,6 +15,7 @@ from jaxtune.methods.lora.layout import lora_layout
 from jaxtune.methods.lora.leaves import LORA_LEAVES
 from jaxtune.methods.lora.options import LoRAConfig, QLoRAConfig
 from jaxtune.methods.targets import peft_module, peft_names
+from jaxtune.models.hf_families import peft_unloadable
 
 QUANTIZED_BASE = "jaxtune_quantized_base"  # beside PEFT's fields: the frozen base a QLoRA adapter was trained on
 PEFT_READ_FIELDS = (QUANTIZED_BASE, "r", "lora_alpha", "target_modules", "exclude_modules", "layers_to_transform",
@@ -30,6 +31,11 @@ def _expert_prefix(module: str, layer: int, method: LoRAConfig) -> str:
 
 
 def _peft_config(cfg: ModelConfig, method: LoRAConfig) -> dict:
+    unloadable = [name for name in lora_layout(method, cfg.layer_stacks()) if name in peft_unloadable(cfg)]
+    if unloadable:
+        raise JaxtuneError(f"LoRA on {', '.join(unloadable)}: PEFT takes a {cfg.architecture} adapter's gate_proj, "
+                           "up_proj and down_proj for its routed experts and would drop these; export the merged "
+                           "model, or train without the shared expert (exclude_modules)")
     return {"peft_type": "LORA", "r": method.rank, "lora_alpha": method.alpha, "lora_dropout": method.dropout,
             "target_modules": peft_names(method.target_modules),
             "exclude_modules": peft_names(method.exclude_modules),
@@ -58,11 +64,11 @@ def _peft_tensors(params: dict, cfg: ModelConfig, method: LoRAConfig) -> dict[st
                 state[f"{prefix}.lora_magnitude_vector"] = np.ascontiguousarray(module["magnitude"][i])
     for name in method.expert_modules:
         a, b = (f32(layers["experts"][name][k]) for k in ("lora_a", "lora_b"))  # [L, E, in, r], [L, E, r, out]
-        L, E, d_in, r = a.shape
-        for i in range(L):
+        E, d_in, r = a.shape[1:]
+        for row, i in enumerate(cfg.module_layers("experts")):
             prefix = _expert_prefix(name, i, method)
-            state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].transpose(0, 2, 1).reshape(E * r, d_in))
-            state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].transpose(2, 1, 0).reshape(-1, r * E))
+            state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[row].transpose(0, 2, 1).reshape(E * r, d_in))
+            state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[row].transpose(2, 1, 0).reshape(-1, r * E))
     return state
 
 
@@ -104,11 +110,12 @@ def _peft_load(state: dict, params: dict, cfg: ModelConfig, method: LoRAConfig) 
         layers[name] = {**layers[name], **{k: jnp.asarray(v) for k, v in module.items()}}
     for name in method.expert_modules:
         module = layers["experts"][name]
-        (L, E, d_in, r), d_out = module["lora_a"].shape, module["lora_b"].shape[-1]
+        (_, E, d_in, r), d_out = module["lora_a"].shape, module["lora_b"].shape[-1]
+        layers_e = cfg.module_layers("experts")
         a = np.stack([state[f"{_expert_prefix(name, i, method)}.lora_A.weight"].reshape(E, r, d_in)
-                      for i in range(L)]).transpose(0, 1, 3, 2)
+                      for i in layers_e]).transpose(0, 1, 3, 2)
         b = np.stack([state[f"{_expert_prefix(name, i, method)}.lora_B.weight"].reshape(d_out, r, E)
-                      for i in range(L)]).transpose(0, 3, 2, 1)
+                      for i in layers_e]).transpose(0, 3, 2, 1)
         layers["experts"] = {**layers["experts"], name: {**module, "lora_a": jnp.asarray(a), "lora_b": jnp.asarray(b)}}
     return {**params, "layers": layers}
 

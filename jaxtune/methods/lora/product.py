@@ -175,9 +175,10 @@ def lora_forward(method: LoRAConfig, cfg: ModelConfig) -> AdapterForward:
         layers = {**layers, **{name: with_scale(layers[name], s) for name, s in scales.items()}}
         if method.expert_modules:
             experts = layers["experts"]
-            uniform = jnp.full((cfg.num_layers,), method.lora_scale)
-            layers["experts"] = {**experts, **{name: with_scale(experts[name], uniform)
-                                               for name in method.expert_modules}}
+            rows = cfg.module_layers("experts")
+            layers["experts"] = {**experts, **{
+                name: with_scale(experts[name], jnp.full((len(rows),), method.expert_lora(name, rows)[1]))
+                for name in method.expert_modules}}
         return layers
 
     return AdapterForward(dense=(LORA_HOOK,), experts=EXPERT_HOOK, dropout_rate=method.dropout, prepare=prepare)
