@@ -3,14 +3,15 @@
     .venv/bin/python benchmarks/family_step.py              # every family, 5 rounds of 3 steps a side
     .venv/bin/python benchmarks/family_step.py --only gpt_oss --rounds 3
 
-Per family: a small random transformers model of its architecture (hidden 256, 4 layers, 8 heads / 4 KV heads of
-32, vocab 4096; a mixture's 4 experts of 256; its own traits: windows, sinks, chunks, NoPE layers, Gated DeltaNet)
+Per family: a small random transformers model of its architecture (hidden 256, 4 layers, 8 heads / 4 KV heads of 32,
+vocab 4096; a mixture's 4 experts of 256; its own traits: windows, sinks, chunks, NoPE layers, Gated DeltaNet)
 written to a directory that both load. LoRA rank 8, alpha 16 on q,v (and the hybrids' linear layers' input and
-output projections); AdamW 2e-4, clipping at 1.0; batch 4 x 256 tokens, float32, loss on every token. jaxtune
-runs the spine's jitted step (`abstract_run(...).step`, as `jaxtune train` does); PyTorch runs transformers' eager
-attention (gpt-oss's sinks and Llama 4's chunks need it) with 2 threads. The two alternate, a round of steps each, so a busy machine slows both alike; the ratio is jaxtune's tokens/s over
-PEFT's, of the per-round medians. Compile time (jaxtune's `lower().compile()`) is reported apart. Results:
-benchmarks/results/family_step.json, with the machine they ran on.
+output projections); AdamW 2e-4, clipping at 1.0; batch 4 x 256 tokens, float32, loss on every token. jaxtune runs
+the spine's jitted step (`abstract_run(...).step`, as `jaxtune train` does); PyTorch runs transformers' eager
+attention (gpt-oss's sinks and Llama 4's chunks need it) with 2 threads. The two alternate, a round of steps each,
+so a busy machine slows both alike; the ratio is jaxtune's tokens/s over PEFT's, of the per-round medians. Compile
+time (jaxtune's `lower().compile()`) is reported apart. Results: benchmarks/results/family_step.json, with the
+machine they ran on.
 """
 
 from __future__ import annotations
