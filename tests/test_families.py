@@ -143,6 +143,7 @@ def test_trained_adapter_loads_in_peft_and_merges(arch, family, tmp_path):
                          peft_model.merge_and_unload().eval(), tmp_path / "merged")
 
 
+@pytest.mark.full  # 16 s; the everyday tier reads Qwen3.5 itself
 def test_qwen3_5_reads_the_text_model_of_its_vision_language_checkpoint(tmp_path):
     """Qwen3.5 as released (Qwen3_5ForConditionalGeneration: `text_config`, `model.language_model.*`, a vision
     tower): jaxtune reads its text model, as transformers' AutoModelForCausalLM does, with that model's logits; a

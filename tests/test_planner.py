@@ -188,6 +188,7 @@ def test_qlora_of_a_mixture_is_planned_with_its_exact_arguments():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 59 s; the everyday tier checks the planner against XLA on one device
 def test_estimate_on_the_four_meshes_agrees_with_the_sharded_step():
     """fsdp=8, data=8, data=2 x fsdp=4, fsdp=4 x tensor=2 (and DPO on fsdp=8) on 8 fake CPU devices: the per-device
     estimate within 10% of XLA's figure for the sharded step (tests/parallel_worker.py planner)."""
