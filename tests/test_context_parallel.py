@@ -61,7 +61,7 @@ def run(worker: str, *args: str, optimize: bool = False) -> dict:
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [*(pytest.param(case, marks=pytest.mark.full) for case in (  # everyday: sinks test below
+@pytest.mark.parametrize("case", [*(pytest.param(case, marks=pytest.mark.full) for case in (  # everyday: the sinks test
     "causal", "packed", "sliding", "gemma2", "prefix", "qlora", "ia3", "tiled", "mixture"))])
 def test_both_strategies_give_one_devices_loss_and_gradients(case):
     """SFT's loss and every trainable leaf's gradient on context=8, context=4 x fsdp=2 and context=2 x fsdp=2 x
