@@ -260,6 +260,12 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if i not in self.dense_layers) if self.num_experts else ()
 
     @property
+    def stacked_by_kind(self) -> bool:
+        """Whether some modules are stacked over only some layers (layers of several kinds, or all linear): the layer
+        scans then read each layer's rows by kind (`models/layer_groups.py`)."""
+        return bool(self.linear_attention_layers or self.dense_layers)
+
+    @property
     def layer_kinds(self) -> tuple[tuple[bool, bool], ...]:
         """Each layer's kind, (its token mixer is linear attention, its feed-forward a dense MLP in a mixture): what
         the layer scan switches on."""

@@ -169,7 +169,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
     linear = cache.linear
-    if len(set(cfg.layer_kinds)) == 1 and linear is None:
+    if not cfg.stacked_by_kind:
         x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
                                                                              cache.v))
     else:  # layers of several kinds (Qwen3.5's linear attention, Maverick's dense MLPs): one scan over their periods

@@ -355,8 +355,7 @@ def decoder_and_routing(
     if cfg.linear_attention_layers and context is not None:
         raise JaxtuneError(f"{cfg.architecture}'s Gated DeltaNet layers carry a state along the row: a [mesh] context "
                            "axis, which splits rows over devices, is not supported; train on one device's length")
-    by_kind = bool(cfg.linear_attention_layers or cfg.dense_layers)  # modules stacked over their own layers
-    stacks, layers = ({}, layers) if by_kind else unsliced_kernels(layers, dtype)
+    stacks, layers = ({}, layers) if cfg.stacked_by_kind else unsliced_kernels(layers, dtype)
     padded_BxT = None if attention_mask_BxT is None and segment_ids_BxT is None else valid_BxT  # zeroed there
 
     def layer_block(x_BxTxD, per_layer, shared, linear=False):
@@ -384,7 +383,7 @@ def decoder_and_routing(
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)
     routing: tuple[jax.Array, jax.Array] | None  # a mixture's (assigned [L, E], probability sums [L, E])
-    if by_kind:
+    if cfg.stacked_by_kind:
         every = tuple(range(cfg.num_layers))
         items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
         items.update({f"per_layer.{i}": (a, every) for i, a in enumerate(per_layer[1:])})
