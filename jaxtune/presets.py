@@ -18,7 +18,7 @@ ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
               "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
               "olmo3": "Olmo3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
               "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-              "llama4_maverick": "Llama4ForCausalLM"}
+              "llama4_maverick": "Llama4ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def family_traits(arch: str, num_layers: int) -> dict:
@@ -29,7 +29,8 @@ def family_traits(arch: str, num_layers: int) -> dict:
     at scale), OLMo's norms (OLMo 3's first layer sliding); gpt-oss's experts with biases, sinks, sliding and
     full layers; Llama 4's chunked rotating layers, then a NoPE one (Maverick's with dense MLP layers between the
     mixtures); Qwen3.5's Gated DeltaNet layer, then a gated attention one (three to one at scale); Qwen3-Next's the
-    same, fused, with Qwen2-MoE's mixture."""
+    same, fused, with Qwen2-MoE's mixture; DeepSeek-V3's latent attention (24-wide queries and keys, 8 of them
+    rotated, 16-wide values) and a dense first layer before mixtures of 8 experts in 4 groups."""
     olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -56,6 +57,11 @@ def family_traits(arch: str, num_layers: int) -> dict:
     known["llama4_maverick"] = dict(known["llama4"], dense_layers=tuple(range(0, num_layers, 2)))
     known["qwen3_next"] = dict(known["qwen3_5"], linear_attention_fused=True, num_experts=8, experts_per_token=2,
                                expert_size=64, intermediate_size=64, shared_expert_size=128)
+    known["deepseek_v3"] = dict(
+        head_dim=24, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32, q_lora_rank=48, rope_interleaved=True,
+        num_experts=8, experts_per_token=2, expert_size=64, shared_expert_size=64, shared_expert_gated=False,
+        router_activation="sigmoid", router_choice_bias=True, router_groups=4, router_top_groups=2,
+        routed_scaling_factor=2.5, dense_layers=(0,))
     traits = known.get(arch, {})
     if arch.startswith("gemma"):
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,

@@ -106,6 +106,16 @@ ARCHS = {
         "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 4,
         "floor_scale": 4, "attn_scale": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
         "attn_implementation": "eager"}),
+    # DeepSeek-V3: latent attention (queries through a rank-24 latent, keys and values from a rank-16 one; 16 + 8
+    # rotated dimensions a query and key, 12 a value), YaRN with its softmax term; layer 0 dense, layers 1 and 2
+    # mixtures of 8 experts in 4 groups (top 2 groups, top 2 experts) with a shared expert and a choice bias.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, {
+        "moe_intermediate_size": 32, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "qk_nope_head_dim": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10_000.0},
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 
@@ -123,6 +133,9 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(noise / np.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():  # DeepSeek's routing bias, which only changes the experts chosen
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
     return model.eval()
 
 

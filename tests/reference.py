@@ -83,6 +83,22 @@ def _router_float64(self, x):
     return logits, top, index
 
 
+def _grouped_sigmoid_router_float64(self, x):
+    """DeepSeek-V3's router (transformers computes it in float32 even in a float64 model)."""
+    x = x.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(x, self.weight)
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias.to(scores.dtype)
+    groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
+    kept = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1)[1], 1)
+    kept = kept[:, :, None].expand(-1, -1, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+    index = choice.masked_fill(~kept.bool(), float("-inf")).topk(self.top_k, dim=-1)[1]
+    weights = scores.gather(1, index)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * self.routed_scaling_factor, index
+
+
 def _gated_rms_norm_float64(self, x, gate):  # Qwen3.5's Gated DeltaNet output norm
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * normed * torch.nn.functional.silu(gate)
@@ -176,7 +192,8 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
     model = copy.deepcopy(model).double().eval()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith(("Mixtral", "GptOss",
-                                                                                            "Llama4", "Qwen3Next")):
+                                                                                            "Llama4", "Qwen3Next",
+                                                                                            "DeepseekV3")):
         base.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
@@ -194,6 +211,8 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_complex_rotary_float64, module)
         elif name.endswith("RotaryEmbedding"):
             module.forward = types.MethodType(_rotary_float64, module)
+        elif name == "DeepseekV3TopkRouter":
+            module.forward = types.MethodType(_grouped_sigmoid_router_float64, module)
         elif name.endswith("TopKRouter") and name != "GptOssTopKRouter":  # gpt-oss's computes in its own dtype
             module.forward = types.MethodType(_router_float64, module)
     return model

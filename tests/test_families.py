@@ -29,7 +29,7 @@ from jaxtune.spine.model import load_model
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
 FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "llama4_maverick", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next"]
+            "qwen3_next", "deepseek_v3"]
 
 
 def everyday(arch: str) -> list:
@@ -38,6 +38,7 @@ def everyday(arch: str) -> list:
 ALL_LINEAR = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
 # PEFT's all-linear takes Llama 4's router too (an nn.Linear), where jaxtune's LoRA does not go
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LATENT_MODULES = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]  # DeepSeek's attention
 # Qwen3.5's linear attention, Qwen3-Next's fused
 DELTANET_MODULES = {False: ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
                     True: ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
@@ -68,7 +69,8 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
     """d(loss)/d(LoRA A, B) on every linear module, both in float64, named as PEFT names them (`adapter_state_dict`,
     which writes float32): equal to float32's rounding, 1e-6 of the largest."""
     directory, model, cfg, params = family(arch)
-    targets = LINEAR_MODULES + DELTANET_MODULES[cfg.linear_attention_fused] * bool(cfg.linear_attention_layers)
+    targets = (LATENT_MODULES + LINEAR_MODULES[4:] if cfg.kv_lora_rank else LINEAR_MODULES) + DELTANET_MODULES[
+        cfg.linear_attention_fused] * bool(cfg.linear_attention_layers)
     peft_model = randomize_peft(get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
                                                LoraConfig(r=4, lora_alpha=8, target_modules=targets)))
     peft_model.save_pretrained(tmp_path)
@@ -90,11 +92,11 @@ def test_lora_gradients_equal_peft(arch, family, tmp_path):
 
         grads = jax.grad(loss)(params64)
         ours = adapter_state_dict(jax.tree.map(lambda g: np.asarray(g, np.float64), grads), cfg, method)
-    # PEFT takes Qwen3-Next's gate/up/down_proj for its experts (gate_up_proj at twice the rank), its shared expert
-    # then unadapted
+    # PEFT takes Qwen3-Next's and DeepSeek's gate/up/down_proj for their experts (gate_up_proj at twice the rank),
+    # their shared experts and dense MLPs then unadapted
     unloadable = peft_unloadable(cfg)
     adapted = sum(len(layers) for name, layers in cfg.layer_stacks() if name not in unloadable)
-    adapted += cfg.num_layers * len(method.expert_modules)
+    adapted += len(cfg.module_layers("experts")) * len(method.expert_modules)
     assert bool(method.expert_modules) == bool(unloadable)
     assert set(ours) == set(theirs) and len(ours) == 2 * adapted, set(ours) ^ set(theirs)
     for name, want in theirs.items():
@@ -122,18 +124,19 @@ def test_greedy_equals_transformers_generate(arch, family):
 @pytest.mark.parametrize("arch", everyday("olmo2"))
 def test_trained_adapter_loads_in_peft_and_merges(arch, family, tmp_path):
     """A LoRA adapter on every linear module, as jaxtune saves it, loads in PEFT with jaxtune's logits; its merged
-    export loads in transformers with the unmerged logits. Qwen3-Next's: on every expert in place of its shared
-    expert (PEFT reads no LoRA there), gate_up_proj at twice the rank, as PEFT makes it."""
+    export loads in transformers with the unmerged logits. Qwen3-Next's and DeepSeek's: on every expert in place
+    of the shared experts and dense MLPs (PEFT reads no LoRA there), gate_up_proj at twice the rank, as PEFT makes
+    it."""
     directory, model, cfg, params = family(arch)
     method = ALL_LINEAR
     if peft_unloadable(cfg):
-        with pytest.raises(JaxtuneError, match="LoRA on shared_expert.gate_proj, shared_expert.up_proj, "
-                                               "shared_expert.down_proj: PEFT takes a Qwen3NextForCausalLM adapter"):
+        refused = ", ".join(n for n in cfg.linear_modules if n in peft_unloadable(cfg)).replace(".", r"\.")
+        with pytest.raises(JaxtuneError, match=f"LoRA on {refused}: PEFT takes a {cfg.architecture} adapter"):
             save_peft_adapter(tmp_path / "refused", apply_method(params, cfg, method, jax.random.key(0)), cfg, method)
-        method = method_config("lora", rank=4, alpha=8, target_modules=(
-            "q_proj", "k_proj", "v_proj", "o_proj", *DELTANET_MODULES[True]), rank_pattern={r".*\.gate_up_proj": 8},
-            alpha_pattern={r".*\.gate_up_proj": 16}, target_parameters=("mlp.experts.gate_up_proj",
-                                                                           "mlp.experts.down_proj"))
+        attention = LATENT_MODULES if cfg.kv_lora_rank else (*LINEAR_MODULES[:4], *DELTANET_MODULES[True])
+        method = method_config("lora", rank=4, alpha=8, target_modules=tuple(attention),
+                               rank_pattern={r".*\.gate_up_proj": 8}, alpha_pattern={r".*\.gate_up_proj": 16},
+                               target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
     with_adapter = randomize_adapter(apply_method(params, cfg, method, jax.random.key(0)))
     save_peft_adapter(tmp_path / "adapter", with_adapter, cfg, method)
     peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),

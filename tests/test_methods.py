@@ -139,7 +139,8 @@ def test_abstract_transform_allocates_nothing():
     (dict(kind="lora", target_modules=("qkv",)), 'target_modules = "qkv": not a linear module of a decoder layer; '
                                                  "valid names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                                  "down_proj, qkv_proj, gate_up_proj, in_proj_qkv, in_proj_z, "
-                                                 "in_proj_b, in_proj_a, out_proj, in_proj_qkvz, in_proj_ba, "
+                                                 "in_proj_b, in_proj_a, out_proj, in_proj_qkvz, in_proj_ba, q_a_proj, "
+                                                 "q_b_proj, kv_a_proj_with_mqa, kv_b_proj, "
                                                  "all-linear, or paths such as "
                                                  "model.layers.0.self_attn.q_proj"),
     (dict(kind="lora", rank=0), "rank = 0: LoRA's rank is a positive integer"),

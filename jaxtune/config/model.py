@@ -10,7 +10,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                  "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "GptOssForCausalLM", "Llama4ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                 "Qwen3NextForCausalLM")
+                 "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -20,14 +20,20 @@ LINEAR_ATTENTION_MODULES = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", 
                             "linear_attn.in_proj_a", "linear_attn.out_proj")
 # Qwen3-Next's: a key head's queries, keys, values and gates side by side in one projection, its b and a in another
 FUSED_LINEAR_ATTENTION_MODULES = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj")
-ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "sinks")  # self_attn's
+# DeepSeek-V3's multi-head latent attention: queries through a low-rank bottleneck (or `q_proj` alone), keys and
+# values from a shared latent `kv_a_proj_with_mqa` (beside one rotated key all heads share) expanded by `kv_b_proj`
+LATENT_ATTENTION_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+LATENT_NORMS = ("q_a_layernorm", "kv_a_layernorm")  # RMSNorms of the two latents (epsilon 1e-6, as transformers')
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj") + LATENT_ATTENTION_MODULES  # self_attn's
+ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "sinks",
+                    *LATENT_ATTENTION_MODULES, *LATENT_NORMS)  # self_attn's
 MIXTURE_LEAVES = ("router", "experts", "shared_expert_gate") + SHARED_EXPERT_MODULES  # a mixture layer's own
 DENSE_MLP_MODULES = SEPARATE_MODULES[4:]  # gate_proj, up_proj, down_proj
 EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [E, in, out] (gate and up fused)
 # Every family's linear module names (Phi-3's fused ones last: a module's index seeds its adapter dropout masks).
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                        "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-                       "in_proj_qkvz", "in_proj_ba")
+                       "in_proj_qkvz", "in_proj_ba", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # the gated MLP's activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
@@ -42,7 +48,8 @@ class RopeScaling:
     reach past `original_max_position_embeddings`, and scales cos and sin by `attention_factor`; "yarn" (Peng et
     al. 2023; gpt-oss, OLMo 3) keeps the frequencies that turn more than `beta_fast` times over the original
     length, divides those turning fewer than `beta_slow` times by `factor`, ramps linearly between (the ramp's
-    ends rounded outward when `truncate`), and scales cos and sin by `attention_factor`.
+    ends rounded outward when `truncate`), and scales cos and sin by `attention_factor`; `mscale_all_dim`, DeepSeek's
+    term of it that also scales its attention's softmax (squared; read by its family, kept for its config).
     """
 
     kind: str
@@ -56,6 +63,7 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,14 @@ class ModelConfig:
     and `linear_attn.in_proj_ba` (per key head: its value heads' b, then their a).
     `dense_layers` (Llama 4 Maverick, every other layer): in a mixture, the layers whose feed-forward is a gated MLP
     of `intermediate_size` (modules gate/up/down_proj) instead; the mixture's leaves are stacked over the others.
+    DeepSeek-V3: `kv_lora_rank` > 0, multi-head latent attention: keys and values of every head expanded by
+    `kv_b_proj` from one normed latent of that width, `qk_rope_head_dim` further dimensions of a key (shared by the
+    heads) and of each query rotated (interleaved), the others not; head_dim is a query's and key's width (rotated
+    last), `v_head_dim` a value's; queries through a latent of `q_lora_rank` (0: `q_proj` alone). The decode cache
+    holds the latent and the rotated key. Its router ("sigmoid"): experts chosen by their sigmoid scores plus
+    `router_choice_bias` (the aux-loss-free `e_score_correction_bias`, which no gradient reaches) within the
+    `router_top_groups` best of `router_groups` groups (a group's worth: its two best), weighted by their scores
+    (renormalised with `normalize_top_k`) times `routed_scaling_factor`; its first layers dense (`dense_layers`).
     `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
     routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
@@ -174,6 +190,14 @@ class ModelConfig:
     linear_attention_fused: bool = False
     attention_output_gate: bool = False
     dense_layers: tuple[int, ...] = ()
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    router_groups: int = 1
+    router_top_groups: int = 1
+    router_choice_bias: bool = False
+    routed_scaling_factor: float = 1.0
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     initializer_range: float = 0.02
@@ -207,6 +231,17 @@ class ModelConfig:
                                              or self.linear_num_value_heads % self.linear_num_key_heads):
             raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a positive multiple of "
                              f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.kv_lora_rank:  # every head its own keys and values, expanded from the latent
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+            if not (0 < self.qk_rope_head_dim < self.head_dim and 0 < self.v_head_dim <= self.head_dim):
+                raise ValueError(f"latent attention needs 0 < qk_rope_head_dim={self.qk_rope_head_dim} < head_dim="
+                                 f"{self.head_dim} and 0 < v_head_dim={self.v_head_dim} <= head_dim")
+        if self.num_experts and (self.num_experts % self.router_groups or not 0 < self.router_top_groups
+                                 <= self.router_groups or (self.router_groups > 1
+                                                           and self.num_experts < 2 * self.router_groups)):
+            raise ValueError(f"router_groups={self.router_groups} must divide num_experts={self.num_experts} into "
+                             f"groups of two or more, router_top_groups={self.router_top_groups} be in "
+                             "1..router_groups")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -222,6 +257,10 @@ class ModelConfig:
     def linear_modules(self) -> tuple[str, ...]:
         """The names of a layer's linear modules, attention's then the MLP's (a mixture's shared expert, if any:
         its experts are not among them)."""
+        if self.kv_lora_rank:
+            attention = LATENT_ATTENTION_MODULES if self.q_lora_rank else ("q_proj",) + LATENT_ATTENTION_MODULES[2:]
+            return attention + DENSE_MLP_MODULES * bool(self.dense_layers or not self.num_experts) + (
+                SHARED_EXPERT_MODULES * bool(self.shared_expert_size))
         linear = ((FUSED_LINEAR_ATTENTION_MODULES if self.linear_attention_fused else LINEAR_ATTENTION_MODULES)
                   * bool(self.linear_attention_layers))
         if self.num_experts:
@@ -279,7 +318,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dimensions of each head RoPE rotates."""
+        """The dimensions of each head RoPE rotates: the leading ones (latent attention: its `qk_rope_head_dim`)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import (
     FUSED_LINEAR_ATTENTION_MODULES,
+    LATENT_ATTENTION_MODULES,
     LINEAR_ATTENTION_MODULES,
     SEPARATE_MODULES,
     SHARED_EXPERT_MODULES,
@@ -187,5 +188,6 @@ def module_keys(key: jax.Array) -> dict[str, jax.Array]:
     keys = dict(zip(SEPARATE_MODULES + ("prefix", "attn", "mlp"), jax.random.split(key, 10)))
     keys.update({name: jax.random.fold_in(key, i)
                  for i, name in enumerate(("qkv_proj", "gate_up_proj") + SHARED_EXPERT_MODULES
-                                          + LINEAR_ATTENTION_MODULES + FUSED_LINEAR_ATTENTION_MODULES[:2])})
+                                          + LINEAR_ATTENTION_MODULES + FUSED_LINEAR_ATTENTION_MODULES[:2]
+                                          + LATENT_ATTENTION_MODULES[:4])})
     return keys

@@ -35,6 +35,9 @@ def add_prefix(params: dict, cfg: ModelConfig, method: PrefixConfig, key: jax.Ar
     if cfg.linear_attention_layers:  # PEFT's past key values: one pair every layer
         raise JaxtuneError(f"prefix tuning needs keys and values in every layer; {cfg.architecture}'s Gated DeltaNet "
                            f"layers {list(cfg.linear_attention_layers)} have none (use LoRA)")
+    if cfg.kv_lora_rank:  # its cache holds latents, where PEFT's prefix would be per-head keys and values
+        raise JaxtuneError(f"prefix tuning needs per-head keys and values; {cfg.architecture}'s latent attention "
+                           "caches a latent a token (use LoRA)")
     shape = (cfg.num_layers, method.num_virtual_tokens, cfg.num_kv_heads, cfg.head_dim)
     k_key, v_key = jax.random.split(module_keys(key)["prefix"])
     prefix = {"key": jax.random.normal(k_key, shape), "value": jax.random.normal(v_key, shape)}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
 from jaxtune.config.method import MethodConfig
-from jaxtune.config.model import FUSED_MODULES, LINEAR_MODULE_NAMES, SEPARATE_MODULES
+from jaxtune.config.model import ATTENTION_MODULES, FUSED_MODULES, LINEAR_MODULE_NAMES, SEPARATE_MODULES
 from jaxtune.errors import ConfigError
 
 Stacks: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]  # (module, the layers holding it), in order
@@ -119,7 +119,6 @@ class Targeted(MethodConfig):
     def trained_whole(self) -> tuple[str, ...]:
         return self.modules_to_save
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 FUSED_HINT = " (Phi-3 fuses q, k and v into qkv_proj, gate and up into gate_up_proj: target those)"
 
 

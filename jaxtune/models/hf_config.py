@@ -72,7 +72,8 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
         return theta, RopeScaling("yarn", factor, original_max_position_embeddings=original,
                                   attention_factor=float(attention_factor),
                                   beta_fast=float(params.get("beta_fast") or 32),
-                                  beta_slow=float(params.get("beta_slow") or 1), truncate=bool(truncate))
+                                  beta_slow=float(params.get("beta_slow") or 1), truncate=bool(truncate),
+                                  mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
     if kind in ("longrope", "su"):  # Phi-3's; "su" its older name
         original = int(params.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
         factor = float(params.get("factor") or hf.get("max_position_embeddings", original) / original)
@@ -262,7 +263,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         if s.kind == "yarn":
             scaling.update(original_max_position_embeddings=s.original_max_position_embeddings,
                            attention_factor=s.attention_factor, beta_fast=s.beta_fast, beta_slow=s.beta_slow,
-                           truncate=s.truncate)
+                           truncate=s.truncate, **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {}))
         if s.kind == "longrope":
             scaling.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor),
                            attention_factor=s.attention_factor,

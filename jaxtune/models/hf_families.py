@@ -7,16 +7,17 @@ and experts with biases, the clamped SwiGLU), attention with biases and sinks, s
 alternating, YaRN. Llama 4 (text): mixtures (sigmoid router, top-k scaling the experts' inputs, an ungated shared
 expert; Maverick's between dense layers), NoPE layers with full attention and temperature, RoPE layers chunked,
 interleaved, L2-normed. Qwen3.5 (text): Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs
-Qwen2-MoE's); Qwen3-Next: Qwen3.5-MoE's layers, Gated DeltaNet's projections fused key head by key head."""
+Qwen2-MoE's); Qwen3-Next: theirs fused key head by key head. DeepSeek-V3: latent attention, dense first layers."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from jaxtune.config import ModelConfig
-from jaxtune.config.model import SHARED_EXPERT_MODULES
+from jaxtune.config.model import DENSE_MLP_MODULES, SHARED_EXPERT_MODULES
 from jaxtune.errors import JaxtuneError
 
 
@@ -265,6 +266,52 @@ def _qwen3_next_to_hf(cfg: ModelConfig, hf: dict) -> dict:
             "mlp_only_layers": []}
 
 
+def _deepseek_v3_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    if hf.get("attention_bias"):
+        raise JaxtuneError(f"{where}: attention_bias is not supported for DeepSeek-V3 (its releases have none)")
+    layers, first_dense = int(hf["num_hidden_layers"]), int(hf.get("first_k_dense_replace") or 0)
+    rope_dim, nope = int(hf["qk_rope_head_dim"]), int(hf["qk_nope_head_dim"])
+    _, scaling = rope(hf.get("rope_parameters") or hf.get("rope_scaling") or {}, 10000.0)
+    scale = 1.0  # YaRN's softmax scale: its mscale_all_dim term squared
+    if scaling is not None and scaling.mscale_all_dim and scaling.factor > 1:
+        scale = (0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0) ** 2
+    experts = int(hf.get("n_routed_experts") or 0)
+    return dict(head_dim=nope + rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=int(hf["v_head_dim"]),
+                kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                num_kv_heads=int(hf["num_attention_heads"]), query_pre_attn_scalar=(nope + rope_dim) / scale**2,
+                rope_interleaved=bool(hf.get("rope_interleave", True)), num_experts=experts,
+                experts_per_token=int(hf["num_experts_per_tok"]) if experts else 0,
+                expert_size=int(hf["moe_intermediate_size"]) if experts else 0,
+                shared_expert_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
+                dense_layers=tuple(range(min(first_dense, layers))) if experts else (),
+                router_groups=int(hf.get("n_group") or 1), router_top_groups=int(hf.get("topk_group") or 1),
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+                output_router_logits=bool(hf.get("output_router_logits", False)), **DEEPSEEK_V3_FIXED)
+
+
+def _deepseek_v3_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    rope = cfg.qk_rope_head_dim
+    if cfg.num_experts and cfg.dense_layers != tuple(range(len(cfg.dense_layers))):
+        raise JaxtuneError(f"{cfg.architecture}'s dense layers are its first (first_k_dense_replace), not "
+                           f"{cfg.dense_layers}")
+    if cfg.shared_expert_size % max(cfg.expert_size, 1):
+        raise JaxtuneError(f"{cfg.architecture}'s shared experts are whole experts: shared_expert_size "
+                           f"{cfg.shared_expert_size} is no multiple of expert_size {cfg.expert_size}")
+    return {"head_dim": rope, "qk_rope_head_dim": rope, "qk_nope_head_dim": cfg.head_dim - rope,
+            "v_head_dim": cfg.v_head_dim, "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
+            "rope_interleave": cfg.rope_interleaved, "attention_bias": False,
+            "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.expert_size, "n_shared_experts": cfg.shared_expert_size // max(
+                cfg.expert_size, 1), "first_k_dense_replace": len(cfg.dense_layers), "n_group": cfg.router_groups,
+            "topk_group": cfg.router_top_groups, "routed_scaling_factor": cfg.routed_scaling_factor,
+            "norm_topk_prob": cfg.normalize_top_k, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "output_router_logits": cfg.output_router_logits}
+
+
+DEEPSEEK_V3_FIXED = dict(router_activation="sigmoid", router_choice_bias=True, shared_expert_gated=False,
+                         hidden_act="silu", mlp_bias=False, qkv_bias=False, o_bias=False, sliding_windows=())
 QWEN3_5_MOE_FIXED = dict(normalize_top_k=True, shared_expert_gated=True, router_activation="softmax")
 QWEN3_5_FIXED = dict(attention_output_gate=True, norm_unit_offset=True, qk_norm=True, hidden_act="silu",
                      mlp_bias=False, sliding_windows=())
@@ -290,14 +337,20 @@ FAMILIES = {
                                    fixed={**{k: v for k, v in QWEN3_5_FIXED.items() if k != "sliding_windows"},
                                           "linear_attention_fused": True, "shared_expert_gated": True,
                                           "router_activation": "softmax"}, peft_experts_by_mlp_names=True),
+    "DeepseekV3ForCausalLM": Family(model_type="deepseek_v3", from_hf=_deepseek_v3_from_hf,
+                                    to_hf=_deepseek_v3_to_hf,
+                                    fixed={k: v for k, v in DEEPSEEK_V3_FIXED.items() if k != "sliding_windows"},
+                                    peft_experts_by_mlp_names=True),
 }
 
 
 def peft_unloadable(cfg: ModelConfig) -> tuple[str, ...]:
-    """The linear modules whose LoRA PEFT does not load on `cfg`'s family (a shared expert's, where PEFT takes its
-    names for the routed experts')."""
+    """The linear modules whose LoRA PEFT does not load on `cfg`'s family (a shared expert's and a dense layer's MLP,
+    where PEFT takes their names for the routed experts')."""
     family = FAMILIES.get(cfg.architecture)
-    return SHARED_EXPERT_MODULES if family is not None and family.peft_experts_by_mlp_names else ()
+    if family is None or not family.peft_experts_by_mlp_names:
+        return ()
+    return SHARED_EXPERT_MODULES + DENSE_MLP_MODULES * bool(cfg.dense_layers)
 
 
 def family_to_hf(cfg: ModelConfig, hf: dict) -> dict:

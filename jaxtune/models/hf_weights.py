@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,13 +24,14 @@ import ml_dtypes
 import numpy as np
 
 from jaxtune.config import ModelConfig
-from jaxtune.errors import JaxtuneError
+from jaxtune.config.model import ATTENTION_MODULES, LATENT_NORMS
+from jaxtune.errors import JaxtuneError, JaxtuneWarning
 from jaxtune.io.gguf import is_gguf
 from jaxtune.io.safetensors import CheckpointReader, write_weights
 from jaxtune.models import stacked_experts
 from jaxtune.models.gguf import GGUFCheckpoint
 from jaxtune.models.hf_config import config_to_hf, model_dir
-from jaxtune.models.params import ATTENTION_MODULES, QK_NORMS, ParamSpec, param_specs
+from jaxtune.models.params import QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
 
 Reader: TypeAlias = CheckpointReader | GGUFCheckpoint  # what `checked_reader` opens; one interface
@@ -55,9 +57,11 @@ def hf_module_path(module: str) -> str:
 def canonical_name(stored: str) -> str:
     """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become
     the names transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj), gpt-oss's router (`mlp.router`)
-    the other mixtures' (`mlp.gate`), a vision-language checkpoint's text model (`model.language_model.`) a text
-    model's (`model.`); other names are kept."""
+    the other mixtures' (`mlp.gate`), Llama 4's `feed_forward` and DeepSeek's `shared_experts` Qwen2-MoE's names,
+    a vision-language checkpoint's text model (`model.language_model.`) a text model's (`model.`); other names are
+    kept."""
     stored = stored.replace(".feed_forward.", ".mlp.")  # Llama 4's
+    stored = stored.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
     if stored.startswith("model.language_model."):  # a vision-language checkpoint's text model
         stored = "model." + stored[len("model.language_model."):]
     if ".mlp.router." in stored:
@@ -72,6 +76,8 @@ def stored_name(name: str, cfg: ModelConfig) -> str:
     """The name a hub checkpoint of `cfg` stores tensor `name` under (inverse of `canonical_name`)."""
     if cfg.architecture == "GptOssForCausalLM":
         return name.replace(".mlp.gate.", ".mlp.router.")
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
     if cfg.architecture == "Llama4ForCausalLM":
         return name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.", ".feed_forward.")
     if cfg.architecture != "MixtralForCausalLM" or not re.search(r"\.mlp\.(gate|experts)\.", name):
@@ -113,9 +119,12 @@ def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
         return f"model.layers.{layer}.{module}"
     if _is_expert(path):
         raise ValueError(f"{path}: expert stacks are many tensors (expert_tensor_names)")
+    if module in LATENT_NORMS:
+        return f"model.layers.{layer}.self_attn.{module}.weight"
     if module.endswith("layernorm"):
         return f"model.layers.{layer}.{module}.weight"
-    return f"model.layers.{layer}.{hf_module_path(module)}.{'bias' if leaf == ['bias'] else 'weight'}"
+    part = leaf[0] if leaf in (["bias"], ["e_score_correction_bias"]) else "weight"
+    return f"model.layers.{layer}.{hf_module_path(module)}.{part}"
 
 
 def _leaf_paths(tree) -> list[tuple[tuple[str, ...], ParamSpec]]:
@@ -170,7 +179,12 @@ def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
             raise JaxtuneError(f"{reader.file_of(name)}: tensor {reader.stored_name(name)} has shape "
                                f"{reader.shape(name)}, expected {shape}")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unused = sorted(reader.stored_name(n) for n in names - set(expected) - ignorable
+    prediction_heads = {n for n in names if cfg.architecture == "DeepseekV3ForCausalLM"
+                        and (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= cfg.num_layers}
+    if prediction_heads:
+        warnings.warn(f"{directory}: layers {cfg.num_layers}+ ({len(prediction_heads)} tensors) are DeepSeek's "
+                      "multi-token prediction; read past, not trained or exported", JaxtuneWarning, stacklevel=3)
+    unused = sorted(reader.stored_name(n) for n in names - set(expected) - ignorable - prediction_heads
                     if "rotary_emb" not in n and not n.startswith(LEFT_PARTS))
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""

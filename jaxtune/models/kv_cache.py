@@ -6,7 +6,7 @@ valid (`valid_BxS`: not padding, already written), j <= i, within the layer's sl
 segment, as transformers indexes its cache. Row b's prompt sits left-padded in slots P .. P+W-1, RoPE positions from P
 (`prefill_packed` computes the prompts packed several to a row, then moves their keys and values there); prefix tuning's
 fill slots 0 .. P-1. Qwen3.5's Gated DeltaNet layers hold a `LinearState` each instead (one prompt a packed row: its
-state the row's).
+state the row's). DeepSeek's latent attention caches a slot's latent and rotated key as k (v empty; `latent_attention`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,27 @@ from jaxtune.models.adapter_rows import ROW_HOOK, rows_of
 from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.attention import cache_mask, live_blocks
 from jaxtune.models.head import head_logits
+from jaxtune.models.latent_attention import (
+    absorbed_queries,
+    expansion_kernel,
+    latent_cache_entry,
+    latent_keys_values,
+    latent_queries,
+    latent_values,
+)
 from jaxtune.models.layer_groups import scan_layer_groups
 from jaxtune.models.linear import wide
 from jaxtune.models.linear_attention import LinearState, empty_state, gated_deltanet_layer
-from jaxtune.models.llama import attend, decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
+from jaxtune.models.llama import (
+    attend,
+    decoder_layer,
+    embed,
+    layer_sinks,
+    norm,
+    output_projection,
+    project,
+    project_qkv,
+)
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import context_ways
 
@@ -64,7 +81,10 @@ def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.
     P = prefix_length(params)
     shape = (len(cfg.attention_layers), batch, cfg.num_kv_heads, size, cfg.head_dim)
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    if P:  # prefix [L, P, K, hd] -> [L, B, K, P, hd]
+    if cfg.kv_lora_rank:  # a slot's latent and shared rotated key; prefix tuning is refused for latent attention
+        k = jnp.zeros((shape[0], batch, 1, size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)
+        v = jnp.zeros((shape[0], batch, 1, size, 0), dtype)
+    elif P:  # prefix [L, P, K, hd] -> [L, B, K, P, hd]
         as_batch = lambda a: jnp.broadcast_to(jnp.swapaxes(a.astype(dtype), 1, 2)[:, None],  # noqa: E731
                                               shape[:3] + (P,) + shape[4:])
         k = k.at[:, :, :, :P].set(as_batch(params["layers"]["prefix"]["key"]))
@@ -142,6 +162,23 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         layer = rows_of(layer, adapter_B)
         rope_of_layer = layer_rope(rope, table, cfg)
 
+        def cached_latent_attention(h_BxTxD):
+            q_BxTxHxh = latent_queries(h_BxTxD, layer, rope_of_layer, cfg, adapters)
+            entry_BxTx1xE = latent_cache_entry(h_BxTxD, layer, rope_of_layer, cfg, adapters).astype(dtype)[:, :, None]
+            written = (entry_BxTx1xE, jnp.zeros((B, T, 1, 0), dtype))
+            if T == 1:  # in the latent's space: the cache read once, no per-head keys or values
+                kernel = expansion_kernel(layer, cfg, adapters, B, dtype)
+                q_Bx1xHxE = absorbed_queries(q_BxTxHxh[:, 0], kernel, cfg)[:, None]
+                out_Bx1xHxE = step_attention(q_Bx1xHxE, entry_BxTx1xE[:, 0], entry_BxTx1xE[:, 0], k_BxKxSxh,
+                                             k_BxKxSxh, cache.valid_BxS, cfg)
+                return project(latent_values(out_Bx1xHxE[:, 0], kernel, cfg)[:, None], layer, "o_proj",
+                               adapters), written
+            entries_Bx1xSxE = jax.lax.dynamic_update_slice(k_BxKxSxh, jnp.swapaxes(entry_BxTx1xE, 1, 2),
+                                                           (0, 0, start, 0))
+            k_all, v_all = latent_keys_values(entries_Bx1xSxE[:, 0], layer, cfg, adapters)
+            return attend(q_BxTxHxh[:, :, :, None], k_all, v_all, mask, window, live_QxC, layer, cfg,
+                          adapters), written
+
         def cached_attention(h_BxTxD):
             q_BxTxKxGxh, k_new, v_new, gate_BxTxQ = project_qkv(h_BxTxD, layer, rope_of_layer, cfg, adapters)
             k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
@@ -158,7 +195,8 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
             return (attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, adapters,
                            gate_BxTxQ=gate_BxTxQ), (k_new, v_new))
 
-        return decoder_layer(x_BxTxD, layer, cached_attention, cfg, adapters, view.experts)[:2]
+        return decoder_layer(x_BxTxD, layer, cached_latent_attention if cfg.kv_lora_rank else cached_attention, cfg,
+                             adapters, view.experts)[:2]
 
     def linear_block(x_BxTxD, layer, state: LinearState):
         layer = rows_of(layer, adapter_B)

@@ -77,4 +77,5 @@ def scan_layer_groups(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[in
         return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *o) for kind, o in outs.items() if o}
 
     x, outs = jax.lax.scan(period, x, grouped)
-    return x, {kind: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), o) for kind, o in outs.items()}
+    return x, {kind: jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), o)
+               for kind, o in outs.items()}

@@ -28,30 +28,18 @@ from jaxtune.models.context_attention import (
 )
 from jaxtune.models.head import head_logits
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
+from jaxtune.models.latent_attention import heads_output, latent_cache_entry, latent_keys_values, latent_queries
 from jaxtune.models.layer_groups import scan_layers_by_kind
 from jaxtune.models.linear import dense, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
+from jaxtune.models.norms import rms_norm
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
 from jaxtune.models.rope import LayerRope, apply_rope, layer_rope, rope_tables
 from jaxtune.models.tiles import cut_tiles, join_tiles, tile_count
 from jaxtune.parallel.rules import constrain, context_ways, gathered, mesh_in_context, platform_in_context
-
-
-def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False,
-             float32_scale: bool = False) -> jax.Array:
-    """x / rms(x) * weight, the statistics in float32 (or wider), the product in the input dtype; with
-    `unit_offset` (Gemma), x / rms(x) * (1 + weight) with the product in float32 before the cast; with
-    `float32_scale` (OLMo), x / rms(x) * weight likewise."""
-    x32 = x_BxTxD.astype(wide(x_BxTxD.dtype))
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if unit_offset:
-        return (x32 * (1 + weight_D.astype(x32.dtype))).astype(x_BxTxD.dtype)
-    if float32_scale:
-        return (x32 * weight_D.astype(x32.dtype)).astype(x_BxTxD.dtype)
-    return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
 
 
 def norm(x_BxTxD: jax.Array, weight_D: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -90,9 +78,15 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
 def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Adapters):
     """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
     values [B, T, K, hd], and the output gate [B, T, H*hd] (`attention_output_gate`) or None; Llama 4's L2 norm on
-    rotating layers, its temperature on the others."""
+    rotating layers, its temperature on the others; latent attention's every head's (its values zero-padded to hd,
+    `latent_attention.py`)."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    if cfg.kv_lora_rank:
+        q_BxTxHxh = latent_queries(x_BxTxD, layer, rope, cfg, adapters)
+        k_BxTxHxh, v_BxTxHxh = latent_keys_values(latent_cache_entry(x_BxTxD, layer, rope, cfg, adapters), layer,
+                                                  cfg, adapters)
+        return q_BxTxHxh[:, :, :, None], k_BxTxHxh, v_BxTxHxh, None
     gate_BxTxQ = None
     if "qkv_proj" in layer:  # Phi-3: one projection, split as [queries | keys | values]
         qkv_BxTxE = project(x_BxTxD, layer, "qkv_proj", adapters)
@@ -159,7 +153,7 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
         call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise,
                           layer_sinks(layer, cfg))
         out_BxTxKxGxh = KERNELS[fused.kind].attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call)
-    return output_projection(out_BxTxKxGxh.reshape(B, T, K * G * hd), gate_BxTxQ, layer, adapters)
+    return output_projection(heads_output(out_BxTxKxGxh, cfg), gate_BxTxQ, layer, adapters)
 
 
 def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live_QxC, cfg: ModelConfig,
@@ -179,7 +173,7 @@ def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live
         out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
                                 mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
                                 sinks_KxG=layer_sinks(layer, cfg))
-        return output_projection(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, -1), gate_BxTxQ, layer, adapters)
+        return output_projection(heads_output(jnp.transpose(out, (0, 3, 1, 2, 4)), cfg), gate_BxTxQ, layer, adapters)
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)

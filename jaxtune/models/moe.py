@@ -45,17 +45,42 @@ def _tiles_fit(tm: int, tk: int, tn: int) -> bool:
 
 
 def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(probabilities [N, E] float32, the top-K weights [N, K] float32, their experts [N, K] int32); Llama 4's
-    weights are the sigmoids of the top K logits (its probabilities, for the load-balancing loss, a softmax still)."""
+    """(probabilities [N, E] float32, the top-K weights [N, K] float32, their experts [N, K] int32). Sigmoid routers
+    weight by the chosen experts' sigmoid scores (Llama 4: the top K logits'; DeepSeek-V3: chosen by score plus
+    `e_score_correction_bias` among the best groups, renormalised, scaled), their probabilities, for the
+    load-balancing loss, a softmax still. DeepSeek's router runs in float32, as transformers keeps it."""
+    wide_dtype = jnp.promote_types(x_NxD.dtype, jnp.float32)
+    if cfg.router_choice_bias:
+        x_NxD = x_NxD.astype(wide_dtype)
     logits_NxE = dense(x_NxD, router, kernel_axes=("embed", None))
-    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.promote_types(x_NxD.dtype, jnp.float32)), axis=-1)
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(wide_dtype), axis=-1)
     if cfg.router_activation == "sigmoid":
-        top_NxK, experts_NxK = jax.lax.top_k(logits_NxE, cfg.experts_per_token)
-        return probs_NxE, jax.nn.sigmoid(top_NxK.astype(probs_NxE.dtype)), experts_NxK
+        scores_NxE = jax.nn.sigmoid(logits_NxE.astype(wide_dtype))
+        choice_NxE = _group_limited(scores_NxE + router["e_score_correction_bias"].astype(wide_dtype)
+                                    if cfg.router_choice_bias else scores_NxE, cfg) if (
+            cfg.router_choice_bias or cfg.router_groups > 1) else logits_NxE  # the logits' order: no sigmoid ties
+        experts_NxK = jax.lax.top_k(choice_NxE, cfg.experts_per_token)[1]
+        weights_NxK = jnp.take_along_axis(scores_NxE, experts_NxK, axis=-1)
+        if cfg.normalize_top_k:
+            weights_NxK = weights_NxK / (jnp.sum(weights_NxK, axis=-1, keepdims=True) + 1e-20)
+        return probs_NxE, weights_NxK * cfg.routed_scaling_factor, experts_NxK
     weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, cfg.experts_per_token)
     if cfg.normalize_top_k:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
     return probs_NxE, weights_NxK, experts_NxK
+
+
+def _group_limited(choice_NxE: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The choice scores of experts in the `router_top_groups` groups whose two best scores sum highest; -inf
+    elsewhere (every expert with one group)."""
+    if cfg.router_groups == 1:
+        return choice_NxE
+    N, E = choice_NxE.shape
+    by_group = choice_NxE.reshape(N, cfg.router_groups, E // cfg.router_groups)
+    worth_NxG = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)
+    best_NxG = jax.lax.top_k(worth_NxG, cfg.router_top_groups)[1]
+    kept_NxG = jnp.zeros(worth_NxG.shape, bool).at[jnp.arange(N)[:, None], best_NxG].set(True)
+    return jnp.where(kept_NxG[:, :, None], by_group, -jnp.inf).reshape(N, E)
 
 
 def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axes: tuple[str, ...],

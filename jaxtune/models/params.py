@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.model import LATENT_NORMS
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's RMSNorm weights over a head's queries and keys (self_attn)
 MLP_MODULES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
@@ -55,6 +55,9 @@ LINEAR_AXES = {  # logical axes (in, out) of each per-layer linear module's kern
     "linear_attn.in_proj_b": ("embed", None), "linear_attn.in_proj_a": ("embed", None),
     "linear_attn.out_proj": (None, "embed"), "linear_attn.in_proj_qkvz": ("embed", None),
     "linear_attn.in_proj_ba": ("embed", None),
+    # latent attention's: the latents unsplit, the heads' queries and their keys and values split by head
+    "q_a_proj": ("embed", None), "q_b_proj": (None, "q_heads"), "kv_a_proj_with_mqa": ("embed", None),
+    "kv_b_proj": (None, "q_heads"),
 }
 EXPERT_AXES = {"gate_up_proj": ("layers", "experts", "embed", "mlp"),  # a mixture's expert stacks [L, E, in, out]
                "down_proj": ("layers", "experts", "mlp", "embed")}
@@ -72,6 +75,11 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str | Non
              "linear_attn.in_proj_b": (D, heads), "linear_attn.in_proj_a": (D, heads),
              "linear_attn.out_proj": (values, D), "linear_attn.in_proj_qkvz": (D, 2 * keys + 2 * values),
              "linear_attn.in_proj_ba": (D, 2 * heads)}
+    if cfg.kv_lora_rank:  # latent attention: a query and key of head_dim, a value of v_head_dim, each head
+        H, hd, v, rope = cfg.num_heads, cfg.head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+        sizes.update({"q_proj": (D, H * hd), "q_a_proj": (D, cfg.q_lora_rank), "q_b_proj": (cfg.q_lora_rank, H * hd),
+                      "kv_a_proj_with_mqa": (D, cfg.kv_lora_rank + rope),
+                      "kv_b_proj": (cfg.kv_lora_rank, H * (hd - rope + v)), "o_proj": (H * v, D)})
     return {name: (*sizes[name], LINEAR_AXES[name]) for name in cfg.linear_modules}
 
 
@@ -92,6 +100,10 @@ def param_specs(cfg: ModelConfig) -> dict:
         layers["k_norm"] = ParamSpec((La, cfg.kv_size), ("layers", None), unit)
     elif cfg.qk_norm:
         layers.update({name: ParamSpec((La, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
+    if cfg.kv_lora_rank:  # latent attention's norms of its latents
+        widths = {"q_a_layernorm": cfg.q_lora_rank, "kv_a_layernorm": cfg.kv_lora_rank}
+        layers.update({name: ParamSpec((La, widths[name]), ("layers", None), unit) for name in LATENT_NORMS
+                       if widths[name]})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
         layers[name] = _linear(len(cfg.module_layers(name)), d_in, d_out, axes, bias.get(name, False))
     if cfg.num_experts:
@@ -118,6 +130,8 @@ def expert_specs(cfg: ModelConfig) -> dict:
     down: dict[str, ParamSpec] = {"kernel": ParamSpec((L, E, F, D), EXPERT_AXES["down_proj"])}
     if cfg.router_bias:  # gpt-oss
         router["bias"] = ParamSpec((L, E), ("layers", None), "zeros")
+    if cfg.router_choice_bias:  # DeepSeek-V3's, transformers' name
+        router["e_score_correction_bias"] = ParamSpec((L, E), ("layers", None), "zeros")
     if cfg.expert_bias:
         gate_up["bias"] = ParamSpec((L, E, 2 * F), ("layers", "experts", "mlp"), "zeros")
         down["bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), "zeros")

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import jax
 
+from jaxtune.config.model import ATTENTION_MODULES
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader
-from jaxtune.models.params import ATTENTION_MODULES, MLP_MODULES, QK_NORMS, ParamSpec, is_norm, param_specs
+from jaxtune.models.params import MLP_MODULES, QK_NORMS, ParamSpec, is_norm, param_specs
 
 
 def _group(path: tuple[str, ...]) -> str:

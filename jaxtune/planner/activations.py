@@ -158,9 +158,20 @@ def saved_tensors(cfg: ModelConfig, method, policy: str, w: Widths) -> list[tupl
         if trains_input("down_proj"):
             saved.append(("SwiGLU output", (b, T, w.F), False))
         saved += [(f"{m} x A", (b, T, lora[m]), False) for m in lora]
+    if cfg.kv_lora_rank and policy != "full":  # latent attention: its latents, their norms, the expanded keys, values
+        rope, q_rank = cfg.qk_rope_head_dim, cfg.q_lora_rank
+        saved += [("key-value latent", (b, T, cfg.kv_lora_rank + rope), False),
+                  ("keys and values expanded", (b, T, w.heads * (hd - rope + cfg.v_head_dim)), False)]
+        saved += [("query latent", (b, T, q_rank), False)] if q_rank else []
+        if policy == "none":
+            saved += [("normed key-value latent", (b, T, cfg.kv_lora_rank), False),
+                      ("latent norm statistics", (b, T, 4), True)]
+            saved += [("normed query latent", (b, T, q_rank), False)] if q_rank else []
     if cfg.num_experts and policy != "full":
         K = cfg.experts_per_token
         saved.append(("router probabilities", (b, T, cfg.num_experts), True))
+        if cfg.router_choice_bias:  # DeepSeek's router in float32: its input, its sigmoid scores
+            saved += [("router input in float32", (b, T, w.D), True), ("router scores", (b, T, cfg.num_experts), True)]
         if policy == "none" or not w.megablox:
             saved += [("tokens sorted by expert", (b, T, K * w.D), False), ("expert outputs", (b, T, K * w.D), False)]
             if cfg.expert_input_scaled:  # Llama 4: the sorted tokens times their weights, the experts' input
@@ -411,6 +422,9 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
         else:
             saved_bytes = len(cfg.mixture_layers) * size(saved) + len(cfg.dense_layers) * size(dense_saved)
         workspace = max(workspace, dense.workspace)
+        # both kinds attend, each switch branch's backward with attention blocks of its own: XLA:CPU held 1.7x
+        # (Maverick) and 2.3x (DeepSeek-V3) the blocks of the layers without the switch (full fine-tuning, 256 tokens)
+        attention = attention * 3 // 2
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
     return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one))

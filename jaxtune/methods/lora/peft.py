@@ -35,7 +35,7 @@ def _peft_config(cfg: ModelConfig, method: LoRAConfig) -> dict:
     if unloadable:
         raise JaxtuneError(f"LoRA on {', '.join(unloadable)}: PEFT takes a {cfg.architecture} adapter's gate_proj, "
                            "up_proj and down_proj for its routed experts and would drop these; export the merged "
-                           "model, or train without the shared expert (exclude_modules)")
+                           "model, or train without them (exclude_modules)")
     return {"peft_type": "LORA", "r": method.rank, "lora_alpha": method.alpha, "lora_dropout": method.dropout,
             "target_modules": peft_names(method.target_modules),
             "exclude_modules": peft_names(method.exclude_modules),
