@@ -24,7 +24,7 @@ from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter, save_pef
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.hf_families import peft_unloadable
 from jaxtune.models.llama import forward
-from jaxtune.spine.model import load_model
+from jaxtune.spine.model import load_adapters, load_model
 
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
@@ -178,3 +178,105 @@ def test_qwen3_5_reads_the_text_model_of_its_vision_language_checkpoint(tmp_path
     ours = forward(with_adapter, jnp.asarray(ids), cfg, method=method, positions_BxT=jnp.asarray(positions),
                    attention_mask_BxT=jnp.asarray(mask))
     assert np.abs(np.asarray(ours) - want)[mask > 0].max() <= 1e-4
+
+
+def test_deepseek_decodes_in_the_latent_space_with_adapters_on_every_row(family, tmp_path):
+    """DeepSeek-V3's decode step attends in the latent's space (the cache holds latents, the key expansion folded
+    into the queries): with LoRA on every latent-attention module, kv_b_proj's included, jaxtune's 20 greedy tokens
+    equal PEFT's `generate`; with the adapter and the base model on different rows of one batch (`load_adapters`),
+    each row equals its own model's."""
+    directory, model, cfg, params = family("deepseek_v3")
+    assert cfg.kv_lora_rank and cfg.num_kv_heads == cfg.num_heads
+    method = method_config("lora", rank=4, alpha=8, target_modules=tuple(LATENT_MODULES))
+    save_peft_adapter(tmp_path / "adapter", randomize_adapter(apply_method(params, cfg, method, jax.random.key(1))),
+                      cfg, method)
+    peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                           tmp_path / "adapter").eval()
+    batch = prompts(cfg.vocab_size)
+    ids, mask = left_padded(batch)
+    n = 20
+
+    def reference(m):
+        with torch.no_grad():
+            out = m.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        return out[:, ids.shape[1]:].numpy().tolist()
+
+    adapted, base = reference(peft_model), reference(model)
+    assert adapted != base  # the adapter changes the generation
+    _, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
+    assert generate(with_adapter, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=(), method=method) == adapted
+    cfg, stacked, slots = load_adapters(directory, {"a": tmp_path / "adapter"})
+    rows = [slots["a"] if i % 2 else 0 for i in range(len(batch))]
+    mixed = generate(stacked, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=(), adapter_of_row=rows)
+    assert mixed == [adapted[i] if i % 2 else base[i] for i in range(len(batch))]
+
+
+def write_fp8_release(source, directory, block: int, extra: dict | None = None):
+    """`source`'s checkpoint as DeepSeek releases its own: every linear weight (not the router's) float8_e4m3fn in
+    blocks of block x block, each with a float32 `weight_scale_inv` (the block's absmax / 448; ragged blocks at the
+    edges), and `quantization_config` saying so; `extra` tensors beside them."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n, t in tensors.items() if t.ndim == 2 and n.startswith("model.layers.")
+                 and not n.endswith(".mlp.gate.weight")]:
+        w = tensors[name]
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[:w.shape[0], :w.shape[1]] = w
+        scale = padded.reshape(rows, block, cols, block).abs().amax(dim=(1, 3)) / 448.0
+        blocks = padded.reshape(rows, block, cols, block) / scale[:, None, :, None]
+        tensors[name] = blocks.reshape(rows * block, cols * block)[:w.shape[0], :w.shape[1]].to(
+            torch.float8_e4m3fn).contiguous()
+        tensors[name.replace(".weight", ".weight_scale_inv")] = scale
+    save_file({**tensors, **(extra or {})}, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def test_deepseek_reads_its_fp8_release_and_skips_its_prediction_head(family, tmp_path):
+    """DeepSeek-V3 as released: block-scaled FP8 weights decode, a block at a time as read, to transformers' own
+    dequantisation (the same logits; the kernels equal), ragged edge blocks (576 = 4.5 x 128 in DeepSeek-V3's
+    kv_a_proj_with_mqa) to fp8 x their block's scale, a slice of a weight to the slice of the whole; the
+    multi-token-prediction layer past num_hidden_layers is read past with one warning."""
+    import warnings
+
+    from jaxtune.errors import JaxtuneWarning
+    from jaxtune.io.fp8_blocks import BlockFP8Reader
+    from jaxtune.io.safetensors import CheckpointReader
+
+    directory, _, cfg, _ = family("deepseek_v3")
+    head = {f"model.layers.{cfg.num_layers}.eh_proj.weight": torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size)}
+    write_fp8_release(directory, tmp_path / "fp8", 8, head)  # every dimension a multiple of 8, as transformers needs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg8, params8 = load_model(tmp_path / "fp8")
+    assert [str(w.message) for w in caught if issubclass(w.category, JaxtuneWarning)] == [
+        f"{tmp_path / 'fp8'}: layers {cfg.num_layers}+ (1 tensors) are DeepSeek's multi-token prediction; read past, "
+        "not trained or exported"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    np.testing.assert_array_equal(np.asarray(params8["layers"]["kv_b_proj"]["kernel"][1]),
+                                  theirs.model.layers[1].self_attn.kv_b_proj.weight.detach().numpy().T)
+    ids, mask, positions = padded_batch(cfg.vocab_size)
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                      position_ids=torch.tensor(positions)).logits.numpy()
+    ours = forward(params8, jnp.asarray(ids), cfg8, positions_BxT=jnp.asarray(positions),
+                   attention_mask_BxT=jnp.asarray(mask))
+    assert np.abs(np.asarray(ours) - want)[mask > 0].max() <= 1e-4
+    stored = write_fp8_release(directory, tmp_path / "ragged", 16)  # 24-wide latents: blocks of 16 and 8
+    name = "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
+    fp8, scale = stored[name].float().numpy(), stored[name.replace(".weight", ".weight_scale_inv")].numpy()
+    want_kernel = fp8 * np.repeat(np.repeat(scale, 16, 0), 16, 1)[:fp8.shape[0], :fp8.shape[1]]
+    _, ragged = load_model(tmp_path / "ragged")
+    np.testing.assert_array_equal(np.asarray(ragged["layers"]["kv_a_proj_with_mqa"]["kernel"][2]), want_kernel.T)
+    with BlockFP8Reader(CheckpointReader(tmp_path / "ragged"), (16, 16)) as reader:
+        np.testing.assert_array_equal(reader.read(name, (slice(5, 21), slice(3, 40))), want_kernel[5:21, 3:40])

@@ -28,7 +28,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                      "BOOL": np.bool_}  # the header's dtype name -> numpy's
+                      "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}  # the header's dtype name -> numpy's
 SAFETENSORS_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 

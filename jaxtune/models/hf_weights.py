@@ -26,6 +26,7 @@ import numpy as np
 from jaxtune.config import ModelConfig
 from jaxtune.config.model import ATTENTION_MODULES, LATENT_NORMS
 from jaxtune.errors import JaxtuneError, JaxtuneWarning
+from jaxtune.io.fp8_blocks import BlockFP8Reader, fp8_block_size
 from jaxtune.io.gguf import is_gguf
 from jaxtune.io.safetensors import CheckpointReader, write_weights
 from jaxtune.models import stacked_experts
@@ -34,7 +35,7 @@ from jaxtune.models.hf_config import config_to_hf, model_dir
 from jaxtune.models.params import QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
 
-Reader: TypeAlias = CheckpointReader | GGUFCheckpoint  # what `checked_reader` opens; one interface
+Reader: TypeAlias = CheckpointReader | GGUFCheckpoint | BlockFP8Reader  # what `checked_reader` opens; one interface
 
 STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # name -> numpy's
 
@@ -193,9 +194,12 @@ def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
 
 @contextmanager
 def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[Reader]:
-    """A `CheckpointReader` of `directory`'s weights (a `GGUFCheckpoint` of a GGUF file), after `check_tensors`."""
+    """A `CheckpointReader` of `directory`'s weights (a `GGUFCheckpoint` of a GGUF file; block-scaled FP8 weights
+    decoded as they are read, `io.fp8_blocks`), after `check_tensors`."""
     directory = Path(directory) if is_gguf(directory) else model_dir(directory)
-    with (GGUFCheckpoint if is_gguf(directory) else CheckpointReader)(directory, canonical_name) as reader:
+    with (GGUFCheckpoint if is_gguf(directory) else CheckpointReader)(directory, canonical_name) as opened:
+        block = None if is_gguf(directory) else fp8_block_size(directory)
+        reader: Reader = opened if block is None else BlockFP8Reader(opened, block)
         check_tensors(reader, directory, cfg)
         yield reader
 
