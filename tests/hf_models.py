@@ -96,6 +96,13 @@ ARCHS = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
         "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
+    # Qwen3-Next with dense MLP layers (mlp_only_layers, intermediate_size 112) among its mixtures: layers of all
+    # four kinds (linear/attention x dense/mixture)
+    "qwen3_next_dense": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, {
+        "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0, 3],
+        "layer_types": ["linear_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 2}),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, {
         "intermediate_size": 32, "intermediate_size_mlp": 64, "head_dim": 16, "num_local_experts": 4,
         "num_experts_per_tok": 1, "no_rope_layers": [1, 1, 0], "attention_chunk_size": 4, "floor_scale": 4,

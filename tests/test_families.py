@@ -29,7 +29,7 @@ from jaxtune.spine.model import load_adapters, load_model
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
 FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "llama4_maverick", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "deepseek_v3"]
+            "qwen3_next", "qwen3_next_dense", "deepseek_v3"]
 
 
 def everyday(arch: str) -> list:
@@ -280,3 +280,16 @@ def test_deepseek_reads_its_fp8_release_and_skips_its_prediction_head(family, tm
     np.testing.assert_array_equal(np.asarray(ragged["layers"]["kv_a_proj_with_mqa"]["kernel"][2]), want_kernel.T)
     with BlockFP8Reader(CheckpointReader(tmp_path / "ragged"), (16, 16)) as reader:
         np.testing.assert_array_equal(reader.read(name, (slice(5, 21), slice(3, 40))), want_kernel[5:21, 3:40])
+
+
+def test_deepseek_refuses_what_it_cannot_hold_in_one_line(family):
+    """Its GGUF (llama.cpp's DEEPSEEK2) is not written, prefix tuning (per-head keys and values where the cache
+    holds latents) not trained: each a one-line JaxtuneError naming why."""
+    from jaxtune.methods.gguf_export import gguf_form
+
+    _, _, cfg, params = family("deepseek_v3")
+    with pytest.raises(JaxtuneError, match="DeepseekV3ForCausalLM: cannot be written as GGUF \\(an architecture"):
+        gguf_form(cfg)
+    with pytest.raises(JaxtuneError, match="prefix tuning needs per-head keys and values; DeepseekV3ForCausalLM's "
+                                           "latent attention caches a latent a token"):
+        apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))

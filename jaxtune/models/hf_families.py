@@ -252,18 +252,19 @@ def _qwen3_next_from_hf(hf: dict, where: str, rope: Callable) -> dict:
         return {**_qwen3_5_from_hf(hf, where, rope), "linear_attention_fused": True}
     layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
     dense = sorted({*(hf.get("mlp_only_layers") or []), *(i for i in range(layers) if (i + 1) % step)})
-    if dense:
-        raise JaxtuneError(f"{where}: mlp_only_layers / decoder_sparse_step make layers {dense} dense MLPs between "
-                           "mixtures; jaxtune reads Qwen3-Next with every layer a mixture (as released) or none")
-    return {**_qwen3_5_moe_from_hf(hf, where, rope), "normalize_top_k": bool(hf.get("norm_topk_prob", True)),
-            "linear_attention_fused": True}
+    fields = {**_qwen3_5_moe_from_hf(hf, where, rope), "normalize_top_k": bool(hf.get("norm_topk_prob", True)),
+              "linear_attention_fused": True}
+    if dense:  # mlp_only_layers / decoder_sparse_step: dense MLPs of intermediate_size between the mixtures
+        fields.update(dense_layers=tuple(dense), intermediate_size=int(hf["intermediate_size"]))
+    return fields
 
 
 def _qwen3_next_to_hf(cfg: ModelConfig, hf: dict) -> dict:
     if not cfg.num_experts:
         return {**_qwen3_5_to_hf(cfg, hf), "num_experts": 0}
-    return {**_qwen3_5_moe_to_hf(cfg, hf), "norm_topk_prob": cfg.normalize_top_k, "decoder_sparse_step": 1,
-            "mlp_only_layers": []}
+    dense = cfg.replace(dense_layers=(), intermediate_size=cfg.expert_size)  # the mixtures' fields, checked
+    return {**_qwen3_5_moe_to_hf(dense, hf), "norm_topk_prob": cfg.normalize_top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.dense_layers), "intermediate_size": cfg.intermediate_size}
 
 
 def _deepseek_v3_from_hf(hf: dict, where: str, rope: Callable) -> dict:

@@ -137,7 +137,6 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
     fused: the full forward's fused kernel (`kernels.choose_kernel`, which takes none where the layer has sinks);
     None: `attention.blockwise_attention`.
     """
-    B, T, K, G, hd = q_BxTxKxGxh.shape
 
     def blockwise():
         k_BxKxSxh, v_BxKxSxh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k_BxSxKxh, v_BxSxKxh))
