@@ -4,7 +4,7 @@ layers. `stacks` maps a name to (a pytree whose leaves are stacked over some lay
 kind) runs one layer of `kind` (linear, dense) on its rows (the names holding it).
 
 `scan_layers_by_kind` (training): one scan step a layer, switching to its kind, its rows read by index from the
-stacks (loop constants, never copied); the backward holds one layer's work at a time (unrolled layers' would be
+stacks (loop constants) before the switch; the backward holds one layer's work at a time (unrolled layers' would be
 alive together: 4 layers, 2.7x one's on v6e). `scan_layer_groups` (the cached decode, no backward): one step a
 period of the kinds' pattern (3 linear : 1 attention), its layers unrolled, each kind's outputs its own stack.
 """
