@@ -49,7 +49,7 @@ FAMILIES = {  # transformers class names, and what sets each apart (at this size
         "linear_value_head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
         "shared_expert_intermediate_size": 256}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # latent attention, the first layer dense
-        "num_key_value_heads": 8, "kv_lora_rank": 128, "q_lora_rank": 192, "qk_nope_head_dim": 32,
+        "num_key_value_heads": 8, "head_dim": 16, "kv_lora_rank": 128, "q_lora_rank": 192, "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
         "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 256, "first_k_dense_replace": 1}),
 }
