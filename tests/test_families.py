@@ -180,35 +180,49 @@ def test_qwen3_5_reads_the_text_model_of_its_vision_language_checkpoint(tmp_path
     assert np.abs(np.asarray(ours) - want)[mask > 0].max() <= 1e-4
 
 
-def test_deepseek_decodes_in_the_latent_space_with_adapters_on_every_row(family, tmp_path):
-    """DeepSeek-V3's decode step attends in the latent's space (the cache holds latents, the key expansion folded
-    into the queries): with LoRA on every latent-attention module, kv_b_proj's included, jaxtune's 20 greedy tokens
-    equal PEFT's `generate`; with the adapter and the base model on different rows of one batch (`load_adapters`),
-    each row equals its own model's."""
+def _deepseek_with_adapter(family, tmp_path):
+    """(directory, base model, config, params, LoRA method, the adapter's directory, PEFT's model) with LoRA on every
+    latent-attention module, kv_b_proj's included."""
     directory, model, cfg, params = family("deepseek_v3")
-    assert cfg.kv_lora_rank and cfg.num_kv_heads == cfg.num_heads
     method = method_config("lora", rank=4, alpha=8, target_modules=tuple(LATENT_MODULES))
     save_peft_adapter(tmp_path / "adapter", randomize_adapter(apply_method(params, cfg, method, jax.random.key(1))),
                       cfg, method)
     peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
                                            tmp_path / "adapter").eval()
-    batch = prompts(cfg.vocab_size)
+    return directory, model, cfg, params, method, tmp_path / "adapter", peft_model
+
+
+def _reference_generate(model, batch, n: int = 20) -> list:
     ids, mask = left_padded(batch)
-    n = 20
-
-    def reference(m):
-        with torch.no_grad():
-            out = m.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
                              max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-        return out[:, ids.shape[1]:].numpy().tolist()
+    return out[:, ids.shape[1]:].numpy().tolist()
 
-    adapted, base = reference(peft_model), reference(model)
-    assert adapted != base  # the adapter changes the generation
-    _, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
-    assert generate(with_adapter, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=(), method=method) == adapted
-    cfg, stacked, slots = load_adapters(directory, {"a": tmp_path / "adapter"})
+
+def test_deepseek_decodes_in_the_latent_space_with_an_adapter(family, tmp_path):
+    """DeepSeek-V3's decode step attends in the latent's space (the cache holds latents, the key expansion folded
+    into the queries): with LoRA on every latent-attention module, kv_b_proj's included (folded into that
+    expansion), jaxtune's 20 greedy tokens equal PEFT's `generate`, which the adapter changes."""
+    directory, model, cfg, params, method, adapter, peft_model = _deepseek_with_adapter(family, tmp_path)
+    assert cfg.kv_lora_rank and cfg.num_kv_heads == cfg.num_heads
+    batch = prompts(cfg.vocab_size)
+    adapted = _reference_generate(peft_model, batch)
+    assert adapted != _reference_generate(model, batch)
+    _, with_adapter = load_peft_adapter(adapter, params, cfg)
+    assert generate(with_adapter, cfg, batch, SamplingConfig(max_new_tokens=20), eos_ids=(), method=method) == adapted
+
+
+@pytest.mark.full  # 12 s; the everyday tier decodes with the adapter on every row
+def test_deepseek_decodes_rows_of_different_adapters_in_one_batch(family, tmp_path):
+    """With the adapter and the base model on alternate rows of one batch (`load_adapters`), each row's 20 greedy
+    tokens equal its own model's: the latent expansion is folded in row by row."""
+    directory, model, cfg, _, _, adapter, peft_model = _deepseek_with_adapter(family, tmp_path)
+    batch = prompts(cfg.vocab_size)
+    adapted, base = _reference_generate(peft_model, batch), _reference_generate(model, batch)
+    cfg, stacked, slots = load_adapters(directory, {"a": adapter})
     rows = [slots["a"] if i % 2 else 0 for i in range(len(batch))]
-    mixed = generate(stacked, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=(), adapter_of_row=rows)
+    mixed = generate(stacked, cfg, batch, SamplingConfig(max_new_tokens=20), eos_ids=(), adapter_of_row=rows)
     assert mixed == [adapted[i] if i % 2 else base[i] for i in range(len(batch))]
 
 

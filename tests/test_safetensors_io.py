@@ -142,10 +142,10 @@ def test_bad_files_name_the_file_and_the_problem(tmp_path):
         CheckpointReader(tmp_path)
 
     header = json.loads(data[8:8 + n])
-    header["a.weight"]["dtype"] = "F8_E4M3"
+    header["a.weight"]["dtype"] = "F8_E5M2"
     text = json.dumps(header).encode()
     (tmp_path / SINGLE_FILE).write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
-    with pytest.raises(JaxtuneError, match="tensor a.weight has dtype 'F8_E4M3', which jaxtune cannot read"):
+    with pytest.raises(JaxtuneError, match="tensor a.weight has dtype 'F8_E5M2', which jaxtune cannot read"):
         CheckpointReader(tmp_path)
 
     (tmp_path / SINGLE_FILE).unlink()
