@@ -27,13 +27,15 @@ class Family:
     `rope(params, default_theta)` -> (theta, RopeScaling | None) reading one RoPE entry. fixed: fields the family
     fixes (a config that changes one has no transformers counterpart). to_hf(cfg, hf) -> its own config.json keys,
     given the shared ones already written (`hf`). peft_experts_by_mlp_names: PEFT (under transformers 5) reads a
-    LoRA adapter's gate_proj/up_proj/down_proj targets, a shared expert's too, as the routed experts."""
+    LoRA adapter's gate_proj/up_proj/down_proj targets, a shared expert's too, as the routed experts.
+    prediction_layers: the checkpoint's layers past num_hidden_layers are a multi-token-prediction head (read past)."""
 
     model_type: str
     from_hf: Callable[[dict, str, Callable], dict]
     fixed: dict[str, Any]
     to_hf: Callable[[ModelConfig, dict], dict]
     peft_experts_by_mlp_names: bool = False
+    prediction_layers: bool = False
 
 
 def _layer_types(windows: tuple[int, ...]) -> list[str]:
@@ -341,7 +343,7 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": Family(model_type="deepseek_v3", from_hf=_deepseek_v3_from_hf,
                                     to_hf=_deepseek_v3_to_hf,
                                     fixed={k: v for k, v in DEEPSEEK_V3_FIXED.items() if k != "sliding_windows"},
-                                    peft_experts_by_mlp_names=True),
+                                    peft_experts_by_mlp_names=True, prediction_layers=True),
 }
 
 

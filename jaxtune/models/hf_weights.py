@@ -32,6 +32,7 @@ from jaxtune.io.safetensors import CheckpointReader, write_weights
 from jaxtune.models import stacked_experts
 from jaxtune.models.gguf import GGUFCheckpoint
 from jaxtune.models.hf_config import config_to_hf, model_dir
+from jaxtune.models.hf_families import FAMILIES
 from jaxtune.models.params import QK_NORMS, ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern
 
@@ -180,7 +181,8 @@ def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
             raise JaxtuneError(f"{reader.file_of(name)}: tensor {reader.stored_name(name)} has shape "
                                f"{reader.shape(name)}, expected {shape}")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    prediction_heads = {n for n in names if cfg.architecture == "DeepseekV3ForCausalLM"
+    family = FAMILIES.get(cfg.architecture)
+    prediction_heads = {n for n in names if family is not None and family.prediction_layers
                         and (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= cfg.num_layers}
     if prediction_heads:
         warnings.warn(f"{directory}: layers {cfg.num_layers}+ ({len(prediction_heads)} tensors) are DeepSeek's "

@@ -31,7 +31,7 @@ from jaxtune.models.latent_attention import (
     latent_values,
 )
 from jaxtune.models.layer_groups import scan_layer_groups
-from jaxtune.models.linear import wide
+from jaxtune.models.linear import project, wide
 from jaxtune.models.linear_attention import LinearState, empty_state, gated_deltanet_layer
 from jaxtune.models.llama import (
     attend,
@@ -40,7 +40,6 @@ from jaxtune.models.llama import (
     layer_sinks,
     norm,
     output_projection,
-    project,
     project_qkv,
 )
 from jaxtune.models.rope import layer_rope, rope_tables

@@ -14,16 +14,11 @@ import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
 from jaxtune.models.adapters import Adapters
-from jaxtune.models.linear import dense, kernel_of
+from jaxtune.models.linear import kernel_of, project
 from jaxtune.models.norms import rms_norm
-from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.rope import LayerRope, apply_rope
 
 LATENT_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which the latents' norms keep
-
-
-def _project(x, layer: dict, name: str, adapters: Adapters):
-    return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])
 
 
 def _rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -35,10 +30,10 @@ def latent_queries(x_BxTxD: jax.Array, layer: dict, rope: LayerRope, cfg: ModelC
     """Every head's query [B, T, H, hd], its last qk_rope_head_dim dimensions rotated."""
     B, T, _ = x_BxTxD.shape
     if "q_a_proj" in layer:
-        q_BxTxQ = _project(_rms_norm(_project(x_BxTxD, layer, "q_a_proj", adapters), layer["q_a_layernorm"]),
+        q_BxTxQ = project(_rms_norm(project(x_BxTxD, layer, "q_a_proj", adapters), layer["q_a_layernorm"]),
                            layer, "q_b_proj", adapters)
     else:
-        q_BxTxQ = _project(x_BxTxD, layer, "q_proj", adapters)
+        q_BxTxQ = project(x_BxTxD, layer, "q_proj", adapters)
     q_BxTxHxh = q_BxTxQ.reshape(B, T, cfg.num_heads, cfg.head_dim)
     nope = cfg.head_dim - cfg.qk_rope_head_dim
     rotated = apply_rope(q_BxTxHxh[..., nope:], rope.cos, rope.sin, cfg.rope_interleaved)
@@ -49,7 +44,7 @@ def latent_cache_entry(x_BxTxD: jax.Array, layer: dict, rope: LayerRope, cfg: Mo
                        ) -> jax.Array:
     """What a token leaves for later ones to attend to: [B, T, kv_lora_rank + qk_rope_head_dim], its normed latent
     then its rotated shared key."""
-    latent_BxTxC, key_BxTxR = jnp.split(_project(x_BxTxD, layer, "kv_a_proj_with_mqa", adapters), [cfg.kv_lora_rank],
+    latent_BxTxC, key_BxTxR = jnp.split(project(x_BxTxD, layer, "kv_a_proj_with_mqa", adapters), [cfg.kv_lora_rank],
                                         axis=-1)
     rotated = apply_rope(key_BxTxR[:, :, None], rope.cos, rope.sin, cfg.rope_interleaved)[:, :, 0]
     return jnp.concatenate([_rms_norm(latent_BxTxC, layer["kv_a_layernorm"]), rotated], axis=-1)
@@ -61,7 +56,7 @@ def latent_keys_values(entries_BxSxE: jax.Array, layer: dict, cfg: ModelConfig, 
     zero-padded from v_head_dim to hd, so every attention kernel takes them (`heads_output` drops the padding)."""
     B, S, _ = entries_BxSxE.shape
     H, hd, v, rope = cfg.num_heads, cfg.head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
-    expanded = _project(entries_BxSxE[..., :cfg.kv_lora_rank], layer, "kv_b_proj", adapters)
+    expanded = project(entries_BxSxE[..., :cfg.kv_lora_rank], layer, "kv_b_proj", adapters)
     k_nope, v_BxSxHxv = jnp.split(expanded.reshape(B, S, H, hd - rope + v), [hd - rope], axis=-1)
     shared_BxSxHxR = jnp.broadcast_to(entries_BxSxE[:, :, None, cfg.kv_lora_rank:], (B, S, H, rope))
     k_BxSxHxh = jnp.concatenate([k_nope, shared_BxSxHxR.astype(k_nope.dtype)], axis=-1)
@@ -85,7 +80,7 @@ def expansion_kernel(layer: dict, cfg: ModelConfig, adapters: Adapters, rows: in
     if not adapters.hooks_of(module):
         return kernel_of(module, dtype).reshape(1, *shape)
     identity = jnp.broadcast_to(jnp.eye(C, dtype=dtype), (rows, C, C))
-    return _project(identity, layer, "kv_b_proj", adapters).reshape(rows, *shape)
+    return project(identity, layer, "kv_b_proj", adapters).reshape(rows, *shape)
 
 
 def absorbed_queries(q_BxHxh: jax.Array, kernel_NxCxHxF: jax.Array, cfg: ModelConfig) -> jax.Array:

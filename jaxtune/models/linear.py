@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from jaxtune.config.forward import MATMUL_OUTPUT
 from jaxtune.config.method import Branch, DenseHook
 from jaxtune.models.adapters import Adapters
+from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import (
     BitPattern,
     NF4Array,
@@ -405,3 +406,8 @@ def folds_branch(platform: str, split_axes: list[tuple[str, ...]], gathered: boo
     On GPU and TPU the concatenation would copy a weight the dot reads in place."""
     allowed = set(ZERO_AXES) if gathered else set()
     return platform == "cpu" and not any(set(axes) - allowed for axes in split_axes)
+
+
+def project(x: jax.Array, layer: dict, name: str, adapters: Adapters) -> jax.Array:
+    """`dense` through module `name` of one layer, with the method's `adapters` (its dropout key drawn for it)."""
+    return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])

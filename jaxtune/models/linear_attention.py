@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from jaxtune.config import ModelConfig
 from jaxtune.models.adapters import Adapters
 from jaxtune.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from jaxtune.models.linear import dense, wide
-from jaxtune.models.params import LINEAR_AXES
+from jaxtune.models.linear import project, wide
 
 
 class LinearState(NamedTuple):
@@ -39,8 +38,7 @@ def empty_state(cfg: ModelConfig, batch: int, dtype) -> LinearState:
 
 
 def _project(x, layer: dict, name: str, adapters: Adapters):
-    name = f"linear_attn.{name}"
-    return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])
+    return project(x, layer, f"linear_attn.{name}", adapters)
 
 
 def _projections(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, adapters: Adapters) -> tuple[jax.Array, ...]:

@@ -30,11 +30,10 @@ from jaxtune.models.head import head_logits
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
 from jaxtune.models.latent_attention import heads_output, latent_cache_entry, latent_keys_values, latent_queries
 from jaxtune.models.layer_groups import scan_layers_by_kind
-from jaxtune.models.linear import dense, wide
+from jaxtune.models.linear import dense, project, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.norms import rms_norm
-from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
 from jaxtune.models.rope import LayerRope, apply_rope, layer_rope, rope_tables
@@ -62,11 +61,6 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.A
     else:
         x_BxTxD = table.astype(dtype)[tokens_BxT]
     return x_BxTxD * jnp.asarray(cfg.hidden_size**0.5, dtype) if cfg.scale_embeddings else x_BxTxD
-
-
-def project(x, layer: dict, name: str, adapters: Adapters):
-    """`dense` through module `name` of one layer, with the method's `adapters` (its dropout key drawn for it)."""
-    return dense(x, layer[name], adapters.of_module(name), LINEAR_AXES[name])
 
 
 def l2_norm(x: jax.Array, eps: float) -> jax.Array:

@@ -58,9 +58,11 @@ def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, 
     probs_NxE = jax.nn.softmax(logits_NxE.astype(wide_dtype), axis=-1)
     if cfg.router_activation == "sigmoid":
         scores_NxE = jax.nn.sigmoid(logits_NxE.astype(wide_dtype))
-        choice_NxE = _group_limited(scores_NxE + router["e_score_correction_bias"].astype(wide_dtype)
-                                    if cfg.router_choice_bias else scores_NxE, cfg) if (
-            cfg.router_choice_bias or cfg.router_groups > 1) else logits_NxE  # the logits' order: no sigmoid ties
+        choice_NxE = logits_NxE  # the scores' order, without sigmoid's ties
+        if cfg.router_choice_bias:
+            choice_NxE = _group_limited(scores_NxE + router["e_score_correction_bias"].astype(wide_dtype), cfg)
+        elif cfg.router_groups > 1:
+            choice_NxE = _group_limited(scores_NxE, cfg)
         experts_NxK = jax.lax.top_k(choice_NxE, cfg.experts_per_token)[1]
         weights_NxK = jnp.take_along_axis(scores_NxE, experts_NxK, axis=-1)
         if cfg.normalize_top_k:
