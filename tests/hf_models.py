@@ -123,6 +123,23 @@ ARCHS = {
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                             "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10_000.0},
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Gemma 4 as E2B/E4B and 26B-A4B make it, every part at once: sliding (window 4) and full layers, the full ones
+    # 32 wide with one key/value head and values from the keys' projection (proportional RoPE on a quarter), the
+    # last three layers sharing layers 1 and 2's keys and values with double-wide MLPs, per-layer inputs (16 a
+    # layer), a mixture of 4 experts (top 2) beside every MLP, a final soft cap.
+    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, {
+        "num_hidden_layers": 6, "intermediate_size": 48, "head_dim": 16, "global_head_dim": 32,
+        "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 3,
+        "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 96,
+        "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24,
+        "final_logit_softcapping": 3.0, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+        "attn_implementation": "eager"}),
+    # Gemma 4 as 31B makes it: no per-layer inputs, no sharing, values of their own on the full (32-wide) layers
+    "gemma4_dense": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, {
+        "head_dim": 16, "global_head_dim": 32, "sliding_window": 4, "hidden_size_per_layer_input": 0,
+        "layer_types": ["sliding_attention", "full_attention", "full_attention"], "pad_token_id": 0,
+        "bos_token_id": 2, "eos_token_id": 1, "attn_implementation": "eager"}),
 }
 
 
@@ -131,10 +148,11 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     by 1 + weight, but for Qwen3.5's gated norm), biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
     unit = 0.0 if type(model).__name__.startswith(("Gemma", "Qwen3_5", "Qwen3Next")) else 1.0  # Qwen3_5Moe too
+    unit = 1.0 if type(model).__name__.startswith("Gemma4") else unit  # its norms scale by the weight
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
+            if "norm" in name or name.endswith("scale"):  # Gemma 4's router's scale and per-expert scale too
                 p.copy_((1.0 if "linear_attn.norm" in name else unit) + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
@@ -143,6 +161,8 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         for name, b in model.named_buffers():  # DeepSeek's routing bias, which only changes the experts chosen
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.5 * torch.randn(b.shape, generator=gen))
+            if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
     return model.eval()
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
 from transformers.models.gemma3 import modeling_gemma3 as gemma3_modeling
+from transformers.models.gemma4 import modeling_gemma4 as gemma4_modeling
 from transformers.models.llama4 import modeling_llama4 as llama4_modeling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe_modeling
@@ -42,6 +43,9 @@ FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error; measured 
 
 def _rms_norm_float64(self, x):
     variance = x.pow(2).mean(-1, keepdim=True)
+    if type(self).__name__.startswith("Gemma4"):  # scales by the weight, where it has one
+        normed = x * torch.rsqrt(variance + self.eps)
+        return normed * self.weight if self.with_scale else normed
     if type(self).__name__.startswith(("Gemma", "Qwen3_5", "Qwen3Next")):  # scales by 1 + weight
         return (1 + self.weight) * (x * torch.rsqrt(variance + self.eps))
     return self.weight * (x * torch.rsqrt(variance + getattr(self, "variance_epsilon", getattr(self, "eps", None))))
@@ -97,6 +101,14 @@ def _grouped_sigmoid_router_float64(self, x):
     if self.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return logits, weights * self.routed_scaling_factor, index
+
+
+def _gemma4_router_float64(self, x):
+    """Gemma 4's router (its softmax in float32 even in a float64 model)."""
+    x = self.norm(x) * self.scale * self.scalar_root_size
+    probs = torch.softmax(self.proj(x), dim=-1)
+    top, index = torch.topk(probs, self.config.top_k_experts, dim=-1)
+    return probs, top / top.sum(dim=-1, keepdim=True) * self.per_expert_scale[index], index
 
 
 def _gated_rms_norm_float64(self, x, gate):  # Qwen3.5's Gated DeltaNet output norm
@@ -162,7 +174,7 @@ def _softmax_in_float64(eager_attention_forward):
     return attention
 
 
-for _module in (gemma2_modeling, gemma3_modeling):
+for _module in (gemma2_modeling, gemma3_modeling, gemma4_modeling):
     _module.eager_attention_forward = _softmax_in_float64(_module.eager_attention_forward)
 llama4_modeling.apply_rotary_emb = _rotate_in_their_dtype(llama4_modeling.apply_rotary_emb)
 
@@ -193,7 +205,7 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if type(base).__name__.endswith("MoeForCausalLM") or type(base).__name__.startswith(("Mixtral", "GptOss",
                                                                                             "Llama4", "Qwen3Next",
-                                                                                            "DeepseekV3")):
+                                                                                            "DeepseekV3", "Gemma4")):
         base.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
@@ -211,6 +223,8 @@ def float64_reference(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_complex_rotary_float64, module)
         elif name.endswith("RotaryEmbedding"):
             module.forward = types.MethodType(_rotary_float64, module)
+        elif name == "Gemma4TextRouter":
+            module.forward = types.MethodType(_gemma4_router_float64, module)
         elif name == "DeepseekV3TopkRouter":
             module.forward = types.MethodType(_grouped_sigmoid_router_float64, module)
         elif name.endswith("TopKRouter") and name != "GptOssTopKRouter":  # gpt-oss's computes in its own dtype

@@ -29,7 +29,7 @@ from jaxtune.spine.model import load_adapters, load_model
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
 
 FAMILIES = ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "llama4_maverick", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "deepseek_v3"]
+            "qwen3_next", "deepseek_v3", "gemma4"]
 
 
 def everyday(arch: str) -> list:

@@ -173,8 +173,9 @@ def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
                                   "gemma3", "phi3", "mixtral", "qwen2_moe", "smollm3", "olmo2", "olmo3",
                                   "gpt_oss", "llama4", "qwen3_5",
                                   pytest.param("qwen3_5_moe", marks=pytest.mark.full), "qwen3_next",
-                                  "llama4_maverick", "deepseek_v3",
-                                  pytest.param("qwen3_next_dense", marks=pytest.mark.full)])
+                                  "llama4_maverick", "deepseek_v3", "gemma4",
+                                  pytest.param("qwen3_next_dense", marks=pytest.mark.full),
+                                  pytest.param("gemma4_dense", marks=pytest.mark.full)])
 @pytest.mark.parametrize("max_shard_bytes", [2**31, 20_000])
 def test_round_trip_through_transformers(arch, max_shard_bytes, hf_model_dir, tmp_path):
     """load -> save -> transformers loads the saved directory (single file or shards) -> same logits."""

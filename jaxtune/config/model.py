@@ -10,7 +10,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                  "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "GptOssForCausalLM", "Llama4ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                 "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM")
+                 "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM", "Gemma4ForCausalLM")
 # A layer's linear modules by their Hugging Face names: separate, or Phi-3's fused query/key/value and gate/up.
 SEPARATE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -34,6 +34,17 @@ EXPERT_MODULES = ("gate_up_proj", "down_proj")  # a mixture's experts, stacked [
 LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                        "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
                        "in_proj_qkvz", "in_proj_ba", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# Gemma 4's stacks of one Hugging Face module whose shape differs by layer, named module + suffix: its full-attention
+# layers' attention (`global_head_dim`), its KV-sharing layers' double-wide MLP (`wide_shared_mlp`)
+GLOBAL, WIDE = "@global", "@wide"
+PER_LAYER_INPUT_MODULES = ("per_layer_input_gate", "per_layer_projection")  # Gemma 4's per-layer input branch
+
+
+def hf_module_name(name: str) -> str:
+    """The Hugging Face name of our stack `name` (`GLOBAL`, `WIDE` suffixes dropped)."""
+    return name.split("@", 1)[0]
+
+
 # the gated MLP's activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
@@ -49,7 +60,9 @@ class RopeScaling:
     al. 2023; gpt-oss, OLMo 3) keeps the frequencies that turn more than `beta_fast` times over the original
     length, divides those turning fewer than `beta_slow` times by `factor`, ramps linearly between (the ramp's
     ends rounded outward when `truncate`), and scales cos and sin by `attention_factor`; `mscale_all_dim`, DeepSeek's
-    term of it that also scales its attention's softmax (squared; read by its family, kept for its config).
+    term of it that also scales its attention's softmax (squared; read by its family, kept for its config);
+    "proportional" (Gemma 4's full layers) keeps the first `rotated_fraction` x head_dim / 2 frequencies of the
+    whole head's (divided by `factor`) and sets the rest to 0: the head keeps its width, those pairs unrotated.
     """
 
     kind: str
@@ -64,6 +77,7 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     mscale_all_dim: float = 0.0
+    rotated_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -128,6 +142,16 @@ class ModelConfig:
     `router_choice_bias` (the aux-loss-free `e_score_correction_bias`, which no gradient reaches) within the
     `router_top_groups` best of `router_groups` groups (a group's worth: its two best), weighted by their scores
     (renormalised with `normalize_top_k`) times `routed_scaling_factor`; its first layers dense (`dense_layers`).
+    Gemma 4: `global_head_dim` > 0, the full-attention layers' head width (their own stacks, `GLOBAL`; their keys and
+    values `global_kv_heads` heads, 0: num_kv_heads) while the sliding layers keep head_dim; `values_from_keys`, the
+    full layers' values the k_proj output (no v_proj); `value_norm`, values RMS-normed over a head (no weight);
+    `shared_kv_layers`, the last layers computing only queries and attending over the keys and values of the last
+    earlier layer of their kind (sliding or full); `wide_shared_mlp`, those layers' MLP twice intermediate_size
+    (`WIDE`); `per_layer_input_size` P > 0, a per-layer input: a [per_layer_vocab_size, L x P] embedding plus a
+    projection of the embeddings, added as a third residual branch gate/multiply/project/norm; `experts_beside_mlp`,
+    a mixture beside every layer's MLP (its router reads the un-normed residual through its own scale, its weights
+    times a per-expert scale; three more norms); `layer_scalar`, each layer's output times its `layer_scalar`.
+    Its norms scale by the weight (no unit offset) in float32 and attention is unscaled (query_pre_attn_scalar 1).
     `router_aux_loss_coef`: the weight of the load-balancing loss (Switch Transformer eq. 4, over every layer's
     routing), a training term when `output_router_logits` (as in transformers, whose configs ship it off).
     """
@@ -198,6 +222,16 @@ class ModelConfig:
     router_top_groups: int = 1
     router_choice_bias: bool = False
     routed_scaling_factor: float = 1.0
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    values_from_keys: bool = False
+    value_norm: bool = False
+    shared_kv_layers: int = 0
+    wide_shared_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    experts_beside_mlp: bool = False
+    layer_scalar: bool = False
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     initializer_range: float = 0.02
@@ -242,6 +276,13 @@ class ModelConfig:
             raise ValueError(f"router_groups={self.router_groups} must divide num_experts={self.num_experts} into "
                              f"groups of two or more, router_top_groups={self.router_top_groups} be in "
                              "1..router_groups")
+        if self.shared_kv_layers:
+            first = self.num_layers - self.shared_kv_layers
+            kinds = {not w for w in self.sliding_windows[:first]}
+            if not 0 < self.shared_kv_layers < self.num_layers or any((not w) not in kinds
+                                                                         for w in self.sliding_windows[first:]):
+                raise ValueError(f"shared_kv_layers={self.shared_kv_layers}: each of the last layers shares the keys "
+                                 "and values of an earlier layer of its kind (sliding or full); some kind has none")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -256,11 +297,16 @@ class ModelConfig:
     @property
     def linear_modules(self) -> tuple[str, ...]:
         """The names of a layer's linear modules, attention's then the MLP's (a mixture's shared expert, if any:
-        its experts are not among them)."""
+        its experts are not among them); Gemma 4's stacks of other shapes as `GLOBAL` and `WIDE` names."""
         if self.kv_lora_rank:
             attention = LATENT_ATTENTION_MODULES if self.q_lora_rank else ("q_proj",) + LATENT_ATTENTION_MODULES[2:]
             return attention + DENSE_MLP_MODULES * bool(self.dense_layers or not self.num_experts) + (
                 SHARED_EXPERT_MODULES * bool(self.shared_expert_size))
+        if self.global_head_dim:
+            attention = tuple(name + suffix for suffix in ("", GLOBAL) for name in SEPARATE_MODULES[:4]
+                              if not (suffix and name == "v_proj" and self.values_from_keys))
+            mlp = tuple(name + suffix for suffix in ("", WIDE) for name in DENSE_MLP_MODULES)
+            return tuple(name for name in attention + mlp if self.module_layers(name))
         linear = ((FUSED_LINEAR_ATTENTION_MODULES if self.linear_attention_fused else LINEAR_ATTENTION_MODULES)
                   * bool(self.linear_attention_layers))
         if self.num_experts:
@@ -285,13 +331,47 @@ class ModelConfig:
         """The layers holding module (or bare leaf) `name` of a layer, in order: its stack's rows are theirs."""
         if name.startswith("linear_attn."):
             return self.linear_attention_layers
+        base, wide, global_ = hf_module_name(name), name.endswith(WIDE), name.endswith(GLOBAL)
+        if self.global_head_dim and base in ATTENTION_LEAVES:  # Gemma 4: the full layers' own stacks
+            of_kind = tuple(i for i in self.attention_layers if (i in self.global_layers) == global_)
+            if base in ("k_proj", "v_proj", "k_norm"):  # the KV-sharing layers compute no keys or values
+                of_kind = tuple(i for i in of_kind if i not in self.kv_sharing_layers)
+            return () if base == "v_proj" and global_ and self.values_from_keys else of_kind
         if name in ATTENTION_LEAVES:
             return self.attention_layers
         if self.dense_layers and name in MIXTURE_LEAVES:
             return self.mixture_layers
         if self.dense_layers and name in DENSE_MLP_MODULES:
             return self.dense_layers
+        if base in DENSE_MLP_MODULES and (wide or self.wide_shared_mlp):  # Gemma 4's: the sharing layers' wide
+            return tuple(i for i in range(self.num_layers)
+                         if (i in self.kv_sharing_layers) == wide) if self.wide_shared_mlp else ()
         return tuple(range(self.num_layers))
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Gemma 4's full-attention layers, whose attention has its own shapes (`global_head_dim`); () otherwise."""
+        return tuple(i for i in self.attention_layers if not self.sliding_windows[i]) if self.global_head_dim else ()
+
+    @property
+    def kv_sharing_layers(self) -> tuple[int, ...]:
+        """The last `shared_kv_layers` layers, which attend over an earlier layer's keys and values."""
+        return tuple(range(self.num_layers - self.shared_kv_layers, self.num_layers))
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for a KV-sharing layer the last layer
+        before them of its kind (sliding or full)."""
+        if layer not in self.kv_sharing_layers:
+            return layer
+        first = self.num_layers - self.shared_kv_layers
+        full = not self.sliding_windows[layer]
+        return max(i for i in range(first) if (not self.sliding_windows[i]) == full)
+
+    @property
+    def global_view(self) -> ModelConfig:
+        """The config a full-attention layer of Gemma 4 computes its attention with (its head width and heads)."""
+        return self.replace(head_dim=self.global_head_dim, num_kv_heads=self.global_kv_heads or self.num_kv_heads,
+                            global_head_dim=0, shared_kv_layers=0, wide_shared_mlp=False)
 
     @property
     def mixture_layers(self) -> tuple[int, ...]:
@@ -302,14 +382,16 @@ class ModelConfig:
     def stacked_by_kind(self) -> bool:
         """Whether some modules are stacked over only some layers (layers of several kinds, or all linear): the layer
         scans then read each layer's rows by kind (`models/layer_groups.py`)."""
-        return bool(self.linear_attention_layers or self.dense_layers)
+        return bool(self.linear_attention_layers or self.dense_layers or self.global_head_dim or self.shared_kv_layers)
 
     @property
-    def layer_kinds(self) -> tuple[tuple[bool, bool], ...]:
-        """Each layer's kind, (its token mixer is linear attention, its feed-forward a dense MLP in a mixture): what
-        the layer scan switches on."""
-        linear, dense = set(self.linear_attention_layers), set(self.dense_layers)
-        return tuple((i in linear, i in dense) for i in range(self.num_layers))
+    def layer_kinds(self) -> tuple[tuple[bool, bool, bool, bool], ...]:
+        """Each layer's kind, (its token mixer is linear attention, its feed-forward a dense MLP in a mixture, its
+        attention Gemma 4's full one, it shares an earlier layer's keys and values): what the layer scan switches
+        on."""
+        linear, dense, full, sharing = (set(a) for a in (self.linear_attention_layers, self.dense_layers,
+                                                          self.global_layers, self.kv_sharing_layers))
+        return tuple((i in linear, i in dense, i in full, i in sharing) for i in range(self.num_layers))
 
     def layer_stacks(self, modules: tuple[str, ...] | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """(module, its layers) of each of `modules` (default `linear_modules`): what a method's per-layer rules

@@ -19,10 +19,12 @@ import numpy as np
 from jaxtune.config.method import MethodConfig
 from jaxtune.config.model import (
     FUSED_LINEAR_ATTENTION_MODULES,
+    GLOBAL,
     LATENT_ATTENTION_MODULES,
     LINEAR_ATTENTION_MODULES,
     SEPARATE_MODULES,
     SHARED_EXPERT_MODULES,
+    WIDE,
     ModelConfig,
 )
 from jaxtune.errors import ConfigError
@@ -190,4 +192,6 @@ def module_keys(key: jax.Array) -> dict[str, jax.Array]:
                  for i, name in enumerate(("qkv_proj", "gate_up_proj") + SHARED_EXPERT_MODULES
                                           + LINEAR_ATTENTION_MODULES + FUSED_LINEAR_ATTENTION_MODULES[:2]
                                           + LATENT_ATTENTION_MODULES[:4])})
+    keys.update({name + suffix: jax.random.fold_in(keys[name], i + 1)  # Gemma 4's stacks of other shapes
+                 for i, suffix in enumerate((GLOBAL, WIDE)) for name in SEPARATE_MODULES})
     return keys

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
 from jaxtune.config.method import MethodConfig
-from jaxtune.config.model import ATTENTION_MODULES, FUSED_MODULES, LINEAR_MODULE_NAMES, SEPARATE_MODULES
+from jaxtune.config.model import (
+    ATTENTION_MODULES,
+    FUSED_MODULES,
+    LINEAR_MODULE_NAMES,
+    SEPARATE_MODULES,
+    hf_module_name,
+)
 from jaxtune.errors import ConfigError
 
 Stacks: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]  # (module, the layers holding it), in order
@@ -129,6 +135,7 @@ def uniform_stacks(num_layers: int, modules: tuple[str, ...] = SEPARATE_MODULES)
 
 def module_path(name: str, layer: int) -> str:
     """The transformers path of linear module `name` of `layer`, e.g. 'model.layers.3.self_attn.q_proj'."""
+    name = hf_module_name(name)  # Gemma 4's stacks of other shapes: the module they are
     if name.startswith("linear_attn."):
         return f"model.layers.{layer}.{name}"
     return f"model.layers.{layer}.{'self_attn' if name in ATTENTION_MODULES else 'mlp'}.{name}"

@@ -27,7 +27,8 @@ PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalL
 # vision-language checkpoints whose text model jaxtune reads (as transformers' AutoModelForCausalLM does): its
 # `text_config`, its `model.language_model.*` tensors; the vision tower and a multi-token-prediction head are left
 VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 
 
 def model_dir(path: str | Path) -> Path:
@@ -74,6 +75,9 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
                                   beta_fast=float(params.get("beta_fast") or 32),
                                   beta_slow=float(params.get("beta_slow") or 1), truncate=bool(truncate),
                                   mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+    if kind == "proportional":  # Gemma 4's full layers: a fraction of the whole head's frequencies, the rest 0
+        return theta, RopeScaling("proportional", float(params.get("factor", 1.0)),
+                                  rotated_fraction=float(params.get("partial_rotary_factor", 1.0)))
     if kind in ("longrope", "su"):  # Phi-3's; "su" its older name
         original = int(params.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
         factor = float(params.get("factor") or hf.get("max_position_embeddings", original) / original)
@@ -85,7 +89,7 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
                                   long_factor=tuple(map(float, params["long_factor"])),
                                   attention_factor=float(attention_factor))
     raise JaxtuneError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3, longrope, "
-                       "yarn)")
+                       "yarn, proportional)")
 
 
 def _partial_rotary_factor(hf: dict) -> float:
@@ -264,6 +268,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
             scaling.update(original_max_position_embeddings=s.original_max_position_embeddings,
                            attention_factor=s.attention_factor, beta_fast=s.beta_fast, beta_slow=s.beta_slow,
                            truncate=s.truncate, **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {}))
+        if s.kind == "proportional":
+            scaling["partial_rotary_factor"] = s.rotated_fraction
         if s.kind == "longrope":
             scaling.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor),
                            attention_factor=s.attention_factor,
@@ -301,6 +307,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf.update(_gemma_to_hf(cfg, hf))
     elif cfg.architecture in FAMILIES:
         hf.update(family_to_hf(cfg, hf))
+        if hf.get("rope_scaling", "") is None:  # a family whose rope_parameters are by layer type (Gemma 4)
+            del hf["rope_scaling"]
     else:
         hf["use_sliding_window"] = bool(windows)
         hf["sliding_window"] = max(windows) if windows else None

@@ -7,7 +7,8 @@ and experts with biases, the clamped SwiGLU), attention with biases and sinks, s
 alternating, YaRN. Llama 4 (text): mixtures (sigmoid router, top-k scaling the experts' inputs, an ungated shared
 expert; Maverick's between dense layers), NoPE layers with full attention and temperature, RoPE layers chunked,
 interleaved, L2-normed. Qwen3.5 (text): Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs
-Qwen2-MoE's); Qwen3-Next: theirs fused key head by key head. DeepSeek-V3: latent attention, dense first layers."""
+Qwen2-MoE's); Qwen3-Next: theirs fused key head by key head. DeepSeek-V3: latent attention, dense first layers.
+Gemma 4 (text): full layers of their own head width, KV-sharing last layers, per-layer inputs, a mixture beside the MLP."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class Family:
     fixes (a config that changes one has no transformers counterpart). to_hf(cfg, hf) -> its own config.json keys,
     given the shared ones already written (`hf`). peft_experts_by_mlp_names: PEFT (under transformers 5) reads a
     LoRA adapter's gate_proj/up_proj/down_proj targets, a shared expert's too, as the routed experts.
-    prediction_layers: the checkpoint's layers past num_hidden_layers are a multi-token-prediction head (read past)."""
+    prediction_layers: the checkpoint's layers past num_hidden_layers are a multi-token-prediction head (read past).
+    fused_experts: the experts are stored only as transformers' stacks a layer (`mlp.experts.gate_up_proj`)."""
 
     model_type: str
     from_hf: Callable[[dict, str, Callable], dict]
@@ -36,6 +38,7 @@ class Family:
     to_hf: Callable[[ModelConfig, dict], dict]
     peft_experts_by_mlp_names: bool = False
     prediction_layers: bool = False
+    fused_experts: bool = False
 
 
 def _layer_types(windows: tuple[int, ...]) -> list[str]:
@@ -313,6 +316,72 @@ def _deepseek_v3_to_hf(cfg: ModelConfig, hf: dict) -> dict:
             "output_router_logits": cfg.output_router_logits}
 
 
+def _gemma4_from_hf(hf: dict, where: str, rope: Callable) -> dict:
+    if hf.get("attention_bias"):
+        raise JaxtuneError(f"{where}: attention_bias is not supported for Gemma 4 (transformers' has none)")
+    layers = int(hf["num_hidden_layers"])
+    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(layers)])
+    types[-1] = "full_attention"  # as transformers forces it
+    by_type = hf.get("rope_parameters") or {}
+    theta, scaling = rope(by_type.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                            "rope_theta": 1e6}, 1e6)
+    local_theta, local_scaling = rope(by_type.get("sliding_attention") or {}, 10_000.0)
+    if local_scaling is not None:
+        raise JaxtuneError(f"{where}: scaled RoPE on sliding layers is not supported")
+    per_layer = hf.get("per_layer_config") or {}
+    full = next((per_layer.get(i, per_layer.get(str(i))) for i, t in enumerate(types) if t == "full_attention"
+                 and (i in per_layer or str(i) in per_layer)), None)
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    if full is None:  # the keys transformers turns into per_layer_config
+        full = {"head_dim": hf.get("global_head_dim", 512)}
+        if k_eq_v and hf.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = hf["num_global_key_value_heads"]
+    experts = int(hf.get("num_experts") or 0) if hf.get("enable_moe_block") else 0
+    full_kv = int(full.get("num_key_value_heads") or 0)  # 0: the sliding layers' count
+    P = int(hf.get("hidden_size_per_layer_input") or 0)
+    return dict(sliding_windows=tuple(int(hf.get("sliding_window", 512)) if t == "sliding_attention" else 0
+                                      for t in types),
+                rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
+                global_head_dim=int(full["head_dim"]), global_kv_heads=0 if full_kv == int(hf.get("num_key_value_heads", 0)) else full_kv,
+                values_from_keys=k_eq_v, shared_kv_layers=int(hf.get("num_kv_shared_layers") or 0),
+                wide_shared_mlp=bool(hf.get("use_double_wide_mlp", False)), per_layer_input_size=P,
+                per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", hf["vocab_size"])) if P else 0,
+                experts_beside_mlp=bool(experts), num_experts=experts,
+                experts_per_token=int(hf["top_k_experts"]) if experts else 0,
+                expert_size=int(hf["moe_intermediate_size"]) if experts else 0,
+                final_logit_softcap=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), **GEMMA4_FIXED)
+
+
+def _gemma4_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    full_kv = cfg.global_kv_heads or cfg.num_kv_heads
+    if not cfg.values_from_keys and full_kv != cfg.num_kv_heads:
+        raise JaxtuneError(f"{cfg.architecture}: full layers have their own key/value heads only with "
+                           "attention_k_eq_v")
+    scaling = cfg.rope_scaling
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if scaling is not None:
+        full = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor,
+                **({"partial_rotary_factor": scaling.rotated_fraction} if scaling.kind == "proportional" else {})}
+    return {"rope_scaling": None, "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+            "final_logit_softcapping":
+            cfg.final_logit_softcap, "sliding_window": _one_window(cfg), "layer_types": _layer_types(cfg.sliding_windows),
+            "rope_parameters": {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}},
+            "per_layer_config": {str(i): {"head_dim": cfg.global_head_dim, "num_key_value_heads": full_kv}
+                                 for i in cfg.global_layers},
+            "attention_k_eq_v": cfg.values_from_keys, "num_kv_shared_layers": cfg.shared_kv_layers,
+            "use_double_wide_mlp": cfg.wide_shared_mlp, "hidden_size_per_layer_input": cfg.per_layer_input_size,
+            "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
+            "enable_moe_block": cfg.experts_beside_mlp, "num_experts": cfg.num_experts or None,
+            "top_k_experts": cfg.experts_per_token or None, "moe_intermediate_size": cfg.expert_size or None}
+
+
+GEMMA4_FIXED = dict(hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True, norm_unit_offset=False,
+                    norm_float32_scale=True, qk_norm=True, value_norm=True, query_pre_attn_scalar=1.0,
+                    attn_logit_softcap=None, layer_scalar=True, normalize_top_k=True, router_activation="softmax",
+                    mlp_bias=False, qkv_bias=False, o_bias=False)
 DEEPSEEK_V3_FIXED = dict(router_activation="sigmoid", router_choice_bias=True, shared_expert_gated=False,
                          hidden_act="silu", mlp_bias=False, qkv_bias=False, o_bias=False, sliding_windows=())
 QWEN3_5_MOE_FIXED = dict(normalize_top_k=True, shared_expert_gated=True, router_activation="softmax")
@@ -344,6 +413,8 @@ FAMILIES = {
                                     to_hf=_deepseek_v3_to_hf,
                                     fixed={k: v for k, v in DEEPSEEK_V3_FIXED.items() if k != "sliding_windows"},
                                     peft_experts_by_mlp_names=True, prediction_layers=True),
+    "Gemma4ForCausalLM": Family(model_type="gemma4_text", from_hf=_gemma4_from_hf, to_hf=_gemma4_to_hf,
+                                fixed=GEMMA4_FIXED, fused_experts=True),
 }
 
 

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxtune.config import ModelConfig
-from jaxtune.config.model import ATTENTION_MODULES, LATENT_NORMS
+from jaxtune.config.model import ATTENTION_MODULES, LATENT_NORMS, PER_LAYER_INPUT_MODULES, hf_module_name
 from jaxtune.errors import JaxtuneError, JaxtuneWarning
 from jaxtune.io.fp8_blocks import BlockFP8Reader, fp8_block_size
 from jaxtune.io.gguf import is_gguf
@@ -33,7 +33,7 @@ from jaxtune.models import stacked_experts
 from jaxtune.models.gguf import GGUFCheckpoint
 from jaxtune.models.hf_config import config_to_hf, model_dir
 from jaxtune.models.hf_families import FAMILIES
-from jaxtune.models.params import QK_NORMS, ParamSpec, param_specs
+from jaxtune.models.params import QK_NORMS, ParamSpec, is_norm, param_specs
 from jaxtune.models.quant import BitPattern
 
 Reader: TypeAlias = CheckpointReader | GGUFCheckpoint | BlockFP8Reader  # what `checked_reader` opens; one interface
@@ -42,14 +42,21 @@ STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16
 
 
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's hub names of an expert's parts
-LEFT_PARTS = ("model.visual.", "mtp.")  # a vision-language checkpoint's vision tower, Qwen3.5's multi-token head
+# a vision-language checkpoint's vision (and audio) towers, Qwen3.5's multi-token head
+LEFT_PARTS = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+              "model.embed_audio.")
+TOP_LEVEL = {("embed_tokens",): "model.embed_tokens.weight", ("norm",): "model.norm.weight",
+             ("lm_head", "kernel"): "lm_head.weight", ("embed_tokens_per_layer",): "model.embed_tokens_per_layer.weight",
+             ("per_layer_model_projection", "kernel"): "model.per_layer_model_projection.weight",
+             ("per_layer_projection_norm",): "model.per_layer_projection_norm.weight"}  # Gemma 4's per-layer inputs
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # hub parts of our modules
 
 
 def hf_module_path(module: str) -> str:
     """Path of a per-layer module (or Qwen3's query/key norm) inside a Hugging Face decoder layer, e.g.
     'self_attn.q_proj'; a mixture's router is 'mlp.gate'; Gated DeltaNet's keep their `linear_attn.` path."""
-    if module.startswith("linear_attn."):
+    module = hf_module_name(module)
+    if module.startswith("linear_attn.") or module in PER_LAYER_INPUT_MODULES:
         return module
     if module in ATTENTION_MODULES or module in QK_NORMS:
         return f"self_attn.{module}"
@@ -64,6 +71,8 @@ def canonical_name(stored: str) -> str:
     kept."""
     stored = stored.replace(".feed_forward.", ".mlp.")  # Llama 4's
     stored = stored.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
+    stored = re.sub(r"(\.layers\.\d+)\.(router\.proj|router|experts)\.",  # Gemma 4's, beside the MLP
+                    lambda m: f"{m[1]}.mlp.{'experts' if m[2] == 'experts' else 'gate'}.", stored)
     if stored.startswith("model.language_model."):  # a vision-language checkpoint's text model
         stored = "model." + stored[len("model.language_model."):]
     if ".mlp.router." in stored:
@@ -80,6 +89,9 @@ def stored_name(name: str, cfg: ModelConfig) -> str:
         return name.replace(".mlp.gate.", ".mlp.router.")
     if cfg.architecture == "DeepseekV3ForCausalLM":
         return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+    if cfg.architecture == "Gemma4ForCausalLM":
+        return re.sub(r"\.mlp\.(gate|experts)\.(weight)?", lambda m: ".router.proj.weight" if m[2] else
+                      f".{'router' if m[1] == 'gate' else 'experts'}.", name)
     if cfg.architecture == "Llama4ForCausalLM":
         return name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.", ".feed_forward.")
     if cfg.architecture != "MixtralForCausalLM" or not re.search(r"\.mlp\.(gate|experts)\.", name):
@@ -108,24 +120,22 @@ def _is_expert(path: tuple[str, ...]) -> bool:
 
 def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
     """The Hugging Face tensor name of leaf `path` of our tree (for stacked leaves, of one `layer`)."""
-    if path == ("embed_tokens",):
-        return "model.embed_tokens.weight"
-    if path == ("norm",):
-        return "model.norm.weight"
-    if path == ("lm_head", "kernel"):
-        return "lm_head.weight"
+    if path in TOP_LEVEL:
+        return TOP_LEVEL[path]
     module, *leaf = path[1:]
     if module == "sinks":  # gpt-oss's, a bare parameter of self_attn
         return f"model.layers.{layer}.self_attn.sinks"
+    if module == "layer_scalar":  # Gemma 4's, a buffer of the layer
+        return f"model.layers.{layer}.layer_scalar"
     if module.startswith("linear_attn.") and not leaf:  # Gated DeltaNet's dt_bias, A_log
         return f"model.layers.{layer}.{module}"
     if _is_expert(path):
         raise ValueError(f"{path}: expert stacks are many tensors (expert_tensor_names)")
     if module in LATENT_NORMS:
         return f"model.layers.{layer}.self_attn.{module}.weight"
-    if module.endswith("layernorm"):
+    if is_norm(module) and hf_module_name(module) not in QK_NORMS:
         return f"model.layers.{layer}.{module}.weight"
-    part = leaf[0] if leaf in (["bias"], ["e_score_correction_bias"]) else "weight"
+    part = leaf[0] if leaf in (["bias"], ["e_score_correction_bias"], ["scale"], ["per_expert_scale"]) else "weight"
     return f"model.layers.{layer}.{hf_module_path(module)}.{part}"
 
 
@@ -181,6 +191,8 @@ def check_tensors(reader: Reader, directory: Path, cfg: ModelConfig,
             raise JaxtuneError(f"{reader.file_of(name)}: tensor {reader.stored_name(name)} has shape "
                                f"{reader.shape(name)}, expected {shape}")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    ignorable |= {f"model.layers.{i}.self_attn.{m}.weight" for i in cfg.kv_sharing_layers  # transformers ignores them
+                  for m in ("k_proj", "v_proj", "k_norm", "v_norm")}
     family = FAMILIES.get(cfg.architecture)
     prediction_heads = {n for n in names if family is not None and family.prediction_layers
                         and (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= cfg.num_layers}
@@ -308,6 +320,10 @@ def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, te
                  lambda row=row: stacked_experts.as_stored(path[2], row_of(row), interleaved).astype(out_dtype))
                 for row, i in layers]
     E, d_in, d_out = full
+    family = FAMILIES.get(cfg.architecture)
+    if family is not None and family.fused_experts:  # transformers' stack a layer, [E, out, in]
+        return [(stored_name(fused_expert_name(path[2], i), cfg), (E, d_out, d_in), out_dtype,
+                 lambda row=row: np.swapaxes(row_of(row), 1, 2).astype(out_dtype)) for row, i in layers]
     for row, i in layers:
         for e in range(E):
             names = expert_tensor_names(path[2], i, e)

@@ -1,12 +1,12 @@
 """Scanning layers of several kinds (`ModelConfig.layer_kinds`: Qwen3.5's Gated DeltaNet layers between its
 attention layers, Llama 4 Maverick's dense MLP layers between its mixtures), each kind's modules stacked over its own
 layers. `stacks` maps a name to (a pytree whose leaves are stacked over some layers, those layers); layer(x, rows,
-kind) runs one layer of `kind` (linear, dense) on its rows (the names holding it).
+kind, ...) runs one layer of `kind` (`ModelConfig.layer_kinds`) on its rows (the names holding it).
 
 `scan_layers_by_kind` (training): one scan step a layer, switching to its kind, its rows read by index from the
 stacks (loop constants) before the switch; the backward holds one layer's work at a time (unrolled layers' would be
-alive together: 4 layers, 2.7x one's on v6e). `scan_layer_groups` (the cached decode, no backward): one step a
-period of the kinds' pattern (3 linear : 1 attention), its layers unrolled, each kind's outputs its own stack.
+alive together: 4 layers, 2.7x one's on v6e); `scan_kv_sharing_layers` (Gemma 4) in three stretches.
+`scan_layer_groups` (the cached decode, no backward): one step a period of the kinds' pattern (3 linear : 1 attention), its layers unrolled, each kind's outputs its own stack.
 """
 
 from __future__ import annotations
@@ -20,33 +20,63 @@ from jaxtune.config import ModelConfig
 
 
 def scan_layers_by_kind(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig,
-                        wrap=lambda fn: fn) -> tuple[jax.Array, Any]:
-    """(x after every layer, layer's outputs stacked over the L layers; one structure for every kind). wrap(fn) ->
-    fn: the step's remat round fn(x, per_layer, stacks) (under remat "none" the switch keeps every kind's residuals
-    a layer). Each step reads its layer's rows of every stack (row 0 of a stack its layer is not in, unused) before
+                        wrap=lambda fn: fn, span: tuple[int, int] | None = None, constants: Any = None
+                        ) -> tuple[jax.Array, Any]:
+    """(x after the layers of `span` (default all), layer's outputs stacked over them; one structure for every
+    kind). layer(x, rows, kind, constants) -> (x, out, keys and values; the last unused here). wrap(fn) -> fn: the
+    step's remat round fn(x, per_layer, shared) (under remat "none" the switch keeps every kind's residuals a
+    layer). Each step reads its layer's rows of every stack (row 0 of a stack its layer is not in, unused) before
     the switch: the branches' cotangents are a layer's rows, where rows read inside them made every branch return a
     whole stack's (a DeepSeek-V3 full fine-tune on v5p-512 held five float32 copies of its expert stacks)."""
-    L, kinds = cfg.num_layers, cfg.layer_kinds
-    present = sorted(set(kinds))  # a model of one kind needs no switch
+    start, stop = span or (0, cfg.num_layers)
+    kinds = cfg.layer_kinds
+    present = sorted(set(kinds[start:stop]))  # a model of one kind needs no switch
     trees = {name: tree for name, (tree, _) in stacks.items()}
-    index = {name: jnp.asarray([layers.index(i) if i in layers else 0 for i in range(L)], jnp.int32)
+    index = {name: jnp.asarray([layers.index(i) if i in layers else 0 for i in range(start, stop)], jnp.int32)
              for name, (_, layers) in stacks.items()}
 
-    def branch(kind: tuple[bool, bool]):
+    def branch(kind: tuple[bool, ...]):
         names = [name for name, (_, layers) in stacks.items() if any(kinds[i] == kind for i in layers)]
-        return lambda x, rows: layer(x, {name: rows[name] for name in names}, kind)
+        return lambda x, rows, constants: layer(x, {name: rows[name] for name in names}, kind, constants)[:2]
 
-    def one(x, per_layer, trees):
-        kind_i, rows_i = per_layer
+    def one(x, per_layer, shared):
+        (kind_i, rows_i), (trees, constants) = per_layer, shared
         rows = {name: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, rows_i[name], keepdims=False), tree)
                 for name, tree in trees.items()}
         if len(present) == 1:
-            return branch(present[0])(x, rows)
-        return jax.lax.switch(kind_i, [branch(kind) for kind in present], x, rows)
+            return branch(present[0])(x, rows, constants)
+        return jax.lax.switch(kind_i, [branch(kind) for kind in present], x, rows, constants)
 
     step = wrap(one)
-    kind_L = jnp.asarray([present.index(kind) for kind in kinds], jnp.int32)
-    return jax.lax.scan(lambda x, per_layer: step(x, per_layer, trees), x, (kind_L, index))
+    kind_L = jnp.asarray([present.index(kind) for kind in kinds[start:stop]], jnp.int32)
+    return jax.lax.scan(lambda x, per_layer: step(x, per_layer, (trees, constants)), x, (kind_L, index))
+
+
+def scan_kv_sharing_layers(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig,
+                           wrap=lambda fn: fn) -> tuple[jax.Array, Any]:
+    """`scan_layers_by_kind` over a model whose last layers attend over earlier layers' keys and values (Gemma 4's
+    `shared_kv_layers`): the layers before the first such source scanned, the sources' stretch unrolled (typically
+    two layers) keeping their keys and values, the sharing layers scanned with those as constants
+    ({is full attention: (k, v)}), so no scan carries them."""
+    first = cfg.num_layers - cfg.shared_kv_layers
+    sources = {cfg.kv_source(i) for i in cfg.kv_sharing_layers}
+    start = min(sources)
+    outs = []
+    if start:
+        x, out = scan_layers_by_kind(layer, x, stacks, cfg, wrap, (0, start))
+        outs.append(out)
+    kept = {}
+    for i in range(start, first):
+        rows = {name: jax.tree.map(lambda a, r=layers.index(i): a[r], tree)
+                for name, (tree, layers) in stacks.items() if i in layers}
+        kind = cfg.layer_kinds[i]
+        x, out, kv = wrap(lambda x, rows, constants, kind=kind: layer(x, rows, kind, constants))(x, rows, None)
+        if i in sources:
+            kept[kind[2]] = kv
+        outs.append(jax.tree.map(lambda a: a[None], out))
+    x, out = scan_layers_by_kind(layer, x, stacks, cfg, wrap, (first, cfg.num_layers), kept)
+    outs.append(out)
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
 
 def layer_period(cfg: ModelConfig) -> int:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.config.model import hf_module_name
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapters import Adapters, adapter_forward, layer_adapters
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
@@ -29,11 +30,11 @@ from jaxtune.models.context_attention import (
 from jaxtune.models.head import head_logits
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
 from jaxtune.models.latent_attention import heads_output, latent_cache_entry, latent_keys_values, latent_queries
-from jaxtune.models.layer_groups import scan_layers_by_kind
+from jaxtune.models.layer_groups import scan_kv_sharing_layers, scan_layers_by_kind
 from jaxtune.models.linear import dense, project, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
-from jaxtune.models.norms import rms_norm
+from jaxtune.models.norms import rms_norm, unscaled_rms_norm
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
 from jaxtune.models.rope import LayerRope, apply_rope, layer_rope, rope_tables
@@ -63,17 +64,30 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.A
     return x_BxTxD * jnp.asarray(cfg.hidden_size**0.5, dtype) if cfg.scale_embeddings else x_BxTxD
 
 
-def l2_norm(x: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) over the last axis in float32 (float64), no weight (Llama 4's query and key norm)."""
-    x32 = x.astype(wide(x.dtype))
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+def scaled(x: jax.Array, c: float) -> jax.Array:
+    """x times a constant, computed in float32 (float64) and rounded once: torch's product of a tensor and a Python
+    float."""
+    return (x.astype(wide(x.dtype)) * c).astype(x.dtype)
+
+
+def per_layer_inputs(params: dict, tokens_BxT: jax.Array, x_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gemma 4's per-layer inputs [L, B, T, P]: (norm(projection of the scaled embeddings x / sqrt(D)) + the
+    tokens' per-layer embeddings x sqrt(P)) / sqrt(2), layer i's the i-th P-wide slice."""
+    B, T, D = x_BxTxD.shape
+    L, P, dtype = cfg.num_layers, cfg.per_layer_input_size, x_BxTxD.dtype
+    tokens_BxTxLP = params["embed_tokens_per_layer"].astype(dtype)[tokens_BxT] * jnp.asarray(P**0.5, dtype)
+    context_BxTxLP = scaled(dense(x_BxTxD, params["per_layer_model_projection"]), D**-0.5)
+    context_BxTxLxP = norm(context_BxTxLP.reshape(B, T, L, P), params["per_layer_projection_norm"], cfg)
+    inputs_BxTxLxP = scaled(context_BxTxLxP + tokens_BxTxLP.reshape(B, T, L, P), 2**-0.5)
+    return jnp.moveaxis(inputs_BxTxLxP, 2, 0)
 
 
 def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Adapters):
     """Rotated queries [B, T, K, G, hd] (G query heads share each of the K key/value heads), rotated keys and
     values [B, T, K, hd], and the output gate [B, T, H*hd] (`attention_output_gate`) or None; Llama 4's L2 norm on
     rotating layers, its temperature on the others; latent attention's every head's (its values zero-padded to hd,
-    `latent_attention.py`)."""
+    `latent_attention.py`). Gemma 4: values the raw keys where the layer has no v_proj, RMS-normed without weight
+    (`value_norm`); a layer without k_proj (sharing another's) gives None for keys and values."""
     B, T, _ = x_BxTxD.shape
     K, G, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     if cfg.kv_lora_rank:
@@ -86,8 +100,13 @@ def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Ada
         qkv_BxTxE = project(x_BxTxD, layer, "qkv_proj", adapters)
         q_BxTxQ, k_BxTxV, v_BxTxV = jnp.split(qkv_BxTxE, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
-        q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, adapters)
+        q_BxTxQ, k_BxTxV, v_BxTxV = (project(x_BxTxD, layer, name, adapters) if name in layer else None
                                      for name in ("q_proj", "k_proj", "v_proj"))
+        v_BxTxV = k_BxTxV if v_BxTxV is None else v_BxTxV  # Gemma 4's full layers: values from the keys' projection
+    if k_BxTxV is None:  # Gemma 4's KV-sharing layers: queries only
+        q_BxTxHxh = apply_rope(norm(q_BxTxQ.reshape(B, T, K * G, hd), layer["q_norm"], cfg), rope.cos, rope.sin,
+                               cfg.rope_interleaved)
+        return q_BxTxHxh.reshape(B, T, K, G, hd), None, None, None
     if cfg.attention_output_gate:  # Qwen3.5: each head's queries, then its gate
         q_BxTxHx2h = q_BxTxQ.reshape(B, T, K * G, 2 * hd)
         q_BxTxQ, gate_BxTxQ = (a.reshape(B, T, K * G * hd) for a in jnp.split(q_BxTxHx2h, 2, axis=-1))
@@ -100,14 +119,17 @@ def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Ada
         k_BxTxKxh = norm(k_BxTxKxh, layer["k_norm"], cfg)
     q_BxTxHxh, k_BxTxKxh = (apply_rope(a, rope.cos, rope.sin, cfg.rope_interleaved) for a in (q_BxTxHxh, k_BxTxKxh))
     if cfg.qk_l2_norm:  # Llama 4: after the rotation, on the layers that rotate
-        normed = l2_norm(q_BxTxHxh, cfg.rms_norm_eps), l2_norm(k_BxTxKxh, cfg.rms_norm_eps)
+        normed = unscaled_rms_norm(q_BxTxHxh, cfg.rms_norm_eps), unscaled_rms_norm(k_BxTxKxh, cfg.rms_norm_eps)
         if rope.rotates is None:
             q_BxTxHxh, k_BxTxKxh = normed
         else:
             q_BxTxHxh, k_BxTxKxh = (jnp.where(rope.rotates, n, a) for n, a in zip(normed, (q_BxTxHxh, k_BxTxKxh)))
     if rope.q_scale_T is not None:  # Llama 4's temperature, in float32 and rounded once
         q_BxTxHxh = (q_BxTxHxh * rope.q_scale_T[None, :, None, None]).astype(q_BxTxHxh.dtype)
-    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxV.reshape(B, T, K, hd), gate_BxTxQ
+    v_BxTxKxh = v_BxTxV.reshape(B, T, K, hd)
+    if cfg.value_norm:
+        v_BxTxKxh = unscaled_rms_norm(v_BxTxKxh, cfg.rms_norm_eps)
+    return q_BxTxHxh.reshape(B, T, K, G, hd), k_BxTxKxh, v_BxTxKxh, gate_BxTxQ
 
 
 def output_projection(out_BxTxQ: jax.Array, gate_BxTxQ: jax.Array | None, layer: dict, adapters: Adapters):
@@ -150,12 +172,19 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
 
 
 def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live_QxC, cfg: ModelConfig,
-              adapters: Adapters, fused: FusedAttention | None = None, context: ContextLayout | None = None):
-    """Grouped-query self-attention of one layer (after any prefix keys/values); returns [B, T, D].
+              adapters: Adapters, fused: FusedAttention | None = None, context: ContextLayout | None = None,
+              shared_kv: tuple[jax.Array, jax.Array] | None = None):
+    """Grouped-query self-attention of one layer (after any prefix keys/values): ([B, T, D], the layer's keys and
+    values [B, T, K, hd] each).
 
-    context: the tokens' layout on a context axis (`context_attention.py`; `mask` then the tokens' own)."""
+    context: the tokens' layout on a context axis (`context_attention.py`; `mask` then the tokens' own).
+    shared_kv: the keys and values of the layer this one shares them with (Gemma 4), for a layer computing none."""
     B, T, _ = x_BxTxD.shape
     q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, gate_BxTxQ = project_qkv(x_BxTxD, layer, rope, cfg, adapters)
+    if k_BxSxKxh is None:
+        assert shared_kv is not None, "a layer without keys shares another's"
+        k_BxSxKxh, v_BxSxKxh = shared_kv
+    kv = (k_BxSxKxh, v_BxSxKxh)
     K, hd = cfg.num_kv_heads, cfg.head_dim
     as_batch = lambda a: jnp.broadcast_to(a.astype(x_BxTxD.dtype), (B,) + a.shape)  # noqa: E731
     if context is not None:
@@ -166,11 +195,13 @@ def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live
         out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
                                 mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
                                 sinks_KxG=layer_sinks(layer, cfg))
-        return output_projection(heads_output(jnp.transpose(out, (0, 3, 1, 2, 4)), cfg), gate_BxTxQ, layer, adapters)
+        return output_projection(heads_output(jnp.transpose(out, (0, 3, 1, 2, 4)), cfg), gate_BxTxQ, layer,
+                                 adapters), kv
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
         k_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["key"]), k_BxSxKxh], axis=1)
         v_BxSxKxh = jnp.concatenate([as_batch(layer["prefix"]["value"]), v_BxSxKxh], axis=1)
-    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, adapters, fused, gate_BxTxQ)
+    return attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask, window, live_QxC, layer, cfg, adapters, fused,
+                  gate_BxTxQ), kv
 
 
 # The activation is computed in float32 (float64) and rounded once, as torch's bfloat16 kernels compute it: in
@@ -264,7 +295,9 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
     """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), each with its bottleneck adapter if present.
     With `cfg.sandwich_norms` (Gemma) each sub-layer's output is normalised too: x + norm(attn(norm(x))) with
     input_layernorm and post_attention_layernorm, then x + norm(mlp(norm(x))) with pre_ and post_feedforward_layernorm;
-    with `cfg.post_norms` (OLMo) only the outputs are: x + norm(attn(x)), then x + norm(mlp(x)).
+    with `cfg.post_norms` (OLMo) only the outputs are: x + norm(attn(x)), then x + norm(mlp(x)). Gemma 4 adds
+    the mixture beside the MLP (`experts_beside_mlp`), its per-layer input branch (the layer's `per_layer_input`
+    [B, T, P], beside its weights) and the `layer_scalar` times the layer's output.
 
     attend_fn(h_BxTxD) -> (attention output [B, T, D], aux): the full forward's attention or the cached one, whose
     aux (the layer's new keys and values) is returned beside the new x, then a mixture's routing sums (or None;
@@ -279,9 +312,25 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
     with jax.named_scope("mlp"):
         h_in = x_BxTxD if post else norm(
             x_BxTxD, layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"], cfg)
-        h, routing = tiled_mlp(h_in, layer, cfg, adapters, expert_hook, valid_BxT, mlp_tile)
+        if cfg.experts_beside_mlp:  # Gemma 4: the MLP and the mixture side by side, each normed, then summed
+            h = norm(gated_mlp(h_in, layer, cfg, adapters), layer["post_feedforward_layernorm_1"], cfg)
+            valid_BxT = jnp.ones(x_BxTxD.shape[:2], bool) if valid_BxT is None else valid_BxT
+            experts_BxTxD, routing = routed_experts(norm(x_BxTxD, layer["pre_feedforward_layernorm_2"], cfg), layer,
+                                                    cfg, valid_BxT, gated_activation(cfg), expert_hook, x_BxTxD)
+            h = h + norm(experts_BxTxD, layer["post_feedforward_layernorm_2"], cfg)
+        else:
+            h, routing = tiled_mlp(h_in, layer, cfg, adapters, expert_hook, valid_BxT, mlp_tile)
         h = norm(h, layer["post_feedforward_layernorm"], cfg) if sandwich or post else h
         x_BxTxD = x_BxTxD + (bottleneck(h, layer["mlp_adapter"]) if "mlp_adapter" in layer else h)
+    if "per_layer_input" in layer:  # Gemma 4's third branch: its input gates this layer's per-layer input
+        with jax.named_scope("per_layer_input"):
+            gate_BxTxP = dense(x_BxTxD, layer["per_layer_input_gate"], kernel_axes=("embed", None))
+            h = jax.nn.gelu(gate_BxTxP.astype(wide(gate_BxTxP.dtype)), approximate=True).astype(gate_BxTxP.dtype)
+            h = dense(h * layer["per_layer_input"].astype(h.dtype), layer["per_layer_projection"],
+                      kernel_axes=(None, "embed"))
+            x_BxTxD = x_BxTxD + norm(h, layer["post_per_layer_input_norm"], cfg)
+    if "layer_scalar" in layer:
+        x_BxTxD = x_BxTxD * layer["layer_scalar"].astype(x_BxTxD.dtype)
     return x_BxTxD, aux, routing
 
 
@@ -342,13 +391,25 @@ def decoder_and_routing(
     if cfg.linear_attention_layers and context is not None:
         raise JaxtuneError(f"{cfg.architecture}'s Gated DeltaNet layers carry a state along the row: a [mesh] context "
                            "axis, which splits rows over devices, is not supported; train on one device's length")
+    if cfg.global_head_dim and (context is not None or prefix):
+        raise JaxtuneError(f"{cfg.architecture}: a [mesh] context axis and prefix tuning are not supported for its "
+                           "layers of two head widths")
     stacks, layers = ({}, layers) if cfg.stacked_by_kind else unsliced_kernels(layers, dtype)
     padded_BxT = None if attention_mask_BxT is None and segment_ids_BxT is None else valid_BxT  # zeroed there
 
-    def layer_block(x_BxTxD, per_layer, shared, linear=False):
+    if cfg.global_head_dim:  # Gemma 4's full layers: their own head width, RoPE tables and kernel choice
+        global_cfg = cfg.global_view
+        global_rope = rope_tables(positions_BxT, global_cfg, dtype, mask.q_slot_T)
+        global_fused = None if context is not None else choose_kernel(options.attention, shape._replace(
+            K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads, head_dim=cfg.global_head_dim),
+            platform_in_context())
+
+    def layer_block(x_BxTxD, per_layer, shared, kind=(False,) * 4, shared_kv=None):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
         rope, mask, live_QxC, stacks, valid_BxT = shared
-        rope_of_layer = layer_rope(rope, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index], cfg)
+        linear, full = kind[0], kind[2]
+        layer_cfg, tables, layer_fused = (global_cfg, global_rope, global_fused) if full else (cfg, rope, fused)
+        rope_of_layer = layer_rope(tables, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index], layer_cfg)
         layer = with_kernels_of_layer(layer, stacks, index)
         adapters = layer_adapters(view, layer_key)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context
@@ -356,13 +417,13 @@ def decoder_and_routing(
             attend_fn = lambda h: (gated_deltanet_layer(h, layer, cfg, adapters, padded_BxT,
                                                         segment_ids_BxT=segment_ids_BxT)[0], None)
         else:
-            attend_fn = lambda h: (attention(h, layer, rope_of_layer, mask, window, live_QxC, cfg, adapters, fused,
-                                             context), None)
-        x_BxTxD, _, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, adapters, view.experts, valid_BxT,
-                                            options.tiled_mlp)
-        return x_BxTxD, routing
+            attend_fn = lambda h: attention(h, layer, rope_of_layer, mask, window, live_QxC, layer_cfg, adapters,
+                                            layer_fused, context, shared_kv)
+        x_BxTxD, kv, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, adapters, view.experts, valid_BxT,
+                                             options.tiled_mlp)
+        return x_BxTxD, routing, kv
 
-    rematted = remat_layer(layer_block, options.remat, dtype)
+    rematted = remat_layer(lambda *args: layer_block(*args)[:2], options.remat, dtype)
     shared = (rope, mask, live_QxC, stacks, valid_BxT)
     block = lambda x, per_layer: rematted(x, per_layer, shared)  # noqa: E731
     x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", "seq", None))
@@ -374,16 +435,18 @@ def decoder_and_routing(
         every = tuple(range(cfg.num_layers))
         items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
         items.update({f"per_layer.{i}": (a, every) for i, a in enumerate(per_layer[1:])})
+        if cfg.per_layer_input_size:
+            items["per_layer_input"] = (per_layer_inputs(params, tokens_BxT, x_BxTxD, cfg), every)
         no_routing = (jnp.zeros(cfg.num_experts, jnp.float32),) * 2  # a dense layer's, beside the mixtures'
 
-        def mixed_block(x, rows, kind):
-            layer = {name: rows[name] for name in layers if name in rows}
+        def mixed_block(x, rows, kind, kept_kv):
+            layer = {hf_module_name(name): rows[name] for name in (*layers, "per_layer_input") if name in rows}
             one = (layer, *(rows[f"per_layer.{i}"] for i in range(len(per_layer) - 1)))
-            x, routing = layer_block(x, one, shared, kind[0])
-            return x, no_routing if routing is None and cfg.num_experts else routing
+            x, routing, kv = layer_block(x, one, shared, kind, None if kept_kv is None else kept_kv.get(kind[2]))
+            return x, no_routing if routing is None and cfg.num_experts else routing, kv
 
-        x_BxTxD, routing = scan_layers_by_kind(mixed_block, x_BxTxD, items, cfg,
-                                               lambda fn: remat_layer(fn, options.remat, dtype))
+        scan = scan_kv_sharing_layers if cfg.shared_kv_layers else scan_layers_by_kind
+        x_BxTxD, routing = scan(mixed_block, x_BxTxD, items, cfg, lambda fn: remat_layer(fn, options.remat, dtype))
         if cfg.dense_layers:  # the load-balancing loss counts the mixtures' layers
             routing = jax.tree.map(lambda a: a[jnp.asarray(cfg.mixture_layers)], routing)
     elif options.scan_layers:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.method import ExpertHook
-from jaxtune.models.linear import dense, kernel_of
+from jaxtune.models.linear import dense, kernel_of, wide
+from jaxtune.models.norms import unscaled_rms_norm
 from jaxtune.models.params import EXPERT_AXES
 from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
 
@@ -54,6 +55,9 @@ def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, 
     wide_dtype = jnp.promote_types(x_NxD.dtype, jnp.float32)
     if cfg.router_choice_bias:
         x_NxD = x_NxD.astype(wide_dtype)
+    if "per_expert_scale" in router:  # Gemma 4's: its input normed and scaled, as transformers rounds each product
+        x_NxD = unscaled_rms_norm(x_NxD, cfg.rms_norm_eps) * router["scale"].astype(x_NxD.dtype)
+        x_NxD = x_NxD * jnp.asarray(cfg.hidden_size**-0.5, x_NxD.dtype)
     logits_NxE = dense(x_NxD, router, kernel_axes=("embed", None))
     probs_NxE = jax.nn.softmax(logits_NxE.astype(wide_dtype), axis=-1)
     if cfg.router_activation == "sigmoid":
@@ -71,6 +75,8 @@ def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, 
     weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, cfg.experts_per_token)
     if cfg.normalize_top_k:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    if "per_expert_scale" in router:
+        weights_NxK = weights_NxK * router["per_expert_scale"].astype(wide_dtype)[experts_NxK]
     return probs_NxE, weights_NxK, experts_NxK
 
 
@@ -122,13 +128,17 @@ def expert_platform() -> tuple[str, bool]:
 
 
 def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT: jax.Array, gated,
-                   hook: ExpertHook | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                   hook: ExpertHook | None = None, router_x_BxTxD: jax.Array | None = None
+                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(the experts' weighted sum [B, T, D], (assignments [E], probability sums [E] over the valid tokens)).
 
-    gated(gate, up): the experts' activation (`llama.GATED`); hook: a method's part of the stacks' products."""
+    gated(gate, up): the experts' activation (`llama.GATED`); hook: a method's part of the stacks' products;
+    router_x_BxTxD: what the router reads where it is not the experts' input (Gemma 4: the residual); with it the
+    weighted sum is taken in float32, as transformers' grouped experts do."""
     B, T, D = x_BxTxD.shape
     K, E = cfg.experts_per_token, cfg.num_experts
-    probs_NxE, weights_NxK, experts_NxK = route(x_BxTxD.reshape(B * T, D), layer["router"], cfg)
+    routed_x = x_BxTxD if router_x_BxTxD is None else router_x_BxTxD
+    probs_NxE, weights_NxK, experts_NxK = route(routed_x.reshape(B * T, D), layer["router"], cfg)
     platform, interpret = expert_platform()
     mesh = mesh_in_context()
     if grouped_kernel(cfg, platform, 1 if mesh is None else mesh.shape["tensor"]) == "megablox":
@@ -139,8 +149,9 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
         matmul = lambda x, name, sizes_E: grouped_matmul(x, experts[name], sizes_E, EXPERT_AXES[name],  # noqa: E731
                                                          hook)
         out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E, matmul,
+                                 None if router_x_BxTxD is None else wide(x_BxTxD.dtype),
                                  biases=expert_biases(experts), scale_inputs=cfg.expert_input_scaled
-                                 ).reshape(B, T, D)
+                                 ).reshape(B, T, D).astype(x_BxTxD.dtype)
     valid_N = valid_BxT.reshape(-1).astype(jnp.float32)
     assigned_E = jnp.zeros(E, jnp.float32).at[experts_NxK.reshape(-1)].add(jnp.repeat(valid_N, K))
     prob_sums_E = jnp.sum(probs_NxE.astype(jnp.float32) * valid_N[:, None], axis=0)

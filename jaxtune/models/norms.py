@@ -21,3 +21,10 @@ def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: b
     if float32_scale:
         return (x32 * weight_D.astype(x32.dtype)).astype(x_BxTxD.dtype)
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
+
+
+def unscaled_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis in float32 (or wider), no weight (Llama 4's query and key norm, Gemma 4's value
+    and router norms)."""
+    x32 = x.astype(wide(x.dtype))
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
-from jaxtune.config.model import LATENT_NORMS
+from jaxtune.config.model import GLOBAL, LATENT_NORMS, WIDE, hf_module_name
 
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's RMSNorm weights over a head's queries and keys (self_attn)
 MLP_MODULES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+# Gemma 4's norms of a mixture beside the MLP: the MLP's output, the experts' input, the experts' output
+BESIDE_MLP_NORMS = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,12 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, tuple[str | Non
         sizes.update({"q_proj": (D, H * hd), "q_a_proj": (D, cfg.q_lora_rank), "q_b_proj": (cfg.q_lora_rank, H * hd),
                       "kv_a_proj_with_mqa": (D, cfg.kv_lora_rank + rope),
                       "kv_b_proj": (cfg.kv_lora_rank, H * (hd - rope + v)), "o_proj": (H * v, D)})
-    return {name: (*sizes[name], LINEAR_AXES[name]) for name in cfg.linear_modules}
+    if cfg.global_head_dim:  # Gemma 4: the full layers' attention of their own width, the sharing layers' wide MLP
+        g = cfg.global_view
+        sizes.update({"q_proj" + GLOBAL: (D, g.q_size), "k_proj" + GLOBAL: (D, g.kv_size),
+                      "v_proj" + GLOBAL: (D, g.kv_size), "o_proj" + GLOBAL: (g.q_size, D),
+                      "gate_proj" + WIDE: (D, 2 * F), "up_proj" + WIDE: (D, 2 * F), "down_proj" + WIDE: (2 * F, D)})
+    return {name: (*sizes[name], LINEAR_AXES[hf_module_name(name)]) for name in cfg.linear_modules}
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -93,30 +100,42 @@ def param_specs(cfg: ModelConfig) -> dict:
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
     norms = ("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms else norms
+    norms += BESIDE_MLP_NORMS * cfg.experts_beside_mlp + ("post_per_layer_input_norm",) * bool(cfg.per_layer_input_size)
     layers: dict[str, ParamSpec | dict] = {name: ParamSpec((L, D), ("layers", "embed"), unit) for name in norms}
     La = len(cfg.attention_layers)
     if cfg.qk_norm_whole:  # OLMo: over all heads' queries, and keys
         layers["q_norm"] = ParamSpec((La, cfg.q_size), ("layers", None), unit)
         layers["k_norm"] = ParamSpec((La, cfg.kv_size), ("layers", None), unit)
     elif cfg.qk_norm:
-        layers.update({name: ParamSpec((La, cfg.head_dim), ("layers", None), unit) for name in QK_NORMS})
+        for suffix, width in (("", cfg.head_dim), (GLOBAL, cfg.global_head_dim)):
+            layers.update({name + suffix: ParamSpec((len(cfg.module_layers(name + suffix)), width), ("layers", None),
+                                                    unit) for name in QK_NORMS if cfg.module_layers(name + suffix)})
     if cfg.kv_lora_rank:  # latent attention's norms of its latents
         widths = {"q_a_layernorm": cfg.q_lora_rank, "kv_a_layernorm": cfg.kv_lora_rank}
         layers.update({name: ParamSpec((La, widths[name]), ("layers", None), unit) for name in LATENT_NORMS
                        if widths[name]})
     for name, (d_in, d_out, axes) in linear_shapes(cfg).items():
-        layers[name] = _linear(len(cfg.module_layers(name)), d_in, d_out, axes, bias.get(name, False))
+        layers[name] = _linear(len(cfg.module_layers(name)), d_in, d_out, axes, bias.get(hf_module_name(name), False))
     if cfg.num_experts:
         layers.update(expert_specs(cfg))
     if cfg.attention_sinks:  # gpt-oss: a logit per query head in its softmax's denominator
         layers["sinks"] = ParamSpec((La, cfg.num_heads), ("layers", None))
     if cfg.linear_attention_layers:
         layers.update(linear_attention_specs(cfg))
+    if cfg.layer_scalar:  # Gemma 4's, a buffer transformers saves
+        layers["layer_scalar"] = ParamSpec((L, 1), ("layers", None), "ones")
     specs = {
         "embed_tokens": ParamSpec((V, D), ("vocab", "table_embed")),
         "layers": layers,
         "norm": ParamSpec((D,), ("embed",), unit),
     }
+    if cfg.per_layer_input_size:
+        P = cfg.per_layer_input_size
+        layers["per_layer_input_gate"] = _linear(L, D, P, ("embed", None), False)
+        layers["per_layer_projection"] = _linear(L, P, D, (None, "embed"), False)
+        specs.update({"embed_tokens_per_layer": ParamSpec((cfg.per_layer_vocab_size, L * P), ("vocab", None)),
+                      "per_layer_model_projection": {"kernel": ParamSpec((D, L * P), ("embed", None))},
+                      "per_layer_projection_norm": ParamSpec((P,), (None,), unit)})
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("table_embed", "vocab"))}
     return specs
@@ -132,6 +151,9 @@ def expert_specs(cfg: ModelConfig) -> dict:
         router["bias"] = ParamSpec((L, E), ("layers", None), "zeros")
     if cfg.router_choice_bias:  # DeepSeek-V3's, transformers' name
         router["e_score_correction_bias"] = ParamSpec((L, E), ("layers", None), "zeros")
+    if cfg.experts_beside_mlp:  # Gemma 4's: the router's input scale, each expert's weight's
+        router["scale"] = ParamSpec((L, D), ("layers", "embed"), "ones")
+        router["per_expert_scale"] = ParamSpec((L, E), ("layers", None), "ones")
     if cfg.expert_bias:
         gate_up["bias"] = ParamSpec((L, E, 2 * F), ("layers", "experts", "mlp"), "zeros")
         down["bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), "zeros")
@@ -156,8 +178,10 @@ def linear_attention_specs(cfg: ModelConfig) -> dict:
 
 def is_norm(name: str) -> bool:
     """Whether a leaf named `name` (the final `norm`, a layer's `*_layernorm`, `q_norm`, `k_norm`, Gated DeltaNet's
-    `linear_attn.norm`) is a norm scale."""
-    return name in ("norm", "linear_attn.norm") or name.endswith("layernorm") or name in QK_NORMS
+    `linear_attn.norm`, Gemma 4's per-layer input norms) is a norm scale."""
+    name = hf_module_name(name)
+    return (name in ("norm", "linear_attn.norm", "per_layer_projection_norm", "post_per_layer_input_norm")
+            or name.rstrip("_12").endswith("layernorm") or name in QK_NORMS)
 
 
 def _is_spec(x) -> bool:

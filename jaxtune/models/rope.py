@@ -14,8 +14,8 @@ from jaxtune.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
-    """[rotary_dim/2] float32 inverse frequencies, after `rope_scaling` (none, linear, llama3, yarn or longrope:
-    its short factors, or its long ones with `long`)."""
+    """[rotary_dim/2] float32 inverse frequencies, after `rope_scaling` (none, linear, llama3, yarn, proportional or
+    longrope: its short factors, or its long ones with `long`)."""
     dim = cfg.rotary_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     scaling = cfg.rope_scaling
@@ -26,6 +26,9 @@ def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
     inv_freq = (1.0 / (cfg.rope_theta ** exponents)).astype(np.float32)
     if scaling is None:
         return inv_freq
+    if scaling.kind == "proportional":  # the first fraction of the frequencies, the rest 0 (pairs left unrotated)
+        rotated = int(scaling.rotated_fraction * dim // 2)
+        return (np.where(np.arange(dim // 2) < rotated, inv_freq, 0) / np.float32(scaling.factor)).astype(np.float32)
     if scaling.kind == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
     if scaling.kind == "yarn":

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ModelConfig
-from jaxtune.config.model import LINEAR_MODULE_NAMES
+from jaxtune.config.model import LINEAR_MODULE_NAMES, hf_module_name
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import module_keys
 from jaxtune.methods.lora.layout import ModuleLoRA, Stacks, lora_layout
@@ -80,7 +80,7 @@ def quantize_base(params: dict, method: QLoRAConfig) -> dict:
     quantize = (lambda w: quantize_nf4(w, method.double_quant)) if method.bits == 4 else quantize_int8
     quantized = lambda m: m if isinstance(m["kernel"], QuantizedArray) else {**m, "kernel": quantize(m["kernel"])}
     layers = {**params["layers"], **{name: quantized(module) for name, module in params["layers"].items()
-                                     if name.rsplit(".", 1)[-1] in LINEAR_MODULE_NAMES}}
+                                     if hf_module_name(name).rsplit(".", 1)[-1] in LINEAR_MODULE_NAMES}}
     if "experts" in layers:
         layers["experts"] = {name: quantized(m) for name, m in layers["experts"].items()}
     return {**params, "layers": layers}
