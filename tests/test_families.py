@@ -307,3 +307,60 @@ def test_deepseek_refuses_what_it_cannot_hold_in_one_line(family):
     with pytest.raises(JaxtuneError, match="prefix tuning needs per-head keys and values; DeepseekV3ForCausalLM's "
                                            "latent attention caches a latent a token"):
         apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))
+
+
+def test_gemma4_reads_its_multimodal_release_and_decodes_rows_of_different_adapters(family, tmp_path):
+    """Gemma 4 as released (Gemma4ForConditionalGeneration: `text_config`, `model.language_model.*` beside its vision
+    and audio towers, which are left; k_proj/v_proj/k_norm tensors that some checkpoints keep in KV-sharing layers,
+    which transformers ignores too) reads as its text model. With LoRA on every module of both head widths (the
+    wide MLPs' too) and the base model on alternate rows of one batch, each row's 20 greedy tokens equal its own
+    model's `generate`: the sharing layers attend over their sources' caches, row by row."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    directory, model, cfg, params = family("gemma4")
+    (tmp_path / "release").mkdir()
+    tensors = {name.replace("model.", "model.language_model.", 1): t
+               for name, t in load_file(directory / "model.safetensors").items()}
+    sharing = cfg.kv_sharing_layers[0]
+    tensors.update({"model.vision_tower.patch_embedder.weight": torch.zeros(4, 4),
+                    f"model.language_model.layers.{sharing}.self_attn.k_proj.weight": torch.zeros(32, 64)})
+    save_file(tensors, tmp_path / "release" / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((directory / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+        "tie_word_embeddings": True}))
+    released_cfg, released = load_model(tmp_path / "release")
+    assert released_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, released, params)
+
+    method = method_config("lora", rank=4, alpha=8, target_modules=tuple(LINEAR_MODULES))
+    assert {name for name, _ in cfg.layer_stacks()} == {"q_proj", "k_proj", "v_proj", "o_proj", "q_proj@global",
+                                                        "k_proj@global", "o_proj@global", "gate_proj", "up_proj",
+                                                        "down_proj", "gate_proj@wide", "up_proj@wide",
+                                                        "down_proj@wide"}
+    save_peft_adapter(tmp_path / "adapter", randomize_adapter(apply_method(params, cfg, method, jax.random.key(1))),
+                      cfg, method)
+    peft_model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                           tmp_path / "adapter").eval()
+    batch = prompts(cfg.vocab_size)
+    adapted, base = _reference_generate(peft_model, batch), _reference_generate(model, batch)
+    assert adapted != base
+    cfg, stacked, slots = load_adapters(directory, {"a": tmp_path / "adapter"})
+    rows = [slots["a"] if i % 2 else 0 for i in range(len(batch))]
+    mixed = generate(stacked, cfg, batch, SamplingConfig(max_new_tokens=20), eos_ids=(), adapter_of_row=rows)
+    assert mixed == [adapted[i] if i % 2 else base[i] for i in range(len(batch))]
+
+
+def test_gemma4_refuses_what_it_cannot_hold_in_one_line(family):
+    """Its GGUF (llama.cpp's GEMMA4) is not written, prefix tuning (one key shape a layer in PEFT's prefix) not
+    trained, a context axis not split: each a one-line JaxtuneError naming why."""
+    from jaxtune.methods.gguf_export import gguf_form
+
+    _, _, cfg, params = family("gemma4")
+    with pytest.raises(JaxtuneError, match="Gemma4ForCausalLM: cannot be written as GGUF \\(an architecture"):
+        gguf_form(cfg)
+    with pytest.raises(JaxtuneError, match="prefix tuning needs keys and values of one shape in every layer; "
+                                           "Gemma4ForCausalLM's full layers are 32 wide, its sliding ones 16"):
+        apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))

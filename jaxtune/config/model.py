@@ -303,10 +303,10 @@ class ModelConfig:
             return attention + DENSE_MLP_MODULES * bool(self.dense_layers or not self.num_experts) + (
                 SHARED_EXPERT_MODULES * bool(self.shared_expert_size))
         if self.global_head_dim:
-            attention = tuple(name + suffix for suffix in ("", GLOBAL) for name in SEPARATE_MODULES[:4]
-                              if not (suffix and name == "v_proj" and self.values_from_keys))
+            by_width = tuple(name + suffix for suffix in ("", GLOBAL) for name in SEPARATE_MODULES[:4]
+                             if not (suffix and name == "v_proj" and self.values_from_keys))
             mlp = tuple(name + suffix for suffix in ("", WIDE) for name in DENSE_MLP_MODULES)
-            return tuple(name for name in attention + mlp if self.module_layers(name))
+            return tuple(name for name in by_width + mlp if self.module_layers(name))
         linear = ((FUSED_LINEAR_ATTENTION_MODULES if self.linear_attention_fused else LINEAR_ATTENTION_MODULES)
                   * bool(self.linear_attention_layers))
         if self.num_experts:
@@ -332,6 +332,8 @@ class ModelConfig:
         if name.startswith("linear_attn."):
             return self.linear_attention_layers
         base, wide, global_ = hf_module_name(name), name.endswith(WIDE), name.endswith(GLOBAL)
+        if global_ and not self.global_head_dim:
+            return ()
         if self.global_head_dim and base in ATTENTION_LEAVES:  # Gemma 4: the full layers' own stacks
             of_kind = tuple(i for i in self.attention_layers if (i in self.global_layers) == global_)
             if base in ("k_proj", "v_proj", "k_norm"):  # the KV-sharing layers compute no keys or values

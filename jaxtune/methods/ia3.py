@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.method import AdapterForward, DenseHook
+from jaxtune.config.model import hf_module_name
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import Method, PeftFormat, PlannerCosts
 from jaxtune.methods.targets import FUSED_HINT, Targeted, is_target, module_path, peft_module, peft_names
@@ -62,7 +63,7 @@ def add_ia3(params: dict, cfg: ModelConfig, method: IA3Config, key: jax.Array) -
     layers = dict(params["layers"])
     for name in ia3_modules(method, cfg.layer_stacks()):
         L, d_in, d_out = full_shape(layers[name]["kernel"])
-        feedforward = name.endswith("down_proj")  # a shared expert's too
+        feedforward = hf_module_name(name).endswith("down_proj")  # a shared expert's too, a wide one
         leaf = {"ia3_in": jnp.ones((L, d_in))} if feedforward else {"ia3_out": jnp.ones((L, d_out))}
         layers[name] = {**layers[name], **leaf}
     return {**params, "layers": layers}

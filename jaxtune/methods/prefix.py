@@ -38,6 +38,10 @@ def add_prefix(params: dict, cfg: ModelConfig, method: PrefixConfig, key: jax.Ar
     if cfg.kv_lora_rank:  # its cache holds latents, where PEFT's prefix would be per-head keys and values
         raise JaxtuneError(f"prefix tuning needs per-head keys and values; {cfg.architecture}'s latent attention "
                            "caches a latent a token (use LoRA)")
+    if cfg.global_head_dim:  # keys of two widths, and layers holding none (PEFT's prefix is one shape a layer)
+        raise JaxtuneError(f"prefix tuning needs keys and values of one shape in every layer; {cfg.architecture}'s "
+                           f"full layers are {cfg.global_head_dim} wide, its sliding ones {cfg.head_dim}, and its last "
+                           f"{cfg.shared_kv_layers} reuse earlier layers' (use LoRA)")
     shape = (cfg.num_layers, method.num_virtual_tokens, cfg.num_kv_heads, cfg.head_dim)
     k_key, v_key = jax.random.split(module_keys(key)["prefix"])
     prefix = {"key": jax.random.normal(k_key, shape), "value": jax.random.normal(v_key, shape)}

@@ -1,14 +1,13 @@
 """The families added after the Llama-shaped ones, each its `config.json` reading (`Family.from_hf`: what sets it
 apart from Llama, as `ModelConfig` fields) and writing (`Family.to_hf`) in one place; `hf_config` reads the shared
-fields, then a registered family's own. SmolLM3: NoPE layers (`no_rope_layers`, 1 = RoPE; by default every fourth).
-OLMo 2 and 3: norms after each sub-layer only, q/k norms over the whole projection, RMSNorm scaled in float32; OLMo
-3's sliding layers (three in four) keep unscaled RoPE, its full ones YaRN. gpt-oss: every layer a mixture (router
-and experts with biases, the clamped SwiGLU), attention with biases and sinks, sliding (128) and full layers
-alternating, YaRN. Llama 4 (text): mixtures (sigmoid router, top-k scaling the experts' inputs, an ungated shared
-expert; Maverick's between dense layers), NoPE layers with full attention and temperature, RoPE layers chunked,
-interleaved, L2-normed. Qwen3.5 (text): Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs
-Qwen2-MoE's); Qwen3-Next: theirs fused key head by key head. DeepSeek-V3: latent attention, dense first layers.
-Gemma 4 (text): full layers of their own head width, KV-sharing last layers, per-layer inputs, a mixture beside the MLP."""
+fields, then a registered family's own. SmolLM3: NoPE layers (`no_rope_layers`). OLMo 2 and 3: norms after each
+sub-layer only, q/k norms over the whole projection, RMSNorm scaled in float32; OLMo 3's sliding layers keep unscaled
+RoPE, its full ones YaRN. gpt-oss: mixtures with biases, the clamped SwiGLU, attention sinks, sliding and full layers,
+YaRN. Llama 4 (text): mixtures (sigmoid router scaling the experts' inputs, an ungated shared expert; Maverick's
+between dense layers), NoPE full layers with temperature, chunked interleaved L2-normed RoPE layers. Qwen3.5 (text):
+Gated DeltaNet layers between gated attention layers (Qwen3.5-MoE's MLPs Qwen2-MoE's); Qwen3-Next: theirs fused.
+DeepSeek-V3: latent attention, dense first layers. Gemma 4 (text): full layers of their own head width, KV-sharing
+last layers, per-layer inputs, a mixture beside the MLP."""
 
 from __future__ import annotations
 
@@ -338,12 +337,13 @@ def _gemma4_from_hf(hf: dict, where: str, rope: Callable) -> dict:
         if k_eq_v and hf.get("num_global_key_value_heads") is not None:
             full["num_key_value_heads"] = hf["num_global_key_value_heads"]
     experts = int(hf.get("num_experts") or 0) if hf.get("enable_moe_block") else 0
-    full_kv = int(full.get("num_key_value_heads") or 0)  # 0: the sliding layers' count
+    full_kv = int(full.get("num_key_value_heads") or 0)
+    full_kv = 0 if full_kv == int(hf.get("num_key_value_heads", 0)) else full_kv  # 0: the sliding layers' count
     P = int(hf.get("hidden_size_per_layer_input") or 0)
     return dict(sliding_windows=tuple(int(hf.get("sliding_window", 512)) if t == "sliding_attention" else 0
                                       for t in types),
                 rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
-                global_head_dim=int(full["head_dim"]), global_kv_heads=0 if full_kv == int(hf.get("num_key_value_heads", 0)) else full_kv,
+                global_head_dim=int(full["head_dim"]), global_kv_heads=full_kv,
                 values_from_keys=k_eq_v, shared_kv_layers=int(hf.get("num_kv_shared_layers") or 0),
                 wide_shared_mlp=bool(hf.get("use_double_wide_mlp", False)), per_layer_input_size=P,
                 per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", hf["vocab_size"])) if P else 0,
@@ -365,8 +365,8 @@ def _gemma4_to_hf(cfg: ModelConfig, hf: dict) -> dict:
         full = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor,
                 **({"partial_rotary_factor": scaling.rotated_fraction} if scaling.kind == "proportional" else {})}
     return {"rope_scaling": None, "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-            "final_logit_softcapping":
-            cfg.final_logit_softcap, "sliding_window": _one_window(cfg), "layer_types": _layer_types(cfg.sliding_windows),
+            "final_logit_softcapping": cfg.final_logit_softcap, "sliding_window": _one_window(cfg),
+            "layer_types": _layer_types(cfg.sliding_windows),
             "rope_parameters": {"full_attention": full, "sliding_attention": {
                 "rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}},
             "per_layer_config": {str(i): {"head_dim": cfg.global_head_dim, "num_key_value_heads": full_kv}

@@ -46,7 +46,8 @@ MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtr
 LEFT_PARTS = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
               "model.embed_audio.")
 TOP_LEVEL = {("embed_tokens",): "model.embed_tokens.weight", ("norm",): "model.norm.weight",
-             ("lm_head", "kernel"): "lm_head.weight", ("embed_tokens_per_layer",): "model.embed_tokens_per_layer.weight",
+             ("lm_head", "kernel"): "lm_head.weight",
+             ("embed_tokens_per_layer",): "model.embed_tokens_per_layer.weight",
              ("per_layer_model_projection", "kernel"): "model.per_layer_model_projection.weight",
              ("per_layer_projection_norm",): "model.per_layer_projection_norm.weight"}  # Gemma 4's per-layer inputs
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # hub parts of our modules

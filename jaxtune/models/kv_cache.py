@@ -11,12 +11,13 @@ state the row's). DeepSeek's latent attention caches a slot's latent and rotated
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.config.model import hf_module_name
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapter_rows import ROW_HOOK, rows_of
 from jaxtune.models.adapters import Adapters, adapter_forward
@@ -40,6 +41,7 @@ from jaxtune.models.llama import (
     layer_sinks,
     norm,
     output_projection,
+    per_layer_inputs,
     project_qkv,
 )
 from jaxtune.models.rope import layer_rope, rope_tables
@@ -56,6 +58,8 @@ class KVCache(NamedTuple):
     next_position_B: [B] int32, the RoPE position of each row's next token.
     linear: the Gated DeltaNet layers' states stacked on their own layer axis (k and v then the attention layers'
     only), or None.
+    full_kv: Gemma 4's full layers' keys and values [Lf, B, Kg, S, ghd] (k and v then its sliding layers' only;
+    `cached_layers`), or None.
     """
 
     k: jax.Array
@@ -64,6 +68,7 @@ class KVCache(NamedTuple):
     length: jax.Array
     next_position_B: jax.Array
     linear: LinearState | None = None
+    full_kv: tuple[jax.Array, jax.Array] | None = None
 
     @property
     def size(self) -> int:
@@ -75,10 +80,21 @@ def prefix_length(params: dict) -> int:
     return params["layers"]["prefix"]["key"].shape[1] if "prefix" in params["layers"] else 0
 
 
+def cached_layers(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the layers whose keys and values `KVCache.k` and `v` hold, those `KVCache.full_kv` holds): every attention
+    layer's, none; Gemma 4's own-width full layers apart, its KV-sharing layers in neither (they read their
+    source's)."""
+    if not cfg.global_head_dim:
+        return cfg.attention_layers, ()
+    own = [i for i in cfg.attention_layers if i not in cfg.kv_sharing_layers]
+    return tuple(i for i in own if i not in cfg.global_layers), tuple(i for i in own if i in cfg.global_layers)
+
+
 def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of `size` slots per row, with any prefix-tuning keys and values in the first P."""
     P = prefix_length(params)
-    shape = (len(cfg.attention_layers), batch, cfg.num_kv_heads, size, cfg.head_dim)
+    layers, full_layers = cached_layers(cfg)
+    shape = (len(layers), batch, cfg.num_kv_heads, size, cfg.head_dim)
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if cfg.kv_lora_rank:  # a slot's latent and shared rotated key; prefix tuning is refused for latent attention
         k = jnp.zeros((shape[0], batch, 1, size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)
@@ -93,7 +109,11 @@ def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.
     if cfg.linear_attention_layers:
         linear = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(cfg.linear_attention_layers), *a.shape)),
                               empty_state(cfg, batch, dtype))
-    return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32), linear)
+    full_kv = None
+    if full_layers:
+        g = cfg.global_view
+        full_kv = (jnp.zeros((len(full_layers), batch, g.num_kv_heads, size, g.head_dim), dtype),) * 2
+    return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32), linear, full_kv)
 
 
 def refuse_context_axis() -> None:
@@ -154,12 +174,16 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         mask = mask._replace(q_segment_BxT=segment_BxT, k_segment_BxS=k_segment_BxS)
     live_QxC = live_blocks(mask, T, cache.size) if T > 1 else None
     rope = rope_tables(positions_BxT, cfg, dtype, mask.q_slot_T)
+    global_rope = rope_tables(positions_BxT, cfg.global_view, dtype, mask.q_slot_T) if cfg.global_head_dim else None
     slot_S = jnp.arange(cache.size)
 
-    def block(x_BxTxD, layer_window_kv):
+    def block(x_BxTxD, layer_window_kv, full=False, source_new=None):
+        """One layer; full: Gemma 4's own-width full attention; source_new: a KV-sharing layer's source's new keys
+        and values (its cache slices are in layer_window_kv), the layer writing none."""
         layer, window, table, k_BxKxSxh, v_BxKxSxh = layer_window_kv
         layer = rows_of(layer, adapter_B)
-        rope_of_layer = layer_rope(rope, table, cfg)
+        layer_cfg = cfg.global_view if full else cfg
+        rope_of_layer = layer_rope(global_rope if full else rope, table, layer_cfg)
 
         def cached_latent_attention(h_BxTxD):
             q_BxTxHxh = latent_queries(h_BxTxD, layer, rope_of_layer, cfg, adapters)
@@ -179,7 +203,9 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
                           adapters), written
 
         def cached_attention(h_BxTxD):
-            q_BxTxKxGxh, k_new, v_new, gate_BxTxQ = project_qkv(h_BxTxD, layer, rope_of_layer, cfg, adapters)
+            q_BxTxKxGxh, k_new, v_new, gate_BxTxQ = project_qkv(h_BxTxD, layer, rope_of_layer, layer_cfg, adapters)
+            written = source_new is None
+            k_new, v_new = (k_new, v_new) if written else source_new
             k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
             if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
                 chunk = jnp.maximum(-window, 1)  # window < 0: Llama 4's chunks
@@ -187,12 +213,13 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
                                               | ((window < 0) & (start // chunk == slot_S // chunk)))
                 out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
                                              seen_BxS, cfg, layer_sinks(layer, cfg))
-                return output_projection(out_BxKxGxh.reshape(B, 1, -1), gate_BxTxQ, layer, adapters), (k_new, v_new)
+                return (output_projection(out_BxKxGxh.reshape(B, 1, -1), gate_BxTxQ, layer, adapters),
+                        (k_new, v_new) if written else None)
             k_all, v_all = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 1, 2), (0, 0, start, 0))
                             for a, new in ((k_BxKxSxh, k_new), (v_BxKxSxh, v_new)))
             k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)  # attend's [B, S, K, hd]
-            return (attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, cfg, adapters,
-                           gate_BxTxQ=gate_BxTxQ), (k_new, v_new))
+            return (attend(q_BxTxKxGxh, k_all, v_all, mask, window, live_QxC, layer, layer_cfg, adapters,
+                           gate_BxTxQ=gate_BxTxQ), (k_new, v_new) if written else None)
 
         return decoder_layer(x_BxTxD, layer, cached_latent_attention if cfg.kv_lora_rank else cached_attention, cfg,
                              adapters, view.experts)[:2]
@@ -205,31 +232,63 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
-    linear = cache.linear
+    linear, new_full = cache.linear, None
     if not cfg.stacked_by_kind:
         x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
                                                                              cache.v))
     else:  # layers of several kinds (Qwen3.5's linear attention, Maverick's dense MLPs): one scan over their periods
         every = tuple(range(cfg.num_layers))
+        layers_k, layers_full = cached_layers(cfg)
         items = {name: (module, cfg.module_layers(name)) for name, module in layers.items()}
         items.update({"per_layer.window": (windows_L, every), "per_layer.table": (tables_L, every),
-                      "per_layer.kv": ((cache.k, cache.v), cfg.attention_layers)})
+                      "per_layer.kv": ((cache.k, cache.v), layers_k)})
         if linear is not None:
             items["per_layer.state"] = (linear, cfg.linear_attention_layers)
+        if cache.full_kv is not None:
+            items["per_layer.full_kv"] = (cache.full_kv, layers_full)
+        if cfg.per_layer_input_size:
+            items["per_layer_input"] = (per_layer_inputs(params, tokens_BxT, x_BxTxD, cfg), every)
+
+        def rows_layer(rows):
+            return {hf_module_name(name): rows[name] for name in (*layers, "per_layer_input") if name in rows}
 
         def mixed_block(x, rows, kind):
-            layer = {name: rows[name] for name in layers if name in rows}
             if kind[0]:
-                return linear_block(x, layer, rows["per_layer.state"])
-            return block(x, (layer, rows["per_layer.window"], rows["per_layer.table"], *rows["per_layer.kv"]))
+                return linear_block(x, rows_layer(rows), rows["per_layer.state"])
+            kv = rows["per_layer.full_kv" if kind[2] else "per_layer.kv"]
+            return block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], *kv), kind[2])
 
-        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg)
-        (k_LxBxTxKxh, v_LxBxTxKxh), linear = by_kind[False], by_kind.get(True)
+        first = cfg.num_layers - cfg.shared_kv_layers
+        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg, (0, first),
+                                             (lambda kind: kind[2]) if cfg.global_head_dim else (lambda kind: kind[0]))
+        if cfg.global_head_dim:
+            (k_LxBxTxKxh, v_LxBxTxKxh), new_full = by_kind[False], by_kind.get(True)
+        else:
+            (k_LxBxTxKxh, v_LxBxTxKxh), linear = by_kind[False], by_kind.get(True)
+        if cfg.shared_kv_layers:  # Gemma 4: the last layers attend over their sources' caches and new entries
+            stacks: dict[bool, Any] = {False: ((cache.k, cache.v), (k_LxBxTxKxh, v_LxBxTxKxh), layers_k),
+                      True: (cache.full_kv, new_full, layers_full)}
+            source = {}
+            for i in cfg.kv_sharing_layers:
+                old, new, held = stacks[bool(i in cfg.global_layers)]
+                row = held.index(cfg.kv_source(i))
+                source[i in cfg.global_layers] = (old[0][row], old[1][row], new[0][row], new[1][row])
+
+            def sharing_block(x, rows, kind):
+                k_old, v_old, k_new, v_new = source[kind[2]]
+                return block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], k_old, v_old),
+                             kind[2], (k_new, v_new))
+
+            x_BxTxD, _ = scan_layer_groups(sharing_block, x_BxTxD, items, cfg, (first, cfg.num_layers))
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).
     k, v = (jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 2, 3), (0, 0, 0, start, 0))
             for a, new in ((cache.k, k_LxBxTxKxh), (cache.v, v_LxBxTxKxh)))
+    full_kv = cache.full_kv
+    if full_kv is not None and new_full is not None:
+        full_kv = tuple(jax.lax.dynamic_update_slice(a, jnp.swapaxes(new, 2, 3), (0, 0, 0, start, 0))
+                        for a, new in zip(full_kv, new_full))
     next_position_B = cache.next_position_B + jnp.sum(mask_BxT > 0, axis=1, dtype=jnp.int32)
-    cache = KVCache(k, v, valid_BxS, start + T, next_position_B, linear)
+    cache = KVCache(k, v, valid_BxS, start + T, next_position_B, linear, full_kv)
     return norm(x_BxTxD, params["norm"], cfg), cache
 
 
@@ -305,11 +364,13 @@ def prefill_packed(params: dict, packed: PackedPrompts, cfg: ModelConfig, *, cac
     cache = init_cache(params, cfg, B, cache_size, dtype)
     k = jax.lax.dynamic_update_slice(cache.k, gathered(rows.k), (0, 0, 0, P, 0))
     v = jax.lax.dynamic_update_slice(cache.v, gathered(rows.v), (0, 0, 0, P, 0))
+    full_kv = None if cache.full_kv is None or rows.full_kv is None else tuple(
+        jax.lax.dynamic_update_slice(a, gathered(r), (0, 0, 0, P, 0)) for a, r in zip(cache.full_kv, rows.full_kv))
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, is_token_BxW, (0, P))
     next_position_B = P + jnp.sum(is_token_BxW, axis=1, dtype=jnp.int32)
     # a linear layer's state is its packed row's at the row's end: one prompt a row, right-aligned (`pack_prompts`)
     linear = None if rows.linear is None else jax.tree.map(lambda a: a[:, packed.last_B // T], rows.linear)
-    return logits_BxV, KVCache(k, v, valid_BxS, jnp.asarray(P + W, jnp.int32), next_position_B, linear)
+    return logits_BxV, KVCache(k, v, valid_BxS, jnp.asarray(P + W, jnp.int32), next_position_B, linear, full_kv)
 
 
 def decode_step(params: dict, token_B: jax.Array, cache: KVCache, cfg: ModelConfig, *,

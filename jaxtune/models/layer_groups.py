@@ -6,7 +6,8 @@ kind, ...) runs one layer of `kind` (`ModelConfig.layer_kinds`) on its rows (the
 `scan_layers_by_kind` (training): one scan step a layer, switching to its kind, its rows read by index from the
 stacks (loop constants) before the switch; the backward holds one layer's work at a time (unrolled layers' would be
 alive together: 4 layers, 2.7x one's on v6e); `scan_kv_sharing_layers` (Gemma 4) in three stretches.
-`scan_layer_groups` (the cached decode, no backward): one step a period of the kinds' pattern (3 linear : 1 attention), its layers unrolled, each kind's outputs its own stack.
+`scan_layer_groups` (the cached decode, no backward): one step a period of the kinds' pattern (3 linear : 1
+attention), its layers unrolled, each group of kinds' outputs its own stack.
 """
 
 from __future__ import annotations
@@ -79,32 +80,38 @@ def scan_kv_sharing_layers(layer, x: jax.Array, stacks: dict[str, tuple[Any, tup
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
 
-def layer_period(cfg: ModelConfig) -> int:
-    """The smallest P dividing L such that layer i and layer i + P are of one kind."""
-    L, kinds = cfg.num_layers, cfg.layer_kinds
-    return next(p for p in range(1, L + 1) if L % p == 0 and all(kinds[i] == kinds[i % p] for i in range(L)))
+def layer_period(cfg: ModelConfig, span: tuple[int, int] | None = None) -> int:
+    """The smallest P dividing the span's length (default all L layers) such that its layers i and i + P are of one
+    kind."""
+    start, stop = span or (0, cfg.num_layers)
+    n, kinds = stop - start, cfg.layer_kinds[start:stop]
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
 
 
-def scan_layer_groups(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig
-                      ) -> tuple[jax.Array, dict[bool, Any]]:
-    """(x after every layer, {linear: layer's outputs stacked over the layers whose token mixer is (not) linear}).
-    Every name's layers must follow the period (as `ModelConfig.module_layers` do)."""
-    P = layer_period(cfg)
-    G = cfg.num_layers // P
+def scan_layer_groups(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig,
+                      span: tuple[int, int] | None = None, group=lambda kind: kind[0]) -> tuple[jax.Array, dict]:
+    """(x after the layers of `span` (default all), {group(kind): layer's outputs stacked over the span's layers of
+    such kinds, in order}; default groups: the layers whose token mixer is (not) linear). Every name's layers must
+    follow the period (as `ModelConfig.module_layers` do); a layer's output None is left out."""
+    start, stop = span or (0, cfg.num_layers)
+    P = layer_period(cfg, span)
+    G = (stop - start) // P
     kinds = cfg.layer_kinds
-    within = {name: [i for i in layers if i < P] for name, (_, layers) in stacks.items()}  # the first period's
-    grouped = {name: jax.tree.map(lambda a, n=len(within[name]): a.reshape(G, n, *a.shape[1:]), tree)
-               for name, (tree, _) in stacks.items()}
+    within = {name: [i - start for i in layers if start <= i < start + P] for name, (_, layers) in stacks.items()}
+    first = {name: next((j for j, i in enumerate(layers) if i >= start), 0) for name, (_, layers) in stacks.items()}
+    grouped = {name: jax.tree.map(lambda a, n=len(within[name]), f=first[name]: a[f:f + G * n].reshape(
+        G, n, *a.shape[1:]), tree) for name, (tree, _) in stacks.items() if within[name]}
 
-    def period(x: jax.Array, group: dict) -> tuple[jax.Array, dict]:
-        outs: dict[bool, list] = {True: [], False: []}
+    def period(x: jax.Array, group_rows: dict) -> tuple[jax.Array, dict]:
+        outs: dict[Any, list] = {}
         for j in range(P):
-            rows = {name: jax.tree.map(lambda a, k=within[name].index(j): a[k], group[name])
-                    for name in group if j in within[name]}
-            x, out = layer(x, rows, kinds[j])
-            outs[kinds[j][0]].append(out)
-        return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *o) for kind, o in outs.items() if o}
+            rows = {name: jax.tree.map(lambda a, k=within[name].index(j): a[k], group_rows[name])
+                    for name in group_rows if j in within[name]}
+            x, out = layer(x, rows, kinds[start + j])
+            if out is not None:
+                outs.setdefault(group(kinds[start + j]), []).append(out)
+        return x, {g: jax.tree.map(lambda *a: jnp.stack(a), *o) for g, o in outs.items()}
 
     x, outs = jax.lax.scan(period, x, grouped)
-    return x, {kind: jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), o)
-               for kind, o in outs.items()}
+    return x, {g: jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), o)
+               for g, o in outs.items()}

@@ -391,9 +391,9 @@ def decoder_and_routing(
     if cfg.linear_attention_layers and context is not None:
         raise JaxtuneError(f"{cfg.architecture}'s Gated DeltaNet layers carry a state along the row: a [mesh] context "
                            "axis, which splits rows over devices, is not supported; train on one device's length")
-    if cfg.global_head_dim and (context is not None or prefix):
-        raise JaxtuneError(f"{cfg.architecture}: a [mesh] context axis and prefix tuning are not supported for its "
-                           "layers of two head widths")
+    if cfg.global_head_dim and context is not None:
+        raise JaxtuneError(f"{cfg.architecture}'s layers of two head widths, some reading others' keys: a [mesh] "
+                           "context axis is not supported; train on one device's length")
     stacks, layers = ({}, layers) if cfg.stacked_by_kind else unsliced_kernels(layers, dtype)
     padded_BxT = None if attention_mask_BxT is None and segment_ids_BxT is None else valid_BxT  # zeroed there
 

@@ -55,7 +55,7 @@ def stack_adapters(adapters: dict[str, tuple[LoRAConfig, dict]], cfg: ModelConfi
     """
     if not adapters:
         raise JaxtuneError("no adapters to stack")
-    (first, (_, first_params)), L = next(iter(adapters.items())), cfg.num_layers
+    first, (_, first_params) = next(iter(adapters.items()))
     base = base_of(first_params)
     for name, (method, params) in adapters.items():
         if _signature(base_of(params)) != _signature(base):
@@ -69,7 +69,7 @@ def stack_adapters(adapters: dict[str, tuple[LoRAConfig, dict]], cfg: ModelConfi
         if not adapted:
             continue
         R = max(lora.max_rank for lora, _ in adapted)
-        _, d_in, d_out = full_shape(layers[module]["kernel"])
+        L, d_in, d_out = full_shape(layers[module]["kernel"])  # the module's layers (`module_layers`)
         slots_a, slots_b = [jnp.zeros((L, d_in, R), jnp.float32)], [jnp.zeros((L, R, d_out), jnp.float32)]
         for layout, (_, params) in zip(layouts, adapters.values()):
             if module not in layout:
