@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jaxtune.config import ModelConfig, tiny_config
+from jaxtune.config import ModelConfig, RopeScaling, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.models.hf_weights import save_model
 from jaxtune.models.params import init_params
@@ -18,7 +18,8 @@ ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
               "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
               "olmo3": "Olmo3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
               "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-              "llama4_maverick": "Llama4ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+              "llama4_maverick": "Llama4ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+              "gemma4": "Gemma4ForCausalLM"}
 
 
 def family_traits(arch: str, num_layers: int) -> dict:
@@ -30,7 +31,9 @@ def family_traits(arch: str, num_layers: int) -> dict:
     full layers; Llama 4's chunked rotating layers, then a NoPE one (Maverick's with dense MLP layers between the
     mixtures); Qwen3.5's Gated DeltaNet layer, then a gated attention one (three to one at scale); Qwen3-Next's the
     same, fused, with Qwen2-MoE's mixture; DeepSeek-V3's latent attention (24-wide queries and keys, 8 of them
-    rotated, 16-wide values) and a dense first layer before mixtures of 8 experts in 4 groups."""
+    rotated, 16-wide values) and a dense first layer before mixtures of 8 experts in 4 groups; Gemma 4's sliding
+    and full layers (these twice as wide, one key/value head, values from the keys), the last half sharing the
+    first half's keys and values with double-wide MLPs, per-layer inputs, 4 experts (top 2) beside every MLP."""
     olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -62,8 +65,16 @@ def family_traits(arch: str, num_layers: int) -> dict:
         num_experts=8, experts_per_token=2, expert_size=64, shared_expert_size=64, shared_expert_gated=False,
         router_activation="sigmoid", router_choice_bias=True, router_groups=4, router_top_groups=2,
         routed_scaling_factor=2.5, dense_layers=(0,))
+    known["gemma4"] = dict(
+        hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True, norm_float32_scale=True, qk_norm=True,
+        value_norm=True, query_pre_attn_scalar=1.0, layer_scalar=True, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, rope_scaling=RopeScaling("proportional", 1.0, rotated_fraction=0.25),
+        local_rope_theta=10_000.0, sliding_windows=tuple(0 if i % 2 else 64 for i in range(num_layers)),
+        global_head_dim=64, global_kv_heads=1, values_from_keys=True, shared_kv_layers=num_layers // 2,
+        wide_shared_mlp=True, per_layer_input_size=16, per_layer_vocab_size=512, experts_beside_mlp=True,
+        num_experts=4, experts_per_token=2, expert_size=64, final_logit_softcap=30.0)
     traits = known.get(arch, {})
-    if arch.startswith("gemma"):
+    if arch.startswith("gemma") and arch != "gemma4":
         traits = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
                       tie_word_embeddings=True, query_pre_attn_scalar=24.0,
                       sliding_windows=tuple(0 if i % 2 else 64 for i in range(num_layers)))

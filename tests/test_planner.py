@@ -130,7 +130,7 @@ def test_median_and_worst_error_against_the_compiler(compiled):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
                                   "olmo3", "gpt_oss", "llama4", "llama4_maverick", "qwen3_5", "qwen3_next",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "gemma4"])
 @pytest.mark.parametrize("method, rows, seq_len", [(method_config("full"), 4, 256), (method_config("lora"), 4, 512)])
 @pytest.mark.full
 def test_estimate_of_each_family_is_within_ten_percent_of_the_compiled_step(arch, method, rows, seq_len):

@@ -69,10 +69,30 @@ class Widths:
 
 
 def mlp_width(cfg: ModelConfig) -> int:
-    """The MLP width a token passes through: intermediate_size, or a mixture's K experts' and shared expert's."""
+    """The MLP width a token passes through: intermediate_size, or a mixture's K experts' and shared expert's (and
+    Gemma 4's MLP beside them)."""
     if not cfg.num_experts:
         return cfg.intermediate_size
-    return cfg.experts_per_token * cfg.expert_size + cfg.shared_expert_size
+    return (cfg.experts_per_token * cfg.expert_size + cfg.shared_expert_size
+            + cfg.intermediate_size * cfg.experts_beside_mlp)
+
+
+def gemma4_kinds(cfg: ModelConfig, w: Widths) -> dict[tuple[bool, bool], tuple[ModelConfig, Widths, int]]:
+    """Gemma 4's layer kinds, (full attention of its own width, a double-wide MLP): each kind's config (its
+    attention's view), widths and number of layers."""
+    tensor = cfg.num_heads // w.heads
+    kinds: dict[tuple[bool, bool], tuple[ModelConfig, Widths, int]] = {}
+    for i in range(cfg.num_layers):
+        kind = (i in cfg.global_layers, cfg.wide_shared_mlp and i in cfg.kv_sharing_layers)
+        if kind in kinds:
+            kinds[kind] = (*kinds[kind][:2], kinds[kind][2] + 1)
+            continue
+        view = cfg.global_view if kind[0] else cfg
+        K = view.num_kv_heads // tensor if view.num_kv_heads % tensor == 0 else view.num_kv_heads
+        F = w.F + (cfg.intermediate_size // tensor if cfg.intermediate_size % tensor == 0 else cfg.intermediate_size)
+        kinds[kind] = (view, replace(w, head_dim=view.head_dim, kv_heads=K, q=w.heads * view.head_dim,
+                                     kv=K * view.head_dim, F=F if kind[1] else w.F), 1)
+    return kinds
 
 
 def widths(cfg: ModelConfig, rows: int, seq_len: int, prefix: int, tensor: int, megablox: bool = False,
@@ -425,6 +445,29 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
         # both kinds attend, each switch branch's backward with attention blocks of its own: XLA:CPU held 1.7x
         # (Maverick) and 2.3x (DeepSeek-V3) the blocks of the layers without the switch (full fine-tuning, 256 tokens)
         attention = attention * 3 // 2
+    if cfg.global_head_dim:  # Gemma 4: the switch between its kinds (widths of attention and MLP), as Maverick's
+        kinds = gemma4_kinds(cfg, w)
+        per_kind = {kind: activation_bytes(view.replace(global_head_dim=0, shared_kv_layers=0), method, policy, kw,
+                                           itemsize, nbytes, logits_copies, global_rows, loose_nbytes,
+                                           workspace_itemsize) for kind, (view, kw, _) in kinds.items()}
+        saved_sets = {kind: saved_tensors(view, method, policy, kw) + [
+            ("attention output", (kw.b, kw.T, kw.heads, kw.head_dim), False),
+            ("attention log-sum-exp", (kw.b, kw.T, kw.heads), True)] * (policy == "none")
+            for kind, (view, kw, _) in kinds.items()}
+        P = cfg.per_layer_input_size
+        per_layer_input = nbytes((w.b, w.T, P), itemsize) if P else 0  # its slice of the [L, b, T, P] inputs
+        if policy == "none":  # each norm of the residual stream keeps its float32 input, and where its weight trains
+            # its float32 output (XLA:CPU): the sandwich's four, the mixture's three and its router's, PLE's (two of
+            # them counted in saved_tensors)
+            norms = 4 + 4 * cfg.experts_beside_mlp + bool(P)
+            kept = norms * (1 + method_unit(method).trains_base) - 2
+            per_layer_input += kept * nbytes((w.b, w.T, w.D), 4)
+        if policy == "none" and len(kinds) > 1:
+            saved_bytes = cfg.num_layers * (size(_union(*saved_sets.values())) + per_layer_input)
+        else:
+            saved_bytes = sum(n * (size(saved_sets[kind]) + per_layer_input) for kind, (_, _, n) in kinds.items())
+        workspace = max(a.workspace for a in per_kind.values())
+        attention = max(a.attention for a in per_kind.values()) * (3 if len(kinds) > 1 else 2) // 2
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
     return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one))
