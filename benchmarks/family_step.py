@@ -52,6 +52,12 @@ FAMILIES = {  # transformers class names, and what sets each apart (at this size
         "num_key_value_heads": 8, "head_dim": 16, "kv_lora_rank": 128, "q_lora_rank": 192, "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
         "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 256, "first_k_dense_replace": 1}),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {  # full layers 64 wide, values from keys; the last two
+        "global_head_dim": 64, "num_global_key_value_heads": 1, "attention_k_eq_v": True,  # sharing the first
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2,  # two's keys and values
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 32,  # per-layer inputs
+        "vocab_size_per_layer_input": 4096, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 256}),  # 4 experts beside every MLP
 }
 # LoRA's modules: q and v; the hybrids' linear-attention layers (three in four) their input and output projections too
 TARGETS = {"qwen3_5": ("q_proj", "v_proj", "in_proj_qkv", "out_proj"),

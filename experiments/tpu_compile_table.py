@@ -48,6 +48,10 @@ GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "voc
            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                             "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
            "rope_theta": 150000.0}
+GEMMA4 = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144,
+          "head_dim": 256, "global_head_dim": 512, "sliding_window": 1024, "final_logit_softcapping": 30.0,
+          "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+          "tie_word_embeddings": True}
 # the published config.json of each model, the fields jaxtune reads
 MODELS = {
     "llama-3.2-1b": {**LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -134,6 +138,22 @@ MODELS = {
                                                           "mscale_all_dim": 1.0,
                                                           "original_max_position_embeddings": 4096, "type": "yarn"},
                     "tie_word_embeddings": False, "attention_bias": False},
+    # Gemma 4 (text): E2B's per-layer inputs, 20 KV-sharing layers with double-wide MLPs, full layers 512 wide; the
+    # 26B-A4B's 128 experts (top 8) beside every MLP and 31B's dense layers, full layers' values from their keys.
+    # Shapes as their config.json files hold them; the 26B-A4B's 30 and the 31B's 60 layers are the counts whose
+    # parameters make 25.1B (3.7B active) and 30.7B
+    "gemma-4-e2b": {**GEMMA4, "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+                    "num_attention_heads": 8, "num_key_value_heads": 1, "sliding_window": 512,
+                    "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 256,
+                    "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                    for i in range(35)]},
+    "gemma-4-26b-a4b": {**GEMMA4, "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,
+                        "num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2,
+                        "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+                        "moe_intermediate_size": 704, "hidden_size_per_layer_input": 0},
+    "gemma-4-31b": {**GEMMA4, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
+                    "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4,
+                    "attention_k_eq_v": True, "hidden_size_per_layer_input": 0},
 }
 
 # (model, method, objective, tokens a row, batch (examples over all devices), target, mesh, remat)
@@ -197,8 +217,11 @@ ROWS = [
     ("qwen3.5-27b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
     ("deepseek-v3", "lora", "sft", 4096, 256, "v5p-512", "fsdp=16,expert=16", "full"),
     ("deepseek-v3", "full", "sft", 2048, 256, "v5p-512", "fsdp=32,expert=8", "full"),
+    ("gemma-4-e2b", "lora", "sft", 8192, 8, "v6e-8", "fsdp=8", "full"),
+    ("gemma-4-26b-a4b", "lora", "sft", 4096, 32, "v5p-64", "fsdp=8,expert=4", "full"),
+    ("gemma-4-31b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
 ]
-HELD_OUT = 15  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
+HELD_OUT = 18  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
 GRPO_TOKENS = 256  # a rollout's new tokens
 
 

@@ -146,7 +146,7 @@ def test_phi3_reads_its_fused_projections_partial_rotary_and_longrope(hf_model_d
 
 
 @pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.full) for a in (
-    "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "llama4"))])
+    "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "llama4", "gemma4_dense"))])
 def test_bfloat16_compute_within_documented_tolerance(arch, hf_model_dir):
     """bf16 weights and compute, against float32 transformers: relative L2 error of the logits <= 2e-2, and no
     worse than 1.25x the error of transformers' own bf16 forward.

@@ -309,7 +309,7 @@ def test_qlora_adapter_is_evaluated_on_the_base_it_was_trained_on(setup, tmp_pat
 
 @pytest.mark.reference
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
-                                  "olmo3", "gpt_oss", "llama4"])
+                                  "olmo3", "gpt_oss", "llama4", "gemma4"])
 @pytest.mark.full
 def test_qlora_trains_and_its_merged_export_loads_in_transformers(arch, tmp_path):
     """QLoRA (NF4) on every linear layer of a Qwen3 (query/key norms, head_dim 32 beside hidden / heads = 16), a
