@@ -33,7 +33,8 @@ def family_traits(arch: str, num_layers: int) -> dict:
     same, fused, with Qwen2-MoE's mixture; DeepSeek-V3's latent attention (24-wide queries and keys, 8 of them
     rotated, 16-wide values) and a dense first layer before mixtures of 8 experts in 4 groups; Gemma 4's sliding
     and full layers (these twice as wide, one key/value head, values from the keys), the last half (of four or more)
-    sharing the first half's keys and values with double-wide MLPs, per-layer inputs, 4 experts (top 2) beside every MLP."""
+    sharing the first half's keys and values with double-wide MLPs, per-layer inputs, 4 experts (top 2) beside
+    every MLP."""
     olmo = dict(post_norms=True, qk_norm=True, qk_norm_whole=True, norm_float32_scale=True)
     known: dict[str, dict[str, Any]] = {
         "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -71,7 +72,8 @@ def family_traits(arch: str, num_layers: int) -> dict:
         rope_theta=1_000_000.0, rope_scaling=RopeScaling("proportional", 1.0, rotated_fraction=0.25),
         local_rope_theta=10_000.0, sliding_windows=tuple(0 if i % 2 else 64 for i in range(num_layers)),
         global_head_dim=64, global_kv_heads=1, values_from_keys=True,
-        shared_kv_layers=num_layers // 2 if num_layers >= 4 else 0, wide_shared_mlp=num_layers >= 4, per_layer_input_size=16, per_layer_vocab_size=512, experts_beside_mlp=True,
+        shared_kv_layers=num_layers // 2 if num_layers >= 4 else 0, wide_shared_mlp=num_layers >= 4,
+        per_layer_input_size=16, per_layer_vocab_size=512, experts_beside_mlp=True,
         num_experts=4, experts_per_token=2, expert_size=64, final_logit_softcap=30.0)
     traits = known.get(arch, {})
     if arch.startswith("gemma") and arch != "gemma4":

@@ -364,3 +364,19 @@ def test_gemma4_refuses_what_it_cannot_hold_in_one_line(family):
     with pytest.raises(JaxtuneError, match="prefix tuning needs keys and values of one shape in every layer; "
                                            "Gemma4ForCausalLM's full layers are 32 wide, its sliding ones 16"):
         apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))
+
+
+def test_gemma4_layer_scalars_stay_buffers_in_a_full_fine_tune(family):
+    """transformers keeps Gemma 4's `layer_scalar` as a buffer (saved, loaded, never trained): a full fine-tune's
+    gradient does not reach it and AdamW does not decay it, while every layer's scalar still scales its output."""
+    from jaxtune.spine.state import weight_decay_mask
+
+    _, _, cfg, params = family("gemma4")
+    ids = jnp.asarray(padded_batch(cfg.vocab_size)[0])
+    logits = jax.jit(forward, static_argnames="cfg")
+    grads = jax.jit(jax.grad(lambda p: jnp.mean(logits(p, ids, cfg) ** 2)))(params)
+    assert not np.any(np.asarray(grads["layers"]["layer_scalar"]))
+    assert np.abs(np.asarray(grads["layers"]["o_proj@global"]["kernel"])).max() > 0
+    assert not weight_decay_mask(params)["layers"]["layer_scalar"]
+    doubled = {**params, "layers": {**params["layers"], "layer_scalar": 2 * params["layers"]["layer_scalar"]}}
+    assert np.abs(np.asarray(logits(doubled, ids, cfg) - logits(params, ids, cfg))).max() > 1e-2

@@ -329,8 +329,8 @@ def decoder_layer(x_BxTxD: jax.Array, layer: dict, attend_fn, cfg: ModelConfig, 
             h = dense(h * layer["per_layer_input"].astype(h.dtype), layer["per_layer_projection"],
                       kernel_axes=(None, "embed"))
             x_BxTxD = x_BxTxD + norm(h, layer["post_per_layer_input_norm"], cfg)
-    if "layer_scalar" in layer:
-        x_BxTxD = x_BxTxD * layer["layer_scalar"].astype(x_BxTxD.dtype)
+    if "layer_scalar" in layer:  # a buffer in transformers: no gradient reaches it (`params.BUFFERS`)
+        x_BxTxD = x_BxTxD * jax.lax.stop_gradient(layer["layer_scalar"]).astype(x_BxTxD.dtype)
     return x_BxTxD, aux, routing
 
 

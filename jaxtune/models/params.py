@@ -22,6 +22,7 @@ from jaxtune.config.model import GLOBAL, LATENT_NORMS, WIDE, hf_module_name
 
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's RMSNorm weights over a head's queries and keys (self_attn)
 MLP_MODULES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+BUFFERS = ("layer_scalar",)  # leaves transformers keeps as buffers (Gemma 4's): saved and loaded, never trained
 # Gemma 4's norms of a mixture beside the MLP: the MLP's output, the experts' input, the experts' output
 BESIDE_MLP_NORMS = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
 

@@ -9,22 +9,28 @@ from pathlib import Path
 
 import jax
 
-from jaxtune.config.model import ATTENTION_MODULES
+from jaxtune.config.model import ATTENTION_MODULES, hf_module_name
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import MLP_MODULES, QK_NORMS, ParamSpec, is_norm, param_specs
 
+PER_LAYER_INPUTS = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm",
+                    "per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")  # Gemma 4's
+
 
 def _group(path: tuple[str, ...]) -> str:
-    if path[0] in ("embed_tokens", "lm_head"):
-        return path[0]
-    if path[-1] in QK_NORMS:  # inside self_attn, as transformers counts them
+    if path[0] in ("embed_tokens", "lm_head", "norm"):
+        return "norms" if path[0] == "norm" else path[0]
+    if path[0] in PER_LAYER_INPUTS or (len(path) > 1 and path[1] in PER_LAYER_INPUTS):
+        return "per-layer inputs"
+    module = hf_module_name(path[1])  # Gemma 4's stacks of other shapes: the module they are
+    if module in QK_NORMS:  # inside self_attn, as transformers counts them
         return "attention"
     if is_norm(path[-1]) or is_norm(path[1]):
         return "norms"
     if path[1].startswith("linear_attn."):
         return "linear attention"
-    return "attention" if path[1] in ATTENTION_MODULES else "mlp" if path[1] in MLP_MODULES else path[1]
+    return "attention" if module in ATTENTION_MODULES else "mlp" if module in MLP_MODULES else module
 
 
 def model_summary(directory: str | Path) -> dict:

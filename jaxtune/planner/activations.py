@@ -334,8 +334,9 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     router and the K experts it routes to) and the head."""
     D, L = cfg.hidden_size, cfg.num_layers
     routed = 3 * D * cfg.experts_per_token * cfg.expert_size if cfg.num_experts else 0
+    per_layer_input = 3 * D * cfg.per_layer_input_size * L  # Gemma 4's: the projection to every layer's, each's branch
     return (_linear_module_elements(cfg) + L * (routed + D * (cfg.num_experts + bool(cfg.shared_expert_size)))
-            + D * cfg.vocab_size)
+            + per_layer_input + D * cfg.vocab_size)
 
 
 def expert_kernel_elements(cfg: ModelConfig) -> int:
@@ -352,7 +353,8 @@ def kernel_elements_per_layer(cfg: ModelConfig) -> int:
 def attention_flops_per_row(cfg: ModelConfig, seq_len: int, prefix: int, blocks=None) -> int:
     """Forward FLOPs of q k^T and probs v for one row of `seq_len` tokens, all layers, over the blocks the causal
     mask leaves live (`live_block_fraction`, of a fused kernel's blocks or the blockwise kernel's)."""
-    dense = len(cfg.attention_layers) * 4 * cfg.num_heads * cfg.head_dim * seq_len * (seq_len + prefix)
+    widths = len(cfg.attention_layers) * cfg.head_dim + len(cfg.global_layers) * (cfg.global_head_dim - cfg.head_dim)
+    dense = widths * 4 * cfg.num_heads * seq_len * (seq_len + prefix)  # (Gemma 4's full layers of their own width)
     return int(dense * live_block_fraction(seq_len, prefix, blocks)) + linear_attention_flops_per_row(cfg, seq_len)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtune.config import TrainConfig
-from jaxtune.models.params import is_norm
+from jaxtune.models.params import BUFFERS, is_norm
 
 
 def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedule:
@@ -36,11 +36,12 @@ def learning_rate_schedule(train: TrainConfig, total_steps: int) -> optax.Schedu
 
 def weight_decay_mask(trainable: dict) -> dict:
     """False for norm scales and biases (names containing "bias", a LoRA bias too, as transformers' Trainer and
-    PEFT's LoRA+ groups decide), True for every other trainable leaf."""
+    PEFT's LoRA+ groups decide) and for transformers' buffers (`params.BUFFERS`: no gradient, no decay), True for
+    every other trainable leaf."""
 
     def decays(path, _) -> bool:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return not ("bias" in names[-1] or any(is_norm(n) for n in names))
+        return not ("bias" in names[-1] or any(is_norm(n) or n in BUFFERS for n in names))
 
     return jax.tree_util.tree_map_with_path(decays, trainable)
 
