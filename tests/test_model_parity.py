@@ -36,8 +36,8 @@ def jax_logits(params, cfg, ids, mask, positions, **options):
                                   attention_mask_BxT=jnp.asarray(mask), options=ForwardOptions(**options)))
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.full) if a == "qwen3_next_dense" else a
-                                  for a in ARCHS])  # a variant: its own kinds' logits, in the full tier
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.full) if a in ("qwen3_next_dense", "gemma4_dense")
+                                  else a for a in ARCHS])  # a variant: its own kinds' logits, in the full tier
 def test_logits_equal_transformers_against_a_float64_reference(arch, hf_model_dir):
     """jaxtune in float64 equals transformers in float64 (1e-9: the same function); jaxtune's float32 logits are as
     close to that reference as transformers' own float32 logits (within reference.FACTOR) and within 1e-4 of them."""
