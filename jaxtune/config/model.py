@@ -276,6 +276,9 @@ class ModelConfig:
             raise ValueError(f"router_groups={self.router_groups} must divide num_experts={self.num_experts} into "
                              f"groups of two or more, router_top_groups={self.router_top_groups} be in "
                              "1..router_groups")
+        if self.shared_kv_layers and not self.global_head_dim:
+            raise ValueError("shared_kv_layers is Gemma 4's, whose full layers have their own stacks: set "
+                             "global_head_dim (its head_dim where the widths agree)")
         if self.shared_kv_layers:
             first = self.num_layers - self.shared_kv_layers
             kinds = {not w for w in self.sliding_windows[:first]}

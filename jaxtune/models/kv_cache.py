@@ -266,8 +266,9 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         else:
             (k_LxBxTxKxh, v_LxBxTxKxh), linear = by_kind[False], by_kind.get(True)
         if cfg.shared_kv_layers:  # Gemma 4: the last layers attend over their sources' caches and new entries
-            stacks: dict[bool, Any] = {False: ((cache.k, cache.v), (k_LxBxTxKxh, v_LxBxTxKxh), layers_k),
-                      True: (cache.full_kv, new_full, layers_full)}
+            stacks: dict[bool, Any] = {  # by kind (full?): (its cache, its new entries, the layers they hold)
+                False: ((cache.k, cache.v), (k_LxBxTxKxh, v_LxBxTxKxh), layers_k),
+                True: (cache.full_kv, new_full, layers_full)}
             source = {}
             for i in cfg.kv_sharing_layers:
                 old, new, held = stacks[bool(i in cfg.global_layers)]

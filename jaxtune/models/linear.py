@@ -49,6 +49,12 @@ def wide(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def scaled(x: jax.Array, c: float) -> jax.Array:
+    """x times a constant, computed in float32 (float64) and rounded once: torch's product of a tensor and a Python
+    float."""
+    return (x.astype(wide(x.dtype)) * c).astype(x.dtype)
+
+
 def kernel_of(module: dict, dtype) -> jax.Array:
     """The module's base weight [in, out] in `dtype`, dequantised inside the jitted computation if quantised (or
     bitcast back from a frozen kernel's bit pattern)."""

@@ -31,7 +31,7 @@ from jaxtune.models.head import head_logits
 from jaxtune.models.kernels import KERNELS, AttentionShape, FusedAttention, KernelCall, choose_kernel
 from jaxtune.models.latent_attention import heads_output, latent_cache_entry, latent_keys_values, latent_queries
 from jaxtune.models.layer_groups import scan_kv_sharing_layers, scan_layers_by_kind
-from jaxtune.models.linear import dense, project, wide
+from jaxtune.models.linear import dense, project, scaled, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
 from jaxtune.models.norms import rms_norm, unscaled_rms_norm
@@ -62,12 +62,6 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, dtype) -> jax.A
     else:
         x_BxTxD = table.astype(dtype)[tokens_BxT]
     return x_BxTxD * jnp.asarray(cfg.hidden_size**0.5, dtype) if cfg.scale_embeddings else x_BxTxD
-
-
-def scaled(x: jax.Array, c: float) -> jax.Array:
-    """x times a constant, computed in float32 (float64) and rounded once: torch's product of a tensor and a Python
-    float."""
-    return (x.astype(wide(x.dtype)) * c).astype(x.dtype)
 
 
 def per_layer_inputs(params: dict, tokens_BxT: jax.Array, x_BxTxD: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -104,8 +98,9 @@ def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Ada
                                      for name in ("q_proj", "k_proj", "v_proj"))
         v_BxTxV = k_BxTxV if v_BxTxV is None else v_BxTxV  # Gemma 4's full layers: values from the keys' projection
     if k_BxTxV is None:  # Gemma 4's KV-sharing layers: queries only
-        q_BxTxHxh = apply_rope(norm(q_BxTxQ.reshape(B, T, K * G, hd), layer["q_norm"], cfg), rope.cos, rope.sin,
-                               cfg.rope_interleaved)
+        q_BxTxHxh = q_BxTxQ.reshape(B, T, K * G, hd)
+        q_BxTxHxh = norm(q_BxTxHxh, layer["q_norm"], cfg) if cfg.qk_norm else q_BxTxHxh
+        q_BxTxHxh = apply_rope(q_BxTxHxh, rope.cos, rope.sin, cfg.rope_interleaved)
         return q_BxTxHxh.reshape(B, T, K, G, hd), None, None, None
     if cfg.attention_output_gate:  # Qwen3.5: each head's queries, then its gate
         q_BxTxHx2h = q_BxTxQ.reshape(B, T, K * G, 2 * hd)

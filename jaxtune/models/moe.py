@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.method import ExpertHook
-from jaxtune.models.linear import dense, kernel_of, wide
+from jaxtune.models.linear import dense, kernel_of, scaled, wide
 from jaxtune.models.norms import unscaled_rms_norm
 from jaxtune.models.params import EXPERT_AXES
 from jaxtune.parallel.rules import gathered, mesh_axes_of, mesh_in_context, platform_in_context, to_spec
@@ -57,7 +57,7 @@ def route(x_NxD: jax.Array, router: dict, cfg: ModelConfig) -> tuple[jax.Array, 
         x_NxD = x_NxD.astype(wide_dtype)
     if "per_expert_scale" in router:  # Gemma 4's: its input normed and scaled, as transformers rounds each product
         x_NxD = unscaled_rms_norm(x_NxD, cfg.rms_norm_eps) * router["scale"].astype(x_NxD.dtype)
-        x_NxD = x_NxD * jnp.asarray(cfg.hidden_size**-0.5, x_NxD.dtype)
+        x_NxD = scaled(x_NxD, cfg.hidden_size**-0.5)
     logits_NxE = dense(x_NxD, router, kernel_axes=("embed", None))
     probs_NxE = jax.nn.softmax(logits_NxE.astype(wide_dtype), axis=-1)
     if cfg.router_activation == "sigmoid":
