@@ -309,6 +309,7 @@ def test_deepseek_refuses_what_it_cannot_hold_in_one_line(family):
         apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))
 
 
+@pytest.mark.full  # 31 s; the everyday tier reads Gemma 4's logits, round trip and refusals
 def test_gemma4_reads_its_multimodal_release_and_decodes_rows_of_different_adapters(family, tmp_path):
     """Gemma 4 as released (Gemma4ForConditionalGeneration: `text_config`, `model.language_model.*` beside its vision
     and audio towers, which are left; k_proj/v_proj/k_norm tensors that some checkpoints keep in KV-sharing layers,
@@ -366,6 +367,7 @@ def test_gemma4_refuses_what_it_cannot_hold_in_one_line(family):
         apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))
 
 
+@pytest.mark.full  # 34 s, its gradient's compile
 def test_gemma4_layer_scalars_stay_buffers_in_a_full_fine_tune(family):
     """transformers keeps Gemma 4's `layer_scalar` as a buffer (saved, loaded, never trained): a full fine-tune's
     gradient does not reach it and AdamW does not decay it, while every layer's scalar still scales its output."""

@@ -1,13 +1,12 @@
 """Scanning layers of several kinds (`ModelConfig.layer_kinds`: Qwen3.5's Gated DeltaNet layers between its
-attention layers, Llama 4 Maverick's dense MLP layers between its mixtures), each kind's modules stacked over its own
-layers. `stacks` maps a name to (a pytree whose leaves are stacked over some layers, those layers); layer(x, rows,
-kind, ...) runs one layer of `kind` (`ModelConfig.layer_kinds`) on its rows (the names holding it).
+attention layers, Maverick's dense MLP layers between its mixtures, Gemma 4's full layers of their own width), each
+kind's modules stacked over its own layers. `stacks` maps a name to (a pytree whose leaves are stacked over some
+layers, those layers); layer(x, rows, kind, ...) runs one layer of `kind` on its rows (the names holding it).
 
 `scan_layers_by_kind` (training): one scan step a layer, switching to its kind, its rows read by index from the
 stacks (loop constants) before the switch; the backward holds one layer's work at a time (unrolled layers' would be
 alive together: 4 layers, 2.7x one's on v6e); `scan_kv_sharing_layers` (Gemma 4) in three stretches.
-`scan_layer_groups` (the cached decode, no backward): one step a period of the kinds' pattern (3 linear : 1
-attention), its layers unrolled, each group of kinds' outputs its own stack.
+`scan_layer_groups` (the cached decode, no backward): one step a period of the kinds' pattern, its layers unrolled.
 """
 
 from __future__ import annotations
