@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
@@ -38,6 +38,17 @@ LINEAR_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # layers' attention (`global_head_dim`), its KV-sharing layers' double-wide MLP (`wide_shared_mlp`)
 GLOBAL, WIDE = "@global", "@wide"
 PER_LAYER_INPUT_MODULES = ("per_layer_input_gate", "per_layer_projection")  # Gemma 4's per-layer input branch
+
+
+class LayerKind(NamedTuple):
+    """What a layer scan switches on (`ModelConfig.layer_kinds`): its token mixer is linear attention, its feed-forward
+    a dense MLP in a mixture, its attention Gemma 4's full one of its own width, it shares an earlier layer's keys and
+    values."""
+
+    linear: bool = False
+    dense: bool = False
+    full: bool = False
+    sharing: bool = False
 
 
 def hf_module_name(name: str) -> str:
@@ -390,13 +401,11 @@ class ModelConfig:
         return bool(self.linear_attention_layers or self.dense_layers or self.global_head_dim or self.shared_kv_layers)
 
     @property
-    def layer_kinds(self) -> tuple[tuple[bool, bool, bool, bool], ...]:
-        """Each layer's kind, (its token mixer is linear attention, its feed-forward a dense MLP in a mixture, its
-        attention Gemma 4's full one, it shares an earlier layer's keys and values): what the layer scan switches
-        on."""
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's `LayerKind`: what the layer scan switches on."""
         linear, dense, full, sharing = (set(a) for a in (self.linear_attention_layers, self.dense_layers,
                                                           self.global_layers, self.kv_sharing_layers))
-        return tuple((i in linear, i in dense, i in full, i in sharing) for i in range(self.num_layers))
+        return tuple(LayerKind(i in linear, i in dense, i in full, i in sharing) for i in range(self.num_layers))
 
     def layer_stacks(self, modules: tuple[str, ...] | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """(module, its layers) of each of `modules` (default `linear_modules`): what a method's per-layer rules

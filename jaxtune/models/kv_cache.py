@@ -253,14 +253,14 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
             return {hf_module_name(name): rows[name] for name in (*layers, "per_layer_input") if name in rows}
 
         def mixed_block(x, rows, kind):
-            if kind[0]:
+            if kind.linear:
                 return linear_block(x, rows_layer(rows), rows["per_layer.state"])
-            kv = rows["per_layer.full_kv" if kind[2] else "per_layer.kv"]
-            return block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], *kv), kind[2])
+            kv = rows["per_layer.full_kv" if kind.full else "per_layer.kv"]
+            return block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], *kv), kind.full)
 
         first = cfg.num_layers - cfg.shared_kv_layers
-        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg, (0, first),
-                                             (lambda kind: kind[2]) if cfg.global_head_dim else (lambda kind: kind[0]))
+        group = (lambda kind: kind.full) if cfg.global_head_dim else (lambda kind: kind.linear)  # of the outputs
+        x_BxTxD, by_kind = scan_layer_groups(mixed_block, x_BxTxD, items, cfg, (0, first), group)
         if cfg.global_head_dim:
             (k_LxBxTxKxh, v_LxBxTxKxh), new_full = by_kind[False], by_kind.get(True)
         else:
@@ -276,9 +276,9 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
                 source[i in cfg.global_layers] = (old[0][row], old[1][row], new[0][row], new[1][row])
 
             def sharing_block(x, rows, kind):
-                k_old, v_old, k_new, v_new = source[kind[2]]
+                k_old, v_old, k_new, v_new = source[kind.full]
                 return block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], k_old, v_old),
-                             kind[2], (k_new, v_new))
+                             kind.full, (k_new, v_new))
 
             x_BxTxD, _ = scan_layer_groups(sharing_block, x_BxTxD, items, cfg, (first, cfg.num_layers))
     # One in-place write of all layers' new keys and values (the scan read the old buffer, plus its own update).

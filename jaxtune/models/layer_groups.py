@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
+from jaxtune.config.model import LayerKind
 
 
 def scan_layers_by_kind(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig,
@@ -35,7 +36,7 @@ def scan_layers_by_kind(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[
     index = {name: jnp.asarray([layers.index(i) if i in layers else 0 for i in range(start, stop)], jnp.int32)
              for name, (_, layers) in stacks.items()}
 
-    def branch(kind: tuple[bool, ...]):
+    def branch(kind: LayerKind):
         names = [name for name, (_, layers) in stacks.items() if any(kinds[i] == kind for i in layers)]
         return lambda x, rows, constants: layer(x, {name: rows[name] for name in names}, kind, constants)[:2]
 
@@ -72,7 +73,7 @@ def scan_kv_sharing_layers(layer, x: jax.Array, stacks: dict[str, tuple[Any, tup
         kind = cfg.layer_kinds[i]
         x, out, kv = wrap(lambda x, rows, constants, kind=kind: layer(x, rows, kind, constants))(x, rows, None)
         if i in sources:
-            kept[kind[2]] = kv
+            kept[kind.full] = kv
         outs.append(jax.tree.map(lambda a: a[None], out))
     x, out = scan_layers_by_kind(layer, x, stacks, cfg, wrap, (first, cfg.num_layers), kept)
     outs.append(out)
@@ -88,7 +89,7 @@ def layer_period(cfg: ModelConfig, span: tuple[int, int] | None = None) -> int:
 
 
 def scan_layer_groups(layer, x: jax.Array, stacks: dict[str, tuple[Any, tuple[int, ...]]], cfg: ModelConfig,
-                      span: tuple[int, int] | None = None, group=lambda kind: kind[0]) -> tuple[jax.Array, dict]:
+                      span: tuple[int, int] | None = None, group=lambda kind: kind.linear) -> tuple[jax.Array, dict]:
     """(x after the layers of `span` (default all), {group(kind): layer's outputs stacked over the span's layers of
     such kinds, in order}; default groups: the layers whose token mixer is (not) linear). Every name's layers must
     follow the period (as `ModelConfig.module_layers` do); a layer's output None is left out."""

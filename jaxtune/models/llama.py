@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
-from jaxtune.config.model import hf_module_name
+from jaxtune.config.model import LayerKind, hf_module_name
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapters import Adapters, adapter_forward, layer_adapters
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
@@ -399,16 +399,15 @@ def decoder_and_routing(
             K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads, head_dim=cfg.global_head_dim),
             platform_in_context())
 
-    def layer_block(x_BxTxD, per_layer, shared, kind=(False,) * 4, shared_kv=None):
+    def layer_block(x_BxTxD, per_layer, shared, kind=LayerKind(), shared_kv=None):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
         rope, mask, live_QxC, stacks, valid_BxT = shared
-        linear, full = kind[0], kind[2]
-        layer_cfg, tables, layer_fused = (global_cfg, global_rope, global_fused) if full else (cfg, rope, fused)
+        layer_cfg, tables, layer_fused = (global_cfg, global_rope, global_fused) if kind.full else (cfg, rope, fused)
         rope_of_layer = layer_rope(tables, jnp.asarray(cfg.rope_table_of_layer, jnp.int32)[index], layer_cfg)
         layer = with_kernels_of_layer(layer, stacks, index)
         adapters = layer_adapters(view, layer_key)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))  # rows over data x fsdp x expert, tokens over context
-        if linear:
+        if kind.linear:
             attend_fn = lambda h: (gated_deltanet_layer(h, layer, cfg, adapters, padded_BxT,
                                                         segment_ids_BxT=segment_ids_BxT)[0], None)
         else:
@@ -437,7 +436,7 @@ def decoder_and_routing(
         def mixed_block(x, rows, kind, kept_kv):
             layer = {hf_module_name(name): rows[name] for name in (*layers, "per_layer_input") if name in rows}
             one = (layer, *(rows[f"per_layer.{i}"] for i in range(len(per_layer) - 1)))
-            x, routing, kv = layer_block(x, one, shared, kind, None if kept_kv is None else kept_kv.get(kind[2]))
+            x, routing, kv = layer_block(x, one, shared, kind, None if kept_kv is None else kept_kv.get(kind.full))
             return x, no_routing if routing is None and cfg.num_experts else routing, kv
 
         scan = scan_kv_sharing_layers if cfg.shared_kv_layers else scan_layers_by_kind

@@ -12,6 +12,7 @@ Kernels are [in, out] (x @ kernel); HF stores [out, in].
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import jax
@@ -182,7 +183,7 @@ def is_norm(name: str) -> bool:
     `linear_attn.norm`, Gemma 4's per-layer input norms) is a norm scale."""
     name = hf_module_name(name)
     return (name in ("norm", "linear_attn.norm", "per_layer_projection_norm", "post_per_layer_input_norm")
-            or name.rstrip("_12").endswith("layernorm") or name in QK_NORMS)
+            or re.sub(r"_\d$", "", name).endswith("layernorm") or name in QK_NORMS)
 
 
 def _is_spec(x) -> bool:
