@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -322,6 +323,12 @@ def assigned_bytes(dump: str) -> int:
     return int(lines[at + 1].split()[2])
 
 
+def error_line(stderr: str) -> str:
+    """The exception a row's subprocess ended with (jax's note on its filtered frames comes after it)."""
+    lines = [line for line in stderr.strip().splitlines() if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    return (lines or stderr.strip().splitlines() or ["?"])[-1]
+
+
 def table(results: list[dict]) -> str:
     """The Markdown table (MiB per device; relative errors of the planner against the compiler)."""
     mib = 1 << 20
@@ -408,7 +415,7 @@ def main() -> None:
             if out.returncode == 0 and lines:
                 result = json.loads(lines[-1])
             else:
-                result = {"label": label(row), "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+                result = {"label": label(row), "error": error_line(out.stderr)}
             results = [r for r in results if r["label"] != label(row)] + [result]
             results.sort(key=lambda r: [label(x) for x in ROWS].index(r["label"]))
             RESULTS.write_text(json.dumps(results, indent=1) + "\n")

@@ -190,3 +190,49 @@ def test_qwen3_5_packed_segments_equal_separate_rows():
             np.testing.assert_allclose(out[:, at:at + n], forward(params, jnp.asarray(row), cfg, options=float64),
                                        atol=1e-10)
             at += n
+
+
+def conds(jaxpr) -> list:
+    """Every `cond` equation of a jaxpr, its sub-jaxprs' too."""
+    from jax.extend.core import subjaxprs
+
+    return [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "cond"] + [
+        eqn for sub in subjaxprs(jaxpr) for eqn in conds(sub)]
+
+
+KINDS = {"arch": "qwen3_5", "num_layers": 4}  # Gated DeltaNet layers and attention layers
+
+
+def kinds_loss(cfg):
+    ids = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
+    return lambda p, options: jnp.mean(jax.nn.log_softmax(_forward(p, ids, cfg, options=options))[..., 0] ** 2)
+
+
+def test_each_kind_of_layer_is_rematerialised_alone():
+    """A model of two kinds of layer (Qwen3.5's Gated DeltaNet and attention) switches on a layer's kind, and jax's
+    switch returns every kind's residuals (zeros for the kinds not taken). Under remat "full" each kind is
+    checkpointed inside the switch, so no switch of the gradient returns more than a layer's input or its rows:
+    without it, Qwen3.5-27B's LoRA step on a v6e-8 needed 22.3 GiB a chip, with it 16.2."""
+    from jaxtune.presets import tiny_model_config
+
+    cfg = tiny_model_config(**KINDS)
+    assert len(set(cfg.layer_kinds)) == 2
+    p = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+    grad = jax.make_jaxpr(jax.grad(kinds_loss(cfg)), static_argnums=1)(p, ForwardOptions(remat=Remat("full")))
+    largest = max(v.aval.size for eqn in conds(grad.jaxpr) for v in eqn.outvars)
+    assert largest <= max(2 * 32 * cfg.hidden_size, *(a.size // a.shape[0] for a in jax.tree.leaves(p["layers"])))
+
+
+@pytest.mark.full
+def test_layers_of_several_kinds_remat_equals_no_remat():
+    from jaxtune.presets import tiny_model_config
+
+    cfg = tiny_model_config(**KINDS)
+    p = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    grad = jax.jit(jax.value_and_grad(kinds_loss(cfg)), static_argnums=1)
+    (base_value, base_grads) = grad(p, ForwardOptions())
+    for policy in ("full", "save_matmuls"):
+        value, grads = grad(p, ForwardOptions(remat=Remat(policy)))
+        np.testing.assert_allclose(value, base_value, rtol=1e-6)
+        for g0, g1 in zip(jax.tree.leaves(base_grads), jax.tree.leaves(grads)):
+            assert float(jnp.abs(g1 - g0).max()) <= 1e-5 * float(jnp.abs(g0).max()) + 1e-12

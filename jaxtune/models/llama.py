@@ -440,7 +440,8 @@ def decoder_and_routing(
             return x, no_routing if routing is None and cfg.num_experts else routing, kv
 
         scan = scan_kv_sharing_layers if cfg.shared_kv_layers else scan_layers_by_kind
-        x_BxTxD, routing = scan(mixed_block, x_BxTxD, items, cfg, lambda fn: remat_layer(fn, options.remat, dtype))
+        x_BxTxD, routing = scan(mixed_block, x_BxTxD, items, cfg, lambda fn: remat_layer(fn, options.remat, dtype),
+                                wrap_branch=options.remat.wrap)
         if cfg.dense_layers:  # the load-balancing loss counts the mixtures' layers
             routing = jax.tree.map(lambda a: a[jnp.asarray(cfg.mixture_layers)], routing)
     elif options.scan_layers:
