@@ -125,7 +125,7 @@ def spm_tokens() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-# The 2025-26 families as llama.cpp's converter writes them (its `conversion/{llama,olmo,gpt_oss,llama4}.py`):
+# The 2025-26 families as llama.cpp's converter writes them (its `conversion/{llama,olmo,gpt_oss,llama4,deepseek}.py`):
 # architecture, metadata beyond a Llama's, tensor names and the splitting of expert stacks, written out here apart
 # from jaxtune's own writer.
 FAMILY_ARCH = {"smollm3": "smollm3", "olmo2": "olmo2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "llama4": "llama4"}
@@ -160,9 +160,12 @@ def mxfp4_as_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def write_family_gguf(path: str | Path, model, kind: Q = Q.F32, mxfp4: dict[str, tuple] | None = None) -> Path:
-    """`model` (a transformers SmolLM3, OLMo 2 or 3, gpt-oss or Llama 4) as llama.cpp's converter writes it; `mxfp4`:
-    expert stack name -> (blocks, scales) in transformers' layout, written as GGML MXFP4 in its place."""
+    """`model` (a transformers SmolLM3, OLMo 2 or 3, gpt-oss, Llama 4 or DeepSeek-V3) as llama.cpp's converter
+    writes it; `mxfp4`: expert stack name -> (blocks, scales) in transformers' layout, written as GGML MXFP4 in its
+    place."""
     cfg, family = model.config, model.config.model_type.removesuffix("_text")
+    if family == "deepseek_v3":
+        return write_deepseek_gguf(path, model, kind)
     arch = FAMILY_ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -208,12 +211,7 @@ def write_family_gguf(path: str | Path, model, kind: Q = Q.F32, mxfp4: dict[str,
     if family == "llama4":
         writer.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
     writer.add_file_type(int(kind))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS + [f"[PAD{i}]" for i in range(len(TOKENS), cfg.vocab_size)])
-    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3) + [5] * (cfg.vocab_size - len(TOKENS)))
-    writer.add_token_merges([" ".join(m) for m in MERGES])
-    writer.add_eos_token_id(2)
+    _add_padded_tokens(writer, cfg.vocab_size)
     for name, tensor in model.state_dict().items():
         w = tensor.detach().float().numpy()
         if family == "smollm3" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -256,3 +254,105 @@ def _add(writer, name: str, w: np.ndarray, kind: Q, raw: bool = False) -> None:
         writer.add_tensor(name, w.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
+
+
+def _add_padded_tokens(writer, vocab_size: int) -> None:
+    """`TOKENS` padded with unused `[PAD{i}]` tokens to the model's embedding rows, as the converter pads them."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS + [f"[PAD{i}]" for i in range(len(TOKENS), vocab_size)])
+    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3) + [5] * (vocab_size - len(TOKENS)))
+    writer.add_token_merges([" ".join(m) for m in MERGES])
+    writer.add_eos_token_id(2)
+
+
+DEEPSEEK_NAMES = {"self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+                  "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                  "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.gate": "ffn_gate_inp",
+                  "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                  "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def write_deepseek_gguf(path: str | Path, model, kind: Q = Q.F32, split_kv_b: bool = True) -> Path:
+    """A transformers DeepSeek-V3 as llama.cpp's converter writes it (`conversion/deepseek.py`, DeepseekV2Model, arch
+    "deepseek2"), from a config.json that names its `scoring_func` as the released ones do (sigmoid: the gating
+    function 2): one latent KV head; key and value lengths the latent's (R + rope, R) and the heads' in `*_mla`;
+    `kv_b_proj` split into `attn_k_b` [H, R, nope] (each head's transposed) and `attn_v_b` [H, v, R]; experts
+    stacked [E, out, in]; the routing bias as `exp_probs_b.bias`; YaRN's mscale_all_dim stored times 0.1; no row
+    permuted. The multi-token-prediction layer is not written (transformers' model has none). Not `split_kv_b`: as
+    converters before that split wrote it, `attn_kv_b` whole, the heads' key and value lengths, no `*_mla` keys."""
+    cfg = model.config
+    rope = cfg.rope_parameters
+    H, R, nope, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(H)
+    writer.add_head_count_kv(1 if split_kv_b else H)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.n_routed_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_group_count(cfg.n_group)
+    writer.add_expert_group_used_count(cfg.topk_group)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(R)
+    if split_kv_b:
+        writer.add_key_length(R + cfg.qk_rope_head_dim)
+        writer.add_value_length(R)
+        writer.add_key_length_mla(nope + cfg.qk_rope_head_dim)
+        writer.add_value_length_mla(v)
+    else:
+        writer.add_key_length(nope + cfg.qk_rope_head_dim)
+        writer.add_value_length(v)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for name in ("beta_fast", "beta_slow"):
+            if name in rope:
+                writer.add_float32(f"deepseek2.rope.scaling.yarn_{name}", rope[name])
+    if rope.get("mscale_all_dim") is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    writer.add_file_type(int(kind))
+    _add_padded_tokens(writer, cfg.vocab_size)
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        stem, _, suffix = name.rpartition(".")
+        if not stem.startswith("model.layers."):
+            _add(writer, gguf_name(name), w, kind)
+            continue
+        _, _, layer, module = stem.split(".", 3)
+        if module == "self_attn.kv_b_proj" and not split_kv_b:
+            _add(writer, f"blk.{layer}.attn_kv_b.weight", w, kind)
+        elif module == "self_attn.kv_b_proj":
+            heads = w.reshape(H, nope + v, R)
+            _add(writer, f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(heads[:, :nope].swapaxes(1, 2)), kind)
+            _add(writer, f"blk.{layer}.attn_v_b.weight", heads[:, nope:], kind)
+        elif suffix == "e_score_correction_bias":
+            _add(writer, f"blk.{layer}.exp_probs_b.bias", w, kind)
+        elif suffix == "gate_up_proj":  # [E, 2F, D]: gate's rows, then up's
+            F = w.shape[1] // 2
+            _add(writer, f"blk.{layer}.ffn_gate_exps.weight", w[:, :F], kind)
+            _add(writer, f"blk.{layer}.ffn_up_exps.weight", w[:, F:], kind)
+        elif suffix == "down_proj" and module == "mlp.experts":
+            _add(writer, f"blk.{layer}.ffn_down_exps.weight", w, kind)
+        else:
+            _add(writer, f"blk.{layer}.{DEEPSEEK_NAMES.get(module) or HF_TO_GGUF[module]}.{suffix}", w, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

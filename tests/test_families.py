@@ -296,14 +296,19 @@ def test_deepseek_reads_its_fp8_release_and_skips_its_prediction_head(family, tm
         np.testing.assert_array_equal(reader.read(name, (slice(5, 21), slice(3, 40))), want_kernel[5:21, 3:40])
 
 
-def test_deepseek_refuses_what_it_cannot_hold_in_one_line(family):
-    """Its GGUF (llama.cpp's DEEPSEEK2) is not written, prefix tuning (per-head keys and values where the cache
-    holds latents) not trained: each a one-line JaxtuneError naming why."""
-    from jaxtune.methods.gguf_export import gguf_form
+def test_deepseek_refuses_what_it_cannot_hold_in_one_line(family, tmp_path):
+    """A GGUF LoRA on its latent attention's projections is not written (llama.cpp's deepseek2 graph multiplies
+    them without its LoRA hook), prefix tuning (per-head keys and values where the cache holds latents) not
+    trained: each a one-line JaxtuneError naming why."""
+    from jaxtune.methods.lora.gguf import save_gguf_lora
 
     _, _, cfg, params = family("deepseek_v3")
-    with pytest.raises(JaxtuneError, match="DeepseekV3ForCausalLM: cannot be written as GGUF \\(an architecture"):
-        gguf_form(cfg)
+    cfg = cfg.replace(rms_norm_eps=1e-6)  # the latent norms' epsilon, which llama.cpp's rms_norm_eps also sets
+    lora = method_config("lora", rank=4, target_modules=("kv_b_proj", "o_proj"))
+    with pytest.raises(JaxtuneError, match="DeepseekV3ForCausalLM: llama.cpp applies no GGUF LoRA to kv_b_proj "
+                                           "\\(its deepseek2 graph multiplies them plainly\\)"):
+        save_gguf_lora(tmp_path / "lora.gguf", cfg, apply_method(params, cfg, lora, jax.random.key(0)), lora)
+    assert not (tmp_path / "lora.gguf").exists()
     with pytest.raises(JaxtuneError, match="prefix tuning needs per-head keys and values; DeepseekV3ForCausalLM's "
                                            "latent attention caches a latent a token"):
         apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))

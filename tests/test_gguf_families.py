@@ -1,7 +1,8 @@
-"""GGUF files of the 2025-26 families (SmolLM3, OLMo 2 and 3, gpt-oss with float or MXFP4 experts, Llama 4) as
-llama.cpp's converter writes them (tests/gguf_files.py, written apart from jaxtune): read with the source model's
-logits; written back by `save_gguf` tensor for tensor as that converter writes them; a config llama.cpp's loader
-cannot express refused by name. llama.cpp itself runs the exports in test_llama_cpp.py (full tier)."""
+"""GGUF files of the 2025-26 families (SmolLM3, OLMo 2 and 3, gpt-oss with float or MXFP4 experts, Llama 4,
+DeepSeek-V3) as llama.cpp's converter writes them (tests/gguf_files.py, written apart from jaxtune): read with the
+source model's logits; written back by `save_gguf` tensor for tensor as that converter writes them; a config
+llama.cpp's loader cannot express refused by name. llama.cpp itself runs the exports in test_llama_cpp.py (full
+tier)."""
 
 import re
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import TOKENS, write_family_gguf
+from gguf_files import TOKENS, write_deepseek_gguf, write_family_gguf
 from hf_models import make_hf_model
 from reference import assert_float32_parity, logits_four_ways
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.reference, pytest.mark.parity]
 
 # Each family's tiny model in the shape llama.cpp's loader fixes (NoPE, sliding and chunked layers every 4th or
 # every other; Llama 4's chunk 8192, temperature floor 8192 and scale 0.1, its RoPE scaled as Scout's: llama3
-# with equal bands), vocabulary the test tokenizer's.
+# with equal bands; DeepSeek's latent norms' epsilon 1e-6, its mscale and mscale_all_dim equal), vocabulary the
+# test tokenizer's.
 EXPRESSIBLE = {
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False),
     "olmo2": {},
@@ -40,7 +42,9 @@ EXPRESSIBLE = {
                    attn_scale=0.1, rope_parameters={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 1.0, "rope_theta": 500_000.0,
                                                     "original_max_position_embeddings": 8192}),
+    "deepseek_v3": dict(rms_norm_eps=1e-6),
 }
+DEEPSEEK_LITE = dict(q_lora_rank=None, n_group=2, topk_group=2)  # DeepSeek-V2-Lite's queries; every group chosen
 EVERYDAY = ("gpt_oss",)  # experts, sinks, biases, windows, YaRN; the others in the full tier
 
 
@@ -119,6 +123,7 @@ def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gg
     for key, field in theirs.fields.items():
         if key.startswith(f"{arch}.") and not key.endswith("sliding_window_pattern"):
             assert ours.fields[key].contents() == pytest.approx(field.contents()), key
+            assert ours.fields[key].types == field.types, key  # llama.cpp's loader checks each key's type
 
 
 @pytest.mark.parametrize("family, change, named", [
@@ -126,6 +131,9 @@ def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gg
     ("olmo3", dict(layer_types=["sliding_attention", "full_attention"] * 2), "sliding layers"),
     ("gpt_oss", dict(swiglu_limit=5.0), "swiglu alpha 1.702 and limit 5.0"),
     ("llama4", dict(attention_chunk_size=4, floor_scale=4), "attention chunks [-4, 0]"),
+    pytest.param("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}),
+                 "a YaRN attention factor 0.9643 (llama.cpp's: 1)", marks=pytest.mark.full),
 ])
 def test_what_llama_cpp_fixes_is_refused_by_name(family, change, named, tmp_path):
     model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **{**EXPRESSIBLE[family], **change})
@@ -133,3 +141,50 @@ def test_what_llama_cpp_fixes_is_refused_by_name(family, change, named, tmp_path
     with pytest.raises(JaxtuneError, match=f"{type(model).__name__}: cannot be written as GGUF.*{re.escape(named)}"):
         save_gguf(tmp_path / "out.gguf", cfg, params, None, kind="f32")  # type: ignore[arg-type]
     assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.full
+def test_deepseek_gguf_from_before_the_kv_b_split_without_a_query_latent(tmp_path):
+    """DeepSeek-V2-Lite's queries (`attn_q`, no latent) and every expert group chosen, in a file from before
+    llama.cpp split `attn_kv_b` (the heads' key and value lengths, no `*_mla` keys): read with the source model's
+    logits; written back split, with a query latent rank of 0 and one group (llama.cpp asserts fewer groups chosen
+    than there are), and read back with them again."""
+    model = make_hf_model("deepseek_v3", tmp_path / "hf", vocab_size=len(TOKENS),
+                          **{**EXPRESSIBLE["deepseek_v3"], **DEEPSEEK_LITE})
+    source = write_deepseek_gguf(tmp_path / "legacy.gguf", model, split_kv_b=False)
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(str(source)).tensors}
+    cfg, params = load_model(source, dtype=np.float32)
+    out = save_gguf(tmp_path / "out.gguf", cfg, params, load_tokenizer(source), kind="f32")
+    written = gguf.GGUFReader(str(out))
+    assert {"blk.0.attn_q.weight", "blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= {t.name for t in
+                                                                                          written.tensors}
+    assert not any(".attn_kv_b." in t.name or ".attn_q_a" in t.name for t in written.tensors)
+    assert [written.fields[f"deepseek2.{key}"].contents() for key in (
+        "attention.q_lora_rank", "expert_group_count", "expert_group_used_count")] == [0, 1, 1]
+    for path in (source, out):
+        cfg, params = load_model(path, dtype=np.float32)
+        logits = logits_four_ways(model, params, cfg)
+        assert_float32_parity(logits["out32"], logits["ref32"], logits["ref64"], logits["valid"])
+
+
+@pytest.mark.full
+def test_deepseek_gguf_refuses_each_difference_llama_cpp_fixes(family_gguf):
+    """What llama.cpp's deepseek2 loader and graph fix, each refused by name: the latent norms' epsilon (theirs
+    rms_norm_eps, transformers' 1e-6), RoPE on halves, YaRN's betas (not read), other rope scalings, no shared
+    expert."""
+    import dataclasses
+
+    from jaxtune.methods.gguf_export import gguf_form
+
+    _, path = family_gguf("deepseek_v3")
+    cfg, _ = load_model(path, dtype=np.float32)
+    gguf_form(cfg)
+    yarn = cfg.rope_scaling
+    assert yarn is not None
+    for change, named in ((dict(rms_norm_eps=1e-5), "an RMSNorm epsilon 1e-05 (llama.cpp's latent norms take it"),
+                          (dict(rope_interleaved=False), "RoPE on halves"),
+                          (dict(rope_scaling=dataclasses.replace(yarn, beta_fast=1.0)), "YaRN betas 1 and 1"),
+                          (dict(rope_scaling=dataclasses.replace(yarn, kind="linear")), "rope scaling 'linear'"),
+                          (dict(shared_expert_size=0), "no shared expert")):
+        with pytest.raises(JaxtuneError, match=f"DeepseekV3ForCausalLM: cannot be written as GGUF.*{re.escape(named)}"):
+            gguf_form(cfg.replace(**change))

@@ -69,9 +69,10 @@ def test_models_load_on_the_plain_cpu_buffers(exports, capfd):
     assert buffers and all("CPU" in line and "AMX" not in line and "REPACK" not in line for line in buffers), buffers
 
 
-def llama_cpp_logits(path, ids: list[int], lora=None) -> np.ndarray:
-    """[T, V] logits of llama.cpp on `ids` (with a GGUF LoRA adapter at scale 1, if given)."""
-    model = llama_cpp_model(path, n_ctx=256, logits_all=True, seed=0, **({"lora_path": str(lora)} if lora else {}))
+def llama_cpp_logits(path, ids: list[int], lora=None, **options) -> np.ndarray:
+    """[T, V] logits of llama.cpp on `ids` (with a GGUF LoRA adapter at scale 1, if given; `options`: `Llama`'s)."""
+    model = llama_cpp_model(path, n_ctx=256, logits_all=True, seed=0, **({"lora_path": str(lora)} if lora else {}),
+                            **options)
     model.eval(ids)
     return np.array(model.scores[:len(ids)])
 
@@ -165,19 +166,18 @@ def test_llama_cpp_applies_the_gguf_lora_as_peft_does(exports, tmp_path):
     assert np.abs(plain - reference_base).max() < 0.02 * change
 
 
-@pytest.mark.full
-@pytest.mark.parametrize("family", ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4"])
-def test_llama_cpp_runs_the_family_exports(family, tmp_path):
-    """Each 2025-26 family (tiny, in the shape llama.cpp's loader fixes) written by `jaxtune export --gguf` (f32):
-    llama.cpp's logits equal jaxtune's of the same file. gpt-oss is compared with its YaRN ramp rounded, as
-    llama.cpp rounds it (transformers' gpt-oss does not)."""
+def family_export_logits(family: str, tmp_path, **change) -> tuple[np.ndarray, np.ndarray]:
+    """jaxtune's and llama.cpp's [T, V] logits of `family`'s tiny model (in the shape llama.cpp's loader fixes, with
+    `change`) written by `jaxtune export --gguf` (f32) from the converter's file; llama.cpp's KV cache in float32, as
+    the export. gpt-oss is compared with its YaRN ramp rounded, as llama.cpp rounds it (transformers' gpt-oss does
+    not)."""
     import dataclasses
 
     from gguf_files import TOKENS, write_family_gguf
     from hf_models import make_hf_model
     from test_gguf_families import EXPRESSIBLE
 
-    model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE[family])
+    model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **{**EXPRESSIBLE[family], **change})
     source, out = write_family_gguf(tmp_path / "source.gguf", model), tmp_path / "out.gguf"
     assert main(["export", "--model", str(source), "--gguf", str(out), "--type", "f32"]) == 0
     cfg, params = load_model(out, dtype=np.float32)
@@ -185,5 +185,57 @@ def test_llama_cpp_runs_the_family_exports(family, tmp_path):
         cfg = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, truncate=True))
     ids = [int(i) for i in np.random.default_rng(0).integers(3, len(TOKENS), 24)]
     ours = np.asarray(forward(params, jnp.asarray([ids]), cfg))[0]
-    theirs = llama_cpp_logits(out, ids)
-    assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < 2e-3
+    return ours, llama_cpp_logits(out, ids, type_k=0, type_v=0)  # GGML_TYPE_F32
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["smollm3", "olmo2", "olmo3", "gpt_oss", "llama4", "deepseek_v3"])
+def test_llama_cpp_runs_the_family_exports(family, tmp_path):
+    """Each 2025-26 family written by `jaxtune export --gguf` (f32): llama.cpp's logits equal jaxtune's of the same
+    file (measured 6e-7 to 8e-7 relative; DeepSeek-V3's 6e-4 with llama.cpp's default float16 cache)."""
+    ours, theirs = family_export_logits(family, tmp_path)
+    assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < 1e-5
+
+
+@pytest.mark.full
+def test_llama_cpp_runs_deepseek_without_a_query_latent(tmp_path):
+    """DeepSeek-V3 with DeepSeek-V2-Lite's queries (no latent: its query latent rank written as 0, which llama.cpp's
+    loader requires) and every expert group chosen (written as one group, which its assertions require): llama.cpp
+    loads the export and its logits equal jaxtune's (measured 1.2e-6 relative)."""
+    from test_gguf_families import DEEPSEEK_LITE
+
+    ours, theirs = family_export_logits("deepseek_v3", tmp_path, **DEEPSEEK_LITE)
+    assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < 1e-5
+
+
+@pytest.mark.full
+def test_llama_cpp_applies_a_deepseek_gguf_lora_where_it_adapts(tmp_path):
+    """A LoRA adapter (random B) on DeepSeek-V3's output projection, dense MLP (layer 0) and shared experts (layers 1
+    and 2, their stack's rows 0 and 1) as llama.cpp's GGUF LoRA: its logits with it on the f32 export equal
+    jaxtune's of the merged model (measured 4e-6, where the adapter moves them by 4.0)."""
+    from gguf_files import TOKENS, write_family_gguf
+    from hf_models import make_hf_model
+    from test_gguf_families import EXPRESSIBLE
+
+    from jaxtune.methods.gguf_export import save_gguf
+    from jaxtune.methods.lora.gguf import save_gguf_lora
+    from jaxtune.methods.lora.merge import merge
+
+    model = make_hf_model("deepseek_v3", tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE["deepseek_v3"])
+    source = write_family_gguf(tmp_path / "source.gguf", model)
+    cfg, params = load_model(source, dtype=np.float32)
+    base = save_gguf(tmp_path / "base.gguf", cfg, params, load_tokenizer(source), kind="f32")
+    method = method_config("lora", rank=4, alpha=8, target_modules=("o_proj", "gate_proj", "up_proj", "down_proj"))
+    adapted = apply_method(params, cfg, method, jax.random.key(0))
+    keys = iter(jax.random.split(jax.random.key(1), len(adapted["layers"])))
+    adapted["layers"] = {name: {**m, "lora_b": 0.2 * jax.random.normal(next(keys), m["lora_b"].shape)}
+                         if isinstance(m, dict) and "lora_b" in m else m for name, m in adapted["layers"].items()}
+    assert {"shared_expert.up_proj", "gate_proj"} <= set(adapted["layers"])
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, len(TOKENS), 24)]
+    ours = np.asarray(forward(merge(adapted, method, cfg=cfg), jnp.asarray([ids]), cfg))[0]
+    plain = np.asarray(forward(params, jnp.asarray([ids]), cfg))[0]
+    theirs = llama_cpp_logits(base, ids, lora=save_gguf_lora(tmp_path / "lora.gguf", cfg, adapted, method),
+                              type_k=0, type_v=0)
+    change, error = np.abs(ours - plain).max(), np.abs(theirs - ours).max()
+    assert change > 1.0
+    assert error < 1e-4 * change

@@ -14,15 +14,17 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import ROPE_FREQS, TOP_NAMES, llama3_factors, permute_qk
+from jaxtune.models.gguf import BARE, ROPE_FREQS, TOP_NAMES, llama3_factors, permute_qk
 from jaxtune.models.gguf_forms import FORMS, GGUFForm, form_of
 from jaxtune.models.hf_weights import tensor_entries
+from jaxtune.models.stacked_experts import INTERLEAVED
 from jaxtune.paths import writing
 
 KINDS = ("f32", "f16", "bf16", "q8_0")
@@ -37,8 +39,8 @@ def gguf_tensor_name(hf_name: str, form: GGUFForm) -> str:
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
     modules = {hf: gguf for gguf, hf in form.layer_names().items()}
-    if suffix == "sinks":  # gpt-oss's, a bare parameter
-        stem, suffix = hf_name, "weight"
+    if suffix in BARE:  # gpt-oss's sinks, DeepSeek's routing bias
+        stem, suffix = hf_name, BARE[suffix]
     _, _, layer, module = stem.split(".", 3)
     return f"blk.{layer}.{modules[module]}.{suffix}"
 
@@ -46,19 +48,19 @@ def gguf_tensor_name(hf_name: str, form: GGUFForm) -> str:
 def gguf_form(cfg: ModelConfig) -> GGUFForm:
     """The form `cfg` is written in, or a one-line refusal naming what GGUF (llama.cpp's loader) cannot express."""
     form = form_of(cfg.architecture)
-    windows_ok = form is not None and form.windows
-    scalings = ("linear", "llama3") + (("yarn",) if windows_ok else ())
+    yarn = form.yarn if form is not None else None
+    scalings = ("linear", "llama3") + (("yarn",) if yarn else ())
     s = cfg.rope_scaling
-    default_yarn = s is not None and s.kind == "yarn" and math.isclose(
-        s.attention_factor, 0.1 * math.log(s.factor) + 1 if s.factor > 1 else 1.0, rel_tol=1e-6)
+    attention = []  # a YaRN attention factor other than the one llama.cpp's loader gives
+    if yarn is not None and s is not None and s.kind == "yarn" and not math.isclose(
+            s.attention_factor, yarn(s.factor), rel_tol=1e-6):
+        attention = [f"a YaRN attention factor {s.attention_factor:.4g} (llama.cpp's: {yarn(s.factor):.4g})"]
     problems = {"an architecture llama.cpp's GGUF writer here does not cover": form is None,
-                "sliding-window layers": any(cfg.sliding_windows) and not windows_ok,
+                "sliding-window layers": any(cfg.sliding_windows) and not (form is not None and form.windows),
                 f"rope scaling {s and s.kind!r}": s is not None and s.kind not in scalings,
-                "a YaRN attention factor other than 0.1 ln(factor) + 1": s is not None and s.kind == "yarn"
-                and not default_yarn,
                 "an MLP bias": cfg.mlp_bias,
                 "an output-projection bias": cfg.o_bias and not (form is not None and form.output_bias)}
-    found = [what for what, bad in problems.items() if bad] + (form.refused(cfg) if form is not None else [])
+    found = [what for what, bad in problems.items() if bad] + attention + (form.refused(cfg) if form else [])
     if found:
         raise JaxtuneError(f"{cfg.architecture}: cannot be written as GGUF ({'; '.join(found)}); supported: "
                            f"{', '.join(dict.fromkeys(c for f in FORMS.values() for c in f.architectures))}")
@@ -66,65 +68,80 @@ def gguf_form(cfg: ModelConfig) -> GGUFForm:
     return form
 
 
-def gguf_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUFForm) -> list[tuple]:
+def gguf_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUFForm, cfg: ModelConfig) -> list[tuple]:
     """(GGUF name, shape, produce) of a transformers tensor: an expert stack split as llama.cpp's converter splits
-    it (`gate_up_proj` [E, D, 2F] -> gate's and up's [E, F, D]; `down_proj` [E, F, D] -> [E, D, F]; biases
-    likewise), a layer's stack gathered once for its parts."""
+    it (gpt-oss's and Llama 4's `gate_up_proj` [E, D, 2F] -> gate's and up's [E, F, D], `down_proj` [E, F, D] ->
+    [E, D, F], biases likewise; transformers 5's [E, 2F, D] and [E, D, F] as they are), a layer's stack gathered
+    once for its parts; DeepSeek's `kv_b_proj` as llama.cpp's key and value expansions (`_kv_b_entries`)."""
+    if hf_name.endswith(".self_attn.kv_b_proj.weight"):
+        return _kv_b_entries(hf_name, produce, cfg)
     match = _EXPERT.match(hf_name)
     if match is None:
         return [(gguf_tensor_name(hf_name, form), shape, produce)]
     layer, stack, bias = match[1], match[2], bool(match[3])
     suffix = "bias" if bias else "weight"
+    if not bias and form.architectures[0] in INTERLEAVED:  # stored [E, in, out]
+        shape, stored = (shape[0], shape[2], shape[1]), produce
+        produce = lambda: stored().swapaxes(1, 2)  # noqa: E731
     if stack == "down_proj":
-        out = shape if bias else (shape[0], shape[2], shape[1])
-        return [(f"blk.{layer}.ffn_down_exps.{suffix}", out, produce if bias else lambda: produce().swapaxes(1, 2))]
+        return [(f"blk.{layer}.ffn_down_exps.{suffix}", shape, produce)]
     held: list = []
 
     def part(j: int):
         if not held:
-            held.append(produce() if bias else produce().swapaxes(1, 2))  # [E, 2F] or [E, 2F, D]
+            held.append(produce())  # [E, 2F] or [E, 2F, D]
         x, F = held[0], held[0].shape[1] // 2
         value = x[:, j::2] if form.interleaved else x[:, j * F:(j + 1) * F]
         if j:
             held.clear()
         return np.ascontiguousarray(value)
 
-    out = (shape[0], shape[1] // 2) if bias else (shape[0], shape[2] // 2, shape[1])
-    return [(f"blk.{layer}.ffn_{name}_exps.{suffix}", out, lambda j=j: part(j))
+    return [(f"blk.{layer}.ffn_{name}_exps.{suffix}", (shape[0], shape[1] // 2, *shape[2:]), lambda j=j: part(j))
             for j, name in enumerate(("gate", "up"))]
 
 
+def _kv_b_entries(hf_name: str, produce, cfg: ModelConfig) -> list[tuple]:
+    """`kv_b_proj` [H * (dn + dv), R] (each head's key rows, then its value rows) as llama.cpp's converter splits it:
+    `attn_k_b` [H, R, dn] (each head's key expansion transposed, for its queries' absorption into the latent) and
+    `attn_v_b` [H, dv, R]."""
+    layer = hf_name.split(".")[2]
+    H, dn, dv, R = cfg.num_heads, cfg.head_dim - cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    heads = lambda: produce().reshape(H, dn + dv, R)  # noqa: E731
+    return [(f"blk.{layer}.attn_k_b.weight", (H, R, dn), lambda: np.ascontiguousarray(heads()[:, :dn].swapaxes(1, 2))),
+            (f"blk.{layer}.attn_v_b.weight", (H, dv, R), lambda: np.ascontiguousarray(heads()[:, dn:]))]
+
+
 def _add_config(writer, cfg: ModelConfig, kind: str, form: GGUFForm) -> None:
-    import gguf
+    """The config as `{arch}.*` metadata: the keys every architecture shares, with the form's own over them (each
+    key written once, in the type llama.cpp's loader checks: u32, f32, bool, string or array)."""
     from gguf import LlamaFileType
 
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    keys: dict[str, Any] = {
+        "block_count": cfg.num_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_heads, "attention.head_count_kv": cfg.num_kv_heads,
+        "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+        "rope.dimension_count": cfg.head_dim, "rope.freq_base": float(cfg.rope_theta),
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), "vocab_size": cfg.vocab_size}
     if cfg.num_experts:
-        writer.add_expert_count(cfg.num_experts)
-        writer.add_expert_used_count(cfg.experts_per_token)
+        keys.update(expert_count=cfg.num_experts, expert_used_count=cfg.experts_per_token)
     s = cfg.rope_scaling
     if s is not None and s.kind in ("linear", "yarn"):
-        writer.add_rope_scaling_type(gguf.RopeScalingType(s.kind))
-        writer.add_rope_scaling_factor(s.factor)
+        keys.update({"rope.scaling.type": s.kind, "rope.scaling.factor": float(s.factor)})
     if s is not None and s.kind == "yarn":
-        writer.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
-        writer.add_rope_scaling_yarn_beta_fast(s.beta_fast)
-        writer.add_rope_scaling_yarn_beta_slow(s.beta_slow)
-    for name, value in form.metadata(cfg).items():
+        keys.update({"rope.scaling.original_context_length": s.original_max_position_embeddings,
+                     "rope.scaling.yarn_beta_fast": float(s.beta_fast),
+                     "rope.scaling.yarn_beta_slow": float(s.beta_slow)})
+    for name, value in {**keys, **form.metadata(cfg)}.items():
         key = f"{form.arch}.{name}"
         if isinstance(value, list):
             writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
         else:
             writer.add_uint32(key, value)
     writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
@@ -224,8 +241,8 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
     form = gguf_form(cfg)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = [e for n, shape, _, produce in tensor_entries(params, cfg, np.float32, tensor=tensor)
-               for e in gguf_entries(n, tuple(shape), produce, form)]
+    entries = [e for n, shape, _, produce in tensor_entries(params, cfg, np.float32, tensor=tensor, fused=True)
+               for e in gguf_entries(n, tuple(shape), produce, form, cfg)]
     if form.untied_head and cfg.tie_word_embeddings:  # llama.cpp's loader requires the head: the table, again
         embed = next(e for e in entries if e[0] == "token_embd.weight")
         entries.append(("output.weight", *embed[1:]))

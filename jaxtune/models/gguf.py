@@ -23,10 +23,12 @@ import numpy as np
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.gguf import check_tensor_types, dequantized, gguf_metadata, gguf_reader, tensor_shape
 from jaxtune.models.gguf_forms import FORMS, GGUFForm
+from jaxtune.models.stacked_experts import INTERLEAVED
 
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling, stored as a factor per frequency
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert stacks, [E, out, in] each
+BARE = {"sinks": "weight", "e_score_correction_bias": "bias"}  # transformers' bare parameters -> their GGUF suffix
 
 
 def hf_tensor_name(name: str, form: GGUFForm = FORMS["llama"]) -> str:
@@ -38,7 +40,7 @@ def hf_tensor_name(name: str, form: GGUFForm = FORMS["llama"]) -> str:
     parts, names = stem.split("."), form.layer_names()
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         module = names[parts[2]]
-        return f"model.layers.{parts[1]}.{module}" + ("" if module.endswith(".sinks") else f".{suffix}")
+        return f"model.layers.{parts[1]}.{module}" + ("" if module.rpartition(".")[2] in BARE else f".{suffix}")
     return name
 
 
@@ -144,12 +146,14 @@ class _Source:
 
 
 def _expert_sources(by_name: dict, form: GGUFForm) -> dict[str, _Source]:
-    """A mixture's GGUF stacks ([E, out, in] a part: gate, up, down, and their biases) as transformers' stacks
-    (`{prefix}.experts.gate_up_proj` [E, in, 2F], gate and up interleaved or in halves, `down_proj` [E, F, D],
-    gpt-oss's `_bias` [E, out])."""
+    """A mixture's GGUF stacks ([E, out, in] a part: gate, up, down, and their biases) as transformers' stacks:
+    gpt-oss's and Llama 4's (`stacked_experts`) `{prefix}.experts.gate_up_proj` [E, in, 2F], gate and up
+    interleaved or in halves, `down_proj` [E, F, D], gpt-oss's `_bias` [E, out]; DeepSeek's as transformers 5
+    holds them, [E, 2F, D] (gate's rows, then up's) and [E, D, F]."""
     def joined(*a: np.ndarray) -> np.ndarray:
         return np.stack(a, axis=-1).reshape(*a[0].shape[:-1], -1) if form.interleaved else np.concatenate(a, -1)
 
+    out_in = form.architectures[0] not in INTERLEAVED
     sources = {}
     for name in by_name:
         if not (name.startswith("blk.") and name.endswith(".ffn_gate_exps.weight")):
@@ -160,13 +164,35 @@ def _expert_sources(by_name: dict, form: GGUFForm) -> dict[str, _Source]:
             raise JaxtuneError(f"{name}: its layer's ffn_up_exps or ffn_down_exps is missing")
         E, F, D = tensor_shape(gate)
         stem = f"model.layers.{layer}.{form.experts}.experts."
-        sources[stem + "gate_up_proj"] = _Source((gate, up), (E, D, 2 * F),
-                                                 lambda g, u: joined(g.swapaxes(1, 2), u.swapaxes(1, 2)), True)
-        sources[stem + "down_proj"] = _Source((down,), (E, F, D), lambda d: d.swapaxes(1, 2), True)
+        if out_in:
+            sources[stem + "gate_up_proj"] = _Source((gate, up), (E, 2 * F, D), lambda *a: np.concatenate(a, 1), True)
+            sources[stem + "down_proj"] = _Source((down,), (E, D, F), lambda d: d, True)
+        else:
+            sources[stem + "gate_up_proj"] = _Source((gate, up), (E, D, 2 * F),
+                                                     lambda g, u: joined(g.swapaxes(1, 2), u.swapaxes(1, 2)), True)
+            sources[stem + "down_proj"] = _Source((down,), (E, F, D), lambda d: d.swapaxes(1, 2), True)
         biases = [by_name.get(f"blk.{layer}.{part}.bias") for part in EXPERT_PARTS]
         if all(b is not None for b in biases):
             sources[stem + "gate_up_proj_bias"] = _Source(tuple(biases[:2]), (E, 2 * F), joined, True)
             sources[stem + "down_proj_bias"] = _Source(tuple(biases[2:]), (E, D), lambda b: b, True)
+    return sources
+
+
+def _latent_sources(by_name: dict) -> dict[str, _Source]:
+    """DeepSeek's key and value expansions, which llama.cpp keeps apart (`attn_k_b` [H, R, dn], each head's
+    transposed; `attn_v_b` [H, dv, R]), as transformers' `kv_b_proj` [H * (dn + dv), R] (each head's key rows, then
+    its value rows)."""
+    sources = {}
+    for name, k_b in by_name.items():
+        if name.startswith("blk.") and name.endswith(".attn_k_b.weight"):
+            layer = name.split(".")[1]
+            v_b = by_name.get(f"blk.{layer}.attn_v_b.weight")
+            if v_b is None:
+                raise JaxtuneError(f"{name}: its layer's attn_v_b is missing")
+            (H, R, dn), dv = tensor_shape(k_b), tensor_shape(v_b)[1]
+            sources[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = _Source(
+                (k_b, v_b), (H * (dn + dv), R), lambda k, v: np.concatenate([k.swapaxes(1, 2), v], 1).reshape(
+                    -1, k.shape[1]))
     return sources
 
 
@@ -184,11 +210,11 @@ class GGUFCheckpoint:
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         check_tensor_types(reader.tensors, self.path)
         by_name = {t.name: t for t in reader.tensors}
-        experts = _expert_sources(by_name, form)
-        joined = {t.name for source in experts.values() for t in source.parts}
+        built = {**_expert_sources(by_name, form), **_latent_sources(by_name)}  # from several GGUF tensors
+        joined = {t.name for source in built.values() for t in source.parts}
         sources = {hf_tensor_name(t.name, form): _Source((t,), tensor_shape(t), self._unpermuted(
             t.name, heads, form.permuted_qk)) for t in reader.tensors if t.name not in joined | {ROPE_FREQS}}
-        sources.update(experts)
+        sources.update(built)
         self._tensors = {(rename or str)(name): source for name, source in sources.items()}
         self._cached: tuple[tuple, np.ndarray] | None = None
         self.bytes_read = 0

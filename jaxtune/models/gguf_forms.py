@@ -4,16 +4,21 @@ metadata beyond the shared keys, and what llama.cpp's loader fixes rather than r
 is refused by name). SmolLM3: NoPE every 4th layer (fixed). OLMo 2 and 3 (both "olmo2"): post-norms, sliding layers
 three in four (fixed) with the full layers' RoPE base. gpt-oss: sinks, biased experts split from their interleaved
 stacks, sliding layers every other one (fixed), alpha 1.702 and limit 7 (fixed). Llama 4: chunks of 8192, NoPE and
-temperature (floor 8192, scale 0.1) every 4th layer (fixed), experts split from their halves.
-"""
+temperature (floor 8192, scale 0.1) every 4th layer (fixed), experts split from their halves. DeepSeek-V3
+("deepseek2"): `kv_b_proj` split into per-head key (transposed) and value expansions of one latent KV head, the
+sigmoid router's choice bias, shared experts, dense first layers; YaRN's mscale as mscale_all_dim and the latent
+norms' epsilon as rms_norm_eps (fixed)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxtune.config import ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.models.latent_attention import LATENT_EPS
 
 # GGUF module -> transformers module (Llama's layout; a form's `names` adds to or replaces these)
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -38,10 +43,12 @@ class GGUFForm:
     (a Llama's). names: GGUF module -> transformers module, over `LAYER_NAMES`. experts: where a layer's expert
     stacks live ("mlp" or "feed_forward") and `interleaved` how gate and up share `gate_up_proj`'s columns.
     config_from(key, hf) -> config.json keys of the family, given `key(name, default)` reading `{arch}.{name}` and
-    the shared keys (`hf`). metadata(cfg) -> `{arch}.{name}` -> value, beside the shared keys. refused(cfg) -> what
-    llama.cpp's loader fixes that `cfg` differs in. untied_head: llama.cpp requires `output.weight`. windows:
-    its loader reads sliding or chunked layers and YaRN for this architecture (their pattern is `refused`'s to
-    check). output_bias: it reads the output projection's bias."""
+    the shared keys (`hf`). metadata(cfg) -> `{arch}.{name}` -> value, beside the shared keys or in place of
+    their values (DeepSeek's key lengths). refused(cfg) -> what llama.cpp's loader fixes that `cfg` differs in.
+    untied_head: llama.cpp requires `output.weight`. windows: its loader reads sliding or chunked layers
+    for this architecture (their pattern is `refused`'s to check). yarn(factor): where it reads YaRN, the
+    attention factor it scales cos and sin by. output_bias: it reads the output projection's bias. unadapted: the
+    modules its graph multiplies without its LoRA hook (a GGUF LoRA on them is refused)."""
 
     arch: str
     architectures: tuple[str, ...]
@@ -55,10 +62,17 @@ class GGUFForm:
     refused: Callable[[ModelConfig], list[str]] = _nothing_refused
     untied_head: bool = False
     windows: bool = False
+    yarn: Callable[[float], float] | None = None
     output_bias: bool = False
+    unadapted: tuple[str, ...] = ()
 
     def layer_names(self) -> dict[str, str]:
         return {**LAYER_NAMES, **self.names}
+
+
+def _yarn_attention(factor: float) -> float:
+    """llama.cpp's YaRN attention factor: 0.1 ln(factor) + 1 (its loader reads no other)."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _every(period: int, layers: int) -> list[bool]:
@@ -168,6 +182,68 @@ def _llama4_refused(cfg: ModelConfig) -> list[str]:
             * bool(cfg.dense_layers))
 
 
+DEEPSEEK2_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                   "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                   "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
+                   "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}  # attn_kv_b: files from before k_b/v_b
+
+
+def _deepseek2_config(key, hf: dict) -> dict:
+    gating = int(key("expert_gating_func", 2))  # absent where the converter's config.json named no scoring_func
+    if gating != 2:
+        raise JaxtuneError(f"GGUF deepseek2: expert_gating_func {gating} is not supported (1 softmax: DeepSeek-V2's "
+                           "router; DeepSeek-V3's is 2, sigmoid)")
+    rope, groups, scaling = int(key("rope.dimension_count")), int(key("expert_group_count", 1)), hf.get("rope_scaling")
+    mscale = round(float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)  # stored as 0.1 mscale_all_dim
+    return {"num_key_value_heads": hf["num_attention_heads"], "head_dim": rope, "qk_rope_head_dim": rope,
+            # a file from before the k_b/v_b split has no *_mla lengths: its key and value lengths are the heads'
+            "qk_nope_head_dim": int(key("attention.key_length_mla", 0) or key("attention.key_length")) - rope,
+            "v_head_dim": int(key("attention.value_length_mla", 0) or key("attention.value_length")),
+            "q_lora_rank": int(key("attention.q_lora_rank", 0)) or None,
+            "kv_lora_rank": int(key("attention.kv_lora_rank")), "n_routed_experts": int(key("expert_count")),
+            "num_experts_per_tok": int(key("expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length")),
+            "n_shared_experts": int(key("expert_shared_count")), "n_group": groups,
+            "topk_group": int(key("expert_group_used_count", 1)) if groups > 1 else 1,
+            "routed_scaling_factor": float(key("expert_weights_scale", 0.0)) or 1.0,  # 0: unscaled
+            "norm_topk_prob": bool(key("expert_weights_norm", False)),
+            "first_k_dense_replace": int(key("leading_dense_block_count", 0)), "num_nextn_predict_layers": 0,
+            # llama.cpp takes mscale as mscale_all_dim: cos and sin unscaled
+            **({} if scaling is None else {"rope_scaling": {**scaling, "mscale": mscale, "mscale_all_dim": mscale,
+                                                            "attention_factor": 1.0}})}
+
+
+def _deepseek2_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    s = cfg.rope_scaling
+    # every group chosen is no grouping, which llama.cpp asserts against (it wants fewer chosen than there are)
+    groups = (cfg.router_groups, cfg.router_top_groups) if cfg.router_top_groups < cfg.router_groups else (1, 1)
+    return {"attention.head_count_kv": 1, "attention.key_length": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            "attention.value_length": cfg.kv_lora_rank, "attention.key_length_mla": cfg.head_dim,
+            "attention.value_length_mla": cfg.v_head_dim, "attention.q_lora_rank": cfg.q_lora_rank,
+            "attention.kv_lora_rank": cfg.kv_lora_rank, "rope.dimension_count": cfg.qk_rope_head_dim,
+            "leading_dense_block_count": len(cfg.dense_layers), "expert_feed_forward_length": cfg.expert_size,
+            "expert_shared_count": cfg.shared_expert_size // cfg.expert_size, "expert_group_count": groups[0],
+            "expert_group_used_count": groups[1], "expert_weights_scale": float(cfg.routed_scaling_factor),
+            "expert_weights_norm": cfg.normalize_top_k, "expert_gating_func": 2,  # sigmoid; its default is softmax
+            **({"rope.scaling.yarn_log_multiplier": 0.1 * s.mscale_all_dim} if s is not None and s.kind == "yarn"
+               else {})}
+
+
+def _deepseek2_refused(cfg: ModelConfig) -> list[str]:
+    s = cfg.rope_scaling
+    kind, betas = (None, (32.0, 1.0)) if s is None else (s.kind, (s.beta_fast, s.beta_slow))
+    return ([f"an RMSNorm epsilon {cfg.rms_norm_eps:g} (llama.cpp's latent norms take it, transformers' keep "
+             f"{LATENT_EPS:g})"] * (not math.isclose(cfg.rms_norm_eps, LATENT_EPS, rel_tol=1e-6))
+            + ["RoPE on halves (rope_interleave false; llama.cpp's rotates pairs)"] * (not cfg.rope_interleaved)
+            + ["no routed experts"] * (not cfg.num_experts) + ["no shared expert"] * (not cfg.shared_expert_size)
+            + [f"rope scaling {kind!r} (llama.cpp's deepseek2 reads YaRN's alone)"]
+            * (kind in ("linear", "llama3"))
+            + [f"YaRN betas {betas[0]:g} and {betas[1]:g} (llama.cpp's deepseek2 loader keeps 32 and 1)"]
+            * (kind == "yarn" and betas != (32.0, 1.0)))
+
+
 FORMS = {form.arch: form for form in (
     GGUFForm(arch="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"), model_type="llama",
              permuted_qk=True),
@@ -178,12 +254,12 @@ FORMS = {form.arch: form for form in (
              config_from=lambda key, hf: {"use_sliding_window": False}, refused=_smollm3_refused),
     GGUFForm(arch="olmo2", architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"), model_type="olmo2",
              names=POST_NORMS, config_from=_olmo_config, metadata=_olmo_metadata, refused=_olmo_refused,
-             untied_head=True, windows=True),
+             untied_head=True, windows=True, yarn=_yarn_attention),
     GGUFForm(arch="gpt-oss", architectures=("GptOssForCausalLM",), model_type="gpt_oss",
              names={"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
                     "ffn_gate_inp": "mlp.router"},
              experts="mlp", interleaved=True, config_from=_gpt_oss_config, metadata=_gpt_oss_metadata,
-             refused=_gpt_oss_refused, untied_head=True, windows=True, output_bias=True),
+             refused=_gpt_oss_refused, untied_head=True, windows=True, yarn=_yarn_attention, output_bias=True),
     GGUFForm(arch="llama4", architectures=("Llama4ForCausalLM",), model_type="llama4_text",
              names={"ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj",
                     "ffn_down": "feed_forward.down_proj", "ffn_gate_inp": "feed_forward.router",
@@ -191,7 +267,11 @@ FORMS = {form.arch: form for form in (
                     "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
                     "ffn_down_shexp": "feed_forward.shared_expert.down_proj"},
              experts="feed_forward", config_from=_llama4_config, metadata=_llama4_metadata, refused=_llama4_refused,
-             windows=True),
+             windows=True, yarn=_yarn_attention),
+    GGUFForm(arch="deepseek2", architectures=("DeepseekV3ForCausalLM",), model_type="deepseek_v3",
+             names=DEEPSEEK2_NAMES, experts="mlp", config_from=_deepseek2_config, metadata=_deepseek2_metadata,
+             refused=_deepseek2_refused, yarn=lambda factor: 1.0,  # its mscale over mscale_all_dim, taken as 1
+             unadapted=("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
 )}
 
 

@@ -264,10 +264,11 @@ def read_layer(reader: Reader, path: tuple[str, ...], layer: int | None, index: 
                      for e in range(*experts.indices(cfg.num_experts))])
 
 
-def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, ...] = (), tensor=None
-                   ) -> list[tuple]:
+def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, ...] = (), tensor=None,
+                   fused: bool = False) -> list[tuple]:
     """(Hugging Face name, shape, dtype, produce) of every tensor of `params` (torch's layout), for
-    `write_weights`: each `produce()` gathers just that tensor (one layer of a stacked leaf) to the host.
+    `write_weights`: each `produce()` gathers just that tensor (one layer of a stacked leaf) to the host; with
+    `fused`, a mixture's experts as transformers 5's stacks a layer (as a family that stores only those).
 
     tensor(path, layer): if given and not None for a stacked leaf's layer, what to write instead of `leaf[layer]`
     (a merged export computes each merged layer there). Leaves a method adds (LoRA, ...) are not model tensors and
@@ -288,7 +289,7 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
                             lambda leaf=leaf, layout=layout, d=out_dtype: layout(host_array(leaf)).astype(d)))
             continue
         if _is_expert(path):
-            entries += _expert_entries(leaf, path, cfg, out_dtype, tensor)
+            entries += _expert_entries(leaf, path, cfg, out_dtype, tensor, fused)
             continue
         shape = tuple(full[1:][::-1] if kernel else full[1:])
         for row, i in enumerate(cfg.module_layers(path[1])):
@@ -300,7 +301,7 @@ def tensor_entries(params: dict, cfg: ModelConfig, dtype=None, skip: tuple[str, 
     return entries
 
 
-def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, tensor) -> list[tuple]:
+def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, tensor, fused: bool) -> list[tuple]:
     """The hub tensors of an expert stack [L, E, in, out] (or a merged layer from `tensor`; its rows the mixture's
     layers): each expert's parts, [out, in]; a layer is gathered once for all its experts' tensors."""
     entries: list[tuple] = []
@@ -322,7 +323,7 @@ def _expert_entries(leaf, path: tuple[str, ...], cfg: ModelConfig, out_dtype, te
                 for row, i in layers]
     E, d_in, d_out = full
     family = FAMILIES.get(cfg.architecture)
-    if family is not None and family.fused_experts:  # transformers' stack a layer, [E, out, in]
+    if fused or (family is not None and family.fused_experts):  # transformers' stack a layer, [E, out, in]
         return [(stored_name(fused_expert_name(path[2], i), cfg), (E, d_out, d_in), out_dtype,
                  lambda row=row: np.swapaxes(row_of(row), 1, 2).astype(out_dtype)) for row, i in layers]
     for row, i in layers:

@@ -31,6 +31,10 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
     form = gguf_form(cfg)
     layers = params["layers"]
     modules = [m for m in layers if isinstance(layers[m], dict) and "lora_a" in layers[m]]
+    if set(modules) & set(form.unadapted):
+        raise JaxtuneError(f"{cfg.architecture}: llama.cpp applies no GGUF LoRA to "
+                           f"{', '.join(m for m in modules if m in form.unadapted)} (its {form.arch} graph multiplies "
+                           "them plainly); export --gguf merges the adapter into the model instead")
     layout = lora_layout(method, cfg.layer_stacks(tuple(modules)))
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     writer = gguf.GGUFWriter(str(path), form.arch)
@@ -41,14 +45,16 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
     for module in modules:
         a_LxIxR, b_LxRxO = np.asarray(layers[module]["lora_a"], np.float32), np.asarray(layers[module]["lora_b"],
                                                                                           np.float32)
-        scales = np.asarray(module_scales(method, module, cfg.module_layers(module)))
+        layer_of = cfg.module_layers(module)  # a stack's row -> its layer (DeepSeek's shared experts: from 1)
+        scales = np.asarray(module_scales(method, module, layer_of))
         for i, rank in enumerate(layout[module].ranks):
             if not rank:
                 continue
             b_OxR = (b_LxRxO[i, :rank] * scales[i]).T
             if form.permuted_qk and module in heads:
                 b_OxR = permute_qk(b_OxR, heads[module])
-            stem = gguf_tensor_name(stored_name(f"model.layers.{i}.{hf_module_path(module)}.weight", cfg), form)
+            stem = gguf_tensor_name(stored_name(f"model.layers.{layer_of[i]}.{hf_module_path(module)}.weight", cfg),
+                                    form)
             writer.add_tensor(f"{stem}.lora_a", np.ascontiguousarray(a_LxIxR[i, :, :rank].T))
             writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(b_OxR))
     writer.write_header_to_file()
