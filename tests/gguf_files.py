@@ -160,12 +160,14 @@ def mxfp4_as_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def write_family_gguf(path: str | Path, model, kind: Q = Q.F32, mxfp4: dict[str, tuple] | None = None) -> Path:
-    """`model` (a transformers SmolLM3, OLMo 2 or 3, gpt-oss, Llama 4 or DeepSeek-V3) as llama.cpp's converter
-    writes it; `mxfp4`: expert stack name -> (blocks, scales) in transformers' layout, written as GGML MXFP4 in its
-    place."""
+    """`model` (a transformers SmolLM3, OLMo 2 or 3, gpt-oss, Llama 4, DeepSeek-V3, Qwen3.5 or its MoE, Qwen3-Next) as
+    llama.cpp's converter writes it; `mxfp4`: expert stack name -> (blocks, scales) in transformers' layout, written
+    as GGML MXFP4 in its place."""
     cfg, family = model.config, model.config.model_type.removesuffix("_text")
     if family == "deepseek_v3":
         return write_deepseek_gguf(path, model, kind)
+    if family in QWEN35_ARCH:
+        return write_qwen35_gguf(path, model, kind)
     arch = FAMILY_ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -351,6 +353,124 @@ def write_deepseek_gguf(path: str | Path, model, kind: Q = Q.F32, split_kv_b: bo
             _add(writer, f"blk.{layer}.ffn_down_exps.weight", w, kind)
         else:
             _add(writer, f"blk.{layer}.{DEEPSEEK_NAMES.get(module) or HF_TO_GGUF[module]}.{suffix}", w, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+QWEN35_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+QWEN35_NAMES = {"post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_qkv": "attn_qkv",
+                "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+                "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_ba": "ssm_ba",
+                "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+                "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+                "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def write_qwen35_gguf(path: str | Path, model, kind: Q = Q.F32, older: bool = False) -> Path:
+    """A transformers Qwen3.5, Qwen3.5-MoE or Qwen3-Next as llama.cpp's converter writes it (`conversion/qwen.py`,
+    with --no-mtp): norms + 1 (Gated DeltaNet's own aside), A_log as `ssm_a` = -exp(A_log), dt_bias as
+    `ssm_dt.bias`, conv1d squeezed; Qwen3-Next's `in_proj_qkvz` split key head by key head into `attn_qkv` and
+    `attn_gate`; Qwen3.5's value heads reordered from grouped to tiled (its `_reorder_v_heads`); experts stacked
+    [E, out, in]; `recurrent_layers` from layer_types, M-RoPE sections padded to 4 (default [11, 11, 10]).
+    `older`: as other converters wrote it and llama.cpp still reads it: no `recurrent_layers` (the full-attention
+    interval alone), Qwen3-Next's `in_proj_qkvz` whole as `ssm_in`, the shared expert's gate 1-D, and a
+    multi-token-prediction block past the trunk (`nextn_predict_layers` 1: layer 3's tensors again, `nextn.*`)."""
+    cfg, family = model.config, model.config.model_type.removesuffix("_text")
+    arch = QWEN35_ARCH[family]
+    nk, nv, hk, hv, D = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                         cfg.linear_value_head_dim, cfg.hidden_size)
+    rope = cfg.rope_parameters
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers + older)
+    if older:
+        writer.add_nextn_predict_layers(1)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(D)
+    if getattr(cfg, "intermediate_size", None):
+        writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    if arch != "qwen3next":
+        writer.add_rope_dimension_sections((list(rope.get("mrope_section") or [11, 11, 10]) + [0] * 4)[:4])
+    if getattr(cfg, "num_experts", 0):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(hk)
+    writer.add_ssm_group_count(nk)
+    writer.add_ssm_time_step_rank(nv)
+    writer.add_ssm_inner_size(hv * nv)
+    if not older:
+        writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
+    writer.add_full_attention_interval(4)
+    writer.add_file_type(int(kind))
+    _add_padded_tokens(writer, cfg.vocab_size)
+
+    def tiled(x: np.ndarray, dim: int, head_dim: int) -> np.ndarray:  # the converter's _reorder_v_heads
+        if arch == "qwen3next" or nk == nv:
+            return x
+        s = list(x.shape)
+        x = x.reshape(*s[:dim], nk, nv // nk, head_dim, *s[dim + 1:])
+        return np.ascontiguousarray(np.swapaxes(x, dim, dim + 1).reshape(s))
+
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        stem, _, suffix = name.rpartition(".")
+        if not stem.startswith("model.layers."):
+            _add(writer, gguf_name(name), w + 1 if name == "model.norm.weight" else w, kind)
+            continue
+        _, _, layer, module = stem.split(".", 3)
+        blk = f"blk.{layer}."
+        if name.endswith("norm.weight") and module != "linear_attn.norm":
+            w = w + 1
+        if suffix == "A_log":
+            _add(writer, blk + "ssm_a", tiled(-np.exp(w), 0, 1), kind)
+        elif suffix == "dt_bias":
+            _add(writer, blk + "ssm_dt.bias", tiled(w, 0, 1), kind)
+        elif module == "linear_attn.in_proj_qkvz" and older:
+            _add(writer, blk + "ssm_in.weight", w, kind)
+        elif module == "mlp.shared_expert_gate" and older:
+            _add(writer, blk + "ffn_gate_inp_shexp.weight", w.reshape(-1), kind)
+        elif module == "linear_attn.in_proj_qkvz":
+            q, k, v, z = np.split(w.reshape(nk, -1, D), np.cumsum([hk, hk, nv // nk * hv]), 1)
+            _add(writer, blk + "attn_qkv.weight", np.concatenate([x.reshape(-1, D) for x in (q, k, v)]), kind)
+            _add(writer, blk + "attn_gate.weight", z.reshape(-1, D), kind)
+        elif module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+            w = w.reshape(w.shape[0], -1)  # conv1d [C, 1, K] squeezed
+            w = np.concatenate([w[:2 * nk * hk], tiled(w[2 * nk * hk:], 0, hv)])
+            _add(writer, blk + QWEN35_NAMES[module] + ".weight", w, kind)
+        elif module in ("linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+            _add(writer, blk + QWEN35_NAMES[module] + ".weight", tiled(w, 0, hv if module.endswith("z") else 1), kind)
+        elif module == "linear_attn.out_proj":
+            _add(writer, blk + "ssm_out.weight", tiled(w, 1, hv), kind)
+        elif suffix == "gate_up_proj":  # [E, 2F, D]: gate's rows, then up's
+            F = w.shape[1] // 2
+            _add(writer, blk + "ffn_gate_exps.weight", w[:, :F], kind)
+            _add(writer, blk + "ffn_up_exps.weight", w[:, F:], kind)
+        elif suffix == "down_proj" and module == "mlp.experts":
+            _add(writer, blk + "ffn_down_exps.weight", w, kind)
+        else:
+            _add(writer, f"{blk}{QWEN35_NAMES.get(module) or HF_TO_GGUF[module]}.{suffix}", w, kind)
+    if older:  # the MTP block: a full-attention layer (layer 3's tensors) and its own embedding norms and projection
+        last, mtp = f"blk.{cfg.num_hidden_layers - 1}.", f"blk.{cfg.num_hidden_layers}."
+        rng = np.random.default_rng(0)
+        for name, x in (("nextn.eh_proj.weight", rng.normal(0, 0.1, (D, 2 * D))), ("nextn.enorm.weight", np.ones(D)),
+                        ("nextn.hnorm.weight", np.ones(D)), ("nextn.shared_head_norm.weight", np.ones(D))):
+            _add(writer, mtp + name, x.astype(np.float32), kind)
+        for name in [n for n in writer.tensors[0] if n.startswith(last)]:
+            info = writer.tensors[0][name]
+            writer.add_tensor(mtp + name[len(last):], np.asarray(info.tensor))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

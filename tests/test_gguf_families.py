@@ -1,8 +1,8 @@
 """GGUF files of the 2025-26 families (SmolLM3, OLMo 2 and 3, gpt-oss with float or MXFP4 experts, Llama 4,
-DeepSeek-V3) as llama.cpp's converter writes them (tests/gguf_files.py, written apart from jaxtune): read with the
-source model's logits; written back by `save_gguf` tensor for tensor as that converter writes them; a config
-llama.cpp's loader cannot express refused by name. llama.cpp itself runs the exports in test_llama_cpp.py (full
-tier)."""
+DeepSeek-V3, Qwen3.5 and its MoE, Qwen3-Next) as llama.cpp's converter writes them (tests/gguf_files.py, written
+apart from jaxtune): read with the source model's logits; written back by `save_gguf` tensor for tensor as that
+converter writes them; a config llama.cpp's loader cannot express refused by name. llama.cpp itself runs the
+exports in test_llama_cpp.py (full tier)."""
 
 import re
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import TOKENS, write_deepseek_gguf, write_family_gguf
+from gguf_files import TOKENS, write_deepseek_gguf, write_family_gguf, write_qwen35_gguf
 from hf_models import make_hf_model
 from reference import assert_float32_parity, logits_four_ways
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -30,6 +30,13 @@ pytestmark = [pytest.mark.reference, pytest.mark.parity]
 # every other; Llama 4's chunk 8192, temperature floor 8192 and scale 0.1, its RoPE scaled as Scout's: llama3
 # with equal bands; DeepSeek's latent norms' epsilon 1e-6, its mscale and mscale_all_dim equal), vocabulary the
 # test tokenizer's.
+# Qwen3.5's, its MoE's and Qwen3-Next's: 3 Gated DeltaNet layers (2 key heads, 4 value heads, one width) and a full
+# one; the L2 norms' epsilon 1e-6 (llama.cpp's rms_norm_eps); the mixtures' unused intermediate_size their experts'
+# width (jaxtune holds no other).
+QWEN35_LAYERS = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=16,
+                     rms_norm_eps=1e-6)
+MROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                              "mrope_section": [1, 1, 0], "mrope_interleaved": True})  # of 2 rotated pairs
 EXPRESSIBLE = {
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False),
     "olmo2": {},
@@ -43,6 +50,9 @@ EXPRESSIBLE = {
                                                     "high_freq_factor": 1.0, "rope_theta": 500_000.0,
                                                     "original_max_position_embeddings": 8192}),
     "deepseek_v3": dict(rms_norm_eps=1e-6),
+    **{family: dict(QWEN35_LAYERS, **extra) for family, extra in (
+        ("qwen3_5", MROPE), ("qwen3_next", dict(intermediate_size=32)),
+        ("qwen3_5_moe", dict(MROPE, intermediate_size=32)))},
 }
 DEEPSEEK_LITE = dict(q_lora_rank=None, n_group=2, topk_group=2)  # DeepSeek-V2-Lite's queries; every group chosen
 EVERYDAY = ("gpt_oss",)  # experts, sinks, biases, windows, YaRN; the others in the full tier
@@ -104,7 +114,8 @@ def test_gpt_oss_gguf_with_mxfp4_experts(family_gguf):
 @pytest.mark.parametrize("family", every_family())
 def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gguf, tmp_path):
     """`save_gguf` (f32) of the model read from the converter's file: the same architecture, tensors (names,
-    shapes, values) and the metadata llama.cpp's loader reads."""
+    shapes, values; Gated DeltaNet's `ssm_a` to its exp/log round trip's ulp) and the metadata llama.cpp's loader
+    reads."""
     _, source = family_gguf(family)
     cfg, params = load_model(source, dtype=np.float32)
     out = save_gguf(tmp_path / "out.gguf", cfg, params, load_tokenizer(source), kind="f32")
@@ -119,7 +130,10 @@ def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gg
     got = {t.name: np.asarray(t.data) for t in ours.tensors}
     assert sorted(got) == sorted(want)
     for name, value in want.items():
-        np.testing.assert_array_equal(got[name], value, err_msg=name)
+        if name.endswith(".ssm_a"):  # -exp(A_log), read back through log: within a float32 ulp
+            np.testing.assert_allclose(got[name], value, rtol=2e-7, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
     for key, field in theirs.fields.items():
         if key.startswith(f"{arch}.") and not key.endswith("sliding_window_pattern"):
             assert ours.fields[key].contents() == pytest.approx(field.contents()), key
@@ -131,6 +145,10 @@ def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gg
     ("olmo3", dict(layer_types=["sliding_attention", "full_attention"] * 2), "sliding layers"),
     ("gpt_oss", dict(swiglu_limit=5.0), "swiglu alpha 1.702 and limit 5.0"),
     ("llama4", dict(attention_chunk_size=4, floor_scale=4), "attention chunks [-4, 0]"),
+    ("qwen3_5", dict(linear_key_head_dim=8), "Gated DeltaNet key heads 8 wide, value heads 16"),
+    ("qwen3_5", dict(rms_norm_eps=1e-5), "an RMSNorm epsilon 1e-05 (llama.cpp's Gated DeltaNet L2 norms"),
+    ("qwen3_next", dict(norm_topk_prob=False), "top-k weights not renormalised"),
+    ("qwen3_next", dict(mlp_only_layers=[0]), "dense MLP layers [0]"),
     pytest.param("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
                                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}),
                  "a YaRN attention factor 0.9643 (llama.cpp's: 1)", marks=pytest.mark.full),
@@ -165,6 +183,45 @@ def test_deepseek_gguf_from_before_the_kv_b_split_without_a_query_latent(tmp_pat
         cfg, params = load_model(path, dtype=np.float32)
         logits = logits_four_ways(model, params, cfg)
         assert_float32_parity(logits["out32"], logits["ref32"], logits["ref64"], logits["valid"])
+
+
+def test_gguf_lora_on_gated_deltanet_is_refused_by_name(tmp_path):
+    """A GGUF LoRA on Gated DeltaNet's projections (which llama.cpp holds reordered or split) is refused in one line,
+    nothing written; the merged export carries it."""
+    import jax
+
+    from jaxtune.methods import method_config
+    from jaxtune.methods.lora.gguf import save_gguf_lora
+    from jaxtune.methods.transform import apply_method
+
+    make_hf_model("qwen3_5", tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE["qwen3_5"])
+    cfg, params = load_model(tmp_path / "hf", dtype=np.float32)
+    lora = method_config("lora", rank=4, target_modules=("linear_attn.in_proj_qkv", "o_proj"))
+    with pytest.raises(JaxtuneError, match="Qwen3_5ForCausalLM: a GGUF LoRA on Gated DeltaNet's "
+                                           "linear_attn.in_proj_qkv is not written here"):
+        save_gguf_lora(tmp_path / "lora.gguf", cfg, apply_method(params, cfg, lora, jax.random.key(0)), lora)
+    assert not (tmp_path / "lora.gguf").exists()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_qwen35_gguf_as_older_converters_wrote_it_with_a_multi_token_head(family, tmp_path):
+    """A file with no `recurrent_layers` (layer kinds from the full-attention interval), Qwen3-Next's projections
+    whole as `ssm_in`, the shared expert's gate 1-D, and a multi-token-prediction block past the trunk (which
+    jaxtune does not hold, so does not read): the source model's logits; written back, the converter's current form
+    with no MTP block (its --no-mtp)."""
+    model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE[family])
+    source = write_qwen35_gguf(tmp_path / "older.gguf", model, older=True)
+    names = {t.name for t in gguf.GGUFReader(str(source)).tensors}
+    assert "blk.4.nextn.eh_proj.weight" in names and ("blk.0.ssm_in.weight" in names) == (family == "qwen3_next")
+    cfg, params = load_model(source, dtype=np.float32)
+    assert cfg.num_layers == 4 and cfg.linear_attention_layers == (0, 1, 2)
+    out = logits_four_ways(model, params, cfg)
+    assert_float32_parity(out["out32"], out["ref32"], out["ref64"], out["valid"])
+    written = save_gguf(tmp_path / "out.gguf", cfg, params, load_tokenizer(source), kind="f32")
+    current = write_family_gguf(tmp_path / "current.gguf", model)
+    assert sorted(t.name for t in gguf.GGUFReader(str(written)).tensors) == sorted(
+        t.name for t in gguf.GGUFReader(str(current)).tensors)
 
 
 @pytest.mark.full

@@ -72,9 +72,14 @@ def gguf_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUFForm, 
     """(GGUF name, shape, produce) of a transformers tensor: an expert stack split as llama.cpp's converter splits
     it (gpt-oss's and Llama 4's `gate_up_proj` [E, D, 2F] -> gate's and up's [E, F, D], `down_proj` [E, F, D] ->
     [E, D, F], biases likewise; transformers 5's [E, 2F, D] and [E, D, F] as they are), a layer's stack gathered
-    once for its parts; DeepSeek's `kv_b_proj` as llama.cpp's key and value expansions (`_kv_b_entries`)."""
+    once for its parts; DeepSeek's `kv_b_proj` as llama.cpp's key and value expansions (`_kv_b_entries`); Gated
+    DeltaNet's as `_delta_net_entries`; norms stored 1 + w where the form's are (`unit_norms`)."""
     if hf_name.endswith(".self_attn.kv_b_proj.weight"):
         return _kv_b_entries(hf_name, produce, cfg)
+    if ".linear_attn." in hf_name:
+        return _delta_net_entries(hf_name, shape, produce, form, cfg)
+    if form.unit_norms and hf_name.endswith("norm.weight"):
+        return [(gguf_tensor_name(hf_name, form), shape, lambda: produce() + np.float32(1))]
     match = _EXPERT.match(hf_name)
     if match is None:
         return [(gguf_tensor_name(hf_name, form), shape, produce)]
@@ -109,6 +114,47 @@ def _kv_b_entries(hf_name: str, produce, cfg: ModelConfig) -> list[tuple]:
     heads = lambda: produce().reshape(H, dn + dv, R)  # noqa: E731
     return [(f"blk.{layer}.attn_k_b.weight", (H, R, dn), lambda: np.ascontiguousarray(heads()[:, :dn].swapaxes(1, 2))),
             (f"blk.{layer}.attn_v_b.weight", (H, dv, R), lambda: np.ascontiguousarray(heads()[:, dn:]))]
+
+
+def _delta_net_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUFForm, cfg: ModelConfig
+                       ) -> list[tuple]:
+    """A Gated DeltaNet tensor as llama.cpp's converter writes it: A_log as `ssm_a` = -exp(A_log), `conv1d` [C, 1, K]
+    squeezed; Qwen3.5's value heads from grouped (each key head's r together) to tiled (r rounds of the key heads,
+    as its graph repeats queries and keys) wherever they index rows or columns; Qwen3-Next's `in_proj_qkvz` (each
+    key head's queries, keys, values, gate) split into `attn_qkv` (every query, key, value) and `attn_gate`."""
+    layer, module = hf_name.split(".")[2], hf_name.split(".", 4)[4]
+    nk, nv, hv, D = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.hidden_size
+    qk, blk = 2 * nk * cfg.linear_key_head_dim, f"blk.{layer}."
+
+    def tiled(x: np.ndarray, axis: int = 0, width: int = hv) -> np.ndarray:
+        if form.delta_net != "tiled":
+            return x
+        s = x.shape
+        return np.ascontiguousarray(np.swapaxes(x.reshape(*s[:axis], nk, nv // nk, width, *s[axis + 1:]), axis,
+                                                axis + 1).reshape(s))
+
+    def qk_then_v(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x[:qk], tiled(x[qk:])])
+
+    if module == "in_proj_qkvz.weight":
+        def part(gate: bool) -> np.ndarray:
+            q, k, v, z = np.split(produce().reshape(nk, -1, D), np.cumsum([qk // 2 // nk] * 2 + [nv // nk * hv]), 1)
+            return np.concatenate([x.reshape(-1, D) for x in ((z,) if gate else (q, k, v))])
+
+        return [(blk + "attn_qkv.weight", (qk + nv * hv, D), lambda: part(False)),
+                (blk + "attn_gate.weight", (nv * hv, D), lambda: part(True))]
+    name, out, build = {
+        "A_log": ("ssm_a", shape, lambda x: tiled(-np.exp(x), 0, 1)),
+        "dt_bias": ("ssm_dt.bias", shape, lambda x: tiled(x, 0, 1)),
+        "conv1d.weight": ("ssm_conv1d.weight", (shape[0], shape[-1]), lambda x: qk_then_v(x[:, 0])),
+        "in_proj_qkv.weight": ("attn_qkv.weight", shape, qk_then_v),
+        "in_proj_z.weight": ("attn_gate.weight", shape, tiled),
+        "in_proj_b.weight": ("ssm_beta.weight", shape, lambda x: tiled(x, 0, 1)),
+        "in_proj_a.weight": ("ssm_alpha.weight", shape, lambda x: tiled(x, 0, 1)),
+        "in_proj_ba.weight": ("ssm_ba.weight", shape, lambda x: x),
+        "norm.weight": ("ssm_norm.weight", shape, lambda x: x),
+        "out_proj.weight": ("ssm_out.weight", shape, lambda x: tiled(x, 1))}[module]
+    return [(blk + name, out, lambda: build(produce()))]
 
 
 def _add_config(writer, cfg: ModelConfig, kind: str, form: GGUFForm) -> None:
@@ -195,11 +241,13 @@ def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
 
 
 def _ggml_type(name: str, shape: tuple[int, ...], kind: str):
-    """The GGML type a tensor is written in: vectors, biases, norms and routers in float32 (as llama.cpp's converter
-    keeps them); a matrix whose rows are not whole Q8_0 blocks (32 values) in float16."""
+    """The GGML type a tensor is written in: vectors, biases, norms, routers and Gated DeltaNet's convolution in
+    float32 (as llama.cpp's converter keeps them); a matrix whose rows are not whole Q8_0 blocks (32 values) in
+    float16."""
     from gguf import GGMLQuantizationType as Q
 
-    if len(shape) == 1 or kind == "f32" or not name.endswith(".weight") or "_norm." in name or "ffn_gate_inp" in name:
+    if len(shape) == 1 or kind == "f32" or not name.endswith(".weight") or "_norm." in name or "ffn_gate_inp" in name \
+            or "ssm_conv1d" in name:
         return Q.F32
     if kind == "q8_0" and shape[-1] % 32:
         return Q.F16

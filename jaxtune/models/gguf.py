@@ -97,7 +97,8 @@ def gguf_config(path: str | Path) -> dict:
     vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     hf: dict[str, Any]
     hf = {"architectures": [form.architectures[0]], "model_type": form.model_type, "vocab_size": int(vocab),
-          "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+          "hidden_size": hidden,  # Qwen3.5-MoE's converter writes its experts' width alone
+          "intermediate_size": int(key("feed_forward_length", meta.get(f"{arch}.expert_feed_forward_length"))),
           "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
           "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
           "max_position_embeddings": int(key("context_length")),
@@ -196,6 +197,61 @@ def _latent_sources(by_name: dict) -> dict[str, _Source]:
     return sources
 
 
+def _delta_net_sources(by_name: dict, form: GGUFForm, hf: dict) -> dict[str, _Source]:
+    """Qwen3.5's and Qwen3-Next's tensors in transformers' form: norms stored 1 + w back to w (Gated DeltaNet's
+    own, stored as it is, aside); its layers' `ssm_a` (-exp A_log) back to A_log, `ssm_conv1d` [C, K] to [C, 1, K],
+    Qwen3.5's value heads from tiled back to grouped (`GGUFForm.delta_net`), Qwen3-Next's `attn_qkv` and
+    `attn_gate` back into `in_proj_qkvz` (each key head's queries, keys, values, gate) or its older files'
+    `ssm_in` as it is; the shared expert's gate [1, D] however stored."""
+    nk, nv, hv, D = (hf[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
+                                     "hidden_size"))
+    qk = 2 * nk * hf["linear_key_head_dim"]
+
+    def grouped(x: np.ndarray, axis: int = 0, width: int = hv) -> np.ndarray:
+        if form.delta_net != "tiled":
+            return x
+        s = x.shape
+        return np.swapaxes(x.reshape(*s[:axis], nv // nk, nk, width, *s[axis + 1:]), axis, axis + 1).reshape(s)
+
+    def qk_then_v(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x[:qk], grouped(x[qk:])])
+
+    def fused(qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
+        return np.concatenate([p.reshape(nk, -1, D) for p in (*np.split(qkv, [qk // 2, qk]), z)], 1).reshape(-1, D)
+
+    heads = {"ssm_a": ("A_log", lambda x: np.log(-grouped(x, 0, 1))),
+             "ssm_dt.bias": ("dt_bias", lambda x: grouped(x, 0, 1)),
+             "ssm_conv1d.weight": ("conv1d.weight", lambda x: qk_then_v(x)[:, None]),
+             "attn_qkv.weight": ("in_proj_qkv.weight", qk_then_v), "attn_gate.weight": ("in_proj_z.weight", grouped),
+             "ssm_beta.weight": ("in_proj_b.weight", lambda x: grouped(x, 0, 1)),
+             "ssm_alpha.weight": ("in_proj_a.weight", lambda x: grouped(x, 0, 1)),
+             "ssm_ba.weight": ("in_proj_ba.weight", lambda x: x),
+             "ssm_in.weight": ("in_proj_qkvz.weight", lambda x: x), "ssm_norm.weight": ("norm.weight", lambda x: x),
+             "ssm_out.weight": ("out_proj.weight", lambda x: grouped(x, 1))}
+    sources = {}
+    for name, t in by_name.items():
+        layer, _, part = name.removeprefix("blk.").partition(".")
+        linear = f"blk.{layer}.ssm_conv1d.weight" in by_name  # attn_qkv: a full layer's fused q, k, v otherwise
+        if part in heads and linear:
+            module, build = heads[part]
+            shape = tensor_shape(t)
+            sources[f"model.layers.{layer}.linear_attn.{module}"] = _Source(
+                (t,), (shape[0], 1, shape[1]) if module == "conv1d.weight" else shape, build)
+        elif part == "ffn_gate_inp_shexp.weight":  # [1, D], or [D] as some converters wrote it
+            sources[hf_tensor_name(name, form)] = _Source((t,), (1, D), lambda x: x.reshape(1, -1))
+        elif name.endswith("norm.weight") and part != "ssm_norm.weight":
+            sources[hf_tensor_name(name, form)] = _Source((t,), tensor_shape(t), lambda x: x - 1)
+    for name, z in by_name.items():
+        if form.delta_net == "grouped" and name.endswith(".attn_gate.weight"):
+            stem = name.removesuffix("attn_gate.weight")
+            qkv = by_name[stem + "attn_qkv.weight"]
+            layer = f"model.layers.{name.split('.')[1]}.linear_attn."
+            del sources[layer + "in_proj_qkv.weight"], sources[layer + "in_proj_z.weight"]
+            sources[layer + "in_proj_qkvz.weight"] = _Source(
+                (qkv, z), (tensor_shape(qkv)[0] + tensor_shape(z)[0], D), fused)
+    return sources
+
+
 class GGUFCheckpoint:
     """`CheckpointReader`'s interface over a GGUF file: tensors under transformers' names, read whole or by slices,
     dequantised on read (float32 for block-quantised types); a mixture's expert stacks joined as transformers
@@ -210,10 +266,14 @@ class GGUFCheckpoint:
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         check_tensor_types(reader.tensors, self.path)
         by_name = {t.name: t for t in reader.tensors}
-        built = {**_expert_sources(by_name, form), **_latent_sources(by_name)}  # from several GGUF tensors
+        trunk = config["num_hidden_layers"]  # the multi-token-prediction layers past it are not read
+        by_name = {name: t for name, t in by_name.items()
+                   if not (name.startswith("blk.") and int(name.split(".")[1]) >= trunk)}
+        built = {**_expert_sources(by_name, form), **_latent_sources(by_name),  # from several GGUF tensors
+                 **(_delta_net_sources(by_name, form, config) if form.delta_net else {})}
         joined = {t.name for source in built.values() for t in source.parts}
         sources = {hf_tensor_name(t.name, form): _Source((t,), tensor_shape(t), self._unpermuted(
-            t.name, heads, form.permuted_qk)) for t in reader.tensors if t.name not in joined | {ROPE_FREQS}}
+            t.name, heads, form.permuted_qk)) for t in by_name.values() if t.name not in joined | {ROPE_FREQS}}
         sources.update(built)
         self._tensors = {(rename or str)(name): source for name, source in sources.items()}
         self._cached: tuple[tuple, np.ndarray] | None = None

@@ -6,8 +6,8 @@ three in four (fixed) with the full layers' RoPE base. gpt-oss: sinks, biased ex
 stacks, sliding layers every other one (fixed), alpha 1.702 and limit 7 (fixed). Llama 4: chunks of 8192, NoPE and
 temperature (floor 8192, scale 0.1) every 4th layer (fixed), experts split from their halves. DeepSeek-V3
 ("deepseek2"): `kv_b_proj` split into per-head key (transposed) and value expansions of one latent KV head, the
-sigmoid router's choice bias, shared experts, dense first layers; YaRN's mscale as mscale_all_dim and the latent
-norms' epsilon as rms_norm_eps (fixed)."""
+sigmoid router's choice bias, shared experts, dense first layers; YaRN's mscale as mscale_all_dim, the latent norms'
+epsilon rms_norm_eps (fixed). Qwen3.5, its MoE, Qwen3-Next: Gated DeltaNet layers (`delta_net`), norms stored 1 + w."""
 
 from __future__ import annotations
 
@@ -48,7 +48,10 @@ class GGUFForm:
     untied_head: llama.cpp requires `output.weight`. windows: its loader reads sliding or chunked layers
     for this architecture (their pattern is `refused`'s to check). yarn(factor): where it reads YaRN, the
     attention factor it scales cos and sin by. output_bias: it reads the output projection's bias. unadapted: the
-    modules its graph multiplies without its LoRA hook (a GGUF LoRA on them is refused)."""
+    modules its graph multiplies without its LoRA hook (a GGUF LoRA on them is refused). unit_norms: RMSNorm
+    weights stored 1 + w (transformers' zero-centred w). delta_net: how Gated DeltaNet's value heads are stored,
+    "tiled" (Qwen3.5's: r rounds of the key heads, llama.cpp repeating queries and keys tiled) or "grouped"
+    (Qwen3-Next's: each key head's r together, `in_proj_qkvz` split into queries, keys, values and the gate)."""
 
     arch: str
     architectures: tuple[str, ...]
@@ -65,6 +68,8 @@ class GGUFForm:
     yarn: Callable[[float], float] | None = None
     output_bias: bool = False
     unadapted: tuple[str, ...] = ()
+    unit_norms: bool = False
+    delta_net: str = ""
 
     def layer_names(self) -> dict[str, str]:
         return {**LAYER_NAMES, **self.names}
@@ -244,6 +249,65 @@ def _deepseek2_refused(cfg: ModelConfig) -> list[str]:
             * (kind == "yarn" and betas != (32.0, 1.0)))
 
 
+QWEN35_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+                "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+GDN_EPS = 1e-6  # transformers' (FLA's) query/key L2 norms' epsilon; llama.cpp's takes rms_norm_eps
+
+
+def _qwen35_config(key, hf: dict) -> dict:
+    """Qwen3.5's, its MoE's and Qwen3-Next's config.json keys; the multi-token-prediction layers past the trunk
+    (`nextn_predict_layers`) are not read."""
+    layers = hf["num_hidden_layers"] - int(key("nextn_predict_layers", 0))
+    recurrent, interval = key("attention.recurrent_layers", []), int(key("full_attention_interval", 4))
+    values = int(key("ssm.time_step_rank"))
+    out = {"num_hidden_layers": layers, "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
+           "linear_key_head_dim": int(key("ssm.state_size")), "linear_num_key_heads": int(key("ssm.group_count")),
+           "linear_num_value_heads": values, "linear_value_head_dim": int(key("ssm.inner_size")) // values,
+           "layer_types": ["linear_attention" if (recurrent[i] if recurrent else (i + 1) % interval)
+                           else "full_attention" for i in range(layers)],
+           "rope_parameters": {"rope_type": "default", "rope_theta": hf["rope_theta"],
+                               "partial_rotary_factor": int(key("rope.dimension_count")) / hf["head_dim"]}}
+    if int(key("expert_count", 0)):
+        out.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")),
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # llama.cpp renormalises
+    return out
+
+
+def _qwen35_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3.5's M-RoPE sections (which text alone, every section at its position, does not feel) in its releases'
+    proportions, 11, 11 and 10 of 32 rotated pairs."""
+    values, pairs = cfg.linear_num_value_heads, int(cfg.head_dim * cfg.partial_rotary_factor) // 2
+    third = round(pairs * 11 / 32)
+    return {"rope.dimension_count": int(cfg.head_dim * cfg.partial_rotary_factor),
+            "ssm.conv_kernel": cfg.linear_conv_kernel, "ssm.state_size": cfg.linear_key_head_dim,
+            "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": values,
+            "ssm.inner_size": cfg.linear_value_head_dim * values,
+            "attention.recurrent_layers": [i in cfg.linear_attention_layers for i in range(cfg.num_layers)],
+            "full_attention_interval": 4,
+            **({"rope.dimension_sections": [third, third, pairs - 2 * third, 0]}
+               if cfg.architecture != "Qwen3NextForCausalLM" else {}),
+            **({"expert_feed_forward_length": cfg.expert_size,
+                "expert_shared_feed_forward_length": cfg.shared_expert_size} if cfg.num_experts else {})}
+
+
+def _qwen35_refused(cfg: ModelConfig) -> list[str]:
+    keys, values = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    return ([f"Gated DeltaNet key heads {cfg.linear_key_head_dim} wide, value heads {cfg.linear_value_head_dim} "
+             "(llama.cpp's: one width)"] * (cfg.linear_key_head_dim != cfg.linear_value_head_dim)
+            + [f"{values} Gated DeltaNet value heads over {keys} key heads (llama.cpp's: a multiple)"]
+            * bool(values % keys)
+            + [f"an RMSNorm epsilon {cfg.rms_norm_eps:g} (llama.cpp's Gated DeltaNet L2 norms take it, transformers' "
+               f"keep {GDN_EPS:g})"] * (not math.isclose(cfg.rms_norm_eps, GDN_EPS, rel_tol=1e-6))
+            + ["top-k weights not renormalised (llama.cpp's are)"] * bool(cfg.num_experts and not cfg.normalize_top_k)
+            + [f"dense MLP layers {list(cfg.dense_layers)} (llama.cpp's: a mixture every layer)"]
+            * bool(cfg.dense_layers)
+            + [f"rope scaling {s.kind!r} (not written for these here)" for s in (cfg.rope_scaling,) if s is not None]
+            + ["attention biases"] * cfg.qkv_bias)
+
+
 FORMS = {form.arch: form for form in (
     GGUFForm(arch="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"), model_type="llama",
              permuted_qk=True),
@@ -272,6 +336,13 @@ FORMS = {form.arch: form for form in (
              names=DEEPSEEK2_NAMES, experts="mlp", config_from=_deepseek2_config, metadata=_deepseek2_metadata,
              refused=_deepseek2_refused, yarn=lambda factor: 1.0,  # its mscale over mscale_all_dim, taken as 1
              unadapted=("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
+    *(GGUFForm(arch=arch, architectures=(architecture,), model_type=model_type, names=QWEN35_NAMES, experts="mlp",
+               config_from=_qwen35_config, metadata=_qwen35_metadata, refused=_qwen35_refused, unit_norms=True,
+               delta_net=delta_net)
+      for arch, architecture, model_type, delta_net in (
+          ("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text", "tiled"),
+          ("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "tiled"),
+          ("qwen3next", "Qwen3NextForCausalLM", "qwen3_next", "grouped"))),
 )}
 
 
