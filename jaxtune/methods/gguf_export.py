@@ -21,7 +21,7 @@ import numpy as np
 from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import BARE, ROPE_FREQS, TOP_NAMES, llama3_factors, permute_qk
+from jaxtune.models.gguf import BARE, ROPE_FREQS, TOP_NAMES, llama3_factors, permute_qk, value_heads_reordered
 from jaxtune.models.gguf_forms import FORMS, GGUFForm, form_of
 from jaxtune.models.hf_weights import tensor_entries
 from jaxtune.models.stacked_experts import INTERLEAVED
@@ -90,19 +90,32 @@ def gguf_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUFForm, 
         produce = lambda: stored().swapaxes(1, 2)  # noqa: E731
     if stack == "down_proj":
         return [(f"blk.{layer}.ffn_down_exps.{suffix}", shape, produce)]
-    held: list = []
+    stack = _gathered_once(produce, 2)  # [E, 2F] or [E, 2F, D]
 
     def part(j: int):
-        if not held:
-            held.append(produce())  # [E, 2F] or [E, 2F, D]
-        x, F = held[0], held[0].shape[1] // 2
-        value = x[:, j::2] if form.interleaved else x[:, j * F:(j + 1) * F]
-        if j:
-            held.clear()
-        return np.ascontiguousarray(value)
+        x = stack()
+        F = x.shape[1] // 2
+        return np.ascontiguousarray(x[:, j::2] if form.interleaved else x[:, j * F:(j + 1) * F])
 
     return [(f"blk.{layer}.ffn_{name}_exps.{suffix}", (shape[0], shape[1] // 2, *shape[2:]), lambda j=j: part(j))
             for j, name in enumerate(("gate", "up"))]
+
+
+def _gathered_once(produce, uses: int):
+    """produce() for `uses` calls in turn (a tensor written as several GGUF tensors), gathered at the first and let go
+    after the last."""
+    held: list = []
+
+    def get():
+        if not held:
+            held.extend([produce(), 0])
+        held[1] += 1
+        x = held[0]
+        if held[1] == uses:
+            held.clear()
+        return x
+
+    return get
 
 
 def _kv_b_entries(hf_name: str, produce, cfg: ModelConfig) -> list[tuple]:
@@ -111,7 +124,8 @@ def _kv_b_entries(hf_name: str, produce, cfg: ModelConfig) -> list[tuple]:
     `attn_v_b` [H, dv, R]."""
     layer = hf_name.split(".")[2]
     H, dn, dv, R = cfg.num_heads, cfg.head_dim - cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    heads = lambda: produce().reshape(H, dn + dv, R)  # noqa: E731
+    whole = _gathered_once(produce, 2)
+    heads = lambda: whole().reshape(H, dn + dv, R)  # noqa: E731
     return [(f"blk.{layer}.attn_k_b.weight", (H, R, dn), lambda: np.ascontiguousarray(heads()[:, :dn].swapaxes(1, 2))),
             (f"blk.{layer}.attn_v_b.weight", (H, dv, R), lambda: np.ascontiguousarray(heads()[:, dn:]))]
 
@@ -127,18 +141,16 @@ def _delta_net_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUF
     qk, blk = 2 * nk * cfg.linear_key_head_dim, f"blk.{layer}."
 
     def tiled(x: np.ndarray, axis: int = 0, width: int = hv) -> np.ndarray:
-        if form.delta_net != "tiled":
-            return x
-        s = x.shape
-        return np.ascontiguousarray(np.swapaxes(x.reshape(*s[:axis], nk, nv // nk, width, *s[axis + 1:]), axis,
-                                                axis + 1).reshape(s))
+        return value_heads_reordered(x, nk, nv, width, axis) if form.delta_net == "tiled" else x
 
     def qk_then_v(x: np.ndarray) -> np.ndarray:
         return np.concatenate([x[:qk], tiled(x[qk:])])
 
     if module == "in_proj_qkvz.weight":
+        whole = _gathered_once(produce, 2)
+
         def part(gate: bool) -> np.ndarray:
-            q, k, v, z = np.split(produce().reshape(nk, -1, D), np.cumsum([qk // 2 // nk] * 2 + [nv // nk * hv]), 1)
+            q, k, v, z = np.split(whole().reshape(nk, -1, D), np.cumsum([qk // 2 // nk] * 2 + [nv // nk * hv]), 1)
             return np.concatenate([x.reshape(-1, D) for x in ((z,) if gate else (q, k, v))])
 
         return [(blk + "attn_qkv.weight", (qk + nv * hv, D), lambda: part(False)),

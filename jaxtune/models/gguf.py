@@ -122,6 +122,17 @@ def gguf_config(path: str | Path) -> dict:
     return {**hf, **form.config_from(key, hf)}
 
 
+def value_heads_reordered(x: np.ndarray, key_heads: int, value_heads: int, width: int, axis: int = 0,
+                          tiled: bool = True) -> np.ndarray:
+    """Gated DeltaNet's value heads ([value_heads * width] along `axis`) from transformers' grouped order (each key
+    head's r = value_heads / key_heads together) to llama.cpp's tiled one (r rounds of the key heads, as its Qwen3.5
+    graph repeats queries and keys); `tiled=False`: back."""
+    s, r = x.shape, value_heads // key_heads
+    split = (key_heads, r) if tiled else (r, key_heads)
+    return np.ascontiguousarray(np.swapaxes(x.reshape(*s[:axis], *split, width, *s[axis + 1:]), axis, axis + 1)
+                                .reshape(s))
+
+
 def permute_qk(rows_x: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's `permute` of a Llama query or key projection [heads * head_dim, ...] (weight, bias or LoRA B):
     each head's rows from (first halves, then second halves, as rotate_half pairs them) to interleaved pairs."""
@@ -208,10 +219,7 @@ def _delta_net_sources(by_name: dict, form: GGUFForm, hf: dict) -> dict[str, _So
     qk = 2 * nk * hf["linear_key_head_dim"]
 
     def grouped(x: np.ndarray, axis: int = 0, width: int = hv) -> np.ndarray:
-        if form.delta_net != "tiled":
-            return x
-        s = x.shape
-        return np.swapaxes(x.reshape(*s[:axis], nv // nk, nk, width, *s[axis + 1:]), axis, axis + 1).reshape(s)
+        return value_heads_reordered(x, nk, nv, width, axis, tiled=False) if form.delta_net == "tiled" else x
 
     def qk_then_v(x: np.ndarray) -> np.ndarray:
         return np.concatenate([x[:qk], grouped(x[qk:])])
