@@ -225,11 +225,12 @@ def test_qwen35_gguf_as_older_converters_wrote_it_with_a_multi_token_head(family
 
 
 @pytest.mark.full
-def test_deepseek_gguf_refuses_each_difference_llama_cpp_fixes(family_gguf):
+def test_deepseek_gguf_refuses_each_difference_llama_cpp_fixes(family_gguf, tmp_path):
     """What llama.cpp's deepseek2 loader and graph fix, each refused by name: the latent norms' epsilon (theirs
     rms_norm_eps, transformers' 1e-6), RoPE on halves, YaRN's betas (not read), other rope scalings, no shared
-    expert."""
+    expert; reading, a softmax router's file (DeepSeek-V2's), named with the file."""
     import dataclasses
+    import shutil
 
     from jaxtune.methods.gguf_export import gguf_form
 
@@ -245,3 +246,9 @@ def test_deepseek_gguf_refuses_each_difference_llama_cpp_fixes(family_gguf):
                           (dict(shared_expert_size=0), "no shared expert")):
         with pytest.raises(JaxtuneError, match=f"DeepseekV3ForCausalLM: cannot be written as GGUF.*{re.escape(named)}"):
             gguf_form(cfg.replace(**change))
+    softmax = shutil.copy(path, tmp_path / "softmax.gguf")
+    field = gguf.GGUFReader(str(softmax), "r+").fields["deepseek2.expert_gating_func"]
+    field.parts[field.data[0]][0] = 1
+    del field
+    with pytest.raises(JaxtuneError, match=f"{re.escape(str(softmax))}: metadata deepseek2.expert_gating_func 1 is "):
+        load_model(softmax, dtype=np.float32)

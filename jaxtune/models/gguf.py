@@ -119,7 +119,10 @@ def gguf_config(path: str | Path) -> dict:
     for name in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{name}_token_id" in meta:
             hf[f"{'pad' if name == 'padding' else name}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
-    return {**hf, **form.config_from(key, hf)}
+    try:
+        return {**hf, **form.config_from(key, hf)}
+    except JaxtuneError as e:  # a value the family's form refuses: named with the file
+        raise (e if str(path) in str(e) else JaxtuneError(f"{path}: {e}")) from None
 
 
 def value_heads_reordered(x: np.ndarray, key_heads: int, value_heads: int, width: int, axis: int = 0,

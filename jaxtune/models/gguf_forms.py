@@ -198,7 +198,7 @@ DEEPSEEK2_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn
 def _deepseek2_config(key, hf: dict) -> dict:
     gating = int(key("expert_gating_func", 2))  # absent where the converter's config.json named no scoring_func
     if gating != 2:
-        raise JaxtuneError(f"GGUF deepseek2: expert_gating_func {gating} is not supported (1 softmax: DeepSeek-V2's "
+        raise JaxtuneError(f"metadata deepseek2.expert_gating_func {gating} is not supported (1 softmax: DeepSeek-V2's "
                            "router; DeepSeek-V3's is 2, sigmoid)")
     rope, groups, scaling = int(key("rope.dimension_count")), int(key("expert_group_count", 1)), hf.get("rope_scaling")
     mscale = round(float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)  # stored as 0.1 mscale_all_dim
