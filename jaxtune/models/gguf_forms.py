@@ -48,7 +48,8 @@ class GGUFForm:
     untied_head: llama.cpp requires `output.weight`. windows: its loader reads sliding or chunked layers
     for this architecture (their pattern is `refused`'s to check). yarn(factor): where it reads YaRN, the
     attention factor it scales cos and sin by. output_bias: it reads the output projection's bias. unadapted: the
-    modules its graph multiplies without its LoRA hook (a GGUF LoRA on them is refused). unit_norms: RMSNorm
+    modules its graph multiplies without its LoRA hook (a GGUF LoRA on them is refused). lora_unwritten: the
+    modules (prefixes) whose GGUF LoRA is not written here (their tensors reordered or split). unit_norms: RMSNorm
     weights stored 1 + w (transformers' zero-centred w). delta_net: how Gated DeltaNet's value heads are stored,
     "tiled" (Qwen3.5's: r rounds of the key heads, llama.cpp repeating queries and keys tiled) or "grouped"
     (Qwen3-Next's: each key head's r together, `in_proj_qkvz` split into queries, keys, values and the gate)."""
@@ -68,6 +69,7 @@ class GGUFForm:
     yarn: Callable[[float], float] | None = None
     output_bias: bool = False
     unadapted: tuple[str, ...] = ()
+    lora_unwritten: tuple[str, ...] = ()
     unit_norms: bool = False
     delta_net: str = ""
 
@@ -338,7 +340,7 @@ FORMS = {form.arch: form for form in (
              unadapted=("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
     *(GGUFForm(arch=arch, architectures=(architecture,), model_type=model_type, names=QWEN35_NAMES, experts="mlp",
                config_from=_qwen35_config, metadata=_qwen35_metadata, refused=_qwen35_refused, unit_norms=True,
-               delta_net=delta_net)
+               delta_net=delta_net, lora_unwritten=("linear_attn.",))
       for arch, architecture, model_type, delta_net in (
           ("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text", "tiled"),
           ("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "tiled"),

@@ -35,10 +35,10 @@ def save_gguf_lora(path: str | Path, cfg: ModelConfig, params: dict, method: LoR
         raise JaxtuneError(f"{cfg.architecture}: llama.cpp applies no GGUF LoRA to "
                            f"{', '.join(m for m in modules if m in form.unadapted)} (its {form.arch} graph multiplies "
                            "them plainly); export --gguf merges the adapter into the model instead")
-    if linear := [m for m in modules if m.startswith("linear_attn.")]:
-        raise JaxtuneError(f"{cfg.architecture}: a GGUF LoRA on Gated DeltaNet's {', '.join(linear)} is not written "
-                           "here (llama.cpp's projections are reordered or split); export --gguf merges the adapter "
-                           "into the model instead")
+    if unwritten := [m for m in modules if form.lora_unwritten and m.startswith(form.lora_unwritten)]:
+        raise JaxtuneError(f"{cfg.architecture}: a GGUF LoRA on {', '.join(unwritten)} is not written here (llama.cpp "
+                           "holds those projections reordered or split); export --gguf merges the adapter into the "
+                           "model instead")
     layout = lora_layout(method, cfg.layer_stacks(tuple(modules)))
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     writer = gguf.GGUFWriter(str(path), form.arch)
