@@ -8,6 +8,7 @@ it with transformers (`from_pretrained(..., gguf_file=...)`) and with jaxtune an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -108,6 +109,10 @@ def write_gguf(path: str | Path, model, kind: Q, tokenizer: str = "gpt2", seed: 
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
     for name, tensor in (extra or {}).items():
         writer.add_tensor(name, tensor)
+    return _written(writer, path)
+
+
+def _written(writer, path: str | Path) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -164,6 +169,8 @@ def write_family_gguf(path: str | Path, model, kind: Q = Q.F32, mxfp4: dict[str,
     llama.cpp's converter writes it; `mxfp4`: expert stack name -> (blocks, scales) in transformers' layout, written
     as GGML MXFP4 in its place."""
     cfg, family = model.config, model.config.model_type.removesuffix("_text")
+    if family == "gemma4":
+        return write_gemma4_gguf(path, model, kind)
     if family == "deepseek_v3":
         return write_deepseek_gguf(path, model, kind)
     if family in QWEN35_ARCH:
@@ -240,11 +247,7 @@ def write_family_gguf(path: str | Path, model, kind: Q = Q.F32, mxfp4: dict[str,
                 _add(writer, f"blk.{layer}.ffn_down_exps.{suffix}", x, kind, raw=mxfp4 and name in mxfp4)
             continue
         _add(writer, family_tensor_name(name, family), w, kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _written(writer, path)
 
 
 def _add(writer, name: str, w: np.ndarray, kind: Q, raw: bool = False) -> None:
@@ -353,11 +356,7 @@ def write_deepseek_gguf(path: str | Path, model, kind: Q = Q.F32, split_kv_b: bo
             _add(writer, f"blk.{layer}.ffn_down_exps.weight", w, kind)
         else:
             _add(writer, f"blk.{layer}.{DEEPSEEK_NAMES.get(module) or HF_TO_GGUF[module]}.{suffix}", w, kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _written(writer, path)
 
 
 QWEN35_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
@@ -471,8 +470,113 @@ def write_qwen35_gguf(path: str | Path, model, kind: Q = Q.F32, older: bool = Fa
         for name in [n for n in writer.tensors[0] if n.startswith(last)]:
             info = writer.tensors[0][name]
             writer.add_tensor(mtp + name[len(last):], np.asarray(info.tensor))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _written(writer, path)
+
+
+# Gemma 4's kind of vocabulary (BPE over UTF-8 with byte fallback, spaces as U+2581), as many tokens as `TOKENS`:
+# pad, eos, bos and unk (Gemma's ids), the 256 byte tokens, four pieces and one merge.
+GEMMA4_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "t", "e", "▁t"]
+GEMMA4_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                "pre_feedforward_layernorm_2": "pre_ffw_norm_2", "post_feedforward_layernorm_1": "post_ffw_norm_1",
+                "post_feedforward_layernorm_2": "post_ffw_norm_2", "per_layer_input_gate": "inp_gate",
+                "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm",
+                "router.proj": "ffn_gate_inp", "experts.gate_up_proj": "ffn_gate_up_exps",
+                "experts.down_proj": "ffn_down_exps", "layer_scalar": "layer_output_scale"}
+GEMMA4_TOP = {"model.embed_tokens_per_layer": "per_layer_token_embd",
+              "model.per_layer_model_projection": "per_layer_model_proj",
+              "model.per_layer_projection_norm": "per_layer_proj_norm"}
+
+
+def write_gemma4_gguf(path: str | Path, model, kind: Q = Q.F32) -> Path:
+    """A transformers Gemma 4 as llama.cpp's converter writes it (`conversion/gemma.py`, Gemma4Model, arch "gemma4"),
+    from the config.json `save_pretrained` writes (the full layers' head width and KV heads in `per_layer_config`):
+    the full layers' head width as `key_length`, the sliding ones' as `key_length_swa` (RoPE dimensions and bases
+    alike), KV heads an array a layer where the full layers' count is named, MLP widths one where
+    `use_double_wide_mlp`, the sliding pattern as booleans, no soft cap key where there is none; norms as they are,
+    `router.scale` as `ffn_gate_inp.scale`, `per_expert_scale` as `ffn_down_exps.scale`, the expert stacks whole
+    (`ffn_gate_up_exps` [E, 2F, D]), `layer_scalar` as `layer_output_scale`, and proportional RoPE as `rope_freqs`
+    (1 for each rotated frequency, then 1e30). The vocabulary is `GEMMA4_TOKENS` (so the embedding keeps its rows)."""
+    hf = json.loads(model.config.to_json_string())
+    layers, per_layer = hf["num_hidden_layers"], hf.get("per_layer_config") or {}
+    sliding = [t == "sliding_attention" for t in hf["layer_types"]]
+
+    def full_layers(name: str):  # the converter's: the first full layer's entry that names it
+        return hf.get({"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}[name]) or \
+            next((c[name] for i, c in per_layer.items() if not sliding[int(i)] and name in c), None)
+
+    head_full, kv_full, shared = full_layers("head_dim"), full_layers("num_key_value_heads"), hf["num_kv_shared_layers"]
+    rope = hf["rope_parameters"]
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_block_count(layers)
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    width = hf["intermediate_size"]
+    writer.add_feed_forward_length([width if i < layers - shared else 2 * width for i in range(layers)]
+                                   if hf.get("use_double_wide_mlp") else width)
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"] if kv_full is None else
+                             [hf["num_key_value_heads"] if s else kv_full for s in sliding])
+    writer.add_key_length(head_full)
+    writer.add_value_length(head_full)
+    writer.add_key_length_swa(hf["head_dim"])
+    writer.add_value_length_swa(hf["head_dim"])
+    writer.add_rope_dimension_count(head_full)
+    writer.add_rope_dimension_count_swa(int(hf["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    if hf.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(hf["final_logit_softcapping"])
+    writer.add_sliding_window(hf["sliding_window"])
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(hf.get("hidden_size_per_layer_input") or 0)
+    for value, add in ((hf.get("num_experts"), writer.add_expert_count),
+                       (hf.get("top_k_experts"), writer.add_expert_used_count),
+                       (hf.get("moe_intermediate_size"), writer.add_expert_feed_forward_length)):
+        if value is not None:
+            add(value)
+    writer.add_file_type(int(kind))
+    _add_gemma4_tokens(writer)
+    rotated = int(head_full * rope["full_attention"]["partial_rotary_factor"] / 2)
+    _add(writer, "rope_freqs.weight", np.asarray([1.0] * rotated + [1e30] * (head_full // 2 - rotated), np.float32),
+         kind)
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        stem, _, suffix = name.rpartition(".")
+        if stem in GEMMA4_TOP:
+            _add(writer, f"{GEMMA4_TOP[stem]}.{suffix}", w, kind)
+            continue
+        if not stem.startswith("model.layers."):
+            _add(writer, gguf_name(name), w, kind)
+            continue
+        layer, module = name.split(".", 3)[2:]
+        blk = f"blk.{layer}."
+        if module == "router.scale":
+            _add(writer, blk + "ffn_gate_inp.scale", w, kind)
+        elif module == "router.per_expert_scale":
+            _add(writer, blk + "ffn_down_exps.scale", w, kind)
+        elif module in GEMMA4_NAMES:  # a bare tensor: the converter names it `.weight`
+            _add(writer, blk + GEMMA4_NAMES[module] + ".weight", w, kind)
+        else:
+            module = stem.split(".", 3)[3]
+            _add(writer, f"{blk}{GEMMA4_NAMES.get(module) or HF_TO_GGUF[module]}.{suffix}", w, kind)
+    return _written(writer, path)
+
+
+def _add_gemma4_tokens(writer) -> None:
+    """`GEMMA4_TOKENS` as the converter's `Gemma4Model.set_vocab` writes a vocabulary (`LlamaHfVocab`, SpecialVocab):
+    model "gemma4", scores -1000, byte tokens BYTE, the specials CONTROL, the merges, the special ids, no space
+    prefix, BOS added; no `tokenizer.ggml.pre`."""
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(GEMMA4_TOKENS)
+    writer.add_token_scores([-1000.0] * len(GEMMA4_TOKENS))
+    writer.add_token_types([3] * 4 + [6] * 256 + [1] * (len(GEMMA4_TOKENS) - 260))
+    writer.add_token_merges(["▁ t"])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)

@@ -360,13 +360,16 @@ def test_gemma4_reads_its_multimodal_release_and_decodes_rows_of_different_adapt
 
 
 def test_gemma4_refuses_what_it_cannot_hold_in_one_line(family):
-    """Its GGUF (llama.cpp's GEMMA4) is not written, prefix tuning (one key shape a layer in PEFT's prefix) not
-    trained, a context axis not split: each a one-line JaxtuneError naming why."""
+    """Its GGUF (llama.cpp's `gemma4`) is written but for KV sharing llama.cpp's fixed reuse gets wrong (the last two
+    layers holding keys not sliding then full), prefix tuning (one key shape a layer in PEFT's prefix) not trained:
+    each a one-line JaxtuneError naming why."""
     from jaxtune.methods.gguf_export import gguf_form
 
     _, _, cfg, params = family("gemma4")
-    with pytest.raises(JaxtuneError, match="Gemma4ForCausalLM: cannot be written as GGUF \\(an architecture"):
-        gguf_form(cfg)
+    assert gguf_form(cfg).arch == "gemma4"
+    with pytest.raises(JaxtuneError, match="Gemma4ForCausalLM: cannot be written as GGUF \\(num_kv_shared_layers 3 "
+                                           "after layers \\[True, False, True\\] sliding"):
+        gguf_form(cfg.replace(sliding_windows=(4, 0, 4, 4, 4, 0)))
     with pytest.raises(JaxtuneError, match="prefix tuning needs keys and values of one shape in every layer; "
                                            "Gemma4ForCausalLM's full layers are 32 wide, its sliding ones 16"):
         apply_method(params, cfg, method_config("prefix", num_virtual_tokens=4), jax.random.key(0))

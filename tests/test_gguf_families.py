@@ -1,7 +1,7 @@
 """GGUF files of the 2025-26 families (SmolLM3, OLMo 2 and 3, gpt-oss with float or MXFP4 experts, Llama 4,
-DeepSeek-V3, Qwen3.5 and its MoE, Qwen3-Next) as llama.cpp's converter writes them (tests/gguf_files.py, written
-apart from jaxtune): read with the source model's logits; written back by `save_gguf` tensor for tensor as that
-converter writes them; a config llama.cpp's loader cannot express refused by name. llama.cpp itself runs the
+DeepSeek-V3, Qwen3.5 and its MoE, Qwen3-Next, Gemma 4) as llama.cpp's converter writes them (tests/gguf_files.py,
+written apart from jaxtune): read with the source model's logits; written back by `save_gguf` tensor for tensor as
+that converter writes them; a config llama.cpp's loader cannot express refused by name. llama.cpp itself runs the
 exports in test_llama_cpp.py (full tier)."""
 
 import re
@@ -50,12 +50,15 @@ EXPRESSIBLE = {
                                                     "high_freq_factor": 1.0, "rope_theta": 500_000.0,
                                                     "original_max_position_embeddings": 8192}),
     "deepseek_v3": dict(rms_norm_eps=1e-6),
+    "gemma4": dict(vocab_size_per_layer_input=len(TOKENS)),  # llama.cpp's per-layer embedding: a row a token
+    "gemma4_dense": dict(final_logit_softcapping=30.0),  # as released (the converter writes no key for none)
     **{family: dict(QWEN35_LAYERS, **extra) for family, extra in (
         ("qwen3_5", MROPE), ("qwen3_next", dict(intermediate_size=32)),
         ("qwen3_5_moe", dict(MROPE, intermediate_size=32)))},
 }
+SLIDING, FULL = "sliding_attention", "full_attention"
 DEEPSEEK_LITE = dict(q_lora_rank=None, n_group=2, topk_group=2)  # DeepSeek-V2-Lite's queries; every group chosen
-EVERYDAY = ("gpt_oss",)  # experts, sinks, biases, windows, YaRN; the others in the full tier
+EVERYDAY = ("gpt_oss", "gemma4_dense")  # experts, sinks, biases, windows, YaRN; Gemma 4's widths by layer
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +118,7 @@ def test_gpt_oss_gguf_with_mxfp4_experts(family_gguf):
 def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gguf, tmp_path):
     """`save_gguf` (f32) of the model read from the converter's file: the same architecture, tensors (names,
     shapes, values; Gated DeltaNet's `ssm_a` to its exp/log round trip's ulp) and the metadata llama.cpp's loader
-    reads."""
+    reads (with Gemma 4's tokenizer keys)."""
     _, source = family_gguf(family)
     cfg, params = load_model(source, dtype=np.float32)
     out = save_gguf(tmp_path / "out.gguf", cfg, params, load_tokenizer(source), kind="f32")
@@ -134,8 +137,8 @@ def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gg
             np.testing.assert_allclose(got[name], value, rtol=2e-7, err_msg=name)
         else:
             np.testing.assert_array_equal(got[name], value, err_msg=name)
-    for key, field in theirs.fields.items():
-        if key.startswith(f"{arch}.") and not key.endswith("sliding_window_pattern"):
+    for key, field in theirs.fields.items():  # Gemma 4's vocabulary too, as its converter writes it ("gemma4")
+        if key.startswith(f"{arch}.") or (arch == "gemma4" and key.startswith("tokenizer.")):
             assert ours.fields[key].contents() == pytest.approx(field.contents()), key
             assert ours.fields[key].types == field.types, key  # llama.cpp's loader checks each key's type
 
@@ -149,6 +152,13 @@ def test_family_gguf_export_is_what_llama_cpp_converter_writes(family, family_gg
     ("qwen3_5", dict(rms_norm_eps=1e-5), "an RMSNorm epsilon 1e-05 (llama.cpp's Gated DeltaNet L2 norms"),
     ("qwen3_next", dict(norm_topk_prob=False), "top-k weights not renormalised"),
     ("qwen3_next", dict(mlp_only_layers=[0]), "dense MLP layers [0]"),
+    ("gemma4", dict(layer_types=[SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL]),
+     "num_kv_shared_layers 3 after layers [True, False, True] sliding (llama.cpp's shared layers read layers 1 and 2"),
+    ("gemma4", dict(vocab_size_per_layer_input=96), "vocab_size_per_layer_input 96 (llama.cpp's: the vocabulary, 264)"),
+    ("gemma4_dense", dict(rope_parameters={
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6, "factor": 2},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "a proportional RoPE factor 2 (llama.cpp's: 1)"),
     pytest.param("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
                                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}),
                  "a YaRN attention factor 0.9643 (llama.cpp's: 1)", marks=pytest.mark.full),
@@ -159,6 +169,24 @@ def test_what_llama_cpp_fixes_is_refused_by_name(family, change, named, tmp_path
     with pytest.raises(JaxtuneError, match=f"{type(model).__name__}: cannot be written as GGUF.*{re.escape(named)}"):
         save_gguf(tmp_path / "out.gguf", cfg, params, None, kind="f32")  # type: ignore[arg-type]
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_gemma4_without_a_soft_cap_is_written_with_0(tmp_path):
+    """Gemma 4 with no final soft cap (31B's shape, none named): the converter writes no key, which llama.cpp reads as
+    its default 30, and so does jaxtune reading that file; `save_gguf` writes 0 (none), read back as none."""
+    from gguf_files import write_gemma4_gguf
+
+    from jaxtune.models.hf_config import load_config
+
+    model = make_hf_model("gemma4_dense", tmp_path / "hf", vocab_size=len(TOKENS))
+    assert model.config.final_logit_softcapping is None
+    converted = write_gemma4_gguf(tmp_path / "converted.gguf", model)
+    assert "gemma4.final_logit_softcapping" not in gguf.GGUFReader(str(converted)).fields
+    assert load_config(converted).final_logit_softcap == 30.0
+    cfg, params = load_model(tmp_path / "hf", dtype=np.float32)
+    out = save_gguf(tmp_path / "out.gguf", cfg, params, load_tokenizer(tmp_path / "hf"), kind="f32")
+    assert gguf.GGUFReader(str(out)).fields["gemma4.final_logit_softcapping"].contents() == 0.0
+    assert load_config(out).final_logit_softcap is None
 
 
 @pytest.mark.full

@@ -199,6 +199,35 @@ def test_llama_cpp_runs_the_family_exports(family, tmp_path):
     assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < 1e-5
 
 
+PLAIN_GELU = jax.nn.gelu
+
+
+def ggml_gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
+    """GELU (tanh; jaxtune's only) as ggml's CPU kernels compute it (`GGML_GELU_FP16`, always on): below -10 zero,
+    above 10 x, else its float16 table at x rounded to float16, so both the input and the value in float16."""
+    table = PLAIN_GELU(x.astype(jnp.float16).astype(jnp.float32), approximate=True).astype(jnp.float16)
+    return jnp.where(x <= -10, 0.0, jnp.where(x >= 10, x, table.astype(x.dtype))).astype(x.dtype)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family, bound", [("gemma4_dense", 1e-5), ("gemma4", 1e-3)])
+def test_llama_cpp_runs_the_gemma4_exports(family, bound, tmp_path):
+    """Gemma 4 written by `jaxtune export --gguf` (f32): llama.cpp's logits equal jaxtune's computed with ggml's GELU
+    (its float16 table), 31B's shape measured 3.1e-6 relative, the E2B/26B-A4B one (per-layer inputs, KV sharing,
+    experts, values from keys, 6 layers) 2.6e-4: the table's rounding now and then turns a float32 ulp of its input
+    into a float16 one, so the error jumps at a few tokens and spreads to the later ones, the more GELUs the more
+    (3 dense layers 7e-6, 6 layers 2.7e-5, 6 with experts 1.4e-4). With the exact GELU, 4.3e-4 and 0.12 (there the
+    table moves a routing choice). llama.cpp tokenizes as jaxtune does with the file's "gemma4" vocabulary."""
+    jax.clear_caches()  # GELU is traced anew under the patch (and after it, unpatched)
+    with mock.patch.object(jax.nn, "gelu", ggml_gelu):
+        ours, theirs = family_export_logits(family, tmp_path)
+    jax.clear_caches()
+    assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < bound
+    out, text = tmp_path / "out.gguf", "te tt\n\n ete é 🙂\t"
+    model = llama_cpp_model(out, n_ctx=64, vocab_only=True)  # its "gemma4" vocabulary
+    assert model.tokenize(text.encode(), add_bos=True, special=True) == load_tokenizer(out).encode(text)
+
+
 @pytest.mark.full
 def test_llama_cpp_runs_deepseek_without_a_query_latent(tmp_path):
     """DeepSeek-V3 with DeepSeek-V2-Lite's queries (no latent: its query latent rank written as 0, which llama.cpp's
@@ -210,11 +239,10 @@ def test_llama_cpp_runs_deepseek_without_a_query_latent(tmp_path):
     assert float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)) < 1e-5
 
 
-@pytest.mark.full
-def test_llama_cpp_applies_a_deepseek_gguf_lora_where_it_adapts(tmp_path):
-    """A LoRA adapter (random B) on DeepSeek-V3's output projection, dense MLP (layer 0) and shared experts (layers 1
-    and 2, their stack's rows 0 and 1) as llama.cpp's GGUF LoRA: its logits with it on the f32 export equal
-    jaxtune's of the merged model (measured 4e-6, where the adapter moves them by 4.0)."""
+def family_lora_logits(family: str, tmp_path, targets: tuple[str, ...]) -> tuple:
+    """jaxtune's [T, V] logits of `family`'s tiny model merged with a LoRA adapter (random B, rank 4) on `targets`,
+    of the model alone, llama.cpp's of the f32 export with the adapter as its GGUF LoRA (float32 KV cache), and the
+    adapted tree."""
     from gguf_files import TOKENS, write_family_gguf
     from hf_models import make_hf_model
     from test_gguf_families import EXPRESSIBLE
@@ -223,21 +251,47 @@ def test_llama_cpp_applies_a_deepseek_gguf_lora_where_it_adapts(tmp_path):
     from jaxtune.methods.lora.gguf import save_gguf_lora
     from jaxtune.methods.lora.merge import merge
 
-    model = make_hf_model("deepseek_v3", tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE["deepseek_v3"])
+    model = make_hf_model(family, tmp_path / "hf", vocab_size=len(TOKENS), **EXPRESSIBLE[family])
     source = write_family_gguf(tmp_path / "source.gguf", model)
     cfg, params = load_model(source, dtype=np.float32)
     base = save_gguf(tmp_path / "base.gguf", cfg, params, load_tokenizer(source), kind="f32")
-    method = method_config("lora", rank=4, alpha=8, target_modules=("o_proj", "gate_proj", "up_proj", "down_proj"))
+    method = method_config("lora", rank=4, alpha=8, target_modules=targets)
     adapted = apply_method(params, cfg, method, jax.random.key(0))
     keys = iter(jax.random.split(jax.random.key(1), len(adapted["layers"])))
     adapted["layers"] = {name: {**m, "lora_b": 0.2 * jax.random.normal(next(keys), m["lora_b"].shape)}
                          if isinstance(m, dict) and "lora_b" in m else m for name, m in adapted["layers"].items()}
-    assert {"shared_expert.up_proj", "gate_proj"} <= set(adapted["layers"])
     ids = [int(i) for i in np.random.default_rng(0).integers(3, len(TOKENS), 24)]
     ours = np.asarray(forward(merge(adapted, method, cfg=cfg), jnp.asarray([ids]), cfg))[0]
     plain = np.asarray(forward(params, jnp.asarray([ids]), cfg))[0]
     theirs = llama_cpp_logits(base, ids, lora=save_gguf_lora(tmp_path / "lora.gguf", cfg, adapted, method),
                               type_k=0, type_v=0)
+    return ours, plain, theirs, adapted
+
+
+@pytest.mark.full
+def test_llama_cpp_applies_a_deepseek_gguf_lora_where_it_adapts(tmp_path):
+    """A LoRA adapter (random B) on DeepSeek-V3's output projection, dense MLP (layer 0) and shared experts (layers 1
+    and 2, their stack's rows 0 and 1) as llama.cpp's GGUF LoRA: its logits with it on the f32 export equal
+    jaxtune's of the merged model (measured 4e-6, where the adapter moves them by 4.0)."""
+    ours, plain, theirs, adapted = family_lora_logits("deepseek_v3", tmp_path,
+                                                      ("o_proj", "gate_proj", "up_proj", "down_proj"))
+    assert {"shared_expert.up_proj", "gate_proj"} <= set(adapted["layers"])
     change, error = np.abs(ours - plain).max(), np.abs(theirs - ours).max()
     assert change > 1.0
     assert error < 1e-4 * change
+
+
+@pytest.mark.full
+def test_llama_cpp_applies_a_gemma4_gguf_lora(tmp_path):
+    """A LoRA adapter (random B) on every projection of Gemma 4's 31B shape (its sliding and full layers' own stacks)
+    as llama.cpp's GGUF LoRA: its logits with it on the f32 export equal jaxtune's of the merged model with ggml's
+    GELU (measured 2.7e-4 where the adapter moves them by 4.0)."""
+    jax.clear_caches()
+    with mock.patch.object(jax.nn, "gelu", ggml_gelu):
+        ours, plain, theirs, adapted = family_lora_logits("gemma4_dense", tmp_path, (
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    jax.clear_caches()
+    assert {"q_proj@global", "v_proj@global"} <= set(adapted["layers"])
+    change, error = np.abs(ours - plain).max(), np.abs(theirs - ours).max()
+    assert change > 1.0
+    assert error < 2e-4 * change

@@ -197,7 +197,8 @@ def _gguf_sentencepiece(meta: dict) -> Backend:
     merges = ([tuple(m.split(" ")) for m in meta["merges"]] if "merges" in meta else
               _score_merges(tokens, meta.get("scores") or [0.0] * len(tokens)))
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    unk = tokens[meta["unknown_token_id"]] if "unknown_token_id" in meta else None  # where bytes cannot help
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
                                                      prepend_scheme="first" if prefix else "never", split=False)
@@ -206,14 +207,26 @@ def _gguf_sentencepiece(meta: dict) -> Backend:
     return backend
 
 
+GEMMA4_SPLIT = r"[^\n]+|[\n]+"  # llama.cpp's "gemma4" pre-tokenizer: runs of newlines apart from the rest
+
+
+def _gguf_gemma4(meta: dict) -> Backend:
+    """A GGUF "gemma4" vocabulary (Gemma 4's, as llama.cpp reads it): BPE over UTF-8 with byte fallback and the
+    file's merges, spaces as U+2581 with none prepended, newline runs split from the rest."""
+    backend = _gguf_sentencepiece({**meta, "add_space_prefix": False})
+    backend.pre_tokenizer = pre_tokenizers.Sequence([backend.pre_tokenizer, pre_tokenizers.Split(
+        Regex(GEMMA4_SPLIT), behavior="isolated")])
+    return backend
+
+
 def gguf_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer a GGUF file's metadata describes (byte-level "gpt2" or SentencePiece "llama" vocabularies),
+    """The tokenizer a GGUF file's metadata describes (byte-level "gpt2", SentencePiece "llama" or "gemma4"),
     built as transformers' `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it: control tokens added as
     special tokens, user-defined ones (`<think>`) as plain added tokens, BOS prepended where the file says so
     (SentencePiece vocabularies by default), and the file's chat template."""
     meta = gguf_tokenizer_metadata(path)
     kind = meta.get("model")
-    builders = {"gpt2": _gguf_byte_level, "llama": _gguf_sentencepiece}
+    builders = {"gpt2": _gguf_byte_level, "llama": _gguf_sentencepiece, "gemma4": _gguf_gemma4}
     if kind not in builders:
         raise JaxtuneError(f"{path}: GGUF tokenizer model {kind!r} is not supported ({', '.join(builders)})")
     backend = builders[kind](meta)
@@ -225,7 +238,7 @@ def gguf_tokenizer(path: str | Path) -> Tokenizer:
                         if k == GGUF_USER_DEFINED])
     ids = {name: meta.get(f"{name}_token_id") for name in ("bos", "eos", "padding")}
     bos = ids["bos"]
-    add_bos = bool(meta.get("add_bos_token", kind == "llama")) and bos is not None
+    add_bos = (kind == "gemma4" or bool(meta.get("add_bos_token", kind == "llama"))) and bos is not None  # forced
     add_eos = bool(meta.get("add_eos_token", False)) and ids["eos"] is not None
     if add_bos or add_eos:
         first = [tokens[bos]] if add_bos else []

@@ -21,14 +21,25 @@ import numpy as np
 from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.gguf import BARE, ROPE_FREQS, TOP_NAMES, llama3_factors, permute_qk, value_heads_reordered
+from jaxtune.models.gguf import (
+    BARE,
+    ROPE_FREQS,
+    TOP_NAMES,
+    llama3_factors,
+    permute_qk,
+    proportional_factors,
+    value_heads_reordered,
+)
 from jaxtune.models.gguf_forms import FORMS, GGUFForm, form_of
 from jaxtune.models.hf_weights import tensor_entries
 from jaxtune.models.stacked_experts import INTERLEAVED
 from jaxtune.paths import writing
 
 KINDS = ("f32", "f16", "bf16", "q8_0")
-GGUF_NORMAL, GGUF_UNUSED = 1, 5  # llama.cpp's token types (control and user-defined: data/tokenizer.py)
+GGUF_NORMAL, GGUF_UNUSED, GGUF_BYTE = 1, 5, 6  # llama.cpp's token types (control and user-defined: data/tokenizer.py)
+# Gemma 4's tags its converter marks user-defined, so llama.cpp renders them (its chat parser reads them)
+GEMMA4_VISIBLE = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+                  '<|"|>')
 _TOP = {hf: gguf for gguf, hf in TOP_NAMES.items()}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
@@ -39,6 +50,10 @@ def gguf_tensor_name(hf_name: str, form: GGUFForm) -> str:
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
     modules = {hf: gguf for gguf, hf in form.layer_names().items()}
+    whole = {hf: gguf for hf, gguf in modules.items() if "." in gguf}  # Gemma 4's router scales, experts, scalar
+    _, _, layer, rest = hf_name.split(".", 3)
+    if rest in whole:
+        return f"blk.{layer}.{whole[rest]}"
     if suffix in BARE:  # gpt-oss's sinks, DeepSeek's routing bias
         stem, suffix = hf_name, BARE[suffix]
     _, _, layer, module = stem.split(".", 3)
@@ -49,7 +64,8 @@ def gguf_form(cfg: ModelConfig) -> GGUFForm:
     """The form `cfg` is written in, or a one-line refusal naming what GGUF (llama.cpp's loader) cannot express."""
     form = form_of(cfg.architecture)
     yarn = form.yarn if form is not None else None
-    scalings = ("linear", "llama3") + (("yarn",) if yarn else ())
+    scalings = ("proportional",) if form is not None and form.proportional else ("linear", "llama3") + (
+        ("yarn",) if yarn else ())
     s = cfg.rope_scaling
     attention = []  # a YaRN attention factor other than the one llama.cpp's loader gives
     if yarn is not None and s is not None and s.kind == "yarn" and not math.isclose(
@@ -222,32 +238,43 @@ def _pre_tokenizer_name(backend: dict) -> str:
     return "default"
 
 
-def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer as `tokenizer.ggml.*` ("gpt2"); the vocabulary padded with unused `[PAD{i}]`
-    tokens to the model's embedding rows, as llama.cpp's converter pads it."""
+def _add_tokenizer(writer, tokenizer: Tokenizer, vocab_size: int, form: GGUFForm) -> None:
+    """A byte-level BPE tokenizer as `tokenizer.ggml.*` ("gpt2"), or a byte-fallback one (spaces as U+2581) as the
+    form's (`spm_vocab`) as llama.cpp's converter writes Gemma 4's (`LlamaHfVocab`): scores -1000, `<0xXX>` tokens
+    BYTE, Gemma 4's visible tags USER_DEFINED, a space in a merge as U+0120, no space prefix, BOS added. The
+    vocabulary padded with unused `[PAD{i}]` tokens to the model's embedding rows, as the converter pads it."""
     backend = json.loads(tokenizer.backend.to_str())
     model = backend["model"]
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    spm = bool(model.get("type") == "BPE" and model.get("byte_fallback") and form.spm_vocab)
+    if not spm and (model.get("type") != "BPE" or model.get("byte_fallback")):
         raise JaxtuneError("the tokenizer is not a byte-level BPE (a SentencePiece vocabulary): writing it as GGUF "
                            "is not supported")
     tokens = {i: t for t, i in model["vocab"].items()}
-    types = {i: GGUF_NORMAL for i in tokens}
+    types = {i: GGUF_BYTE if spm and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t) else GGUF_NORMAL for i, t in tokens.items()}
     for added in backend.get("added_tokens", []):
         tokens[added["id"]] = added["content"]
         types[added["id"]] = GGUF_CONTROL if added["special"] else GGUF_USER_DEFINED
     size = max(vocab_size, max(tokens) + 1)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer_name(backend))
+    space = "\u0120" if spm else " "  # the converter's for a space inside a merge's part
+    merges = [m if isinstance(m, str) else " ".join(p.replace(" ", space) for p in m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model(form.spm_vocab if spm else "gpt2")
+    if spm:
+        types.update({i: GGUF_USER_DEFINED for i, t in tokens.items() if t in GEMMA4_VISIBLE})
+        writer.add_token_scores([-1000.0] * size)
+    else:
+        writer.add_tokenizer_pre(_pre_tokenizer_name(backend))
     writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(size)])
     writer.add_token_types([types.get(i, GGUF_UNUSED) for i in range(size)])
     writer.add_token_merges(merges)
     for add, value in ((writer.add_bos_token_id, tokenizer.bos_id), (writer.add_eos_token_id, tokenizer.eos_id),
-                       (writer.add_pad_token_id, tokenizer.pad_id)):
+                       (writer.add_pad_token_id, tokenizer.pad_id),
+                       (writer.add_unk_token_id, model["vocab"].get(model.get("unk_token")) if spm else None)):
         if value is not None:
             add(value)
+    if spm:
+        writer.add_add_space_prefix(False)
     ids = tokenizer.encode("a")
-    writer.add_add_bos_token(bool(ids) and ids[0] == tokenizer.bos_id and tokenizer.bos_id is not None)
+    writer.add_add_bos_token(spm or (bool(ids) and ids[0] == tokenizer.bos_id and tokenizer.bos_id is not None))
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
 
@@ -311,13 +338,16 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
         entries.append((ROPE_FREQS, (cfg.head_dim // 2,), lambda: llama3_factors(
             cfg.rope_theta, cfg.head_dim, s.factor, s.low_freq_factor, s.high_freq_factor,
             s.original_max_position_embeddings).astype(np.float32)))
+    if form.proportional and cfg.global_layers:  # the full layers' RoPE (default RoPE: every frequency rotated)
+        entries.append((ROPE_FREQS, (cfg.global_head_dim // 2,), lambda: proportional_factors(
+            cfg.global_head_dim, 1.0 if s is None else s.rotated_fraction)))
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     infos = [(gguf_name, _tensor_info(gguf_name, tuple(shape), kind)) for gguf_name, shape, _ in entries]
     with writing(path, sum(info[2] for _, info in infos)):
         writer = gguf.GGUFWriter(str(path), form.arch)
         writer.add_name(name)
         _add_config(writer, cfg, kind, form)
-        _add_tokenizer(writer, tokenizer, cfg.vocab_size)
+        _add_tokenizer(writer, tokenizer, cfg.vocab_size, form)
         for gguf_name, info in infos:
             writer.add_tensor_info(gguf_name, *info)
         writer.write_header_to_file()

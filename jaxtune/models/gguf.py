@@ -25,8 +25,12 @@ from jaxtune.io.gguf import check_tensor_types, dequantized, gguf_metadata, gguf
 from jaxtune.models.gguf_forms import FORMS, GGUFForm
 from jaxtune.models.stacked_experts import INTERLEAVED
 
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling, stored as a factor per frequency
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "per_layer_token_embd": "model.embed_tokens_per_layer",  # Gemma 4's per-layer inputs
+             "per_layer_model_proj": "model.per_layer_model_projection",
+             "per_layer_proj_norm": "model.per_layer_projection_norm"}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling (Gemma 4's proportional RoPE), a factor per frequency
+UNROTATED = 1e30  # the factor llama.cpp divides a frequency that proportional RoPE leaves unrotated by
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert stacks, [E, out, in] each
 BARE = {"sinks": "weight", "e_score_correction_bias": "bias"}  # transformers' bare parameters -> their GGUF suffix
 
@@ -38,6 +42,8 @@ def hf_tensor_name(name: str, form: GGUFForm = FORMS["llama"]) -> str:
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"
     parts, names = stem.split("."), form.layer_names()
+    if len(parts) == 3 and parts[0] == "blk" and f"{parts[2]}.{suffix}" in names:  # a whole tensor (Gemma 4's)
+        return f"model.layers.{parts[1]}.{names[f'{parts[2]}.{suffix}']}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         module = names[parts[2]]
         return f"model.layers.{parts[1]}.{module}" + ("" if module.rpartition(".")[2] in BARE else f".{suffix}")
@@ -72,6 +78,21 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, head_dim: int) -> 
     raise JaxtuneError(f"{ROPE_FREQS}: rope factors that no Llama 3 or 4 rope_scaling reproduces")
 
 
+def proportional_factors(head_dim: int, rotated_fraction: float) -> np.ndarray:
+    """Proportional RoPE as llama.cpp's converter stores it [head_dim / 2]: 1 for the first head_dim x fraction / 2
+    frequencies, `UNROTATED` for the rest (their angles 0)."""
+    rotated = int(head_dim * rotated_fraction / 2)
+    return np.asarray([1.0] * rotated + [UNROTATED] * (head_dim // 2 - rotated), np.float32)
+
+
+def proportional_rope_parameters(factors: np.ndarray) -> dict:
+    """The proportional `rope_parameters` entry whose factors llama.cpp stored (`proportional_factors`)."""
+    rotated = int(np.sum(factors == 1.0))
+    if not np.all(factors[rotated:] >= UNROTATED / 2):
+        raise JaxtuneError(f"{ROPE_FREQS}: factors other than 1 then {UNROTATED:g} (proportional RoPE's)")
+    return {"rope_type": "proportional", "partial_rotary_factor": rotated / len(factors)}
+
+
 def gguf_config(path: str | Path) -> dict:
     """A transformers config.json dict of GGUF file `path`, from its metadata (and which tensors it holds)."""
     path = Path(path)
@@ -89,6 +110,10 @@ def gguf_config(path: str | Path) -> dict:
             raise JaxtuneError(f"{path}: metadata {arch}.{name} is missing")
         return value
 
+    def first(name: str, default=None):  # a per-layer array's first layer's (the family's form reads the rest)
+        value = key(name, default)
+        return value[0] if isinstance(value, list) else value
+
     names = {t.name for t in reader.tensors}
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
@@ -98,9 +123,9 @@ def gguf_config(path: str | Path) -> dict:
     hf: dict[str, Any]
     hf = {"architectures": [form.architectures[0]], "model_type": form.model_type, "vocab_size": int(vocab),
           "hidden_size": hidden,  # Qwen3.5-MoE's converter writes its experts' width alone
-          "intermediate_size": int(key("feed_forward_length", meta.get(f"{arch}.expert_feed_forward_length"))),
+          "intermediate_size": int(first("feed_forward_length", meta.get(f"{arch}.expert_feed_forward_length"))),
           "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
-          "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
+          "num_key_value_heads": int(first("attention.head_count_kv", heads)), "head_dim": head_dim,
           "max_position_embeddings": int(key("context_length")),
           "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
           "rope_theta": float(key("rope.freq_base", 10000.0)), "tie_word_embeddings": "output.weight" not in names,
@@ -115,12 +140,13 @@ def gguf_config(path: str | Path) -> dict:
                                       beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)))
     if ROPE_FREQS in names:
         factors: np.ndarray = dequantized(next(t for t in reader.tensors if t.name == ROPE_FREQS)).astype(np.float64)
-        hf["rope_scaling"] = llama3_rope_parameters(factors, hf["rope_theta"], head_dim)
+        hf["rope_scaling"] = (proportional_rope_parameters(factors) if form.proportional
+                              else llama3_rope_parameters(factors, hf["rope_theta"], head_dim))
     for name in ("bos", "eos", "padding"):
         if f"tokenizer.ggml.{name}_token_id" in meta:
             hf[f"{'pad' if name == 'padding' else name}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
     try:
-        return {**hf, **form.config_from(key, hf)}
+        return {**hf, **form.config_from(key, hf, names)}
     except JaxtuneError as e:  # a value the family's form refuses: named with the file
         raise (e if str(path) in str(e) else JaxtuneError(f"{path}: {e}")) from None
 

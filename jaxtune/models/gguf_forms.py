@@ -1,13 +1,13 @@
 """Each architecture as llama.cpp's `convert_hf_to_gguf.py` writes it and its loader reads it back (`GGUFForm`):
-the `general.architecture`, the tensor names where they differ from a Llama's, how expert stacks are split, the
-metadata beyond the shared keys, and what llama.cpp's loader fixes rather than reads (a config that differs there
-is refused by name). SmolLM3: NoPE every 4th layer (fixed). OLMo 2 and 3 (both "olmo2"): post-norms, sliding layers
-three in four (fixed) with the full layers' RoPE base. gpt-oss: sinks, biased experts split from their interleaved
-stacks, sliding layers every other one (fixed), alpha 1.702 and limit 7 (fixed). Llama 4: chunks of 8192, NoPE and
-temperature (floor 8192, scale 0.1) every 4th layer (fixed), experts split from their halves. DeepSeek-V3
-("deepseek2"): `kv_b_proj` split into per-head key (transposed) and value expansions of one latent KV head, the
-sigmoid router's choice bias, shared experts, dense first layers; YaRN's mscale as mscale_all_dim, the latent norms'
-epsilon rms_norm_eps (fixed). Qwen3.5, its MoE, Qwen3-Next: Gated DeltaNet layers (`delta_net`), norms stored 1 + w."""
+`general.architecture`, tensor names where they differ from a Llama's, how expert stacks are split, the metadata beyond
+the shared keys, and what llama.cpp's loader fixes rather than reads (a config that differs is refused by name).
+SmolLM3: NoPE every 4th layer. OLMo 2 and 3 ("olmo2"): post-norms, sliding layers three in four with the full layers'
+RoPE base. gpt-oss: sinks, biased experts split from interleaved stacks, sliding every other layer, alpha 1.702, limit
+7. Llama 4: chunks of 8192, NoPE and temperature (floor 8192, scale 0.1) every 4th layer. DeepSeek-V3 ("deepseek2"):
+`kv_b_proj` split into per-head key (transposed) and value expansions, the choice bias, shared experts, dense first
+layers, YaRN's mscale as mscale_all_dim. Qwen3.5, its MoE, Qwen3-Next: Gated DeltaNet layers, norms stored 1 + w.
+Gemma 4: per-layer head widths, KV heads and MLP widths as arrays, proportional RoPE as `rope_freqs`, KV sharing from
+fixed layers, the fused expert stack whole; the final soft cap written 0 when absent (llama.cpp's default is 30)."""
 
 from __future__ import annotations
 
@@ -40,11 +40,12 @@ def _nothing_refused(cfg: ModelConfig) -> list[str]:
 class GGUFForm:
     """arch: `general.architecture`. architectures: the transformers classes written so (the first is read back,
     unless `config_from` says otherwise). permuted_qk: query and key rows interleaved for llama.cpp's rotary kernel
-    (a Llama's). names: GGUF module -> transformers module, over `LAYER_NAMES`. experts: where a layer's expert
-    stacks live ("mlp" or "feed_forward") and `interleaved` how gate and up share `gate_up_proj`'s columns.
-    config_from(key, hf) -> config.json keys of the family, given `key(name, default)` reading `{arch}.{name}` and
-    the shared keys (`hf`). metadata(cfg) -> `{arch}.{name}` -> value, beside the shared keys or in place of
-    their values (DeepSeek's key lengths). refused(cfg) -> what llama.cpp's loader fixes that `cfg` differs in.
+    (a Llama's). names: GGUF module -> transformers module, over `LAYER_NAMES` (a key "module.suffix": that whole
+    tensor -> its transformers name in the layer). experts: where a layer's expert stacks live ("mlp" or
+    "feed_forward") and `interleaved` how gate and up share `gate_up_proj`'s columns. config_from(key, hf, names) ->
+    config.json keys of the family, given `key(name, default)` reading `{arch}.{name}`, the shared keys (`hf`) and
+    the file's tensor names. metadata(cfg) -> `{arch}.{name}` -> value, beside the shared keys or in place of their
+    values (DeepSeek's key lengths). refused(cfg) -> what llama.cpp's loader fixes that `cfg` differs in.
     untied_head: llama.cpp requires `output.weight`. windows: its loader reads sliding or chunked layers
     for this architecture (their pattern is `refused`'s to check). yarn(factor): where it reads YaRN, the
     attention factor it scales cos and sin by. output_bias: it reads the output projection's bias. unadapted: the
@@ -52,7 +53,10 @@ class GGUFForm:
     modules (prefixes) whose GGUF LoRA is not written here (their tensors reordered or split). unit_norms: RMSNorm
     weights stored 1 + w (transformers' zero-centred w). delta_net: how Gated DeltaNet's value heads are stored,
     "tiled" (Qwen3.5's: r rounds of the key heads, llama.cpp repeating queries and keys tiled) or "grouped"
-    (Qwen3-Next's: each key head's r together, `in_proj_qkvz` split into queries, keys, values and the gate)."""
+    (Qwen3-Next's: each key head's r together, `in_proj_qkvz` split into queries, keys, values and the gate).
+    proportional: the full layers' RoPE is proportional, stored as `rope_freqs` (1 a rotated frequency, 1e30 an
+    unrotated one; Gemma 4's). spm_vocab: the tokenizer model its converter writes a byte-fallback BPE vocabulary
+    (spaces as U+2581) as ("gemma4"); "": byte-level ones alone."""
 
     arch: str
     architectures: tuple[str, ...]
@@ -61,7 +65,7 @@ class GGUFForm:
     names: dict[str, str] = field(default_factory=dict)
     experts: str = ""
     interleaved: bool = False
-    config_from: Callable[[Callable[..., Any], dict], dict] = _none
+    config_from: Callable[[Callable[..., Any], dict, set[str]], dict] = _none
     metadata: Callable[[ModelConfig], dict[str, Any]] = _none
     refused: Callable[[ModelConfig], list[str]] = _nothing_refused
     untied_head: bool = False
@@ -72,6 +76,8 @@ class GGUFForm:
     lora_unwritten: tuple[str, ...] = ()
     unit_norms: bool = False
     delta_net: str = ""
+    proportional: bool = False
+    spm_vocab: str = ""
 
     def layer_names(self) -> dict[str, str]:
         return {**LAYER_NAMES, **self.names}
@@ -93,7 +99,7 @@ def _smollm3_refused(cfg: ModelConfig) -> list[str]:
             + ["sliding-window layers"] * any(cfg.sliding_windows))
 
 
-def _olmo_config(key, hf: dict) -> dict:
+def _olmo_config(key, hf: dict, names: set[str]) -> dict:
     window = int(key("attention.sliding_window", 0))
     if not window:
         return {}
@@ -125,7 +131,7 @@ def _olmo_refused(cfg: ModelConfig) -> list[str]:
             * (cfg.local_rope_theta not in (None, cfg.rope_theta)))
 
 
-def _gpt_oss_config(key, hf: dict) -> dict:
+def _gpt_oss_config(key, hf: dict, names: set[str]) -> dict:
     layers = hf["num_hidden_layers"]
     scaling = hf.pop("rope_scaling", None)
     return {"num_local_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
@@ -154,7 +160,7 @@ def _gpt_oss_refused(cfg: ModelConfig) -> list[str]:
 LLAMA4_CHUNK, LLAMA4_FLOOR, LLAMA4_SCALE = 8192, 8192, 0.1  # what llama.cpp's Llama 4 loader fixes
 
 
-def _llama4_config(key, hf: dict) -> dict:
+def _llama4_config(key, hf: dict, names: set[str]) -> dict:
     layers, experts = hf["num_hidden_layers"], int(key("expert_count"))
     chunked = int(key("attention.sliding_window", LLAMA4_CHUNK)) != 0
     return {"num_local_experts": experts, "num_experts_per_tok": int(key("expert_used_count")),
@@ -197,7 +203,7 @@ DEEPSEEK2_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn
                    "ffn_down_shexp": "mlp.shared_experts.down_proj"}  # attn_kv_b: files from before k_b/v_b
 
 
-def _deepseek2_config(key, hf: dict) -> dict:
+def _deepseek2_config(key, hf: dict, names: set[str]) -> dict:
     gating = int(key("expert_gating_func", 2))  # absent where the converter's config.json named no scoring_func
     if gating != 2:
         raise JaxtuneError(f"metadata deepseek2.expert_gating_func {gating} is not supported (1 softmax: DeepSeek-V2's "
@@ -257,7 +263,7 @@ QWEN35_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp
 GDN_EPS = 1e-6  # transformers' (FLA's) query/key L2 norms' epsilon; llama.cpp's takes rms_norm_eps
 
 
-def _qwen35_config(key, hf: dict) -> dict:
+def _qwen35_config(key, hf: dict, names: set[str]) -> dict:
     """Qwen3.5's, its MoE's and Qwen3-Next's config.json keys; the multi-token-prediction layers past the trunk
     (`nextn_predict_layers`) are not read."""
     layers = hf["num_hidden_layers"] - int(key("nextn_predict_layers", 0))
@@ -310,6 +316,93 @@ def _qwen35_refused(cfg: ModelConfig) -> list[str]:
             + ["attention biases"] * cfg.qkv_bias)
 
 
+
+GEMMA4_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **POST_NORMS, "ffn_gate_inp": "router.proj",
+                "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+                "post_ffw_norm_2": "post_feedforward_layernorm_2", "inp_gate": "per_layer_input_gate",
+                "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+                "ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale": "router.per_expert_scale",
+                "ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
+                "layer_output_scale.weight": "layer_scalar"}  # the expert stack whole, [E, 2F, D] (gate's rows first)
+GEMMA4_SOFTCAP = 30.0  # llama.cpp's final soft cap where the file names none
+
+
+def _per_layer(value, layers: int) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+
+
+def _gemma4_config(key, hf: dict, names: set[str]) -> dict:
+    """Gemma 4's config.json keys: head widths, KV heads and MLP widths by layer kind (the full layers' in
+    `per_layer_config`), values from the keys where no KV-holding full layer has `attn_v`, a mixture where layers have
+    a router, llama.cpp's soft cap of 30 where the file names none (0: none)."""
+    layers = hf["num_hidden_layers"]
+    sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
+    kv, widths = _per_layer(key("attention.head_count_kv", hf["num_attention_heads"]), layers), _per_layer(
+        key("feed_forward_length"), layers)
+    shared, width = int(key("attention.shared_kv_layers", 0)), widths[0]
+    wide = widths == [width] * (layers - shared) + [2 * width] * shared
+    if not (wide or widths == [width] * layers):
+        raise JaxtuneError(f"metadata gemma4.feed_forward_length {widths} is not supported (transformers' Gemma 4: "
+                           "one width, or twice it on the KV-sharing layers)")
+    full = [i for i, s in enumerate(sliding) if not s]
+    # experts where a layer has a router (the converter writes expert_count whenever the config names one)
+    experts = int(key("expert_count", 0)) if any(n.endswith(".ffn_gate_inp.weight") for n in names) else 0
+    cap = float(key("final_logit_softcapping", GEMMA4_SOFTCAP))
+    rope = hf.pop("rope_scaling", None) or {"partial_rotary_factor": 1.0}  # no full layer: no rope_freqs
+    return {"head_dim": int(key("attention.key_length_swa")),
+            "num_key_value_heads": kv[sliding.index(True)] if any(sliding) else kv[0],
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "sliding_window": int(key("attention.sliding_window")), "hidden_activation": "gelu_pytorch_tanh",
+            "per_layer_config": {str(i): {"head_dim": int(key("attention.key_length")), "num_key_value_heads": kv[i]}
+                                 for i in full},
+            "attention_k_eq_v": not any(f"blk.{i}.attn_v.weight" in names for i in full if i < layers - shared),
+            "num_kv_shared_layers": shared, "intermediate_size": width, "use_double_wide_mlp": wide and shared > 0,
+            "hidden_size_per_layer_input": int(key("embedding_length_per_layer_input", 0)),
+            "vocab_size_per_layer_input": hf["vocab_size"], "enable_moe_block": experts > 0,
+            "num_experts": experts or None, "top_k_experts": int(key("expert_used_count")) if experts else None,
+            "moe_intermediate_size": int(key("expert_feed_forward_length")) if experts else None,
+            "final_logit_softcapping": cap or None,
+            "rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": hf["rope_theta"],
+                                                   "partial_rotary_factor": rope["partial_rotary_factor"]},
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": float(key("rope.freq_base_swa", 10_000.0))}}}
+
+
+def _gemma4_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    """Head widths and RoPE bases by layer kind (`_swa` keys: sliding layers'), KV heads and MLP widths as arrays
+    a layer where they differ by layer, the soft cap always (0: none)."""
+    sliding, sharing = [bool(w) for w in cfg.sliding_windows], set(cfg.kv_sharing_layers)
+    full_kv = cfg.global_kv_heads or cfg.num_kv_heads
+    local_theta = cfg.rope_theta if cfg.local_rope_theta is None else cfg.local_rope_theta
+    return {"attention.key_length": cfg.global_head_dim, "attention.value_length": cfg.global_head_dim,
+            "attention.key_length_swa": cfg.head_dim, "attention.value_length_swa": cfg.head_dim,
+            "rope.dimension_count": cfg.global_head_dim, "rope.dimension_count_swa": cfg.head_dim,
+            "rope.freq_base_swa": float(local_theta), "attention.sliding_window": max(cfg.sliding_windows),
+            "attention.sliding_window_pattern": sliding, "attention.shared_kv_layers": cfg.shared_kv_layers,
+            "embedding_length_per_layer_input": cfg.per_layer_input_size,
+            "final_logit_softcapping": float(cfg.final_logit_softcap or 0.0),
+            **({"attention.head_count_kv": [cfg.num_kv_heads if s else full_kv for s in sliding]}
+               if cfg.global_kv_heads else {}),
+            **({"feed_forward_length": [cfg.intermediate_size * (1 + (i in sharing)) for i in range(cfg.num_layers)]}
+               if cfg.wide_shared_mlp else {}),
+            **({"expert_feed_forward_length": cfg.expert_size} if cfg.num_experts else {})}
+
+
+def _gemma4_refused(cfg: ModelConfig) -> list[str]:
+    """What llama.cpp's gemma4 loader fixes: a KV-sharing layer reads layer S - 2 (sliding) or S - 1 (full), S the
+    first sharing layer (transformers': the last earlier layer of its kind), and asserts S >= 2."""
+    first, windows = cfg.num_layers - cfg.shared_kv_layers, cfg.sliding_windows
+    factor = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.factor
+    return ([f"num_kv_shared_layers {cfg.shared_kv_layers} after layers {[bool(w) for w in windows[:first]]} sliding "
+             f"(llama.cpp's shared layers read layers {first - 2} and {first - 1}: sliding, then full)"]
+            * bool(cfg.shared_kv_layers and first >= 2 and (not windows[first - 2] or windows[first - 1]))
+            + [f"{first} layers holding keys and values (llama.cpp's: 2 or more)"] * (first < 2)
+            + [f"sliding windows {sorted(set(windows) - {0})} (one)"] * (len(set(windows) - {0}) > 1)
+            + [f"vocab_size_per_layer_input {cfg.per_layer_vocab_size} (llama.cpp's: the vocabulary, "
+               f"{cfg.vocab_size})"] * bool(cfg.per_layer_input_size and cfg.per_layer_vocab_size != cfg.vocab_size)
+            + [f"a proportional RoPE factor {factor:g} (llama.cpp's: 1)"] * (factor != 1))
+
+
 FORMS = {form.arch: form for form in (
     GGUFForm(arch="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"), model_type="llama",
              permuted_qk=True),
@@ -317,7 +410,7 @@ FORMS = {form.arch: form for form in (
     GGUFForm(arch="qwen2", architectures=("Qwen2ForCausalLM",), model_type="qwen2"),
     GGUFForm(arch="qwen3", architectures=("Qwen3ForCausalLM",), model_type="qwen3"),
     GGUFForm(arch="smollm3", architectures=("SmolLM3ForCausalLM",), model_type="smollm3", permuted_qk=True,
-             config_from=lambda key, hf: {"use_sliding_window": False}, refused=_smollm3_refused),
+             config_from=lambda key, hf, names: {"use_sliding_window": False}, refused=_smollm3_refused),
     GGUFForm(arch="olmo2", architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"), model_type="olmo2",
              names=POST_NORMS, config_from=_olmo_config, metadata=_olmo_metadata, refused=_olmo_refused,
              untied_head=True, windows=True, yarn=_yarn_attention),
@@ -345,6 +438,9 @@ FORMS = {form.arch: form for form in (
           ("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text", "tiled"),
           ("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "tiled"),
           ("qwen3next", "Qwen3NextForCausalLM", "qwen3_next", "grouped"))),
+    GGUFForm(arch="gemma4", architectures=("Gemma4ForCausalLM",), model_type="gemma4_text", names=GEMMA4_NAMES,
+             experts="mlp", config_from=_gemma4_config, metadata=_gemma4_metadata, refused=_gemma4_refused,
+             windows=True, proportional=True, spm_vocab="gemma4"),
 )}
 
 
