@@ -12,8 +12,9 @@ and 1.0x-1.3x on a well-conditioned one). So parity is asserted against a float6
     angles, as jaxtune's float64 forward does).
   * `jaxtune_float64(...)`: jaxtune's forward with compute_dtype "float64": equal to the reference to ~1e-12,
     which shows the same function is computed, on any CPU.
-  * `assert_float32_parity`: jaxtune's float32 error from the reference (relative L2 over real tokens) is at most
-    FACTOR times the reference framework's own float32 error, and the two float32 outputs agree to `atol`.
+  * `assert_float32_parity`: jaxtune's float32 error from the reference is at most FACTOR times the reference
+    framework's own float32 error, token by token (the geometric mean over real tokens of the ratio of the two
+    errors), and the two float32 outputs agree to `atol`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_mod
 from jaxtune.config import ForwardOptions
 from jaxtune.models.llama import forward
 
-FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error; measured 1.0-1.3 on these models
+FACTOR = 2.0  # jaxtune's float32 error / transformers' float32 error, token by token; measured 0.9-1.1 on these models
 
 
 def _rms_norm_float64(self, x):
@@ -270,19 +271,28 @@ def logits_four_ways(torch_model, params: dict, cfg, method=None, seed: int = 0,
             "valid": mask > 0}
 
 
-def relative_error(x: np.ndarray, ref: np.ndarray, valid: np.ndarray) -> float:
-    """||x - ref|| / ||ref|| over the positions where `valid` [B, T] is true."""
-    x, ref = np.asarray(x, np.float64)[valid], np.asarray(ref, np.float64)[valid]
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+def token_errors(x: np.ndarray, ref: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """||x - ref|| over the last axis at each position where `valid` [B, T] is true: [real tokens]."""
+    return np.linalg.norm(np.asarray(x, np.float64)[valid] - np.asarray(ref, np.float64)[valid], axis=-1)
 
 
 def assert_float32_parity(ours: np.ndarray, theirs: np.ndarray, ref64: np.ndarray, valid: np.ndarray,
                           atol: float = 1e-4, factor: float = FACTOR) -> None:
-    """jaxtune's float32 `ours` is as close to the float64 `ref64` as the other framework's float32 `theirs`
-    (within `factor`), and within `atol` of it beyond `theirs`' own largest error (Qwen3.5's float32 delta rule in
-    transformers is 1e-4 off on O(10) logits where jaxtune's is 3x closer)."""
-    ours_error, their_error = relative_error(ours, ref64, valid), relative_error(theirs, ref64, valid)
-    assert ours_error <= factor * their_error + 1e-9, (
-        f"jaxtune float32 error {ours_error:.3g} > {factor} x the reference's own float32 error {their_error:.3g}")
+    """jaxtune's float32 `ours` is as close to the float64 `ref64` as the other framework's float32 `theirs`: the
+    geometric mean over real tokens of ours' error / theirs' is within `factor`; and `ours` is within `atol` of
+    `theirs` beyond theirs' own largest error (Qwen3.5's float32 delta rule in transformers is 1e-4 off on O(10)
+    logits where jaxtune's is 3x closer).
+
+    Token by token, not as one norm over the batch: a token whose output is ill-conditioned carries most of either
+    error norm, and a ratio of the norms is then one rounding's luck over another's. In the tiny Qwen3.5 with an
+    all-linear LoRA, one token held 82% of jaxtune's squared error (downstream of two value heads' delta-rule
+    outputs near cancellation, 1/20 of their usual size: in_proj_qkv's float32 products alone, the rest in float64,
+    gave a relative error of 8e-6); with the hidden axis permuted in both models (the same function, other
+    summation orders) the ratio of norms ranged 0.2x-3.4x, either framework's error 9x, the geometric mean of the
+    per-token ratios 0.6x-1.1x. A less accurate computation raises that mean at every token."""
+    ours_errors, their_errors = token_errors(ours, ref64, valid), token_errors(theirs, ref64, valid)
+    ratio = float(np.exp(np.mean(np.log(ours_errors / their_errors))))
+    assert ratio <= factor, (f"jaxtune's float32 error {ratio:.3g} x the reference's own, token by token (> {factor}); "
+                             f"largest {ours_errors.max():.3g} vs {their_errors.max():.3g}")
     their_largest = np.abs(np.asarray(theirs, np.float64) - ref64)[valid].max()
     assert np.abs(np.asarray(ours) - theirs)[valid].max() <= atol + their_largest
