@@ -272,8 +272,10 @@ def logits_four_ways(torch_model, params: dict, cfg, method=None, seed: int = 0,
 
 
 def token_errors(x: np.ndarray, ref: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """||x - ref|| over the last axis at each position where `valid` [B, T] is true: [real tokens]."""
-    return np.linalg.norm(np.asarray(x, np.float64)[valid] - np.asarray(ref, np.float64)[valid], axis=-1)
+    """||x - ref|| over the last axis at each position where `valid` [B, T] is true: [real tokens] (at least float32's
+    smallest normal, so that a ratio of two is defined where a token comes out exact)."""
+    errors = np.linalg.norm(np.asarray(x, np.float64)[valid] - np.asarray(ref, np.float64)[valid], axis=-1)
+    return np.maximum(errors, np.finfo(np.float32).tiny)
 
 
 def assert_float32_parity(ours: np.ndarray, theirs: np.ndarray, ref64: np.ndarray, valid: np.ndarray,
