@@ -34,6 +34,12 @@ WEIGHT_GRADIENT_COPIES = {"none": 3.0, "save_matmuls": 3.0, "full": 1.6}
 # [b, c, V] float32 logits buffers a final-logit soft cap adds at the loss (tanh's output, kept for the backward),
 # measured on XLA:CPU (Gemma 2 shapes): one with adapters; 0.2 to 2 in full fine-tuning (bfloat16, float32).
 SOFTCAP_LOGITS_COPIES = 1
+# The [rows of the expert group, T, K x D] arrays of a megablox mixture whose experts are frozen (the sorted inputs,
+# Llama 4's weighted ones, the experts' outputs, and in the backward their gradients in their place): held once each,
+# outside BACKWARD_SHARE and the TPU compiler's second layer (DeepSeek-V3's LoRA compiled for v5p-512 with 4, 8 and
+# 16 devices an expert group: 2.2 and 10.0 GiB more temporaries for 5.7 and 11.3 GiB more of the group's tensors,
+# experiments/tpu_compile_table.py)
+EXPERT_STREAMS = ("their expert inputs", "their expert outputs", "their weighted expert inputs")
 
 
 @dataclass(frozen=True)
@@ -250,15 +256,18 @@ def linear_layer_saved(cfg: ModelConfig, method, policy: str, w: Widths) -> list
 def expert_group_tensors(cfg: ModelConfig, w: Widths) -> list[tuple[str, tuple[int, ...], bool]]:
     """What a layer's megablox mixture holds beyond its own rows' share when the rows of its expert group are
     gathered (`models/moe.py`): the other devices' tokens, their K expert inputs, gate and up, SwiGLU outputs and
-    expert outputs (zero where another device's experts take them, but there), and the group's float32 sums."""
+    expert outputs (zero where another device's experts take them, but there), Llama 4's weighted inputs, and the
+    group's float32 sums."""
     others = w.b * (w.expert_rows - 1)
     if not others:
         return []
     K, T, D, Fe = cfg.experts_per_token, w.T, w.D, cfg.expert_size * w.F // mlp_width(cfg)  # a device's share
-    return [("the expert group's rows", (others, T, D), False), ("their expert inputs", (others, T, K * D), False),
-            ("their gate and up", (others, T, 2 * K * Fe), False), ("their SwiGLU output", (others, T, K * Fe), False),
-            ("their expert outputs", (others, T, K * D), False),
-            ("the group's weighted sums", (w.b * w.expert_rows, T, D), True)]
+    group: list[tuple[str, tuple[int, ...], bool]] = [
+        ("the expert group's rows", (others, T, D), False), ("their expert inputs", (others, T, K * D), False),
+        ("their gate and up", (others, T, 2 * K * Fe), False), ("their SwiGLU output", (others, T, K * Fe), False),
+        ("their expert outputs", (others, T, K * D), False),
+        ("the group's weighted sums", (w.b * w.expert_rows, T, D), True)]
+    return group + ([("their weighted expert inputs", (others, T, K * D), False)] if cfg.expert_input_scaled else [])
 
 
 def grouped_matmul_elements(cfg: ModelConfig, w: Widths, experts_train: bool) -> int:
@@ -370,14 +379,16 @@ def linear_attention_flops_per_row(cfg: ModelConfig, seq_len: int) -> int:
 @dataclass(frozen=True)
 class ActivationBytes:
     """Per device: every layer's saved activations, one layer's attention workspace (a block of scores and their
-    gradient, the kernel's accumulators), the rest of that layer's backward workspace, one chunk's [b, c, V] float32
-    logits buffer and all logits buffers alive at the loss."""
+    gradient, the kernel's accumulators), the rest of that layer's backward workspace (of which `expert_streams`
+    a frozen mixture's group streams, `EXPERT_STREAMS`), one chunk's [b, c, V] float32 logits buffer and all logits
+    buffers alive at the loss."""
 
     saved: int
     attention: int
     workspace: int
     logits_one: int
     logits: int
+    expert_streams: int = 0
 
 
 def _union(*kinds: list) -> list:
@@ -412,7 +423,11 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
     untiled = replace(w, mlp_tile=0)
     layer = [(name, (shape[0], w.Tm, *shape[2:]) if name in mlp_terms(cfg) else shape, f32)  # a tile's MLP terms
              for name, shape, f32 in saved_tensors(cfg, method, "none", untiled)]
-    workspace = int(BACKWARD_SHARE[policy] * size(layer, loose_nbytes or nbytes, workspace_itemsize or itemsize))
+    frozen_experts = bool(cfg.num_experts) and not _trains_input(method, "experts", {})
+    streams = size([t for t in layer if frozen_experts and t[0] in EXPERT_STREAMS], loose_nbytes or nbytes,
+                   workspace_itemsize or itemsize)
+    workspace = int(BACKWARD_SHARE[policy] * (size(layer, loose_nbytes or nbytes, workspace_itemsize or itemsize)
+                                              - streams)) + streams
     workspace += adapter_backward_elements(cfg, method, w) * (workspace_itemsize or itemsize)
     chunk = chunk_length(global_rows or w.b, w.T, cfg.vocab_size)
     logits_one = nbytes((w.b, chunk, w.V), 4)
@@ -443,7 +458,8 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
             saved_bytes = cfg.num_layers * size(_union(saved, dense_saved))  # cond merges branch residuals so)
         else:
             saved_bytes = len(cfg.mixture_layers) * size(saved) + len(cfg.dense_layers) * size(dense_saved)
-        workspace = max(workspace, dense.workspace)
+        if dense.workspace > workspace:
+            workspace, streams = dense.workspace, dense.expert_streams
         # both kinds attend, each switch branch's backward with attention blocks of its own: XLA:CPU held 1.7x
         # (Maverick) and 2.3x (DeepSeek-V3) the blocks of the layers without the switch (full fine-tuning, 256 tokens)
         attention = attention * 3 // 2
@@ -468,8 +484,9 @@ def activation_bytes(cfg: ModelConfig, method, policy: str, w: Widths, itemsize:
             saved_bytes = cfg.num_layers * (size(_union(*saved_sets.values())) + per_layer_input)
         else:
             saved_bytes = sum(n * (size(saved_sets[kind]) + per_layer_input) for kind, (_, _, n) in kinds.items())
-        workspace = max(a.workspace for a in per_kind.values())
+        widest = max(per_kind.values(), key=lambda a: a.workspace)
+        workspace, streams = widest.workspace, widest.expert_streams
         attention = max(a.attention for a in per_kind.values()) * (3 if len(kinds) > 1 else 2) // 2
     if cfg.final_logit_softcap:
         logits_copies += SOFTCAP_LOGITS_COPIES
-    return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one))
+    return ActivationBytes(saved_bytes, attention, workspace, logits_one, int(logits_copies * logits_one), streams)

@@ -463,9 +463,10 @@ def backward_workspace(step: Step) -> int:
         # The TPU compiler's program holds about two layers' backward working sets (a pipelined backward loop fits
         # what it shows; the cause is not in the dumped HLO): its memory_analysis exceeds its own buffer assignment
         # by 0.8-1.0 of a layer's working set on TPU, 0.45 of this estimate's one (LoRA, QLoRA and DoRA rows of
-        # experiments/tpu_compile_table.py); in a full fine-tune, with each of the two a layer's whole float32
+        # experiments/tpu_compile_table.py), a frozen mixture's group streams held once (`act.EXPERT_STREAMS`,
+        # DeepSeek-V3's rows); in a full fine-tune, with each of the two a layer's whole float32
         # weight gradient before its reduce-scatter (a device's experts' share of a mixture's).
-        workspace += int(0.45 * acts.workspace)
+        workspace += int(0.45 * (acts.workspace - acts.expert_streams))
         if trains_base and step.zero > 1:
             experts = act.expert_kernel_elements(cfg)
             per_layer = _kernel_elements(cfg)[0] // cfg.num_layers - experts + experts // step.sizes["expert"]

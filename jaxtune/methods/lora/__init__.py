@@ -58,6 +58,12 @@ def _float_base(method: QLoRAConfig) -> LoRAConfig:
     return LoRAConfig(**{**fields, "init": "default" if method.init == "loftq" else method.init, "loftq_iter": 1})
 
 
+def _trains_input(method: LoRAConfig, module: str, adapted: dict) -> bool:
+    """The backward keeps the input of an adapted module, and of a mixture's experts ("experts") that
+    `target_parameters` adapts."""
+    return module in adapted or (module == "experts" and bool(method.target_parameters))
+
+
 def _needs_initial(method: LoRAConfig) -> bool:
     return method.init in CONVERTED_INITS
 
@@ -83,8 +89,7 @@ LORA: Method[LoRAConfig] = Method(
     gguf_lora=save_gguf_lora,
     adapter_rows=AdapterRows(why_not_mixed, stack_adapters),
     learning_rates=loraplus_rates,
-    costs=PlannerCosts(trains_input=lambda method, module, adapted: module in adapted, low_rank=True,
-                       lighter=_lighter),
+    costs=PlannerCosts(trains_input=_trains_input, low_rank=True, lighter=_lighter),
     label=_label,
     summary=lambda method: method.kind + (" (DoRA)" if method.dora else ""),
 )
