@@ -106,6 +106,38 @@ def _xla_flags_as_they_were():
         os.environ["XLA_FLAGS"] = before
 
 
+def _memory_maps() -> int:
+    """This process's memory mappings (Linux's /proc; 0 where there is none)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def _map_limit() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+@pytest.fixture(autouse=True)
+def _programs_within_the_map_limit():
+    """XLA:CPU maps each program it compiles or reads from the cache in 25-150 regions of memory and JAX keeps every
+    program a process ran: one process running the full tier's parity, PEFT and family modules passed Linux's
+    `vm.max_map_count` (65,530; 59,300 maps 45 s before) and died in its next mapping (a segfault reading a cached
+    program). Past half the limit JAX's caches are dropped; a later test reads its programs back from the disk cache."""
+    yield
+    if _memory_maps() > _map_limit() // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
     """Factory: arch name -> (directory, transformers model of tests/hf_models.py), cached for the session. Its tests
