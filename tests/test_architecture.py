@@ -218,7 +218,7 @@ def test_the_unit_check_sees_a_planted_comparison():
 # ---- kernel choices: each made by one predicate, which the model and the planner both ask ------------------------
 
 # {predicate: the module that defines it}: the attention kernel (registry of fused kernels, else blockwise), a
-# mixture's grouped matmul (megablox or ragged_dot), whether a method's branch folds into its base product
+# mixture's grouped matmul (megablox, tiles or ragged_dot), whether a method's branch folds into its base product
 KERNEL_PREDICATES = {"choose_kernel": "jaxtune/models/kernels/base.py", "grouped_kernel": "jaxtune/models/moe.py",
                      "folds_branch": "jaxtune/models/linear.py"}
 # what an attention kernel's choice reads (`AttentionKernel`): read anywhere else, the choice is being made again

@@ -58,7 +58,7 @@ class ExpertHook:
     """A method's part of a mixture's grouped products (`models.moe`), for expert stacks holding leaf `trigger`.
 
     add(x_MxI, y_MxO, module, product) -> y: the rows' products with their experts' kernels `y` plus the method's
-    branch, where product(x, w) is the grouped product over the same experts (ragged_dot, or megablox on TPU) and
+    branch, where product(x, w) is the grouped product over the same experts (`moe.grouped_kernel`'s) and
     `module` one layer's stack leaves [E, ...]. leaf_dims: every leaf it reads; for a leaf [E, a, b], which of the
     kernel's dimensions ("in", "out" or None) a and b follow: a leaf is split over devices as its kernel is (a leaf
     without an expert dimension, a scale, is replicated). A kernel that runs per device (megablox) sees only these.

@@ -4,9 +4,9 @@
 Each token goes to its `experts_per_token` most probable experts (float32 softmax of x W_r), weighted by their
 probabilities (renormalised when `normalize_top_k`); the N x K assignments are sorted by expert and each expert's
 gated MLP runs as one grouped matmul over its rows (no capacity, no token dropped). `grouped_kernel` picks it:
-`jax.lax.ragged_dot`, or on TPU, whose compiler makes ragged_dot a dense matmul per expert over every row, Pallas'
-megablox `gmm` per device under `shard_map` (`megablox_matmul`; the expert axis splits experts, a tensor axis their
-hidden units). The TPU figures: experiments/tpu_compile_table.py. The loss is Switch Transformer's (Fedus et al.).
+`jax.lax.ragged_dot` on GPU; where the compiler makes it a dense matmul per expert over every row, tiles on CPU
+(`grouped_tiles`) and Pallas' megablox `gmm` per device under `shard_map` on TPU (`megablox_matmul`: experts split
+over the expert axis, hidden units over tensor; experiments/tpu_compile_table.py). Loss: Switch Transformer's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxtune.config import ModelConfig
 from jaxtune.config.method import ExpertHook
+from jaxtune.models.grouped_tiles import tiled_grouped_matmul
 from jaxtune.models.linear import dense, kernel_of, scaled, wide
 from jaxtune.models.norms import unscaled_rms_norm
 from jaxtune.models.params import EXPERT_AXES
@@ -94,10 +95,14 @@ def _group_limited(choice_NxE: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def grouped_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, axes: tuple[str, ...],
-                   hook: ExpertHook | None = None) -> jax.Array:
+                   hook: ExpertHook | None = None, kernel: str = "ragged_dot") -> jax.Array:
     """Rows of x, sorted by expert (group_sizes_E rows each), times their expert's kernel [E, in, out]: [M, out];
-    with the method's branch where the stack holds its leaves (`hook`, e.g. LoRA's two more grouped products)."""
-    product = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes_E)  # noqa: E731
+    with the method's branch where the stack holds its leaves (`hook`, e.g. LoRA's two more grouped products);
+    kernel: "ragged_dot" or "tiles" (`grouped_kernel`)."""
+    if kernel == "tiles":
+        product = lambda x, w: tiled_grouped_matmul(x, w.astype(x.dtype), group_sizes_E)  # noqa: E731
+    else:
+        product = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes_E)  # noqa: E731
     y_MxO = product(x_MxI, gathered(kernel_of(module, x_MxI.dtype), axes[1:]))
     return _with_hook(x_MxI, y_MxO, module, hook, product)
 
@@ -109,8 +114,12 @@ def _with_hook(x_MxI, y_MxO, module: dict, hook: ExpertHook | None, product) -> 
 
 def grouped_kernel(cfg: ModelConfig, platform: str, tensor: int) -> str:
     """The grouped matmul a mixture runs: "megablox" on TPU where the tensor axis divides each expert's hidden units
-    into multiples of 128, as the hidden size is (and, with expert biases, does not split them), else "ragged_dot"
-    (which the TPU compiler makes a dense matmul per expert). The planner asks the same."""
+    into multiples of 128, as the hidden size is (and, with expert biases, does not split them); "tiles" on CPU
+    (`grouped_tiles`: XLA:CPU makes ragged_dot a dense matmul per expert over every row; benchmarks/grouped_matmul.py);
+    else "ragged_dot" (GPU, unmeasured; on TPU its compiler makes it dense per expert too). The planner asks the
+    same."""
+    if platform == "cpu":
+        return "tiles"
     splits = tensor > 1 and cfg.expert_bias
     # Mosaic tiles a dimension by multiples of 128 or whole: gpt-oss's 2,880 x 2,880 down projection is neither
     # tileable nor, whole, within VMEM (16 MiB of bfloat16), so its products run as ragged_dot
@@ -141,13 +150,14 @@ def routed_experts(x_BxTxD: jax.Array, layer: dict, cfg: ModelConfig, valid_BxT:
     probs_NxE, weights_NxK, experts_NxK = route(routed_x.reshape(B * T, D), layer["router"], cfg)
     platform, interpret = expert_platform()
     mesh = mesh_in_context()
-    if grouped_kernel(cfg, platform, 1 if mesh is None else mesh.shape["tensor"]) == "megablox":
+    kernel = grouped_kernel(cfg, platform, 1 if mesh is None else mesh.shape["tensor"])
+    if kernel == "megablox":
         out_BxTxD = _megablox_experts(x_BxTxD, weights_NxK.reshape(B, T, K), experts_NxK.reshape(B, T, K),
                                       layer["experts"], gated, hook, E, interpret, cfg.expert_input_scaled)
     else:
         experts = layer["experts"]
         matmul = lambda x, name, sizes_E: grouped_matmul(x, experts[name], sizes_E, EXPERT_AXES[name],  # noqa: E731
-                                                         hook)
+                                                         hook, kernel)
         out_BxTxD = _expert_rows(x_BxTxD.reshape(B * T, D), weights_NxK, experts_NxK, gated, E, matmul,
                                  None if router_x_BxTxD is None else wide(x_BxTxD.dtype),
                                  biases=expert_biases(experts), scale_inputs=cfg.expert_input_scaled
@@ -281,8 +291,9 @@ def megablox_matmul(x_MxI: jax.Array, module: dict, group_sizes_E: jax.Array, of
 
 
 def router_loss(assigned_LxE: jax.Array, prob_sums_LxE: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The load-balancing loss E * sum_e f_e P_e over all layers' routing: f_e the share of assignments that went
-    to expert e, P_e its mean probability, each over (layers x valid tokens); tokens: valid tokens per layer."""
+    """Switch Transformer's load-balancing loss (Fedus et al.) E * sum_e f_e P_e over all layers' routing: f_e the
+    share of assignments that went to expert e, P_e its mean probability, each over (layers x valid tokens); tokens:
+    valid tokens per layer."""
     rows = assigned_LxE.shape[0] * jnp.maximum(tokens, 1.0)
     f_E, p_E = jnp.sum(assigned_LxE, axis=0) / rows, jnp.sum(prob_sums_LxE, axis=0) / rows
     return assigned_LxE.shape[-1] * jnp.sum(f_E * p_E)

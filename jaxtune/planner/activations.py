@@ -272,9 +272,9 @@ def expert_group_tensors(cfg: ModelConfig, w: Widths) -> list[tuple[str, tuple[i
 
 def grouped_matmul_elements(cfg: ModelConfig, w: Widths, experts_train: bool) -> int:
     """Elements of the masked [E, N K, width] copies a mixture's grouped matmul makes in one layer's backward where
-    XLA has no grouped kernel and `lax.ragged_dot` becomes a dense matmul per expert over every row (XLA:CPU): the
-    widest one for the inputs' gradient; the inputs' and the outputs' gradient's, twice, when the experts train
-    (measured on XLA:CPU within 10% of the step, 4 and 8 experts of 64 to 704 units)."""
+    `lax.ragged_dot` becomes a dense matmul per expert over every row (TPU without megablox): the widest one for the
+    inputs' gradient; the inputs' and the outputs' gradient's, twice, when the experts train (measured on XLA:CPU
+    within 10% of the step, 4 and 8 experts of 64 to 704 units, while CPU ran ragged_dot)."""
     if not cfg.num_experts:
         return 0
     rows = w.b * w.T * cfg.experts_per_token

@@ -25,6 +25,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.generation import decode, decode_arguments
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
+from jaxtune.models import grouped_tiles
 from jaxtune.objectives import rows as rows_of
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.rules import PLATFORMS
@@ -39,7 +40,7 @@ class CompiledMemory:
     (`cost_analysis`, which counts a loop body once: about one layer of a scanned model), its collectives ({op:
     {"count", "bytes"}}: each op as often as the program text has it, a loop body's once, and the bytes it
     produces), the attention kernel in it ("splash", "cudnn" or "blockwise"), a mixture's grouped matmul ("megablox",
-    "ragged_dot"; "" without experts), the platform it was compiled for and
+    "tiles", "ragged_dot"; "" without experts), the platform it was compiled for and
     how long that took. A program the compiler refused for want of memory (the TPU compiler checks each chip's HBM)
     has `over_memory`, the memory it had, and its temporaries as the compiler counted them."""
 
@@ -221,8 +222,11 @@ def attention_kernel(hlo: str) -> str:
 
 
 def grouped_matmul_kernel(hlo: str) -> str:
-    """A mixture's grouped matmul in a compiled program: Pallas megablox (TPU custom calls `gmm`, `tgmm`),
-    `lax.ragged_dot` (dense per expert on TPU), or "" (no mixture)."""
+    """A mixture's grouped matmul in a compiled program: Pallas megablox (TPU custom calls `gmm`, `tgmm`), the
+    tiles of `models.grouped_tiles` (its ops named by its scope), `lax.ragged_dot` (dense per expert on TPU), or ""
+    (no mixture)."""
     if re.search(r"%t?gmm[.\d]* = [^\n]*custom-call", hlo):
         return "megablox"
+    if grouped_tiles.SCOPE in hlo:
+        return "tiles"
     return "ragged_dot" if "ragged-dot" in hlo or "ragged_dot" in hlo else ""

@@ -47,8 +47,6 @@ class FamilyRules:
     (XLA:CPU widens 16-bit values there; the stacks the layer scan keeps stay 16-bit, `models/remat.py`), None
     for the compute dtype's.
     tiled: arrays occupy whole (8, 128) tiles (16 rows for 2-byte, 32 for 1-byte types), as on TPU.
-    dense_grouped_matmul: a mixture's grouped matmul runs as a dense matmul per expert (`lax.ragged_dot` on XLA:CPU;
-    on TPU jaxtune runs megablox instead, unless a tensor axis does not divide the experts' hidden units).
     transposed_weight_gradients: a layer's backward lays the inputs of its weight gradients' matmuls out again, where
     the base trains (`activations.weight_gradient_elements`; XLA:CPU).
     reserve: fixed bytes + a fraction of the device-side estimate, for what XLA's analysis does not see."""
@@ -58,7 +56,6 @@ class FamilyRules:
     reserve_fixed: int
     reserve_fraction: float
     reserve_note: str
-    dense_grouped_matmul: bool = False
     transposed_weight_gradients: bool = False
 
 
@@ -76,7 +73,7 @@ FAMILY_RULES = {
                        "runtime baseline: 520 MiB for Python, jaxlib, the tokenizer, orbax and XLA's compiler, the "
                        "peak RSS of `jaxtune train` on a 0.2M-parameter model; XLA:CPU widens 16-bit values inside a "
                        "layer's backward",
-                       dense_grouped_matmul=True, transposed_weight_gradients=True),
+                       transposed_weight_gradients=True),
 }
 
 
@@ -449,13 +446,15 @@ def weight_copies(step: Step) -> tuple[int, int, int]:
 
 def backward_workspace(step: Step) -> int:
     """Bytes of the backward's working set beyond the saved activations: one layer's (`activations`), plus one more
-    layer's saved activations under accumulation (XLA:CPU), a dense grouped matmul's, transposed weight gradients'
+    layer's saved activations under accumulation (XLA:CPU), a dense grouped matmul's (TPU), transposed weight gradients'
     inputs where the base trains, and the TPU compiler's second layer under remat "full"."""
     cfg, plan, acts, w, a = step.cfg, step.plan, step.acts, step.w, step.compute_size
     remat, trains_base = plan.forward.remat.policy, step.unit.trains_base
     workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
     tpu = step.device.family == "tpu"
-    if step.rules.dense_grouped_matmul or (tpu and not step.megablox):
+    # a mixture's grouped matmul: ragged_dot on TPU is dense per expert; CPU's tiles (`models/grouped_tiles.py`) hold
+    # a tile's rows beside the layer's, within 8% of XLA:CPU's step for eight mixtures without a term of their own
+    if tpu and not step.megablox:
         workspace += act.grouped_matmul_elements(cfg, w, trains_base) * a
     if step.rules.transposed_weight_gradients and trains_base:
         workspace += act.weight_gradient_elements(remat, w) * 4
