@@ -316,7 +316,6 @@ def _qwen35_refused(cfg: ModelConfig) -> list[str]:
             + ["attention biases"] * cfg.qkv_bias)
 
 
-
 GEMMA4_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **POST_NORMS, "ffn_gate_inp": "router.proj",
                 "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
                 "post_ffw_norm_2": "post_feedforward_layernorm_2", "inp_gate": "per_layer_input_gate",
