@@ -33,7 +33,10 @@ from jaxtune.models.kv_cache import (
     prefill_packed,
     prefix_length,
     refuse_context_axis,
+    split_cache_rows,
 )
+from jaxtune.parallel.distributed import host_copy
+from jaxtune.parallel.rules import constrain
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -72,6 +75,14 @@ class DecodeState(NamedTuple):
     done_B: jax.Array
 
 
+def split_rows(state: DecodeState) -> DecodeState:
+    """`state` with its rows split over the batch axes of the mesh in context (`kv_cache.split_cache_rows`), so that a
+    policy split over a training mesh decodes each device's own rows (the run's batch function is called under its
+    mesh); itself without one."""
+    return DecodeState(state.step, constrain(state.logits_BxV, ("batch", None)), split_cache_rows(state.cache),
+                       constrain(state.out_BxN, ("batch", None)), constrain(state.done_B, ("batch",)))
+
+
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "cache_size", "max_new_tokens"))
 def begin(params, packed: PackedPrompts, live_B, limit_B, *, cfg: ModelConfig, method: MethodConfig | None,
           options: ForwardOptions, cache_size: int, max_new_tokens: int) -> DecodeState:
@@ -79,7 +90,7 @@ def begin(params, packed: PackedPrompts, live_B, limit_B, *, cfg: ModelConfig, m
     rows. live_B: rows that hold a prompt (the rest pad the batch bucket); limit_B: [B] int32, each row's limit."""
     logits_BxV, cache = prefill_packed(params, packed, cfg, cache_size=cache_size, method=method, options=options)
     out_BxN = jnp.full((live_B.shape[0], max_new_tokens), -1, jnp.int32)
-    return DecodeState(jnp.asarray(0, jnp.int32), logits_BxV, cache, out_BxN, ~live_B | (limit_B < 1))
+    return split_rows(DecodeState(jnp.asarray(0, jnp.int32), logits_BxV, cache, out_BxN, ~live_B | (limit_B < 1)))
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "greedy"), donate_argnames=("state",))
@@ -106,7 +117,7 @@ def decode_more(params, state: DecodeState, limit_B, is_stop_V, temperature, top
         logits_BxV, cache = decode_step(params, token_B, s.cache, cfg, method=method, options=options,
                                         adapter_B=adapter_B)
         done_B = s.done_B | is_stop_V[token_B] | (s.step + 1 >= limit_B)
-        return DecodeState(s.step + 1, logits_BxV, cache, out_BxN, done_B)
+        return split_rows(DecodeState(s.step + 1, logits_BxV, cache, out_BxN, done_B))
 
     return jax.lax.while_loop(unfinished, step_fn, state)
 
@@ -336,7 +347,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program,
                             greedy=sampling.greedy)
         while stop_when is not None and until < N:  # the host reads each chunk's tokens (one transfer) to end rows
-            out_BxN, done_B = jax.device_get((state.out_BxN, state.done_B))
+            out_BxN, done_B = host_copy((state.out_BxN, state.done_B))
             done_B = done_B.copy()
             for row in np.flatnonzero(~done_B):
                 done_B[row] = stop_when(batch[row], _new_tokens(out_BxN[row], is_stop_V, False))
@@ -345,7 +356,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
             until = min(until + chunk_steps, N)
             state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
                                 adapter_B, **program, greedy=sampling.greedy)
-        new_tokens += [_new_tokens(row, is_stop_V, include_stop) for row in np.asarray(state.out_BxN)[: len(batch)]]
+        new_tokens += [_new_tokens(row, is_stop_V, include_stop) for row in host_copy(state.out_BxN)[: len(batch)]]
     return new_tokens
 
 

@@ -10,3 +10,25 @@ def share_of_answer(prompts, completions, answer):
     """A verifiable reward that reads a field of the prompt record: the share of the completion's characters that
     are the record's "answer" letter."""
     return [c.count(a) / max(len(c), 1) for c, a in zip(completions, answer)]
+
+
+def odd_characters(prompts, completions):
+    """A reward that varies from sample to sample of a random model: the share of the completion's characters with
+    odd code points. With GRPO_REWARD_CALLS set, each call appends "process rows" to that file."""
+    import os
+
+    import jax
+
+    if os.environ.get("GRPO_REWARD_CALLS"):
+        with open(os.environ["GRPO_REWARD_CALLS"], "a") as calls:
+            calls.write(f"{jax.process_index()} {len(completions)}\n")
+    return [sum(ord(ch) % 2 for ch in c) / max(len(c), 1) for c in completions]
+
+
+def fails_on_process_one(prompts, completions):
+    """`odd_characters` on process 0; raises on process 1 (a reward that breaks on one host)."""
+    import jax
+
+    if jax.process_index() == 1:
+        raise ValueError("the grader on this host is down")
+    return odd_characters(prompts, completions)

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from eight_devices import serve
 
+from jaxtune import generation
 from jaxtune.config import ForwardOptions, MeshConfig, MethodConfig, OffloadConfig, TrainConfig, tiny_config
 from jaxtune.config.plan import TrainPlan
 from jaxtune.methods import method_config
@@ -255,6 +256,46 @@ def eval_rows() -> dict:
     return rows
 
 
+def decode_rows() -> dict:
+    """{mesh: the per-device shapes of a rollout's cache keys [L, B, K, S, hd] and new tokens [B, N]} for 16 prompts
+    decoded under the mesh (as a run's batch function is called), and whether the tokens equal one device's."""
+    from jaxtune.config import SamplingConfig
+    from jaxtune.generation import generate
+    from jaxtune.methods.transform import combine
+    from jaxtune.spine.run import traced_on
+
+    method = METHODS["lora"]
+    trainable, frozen = setup(method)
+    params = combine(trainable, frozen)
+    prompts = [[1 + (3 * i + j) % 200 for j in range(2 + i % 5)] for i in range(16)]
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3)
+    one = generate(params, CFG, prompts, sampling, method=method)
+    out = {}
+    for name in ("fsdp=8", "fsdp=4 x tensor=2"):
+        mesh = make_mesh(MESHES[name])
+        plan = TrainPlan(method, 8, SEQ, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES[name])
+        run = abstract_run(CFG, plan, mesh, TRAIN, STEPS)
+        placed = jax.device_put(params, run.shardings.params)
+        seen = {}
+        real_begin = generation.begin
+
+        def begin(*args, **kwargs):
+            state = real_begin(*args, **kwargs)
+            seen["k"] = state.cache.k.addressable_shards[0].data.shape
+            seen["out"] = state.out_BxN.addressable_shards[0].data.shape
+            return state
+
+        generation.begin = begin
+        try:
+            with traced_on(mesh):
+                split = generate(placed, CFG, prompts, sampling, method=method)
+        finally:
+            generation.begin = real_begin
+        out[name] = {"cache": list(seen["k"]), "tokens": list(seen["out"]), "equal": split == one}
+    return out
+
+
 def load(model_dir: str, method_name: str) -> dict:
     """`spine.load.load_run` of a checkpoint onto fsdp=8: every array alive while reading (snapshot at each read)
     and after, as per-device shard shapes, against the parameters' full shapes; and the bytes read."""
@@ -428,7 +469,8 @@ def dispatch(args: list[str]) -> dict:
     """One request: a method's name, or a check's name and its arguments."""
     assert jax.device_count() == 8, jax.devices()
     checks = {"load": load, "frozen_bf16": frozen_bf16, "eval": eval_rows, "loop": lambda c, *o: loop(c, list(o)),
-              "planner": planner, "megablox": megablox, "families": families, "splash": splash, "mixtures": mixtures}
+              "planner": planner, "megablox": megablox, "families": families, "splash": splash, "mixtures": mixtures,
+              "decode_rows": decode_rows}
     return checks[args[0]](*args[1:]) if args[0] in checks else run(args[0])
 
 

@@ -45,7 +45,7 @@ from jaxtune.models.llama import (
     project_qkv,
 )
 from jaxtune.models.rope import layer_rope, rope_tables
-from jaxtune.parallel.rules import context_ways
+from jaxtune.parallel.rules import constrain, context_ways
 
 
 class KVCache(NamedTuple):
@@ -116,6 +116,18 @@ def init_cache(params: dict, cfg: ModelConfig, batch: int, size: int, dtype=jnp.
     return KVCache(k, v, valid_BxS, jnp.asarray(P, jnp.int32), jnp.full((batch,), P, jnp.int32), linear, full_kv)
 
 
+def split_cache_rows(cache: KVCache) -> KVCache:
+    """`cache` with its rows split over the batch axes of the mesh in context and its heads over tensor
+    (`rules.constrain`; itself without a mesh): each device decodes its own rows, as a training step splits them."""
+    heads = lambda a: constrain(a, (None, "batch", "kv_heads", None, None))  # noqa: E731  [L, B, K, S, hd]
+    rows = lambda a: constrain(a, (None, "batch") + (None,) * (a.ndim - 2))  # noqa: E731  [L, B, ...]
+    return cache._replace(
+        k=heads(cache.k), v=heads(cache.v), valid_BxS=constrain(cache.valid_BxS, ("batch", None)),
+        next_position_B=constrain(cache.next_position_B, ("batch",)),
+        linear=None if cache.linear is None else jax.tree.map(rows, cache.linear),
+        full_kv=None if cache.full_kv is None else (heads(cache.full_kv[0]), heads(cache.full_kv[1])))
+
+
 def refuse_context_axis() -> None:
     """A JaxtuneError on a mesh with a context axis: a cache holds whole rows, and decoding does not split them."""
     if context_ways() > 1:
@@ -182,6 +194,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         and values (its cache slices are in layer_window_kv), the layer writing none."""
         layer, window, table, k_BxKxSxh, v_BxKxSxh = layer_window_kv
         layer = rows_of(layer, adapter_B)
+        x_BxTxD = constrain(x_BxTxD, ("batch", None, None))  # each device its own rows, as training splits them
         layer_cfg = cfg.global_view if full else cfg
         rope_of_layer = layer_rope(global_rope if full else rope, table, layer_cfg)
 
@@ -226,6 +239,7 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
 
     def linear_block(x_BxTxD, layer, state: LinearState):
         layer = rows_of(layer, adapter_B)
+        x_BxTxD = constrain(x_BxTxD, ("batch", None, None))
         mixer = lambda h: gated_deltanet_layer(h, layer, cfg, adapters, mask_BxT > 0, state)  # noqa: E731
         return decoder_layer(x_BxTxD, layer, mixer, cfg, adapters, view.experts)[:2]
 

@@ -117,7 +117,7 @@ class Objective(Generic[Section]):
                         their logical axes by dict path
     prepare             the trainer's side (`ObjectiveInputs` -> `ObjectiveData`)
     export, result      writes a finished run's result instead of the method's (a reward model), and what it is
-    for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit, single_process
+    for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit
     """
 
     name: str
@@ -136,7 +136,6 @@ class Objective(Generic[Section]):
     export: Callable[[Path, RunSections, ModelConfig, dict], Path] | None = None
     result: str = ""
     unit: str = "rows"
-    single_process: bool = False
     rollout_tokens: Callable[[Section], int] = lambda section: 0
     extra_forwards: Callable[[Section], int] = lambda section: 0
 

@@ -32,6 +32,7 @@ from jaxtune.models.reward_model import reward_scores
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, reference_of
 from jaxtune.objectives.dpo import sequence_row
 from jaxtune.objectives.losses import GRPO_LOSS_TYPES, grpo_advantages, grpo_aggregate, grpo_token_loss
+from jaxtune.parallel.distributed import scored_in_shares
 
 
 @dataclass(frozen=True)
@@ -242,14 +243,25 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
 
     def rewards(chosen: list, completions: list[list[int]], repeat: int) -> list[float]:
+        """Each process decodes and scores its share of the rows (`scored_in_shares`)."""
         names = sorted({k for e in chosen for k in e.fields})
         fields = {k: [e.fields.get(k) for e in chosen for _ in range(repeat)] for k in names}
         prompts = [e.prompt for e in chosen for _ in range(repeat)]
-        values = reward_fn(prompts, [tok.decode(t) for t in completions], **fields)
-        values = np.asarray(values, np.float64) if len(values) == len(completions) else None
-        if values is None or not np.all(np.isfinite(values)):
-            raise JaxtuneError(f"reward {g.reward or g.reward_model!r} must return one finite number per completion")
-        return values.tolist()
+
+        def score(rows: list[int]) -> np.ndarray:
+            try:
+                values = reward_fn([prompts[i] for i in rows], [tok.decode(completions[i]) for i in rows],
+                                   **{k: [v[i] for i in rows] for k, v in fields.items()})
+            except Exception as e:  # noqa: BLE001  the user's code: one line naming it
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                raise JaxtuneError(f"reward {g.reward or g.reward_model!r} raised {type(e).__name__}: {first}") from e
+            values = np.asarray(values, np.float64) if len(values) == len(rows) else None
+            if values is None or not np.all(np.isfinite(values)):
+                raise JaxtuneError(f"reward {g.reward or g.reward_model!r} must return one finite number per "
+                                   "completion")
+            return values
+
+        return scored_in_shares(score, len(completions)).tolist()
 
     def batch(epoch: int, index: int, params) -> dict:
         order = np.random.default_rng([c.data.seed, epoch]).permutation(len(train))
@@ -282,7 +294,7 @@ GRPO: Objective[RolloutConfig] = Objective(
     second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
     logits_copies=lambda method, section: 3,
     batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
-    unit="prompts", single_process=True, generates=True,
+    unit="prompts", generates=True,
     rollout_tokens=lambda section: section.max_new_tokens,
     extra_forwards=lambda section: 1
 )

@@ -133,11 +133,8 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
     run_dir, checkpoint_dir = run_directories(tc.output_dir)
     writer = is_main_process()  # files that exist once are written by process 0 alone
     check_output_dir(run_dir, "train.output_dir")
-    objective = objective_named(tc.objective)
+    objective_named(tc.objective)  # an unknown objective fails before anything is written
     if jax.process_count() > 1:
-        if objective.single_process:
-            raise JaxtuneError(f"objective {objective.name} runs in one process (its batches are sampled on the "
-                               f"host); this run has {jax.process_count()} processes")
         log(f"process {jax.process_index()} of {jax.process_count()}: {len(jax.devices())} devices "
             f"({len(jax.local_devices())} local)")
     with ExitStack() as held:

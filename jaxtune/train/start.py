@@ -26,7 +26,7 @@ from jaxtune.objectives.base import ObjectiveData, ObjectiveInputs, strip_adapte
 from jaxtune.paths import run_directories
 from jaxtune.spine.load import load_run, read_tree
 from jaxtune.spine.model import load_reward_model
-from jaxtune.spine.run import AbstractRun, abstract_run, train_plan
+from jaxtune.spine.run import AbstractRun, abstract_run, traced_on, train_plan
 from jaxtune.spine.shardings import param_shardings
 from jaxtune.train.export import export_result
 
@@ -49,15 +49,18 @@ class StartedRun:
         return self.training.steps_per_epoch
 
     def batch(self, epoch: int, index: int, state: dict) -> dict:
-        """Host arrays [A, rows, ...] of step `index` of `epoch` (GRPO samples them from the current policy)."""
-        return self.training.batch(epoch, index, lambda: combine(state["params"], self.frozen))
+        """Host arrays [A, rows, ...] of step `index` of `epoch` (GRPO samples them from the current policy, each
+        device decoding its own rows: called under the run's mesh)."""
+        with traced_on(self.run.mesh):
+            return self.training.batch(epoch, index, lambda: combine(state["params"], self.frozen))
 
     def evaluate(self, state: dict) -> dict | None:
         if self.training.evaluate is None:
             return None
         eval_step = self.run.eval_step
         bound = None if eval_step is None else (lambda params, batch: eval_step(params, self.second, batch))
-        return self.training.evaluate(bound, combine(state["params"], self.frozen))
+        with traced_on(self.run.mesh):
+            return self.training.evaluate(bound, combine(state["params"], self.frozen))
 
     def export(self, run_dir: Path, params: dict) -> Path:
         return self.export_fn(run_dir, params)

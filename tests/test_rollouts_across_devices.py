@@ -1,0 +1,112 @@
+"""GRPO and RLOO across devices and processes: each device decodes its own rows of a rollout with the policy's split
+weights, each process scores its share of the rows, and the run equals one device's (or one process's) on the same
+seed: losses, rewards, KL and gradient norms within 1e-5. Two local `jaxtune train` processes are joined as
+tests/test_distributed.py joins them; the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from eight_devices import DeviceWorker
+from test_distributed import finish, free_port, records, train
+
+from jaxtune.presets import write_random_model
+from jaxtune.run_config import load_run_config
+from jaxtune.train.loop import fine_tune
+
+TESTS = Path(__file__).resolve().parent
+PROMPTS = ["Write:", "Say:", "Go:", "Now:", "Then:", "Here:", "So:", "Yes:", "No:", "Try:"]
+COMPARED = ("loss", "reward", "kl", "grad_norm", "eval_reward")
+
+run_worker = DeviceWorker(TESTS / "parallel_worker.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worker():
+    yield
+    run_worker.close()
+
+
+def rollout_config(tmp_path: Path, objective: str, reward: str = "grpo_rewards.odd_characters",
+                   max_steps: int = 3) -> Path:
+    """A LoRA run of `objective` on a random model: 8 training prompts (2 held out), 4 a step, groups of 4."""
+    model = tmp_path / "model"
+    if not model.exists():
+        write_random_model(model, "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    config = tmp_path / f"{objective}.toml"
+    config.write_text("\n".join([
+        "[model]", f'path = "{model}"', "[method]", 'kind = "lora"', "[data]",
+        f'train = "{tmp_path / "prompts.jsonl"}"',
+        "max_seq_len = 24", "eval_fraction = 0.2", "[train]", f'objective = "{objective}"', f"max_steps = {max_steps}",
+        "batch_size = 4", "learning_rate = 2e-2", "log_every = 1", f"eval_every = {max_steps}",
+        f"[{objective}]", f'reward = "{reward}"', "group_size = 4", "max_new_tokens = 8"]) + "\n")
+    return config
+
+
+def assert_same_run(split: list[dict], one: list[dict]) -> None:
+    """Within 1e-5 of one device's, or 1e-7 (float32 noise) of a loss that is ~0: the first step's, whose ratio is 1
+    and whose advantages sum to 0 over each group."""
+    assert len(split) == len(one) and sum("reward" in r for r in one) >= 3
+    assert any(r.get("loss", 0) != 0 for r in one)  # the rewards differ within groups: a real gradient
+    for a, b in zip(split, one):
+        for key in COMPARED:
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]) + 1e-7, (key, a, b)
+
+
+def test_a_rollouts_rows_are_split_over_the_devices_and_decode_as_on_one():
+    """16 prompts sampled under fsdp=8 and fsdp=4 x tensor=2: each device holds 16 / 8 (or / 4) rows of the cache
+    and of the new tokens, its heads split over tensor, and the tokens equal one device's."""
+    out = run_worker("decode_rows")
+    assert out["fsdp=8"]["cache"][1:3] == [2, 2] and out["fsdp=8"]["tokens"][0] == 2, out
+    assert out["fsdp=4 x tensor=2"]["cache"][1:3] == [4, 1] and out["fsdp=4 x tensor=2"]["tokens"][0] == 4, out
+    assert all(mesh["equal"] for mesh in out.values()), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective, mesh", [("grpo", ("mesh.fsdp=4", "mesh.tensor=2")), ("rloo", ("mesh.fsdp=8",))])
+def test_eight_devices_run_grpo_and_rloo_as_one(tmp_path, objective, mesh):
+    config = rollout_config(tmp_path, objective)
+    one = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'one'}"]), log=lambda *_: None)
+    single = [json.loads(line) for line in (one.run_dir / "metrics.jsonl").read_text().splitlines()]
+    split = run_worker("loop", str(config), f"train.output_dir={tmp_path / 'eight'}", *mesh)
+    assert_same_run(split["records"], single)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_processes_run_grpo_as_one_each_scoring_half_the_rows(tmp_path):
+    config = rollout_config(tmp_path, "grpo")
+    env = {"PYTHONPATH": str(TESTS), "GRPO_REWARD_CALLS": str(tmp_path / "calls")}
+    single = train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env)
+    finish(single)
+    whole = np.loadtxt(tmp_path / "calls", dtype=int, ndmin=2)[:, 1]
+    (tmp_path / "calls").unlink()
+    port = free_port()
+    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    outputs = [finish(p) for p in pair]
+    assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
+    assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
+    calls = np.loadtxt(tmp_path / "calls", dtype=int, ndmin=2)
+    assert sorted(whole.tolist()).count(16) == 3  # 3 steps of 4 prompts x 4, and the held-out evaluations
+    for process in (0, 1):  # each call's rows halved between the processes
+        assert sorted(calls[calls[:, 0] == process, 1].tolist()) == sorted(whole // 2), calls
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_a_reward_that_fails_on_one_process_stops_both_in_one_line(tmp_path):
+    config = rollout_config(tmp_path, "grpo", reward="grpo_rewards.fails_on_process_one")
+    port = free_port()
+    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), env={"PYTHONPATH": str(TESTS)}) for i in range(2)]
+    outputs = []
+    for process in pair:
+        out, _ = process.communicate(timeout=600)
+        assert process.returncode != 0, out[-2000:]
+        outputs.append(out)
+    assert "the grader on this host is down" in outputs[1], outputs[1][-2000:]
+    assert "process 1 failed scoring its share of the rows" in outputs[0], outputs[0][-2000:]
