@@ -403,7 +403,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         if keeps_learner_logps(g):  # the old policy's, scored once with the parameters that sampled
             stacked["old_logps"] = np.stack([np.asarray(learner_logps(policy, {k: v[a] for k, v in stacked.items()}))
                                              for a in range(tc.grad_accum)]) * (stacked["loss_mask"] > 0)
-        if sampler_corrected(g):  # jaxtune's sampler is the learner: weights 1
+        if sampler_corrected(g) and "sampler_logps" not in stacked:  # jaxtune's sampler is the learner: weights 1
             stacked["sampler_logps"] = stacked["old_logps"]
         if counts_micro_tokens(g):
             stacked["tokens_per_micro"] = np.full(stacked["rewards"].shape, stacked["loss_mask"].sum() / tc.grad_accum,
