@@ -241,3 +241,33 @@ def test_num_iterations_needs_checkpoints_between_rollout_batches(tmp_path):
     with pytest.raises(JaxtuneError, match=r"^\[grpo\] num_iterations = 2 with \[train\] checkpoint_every = 5: "
                                            ".* use a multiple of 2$"):
         GRPO.prepare(_setup(tmp_path, section, checkpoint_every=5))
+
+
+@pytest.mark.slow
+def test_own_sampler_weights_are_1_through_prepare_and_the_step(tmp_path):
+    """The keys together through GRPO's `prepare` and the spine's step (the batch fields the planner sees: old and
+    sampler log-probs, tokens per micro-batch): with jaxtune's own sampler the importance weights are 1, so the step's
+    loss and gradient norm equal those of the same run without the correction."""
+    keys = dict(reward="grpo_rewards.count_letter_a", group_size=4, max_new_tokens=8, loss_type="cispo",
+                epsilon_high=5.0, entropy_coef=0.01, top_entropy_quantile=0.5, mask_truncated_completions=True,
+                soft_punish_cache=4)
+    corrected = GRPOConfig(sampler_importance_sampling_correction=True, sampler_importance_sampling_mode="token_mask",
+                           sampler_importance_sampling_clip_min=0.999, sampler_importance_sampling_clip_max=1.001,
+                           **keys)
+    setup = _setup(tmp_path, corrected, cache=False)
+    cfg, method = setup.cfg, setup.config.method
+    params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
+                          jax.random.key(1))
+    trainable, frozen = partition(params, trainable_mask(params, method))
+    batch = GRPO.prepare(setup).batch(0, 0, lambda: params)
+    assert {"old_logps", "sampler_logps", "tokens_per_micro"} <= set(batch)
+    assert batch["loss_mask"].sum() > 0 and np.all(batch["sampler_logps"] == batch["old_logps"])
+    results = []
+    for section, fields in ((corrected, batch), (GRPOConfig(**keys), {k: v for k, v in batch.items()
+                                                                     if k not in ("old_logps", "sampler_logps")})):
+        run = one_device_run(cfg, method, "grpo", total_steps=10, batch_size=4, seq_len=24, section=section)
+        state = run.init_state(trainable, 0)
+        _, metrics = run.step(state, frozen, None, {k: jnp.asarray(v) for k, v in fields.items()})
+        results.append([float(metrics[k]) for k in ("loss", "grad_norm", "entropy")])
+    assert np.all(np.isfinite(results)) and results[0][0] != 0
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5)
