@@ -170,11 +170,11 @@ def _trl_scored(trainer, generated, r: dict, **fields) -> dict:
         _generate=generated, _calculate_rewards=lambda *_: torch.tensor(r["rewards"])[:, None],
         _get_per_token_logps_and_entropies=lambda model, *_, **__: (torch.tensor(r["logp" if model is policy
                                                                                    else "ref"]), None, None),
-        _tokenizer=SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None, mask_truncated_completions=False,
+        _tokenizer=SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None,
         args=SimpleNamespace(per_device_train_batch_size=P * G, gradient_checkpointing_kwargs=None,
                              steps_per_generation=1, gradient_accumulation_steps=1),
         _metrics={"train": defaultdict(list)}, _logs=logs, _pending_extra_logs={}, _pending_metrics={},
-        log_multimodal=False, **fields)
+        log_multimodal=False, **{"mask_truncated_completions": False, **fields})
     return trainer._generate_and_score_completions(trl_self, [{"prompt": "p"} for _ in range(P * G)])
 
 
@@ -226,7 +226,15 @@ def test_rloo_advantages_equal_trl(beta, clip_range, normalize):
     (GRPOConfig, "scale_rewards", "std", "choose one of group, batch, none"),
     (GRPOConfig, "epsilon_high", 0.1, "must be >= clip = 0.2"),
     (GRPOConfig, "delta", 0.9, "must be > 1"),
+    (GRPOConfig, "num_iterations", 0, "must be >= 1"),
+    (GRPOConfig, "soft_punish_cache", 33, r"must be in \[0, 32\]"),
+    (GRPOConfig, "sampler_importance_sampling_mode", "token", "choose one of token_truncate, token_mask, "
+                                                            "sequence_truncate, sequence_mask"),
+    (GRPOConfig, "sampler_importance_sampling_clip_min", 4.0, "must be < sampler_importance_sampling_clip_max = 3.0"),
+    (GRPOConfig, "top_entropy_quantile", 1.5, r"must be in \[0, 1\]"),
+    (GRPOConfig, "entropy_coef", -0.1, "must be >= 0"),
     (RLOOConfig, "epsilon_high", -1.0, "must be >= clip = 0.2"),
+    (RLOOConfig, "num_iterations", 0, "must be >= 1"),
     (RLOOConfig, "reward_clip_range", (1.0, 0.0), r"must be \[min, max\] with min <= max"),
     (RLOOConfig, "reward_clip_range", (1.0,), r"must be \[min, max\]")])
 def test_bad_values_are_one_line_config_errors(section, key, value, message):
@@ -236,6 +244,16 @@ def test_bad_values_are_one_line_config_errors(section, key, value, message):
     name = "grpo" if section is GRPOConfig else "rloo"
     with pytest.raises(JaxtuneError, match=f"{name}.{key}.*{message}"):
         load_run_config(None, [f"{name}.{key}={json.dumps(list(value) if isinstance(value, tuple) else value)}"])
+
+
+@pytest.mark.parametrize("keys, key, message", [
+    ({"loss_type": "cispo"}, "epsilon_high", "must be set with loss_type = \"cispo\""),
+    ({"sampler_importance_sampling_mode": "token_truncate", "sampler_importance_sampling_clip_max": 0.0},
+     "sampler_importance_sampling_clip_max", "must be > 0 with a \\*_truncate mode")])
+def test_bad_combinations_are_one_line_config_errors(keys, key, message):
+    with pytest.raises(ConfigError, match=f"^{key} = .*: {message}") as error:
+        GRPOConfig(**keys)
+    assert "\n" not in str(error.value)
 
 
 def test_rloo_normalising_over_several_micro_batches_is_refused():

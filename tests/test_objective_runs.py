@@ -179,6 +179,37 @@ def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.full
+def test_grpo_with_num_iterations_resumes_mid_rollout_batch_exactly(tmp_path):
+    """num_iterations = 2: SIGTERM during step 1 (the checkpoint falls between the two steps of a rollout batch), then
+    the same config again: step 2 reads the batch back from the run's directory, and metrics.jsonl is the run's never
+    interrupted."""
+    write_random_model(tmp_path / "model", "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "a"}) + "\n"
+                                                   for p in ["Write:", "Say:", "Go:", "Now:"]))
+    grpo = {"reward": "grpo_rewards.share_of_answer", "group_size": 4, "max_new_tokens": 8, "num_iterations": 2,
+            "mask_truncated_completions": True, "soft_punish_cache": 2}
+    train = {"max_steps": 4, "batch_size": 2, "learning_rate": 2e-2, "checkpoint_every": 2}
+    configs = []
+    for name in ("grpo", "int"):
+        configs.append(run_config(tmp_path, tmp_path / name, "grpo", tmp_path / "prompts.jsonl", train=train,
+                                  grpo=grpo))
+        configs[-1].write_text(configs[-1].read_text().replace("max_seq_len = 48", "max_seq_len = 24"))
+    fine_tune(load_run_config(configs[0], ["data.eval_fraction=0.0"]), **QUIET)
+
+    def log(line):
+        if line.startswith("training"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    assert fine_tune(load_run_config(configs[1], ["data.eval_fraction=0.0"]), log=log).interrupted
+    assert sorted(p.name for p in (tmp_path / "int" / "cache" / "rollouts").iterdir()) == ["0-0.npz"]
+    assert fine_tune(load_run_config(configs[1], ["data.eval_fraction=0.0"]), **QUIET).step == 4
+    assert metric_lines(tmp_path / "int") == metric_lines(tmp_path / "grpo")
+    records = [r for r in metric_lines(tmp_path / "grpo") if "loss" in r]
+    assert len(records) == 4 and all("entropy" in r for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.full
 def test_distillation_run_lowers_held_out_kl(models, tmp_path):
     root = models
     teacher = write_random_model(tmp_path / "teacher", "llama", seed=7, hidden_size=96, initializer_range=0.15)

@@ -110,6 +110,7 @@ class Objective(Generic[Section]):
 
     name, section       the `train.objective` value; its TOML section's dataclass ([dpo], [grpo], [distill]) or None
     rows, batch_fields  rows a micro-batch holds per example (a preference pair: 2); its arrays beside SFT's five
+                        (rows, seq_len, section) -> {name: ShapeDtypeStruct}
     second_model        None, "base" (a full fine-tune's frozen copy; adapter methods: the base, adapters off) or a dir
     generates           its step samples from the policy (rollouts): rows decoded whole (no context axis)
     loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
@@ -126,7 +127,7 @@ class Objective(Generic[Section]):
     prepare: Callable[[ObjectiveInputs], ObjectiveData]
     section: type[Section] | None = None
     rows: Callable[[Section], int] = lambda section: 1
-    batch_fields: Callable[[int, Section], dict] = lambda rows, section: {}
+    batch_fields: Callable[[int, int, Section], dict] = lambda rows, seq_len, section: {}
     second_model: Callable[[Section, MethodConfig], str | None] = lambda section, method: None
     generates: bool = False
     logits_copies: Callable[[MethodConfig, Section], int] = lambda method, section: 2
@@ -142,7 +143,7 @@ class Objective(Generic[Section]):
     def micro_batch(self, rows: int, seq_len: int, section) -> dict:
         """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's."""
         arrays = {k: jax.ShapeDtypeStruct((rows, seq_len), np.dtype(d)) for k, d in BATCH_FIELDS.items()}
-        return {**arrays, **self.batch_fields(rows, section)}
+        return {**arrays, **self.batch_fields(rows, seq_len, section)}
 
     @property
     def head_leaves(self) -> tuple[str, ...]:

@@ -211,7 +211,7 @@ def _second_model(section: PreferenceConfig, method) -> str | None:
     return section.reference
 
 
-def _batch_fields(rows: int, section: PreferenceConfig) -> dict:
+def _batch_fields(rows: int, _seq_len: int, section: PreferenceConfig) -> dict:
     return {"reference_logps": jax.ShapeDtypeStruct((rows,), np.float32)} if section.precompute_reference else {}
 
 

@@ -1,18 +1,20 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): online policy optimisation against a reward function, no critic (`GRPO`,
 its section `GRPOConfig`); RLOO (`rloo.py`) shares its rollouts, rewards and data (`RolloutConfig`, `make_prepare`).
 
-Each step: for every prompt, sample `group_size` completions with jaxtune's own generation (`sample_group`), score
-them, normalise the rewards into advantages (`group_advantages`, TRL's `scale_rewards`), and take one gradient step
-on the clipped-ratio objective with a KL penalty to the reference (the base, adapters off; a frozen copy for a full
-fine-tune), per-token terms aggregated as TRL 1.16's `loss_type` (`losses.grpo_aggregate`). The reward is a
-callable `reward(prompts, completions, **fields) -> list[float]` named by a dotted path (`load_reward_function`; the
-prompt records' other fields come as keyword lists), or a reward model directory (`reward_model_function`)."""
+Each step: sample `group_size` completions a prompt (`sample_group`), score them, normalise the rewards into
+advantages (`group_advantages`), and take a gradient step on the clipped-ratio objective (or CISPO's) with a KL
+penalty to the reference (the base, adapters off; a frozen copy for a full fine-tune), aggregated as TRL 1.16's
+`loss_type`. With `num_iterations` > 1 a rollout batch serves that many steps with the learner's log-probs at sampling
+(`old_logps`; `rollout_store`); another sampler's (`sampler_logps`) weight the loss as TRL's importance sampling does.
+The reward: `reward(prompts, completions, **fields) -> list[float]` by dotted path (`load_reward_function`; the
+records' other fields as keyword lists), or a reward model directory (`reward_model_function`)."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import jax
@@ -26,13 +28,21 @@ from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import generate
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
-from jaxtune.models.head import label_logps
+from jaxtune.models.head import head_logits, label_logps, per_token, token_logps, vocab_size
 from jaxtune.models.llama import decoder
 from jaxtune.models.reward_model import reward_scores
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, reference_of
 from jaxtune.objectives.dpo import sequence_row
-from jaxtune.objectives.losses import GRPO_LOSS_TYPES, grpo_advantages, grpo_aggregate, grpo_token_loss
-from jaxtune.parallel.distributed import scored_in_shares
+from jaxtune.objectives.losses import (
+    GRPO_LOSS_TYPES,
+    SAMPLER_IS_MODES,
+    grpo_advantages,
+    grpo_aggregate,
+    grpo_token_loss,
+    sampler_weights,
+)
+from jaxtune.objectives.rollout_store import RolloutStore
+from jaxtune.parallel.distributed import host_copy, scored_in_shares
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,14 @@ class RolloutConfig:
     """What GRPO and RLOO share. reward: a dotted path to a reward function, or reward_model: a directory
     `objective = "reward"` exported. group_size completions per prompt, sampled with temperature / top_k / top_p.
     clip: PPO's epsilon (TRL's `epsilon`), the ratio clipped to [1 - clip, 1 + epsilon_high]; epsilon_high: DAPO's
-    clip-higher (0: the same as clip, TRL's None); kl_coef: the KL penalty's beta (TRL's `beta`)."""
+    clip-higher (0: the same as clip, TRL's None); kl_coef: the KL penalty's beta (TRL's `beta`).
+    num_iterations: gradient steps on each rollout batch (TRL's, GRPO's mu): the batch is sampled once, with the
+    learner's per-token log-probs at sampling time (`old_logps`), which the clipped ratio divides by in the later
+    steps. mask_truncated_completions: a completion that did not end with EOS gets no loss (DAPO's overlong
+    filtering; TRL's). soft_punish_cache: DAPO's soft overlong punishment (eq. 13; TRL's
+    `get_soft_overlong_punishment` with max_completion_len = max_new_tokens) added to the reward: 0 for a completion
+    of at most max_new_tokens - soft_punish_cache tokens (its EOS counted), then falling linearly to -1 at
+    max_new_tokens (0: none)."""
 
     reward: str = ""
     reward_model: str = ""
@@ -52,6 +69,9 @@ class RolloutConfig:
     clip: float = 0.2
     epsilon_high: float = 0.0
     kl_coef: float = 0.04
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    soft_punish_cache: int = 0
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -66,6 +86,8 @@ class RolloutConfig:
             raise ConfigError("epsilon_high", self.epsilon_high, f"must be >= clip = {self.clip} (or 0: the same)")
         check_range("epsilon_high", self.epsilon_high, 0)
         check_range("kl_coef", self.kl_coef, 0)
+        check_range("num_iterations", self.num_iterations, 1)
+        check_range("soft_punish_cache", self.soft_punish_cache, 0, self.max_new_tokens)
 
     @property
     def clip_high(self) -> float:
@@ -77,24 +99,60 @@ class RolloutConfig:
 class GRPOConfig(RolloutConfig):
     """GRPO's section: `RolloutConfig`'s keys and TRL 1.16 GRPOConfig's, named as TRL names them.
     loss_type: how per-token terms become the loss (`losses.grpo_aggregate`): "dapo" (TRL's default, and jaxtune's
-    before these keys existed), "grpo", "dr_grpo" or "bnpo". importance_sampling_level: "token", or "sequence"
-    (GSPO). scale_rewards: "group", "batch" or "none" (`losses.grpo_advantages`). delta: two-sided clipping's cap on
-    the ratio (INTELLECT-2; 0: none, TRL's None)."""
+    before these keys existed), "grpo", "dr_grpo", "bnpo" or "cispo" (MiniMax-M1: the weight min(ratio,
+    epsilon_high), its gradient stopped, times the advantage times log pi; epsilon_high is then the cap itself,
+    ScaleRL recommends 5). importance_sampling_level: "token", or "sequence" (GSPO). scale_rewards: "group", "batch"
+    or "none" (`losses.grpo_advantages`). delta: two-sided clipping's cap on the ratio (INTELLECT-2; 0: none, TRL's
+    None).
+    sampler_importance_sampling_correction, _mode, _clip_min, _clip_max: TRL's `vllm_importance_sampling_*` for a
+    sampler other than the learner: the batch carries the sampler's per-token log-probs (`sampler_logps`) and the
+    policy term is weighted by `losses.sampler_weights` of the learner's log-probs at sampling time over them, mode
+    "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask" (TRL's default), bounds 0: none.
+    jaxtune's own sampler is the learner: its rollouts carry the learner's log-probs, the weights are 1.
+    top_entropy_quantile: the policy term only on the top quantile of each micro-batch's completion tokens by
+    entropy (Wang et al. 2025; 1: all). entropy_coef: the entropy bonus, minus entropy_coef times the mean entropy
+    of the tokens the loss keeps (`losses.grpo_token_loss`; TRL's static `entropy_coef`)."""
 
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
     scale_rewards: str = "group"
     delta: float = 0.0
+    sampler_importance_sampling_correction: bool = False
+    sampler_importance_sampling_mode: str = "sequence_mask"
+    sampler_importance_sampling_clip_min: float = 0.0
+    sampler_importance_sampling_clip_max: float = 3.0
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
         for key, allowed in (("loss_type", GRPO_LOSS_TYPES), ("importance_sampling_level", ("token", "sequence")),
-                             ("scale_rewards", ("group", "batch", "none"))):
+                             ("scale_rewards", ("group", "batch", "none")),
+                             ("sampler_importance_sampling_mode", SAMPLER_IS_MODES)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, getattr(self, key), "choose one of " + ", ".join(allowed))
         if self.delta != 0 and not self.delta > 1:
             raise ConfigError("delta", self.delta, "must be > 1 (a cap on the ratio, which starts at 1; TRL "
                               "recommends > 1 + epsilon_high) or 0: none")
+        if self.loss_type == "cispo" and not self.epsilon_high:
+            raise ConfigError("epsilon_high", self.epsilon_high, "must be set with loss_type = \"cispo\" (the cap "
+                              "on the importance weight itself, e.g. 5.0)")
+        low, high = self.sampler_importance_sampling_clip_min, self.sampler_importance_sampling_clip_max
+        check_range("sampler_importance_sampling_clip_min", low, 0)
+        check_range("sampler_importance_sampling_clip_max", high, 0)
+        if low and high and not low < high:
+            raise ConfigError("sampler_importance_sampling_clip_min", low, f"must be < "
+                              f"sampler_importance_sampling_clip_max = {high}")
+        if self.sampler_importance_sampling_mode.endswith("truncate") and not (low or high):
+            raise ConfigError("sampler_importance_sampling_clip_max", high, "must be > 0 with a *_truncate mode "
+                              "unless sampler_importance_sampling_clip_min is")
+        check_range("top_entropy_quantile", self.top_entropy_quantile, 0, 1)
+        check_range("entropy_coef", self.entropy_coef, 0)
+
+    @property
+    def sampler_clip(self) -> tuple[float | None, float | None]:
+        """(C_min, C_max) of `losses.sampler_weights`, None where 0 (no bound)."""
+        return (self.sampler_importance_sampling_clip_min or None, self.sampler_importance_sampling_clip_max or None)
 
 
 def load_reward_function(path: str):
@@ -112,21 +170,40 @@ def load_reward_function(path: str):
 
 
 def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float],
-                  advantages: np.ndarray, seq_len: int) -> dict:
+                  advantages: np.ndarray, seq_len: int, eos_ids: Sequence[int] = (),
+                  sampler_logps: Sequence[Sequence[float]] | None = None) -> dict:
     """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their `advantages`
-    [N] (rows of a prompt's group are consecutive)."""
+    [N] (rows of a prompt's group are consecutive). eos_ids: if given, a completion that does not end with one of
+    them has no loss tokens (`mask_truncated_completions`). sampler_logps: the sampler's log-prob of each completion
+    token, one list a row, as `sampler_logps` [N, seq_len] at the positions that predict them (NaN: not reported)."""
     N = len(completions)
     batch: dict[str, np.ndarray] = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
                                     for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
+    if sampler_logps is not None:
+        batch["sampler_logps"] = np.zeros((N, seq_len), np.float32)
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         ids = (prompt + completion)[: seq_len + 1]
         n = len(ids) - 1
         batch["input_ids"][i, :n], batch["labels"][i, :n] = ids[:-1], ids[1:]
-        batch["loss_mask"][i, len(prompt) - 1:n] = 1.0
+        truncated = bool(eos_ids) and not (completion and completion[-1] in eos_ids)
+        start = len(prompt) - 1  # the position that predicts the completion's first token
+        batch["loss_mask"][i, start:n] = 0.0 if truncated else 1.0
         batch["segment_ids"][i, :n], batch["positions"][i, :n] = 1, np.arange(n)
+        if sampler_logps is not None:
+            batch["sampler_logps"][i, start:n] = np.asarray(sampler_logps[i], np.float32)[:n - start]
     batch["rewards"] = np.asarray(rewards, np.float32)
     batch["advantages"] = np.asarray(advantages, np.float32)
     return batch
+
+
+def soft_overlong_punishment(lengths: Sequence[int], max_completion_len: int, cache: int) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of completions of `lengths` tokens [N]: 0 up to
+    max_completion_len - cache tokens, ((max_completion_len - cache) - length) / cache up to max_completion_len, -1
+    beyond (TRL 1.16's `get_soft_overlong_punishment`)."""
+    lengths_N = np.asarray(lengths, np.float64)
+    start = max_completion_len - cache
+    penalty = np.where(lengths_N <= start, 0.0, (start - lengths_N) / max(cache, 1))
+    return np.where(lengths_N > max_completion_len, -1.0, penalty)
 
 
 def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, prompts: list[list[int]],
@@ -151,31 +228,76 @@ def _token_logps(params, cfg, batch, method, options, temperature: float, dropou
     return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap, temperature)
 
 
-def policy_and_reference_logps(ctx: Context, trainable, frozen, second, micro, key=None):
+def _token_logps_and_entropy(params, cfg, batch, method, options, temperature: float, dropout_key=None):
+    """(log p(label), the entropy of p) [B, T] of the logits divided by `temperature`, a chunk of tokens at a time
+    (`head.per_token`): the entropy is logsumexp(z) - sum softmax(z) z of the chunk's logits z."""
+    hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
+                     segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
+
+    def chunk(hidden_BxCxD, labels_BxC):
+        logits_BxCxV = head_logits(params, hidden_BxCxD, cfg.final_logit_softcap) / temperature
+        probs_BxCxV = jax.nn.softmax(logits_BxCxV, axis=-1)
+        entropy_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1) - jnp.sum(probs_BxCxV * logits_BxCxV, axis=-1)
+        return token_logps(logits_BxCxV, labels_BxC), entropy_BxC
+
+    return per_token(chunk, hidden, batch["labels"], vocab=vocab_size(params))
+
+
+def policy_and_reference_logps(ctx: Context, trainable, frozen, second, micro, key=None, entropy_grad: bool = False):
     """log p(label) [B, T] under the policy (differentiable) and under the reference (constant), both of the logits
-    divided by the sampling temperature, as TRL's GRPO and RLOO trainers score them."""
+    divided by the sampling temperature, as TRL's GRPO and RLOO trainers score them, and the policy's entropy
+    [B, T] (differentiable if entropy_grad, else constant)."""
     t = ctx.section.temperature
-    logp = _token_logps(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, t, key)
+    logp, entropy = _token_logps_and_entropy(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, t,
+                                             key)
     ref_logp = _token_logps(reference_of(frozen, second), ctx.cfg, micro, None, ctx.options, t)
-    return logp, jax.lax.stop_gradient(ref_logp)
+    return logp, jax.lax.stop_gradient(ref_logp), entropy if entropy_grad else jax.lax.stop_gradient(entropy)
 
 
-# One gradient step per batch (TRL's num_iterations = 1): the old policy is the current one, so the ratio is 1 in
-# value but not in gradient.
+def old_logps_of(micro: dict, logp_BxT: jax.Array) -> jax.Array:
+    """The old policy's per-token log-probs [B, T]: the batch's `old_logps` (the learner's at sampling time, kept for
+    `num_iterations` steps), else the current policy's as a constant (one step per batch: the ratio is 1 in value
+    but not in gradient)."""
+    return micro["old_logps"] if "old_logps" in micro else jax.lax.stop_gradient(logp_BxT)
+
+
+def keeps_learner_logps(section: RolloutConfig) -> bool:
+    """Whether a rollout batch carries the learner's per-token log-probs at sampling time (`old_logps`)."""
+    return section.num_iterations > 1 or sampler_corrected(section)
+
+
+def sampler_corrected(section: RolloutConfig) -> bool:
+    """Whether the policy term is weighted between sampler and learner (the batch carries `sampler_logps`)."""
+    return isinstance(section, GRPOConfig) and section.sampler_importance_sampling_correction
+
+
+def counts_micro_tokens(section: RolloutConfig) -> bool:
+    """Whether the entropy bonus needs the step's tokens per micro-batch (`tokens_per_micro`, dapo and cispo)."""
+    return isinstance(section, GRPOConfig) and bool(section.entropy_coef) and section.loss_type in ("dapo", "cispo")
+
+
 def loss_terms(ctx: Context):
-    """GRPO's clipped-ratio objective with a KL penalty to the reference, per micro-batch of rollouts. Metric "kl":
-    the KL estimator aggregated as the loss aggregates its terms."""
+    """GRPO's clipped-ratio (or CISPO) objective with a KL penalty to the reference and an entropy bonus, per
+    micro-batch of rollouts (`losses.grpo_token_loss`). Metrics "kl" and "entropy": the KL estimator and the
+    policy's entropy over the completion tokens, aggregated as the loss aggregates its terms."""
     g = ctx.section
 
     def terms(trainable, frozen, second, micro, key=None):
-        logp, ref_logp = policy_and_reference_logps(ctx, trainable, frozen, second, micro, key)
-        total_, count = grpo_token_loss(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
-                                        micro["loss_mask"], g.clip, g.kl_coef, clip_high=g.clip_high,
-                                        delta=g.delta or None, level=g.importance_sampling_level,
-                                        loss_type=g.loss_type, max_completion_length=g.max_new_tokens)
-        kl, _ = grpo_aggregate(jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1, micro["loss_mask"], g.loss_type,
-                               g.max_new_tokens)
-        return total_, (count, {"kl": jax.lax.stop_gradient(kl)})
+        logp, ref_logp, entropy = policy_and_reference_logps(ctx, trainable, frozen, second, micro, key,
+                                                             entropy_grad=bool(g.entropy_coef))
+        mask = micro["loss_mask"]
+        old = old_logps_of(micro, logp)
+        weights = (sampler_weights(old, micro["sampler_logps"], mask, g.sampler_importance_sampling_mode,
+                                   *g.sampler_clip) if sampler_corrected(g) else None)
+        total_, count = grpo_token_loss(logp, old, ref_logp, micro["advantages"], mask, g.clip, g.kl_coef,
+                                        clip_high=g.clip_high, delta=g.delta or None,
+                                        level=g.importance_sampling_level, loss_type=g.loss_type,
+                                        max_completion_length=g.max_new_tokens, weights=weights, entropy_BxT=entropy,
+                                        top_entropy_quantile=g.top_entropy_quantile, entropy_coef=g.entropy_coef,
+                                        tokens_per_micro=micro["tokens_per_micro"] if counts_micro_tokens(g) else None)
+        kl, _ = grpo_aggregate(jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1, mask, g.loss_type, g.max_new_tokens)
+        entropy_sum, _ = grpo_aggregate(entropy, mask, g.loss_type, g.max_new_tokens)
+        return total_, (count, {"kl": jax.lax.stop_gradient(kl), "entropy": jax.lax.stop_gradient(entropy_sum)})
 
     return terms
 
@@ -263,14 +385,41 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
 
         return scored_in_shares(score, len(completions)).tolist()
 
+    if g.num_iterations > 1 and tc.checkpoint_every % g.num_iterations:
+        raise JaxtuneError(f"[{name}] num_iterations = {g.num_iterations} with [train] checkpoint_every = "
+                           f"{tc.checkpoint_every}: a checkpoint must fall between rollout batches (a resumed run "
+                           f"cannot sample a batch again); use a multiple of {g.num_iterations}")
+    store = RolloutStore(None if setup.cache_dir is None else Path(setup.cache_dir) / "rollouts")
+    options = c.model.forward.resolved(jax.default_backend())
+    learner_logps = jax.jit(lambda params, micro: _token_logps(params, cfg, micro, method, options, g.temperature))
+
     def batch(epoch: int, index: int, params) -> dict:
+        generation, iteration = divmod(index, g.num_iterations)  # one rollout batch for num_iterations steps
+        if iteration:
+            return store.get(epoch, generation, f"[{name}] step {index + 1} of epoch {epoch + 1}")
         order = np.random.default_rng([c.data.seed, epoch]).permutation(len(train))
-        chosen = [train[j] for j in order[index * per_step:(index + 1) * per_step]]
-        seed = int(np.random.default_rng([tc.seed, epoch, index]).integers(2**31))
-        rows, completions = sample_group(params(), cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed, eos)
+        chosen = [train[j] for j in order[generation * per_step:(generation + 1) * per_step]]
+        seed = int(np.random.default_rng([tc.seed, epoch, generation]).integers(2**31))
+        policy = params()
+        rows, completions = sample_group(policy, cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed, eos)
         scores = rewards(chosen, completions, g.group_size)
-        rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len)
-        return {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
+        if g.soft_punish_cache:
+            scores = (np.asarray(scores) + soft_overlong_punishment([len(t) for t in completions], g.max_new_tokens,
+                                                                    g.soft_punish_cache)).tolist()
+        rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len,
+                                 eos_ids=eos if g.mask_truncated_completions else ())
+        stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
+        if keeps_learner_logps(g):  # the old policy's, scored once with the parameters that sampled
+            stacked["old_logps"] = np.stack([host_copy(learner_logps(policy, {k: v[a] for k, v in stacked.items()}))
+                                             for a in range(tc.grad_accum)]) * (stacked["loss_mask"] > 0)
+        if sampler_corrected(g) and "sampler_logps" not in stacked:  # jaxtune's sampler is the learner: weights 1
+            stacked["sampler_logps"] = stacked["old_logps"]
+        if counts_micro_tokens(g):
+            stacked["tokens_per_micro"] = np.full(stacked["rewards"].shape, stacked["loss_mask"].sum() / tc.grad_accum,
+                                                  np.float32)
+        if g.num_iterations > 1:
+            store.put(epoch, generation, stacked)
+        return stacked
 
     def evaluate(_eval_step, params) -> dict:
         greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=0.0)
@@ -278,12 +427,14 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                                method=method)
         return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
 
-    return ObjectiveData(len(train) // per_step, batch, evaluate if held_out else None)
+    return ObjectiveData(len(train) // per_step * g.num_iterations, batch, evaluate if held_out else None)
 
 
-def _batch_fields(rows: int, _section) -> dict:
-    return {"advantages": jax.ShapeDtypeStruct((rows,), np.float32),
-            "rewards": jax.ShapeDtypeStruct((rows,), np.float32)}
+def _batch_fields(rows: int, seq_len: int, section: RolloutConfig) -> dict:
+    per_row = ["advantages", "rewards"] + ["tokens_per_micro"] * counts_micro_tokens(section)
+    per_token = ["old_logps"] * keeps_learner_logps(section) + ["sampler_logps"] * sampler_corrected(section)
+    return {**{k: jax.ShapeDtypeStruct((rows,), np.float32) for k in per_row},
+            **{k: jax.ShapeDtypeStruct((rows, seq_len), np.float32) for k in per_token}}
 
 
 # The step takes the reference the policy started from: the frozen base with adapters off, or for a full

@@ -187,7 +187,7 @@ def _second_model(section: KTOConfig, method) -> str | None:
     return "base" if method_unit(method).trains_base else None  # adapter methods: the base with adapters off
 
 
-def _batch_fields(rows: int, section: KTOConfig) -> dict:
+def _batch_fields(rows: int, _seq_len: int, section: KTOConfig) -> dict:
     return {"desirable": jax.ShapeDtypeStruct((rows,), np.float32)}
 
 

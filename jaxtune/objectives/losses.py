@@ -86,7 +86,8 @@ def rloo_advantages(rewards_PxG: jax.Array) -> jax.Array:
     return rewards_PxG - (jnp.sum(rewards_PxG, axis=-1, keepdims=True) - rewards_PxG) / (G - 1)
 
 
-GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
+SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def grpo_aggregate(values_BxT: jax.Array, mask_BxT: jax.Array, loss_type: str = "dapo",
@@ -95,16 +96,16 @@ def grpo_aggregate(values_BxT: jax.Array, mask_BxT: jax.Array, loss_type: str = 
     of B rows, summed and divided once (`spine.update.accumulate`), equal TRL 1.16's `_compute_loss` of `loss_type`
     summed over A accumulation steps (grpo_trainer.py, the `if self.loss_type` branch that divides the loss):
 
-      dapo     tokens summed over the step, / the step's completion tokens       (sum, tokens)
-      bnpo     each micro-batch's token mean, averaged over micro-batches         (token mean, 1)
-      dr_grpo  tokens summed, / (B x max_completion_length) per micro-batch       (sum, B x max_completion_length)
-      grpo     each row's token mean, averaged over rows                          (sum of row means, B)
+      dapo, cispo  tokens summed over the step, / the step's completion tokens   (sum, tokens)
+      bnpo         each micro-batch's token mean, averaged over micro-batches     (token mean, 1)
+      dr_grpo      tokens summed, / (B x max_completion_length) per micro-batch   (sum, B x max_completion_length)
+      grpo         each row's token mean, averaged over rows                      (sum of row means, B)
     """
     mask = mask_BxT.astype(jnp.float32)
     masked = values_BxT * mask
     total, tokens = jnp.sum(masked), jnp.sum(mask)
     B = mask.shape[0]
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return total, tokens
     if loss_type == "bnpo":
         return total / jnp.maximum(tokens, 1.0), jnp.float32(1)
@@ -115,17 +116,64 @@ def grpo_aggregate(values_BxT: jax.Array, mask_BxT: jax.Array, loss_type: str = 
     raise ValueError(f"unknown loss_type {loss_type!r}; choose " + ", ".join(GRPO_LOSS_TYPES))
 
 
+def sampler_weights(old_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array, mask_BxT: jax.Array,
+                    mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0
+                    ) -> jax.Array:
+    """Importance weights between the sampler and the learner, [B, T] ("token_*") or [B, 1] ("sequence_*"): the ratio
+    pi_learner / pi_sampler of the completion's tokens (of the whole completion: exp of the summed log-ratio),
+    truncated to [clip_min, clip_max] ("*_truncate", truncated IS) or set to 0 outside it ("*_mask", masked IS);
+    None: no bound. A NaN sampler log-prob (one the sampler did not report) counts as no correction. TRL 1.16's
+    `vllm_importance_sampling_mode` (grpo_trainer.py, `_generate_and_score_completions`), with the learner's
+    log-probs at sampling time as `old_per_token_logps`; constant (no gradient)."""
+    diff = jnp.nan_to_num((old_logp_BxT - sampler_logp_BxT) * mask_BxT.astype(old_logp_BxT.dtype), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = jnp.sum(diff, -1, keepdims=True)
+    elif not mode.startswith("token"):
+        raise ValueError(f"unknown sampler importance sampling mode {mode!r}; choose " + ", ".join(SAMPLER_IS_MODES))
+    ratio = jnp.exp(diff)
+    if mode.endswith("truncate"):
+        ratio = jnp.clip(ratio, clip_min, clip_max)
+    else:
+        low = -jnp.inf if clip_min is None else clip_min
+        high = jnp.inf if clip_max is None else clip_max
+        ratio = jnp.where((ratio < low) | (ratio > high), 0.0, ratio)
+    return jax.lax.stop_gradient(ratio)
+
+
+def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, quantile: float) -> jax.Array:
+    """The completion tokens [B, T] (0 or 1) whose entropy is at least the (1 - quantile) quantile of the
+    micro-batch's completion tokens' entropies (linear interpolation): the top `quantile` of tokens by entropy
+    ("Beyond the 80/20 rule", Wang et al. 2025; TRL 1.16's `top_entropy_quantile`, `get_high_entropy_mask`); none
+    when there are no completion tokens. Constant (no gradient)."""
+    entropy = jax.lax.stop_gradient(entropy_BxT)
+    mask = mask_BxT > 0
+    threshold = jnp.nanquantile(jnp.where(mask, entropy, jnp.nan), 1 - quantile)  # NaN without tokens: none kept
+    return ((entropy * mask >= threshold) & mask).astype(jnp.float32)
+
+
 def grpo_token_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, ref_logp_BxT: jax.Array, advantages_B: jax.Array,
                     mask_BxT: jax.Array, clip: float = 0.2, kl_coef: float = 0.04, *, clip_high: float | None = None,
                     delta: float | None = None, level: str = "token", loss_type: str = "dapo",
-                    max_completion_length: int = 0) -> tuple[jax.Array, jax.Array]:
+                    max_completion_length: int = 0, weights: jax.Array | None = None,
+                    entropy_BxT: jax.Array | None = None, top_entropy_quantile: float = 1.0,
+                    entropy_coef: float = 0.0, tokens_per_micro: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """(sum, count) of GRPO's loss over one micro-batch's completion tokens, aggregated as `grpo_aggregate`.
 
     The ratio r = pi / pi_old per token ("token"), or per row exp(mean token log-ratio) ("sequence", GSPO, Zheng et
     al. 2025), clipped to [1 - clip, 1 + clip_high] (DAPO's clip-higher; clip_high None: clip) against the row's
-    advantage (PPO); delta caps the unclipped r (two-sided clipping, INTELLECT-2); plus beta = kl_coef times the
-    unbiased KL estimator exp(ref - pi) - (ref - pi) - 1 to the reference (DeepSeekMath eq. 3-4). TRL 1.16's
-    `GRPOTrainer._compute_loss` with epsilon = clip, epsilon_high = clip_high, beta = kl_coef.
+    advantage (PPO); delta caps the unclipped r (two-sided clipping, INTELLECT-2). loss_type "cispo" (MiniMax-M1,
+    2025, eq. 4): -sg(min(r, clip_high)) A log pi instead, the weight clipped and its gradient stopped, so every token
+    keeps a gradient. Tokens outside the top `top_entropy_quantile` by entropy get none of that term
+    (`high_entropy_mask`); `weights` ([B, T] or [B, 1], `sampler_weights`) multiply it. Plus beta = kl_coef times the
+    unbiased KL estimator exp(ref - pi) - (ref - pi) - 1 to the reference (DeepSeekMath eq. 3-4). Then, with
+    entropy_coef c, the entropy bonus: minus c times the micro-batch's mean entropy H over the tokens the loss keeps,
+
+        L = L_policy - c / A x sum_a (sum_t H_at m_at / sum_t m_at)     (a: the step's A micro-batches),
+
+    which for dapo and cispo (a count that differs between micro-batches) needs `tokens_per_micro` [B]: the step's
+    completion tokens / A. TRL 1.16's `GRPOTrainer._compute_loss` with epsilon = clip, epsilon_high = clip_high,
+    beta = kl_coef, importance_sampling_ratio = weights, entropy_coef = c.
     """
     mask = mask_BxT.astype(jnp.float32)
     log_ratio = logp_BxT - old_logp_BxT
@@ -134,14 +182,38 @@ def grpo_token_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, ref_logp_BxT: 
     elif level != "token":
         raise ValueError(f"unknown importance_sampling_level {level!r}; choose token or sequence")
     ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1 - clip, 1 + (clip if clip_high is None else clip_high))
-    if delta is not None:
-        ratio = jnp.minimum(ratio, delta)
+    high = clip if clip_high is None else clip_high
     adv = advantages_B[:, None]
-    loss = -jnp.minimum(ratio * adv, clipped * adv)
+    if loss_type == "cispo":
+        loss = -jax.lax.stop_gradient(jnp.minimum(ratio, high)) * adv * logp_BxT
+    else:
+        clipped = jnp.clip(ratio, 1 - clip, 1 + high)
+        if delta is not None:
+            ratio = jnp.minimum(ratio, delta)
+        loss = -jnp.minimum(ratio * adv, clipped * adv)
+    kept = mask
+    if top_entropy_quantile < 1.0:
+        if entropy_BxT is None:
+            raise ValueError("top_entropy_quantile < 1 needs the tokens' entropies (entropy_BxT)")
+        kept = mask * high_entropy_mask(entropy_BxT, mask, top_entropy_quantile)
+        loss = loss * kept
+    if weights is not None:
+        loss = loss * weights
     if kl_coef:
         loss = loss + kl_coef * (jnp.exp(ref_logp_BxT - logp_BxT) - (ref_logp_BxT - logp_BxT) - 1)
-    return grpo_aggregate(loss, mask, loss_type, max_completion_length)
+    total, count = grpo_aggregate(loss, mask, loss_type, max_completion_length)
+    if entropy_coef:
+        if entropy_BxT is None:
+            raise ValueError("entropy_coef needs the tokens' entropies (entropy_BxT)")
+        bonus = jnp.sum(entropy_BxT * kept) / jnp.maximum(jnp.sum(kept), 1.0)
+        if loss_type in ("dapo", "cispo"):
+            if tokens_per_micro is None:
+                raise ValueError(f"entropy_coef with loss_type {loss_type!r} needs tokens_per_micro")
+            scale = tokens_per_micro[0]
+        else:
+            scale = count  # the same in every micro-batch
+        total = total - entropy_coef * bonus * scale
+    return total, count
 
 
 def rloo_sequence_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array, mask_BxT: jax.Array,

@@ -20,14 +20,15 @@ import numpy as np
 
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives.base import Context
-from jaxtune.objectives.grpo import GRPO, RolloutConfig, make_prepare, policy_and_reference_logps
+from jaxtune.objectives.grpo import GRPO, RolloutConfig, make_prepare, old_logps_of, policy_and_reference_logps
 from jaxtune.objectives.losses import rloo_advantages, rloo_sequence_loss
 
 
 @dataclass(frozen=True)
 class RLOOConfig(RolloutConfig):
     """RLOO's section: `RolloutConfig`'s keys (kl_coef defaults to TRL's beta, 0.05) and TRL 1.16 RLOOConfig's:
-    normalize_advantages (over the step's batch: mean 0, std 1), reward_clip_range ([min, max], or [] for none)."""
+    normalize_advantages (over the step's batch: mean 0, std 1), reward_clip_range ([min, max], or [] for none).
+    num_iterations, mask_truncated_completions and soft_punish_cache as GRPO's (`RolloutConfig`)."""
 
     kl_coef: float = 0.05
     normalize_advantages: bool = False
@@ -58,20 +59,23 @@ def step_advantages(advantages_B: jax.Array, kl_B: jax.Array, rloo: RLOOConfig) 
     return advantages_B
 
 
-# One gradient step per batch (TRL's num_iterations = 1): the rollout's policy is the current one, so the ratio is 1
-# in value but not in gradient, and the KL in the reward is read from this step's log-probs (as a constant).
 def loss_terms(ctx: Context):
-    """RLOO's clipped sequence-ratio loss per micro-batch of rollouts (a sum over rows, counted in rows). Metric "kl":
-    the rows' mean sequence KL sum(log pi - log ref), the term kl_coef scales in the reward."""
+    """RLOO's clipped sequence-ratio loss per micro-batch of rollouts (a sum over rows, counted in rows). The old
+    policy and the KL in the reward are the batch's `old_logps` when it has them (num_iterations > 1: the learner's
+    at sampling time, as TRL's), else this step's log-probs as constants. Metrics "kl": the rows' mean sequence KL
+    sum(log pi_old - log ref), the term kl_coef scales in the reward; "entropy": the policy's mean over the
+    completion tokens of the rows' token means."""
     r = ctx.section
 
     def terms(trainable, frozen, second, micro, key=None):
-        logp, ref_logp = policy_and_reference_logps(ctx, trainable, frozen, second, micro, key)
+        logp, ref_logp, entropy = policy_and_reference_logps(ctx, trainable, frozen, second, micro, key)
         mask = micro["loss_mask"].astype(jnp.float32)
-        kl_B = jax.lax.stop_gradient(jnp.sum((logp - ref_logp) * mask, -1))
+        old = old_logps_of(micro, logp)
+        kl_B = jax.lax.stop_gradient(jnp.sum((old - ref_logp) * mask, -1))
         advantages = step_advantages(micro["advantages"], kl_B, r)
-        total, rows = rloo_sequence_loss(logp, jax.lax.stop_gradient(logp), advantages, mask, r.clip, r.clip_high)
-        return total, (rows, {"kl": jnp.sum(kl_B)})
+        total, rows = rloo_sequence_loss(logp, old, advantages, mask, r.clip, r.clip_high)
+        entropy_B = jnp.sum(entropy * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)
+        return total, (rows, {"kl": jnp.sum(kl_B), "entropy": jnp.sum(entropy_B)})
 
     return terms
 
