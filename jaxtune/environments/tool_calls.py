@@ -1,0 +1,204 @@
+"""Tool calls read from a model's turn, by the chat-template family the model was trained on.
+
+  hermes   Qwen2.5/Qwen3, Hermes, SmolLM3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number;
+           the text outside the tags is the turn's content (vLLM's `hermes` parser, which also takes a last
+           `<tool_call>` left open by a turn cut short)
+  llama3   Llama 3.1-3.3: a turn that starts with `{` is one JSON call `{"name": ..., "parameters": {...}}` (or several
+           joined by `;`); `<|python_tag|>` before it too, or before a built-in tool's `name.call(key=value, ...)`
+           (Meta's prompt format; vLLM's `llama3_json`)
+  harmony  gpt-oss: messages `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`,
+           the recipient in the header after the role or the channel; `analysis` is reasoning, `final` the answer
+           (OpenAI's harmony format, github.com/openai/harmony)
+
+A call the model got wrong (not JSON, no name, arguments not an object, a tag left open around bad JSON) is not an
+exception: it is a `ToolCallError` whose message the environment sends back as the tool's reply, so the episode goes
+on and the model can learn from it. `detect_family` picks the family from a chat template's text.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call to run: the tool's name and its arguments (a JSON object)."""
+
+    name: str
+    arguments: dict
+
+    def message_call(self) -> dict:
+        """The call as an assistant message's `tool_calls` entry (TRL's and the OpenAI API's shape)."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A call the model wrote but that cannot run; `message` is one line the model reads back as the tool's reply."""
+
+    message: str
+    name: str | None = None  # the tool it meant, when that could be read
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """A model's turn: its content (the text outside the calls), its reasoning where the format separates it, and its
+    calls in order, each a `ToolCall` or a `ToolCallError`."""
+
+    content: str
+    calls: tuple[ToolCall | ToolCallError, ...] = ()
+    reasoning: str | None = None
+    valid: tuple[ToolCall, ...] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "valid", tuple(c for c in self.calls if isinstance(c, ToolCall)))
+
+
+def _loads_object(text: str, where: str) -> dict | ToolCallError:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return ToolCallError(f"error: {where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    if not isinstance(value, dict):
+        return ToolCallError(f"error: {where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _call(value: dict, where: str, arguments_keys: tuple[str, ...]) -> ToolCall | ToolCallError:
+    """A call from a decoded object {"name", <one of arguments_keys>}; arguments may be a JSON string of an object."""
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCallError(f"error: {where} has no \"name\" (expected {{\"name\": ..., \"{arguments_keys[0]}\": "
+                             "{...}})")
+    arguments: object = next((value[k] for k in arguments_keys if k in value), {})
+    if isinstance(arguments, str):
+        arguments = _loads_object(arguments, f"the arguments of {where} ({name})")
+        if isinstance(arguments, ToolCallError):
+            return ToolCallError(arguments.message, name)
+    if not isinstance(arguments, dict):
+        return ToolCallError(f"error: the arguments of {where} ({name}) must be a JSON object, got "
+                             f"{type(arguments).__name__}", name)
+    return ToolCall(name, arguments)
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Calls in `<tool_call>...</tool_call>` tags; the content is the text outside them."""
+    calls: list[ToolCall | ToolCallError] = []
+    for k, match in enumerate(_HERMES.finditer(text), 1):
+        where = f"tool call {k}"
+        value = _loads_object(match.group(1).strip(), where)
+        if isinstance(value, ToolCallError) and not match.group(2):
+            value = ToolCallError(f"error: {where}: <tool_call> is not closed by </tool_call> and what follows it is "
+                                  "not a JSON object")
+        calls.append(value if isinstance(value, ToolCallError) else _call(value, where, ("arguments", "parameters")))
+    return ParsedTurn(_HERMES.sub("", text).strip(), tuple(calls))
+
+
+PYTHON_TAG = "<|python_tag|>"
+_LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
+
+
+def _python_call(text: str, where: str) -> ToolCall | ToolCallError:
+    """A built-in tool's call as Llama writes it after <|python_tag|>: `brave_search.call(query="...")`."""
+    try:
+        node = ast.parse(text, mode="eval").body
+        if not isinstance(node, ast.Call) or node.args:
+            raise ValueError("not a call with keyword arguments")
+        func = node.func
+        name = func.value if isinstance(func, ast.Attribute) and func.attr == "call" else func
+        if not isinstance(name, ast.Name):
+            raise ValueError("not name.call(...)")
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+    except (SyntaxError, ValueError) as e:
+        return ToolCallError(f"error: {where} after <|python_tag|> is neither JSON nor name.call(key=value, ...) ({e})")
+    return ToolCall(name.id, arguments)
+
+
+def parse_llama3(text: str) -> ParsedTurn:
+    """A turn that is JSON calls (`{` first, or `<|python_tag|>` first) or a plain answer."""
+    body = text.strip()
+    for end in _LLAMA_ENDS:
+        body = body.removesuffix(end).rstrip()
+    tagged = body.startswith(PYTHON_TAG)
+    body = body.removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return ParsedTurn(text.strip(), (_python_call(body, "tool call 1"),) if tagged else ())
+    calls: list[ToolCall | ToolCallError] = []
+    decoder, at = json.JSONDecoder(), 0
+    while at < len(body):
+        where = f"tool call {len(calls) + 1}"
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCallError(f"error: {where} is not valid JSON ({e.msg} at line {e.lineno} column "
+                                       f"{e.colno})"))
+            break
+        calls.append(_call(value, where, ("parameters", "arguments")) if isinstance(value, dict) else
+                     ToolCallError(f"error: {where} must be a JSON object, got {type(value).__name__}"))
+        at = len(body) - len(body[at:].lstrip().lstrip(";").lstrip())
+    return ParsedTurn("", tuple(calls))
+
+
+# One harmony message: [<|start|>ROLE-HEADER]<|channel|>HEADER[<|constrain|>FORMAT]<|message|>BODY END, where the
+# recipient (to=...) may sit in either header and END is <|end|>, <|call|>, <|return|>, the next <|start|> or the text's
+# end (a turn cut short, or a stop token the rollout did not keep).
+_HARMONY = re.compile(r"(?:<\|start\|>(?P<role>[^<]*))?<\|channel\|>(?P<header>[^<]*)(?:<\|constrain\|>[^<]*)?"
+                      r"<\|message\|>(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|\Z)", re.DOTALL)
+_RECIPIENT = re.compile(r"\bto=(\S+)")
+
+
+def parse_harmony(text: str) -> ParsedTurn:
+    """gpt-oss's turn after `<|start|>assistant`: analysis (reasoning), commentary to a function (calls), final or
+    commentary without a recipient (content)."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall | ToolCallError] = []
+    for match in _HARMONY.finditer(text):
+        header = f"{match.group('role') or ''} {match.group('header')}"
+        channel = match.group("header").split()[0] if match.group("header").split() else ""
+        recipient = _RECIPIENT.search(header)
+        body = match.group("body").strip()
+        if recipient:
+            name = recipient.group(1).removeprefix("functions.")
+            where = f"tool call {len(calls) + 1}"
+            value = _loads_object(body, f"{where} ({name})")
+            calls.append(ToolCallError(value.message, name) if isinstance(value, ToolCallError) else
+                         ToolCall(name, value))
+        elif channel == "analysis":
+            reasoning.append(body)
+        else:
+            content.append(body)
+    if not calls and not content and not reasoning:  # no harmony header at all: the text is the answer
+        content = [text.strip()]
+    return ParsedTurn("\n".join(content), tuple(calls), "\n".join(reasoning) or None)
+
+
+PARSERS = {"hermes": parse_hermes, "qwen": parse_hermes, "llama3": parse_llama3, "harmony": parse_harmony,
+           "gpt-oss": parse_harmony}
+
+
+def parse_tool_calls(text: str, family: str) -> ParsedTurn:
+    """The calls in a model's turn, read as `family` writes them ("hermes", "llama3", "harmony"; or an alias in
+    PARSERS)."""
+    if family not in PARSERS:
+        raise ValueError(f"tool-call family {family!r} is not one of {', '.join(PARSERS)}")
+    return PARSERS[family](text)
+
+
+def detect_family(chat_template: str | None) -> str | None:
+    """The family a chat template's tool calls are written in, from its text; None when it shows none."""
+    if not chat_template:
+        return None
+    if "<|channel|>" in chat_template:
+        return "harmony"
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "<|start_header_id|>" in chat_template and ("parameters" in chat_template or PYTHON_TAG in chat_template):
+        return "llama3"
+    return None
