@@ -1,15 +1,9 @@
-"""Chat records checked before their chat template renders them: `{"messages": [...]}`, optionally with the tools the
-conversation may call, `{"messages": [...], "tools": [...]}` (TRL's tool-calling format, the OpenAI chat API's).
-
-  messages  [{"role", "content"}, ...]: an assistant message may carry `tool_calls` and then needs no content;
-            a tool's reply is {"role": "tool", "content", "name" (optional), "tool_call_id" (optional)}
-  tool_calls [{"type": "function", "function": {"name", "arguments": {...}}}, ...] ({"name", "arguments"} too),
-            arguments a JSON object (or the string of one: passed to the template as written)
-  tools     [{"type": "function", "function": {"name", "description", "parameters"}}, ...]: JSON schemas, as
-            `jaxtune.environments.json_schema` (transformers' `get_json_schema`) writes them; passed to the template
-            as `tools`, as transformers' `apply_chat_template(messages, tools=tools)` does
-
-Errors name the record (`FILE:LINE`) and the field at fault.
+"""Chat records checked before their chat template renders them: `{"messages": [...]}`, and TRL's tool-calling
+records `{"messages": [...], "tools": [...]}` (the OpenAI chat API's shape): an assistant message may carry
+`tool_calls` [{"type": "function", "function": {"name", "arguments": {...}}}] and then needs no content; a tool's reply
+is {"role": "tool", "content", "name"}; `tools` are JSON schemas (`jaxtune.environments.json_schema`, transformers'
+`get_json_schema`) passed to the template as `tools`, as `apply_chat_template(messages, tools=tools)` does. Errors name
+the record (`FILE:LINE`) and the field at fault.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
   alpaca             {"instruction", "input" (optional), "output"}: the Stanford Alpaca prompt, output as completion
   prompt/completion  {"prompt", "completion"}: encode(prompt) with special tokens + encode(completion) + [EOS]
-  chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template (`render_chat`);
-                     with "tools" and assistant `tool_calls`, TRL's tool-calling records (`data.chat_records`)
+  chat               {"messages": [{"role", "content"}, ...], "tools"?}: by the model's chat template (`render_chat`)
   preference         {"prompt", "chosen", "rejected"}: `preference_examples`, for DPO and reward models
   unpaired           {"prompt", "completion", "label": true/false}: KTO's `labelled_examples` (pairs are split there)
   prompts            {"prompt", ...any other fields}: GRPO's prompts, `load_prompt_examples`

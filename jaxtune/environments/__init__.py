@@ -1,13 +1,7 @@
-"""Multi-turn RL with tools: environments a rollout loop steps, tool calls read from a model's turn, tools run in a
-process with a time limit, episodes as ids and a loss mask on the model's own tokens.
-
-  base.py        the `Environment` protocol (reset, step -> StepResult, close), `load_environment` by name or path
-  tool_calls.py  `parse_tool_calls(text, family)`: Hermes/Qwen, Llama 3, gpt-oss harmony; malformed calls as values
-  schema.py      `json_schema(function)`: a tool's schema from its signature and docstring (transformers' format)
-  runner.py      `ToolRunner`: tools in a spawned worker process, each call within a time limit, replies as text
-  tool_env.py    `ToolEnvironment` ("tools"): the model calls registered functions until it answers; a reward
-  episode.py     `render_episode` (the template's render) and `EpisodeTokens` (the sampled ids) with their loss masks
-  rollout.py     `rollout(envs, records, sample, tokenizer, max_tokens)`: a batch of episodes, turns sampled together
+"""Multi-turn RL with tools, apart from any trainer: the `Environment` protocol and its registry (base.py), tool calls
+read per chat-template family (tool_calls.py), tool schemas from signatures (schema.py), tools in a worker process
+with a time limit (runner.py), the tool-calling environment (tool_env.py), episodes as ids and a loss mask on the
+model's own tokens (episode.py), and batched multi-turn rollouts with any sampler (rollout.py).
 
 The public names, one a line, imported when first used (the tool worker process imports only what it runs).
 """

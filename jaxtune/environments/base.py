@@ -1,26 +1,10 @@
-"""What a multi-turn RL environment is: the rollout loop's other side.
+"""What a multi-turn RL environment is: the rollout loop's other side (`Environment`: reset, step, close).
 
-An episode is a conversation. `reset(record)` takes a dataset record (a GRPO prompt line: {"prompt", ...} or
-{"messages", ...}, with any other fields a reward reads) and returns the messages the model sees first. Then, until
-`done`, the loop renders the conversation with the chat template (the environment's `tools` passed as `tools=`),
-samples the model's turn and calls `step(text)`, which returns the turns that answer it (tool replies, a user's next
-message) and the reward so far. The environment keeps the whole conversation (`messages`), the model's turns
-included, so the loop never has to know a tool-call format:
-
-    env = load_environment("tools", tools=["mypkg.tools.search"], family="hermes", reward="mypkg.rewards.solved")
-    messages = env.reset(record)
-    while True:
-        prompt = render_chat(env.messages, tokenizer, add_generation_prompt=True, tools=env.tools)
-        result = env.step(sample(prompt))            # messages, reward, done (a NamedTuple)
-        if result.done:
-            break
-    example = render_episode(env.messages, tokenizer, env.tools)   # ids + the loss mask on the model's turns
-    env.close()
-
-(`rollout.rollout` runs that loop for a batch of episodes on the sampled ids themselves.)
-
-Environments are found by name (`register_environment`) or by dotted path to a class or factory
-("mypkg.envs:Maze"), as GRPO finds its reward functions.
+An episode is a conversation the environment keeps (`messages`, the model's turns included), so a rollout loop never
+needs to know a tool-call format: it renders `messages` with the chat template (`tools=env.tools`), samples the
+model's turn, and `step`s the text until `done` (`rollout.rollout` is that loop, batched). Environments load by
+registered name (`register_environment`) or by dotted path to a class or factory ("mypkg.envs:Maze"), as GRPO loads
+its reward functions.
 """
 
 from __future__ import annotations
@@ -44,7 +28,19 @@ class StepResult(NamedTuple):
 @runtime_checkable
 class Environment(Protocol):
     """The interface a rollout loop calls. `tools`: the JSON schemas the chat template shows the model (empty when
-    none); `messages`: the episode so far, every turn including the model's."""
+    none); `messages`: the episode so far, every turn including the model's (after `step`: the model's turn, then the
+    messages `step` returned, which is where `rollout` finds the model's turn). One episode, by hand:
+
+        env = load_environment("tools", tools=["mypkg.tools.search"], family="hermes", reward="mypkg.rewards.solved")
+        env.reset(record)
+        while True:
+            prompt = render_chat(env.messages, tokenizer, add_generation_prompt=True, tools=env.tools)
+            messages, reward, done = env.step(sample(prompt))
+            if done:
+                break
+        example = render_episode(env.messages, tokenizer, env.tools)   # ids, the loss mask on the model's turns
+        env.close()
+    """
 
     tools: list[dict]
     messages: list[dict]

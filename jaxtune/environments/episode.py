@@ -1,15 +1,10 @@
 """A finished episode as token ids and a loss mask on the model's own tokens, across all its turns.
 
-Two ways, for two needs:
-
-  render_episode(messages, tokenizer, tools)  the conversation rendered by the chat template and tokenised, the mask
-      on each assistant turn's span (`data.formats.chat_spans`, what SFT on a chat record trains): system, user and
-      tool turns are 0. Right for SFT and for a policy whose turns re-tokenise to what it sampled.
-  EpisodeTokens                              the ids the rollout sampled, kept as they were: the prompt rendered once,
-      then each model turn's sampled ids (mask 1) and each environment turn's ids (mask 0), the latter the template's
-      text from where the model's turn stops to the next generation prompt. A policy-gradient loss needs this one:
-      decoding and re-tokenising a sampled turn can give other ids (a word split differently), and the ratio to the
-      sampling policy is only right on the ids that were sampled.
+`render_episode`: the conversation rendered by the chat template and tokenised, each assistant turn's span trained
+(`data.formats.chat_spans`, as SFT on a chat record): right for SFT. `EpisodeTokens`: the ids the rollout sampled,
+kept as they were, with the environment's turns cut from the template's render between them: what a policy-gradient
+loss needs, since re-tokenising a sampled turn may give other ids than were sampled, and the ratio to the sampling
+policy is only right on those.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Tools run in a child process with a time limit, so a tool the model calls cannot stop the rollout.
+"""Tools run in a child process with a time limit, so no tool the model calls can stop the rollout (`ToolRunner`).
 
-`ToolRunner(tools, timeout_s)` starts one worker process (multiprocessing's "spawn": a fresh interpreter, never a fork
-of the trainer, whose JAX threads a fork would copy mid-lock) and sends it one call at a time. The reply is always
-one string the model reads as the tool's turn:
-
-  the tool's return value     a string as it is, anything else as JSON
-  one error line              "error: tool 'NAME' raised ValueError: ...", "... returned a set, which is not
-                              JSON-serialisable", "... did not finish within 2s and was stopped", "... process exited
-                              with code -11", "error: no tool named 'NAME' (tools: ...)"
-
-A call past the time limit kills the worker (SIGKILL: a tool in C code or `time.sleep` ignores anything gentler) and the
-next call starts a fresh one; so does a worker that died. Tools are sent to the worker by reference, so each is a
-module-level function (or a "module:function" path) the worker can import.
+One worker process, spawned (a fresh interpreter: a fork would copy the trainer's JAX threads mid-lock), runs one call
+at a time. Every reply is one string the model reads as the tool's turn: the result (a string as is, else JSON) or
+one error line naming the tool and what happened (it raised, returned what JSON cannot hold, ran past the limit, its
+process died, no such tool). Past the limit the worker is killed (SIGKILL: `time.sleep` or C code ignore gentler
+signals) and the next call starts a fresh one. Tools go to the worker by reference: module-level functions.
 """
 
 from __future__ import annotations
@@ -58,7 +51,9 @@ def run_tool(function: Callable, name: str, arguments: dict) -> str:
 
 
 def _serve(connection: Connection, tools: dict[str, Callable]) -> None:
-    """The worker: answer (name, arguments) requests until the parent closes the pipe."""
+    """The worker: say it is ready (the tools' modules are imported by now), then answer (name, arguments) requests
+    until the parent closes the pipe."""
+    connection.send("ready")
     while True:
         try:
             name, arguments = connection.recv()
@@ -68,15 +63,21 @@ def _serve(connection: Connection, tools: dict[str, Callable]) -> None:
 
 
 class ToolRunner:
-    """Named tools run in a worker process, each call within `timeout_s` seconds. Close it (or use `with`) to stop
-    the worker."""
+    """Named tools (a mapping, or functions and dotted paths named by their `__name__`) run in a worker process,
+    each call within `timeout_s` seconds; the worker's start (importing the tools' modules) has `start_s` of its own.
+    Close it (or use `with`) to stop the worker."""
 
-    def __init__(self, tools: Mapping[str, Callable | str] | Sequence[Callable | str], timeout_s: float = 10.0):
-        if timeout_s <= 0:
-            raise JaxtuneError(f"tool timeout_s = {timeout_s}: must be > 0")
+    def __init__(self, tools: Mapping[str, Callable | str] | Sequence[Callable | str], timeout_s: float = 10.0,
+                 start_s: float = 120.0):
+        if timeout_s <= 0 or start_s <= 0:
+            raise JaxtuneError(f"tool timeout_s = {timeout_s}, start_s = {start_s}: both must be > 0")
         if not isinstance(tools, Mapping):
             resolved = [load_object(t, "tool") if isinstance(t, str) else t for t in tools]
-            tools = {getattr(t, "__name__", str(t)): t for t in resolved}
+            names = [getattr(t, "__name__", str(t)) for t in resolved]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise JaxtuneError(f"two tools named {', '.join(twice)}: name them with a mapping {{name: tool}}")
+            tools = dict(zip(names, resolved))
         self.tools: dict[str, Callable] = {n: load_object(t, "tool") if isinstance(t, str) else t
                                            for n, t in tools.items()}
         for name, function in self.tools.items():
@@ -87,12 +88,13 @@ class ToolRunner:
             except Exception as e:  # lambdas, closures, methods of unpicklable objects
                 raise JaxtuneError(f"tool {name!r} cannot be sent to the tool process ({type(e).__name__}: {e}); "
                                    "define it at module level") from None
-        self.timeout_s = timeout_s
+        self.timeout_s, self.start_s = timeout_s, start_s
         self._context = multiprocessing.get_context("spawn")
         self._process: multiprocessing.process.BaseProcess | None = None
         self._connection: Connection | None = None
 
-    def _start(self) -> Connection:
+    def _start(self) -> Connection | str:
+        """The live worker's end of the pipe, a fresh worker started if need be; or the error line why none runs."""
         if self._process is None or not self._process.is_alive():
             self._stop()
             ours, theirs = self._context.Pipe()
@@ -101,6 +103,16 @@ class ToolRunner:
             self._process.start()
             theirs.close()
             self._connection = ours
+            try:
+                ready = ours.poll(self.start_s) and ours.recv() == "ready"
+            except (EOFError, OSError):  # it died importing a tool's module
+                ready = False
+            if not ready:
+                self._process.join(0.1)
+                code = self._process.exitcode
+                self._stop()
+                return (f"error: the tool process did not start within {self.start_s:g}s" if code is None else
+                        f"error: the tool process exited with code {code} as it started")
         assert self._connection is not None
         return self._connection
 
@@ -120,6 +132,8 @@ class ToolRunner:
         if name not in self.tools:
             return f"error: no tool named {name!r} (tools: {', '.join(self.tools) or 'none'})"
         connection = self._start()
+        if isinstance(connection, str):
+            return connection
         connection.send((name, arguments))
         try:
             if connection.poll(self.timeout_s):

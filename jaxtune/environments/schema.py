@@ -1,23 +1,9 @@
-"""A tool's JSON schema from its Python signature and Google-style docstring, the schema a chat template's `tools`
-takes: what transformers' `get_json_schema` writes (tested equal to it), without importing transformers.
-
-    def get_weather(city: str, unit: Literal["C", "F"] = "C") -> str:
-        '''The weather in a city now.
-
-        Args:
-            city: The city's name
-            unit: The temperature's unit
-        '''
-    json_schema(get_weather) == {"type": "function", "function": {"name": "get_weather",
-        "description": "The weather in a city now.", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "description": "The city's name"},
-        "unit": {"type": "string", "enum": ["C", "F"], "description": "The temperature's unit"}},
-        "required": ["city"]}, "return": {"type": "string"}}}
+"""A tool's JSON schema from its Python signature and Google-style docstring (`json_schema`), the schema a chat
+template's `tools` takes: what transformers' `get_json_schema` writes (tested equal), without importing transformers.
 
 Types: int, float, str, bool, None, Any, list[X], tuple[X, Y] (prefixItems), dict[str, X] (additionalProperties),
-X | Y (a list of type names, or anyOf; None makes it "nullable"), Literal[...] and Enum classes (enum). An argument's
-description may end with `(choices: [...])`, a JSON list that becomes its enum. A type or docstring that cannot be
-written is a `JaxtuneError` naming the tool and the argument.
+unions (a list of type names or anyOf; None as "nullable"), Literal and Enum (enum). A description ending in
+`(choices: [...])` gives an enum. What cannot be written is a `JaxtuneError` naming the tool and the argument.
 """
 
 from __future__ import annotations

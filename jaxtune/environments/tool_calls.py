@@ -1,18 +1,9 @@
-"""Tool calls read from a model's turn, by the chat-template family the model was trained on.
-
-  hermes   Qwen2.5/Qwen3, Hermes, SmolLM3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number;
-           the text outside the tags is the turn's content (vLLM's `hermes` parser, which also takes a last
-           `<tool_call>` left open by a turn cut short)
-  llama3   Llama 3.1-3.3: a turn that starts with `{` is one JSON call `{"name": ..., "parameters": {...}}` (or several
-           joined by `;`); `<|python_tag|>` before it too, or before a built-in tool's `name.call(key=value, ...)`
-           (Meta's prompt format; vLLM's `llama3_json`)
-  harmony  gpt-oss: messages `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`,
-           the recipient in the header after the role or the channel; `analysis` is reasoning, `final` the answer
-           (OpenAI's harmony format, github.com/openai/harmony)
-
-A call the model got wrong (not JSON, no name, arguments not an object, a tag left open around bad JSON) is not an
-exception: it is a `ToolCallError` whose message the environment sends back as the tool's reply, so the episode goes
-on and the model can learn from it. `detect_family` picks the family from a chat template's text.
+"""Tool calls read from a model's turn by its chat-template family (`parse_tool_calls`, `detect_family`): "hermes"
+(Qwen2.5/3, Hermes, SmolLM3: `<tool_call>{"name", "arguments"}</tool_call>`), "llama3" (Llama 3.1-3.3: a turn that is
+`{"name", "parameters"}` JSON, `<|python_tag|>` before it or before a built-in `name.call(k=v)`), "harmony" (gpt-oss:
+`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`). Learnt from vLLM's `hermes` and
+`llama3_json` parsers and OpenAI's harmony format. A call the model got wrong is not an exception but a
+`ToolCallError`, whose one-line message the environment sends back as the tool's reply: the episode goes on.
 """
 
 from __future__ import annotations
@@ -88,7 +79,8 @@ _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 
 
 def parse_hermes(text: str) -> ParsedTurn:
-    """Calls in `<tool_call>...</tool_call>` tags; the content is the text outside them."""
+    """Calls in `<tool_call>...</tool_call>` tags, any number; the content is the text outside them. A last tag left
+    open (a turn cut short) is still read when what follows it is a JSON object, as vLLM's `hermes` parser does."""
     calls: list[ToolCall | ToolCallError] = []
     for k, match in enumerate(_HERMES.finditer(text), 1):
         where = f"tool call {k}"
@@ -121,7 +113,9 @@ def _python_call(text: str, where: str) -> ToolCall | ToolCallError:
 
 
 def parse_llama3(text: str) -> ParsedTurn:
-    """A turn that is JSON calls (`{` first, or `<|python_tag|>` first) or a plain answer."""
+    """A turn that starts with `{` (or `<|python_tag|>`) is calls: JSON objects {"name", "parameters"} ("arguments"
+    too) joined by `;`, as vLLM's `llama3_json` reads them, or a built-in tool's `name.call(key=value)` after the tag
+    (Meta's prompt format); any other turn is a plain answer."""
     body = text.strip()
     for end in _LLAMA_ENDS:
         body = body.removesuffix(end).rstrip()
@@ -154,8 +148,9 @@ _RECIPIENT = re.compile(r"\bto=(\S+)")
 
 
 def parse_harmony(text: str) -> ParsedTurn:
-    """gpt-oss's turn after `<|start|>assistant`: analysis (reasoning), commentary to a function (calls), final or
-    commentary without a recipient (content)."""
+    """gpt-oss's turn after `<|start|>assistant`, message by message: a recipient (`to=functions.NAME`, in the
+    header after the role or after the channel) makes a call, its body the JSON arguments; `analysis` is reasoning;
+    `final` and commentary without a recipient are the content. A text with no harmony header is the content."""
     content: list[str] = []
     reasoning: list[str] = []
     calls: list[ToolCall | ToolCallError] = []
