@@ -101,8 +101,27 @@ def test_harmony_channels_recipients_and_malformed_calls():
                               "harmony").calls
     assert isinstance(bad, ToolCallError) and bad.name == "add"
     assert bad.message.startswith("error: tool call 1 (add) is not valid JSON")
-    with pytest.raises(ValueError, match="'mistral' is not one of hermes, qwen, llama3, harmony, gpt-oss"):
+    with pytest.raises(ValueError, match="'mistral' is not one of hermes, qwen, llama3, harmony, gpt-oss, xml"):
         parse_tool_calls("", "mistral")
+
+
+def test_xml_and_glm_calls_typed_by_the_tools_schemas():
+    tools = [json_schema(env_tools.get_weather)]
+    text = ("I will look.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n2024\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+    turn = parse_tool_calls(text, "xml", tools)
+    assert turn.content == "I will look." and turn.calls == (ToolCall("get_weather", {"city": "2024", "days": 2}),)
+    assert parse_tool_calls(text, "qwen3_coder").calls == (ToolCall("get_weather", {"city": 2024, "days": 2}),)
+    (open_function, no_function) = parse_tool_calls("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>"
+                                                    "</tool_call><tool_call>add</tool_call>", "xml").calls
+    assert open_function == ToolCallError("error: tool call 1 (add): <function=add> is not closed by </function>",
+                                          "add")
+    assert no_function.message == "error: tool call 2 has no <function=NAME> inside <tool_call>"
+    glm = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+           "<arg_value>3</arg_value>\n</tool_call><tool_call><arg_key>x</arg_key></tool_call>")
+    call, nameless = parse_tool_calls(glm, "glm", tools).calls
+    assert call == ToolCall("get_weather", {"city": "Paris", "days": 3})
+    assert nameless.message == "error: tool call 2 has no function name after <tool_call>"
 
 
 def test_the_family_is_read_from_real_chat_templates():
@@ -226,8 +245,8 @@ def test_an_episode_stops_after_max_turns_and_environments_load_by_path():
     env.close()
     with pytest.raises(JaxtuneError, match="environment 'maze': not one of tools, nor a dotted path"):
         load_environment("maze")
-    with pytest.raises(JaxtuneError, match="tool-call family 'xml'"):
-        load_environment("tools", tools=[], family="xml")
+    with pytest.raises(JaxtuneError, match="tool-call family 'yaml'"):
+        load_environment("tools", tools=[], family="yaml")
 
 
 # --- episodes for the loss ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -204,7 +205,9 @@ def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer, tools: li
     content (without a dropped reasoning block) is found in the whole render after the previous message's, and
     trained with as much of the closing text its own render puts after it as the whole render has there. A turn that
     calls tools is found as its own render (what follows the generation prompt), less a reasoning block the
-    template adds only to the last turn (Qwen3's empty `<think>` block). `tools` go to the template.
+    template adds only to the last turn (Qwen3's empty `<think>` block), or, where the generation prompt is not how
+    the history reads (Nemotron 3's `<think>\n` against `<think></think>`), from where the two part. `tools` go to
+    the template.
     """
     try:
         text = render_chat(messages, tokenizer, tools=tools)
@@ -218,6 +221,9 @@ def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer, tools: li
             before = render_chat(messages[:i], tokenizer, add_generation_prompt=True, tools=tools)
             through = render_chat(messages[: i + 1], tokenizer, tools=tools).rstrip()
             start = len(before) if text.startswith(before) and len(before) >= cursor else None
+            if start is None and m.get("tool_calls") and text.startswith(through):
+                start = len(os.path.commonprefix([before, text]))  # where the generation prompt departs from it
+                start = start if start >= cursor else None
             if start is not None and text.startswith(through) and start <= len(through):
                 end = len(through)
             elif start is not None and m.get("tool_calls") and (own := _own_turn(before, through, text, start)):

@@ -1,9 +1,10 @@
 """Tool calls read from a model's turn by its chat-template family (`parse_tool_calls`, `detect_family`): "hermes"
 (Qwen2.5/3, Hermes, SmolLM3: `<tool_call>{"name", "arguments"}</tool_call>`), "llama3" (Llama 3.1-3.3: a turn that is
 `{"name", "parameters"}` JSON, `<|python_tag|>` before it or before a built-in `name.call(k=v)`), "harmony" (gpt-oss:
-`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`). Learnt from vLLM's `hermes` and
-`llama3_json` parsers and OpenAI's harmony format. A call the model got wrong is not an exception but a
-`ToolCallError`, whose one-line message the environment sends back as the tool's reply: the episode goes on.
+`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`), "xml" (Qwen3.5, Qwen3-Coder,
+Nemotron 3: `<function=NAME><parameter=KEY>`), "glm" (GLM-4.5: `<arg_key>`); after vLLM's parsers and the harmony
+spec. A call the model got wrong is not an exception but a `ToolCallError`, whose one line the environment sends back
+as the tool's reply: the episode goes on.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ def parse_llama3(text: str) -> ParsedTurn:
 
 
 # One harmony message: [<|start|>ROLE-HEADER]<|channel|>HEADER[<|constrain|>FORMAT]<|message|>BODY END, where the
-# recipient (to=...) may sit in either header and END is <|end|>, <|call|>, <|return|>, the next <|start|> or the text's
-# end (a turn cut short, or a stop token the rollout did not keep).
-_HARMONY = re.compile(r"(?:<\|start\|>(?P<role>[^<]*))?<\|channel\|>(?P<header>[^<]*)(?:<\|constrain\|>[^<]*)?"
+# recipient (to=...) may sit in either header, the text's start may hold the rest of a role header whose
+# `<|start|>assistant` was the generation prompt (" to=functions.NAME"), and END is <|end|>, <|call|>, <|return|>, the
+# next <|start|> or the text's end (a turn cut short, or a stop token the rollout did not keep).
+_HARMONY = re.compile(r"(?:(?:<\|start\|>|^)(?P<role>[^<]*))?<\|channel\|>(?P<header>[^<]*)(?:<\|constrain\|>[^<]*)?"
                       r"<\|message\|>(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|\Z)", re.DOTALL)
 _RECIPIENT = re.compile(r"\bto=(\S+)")
 
@@ -174,16 +176,90 @@ def parse_harmony(text: str) -> ParsedTurn:
     return ParsedTurn("\n".join(content), tuple(calls), "\n".join(reasoning) or None)
 
 
+def _parameter_types(tools: list[dict] | None) -> dict[str, dict[str, object]]:
+    """{tool: {argument: its JSON type}} from the tools' schemas."""
+    types: dict[str, dict[str, object]] = {}
+    for tool in tools or []:
+        function = tool.get("function", tool)
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        types[function.get("name")] = {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)}
+    return types
+
+
+def _value(text: str, kind) -> object:
+    """An argument written as text (the XML families write a string as it is, anything else as JSON or Python's
+    str()): kept a string when its schema says string, else read as JSON (True/False/None as Python writes them)."""
+    if kind == "string" or (isinstance(kind, list) and kind == ["string"]):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def _xml_calls(text: str, tools: list[dict] | None, read_block) -> ParsedTurn:
+    """Calls in <tool_call> blocks whose insides `read_block(body, where) -> (name, [(key, value text)])` reads (or
+    a ToolCallError); values typed by the tools' schemas."""
+    types = _parameter_types(tools)
+    calls: list[ToolCall | ToolCallError] = []
+    for k, match in enumerate(_HERMES.finditer(text), 1):
+        read = read_block(match.group(1), f"tool call {k}")
+        if isinstance(read, ToolCallError):
+            calls.append(read)
+            continue
+        name, pairs = read
+        kinds = types.get(name, {})
+        calls.append(ToolCall(name, {key: _value(value, kinds.get(key)) for key, value in pairs}))
+    return ParsedTurn(_HERMES.sub("", text).strip(), tuple(calls))
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(</function>|\Z)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_block(body: str, where: str):
+    match = _FUNCTION.match(body)
+    if not match:
+        return ToolCallError(f"error: {where} has no <function=NAME> inside <tool_call>")
+    name = match.group(1).strip()
+    if not match.group(3):
+        return ToolCallError(f"error: {where} ({name}): <function={name}> is not closed by </function>", name)
+    return name, [(key.strip(), value) for key, value in _PARAMETER.findall(match.group(2))]
+
+
+def parse_xml(text: str, tools: list[dict] | None = None) -> ParsedTurn:
+    """Qwen3.5/3.6, Qwen3-Coder and Nemotron 3's calls: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
+    \\n</parameter>...</function>\\n</tool_call>`, values typed by the tools' schemas (vLLM's `qwen3_coder`)."""
+    return _xml_calls(text, tools, _xml_block)
+
+
+_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_block(body: str, where: str):
+    name = body.split("<arg_key>", 1)[0].strip()
+    if not name or "<" in name:
+        return ToolCallError(f"error: {where} has no function name after <tool_call>")
+    return name, [(key.strip(), value) for key, value in _ARGUMENT.findall(body)]
+
+
+def parse_glm(text: str, tools: list[dict] | None = None) -> ParsedTurn:
+    """GLM-4.5/4.6's calls: `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>...</tool_call>`,
+    values typed by the tools' schemas (vLLM's `glm45`)."""
+    return _xml_calls(text, tools, _glm_block)
+
+
 PARSERS = {"hermes": parse_hermes, "qwen": parse_hermes, "llama3": parse_llama3, "harmony": parse_harmony,
-           "gpt-oss": parse_harmony}
+           "gpt-oss": parse_harmony, "xml": parse_xml, "qwen3_coder": parse_xml, "glm": parse_glm}
+_TYPED = {"xml", "qwen3_coder", "glm"}  # the families whose values are text, typed by the tools' schemas
 
 
-def parse_tool_calls(text: str, family: str) -> ParsedTurn:
-    """The calls in a model's turn, read as `family` writes them ("hermes", "llama3", "harmony"; or an alias in
-    PARSERS)."""
+def parse_tool_calls(text: str, family: str, tools: list[dict] | None = None) -> ParsedTurn:
+    """The calls in a model's turn, read as `family` writes them ("hermes", "llama3", "harmony", "xml", "glm"; or an
+    alias in PARSERS); `tools`: the schemas shown to the model, which type the XML families' argument values."""
     if family not in PARSERS:
         raise ValueError(f"tool-call family {family!r} is not one of {', '.join(PARSERS)}")
-    return PARSERS[family](text)
+    return PARSERS[family](text, tools) if family in _TYPED else PARSERS[family](text)  # type: ignore[call-arg]
 
 
 def detect_family(chat_template: str | None) -> str | None:
@@ -192,6 +268,10 @@ def detect_family(chat_template: str | None) -> str | None:
         return None
     if "<|channel|>" in chat_template:
         return "harmony"
+    if "<function=" in chat_template:
+        return "xml"
+    if "<arg_key>" in chat_template:
+        return "glm"
     if "<tool_call>" in chat_template:
         return "hermes"
     if "<|start_header_id|>" in chat_template and ("parameters" in chat_template or PYTHON_TAG in chat_template):

@@ -33,10 +33,11 @@ def _without_end(text: str) -> str:
 @register_environment("tools")
 class ToolEnvironment:
     """Episodes in which the model may call `tools` (functions or dotted paths; their schemas from their signatures
-    and docstrings) written as `family` writes calls ("hermes", "llama3", "harmony"). `reward`: a function (or
-    dotted path) `reward(messages, **fields) -> float` given the finished episode and the record's other fields;
-    None scores 0. `max_turns`: model turns before the episode stops. `runner`: a `ToolRunner` shared by many
-    environments (one worker process for a batch of episodes); by default each has its own."""
+    and docstrings) written as `family` writes calls (`tool_calls.PARSERS`: "hermes", "llama3", "harmony", "xml",
+    "glm"). `reward`: a function (or dotted path) `reward(messages, **fields) -> float` given the finished episode and
+    the record's other fields; None scores 0. `max_turns`: model turns before the episode stops. `runner`: a
+    `ToolRunner` shared by many environments (one worker process for a batch of episodes); by default each has its
+    own."""
 
     def __init__(self, tools: Sequence[Callable | str] | Mapping[str, Callable | str], family: str,
                  reward: Callable | str | None = None, max_turns: int = 8, timeout_s: float = 10.0,
@@ -75,7 +76,7 @@ class ToolEnvironment:
         if not self.messages:
             raise JaxtuneError("environment step before reset")
         text = _without_end(text)
-        parsed = parse_tool_calls(text, self.family)
+        parsed = parse_tool_calls(text, self.family, self.tools)
         self.messages.append(self._assistant(text, parsed))
         self.turns += 1
         replies = []
