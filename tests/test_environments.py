@@ -286,6 +286,15 @@ def test_the_episode_mask_covers_the_model_turns_only_and_sampled_ids_give_the_s
     assert tokenizer.decode(example.ids[-1:]) == "\n"
     assert episode.example().ids == tuple(ids) and episode.example().loss_mask == example.loss_mask[:-1]
 
+    qwen3 = template_tokenizer("qwen3")  # a template that re-spaces the reasoning block the model wrote
+    rewritten = EpisodeTokens(EPISODE[:1], qwen3, tools)
+    sampled = qwen3.encode("<think>Add first.</think>" + CALL_TEXT + "<|im_end|>", add_special_tokens=False)
+    rewritten.add_model_turn(sampled, {"role": "assistant", "content": "<think>Add first.</think>" + CALL_TEXT})
+    rewritten.add_environment_turn([EPISODE[2]])
+    assert qwen3.decode(rewritten.ids[len(rewritten.ids) - rewritten.loss_mask[::-1].index(1):],
+                        skip_special_tokens=False) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>"
+                                                       "<|im_end|>\n<|im_start|>assistant\n")
+
     cut = EpisodeTokens(EPISODE[:1], tokenizer, tools)  # a turn cut short of its end token: the end comes masked
     cut.add_model_turn(tokenizer.encode(EPISODE[1]["content"], add_special_tokens=False), EPISODE[1])
     cut.add_environment_turn([EPISODE[2]])

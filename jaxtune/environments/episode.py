@@ -51,7 +51,8 @@ class EpisodeTokens:
     def add_environment_turn(self, messages: Sequence[dict]) -> None:
         """The turns that answered the model (tool replies, a user's turn): their ids are the template's text after
         the model's last turn as sampled, through the next generation prompt; the end-of-turn text the model did not
-        write (a turn cut at max_new_tokens) comes first, masked too."""
+        write (a turn cut at max_new_tokens) comes first, masked too. Where the template renders the turn otherwise
+        than it was sampled, the text after the turn's end-of-turn token."""
         self.messages += [dict(m) for m in messages]
         text, spans = chat_spans(self.messages, self.tokenizer, self.tools, where="episode")
         prompt = render_chat(self.messages, self.tokenizer, add_generation_prompt=True, tools=self.tools)
@@ -61,10 +62,10 @@ class EpisodeTokens:
         start, end = spans[-1]
         written = self._model_text.strip()
         at = text.find(written, start) if written else start
-        if at < 0 or at > end:
-            raise JaxtuneError("episode: the model's last turn as sampled is not in the template's render of it "
-                               f"({written[:60]!r}...)")
-        rest = prompt[at + len(written):]
+        # where the model's turn stops in the render: after its text as sampled; or, where the template rewrites the
+        # turn (a reasoning block re-spaced), at the turn's end, its end-of-turn token taken to be among the sampled
+        cut = at + len(written) if 0 <= at <= end else end
+        rest = prompt[cut:]
         new = self.tokenizer.encode(rest, add_special_tokens=False)
         self.ids += new
         self.loss_mask += [0] * len(new)
