@@ -44,7 +44,7 @@ FLOORS = (
     ("models",),  # forward passes, kernels, quantised leaves, HF/GGUF names
     ("data",),  # formats, tokenizer, packing, streaming store
     ("methods",),  # one unit per method
-    ("generation",),  # decoding with the KV cache (the CLI's generate, GRPO's rollouts)
+    ("generation", "environments"),  # decoding with the KV cache (the CLI's generate, GRPO's rollouts); RL environments
     ("objectives",),  # one unit per objective
     ("run_config",),  # the TOML run: the config sections and each objective's
     ("spine",),  # the abstract run, its shardings, the loader, the one jitted step

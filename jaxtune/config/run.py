@@ -45,8 +45,8 @@ class ModelSection:
             raise ConfigError("router_aux_loss_coef", self.router_aux_loss_coef, "needs >= 0, or -1 (config.json's)")
 
 
-# The record fields jaxtune reads (data/formats.py): alpaca, prompt/completion, chat, preference pairs.
-RECORD_FIELDS = ("instruction", "input", "output", "prompt", "completion", "messages", "chosen", "rejected")
+# The record fields jaxtune reads (data/formats.py): alpaca, prompt/completion, chat (with tools), preference pairs.
+RECORD_FIELDS = ("instruction", "input", "output", "prompt", "completion", "messages", "tools", "chosen", "rejected")
 
 
 @dataclass(frozen=True)

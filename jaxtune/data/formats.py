@@ -2,7 +2,7 @@
 
   alpaca             {"instruction", "input" (optional), "output"}: the Stanford Alpaca prompt, output as completion
   prompt/completion  {"prompt", "completion"}: encode(prompt) with special tokens + encode(completion) + [EOS]
-  chat               {"messages": [{"role", "content"}, ...]}: rendered with the model's chat template (`render_chat`)
+  chat               {"messages": [{"role", "content"}, ...], "tools"?}: by the model's chat template (`render_chat`)
   preference         {"prompt", "chosen", "rejected"}: `preference_examples`, for DPO and reward models
   unpaired           {"prompt", "completion", "label": true/false}: KTO's `labelled_examples` (pairs are split there)
   prompts            {"prompt", ...any other fields}: GRPO's prompts, `load_prompt_examples`
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jaxtune.data.chat_records import check_messages, check_tools
 from jaxtune.data.sources import iter_records, json_type
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
@@ -175,40 +177,24 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise JaxtuneError(f"chat template is not valid Jinja: line {e.lineno}: {e.message}") from None
 
 
-def render_chat(messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False) -> str:
+def render_chat(messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False,
+                tools: list[dict] | None = None) -> str:
     """The conversation as text, by the tokenizer's chat template (else `DEFAULT_CHAT_TEMPLATE`).
 
-    Like `apply_chat_template(..., tokenize=False)`: variables `messages` (null-valued keys dropped),
-    `add_generation_prompt` and the special tokens the tokenizer has (`bos_token`, `eos_token`, `pad_token`).
-    Raises jinja2.TemplateError when the template does (e.g. `raise_exception`).
+    Like `apply_chat_template(..., tools=tools, tokenize=False)`: variables `messages` (null-valued keys dropped),
+    `tools` (JSON schemas, or None), `add_generation_prompt` and the special tokens the tokenizer has (`bos_token`,
+    `eos_token`, `pad_token`). Raises jinja2.TemplateError when the template does (e.g. `raise_exception`).
     """
     template = compile_chat_template(tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE)
     special = {name: tokenizer.backend.id_to_token(i) for name, i in
                (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
                if i is not None}
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **special)
 
 
-def _check_messages(where: str, record: dict) -> list[dict]:
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise JaxtuneError(f"{where}: chat field 'messages' must be a non-empty array, got {json_type(messages)}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise JaxtuneError(f"{where}: chat field 'messages[{i}]' must be an object, got {json_type(m)}")
-        for name in ("role", "content"):
-            if name not in m:
-                raise JaxtuneError(f"{where}: chat record is missing field 'messages[{i}].{name}'")
-            if not isinstance(m[name], str):
-                raise JaxtuneError(f"{where}: chat field 'messages[{i}].{name}' must be a string, "
-                                   f"got {json_type(m[name])}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise JaxtuneError(f"{where}: chat record has no assistant message to train on")
-    return messages
-
-
-def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer) -> tuple[str, list[tuple[int, int]]]:
+def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer, tools: list[dict] | None = None
+               ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans [start, end) the loss covers.
 
     Assistant message i is trained from the end of the render of messages[:i] with the generation prompt to the end
@@ -217,22 +203,31 @@ def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer) -> tuple[
     render a turn differently once later turns follow break that prefix property: Qwen3 drops the reasoning block
     (`<think>...</think>` in the content) of earlier turns, Phi-3 ends only the last turn with EOS. Then the turn's
     content (without a dropped reasoning block) is found in the whole render after the previous message's, and
-    trained with as much of the closing text its own render puts after it as the whole render has there.
+    trained with as much of the closing text its own render puts after it as the whole render has there. A turn that
+    calls tools is found as its own render (what follows the generation prompt), less a reasoning block the
+    template adds only to the last turn (Qwen3's empty `<think>` block), or, where the generation prompt is not how
+    the history reads (Nemotron 3's `<think>\n` against `<think></think>`), from where the two part. `tools` go to
+    the template.
     """
     try:
-        text = render_chat(messages, tokenizer)
+        text = render_chat(messages, tokenizer, tools=tools)
         spans, cursor = [], 0  # cursor: where the previous message's content ends in `text`
         for i, m in enumerate(messages):
-            body = m["content"].strip()
+            body = (m.get("content") or "").strip()
             if m["role"] != "assistant":
                 found = text.find(body, cursor) if body else -1
                 cursor = found + len(body) if found >= 0 else cursor
                 continue
-            before = render_chat(messages[:i], tokenizer, add_generation_prompt=True)
-            through = render_chat(messages[: i + 1], tokenizer).rstrip()
+            before = render_chat(messages[:i], tokenizer, add_generation_prompt=True, tools=tools)
+            through = render_chat(messages[: i + 1], tokenizer, tools=tools).rstrip()
             start = len(before) if text.startswith(before) and len(before) >= cursor else None
+            if start is None and m.get("tool_calls") and text.startswith(through):
+                start = len(os.path.commonprefix([before, text]))  # where the generation prompt departs from it
+                start = start if start >= cursor else None
             if start is not None and text.startswith(through) and start <= len(through):
                 end = len(through)
+            elif start is not None and m.get("tool_calls") and (own := _own_turn(before, through, text, start)):
+                end = start + own
             else:
                 if "</think>" in body and body not in text:  # a reasoning block the template drops from history
                     body = body.rsplit("</think>", 1)[-1].strip()
@@ -255,10 +250,36 @@ def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer) -> tuple[
     return text, spans
 
 
+def _own_turn(before: str, through: str, text: str, start: int) -> int:
+    """The length of the turn's own render (`through` after `before`) where the whole render has it at `start`, as
+    written or less a leading reasoning block; 0 when it has neither."""
+    own = through[len(before):] if through.startswith(before) else ""
+    for candidate in (own, re.sub(r"^\s*<think>.*?</think>\s*", "", own, count=1, flags=re.DOTALL)):
+        if candidate and text.startswith(candidate, start):
+            return len(candidate)
+    return 0
+
+
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
     """1 for each token whose characters overlap a span (a token that starts in the prompt and ends in the
     response is trained: the model must produce it)."""
     return [int(any(s < end and e > start for start, end in spans)) for s, e in offsets]
+
+
+def chat_spans(messages: list[dict], tokenizer: Tokenizer, tools: list[dict] | None = None,
+               where: str = "conversation") -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered by its chat template (with `tools`) and the character spans [start, end) of its
+    assistant turns: each turn's content, tool calls and the token that ends it (`_chat_text`)."""
+    return _chat_text(where, messages, tokenizer, tools)
+
+
+def chat_example(messages: list[dict], tokenizer: Tokenizer, tools: list[dict] | None = None,
+                 where: str = "conversation") -> Example:
+    """One conversation's token ids [n] and loss mask [n]: 1 on the tokens of the assistant turns' spans
+    (`chat_spans`), 0 on system, user and tool turns. What a chat record trains on, before the max_seq_len policy."""
+    text, spans = chat_spans(messages, tokenizer, tools, where)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    return Example(tuple(encoding.ids), tuple(_span_mask(encoding.offsets, spans)))
 
 
 # --- loading --------------------------------------------------------------------------------------------------
@@ -358,7 +379,8 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
         elif fmt == "prompt/completion":
             pairs.append((k, _text(where, record, fmt, "prompt"), _text(where, record, fmt, "completion")))
         elif fmt == "chat":
-            chats.append((k, *_chat_text(where, _check_messages(where, record), tokenizer)))
+            messages, tools = check_messages(where, record), check_tools(where, record)
+            chats.append((k, *_chat_text(where, messages, tokenizer, tools)))
         elif fmt == "preference":
             raise JaxtuneError(f"{where}: a preference record {{prompt, chosen, rejected}} in supervised data; "
                                "train it with a preference objective (load_preference_examples)")
