@@ -340,12 +340,12 @@ def _linear_module_elements(cfg: ModelConfig) -> int:
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights each token multiplies through (2 FLOPs each in the forward): every linear layer (of a mixture, the
-    router and the K experts it routes to) and the head."""
+    router and the K experts it routes to, in the layers that hold one) and the head."""
     D, L = cfg.hidden_size, cfg.num_layers
     routed = 3 * D * cfg.experts_per_token * cfg.expert_size if cfg.num_experts else 0
     per_layer_input = 3 * D * cfg.per_layer_input_size * L  # Gemma 4's: the projection to every layer's, each's branch
-    return (_linear_module_elements(cfg) + L * (routed + D * (cfg.num_experts + bool(cfg.shared_expert_size)))
-            + per_layer_input + D * cfg.vocab_size)
+    mixtures = len(cfg.mixture_layers) * (routed + D * (cfg.num_experts + bool(cfg.shared_expert_size)))
+    return _linear_module_elements(cfg) + mixtures + per_layer_input + D * cfg.vocab_size
 
 
 def expert_kernel_elements(cfg: ModelConfig) -> int:

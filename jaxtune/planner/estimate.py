@@ -466,6 +466,12 @@ def backward_workspace(step: Step) -> int:
         # DeepSeek-V3's rows); in a full fine-tune, with each of the two a layer's whole float32
         # weight gradient before its reduce-scatter (a device's experts' share of a mixture's).
         workspace += int(0.45 * (acts.workspace - acts.expert_streams))
+        if step.megablox and cfg.experts_per_token == 1 and not cfg.dense_layers:
+            # every layer a top-1 mixture: the compiler lays the attention side of the backward out again with the
+            # tokens minor, and the saved [L, b, T, D] residual stack with it, a second copy (Llama 4 Scout at 8,192
+            # tokens, Mixtral routed top-1 at 4,096 and 8,192, not at top-2; not Scout at 4,096, nor Maverick, whose
+            # dense layers make the scan switch kinds: experiments/README.md)
+            workspace += acts.saved
         if trains_base and step.zero > 1:
             experts = act.expert_kernel_elements(cfg)
             per_layer = _kernel_elements(cfg)[0] // cfg.num_layers - experts + experts // step.sizes["expert"]
