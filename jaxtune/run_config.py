@@ -83,7 +83,8 @@ def _parse_value(text: str):
 
 
 TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list"}
-PATTERN_KEYS = ("rank_pattern", "alpha_pattern", "columns")  # TOML tables: {"regex" = value, ...}, {ours = theirs}
+PATTERN_KEYS = ("rank_pattern", "alpha_pattern", "columns", "environment_options")  # TOML tables: {"regex" = value,
+# ...}, {ours = theirs}, {option = value}
 REGEX_KEYS = ("target_modules", "exclude_modules")  # a string is a regular expression (PEFT's string form)
 
 

@@ -11,6 +11,7 @@ import pytest
 from eight_devices import DeviceWorker
 from test_distributed import finish, free_port, records, train
 
+from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune
@@ -28,20 +29,32 @@ def _close_worker():
     run_worker.close()
 
 
+# short, for the byte-level vocabulary (every character a token): "user: Go:\nassistant: ..."
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+EPISODES = 'environment = "grpo_environments.TwoTurns"\nenvironment_options = {turns = 2}'
+
+
 def rollout_config(tmp_path: Path, objective: str, reward: str = "grpo_rewards.odd_characters",
                    max_steps: int = 3) -> Path:
-    """A LoRA run of `objective` on a random model: 8 training prompts (2 held out), 4 a step, groups of 4."""
+    """A LoRA run of `objective` on a random model with a chat template: 8 training prompts (2 held out), 4 a step,
+    groups of 4. reward: a function's dotted path, or `EPISODES` (two-turn episodes, 128 tokens a row)."""
     model = tmp_path / "model"
     if not model.exists():
-        write_random_model(model, "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
+        write_random_model(model, "llama", seed=0, initializer_range=0.3, max_position_embeddings=256)
+        tokenizer = Tokenizer.byte_level()
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save(model)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     config = tmp_path / f"{objective}.toml"
     config.write_text("\n".join([
         "[model]", f'path = "{model}"', "[method]", 'kind = "lora"', "[data]",
         f'train = "{tmp_path / "prompts.jsonl"}"',
-        "max_seq_len = 24", "eval_fraction = 0.2", "[train]", f'objective = "{objective}"', f"max_steps = {max_steps}",
+        f"max_seq_len = {128 if reward == EPISODES else 24}", "eval_fraction = 0.2", "[train]",
+        f'objective = "{objective}"', f"max_steps = {max_steps}",
         "batch_size = 4", "learning_rate = 2e-2", "log_every = 1", f"eval_every = {max_steps}",
-        f"[{objective}]", f'reward = "{reward}"', "group_size = 4", "max_new_tokens = 8"]) + "\n")
+        f"[{objective}]", reward if reward == EPISODES else f'reward = "{reward}"', "group_size = 4",
+        "max_new_tokens = 8"]) + "\n")
     return config
 
 
@@ -94,6 +107,21 @@ def test_two_processes_run_grpo_as_one_each_scoring_half_the_rows(tmp_path):
     assert sorted(whole.tolist()).count(16) == 3  # 3 steps of 4 prompts x 4, and the held-out evaluations
     for process in (0, 1):  # each call's rows halved between the processes
         assert sorted(calls[calls[:, 0] == process, 1].tolist()) == sorted(whole // 2), calls
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_processes_run_two_turn_episodes_as_one(tmp_path):
+    """GRPO on `[grpo] environment` episodes: each process steps half of them, every turn one decode of both's."""
+    config = rollout_config(tmp_path, "grpo", reward=EPISODES)
+    env = {"PYTHONPATH": str(TESTS)}
+    finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env))
+    port = free_port()
+    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    for process in pair:
+        finish(process)
+    assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from jaxtune.models.llama import decoder
 from jaxtune.models.reward_model import reward_scores
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, reference_of
 from jaxtune.objectives.dpo import sequence_row
+from jaxtune.objectives.episode_rollouts import episode_batch, episode_rollouts, frozen_table
 from jaxtune.objectives.losses import (
     GRPO_LOSS_TYPES,
     SAMPLER_IS_MODES,
@@ -57,10 +58,14 @@ class RolloutConfig:
     filtering; TRL's). soft_punish_cache: DAPO's soft overlong punishment (eq. 13; TRL's
     `get_soft_overlong_punishment` with max_completion_len = max_new_tokens) added to the reward: 0 for a completion
     of at most max_new_tokens - soft_punish_cache tokens (its EOS counted), then falling linearly to -1 at
-    max_new_tokens (0: none)."""
+    max_new_tokens (0: none). environment: instead of a reward, episodes of several turns in an environment (a
+    registered name such as "tools", or a dotted path; `jaxtune.environments`) built with `environment_options` (a
+    TOML table), max_new_tokens a turn, the loss on every token the model sampled (`episode_rollouts`)."""
 
     reward: str = ""
     reward_model: str = ""
+    environment: str = ""
+    environment_options: tuple = ()
     group_size: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -88,6 +93,14 @@ class RolloutConfig:
         check_range("kl_coef", self.kl_coef, 0)
         check_range("num_iterations", self.num_iterations, 1)
         check_range("soft_punish_cache", self.soft_punish_cache, 0, self.max_new_tokens)
+        options = self.environment_options
+        options = options.items() if isinstance(options, dict) else options
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in options):
+            raise ConfigError("environment_options", self.environment_options, "must be a table of option = value")
+        object.__setattr__(self, "environment_options", frozen_table(dict(options)) if options else ())
+        if self.environment and (self.soft_punish_cache or self.mask_truncated_completions):
+            raise ConfigError("environment", self.environment, "episodes end by their environment or at max_seq_len "
+                              "(reward 0): soft_punish_cache and mask_truncated_completions apply to one completion")
 
     @property
     def clip_high(self) -> float:
@@ -228,16 +241,19 @@ def _token_logps(params, cfg, batch, method, options, temperature: float, dropou
     return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap, temperature)
 
 
-def _token_logps_and_entropy(params, cfg, batch, method, options, temperature: float, dropout_key=None):
+def _token_logps_and_entropy(params, cfg, batch, method, options, temperature: float, dropout_key=None,
+                             entropy_grad: bool = False):
     """(log p(label), the entropy of p) [B, T] of the logits divided by `temperature`, a chunk of tokens at a time
-    (`head.per_token`): the entropy is logsumexp(z) - sum softmax(z) z of the chunk's logits z."""
+    (`head.per_token`): the entropy is logsumexp(z) - sum softmax(z) z of the chunk's logits z, of constant logits
+    unless entropy_grad (so that the backward keeps nothing of it: a GRPO step's bytes as without the metric)."""
     hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
 
     def chunk(hidden_BxCxD, labels_BxC):
         logits_BxCxV = head_logits(params, hidden_BxCxD, cfg.final_logit_softcap) / temperature
-        probs_BxCxV = jax.nn.softmax(logits_BxCxV, axis=-1)
-        entropy_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1) - jnp.sum(probs_BxCxV * logits_BxCxV, axis=-1)
+        z_BxCxV = logits_BxCxV if entropy_grad else jax.lax.stop_gradient(logits_BxCxV)
+        lse_BxC = jax.nn.logsumexp(z_BxCxV, axis=-1)  # one fused reduction below: no [B, C, V] probabilities
+        entropy_BxC = lse_BxC - jnp.sum(jnp.exp(z_BxCxV - lse_BxC[..., None]) * z_BxCxV, axis=-1)
         return token_logps(logits_BxCxV, labels_BxC), entropy_BxC
 
     return per_token(chunk, hidden, batch["labels"], vocab=vocab_size(params))
@@ -249,7 +265,7 @@ def policy_and_reference_logps(ctx: Context, trainable, frozen, second, micro, k
     [B, T] (differentiable if entropy_grad, else constant)."""
     t = ctx.section.temperature
     logp, entropy = _token_logps_and_entropy(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, t,
-                                             key)
+                                             key, entropy_grad)
     ref_logp = _token_logps(reference_of(frozen, second), ctx.cfg, micro, None, ctx.options, t)
     return logp, jax.lax.stop_gradient(ref_logp), entropy if entropy_grad else jax.lax.stop_gradient(entropy)
 
@@ -340,14 +356,16 @@ def make_prepare(name: str, advantages: Callable[[list[float], Rollout], np.ndar
 def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     c, g, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
     seq_len, tc, method = c.data.max_seq_len, c.train, c.method
-    if bool(g.reward) == bool(g.reward_model):
-        raise JaxtuneError(f"[{name}] set exactly one of reward (a function's dotted path, e.g. 'mypkg.rewards.exact') "
-                           "and reward_model (a reward model directory)")
+    if sum(map(bool, (g.reward, g.reward_model, g.environment))) != 1:
+        raise JaxtuneError(f"[{name}] set exactly one of reward (a function's dotted path, e.g. "
+                           "'mypkg.rewards.exact'), reward_model (a reward model directory) and environment (episodes: "
+                           "'tools' or a dotted path)")
     if c.offload.frozen_params:
         raise JaxtuneError(f"[offload] frozen_params = true is not supported with objective {name} (rollouts "
                            "decode from the frozen weights every step); set it to false")
     reward_fn = (load_reward_function(g.reward) if g.reward
-                 else reward_model_function(g.reward_model, seq_len, setup.load_reward_model))
+                 else reward_model_function(g.reward_model, seq_len, setup.load_reward_model) if g.reward_model
+                 else None)
     examples = load_prompt_examples(c.data.train, dict(c.data.columns))
     held_out: Sequence[PromptExample] | None
     held_out = load_prompt_examples(c.data.eval, dict(c.data.columns)) if c.data.eval else None
@@ -371,6 +389,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         prompts = [e.prompt for e in chosen for _ in range(repeat)]
 
         def score(rows: list[int]) -> np.ndarray:
+            assert reward_fn is not None  # episodes are scored by their environment
             try:
                 values = reward_fn([prompts[i] for i in rows], [tok.decode(completions[i]) for i in rows],
                                    **{k: [v[i] for i in rows] for k, v in fields.items()})
@@ -401,13 +420,19 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         chosen = [train[j] for j in order[generation * per_step:(generation + 1) * per_step]]
         seed = int(np.random.default_rng([tc.seed, epoch, generation]).integers(2**31))
         policy = params()
-        rows, completions = sample_group(policy, cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed, eos)
-        scores = rewards(chosen, completions, g.group_size)
-        if g.soft_punish_cache:
-            scores = (np.asarray(scores) + soft_overlong_punishment([len(t) for t in completions], g.max_new_tokens,
-                                                                    g.soft_punish_cache)).tolist()
-        rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len,
-                                 eos_ids=eos if g.mask_truncated_completions else ())
+        if g.environment:
+            ids, masks, scores = episode_rollouts(policy, cfg, method, records(chosen, g.group_size), g, seed, eos, tok,
+                                                  seq_len + 1)
+            rollouts = episode_batch(ids, masks, scores, advantages(scores, g), seq_len)
+        else:
+            rows, completions = sample_group(policy, cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed,
+                                             eos)
+            scores = rewards(chosen, completions, g.group_size)
+            if g.soft_punish_cache:
+                scores = (np.asarray(scores) + soft_overlong_punishment(
+                    [len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)).tolist()
+            rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len,
+                                     eos_ids=eos if g.mask_truncated_completions else ())
         stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
         if keeps_learner_logps(g):  # the old policy's, scored once with the parameters that sampled
             stacked["old_logps"] = np.stack([host_copy(learner_logps(policy, {k: v[a] for k, v in stacked.items()}))
@@ -421,7 +446,16 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
             store.put(epoch, generation, stacked)
         return stacked
 
+    def records(chosen: list, repeat: int) -> list[dict]:
+        """Each prompt record `repeat` times, as an environment's reset takes it."""
+        return [{"prompt": e.prompt, **e.fields} for e in chosen for _ in range(repeat)]
+
     def evaluate(_eval_step, params) -> dict:
+        if g.environment:  # greedy episodes: the least temperature sampling takes
+            greedy_episodes = replace(g, temperature=1e-6, top_k=1)
+            _, _, scores = episode_rollouts(params, cfg, method, records(held_out, 1), greedy_episodes, 0, eos, tok,
+                                            seq_len + 1)
+            return {"eval_reward": float(np.mean(scores))}
         greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=0.0)
         completions = generate(params, cfg, [tok.encode(e.prompt) for e in held_out], greedy, eos_ids=eos,
                                method=method)

@@ -12,7 +12,7 @@ sharded results back. Every process runs the same program over all devices and d
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,25 @@ def scored_in_shares(score: Callable[[list[int]], np.ndarray], n: int) -> np.nda
                            "names the error)")
     bits = multihost_utils.process_allgather(values.view(np.int32))  # float64 as int32 pairs: JAX keeps 32 bits
     return np.asarray(bits).reshape(-1).view(np.float64)[:n]
+
+
+def gathered_lists(local: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """Every process's lists of integers (token ids), in process order, on every process; `local`: this process's."""
+    if jax.process_count() == 1:
+        return [[list(x) for x in local]]
+    sizes = np.asarray([len(local), max((len(x) for x in local), default=0)], np.int32)
+    counts = np.asarray(multihost_utils.process_allgather(sizes)).reshape(-1, 2)
+    padded: np.ndarray = np.zeros((max(1, int(counts[:, 0].max())), 1 + int(counts[:, 1].max())), np.int32)
+    for i, x in enumerate(local):  # column 0: the list's length
+        padded[i, 0], padded[i, 1:1 + len(x)] = len(x), x
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [[every[p, i, 1:1 + every[p, i, 0]].tolist() for i in range(counts[p, 0])] for p in range(len(counts))]
+
+
+def gathered_floats(local: Sequence[float]) -> list[list[float]]:
+    """Every process's float64 numbers, in process order, bit for bit (as int32 pairs: JAX keeps 32 bits)."""
+    pairs = [np.asarray([v], np.float64).view(np.int32).tolist() for v in local]
+    return [[float(np.asarray(p, np.int32).view(np.float64)[0]) for p in share] for share in gathered_lists(pairs)]
 
 
 def barrier(name: str) -> None:
