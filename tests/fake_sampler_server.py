@@ -128,13 +128,30 @@ class FakeSampler:
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": name, "choices": choices}
 
 
+def _generate(state: FakeSampler, body):
+    """SGLang's `/generate` over the same sampling: a row each, `meta_info.output_token_logprobs`."""
+    params = body.get("sampling_params", {})
+    adapters = body.get("lora_path") or [None]
+    status, reply = state.completions({
+        "model": adapters[0] or state.model, "prompt": body["input_ids"], "n": 1,
+        "max_tokens": params.get("max_new_tokens", 16), "temperature": params.get("temperature", 1.0),
+        "top_k": params.get("top_k", -1), "top_p": params.get("top_p", 1.0),
+        "stop_token_ids": params.get("stop_token_ids", [])})
+    if status != 200:
+        return status, reply
+    return 200, [{"text": "", "meta_info": {
+        "output_token_logprobs": [[lp, int(t.split(":")[1]), None]
+                                  for lp, t in zip(c["logprobs"]["token_logprobs"], c["logprobs"]["tokens"])],
+        "finish_reason": {"type": c["finish_reason"]}}} for c in reply["choices"]]
+
+
 def _handler(state: FakeSampler):
     routes = {("GET", "/health"): lambda _: (200, ""), ("GET", "/v1/models"): state.models,
               ("POST", "/v1/load_lora_adapter"): state.load_lora,
               ("POST", "/v1/unload_lora_adapter"): state.unload_lora,
               ("POST", "/load_lora_adapter"): state.load_lora, ("POST", "/unload_lora_adapter"): state.unload_lora,
               ("POST", "/update_weights_from_disk"): state.update_from_disk,
-              ("POST", "/v1/completions"): state.completions}
+              ("POST", "/v1/completions"): state.completions, ("POST", "/generate"): lambda b: _generate(state, b)}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_):  # quiet

@@ -42,9 +42,15 @@ def server():
         yield fake
 
 
+@pytest.fixture(autouse=True)
+def fresh(server):
+    """Each test starts from the base model with no adapter loaded and no fault."""
+    server.fault, server.base = None, init_params(CFG, jax.random.key(0))
+    server.adapters.clear()
+
+
 @pytest.fixture
 def sampler(server, tmp_path):
-    server.fault = None
     return ExternalSampler(server.url, model=server.model, adapter_dir=tmp_path / "pushed", timeout_s=30)
 
 
@@ -104,18 +110,32 @@ def test_sampler_logps_are_the_learners_through_rollout_batch(server, sampler):
     assert sampler.adapter == "jaxtune-step-2"
 
 
+def test_sglang_adapter_and_its_generate_route(server, tmp_path):
+    """SGLang's routes: the adapter loaded through /load_lora_adapter (and the previous unloaded), the rows sampled
+    through /generate (a prompt repeated G times, `lora_path` naming the adapter) as jaxtune's `generate` samples."""
+    sampler = ExternalSampler(server.url, model=server.model, adapter_dir=tmp_path / "sgl", server="sglang")
+    params = lora_params(5)
+    sampler.push_adapter(lora_params(6), METHOD, CFG, step=0)
+    sampler.push_adapter(params, METHOD, CFG, step=1)
+    assert [p for p, _ in server.log[-3:]] == ["/load_lora_adapter", "/load_lora_adapter", "/unload_lora_adapter"]
+    got, logps = sampler.sample(PROMPTS, 2, 8, temperature=0.0, eos_ids=EOS, vocab_size=CFG.vocab_size)
+    assert server.log[-1][0] == "/generate" and server.log[-1][1]["lora_path"] == ["jaxtune-step-1"] * 6
+    repeated = [p for p in PROMPTS for _ in range(2)]
+    assert got == generate(params, CFG, repeated, SamplingConfig(max_new_tokens=8), eos_ids=EOS, method=METHOD,
+                           include_stop=True)
+    assert [len(v) for v in logps] == [len(c) for c in got]
+
+
 def test_merged_weights_through_update_weights_from_disk(server, tmp_path):
     """SGLang's path: the merged model written to disk and read by the server samples what the adapter does."""
     sampler = ExternalSampler(server.url, model=server.model, adapter_dir=tmp_path / "merged", server="sglang")
     params = lora_params(4)
-    try:
-        where = sampler.push_merged(params, METHOD, CFG, step=3, dtype="float32")
-        assert server.log[-1] == ("/update_weights_from_disk", {"model_path": where})
-        got, _ = sampler.sample(PROMPTS, 1, 8, temperature=0.0, eos_ids=EOS)
-        assert got == generate(params, CFG, PROMPTS, SamplingConfig(max_new_tokens=8), eos_ids=EOS, method=METHOD,
-                               include_stop=True)
-    finally:
-        server.base = init_params(CFG, jax.random.key(0))
+    where = sampler.push_merged(params, METHOD, CFG, step=3, dtype="float32")
+    assert server.log[-1] == ("/update_weights_from_disk", {"model_path": where})
+    got, _ = sampler.sample(PROMPTS, 1, 8, temperature=0.0, eos_ids=EOS)
+    assert server.log[-1][0] == "/generate" and "lora_path" not in server.log[-1][1]
+    assert got == generate(params, CFG, PROMPTS, SamplingConfig(max_new_tokens=8), eos_ids=EOS, method=METHOD,
+                           include_stop=True)
     vllm = ExternalSampler(server.url, model=server.model, adapter_dir=tmp_path / "v")
     with pytest.raises(JaxtuneError, match="vLLM has no from-disk weight update"):
         vllm.push_merged(params, METHOD, CFG, step=0)

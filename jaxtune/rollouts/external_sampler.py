@@ -214,16 +214,24 @@ class ExternalSampler:
         """(completions, sampler_logps): `group_size` completions of each prompt, the G of a prompt consecutive
         (`grpo.sample_group`'s rows), each its token ids [n_i] ending with its stop token (one of `eos_ids`, or the
         server's EOS) when it stopped, as `generate(include_stop=True)`; and the sampler's log-prob of each of
-        them [n_i] (NaN where the server reported none). Token ids are checked against `vocab_size` when given."""
+        them [n_i] (NaN where the server reported none). Token ids are checked against `vocab_size` when given.
+        vLLM: one `/v1/completions` request with `n` and `seed`; SGLang: one `/generate` of the prompts repeated
+        (SGLang takes no seed there)."""
         if not prompt_ids or any(not p for p in prompt_ids):
             raise JaxtuneError("external sampler: no prompts, or an empty prompt")
-        body = wire.completion_request(self.adapter or self.model, prompt_ids, group_size, max_new_tokens,
-                                       temperature, top_k, top_p, seed, eos_ids)
-        reply = self.request("POST", wire.COMPLETIONS, body)
+        rows = len(prompt_ids) * group_size
         try:
-            return wire.read_completions(reply, len(prompt_ids) * group_size, vocab_size)
+            if self.server == "sglang":  # SGLang's token path (its /v1/completions answers tokens as text)
+                repeated = [p for p in prompt_ids for _ in range(group_size)]
+                body = wire.generate_request(self.adapter, repeated, max_new_tokens, temperature, top_k, top_p,
+                                             eos_ids)
+                return wire.read_generate(self.request("POST", wire.GENERATE, body), rows, vocab_size)
+            body = wire.completion_request(self.adapter or self.model, prompt_ids, group_size, max_new_tokens,
+                                           temperature, top_k, top_p, seed, eos_ids)
+            return wire.read_completions(self.request("POST", wire.COMPLETIONS, body), rows, vocab_size)
         except wire.ProtocolError as e:
-            raise JaxtuneError(f"POST {self.url}{wire.COMPLETIONS}: {e}") from None
+            path = wire.GENERATE if self.server == "sglang" else wire.COMPLETIONS
+            raise JaxtuneError(f"POST {self.url}{path}: {e}") from None
 
 
 def sample_group_external(sampler: ExternalSampler, params: dict, cfg: ModelConfig, method: MethodConfig | None,

@@ -37,8 +37,18 @@ from collections.abc import Sequence
 #   architecture, read in place. vLLM has no from-disk weight update over HTTP (its `/update_weights` of
 #   `serve/dev/rlhf/api_router.py` needs a NCCL/IPC weight-transfer engine and `VLLM_SERVER_DEV_MODE=1`): merged
 #   weights go to SGLang only.
+# - SGLang's sampling, `POST /generate` (`GenerateReqInput` of `python/sglang/srt/managers/io_struct.py`; the token
+#   path RL trainers use, e.g. slime's `rollout/sglang_rollout.py`): `input_ids` one list a row, `sampling_params`
+#   {`max_new_tokens`, `temperature`, `top_p`, `top_k` (-1: all), `stop_token_ids`, `no_stop_trim`,
+#   `skip_special_tokens`} (an unknown key is refused: no seed is sent), `return_logprob`, `lora_path` (the adapter's
+#   name, one a row; `examples/runtime/lora.py`). The reply is a list, a row each in order, with
+#   `meta_info.output_token_logprobs` = [[log-prob, token id, text or null], ...] (the stop token included) and
+#   `meta_info.finish_reason.type` "stop" / "length". Its SGLang /v1/completions writes logprobs tokens as text, so
+#   jaxtune samples SGLang through /generate. The log-probs are after temperature unless the server's environment sets
+#   `SGLANG_RETURN_ORIGINAL_LOGPROB` (SGLang-JAX: `RETURN_ORIGINAL_LOGPROB`): leave it unset.
 # - Readiness: `GET /health` (200 once the engine serves; both servers), then `GET /v1/models` lists the served names.
 COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"  # SGLang's
 MODELS = "/v1/models"
 HEALTH = "/health"
 LORA_PATHS = {"vllm": ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
@@ -61,6 +71,19 @@ def completion_request(model: str, prompts: Sequence[Sequence[int]], n: int, max
             "stop_token_ids": sorted(set(map(int, stop_token_ids))), "logprobs": 0,
             "return_tokens_as_token_ids": True, "return_token_ids": True, "skip_special_tokens": False,
             "stream": False}
+
+
+def generate_request(adapter: str | None, rows: Sequence[Sequence[int]], max_tokens: int, temperature: float,
+                     top_k: int, top_p: float, stop_token_ids: Sequence[int]) -> dict:
+    """The body of SGLang's `POST /generate` sampling one completion of each row (a prompt repeated n times for n)
+    with the sampled tokens' log-probs, from the adapter named `adapter` (None: the served weights)."""
+    sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                "top_k": top_k if top_k > 0 else -1, "stop_token_ids": sorted(set(map(int, stop_token_ids))),
+                "no_stop_trim": True, "skip_special_tokens": False}
+    body = {"input_ids": [list(map(int, r)) for r in rows], "return_logprob": True, "sampling_params": sampling}
+    if adapter is not None:
+        body["lora_path"] = [adapter] * len(rows)
+    return body
 
 
 def lora_load_request(name: str, path: str, inplace: bool = False) -> dict:
@@ -126,6 +149,24 @@ def read_completions(reply, rows: int, vocab_size: int | None) -> tuple[list[lis
         completions.append([int(i) for i in ids])
         logps.append(floats)
     return completions, logps
+
+
+def read_generate(reply, rows: int, vocab_size: int | None) -> tuple[list[list[int]], list[list[float]]]:
+    """(token ids, log-probs) of each of the `rows` outputs of SGLang's `/generate` reply, in order; the checks of
+    `read_completions`."""
+    if isinstance(reply, dict) and rows == 1:
+        reply = [reply]  # one row: SGLang answers with the object itself
+    if not isinstance(reply, list) or len(reply) != rows:
+        got = f"{len(reply)} outputs" if isinstance(reply, list) else "not a list"
+        raise ProtocolError(f"{got} for {rows} rows (prompts x n)")
+    choices = []
+    for i, out in enumerate(reply):
+        pairs = out.get("meta_info", {}).get("output_token_logprobs") if isinstance(out, dict) else None
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) >= 2 for p in pairs):
+            raise ProtocolError(f"output {i} has no meta_info.output_token_logprobs (the request sets return_logprob)")
+        choices.append({"index": i, "token_ids": [p[1] for p in pairs],
+                        "logprobs": {"token_logprobs": [p[0] for p in pairs]}})
+    return read_completions({"choices": choices}, rows, vocab_size)
 
 
 def error_message(body: bytes) -> str:
