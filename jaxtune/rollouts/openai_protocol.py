@@ -13,16 +13,17 @@ from collections.abc import Sequence
 # The protocol as the servers' own sources define it (read 2026-12):
 # - Completions, `POST /v1/completions` (vLLM `vllm/entrypoints/openai/completion/protocol.py`, `CompletionRequest`):
 #   `prompt` may be token ids, one list a prompt (`list[list[int]]`); `n` samples a prompt; `max_tokens`,
-#   `temperature`, `top_p`, `top_k` (-1: all, what both vLLM and SGLang read as off), `seed`, `stop_token_ids`,
-#   `logprobs` (an int: the top-k alternatives; 0 gives the sampled token's log-prob alone),
-#   `return_tokens_as_token_ids` (the logprobs' `tokens` as the strings "token_id:<id>", vLLM's `_get_decoded_token`,
-#   `vllm/entrypoints/openai/engine/serving.py`) and `return_token_ids` (each choice's `token_ids`, vLLM >= 0.10.2).
-#   Choices come prompt-major, the n samples of a prompt consecutive (`index` = prompt x n + sample): GRPO's row
-#   order. The stop token (EOS or one of `stop_token_ids`) is the last of `token_ids` with its log-prob (vLLM v1
-#   appends the token before `check_stop`); `finish_reason` "stop" or "length". `logprobs` is `{"tokens",
-#   "token_logprobs", "top_logprobs", "text_offset"}`. vLLM reports the raw model's log-probs unless the server runs
-#   with `--logprobs-mode processed_logprobs` (after temperature, as TRL's GRPOTrainer sets it for its own vLLM):
-#   jaxtune's learner scores logits / temperature, so set it.
+#   `temperature`, `top_p`, `top_k` (-1: all, what both vLLM and SGLang read as off), `seed` (sample i of a prompt
+#   seeded seed + i, `vllm/v1/engine/parallel_sampling.py`), `stop_token_ids`, `logprobs` (an int: the top-k
+#   alternatives; 0 gives the sampled token's log-prob alone), `return_tokens_as_token_ids` (the logprobs' `tokens` as
+#   the strings "token_id:<id>", vLLM's `_get_decoded_token`, `vllm/entrypoints/openai/engine/serving.py`) and
+#   `return_token_ids` (each choice's `token_ids`, vLLM >= 0.10.2). Choices come prompt-major, the n samples of a
+#   prompt consecutive (`index` = prompt x n + sample): GRPO's row order. The stop token (EOS or one of
+#   `stop_token_ids`) is the last of `token_ids` with its log-prob (vLLM v1 appends the token before `check_stop`);
+#   `finish_reason` "stop" or "length". `logprobs` is `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+#   vLLM reports the raw model's log-probs unless the server runs with `--logprobs-mode processed_logprobs` (after
+#   temperature, as TRL's GRPOTrainer sets it for its own vLLM): jaxtune's learner scores logits / temperature, so set
+#   it.
 # - LoRA at run time (vLLM `vllm/entrypoints/openai/models/serving.py`, `OpenAIServingModels.load_lora_adapter`;
 #   routes `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` under `vllm/entrypoints/serve/lora/`): JSON
 #   `{"lora_name", "lora_path"}` (`load_inplace` to replace a name), `{"lora_name"}` to unload; the reply is text
