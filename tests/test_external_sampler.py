@@ -221,3 +221,33 @@ def test_config_is_checked():
                        (dict(push_every=0), "sampler_push_every")]:
         with pytest.raises(ConfigError, match=f"^{field} = "):
             ExternalSamplerConfig(**bad)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_samples_from_the_server_as_from_its_own_decode(tmp_path):
+    """`[grpo] sampler_url` on a server serving the run's own base model: every rollout batch pushes the adapter
+    and samples there, the sampler's log-probs weigh the loss (importance sampling on: weights 1 within float
+    noise), and the run's metrics equal a run that decodes itself, within 1e-5."""
+    import json
+
+    from test_rollouts_across_devices import assert_same_run, rollout_config  # noqa: I001
+
+    from jaxtune.run_config import load_run_config
+    from jaxtune.spine.model import load_model
+    from jaxtune.train.loop import fine_tune
+
+    config = rollout_config(tmp_path, "grpo")
+    extra = ["grpo.sampler_importance_sampling_correction=true"]
+    own = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'own'}", *extra]), log=lambda *_: None)
+    cfg, params = load_model(tmp_path / "model")
+    with FakeSampler(cfg, params, model="served-base") as server:
+        external = fine_tune(load_run_config(config, [
+            f"train.output_dir={tmp_path / 'external'}", *extra, f'grpo.sampler_url="{server.url}"',
+            'grpo.sampler_model="served-base"', f'grpo.sampler_adapter_dir="{tmp_path / "pushed"}"']),
+            log=lambda *_: None)
+        assert list(server.adapters) == ["jaxtune-step-2"]  # three batches pushed, the two before unloaded
+    lines = lambda run: [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    one, other = lines(own), lines(external)
+    for a, b in zip(other, one):  # the weights 1 within the two forwards' float32 rounding: ~1e-6 of a loss ~0
+        assert abs(a.get("loss", 0) - b.get("loss", 0)) <= 1e-5, (a, b)
+    assert_same_run([{**a, **{k: b[k] for k in ("loss",) if k in b}} for a, b in zip(other, one)], one)

@@ -44,6 +44,7 @@ from jaxtune.objectives.losses import (
 )
 from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
+from jaxtune.rollouts.external_sampler import ExternalSampler, ExternalSamplerConfig, sample_group_external
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,14 @@ class RolloutConfig:
     reward_model: str = ""
     environment: str = ""
     environment_options: tuple = ()
+    sampler_url: str = ""
+    sampler_model: str = ""
+    sampler_adapter_dir: str = ""
+    sampler_server_adapter_dir: str = ""
+    sampler_server: str = "vllm"
+    sampler_weights: str = "lora"
+    sampler_push_every: int = 1
+    sampler_timeout_s: float = 600.0
     group_size: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -98,9 +107,20 @@ class RolloutConfig:
         if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in options):
             raise ConfigError("environment_options", self.environment_options, "must be a table of option = value")
         object.__setattr__(self, "environment_options", frozen_table(dict(options)) if options else ())
+        self.external_sampler  # noqa: B018  its checks, named as these keys
+        if self.environment and self.sampler_url:
+            raise ConfigError("sampler_url", self.sampler_url, "an environment's episodes are sampled by jaxtune "
+                              "(each turn answered before the next); unset one of sampler_url and environment")
         if self.environment and (self.soft_punish_cache or self.mask_truncated_completions):
             raise ConfigError("environment", self.environment, "episodes end by their environment or at max_seq_len "
                               "(reward 0): soft_punish_cache and mask_truncated_completions apply to one completion")
+
+    @property
+    def external_sampler(self) -> ExternalSamplerConfig:
+        """The `sampler_*` keys: where rollouts come from when sampler_url is set (`rollouts.external_sampler`)."""
+        return ExternalSamplerConfig(self.sampler_url, self.sampler_model, self.sampler_adapter_dir,
+                                     self.sampler_server_adapter_dir, self.sampler_server, self.sampler_weights,
+                                     self.sampler_push_every, self.sampler_timeout_s)
 
     @property
     def clip_high(self) -> float:
@@ -408,6 +428,10 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         raise JaxtuneError(f"[{name}] num_iterations = {g.num_iterations} with [train] checkpoint_every = "
                            f"{tc.checkpoint_every}: a checkpoint must fall between rollout batches (a resumed run "
                            f"cannot sample a batch again); use a multiple of {g.num_iterations}")
+    sampler = ExternalSampler.from_config(g.external_sampler) if g.sampler_url else None
+    if sampler is not None and jax.process_count() > 1:
+        raise JaxtuneError(f"[{name}] sampler_url with {jax.process_count()} processes: an external sampler is "
+                           "spoken to from one process; run the trainer in one (its mesh may span that host's devices)")
     store = RolloutStore(None if setup.cache_dir is None else Path(setup.cache_dir) / "rollouts")
     options = c.model.forward.resolved(jax.default_backend())
     learner_logps = jax.jit(lambda params, micro: _token_logps(params, cfg, micro, method, options, g.temperature))
@@ -425,14 +449,21 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                                                   seq_len + 1)
             rollouts = episode_batch(ids, masks, scores, advantages(scores, g), seq_len)
         else:
-            rows, completions = sample_group(policy, cfg, method, [tok.encode(e.prompt) for e in chosen], g, seed,
-                                             eos)
+            prompts, sampled = [tok.encode(e.prompt) for e in chosen], None
+            if sampler is None:
+                rows, completions = sample_group(policy, cfg, method, prompts, g, seed, eos)
+            else:  # the rollout batch's number over the run, for push_every
+                number = epoch * (steps_per_epoch // g.num_iterations) + generation
+                rows, completions, sampled = sample_group_external(
+                    sampler, policy, cfg, method, prompts, g, seed, eos, number, g.sampler_push_every,
+                    g.sampler_weights)
             scores = rewards(chosen, completions, g.group_size)
             if g.soft_punish_cache:
                 scores = (np.asarray(scores) + soft_overlong_punishment(
                     [len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)).tolist()
             rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len,
-                                     eos_ids=eos if g.mask_truncated_completions else ())
+                                     eos_ids=eos if g.mask_truncated_completions else (),
+                                     sampler_logps=sampled if sampler_corrected(g) else None)
         stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
         if keeps_learner_logps(g):  # the old policy's, scored once with the parameters that sampled
             stacked["old_logps"] = np.stack([host_copy(learner_logps(policy, {k: v[a] for k, v in stacked.items()}))
@@ -461,7 +492,8 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                                method=method)
         return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
 
-    return ObjectiveData(len(train) // per_step * g.num_iterations, batch, evaluate if held_out else None)
+    steps_per_epoch = len(train) // per_step * g.num_iterations
+    return ObjectiveData(steps_per_epoch, batch, evaluate if held_out else None)
 
 
 def _batch_fields(rows: int, seq_len: int, section: RolloutConfig) -> dict:
