@@ -155,10 +155,15 @@ def _build(raw: dict, where: str, overridden: dict[tuple[str, str], str]) -> Run
     if config.offload.moments_dtype != "float32" and config.train.optimizer != "adamw":
         raise JaxtuneError(f"{where}: [offload] moments_dtype = {config.offload.moments_dtype!r} is for [train] "
                            f"optimizer = 'adamw', not {config.train.optimizer!r}")
-    if objective_named(config.train.objective).generates and config.mesh.context > 1:
+    objective = objective_named(config.train.objective)
+    rollout = objective.rollout_tokens(config.section(objective.name)) if objective.section else 0
+    if (objective.generates or rollout) and config.mesh.context > 1:
         raise JaxtuneError(f"{where}: [train] objective = {config.train.objective!r} with [mesh] context = "
                            f"{config.mesh.context}: its rollouts decode whole rows, which a context axis would split; "
                            "use a mesh without one")
+    if rollout >= config.data.max_seq_len:
+        raise JaxtuneError(f"{where}: [{objective.name}] max_new_tokens = {rollout} leaves no room for a prompt in "
+                           f"[data] max_seq_len = {config.data.max_seq_len}; use at most {config.data.max_seq_len - 1}")
     return config
 
 

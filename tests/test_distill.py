@@ -1,20 +1,28 @@
 """Distillation lowers the student-teacher KL on held-out data; a teacher with another vocabulary is refused."""
 
+import re
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from steps import one_device_run
 
-from jaxtune.config import TrainConfig, tiny_config
+from jaxtune.config import DataConfig, OffloadConfig, SamplingConfig, TrainConfig, tiny_config
 from jaxtune.data.batching import epoch_batches
 from jaxtune.data.formats import load_sft_examples
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.errors import JaxtuneError
+from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.generation import generate
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.objectives.distill import DistillConfig, check_teacher
+from jaxtune.objectives.base import ObjectiveInputs
+from jaxtune.objectives.distill import DISTILL, DistillConfig, check_teacher, mixed_batches, prompt_of
+from jaxtune.objectives.losses import generalized_jsd
 
 DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -53,3 +61,81 @@ def test_distillation_lowers_held_out_kl(tmp_path, reverse):
 def test_teacher_with_another_vocabulary_is_refused():
     with pytest.raises(JaxtuneError, match="teacher vocabulary has 300 tokens, the student's 259"):
         check_teacher(tiny_config(vocab_size=259), tiny_config(vocab_size=300), "teacher")
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (1.0, 1.0), (0.5, 1.0), (0.1, 0.7), (0.9, 2.0),
+                                               (0.0, 2.0), (1.0, 0.5)])
+def test_generalized_jsd_equals_trl_loss_and_gradient(beta, temperature):
+    """`losses.generalized_jsd` summed over the tokens with labels != -100 and divided by their count equals TRL 1.16's
+    `GKDTrainer.generalized_jsd_loss` (reduction "batchmean"), value and gradient w.r.t. the student's logits."""
+    torch = pytest.importorskip("torch")
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    rng = np.random.default_rng(0)
+    student, teacher = (rng.normal(0, 2, (3, 7, 13)).astype(np.float32) for _ in range(2))
+    labels = rng.integers(0, 13, (3, 7))
+    labels[:, :2], labels[2, 5:] = -100, -100  # prompts and padding
+
+    def ours(student_BxTxV):
+        mask = jnp.asarray(labels != -100, jnp.float32)
+        return jnp.sum(generalized_jsd(student_BxTxV, jnp.asarray(teacher), beta, temperature) * mask) / mask.sum()
+
+    value, grad = jax.value_and_grad(ours)(jnp.asarray(student))
+    s = torch.tensor(student, requires_grad=True)
+    trl = gkd.GKDTrainer.generalized_jsd_loss(s, torch.tensor(teacher), torch.tensor(labels), beta=beta,
+                                              temperature=temperature, reduction="batchmean")
+    trl.backward()
+    np.testing.assert_allclose(float(value), trl.item(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), s.grad.numpy(), rtol=0, atol=1e-5)
+
+
+def test_on_policy_batch_labels_the_students_own_samples_and_masks_the_prompt(tmp_path):
+    """With lmbda = 1 a step's batch is the student's completions (sampled with its current parameters and the step's
+    seed) of the step's prompts: its labels are the sampled tokens, EOS included, the prompt masked; the same step
+    draws the same batch again (a resumed run), and lmbda = 0.5 mixes on- and off-policy steps by the seed."""
+    (tmp_path / "d.jsonl").write_text("".join(DATA.read_text().splitlines(keepends=True)[:16]))
+    tok = Tokenizer.byte_level()
+    train, _ = load_sft_examples(tmp_path / "d.jsonl", tok, 64)
+    cfg = tiny_config(vocab_size=259, initializer_range=0.1)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    config = SimpleNamespace(train=TrainConfig(batch_size=2, grad_accum=2, seed=3), data=DataConfig(max_seq_len=64),
+                             offload=OffloadConfig(), method=None)
+    section = DistillConfig(teacher="t", alpha=1.0, lmbda=1.0, max_new_tokens=6, sampling_temperature=1.0)
+    setup = ObjectiveInputs(config, section, cfg, tok, log=lambda _: None)
+    batch = mixed_batches(setup, train, off_policy=None)(0, 1, lambda: params)
+    assert batch["input_ids"].shape[:2] == (2, 2) and np.all(batch["on_policy"] == 1)
+    draw = np.random.default_rng([3, 0, 1])
+    draw.random()
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=int(draw.integers(2**31)))
+    rows = {k: v.reshape(4, -1) for k, v in batch.items() if v.ndim == 3}
+    prompts = [list(rows["input_ids"][r, :int(np.argmax(rows["loss_mask"][r] > 0)) + 1]) for r in range(4)]
+    assert all(p in [prompt_of(e) for e in train] for p in prompts)
+    for r, completion in enumerate(generate(params, cfg, prompts, sampling, eos_ids=[tok.eos_id], include_stop=True)):
+        start, mask = len(prompts[r]) - 1, rows["loss_mask"][r]
+        assert mask[:start].sum() == 0 and mask.sum() == len(completion)  # the prompt masked, every sample a label
+        assert list(rows["labels"][r, start:start + len(completion)]) == completion
+    again = mixed_batches(setup, train, off_policy=None)(0, 1, lambda: params)
+    assert all(np.array_equal(batch[k], again[k]) for k in batch)
+
+    half = replace(section, lmbda=0.5)
+    off = lambda epoch, index, _params: {"loss_mask": np.zeros((2, 2, 64), np.float32)}
+    mixed = mixed_batches(ObjectiveInputs(config, half, cfg, tok, log=lambda _: None), train, off)
+    kinds = [float(mixed(0, i, lambda: params)["on_policy"].mean()) for i in range(8)]
+    expected = [float(np.random.default_rng([3, 0, i]).random() < 0.5) for i in range(8)]
+    assert kinds == expected and 0 < sum(kinds) < 8, kinds
+
+
+def test_distill_config_keys():
+    """reverse = true is beta = 1 (the key before beta); bad values and on-policy with a cross-entropy are one-line
+    ConfigErrors; the planner counts the rollout only when the student samples."""
+    assert DistillConfig(reverse=True).beta == 1.0 == DistillConfig(reverse=True, beta=1.0).beta
+    assert DistillConfig().beta == 0.0
+    for bad, message in [(dict(reverse=True, beta=0.5), "reverse = true: is beta = 1"),
+                         (dict(beta=1.5), "beta = 1.5: must be in [0, 1]"),
+                         (dict(lmbda=-0.1), "lmbda = -0.1: must be in [0, 1]"),
+                         (dict(lmbda=0.5), "alpha = 0.5: must be 1 with lmbda = 0.5"),
+                         (dict(alpha=1.0, lmbda=1.0, max_new_tokens=0), "max_new_tokens = 0: must be >= 1"),
+                         (dict(sampling_temperature=0.0), "sampling_temperature = 0.0: must be > 0")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            DistillConfig(**bad)
+    assert DISTILL.rollout_tokens(DistillConfig()) == 0
+    assert DISTILL.rollout_tokens(DistillConfig(alpha=1.0, lmbda=0.25, max_new_tokens=16)) == 16

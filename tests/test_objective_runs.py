@@ -12,6 +12,7 @@ from test_train import DEMO_DATA, metric_lines
 from jaxtune.cli import main
 from jaxtune.config import ForwardOptions
 from jaxtune.data.tokenizer import Tokenizer
+from jaxtune.errors import JaxtuneError
 from jaxtune.models.reward_model import reward_scores
 from jaxtune.objectives import OBJECTIVES
 from jaxtune.objectives.dpo import sequence_row
@@ -225,16 +226,48 @@ def test_distillation_run_lowers_held_out_kl(models, tmp_path):
     assert result.result_path.name == "adapter"
 
 
+@pytest.mark.slow
+@pytest.mark.full
+def test_on_policy_distillation_run_lowers_held_out_divergence(models, tmp_path):
+    """GKD with lmbda = 1: every step trains (a full fine-tune) on the student's own samples, decoded under the run's
+    mesh, and the generalised JSD (beta = 0.5) to the teacher on the held-out dataset completions falls."""
+    root = models
+    teacher = write_random_model(tmp_path / "teacher", "llama", seed=7, hidden_size=96, initializer_range=0.15)
+    config = run_config(root, tmp_path / "gkd", "distill", root / "sft.jsonl", method={"kind": "full"},
+                        train={"max_steps": 8, "batch_size": 8, "learning_rate": 3e-3, "eval_every": 8},
+                        distill={"teacher": str(teacher), "alpha": 1.0, "beta": 0.5, "lmbda": 1.0,
+                                 "max_new_tokens": 16, "sampling_temperature": 1.0})
+    fine_tune(load_run_config(config, ["data.eval_fraction=0.3"]), **QUIET)
+    jsd = evals(tmp_path / "gkd", "eval_kl")
+    assert jsd[-1] < 0.85 * jsd[0], jsd  # measured: 0.261 -> 0.204 (-22%) after 8 steps; 13 s, 45 s compiling
+    assert all(r["on_policy"] == 1.0 for r in metric_lines(tmp_path / "gkd") if "loss" in r)
+
+
 def test_config_round_trips_every_objective_section(tmp_path):
     sections = {"train": {"objective": "grpo", "batch_size": 2},
                 "dpo": {"loss": "ipo", "beta": 0.5, "label_smoothing": 0.1, "reference": "ref/model"},
                 "grpo": {"reward_model": "rm/", "group_size": 6, "top_k": 5, "top_p": 0.9, "clip": 0.3},
-                "distill": {"teacher": "t", "alpha": 0.25, "temperature": 2, "reverse": True}}
+                "distill": {"teacher": "t", "alpha": 1.0, "temperature": 2, "beta": 0.5, "lmbda": 0.5}}
     config = load_run_config(write_config(tmp_path / "c.toml", sections))
     assert config.section("distill").temperature == 2.0 and config.section("grpo").top_k == 5
+    assert config.section("distill").lmbda == 0.5
     assert config.train.objective == "grpo"
     (tmp_path / "back.toml").write_text(dump_run_config(config))
     assert load_run_config(tmp_path / "back.toml") == config
+
+
+def test_a_rollout_without_room_for_its_prompt_is_refused_at_load(tmp_path):
+    sections = {"train": {"objective": "distill"}, "data": {"max_seq_len": 48},
+                "distill": {"teacher": "t", "alpha": 1.0, "lmbda": 0.5, "max_new_tokens": 48}}
+    with pytest.raises(JaxtuneError, match=r"\[distill\] max_new_tokens = 48 leaves no room for a prompt in \[data\] "
+                                           r"max_seq_len = 48; use at most 47"):
+        load_run_config(write_config(tmp_path / "c.toml", sections))
+    sections["distill"]["lmbda"] = 0.0  # offline: nothing sampled, nothing to fit
+    assert load_run_config(write_config(tmp_path / "c.toml", sections)).section("distill").max_new_tokens == 48
+    on_policy = ["mesh.context=2", "train.objective=distill", "distill.alpha=1.0", "distill.lmbda=0.5"]
+    with pytest.raises(JaxtuneError, match=r"objective = 'distill' with \[mesh\] context = 2: its rollouts decode"):
+        load_run_config(None, on_policy)
+    assert load_run_config(None, on_policy[:-1]).mesh.context == 2  # offline distillation splits its rows
 
 
 def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):

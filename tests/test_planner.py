@@ -16,6 +16,7 @@ from jaxtune.config.plan import TrainPlan
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods import method_config
 from jaxtune.objectives import objective_named
+from jaxtune.objectives.distill import DistillConfig
 from jaxtune.objectives.dpo import PreferenceConfig
 from jaxtune.planner import (
     CATALOGUE,
@@ -322,6 +323,10 @@ def test_objectives_add_their_extra_models():
     assert grpo.extra_models_bytes == pytest.approx(copy, rel=0.01)  # the reference; the reward is a function
     assert distill.extra_models_bytes == pytest.approx(copy, rel=0.01)  # the teacher
     assert grpo.phases["generate"]["activations"] > 0  # the rollout's KV cache and prefill
+    on_policy = DistillConfig(alpha=1.0, lmbda=0.5, max_new_tokens=256)  # GKD: the student samples, the teacher scores
+    rollout = objective_named("distill").rollout_tokens(on_policy)
+    gkd = estimate(LLAMA2_7B, base.replace(objective="distill", section=on_policy, generate_tokens=rollout), device)
+    assert gkd.phases["generate"]["activations"] > 0 and "generate" not in distill.phases
     assert sft.extra_models_bytes == reward.extra_models_bytes == 0
     assert reward.phases["loss"]["activations"] < dpo.phases["loss"]["activations"]  # same rows, no [b, T, V] logits
     assert dpo.phases["loss"]["activations"] > 1.5 * sft.phases["loss"]["activations"]  # two rows a pair

@@ -1,7 +1,7 @@
-"""GRPO and RLOO across devices and processes: each device decodes its own rows of a rollout with the policy's split
-weights, each process scores its share of the rows, and the run equals one device's (or one process's) on the same
-seed: losses, rewards, KL and gradient norms within 1e-5. Two local `jaxtune train` processes are joined as
-tests/test_distributed.py joins them; the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
+"""GRPO, RLOO and on-policy distillation across devices and processes: each device decodes its own rows of a rollout
+with the policy's split weights, each process scores its share of the rows, and the run equals one device's (or one
+process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5. Two local `jaxtune train` processes
+are joined as tests/test_distributed.py joins them; the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
 
 import json
 from pathlib import Path
@@ -138,3 +138,29 @@ def test_a_reward_that_fails_on_one_process_stops_both_in_one_line(tmp_path):
         outputs.append(out)
     assert "the grader on this host is down" in outputs[1], outputs[1][-2000:]
     assert "process 1 failed scoring its share of the rows" in outputs[0], outputs[0][-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_eight_devices_run_on_policy_distillation_as_one(tmp_path):
+    """GKD with lmbda = 1 (`[distill]`): the student's samples are decoded under fsdp=8 as GRPO's rollouts are, so
+    the batches, losses, divergences and gradient norms equal one device's."""
+    student, teacher = tmp_path / "model", tmp_path / "teacher"
+    write_random_model(student, "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
+    write_random_model(teacher, "llama", seed=7, initializer_range=0.3, max_position_embeddings=64)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": " fine."}) + "\n"
+                                                for p in PROMPTS))
+    config = tmp_path / "gkd.toml"
+    config.write_text("\n".join([
+        "[model]", f'path = "{student}"', "[method]", 'kind = "lora"', "[data]", f'train = "{tmp_path / "sft.jsonl"}"',
+        "max_seq_len = 24", "pack = false", "eval_fraction = 0.2", "[train]", 'objective = "distill"', "max_steps = 3",
+        "batch_size = 8", "learning_rate = 2e-2", "log_every = 1", "eval_every = 3", "[distill]",
+        f'teacher = "{teacher}"', "alpha = 1.0", "beta = 0.5", "lmbda = 1.0", "max_new_tokens = 8"]) + "\n")
+    one = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'one'}"]), log=lambda *_: None)
+    single = [json.loads(line) for line in (one.run_dir / "metrics.jsonl").read_text().splitlines()]
+    split = run_worker("loop", str(config), f"train.output_dir={tmp_path / 'eight'}", "mesh.fsdp=8")["records"]
+    assert len(split) == len(single) and sum("on_policy" in r for r in single) == 3
+    for a, b in zip(split, single):
+        for key in ("loss", "kl", "grad_norm", "eval_kl", "loss_tokens"):
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]) + 1e-7, (key, a, b)

@@ -112,7 +112,8 @@ class Objective(Generic[Section]):
     rows, batch_fields  rows a micro-batch holds per example (a preference pair: 2); its arrays beside SFT's five
                         (rows, seq_len, section) -> {name: ShapeDtypeStruct}
     second_model        None, "base" (a full fine-tune's frozen copy; adapter methods: the base, adapters off) or a dir
-    generates           its step samples from the policy (rollouts): rows decoded whole (no context axis)
+    generates           its step samples from the policy (rollouts): rows decoded whole (no context axis); one that
+                        samples only for some sections (distill's lmbda > 0) says so by its rollout_tokens alone
     loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
     head, head_axes     (params, cfg, key) -> params with the trainable leaves it adds (a reward model's score);
                         their logical axes by dict path

@@ -1,40 +1,73 @@
 """Distillation (`DISTILL`, its section `DistillConfig`): a student (full or any adapter method) learns a teacher's
-next-token distributions on the SFT data, mixed with the SFT loss: alpha * KL + (1 - alpha) * cross-entropy, both
-over completion tokens. The teacher is any loadable model with the student's vocabulary; it runs in the same step,
-under stop_gradient, its logits computed chunk by chunk beside the student's (`models/head.per_token`).
+next-token distributions, mixed with the SFT loss: alpha * D + (1 - alpha) * cross-entropy over completion tokens, D
+the generalised Jensen-Shannon divergence of `beta` (`losses.generalized_jsd`; 0 forward KL, 1 reverse). The teacher
+(any model with the student's vocabulary) runs in the same step under stop_gradient, chunk by chunk beside the student.
+
+On-policy (GKD, Agarwal et al. 2024; TRL 1.16's GKDTrainer): with probability `lmbda` a step's batch is the student's
+own completions of the step's prompts, sampled with its current parameters (`generate`, under the run's mesh as GRPO's
+rollouts), the samples the labels, the prompt masked; else the dataset's. Draw and samples are functions of the seed,
+epoch and step: every process draws the same, a resumed run draws them again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxtune.config import ModelConfig
-from jaxtune.errors import JaxtuneError, check_range
+from jaxtune.config import ModelConfig, SamplingConfig
+from jaxtune.data.batching import padded_length
+from jaxtune.data.formats import Example
+from jaxtune.errors import ConfigError, JaxtuneError, check_range
+from jaxtune.generation import generate
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import head_logits, per_token, token_logps
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.llama import decoder
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs
-from jaxtune.objectives.losses import distillation_kl
-from jaxtune.objectives.sft import perplexity, sft_training
+from jaxtune.objectives.grpo import rollout_batch
+from jaxtune.objectives.losses import generalized_jsd
+from jaxtune.objectives.sft import perplexity, sft_split, sft_training
 
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """teacher: a model directory; alpha: the KL's weight (1 - alpha: the SFT loss's); temperature softens both
-    distributions; reverse: KL(student || teacher) instead of KL(teacher || student)."""
+    """teacher: a model directory; alpha: the divergence's weight (1 - alpha: the SFT loss's); temperature softens
+    both distributions in the divergence, which is scaled by temperature^2 (Hinton et al. 2015; TRL's
+    `generalized_jsd_loss` has the temperature, not the scale, and GKDTrainer leaves it at 1); beta: the generalised
+    JSD's interpolation (TRL's; 0: KL(teacher || student), 1: KL(student || teacher); TRL's default is 0.5).
+    lmbda: the probability that a step's batch is the student's own completions (TRL's; 0: offline distillation),
+    max_new_tokens of them sampled at sampling_temperature (TRL's GKDConfig `max_new_tokens`, `temperature`; top-k and
+    top-p off, as TRL). An on-policy batch has no reference completion for the cross-entropy: lmbda > 0 needs alpha 1.
+    reverse: before beta, true meant KL(student || teacher); it still does (it sets beta = 1), set beta instead."""
 
     teacher: str = ""
     alpha: float = 0.5
     temperature: float = 1.0
     reverse: bool = False
+    beta: float = 0.0
+    lmbda: float = 0.0
+    max_new_tokens: int = 128
+    sampling_temperature: float = 0.9
 
     def __post_init__(self):
         check_range("alpha", self.alpha, 0, 1)
         check_range("temperature", self.temperature, 0, low_open=True)
+        check_range("beta", self.beta, 0, 1)
+        check_range("lmbda", self.lmbda, 0, 1)
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        check_range("sampling_temperature", self.sampling_temperature, 0, low_open=True)
+        if self.reverse and self.beta not in (0, 1):
+            raise ConfigError("reverse", True, f"is beta = 1 (KL(student || teacher)), and beta = {self.beta} is set "
+                              "too; set beta alone")
+        if self.reverse:
+            object.__setattr__(self, "beta", 1.0)
+        if self.lmbda and self.alpha != 1:
+            raise ConfigError("alpha", self.alpha, f"must be 1 with lmbda = {self.lmbda} (a batch the student "
+                              "samples has no reference completion for the cross-entropy; TRL's GKD is alpha = 1)")
 
 
 def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> None:
@@ -49,8 +82,8 @@ def _hidden(params, cfg, batch, method, options, dropout_key=None):
 
 
 def _sums(student_params, teacher, batch, ctx: Context, key=None):
-    """(sum of KL, sum of -log p(label), token count) over the batch's completion tokens; the teacher's logits
-    are computed chunk by chunk beside the student's (`head.per_token`)."""
+    """(sum of the divergence, sum of -log p(label), token count) over the batch's completion tokens; the teacher's
+    logits are computed chunk by chunk beside the student's (`head.per_token`)."""
     d = ctx.section
     teacher_hidden = jax.lax.stop_gradient(_hidden(teacher, ctx.second_cfg, batch, None, ctx.options))
     student_hidden = _hidden(student_params, ctx.cfg, batch, ctx.method, ctx.options, key)
@@ -58,7 +91,7 @@ def _sums(student_params, teacher, batch, ctx: Context, key=None):
     def chunk(student_BxCxD, teacher_BxCxD, labels_BxC):
         student_logits = head_logits(student_params, student_BxCxD, ctx.cfg.final_logit_softcap)
         teacher_logits = head_logits(teacher, teacher_BxCxD, ctx.second_cfg.final_logit_softcap)
-        return (distillation_kl(student_logits, teacher_logits, d.temperature, d.reverse),
+        return (generalized_jsd(student_logits, teacher_logits, d.beta, d.temperature) * d.temperature**2,
                 token_logps(student_logits, labels_BxC))
 
     kl_BxT, logps_BxT = per_token(chunk, student_hidden, teacher_hidden, batch["labels"], vocab=ctx.cfg.vocab_size)
@@ -67,6 +100,8 @@ def _sums(student_params, teacher, batch, ctx: Context, key=None):
 
 
 def loss_terms(ctx: Context):
+    """alpha * divergence + (1 - alpha) * cross-entropy per micro-batch; metric "kl": the divergence (a KL at beta 0
+    or 1, the generalised JSD between)."""
     def terms(trainable, frozen, teacher, micro, key=None):
         kl, nll, count = _sums(combine(trainable, frozen), teacher, micro, ctx, key)
         return ctx.section.alpha * kl + (1 - ctx.section.alpha) * nll, (count, {"kl": kl, "nll": nll})
@@ -82,6 +117,57 @@ def eval_terms(ctx: Context):
     return terms
 
 
+def prompt_of(example: Example) -> list[int]:
+    """The tokens before an example's first prediction target (its prompt; empty if the first token is one)."""
+    mask = np.asarray(example.loss_mask)
+    return list(example.ids[:int(np.argmax(mask > 0))]) if mask.any() else []
+
+
+def on_policy_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int,
+                    grad_accum: int) -> dict:
+    """Host arrays [A, rows, T] of prompt + completion rows (`grpo.rollout_batch`): the completion's tokens are the
+    labels, the prompt masked; T the `padded_length` of the longest row; `on_policy` [A, rows] ones."""
+    n = len(completions)
+    rows = rollout_batch([list(p) for p in prompts], [list(c) for c in completions], [0.0] * n, np.zeros(n), seq_len)
+    T = padded_length(max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1, seq_len)
+    stacked = {k: rows[k][:, :T].reshape(grad_accum, -1, T) for k in ("input_ids", "labels", "loss_mask",
+                                                                     "segment_ids", "positions")}
+    return {**stacked, "on_policy": np.ones(stacked["loss_mask"].shape[:2], np.float32)}
+
+
+def mixed_batches(setup: ObjectiveInputs, train: Sequence[Example], off_policy: Callable) -> Callable:
+    """`batch(epoch, index, params)` that is, with probability lmbda, the student's completions of batch_size x
+    grad_accum prompts of `train` (`on_policy_batch`), else `off_policy`'s batch with `on_policy` zeros. The draw and
+    the sampling seed come from (train.seed, epoch, index); the prompts from a (data.seed, epoch) permutation."""
+    c, d, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
+    tc, seq_len = c.train, c.data.max_seq_len
+    if c.offload.frozen_params:
+        raise JaxtuneError("[offload] frozen_params = true is not supported with [distill] lmbda > 0 (the student "
+                           "decodes from the frozen weights); set it to false")
+    prompts = [p for p in map(prompt_of, train) if p and len(p) + d.max_new_tokens <= seq_len + 1]
+    setup.log(f"on-policy: {len(prompts)} of {len(train)} training prompts leave room for max_new_tokens = "
+              f"{d.max_new_tokens} in max_seq_len {seq_len} + 1")
+    if not prompts:
+        raise JaxtuneError(f"[distill] lmbda = {d.lmbda}: no training prompt leaves room for max_new_tokens = "
+                           f"{d.max_new_tokens} in [data] max_seq_len = {seq_len}; lower max_new_tokens")
+    eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
+    per_step = tc.batch_size * tc.grad_accum
+
+    def batch(epoch: int, index: int, params: Callable[[], dict]) -> dict:
+        draw = np.random.default_rng([tc.seed, epoch, index])
+        if not draw.random() < d.lmbda:  # TRL: random.random() <= lmbda, each step
+            off = off_policy(epoch, index, params)
+            return {**off, "on_policy": np.zeros(off["loss_mask"].shape[:2], np.float32)}
+        order = np.random.default_rng([c.data.seed, epoch]).permutation(len(prompts))
+        chosen = [prompts[order[(index * per_step + i) % len(prompts)]] for i in range(per_step)]
+        sampling = SamplingConfig(max_new_tokens=d.max_new_tokens, temperature=d.sampling_temperature,
+                                  seed=int(draw.integers(2**31)))
+        completions = generate(params(), cfg, chosen, sampling, eos_ids=eos, method=c.method, include_stop=True)
+        return on_policy_batch(chosen, completions, seq_len, tc.grad_accum)
+
+    return batch
+
+
 def prepare(setup: ObjectiveInputs) -> ObjectiveData:
     d = setup.section
     if not d.teacher:
@@ -94,9 +180,18 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
         return {"eval_loss": d.alpha * kl + (1 - d.alpha) * nll, "eval_kl": kl, "eval_nll": nll,
                 "eval_perplexity": perplexity(nll), "eval_tokens": int(sums.get("tokens", 0))}
 
-    return sft_training(setup, metrics)
+    split = sft_split(setup)
+    data = sft_training(setup, metrics, split)
+    return replace(data, batch=mixed_batches(setup, split[0], data.batch)) if d.lmbda else data
+
+
+def _batch_fields(rows: int, seq_len: int, section: DistillConfig) -> dict:
+    return {"on_policy": jax.ShapeDtypeStruct((rows,), np.float32)} if section.lmbda else {}
 
 
 DISTILL = Objective("distill", loss_terms, eval_terms, prepare, section=DistillConfig,
                     second_model=lambda section, method: section.teacher, logits_copies=lambda method, section: 6,
-                    extra_forwards=lambda section: 1)
+                    extra_forwards=lambda section: 1, batch_fields=_batch_fields,
+                    batch_metrics=lambda batch: {"on_policy": jnp.mean(batch["on_policy"])} if "on_policy" in batch
+                    else {},
+                    rollout_tokens=lambda section: section.max_new_tokens if section.lmbda else 0)

@@ -1,7 +1,7 @@
 """The objectives' losses as pure functions: `sequence_logps`, `preference_loss` (DPO, IPO, hinge),
-`bradley_terry_loss`, `distillation_kl`, `grpo_advantages`, `rloo_advantages`, `grpo_token_loss` (`grpo_aggregate`),
-`rloo_sequence_loss`. They return per-row, per-pair or per-token values, or sums with their counts, never batch
-means, so micro-batches and eval batches add up exactly."""
+`bradley_terry_loss`, `generalized_jsd` (`distillation_kl`), `grpo_advantages`, `rloo_advantages`,
+`grpo_token_loss` (`grpo_aggregate`), `rloo_sequence_loss`. They return per-row, per-pair or per-token values, or
+sums with their counts, never batch means, so micro-batches and eval batches add up exactly."""
 
 from __future__ import annotations
 
@@ -55,16 +55,30 @@ def bradley_terry_loss(chosen_scores_B: jax.Array, rejected_scores_B: jax.Array)
     return -jax.nn.log_sigmoid(chosen_scores_B - rejected_scores_B)
 
 
-def distillation_kl(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.Array, temperature: float = 1.0,
-                    reverse: bool = False) -> jax.Array:
-    """KL per position [B, T], both distributions softened by `temperature`.
+def generalized_jsd(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.Array, beta: float = 0.5,
+                    temperature: float = 1.0) -> jax.Array:
+    """The generalised Jensen-Shannon divergence per position [B, T] (GKD, Agarwal et al. 2024, eq. 1; TRL 1.16's
+    `GKDTrainer.generalized_jsd_loss` before its reduction), both distributions softened by `temperature`.
 
-    forward: KL(teacher || student) (Hinton et al. 2015, scaled by T^2); reverse: KL(student || teacher) (MiniLLM).
-    """
+    With m = beta teacher + (1 - beta) student: beta KL(teacher || m) + (1 - beta) KL(student || m); at the ends, as
+    TRL, beta = 0 is KL(teacher || student) (forward) and beta = 1 KL(student || teacher) (reverse), not the limits
+    of the mixture (which vanish there)."""
     s = jax.nn.log_softmax(student_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
     t = jax.nn.log_softmax(teacher_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
-    p, log_p, log_q = (jnp.exp(s), s, t) if reverse else (jnp.exp(t), t, s)
-    return jnp.sum(p * (log_p - log_q), axis=-1) * temperature**2
+    kl = lambda log_p, log_q: jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # KL(p || q)
+    if beta == 0:
+        return kl(t, s)
+    if beta == 1:
+        return kl(s, t)
+    m = jnp.logaddexp(s + jnp.log1p(-beta), t + jnp.log(beta))
+    return beta * kl(t, m) + (1 - beta) * kl(s, m)
+
+
+def distillation_kl(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.Array, temperature: float = 1.0,
+                    reverse: bool = False) -> jax.Array:
+    """KL per position [B, T], both distributions softened by `temperature`, scaled by T^2 (Hinton et al. 2015):
+    forward KL(teacher || student), or reverse KL(student || teacher) (MiniLLM); `generalized_jsd` at beta 0 or 1."""
+    return generalized_jsd(student_logits_BxTxV, teacher_logits_BxTxV, float(reverse), temperature) * temperature**2
 
 
 def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-4, scale: str = "group") -> jax.Array:

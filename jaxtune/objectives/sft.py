@@ -92,11 +92,17 @@ def train_and_held_out(setup: ObjectiveInputs, stream, unit: str) -> tuple[Seque
     return train, held_out
 
 
-def sft_training(setup: ObjectiveInputs, metrics=loss_metrics) -> ObjectiveData:
-    """Packed SFT batches of data.train, and the held-out loss of its held-out part through `metrics`."""
+def sft_split(setup: ObjectiveInputs) -> tuple[Sequence, Sequence]:
+    """(train, held-out) SFT examples of data.train and data.eval (`train_and_held_out`)."""
+    stream = sft_chat_examples if setup.config.data.apply_chat_template else sft_examples
+    return train_and_held_out(setup, stream, "examples")
+
+
+def sft_training(setup: ObjectiveInputs, metrics=loss_metrics, split: tuple | None = None) -> ObjectiveData:
+    """Packed SFT batches of data.train, and the held-out loss of its held-out part through `metrics`. split: the
+    (train, held-out) examples when the caller has read them (`sft_split`)."""
     c = setup.config
-    stream = sft_chat_examples if c.data.apply_chat_template else sft_examples
-    train, held_out = train_and_held_out(setup, stream, "examples")
+    train, held_out = split or sft_split(setup)
     batches = lambda examples, epoch: epoch_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed,
                                                     epoch, c.data.pack)
     rows = count_epoch_rows(train, c.data.max_seq_len, c.data.pack)
