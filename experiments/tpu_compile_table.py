@@ -236,8 +236,11 @@ ROWS = [
     ("gemma-4-31b", "lora", "sft", 4096, 8, "v6e-8", "fsdp=8", "full"),
     # predicted before it was compiled, after the top-1 rule was set on Scout's row
     ("llama-4-maverick", "lora", "sft", 8192, 64, "v5p-128", "fsdp=8,expert=8", "full"),
+    # issue 51: GRPO with 4,096-token rollouts (512 of prompt), groups of 4, predicted before compiling
+    ("llama-3.1-8b", "lora", "grpo@4096", 4608, 16, "v5p-64", "fsdp=32", "full"),
+    ("llama-3.1-8b", "lora", "grpo@4096", 4608, 2, "v6e-8", "fsdp=8", "full"),
 ]
-HELD_OUT = 19  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
+HELD_OUT = 21  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
 GRPO_TOKENS = 256  # a rollout's new tokens
 
 
@@ -256,13 +259,14 @@ def model_and_plan(row):
     from jaxtune.planner.command import parse_mesh
 
     model, method, objective, seq, batch, target, mesh, remat = row
+    objective, _, rollout = objective.partition("@")  # "grpo@4096": a rollout of 4,096 new tokens
     kind = "lora" if method == "dora" else method
     targets = ("all-linear",) if kind in ("lora", "qlora") else ()
     options = dict(rank=16, alpha=32.0, target_modules=targets, dora=method == "dora") if targets else {}
     plan = TrainPlan(method_config(kind, **options), batch,
                      seq, 1, param_dtype="bfloat16", forward=ForwardOptions(compute_dtype="bfloat16", remat=remat),
                      mesh=parse_mesh(mesh), objective=objective,
-                     generate_tokens=GRPO_TOKENS if objective == "grpo" else 0)
+                     generate_tokens=int(rollout or GRPO_TOKENS) if objective == "grpo" else 0)
     return config_from_hf(MODELS[model], model), plan, get_device(target)
 
 
