@@ -1,0 +1,131 @@
+"""A paged key/value cache: one pool of fixed-size pages per layer, stacked on the layer axis as the model's layer scan
+reads it, k and v [L, NP, ps, K, hd]; a row holds a page table (page ids, NP: none) instead of its own slots.
+
+A row's virtual sequence is its table's pages end to end, [M * ps] slots; which of them a query sees is the engine's
+mask (`seen_SxX`). The free list is a device bitmap, `free_NP` [NP] bool: `take_pages` hands each row that asks the
+lowest free pages in row order (a cumsum and one `nonzero` of static size, no host), `return_pages` puts pages back.
+Page id NP stands for "no page": scatters drop it (`mode="drop"`) and gathers clamp it (its slots are never seen).
+A decode step (`paged_decode_step`) is `kv_cache.extend`'s for T = 1, with the row's pages gathered for
+`kv_cache.step_attention`: the same numerics as the dense cache; the new keys and values are written after the scan,
+all layers in one scatter. Only plain attention layers (no sliding window, latent attention or linear state;
+`refuse_unpaged`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
+from jaxtune.errors import JaxtuneError
+from jaxtune.models.adapters import Adapters, adapter_forward
+from jaxtune.models.head import head_logits
+from jaxtune.models.kv_cache import step_attention
+from jaxtune.models.llama import decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
+from jaxtune.models.rope import layer_rope, rope_tables
+
+
+def refuse_unpaged(cfg: ModelConfig) -> None:
+    """A one-line JaxtuneError for a model whose cache is not one plain key/value stack of every layer: sliding
+    windows and Llama 4's chunks (a page would have to leave the window), latent attention (DeepSeek), Gated
+    DeltaNet state (Qwen3.5/Qwen3-Next), Gemma 4's own-width full layers and KV sharing, Llama 4's query temperature
+    (by cache slot) and layers of several kinds; `generation.generate` decodes those."""
+    reasons = [(any(cfg.sliding_windows), "sliding-window or chunked attention"),
+               (bool(cfg.kv_lora_rank), "latent attention"),
+               (bool(cfg.linear_attention_layers), "Gated DeltaNet layers"),
+               (bool(cfg.global_head_dim or cfg.shared_kv_layers), "Gemma 4's full layers and KV sharing"),
+               (bool(cfg.temperature_floor), "query temperature by cache slot"),
+               (cfg.stacked_by_kind, "layers of several kinds")]
+    why = next((reason for refused, reason in reasons if refused), None)
+    if why is not None:
+        raise JaxtuneError(f"the rollout engine's paged cache holds plain attention layers only, not {why}: use "
+                           "jaxtune.generate for this model")
+
+
+def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Zero key and value pools [L, NP, ps, K, hd]."""
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def take_pages(free_NP: jax.Array, want_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(page_S, free_NP): each row that wants one gets a free page (the lowest free pages, in row order; NP where it
+    wants none), marked taken. The caller makes sure enough are free (the engine reserves them at admission); a row
+    left without one gets NP."""
+    NP, S = free_NP.shape[0], want_S.shape[0]
+    rank_S = jnp.cumsum(want_S) - 1
+    (lowest_S,) = jnp.nonzero(free_NP, size=S, fill_value=NP)
+    page_S = jnp.where(want_S, lowest_S[jnp.clip(rank_S, 0, S - 1)], NP)
+    return page_S, free_NP.at[page_S].set(False, mode="drop")
+
+
+def return_pages(free_NP: jax.Array, pages: jax.Array) -> jax.Array:
+    """free_NP with `pages` (any shape; NP entries ignored) free again."""
+    return free_NP.at[pages.reshape(-1)].set(True, mode="drop")
+
+
+def write_prompts(k_pool: jax.Array, v_pool: jax.Array, k_LxGxKxWxh: jax.Array, v_LxGxKxWxh: jax.Array,
+                  table_GxMp: jax.Array, length_G: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The pools with prompt g's keys and values (left-padded in the W slots of a dense cache row, as
+    `kv_cache.prefill_packed` leaves them) in its pages `table_GxMp[g]`, token i at page i // ps, offset i % ps.
+    A last partial page's other slots take any key: the engine never lets a query see them."""
+    ps = k_pool.shape[2]
+    W, Mp = k_LxGxKxWxh.shape[3], table_GxMp.shape[1]
+    token_X = jnp.arange(Mp * ps)
+    source_GxX = jnp.clip(W - length_G[:, None] + token_X, 0, W - 1)
+
+    def write(pool, dense_LxGxKxWxh):
+        L, G, K, _, hd = dense_LxGxKxWxh.shape
+        tokens_LxGxXxKxh = jnp.take_along_axis(jnp.swapaxes(dense_LxGxKxWxh, 2, 3),
+                                               source_GxX[None, :, :, None, None], axis=2)
+        return pool.at[:, table_GxMp].set(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype),
+                                          mode="drop")
+
+    return write(k_pool, k_LxGxKxWxh), write(v_pool, v_LxGxKxWxh)
+
+
+def gather_rows(pool_NPxpsxKxh: jax.Array, table_SxM: jax.Array) -> jax.Array:
+    """One layer's pages of each row end to end, [S, K, M * ps, hd] (`step_attention`'s layout)."""
+    S, M = table_SxM.shape
+    _, ps, K, hd = pool_NPxpsxKxh.shape
+    rows_SxMxpsxKxh = jnp.take(pool_NPxpsxKxh, table_SxM, axis=0, mode="clip")
+    return jnp.swapaxes(rows_SxMxpsxKxh.reshape(S, M * ps, K, hd), 1, 2)
+
+
+def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, table_SxM: jax.Array,
+                      seen_SxX: jax.Array, page_S: jax.Array, offset_S: jax.Array, k_pool: jax.Array,
+                      v_pool: jax.Array, cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Float32 logits [S, V] for the token after each row's `token_S`, and the pools with its key and value written.
+
+    position_S: the token's RoPE position. table_SxM: each row's pages, X = M * ps virtual slots; seen_SxX: those
+    its query attends to (besides its own new key). page_S, offset_S: where its key and value go (page NP: nowhere,
+    an idle row). LoRA and the other dense-hook methods run unmerged, as `kv_cache.decode_step` runs them.
+    """
+    dtype = jnp.dtype(options.compute_dtype)
+    S = token_S.shape[0]
+    view = adapter_forward(method, cfg)
+    layers = params["layers"] if view.prepare is None else view.prepare(params["layers"])
+    adapters = Adapters(view.dense)
+    rope = rope_tables(position_S[:, None], cfg, dtype)
+
+    def block(x_Sx1xD, layer_table_kv):
+        layer, table, k_NPxpsxKxh, v_NPxpsxKxh = layer_table_kv
+
+        def paged_attention(h_Sx1xD):
+            q_Sx1xKxGxh, k_new, v_new, gate_Sx1xQ = project_qkv(h_Sx1xD, layer, layer_rope(rope, table, cfg), cfg,
+                                                                 adapters)
+            k_new, v_new = k_new[:, 0].astype(dtype), v_new[:, 0].astype(dtype)
+            out_SxKxGxh = step_attention(q_Sx1xKxGxh[:, 0], k_new, v_new, gather_rows(k_NPxpsxKxh, table_SxM),
+                                         gather_rows(v_NPxpsxKxh, table_SxM), seen_SxX, cfg, layer_sinks(layer, cfg))
+            return output_projection(out_SxKxGxh.reshape(S, 1, -1), gate_Sx1xQ, layer, adapters), (k_new, v_new)
+
+        return decoder_layer(x_Sx1xD, layer, paged_attention, cfg, adapters, view.experts)[:2]
+
+    x_Sx1xD = embed(params, token_S[:, None], cfg, dtype)
+    tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
+    x_Sx1xD, (k_LxSxKxh, v_LxSxKxh) = jax.lax.scan(block, x_Sx1xD, (layers, tables_L, k_pool, v_pool))
+    k_pool = k_pool.at[:, page_S, offset_S].set(k_LxSxKxh, mode="drop")
+    v_pool = v_pool.at[:, page_S, offset_S].set(v_LxSxKxh, mode="drop")
+    hidden_Sx1xD = norm(x_Sx1xD, params["norm"], cfg)
+    return head_logits(params, hidden_Sx1xD, cfg.final_logit_softcap, pieces=False)[:, 0], k_pool, v_pool
