@@ -45,6 +45,7 @@ FLOORS = (
     ("data",),  # formats, tokenizer, packing, streaming store
     ("methods",),  # one unit per method
     ("generation",),  # decoding with the KV cache (the CLI's generate, GRPO's rollouts)
+    ("rollouts",),  # the rollout engine: a paged KV cache, continuous batching, a group's prompt prefilled once
     ("objectives",),  # one unit per objective
     ("run_config",),  # the TOML run: the config sections and each objective's
     ("spine",),  # the abstract run, its shardings, the loader, the one jitted step

@@ -1,27 +1,11 @@
-"""The rollout engine: G samples of each prompt decoded by S slots over a paged key/value cache, a finished row's
-slot taking the next pending sample inside one jitted `lax.while_loop`.
+"""The rollout engine: G samples of each prompt decoded by S slots over a paged key/value cache (`paged_cache.py`), a
+finished row's slot taking the next pending sample inside one jitted `lax.while_loop` (`run`, which says how).
 
     out = sample_groups(params, cfg, prompts, 4, SamplingConfig(max_new_tokens=256, temperature=1.0),
                         pool=PagePool(slots=16, page_size=16, num_pages=512))
-    out.tokens  # len(prompts) * 4 lists, sample g * 4 + j the j-th of prompt g (as GRPO's `repeated` rows)
-
-One program (`run`): the distinct prompts prefilled once, packed (`kv_cache.prefill_packed`), their keys and values
-written into pages; then each step picks every busy slot's token (greedy, or `generation.sample` with transformers'
-filter order), decodes the slots still running (`paged_cache.paged_decode_step`), hands a finished row's pages back
-and admits pending samples into the idle slots, in order. Page tables: a slot's first Mp columns are its prompt's
-pages, shared by the G samples (referenced, never copied), and its own pages follow, so decoding starts on a fresh
-page (the prompt's last partial page's tail is never written; it costs < 1 page per prompt, never per sample). A
-prompt's pages go back when the last of its samples ends; a sample's as it ends. Memory: the pool, sized by
-`PagePool` (by the user or the planner), not rows x max_new_tokens; pages are taken as rows grow.
-
-The pool running out: a sample is admitted only when the free pages, less those the running rows may still take,
-cover its own limit's pages (ceil((limit - 1) / ps): the last token is never decoded), so a running row never waits
-for a page; a pending sample waits (and the ones after it: admission is in order) until rows end. Admission reserves,
-but rows take pages as they grow: one ending early (EOS) hands the rest of its reservation back at once. A sample
-that could not run even alone (its pages beside the prompts still waiting) is refused before anything runs, in one
-line. Sampling keys are per sample and token (fold_in(fold_in(seed key, sample), t)): the same tokens whatever the
-slots. Refused for now (`paged_cache.refuse_unpaged`): sliding windows, latent attention, Gated DeltaNet, Gemma 4's
-layers, prefix tuning, per-row adapter stacks (one `method` for all rows) and a mesh's context axis.
+    out.tokens  # len(prompts) * 4 lists, sample g * 4 + j the j-th of prompt g (GRPO's `repeated` rows)
+Memory is the pool (`PagePool`, sized by the user or the planner; what happens when it runs short), not rows x
+max_new_tokens: pages are taken as rows grow and go back as they end. `sample_groups` says what is refused.
 """
 
 from __future__ import annotations
@@ -54,7 +38,14 @@ from jaxtune.rollouts.paged_cache import (
 class PagePool:
     """The engine's shape. slots: S rows decoding together. page_size: tokens a page holds. num_pages: the pool (0:
     the prompts' pages plus every slot's largest limit, rounded up to a power of two: no sample ever waits). All
-    three are static: a new value compiles a new program."""
+    three are static: a new value compiles a new program.
+
+    The pool running short: a sample is admitted only when the free pages, less those the running rows may still
+    take, cover its own limit's pages (`pages_for`), so a running row never waits for a page; a pending sample waits
+    (and the ones after it: admission is in order) until rows end. Admission reserves, but rows take pages as they
+    grow: one ending early (EOS) hands the rest of its reservation back at once. Every prompt's pages are held from
+    the start (all are prefilled at once) until its last sample ends. A sample that could not run even alone (its
+    pages beside those of the prompts not yet done) is refused before anything runs, in one line."""
 
     slots: int = 16
     page_size: int = 16
@@ -109,7 +100,16 @@ def pages_for(limit, page_size: int):
 def run(params, packed: PackedPrompts, prompt_table_GxMp, group_N, limit_N, is_stop_V, temperature, top_k, top_p,
         key, *, cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, slots: int, page_size: int,
         num_pages: int, max_new_tokens: int, greedy: bool) -> EngineState:
-    """The rollouts of N samples (the engine's whole program; the module docstring says how).
+    """The rollouts of N samples: the engine's whole program.
+
+    The distinct prompts are prefilled once, packed (`kv_cache.prefill_packed`), and their keys and values written
+    into pages; then each step picks every busy slot's token (greedy, or `generation.sample`: transformers' filter
+    order; the key fold_in(fold_in(key, sample), t), so a sample's tokens do not depend on the slots), decodes the
+    slots still running (`paged_cache.paged_decode_step`), hands a finished row's pages back and admits pending
+    samples into the idle slots, in order (`PagePool`). A slot's page table: Mp columns of its prompt's pages, shared
+    by the G samples (referenced, never copied), then its own, so decoding starts on a fresh page (the tail of a
+    prompt's last page is never written: < 1 page a prompt, not a sample). A prompt's pages go back when its last
+    sample ends, a sample's own as it ends.
 
     packed: the G' distinct prompts (`generation.pack_prompts`, cache rows G', width W, no prefix); prompt_table_GxMp:
     each prompt's pages (Mp = ceil(W / ps) columns, NP: none; the host lays them out, the rest of the pool free).
@@ -220,7 +220,9 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
     sample's limit, group-major (len(prompts) * group_size; default the sampling's). eos_ids: default the model's.
     method: the `MethodConfig` whose leaves `params` carries (LoRA runs unmerged). Raises JaxtuneError for no or an
     empty prompt, an id outside the vocabulary, a bad limit, a row past the model's context, a sample the pool cannot
-    hold, and the models, methods and meshes the module docstring names.
+    hold (`PagePool`); refused for now: the caches `paged_cache.refuse_unpaged` names (sliding windows, latent
+    attention, Gated DeltaNet, Gemma 4's layers), prefix tuning, per-row adapter stacks (one `method` for every row)
+    and a mesh's context axis.
     """
     refuse_context_axis()
     refuse_unpaged(cfg)

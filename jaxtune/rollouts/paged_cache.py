@@ -1,14 +1,11 @@
-"""A paged key/value cache: one pool of fixed-size pages per layer, stacked on the layer axis as the model's layer scan
-reads it, k and v [L, NP, ps, K, hd]; a row holds a page table (page ids, NP: none) instead of its own slots.
-
-A row's virtual sequence is its table's pages end to end, [M * ps] slots; which of them a query sees is the engine's
-mask (`seen_SxX`). The free list is a device bitmap, `free_NP` [NP] bool: `take_pages` hands each row that asks the
-lowest free pages in row order (a cumsum and one `nonzero` of static size, no host), `return_pages` puts pages back.
-Page id NP stands for "no page": scatters drop it (`mode="drop"`) and gathers clamp it (its slots are never seen).
-A decode step (`paged_decode_step`) is `kv_cache.extend`'s for T = 1, with the row's pages gathered for
-`kv_cache.step_attention`: the same numerics as the dense cache; the new keys and values are written after the scan,
-all layers in one scatter. Only plain attention layers (no sliding window, latent attention or linear state;
-`refuse_unpaged`).
+"""A paged key/value cache: a pool of fixed-size pages per layer, stacked on the layer axis as the layer scan reads it,
+k and v [L, NP, ps, K, hd]; a row holds a page table (page ids; NP: none) instead of its own slots, its virtual
+sequence the table's pages end to end ([M * ps] slots, which of them a query sees the engine's `seen_SxX`).
+The free list is a device bitmap, `free_NP` [NP] bool (`take_pages`, `return_pages`: no host). Page id NP stands for
+"no page": scatters drop it and gathers clamp it (its slots are never seen). `paged_decode_step` is
+`kv_cache.extend`'s decode step with each row's pages gathered for `kv_cache.step_attention` (the dense cache's
+numerics), the new keys and values written after the layer scan in one scatter. Plain attention layers only
+(`refuse_unpaged`).
 """
 
 from __future__ import annotations
