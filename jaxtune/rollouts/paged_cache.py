@@ -3,9 +3,9 @@ k and v [L, NP, ps, K, hd]; a row holds a page table (page ids; NP: none) instea
 sequence the table's pages end to end ([M * ps] slots, which of them a query sees the engine's `seen_SxX`).
 The free list is a device bitmap, `free_NP` [NP] bool (`take_pages`, `return_pages`: no host). Page id NP stands for
 "no page": scatters drop it and gathers clamp it (its slots are never seen). `paged_decode_step` is
-`kv_cache.extend`'s decode step with each row's pages gathered for `kv_cache.step_attention` (the dense cache's
-numerics), the new keys and values written after the layer scan in one scatter. Plain attention layers only
-(`refuse_unpaged`).
+`kv_cache.extend`'s decode step with each row's pages gathered (`gather_rows`) for `paged_attention` (the dense
+cache's `step_attention` in the pages' layout), the new keys and values written after the layer scan in one
+scatter. Plain attention layers only (`refuse_unpaged`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.head import head_logits
-from jaxtune.models.kv_cache import step_attention
+from jaxtune.models.linear import wide
 from jaxtune.models.llama import decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 
@@ -81,12 +81,39 @@ def write_prompts(k_pool: jax.Array, v_pool: jax.Array, k_LxGxKxWxh: jax.Array, 
     return write(k_pool, k_LxGxKxWxh), write(v_pool, v_LxGxKxWxh)
 
 
-def gather_rows(pool_NPxpsxKxh: jax.Array, table_SxM: jax.Array) -> jax.Array:
-    """One layer's pages of each row end to end, [S, K, M * ps, hd] (`step_attention`'s layout)."""
+def gather_rows(flat_pool: jax.Array, first_page: jax.Array, table_SxM: jax.Array) -> jax.Array:
+    """One layer's pages of each row end to end, [S, M * ps, K, hd]: pages `first_page + table_SxM` of the pool
+    flattened over its layers, [L * NP, ps, K, hd] (read in place, where a scan over the pool's layer axis would
+    copy each layer's slice). A page NP reads the next layer's first (clamped at the end): never seen."""
     S, M = table_SxM.shape
-    _, ps, K, hd = pool_NPxpsxKxh.shape
-    rows_SxMxpsxKxh = jnp.take(pool_NPxpsxKxh, table_SxM, axis=0, mode="clip")
-    return jnp.swapaxes(rows_SxMxpsxKxh.reshape(S, M * ps, K, hd), 1, 2)
+    _, ps, K, hd = flat_pool.shape
+    return jnp.take(flat_pool, first_page + table_SxM, axis=0, mode="clip").reshape(S, M * ps, K, hd)
+
+
+def paged_attention(q_SxKxGxh: jax.Array, k_new_SxKxh: jax.Array, v_new_SxKxh: jax.Array, k_SxXxKxh: jax.Array,
+                    v_SxXxKxh: jax.Array, seen_SxX: jax.Array, cfg: ModelConfig,
+                    sinks_KxG: jax.Array | None = None) -> jax.Array:
+    """`kv_cache.step_attention` over keys and values in the gathered pages' layout [S, X, K, hd] (slots before
+    heads, as the pool holds them: no transpose of what was gathered): softmax(q k^T scale) v [S, K, G, hd] over the
+    `seen_SxX` slots and each row's own new key, float32 scores, the model's scale, soft cap and the layer's sinks."""
+    f32 = wide(q_SxKxGxh.dtype)
+    scale = cfg.attention_scale
+    old_SxKxGxX = jnp.einsum("skgh,sxkh->skgx", q_SxKxGxh, k_SxXxKxh, preferred_element_type=f32) * scale
+    new_SxKxGx1 = jnp.einsum("skgh,skh->skg", q_SxKxGxh, k_new_SxKxh, preferred_element_type=f32)[..., None] * scale
+    if cfg.attn_logit_softcap:
+        cap = cfg.attn_logit_softcap
+        old_SxKxGxX, new_SxKxGx1 = cap * jnp.tanh(old_SxKxGxX / cap), cap * jnp.tanh(new_SxKxGx1 / cap)
+    old_SxKxGxX = jnp.where(seen_SxX[:, None, None], old_SxKxGxX, -jnp.inf)
+    max_SxKxGx1 = jnp.maximum(jnp.max(old_SxKxGxX, axis=-1, keepdims=True), new_SxKxGx1)  # finite: the new key
+    if sinks_KxG is not None:
+        sink_KxGx1 = sinks_KxG.astype(f32)[:, :, None]
+        max_SxKxGx1 = jnp.maximum(max_SxKxGx1, sink_KxGx1)
+    p_old, p_new = jnp.exp(old_SxKxGxX - max_SxKxGx1), jnp.exp(new_SxKxGx1 - max_SxKxGx1)
+    out = jnp.einsum("skgx,sxkh->skgh", p_old, v_SxXxKxh.astype(f32)) + p_new * v_new_SxKxh[:, :, None].astype(f32)
+    denominator_SxKxGx1 = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
+    if sinks_KxG is not None:  # the sink's probability joins the denominator; its value is 0
+        denominator_SxKxGx1 = denominator_SxKxGx1 + jnp.exp(sink_KxGx1 - max_SxKxGx1)
+    return (out / denominator_SxKxGx1).astype(q_SxKxGxh.dtype)
 
 
 def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, table_SxM: jax.Array,
@@ -105,23 +132,26 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
     layers = params["layers"] if view.prepare is None else view.prepare(params["layers"])
     adapters = Adapters(view.dense)
     rope = rope_tables(position_S[:, None], cfg, dtype)
+    L, NP = k_pool.shape[:2]
+    flat_k, flat_v = (a.reshape(L * NP, *a.shape[2:]) for a in (k_pool, v_pool))
 
-    def block(x_Sx1xD, layer_table_kv):
-        layer, table, k_NPxpsxKxh, v_NPxpsxKxh = layer_table_kv
+    def block(x_Sx1xD, layer_rope_index):
+        layer, rope_table, index = layer_rope_index
 
-        def paged_attention(h_Sx1xD):
-            q_Sx1xKxGxh, k_new, v_new, gate_Sx1xQ = project_qkv(h_Sx1xD, layer, layer_rope(rope, table, cfg), cfg,
+        def attention(h_Sx1xD):
+            q_Sx1xKxGxh, k_new, v_new, gate_Sx1xQ = project_qkv(h_Sx1xD, layer, layer_rope(rope, rope_table, cfg), cfg,
                                                                  adapters)
             k_new, v_new = k_new[:, 0].astype(dtype), v_new[:, 0].astype(dtype)
-            out_SxKxGxh = step_attention(q_Sx1xKxGxh[:, 0], k_new, v_new, gather_rows(k_NPxpsxKxh, table_SxM),
-                                         gather_rows(v_NPxpsxKxh, table_SxM), seen_SxX, cfg, layer_sinks(layer, cfg))
+            out_SxKxGxh = paged_attention(q_Sx1xKxGxh[:, 0], k_new, v_new, gather_rows(flat_k, index * NP, table_SxM),
+                                          gather_rows(flat_v, index * NP, table_SxM), seen_SxX, cfg,
+                                          layer_sinks(layer, cfg))
             return output_projection(out_SxKxGxh.reshape(S, 1, -1), gate_Sx1xQ, layer, adapters), (k_new, v_new)
 
-        return decoder_layer(x_Sx1xD, layer, paged_attention, cfg, adapters, view.experts)[:2]
+        return decoder_layer(x_Sx1xD, layer, attention, cfg, adapters, view.experts)[:2]
 
     x_Sx1xD = embed(params, token_S[:, None], cfg, dtype)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
-    x_Sx1xD, (k_LxSxKxh, v_LxSxKxh) = jax.lax.scan(block, x_Sx1xD, (layers, tables_L, k_pool, v_pool))
+    x_Sx1xD, (k_LxSxKxh, v_LxSxKxh) = jax.lax.scan(block, x_Sx1xD, (layers, tables_L, jnp.arange(L)))
     k_pool = k_pool.at[:, page_S, offset_S].set(k_LxSxKxh, mode="drop")
     v_pool = v_pool.at[:, page_S, offset_S].set(v_LxSxKxh, mode="drop")
     hidden_Sx1xD = norm(x_Sx1xD, params["norm"], cfg)
