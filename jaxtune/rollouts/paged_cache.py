@@ -83,8 +83,8 @@ def write_prompts(k_pool: jax.Array, v_pool: jax.Array, k_LxGxKxWxh: jax.Array, 
 
 def gather_rows(flat_pool: jax.Array, first_page: jax.Array, table_SxM: jax.Array) -> jax.Array:
     """One layer's pages of each row end to end, [S, M * ps, K, hd]: pages `first_page + table_SxM` of the pool
-    flattened over its layers, [L * NP, ps, K, hd] (read in place, where a scan over the pool's layer axis would
-    copy each layer's slice). A page NP reads the next layer's first (clamped at the end): never seen."""
+    flattened over its layers, [L * NP, ps, K, hd] (read in place: sliced by the layer scan, the step's time grew
+    with the pool). A page NP reads the next layer's first (clamped at the end): never seen."""
     S, M = table_SxM.shape
     _, ps, K, hd = flat_pool.shape
     return jnp.take(flat_pool, first_page + table_SxM, axis=0, mode="clip").reshape(S, M * ps, K, hd)
