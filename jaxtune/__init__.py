@@ -67,6 +67,8 @@ PUBLIC = {  # name -> the module that defines it
     "save_reward_model": "jaxtune.models.reward_model",
     "ClusterConfig": "jaxtune.parallel.distributed",
     "join_cluster": "jaxtune.parallel.distributed",
+    "PagePool": "jaxtune.rollouts.engine",
+    "sample_groups": "jaxtune.rollouts.engine",
     "RunConfig": "jaxtune.run_config",
     "load_run_config": "jaxtune.run_config",
     "load_model": "jaxtune.spine.model",

@@ -45,7 +45,7 @@ FLOORS = (
     ("data",),  # formats, tokenizer, packing, streaming store
     ("methods",),  # one unit per method
     ("generation", "environments"),  # decoding with the KV cache (the CLI's generate, GRPO's rollouts); RL environments
-    ("rollouts",),  # rollouts for RL: an external sampler (vLLM, SGLang) over HTTP
+    ("rollouts",),  # RL sampling: the rollout engine (a paged KV cache, continuous batching), an external sampler
     ("objectives",),  # one unit per objective
     ("run_config",),  # the TOML run: the config sections and each objective's
     ("spine",),  # the abstract run, its shardings, the loader, the one jitted step

@@ -1,0 +1,146 @@
+"""The rollout engine: its greedy tokens equal `generate`'s on the repeated prompts (mixed lengths and limits, EOS
+mid-way, with and without LoRA, a pool small enough that samples wait), sampled with top_k 1 equals greedy, its
+first tokens follow the filtered softmax, every page goes back after a run and 100 runs reuse one program, and the
+pool too small or a model it does not page is one line."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import numpy_random_params
+
+from jaxtune.config import SamplingConfig, tiny_config
+from jaxtune.errors import JaxtuneError
+from jaxtune.generation import filter_logits, generate
+from jaxtune.methods import method_config
+from jaxtune.methods.transform import apply_method
+from jaxtune.models.kv_cache import prefill
+from jaxtune.rollouts import PagePool, sample_groups
+from jaxtune.rollouts.engine import run
+
+# Shapes shared by the tests (4 prompts of at most 16 tokens, groups of 3, limits up to 16, 4 slots, pages of 4
+# tokens, a pool of 32) so that they share compiled programs.
+CFG = tiny_config(vocab_size=259, num_layers=2)
+LENGTHS = (3, 14, 5, 9)
+G = 3
+POOL = PagePool(slots=4, page_size=4, num_pages=32)
+GREEDY = SamplingConfig(max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return numpy_random_params(CFG)
+
+
+def prompts(seed=0, lengths=LENGTHS):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+def limits(seed=0):
+    return np.random.RandomState(100 + seed).randint(1, 17, len(LENGTHS) * G).tolist()
+
+
+def repeated(batch):
+    return [p for p in batch for _ in range(G)]
+
+
+def eos_mid_way(params, batch, method=None):
+    """A token that greedy decoding reaches mid-way in some rows: as EOS it ends them early."""
+    full = generate(params, CFG, repeated(batch), GREEDY, eos_ids=(), method=method)
+    middle = [t for row in full for t in row[2:10]]
+    return max(set(middle), key=middle.count)
+
+
+def lora_params(params):
+    method = method_config("lora", rank=4, alpha=8, target_modules=("all-linear",))
+    adapted = apply_method(params, CFG, method, jax.random.key(2))
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    layers = {name: {**m, "lora_b": 0.3 * jax.random.normal(next(keys), m["lora_b"].shape)}
+              if isinstance(m, dict) and "lora_b" in m else m for name, m in adapted["layers"].items()}
+    return {**adapted, "layers": layers}, method
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_greedy_equals_generate(params, lora):
+    """Token for token, each sample ending at its own limit or at EOS mid-way, include_stop both ways; the LoRA
+    adapter runs unmerged and changes the tokens."""
+    method = None
+    if lora:
+        params, method = lora_params(params)
+    batch, limit = prompts(), limits()
+    eos = eos_mid_way(params, batch, method)
+    ours = sample_groups(params, CFG, batch, G, GREEDY, pool=POOL, eos_ids=[eos], method=method, include_stop=True,
+                         max_new_tokens_of_sample=limit)
+    theirs = generate(params, CFG, repeated(batch), GREEDY, eos_ids=[eos], method=method, include_stop=True,
+                      max_new_tokens_of_row=limit)
+    assert ours.tokens == theirs
+    assert any(row[-1] == eos and len(row) < n for row, n in zip(ours.tokens, limit)), "EOS must end some row early"
+    assert any(len(row) == n and eos not in row for row, n in zip(ours.tokens, limit))
+    assert ours.free_pages == ours.num_pages
+    if lora:
+        assert ours.tokens != sample_groups(params, CFG, batch, G, GREEDY, pool=POOL, eos_ids=[eos],
+                                            include_stop=True, max_new_tokens_of_sample=limit).tokens
+
+
+def test_samples_wait_for_pages(params):
+    """A pool just big enough for the worst sample beside the prompts: samples wait for pages (the peak stays in the
+    pool) and the tokens are still generate's; one page fewer is refused in one line before anything runs."""
+    batch, limit = prompts(), limits()
+    waiting = np.cumsum([-(-n // POOL.page_size) for n in LENGTHS][::-1])[::-1]  # a prompt's pages and the later ones'
+    smallest = max(-(-(n - 1) // POOL.page_size) + waiting[i // G] for i, n in enumerate(limit))
+    small = PagePool(slots=4, page_size=4, num_pages=smallest)
+    ours = sample_groups(params, CFG, batch, G, GREEDY, pool=small, eos_ids=(), max_new_tokens_of_sample=limit)
+    assert ours.tokens == generate(params, CFG, repeated(batch), GREEDY, eos_ids=(), max_new_tokens_of_row=limit)
+    assert ours.peak_pages <= smallest and ours.free_pages == smallest
+    assert ours.steps > 2 * -(-sum(limit) // small.slots), "samples waited for pages (4 busy slots would take half)"
+    with pytest.raises(JaxtuneError, match=r"^the page pool of \d+ pages of 4 tokens cannot hold sample \d+: .*"
+                                           r"raise PagePool.num_pages to \d+$") as error:
+        sample_groups(params, CFG, batch, G, GREEDY, pool=PagePool(4, 4, smallest - 1), eos_ids=(),
+                      max_new_tokens_of_sample=limit)
+    assert "\n" not in str(error.value)
+
+
+def test_sampled_top_k_1_is_greedy_and_first_tokens_follow_the_softmax(params):
+    """top_k 1 samples the argmax; at temperature 1.5, top_k 6, the first tokens of 80 runs x 6 samples of one prompt
+    (other seeds) fall on its six most likely tokens with the filtered softmax's frequencies."""
+    batch, limit = prompts(), limits()
+    greedy = sample_groups(params, CFG, batch, G, GREEDY, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit)
+    top1 = sample_groups(params, CFG, batch, G, GREEDY.replace(temperature=1.0, top_k=1, seed=3), pool=POOL,
+                         eos_ids=(), max_new_tokens_of_sample=limit)
+    assert top1.tokens == greedy.tokens
+    sampling = GREEDY.replace(temperature=1.5, top_k=6)
+    twice = [batch[1], batch[1], batch[0], batch[2]]  # packed in 3 rows, as `batch`: the same program
+    counts = np.zeros(CFG.vocab_size)
+    for seed in range(80):
+        out = sample_groups(params, CFG, twice, G, sampling.replace(seed=seed), pool=POOL, eos_ids=(),
+                            max_new_tokens_of_sample=limit)
+        np.add.at(counts, [row[0] for row in out.tokens[: 2 * G]], 1)
+        assert out.free_pages == out.num_pages
+    logits, _ = jax.jit(prefill, static_argnames=("cfg",))(params, np.asarray([batch[1]]), CFG)
+    probs = np.asarray(jax.nn.softmax(filter_logits(logits / 1.5, np.int32(6), np.float32(1.0))))[0]
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(probs))
+    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.08  # total variation; ~0.04 expected at 480 draws
+
+
+def test_pages_return_and_one_program_serves_100_batches(params):
+    """100 rollout batches of new prompts (the same shapes): every page back after each, no new compile, no arrays
+    left alive."""
+    sample_groups(params, CFG, prompts(0), G, GREEDY, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limits(0))
+    programs, alive = run._cache_size(), len(jax.live_arrays())
+    for seed in range(1, 101):
+        out = sample_groups(params, CFG, prompts(seed), G, GREEDY, pool=POOL, eos_ids=(),
+                            max_new_tokens_of_sample=limits(seed))
+        assert out.free_pages == out.num_pages and out.peak_pages <= out.num_pages
+        assert [len(row) for row in out.tokens] == limits(seed)
+    assert run._cache_size() == programs
+    assert len(jax.live_arrays()) <= alive
+
+
+def test_refusals_are_one_line(params):
+    for cfg, what in [(tiny_config(vocab_size=259, num_layers=2, sliding_windows=(0, 6)), "sliding-window"),
+                      (tiny_config(vocab_size=259, num_layers=2, kv_lora_rank=8, qk_rope_head_dim=8, v_head_dim=16),
+                       "latent attention")]:
+        with pytest.raises(JaxtuneError, match=f"^the rollout engine's paged cache .*not {what}.*generate for"):
+            sample_groups({}, cfg, prompts(), G, GREEDY)
+    with pytest.raises(JaxtuneError, match="context of 512"):
+        sample_groups(params, CFG, prompts(), G, GREEDY.replace(max_new_tokens=510), pool=POOL)
