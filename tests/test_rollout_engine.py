@@ -3,6 +3,10 @@ mid-way, with and without LoRA, a pool small enough that samples wait), sampled 
 first tokens follow the filtered softmax, every page goes back after a run and 100 runs reuse one program, and the
 pool too small or a model it does not page is one line."""
 
+from dataclasses import replace
+from math import prod
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from jaxtune.generation import filter_logits, generate
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.kv_cache import prefill
+from jaxtune.models.params import init_params
 from jaxtune.rollouts import PagePool, sample_groups
 from jaxtune.rollouts.engine import run
 
@@ -144,3 +149,33 @@ def test_refusals_are_one_line(params):
             sample_groups({}, cfg, prompts(), G, GREEDY)
     with pytest.raises(JaxtuneError, match="context of 512"):
         sample_groups(params, CFG, prompts(), G, GREEDY.replace(max_new_tokens=510), pool=POOL)
+
+
+def test_grpo_samples_with_the_engine_and_the_planner_counts_its_pages():
+    """`[grpo] rollout_engine = "paged"`: GRPO's `sample_group` takes the engine's samples (with top_k = 1, the
+    padded decode's, row for row), and the planner's rollout cache is the engine's pool as it sizes it by default:
+    its pages x page size x layers x K x hd, keys and values (not rows x the whole row)."""
+    from jaxtune.config import ForwardOptions
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.objectives.grpo import GRPOConfig, sample_group
+    from jaxtune.planner.estimate import _rollout_kv
+    from jaxtune.rollouts import PagePool, sample_groups
+
+    cfg = tiny_config(vocab_size=259, eos_token_id=(2,), max_position_embeddings=128, initializer_range=0.3)
+    params = init_params(cfg, jax.random.key(0))
+    prompts = [[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14, 15, 16, 17], [1, 20]]
+    paged = GRPOConfig(reward="x.y", group_size=2, max_new_tokens=12, top_k=1, rollout_engine="paged",
+                       rollout_slots=4, rollout_page_size=4)
+    rows, completions = sample_group(params, cfg, None, prompts, paged, 0, (2,))
+    assert (rows, completions) == sample_group(params, cfg, None, prompts, replace(paged, rollout_engine="padded"),
+                                               0, (2,))
+    plan = TrainPlan(method_config("full"), 4, 28, 1, objective="grpo", generate_tokens=12,
+                     section=replace(paged, group_size=4), forward=ForwardOptions(compute_dtype="float32"))
+    engine = sample_groups(params, cfg, [list(range(1, 17))] * 1, 4, SamplingConfig(max_new_tokens=12),
+                           pool=PagePool(4, 4))
+    layer_page = 4 * cfg.num_kv_heads * cfg.head_dim * 4
+    counted = _rollout_kv(cfg, plan, SimpleNamespace(b=4, kv_heads=cfg.num_kv_heads), lambda shape, i: i * prod(shape))
+    assert counted == 2 * cfg.num_layers * engine.num_pages * layer_page
+    padded = _rollout_kv(cfg, replace(plan, section=replace(paged, rollout_engine="padded")),
+                         SimpleNamespace(b=4, kv_heads=cfg.num_kv_heads), lambda shape, i: i * prod(shape))
+    assert padded == 2 * cfg.num_layers * 4 * 28 * cfg.num_kv_heads * cfg.head_dim * 4

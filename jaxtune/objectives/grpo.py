@@ -24,7 +24,7 @@ import numpy as np
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval_split
 from jaxtune.data.tokenizer import load_tokenizer
-from jaxtune.errors import ConfigError, JaxtuneError, check_range
+from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 from jaxtune.generation import generate
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
@@ -44,6 +44,7 @@ from jaxtune.objectives.losses import (
 )
 from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
+from jaxtune.rollouts.engine import PagePool, sample_groups
 from jaxtune.rollouts.external_sampler import ExternalSampler, ExternalSamplerConfig, sample_group_external
 
 
@@ -61,12 +62,20 @@ class RolloutConfig:
     of at most max_new_tokens - soft_punish_cache tokens (its EOS counted), then falling linearly to -1 at
     max_new_tokens (0: none). environment: instead of a reward, episodes of several turns in an environment (a
     registered name such as "tools", or a dotted path; `jaxtune.environments`) built with `environment_options` (a
-    TOML table), max_new_tokens a turn, the loss on every token the model sampled (`episode_rollouts`)."""
+    TOML table), max_new_tokens a turn, the loss on every token the model sampled (`episode_rollouts`).
+    rollout_engine: "padded" (`generation.generate`: every row's cache as long as the longest) or "paged"
+    (`rollouts.engine`: rollout_slots rows decoding at once over a pool of rollout_pages pages of rollout_page_size
+    tokens, 0: as many as no sample waits for, a finished row's slot taking the next sample, a group's prompt
+    prefilled once; plain attention caches only, one process)."""
 
     reward: str = ""
     reward_model: str = ""
     environment: str = ""
     environment_options: tuple = ()
+    rollout_engine: str = "padded"
+    rollout_slots: int = 16
+    rollout_page_size: int = 16
+    rollout_pages: int = 0
     sampler_url: str = ""
     sampler_model: str = ""
     sampler_adapter_dir: str = ""
@@ -107,6 +116,10 @@ class RolloutConfig:
         if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in options):
             raise ConfigError("environment_options", self.environment_options, "must be a table of option = value")
         object.__setattr__(self, "environment_options", frozen_table(dict(options)) if options else ())
+        check_choice("rollout_engine", self.rollout_engine, ("padded", "paged"))
+        check_range("rollout_slots", self.rollout_slots, 1)
+        check_range("rollout_page_size", self.rollout_page_size, 1)
+        check_range("rollout_pages", self.rollout_pages, 0)
         self.external_sampler  # noqa: B018  its checks, named as these keys
         if self.environment and self.sampler_url:
             raise ConfigError("sampler_url", self.sampler_url, "an environment's episodes are sampled by jaxtune "
@@ -246,6 +259,10 @@ def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, pr
     repeated = [p for p in prompts for _ in range(grpo.group_size)]
     sampling = SamplingConfig(max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_k=grpo.top_k,
                               top_p=grpo.top_p, seed=seed)
+    if grpo.rollout_engine == "paged":
+        pool = PagePool(grpo.rollout_slots, grpo.rollout_page_size, grpo.rollout_pages)
+        return repeated, sample_groups(params, cfg, prompts, grpo.group_size, sampling, pool=pool, eos_ids=eos_ids,
+                                       include_stop=True, method=method).tokens
     return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, method=method, include_stop=True)
 
 
@@ -428,6 +445,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         raise JaxtuneError(f"[{name}] num_iterations = {g.num_iterations} with [train] checkpoint_every = "
                            f"{tc.checkpoint_every}: a checkpoint must fall between rollout batches (a resumed run "
                            f"cannot sample a batch again); use a multiple of {g.num_iterations}")
+    if g.rollout_engine == "paged" and (jax.process_count() > 1 or g.environment or g.sampler_url):
+        raise JaxtuneError(f"[{name}] rollout_engine = \"paged\" decodes one process's completions (not across "
+                           "processes, an environment's turns or an external sampler's); use \"padded\"")
     sampler = ExternalSampler.from_config(g.external_sampler) if g.sampler_url else None
     if sampler is not None and jax.process_count() > 1:
         raise JaxtuneError(f"[{name}] sampler_url with {jax.process_count()} processes: an external sampler is "

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtune.config import MeshConfig, ModelConfig, OffloadConfig
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
+from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import Method, method_unit
 from jaxtune.models.attention import block_size
@@ -268,11 +269,21 @@ def _widened(plan: TrainPlan) -> bool:
 
 
 def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
-    """Bytes of GRPO's rollout KV cache per device: [L, A b, prefix + T, K, hd] keys and values."""
+    """Bytes of GRPO's rollout KV cache per device: [L, A b, prefix + T, K, hd] keys and values; with the paged
+    engine (`[grpo] rollout_engine = "paged"`) its pool [L, pages, page size, K, hd], the pages as `rollouts.engine`
+    sizes them by default (every prompt's, and each slot's longest sample's, to a power of two) or as set."""
     prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
-    return 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim),
-                                       jnp.dtype(plan.forward.compute_dtype).itemsize)
+    itemsize = jnp.dtype(plan.forward.compute_dtype).itemsize
+    section = section_of(plan)
+    if getattr(section, "rollout_engine", "padded") == "paged":
+        ps, prompt = section.rollout_page_size, plan.seq_len - plan.generate_tokens
+        prompts = -(-rollout_rows // section.group_size)
+        longest = bucket(plan.generate_tokens, MIN_BUCKET)  # the engine's static limit
+        pages = section.rollout_pages or bucket(prompts * -(-prompt // ps) + section.rollout_slots * -(-(longest - 1)
+                                                                                                     // ps))
+        return 2 * cfg.num_layers * nbytes((pages, ps, w.kv_heads, cfg.head_dim), itemsize)
+    return 2 * cfg.num_layers * nbytes((rollout_rows, prefix + plan.seq_len, w.kv_heads, cfg.head_dim), itemsize)
 
 
 @dataclass(frozen=True)
