@@ -248,8 +248,9 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
         raise JaxtuneError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
 
-def _new_tokens(row_N: np.ndarray, is_stop_V: np.ndarray, include_stop: bool) -> list[int]:
-    """A row of out_BxN as its tokens: up to the first -1, ending before (or with) its first stop token."""
+def row_tokens(row_N: np.ndarray, is_stop_V: np.ndarray, include_stop: bool) -> list[int]:
+    """A decoded row (-1 once it finished) as its tokens: up to the first -1, ending before (or with) its first stop
+    token."""
     tokens: list[int] = []
     for token in row_N.tolist():
         if token < 0:
@@ -350,13 +351,13 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
             out_BxN, done_B = host_copy((state.out_BxN, state.done_B))
             done_B = done_B.copy()
             for row in np.flatnonzero(~done_B):
-                done_B[row] = stop_when(batch[row], _new_tokens(out_BxN[row], is_stop_V, False))
+                done_B[row] = stop_when(batch[row], row_tokens(out_BxN[row], is_stop_V, False))
             if done_B.all():
                 break
             until = min(until + chunk_steps, N)
             state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
                                 adapter_B, **program, greedy=sampling.greedy)
-        new_tokens += [_new_tokens(row, is_stop_V, include_stop) for row in host_copy(state.out_BxN)[: len(batch)]]
+        new_tokens += [row_tokens(row, is_stop_V, include_stop) for row in host_copy(state.out_BxN)[: len(batch)]]
     return new_tokens
 
 

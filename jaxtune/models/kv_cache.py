@@ -137,16 +137,18 @@ def refuse_context_axis() -> None:
 
 def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: jax.Array, k_BxKxSxh: jax.Array,
                    v_BxKxSxh: jax.Array, seen_BxS: jax.Array, cfg: ModelConfig,
-                   sinks_KxG: jax.Array | None = None) -> jax.Array:
+                   sinks_KxG: jax.Array | None = None, slots_first: bool = False) -> jax.Array:
     """One new query per row over the cache's `seen_BxS` slots and its own new key: softmax(q k^T scale) v [B, K, G,
     hd] in q's dtype (float32 scores), with the model's scale and soft cap and the layer's attention sinks [K, G]
     (None: none), as `attention.blockwise_attention`.
 
     Dense over the S slots: a step's scores are [B, K, G, S], and the cache is read in place (no padded blocks, no
-    copy with the new key written in)."""
+    copy with the new key written in). slots_first: keys and values [B, S, K, hd] (a paged cache's gathered
+    pages, `rollouts.paged_cache`), read in that layout."""
     f32 = wide(q_BxKxGxh.dtype)
     scale = cfg.attention_scale
-    old_BxKxGxS = jnp.einsum("bkgh,bksh->bkgs", q_BxKxGxh, k_BxKxSxh, preferred_element_type=f32) * scale
+    keys = "bskh" if slots_first else "bksh"
+    old_BxKxGxS = jnp.einsum(f"bkgh,{keys}->bkgs", q_BxKxGxh, k_BxKxSxh, preferred_element_type=f32) * scale
     new_BxKxGx1 = jnp.einsum("bkgh,bkh->bkg", q_BxKxGxh, k_new_BxKxh, preferred_element_type=f32)[..., None] * scale
     if cfg.attn_logit_softcap:
         cap = cfg.attn_logit_softcap
@@ -157,7 +159,8 @@ def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: ja
         sink_KxGx1 = sinks_KxG.astype(f32)[:, :, None]
         max_BxKxGx1 = jnp.maximum(max_BxKxGx1, sink_KxGx1)
     p_old, p_new = jnp.exp(old_BxKxGxS - max_BxKxGx1), jnp.exp(new_BxKxGx1 - max_BxKxGx1)
-    out = jnp.einsum("bkgs,bksh->bkgh", p_old, v_BxKxSxh.astype(f32)) + p_new * v_new_BxKxh[:, :, None].astype(f32)
+    out = (jnp.einsum(f"bkgs,{keys}->bkgh", p_old, v_BxKxSxh.astype(f32))
+           + p_new * v_new_BxKxh[:, :, None].astype(f32))
     denominator_BxKxGx1 = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
     if sinks_KxG is not None:  # the sink's probability joins the denominator; its value is 0
         denominator_BxKxGx1 = denominator_BxKxGx1 + jnp.exp(sink_KxGx1 - max_BxKxGx1)

@@ -22,7 +22,7 @@ import numpy as np
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.errors import JaxtuneError, check_range
-from jaxtune.generation import pack_prompts, sample
+from jaxtune.generation import pack_prompts, row_tokens, sample
 from jaxtune.models.kv_cache import PackedPrompts, prefill_packed, prefix_length, refuse_context_axis
 from jaxtune.rollouts.paged_cache import (
     empty_pool,
@@ -196,18 +196,6 @@ def run(params, packed: PackedPrompts, prompt_table_GxMp, group_N, limit_N, is_s
     return jax.lax.while_loop(busy, step_fn, admit(state))
 
 
-def _tokens(row_N: np.ndarray, is_stop_V: np.ndarray, include_stop: bool) -> list[int]:
-    """A row of out_NxN as its tokens: up to the first -1, ending before (or with) its first stop token."""
-    tokens: list[int] = []
-    for token in row_N.tolist():
-        if token < 0:
-            break
-        if is_stop_V[token]:
-            return tokens + [token] if include_stop else tokens
-        tokens.append(token)
-    return tokens
-
-
 def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], group_size: int = 1,
              sampling: SamplingConfig = SamplingConfig(), *, pool: PagePool = PagePool(),
              eos_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (), include_stop: bool = False,
@@ -282,5 +270,5 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
                 method=method, options=options, slots=S, page_size=ps, num_pages=NP, max_new_tokens=max_new,
                 greedy=sampling.greedy)
     out_NxN, free_NP, peak, steps = jax.device_get((state.out_NxN, state.free_NP, state.peak, state.step))
-    return Rollouts([_tokens(row, is_stop_V, include_stop) for row in out_NxN[:N]], int(free_NP.sum()), NP,
+    return Rollouts([row_tokens(row, is_stop_V, include_stop) for row in out_NxN[:N]], int(free_NP.sum()), NP,
                     int(peak), int(steps))

@@ -3,8 +3,8 @@ k and v [L, NP, ps, K, hd]; a row holds a page table (page ids; NP: none) instea
 sequence the table's pages end to end ([M * ps] slots, which of them a query sees the engine's `seen_SxX`).
 The free list is a device bitmap, `free_NP` [NP] bool (`take_pages`, `return_pages`: no host). Page id NP stands for
 "no page": scatters drop it and gathers clamp it (its slots are never seen). `paged_decode_step` is
-`kv_cache.extend`'s decode step with each row's pages gathered (`gather_rows`) for `paged_attention` (the dense
-cache's `step_attention` in the pages' layout), the new keys and values written after the layer scan in one
+`kv_cache.extend`'s decode step with each row's pages gathered (`gather_rows`) for the dense cache's
+`step_attention` in the pages' layout (`slots_first`), the new keys and values written after the layer scan in one
 scatter. Plain attention layers only (`refuse_unpaged`).
 """
 
@@ -17,7 +17,7 @@ from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.adapters import Adapters, adapter_forward
 from jaxtune.models.head import head_logits
-from jaxtune.models.linear import wide
+from jaxtune.models.kv_cache import step_attention
 from jaxtune.models.llama import decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
 
@@ -90,32 +90,6 @@ def gather_rows(flat_pool: jax.Array, first_page: jax.Array, table_SxM: jax.Arra
     return jnp.take(flat_pool, first_page + table_SxM, axis=0, mode="clip").reshape(S, M * ps, K, hd)
 
 
-def paged_attention(q_SxKxGxh: jax.Array, k_new_SxKxh: jax.Array, v_new_SxKxh: jax.Array, k_SxXxKxh: jax.Array,
-                    v_SxXxKxh: jax.Array, seen_SxX: jax.Array, cfg: ModelConfig,
-                    sinks_KxG: jax.Array | None = None) -> jax.Array:
-    """`kv_cache.step_attention` over keys and values in the gathered pages' layout [S, X, K, hd] (slots before
-    heads, as the pool holds them: no transpose of what was gathered): softmax(q k^T scale) v [S, K, G, hd] over the
-    `seen_SxX` slots and each row's own new key, float32 scores, the model's scale, soft cap and the layer's sinks."""
-    f32 = wide(q_SxKxGxh.dtype)
-    scale = cfg.attention_scale
-    old_SxKxGxX = jnp.einsum("skgh,sxkh->skgx", q_SxKxGxh, k_SxXxKxh, preferred_element_type=f32) * scale
-    new_SxKxGx1 = jnp.einsum("skgh,skh->skg", q_SxKxGxh, k_new_SxKxh, preferred_element_type=f32)[..., None] * scale
-    if cfg.attn_logit_softcap:
-        cap = cfg.attn_logit_softcap
-        old_SxKxGxX, new_SxKxGx1 = cap * jnp.tanh(old_SxKxGxX / cap), cap * jnp.tanh(new_SxKxGx1 / cap)
-    old_SxKxGxX = jnp.where(seen_SxX[:, None, None], old_SxKxGxX, -jnp.inf)
-    max_SxKxGx1 = jnp.maximum(jnp.max(old_SxKxGxX, axis=-1, keepdims=True), new_SxKxGx1)  # finite: the new key
-    if sinks_KxG is not None:
-        sink_KxGx1 = sinks_KxG.astype(f32)[:, :, None]
-        max_SxKxGx1 = jnp.maximum(max_SxKxGx1, sink_KxGx1)
-    p_old, p_new = jnp.exp(old_SxKxGxX - max_SxKxGx1), jnp.exp(new_SxKxGx1 - max_SxKxGx1)
-    out = jnp.einsum("skgx,sxkh->skgh", p_old, v_SxXxKxh.astype(f32)) + p_new * v_new_SxKxh[:, :, None].astype(f32)
-    denominator_SxKxGx1 = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
-    if sinks_KxG is not None:  # the sink's probability joins the denominator; its value is 0
-        denominator_SxKxGx1 = denominator_SxKxGx1 + jnp.exp(sink_KxGx1 - max_SxKxGx1)
-    return (out / denominator_SxKxGx1).astype(q_SxKxGxh.dtype)
-
-
 def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, table_SxM: jax.Array,
                       seen_SxX: jax.Array, page_S: jax.Array, offset_S: jax.Array, k_pool: jax.Array,
                       v_pool: jax.Array, cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions
@@ -142,9 +116,9 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
             q_Sx1xKxGxh, k_new, v_new, gate_Sx1xQ = project_qkv(h_Sx1xD, layer, layer_rope(rope, rope_table, cfg), cfg,
                                                                  adapters)
             k_new, v_new = k_new[:, 0].astype(dtype), v_new[:, 0].astype(dtype)
-            out_SxKxGxh = paged_attention(q_Sx1xKxGxh[:, 0], k_new, v_new, gather_rows(flat_k, index * NP, table_SxM),
+            out_SxKxGxh = step_attention(q_Sx1xKxGxh[:, 0], k_new, v_new, gather_rows(flat_k, index * NP, table_SxM),
                                           gather_rows(flat_v, index * NP, table_SxM), seen_SxX, cfg,
-                                          layer_sinks(layer, cfg))
+                                          layer_sinks(layer, cfg), slots_first=True)
             return output_projection(out_SxKxGxh.reshape(S, 1, -1), gate_Sx1xQ, layer, adapters), (k_new, v_new)
 
         return decoder_layer(x_Sx1xD, layer, attention, cfg, adapters, view.experts)[:2]
