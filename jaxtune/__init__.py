@@ -27,7 +27,7 @@ PUBLIC = {  # name -> the module that defines it
     "register_environment": "jaxtune.environments.base",
     "EpisodeTokens": "jaxtune.environments.episode",
     "render_episode": "jaxtune.environments.episode",
-    "rollout": "jaxtune.environments.rollout",
+    "rollout": "jaxtune.environments.episode_batch",
     "ToolRunner": "jaxtune.environments.runner",
     "json_schema": "jaxtune.environments.schema",
     "parse_tool_calls": "jaxtune.environments.tool_calls",

@@ -1,7 +1,7 @@
 """Multi-turn RL with tools, apart from any trainer: the `Environment` protocol and its registry (base.py), tool calls
 read per chat-template family (tool_calls.py), tool schemas from signatures (schema.py), tools in a worker process
 with a time limit (runner.py), the tool-calling environment (tool_env.py), episodes as ids and a loss mask on the
-model's own tokens (episode.py), and batched multi-turn rollouts with any sampler (rollout.py).
+model's own tokens (episode.py), and batched multi-turn rollouts with any sampler (episode_batch.py).
 
 The public names, one a line, imported when first used (the tool worker process imports only what it runs).
 """
@@ -18,8 +18,8 @@ PUBLIC = {  # name -> the module that defines it
     "register_environment": "jaxtune.environments.base",
     "EpisodeTokens": "jaxtune.environments.episode",
     "render_episode": "jaxtune.environments.episode",
-    "Episode": "jaxtune.environments.rollout",
-    "rollout": "jaxtune.environments.rollout",
+    "Episode": "jaxtune.environments.episode_batch",
+    "rollout": "jaxtune.environments.episode_batch",
     "ToolRunner": "jaxtune.environments.runner",
     "json_schema": "jaxtune.environments.schema",
     "ParsedTurn": "jaxtune.environments.tool_calls",

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxtune.config import MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.environments.base import load_environment
-from jaxtune.environments.rollout import Episode, rollout
+from jaxtune.environments.episode_batch import Episode, rollout
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate
 from jaxtune.parallel.distributed import gathered_floats, gathered_lists
