@@ -35,7 +35,8 @@ FULL = dict(sft_examples=4000, sft_steps=450, grpo_prompts=2000, held_out=100, g
             group_size=8, max_new_tokens=96, max_turns=4, eval_every=4, learning_rate=1e-4)
 QUICK = dict(sft_examples=200, sft_steps=10, grpo_prompts=64, held_out=8, grpo_steps=2, prompts_per_step=2,
              group_size=4, max_new_tokens=96, max_turns=3, eval_every=2, learning_rate=5e-4)
-SEQ_LEN = 320  # a solved episode is ~230 bytes in the template
+SEQ_LEN = 320  # a solved episode is ~250 bytes in the template; a turn may start as late as SEQ_LEN, so the model
+# holds SEQ_LEN + max_new_tokens positions
 
 
 def run(out: Path, quick: bool, log=print) -> dict:
@@ -52,7 +53,7 @@ def run(out: Path, quick: bool, log=print) -> dict:
     tasks.write_jsonl(data / "held_out.jsonl", held_out, ("prompt", "answer"))
 
     log(f"[1/2] tiny Llama, SFT on {len(sft)} solved episodes ({size['sft_steps']} steps) ...")
-    model = tasks.tiny_model(out / "random-init", seed=0, max_positions=SEQ_LEN + 64)
+    model = tasks.tiny_model(out / "random-init", seed=0, max_positions=SEQ_LEN + size["max_new_tokens"] + 32)
     sft_config = tasks.write_toml(out / "sft.toml", {
         "model": {"path": str(model)}, "method": {"kind": "full"},
         "data": {"train": str(data / "sft.jsonl"), "eval": str(data / "sft_eval.jsonl"), "max_seq_len": SEQ_LEN},
