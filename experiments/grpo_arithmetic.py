@@ -27,8 +27,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get
 
 import grpo_tasks as tasks  # noqa: E402
 
-FULL = dict(sft_examples=8000, sft_steps=450, grpo_prompts=2000, held_out=200, grpo_steps=30, prompts_per_step=4,
-            group_size=8, max_new_tokens=1024, eval_every=10, learning_rate=1e-4)
+FULL = dict(sft_examples=8000, sft_steps=450, grpo_prompts=2000, held_out=200, grpo_steps=20, prompts_per_step=4,
+            group_size=8, max_new_tokens=1024, eval_every=10, learning_rate=2e-5)
 QUICK = dict(sft_examples=200, sft_steps=10, grpo_prompts=64, held_out=16, grpo_steps=2, prompts_per_step=4,
              group_size=4, max_new_tokens=64, eval_every=2, learning_rate=5e-4)
 
