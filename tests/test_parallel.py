@@ -57,15 +57,6 @@ def _close_worker():
 
 # -- 8 fake devices ------------------------------------------------------------------------------------------------
 
-def test_a_rollouts_rows_are_split_over_the_devices_and_decode_as_on_one():
-    """16 prompts sampled under fsdp=8 and fsdp=4 x tensor=2: each device holds 16 / 8 (or / 4) rows of the cache
-    and of the new tokens, its heads split over tensor, and the tokens equal one device's."""
-    out = run_worker("decode_rows")
-    assert out["fsdp=8"]["cache"][1:3] == [2, 2] and out["fsdp=8"]["tokens"][0] == 2, out
-    assert out["fsdp=4 x tensor=2"]["cache"][1:3] == [4, 1] and out["fsdp=4 x tensor=2"]["tokens"][0] == 4, out
-    assert all(mesh["equal"] for mesh in out.values()), out
-
-
 def test_weights_load_straight_into_their_shards(tmp_path):
     """fsdp=8 on 8 fake devices: while the checkpoint is read, and after, no array on any device holds a
     parameter (or one layer of a stacked one) whole; every tensor byte of the checkpoint is read exactly once."""
@@ -76,6 +67,15 @@ def test_weights_load_straight_into_their_shards(tmp_path):
     data = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in load_file(str(model / "model.safetensors")).values())
     assert out["bytes_read"] == data
     assert all(shape[-1] <= 64 // 8 or shape[-2] <= 64 // 8 for shape in out["frozen_shard_shapes"] if len(shape) >= 2)
+
+
+def test_a_rollouts_rows_are_split_over_the_devices_and_decode_as_on_one():
+    """16 prompts sampled under fsdp=8 and fsdp=4 x tensor=2: each device holds 16 / 8 (or / 4) rows of the cache
+    and of the new tokens, its heads split over tensor, and the tokens equal one device's."""
+    out = run_worker("decode_rows")
+    assert out["fsdp=8"]["cache"][1:3] == [2, 2] and out["fsdp=8"]["tokens"][0] == 2, out
+    assert out["fsdp=4 x tensor=2"]["cache"][1:3] == [4, 1] and out["fsdp=4 x tensor=2"]["tokens"][0] == 4, out
+    assert all(mesh["equal"] for mesh in out.values()), out
 
 
 @pytest.mark.full
