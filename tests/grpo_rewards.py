@@ -32,3 +32,12 @@ def fails_on_process_one(prompts, completions):
     if jax.process_index() == 1:
         raise ValueError("the grader on this host is down")
     return odd_characters(prompts, completions)
+
+
+EVENTS: list = []  # ("reward", the call's number): tests/test_grpo_one_step_off.py sets it to its own list
+
+
+def recorded_share_of_answer(prompts, completions, answer):
+    """`share_of_answer`, each call appended to `EVENTS`."""
+    EVENTS.append(("reward", 1 + sum(e[0] == "reward" for e in EVENTS)))
+    return share_of_answer(prompts, completions, answer)
