@@ -526,7 +526,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
             if stored is not None:
                 return stored
             setup.log(f"[{name}] step {epoch * steps_per_epoch + index + 1}: no rollout batch sampled ahead for it "
-                      f"(in memory or {directory}); sampled now with the current parameters")
+                      f"(in memory or {directory or 'no run directory'}); sampled now with the current parameters")
             return sample(epoch, index, params)()
         generation, iteration = divmod(index, g.num_iterations)  # one rollout batch for num_iterations steps
         if iteration:
