@@ -27,6 +27,7 @@ from jaxtune.errors import ConfigError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.objectives.grpo import GRPO, GRPOConfig, policy_and_reference_logps
+from jaxtune.objectives.losses import sampler_weights
 from jaxtune.objectives.rloo import RLOOConfig
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
@@ -35,9 +36,10 @@ from jaxtune.train.loop import fine_tune
 KEYS = dict(reward="grpo_rewards.odd_characters", group_size=4, max_new_tokens=8, kl_coef=0.04)
 
 
-def _trl_loss(g: GRPOConfig, logp, old, ref, advantages, mask) -> float:
+def _trl_loss(g: GRPOConfig, logp, old, ref, advantages, mask, weights=None) -> float:
     """TRL 1.16's `GRPOTrainer._compute_loss` of one micro-batch (grad_accum 1) given the per-token log-probs [B, T]
-    of the policy, the old policy and the reference, the advantages [B] and the mask [B, T], in float64."""
+    of the policy, the old policy and the reference, the advantages [B], the mask [B, T] and the sampler's importance
+    weights (`importance_sampling_ratio`, vLLM's correction; None: none), in float64."""
     import torch
     from trl.trainer.grpo_trainer import GRPOTrainer
 
@@ -47,27 +49,36 @@ def _trl_loss(g: GRPOConfig, logp, old, ref, advantages, mask) -> float:
                          beta=g.kl_coef, epsilon_low=g.clip, epsilon_high=g.clip_high, max_completion_length=T)
     trl_self.current_gradient_accumulation_steps = 1
     trl_self.accelerator.pad_across_processes = lambda x, dim, pad_index: x
+    trl_self.use_vllm = trl_self.vllm_importance_sampling_correction = weights is not None
     as64 = lambda x: torch.tensor(np.asarray(x, np.float64))
     trl_self._get_per_token_logps_and_entropies = lambda *_, **__: (as64(logp), torch.zeros(B, T), None)
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": as64(mask),
               "advantages": as64(advantages), "old_per_token_logps": as64(old), "ref_per_token_logps": as64(ref),
               "num_items_in_batch": as64(mask.sum())}
+    if weights is not None:
+        inputs["importance_sampling_ratio"] = as64(weights)
     return float(GRPOTrainer._compute_loss(trl_self, None, inputs))
 
 
 @pytest.mark.slow
 @pytest.mark.reference
-@pytest.mark.parametrize("engine", ["padded", pytest.param("paged", marks=pytest.mark.full)])
-def test_step_t_trains_on_the_batch_of_step_t_minus_1s_params_with_trls_loss(tmp_path, engine):
+@pytest.mark.parametrize("engine, corrected", [("padded", False), ("padded", True),
+                                               pytest.param("paged", False, marks=pytest.mark.full)])
+def test_step_t_trains_on_the_batch_of_step_t_minus_1s_params_with_trls_loss(tmp_path, engine, corrected):
     """The trainer's order through GRPO's own `prepare` and the spine's (donating) step, one prompt batch an epoch:
     step t's batch is the batch a synchronous run samples for step t with the parameters step t - 1 started from
-    (step 1's and step 2's: the initial ones), `old_logps` included; the step's loss is TRL's with those old
-    log-probs, and from step 2 on the ratio is not 1. A fresh process (a resumed run) reads the batch sampled ahead
-    back from the run's directory; one no longer kept is sampled with the parameters given, and said so."""
-    section = GRPOConfig(**KEYS, rollout_engine=engine, off_policy_steps=1)
-    # the synchronous reference: the same section, a batch sampled at its own step (old_logps kept: weights of 1)
-    reference = dataclasses.replace(section, off_policy_steps=0, sampler_importance_sampling_correction=True)
+    (step 1's and step 2's: the initial ones), their log-probs included, as `old_logps`, or with the sampler's
+    correction as `sampler_logps`; the step's loss is TRL's with those old log-probs, or with the step's own as the
+    old and the masked importance weights of the sampling policy (vLLM's correction), and from step 2 on the ratio
+    to the sampling policy is not 1. A fresh process (a resumed run) reads the batch sampled ahead back from the
+    run's directory; one no longer kept is sampled with the parameters given, and said so."""
+    correction = dict(sampler_importance_sampling_correction=True, sampler_importance_sampling_mode="token_mask",
+                      sampler_importance_sampling_clip_min=0.999, sampler_importance_sampling_clip_max=1.001)
+    section = GRPOConfig(**KEYS, rollout_engine=engine, off_policy_steps=1, **(correction if corrected else {}))
+    behaviour_key = "sampler_logps" if corrected else "old_logps"
+    # the synchronous reference: the same section, a batch sampled at its own step (its log-probs as both)
+    reference = dataclasses.replace(section, off_policy_steps=0, **correction)
     setup = _setup(tmp_path, section)
     cfg, method = setup.cfg, setup.config.method
     params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
@@ -91,16 +102,22 @@ def test_step_t_trains_on_the_batch_of_step_t_minus_1s_params_with_trls_loss(tmp
 
         behaviour = starts[max(step - 2, 0)]
         expected = synchronous.batch(step - 1, 0, lambda: combine(jax.device_put(behaviour), frozen))
-        assert batch.keys() == expected.keys() - {"sampler_logps"}
+        assert batch.keys() == expected.keys() - {"old_logps" if corrected else "sampler_logps"}
         for k in batch:
             np.testing.assert_array_equal(batch[k], expected[k], err_msg=f"step {step}: {k}")
         mask = np.asarray(micro["loss_mask"])
-        log_ratio = (np.asarray(logp) - batch["old_logps"][0]) * mask
+        log_ratio = (np.asarray(logp) - batch[behaviour_key][0]) * mask
         moved = any(np.any(a != b) for a, b in zip(jax.tree.leaves(starts[-1]), jax.tree.leaves(behaviour)))
         assert moved == (step > 1 and np.abs(log_ratio).max() > 1e-4), step  # the ratio is 1 where nothing moved
         assert moved or np.abs(log_ratio).max() < 2e-5, step
         stale += moved
-        trl = _trl_loss(section, logp, batch["old_logps"][0], ref, batch["advantages"][0], mask)
+        if corrected:  # the old policy is the step's; the sampling policy's weights, TRL's (test_grpo_offpolicy.py)
+            weights = np.asarray(sampler_weights(logp, micro["sampler_logps"], micro["loss_mask"],
+                                                 section.sampler_importance_sampling_mode, *section.sampler_clip))
+            assert (weights[mask > 0] == 0).any() == moved, step  # tokens masked where the sampler lagged
+            trl = _trl_loss(section, logp, logp, ref, batch["advantages"][0], mask, weights)
+        else:
+            trl = _trl_loss(section, logp, batch["old_logps"][0], ref, batch["advantages"][0], mask)
         assert float(metrics["loss"]) == pytest.approx(trl, rel=2e-4, abs=1e-6), step
     assert stale >= 1  # a step whose behaviour policy was one update behind
 

@@ -70,7 +70,9 @@ class RolloutConfig:
     off_policy_steps: 0, or 1 for one-step-off rollouts (verl's one_step_off_policy; TRL's experimental AsyncGRPO
     bounds the same lag with max_staleness): the batch of step t + 1 is sampled with the parameters step t starts from,
     before step t is dispatched, and scored while it runs; its `old_logps` are those parameters' (the behaviour
-    policy, one update behind the learner). Steps 1 and 2 both take batches of the initial parameters."""
+    policy, one update behind the learner), or with GRPO's sampler_importance_sampling_correction its
+    `sampler_logps`, the ratio then of the step's own parameters and the policy term weighted by the truncated or
+    masked importance weights (`losses.sampler_weights`). Steps 1 and 2 both take batches of the initial parameters."""
 
     reward: str = ""
     reward_model: str = ""
@@ -325,8 +327,12 @@ def old_logps_of(micro: dict, logp_BxT: jax.Array) -> jax.Array:
 
 
 def keeps_learner_logps(section: RolloutConfig) -> bool:
-    """Whether a rollout batch carries the learner's per-token log-probs at sampling time (`old_logps`): reused for
-    num_iterations steps, sampled one step ahead (off_policy_steps), or weighted against another sampler's."""
+    """Whether a rollout batch carries the learner's per-token log-probs at sampling time as `old_logps`: reused for
+    num_iterations steps, sampled one step ahead (off_policy_steps), or weighted against another sampler's. One step
+    ahead with the sampler's correction, they are the batch's `sampler_logps` instead (the sampling policy one update
+    behind) and the old policy is the learner's at the step (`old_logps_of`), as TRL's with a lagging vLLM."""
+    if section.off_policy_steps and sampler_corrected(section):
+        return False
     return section.num_iterations > 1 or section.off_policy_steps > 0 or sampler_corrected(section)
 
 
@@ -499,7 +505,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
         # the old policy's, scored once with the parameters that sampled (dispatched now, read in `finish`)
         old = ([learner_logps(policy, {k: v[a] for k, v in stacked.items()}) for a in range(tc.grad_accum)]
-               if keeps_learner_logps(g) else None)
+               if keeps_learner_logps(g) or sampler_corrected(g) else None)
 
         def finish() -> dict:
             if not g.environment:
@@ -509,10 +515,11 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                         [len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)).tolist()
                 stacked["rewards"] = np.asarray(scores, np.float32).reshape(tc.grad_accum, -1)
                 stacked["advantages"] = np.asarray(advantages(scores, g), np.float32).reshape(tc.grad_accum, -1)
-            if old is not None:
-                stacked["old_logps"] = np.stack([host_copy(x) for x in old]) * (stacked["loss_mask"] > 0)
+            sampling = None if old is None else np.stack([host_copy(x) for x in old]) * (stacked["loss_mask"] > 0)
+            if keeps_learner_logps(g):
+                stacked["old_logps"] = sampling
             if sampler_corrected(g) and "sampler_logps" not in stacked:  # jaxtune's sampler is the learner: weights 1
-                stacked["sampler_logps"] = stacked["old_logps"]
+                stacked["sampler_logps"] = sampling  # unless one step ahead: the learner's a step behind
             if counts_micro_tokens(g):
                 stacked["tokens_per_micro"] = np.full(stacked["rewards"].shape,
                                                       stacked["loss_mask"].sum() / tc.grad_accum, np.float32)

@@ -1,13 +1,11 @@
 """Rollout batches kept for the steps that take them later: GRPO's and RLOO's `num_iterations` > 1 (TRL's mu) and
 `off_policy_steps` = 1 (one-step-off rollouts).
 
-A rollout batch is sampled at the first of its `num_iterations` steps with the policy of that moment, and the later
-steps take it again; a one-step-off batch is sampled during the step before its own, with that step's parameters. A
+A batch is sampled at the first of its `num_iterations` steps, or one-step-off during the step before its own. A
 resumed run cannot sample it again (the policy has moved on), so each batch is also written to the run's directory,
 `<run>/cache/rollouts/<epoch>-<generation>.npz`, and a resumed run reads it back: the same batches as a run never
-stopped. The newest `keep` are kept: two for num_iterations (the trainer checkpoints at multiples of it, `_prepare`
-checks, or when stopped, after which the newest file is the one it needs); for one-step-off, the batches written
-since the last periodic checkpoint too, since a run killed without one resumes from it (`grpo._prepare`).
+stopped. The newest `keep` are kept: two for num_iterations (checkpoints fall at multiples of it, `_prepare` checks,
+or when stopped, the newest file then the one needed); one-step-off, those since the last periodic checkpoint too.
 """
 
 from __future__ import annotations
