@@ -4,10 +4,9 @@ One loop for every objective: what differs (data, the step, the eval, the export
 `start_run`), whose arrays and step are the spine's, sharded over `[mesh]`. Epoch e's batches depend only on
 (data.seed, e) (GRPO's also on the params), so the data position is the step and a resumed run replays an
 uninterrupted one; metrics reach the host one step late (the only host sync); a batch sampled a step ahead
-(`StartedRun.ahead`) is scored while the step before it runs. Nothing trained is lost (`train/resume.py`): one writer
-a run directory (`paths.run_directory_lock`); a step's metrics line is on disk before its checkpoint; the last step is
-checkpointed before its evaluation and any end-of-run work; SIGTERM/SIGINT finish the step, save it and return
-`interrupted` (a second one stops at once).
+(`StartedRun.ahead`) is scored while the step before it runs. Nothing trained is lost (`train/resume.py`): one
+writer a run directory; a step's metrics line is on disk before its checkpoint; the last step is checkpointed before
+its evaluation; SIGTERM/SIGINT finish the step, save it and return `interrupted` (a second one stops at once).
 """
 
 from __future__ import annotations
