@@ -221,3 +221,16 @@ def test_one_step_off_run_resumes_exactly(tmp_path, objective):
     assert len(records) == 5
     whole, resumed = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("whole", "int"))
     assert whole.keys() == resumed.keys() and all(np.array_equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_the_store_keeps_the_batches_since_the_last_checkpoint(tmp_path):
+    """One-step-off keeps checkpoint_every + 1 batches (a run killed between checkpoints resumes from the last one);
+    `find` is None for one no longer kept, from memory or disk."""
+    from jaxtune.objectives.rollout_store import RolloutStore
+
+    store = RolloutStore(tmp_path, keep=3)
+    for index in range(5):
+        store.put(0, index, {"x": np.full(2, index)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0-2.npz", "0-3.npz", "0-4.npz"]
+    fresh = RolloutStore(tmp_path, keep=3)
+    assert fresh.find(0, 1) is None and fresh.find(0, 2)["x"].tolist() == [2, 2]
