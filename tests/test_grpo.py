@@ -47,3 +47,16 @@ def test_grpo_raises_mean_reward():
 def test_reward_that_cannot_be_imported_is_named(path, message):
     with pytest.raises(JaxtuneError, match=f"reward '{path}'.*{message}"):
         load_reward_function(path)
+
+
+def test_rollout_rows_are_laid_out_to_the_bucket_of_the_longest():
+    """A batch of short rollouts under a long max_seq_len is [N, 32] (the bucket of its longest row, 19 positions),
+    not [N, 1056]: the step's cost follows the tokens sampled (TRL pads to the longest too); nothing is cut."""
+    prompts, completions = [[1, 5, 6], [1, 7]], [[9] * 17, [8, 2]]
+    batch = rollout_batch(prompts, completions, [1.0, 0.0], np.asarray([0.5, -0.5]), 1056, eos_ids=(2,))
+    assert {k: v.shape for k, v in batch.items()} == {**{k: (2, 32) for k in ("input_ids", "labels", "loss_mask",
+                                                                                "segment_ids", "positions")},
+                                                     "rewards": (2,), "advantages": (2,)}
+    assert batch["labels"][0, :19].tolist() == [5, 6] + [9] * 17 and batch["segment_ids"][0].sum() == 19
+    assert batch["loss_mask"].sum(1).tolist() == [0.0, 2.0]  # the first is truncated (no EOS); the second's 8, 2
+    assert rollout_batch(prompts, completions, [1.0, 0.0], np.zeros(2), 24)["input_ids"].shape == (2, 24)  # the cap

@@ -2,12 +2,12 @@
 its section `GRPOConfig`); RLOO (`rloo.py`) shares its rollouts, rewards and data (`RolloutConfig`, `make_prepare`).
 
 Each step: sample `group_size` completions a prompt (`sample_group`), score them, normalise the rewards into
-advantages (`group_advantages`), and take a gradient step on the clipped-ratio objective (or CISPO's) with a KL
-penalty to the reference (the base, adapters off; a frozen copy for a full fine-tune), aggregated as TRL 1.16's
-`loss_type`. With `num_iterations` > 1 a rollout batch serves that many steps with the learner's log-probs at sampling
-(`old_logps`; `rollout_store`); another sampler's (`sampler_logps`) weight the loss as TRL's importance sampling does.
-The reward: `reward(prompts, completions, **fields) -> list[float]` by dotted path (`load_reward_function`; the
-records' other fields as keyword lists), or a reward model directory (`reward_model_function`)."""
+advantages (`group_advantages`), pad the rows to the power-of-two bucket of the longest (a compile per bucket), and
+step on the clipped-ratio objective (or CISPO's) with a KL penalty to the reference (the base, adapters off; a frozen
+copy for a full fine-tune), aggregated as TRL 1.16's `loss_type`. With `num_iterations` > 1 a batch serves that many
+steps with the learner's log-probs at sampling (`old_logps`; `rollout_store`); another sampler's (`sampler_logps`)
+weight the loss as TRL's importance sampling does. The reward: `reward(prompts, completions, **fields)` by a dotted
+path (`load_reward_function`; other fields as keyword lists) or a reward model (`reward_model_function`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
+from jaxtune.data.batching import trimmed_to_longest
 from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval_split
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
@@ -218,10 +219,11 @@ def load_reward_function(path: str):
 def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float],
                   advantages: np.ndarray, seq_len: int, eos_ids: Sequence[int] = (),
                   sampler_logps: Sequence[Sequence[float]] | None = None) -> dict:
-    """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their `advantages`
-    [N] (rows of a prompt's group are consecutive). eos_ids: if given, a completion that does not end with one of
-    them has no loss tokens (`mask_truncated_completions`). sampler_logps: the sampler's log-prob of each completion
-    token, one list a row, as `sampler_logps` [N, seq_len] at the positions that predict them (NaN: not reported)."""
+    """Rows prompt + completion as [N, T] arrays (as SFT batches; T the `padded_length` of the longest, at most
+    seq_len), plus `rewards` [N] and their `advantages` [N] (rows of a prompt's group are consecutive). eos_ids: if
+    given, a completion that does not end with one of them has no loss tokens (`mask_truncated_completions`).
+    sampler_logps: the sampler's log-prob of each completion token, one list a row, as `sampler_logps` [N, T] at the
+    positions that predict them (NaN: not reported)."""
     N = len(completions)
     batch: dict[str, np.ndarray] = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
                                     for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -239,7 +241,7 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], reward
             batch["sampler_logps"][i, start:n] = np.asarray(sampler_logps[i], np.float32)[:n - start]
     batch["rewards"] = np.asarray(rewards, np.float32)
     batch["advantages"] = np.asarray(advantages, np.float32)
-    return batch
+    return trimmed_to_longest(batch, seq_len)
 
 
 def soft_overlong_punishment(lengths: Sequence[int], max_completion_len: int, cache: int) -> np.ndarray:
