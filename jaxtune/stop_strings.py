@@ -36,7 +36,7 @@ class StopStrings:
         if isinstance(stop_strings, str):
             raise JaxtuneError(f"stop_strings takes a list of strings (or one list per prompt), got the string "
                                f"{stop_strings!r}")
-        given = list(stop_strings)
+        given: list = list(stop_strings)
         if all(isinstance(s, str) for s in given):
             return cls(tokenizer, (tuple(s for s in given if s),) * rows)
         if len(given) != rows or not all(not isinstance(row, str) and all(isinstance(s, str) for s in row)

@@ -322,7 +322,9 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
                     greedy=sampling.greedy)
     else:
         state = start(params, packed, table, group_N, limit_N, **program, **shape)
-        step, stopped_N, checked_N = 0, np.zeros(Nb, bool), np.zeros(Nb, np.int64)
+        step = 0
+        stopped_N: np.ndarray = np.zeros(Nb, bool)
+        checked_N: np.ndarray = np.zeros(Nb, np.int64)  # the tokens of each sample stop_when has seen
         while True:  # the host reads each chunk's tokens (one transfer) to end the samples whose text says so
             state = advance(params, state, table, group_N, limit_N, stopped_N, *sampling_args,
                             np.int32(step + chunk_steps), **program, page_size=ps, greedy=sampling.greedy)
@@ -335,7 +337,7 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
                 if len(tokens) > checked_N[n]:
                     checked_N[n], stopped_N[n] = len(tokens), stop_when(int(n), tokens)
     out_NxN, free_NP, peak, steps = jax.device_get((state.out_NxN, state.free_NP, state.peak, state.step))
-    tokens = [row_tokens(row, is_stop_V, include_stop) for row in out_NxN[:N]]
+    samples = [row_tokens(row, is_stop_V, include_stop) for row in out_NxN[:N]]
     if isinstance(stop_when, StopStrings):
-        tokens = [stop_when.cut(n, row, include_stop) for n, row in enumerate(tokens)]
-    return Rollouts(tokens, int(free_NP.sum()), NP, int(peak), int(steps))
+        samples = [stop_when.cut(n, tokens, include_stop) for n, tokens in enumerate(samples)]
+    return Rollouts(samples, int(free_NP.sum()), NP, int(peak), int(steps))
