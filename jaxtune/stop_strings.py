@@ -1,15 +1,12 @@
 """Stop strings: a row ends once its decoded text holds one of its strings. Text exists only on the host, so the
 decoders (`generation.generate`, `rollouts.engine.sample_groups`) take a `StopStrings` as their `stop_when`, asked
-between chunks of decode steps; a row found there has run on to the end of its chunk, and `StopStrings.cut` then
-ends its tokens where its text first held a string (the fewest tokens that hold one, found by bisection: log2(n)
-decodes a row), so what a caller gets depends neither on the chunk length nor on the slot that decoded the row.
+between chunks of decode steps; a row found there has run on to its chunk's end, and `StopStrings.cut` ends its tokens
+where its text first held a string (bisection: log2(n) decodes a row), whatever the chunks or the slot that decoded it.
 
     stops = StopStrings.of(tokenizer, ["\\n\\n", "</answer>"], rows=len(prompts))  # or one list per row
     tokens = generate(params, cfg, prompts, sampling, stop_when=stops, include_stop=True)
-
-With include_stop the tokens end with the one that completed the string (what a policy gradient must credit: the
-sampled tokens that produced it), as they end with a stop token; without, before it. `cut_text` cuts a text before
-its first string, as lm-eval's `until` and TRL/vLLM's `stop` do.
+With include_stop the tokens end with the one that completed the string (what a policy gradient credits: the sampled
+tokens that produced it), as with a stop token; without, before it. `cut_text` cuts a text before its first string.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The rollout engine: G samples of each prompt decoded by S slots over a paged key/value cache (`paged_cache.py`), a
 finished row's slot taking the next pending sample inside one jitted `lax.while_loop` (`run`, which says how).
-With a `stop_when` (stop strings: `jaxtune.stop_strings`) the loop runs in chunks (`advance`, one program for any
-chunk), the host reading the samples' tokens in between and ending those whose text holds a stop string.
 
     out = sample_groups(params, cfg, prompts, 4, SamplingConfig(max_new_tokens=256, temperature=1.0),
                         pool=PagePool(slots=16, page_size=16, num_pages=512))
     out.tokens  # len(prompts) * 4 lists, sample g * 4 + j the j-th of prompt g (GRPO's `repeated` rows)
-Memory is the pool (`PagePool`, sized by the user or the planner; what happens when it runs short), not rows x
-max_new_tokens: pages are taken as rows grow and go back as they end. `sample_groups` says what is refused.
+Memory is the pool (`PagePool`; what happens when it runs short), not rows x max_new_tokens: pages are taken as rows
+grow and go back as they end. With stop strings (`stop_when`) the loop runs in chunks (`advance`, one program for any
+chunk), the host ending between them the samples whose text holds one. `sample_groups` says what is refused.
 """
 
 from __future__ import annotations
