@@ -62,6 +62,7 @@ def test_reward_that_cannot_be_imported_is_named(path, message):
         load_reward_function(path)
 
 
+@pytest.mark.slow
 def test_stop_strings_cut_completions_alike_in_both_engines_and_train(tmp_path):
     """`[grpo] stop_strings` through `prepare` and a step, greedy (top_k 1): the padded and paged engines give the
     same rollout batch; a completion that reached the string ends with the token that completed it and keeps its
