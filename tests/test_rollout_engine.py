@@ -186,6 +186,21 @@ def test_stop_strings_end_samples_where_generate_does_and_free_their_slots(param
     assert advance._cache_size() == programs
 
 
+def test_sampled_stops_cut_the_samples_drawn_without_them(params):
+    """Sampled (temperature 1.5, top-k 6): a sample's keys are its own, so with stop strings (each sample's own
+    character, 3 tokens in) its tokens are those drawn without them, cut where `StopStrings` cuts."""
+    tokenizer = Tokenizer.byte_level()
+    hot = GREEDY.replace(temperature=1.5, top_k=6, seed=5)
+    batch, limit = prompts(), limits()
+    free = sample_groups(params, CFG, batch, G, hot, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit)
+    chars = [tokenizer.decode(row[3:4]) if len(row) > 3 else "" for row in free.tokens]
+    stops = StopStrings.of(tokenizer, [[c] if c.isprintable() and c != "\ufffd" else [] for c in chars], len(chars))
+    ours = sample_groups(params, CFG, batch, G, hot, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit,
+                         include_stop=True, stop_when=stops, chunk_steps=3)
+    assert ours.tokens == [stops.cut(i, row, True) for i, row in enumerate(free.tokens)]
+    assert sum(a != b for a, b in zip(ours.tokens, free.tokens)) >= 3 and ours.free_pages == ours.num_pages
+
+
 def test_refusals_are_one_line(params):
     for cfg, what in [(tiny_config(vocab_size=259, num_layers=2, sliding_windows=(0, 6)), "sliding-window"),
                       (tiny_config(vocab_size=259, num_layers=2, kv_lora_rank=8, qk_rope_head_dim=8, v_head_dim=16),
