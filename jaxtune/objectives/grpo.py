@@ -455,14 +455,16 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         fields = {k: [e.fields.get(k) for e in chosen for _ in range(repeat)] for k in names}
         prompts = [e.prompt for e in chosen for _ in range(repeat)]
 
-        stops = stops_of(g, tok, len(completions))  # the text cut before a stop string, the tokens credited with it
-        texts = [tok.decode(c) for c in completions]
-        texts = texts if stops is None else [stops.cut_text(i, text) for i, text in enumerate(texts)]
+        stops = stops_of(g, tok, len(completions))
+
+        def text(i: int) -> str:  # cut before a stop string, whose tokens the loss credits
+            decoded = tok.decode(completions[i])
+            return decoded if stops is None else stops.cut_text(i, decoded)
 
         def score(rows: list[int]) -> np.ndarray:
             assert reward_fn is not None  # episodes are scored by their environment
             try:
-                values = reward_fn([prompts[i] for i in rows], [texts[i] for i in rows],
+                values = reward_fn([prompts[i] for i in rows], [text(i) for i in rows],
                                    **{k: [v[i] for i in rows] for k, v in fields.items()})
             except Exception as e:  # noqa: BLE001  the user's code: one line naming it
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
