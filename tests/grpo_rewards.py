@@ -32,3 +32,12 @@ def fails_on_process_one(prompts, completions):
     if jax.process_index() == 1:
         raise ValueError("the grader on this host is down")
     return odd_characters(prompts, completions)
+
+
+SEEN: list[str] = []  # the completions `count_letter_a_seen` was given, for the tests to read
+
+
+def count_letter_a_seen(prompts, completions):
+    """`count_letter_a`, keeping the completions it saw in SEEN."""
+    SEEN.extend(completions)
+    return count_letter_a(prompts, completions)
