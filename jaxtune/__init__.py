@@ -74,6 +74,7 @@ PUBLIC = {  # name -> the module that defines it
     "load_model": "jaxtune.spine.model",
     "load_model_with_adapter": "jaxtune.spine.model",
     "load_reward_model": "jaxtune.spine.model",
+    "StopStrings": "jaxtune.stop_strings",
     "evaluate_file": "jaxtune.train.evaluation",
     "evaluate_preference_file": "jaxtune.train.evaluation",
     "export_merged": "jaxtune.train.export",

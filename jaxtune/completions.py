@@ -69,11 +69,6 @@ def read_requests(path: str | Path, names: Sequence[str] = ()) -> list[Request]:
     return [_request(path, line, record, names) for line, record in read_records(path)]
 
 
-def _cut(text: str, stops: Sequence[str]) -> str:
-    cuts = [text.find(s) for s in stops if s in text]
-    return text[: min(cuts)] if cuts else text
-
-
 def complete(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, requests: Sequence[Request],
              sampling: SamplingConfig = SamplingConfig(), stop_strings: Sequence[str] = (),
              slots: dict[str, int] | None = None, method=None, chat: bool = False) -> list[str]:
@@ -91,9 +86,10 @@ def complete(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, requests: Seq
         names = [requests[i].adapter for i in rows]
         adapter_of_row = None if slots is None else [0 if a is None else slots.get(a, 0) for a in names]
         answers = generate_text(params, cfg, tokenizer, prompts, dataclasses.replace(sampling, max_new_tokens=limit),
-                                method=method, adapter_of_row=adapter_of_row)
+                                stop_strings=[(*stop_strings, *requests[i].stop) for i in rows], method=method,
+                                adapter_of_row=adapter_of_row)  # a row stops decoding at its strings, cut before them
         for i, text in zip(rows, answers):
-            texts[i] = _cut(text, (*stop_strings, *requests[i].stop))
+            texts[i] = text
     return texts
 
 

@@ -37,6 +37,7 @@ from jaxtune.models.kv_cache import (
 )
 from jaxtune.parallel.distributed import host_copy
 from jaxtune.parallel.rules import constrain
+from jaxtune.stop_strings import StopStrings
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -277,7 +278,9 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     `params`). adapter_of_row: with adapters stacked in `params` (`spine.model.load_adapters`), each prompt's
     adapter slot (0: the base model). max_new_tokens_of_row: each prompt's own limit (default: the sampling's).
     stop_when(prompt index, its new tokens so far): asked on the host after every `chunk_steps` decode steps for
-    each row still running; True ends that row's decoding (its tokens then run to the end of that chunk).
+    each row still running; True ends that row's decoding (its tokens then run to the end of that chunk). A
+    `StopStrings` (`jaxtune.stop_strings`) then also cuts them where the row's text first held one of its strings
+    (ending with the token that completed it with include_stop, before it without), whatever the chunks.
     batch_rows: decode at most this many prompts at once, in their order (the batches share one prefill and one
     decode shape; default all at once). Raises JaxtuneError for no prompts, an empty prompt, an id outside the
     vocabulary, a bad adapter slot or limit, or a prompt that with the largest limit would run past the model's
@@ -358,22 +361,9 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
             state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
                                 adapter_B, **program, greedy=sampling.greedy)
         new_tokens += [row_tokens(row, is_stop_V, include_stop) for row in host_copy(state.out_BxN)[: len(batch)]]
+    if isinstance(stop_when, StopStrings):
+        return [stop_when.cut(i, tokens, include_stop) for i, tokens in enumerate(new_tokens)]
     return new_tokens
-
-
-def _stops_of_rows(stop_strings, rows: int) -> list[tuple[str, ...]]:
-    """Each row's stop strings from one list for every row or one list per row."""
-    if isinstance(stop_strings, str):
-        raise JaxtuneError(f"stop_strings takes a list of strings (or one list per prompt), got the string "
-                           f"{stop_strings!r}")
-    stop_strings = list(stop_strings)
-    if all(isinstance(s, str) for s in stop_strings):
-        return [tuple(s for s in stop_strings if s)] * rows
-    if len(stop_strings) != rows or not all(not isinstance(row, str) and all(isinstance(s, str) for s in row)
-                                            for row in stop_strings):
-        raise JaxtuneError(f"stop_strings: give one list of strings for every prompt or one list per prompt "
-                           f"({rows}), got {stop_strings!r:.80}")
-    return [tuple(s for s in row if s) for row in stop_strings]
 
 
 def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts: Sequence[str | list[dict]],
@@ -395,24 +385,18 @@ def generate_text(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts:
     """
     if isinstance(prompts, str):
         raise JaxtuneError("generate_text takes a list of prompts, got a single string")
-    stops = _stops_of_rows(stop_strings, len(prompts))
+    stops = StopStrings.of(tokenizer, stop_strings, len(prompts))
     eos = {*cfg.eos_token_id, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
     ids = [tokenizer.encode(render_chat(p, tokenizer, add_generation_prompt=True), add_special_tokens=False)
            if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=True) for p in prompts]
 
-    def stop_when(row: int, tokens: list[int]) -> bool:
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        return any(s in text for s in stops[row])
-
     # One stop set for all rows: a token whose own text holds a stop string ends its row at once (kept, then cut).
-    stop_ids = tokenizer.tokens_containing(stops[0]) if len(set(stops)) == 1 else []
-    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), stop_token_ids=stop_ids, include_stop=True,
-                   method=method, options=options, adapter_of_row=adapter_of_row,
-                   max_new_tokens_of_row=max_new_tokens_of_row, stop_when=stop_when if any(stops) else None,
+    new = generate(params, cfg, ids, sampling, eos_ids=sorted(eos), stop_token_ids=stops.token_ids(),
+                   include_stop=True, method=method, options=options, adapter_of_row=adapter_of_row,
+                   max_new_tokens_of_row=max_new_tokens_of_row, stop_when=stops if stops.any else None,
                    chunk_steps=chunk_steps)
     texts = []
-    for tokens, row_stops in zip(new, stops):
+    for row, tokens in enumerate(new):
         text = tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in eos else tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in row_stops if s in text]
-        texts.append(text[: min(cuts)] if cuts else text)
+        texts.append(stops.cut_text(row, text))
     return texts

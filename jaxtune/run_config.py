@@ -223,8 +223,8 @@ def _toml_value(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # JSON's escapes are TOML's (a stop string may hold a newline)
+        return json.dumps(value, ensure_ascii=False)
     return repr(value)
 
 

@@ -34,6 +34,15 @@ def fails_on_process_one(prompts, completions):
     return odd_characters(prompts, completions)
 
 
+SEEN: list[str] = []  # the completions `count_letter_a_seen` was given, for the tests to read
+
+
+def count_letter_a_seen(prompts, completions):
+    """`count_letter_a`, keeping the completions it saw in SEEN."""
+    SEEN.extend(completions)
+    return count_letter_a(prompts, completions)
+
+
 EVENTS: list = []  # ("reward", the call's number): tests/test_grpo_one_step_off.py sets it to its own list
 
 

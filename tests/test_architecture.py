@@ -44,7 +44,8 @@ FLOORS = (
     ("models",),  # forward passes, kernels, quantised leaves, HF/GGUF names
     ("data",),  # formats, tokenizer, packing, streaming store
     ("methods",),  # one unit per method
-    ("generation", "environments"),  # decoding with the KV cache (the CLI's generate, GRPO's rollouts); RL environments
+    ("generation", "environments", "stop_strings"),  # decoding with the KV cache (the CLI's generate, GRPO's
+    # rollouts); RL environments; stop strings, read on the host between decode chunks
     ("rollouts",),  # RL sampling: the rollout engine (a paged KV cache, continuous batching), an external sampler
     ("objectives",),  # one unit per objective
     ("run_config",),  # the TOML run: the config sections and each objective's

@@ -233,6 +233,8 @@ def test_rloo_advantages_equal_trl(beta, clip_range, normalize):
     (GRPOConfig, "sampler_importance_sampling_clip_min", 4.0, "must be < sampler_importance_sampling_clip_max = 3.0"),
     (GRPOConfig, "top_entropy_quantile", 1.5, r"must be in \[0, 1\]"),
     (GRPOConfig, "entropy_coef", -0.1, "must be >= 0"),
+    (GRPOConfig, "stop_strings", ("\n", ""), "must be a list of non-empty strings"),
+    (RLOOConfig, "stop_strings", ("a", 3), "must be a list of non-empty strings"),
     (RLOOConfig, "epsilon_high", -1.0, "must be >= clip = 0.2"),
     (RLOOConfig, "num_iterations", 0, "must be >= 1"),
     (RLOOConfig, "reward_clip_range", (1.0, 0.0), r"must be \[min, max\] with min <= max"),
@@ -249,7 +251,9 @@ def test_bad_values_are_one_line_config_errors(section, key, value, message):
 @pytest.mark.parametrize("keys, key, message", [
     ({"loss_type": "cispo"}, "epsilon_high", "must be set with loss_type = \"cispo\""),
     ({"sampler_importance_sampling_mode": "token_truncate", "sampler_importance_sampling_clip_max": 0.0},
-     "sampler_importance_sampling_clip_max", "must be > 0 with a \\*_truncate mode")])
+     "sampler_importance_sampling_clip_max", "must be > 0 with a \\*_truncate mode"),
+    ({"environment": "tools", "stop_strings": ("\n",)}, "stop_strings",
+     "ends completions jaxtune samples, not an environment's")])
 def test_bad_combinations_are_one_line_config_errors(keys, key, message):
     with pytest.raises(ConfigError, match=f"^{key} = .*: {message}") as error:
         GRPOConfig(**keys)

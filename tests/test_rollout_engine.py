@@ -1,7 +1,8 @@
 """The rollout engine: its greedy tokens equal `generate`'s on the repeated prompts (mixed lengths and limits, EOS
 mid-way, with and without LoRA, a pool small enough that samples wait), sampled with top_k 1 equals greedy, its
-first tokens follow the filtered softmax, every page goes back after a run and 100 runs reuse one program, and the
-pool too small or a model it does not page is one line."""
+first tokens follow the filtered softmax, every page goes back after a run and 100 runs reuse one program, stop
+strings end samples where `generate`'s end (their slots taken by the next samples, one program for any chunking),
+and the pool too small or a model it does not page is one line."""
 
 from dataclasses import replace
 from math import prod
@@ -13,6 +14,7 @@ import pytest
 from conftest import numpy_random_params
 
 from jaxtune.config import SamplingConfig, tiny_config
+from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import filter_logits, generate
 from jaxtune.methods import method_config
@@ -20,7 +22,8 @@ from jaxtune.methods.transform import apply_method
 from jaxtune.models.kv_cache import prefill
 from jaxtune.models.params import init_params
 from jaxtune.rollouts import PagePool, sample_groups
-from jaxtune.rollouts.engine import run
+from jaxtune.rollouts.engine import advance, run
+from jaxtune.stop_strings import StopStrings
 
 # Shapes shared by the tests (4 prompts of at most 16 tokens, groups of 3, limits up to 16, 4 slots, pages of 4
 # tokens, a pool of 32) so that they share compiled programs.
@@ -139,6 +142,63 @@ def test_pages_return_and_one_program_serves_100_batches(params):
         assert [len(row) for row in out.tokens] == limits(seed)
     assert run._cache_size() == programs
     assert len(jax.live_arrays()) <= alive
+
+
+def test_stop_strings_end_samples_where_generate_does_and_free_their_slots(params):
+    """Greedy with one list of stop strings per sample (a 2-token string, a sample stopping at its first token, a
+    group that never stops): generate's tokens with the same `StopStrings`, which are the full generation cut
+    where the text first holds a string (with include_stop, ending with the token that completed it; without,
+    before it); every page back; the freed slots take the next samples (fewer steps than without); chunks of 4
+    and 7 steps run one compiled program."""
+    tokenizer = Tokenizer.byte_level()
+    batch, limit = prompts(), limits()
+    full = generate(params, CFG, repeated(batch), GREEDY, eos_ids=(), max_new_tokens_of_row=limit)
+    text = [tokenizer.decode(row) for row in full]
+    first = next(i for i, row in enumerate(full) if (t := tokenizer.decode(row[:1])).isascii() and t.isprintable())
+    pair = next((i, c) for i in range(len(full)) for c in text[i] if i // G != first // G and c != "\ufffd"
+                and len(tokenizer.encode(c, add_special_tokens=False)) == 2)  # one character of two byte tokens
+    late = next((i, c) for i in range(len(full)) for c in text[i] if i // G not in (first // G, pair[0] // G)
+                and c.isascii() and c.isalnum() and c not in tokenizer.decode(full[i][:5]))
+    never = next(g for g in range(len(batch)) if g not in (first // G, pair[0] // G, late[0] // G))
+    strings = {first // G: [tokenizer.decode(full[first][:1])], pair[0] // G: [pair[1], "absent"],
+               late[0] // G: [late[1]], never: []}
+    per_sample = [strings[i // G] for i in range(len(full))]
+    stops = StopStrings.of(tokenizer, per_sample, len(full))
+    ours = sample_groups(params, CFG, batch, G, GREEDY, pool=POOL, eos_ids=(), include_stop=True,
+                         max_new_tokens_of_sample=limit, stop_when=stops, chunk_steps=4)
+    assert ours.tokens == generate(params, CFG, repeated(batch), GREEDY, eos_ids=(), include_stop=True,
+                                   max_new_tokens_of_row=limit, stop_when=stops, chunk_steps=4)
+    assert ours.tokens == [stops.cut(i, row, True) for i, row in enumerate(full)]
+    assert len(ours.tokens[first]) == 1 and ours.tokens[pair[0]] != full[pair[0]]
+    for i, c in (pair, late):
+        assert c in tokenizer.decode(ours.tokens[i]) and c not in tokenizer.decode(ours.tokens[i][:-1])
+    assert len(ours.tokens[late[0]]) > 5 and len(ours.tokens[pair[0]]) >= 2
+    assert all(ours.tokens[i] == full[i] for i in range(never * G, never * G + G))
+    assert ours.free_pages == ours.num_pages
+    plain = sample_groups(params, CFG, batch, G, GREEDY, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit)
+    assert ours.steps < plain.steps, "the slots stop strings free take the next samples"
+    programs = advance._cache_size()
+    without = sample_groups(params, CFG, batch, G, GREEDY, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit,
+                            stop_when=stops, chunk_steps=7)
+    assert without.tokens == [stops.cut(i, row, False) for i, row in enumerate(full)]
+    assert [len(a) - len(b) for a, b in zip(ours.tokens, without.tokens)] == [
+        int(stops.end(i, row) is not None) for i, row in enumerate(full)]
+    assert advance._cache_size() == programs
+
+
+def test_sampled_stops_cut_the_samples_drawn_without_them(params):
+    """Sampled (temperature 1.5, top-k 6): a sample's keys are its own, so with stop strings (each sample's own
+    character, 3 tokens in) its tokens are those drawn without them, cut where `StopStrings` cuts."""
+    tokenizer = Tokenizer.byte_level()
+    hot = GREEDY.replace(temperature=1.5, top_k=6, seed=5)
+    batch, limit = prompts(), limits()
+    free = sample_groups(params, CFG, batch, G, hot, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit)
+    chars = [tokenizer.decode(row[3:4]) if len(row) > 3 else "" for row in free.tokens]
+    stops = StopStrings.of(tokenizer, [[c] if c.isprintable() and c != "\ufffd" else [] for c in chars], len(chars))
+    ours = sample_groups(params, CFG, batch, G, hot, pool=POOL, eos_ids=(), max_new_tokens_of_sample=limit,
+                         include_stop=True, stop_when=stops, chunk_steps=3)
+    assert ours.tokens == [stops.cut(i, row, True) for i, row in enumerate(free.tokens)]
+    assert sum(a != b for a, b in zip(ours.tokens, free.tokens)) >= 3 and ours.free_pages == ours.num_pages
 
 
 def test_refusals_are_one_line(params):

@@ -39,3 +39,11 @@ def test_every_section_defaults_and_reads_back():
     assert load_run_config(None) == config
     text = dump_run_config(config)
     assert [line[1:-1] for line in text.splitlines() if line.startswith("[")] == list(sections())
+
+
+def test_strings_with_control_characters_read_back(tmp_path):
+    """A stop string may hold a newline, a tab, quotes or a backslash: the TOML written of it reads back equal."""
+    config = load_run_config(None, ['grpo.stop_strings=["\\n\\n", "</a>", "say \\"hi\\"\\t\\\\"]'])
+    assert config.section("grpo").stop_strings == ("\n\n", "</a>", 'say "hi"\t\\')
+    (tmp_path / "back.toml").write_text(dump_run_config(config))
+    assert load_run_config(tmp_path / "back.toml") == config

@@ -39,6 +39,13 @@ def padded_length(longest: int, seq_len: int) -> int:
     return min(seq_len, bucket(longest, MIN_BUCKET))
 
 
+def trimmed_to_longest(batch: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+    """A batch of [N, seq_len] rows (and [N] fields) with its rows cut to the `padded_length` of the longest (the
+    positions its `segment_ids` mark): generated rows are scored at their own bucket, not the cap's."""
+    T = padded_length(int(batch["segment_ids"].astype(bool).sum(1).max(initial=1)), seq_len)
+    return {k: v[:, :T] if v.ndim == 2 else v for k, v in batch.items()}
+
+
 def _lengths(examples: Sequence[Example], seq_len: int) -> list[int]:
     """Input positions each example takes (len(ids) - 1), checked against seq_len; a store's from its offsets,
     without reading its tokens."""

@@ -28,6 +28,7 @@ from jaxtune.generation import generate
 from jaxtune.harness.scoring import score_requests
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.model import load_model_with_adapter
+from jaxtune.stop_strings import StopStrings
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's
 
@@ -210,14 +211,12 @@ class JaxtuneLM(TemplateLM):
             sampling = self._sampling(kwargs, max_new)
             ids = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in members}
             order = sorted(members, key=lambda i: ids[i])  # neighbours in a batch share the longest prefixes
-            stops = [s for s in until if s]
-            stop_when = lambda _, tokens: any(s in self.tokenizer.decode(tokens, skip_special_tokens=True)
-                                              for s in stops)  # a row stops decoding once its text has one
-            stop_ids = self.tokenizer.tokens_containing(stops)  # ends a row at once: its text holds a stop string
-            with self._traced():
+            stops = StopStrings.of(self.tokenizer, until, len(order))  # a row stops decoding once its text has one
+            with self._traced():  # a token whose own text holds one ends its row at once
                 new = generate(self.params, self.cfg, [ids[i] for i in order], sampling, eos_ids=[self._eot],
-                               stop_token_ids=stop_ids, include_stop=True, method=self.method, options=self.options,
-                               stop_when=stop_when, batch_rows=self.batch_rows)
+                               stop_token_ids=stops.token_ids(), include_stop=True, method=self.method,
+                               options=self.options, stop_when=stops if stops.any else None,
+                               batch_rows=self.batch_rows)
             for i, tokens in zip(order, new):
                 tokens = tokens[:-1] if tokens and tokens[-1] == self._eot else tokens
                 text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)

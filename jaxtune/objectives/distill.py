@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ModelConfig, SamplingConfig
-from jaxtune.data.batching import padded_length
 from jaxtune.data.formats import Example
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.generation import generate
@@ -129,9 +128,8 @@ def on_policy_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequ
     labels, the prompt masked; T the `padded_length` of the longest row; `on_policy` [A, rows] ones."""
     n = len(completions)
     rows = rollout_batch([list(p) for p in prompts], [list(c) for c in completions], [0.0] * n, np.zeros(n), seq_len)
-    T = padded_length(max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1, seq_len)
-    stacked = {k: rows[k][:, :T].reshape(grad_accum, -1, T) for k in ("input_ids", "labels", "loss_mask",
-                                                                     "segment_ids", "positions")}
+    stacked = {k: rows[k].reshape(grad_accum, -1, rows[k].shape[1]) for k in ("input_ids", "labels", "loss_mask",
+                                                                             "segment_ids", "positions")}
     return {**stacked, "on_policy": np.ones(stacked["loss_mask"].shape[:2], np.float32)}
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxtune.config import MethodConfig, ModelConfig, SamplingConfig
+from jaxtune.data.batching import trimmed_to_longest
 from jaxtune.environments.base import load_environment
 from jaxtune.environments.episode_batch import Episode, rollout
 from jaxtune.errors import JaxtuneError
@@ -98,8 +99,8 @@ def _thawed(value):
 
 def episode_batch(ids: list[list[int]], masks: list[list[int]], rewards: list[float], advantages: np.ndarray,
                   seq_len: int) -> dict:
-    """Episodes as [N, seq_len] rows (as `grpo.rollout_batch` lays out prompt + completion), the loss on the
-    positions that predict a sampled token, plus `rewards` [N] and `advantages` [N]."""
+    """Episodes as [N, T] rows (as `grpo.rollout_batch` lays out prompt + completion; T the `padded_length` of the
+    longest), the loss on the positions that predict a sampled token, plus `rewards` [N] and `advantages` [N]."""
     N = len(ids)
     batch: dict[str, np.ndarray] = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
                                     for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -111,4 +112,4 @@ def episode_batch(ids: list[list[int]], masks: list[list[int]], rewards: list[fl
         batch["segment_ids"][i, :n], batch["positions"][i, :n] = 1, np.arange(n)
     batch["rewards"] = np.asarray(rewards, np.float32)
     batch["advantages"] = np.asarray(advantages, np.float32)
-    return batch
+    return trimmed_to_longest(batch, seq_len)

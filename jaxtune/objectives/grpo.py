@@ -2,12 +2,12 @@
 its section `GRPOConfig`); RLOO (`rloo.py`) shares its rollouts, rewards and data (`RolloutConfig`, `make_prepare`).
 
 Each step: sample `group_size` completions a prompt (`sample_group`), score them, normalise the rewards into
-advantages (`group_advantages`), and take a gradient step on the clipped-ratio objective (or CISPO's) with a KL
-penalty to the reference (the base, adapters off; a frozen copy for a full fine-tune), aggregated as TRL 1.16's
-`loss_type`. With `num_iterations` > 1 a rollout batch serves that many steps with the learner's log-probs at sampling
-(`old_logps`; `rollout_store`); another sampler's (`sampler_logps`) weight the loss as TRL's importance sampling does.
-The reward: `reward(prompts, completions, **fields) -> list[float]` by dotted path (`load_reward_function`; the
-records' other fields as keyword lists), or a reward model directory (`reward_model_function`)."""
+advantages (`group_advantages`), pad the rows to the power-of-two bucket of the longest (a compile per bucket), and
+step on the clipped-ratio objective (or CISPO's) with a KL penalty to the reference (the base, adapters off; a frozen
+copy for a full fine-tune), aggregated as TRL 1.16's `loss_type`. With `num_iterations` > 1 a batch serves that many
+steps with the learner's log-probs at sampling (`old_logps`; `rollout_store`); another sampler's (`sampler_logps`)
+weight the loss as TRL's importance sampling does. The reward: `reward(prompts, completions, **fields)` by a dotted
+path (`load_reward_function`; other fields as keyword lists) or a reward model (`reward_model_function`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
+from jaxtune.data.batching import trimmed_to_longest
 from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval_split
-from jaxtune.data.tokenizer import load_tokenizer
+from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
 from jaxtune.generation import generate
 from jaxtune.methods.base import method_unit
@@ -46,6 +47,7 @@ from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
 from jaxtune.rollouts.engine import PagePool, sample_groups
 from jaxtune.rollouts.external_sampler import ExternalSampler, ExternalSamplerConfig, sample_group_external
+from jaxtune.stop_strings import StopStrings
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,13 @@ class RolloutConfig:
     before step t is dispatched, and scored while it runs; its `old_logps` are those parameters' (the behaviour
     policy, one update behind the learner), or with GRPO's sampler_importance_sampling_correction its
     `sampler_logps`, the ratio then of the step's own parameters and the policy term weighted by the truncated or
-    masked importance weights (`losses.sampler_weights`). Steps 1 and 2 both take batches of the initial parameters."""
+    masked importance weights (`losses.sampler_weights`). Steps 1 and 2 both take batches of the initial parameters.
+    stop_strings: a completion also ends once its text holds one of them (either engine; `jaxtune.stop_strings`,
+    checked every 16 decode steps, a token whose own text holds one ending it at once). Its tokens end with the one
+    that completed the string: the loss credits the sampled tokens that stopped it, as it credits an EOS; the reward
+    sees the text cut before the string (what TRL passes from vLLM's `stop`, as an EOS is not in the text), and
+    mask_truncated_completions counts it as ended. Not with an environment (its turns end by its own rules) or an
+    external sampler."""
 
     reward: str = ""
     reward_model: str = ""
@@ -82,6 +90,7 @@ class RolloutConfig:
     rollout_slots: int = 16
     rollout_page_size: int = 16
     rollout_pages: int = 0
+    stop_strings: tuple = ()
     sampler_url: str = ""
     sampler_model: str = ""
     sampler_adapter_dir: str = ""
@@ -128,6 +137,11 @@ class RolloutConfig:
         check_range("rollout_slots", self.rollout_slots, 1)
         check_range("rollout_page_size", self.rollout_page_size, 1)
         check_range("rollout_pages", self.rollout_pages, 0)
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ConfigError("stop_strings", self.stop_strings, "must be a list of non-empty strings")
+        if self.stop_strings and (self.environment or self.sampler_url):
+            raise ConfigError("stop_strings", self.stop_strings, "ends completions jaxtune samples, not an "
+                              "environment's turns or an external sampler's; unset one of them")
         self.external_sampler  # noqa: B018  its checks, named as these keys
         if self.environment and self.sampler_url:
             raise ConfigError("sampler_url", self.sampler_url, "an environment's episodes are sampled by jaxtune "
@@ -229,11 +243,13 @@ def load_reward_function(path: str):
 
 def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float],
                   advantages: np.ndarray, seq_len: int, eos_ids: Sequence[int] = (),
-                  sampler_logps: Sequence[Sequence[float]] | None = None) -> dict:
-    """Rows prompt + completion as [N, seq_len] arrays (as SFT batches), plus `rewards` [N] and their `advantages`
-    [N] (rows of a prompt's group are consecutive). eos_ids: if given, a completion that does not end with one of
-    them has no loss tokens (`mask_truncated_completions`). sampler_logps: the sampler's log-prob of each completion
-    token, one list a row, as `sampler_logps` [N, seq_len] at the positions that predict them (NaN: not reported)."""
+                  sampler_logps: Sequence[Sequence[float]] | None = None,
+                  stopped: Sequence[bool] | None = None) -> dict:
+    """Rows prompt + completion as [N, T] arrays (as SFT batches; T the `padded_length` of the longest, at most
+    seq_len), plus `rewards` [N] and their `advantages` [N] (rows of a prompt's group are consecutive). eos_ids: if
+    given, a completion that does not end with one of them (nor at a stop string: `stopped` [N]) has no loss tokens
+    (`mask_truncated_completions`). sampler_logps: the sampler's log-prob of each completion token, one list a row,
+    as `sampler_logps` [N, T] at the positions that predict them (NaN: not reported)."""
     N = len(completions)
     batch: dict[str, np.ndarray] = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
                                     for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -243,7 +259,7 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], reward
         ids = (prompt + completion)[: seq_len + 1]
         n = len(ids) - 1
         batch["input_ids"][i, :n], batch["labels"][i, :n] = ids[:-1], ids[1:]
-        truncated = bool(eos_ids) and not (completion and completion[-1] in eos_ids)
+        truncated = bool(eos_ids) and not (completion and completion[-1] in eos_ids) and not (stopped and stopped[i])
         start = len(prompt) - 1  # the position that predicts the completion's first token
         batch["loss_mask"][i, start:n] = 0.0 if truncated else 1.0
         batch["segment_ids"][i, :n], batch["positions"][i, :n] = 1, np.arange(n)
@@ -251,7 +267,7 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], reward
             batch["sampler_logps"][i, start:n] = np.asarray(sampler_logps[i], np.float32)[:n - start]
     batch["rewards"] = np.asarray(rewards, np.float32)
     batch["advantages"] = np.asarray(advantages, np.float32)
-    return batch
+    return trimmed_to_longest(batch, seq_len)
 
 
 def soft_overlong_punishment(lengths: Sequence[int], max_completion_len: int, cache: int) -> np.ndarray:
@@ -264,18 +280,33 @@ def soft_overlong_punishment(lengths: Sequence[int], max_completion_len: int, ca
     return np.where(lengths_N > max_completion_len, -1.0, penalty)
 
 
+def stops_of(section: RolloutConfig, tokenizer: Tokenizer | None, rows: int) -> StopStrings | None:
+    """The section's `stop_strings` for `rows` completions (None: none)."""
+    if not section.stop_strings:
+        return None
+    if tokenizer is None:
+        raise JaxtuneError("stop_strings: completions are cut by their text, which needs the tokenizer")
+    return StopStrings.of(tokenizer, section.stop_strings, rows)
+
+
 def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, prompts: list[list[int]],
-                 grpo: RolloutConfig, seed: int, eos_ids) -> tuple[list[list[int]], list[list[int]]]:
+                 grpo: RolloutConfig, seed: int, eos_ids, tokenizer: Tokenizer | None = None
+                 ) -> tuple[list[list[int]], list[list[int]]]:
     """G completions per prompt from the current policy: (prompt of each row, completion of each row); a completion
-    that stopped ends with its EOS, so the step's loss covers the choice to stop."""
+    that stopped ends with its EOS, or with the token that completed one of the section's `stop_strings` (decoded by
+    `tokenizer`), so the step's loss covers the choice to stop."""
     repeated = [p for p in prompts for _ in range(grpo.group_size)]
     sampling = SamplingConfig(max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_k=grpo.top_k,
                               top_p=grpo.top_p, seed=seed)
+    stops = stops_of(grpo, tokenizer, len(repeated))
+    stop_ids = stops.token_ids() if stops else []
     if grpo.rollout_engine == "paged":
         pool = PagePool(grpo.rollout_slots, grpo.rollout_page_size, grpo.rollout_pages)
         return repeated, sample_groups(params, cfg, prompts, grpo.group_size, sampling, pool=pool, eos_ids=eos_ids,
-                                       include_stop=True, method=method).tokens
-    return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, method=method, include_stop=True)
+                                       stop_token_ids=stop_ids, include_stop=True, method=method,
+                                       stop_when=stops).tokens
+    return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, stop_token_ids=stop_ids,
+                              method=method, include_stop=True, stop_when=stops)
 
 
 def group_advantages(rewards: list[float], grpo: GRPOConfig) -> np.ndarray:
@@ -442,10 +473,16 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         fields = {k: [e.fields.get(k) for e in chosen for _ in range(repeat)] for k in names}
         prompts = [e.prompt for e in chosen for _ in range(repeat)]
 
+        stops = stops_of(g, tok, len(completions))
+
+        def text(i: int) -> str:  # cut before a stop string, whose tokens the loss credits
+            decoded = tok.decode(completions[i])
+            return decoded if stops is None else stops.cut_text(i, decoded)
+
         def score(rows: list[int]) -> np.ndarray:
             assert reward_fn is not None  # episodes are scored by their environment
             try:
-                values = reward_fn([prompts[i] for i in rows], [tok.decode(completions[i]) for i in rows],
+                values = reward_fn([prompts[i] for i in rows], [text(i) for i in rows],
                                    **{k: [v[i] for i in rows] for k, v in fields.items()})
             except Exception as e:  # noqa: BLE001  the user's code: one line naming it
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
@@ -492,16 +529,19 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         else:
             prompts, sampled = [tok.encode(e.prompt) for e in chosen], None
             if sampler is None:
-                rows, completions = sample_group(policy, cfg, method, prompts, g, seed, eos)
+                rows, completions = sample_group(policy, cfg, method, prompts, g, seed, eos, tok)
             else:  # the rollout batch's number over the run, for push_every
                 number = epoch * (steps_per_epoch // g.num_iterations) + generation
                 rows, completions, sampled = sample_group_external(
                     sampler, policy, cfg, method, prompts, g, seed, eos, number, g.sampler_push_every,
                     g.sampler_weights)
             n = len(completions)  # rewards and advantages once scored (`finish`)
+            stops = stops_of(g, tok, n)
+            stopped = None if stops is None else [stops(i, c) for i, c in enumerate(completions)]
             rollouts = rollout_batch(rows, completions, [0.0] * n, np.zeros(n), seq_len,
                                      eos_ids=eos if g.mask_truncated_completions else (),
-                                     sampler_logps=sampled if sampler_corrected(g) else None)
+                                     sampler_logps=sampled if sampler_corrected(g) else None,
+                                     stopped=stopped)
         stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
         # the old policy's, scored once with the parameters that sampled (dispatched now, read in `finish`)
         old = ([learner_logps(policy, {k: v[a] for k, v in stacked.items()}) for a in range(tc.grad_accum)]
@@ -566,8 +606,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                                             seq_len + 1)
             return {"eval_reward": float(np.mean(scores))}
         greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=0.0)
+        stops = stops_of(g, tok, len(held_out))
         completions = generate(params, cfg, [tok.encode(e.prompt) for e in held_out], greedy, eos_ids=eos,
-                               method=method)
+                               stop_token_ids=stops.token_ids() if stops else [], method=method, stop_when=stops)
         return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
 
     steps_per_epoch = len(train) // per_step * g.num_iterations
