@@ -41,3 +41,12 @@ def count_letter_a_seen(prompts, completions):
     """`count_letter_a`, keeping the completions it saw in SEEN."""
     SEEN.extend(completions)
     return count_letter_a(prompts, completions)
+
+
+EVENTS: list = []  # ("reward", the call's number): tests/test_grpo_one_step_off.py sets it to its own list
+
+
+def recorded_share_of_answer(prompts, completions, answer):
+    """`share_of_answer`, each call appended to `EVENTS`."""
+    EVENTS.append(("reward", 1 + sum(e[0] == "reward" for e in EVENTS)))
+    return share_of_answer(prompts, completions, answer)

@@ -87,6 +87,9 @@ class ObjectiveData:
     fine-tune) or a model directory, read into the frozen weights' shardings.
     rows_per_epoch, tokens_per_epoch: the rows of data an epoch's batches hold and the token positions in them (None
     where the objective does not know them before it runs), for `train.setup_checks`' padding warnings.
+    ahead(epoch, index, params) -> finish: for batches sampled one step ahead (GRPO's `off_policy_steps`), the
+    trainer calls it with the parameters of the step before `index`, before dispatching that step (which donates
+    them), then `finish() -> batch` once the step is dispatched; batch() then returns that batch at its step.
     """
 
     steps_per_epoch: int
@@ -95,6 +98,7 @@ class ObjectiveData:
     start: Callable[[Callable[[str], dict], Context], None] | None = None
     rows_per_epoch: int | None = None
     tokens_per_epoch: int | None = None
+    ahead: Callable[[int, int, Callable[[], dict]], Callable[[], dict]] | None = None
 
 
 Section = TypeVar("Section")

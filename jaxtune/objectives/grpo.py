@@ -69,6 +69,12 @@ class RolloutConfig:
     (`rollouts.engine`: rollout_slots rows decoding at once over a pool of rollout_pages pages of rollout_page_size
     tokens, 0: as many as no sample waits for, a finished row's slot taking the next sample, a group's prompt
     prefilled once; plain attention caches only, one process).
+    off_policy_steps: 0, or 1 for one-step-off rollouts (verl's one_step_off_policy; TRL's experimental AsyncGRPO
+    bounds the same lag with max_staleness): the batch of step t + 1 is sampled with the parameters step t starts from,
+    before step t is dispatched, and scored while it runs; its `old_logps` are those parameters' (the behaviour
+    policy, one update behind the learner), or with GRPO's sampler_importance_sampling_correction its
+    `sampler_logps`, the ratio then of the step's own parameters and the policy term weighted by the truncated or
+    masked importance weights (`losses.sampler_weights`). Steps 1 and 2 both take batches of the initial parameters.
     stop_strings: a completion also ends once its text holds one of them (either engine; `jaxtune.stop_strings`,
     checked every 16 decode steps, a token whose own text holds one ending it at once). Its tokens end with the one
     that completed the string: the loss credits the sampled tokens that stopped it, as it credits an EOS; the reward
@@ -102,6 +108,7 @@ class RolloutConfig:
     epsilon_high: float = 0.0
     kl_coef: float = 0.04
     num_iterations: int = 1
+    off_policy_steps: int = 0
     mask_truncated_completions: bool = False
     soft_punish_cache: int = 0
 
@@ -119,6 +126,7 @@ class RolloutConfig:
         check_range("epsilon_high", self.epsilon_high, 0)
         check_range("kl_coef", self.kl_coef, 0)
         check_range("num_iterations", self.num_iterations, 1)
+        check_range("off_policy_steps", self.off_policy_steps, 0, 1)
         check_range("soft_punish_cache", self.soft_punish_cache, 0, self.max_new_tokens)
         options = self.environment_options
         options = options.items() if isinstance(options, dict) else options
@@ -141,6 +149,10 @@ class RolloutConfig:
         if self.environment and (self.soft_punish_cache or self.mask_truncated_completions):
             raise ConfigError("environment", self.environment, "episodes end by their environment or at max_seq_len "
                               "(reward 0): soft_punish_cache and mask_truncated_completions apply to one completion")
+        if self.off_policy_steps and (self.num_iterations > 1 or self.environment or self.sampler_url):
+            key = "num_iterations" if self.num_iterations > 1 else "environment" if self.environment else "sampler_url"
+            raise ConfigError("off_policy_steps", self.off_policy_steps, f"one-step-off rollouts are jaxtune's own "
+                              f"single-turn samples, one step each; unset {key} or set off_policy_steps = 0")
 
     @property
     def external_sampler(self) -> ExternalSamplerConfig:
@@ -340,14 +352,19 @@ def policy_and_reference_logps(ctx: Context, trainable, frozen, second, micro, k
 
 def old_logps_of(micro: dict, logp_BxT: jax.Array) -> jax.Array:
     """The old policy's per-token log-probs [B, T]: the batch's `old_logps` (the learner's at sampling time, kept for
-    `num_iterations` steps), else the current policy's as a constant (one step per batch: the ratio is 1 in value
-    but not in gradient)."""
+    `num_iterations` steps, or one update stale with `off_policy_steps`), else the current policy's as a constant (one
+    step per batch: the ratio is 1 in value but not in gradient)."""
     return micro["old_logps"] if "old_logps" in micro else jax.lax.stop_gradient(logp_BxT)
 
 
 def keeps_learner_logps(section: RolloutConfig) -> bool:
-    """Whether a rollout batch carries the learner's per-token log-probs at sampling time (`old_logps`)."""
-    return section.num_iterations > 1 or sampler_corrected(section)
+    """Whether a rollout batch carries the learner's per-token log-probs at sampling time as `old_logps`: reused for
+    num_iterations steps, sampled one step ahead (off_policy_steps), or weighted against another sampler's. One step
+    ahead with the sampler's correction, they are the batch's `sampler_logps` instead (the sampling policy one update
+    behind) and the old policy is the learner's at the step (`old_logps_of`), as TRL's with a lagging vLLM."""
+    if section.off_policy_steps and sampler_corrected(section):
+        return False
+    return section.num_iterations > 1 or section.off_policy_steps > 0 or sampler_corrected(section)
 
 
 def sampler_corrected(section: RolloutConfig) -> bool:
@@ -489,18 +506,22 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     if sampler is not None and jax.process_count() > 1:
         raise JaxtuneError(f"[{name}] sampler_url with {jax.process_count()} processes: an external sampler is "
                            "spoken to from one process; run the trainer in one (its mesh may span that host's devices)")
-    store = RolloutStore(None if setup.cache_dir is None else Path(setup.cache_dir) / "rollouts")
+    directory = None if setup.cache_dir is None else Path(setup.cache_dir) / "rollouts"
+    # one-step-off: a hard-killed run resumes from its last checkpoint, up to checkpoint_every batches back
+    store = RolloutStore(directory, keep=max(2, tc.checkpoint_every + 1) if g.off_policy_steps else 2)
     options = c.model.forward.resolved(jax.default_backend())
     learner_logps = jax.jit(lambda params, micro: _token_logps(params, cfg, micro, method, options, g.temperature))
 
-    def batch(epoch: int, index: int, params) -> dict:
-        generation, iteration = divmod(index, g.num_iterations)  # one rollout batch for num_iterations steps
-        if iteration:
-            return store.get(epoch, generation, f"[{name}] step {index + 1} of epoch {epoch + 1}")
+    def sample(epoch: int, generation: int, params) -> Callable[[], dict]:
+        """Rollout batch `generation` of `epoch`, in two parts: this call decodes with `params()` and dispatches the
+        learner's log-probs of the samples with them (all the device work that needs those parameters); the
+        function it returns scores the completions on the host and returns the batch, so a step dispatched in
+        between, which may donate the parameters, runs while the host scores (`off_policy_steps`)."""
         order = np.random.default_rng([c.data.seed, epoch]).permutation(len(train))
         chosen = [train[j] for j in order[generation * per_step:(generation + 1) * per_step]]
         seed = int(np.random.default_rng([tc.seed, epoch, generation]).integers(2**31))
         policy = params()
+        completions: list[list[int]] = []
         if g.environment:
             ids, masks, scores = episode_rollouts(policy, cfg, method, records(chosen, g.group_size), g, seed, eos, tok,
                                                   seq_len + 1)
@@ -514,28 +535,65 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                 rows, completions, sampled = sample_group_external(
                     sampler, policy, cfg, method, prompts, g, seed, eos, number, g.sampler_push_every,
                     g.sampler_weights)
-            scores = rewards(chosen, completions, g.group_size)
-            if g.soft_punish_cache:
-                scores = (np.asarray(scores) + soft_overlong_punishment(
-                    [len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)).tolist()
-            stops = stops_of(g, tok, len(completions))
+            n = len(completions)  # rewards and advantages once scored (`finish`)
+            stops = stops_of(g, tok, n)
             stopped = None if stops is None else [stops(i, c) for i, c in enumerate(completions)]
-            rollouts = rollout_batch(rows, completions, scores, advantages(scores, g), seq_len,
+            rollouts = rollout_batch(rows, completions, [0.0] * n, np.zeros(n), seq_len,
                                      eos_ids=eos if g.mask_truncated_completions else (),
                                      sampler_logps=sampled if sampler_corrected(g) else None,
                                      stopped=stopped)
         stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
-        if keeps_learner_logps(g):  # the old policy's, scored once with the parameters that sampled
-            stacked["old_logps"] = np.stack([host_copy(learner_logps(policy, {k: v[a] for k, v in stacked.items()}))
-                                             for a in range(tc.grad_accum)]) * (stacked["loss_mask"] > 0)
-        if sampler_corrected(g) and "sampler_logps" not in stacked:  # jaxtune's sampler is the learner: weights 1
-            stacked["sampler_logps"] = stacked["old_logps"]
-        if counts_micro_tokens(g):
-            stacked["tokens_per_micro"] = np.full(stacked["rewards"].shape, stacked["loss_mask"].sum() / tc.grad_accum,
-                                                  np.float32)
+        # the old policy's, scored once with the parameters that sampled (dispatched now, read in `finish`)
+        old = ([learner_logps(policy, {k: v[a] for k, v in stacked.items()}) for a in range(tc.grad_accum)]
+               if keeps_learner_logps(g) or sampler_corrected(g) else None)
+
+        def finish() -> dict:
+            if not g.environment:
+                scores = rewards(chosen, completions, g.group_size)
+                if g.soft_punish_cache:
+                    scores = (np.asarray(scores) + soft_overlong_punishment(
+                        [len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)).tolist()
+                stacked["rewards"] = np.asarray(scores, np.float32).reshape(tc.grad_accum, -1)
+                stacked["advantages"] = np.asarray(advantages(scores, g), np.float32).reshape(tc.grad_accum, -1)
+            sampling = None if old is None else np.stack([host_copy(x) for x in old]) * (stacked["loss_mask"] > 0)
+            if keeps_learner_logps(g):
+                stacked["old_logps"] = sampling
+            if sampler_corrected(g) and "sampler_logps" not in stacked:  # jaxtune's sampler is the learner: weights 1
+                stacked["sampler_logps"] = sampling  # unless one step ahead: the learner's a step behind
+            if counts_micro_tokens(g):
+                stacked["tokens_per_micro"] = np.full(stacked["rewards"].shape,
+                                                      stacked["loss_mask"].sum() / tc.grad_accum, np.float32)
+            return stacked
+
+        return finish
+
+    def batch(epoch: int, index: int, params) -> dict:
+        if g.off_policy_steps and (epoch, index) != (0, 0):  # sampled a step ahead (`ahead`), or at a resume read back
+            stored = store.find(epoch, index)
+            if stored is not None:
+                return stored
+            setup.log(f"[{name}] step {epoch * steps_per_epoch + index + 1}: no rollout batch sampled ahead for it "
+                      f"(in memory or {directory or 'no run directory'}); sampled now with the current parameters")
+            return sample(epoch, index, params)()
+        generation, iteration = divmod(index, g.num_iterations)  # one rollout batch for num_iterations steps
+        if iteration:
+            return store.get(epoch, generation, f"[{name}] step {index + 1} of epoch {epoch + 1}")
+        stacked = sample(epoch, generation, params)()
         if g.num_iterations > 1:
             store.put(epoch, generation, stacked)
         return stacked
+
+    def ahead(epoch: int, index: int, params) -> Callable[[], dict]:
+        """One-step-off: step `index` of `epoch`'s batch sampled now, with the parameters of the step before it,
+        scored and stored (memory and the run's directory, for a resume) by the function returned."""
+        finish = sample(epoch, index, params)
+
+        def stored() -> dict:
+            stacked = finish()
+            store.put(epoch, index, stacked)
+            return stacked
+
+        return stored
 
     def records(chosen: list, repeat: int) -> list[dict]:
         """Each prompt record `repeat` times, as an environment's reset takes it."""
@@ -554,7 +612,8 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
 
     steps_per_epoch = len(train) // per_step * g.num_iterations
-    return ObjectiveData(steps_per_epoch, batch, evaluate if held_out else None)
+    return ObjectiveData(steps_per_epoch, batch, evaluate if held_out else None,
+                         ahead=ahead if g.off_policy_steps else None)
 
 
 def _batch_fields(rows: int, seq_len: int, section: RolloutConfig) -> dict:

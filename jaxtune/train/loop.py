@@ -3,10 +3,10 @@
 One loop for every objective: what differs (data, the step, the eval, the export) is a `StartedRun` (start.py, from
 `start_run`), whose arrays and step are the spine's, sharded over `[mesh]`. Epoch e's batches depend only on
 (data.seed, e) (GRPO's also on the params), so the data position is the step and a resumed run replays an
-uninterrupted one; metrics reach the host one step late (the only host sync). Nothing trained is lost
-(`train/resume.py` has the resume rules): one writer a run directory (`paths.run_directory_lock`); a step's metrics
-line is on disk before its checkpoint; the last step is checkpointed before its evaluation and any end-of-run work;
-SIGTERM/SIGINT finish the step, save it and return `interrupted` (a second one stops at once).
+uninterrupted one; metrics reach the host one step late (the only host sync); a batch sampled a step ahead
+(`StartedRun.ahead`) is scored while the step before it runs. Nothing trained is lost (`train/resume.py`): one
+writer a run directory; a step's metrics line is on disk before its checkpoint; the last step is checkpointed before
+its evaluation; SIGTERM/SIGINT finish the step, save it and return `interrupted` (a second one stops at once).
 """
 
 from __future__ import annotations
@@ -257,7 +257,12 @@ def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start:
         epoch, index = divmod(step - 1, steps_per_epoch)
         profile.before(step)
         batch = timed("data", lambda: run.place_batch(task.batch(epoch, index, state)))
+        # one-step-off rollouts: the next step's batch decoded with the params this step starts from, before the
+        # step donates them, and scored on the host while the device runs the step
+        finish = timed("data", task.ahead, *divmod(step, steps_per_epoch), state) if step < total_steps else None
         state, metrics = timed("step", run.step, state, task.frozen, task.second, batch)
+        if finish is not None:
+            timed("data", finish)  # before any checkpoint of this step: a resumed run reads the batch back
         profile.after(step, total_steps, state)
         if pending is not None:
             train_loss = flush(pending)

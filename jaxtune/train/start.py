@@ -54,6 +54,21 @@ class StartedRun:
         with traced_on(self.run.mesh):
             return self.training.batch(epoch, index, lambda: combine(state["params"], self.frozen))
 
+    def ahead(self, epoch: int, index: int, state: dict) -> Callable[[], dict] | None:
+        """For an objective that samples a step ahead (`ObjectiveData.ahead`): step `index` of `epoch`'s batch
+        sampled now with `state`'s params (before the step that donates them is dispatched), and the function that
+        finishes it (scores it) once that step runs; None for the others."""
+        if self.training.ahead is None:
+            return None
+        with traced_on(self.run.mesh):
+            finish = self.training.ahead(epoch, index, lambda: combine(state["params"], self.frozen))
+
+        def finished() -> dict:
+            with traced_on(self.run.mesh):
+                return finish()
+
+        return finished
+
     def evaluate(self, state: dict) -> dict | None:
         if self.training.evaluate is None:
             return None
