@@ -8,9 +8,10 @@ A small Llama (8 layers of hidden 512, vocab 32,000) with random weights, float3
 Rows end at mixed lengths: `--stop-share` of the vocabulary ends a row (random weights pick a stop token with about
 that probability each step, so lengths run from a few tokens to `--max-new-tokens`). A GRPO step: sample the rows
 (`grpo.sample_group`), score them (the share of even token ids: any reward will do), build the batch and take the
-jitted step. Each engine runs `--steps` steps after a warm-up step (its compiles, reported apart), interleaved step by
-step; steps/s, rollout tokens/s and the rollout's share of the step are reported. Results go to
-benchmarks/results/grpo_steps.json.
+jitted step (rows laid out to the bucket of the longest, as the trainer does; `--rows-at-the-cap` adds a paged arm
+whose rows are padded to max_seq_len, the layout before). Each engine runs `--steps` steps after a warm-up step
+(its compiles, reported apart), interleaved step by step; steps/s, rollout tokens/s and the rollout's share of the
+step are reported. Results go to benchmarks/results/grpo_steps.json.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="a row's limit (default 256)")
     parser.add_argument("--stop-share", type=float, default=0.01, help="share of the vocabulary that ends a row")
     parser.add_argument("--steps", type=int, default=4, help="timed steps each after the warm-up (default 4)")
+    parser.add_argument("--rows-at-the-cap", action="store_true",
+                        help="a third arm: paged, the step's rows padded to max_seq_len, not to the longest's bucket")
     parser.add_argument("--out", default=str(HERE / "results" / "grpo_steps.json"))
     args = parser.parse_args()
     rng = np.random.RandomState(0)
@@ -62,6 +65,8 @@ def main() -> None:
                      forward=ForwardOptions(compute_dtype="float32", remat="full"))
     run = abstract_run(CFG, plan, make_mesh(MeshConfig(), jax.devices()[:1]), TrainConfig(learning_rate=1e-4), 100)
     engines = {"padded": section, "paged": replace(section, rollout_engine="paged")}
+    if args.rows_at_the_cap:
+        engines["paged, rows at the cap"] = engines["paged"]
     states = {name: run.init_state(trainable, 0) for name in engines}
     times: dict[str, dict[str, list]] = {name: {"rollout": [], "step": [], "tokens": []} for name in engines}
 
@@ -73,6 +78,8 @@ def main() -> None:
         sampled = time.perf_counter()
         rewards = [float(np.mean(np.asarray(c) % 2 == 0)) if c else 0.0 for c in completions]
         batch = rollout_batch(rows, completions, rewards, group_advantages(rewards, section), seq_len)
+        if name.endswith("at the cap"):  # the layout before rows were cut to the bucket of the longest
+            batch = {k: np.pad(v, ((0, 0), (0, seq_len - v.shape[1]))) if v.ndim == 2 else v for k, v in batch.items()}
         states[name], metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})
         jax.block_until_ready(metrics)
         done = time.perf_counter()
@@ -94,6 +101,9 @@ def main() -> None:
                                 "mean_new_tokens": round(float(np.mean(tokens)) / (args.prompts * args.group), 1)}
     paged, padded = out["engines"]["paged"], out["engines"]["padded"]
     out["paged_over_padded_steps_per_s"] = round(paged["steps_per_s"] / padded["steps_per_s"], 3)
+    if args.rows_at_the_cap:
+        out["longest_bucket_over_cap_steps_per_s"] = round(
+            paged["steps_per_s"] / out["engines"]["paged, rows at the cap"]["steps_per_s"], 3)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 

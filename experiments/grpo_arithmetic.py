@@ -1,8 +1,9 @@
 """GRPO on a verifiable math-style task: arithmetic chains ("Q: 7+8-5+9\nA:") with an `answer` field (issue 51).
 
 1. Generate the data (seeded, no download): SFT chats, GRPO prompts and held-out prompts, all distinct.
-2. Build a tiny Llama (byte-level tokenizer) and SFT it on the worked format (a full fine-tune), briefly on purpose:
-   it learns the format and gets some chains right, which leaves GRPO something to raise.
+2. Build a tiny Llama (byte-level tokenizer) and SFT it (a full fine-tune) on demonstrations from a careless
+   teacher: in `slip` of them (60%) the last line states the value before the last step. The imitator learns the
+   chains and the slip; the answers' checker (the reward) sees every slip, which leaves GRPO something to raise.
 3. GRPO (full fine-tune, `fine_tune` on a TOML config written here) with the exact-answer reward
    `grpo_tasks.arithmetic_reward`, rollouts of up to `max_new_tokens` (1024 in the full run) sampled at
    temperature 1; the held-out accuracy is the run's `eval_reward` (greedy completions of the held-out prompts),
@@ -27,9 +28,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get
 
 import grpo_tasks as tasks  # noqa: E402
 
-FULL = dict(sft_examples=8000, sft_steps=450, grpo_prompts=2000, held_out=200, grpo_steps=20, prompts_per_step=4,
-            group_size=8, max_new_tokens=1024, eval_every=10, learning_rate=2e-5)
-QUICK = dict(sft_examples=200, sft_steps=10, grpo_prompts=64, held_out=16, grpo_steps=2, prompts_per_step=4,
+FULL = dict(sft_examples=8000, sft_steps=800, slip=0.6, grpo_prompts=2000, held_out=200, grpo_steps=30,
+            prompts_per_step=16, group_size=8, max_new_tokens=1024, eval_every=10, learning_rate=5e-5)
+QUICK = dict(sft_examples=200, sft_steps=10, slip=0.6, grpo_prompts=64, held_out=16, grpo_steps=2, prompts_per_step=4,
              group_size=4, max_new_tokens=64, eval_every=2, learning_rate=5e-4)
 
 
@@ -38,7 +39,7 @@ def run(out: Path, quick: bool, log=print) -> dict:
     started = time.perf_counter()
     held_out = tasks.arithmetic_examples(size["held_out"], seed=1)
     seen = frozenset(r["prompt"] for r in held_out)
-    sft = tasks.arithmetic_examples(size["sft_examples"], seed=2, exclude=seen)
+    sft = tasks.arithmetic_examples(size["sft_examples"], seed=2, exclude=seen, slip=size["slip"])
     prompts = tasks.arithmetic_examples(size["grpo_prompts"], seed=3, exclude=seen | {r["prompt"] for r in sft})
     data = out / "data"
     tasks.write_jsonl(data / "sft.jsonl", sft, ("prompt", "completion"))
@@ -67,7 +68,8 @@ def run(out: Path, quick: bool, log=print) -> dict:
                   "schedule": "constant", "log_every": 1, "eval_every": size["eval_every"]},
         "grpo": {"reward": "grpo_tasks.arithmetic_reward", "group_size": size["group_size"],
                  "max_new_tokens": size["max_new_tokens"], "temperature": 1.0, "kl_coef": 0.04,
-                 "loss_type": "grpo", "mask_truncated_completions": True}})
+                 "loss_type": "grpo", "mask_truncated_completions": True, "rollout_engine": "paged",
+                 "rollout_slots": size["prompts_per_step"] * size["group_size"]}})
     _, grpo_seconds, records = tasks.timed_fine_tune(grpo_config, log)
     summary = tasks.grpo_summary(records, grpo_seconds)
     held = summary["held_out"]

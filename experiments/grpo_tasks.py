@@ -31,11 +31,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content | replace('<
 _ANSWER = re.compile(r"answer:\s*(-?\d+)")
 
 
-def arithmetic_examples(n: int, seed: int, ops: int = 4, exclude: frozenset[str] = frozenset()) -> list[dict]:
+def arithmetic_examples(n: int, seed: int, ops: int = 4, exclude: frozenset[str] = frozenset(),
+                        slip: float = 0.0) -> list[dict]:
     """n records {"prompt", "completion", "answer"}: a start in 1..9 and `ops` steps of +/- a digit 1..9, every
     running value in 0..19 (facts a tiny model learns); the completion works it out one operation a line and ends
-    "answer: N"."""
-    rng = random.Random(seed)
+    "answer: N". slip: the share of completions whose last line is a careless teacher's, the value before the last
+    step (their `answer` field stays right): demonstrations an imitator copies, slips included."""
+    rng, slips = random.Random(seed), random.Random(seed + 1)
     records: list[dict] = []
     seen = set(exclude)
     while len(records) < n:
@@ -52,7 +54,8 @@ def arithmetic_examples(n: int, seed: int, ops: int = 4, exclude: frozenset[str]
         if prompt in seen:
             continue
         seen.add(prompt)
-        records.append({"prompt": prompt, "completion": " " + "\n".join(lines) + f"\nanswer: {value}",
+        stated = int(lines[-1].split("=")[0][:-2]) if slips.random() < slip else value  # the last step's start
+        records.append({"prompt": prompt, "completion": " " + "\n".join(lines) + f"\nanswer: {stated}",
                         "answer": str(value)})
     return records
 
