@@ -102,7 +102,7 @@ def test_rloo_weighted_rewards_and_advantages_equal_trl(beta, clip_range, normal
 @pytest.mark.parametrize("keys, key, message", [
     ({"reward": ("a.f", "a.g"), "reward_weights": (1.0,)}, "reward_weights", r"has 1 weights for 2 rewards"),
     ({"reward": "a.f", "reward_model": "rm", "reward_weights": (1.0,)}, "reward_weights",
-     r"has 1 weights for 2 rewards \(reward's 1 functions \+ reward_model\)"),
+     r"has 1 weights for 2 rewards \(1 in reward \+ reward_model\)"),
     ({"reward": "a.f", "reward_weights": ("x",)}, "reward_weights", "must be a list of numbers"),
     ({"reward": ("a.f", "b.f")}, "reward", "names two rewards 'f'"),
     ({"reward": ("a.f", "")}, "reward", "must be a list of dotted paths"),

@@ -129,7 +129,7 @@ class RolloutConfig:
         given = len(self.reward) + bool(self.reward_model)
         if self.reward_weights and len(self.reward_weights) != given:
             raise ConfigError("reward_weights", list(self.reward_weights), f"has {len(self.reward_weights)} weights "
-                              f"for {given} rewards (reward's {len(self.reward)} functions"
+                              f"for {given} rewards ({len(self.reward)} in reward"
                               f"{' + reward_model' if self.reward_model else ''}); give one each, or none (all 1)")
         names = reward_names(self)
         if len(set(names)) < len(names):
@@ -192,10 +192,10 @@ class GRPOConfig(RolloutConfig):
     before these keys existed), "grpo", "dr_grpo", "bnpo" or "cispo" (MiniMax-M1: the weight min(ratio,
     epsilon_high), its gradient stopped, times the advantage times log pi; epsilon_high is then the cap itself,
     ScaleRL recommends 5). importance_sampling_level: "token", or "sequence" (GSPO). scale_rewards: "group", "batch"
-    or "none" (`losses.grpo_advantages`). delta: two-sided clipping's cap on the ratio (INTELLECT-2; 0: none, TRL's
-    None). multi_objective_aggregation: how several rewards become advantages (TRL's): "sum_then_normalize" (their
-    weighted sum, then scale_rewards) or "normalize_then_sum" (GDPO: each normalised within its group, the weighted
-    sum normalised over the batch; scale_rewards not read) (`reward_functions.grpo_table_advantages`).
+    or "none" (`reward_functions.grpo_table_advantages`). delta: two-sided clipping's cap on the ratio (INTELLECT-2;
+    0: none, TRL's None). multi_objective_aggregation: how several rewards become advantages (TRL's):
+    "sum_then_normalize" (their weighted sum, then scale_rewards) or "normalize_then_sum" (GDPO: each normalised
+    within its group, the weighted sum normalised over the batch; scale_rewards not read).
     sampler_importance_sampling_correction, _mode, _clip_min, _clip_max: TRL's `vllm_importance_sampling_*` for a
     sampler other than the learner: the batch carries the sampler's per-token log-probs (`sampler_logps`) and the
     policy term is weighted by `losses.sampler_weights` of the learner's log-probs at sampling time over them, mode
@@ -453,10 +453,10 @@ def reward_model_function(directory: str, seq_len: int, load_reward_model):
 Rollout = TypeVar("Rollout", bound=RolloutConfig)  # a `RolloutConfig`: GRPO's section, RLOO's
 
 
-def make_prepare(name: str, advantages: Callable[[list[float], Rollout], np.ndarray]):
+def make_prepare(name: str, advantages: Callable[[np.ndarray, Rollout], np.ndarray]):
     """The `prepare` of objective `name` whose section is a `RolloutConfig`: prompts of data.train; each step samples
     `group_size` completions of `batch_size x grad_accum` of them with the current policy, scores them and turns the
-    rewards into advantages, `advantages(rewards [N], section) -> [N]`."""
+    rewards into advantages, `advantages(reward table [N, K], section) -> [N]`."""
     return lambda setup: _prepare(setup, name, advantages)
 
 

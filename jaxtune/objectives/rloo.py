@@ -5,7 +5,7 @@ Each step samples `group_size` completions per prompt. A row's reward, less beta
 reference (the sum over its completion tokens of log pi - log ref, the first-order estimate: the KL goes into the
 reward, not the loss), minus the mean of the other rows of its group is its advantage. The loss is PPO's clipped
 ratio of whole sequences, exp(sum of token log-ratios), averaged over rows. The rewards' leave-one-out part is
-computed with the rollout (`rloo_advantages`); the KL's needs the policy's and the reference's log-probs, which the
+computed with the rollout (`reward_advantages`); the KL's needs the policy's and the reference's log-probs, which the
 step computes anyway, so it is added there (`step_advantages`; leave-one-out is linear, so the sum is TRL's).
 Several rewards are weighted and summed as TRL's RLOOTrainer sums them (`reward_functions`; it has no
 multi_objective_aggregation): a row none scored is NaN, out of its group's baseline (the KL's too) and of the
