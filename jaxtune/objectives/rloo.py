@@ -7,9 +7,6 @@ reward, not the loss), minus the mean of the other rows of its group is its adva
 ratio of whole sequences, exp(sum of token log-ratios), averaged over rows. The rewards' leave-one-out part is
 computed with the rollout (`reward_advantages`); the KL's needs the policy's and the reference's log-probs, which the
 step computes anyway, so it is added there (`step_advantages`; leave-one-out is linear, so the sum is TRL's).
-Several rewards are weighted and summed as TRL's RLOOTrainer sums them (`reward_functions`; it has no
-multi_objective_aggregation): a row none scored is NaN, out of its group's baseline (the KL's too) and of the
-normalisation, with advantage 0.
 """
 
 from __future__ import annotations
@@ -49,7 +46,8 @@ class RLOOConfig(RolloutConfig):
 def reward_advantages(rewards, rloo: RLOOConfig) -> np.ndarray:
     """The rewards' part of RLOO's advantages [N] of a reward table [N, K] (weighted by `reward_weights`; or rewards
     already summed [N]): the sums clipped to `reward_clip_range`, leave-one-out over the group's scored rows; NaN
-    where a row has no baseline (`reward_functions.rloo_table_advantages`)."""
+    where a row has no baseline (`reward_functions.rloo_table_advantages`). Several rewards are summed as TRL's
+    RLOOTrainer sums them; it has no multi_objective_aggregation."""
     return rloo_table_advantages(rewards, column_weights(rloo), rloo.group_size, rloo.reward_clip_range)
 
 
