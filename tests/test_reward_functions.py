@@ -154,3 +154,48 @@ def test_a_run_logs_each_reward_function_in_its_metrics_and_eval(tmp_path):
     assert result.eval_metrics.keys() == evals and all(np.isfinite(v) for v in result.eval_metrics.values())
     assert any(set(evals) <= set(r) for r in lines)
     assert any("every reward returned None for 4 of 8 completions" in line for line in logged), logged
+
+
+@pytest.mark.slow
+def test_functions_a_reward_model_and_the_soft_punishment_are_columns_of_one_table(tmp_path):
+    """GRPO's `prepare` with a function that returns None for some rows, a reward model after it and the soft
+    overlong punishment: the batch holds each one's column under its name, the reward model's its own scores of the
+    rows' texts, `rewards` their weighted sum and `advantages` the table's; the evaluation reports each one but the
+    punishment."""
+    import jax
+    from test_grpo_offpolicy import _setup
+
+    from jaxtune.config import tiny_config
+    from jaxtune.data.tokenizer import Tokenizer
+    from jaxtune.methods.transform import apply_method
+    from jaxtune.models.params import init_params
+    from jaxtune.models.reward_model import add_reward_head, save_reward_model
+    from jaxtune.objectives.grpo import reward_model_function
+    from jaxtune.spine.model import load_reward_model
+
+    rm_cfg = tiny_config(vocab_size=259, initializer_range=0.3, eos_token_id=(2,))
+    rm = save_reward_model(tmp_path / "judge", rm_cfg, add_reward_head(init_params(rm_cfg, jax.random.key(3)), rm_cfg,
+                                                                     jax.random.key(4)))
+    Tokenizer.byte_level().save(rm)
+    section = GRPOConfig(reward="grpo_rewards.letter_a_or_none", reward_model=str(rm), reward_weights=(1.0, 0.5),
+                         soft_punish_cache=2, group_size=4, max_new_tokens=8)
+    setup = _setup(tmp_path, section, cache=False)
+    setup = SimpleNamespace(**{**vars(setup), "load_reward_model": load_reward_model})
+    cfg, method = setup.cfg, setup.config.method
+    params = apply_method(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)), cfg, method,
+                          jax.random.key(1))
+    data = GRPO.prepare(setup)
+    batch = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.batch(0, 0, lambda: params).items()}
+    names = ("letter_a_or_none", rm.name, "soft_overlong_punishment_reward")
+    assert set(GRPO.batch_fields(16, 24, section)) <= set(batch) and {f"rewards/{n}" for n in names} <= set(batch)
+    table = np.stack([batch[f"rewards/{n}"] for n in names], axis=1)
+    assert np.isnan(table[:, 0]).sum() == 4 and not np.isnan(table[:, 1:]).any()  # "Say:"'s group: None
+    np.testing.assert_allclose(batch["rewards"], weighted_sum(table, (1.0, 0.5, 1.0)), rtol=1e-6)
+    np.testing.assert_allclose(batch["advantages"], group_advantages(table, section), rtol=1e-6, atol=1e-6)
+    tokenizer, starts, ends = setup.tokenizer, batch["loss_mask"].argmax(1), batch["segment_ids"].sum(1)
+    prompts = [tokenizer.decode(ids[:s + 1].tolist()) for ids, s in zip(batch["input_ids"], starts)]
+    completions = [tokenizer.decode(labels[s:n].tolist()) for labels, s, n in zip(batch["labels"], starts, ends)]
+    judge = reward_model_function(str(rm), 24, load_reward_model)
+    np.testing.assert_allclose(table[:, 1], judge(prompts, completions), rtol=1e-5, atol=1e-6)
+    evaluated = data.evaluate(None, params)
+    assert set(evaluated) == {"eval_reward"} | {f"eval_rewards/{n}/{s}" for n in names[:2] for s in ("mean", "std")}
