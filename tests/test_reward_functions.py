@@ -129,6 +129,17 @@ def test_bad_reward_keys_in_a_config_and_an_empty_list_are_one_line():
         assert "\n" not in str(error.value)
 
 
+
+def test_a_checkpoint_saved_with_one_reward_string_resumes_with_the_list_of_it():
+    """Checkpoints before `reward` took a list recorded it as a string: the same reward, not another config."""
+    from jaxtune.train.resume import check_resume
+
+    assert check_resume({"grpo.reward": "a.f"}, {"grpo.reward": ["a.f"]}, "c") == {}
+    assert check_resume({"grpo.reward": ""}, {"grpo.reward": []}, "c") == {}
+    with pytest.raises(JaxtuneError, match=r'grpo.reward = "a.f" there, \["a.f", "a.g"\] here'):
+        check_resume({"grpo.reward": "a.f"}, {"grpo.reward": ["a.f", "a.g"]}, "c")
+
+
 @pytest.mark.slow
 @pytest.mark.full
 def test_a_run_logs_each_reward_function_in_its_metrics_and_eval(tmp_path):
