@@ -72,7 +72,8 @@ def main() -> None:
                                          stops)
         sampled = time.perf_counter()
         rewards = [float(np.mean(np.asarray(c) % 2 == 0)) if c else 0.0 for c in completions]
-        batch = rollout_batch(rows, completions, rewards, group_advantages(rewards, section), seq_len)
+        batch = rollout_batch(rows, completions, rewards, group_advantages(rewards, section), seq_len,
+                              reward_columns={"bench": rewards})  # the section's reward, by name
         states[name], metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})
         jax.block_until_ready(metrics)
         done = time.perf_counter()
