@@ -77,7 +77,8 @@ def main() -> None:
                                          stops)
         sampled = time.perf_counter()
         rewards = [float(np.mean(np.asarray(c) % 2 == 0)) if c else 0.0 for c in completions]
-        batch = rollout_batch(rows, completions, rewards, group_advantages(rewards, section), seq_len)
+        batch = rollout_batch(rows, completions, rewards, group_advantages(rewards, section), seq_len,
+                              reward_columns={"bench": rewards})  # the section's reward, by name
         if name.endswith("at the cap"):  # the layout before rows were cut to the bucket of the longest
             batch = {k: np.pad(v, ((0, 0), (0, seq_len - v.shape[1]))) if v.ndim == 2 else v for k, v in batch.items()}
         states[name], metrics = run.step(state, frozen, None, {k: v[None] for k, v in batch.items()})

@@ -154,7 +154,7 @@ def objectives() -> dict:
     device}: each objective's own step (DPO's pairs, the reward model's head, GRPO's clipped step, distillation's
     teacher sharded like the student) on 64-token packed rows."""
     cfg, T = tiny_config(initializer_range=0.1), 64
-    sections = {"sft": None, "dpo": PreferenceConfig(), "reward": None, "grpo": GRPOConfig(reward="x.y"),
+    sections = {"sft": None, "dpo": PreferenceConfig(), "reward": None, "grpo": GRPOConfig(),
                 "distill": DistillConfig(teacher="teacher")}
     train = TrainConfig(learning_rate=1e-2, batch_size=4, warmup_steps=1)
     out = {}

@@ -50,3 +50,14 @@ def recorded_share_of_answer(prompts, completions, answer):
     """`share_of_answer`, each call appended to `EVENTS`."""
     EVENTS.append(("reward", 1 + sum(e[0] == "reward" for e in EVENTS)))
     return share_of_answer(prompts, completions, answer)
+
+
+def letter_a_or_none(prompts, completions):
+    """`count_letter_a` where the prompt does not start with "S", None (not applicable) where it does."""
+    return [None if p.startswith("S") else c.count("a") / max(len(c), 1) for p, c in zip(prompts, completions)]
+
+
+def short_or_none(prompts, completions):
+    """A format reward: 1 for a completion of at most 4 characters, else 0; None where the prompt starts with "S"
+    (with `letter_a_or_none`, those rows are unscorable)."""
+    return [None if p.startswith("S") else float(len(c) <= 4) for p, c in zip(prompts, completions)]

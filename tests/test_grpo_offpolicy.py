@@ -208,7 +208,7 @@ def test_num_iterations_2_reuses_rollouts_resumes_and_raises_the_held_out_reward
     data = (GRPO if objective == "grpo" else RLOO).prepare(setup)
     assert data.steps_per_epoch == 2
     state = run.init_state(trainable, 0)
-    tokenizer, reward = setup.tokenizer, load_reward_function(section.reward)
+    tokenizer, reward = setup.tokenizer, load_reward_function(section.reward[0])
     held_out = [tokenizer.encode(p) for p in HELD_OUT]
     before = _sampled_reward(params, cfg, method, held_out, tokenizer, reward, section)
     batches = []

@@ -163,18 +163,21 @@ def _trl_scored(trainer, generated, r: dict, **fields) -> dict:
 
     policy = SimpleNamespace(training=True, is_gradient_checkpointing=False)
     logs = {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [], "extra": defaultdict(list)}
+    rewards = torch.tensor(r["rewards"]).reshape(P * G, -1)  # [N, K]: a column a reward function
+    K = rewards.shape[1]
+    fields = {"mask_truncated_completions": False, "reward_weights": torch.ones(K), "reward_funcs": [None] * K,
+              "reward_func_names": [f"r{k}" for k in range(K)], "_metrics": {"train": defaultdict(list)}, **fields}
     trl_self = SimpleNamespace(
         accelerator=SimpleNamespace(device="cpu", process_index=0, num_processes=1, gather=lambda x: x,
                                     reduce=lambda x, reduction: x),
-        model=policy, ref_model=object(), num_generations=G, reward_weights=torch.ones(1), reward_func_names=["r"],
-        _generate=generated, _calculate_rewards=lambda *_: torch.tensor(r["rewards"])[:, None],
+        model=policy, ref_model=object(), num_generations=G,
+        _generate=generated, _calculate_rewards=lambda *_: rewards,
         _get_per_token_logps_and_entropies=lambda model, *_, **__: (torch.tensor(r["logp" if model is policy
                                                                                    else "ref"]), None, None),
         _tokenizer=SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None,
         args=SimpleNamespace(per_device_train_batch_size=P * G, gradient_checkpointing_kwargs=None,
                              steps_per_generation=1, gradient_accumulation_steps=1),
-        _metrics={"train": defaultdict(list)}, _logs=logs, _pending_extra_logs={}, _pending_metrics={},
-        log_multimodal=False, **{"mask_truncated_completions": False, **fields})
+        _logs=logs, _pending_extra_logs={}, _pending_metrics={}, log_multimodal=False, **fields)
     return trainer._generate_and_score_completions(trl_self, [{"prompt": "p"} for _ in range(P * G)])
 
 

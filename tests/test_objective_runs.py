@@ -175,7 +175,8 @@ def test_grpo_run_raises_the_mean_reward_of_a_verifiable_task(tmp_path):
     rewards = [r["reward"] for r in metric_lines(tmp_path / "grpo") if "reward" in r]
     assert len(rewards) == 25 and "kl" in metric_lines(tmp_path / "grpo")[-2]
     assert np.mean(rewards[-5:]) > max(0.2, 3 * np.mean(rewards[:5])), rewards
-    assert result.eval_metrics.keys() == {"eval_reward"} and result.result_path.name == "adapter"
+    assert result.eval_metrics.keys() == {"eval_reward", "eval_rewards/share_of_answer/mean",
+                                          "eval_rewards/share_of_answer/std"} and result.result_path.name == "adapter"
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ from jaxtune.train.loop import fine_tune
 
 TESTS = Path(__file__).resolve().parent
 PROMPTS = ["Write:", "Say:", "Go:", "Now:", "Then:", "Here:", "So:", "Yes:", "No:", "Try:"]
-COMPARED = ("loss", "reward", "kl", "grad_norm", "eval_reward")
+COMPARED = ("loss", "reward", "kl", "grad_norm", "eval_reward", *(f"{e}rewards/{f}/mean" for e in ("", "eval_")
+                                                                  for f in ("odd_characters", "letter_a_or_none")))
 
 run_worker = DeviceWorker(TESTS / "parallel_worker.py")
 
@@ -35,10 +36,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfo
 EPISODES = 'environment = "grpo_environments.TwoTurns"\nenvironment_options = {turns = 2}'
 
 
-def rollout_config(tmp_path: Path, objective: str, reward: str = "grpo_rewards.odd_characters",
-                   max_steps: int = 3) -> Path:
+def rollout_config(tmp_path: Path, objective: str, reward: str | list = "grpo_rewards.odd_characters",
+                   max_steps: int = 3, extra: str = "") -> Path:
     """A LoRA run of `objective` on a random model with a chat template: 8 training prompts (2 held out), 4 a step,
-    groups of 4. reward: a function's dotted path, or `EPISODES` (two-turn episodes, 128 tokens a row)."""
+    groups of 4. reward: a function's dotted path (or a list of them), or `EPISODES` (two-turn episodes, 128 tokens a
+    row); extra: more lines of the objective's section."""
     model = tmp_path / "model"
     if not model.exists():
         write_random_model(model, "llama", seed=0, initializer_range=0.3, max_position_embeddings=256)
@@ -53,8 +55,8 @@ def rollout_config(tmp_path: Path, objective: str, reward: str = "grpo_rewards.o
         f"max_seq_len = {128 if reward == EPISODES else 24}", "eval_fraction = 0.2", "[train]",
         f'objective = "{objective}"', f"max_steps = {max_steps}",
         "batch_size = 4", "learning_rate = 2e-2", "log_every = 1", f"eval_every = {max_steps}",
-        f"[{objective}]", reward if reward == EPISODES else f'reward = "{reward}"', "group_size = 4",
-        "max_new_tokens = 8"]) + "\n")
+        f"[{objective}]", reward if reward == EPISODES else f"reward = {json.dumps(reward)}", "group_size = 4",
+        "max_new_tokens = 8", extra]) + "\n")
     return config
 
 
@@ -83,7 +85,10 @@ def test_eight_devices_run_grpo_and_rloo_as_one(tmp_path, objective, mesh):
 @pytest.mark.slow
 @pytest.mark.full
 def test_two_processes_run_grpo_as_one_each_scoring_half_the_rows(tmp_path):
-    config = rollout_config(tmp_path, "grpo")
+    """Two reward functions, one returning None for some rows: each process scores its half with both, the table
+    gathered (NaN too); the per-function metrics equal one process's."""
+    config = rollout_config(tmp_path, "grpo", ["grpo_rewards.odd_characters", "grpo_rewards.letter_a_or_none"],
+                            extra="reward_weights = [1.0, 0.5]")
     env = {"PYTHONPATH": str(TESTS), "GRPO_REWARD_CALLS": str(tmp_path / "calls")}
     single = train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env)
     finish(single)

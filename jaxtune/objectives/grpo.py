@@ -38,10 +38,19 @@ from jaxtune.objectives.episode_rollouts import episode_batch, episode_rollouts,
 from jaxtune.objectives.losses import (
     GRPO_LOSS_TYPES,
     SAMPLER_IS_MODES,
-    grpo_advantages,
     grpo_aggregate,
     grpo_token_loss,
     sampler_weights,
+)
+from jaxtune.objectives.reward_functions import (
+    column_stats,
+    column_weights,
+    grpo_table_advantages,
+    nanmean,
+    reward_names,
+    scored_by,
+    unscorable_rows,
+    weighted_sum,
 )
 from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
@@ -52,8 +61,11 @@ from jaxtune.stop_strings import StopStrings
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """What GRPO and RLOO share. reward: a dotted path to a reward function, or reward_model: a directory
-    `objective = "reward"` exported. group_size completions per prompt, sampled with temperature / top_k / top_p.
+    """What GRPO and RLOO share. reward: the dotted paths of reward functions (TRL's `reward_funcs`; one string is one
+    function), and/or reward_model: a directory `objective = "reward"` exported, scored after the functions (TRL takes
+    a reward model among its reward_funcs); reward_weights: one weight each, functions then reward model (TRL's;
+    default 1 each). A function returns a number or None per completion (`reward_functions`: None leaves it out of
+    that row's weighted sum). group_size completions per prompt, sampled with temperature / top_k / top_p.
     clip: PPO's epsilon (TRL's `epsilon`), the ratio clipped to [1 - clip, 1 + epsilon_high]; epsilon_high: DAPO's
     clip-higher (0: the same as clip, TRL's None); kl_coef: the KL penalty's beta (TRL's `beta`).
     num_iterations: gradient steps on each rollout batch (TRL's, GRPO's mu): the batch is sampled once, with the
@@ -82,8 +94,9 @@ class RolloutConfig:
     mask_truncated_completions counts it as ended. Not with an environment (its turns end by its own rules) or an
     external sampler."""
 
-    reward: str = ""
+    reward: tuple = ()
     reward_model: str = ""
+    reward_weights: tuple = ()
     environment: str = ""
     environment_options: tuple = ()
     rollout_engine: str = "padded"
@@ -113,6 +126,23 @@ class RolloutConfig:
     soft_punish_cache: int = 0
 
     def __post_init__(self):
+        rewards = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+        object.__setattr__(self, "reward", () if rewards == ("",) else rewards)  # "": none, as before lists
+        if not all(isinstance(r, str) and r for r in self.reward):
+            raise ConfigError("reward", list(self.reward), "must be a list of dotted paths (non-empty strings)")
+        object.__setattr__(self, "reward_weights", tuple(self.reward_weights))
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.reward_weights):
+            raise ConfigError("reward_weights", list(self.reward_weights), "must be a list of numbers")
+        given = len(self.reward) + bool(self.reward_model)
+        if self.reward_weights and len(self.reward_weights) != given:
+            raise ConfigError("reward_weights", list(self.reward_weights), f"has {len(self.reward_weights)} weights "
+                              f"for {given} rewards ({len(self.reward)} in reward"
+                              f"{' + reward_model' if self.reward_model else ''}); give one each, or none (all 1)")
+        names = reward_names(self)
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ConfigError("reward", list(self.reward), f"names two rewards {twice!r} (their metrics would be one); "
+                              "give each a function of its own name")
         if self.group_size < 2:
             raise ConfigError("group_size", self.group_size, "must be >= 2 (advantages are relative to the group)")
         if not self.temperature > 0:
@@ -174,8 +204,10 @@ class GRPOConfig(RolloutConfig):
     before these keys existed), "grpo", "dr_grpo", "bnpo" or "cispo" (MiniMax-M1: the weight min(ratio,
     epsilon_high), its gradient stopped, times the advantage times log pi; epsilon_high is then the cap itself,
     ScaleRL recommends 5). importance_sampling_level: "token", or "sequence" (GSPO). scale_rewards: "group", "batch"
-    or "none" (`losses.grpo_advantages`). delta: two-sided clipping's cap on the ratio (INTELLECT-2; 0: none, TRL's
-    None).
+    or "none" (`reward_functions.grpo_table_advantages`). delta: two-sided clipping's cap on the ratio (INTELLECT-2;
+    0: none, TRL's None). multi_objective_aggregation: how several rewards become advantages (TRL's):
+    "sum_then_normalize" (their weighted sum, then scale_rewards) or "normalize_then_sum" (GDPO: each normalised
+    within its group, the weighted sum normalised over the batch; scale_rewards not read).
     sampler_importance_sampling_correction, _mode, _clip_min, _clip_max: TRL's `vllm_importance_sampling_*` for a
     sampler other than the learner: the batch carries the sampler's per-token log-probs (`sampler_logps`) and the
     policy term is weighted by `losses.sampler_weights` of the learner's log-probs at sampling time over them, mode
@@ -188,6 +220,7 @@ class GRPOConfig(RolloutConfig):
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
     scale_rewards: str = "group"
+    multi_objective_aggregation: str = "sum_then_normalize"
     delta: float = 0.0
     sampler_importance_sampling_correction: bool = False
     sampler_importance_sampling_mode: str = "sequence_mask"
@@ -200,6 +233,7 @@ class GRPOConfig(RolloutConfig):
         super().__post_init__()
         for key, allowed in (("loss_type", GRPO_LOSS_TYPES), ("importance_sampling_level", ("token", "sequence")),
                              ("scale_rewards", ("group", "batch", "none")),
+                             ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum")),
                              ("sampler_importance_sampling_mode", SAMPLER_IS_MODES)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, getattr(self, key), "choose one of " + ", ".join(allowed))
@@ -241,15 +275,16 @@ def load_reward_function(path: str):
     return function
 
 
-def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: list[float],
+def rollout_batch(prompts: list[list[int]], completions: list[list[int]], rewards: Sequence[float] | np.ndarray,
                   advantages: np.ndarray, seq_len: int, eos_ids: Sequence[int] = (),
                   sampler_logps: Sequence[Sequence[float]] | None = None,
-                  stopped: Sequence[bool] | None = None) -> dict:
+                  stopped: Sequence[bool] | None = None, reward_columns: dict | None = None) -> dict:
     """Rows prompt + completion as [N, T] arrays (as SFT batches; T the `padded_length` of the longest, at most
     seq_len), plus `rewards` [N] and their `advantages` [N] (rows of a prompt's group are consecutive). eos_ids: if
     given, a completion that does not end with one of them (nor at a stop string: `stopped` [N]) has no loss tokens
     (`mask_truncated_completions`). sampler_logps: the sampler's log-prob of each completion token, one list a row,
-    as `sampler_logps` [N, T] at the positions that predict them (NaN: not reported)."""
+    as `sampler_logps` [N, T] at the positions that predict them (NaN: not reported). reward_columns: {name: [N]}
+    each reward's scores (NaN: None), as `rewards/<name>` [N] (the metrics `rewards/<name>/mean`, `/std`)."""
     N = len(completions)
     batch: dict[str, np.ndarray] = {k: np.zeros((N, seq_len), np.float32 if k == "loss_mask" else np.int32)
                                     for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -267,6 +302,8 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], reward
             batch["sampler_logps"][i, start:n] = np.asarray(sampler_logps[i], np.float32)[:n - start]
     batch["rewards"] = np.asarray(rewards, np.float32)
     batch["advantages"] = np.asarray(advantages, np.float32)
+    for name, column in (reward_columns or {}).items():
+        batch[f"rewards/{name}"] = np.asarray(column, np.float32)
     return trimmed_to_longest(batch, seq_len)
 
 
@@ -309,10 +346,12 @@ def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, pr
                               method=method, include_stop=True, stop_when=stops)
 
 
-def group_advantages(rewards: list[float], grpo: GRPOConfig) -> np.ndarray:
-    """GRPO's advantages [N] of a step's rewards [N] (groups of `group_size` consecutive rows)."""
-    rewards_PxG = jnp.asarray(rewards, jnp.float32).reshape(-1, grpo.group_size)
-    return np.asarray(grpo_advantages(rewards_PxG, scale=grpo.scale_rewards)).reshape(-1)
+def group_advantages(rewards, grpo: GRPOConfig) -> np.ndarray:
+    """GRPO's advantages [N] of a step's reward table [N, K] (a column a reward, NaN where it returned None; weighted
+    by the section's `reward_weights`) or of rewards already summed [N], groups of `group_size` consecutive rows
+    (`reward_functions.grpo_table_advantages`: scale_rewards, multi_objective_aggregation)."""
+    return grpo_table_advantages(rewards, column_weights(grpo), grpo.group_size, grpo.scale_rewards,
+                                 grpo.multi_objective_aggregation)
 
 
 def _token_logps(params, cfg, batch, method, options, temperature: float, dropout_key=None):
@@ -431,26 +470,27 @@ def reward_model_function(directory: str, seq_len: int, load_reward_model):
 Rollout = TypeVar("Rollout", bound=RolloutConfig)  # a `RolloutConfig`: GRPO's section, RLOO's
 
 
-def make_prepare(name: str, advantages: Callable[[list[float], Rollout], np.ndarray]):
+def make_prepare(name: str, advantages: Callable[[np.ndarray, Rollout], np.ndarray]):
     """The `prepare` of objective `name` whose section is a `RolloutConfig`: prompts of data.train; each step samples
     `group_size` completions of `batch_size x grad_accum` of them with the current policy, scores them and turns the
-    rewards into advantages, `advantages(rewards [N], section) -> [N]`."""
+    rewards into advantages, `advantages(reward table [N, K], section) -> [N]`."""
     return lambda setup: _prepare(setup, name, advantages)
 
 
 def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     c, g, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
     seq_len, tc, method = c.data.max_seq_len, c.train, c.method
-    if sum(map(bool, (g.reward, g.reward_model, g.environment))) != 1:
-        raise JaxtuneError(f"[{name}] set exactly one of reward (a function's dotted path, e.g. "
-                           "'mypkg.rewards.exact'), reward_model (a reward model directory) and environment (episodes: "
-                           "'tools' or a dotted path)")
+    if bool(g.reward or g.reward_model) == bool(g.environment):
+        raise JaxtuneError(f"[{name}] set reward (reward functions' dotted paths, e.g. ['mypkg.rewards.exact']) "
+                           "and/or reward_model (a reward model directory), or else environment (episodes: 'tools' or "
+                           "a dotted path)")
     if c.offload.frozen_params:
         raise JaxtuneError(f"[offload] frozen_params = true is not supported with objective {name} (rollouts "
                            "decode from the frozen weights every step); set it to false")
-    reward_fn = (load_reward_function(g.reward) if g.reward
-                 else reward_model_function(g.reward_model, seq_len, setup.load_reward_model) if g.reward_model
-                 else None)
+    sources = [(path, load_reward_function(path)) for path in g.reward]  # (what errors name, the function)
+    if g.reward_model:
+        sources.append((g.reward_model, reward_model_function(g.reward_model, seq_len, setup.load_reward_model)))
+    names, weights = reward_names(g), column_weights(g)
     examples = load_prompt_examples(c.data.train, dict(c.data.columns))
     held_out: Sequence[PromptExample] | None
     held_out = load_prompt_examples(c.data.eval, dict(c.data.columns)) if c.data.eval else None
@@ -467,8 +507,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                            f"{per_step} per step")
     eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
 
-    def rewards(chosen: list, completions: list[list[int]], repeat: int) -> list[float]:
-        """Each process decodes and scores its share of the rows (`scored_in_shares`)."""
+    def rewards(chosen: list, completions: list[list[int]], repeat: int) -> np.ndarray:
+        """The reward table [N, len(sources)] (NaN: None): each process decodes and scores its share of the rows with
+        every reward (`scored_in_shares`)."""
         names = sorted({k for e in chosen for k in e.fields})
         fields = {k: [e.fields.get(k) for e in chosen for _ in range(repeat)] for k in names}
         prompts = [e.prompt for e in chosen for _ in range(repeat)]
@@ -480,20 +521,23 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
             return decoded if stops is None else stops.cut_text(i, decoded)
 
         def score(rows: list[int]) -> np.ndarray:
-            assert reward_fn is not None  # episodes are scored by their environment
-            try:
-                values = reward_fn([prompts[i] for i in rows], [text(i) for i in rows],
-                                   **{k: [v[i] for i in rows] for k, v in fields.items()})
-            except Exception as e:  # noqa: BLE001  the user's code: one line naming it
-                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-                raise JaxtuneError(f"reward {g.reward or g.reward_model!r} raised {type(e).__name__}: {first}") from e
-            values = np.asarray(values, np.float64) if len(values) == len(rows) else None
-            if values is None or not np.all(np.isfinite(values)):
-                raise JaxtuneError(f"reward {g.reward or g.reward_model!r} must return one finite number per "
-                                   "completion")
-            return values
+            texts, row_prompts = [text(i) for i in rows], [prompts[i] for i in rows]
+            row_fields = {k: [v[i] for i in rows] for k, v in fields.items()}
+            return np.stack([scored_by(label, fn, row_prompts, texts, row_fields) for label, fn in sources], axis=1)
 
-        return scored_in_shares(score, len(completions)).tolist()
+        return scored_in_shares(score, len(completions), columns=len(sources))
+
+    def scored_table(chosen: list, completions: list[list[int]]) -> np.ndarray:
+        """A rollout batch's reward table [N, K]: each reward's column, then the soft overlong punishment's."""
+        table = rewards(chosen, completions, g.group_size)
+        if g.soft_punish_cache:
+            punished = soft_overlong_punishment([len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)
+            table = np.concatenate([table, punished[:, None]], axis=1)
+        unscored = unscorable_rows(table)
+        if len(unscored):  # TRL warns too: they get no reward and advantage 0
+            setup.log(f"[{name}] every reward returned None for {len(unscored)} of {len(table)} completions (e.g. "
+                      f"of prompt {chosen[unscored[0] // g.group_size].prompt[:60]!r}): they get advantage 0")
+        return table
 
     if g.num_iterations > 1 and tc.checkpoint_every % g.num_iterations:
         raise JaxtuneError(f"[{name}] num_iterations = {g.num_iterations} with [train] checkpoint_every = "
@@ -535,7 +579,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                 rows, completions, sampled = sample_group_external(
                     sampler, policy, cfg, method, prompts, g, seed, eos, number, g.sampler_push_every,
                     g.sampler_weights)
-            n = len(completions)  # rewards and advantages once scored (`finish`)
+            n = len(completions)  # rewards, advantages and each reward's column once scored (`finish`)
             stops = stops_of(g, tok, n)
             stopped = None if stops is None else [stops(i, c) for i, c in enumerate(completions)]
             rollouts = rollout_batch(rows, completions, [0.0] * n, np.zeros(n), seq_len,
@@ -549,12 +593,10 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
 
         def finish() -> dict:
             if not g.environment:
-                scores = rewards(chosen, completions, g.group_size)
-                if g.soft_punish_cache:
-                    scores = (np.asarray(scores) + soft_overlong_punishment(
-                        [len(t) for t in completions], g.max_new_tokens, g.soft_punish_cache)).tolist()
-                stacked["rewards"] = np.asarray(scores, np.float32).reshape(tc.grad_accum, -1)
-                stacked["advantages"] = np.asarray(advantages(scores, g), np.float32).reshape(tc.grad_accum, -1)
+                table = scored_table(chosen, completions)  # [N, K]: a column a reward
+                per_row = {"rewards": weighted_sum(table, weights), "advantages": advantages(table, g),
+                           **{f"rewards/{label}": column for label, column in zip(names, table.T)}}
+                stacked.update({k: np.asarray(v, np.float32).reshape(tc.grad_accum, -1) for k, v in per_row.items()})
             sampling = None if old is None else np.stack([host_copy(x) for x in old]) * (stacked["loss_mask"] > 0)
             if keeps_learner_logps(g):
                 stacked["old_logps"] = sampling
@@ -609,7 +651,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         stops = stops_of(g, tok, len(held_out))
         completions = generate(params, cfg, [tok.encode(e.prompt) for e in held_out], greedy, eos_ids=eos,
                                stop_token_ids=stops.token_ids() if stops else [], method=method, stop_when=stops)
-        return {"eval_reward": float(np.mean(rewards(held_out, completions, 1)))}
+        table = rewards(held_out, completions, 1)  # the soft overlong punishment left out, as before several rewards
+        return {"eval_reward": float(nanmean(weighted_sum(table, weights[:len(sources)]))),
+                **column_stats(table, names[:len(sources)], "eval_")}
 
     steps_per_epoch = len(train) // per_step * g.num_iterations
     return ObjectiveData(steps_per_epoch, batch, evaluate if held_out else None,
@@ -617,10 +661,21 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
 
 
 def _batch_fields(rows: int, seq_len: int, section: RolloutConfig) -> dict:
-    per_row = ["advantages", "rewards"] + ["tokens_per_micro"] * counts_micro_tokens(section)
+    per_row = (["advantages", "rewards"] + ["tokens_per_micro"] * counts_micro_tokens(section)
+               + [f"rewards/{n}" for n in reward_names(section)])
     per_token = ["old_logps"] * keeps_learner_logps(section) + ["sampler_logps"] * sampler_corrected(section)
     return {**{k: jax.ShapeDtypeStruct((rows,), np.float32) for k in per_row},
             **{k: jax.ShapeDtypeStruct((rows, seq_len), np.float32) for k in per_token}}
+
+
+def _batch_metrics(batch: dict) -> dict:
+    """"reward": the mean over the rows some reward scored of their weighted sum; "rewards/<name>/mean" and "/std":
+    each reward's over the rows it scored (TRL's names; std with Bessel's correction)."""
+    metrics = {"reward": jnp.nanmean(batch["rewards"])}
+    for key in sorted(k for k in batch if k.startswith("rewards/")):
+        metrics[f"{key}/mean"] = jnp.nanmean(batch[key])
+        metrics[f"{key}/std"] = jnp.nanstd(batch[key], ddof=1)
+    return metrics
 
 
 # The step takes the reference the policy started from: the frozen base with adapters off, or for a full
@@ -630,7 +685,7 @@ GRPO: Objective[RolloutConfig] = Objective(
     rows=lambda section: section.group_size, batch_fields=_batch_fields,
     second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
     logits_copies=lambda method, section: 3,
-    batch_metrics=lambda batch: {"reward": jnp.mean(batch["rewards"])},
+    batch_metrics=_batch_metrics,
     unit="prompts", generates=True,
     rollout_tokens=lambda section: section.max_new_tokens,
     extra_forwards=lambda section: 1

@@ -5,7 +5,7 @@ Each step samples `group_size` completions per prompt. A row's reward, less beta
 reference (the sum over its completion tokens of log pi - log ref, the first-order estimate: the KL goes into the
 reward, not the loss), minus the mean of the other rows of its group is its advantage. The loss is PPO's clipped
 ratio of whole sequences, exp(sum of token log-ratios), averaged over rows. The rewards' leave-one-out part is
-computed with the rollout (`rloo_advantages`); the KL's needs the policy's and the reference's log-probs, which the
+computed with the rollout (`reward_advantages`); the KL's needs the policy's and the reference's log-probs, which the
 step computes anyway, so it is added there (`step_advantages`; leave-one-out is linear, so the sum is TRL's).
 """
 
@@ -21,7 +21,8 @@ import numpy as np
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives.base import Context
 from jaxtune.objectives.grpo import GRPO, RolloutConfig, make_prepare, old_logps_of, policy_and_reference_logps
-from jaxtune.objectives.losses import rloo_advantages, rloo_sequence_loss
+from jaxtune.objectives.losses import rloo_sequence_loss
+from jaxtune.objectives.reward_functions import column_weights, rloo_table_advantages
 
 
 @dataclass(frozen=True)
@@ -42,21 +43,31 @@ class RLOOConfig(RolloutConfig):
             raise ConfigError("reward_clip_range", list(low_high), "must be [min, max] with min <= max, or []")
 
 
-def reward_advantages(rewards: list[float], rloo: RLOOConfig) -> np.ndarray:
-    """The rewards' part of RLOO's advantages [N]: rewards clipped to `reward_clip_range`, leave-one-out."""
-    rewards_N = np.asarray(rewards, np.float32)
-    if rloo.reward_clip_range:
-        rewards_N = np.clip(rewards_N, *rloo.reward_clip_range)
-    return np.asarray(rloo_advantages(jnp.asarray(rewards_N).reshape(-1, rloo.group_size))).reshape(-1)
+def reward_advantages(rewards, rloo: RLOOConfig) -> np.ndarray:
+    """The rewards' part of RLOO's advantages [N] of a reward table [N, K] (weighted by `reward_weights`; or rewards
+    already summed [N]): the sums clipped to `reward_clip_range`, leave-one-out over the group's scored rows; NaN
+    where a row has no baseline (`reward_functions.rloo_table_advantages`). Several rewards are summed as TRL's
+    RLOOTrainer sums them; it has no multi_objective_aggregation."""
+    return rloo_table_advantages(rewards, column_weights(rloo), rloo.group_size, rloo.reward_clip_range)
 
 
 def step_advantages(advantages_B: jax.Array, kl_B: jax.Array, rloo: RLOOConfig) -> jax.Array:
     """RLOO's advantages [B] of a batch: the rewards' part [B] less kl_coef times the leave-one-out of the rows'
-    sequence KL [B], normalised over the batch (std with Bessel's correction, + 1e-4) if normalize_advantages."""
-    advantages_B = advantages_B - rloo.kl_coef * rloo_advantages(kl_B.reshape(-1, rloo.group_size)).reshape(-1)
+    sequence KL [B], normalised over the batch (std with Bessel's correction, + 1e-4) if normalize_advantages. Rows
+    whose part is NaN (no baseline: no reward scored them, or no other row of their group) are left out of the KL's
+    baseline and the normalisation and get 0, as TRL's NaN-aware baseline and `nan_to_num` give them."""
+    valid_B = ~jnp.isnan(advantages_B)
+    valid_PxG = valid_B.reshape(-1, rloo.group_size)
+    kl_PxG = jnp.where(valid_PxG, kl_B.reshape(-1, rloo.group_size), 0.0)
+    others_PxG = jnp.maximum(jnp.sum(valid_PxG, axis=-1, keepdims=True) - 1, 1)
+    kl_loo_PxG = kl_PxG - (jnp.sum(kl_PxG, axis=-1, keepdims=True) - kl_PxG) / others_PxG
+    advantages_B = jnp.where(valid_B, advantages_B - rloo.kl_coef * kl_loo_PxG.reshape(-1), 0.0)
     if rloo.normalize_advantages:
-        advantages_B = (advantages_B - jnp.mean(advantages_B)) / (jnp.std(advantages_B, ddof=1) + 1e-4)
-    return advantages_B
+        n = jnp.sum(valid_B)
+        mean = jnp.sum(advantages_B) / n
+        std = jnp.sqrt(jnp.sum(jnp.where(valid_B, (advantages_B - mean) ** 2, 0.0)) / (n - 1))
+        advantages_B = jnp.where(valid_B, (advantages_B - mean) / (std + 1e-4), 0.0)
+    return jnp.nan_to_num(advantages_B, nan=0.0)
 
 
 def loss_terms(ctx: Context):

@@ -102,20 +102,23 @@ def host_copy(tree):
     return jax.tree.map(fetch, tree)
 
 
-def scored_in_shares(score: Callable[[list[int]], np.ndarray], n: int) -> np.ndarray:
-    """The [n] float64 scores of n rows, each process scoring its share (a contiguous block of ceil(n / processes)
-    rows) with `score(row indices) -> [rows] float64`, the numbers then gathered to every process bit for bit. An
+def scored_in_shares(score: Callable[[list[int]], np.ndarray], n: int, columns: int | None = None) -> np.ndarray:
+    """The [n] float64 scores of n rows (or [n, columns] with `columns`: several scores a row, NaN among them), each
+    process scoring its share (a contiguous block of ceil(n / processes) rows) with `score(row indices) -> [rows]`
+    (or [rows, columns]) float64, the numbers then gathered to every process bit for bit. An
     exception in one process's share is raised there and a JaxtuneError naming that process on the others (none
     waits in the gather)."""
     processes, me = jax.process_count(), jax.process_index()
+    shape = () if columns is None else (columns,)
     if processes == 1:
-        return np.asarray(score(list(range(n))), np.float64)
+        return np.asarray(score(list(range(n))), np.float64).reshape(n, *shape)
     block = -(-n // processes)
     mine = list(range(me * block, min(n, (me + 1) * block)))
-    values: np.ndarray = np.zeros(block, np.float64)
+    values: np.ndarray = np.zeros((block, *shape), np.float64)
     failure = None
     try:
-        values[:len(mine)] = score(mine) if mine else []
+        if mine:
+            values[:len(mine)] = score(mine)
     except Exception as e:  # noqa: BLE001  raised below, once every process knows
         failure = e
     failed = np.asarray(multihost_utils.process_allgather(np.int32(failure is not None))).reshape(-1)
@@ -125,7 +128,7 @@ def scored_in_shares(score: Callable[[list[int]], np.ndarray], n: int) -> np.nda
         raise JaxtuneError(f"process {int(np.flatnonzero(failed)[0])} failed scoring its share of the rows (its log "
                            "names the error)")
     bits = multihost_utils.process_allgather(values.view(np.int32))  # float64 as int32 pairs: JAX keeps 32 bits
-    return np.asarray(bits).reshape(-1).view(np.float64)[:n]
+    return np.asarray(bits).reshape(-1).view(np.float64).reshape(-1, *shape)[:n]
 
 
 def gathered_lists(local: Sequence[Sequence[int]]) -> list[list[list[int]]]:

@@ -32,7 +32,7 @@ def check_resume(saved: dict, current: dict, where) -> dict[str, tuple]:
     was saved with (`saved`, flattened as `run_config.config_items` gives them); a JaxtuneError naming those that a
     resume may not change."""
     changed = {k: (saved[k], v) for k, v in current.items()
-               if k in saved and k not in NOT_COMPARED and saved[k] != v}
+               if k in saved and k not in NOT_COMPARED and _as_now(saved[k], v) != v}
     refused = {k: c for k, c in changed.items() if k not in RESUMABLE}
     if refused:
         keys = "; ".join(f"{k} = {json.dumps(a)} there, {json.dumps(b)} here" for k, (a, b) in refused.items())
@@ -41,6 +41,11 @@ def check_resume(saved: dict, current: dict, where) -> dict[str, tuple]:
                            "max_steps, the eval/checkpoint/log cadence, the mesh, offload and remat), or choose a new "
                            "train.output_dir")
     return changed
+
+
+def _as_now(saved, current):
+    """A string saved for a key that is now a list (`[grpo] reward`) reads as the loader reads it: a list of one."""
+    return ([saved] if saved else []) if isinstance(saved, str) and isinstance(current, list) else saved
 
 
 def record_config(run_dir: Path, config: RunConfig, start: int, changes: dict) -> None:
