@@ -82,3 +82,8 @@ def crash() -> str:
 def answered(messages, answer):
     """1.0 when the last assistant turn holds the record's answer."""
     return float(answer in messages[-1]["content"])
+
+
+def worker_pid() -> int:
+    """The process the call ran in."""
+    return os.getpid()

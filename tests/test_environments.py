@@ -21,6 +21,7 @@ from jaxtune.environments import (
     detect_family,
     json_schema,
     load_environment,
+    load_environments,
     parse_tool_calls,
     render_episode,
     rollout,
@@ -204,6 +205,21 @@ def test_a_tool_the_worker_cannot_import_is_refused_up_front_and_a_worker_that_c
         assert runner.call("add", {"a": 1, "b": 2}) == "3"
 
 
+def test_a_worker_that_cannot_start_is_one_line_and_closes(monkeypatch):
+    """The new interpreter dying before it is started (a broken pipe: e.g. a script without a main guard that the
+    spawned interpreter re-runs) is the call's error line; closing the runner afterwards raises nothing."""
+    runner = ToolRunner([env_tools.add])
+
+    class Broken(runner._context.Process):
+        def start(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(runner._context, "Process", Broken)
+    assert runner.call("add", {"a": 1, "b": 2}) == ("error: the tool process could not start (BrokenPipeError: "
+                                                     "[Errno 32] Broken pipe)")
+    runner.close()
+
+
 # --- the environment ----------------------------------------------------------------------------------------------
 
 def test_a_tool_episode_goes_on_past_every_failure_and_ends_with_the_reward():
@@ -233,6 +249,24 @@ def test_a_tool_episode_goes_on_past_every_failure_and_ends_with_the_reward():
     assert [m["role"] for m in env.messages] == ["system", "user", "assistant", *["tool"] * 5, "assistant", "tool",
                                                  "assistant"]
     env.close()
+
+
+def test_a_batch_of_tool_environments_shares_one_worker_until_the_last_closes():
+    """`load_environments("tools", n)` (what a rollout batch builds): one worker process for the batch, not one an
+    episode; it stops at the n-th close. An environment without `many` is built n times."""
+    envs = load_environments("tools", 3, tools=[env_tools.worker_pid], family="hermes")
+    call = '<tool_call>{"name": "worker_pid", "arguments": {}}</tool_call>'
+    pids = set()
+    for env in envs:
+        env.reset({"prompt": "pid?"})
+        pids.add(env.step(call).messages[0]["content"])
+    assert len(pids) == 1 and len({id(env.runner) for env in envs}) == 1
+    envs[0].close(), envs[1].close()
+    assert envs[2].runner._process is not None and envs[2].runner._process.is_alive()
+    envs[2].close()
+    assert envs[2].runner._process is None
+    plain = load_environments("grpo_environments.TwoTurns", 2, turns=3)
+    assert len({id(env) for env in plain}) == 2 and all(env.turns == 3 for env in plain)
 
 
 def test_an_episode_stops_after_max_turns_and_environments_load_by_path():

@@ -15,6 +15,7 @@ PUBLIC = {  # name -> the module that defines it
     "Environment": "jaxtune.environments.base",
     "StepResult": "jaxtune.environments.base",
     "load_environment": "jaxtune.environments.base",
+    "load_environments": "jaxtune.environments.base",
     "register_environment": "jaxtune.environments.base",
     "EpisodeTokens": "jaxtune.environments.episode",
     "render_episode": "jaxtune.environments.episode",

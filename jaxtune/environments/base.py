@@ -69,8 +69,8 @@ def register_environment(name: str):
     return register
 
 
-def load_environment(name: str, **options) -> Environment:
-    """An environment by registered name ("tools") or by dotted path to a class or factory, called with `options`."""
+def _factory(name: str) -> Callable[..., Environment]:
+    """The class or factory registered as `name`, or named by a dotted path."""
     if name not in ENVIRONMENTS:
         import jaxtune.environments.tool_env  # noqa: F401 (registers the built-in ones)
     factory = ENVIRONMENTS.get(name) or (load_object(name, "environment") if "." in name or ":" in name else None)
@@ -79,11 +79,28 @@ def load_environment(name: str, **options) -> Environment:
                            "such as 'mypackage.envs:Maze'")
     if not callable(factory):
         raise JaxtuneError(f"environment {name!r} is not a class or function")
-    env = factory(**options)
+    return factory
+
+
+def _checked(env, name: str) -> Environment:
     missing = [m for m in ("reset", "step", "close") if not callable(getattr(env, m, None))]
     if missing:
         raise JaxtuneError(f"environment {name!r} has no {', '.join(missing)} method")
     return env
+
+
+def load_environment(name: str, **options) -> Environment:
+    """An environment by registered name ("tools") or by dotted path to a class or factory, called with `options`."""
+    return _checked(_factory(name)(**options), name)
+
+
+def load_environments(name: str, count: int, **options) -> list[Environment]:
+    """`count` environments of `name` for a batch of episodes: the factory's `many(count, **options)` where it has one
+    (environments sharing what is costly to start, e.g. one tool process), else the factory called `count` times."""
+    factory = _factory(name)
+    many = getattr(factory, "many", None)
+    made = many(count, **options) if callable(many) else [factory(**options) for _ in range(count)]
+    return [_checked(env, name) for env in made]
 
 
 def first_messages(record: dict, system: str | None = None) -> list[dict]:

@@ -65,7 +65,7 @@ def _serve(connection: Connection, tools: dict[str, Callable]) -> None:
 class ToolRunner:
     """Named tools (a mapping, or functions and dotted paths named by their `__name__`) run in a worker process,
     each call within `timeout_s` seconds; the worker's start (importing the tools' modules) has `start_s` of its own.
-    Close it (or use `with`) to stop the worker."""
+    Close it (or use `with`) to stop the worker; one `shared_by(n)` users stops it at the n-th close."""
 
     def __init__(self, tools: Mapping[str, Callable | str] | Sequence[Callable | str], timeout_s: float = 10.0,
                  start_s: float = 120.0):
@@ -89,6 +89,7 @@ class ToolRunner:
                 raise JaxtuneError(f"tool {name!r} cannot be sent to the tool process ({type(e).__name__}: {e}); "
                                    "define it at module level") from None
         self.timeout_s, self.start_s = timeout_s, start_s
+        self._users = 1
         self._context = multiprocessing.get_context("spawn")
         self._process: multiprocessing.process.BaseProcess | None = None
         self._connection: Connection | None = None
@@ -100,8 +101,14 @@ class ToolRunner:
             ours, theirs = self._context.Pipe()
             self._process = self._context.Process(target=_serve, args=(theirs, self.tools), daemon=True,
                                                   name="jaxtune-tools")
-            self._process.start()
-            theirs.close()
+            try:
+                self._process.start()
+            except Exception as e:  # noqa: BLE001  e.g. the new interpreter died at once (a broken pipe)
+                self._process = None
+                ours.close()
+                return f"error: the tool process could not start ({type(e).__name__}: {_one_line(e, 200)})"
+            finally:
+                theirs.close()
             self._connection = ours
             try:
                 ready = ours.poll(self.start_s) and ours.recv() == "ready"
@@ -147,8 +154,15 @@ class ToolRunner:
         self._stop()  # past the limit: killed, the next call starts a fresh worker
         return f"error: tool {name!r} did not finish within {self.timeout_s:g}s and was stopped"
 
+    def shared_by(self, users: int) -> ToolRunner:
+        """This runner, its worker stopped only when `users` closes have come (one an environment sharing it)."""
+        self._users = users
+        return self
+
     def close(self) -> None:
-        self._stop()
+        self._users -= 1
+        if self._users <= 0:
+            self._stop()
 
     def __enter__(self) -> ToolRunner:
         return self

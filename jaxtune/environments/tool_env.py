@@ -57,6 +57,16 @@ class ToolEnvironment:
         self.fields: dict = {}
         self.turns = 0
 
+    @classmethod
+    def many(cls, count: int, tools, timeout_s: float = 10.0, **options) -> list[ToolEnvironment]:
+        """`count` environments sharing one `ToolRunner` (one worker process for a batch of episodes, stopped when
+        the last of them closes): what `load_environments` builds for a rollout batch."""
+        runner = ToolRunner(tools, timeout_s).shared_by(count)
+        made = [cls(tools, runner=runner, **options) for _ in range(count)]
+        for env in made:
+            env._owns_runner = True  # each closes its share
+        return made
+
     def reset(self, record: dict) -> list[dict]:
         self.messages = first_messages(record, self.system)
         self.fields = {k: v for k, v in record.items() if k not in ("prompt", "messages")}

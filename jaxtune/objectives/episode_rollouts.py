@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxtune.config import MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.data.batching import trimmed_to_longest
-from jaxtune.environments.base import load_environment
+from jaxtune.environments.base import load_environments
 from jaxtune.environments.episode_batch import Episode, rollout
 from jaxtune.errors import JaxtuneError
 from jaxtune.generation import generate
@@ -54,7 +54,7 @@ def episode_rollouts(params: dict, cfg: ModelConfig, method: MethodConfig | None
     episodes: list[Episode] = []
     environments = []
     try:
-        environments = [load_environment(section.environment, **options) for _ in mine]
+        environments = load_environments(section.environment, len(mine), **options)  # one tool process
         episodes = rollout(environments, mine, sample, tokenizer, max_tokens) if mine else []
     except Exception as e:  # noqa: BLE001  raised below, once the other processes' episodes are done
         failure = e
