@@ -98,19 +98,21 @@ def _call(name: str, a: int, b: int) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
 
 
-def calculator_examples(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
-    """n records {"prompt", "answer", "messages"}: "(a + b) * c" or "a * b + c" with two-digit a, and the episode
-    that solves it with two tool calls (the SFT transcript; GRPO reads only prompt and answer)."""
+def calculator_examples(n: int, seed: int, exclude: frozenset[str] = frozenset(), small: bool = False) -> list[dict]:
+    """n records {"prompt", "answer", "messages"}: "(a + b) * c" or "a * b + c" with two-digit a (small: a, b and the
+    added c in 2..19, fewer digits to copy), and the episode that solves it with two tool calls (the SFT transcript;
+    GRPO reads only prompt and answer)."""
     rng = random.Random(seed)
     records: list[dict] = []
     seen = set(exclude)
+    low, high = (2, 19) if small else (10, 49)
     while len(records) < n:
         if rng.random() < 0.5:
-            a, b, c = rng.randint(10, 49), rng.randint(10, 49), rng.randint(2, 9)
+            a, b, c = rng.randint(low, high), rng.randint(low, high), rng.randint(2, 9)
             prompt, first, second = f"What is ({a} + {b}) * {c}?", ("add", a, b), ("multiply", a + b, c)
             result = (a + b) * c
         else:
-            a, b, c = rng.randint(10, 49), rng.randint(2, 9), rng.randint(10, 99)
+            a, b, c = rng.randint(low, high), rng.randint(2, 9), rng.randint(low, 2 * high + 1)
             prompt, first, second = f"What is {a} * {b} + {c}?", ("multiply", a, b), ("add", a * b, c)
             result = a * b + c
         if prompt in seen:
