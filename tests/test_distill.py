@@ -23,12 +23,15 @@ from jaxtune.generation import generate
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.head import head_logits
+from jaxtune.models.hf_config import load_config
 from jaxtune.models.llama import decoder
 from jaxtune.models.params import init_params
 from jaxtune.objectives import distill
 from jaxtune.objectives.base import Context, ObjectiveInputs
 from jaxtune.objectives.distill import DISTILL, DistillConfig, check_teacher, mixed_batches, prompt_of
 from jaxtune.objectives.losses import generalized_jsd
+from jaxtune.presets import write_random_model
+from jaxtune.run_config import load_run_config
 
 DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
 
@@ -130,12 +133,12 @@ def test_on_policy_batch_labels_the_students_own_samples_and_masks_the_prompt(tm
     assert kinds == expected and 0 < sum(kinds) < 8, kinds
 
 
-def _gkd_setup(tmp_path, section: DistillConfig, cfg) -> tuple[ObjectiveInputs, list]:
+def _gkd_setup(tmp_path, section: DistillConfig, cfg, offload=OffloadConfig()) -> tuple[ObjectiveInputs, list]:
     (tmp_path / "d.jsonl").write_text("".join(DATA.read_text().splitlines(keepends=True)[:16]))
     tok = Tokenizer.byte_level()
     train, _ = load_sft_examples(tmp_path / "d.jsonl", tok, 64)
     config = SimpleNamespace(train=TrainConfig(batch_size=2, grad_accum=2, seed=3), data=DataConfig(max_seq_len=64),
-                             offload=OffloadConfig(), method=None)
+                             offload=offload, method=None)
     return ObjectiveInputs(config, section, cfg, tok, log=lambda _: None), train
 
 
@@ -145,26 +148,37 @@ def _logits(params, cfg, rows: dict) -> np.ndarray:
     return np.asarray(head_logits(params, hidden, cfg.final_logit_softcap))
 
 
+@pytest.mark.slow
 @pytest.mark.reference
 def test_seq_kd_batch_is_the_teachers_samples_and_its_loss_is_trls(tmp_path):
     """With seq_kd (lmbda = 0) a step's batch is the teacher's completions of the step's prompts, decoded with the
-    teacher's own weights and architecture, max_new_tokens, sampling_temperature and the step's seed (what
-    `generate` gives on the teacher); labels are its tokens, EOS included, the prompt masked; `on_policy` 0; the
-    student is not asked. The step's divergence over it equals TRL 1.16's `generalized_jsd_loss` on the same
-    logits and labels (the prompt and what follows EOS at -100, as `generate_on_policy_outputs` builds them)."""
+    teacher's weights the trainer hands over at `start` and its own architecture, max_new_tokens,
+    sampling_temperature and the step's seed (what `generate` gives on the teacher); labels are its tokens, EOS
+    included, the prompt masked; `on_policy` 0; the student is not asked. The step's divergence over it equals TRL
+    1.16's `generalized_jsd_loss` on the same logits and labels (the prompt and what follows EOS at -100, as
+    `generate_on_policy_outputs` builds them)."""
     torch = pytest.importorskip("torch")
     gkd = pytest.importorskip("trl.experimental.gkd")
+    (tmp_path / "d.jsonl").write_text("".join(DATA.read_text().splitlines(keepends=True)[:16]))
+    teacher_dir = write_random_model(tmp_path / "teacher", "llama", seed=7, hidden_size=96, num_layers=3)
+    teacher_cfg = load_config(teacher_dir)
     cfg = tiny_config(vocab_size=259, initializer_range=0.1)
-    teacher_cfg = tiny_config(vocab_size=259, hidden_size=96, num_layers=3, initializer_range=0.15)
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     teacher = jax.jit(init_params, static_argnums=0)(teacher_cfg, jax.random.key(7))
-    section = DistillConfig(teacher="t", alpha=1.0, beta=0.5, seq_kd=True, max_new_tokens=6, sampling_temperature=0.9)
-    setup, train = _gkd_setup(tmp_path, section, cfg)
+    config = load_run_config(None, [f"data.train={tmp_path / 'd.jsonl'}", "data.max_seq_len=64",
+                                    "train.objective=distill", "train.batch_size=2", "train.grad_accum=2",
+                                    "train.seed=3", f"distill.teacher={teacher_dir}", "distill.alpha=1.0",
+                                    "distill.beta=0.5", "distill.seq_kd=true", "distill.max_new_tokens=6"])
+    section = config.section("distill")
+    tok = Tokenizer.byte_level()
+    data = DISTILL.prepare(ObjectiveInputs(config, section, cfg, tok, log=lambda _: None))
+    assert data.start is not None
+    data.start(None, None, teacher)  # the trainer, once the weights are loaded
 
     def student():
         raise AssertionError("a seq_kd batch asked for the student's parameters")
 
-    batch = mixed_batches(setup, train, off_policy=None, teacher=(lambda: teacher, teacher_cfg))(0, 1, student)
+    batch = data.batch(0, 1, student)
     assert batch["input_ids"].shape[:2] == (2, 2) and np.all(batch["on_policy"] == 0)
     draw = np.random.default_rng([3, 0, 1])
     draw.random()  # the on-policy draw, lost
@@ -172,10 +186,9 @@ def test_seq_kd_batch_is_the_teachers_samples_and_its_loss_is_trls(tmp_path):
     rows = {k: v.reshape(4, -1) for k, v in batch.items() if v.ndim == 3}
     starts = [int(np.argmax(rows["loss_mask"][r] > 0)) for r in range(4)]
     prompts = [list(rows["input_ids"][r, :starts[r] + 1]) for r in range(4)]
-    assert all(p in [prompt_of(e) for e in train] for p in prompts)
-    completions = generate(teacher, teacher_cfg, prompts, sampling, eos_ids=[setup.tokenizer.eos_id],
-                           include_stop=True)
-    assert completions != generate(params, cfg, prompts, sampling, eos_ids=[setup.tokenizer.eos_id],
+    assert all(p in [prompt_of(e) for e in load_sft_examples(tmp_path / "d.jsonl", tok, 64)[0]] for p in prompts)
+    completions = generate(teacher, teacher_cfg, prompts, sampling, eos_ids=[tok.eos_id], include_stop=True)
+    assert completions != generate(params, cfg, prompts, sampling, eos_ids=[tok.eos_id],
                                    include_stop=True)  # the teacher's, not the student's
     for r, completion in enumerate(completions):
         assert rows["loss_mask"][r, :starts[r]].sum() == 0 and rows["loss_mask"][r].sum() == len(completion)
@@ -238,6 +251,24 @@ def test_draw_between_student_teacher_and_dataset_is_trls(tmp_path, monkeypatch,
         gkd_trainer.GKDTrainer.training_step(trainer, "student", {})
         trls += [] if len(trls) > before else ["dataset"]
     assert ours == trls and len(set(ours)) == 1 + (lmbda > 0), (ours, trls)
+
+
+def test_offloaded_frozen_weights_are_refused_only_when_the_student_samples(tmp_path):
+    """The student decodes from the frozen weights, which `[offload] frozen_params` keeps in host memory; the teacher
+    (seq_kd alone) decodes from its own, which are never offloaded."""
+    cfg, offload = tiny_config(vocab_size=259), OffloadConfig(frozen_params=True)
+    teacher = (lambda: {}, cfg)
+    setup, train = _gkd_setup(tmp_path, DistillConfig(teacher="t", seq_kd=True, max_new_tokens=6), cfg, offload)
+    mixed_batches(setup, train, off_policy=None, teacher=teacher)
+    setup, train = _gkd_setup(tmp_path, DistillConfig(teacher="t", alpha=1.0, lmbda=0.5, seq_kd=True), cfg,
+                               offload)
+    with pytest.raises(JaxtuneError, match=re.escape("[offload] frozen_params = true is not supported with [distill] "
+                                                     "lmbda > 0 (the student decodes from the frozen weights)")):
+        mixed_batches(setup, train, off_policy=None, teacher=teacher)
+    setup, train = _gkd_setup(tmp_path, DistillConfig(teacher="t", seq_kd=True, max_new_tokens=64), cfg)
+    with pytest.raises(JaxtuneError, match=re.escape("[distill] seq_kd = true: no training prompt leaves room for "
+                                                     "max_new_tokens = 64 in [data] max_seq_len = 64")):
+        mixed_batches(setup, train, off_policy=None, teacher=teacher)
 
 
 def test_distill_config_keys():

@@ -160,10 +160,11 @@ def mixed_batches(setup: ObjectiveInputs, train: Sequence[Example], off_policy: 
     if d.seq_kd and teacher is None:
         raise JaxtuneError("[distill] seq_kd: no teacher to decode with")
     prompts = [p for p in map(prompt_of, train) if p and len(p) + d.max_new_tokens <= seq_len + 1]
-    setup.log(f"on-policy: {len(prompts)} of {len(train)} training prompts leave room for max_new_tokens = "
-              f"{d.max_new_tokens} in max_seq_len {seq_len} + 1")
+    setup.log(f"{'on-policy' if d.lmbda else 'seq_kd'}: {len(prompts)} of {len(train)} training prompts leave room "
+              f"for max_new_tokens = {d.max_new_tokens} in max_seq_len {seq_len} + 1")
     if not prompts:
-        raise JaxtuneError(f"[distill] lmbda = {d.lmbda}: no training prompt leaves room for max_new_tokens = "
+        sampled = f"lmbda = {d.lmbda}" if d.lmbda else "seq_kd = true"
+        raise JaxtuneError(f"[distill] {sampled}: no training prompt leaves room for max_new_tokens = "
                            f"{d.max_new_tokens} in [data] max_seq_len = {seq_len}; lower max_new_tokens")
     eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
     per_step = tc.batch_size * tc.grad_accum
