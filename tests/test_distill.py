@@ -255,7 +255,8 @@ def test_draw_between_student_teacher_and_dataset_is_trls(tmp_path, monkeypatch,
 
 def test_offloaded_frozen_weights_are_refused_only_when_the_student_samples(tmp_path):
     """The student decodes from the frozen weights, which `[offload] frozen_params` keeps in host memory; the teacher
-    (seq_kd alone) decodes from its own, which are never offloaded."""
+    (seq_kd alone) decodes from its own, which are never offloaded. Prompts that leave no room, or a decoder whose
+    context the longest prompt and max_new_tokens pass, are one line when the batches are set up."""
     cfg, offload = tiny_config(vocab_size=259), OffloadConfig(frozen_params=True)
     teacher = (lambda: {}, cfg)
     setup, train = _gkd_setup(tmp_path, DistillConfig(teacher="t", seq_kd=True, max_new_tokens=6), cfg, offload)
@@ -269,6 +270,11 @@ def test_offloaded_frozen_weights_are_refused_only_when_the_student_samples(tmp_
     with pytest.raises(JaxtuneError, match=re.escape("[distill] seq_kd = true: no training prompt leaves room for "
                                                      "max_new_tokens = 64 in [data] max_seq_len = 64")):
         mixed_batches(setup, train, off_policy=None, teacher=teacher)
+    setup, train = _gkd_setup(tmp_path, DistillConfig(teacher="t", seq_kd=True, max_new_tokens=6), cfg)
+    short = (lambda: {}, replace(cfg, max_position_embeddings=16))
+    with pytest.raises(JaxtuneError, match=r"\[distill\] max_new_tokens = 6 after a prompt of \d+ tokens passes the "
+                                           r"teacher's context of 16 \(max_position_embeddings\)"):
+        mixed_batches(setup, train, off_policy=None, teacher=short)
 
 
 def test_distill_config_keys():

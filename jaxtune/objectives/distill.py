@@ -166,6 +166,13 @@ def mixed_batches(setup: ObjectiveInputs, train: Sequence[Example], off_policy: 
         sampled = f"lmbda = {d.lmbda}" if d.lmbda else "seq_kd = true"
         raise JaxtuneError(f"[distill] {sampled}: no training prompt leaves room for max_new_tokens = "
                            f"{d.max_new_tokens} in [data] max_seq_len = {seq_len}; lower max_new_tokens")
+    decoders = ([("student", cfg)] if d.lmbda else []) + ([("teacher", teacher[1])] if d.seq_kd and teacher else [])
+    prompt = max(map(len, prompts))
+    for who, model in decoders:  # the longest prompt decoded, not failing at the first sampled step
+        if prompt + d.max_new_tokens > model.max_position_embeddings:
+            raise JaxtuneError(f"[distill] max_new_tokens = {d.max_new_tokens} after a prompt of {prompt} tokens "
+                               f"passes the {who}'s context of {model.max_position_embeddings} "
+                               "(max_position_embeddings); lower max_new_tokens or [data] max_seq_len")
     eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
     per_step = tc.batch_size * tc.grad_accum
 
