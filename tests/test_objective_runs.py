@@ -248,10 +248,10 @@ def test_config_round_trips_every_objective_section(tmp_path):
     sections = {"train": {"objective": "grpo", "batch_size": 2},
                 "dpo": {"loss": "ipo", "beta": 0.5, "label_smoothing": 0.1, "reference": "ref/model"},
                 "grpo": {"reward_model": "rm/", "group_size": 6, "top_k": 5, "top_p": 0.9, "clip": 0.3},
-                "distill": {"teacher": "t", "alpha": 1.0, "temperature": 2, "beta": 0.5, "lmbda": 0.5}}
+                "distill": {"teacher": "t", "alpha": 1.0, "temperature": 2, "beta": 0.5, "lmbda": 0.5, "seq_kd": True}}
     config = load_run_config(write_config(tmp_path / "c.toml", sections))
     assert config.section("distill").temperature == 2.0 and config.section("grpo").top_k == 5
-    assert config.section("distill").lmbda == 0.5
+    assert config.section("distill").lmbda == 0.5 and config.section("distill").seq_kd
     assert config.train.objective == "grpo"
     (tmp_path / "back.toml").write_text(dump_run_config(config))
     assert load_run_config(tmp_path / "back.toml") == config
@@ -269,6 +269,8 @@ def test_a_rollout_without_room_for_its_prompt_is_refused_at_load(tmp_path):
     with pytest.raises(JaxtuneError, match=r"objective = 'distill' with \[mesh\] context = 2: its rollouts decode"):
         load_run_config(None, on_policy)
     assert load_run_config(None, on_policy[:-1]).mesh.context == 2  # offline distillation splits its rows
+    with pytest.raises(JaxtuneError, match=r"objective = 'distill' with \[mesh\] context = 2: its rollouts decode"):
+        load_run_config(None, [*on_policy[:-1], "distill.seq_kd=true"])  # the teacher decodes
 
 
 def test_bad_objective_inputs_are_one_line_errors(models, tmp_path, capsys):

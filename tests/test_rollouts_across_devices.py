@@ -1,7 +1,8 @@
-"""GRPO, RLOO and on-policy distillation across devices and processes: each device decodes its own rows of a rollout
-with the policy's split weights, each process scores its share of the rows, and the run equals one device's (or one
-process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5. Two local `jaxtune train` processes
-are joined as tests/test_distributed.py joins them; the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
+"""GRPO, RLOO and on-policy (and seq_kd) distillation across devices and processes: each device decodes its own rows
+of a rollout with the policy's (or the teacher's) split weights, each process scores its share of the rows, and the
+run equals one device's (or one process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5. Two
+local `jaxtune train` processes are joined as tests/test_distributed.py joins them; the 8-device runs are `fine_tune`
+in tests/parallel_worker.py."""
 
 import json
 from pathlib import Path
@@ -137,11 +138,9 @@ def test_a_reward_that_fails_on_one_process_stops_both_in_one_line(tmp_path):
     assert "process 1 failed scoring its share of the rows" in outputs[0], outputs[0][-2000:]
 
 
-@pytest.mark.slow
-@pytest.mark.full
-def test_eight_devices_run_on_policy_distillation_as_one(tmp_path):
-    """GKD with lmbda = 1 (`[distill]`): the student's samples are decoded under fsdp=8 as GRPO's rollouts are, so
-    the batches, losses, divergences and gradient norms equal one device's."""
+def gkd_config(tmp_path: Path, section: str) -> Path:
+    """A LoRA distillation run of a random student from a random teacher on 8 SFT prompts (2 held out), 8 a step;
+    section: the [distill] lines beside teacher, alpha = 1, beta = 0.5 and max_new_tokens = 8."""
     student, teacher = tmp_path / "model", tmp_path / "teacher"
     write_random_model(student, "llama", seed=0, initializer_range=0.3, max_position_embeddings=64)
     write_random_model(teacher, "llama", seed=7, initializer_range=0.3, max_position_embeddings=64)
@@ -152,12 +151,49 @@ def test_eight_devices_run_on_policy_distillation_as_one(tmp_path):
         "[model]", f'path = "{student}"', "[method]", 'kind = "lora"', "[data]", f'train = "{tmp_path / "sft.jsonl"}"',
         "max_seq_len = 24", "pack = false", "eval_fraction = 0.2", "[train]", 'objective = "distill"', "max_steps = 3",
         "batch_size = 8", "learning_rate = 2e-2", "log_every = 1", "eval_every = 3", "[distill]",
-        f'teacher = "{teacher}"', "alpha = 1.0", "beta = 0.5", "lmbda = 1.0", "max_new_tokens = 8"]) + "\n")
+        f'teacher = "{teacher}"', "alpha = 1.0", "beta = 0.5", "max_new_tokens = 8", section]) + "\n")
+    return config
+
+
+def assert_same_distillation(split: list[dict], one: list[dict]) -> None:
+    assert len(split) == len(one)
+    for a, b in zip(split, one):
+        for key in ("loss", "kl", "grad_norm", "eval_kl", "loss_tokens", "on_policy"):
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]) + 1e-7, (key, a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_eight_devices_run_on_policy_distillation_as_one(tmp_path):
+    """GKD with lmbda = 1 (`[distill]`): the student's samples are decoded under fsdp=8 as GRPO's rollouts are, so
+    the batches, losses, divergences and gradient norms equal one device's."""
+    config = gkd_config(tmp_path, "lmbda = 1.0")
     one = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'one'}"]), log=lambda *_: None)
     single = [json.loads(line) for line in (one.run_dir / "metrics.jsonl").read_text().splitlines()]
     split = run_worker("loop", str(config), f"train.output_dir={tmp_path / 'eight'}", "mesh.fsdp=8")["records"]
-    assert len(split) == len(single) and sum("on_policy" in r for r in single) == 3
-    for a, b in zip(split, single):
-        for key in ("loss", "kl", "grad_norm", "eval_kl", "loss_tokens"):
-            if key in b:
-                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]) + 1e-7, (key, a, b)
+    assert sum("on_policy" in r for r in single) == 3
+    assert_same_distillation(split, single)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("section, kinds", [("lmbda = 1.0", [1, 1, 1]), ("lmbda = 0.5\nseq_kd = true", [0, 0, 1])])
+def test_two_processes_run_on_policy_and_sequence_level_distillation_as_one(tmp_path, section, kinds):
+    """GKD across two `jaxtune train` processes: each decodes its half of the rows (the student's samples and, with
+    seq_kd, the teacher's from its loaded weights: the seed draws teacher, teacher, student); losses, divergences
+    and gradient norms equal one process's."""
+    config = gkd_config(tmp_path, section)
+    finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}"))
+    port = free_port()
+    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i)) for i in range(2)]
+    outputs = [finish(p) for p in pair]
+    assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
+    single = records(tmp_path / "single")
+    assert [r["on_policy"] for r in single if "on_policy" in r] == kinds
+    assert_same_distillation(records(tmp_path / "pair"), single)
+    if "seq_kd" in section:  # the teacher's first step is not the dataset's batch the same run without it takes
+        finish(train(config, "--set", f"train.output_dir={tmp_path / 'dataset'}", "--set", "distill.seq_kd=false"))
+        first = [next(r for r in records(tmp_path / run) if "kl" in r) for run in ("single", "dataset")]
+        assert first[0]["on_policy"] == first[1]["on_policy"] == 0 and first[0]["kl"] != first[1]["kl"], first

@@ -82,9 +82,11 @@ class ObjectiveData:
     batch(epoch, index, params) -> host arrays [A, rows, ...] of step `index` of `epoch` (a function of the data
     seed, the epoch and the index; for GRPO also of the current params, which a resumed run restores exactly).
     evaluate(eval_step, params) -> {"eval_...": value} over the held-out data, None without any.
-    start(read_reference, context) runs once the weights are loaded (DPO scores its pairs with the reference there);
-    read_reference(reference) -> params: "base" (the frozen base with adapters off, or read again for a full
-    fine-tune) or a model directory, read into the frozen weights' shardings.
+    start(read_reference, context, second) runs once the weights are loaded (DPO scores its pairs with the reference
+    there); read_reference(reference) -> params: "base" (the frozen base with adapters off, or read again for a full
+    fine-tune) or a model directory, read into the frozen weights' shardings; second: the objective's second model
+    as the step gets it (None without one), which stays the same the whole run (distillation's teacher decodes from
+    it: `[distill] seq_kd`).
     rows_per_epoch, tokens_per_epoch: the rows of data an epoch's batches hold and the token positions in them (None
     where the objective does not know them before it runs), for `train.setup_checks`' padding warnings.
     ahead(epoch, index, params) -> finish: for batches sampled one step ahead (GRPO's `off_policy_steps`), the
@@ -95,7 +97,7 @@ class ObjectiveData:
     steps_per_epoch: int
     batch: Callable[[int, int, Callable[[], dict]], dict]
     evaluate: Callable | None = None
-    start: Callable[[Callable[[str], dict], Context], None] | None = None
+    start: Callable[[Callable[[str], dict], Context, dict | None], None] | None = None
     rows_per_epoch: int | None = None
     tokens_per_epoch: int | None = None
     ahead: Callable[[int, int, Callable[[], dict]], Callable[[], dict]] | None = None

@@ -5,8 +5,12 @@ the generalised Jensen-Shannon divergence of `beta` (`losses.generalized_jsd`; 0
 
 On-policy (GKD, Agarwal et al. 2024; TRL 1.16's GKDTrainer): with probability `lmbda` a step's batch is the student's
 own completions of the step's prompts, sampled with its current parameters (`generate`, under the run's mesh as GRPO's
-rollouts), the samples the labels, the prompt masked; else the dataset's. Draw and samples are functions of the seed,
-epoch and step: every process draws the same, a resumed run draws them again.
+rollouts), the samples the labels, the prompt masked; else, with `seq_kd` (sequence-level KD, Kim & Rush 2016), the
+teacher's completions of those prompts, decoded with the teacher's own weights and the same settings; else the
+dataset's. That is GKDTrainer.training_step's order: one draw, then seq_kd. Draw and samples are functions of the
+seed, epoch and step: every process draws the same, a resumed run draws them again. The teacher is the objective's
+second model, the arrays the step reads; it never changes, so the trainer hands it over once, when the weights are
+loaded (`ObjectiveData.start`), and the batch function decodes from it under the run's mesh as from the student.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class DistillConfig:
     lmbda: the probability that a step's batch is the student's own completions (TRL's; 0: offline distillation),
     max_new_tokens of them sampled at sampling_temperature (TRL's GKDConfig `max_new_tokens`, `temperature`; top-k and
     top-p off, as TRL). An on-policy batch has no reference completion for the cross-entropy: lmbda > 0 needs alpha 1.
+    seq_kd: a step not drawn on-policy trains on the teacher's completions of its prompts (TRL's, sampled with the
+    same settings) instead of the dataset's; with alpha < 1 the cross-entropy is on the teacher's tokens (sequence-
+    level KD: supervised fine-tuning on the teacher's output). lmbda = 1 never reaches it: refused.
     reverse: before beta, true meant KL(student || teacher); it still does (it sets beta = 1), set beta instead."""
 
     teacher: str = ""
@@ -51,6 +58,7 @@ class DistillConfig:
     lmbda: float = 0.0
     max_new_tokens: int = 128
     sampling_temperature: float = 0.9
+    seq_kd: bool = False
 
     def __post_init__(self):
         check_range("alpha", self.alpha, 0, 1)
@@ -67,6 +75,9 @@ class DistillConfig:
         if self.lmbda and self.alpha != 1:
             raise ConfigError("alpha", self.alpha, f"must be 1 with lmbda = {self.lmbda} (a batch the student "
                               "samples has no reference completion for the cross-entropy; TRL's GKD is alpha = 1)")
+        if self.seq_kd and self.lmbda == 1:
+            raise ConfigError("seq_kd", True, "is never used with lmbda = 1 (every batch is the student's); lower "
+                              "lmbda or set seq_kd = false")
 
 
 def check_teacher(student: ModelConfig, teacher: ModelConfig, where: str) -> None:
@@ -133,35 +144,55 @@ def on_policy_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequ
     return {**stacked, "on_policy": np.ones(stacked["loss_mask"].shape[:2], np.float32)}
 
 
-def mixed_batches(setup: ObjectiveInputs, train: Sequence[Example], off_policy: Callable) -> Callable:
+def mixed_batches(setup: ObjectiveInputs, train: Sequence[Example], off_policy: Callable,
+                  teacher: tuple[Callable[[], dict], ModelConfig] | None = None) -> Callable:
     """`batch(epoch, index, params)` that is, with probability lmbda, the student's completions of batch_size x
-    grad_accum prompts of `train` (`on_policy_batch`), else `off_policy`'s batch with `on_policy` zeros. The draw and
-    the sampling seed come from (train.seed, epoch, index); the prompts from a (data.seed, epoch) permutation."""
+    grad_accum prompts of `train` (`on_policy_batch`); else, with seq_kd, the teacher's completions of them
+    (teacher: (its params when asked, its architecture)); else `off_policy`'s batch. `on_policy` is 1 for the
+    student's, 0 for the others. The draw and the sampling seed come from (train.seed, epoch, index); the prompts
+    from a (data.seed, epoch) permutation. Both decode with max_new_tokens, sampling_temperature, top-k and top-p
+    off, and the student's EOS ids (TRL's one `generation_config`)."""
     c, d, tok, cfg = setup.config, setup.section, setup.tokenizer, setup.cfg
     tc, seq_len = c.train, c.data.max_seq_len
-    if c.offload.frozen_params:
+    if d.lmbda and c.offload.frozen_params:
         raise JaxtuneError("[offload] frozen_params = true is not supported with [distill] lmbda > 0 (the student "
                            "decodes from the frozen weights); set it to false")
+    if d.seq_kd and teacher is None:
+        raise JaxtuneError("[distill] seq_kd: no teacher to decode with")
     prompts = [p for p in map(prompt_of, train) if p and len(p) + d.max_new_tokens <= seq_len + 1]
-    setup.log(f"on-policy: {len(prompts)} of {len(train)} training prompts leave room for max_new_tokens = "
-              f"{d.max_new_tokens} in max_seq_len {seq_len} + 1")
+    setup.log(f"{'on-policy' if d.lmbda else 'seq_kd'}: {len(prompts)} of {len(train)} training prompts leave room "
+              f"for max_new_tokens = {d.max_new_tokens} in max_seq_len {seq_len} + 1")
     if not prompts:
-        raise JaxtuneError(f"[distill] lmbda = {d.lmbda}: no training prompt leaves room for max_new_tokens = "
+        sampled = f"lmbda = {d.lmbda}" if d.lmbda else "seq_kd = true"
+        raise JaxtuneError(f"[distill] {sampled}: no training prompt leaves room for max_new_tokens = "
                            f"{d.max_new_tokens} in [data] max_seq_len = {seq_len}; lower max_new_tokens")
+    decoders = ([("student", cfg)] if d.lmbda else []) + ([("teacher", teacher[1])] if d.seq_kd and teacher else [])
+    prompt = max(map(len, prompts))
+    for who, model in decoders:  # the longest prompt decoded, not failing at the first sampled step
+        if prompt + d.max_new_tokens > model.max_position_embeddings:
+            raise JaxtuneError(f"[distill] max_new_tokens = {d.max_new_tokens} after a prompt of {prompt} tokens "
+                               f"passes the {who}'s context of {model.max_position_embeddings} "
+                               "(max_position_embeddings); lower max_new_tokens or [data] max_seq_len")
     eos = sorted({*cfg.eos_token_id, *([tok.eos_id] if tok.eos_id is not None else [])})
     per_step = tc.batch_size * tc.grad_accum
 
     def batch(epoch: int, index: int, params: Callable[[], dict]) -> dict:
         draw = np.random.default_rng([tc.seed, epoch, index])
-        if not draw.random() < d.lmbda:  # TRL: random.random() <= lmbda, each step
+        student = draw.random() < d.lmbda  # TRL: random.random() <= lmbda, each step, then `elif seq_kd`
+        if not student and not d.seq_kd:
             off = off_policy(epoch, index, params)
             return {**off, "on_policy": np.zeros(off["loss_mask"].shape[:2], np.float32)}
         order = np.random.default_rng([c.data.seed, epoch]).permutation(len(prompts))
         chosen = [prompts[order[(index * per_step + i) % len(prompts)]] for i in range(per_step)]
         sampling = SamplingConfig(max_new_tokens=d.max_new_tokens, temperature=d.sampling_temperature,
                                   seed=int(draw.integers(2**31)))
-        completions = generate(params(), cfg, chosen, sampling, eos_ids=eos, method=c.method, include_stop=True)
-        return on_policy_batch(chosen, completions, seq_len, tc.grad_accum)
+        if student:
+            completions = generate(params(), cfg, chosen, sampling, eos_ids=eos, method=c.method, include_stop=True)
+        else:
+            assert teacher is not None  # checked above
+            completions = generate(teacher[0](), teacher[1], chosen, sampling, eos_ids=eos, include_stop=True)
+        rows = on_policy_batch(chosen, completions, seq_len, tc.grad_accum)
+        return {**rows, "on_policy": rows["on_policy"] * float(student)}
 
     return batch
 
@@ -170,7 +201,8 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
     d = setup.section
     if not d.teacher:
         raise JaxtuneError("[distill] teacher is not set (a model directory with the student's vocabulary)")
-    check_teacher(setup.cfg, load_config(d.teacher), f"[distill] teacher {d.teacher}")
+    teacher_cfg = load_config(d.teacher)
+    check_teacher(setup.cfg, teacher_cfg, f"[distill] teacher {d.teacher}")
 
     def metrics(sums: dict) -> dict:
         tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -180,11 +212,20 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
 
     split = sft_split(setup)
     data = sft_training(setup, metrics, split)
-    return replace(data, batch=mixed_batches(setup, split[0], data.batch)) if d.lmbda else data
+    if not d.lmbda and not d.seq_kd:
+        return data
+    loaded: dict[str, dict] = {}  # the teacher's arrays, once the trainer has loaded them (`start`)
+
+    def start(_read_reference, _ctx: Context, second: dict | None) -> None:
+        assert second is not None  # distillation's second model is its teacher
+        loaded["teacher"] = second
+
+    teacher = (lambda: loaded["teacher"], teacher_cfg) if d.seq_kd else None
+    return replace(data, batch=mixed_batches(setup, split[0], data.batch, teacher), start=start)
 
 
 def _batch_fields(rows: int, seq_len: int, section: DistillConfig) -> dict:
-    return {"on_policy": jax.ShapeDtypeStruct((rows,), np.float32)} if section.lmbda else {}
+    return {"on_policy": jax.ShapeDtypeStruct((rows,), np.float32)} if section.lmbda or section.seq_kd else {}
 
 
 DISTILL = Objective("distill", loss_terms, eval_terms, prepare, section=DistillConfig,
@@ -192,4 +233,4 @@ DISTILL = Objective("distill", loss_terms, eval_terms, prepare, section=DistillC
                     extra_forwards=lambda section: 1, batch_fields=_batch_fields,
                     batch_metrics=lambda batch: {"on_policy": jnp.mean(batch["on_policy"])} if "on_policy" in batch
                     else {},
-                    rollout_tokens=lambda section: section.max_new_tokens if section.lmbda else 0)
+                    rollout_tokens=lambda section: section.max_new_tokens if section.lmbda or section.seq_kd else 0)

@@ -177,7 +177,7 @@ def pair_training(setup: ObjectiveInputs, metrics=per_pair) -> ObjectiveData:
                                                            c.data.seed, epoch, ref)
     steps = -(-len(batches(train, 0, None)) // c.train.grad_accum)
 
-    def start(read_reference, ctx: Context) -> None:
+    def start(read_reference, ctx: Context, _second) -> None:
         if getattr(setup.section, "precompute_reference", False):
             params = read_reference(getattr(setup.section, "reference", "base"))
             scores["train"], scores["held_out"] = (reference_logps(params, pairs, ctx, c.train.batch_size,

@@ -97,7 +97,7 @@ def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     run = abstract_run(cfg, plan, mesh, c.train, total_steps)
     state, frozen, second = load_run(run, c.model.path, c.train.seed, objective.second_model(section, c.method))
     if training.start is not None:
-        training.start(lambda reference: _read_reference(run, c, reference, frozen), run.context)
+        training.start(lambda reference: _read_reference(run, c, reference, frozen), run.context, second)
     if objective.export is not None:
         export_fn = lambda run_dir, params: objective.export(run_dir, c, cfg, params)
     else:
