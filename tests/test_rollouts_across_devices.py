@@ -34,6 +34,7 @@ def _close_worker():
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 EPISODES = 'environment = "grpo_environments.TwoTurns"\nenvironment_options = {turns = 2}'
+PAGED = 'rollout_engine = "paged"\nrollout_slots = 8\nrollout_page_size = 4'  # 16 samples a step through 8 slots
 
 
 def rollout_config(tmp_path: Path, objective: str, reward: str | list = "grpo_rewards.odd_characters",
@@ -72,10 +73,15 @@ def assert_same_run(split: list[dict], one: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective, mesh", [("grpo", ("mesh.fsdp=4", "mesh.tensor=2")), ("rloo", ("mesh.fsdp=8",))])
+@pytest.mark.parametrize("objective, mesh, extra", [
+    pytest.param("grpo", ("mesh.fsdp=4", "mesh.tensor=2"), "", id="grpo-fsdp4-tensor2"),
+    pytest.param("rloo", ("mesh.fsdp=8",), "", id="rloo-fsdp8"),
+    pytest.param("grpo", ("mesh.fsdp=8",), PAGED, id="grpo-paged-fsdp8")])
 @pytest.mark.full
-def test_eight_devices_run_grpo_and_rloo_as_one(tmp_path, objective, mesh):
-    config = rollout_config(tmp_path, objective)
+def test_eight_devices_run_grpo_and_rloo_as_one(tmp_path, objective, mesh, extra):
+    """The padded decode, and the paged engine (`PAGED`: its slots split over the devices, the policy's weights as the
+    run splits them)."""
+    config = rollout_config(tmp_path, objective, extra=extra)
     one = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'one'}"]), log=lambda *_: None)
     single = [json.loads(line) for line in (one.run_dir / "metrics.jsonl").read_text().splitlines()]
     split = run_worker("loop", str(config), f"train.output_dir={tmp_path / 'eight'}", *mesh)

@@ -20,6 +20,7 @@ from jaxtune.models.head import head_logits
 from jaxtune.models.kv_cache import step_attention
 from jaxtune.models.llama import decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
+from jaxtune.parallel.rules import constrain
 
 
 def refuse_unpaged(cfg: ModelConfig) -> None:
@@ -111,6 +112,7 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
 
     def block(x_Sx1xD, layer_rope_index):
         layer, rope_table, index = layer_rope_index
+        x_Sx1xD = constrain(x_Sx1xD, ("batch", None, None))  # each device its own slots, as the padded decode
 
         def attention(h_Sx1xD):
             q_Sx1xKxGxh, k_new, v_new, gate_Sx1xQ = project_qkv(h_Sx1xD, layer, layer_rope(rope, rope_table, cfg), cfg,
