@@ -1,7 +1,8 @@
 """GRPO, RLOO and on-policy distillation across devices and processes: each device decodes its own rows of a rollout
 with the policy's split weights, each process scores its share of the rows, and the run equals one device's (or one
-process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5. Two local `jaxtune train` processes
-are joined as tests/test_distributed.py joins them; the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
+process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5, with the padded decode and with the
+paged rollout engine (`PAGED`). Two local `jaxtune train` processes are joined as tests/test_distributed.py joins them;
+the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
 
 import json
 from pathlib import Path
@@ -110,6 +111,25 @@ def test_two_processes_run_grpo_as_one_each_scoring_half_the_rows(tmp_path):
     assert sorted(whole.tolist()).count(16) == 3  # 3 steps of 4 prompts x 4, and the held-out evaluations
     for process in (0, 1):  # each call's rows halved between the processes
         assert sorted(calls[calls[:, 0] == process, 1].tolist()) == sorted(whole // 2), calls
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_processes_run_grpo_with_the_paged_engine_as_one(tmp_path):
+    """`rollout_engine = "paged"` across two processes: one engine program over both's devices (each its slots, the
+    policy split over both), its tokens gathered to both, so both build the batch one process builds; with a stop
+    string, the chunks' tokens read back on both and the same samples ended on both (punctuation: about half of the
+    random model's samples hold one)."""
+    stops = json.dumps(list("!#$%&()*+,-./:;<=>?@[]^_{|}~"))
+    config = rollout_config(tmp_path, "grpo", extra=f"{PAGED}\nstop_strings = {stops}")
+    env = {"PYTHONPATH": str(TESTS)}
+    finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env))
+    port = free_port()
+    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    for process in pair:
+        finish(process)
+    assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
 
 
 @pytest.mark.slow

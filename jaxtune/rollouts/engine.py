@@ -17,6 +17,10 @@ prompt pages are read by samples on every device, and a free list per device wou
 pool (a prompt's pages copied to every device one of its samples runs on) and tie a sample to the device its slot
 is on; instead every device holds the whole pool (its heads), and a step's new keys and values (S x K x hd a layer)
 are gathered to every device's copy. The admission, the free list and the samples' tokens are small and held whole.
+Across processes (`jax.distributed`) the same program runs on every process over all their devices, as the padded
+decode does: the prompts, the key and the pool's layout are the same on each, the `lax.while_loop`'s condition (a
+busy slot anywhere) is one global value, and the tokens come back to every process with `host_copy` (the host's stop
+strings then end the same samples on each).
 """
 
 from __future__ import annotations
@@ -281,7 +285,9 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
     Raises JaxtuneError for no or an empty prompt, an id outside the vocabulary, a bad limit or chunk_steps, a row past
     the model's context, a sample the pool cannot hold (`PagePool`); refused for now: the caches
     `paged_cache.refuse_unpaged` names (sliding windows, latent attention, Gated DeltaNet, Gemma 4's layers), prefix
-    tuning, per-row adapter stacks (one `method` for every row) and a mesh's context axis.
+    tuning, per-row adapter stacks (one `method` for every row) and a mesh's context axis. Called under a mesh
+    (`spine.run.traced_on`), with `params` in the run's shardings, on one process or several: the module docstring
+    says how the work is split.
     """
     refuse_context_axis()
     refuse_unpaged(cfg)
