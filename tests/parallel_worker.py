@@ -297,9 +297,12 @@ def decode_rows() -> dict:
 
 
 def engine_rows() -> dict:
-    """{mesh: the per-device shapes of the rollout engine's page pool [L, NP, ps, K, hd] and slot tables [S, M], and
-    whether its greedy tokens (5 prompts of mixed lengths, groups of 3, mixed limits, 8 slots) equal one device's}
-    for the LoRA policy placed in the run's shardings and sampled under the mesh, as GRPO's batch function runs."""
+    """{mesh: the per-device shapes of the rollout engine's page pool [L, NP, ps, K, hd] and slot tables [S, M], the
+    all-gathers of a pool-sized array in its compiled program, and whether its greedy tokens (5 prompts of mixed
+    lengths, groups of 3, mixed limits, 8 slots) equal one device's} for the LoRA policy placed in the run's
+    shardings and sampled under the mesh, as GRPO's batch function runs."""
+    import re
+
     from jaxtune.config import SamplingConfig
     from jaxtune.methods.transform import combine
     from jaxtune.rollouts import PagePool, engine, sample_groups
@@ -326,6 +329,9 @@ def engine_rows() -> dict:
             state = real_run(*a, **kw)
             seen["pool"] = state.k.addressable_shards[0].data.shape
             seen["tables"] = state.table_SxM.addressable_shards[0].data.shape
+            L, NP, ps = state.k.shape[:3]  # the pool never all-gathered: each step gathers its new keys and values
+            text = real_run.lower(*a, **kw).compile().as_text()
+            seen["pool gathers"] = len(re.findall(rf"= f32\[{L},{NP},{ps},[^ ]* all-gather\(", text))
             return state
 
         engine.run = run
@@ -336,7 +342,8 @@ def engine_rows() -> dict:
                                         chunk_steps=4)
         finally:
             engine.run = real_run
-        out[name] = {"pool": list(seen["pool"]), "tables": list(seen["tables"]), "equal": split.tokens == one.tokens,
+        out[name] = {"pool": list(seen["pool"]), "tables": list(seen["tables"]), "pool gathers": seen["pool gathers"],
+                     "equal": split.tokens == one.tokens,
                      "chunked equal": chunked.tokens == one.tokens, "free": split.free_pages == one.num_pages,
                      "params still split": not any(x.sharding.is_fully_replicated for x in
                                                    jax.tree.leaves(placed["layers"]["q_proj"]))}

@@ -76,10 +76,16 @@ def write_prompts(k_pool: jax.Array, v_pool: jax.Array, k_LxGxKxWxh: jax.Array, 
         L, G, K, _, hd = dense_LxGxKxWxh.shape
         tokens_LxGxXxKxh = jnp.take_along_axis(jnp.swapaxes(dense_LxGxKxWxh, 2, 3),
                                                source_GxX[None, :, :, None, None], axis=2)
-        return pool.at[:, table_GxMp].set(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype),
-                                          mode="drop")
+        pages = _heads(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype))
+        return _heads(_heads(pool).at[:, table_GxMp].set(pages, mode="drop"))
 
     return write(k_pool, k_LxGxKxWxh), write(v_pool, v_LxGxKxWxh)
+
+
+def _heads(a: jax.Array) -> jax.Array:
+    """`a` [..., K, hd] with its heads split over tensor and whole on every other device of the mesh in context (the
+    pool's layout, `rollouts.engine`): a write into the pool gathers what it writes, never the pool."""
+    return constrain(a, (None,) * (a.ndim - 2) + ("kv_heads", None))
 
 
 def gather_rows(flat_pool: jax.Array, first_page: jax.Array, table_SxM: jax.Array) -> jax.Array:
@@ -128,7 +134,10 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
     x_Sx1xD = embed(params, token_S[:, None], cfg, dtype)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
     x_Sx1xD, (k_LxSxKxh, v_LxSxKxh) = jax.lax.scan(block, x_Sx1xD, (layers, tables_L, jnp.arange(L)))
-    k_pool = k_pool.at[:, page_S, offset_S].set(k_LxSxKxh, mode="drop")
-    v_pool = v_pool.at[:, page_S, offset_S].set(v_LxSxKxh, mode="drop")
+    # on a mesh every data-parallel device holds the pool (its heads): the slots' new keys and values go to each copy,
+    # pinned so that XLA gathers them (S x K x hd a layer), not the pool split by another axis around the scatter
+    page_S, offset_S = constrain(page_S, (None,)), constrain(offset_S, (None,))
+    k_pool = _heads(_heads(k_pool).at[:, page_S, offset_S].set(_heads(k_LxSxKxh), mode="drop"))
+    v_pool = _heads(_heads(v_pool).at[:, page_S, offset_S].set(_heads(v_LxSxKxh), mode="drop"))
     hidden_Sx1xD = norm(x_Sx1xD, params["norm"], cfg)
     return head_logits(params, hidden_Sx1xD, cfg.final_logit_softcap, pieces=False)[:, 0], k_pool, v_pool
