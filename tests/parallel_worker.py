@@ -317,10 +317,13 @@ def engine_rows() -> dict:
     args = dict(pool=pool, eos_ids=(), method=method, max_new_tokens_of_sample=limits)
     one = sample_groups(params, CFG, prompts, 3, greedy, **args)
     out = {}
-    for name in ("fsdp=8", "fsdp=4 x tensor=2"):
-        mesh = make_mesh(MESHES[name])
+    # data=4 x fsdp=2: fsdp divides the 2 KV heads, which the rules' fallback would split (the slots are split there)
+    meshes = {"fsdp=8": MESHES["fsdp=8"], "fsdp=4 x tensor=2": MESHES["fsdp=4 x tensor=2"],
+              "data=4 x fsdp=2": MeshConfig(data=4, fsdp=2)}
+    for name, config in meshes.items():
+        mesh = make_mesh(config)
         plan = TrainPlan(method, 8, SEQ, 1, param_dtype="float32",
-                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=MESHES[name])
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=config)
         placed = jax.device_put(params, abstract_run(CFG, plan, mesh, TRAIN, STEPS).shardings.params)
         seen = {}
         real_run = engine.run

@@ -44,6 +44,7 @@ from jaxtune.parallel.rules import constrain
 from jaxtune.rollouts.paged_cache import (
     empty_pool,
     paged_decode_step,
+    pool_heads,
     refuse_unpaged,
     return_pages,
     take_pages,
@@ -153,12 +154,11 @@ def placed(s: EngineState) -> EngineState:
     (`generation.split_rows`), the pool's heads over tensor and its pages on every data-parallel device, the
     samples' bookkeeping (out_NxN, free_NP, group_left_G) whole on every device."""
     slots = lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1))  # noqa: E731
-    heads = lambda a: constrain(a, (None, None, None, "kv_heads", None))  # noqa: E731  [L, NP, ps, K, hd]
     whole = lambda a: constrain(a, (None,) * a.ndim)  # noqa: E731
     return s._replace(sample_S=slots(s.sample_S), t_S=slots(s.t_S), reserve_S=slots(s.reserve_S),
-                      table_SxM=slots(s.table_SxM), logits_SxV=slots(s.logits_SxV), k=heads(s.k), v=heads(s.v),
-                      free_NP=whole(s.free_NP), group_left_G=whole(s.group_left_G), out_NxN=whole(s.out_NxN),
-                      length_G=whole(s.length_G), logits_GxV=whole(s.logits_GxV))
+                      table_SxM=slots(s.table_SxM), logits_SxV=slots(s.logits_SxV), k=pool_heads(s.k),
+                      v=pool_heads(s.v), free_NP=whole(s.free_NP), group_left_G=whole(s.group_left_G),
+                      out_NxN=whole(s.out_NxN), length_G=whole(s.length_G), logits_GxV=whole(s.logits_GxV))
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "slots", "page_size", "num_pages", "max_new_tokens"))

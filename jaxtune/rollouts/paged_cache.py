@@ -20,7 +20,7 @@ from jaxtune.models.head import head_logits
 from jaxtune.models.kv_cache import step_attention
 from jaxtune.models.llama import decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
-from jaxtune.parallel.rules import constrain
+from jaxtune.parallel.rules import constrain, gathered
 
 
 def refuse_unpaged(cfg: ModelConfig) -> None:
@@ -76,16 +76,17 @@ def write_prompts(k_pool: jax.Array, v_pool: jax.Array, k_LxGxKxWxh: jax.Array, 
         L, G, K, _, hd = dense_LxGxKxWxh.shape
         tokens_LxGxXxKxh = jnp.take_along_axis(jnp.swapaxes(dense_LxGxKxWxh, 2, 3),
                                                source_GxX[None, :, :, None, None], axis=2)
-        pages = _heads(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype))
-        return _heads(_heads(pool).at[:, table_GxMp].set(pages, mode="drop"))
+        pages = pool_heads(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype))
+        return pool_heads(pool_heads(pool).at[:, table_GxMp].set(pages, mode="drop"))
 
     return write(k_pool, k_LxGxKxWxh), write(v_pool, v_LxGxKxWxh)
 
 
-def _heads(a: jax.Array) -> jax.Array:
+def pool_heads(a: jax.Array) -> jax.Array:
     """`a` [..., K, hd] with its heads split over tensor and whole on every other device of the mesh in context (the
-    pool's layout, `rollouts.engine`): a write into the pool gathers what it writes, never the pool."""
-    return constrain(a, (None,) * (a.ndim - 2) + ("kv_heads", None))
+    pool's layout, `rollouts.engine`; `rules.gathered` drops the fallback that would split K over fsdp, where the
+    slots are split): a write into the pool gathers what it writes, never the pool."""
+    return gathered(a, (None,) * (a.ndim - 2) + ("kv_heads", None))
 
 
 def gather_rows(flat_pool: jax.Array, first_page: jax.Array, table_SxM: jax.Array) -> jax.Array:
@@ -137,7 +138,7 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
     # on a mesh every data-parallel device holds the pool (its heads): the slots' new keys and values go to each copy,
     # pinned so that XLA gathers them (S x K x hd a layer), not the pool split by another axis around the scatter
     page_S, offset_S = constrain(page_S, (None,)), constrain(offset_S, (None,))
-    k_pool = _heads(_heads(k_pool).at[:, page_S, offset_S].set(_heads(k_LxSxKxh), mode="drop"))
-    v_pool = _heads(_heads(v_pool).at[:, page_S, offset_S].set(_heads(v_LxSxKxh), mode="drop"))
+    k_pool = pool_heads(pool_heads(k_pool).at[:, page_S, offset_S].set(pool_heads(k_LxSxKxh), mode="drop"))
+    v_pool = pool_heads(pool_heads(v_pool).at[:, page_S, offset_S].set(pool_heads(v_LxSxKxh), mode="drop"))
     hidden_Sx1xD = norm(x_Sx1xD, params["norm"], cfg)
     return head_logits(params, hidden_Sx1xD, cfg.final_logit_softcap, pieces=False)[:, 0], k_pool, v_pool
