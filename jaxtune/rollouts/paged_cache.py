@@ -5,7 +5,8 @@ The free list is a device bitmap, `free_NP` [NP] bool (`take_pages`, `return_pag
 "no page": scatters drop it and gathers clamp it (its slots are never seen). `paged_decode_step` is
 `kv_cache.extend`'s decode step with each row's pages gathered (`gather_rows`) for the dense cache's
 `step_attention` in the pages' layout (`slots_first`), the new keys and values written after the layer scan in one
-scatter. Plain attention layers only (`refuse_unpaged`).
+scatter. Plain attention layers only (`refuse_unpaged`). On a mesh the pool's heads are split over tensor and its pages
+are whole on every other device (`pool_heads`; why: `rollouts.engine`), each device decoding its own rows.
 """
 
 from __future__ import annotations
