@@ -296,6 +296,63 @@ def decode_rows() -> dict:
     return out
 
 
+def engine_rows() -> dict:
+    """{mesh: the per-device shapes of the rollout engine's page pool [L, NP, ps, K, hd] and slot tables [S, M], the
+    all-gathers of a pool-sized array in its compiled program, and whether its greedy tokens (5 prompts of mixed
+    lengths, groups of 3, mixed limits, 8 slots) equal one device's} for the LoRA policy placed in the run's
+    shardings and sampled under the mesh, as GRPO's batch function runs."""
+    import re
+
+    from jaxtune.config import SamplingConfig
+    from jaxtune.methods.transform import combine
+    from jaxtune.rollouts import PagePool, engine, sample_groups
+    from jaxtune.spine.run import traced_on
+
+    method = METHODS["lora"]
+    trainable, frozen = setup(method)
+    params = combine(trainable, frozen)
+    prompts = [[1 + (5 * i + j) % 200 for j in range(n)] for i, n in enumerate((3, 11, 5, 17, 8))]
+    limits = [2 + (7 * i) % 11 for i in range(15)]
+    greedy, pool = SamplingConfig(max_new_tokens=12), PagePool(slots=8, page_size=4)
+    args = dict(pool=pool, eos_ids=(), method=method, max_new_tokens_of_sample=limits)
+    one = sample_groups(params, CFG, prompts, 3, greedy, **args)
+    out = {}
+    # data=4 x fsdp=2: fsdp divides the 2 KV heads, which the rules' fallback would split (the slots are split there)
+    meshes = {"fsdp=8": MESHES["fsdp=8"], "fsdp=4 x tensor=2": MESHES["fsdp=4 x tensor=2"],
+              "data=4 x fsdp=2": MeshConfig(data=4, fsdp=2)}
+    for name, config in meshes.items():
+        mesh = make_mesh(config)
+        plan = TrainPlan(method, 8, SEQ, 1, param_dtype="float32",
+                         forward=ForwardOptions(compute_dtype="float32", remat="none"), mesh=config)
+        placed = jax.device_put(params, abstract_run(CFG, plan, mesh, TRAIN, STEPS).shardings.params)
+        seen = {}
+        real_run = engine.run
+
+        def run(*a, **kw):
+            state = real_run(*a, **kw)
+            seen["pool"] = state.k.addressable_shards[0].data.shape
+            seen["tables"] = state.table_SxM.addressable_shards[0].data.shape
+            L, NP, ps = state.k.shape[:3]  # the pool never all-gathered: each step gathers its new keys and values
+            text = real_run.lower(*a, **kw).compile().as_text()
+            seen["pool gathers"] = len(re.findall(rf"= f32\[{L},{NP},{ps},[^ ]* all-gather\(", text))
+            return state
+
+        engine.run = run
+        try:
+            with traced_on(mesh):  # stop strings' path too (start, then advance in chunks)
+                split = sample_groups(placed, CFG, prompts, 3, greedy, **args)
+                chunked = sample_groups(placed, CFG, prompts, 3, greedy, **args, stop_when=lambda *_: False,
+                                        chunk_steps=4)
+        finally:
+            engine.run = real_run
+        out[name] = {"pool": list(seen["pool"]), "tables": list(seen["tables"]), "pool gathers": seen["pool gathers"],
+                     "equal": split.tokens == one.tokens,
+                     "chunked equal": chunked.tokens == one.tokens, "free": split.free_pages == one.num_pages,
+                     "params still split": not any(x.sharding.is_fully_replicated for x in
+                                                   jax.tree.leaves(placed["layers"]["q_proj"]))}
+    return out
+
+
 def load(model_dir: str, method_name: str) -> dict:
     """`spine.load.load_run` of a checkpoint onto fsdp=8: every array alive while reading (snapshot at each read)
     and after, as per-device shard shapes, against the parameters' full shapes; and the bytes read."""
@@ -470,7 +527,7 @@ def dispatch(args: list[str]) -> dict:
     assert jax.device_count() == 8, jax.devices()
     checks = {"load": load, "frozen_bf16": frozen_bf16, "eval": eval_rows, "loop": lambda c, *o: loop(c, list(o)),
               "planner": planner, "megablox": megablox, "families": families, "splash": splash, "mixtures": mixtures,
-              "decode_rows": decode_rows}
+              "decode_rows": decode_rows, "engine_rows": engine_rows}
     return checks[args[0]](*args[1:]) if args[0] in checks else run(args[0])
 
 

@@ -78,6 +78,19 @@ def test_a_rollouts_rows_are_split_over_the_devices_and_decode_as_on_one():
     assert all(mesh["equal"] for mesh in out.values()), out
 
 
+def test_the_rollout_engine_splits_its_slots_over_the_devices_and_decodes_as_on_one():
+    """The paged engine (5 prompts of 3-17 tokens, groups of 3, limits 2-12, 8 slots) under fsdp=8, fsdp=4 x tensor=2
+    and data=4 x fsdp=2 with the policy in the run's shardings: each device decodes 8 / 8 (or / 4) slots, holds the
+    pool's pages whole with its heads split over tensor only (no all-gather of the pool in its program: a step gathers
+    the slots' new keys and values), and the tokens, in one call or in chunks, equal one device's."""
+    out = run_worker("engine_rows")
+    for mesh in ("fsdp=8", "data=4 x fsdp=2"):
+        assert out[mesh]["tables"][0] == 1 and out[mesh]["pool"][1:5] == [64, 4, 2, 16], out
+    assert out["fsdp=4 x tensor=2"]["tables"][0] == 2 and out["fsdp=4 x tensor=2"]["pool"][1:5] == [64, 4, 1, 16], out
+    assert all(m["equal"] and m["chunked equal"] and m["free"] and m["params still split"] and m["pool gathers"] == 0
+               for m in out.values()), out
+
+
 @pytest.mark.full
 def test_eval_on_8_devices_computes_each_row_on_its_own_device():
     """An 8-row eval batch arrives whole, but the constraints split the work: no [rows, T, ...] buffer of the

@@ -1,8 +1,8 @@
 """GRPO, RLOO and on-policy (and seq_kd) distillation across devices and processes: each device decodes its own rows
 of a rollout with the policy's (or the teacher's) split weights, each process scores its share of the rows, and the
-run equals one device's (or one process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5. Two
-local `jaxtune train` processes are joined as tests/test_distributed.py joins them; the 8-device runs are `fine_tune`
-in tests/parallel_worker.py."""
+run equals one device's (or one process's) on the same seed: losses, rewards, KL and gradient norms within 1e-5, with
+the padded decode and with the paged rollout engine (`PAGED`). Two local `jaxtune train` processes are joined as
+tests/test_distributed.py joins them; the 8-device runs are `fine_tune` in tests/parallel_worker.py."""
 
 import json
 from pathlib import Path
@@ -35,6 +35,7 @@ def _close_worker():
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 EPISODES = 'environment = "grpo_environments.TwoTurns"\nenvironment_options = {turns = 2}'
+PAGED = 'rollout_engine = "paged"\nrollout_slots = 8\nrollout_page_size = 4'  # 16 samples a step through 8 slots
 
 
 def rollout_config(tmp_path: Path, objective: str, reward: str | list = "grpo_rewards.odd_characters",
@@ -73,10 +74,15 @@ def assert_same_run(split: list[dict], one: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective, mesh", [("grpo", ("mesh.fsdp=4", "mesh.tensor=2")), ("rloo", ("mesh.fsdp=8",))])
+@pytest.mark.parametrize("objective, mesh, extra", [
+    pytest.param("grpo", ("mesh.fsdp=4", "mesh.tensor=2"), "", id="grpo-fsdp4-tensor2"),
+    pytest.param("rloo", ("mesh.fsdp=8",), "", id="rloo-fsdp8"),
+    pytest.param("grpo", ("mesh.fsdp=8",), PAGED, id="grpo-paged-fsdp8")])
 @pytest.mark.full
-def test_eight_devices_run_grpo_and_rloo_as_one(tmp_path, objective, mesh):
-    config = rollout_config(tmp_path, objective)
+def test_eight_devices_run_grpo_and_rloo_as_one(tmp_path, objective, mesh, extra):
+    """The padded decode, and the paged engine (`PAGED`: its slots split over the devices, the policy's weights as the
+    run splits them)."""
+    config = rollout_config(tmp_path, objective, extra=extra)
     one = fine_tune(load_run_config(config, [f"train.output_dir={tmp_path / 'one'}"]), log=lambda *_: None)
     single = [json.loads(line) for line in (one.run_dir / "metrics.jsonl").read_text().splitlines()]
     split = run_worker("loop", str(config), f"train.output_dir={tmp_path / 'eight'}", *mesh)
@@ -105,6 +111,25 @@ def test_two_processes_run_grpo_as_one_each_scoring_half_the_rows(tmp_path):
     assert sorted(whole.tolist()).count(16) == 3  # 3 steps of 4 prompts x 4, and the held-out evaluations
     for process in (0, 1):  # each call's rows halved between the processes
         assert sorted(calls[calls[:, 0] == process, 1].tolist()) == sorted(whole // 2), calls
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_processes_run_grpo_with_the_paged_engine_as_one(tmp_path):
+    """`rollout_engine = "paged"` across two processes: one engine program over both's devices (each its slots, the
+    policy split over both), its tokens gathered to both, so both build the batch one process builds; with a stop
+    string, the chunks' tokens read back on both and the same samples ended on both (punctuation: about half of the
+    random model's samples hold one)."""
+    stops = json.dumps(list("!#$%&()*+,-./:;<=>?@[]^_{|}~"))
+    config = rollout_config(tmp_path, "grpo", extra=f"{PAGED}\nstop_strings = {stops}")
+    env = {"PYTHONPATH": str(TESTS)}
+    finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env))
+    port = free_port()
+    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    for process in pair:
+        finish(process)
+    assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
 
 
 @pytest.mark.slow

@@ -80,7 +80,8 @@ class RolloutConfig:
     rollout_engine: "padded" (`generation.generate`: every row's cache as long as the longest) or "paged"
     (`rollouts.engine`: rollout_slots rows decoding at once over a pool of rollout_pages pages of rollout_page_size
     tokens, 0: as many as no sample waits for, a finished row's slot taking the next sample, a group's prompt
-    prefilled once; plain attention caches only, one process).
+    prefilled once; plain attention caches only; on a mesh its slots split over the data-parallel devices, across
+    processes one program over all of them, as the padded decode).
     off_policy_steps: 0, or 1 for one-step-off rollouts (verl's one_step_off_policy; TRL's experimental AsyncGRPO
     bounds the same lag with max_staleness): the batch of step t + 1 is sampled with the parameters step t starts from,
     before step t is dispatched, and scored while it runs; its `old_logps` are those parameters' (the behaviour
@@ -543,9 +544,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         raise JaxtuneError(f"[{name}] num_iterations = {g.num_iterations} with [train] checkpoint_every = "
                            f"{tc.checkpoint_every}: a checkpoint must fall between rollout batches (a resumed run "
                            f"cannot sample a batch again); use a multiple of {g.num_iterations}")
-    if g.rollout_engine == "paged" and (jax.process_count() > 1 or g.environment or g.sampler_url):
-        raise JaxtuneError(f"[{name}] rollout_engine = \"paged\" decodes one process's completions (not across "
-                           "processes, an environment's turns or an external sampler's); use \"padded\"")
+    if g.rollout_engine == "paged" and (g.environment or g.sampler_url):
+        raise JaxtuneError(f"[{name}] rollout_engine = \"paged\" decodes single-turn completions jaxtune samples (not "
+                           "an environment's turns or an external sampler's); use \"padded\"")
     sampler = ExternalSampler.from_config(g.external_sampler) if g.sampler_url else None
     if sampler is not None and jax.process_count() > 1:
         raise JaxtuneError(f"[{name}] sampler_url with {jax.process_count()} processes: an external sampler is "

@@ -7,6 +7,20 @@ finished row's slot taking the next pending sample inside one jitted `lax.while_
 Memory is the pool (`PagePool`; what happens when it runs short), not rows x max_new_tokens: pages are taken as rows
 grow and go back as they end. With stop strings (`stop_when`) the loop runs in chunks (`advance`, one program for any
 chunk), the host ending between them the samples whose text holds one. `sample_groups` says what is refused.
+
+On a mesh (called under it, `spine.run.traced_on`, as a run's batch function is) the engine is one SPMD program over
+the policy's weights as the run splits them (nothing gathered to one device; a layer's kernels gathered where used,
+as the padded decode and the training step gather them): the slots are split over the batch axes as the padded decode
+splits its rows (`placed`), each device running the decode step of its own, and the pool's heads over tensor. The
+pool's pages are not split over the data-parallel devices: a page table names pages anywhere in the pool, a group's
+prompt pages are read by samples on every device, and a free list per device would hold each device's share of the
+pool (a prompt's pages copied to every device one of its samples runs on) and tie a sample to the device its slot
+is on; instead every device holds the whole pool (its heads), and a step's new keys and values (S x K x hd a layer)
+are gathered to every device's copy. The admission, the free list and the samples' tokens are small and held whole.
+Across processes (`jax.distributed`) the same program runs on every process over all their devices, as the padded
+decode does: the prompts, the key and the pool's layout are the same on each, the `lax.while_loop`'s condition (a
+busy slot anywhere) is one global value, and the tokens come back to every process with `host_copy` (the host's stop
+strings then end the same samples on each).
 """
 
 from __future__ import annotations
@@ -25,9 +39,12 @@ from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.errors import JaxtuneError, check_range
 from jaxtune.generation import pack_prompts, row_tokens, sample
 from jaxtune.models.kv_cache import PackedPrompts, prefill_packed, prefix_length, refuse_context_axis
+from jaxtune.parallel.distributed import host_copy
+from jaxtune.parallel.rules import constrain
 from jaxtune.rollouts.paged_cache import (
     empty_pool,
     paged_decode_step,
+    pool_heads,
     refuse_unpaged,
     return_pages,
     take_pages,
@@ -131,6 +148,19 @@ def release(s: EngineState, done_S, prompt_table_GxMp, group_N) -> EngineState:
                       free_NP=free_NP, group_left_G=left_G)
 
 
+def placed(s: EngineState) -> EngineState:
+    """`s` laid out on the mesh in context (`rules.constrain`; itself without one): the slots (their rows of the
+    decode step, its tables, logits and counters) split over the batch axes as the padded decode splits its rows
+    (`generation.split_rows`), the pool's heads over tensor and its pages on every data-parallel device, the
+    samples' bookkeeping (out_NxN, free_NP, group_left_G) whole on every device."""
+    slots = lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1))  # noqa: E731
+    whole = lambda a: constrain(a, (None,) * a.ndim)  # noqa: E731
+    return s._replace(sample_S=slots(s.sample_S), t_S=slots(s.t_S), reserve_S=slots(s.reserve_S),
+                      table_SxM=slots(s.table_SxM), logits_SxV=slots(s.logits_SxV), k=pool_heads(s.k),
+                      v=pool_heads(s.v), free_NP=whole(s.free_NP), group_left_G=whole(s.group_left_G),
+                      out_NxN=whole(s.out_NxN), length_G=whole(s.length_G), logits_GxV=whole(s.logits_GxV))
+
+
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "slots", "page_size", "num_pages", "max_new_tokens"))
 def start(params, packed: PackedPrompts, prompt_table_GxMp, group_N, limit_N, *, cfg: ModelConfig,
           method: MethodConfig | None, options: ForwardOptions, slots: int, page_size: int, num_pages: int,
@@ -152,7 +182,7 @@ def start(params, packed: PackedPrompts, prompt_table_GxMp, group_N, limit_N, *,
         peak=jnp.sum(in_prompts, dtype=jnp.int32), next_sample=jnp.asarray(0, jnp.int32),
         group_left_G=jnp.zeros(G, jnp.int32).at[group_N].add((limit_N > 0).astype(jnp.int32)),
         out_NxN=jnp.full((N, max_new_tokens), -1, jnp.int32), length_G=length_G, logits_GxV=logits_GxV)
-    return admit(state, prompt_table_GxMp, group_N, limit_N, ps)
+    return placed(admit(placed(state), prompt_table_GxMp, group_N, limit_N, ps))
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "page_size", "greedy"), donate_argnames=("state",))
@@ -197,13 +227,13 @@ def advance(params, state: EngineState, prompt_table_GxMp, group_N, limit_N, sto
                        reserve_S=jnp.where(running_S, s.reserve_S - (new_page_S < NP), 0), table_SxM=table_SxM,
                        logits_SxV=logits_SxV, k=k, v=v, free_NP=free_NP,
                        peak=jnp.maximum(s.peak, NP - jnp.sum(free_NP)), out_NxN=out_NxN)
-        return admit_(release_(s, done_S))
+        return placed(admit_(release_(s, done_S)))
 
     def busy(s: EngineState):
         return jnp.any(s.sample_S >= 0) & (s.step < until) & (s.step < N * s.out_NxN.shape[1])
 
     stopped_S = (state.sample_S >= 0) & stopped_N[jnp.maximum(state.sample_S, 0)]
-    return jax.lax.while_loop(busy, step_fn, admit_(release_(state, stopped_S)))
+    return placed(jax.lax.while_loop(busy, step_fn, placed(admit_(release_(state, stopped_S)))))
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "options", "slots", "page_size", "num_pages", "max_new_tokens",
@@ -255,7 +285,9 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
     Raises JaxtuneError for no or an empty prompt, an id outside the vocabulary, a bad limit or chunk_steps, a row past
     the model's context, a sample the pool cannot hold (`PagePool`); refused for now: the caches
     `paged_cache.refuse_unpaged` names (sliding windows, latent attention, Gated DeltaNet, Gemma 4's layers), prefix
-    tuning, per-row adapter stacks (one `method` for every row) and a mesh's context axis.
+    tuning, per-row adapter stacks (one `method` for every row) and a mesh's context axis. Called under a mesh
+    (`spine.run.traced_on`), with `params` in the run's shardings, on one process or several: the module docstring
+    says how the work is split.
     """
     refuse_context_axis()
     refuse_unpaged(cfg)
@@ -327,7 +359,7 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
         while True:  # the host reads each chunk's tokens (one transfer) to end the samples whose text says so
             state = advance(params, state, table, group_N, limit_N, stopped_N, *sampling_args,
                             np.int32(step + chunk_steps), **program, page_size=ps, greedy=sampling.greedy)
-            out_NxN, sample_S, step = jax.device_get((state.out_NxN, state.sample_S, state.step))
+            out_NxN, sample_S, step = host_copy((state.out_NxN, state.sample_S, state.step))
             if not (sample_S >= 0).any():
                 break
             stopped_N = np.zeros(Nb, bool)
@@ -335,7 +367,7 @@ def sample_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int
                 tokens = row_tokens(out_NxN[n], is_stop_V, False)
                 if len(tokens) > checked_N[n]:
                     checked_N[n], stopped_N[n] = len(tokens), stop_when(int(n), tokens)
-    out_NxN, free_NP, peak, steps = jax.device_get((state.out_NxN, state.free_NP, state.peak, state.step))
+    out_NxN, free_NP, peak, steps = host_copy((state.out_NxN, state.free_NP, state.peak, state.step))
     samples = [row_tokens(row, is_stop_V, include_stop) for row in out_NxN[:N]]
     if isinstance(stop_when, StopStrings):
         samples = [stop_when.cut(n, tokens, include_stop) for n, tokens in enumerate(samples)]

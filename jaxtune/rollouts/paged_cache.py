@@ -5,7 +5,8 @@ The free list is a device bitmap, `free_NP` [NP] bool (`take_pages`, `return_pag
 "no page": scatters drop it and gathers clamp it (its slots are never seen). `paged_decode_step` is
 `kv_cache.extend`'s decode step with each row's pages gathered (`gather_rows`) for the dense cache's
 `step_attention` in the pages' layout (`slots_first`), the new keys and values written after the layer scan in one
-scatter. Plain attention layers only (`refuse_unpaged`).
+scatter. Plain attention layers only (`refuse_unpaged`). On a mesh the pool's heads are split over tensor and its pages
+are whole on every other device (`pool_heads`; why: `rollouts.engine`), each device decoding its own rows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jaxtune.models.head import head_logits
 from jaxtune.models.kv_cache import step_attention
 from jaxtune.models.llama import decoder_layer, embed, layer_sinks, norm, output_projection, project_qkv
 from jaxtune.models.rope import layer_rope, rope_tables
+from jaxtune.parallel.rules import constrain, gathered
 
 
 def refuse_unpaged(cfg: ModelConfig) -> None:
@@ -75,10 +77,17 @@ def write_prompts(k_pool: jax.Array, v_pool: jax.Array, k_LxGxKxWxh: jax.Array, 
         L, G, K, _, hd = dense_LxGxKxWxh.shape
         tokens_LxGxXxKxh = jnp.take_along_axis(jnp.swapaxes(dense_LxGxKxWxh, 2, 3),
                                                source_GxX[None, :, :, None, None], axis=2)
-        return pool.at[:, table_GxMp].set(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype),
-                                          mode="drop")
+        pages = pool_heads(tokens_LxGxXxKxh.reshape(L, G, Mp, ps, K, hd).astype(pool.dtype))
+        return pool_heads(pool_heads(pool).at[:, table_GxMp].set(pages, mode="drop"))
 
     return write(k_pool, k_LxGxKxWxh), write(v_pool, v_LxGxKxWxh)
+
+
+def pool_heads(a: jax.Array) -> jax.Array:
+    """`a` [..., K, hd] with its heads split over tensor and whole on every other device of the mesh in context (the
+    pool's layout, `rollouts.engine`; `rules.gathered` drops the fallback that would split K over fsdp, where the
+    slots are split): a write into the pool gathers what it writes, never the pool."""
+    return gathered(a, (None,) * (a.ndim - 2) + ("kv_heads", None))
 
 
 def gather_rows(flat_pool: jax.Array, first_page: jax.Array, table_SxM: jax.Array) -> jax.Array:
@@ -111,6 +120,7 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
 
     def block(x_Sx1xD, layer_rope_index):
         layer, rope_table, index = layer_rope_index
+        x_Sx1xD = constrain(x_Sx1xD, ("batch", None, None))  # each device its own slots, as the padded decode
 
         def attention(h_Sx1xD):
             q_Sx1xKxGxh, k_new, v_new, gate_Sx1xQ = project_qkv(h_Sx1xD, layer, layer_rope(rope, rope_table, cfg), cfg,
@@ -126,7 +136,10 @@ def paged_decode_step(params: dict, token_S: jax.Array, position_S: jax.Array, t
     x_Sx1xD = embed(params, token_S[:, None], cfg, dtype)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
     x_Sx1xD, (k_LxSxKxh, v_LxSxKxh) = jax.lax.scan(block, x_Sx1xD, (layers, tables_L, jnp.arange(L)))
-    k_pool = k_pool.at[:, page_S, offset_S].set(k_LxSxKxh, mode="drop")
-    v_pool = v_pool.at[:, page_S, offset_S].set(v_LxSxKxh, mode="drop")
+    # on a mesh every data-parallel device holds the pool (its heads): the slots' new keys and values go to each copy,
+    # pinned so that XLA gathers them (S x K x hd a layer), not the pool split by another axis around the scatter
+    page_S, offset_S = constrain(page_S, (None,)), constrain(offset_S, (None,))
+    k_pool = pool_heads(pool_heads(k_pool).at[:, page_S, offset_S].set(pool_heads(k_LxSxKxh), mode="drop"))
+    v_pool = pool_heads(pool_heads(v_pool).at[:, page_S, offset_S].set(pool_heads(v_LxSxKxh), mode="drop"))
     hidden_Sx1xD = norm(x_Sx1xD, params["norm"], cfg)
     return head_logits(params, hidden_Sx1xD, cfg.final_logit_softcap, pieces=False)[:, 0], k_pool, v_pool
