@@ -78,6 +78,7 @@ def test_a_rollouts_rows_are_split_over_the_devices_and_decode_as_on_one():
     assert all(mesh["equal"] for mesh in out.values()), out
 
 
+@pytest.mark.full  # 43 s on 2 cores; the padded decode's split rows stay in the everyday tier
 def test_the_rollout_engine_splits_its_slots_over_the_devices_and_decodes_as_on_one():
     """The paged engine (5 prompts of 3-17 tokens, groups of 3, limits 2-12, 8 slots) under fsdp=8, fsdp=4 x tensor=2
     and data=4 x fsdp=2 with the policy in the run's shardings: each device decodes 8 / 8 (or / 4) slots, holds the

@@ -4,14 +4,10 @@ the generalised Jensen-Shannon divergence of `beta` (`losses.generalized_jsd`; 0
 (any model with the student's vocabulary) runs in the same step under stop_gradient, chunk by chunk beside the student.
 
 On-policy (GKD, Agarwal et al. 2024; TRL 1.16's GKDTrainer): with probability `lmbda` a step's batch is the student's
-own completions of the step's prompts, sampled with its current parameters (`generate`, under the run's mesh as GRPO's
-rollouts), the samples the labels, the prompt masked; else, with `seq_kd` (sequence-level KD, Kim & Rush 2016), the
-teacher's completions of those prompts, decoded with the teacher's own weights and the same settings; else the
-dataset's. That is GKDTrainer.training_step's order: one draw, then seq_kd. Draw and samples are functions of the
-seed, epoch and step: every process draws the same, a resumed run draws them again. The teacher is the objective's
-second model, the arrays the step reads; it never changes, so the trainer hands it over once, when the weights are
-loaded (`ObjectiveData.start`), and the batch function decodes from it under the run's mesh as from the student.
-"""
+own completions of its prompts (`generate`, under the run's mesh); else, with `seq_kd` (Kim & Rush 2016), the
+teacher's, decoded from the arrays the step reads (handed over once, `ObjectiveData.start`); else the dataset's: one
+draw, then seq_kd, as GKDTrainer.training_step. Draws and samples are functions of (seed, epoch, step): every process
+draws the same and a resumed run draws them again (`mixed_batches`)."""
 
 from __future__ import annotations
 

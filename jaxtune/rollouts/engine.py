@@ -6,22 +6,8 @@ finished row's slot taking the next pending sample inside one jitted `lax.while_
     out.tokens  # len(prompts) * 4 lists, sample g * 4 + j the j-th of prompt g (GRPO's `repeated` rows)
 Memory is the pool (`PagePool`; what happens when it runs short), not rows x max_new_tokens: pages are taken as rows
 grow and go back as they end. With stop strings (`stop_when`) the loop runs in chunks (`advance`, one program for any
-chunk), the host ending between them the samples whose text holds one. `sample_groups` says what is refused.
-
-On a mesh (called under it, `spine.run.traced_on`, as a run's batch function is) the engine is one SPMD program over
-the policy's weights as the run splits them (nothing gathered to one device; a layer's kernels gathered where used,
-as the padded decode and the training step gather them): the slots are split over the batch axes as the padded decode
-splits its rows (`placed`), each device running the decode step of its own, and the pool's heads over tensor. The
-pool's pages are not split over the data-parallel devices: a page table names pages anywhere in the pool, a group's
-prompt pages are read by samples on every device, and a free list per device would hold each device's share of the
-pool (a prompt's pages copied to every device one of its samples runs on) and tie a sample to the device its slot
-is on; instead every device holds the whole pool (its heads), and a step's new keys and values (S x K x hd a layer)
-are gathered to every device's copy. The admission, the free list and the samples' tokens are small and held whole.
-Across processes (`jax.distributed`) the same program runs on every process over all their devices, as the padded
-decode does: the prompts, the key and the pool's layout are the same on each, the `lax.while_loop`'s condition (a
-busy slot anywhere) is one global value, and the tokens come back to every process with `host_copy` (the host's stop
-strings then end the same samples on each).
-"""
+chunk), the host ending between them the samples whose text holds one. `sample_groups` says what is refused. On a
+mesh and across processes: one SPMD program, the slots split over the batch axes (`placed` says how)."""
 
 from __future__ import annotations
 
@@ -152,7 +138,21 @@ def placed(s: EngineState) -> EngineState:
     """`s` laid out on the mesh in context (`rules.constrain`; itself without one): the slots (their rows of the
     decode step, its tables, logits and counters) split over the batch axes as the padded decode splits its rows
     (`generation.split_rows`), the pool's heads over tensor and its pages on every data-parallel device, the
-    samples' bookkeeping (out_NxN, free_NP, group_left_G) whole on every device."""
+    samples' bookkeeping (out_NxN, free_NP, group_left_G) whole on every device.
+
+    On a mesh (called under it, `spine.run.traced_on`, as a run's batch function is) the engine is one SPMD program over
+    the policy's weights as the run splits them (nothing gathered to one device; a layer's kernels gathered where used,
+    as the padded decode and the training step gather them): the slots are split over the batch axes as the padded
+    decode splits its rows, each device running the decode step of its own, and the pool's heads over tensor. The pool's
+    pages are not split over the data-parallel devices: a page table names pages anywhere in the pool, a group's prompt
+    pages are read by samples on every device, and a free list per device would hold each device's share of the pool (a
+    prompt's pages copied to every device one of its samples runs on) and tie a sample to the device its slot is on;
+    instead every device holds the whole pool (its heads), and a step's new keys and values (S x K x hd a layer) are
+    gathered to every device's copy. The admission, the free list and the samples' tokens are small and held whole.
+    Across processes (`jax.distributed`) the same program runs on every process over all their devices, as the padded
+    decode does: the prompts, the key and the pool's layout are the same on each, the `lax.while_loop`'s condition (a
+    busy slot anywhere) is one global value, and the tokens come back to every process with `host_copy` (the host's stop
+    strings then end the same samples on each)."""
     slots = lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1))  # noqa: E731
     whole = lambda a: constrain(a, (None,) * a.ndim)  # noqa: E731
     return s._replace(sample_S=slots(s.sample_S), t_S=slots(s.t_S), reserve_S=slots(s.reserve_S),
