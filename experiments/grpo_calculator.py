@@ -31,10 +31,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get
 
 import grpo_tasks as tasks  # noqa: E402
 
-FULL = dict(sft_examples=4000, sft_steps=450, grpo_prompts=2000, held_out=100, grpo_steps=12, prompts_per_step=4,
-            group_size=8, max_new_tokens=96, max_turns=4, eval_every=4, learning_rate=1e-4)
+FULL = dict(sft_examples=3000, sft_steps=1200, grpo_prompts=1500, held_out=100, grpo_steps=20, prompts_per_step=8,
+            group_size=8, max_new_tokens=96, max_turns=4, eval_every=5, learning_rate=5e-5, small=True)
 QUICK = dict(sft_examples=200, sft_steps=10, grpo_prompts=64, held_out=8, grpo_steps=2, prompts_per_step=2,
-             group_size=4, max_new_tokens=96, max_turns=3, eval_every=2, learning_rate=5e-4)
+             group_size=4, max_new_tokens=96, max_turns=3, eval_every=2, learning_rate=5e-4, small=True)
 SEQ_LEN = 320  # a solved episode is ~250 bytes in the template; a turn may start as late as SEQ_LEN, so the model
 # holds SEQ_LEN + max_new_tokens positions
 
@@ -42,10 +42,11 @@ SEQ_LEN = 320  # a solved episode is ~250 bytes in the template; a turn may star
 def run(out: Path, quick: bool, log=print) -> dict:
     size = QUICK if quick else FULL
     started = time.perf_counter()
-    held_out = tasks.calculator_examples(size["held_out"], seed=1)
+    held_out = tasks.calculator_examples(size["held_out"], seed=1, small=size["small"])
     seen = frozenset(r["prompt"] for r in held_out)
-    sft = tasks.calculator_examples(size["sft_examples"], seed=2, exclude=seen)
-    prompts = tasks.calculator_examples(size["grpo_prompts"], seed=3, exclude=seen | {r["prompt"] for r in sft})
+    sft = tasks.calculator_examples(size["sft_examples"], seed=2, exclude=seen, small=size["small"])
+    prompts = tasks.calculator_examples(size["grpo_prompts"], seed=3, exclude=seen | {r["prompt"] for r in sft},
+                                        small=size["small"])
     data = out / "data"
     tasks.write_jsonl(data / "sft.jsonl", sft, ("messages",))
     tasks.write_jsonl(data / "sft_eval.jsonl", held_out, ("messages",))
