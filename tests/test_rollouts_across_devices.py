@@ -62,6 +62,13 @@ def rollout_config(tmp_path: Path, objective: str, reward: str | list = "grpo_re
     return config
 
 
+def two_processes(config: Path, output_dir: Path, env: dict | None = None) -> list:
+    """Two `jaxtune train` processes of `config` joined as one cluster on a free local port, writing `output_dir`."""
+    port = free_port()
+    return [train(config, "--set", f"train.output_dir={output_dir}", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+
+
 def assert_same_run(split: list[dict], one: list[dict]) -> None:
     """Within 1e-5 of one device's, or 1e-7 (float32 noise) of a loss that is ~0: the first step's, whose ratio is 1
     and whose advantages sum to 0 over each group."""
@@ -101,9 +108,7 @@ def test_two_processes_run_grpo_as_one_each_scoring_half_the_rows(tmp_path):
     finish(single)
     whole = np.loadtxt(tmp_path / "calls", dtype=int, ndmin=2)[:, 1]
     (tmp_path / "calls").unlink()
-    port = free_port()
-    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
-                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    pair = two_processes(config, tmp_path / "pair", env)
     outputs = [finish(p) for p in pair]
     assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
     assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
@@ -124,9 +129,7 @@ def test_two_processes_run_grpo_with_the_paged_engine_as_one(tmp_path):
     config = rollout_config(tmp_path, "grpo", extra=f"{PAGED}\nstop_strings = {stops}")
     env = {"PYTHONPATH": str(TESTS)}
     finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env))
-    port = free_port()
-    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
-                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    pair = two_processes(config, tmp_path / "pair", env)
     for process in pair:
         finish(process)
     assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
@@ -139,9 +142,7 @@ def test_two_processes_run_two_turn_episodes_as_one(tmp_path):
     config = rollout_config(tmp_path, "grpo", reward=EPISODES)
     env = {"PYTHONPATH": str(TESTS)}
     finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}", env=env))
-    port = free_port()
-    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
-                  "--num-processes", "2", "--process-id", str(i), env=env) for i in range(2)]
+    pair = two_processes(config, tmp_path / "pair", env)
     for process in pair:
         finish(process)
     assert_same_run(records(tmp_path / "pair"), records(tmp_path / "single"))
@@ -151,9 +152,7 @@ def test_two_processes_run_two_turn_episodes_as_one(tmp_path):
 @pytest.mark.full
 def test_a_reward_that_fails_on_one_process_stops_both_in_one_line(tmp_path):
     config = rollout_config(tmp_path, "grpo", reward="grpo_rewards.fails_on_process_one")
-    port = free_port()
-    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
-                  "--num-processes", "2", "--process-id", str(i), env={"PYTHONPATH": str(TESTS)}) for i in range(2)]
+    pair = two_processes(config, tmp_path / "pair", {"PYTHONPATH": str(TESTS)})
     outputs = []
     for process in pair:
         out, _ = process.communicate(timeout=600)
@@ -210,9 +209,7 @@ def test_two_processes_run_on_policy_and_sequence_level_distillation_as_one(tmp_
     and gradient norms equal one process's."""
     config = gkd_config(tmp_path, section)
     finish(train(config, "--set", f"train.output_dir={tmp_path / 'single'}"))
-    port = free_port()
-    pair = [train(config, "--set", f"train.output_dir={tmp_path / 'pair'}", "--coordinator", f"127.0.0.1:{port}",
-                  "--num-processes", "2", "--process-id", str(i)) for i in range(2)]
+    pair = two_processes(config, tmp_path / "pair")
     outputs = [finish(p) for p in pair]
     assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
     single = records(tmp_path / "single")
