@@ -31,6 +31,7 @@ from jaxtune.objectives.base import Context, ObjectiveInputs
 from jaxtune.objectives.distill import DISTILL, DistillConfig, check_teacher, mixed_batches, prompt_of
 from jaxtune.objectives.losses import generalized_jsd
 from jaxtune.presets import write_random_model
+from jaxtune.rollouts import PagePool, sample_groups
 from jaxtune.run_config import load_run_config
 
 DATA = Path(__file__).resolve().parents[1] / "jaxtune" / "assets" / "demo_instructions.jsonl"
@@ -97,10 +98,12 @@ def test_generalized_jsd_equals_trl_loss_and_gradient(beta, temperature):
     np.testing.assert_allclose(np.asarray(grad), s.grad.numpy(), rtol=0, atol=1e-5)
 
 
-def test_on_policy_batch_labels_the_students_own_samples_and_masks_the_prompt(tmp_path):
+@pytest.mark.parametrize("engine", ["padded", pytest.param("paged", marks=pytest.mark.full)])
+def test_on_policy_batch_labels_the_students_own_samples_and_masks_the_prompt(tmp_path, engine):
     """With lmbda = 1 a step's batch is the student's completions (sampled with its current parameters and the step's
-    seed) of the step's prompts: its labels are the sampled tokens, EOS included, the prompt masked; the same step
-    draws the same batch again (a resumed run), and lmbda = 0.5 mixes on- and off-policy steps by the seed."""
+    seed, by the padded decode or the paged engine) of the step's prompts: its labels are the sampled tokens, EOS
+    included, the prompt masked; the same step draws the same batch again (a resumed run), and lmbda = 0.5 mixes on-
+    and off-policy steps by the seed."""
     (tmp_path / "d.jsonl").write_text("".join(DATA.read_text().splitlines(keepends=True)[:16]))
     tok = Tokenizer.byte_level()
     train, _ = load_sft_examples(tmp_path / "d.jsonl", tok, 64)
@@ -108,7 +111,8 @@ def test_on_policy_batch_labels_the_students_own_samples_and_masks_the_prompt(tm
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     config = SimpleNamespace(train=TrainConfig(batch_size=2, grad_accum=2, seed=3), data=DataConfig(max_seq_len=64),
                              offload=OffloadConfig(), method=None)
-    section = DistillConfig(teacher="t", alpha=1.0, lmbda=1.0, max_new_tokens=6, sampling_temperature=1.0)
+    section = DistillConfig(teacher="t", alpha=1.0, lmbda=1.0, max_new_tokens=6, sampling_temperature=1.0,
+                            rollout_engine=engine, rollout_slots=3, rollout_page_size=4)
     setup = ObjectiveInputs(config, section, cfg, tok, log=lambda _: None)
     batch = mixed_batches(setup, train, off_policy=None)(0, 1, lambda: params)
     assert batch["input_ids"].shape[:2] == (2, 2) and np.all(batch["on_policy"] == 1)
@@ -118,7 +122,10 @@ def test_on_policy_batch_labels_the_students_own_samples_and_masks_the_prompt(tm
     rows = {k: v.reshape(4, -1) for k, v in batch.items() if v.ndim == 3}
     prompts = [list(rows["input_ids"][r, :int(np.argmax(rows["loss_mask"][r] > 0)) + 1]) for r in range(4)]
     assert all(p in [prompt_of(e) for e in train] for p in prompts)
-    for r, completion in enumerate(generate(params, cfg, prompts, sampling, eos_ids=[tok.eos_id], include_stop=True)):
+    completions = (generate(params, cfg, prompts, sampling, eos_ids=[tok.eos_id], include_stop=True) if
+                   engine == "padded" else sample_groups(params, cfg, prompts, 1, sampling, pool=PagePool(3, 4),
+                                                         eos_ids=[tok.eos_id], include_stop=True).tokens)
+    for r, completion in enumerate(completions):
         start, mask = len(prompts[r]) - 1, rows["loss_mask"][r]
         assert mask[:start].sum() == 0 and mask.sum() == len(completion)  # the prompt masked, every sample a label
         assert list(rows["labels"][r, start:start + len(completion)]) == completion
@@ -223,7 +230,7 @@ def test_draw_between_student_teacher_and_dataset_is_trls(tmp_path, monkeypatch,
     student, teacher = {"student": np.zeros(())}, {"teacher": np.zeros(())}
     ours: list[str] = []
 
-    def decoding(params, model_cfg, prompts, sampling, **_):
+    def decoding(params, model_cfg, prompts, group_size, sampling, keys, **_):
         ours.append(next(iter(params)))
         return [[5]] * len(prompts)
 
@@ -231,7 +238,7 @@ def test_draw_between_student_teacher_and_dataset_is_trls(tmp_path, monkeypatch,
         ours.append("dataset")
         return {"loss_mask": np.zeros((2, 2, 64), np.float32)}
 
-    monkeypatch.setattr(distill, "generate", decoding)
+    monkeypatch.setattr(distill, "sampled_groups", decoding)
     batch = mixed_batches(setup, train, dataset, teacher=(lambda: teacher, cfg) if seq_kd else None)
     kinds = [float(batch(0, i, lambda: student)["on_policy"].mean()) for i in range(16)]
     assert kinds == [float(k == "student") for k in ours]

@@ -3,6 +3,8 @@ model sampled and on nothing the environment wrote; the reward is the environmen
 are checked in one line and round-trip through TOML. Two processes running episodes equal one:
 tests/test_rollouts_across_devices.py."""
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from test_rollouts_across_devices import CHAT_TEMPLATE
 
 from jaxtune.config import tiny_config
 from jaxtune.data.tokenizer import Tokenizer
-from jaxtune.errors import ConfigError
+from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.params import init_params
@@ -63,6 +65,27 @@ def test_two_turn_episodes_hold_both_turns_the_prompts_unmasked():
         env.reset(record)
         env.step(turns[0])
         assert env.step(turns[1]).reward == pytest.approx(reward)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_the_paged_engine_runs_episodes_as_the_padded_decode():
+    """`rollout_engine = "paged"` with an environment: every turn of every running episode decoded by the engine (the
+    episode so far its prompt, three slots for five episodes, so some wait for a slot); greedy (top_k = 1) the same
+    episodes, masks and rewards as the padded decode, and no refusal of the pair."""
+    tokenizer = Tokenizer.byte_level()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    cfg = tiny_config(vocab_size=259, initializer_range=0.3, eos_token_id=(2,), max_position_embeddings=256)
+    params = init_params(cfg, jax.random.key(2))
+    padded = GRPOConfig(environment="grpo_environments.TwoTurns", environment_options={"turns": 2}, group_size=2,
+                        max_new_tokens=5, top_k=1)
+    paged = replace(padded, rollout_engine="paged", rollout_slots=3, rollout_page_size=4)
+    records = [{"prompt": p} for p in ("Write:", "Go on and write:", "Go:", "Say it:", "W")]
+    expected = episode_rollouts(params, cfg, None, records, padded, 7, (2,), tokenizer, 129)
+    assert len({tuple(row) for row in expected[0]}) == 5 and sum(expected[1][0]) == 10
+    assert episode_rollouts(params, cfg, None, records, paged, 7, (2,), tokenizer, 129) == expected
+    with pytest.raises(JaxtuneError, match="page pool of 2 pages"):  # the engine's own refusal: it ran the turns
+        episode_rollouts(params, cfg, None, records, replace(paged, rollout_pages=2), 7, (2,), tokenizer, 129)
 
 
 def test_environment_keys_are_checked_and_round_trip(tmp_path):

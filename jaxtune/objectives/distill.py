@@ -4,7 +4,7 @@ the generalised Jensen-Shannon divergence of `beta` (`losses.generalized_jsd`; 0
 (any model with the student's vocabulary) runs in the same step under stop_gradient, chunk by chunk beside the student.
 
 On-policy (GKD, Agarwal et al. 2024; TRL 1.16's GKDTrainer): with probability `lmbda` a step's batch is the student's
-own completions of its prompts (`generate`, under the run's mesh); else, with `seq_kd` (Kim & Rush 2016), the
+own completions of its prompts (its `rollout_engine`, under the run's mesh); else, with `seq_kd` (Kim & Rush 2016), the
 teacher's, decoded from the arrays the step reads (handed over once, `ObjectiveData.start`); else the dataset's: one
 draw, then seq_kd, as GKDTrainer.training_step. Draws and samples are functions of (seed, epoch, step): every process
 draws the same and a resumed run draws them again (`mixed_batches`)."""
@@ -21,7 +21,6 @@ import numpy as np
 from jaxtune.config import ModelConfig, SamplingConfig
 from jaxtune.data.formats import Example
 from jaxtune.errors import ConfigError, JaxtuneError, check_range
-from jaxtune.generation import generate
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import head_logits, per_token, token_logps
 from jaxtune.models.hf_config import load_config
@@ -30,10 +29,11 @@ from jaxtune.objectives.base import Context, Objective, ObjectiveData, Objective
 from jaxtune.objectives.grpo import rollout_batch
 from jaxtune.objectives.losses import generalized_jsd
 from jaxtune.objectives.sft import perplexity, sft_split, sft_training
+from jaxtune.rollouts.decoders import EngineKeys, sampled_groups
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(EngineKeys):
     """teacher: a model directory; alpha: the divergence's weight (1 - alpha: the SFT loss's); temperature softens
     both distributions in the divergence, which is scaled by temperature^2 (Hinton et al. 2015; TRL's
     `generalized_jsd_loss` has the temperature, not the scale, and GKDTrainer leaves it at 1); beta: the generalised
@@ -44,6 +44,7 @@ class DistillConfig:
     seq_kd: a step not drawn on-policy trains on the teacher's completions of its prompts (TRL's, sampled with the
     same settings) instead of the dataset's; with alpha < 1 the cross-entropy is on the teacher's tokens (sequence-
     level KD: supervised fine-tuning on the teacher's output). lmbda = 1 never reaches it: refused.
+    rollout_engine, rollout_slots, rollout_page_size, rollout_pages: the decoder of both (`EngineKeys`).
     reverse: before beta, true meant KL(student || teacher); it still does (it sets beta = 1), set beta instead."""
 
     teacher: str = ""
@@ -57,6 +58,7 @@ class DistillConfig:
     seq_kd: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         check_range("alpha", self.alpha, 0, 1)
         check_range("temperature", self.temperature, 0, low_open=True)
         check_range("beta", self.beta, 0, 1)
@@ -183,10 +185,10 @@ def mixed_batches(setup: ObjectiveInputs, train: Sequence[Example], off_policy: 
         sampling = SamplingConfig(max_new_tokens=d.max_new_tokens, temperature=d.sampling_temperature,
                                   seed=int(draw.integers(2**31)))
         if student:
-            completions = generate(params(), cfg, chosen, sampling, eos_ids=eos, method=c.method, include_stop=True)
+            completions = sampled_groups(params(), cfg, chosen, 1, sampling, d, eos_ids=eos, method=c.method)
         else:
             assert teacher is not None  # checked above
-            completions = generate(teacher[0](), teacher[1], chosen, sampling, eos_ids=eos, include_stop=True)
+            completions = sampled_groups(teacher[0](), teacher[1], chosen, 1, sampling, d, eos_ids=eos, method=None)
         rows = on_policy_batch(chosen, completions, seq_len, tc.grad_accum)
         return {**rows, "on_policy": rows["on_policy"] * float(student)}
 

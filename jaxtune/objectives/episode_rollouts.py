@@ -19,8 +19,8 @@ from jaxtune.data.batching import trimmed_to_longest
 from jaxtune.environments.base import load_environments
 from jaxtune.environments.episode_batch import Episode, rollout
 from jaxtune.errors import JaxtuneError
-from jaxtune.generation import generate
 from jaxtune.parallel.distributed import gathered_floats, gathered_lists
+from jaxtune.rollouts.decoders import sampled_groups
 
 
 def episode_rollouts(params: dict, cfg: ModelConfig, method: MethodConfig | None, records: Sequence[dict], section,
@@ -28,8 +28,8 @@ def episode_rollouts(params: dict, cfg: ModelConfig, method: MethodConfig | None
                                                                             list[float]]:
     """(ids, loss mask on the sampled ids, reward) of each record's episode in `section.environment` (its
     `environment_options`), every process holding all of them in input order. Each round samples every running
-    episode's next turn with `section`'s settings (seed + round), at most `max_new_tokens` a turn; an episode ends
-    when its environment says so or at `max_tokens` ids (reward 0)."""
+    episode's next turn with `section`'s settings (seed + round; its decoder, `EngineKeys`), at most `max_new_tokens`
+    a turn; an episode ends when its environment says so or at `max_tokens` ids (reward 0)."""
     processes, me = jax.process_count(), jax.process_index()
     block = -(-len(records) // processes)
     mine = list(records[me * block:(me + 1) * block])
@@ -44,7 +44,7 @@ def episode_rollouts(params: dict, cfg: ModelConfig, method: MethodConfig | None
                                   top_k=section.top_k, top_p=section.top_p, seed=seed + next(rounds))
         if not every:
             return [], False
-        turns = generate(params, cfg, every, sampling, eos_ids=eos_ids, method=method, include_stop=True)
+        turns = sampled_groups(params, cfg, every, 1, sampling, section, eos_ids=eos_ids, method=method)
         start = sum(len(share) for share in shares[:me])
         return turns[start:start + len(prompts)], True
 

@@ -25,8 +25,7 @@ from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingCo
 from jaxtune.data.batching import trimmed_to_longest
 from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval_split
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
-from jaxtune.errors import ConfigError, JaxtuneError, check_choice, check_range
-from jaxtune.generation import generate
+from jaxtune.errors import ConfigError, JaxtuneError, check_range
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import head_logits, label_logps, per_token, token_logps, vocab_size
@@ -54,13 +53,13 @@ from jaxtune.objectives.reward_functions import (
 )
 from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
-from jaxtune.rollouts.engine import PagePool, sample_groups
+from jaxtune.rollouts.decoders import EngineKeys, sampled_groups
 from jaxtune.rollouts.external_sampler import ExternalSampler, ExternalSamplerConfig, sample_group_external
 from jaxtune.stop_strings import StopStrings
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(EngineKeys):
     """What GRPO and RLOO share. reward: the dotted paths of reward functions (TRL's `reward_funcs`; one string is one
     function), and/or reward_model: a directory `objective = "reward"` exported, scored after the functions (TRL takes
     a reward model among its reward_funcs); reward_weights: one weight each, functions then reward model (TRL's;
@@ -77,11 +76,8 @@ class RolloutConfig:
     max_new_tokens (0: none). environment: instead of a reward, episodes of several turns in an environment (a
     registered name such as "tools", or a dotted path; `jaxtune.environments`) built with `environment_options` (a
     TOML table), max_new_tokens a turn, the loss on every token the model sampled (`episode_rollouts`).
-    rollout_engine: "padded" (`generation.generate`: every row's cache as long as the longest) or "paged"
-    (`rollouts.engine`: rollout_slots rows decoding at once over a pool of rollout_pages pages of rollout_page_size
-    tokens, 0: as many as no sample waits for, a finished row's slot taking the next sample, a group's prompt
-    prefilled once; plain attention caches only; on a mesh its slots split over the data-parallel devices, across
-    processes one program over all of them, as the padded decode).
+    rollout_engine, rollout_slots, rollout_page_size, rollout_pages: the decoder (`EngineKeys`), for single-turn
+    completions and an environment's turns alike.
     off_policy_steps: 0, or 1 for one-step-off rollouts (verl's one_step_off_policy; TRL's experimental AsyncGRPO
     bounds the same lag with max_staleness): the batch of step t + 1 is sampled with the parameters step t starts from,
     before step t is dispatched, and scored while it runs; its `old_logps` are those parameters' (the behaviour
@@ -100,10 +96,6 @@ class RolloutConfig:
     reward_weights: tuple = ()
     environment: str = ""
     environment_options: tuple = ()
-    rollout_engine: str = "padded"
-    rollout_slots: int = 16
-    rollout_page_size: int = 16
-    rollout_pages: int = 0
     stop_strings: tuple = ()
     sampler_url: str = ""
     sampler_model: str = ""
@@ -127,6 +119,7 @@ class RolloutConfig:
     soft_punish_cache: int = 0
 
     def __post_init__(self):
+        super().__post_init__()
         rewards = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
         object.__setattr__(self, "reward", () if rewards == ("",) else rewards)  # "": none, as before lists
         if not all(isinstance(r, str) and r for r in self.reward):
@@ -164,10 +157,6 @@ class RolloutConfig:
         if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in options):
             raise ConfigError("environment_options", self.environment_options, "must be a table of option = value")
         object.__setattr__(self, "environment_options", frozen_table(dict(options)) if options else ())
-        check_choice("rollout_engine", self.rollout_engine, ("padded", "paged"))
-        check_range("rollout_slots", self.rollout_slots, 1)
-        check_range("rollout_page_size", self.rollout_page_size, 1)
-        check_range("rollout_pages", self.rollout_pages, 0)
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise ConfigError("stop_strings", self.stop_strings, "must be a list of non-empty strings")
         if self.stop_strings and (self.environment or self.sampler_url):
@@ -337,14 +326,8 @@ def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, pr
     sampling = SamplingConfig(max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_k=grpo.top_k,
                               top_p=grpo.top_p, seed=seed)
     stops = stops_of(grpo, tokenizer, len(repeated))
-    stop_ids = stops.token_ids() if stops else []
-    if grpo.rollout_engine == "paged":
-        pool = PagePool(grpo.rollout_slots, grpo.rollout_page_size, grpo.rollout_pages)
-        return repeated, sample_groups(params, cfg, prompts, grpo.group_size, sampling, pool=pool, eos_ids=eos_ids,
-                                       stop_token_ids=stop_ids, include_stop=True, method=method,
-                                       stop_when=stops).tokens
-    return repeated, generate(params, cfg, repeated, sampling, eos_ids=eos_ids, stop_token_ids=stop_ids,
-                              method=method, include_stop=True, stop_when=stops)
+    return repeated, sampled_groups(params, cfg, prompts, grpo.group_size, sampling, grpo, eos_ids=eos_ids,
+                                    method=method, stop_token_ids=stops.token_ids() if stops else [], stop_when=stops)
 
 
 def group_advantages(rewards, grpo: GRPOConfig) -> np.ndarray:
@@ -544,9 +527,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
         raise JaxtuneError(f"[{name}] num_iterations = {g.num_iterations} with [train] checkpoint_every = "
                            f"{tc.checkpoint_every}: a checkpoint must fall between rollout batches (a resumed run "
                            f"cannot sample a batch again); use a multiple of {g.num_iterations}")
-    if g.rollout_engine == "paged" and (g.environment or g.sampler_url):
-        raise JaxtuneError(f"[{name}] rollout_engine = \"paged\" decodes single-turn completions jaxtune samples (not "
-                           "an environment's turns or an external sampler's); use \"padded\"")
+    if g.rollout_engine == "paged" and g.sampler_url:
+        raise JaxtuneError(f"[{name}] rollout_engine = \"paged\" is jaxtune's own decoder, not the external sampler's "
+                           "(sampler_url); unset one of them")
     sampler = ExternalSampler.from_config(g.external_sampler) if g.sampler_url else None
     if sampler is not None and jax.process_count() > 1:
         raise JaxtuneError(f"[{name}] sampler_url with {jax.process_count()} processes: an external sampler is "
@@ -650,8 +633,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
             return {"eval_reward": float(np.mean(scores))}
         greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=0.0)
         stops = stops_of(g, tok, len(held_out))
-        completions = generate(params, cfg, [tok.encode(e.prompt) for e in held_out], greedy, eos_ids=eos,
-                               stop_token_ids=stops.token_ids() if stops else [], method=method, stop_when=stops)
+        completions = sampled_groups(params, cfg, [tok.encode(e.prompt) for e in held_out], 1, greedy, g, eos_ids=eos,
+                                     method=method, stop_token_ids=stops.token_ids() if stops else [],
+                                     stop_when=stops)
         table = rewards(held_out, completions, 1)  # the soft overlong punishment left out, as before several rewards
         return {"eval_reward": float(nanmean(weighted_sum(table, weights[:len(sources)]))),
                 **column_stats(table, names[:len(sources)], "eval_")}

@@ -269,16 +269,18 @@ def _widened(plan: TrainPlan) -> bool:
 
 
 def _rollout_kv(cfg: ModelConfig, plan: TrainPlan, w, nbytes) -> int:
-    """Bytes of GRPO's rollout KV cache per device: [L, A b, prefix + T, K, hd] keys and values; with the paged
-    engine (`[grpo] rollout_engine = "paged"`) its pool [L, pages, page size, K, hd], the pages as `rollouts.engine`
-    sizes them by default (every prompt's, and each slot's longest sample's, to a power of two) or as set."""
+    """Bytes of the rollout KV cache per device (GRPO's, RLOO's, distillation's): [L, A b, prefix + T, K, hd] keys and
+    values; with the paged engine (`rollout_engine = "paged"`) its pool [L, pages, page size, K, hd], the pages as
+    `rollouts.engine` sizes them by default (every prompt's, and each slot's longest sample's, to a power of two) or
+    as set (an environment's turn: each row its own prompt)."""
     prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     rollout_rows = w.b * plan.grad_accum  # one generation for the optimizer step's rows, then A micro-batches
     itemsize = jnp.dtype(plan.forward.compute_dtype).itemsize
     section = section_of(plan)
     if getattr(section, "rollout_engine", "padded") == "paged":
         ps, prompt = section.rollout_page_size, plan.seq_len - plan.generate_tokens
-        prompts = -(-rollout_rows // section.group_size)
+        group = 1 if getattr(section, "environment", "") else getattr(section, "group_size", 1)  # a turn: its own
+        prompts = -(-rollout_rows // group)
         longest = bucket(plan.generate_tokens, MIN_BUCKET)  # the engine's static limit
         pages = section.rollout_pages or bucket(prompts * -(-prompt // ps) + section.rollout_slots * -(-(longest - 1)
                                                                                                      // ps))
