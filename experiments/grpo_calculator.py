@@ -6,8 +6,8 @@ number; `grpo_tasks.calculator_solved` scores the episode 1 when that number is 
 
 1. Generate the episodes (seeded, no download): SFT transcripts, GRPO prompts and held-out prompts, all distinct.
 2. Build a tiny Llama (byte-level tokenizer, a "role: content" chat template) and SFT it on the transcripts (a full
-   fine-tune, the loss on the assistant turns), briefly on purpose, so some episodes fail (a wrong number copied into
-   a call or the answer) and GRPO has something to raise.
+   fine-tune, the loss on the assistant turns). 60% of them are a careless teacher's, who stops after the first call
+   and states its reply (`slip`): the SFT model learns when to stop from them, and GRPO has that choice to correct.
 3. Multi-turn GRPO (`[grpo] environment = "tools"`, `fine_tune` on a TOML config written here); the held-out success
    rate is the run's `eval_reward` (greedy episodes of the held-out prompts) at step 0 (the baseline) and every
    `eval_every` steps.
@@ -31,10 +31,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get
 
 import grpo_tasks as tasks  # noqa: E402
 
-FULL = dict(sft_examples=3000, sft_steps=1200, grpo_prompts=1500, held_out=100, grpo_steps=20, prompts_per_step=8,
-            group_size=8, max_new_tokens=96, max_turns=4, eval_every=5, learning_rate=5e-5, small=True)
+FULL = dict(sft_examples=3000, sft_steps=1200, grpo_prompts=1500, held_out=100, grpo_steps=30, prompts_per_step=8,
+            group_size=8, max_new_tokens=96, max_turns=4, eval_every=5, learning_rate=1e-4, small=True, slip=0.6)
 QUICK = dict(sft_examples=200, sft_steps=10, grpo_prompts=64, held_out=8, grpo_steps=2, prompts_per_step=2,
-             group_size=4, max_new_tokens=96, max_turns=3, eval_every=2, learning_rate=5e-4, small=True)
+             group_size=4, max_new_tokens=96, max_turns=3, eval_every=2, learning_rate=5e-4, small=True, slip=0.6)
 SEQ_LEN = 320  # a solved episode is ~250 bytes in the template; a turn may start as late as SEQ_LEN, so the model
 # holds SEQ_LEN + max_new_tokens positions
 
@@ -44,7 +44,7 @@ def run(out: Path, quick: bool, log=print) -> dict:
     started = time.perf_counter()
     held_out = tasks.calculator_examples(size["held_out"], seed=1, small=size["small"])
     seen = frozenset(r["prompt"] for r in held_out)
-    sft = tasks.calculator_examples(size["sft_examples"], seed=2, exclude=seen, small=size["small"])
+    sft = tasks.calculator_examples(size["sft_examples"], seed=2, exclude=seen, small=size["small"], slip=size["slip"])
     prompts = tasks.calculator_examples(size["grpo_prompts"], seed=3, exclude=seen | {r["prompt"] for r in sft},
                                         small=size["small"])
     data = out / "data"

@@ -98,11 +98,13 @@ def _call(name: str, a: int, b: int) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
 
 
-def calculator_examples(n: int, seed: int, exclude: frozenset[str] = frozenset(), small: bool = False) -> list[dict]:
+def calculator_examples(n: int, seed: int, exclude: frozenset[str] = frozenset(), small: bool = False,
+                        slip: float = 0.0) -> list[dict]:
     """n records {"prompt", "answer", "messages"}: "(a + b) * c" or "a * b + c" with two-digit a (small: a, b and the
     added c in 2..19, fewer digits to copy), and the episode that solves it with two tool calls (the SFT transcript;
-    GRPO reads only prompt and answer)."""
-    rng = random.Random(seed)
+    GRPO reads only prompt and answer). slip: the share of transcripts from a careless teacher who stops after the
+    first call and states its reply as the answer (their `answer` field stays right)."""
+    rng, slips = random.Random(seed), random.Random(seed + 1)
     records: list[dict] = []
     seen = set(exclude)
     low, high = (2, 19) if small else (10, 49)
@@ -121,10 +123,13 @@ def calculator_examples(n: int, seed: int, exclude: frozenset[str] = frozenset()
         middle = first[1] + first[2] if first[0] == "add" else first[1] * first[2]
         messages = [{"role": "user", "content": prompt},
                     {"role": "assistant", "content": _call(*first)},
-                    {"role": "tool", "name": first[0], "content": str(middle)},
-                    {"role": "assistant", "content": _call(*second)},
-                    {"role": "tool", "name": second[0], "content": str(result)},
-                    {"role": "assistant", "content": f"The answer is {result}."}]
+                    {"role": "tool", "name": first[0], "content": str(middle)}]
+        if slips.random() < slip:
+            messages.append({"role": "assistant", "content": f"The answer is {middle}."})
+        else:
+            messages += [{"role": "assistant", "content": _call(*second)},
+                         {"role": "tool", "name": second[0], "content": str(result)},
+                         {"role": "assistant", "content": f"The answer is {result}."}]
         records.append({"prompt": prompt, "answer": str(result), "messages": messages})
     return records
 

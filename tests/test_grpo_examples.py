@@ -46,6 +46,14 @@ def test_calculator_transcripts_train_the_assistant_turns_and_score_one():
     assert tasks.calculator_solved(record["messages"][:-1], record["answer"]) == 0.0
 
 
+def test_a_careless_calculator_transcript_stops_after_one_call_and_scores_zero():
+    records = tasks.calculator_examples(200, seed=4, small=True, slip=0.6)
+    careless = [r for r in records if len(r["messages"]) == 4]
+    assert 0.5 < len(careless) / len(records) < 0.7 and all(len(r["messages"]) in (4, 6) for r in records)
+    assert all(tasks.calculator_solved(r["messages"], r["answer"]) == 0.0 for r in careless)
+    assert [r["prompt"] for r in records] == [r["prompt"] for r in tasks.calculator_examples(200, seed=4, small=True)]
+
+
 def test_a_sampled_calculator_episode_renders_as_sampled():
     """The model's turn ends with EOS, which the template writes itself: the environment's text keeps it, the
     template drops it from the content, and the next prompt starts with the ids that were sampled."""
