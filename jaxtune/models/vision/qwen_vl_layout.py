@@ -44,6 +44,8 @@ def patch_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     blocks consecutive, frames one after another), as `get_vision_position_ids`."""
     rows = []
     for t, h, w in np.asarray(grid_thw).tolist():
+        r: np.ndarray
+        c: np.ndarray
         r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         block = lambda a: a.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
         rows.append(np.tile(np.stack([block(r), block(c)], axis=-1), (t, 1)))
@@ -76,8 +78,8 @@ def vision_layout(grid_thw: np.ndarray, cfg: QwenVisionConfig) -> VisionLayout:
     unit = cfg.merge_unit
     merged_index, window_of = window_index(grid_thw, cfg)
     patch_order = (merged_index[:, None] * unit + np.arange(unit)).reshape(-1)
-    frames = np.repeat(np.arange(1, int(grid_thw[:, 0].sum()) + 1), np.repeat(grid_thw[:, 1] * grid_thw[:, 2],
-                                                                               grid_thw[:, 0]))
+    frame_sizes: np.ndarray = np.repeat(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    frames: np.ndarray = np.repeat(np.arange(1, len(frame_sizes) + 1), frame_sizes)  # each patch's, from 1
     if window_of.max() + 1 > MAX_SEGMENTS or frames[-1] > MAX_SEGMENTS:
         raise JaxtuneError(f"{window_of.max() + 1} windows, {frames[-1]} frames: at most {MAX_SEGMENTS} in a batch")
     return VisionLayout(
