@@ -18,11 +18,10 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.models.rope import rope_angles
 
 
-def _image_positions(grid_thw: Sequence[int], merge: int, start: int) -> np.ndarray:
+def _image_positions(grid_thw: np.ndarray, merge: int, start: int) -> np.ndarray:
     """int64 [3, t * h/merge * w/merge]: an image's (frame, row, column) per merged token, plus `start`."""
     t, h, w = (int(v) for v in grid_thw)
-    frames, rows, columns = np.meshgrid(np.arange(t), np.arange(h // merge), np.arange(w // merge), indexing="ij")
-    return np.stack([frames, rows, columns]).reshape(3, -1) + start
+    return np.indices((t, h // merge, w // merge), np.int64).reshape(3, -1) + start
 
 
 def _row_positions(ids_T: np.ndarray, grids: Iterator[np.ndarray], image_token_id: int, merge: int) -> np.ndarray:
@@ -75,7 +74,7 @@ def mrope_streams(mrope_section: Sequence[int], rotary_dim: int) -> np.ndarray:
     if 2 * sum(mrope_section) != rotary_dim:
         raise JaxtuneError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, not half the rotary "
                            f"dimension {rotary_dim}")
-    half = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+    half: np.ndarray = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
     return np.concatenate([half, half])
 
 

@@ -44,11 +44,9 @@ def patch_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     blocks consecutive, frames one after another), as `get_vision_position_ids`."""
     rows = []
     for t, h, w in np.asarray(grid_thw).tolist():
-        r: np.ndarray
-        c: np.ndarray
-        r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block = lambda a: a.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
-        rows.append(np.tile(np.stack([block(r), block(c)], axis=-1), (t, 1)))
+        grid_2xHxW = np.indices((h, w)).reshape(2, h // merge, merge, w // merge, merge)
+        in_blocks_2xN = grid_2xHxW.transpose(0, 1, 3, 2, 4).reshape(2, -1)
+        rows.append(np.tile(in_blocks_2xN.T, (t, 1)))
     return np.concatenate(rows).astype(np.int32)
 
 
