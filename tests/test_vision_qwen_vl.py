@@ -2,6 +2,8 @@
 window layout and M-RoPE positions on small cases, and the tower's own invariants (images do not see each other;
 windows matter). Their agreement with transformers is test_vision_qwen_vl_parity.py's."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +12,19 @@ from PIL import Image
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.vision.mrope import mrope_streams, rope_index
-from jaxtune.models.vision.qwen_vl_config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, QwenImageOptions, QwenVisionConfig
+from jaxtune.models.vision.qwen_vl_config import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    QwenImageOptions,
+    QwenVisionConfig,
+    image_options_from_hf,
+    vision_config_from_hf,
+)
 from jaxtune.models.vision.qwen_vl_layout import vision_layout, window_index
 from jaxtune.models.vision.qwen_vl_processor import (
     IMAGE_PAD,
     expand_image_placeholders,
+    image_grid,
     image_patches,
     image_token_count,
     patches,
@@ -67,6 +77,19 @@ def test_image_patches_of_an_image_already_on_the_grid():
                          (np.repeat(gray[..., None], 3, -1), slice(40, 56))):
         normalized = ((pixels.astype(np.float64) / 255).astype(np.float32) - mean) / std
         np.testing.assert_allclose(values[rows], patches(normalized.transpose(2, 0, 1), options), rtol=1e-6)
+
+
+def test_image_options_read_old_and_new_preprocessor_configs():
+    """Top-level min_pixels and max_pixels (the hub's Qwen2.5-VL files) win over `size`; a processor that skips a
+    step jaxtune always takes is refused."""
+    old = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+    assert image_options_from_hf(old) == QwenImageOptions(max_pixels=12845056)
+    new = {"size": {"shortest_edge": 1024, "longest_edge": 4096}, "resample": 3}
+    assert image_options_from_hf(new) == QwenImageOptions(min_pixels=1024, max_pixels=4096)
+    with pytest.raises(JaxtuneError, match="resample 2"):
+        image_options_from_hf({"resample": 2})
+    with pytest.raises(JaxtuneError, match="always does"):
+        image_options_from_hf({"do_convert_rgb": False})
 
 
 def test_placeholders_expand_in_order_across_texts():
@@ -130,3 +153,24 @@ def test_images_do_not_see_each_other_and_windows_matter():
     np.testing.assert_allclose(both, jnp.concatenate([first, second]), rtol=1e-5, atol=1e-5)
     full = QwenVisionConfig(**{**cfg.__dict__, "fullatt_blocks": (0, 1, 2)})
     assert np.abs(forward(params, pixels[:96], vision_layout(grids[:1], full), full) - first).max() > 1e-2
+
+
+# Qwen2.5-VL-7B-Instruct's config.json, its vision part as the hub writes it (`in_chans`, `spatial_patch_size`)
+QWEN2_5_VL_7B = {"model_type": "qwen2_5_vl", "vision_config": {
+    "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+    "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}}
+
+
+def test_the_7b_tower_traces_to_its_shape():
+    """The hub's 7B vision config reads, and its tower traces (`jax.eval_shape`, nothing allocated) from a
+    processor's patches of two images to one 3584-wide embedding per merged token; Qwen2-VL's is refused."""
+    cfg = vision_config_from_hf(QWEN2_5_VL_7B)
+    assert (cfg.head_dim, cfg.window_tokens, cfg.patch_dim, cfg.fullatt_blocks) == (80, 4, 1176, (7, 15, 23, 31))
+    grids = np.array([image_grid(480, 640, QwenImageOptions()), image_grid(1000, 300, QwenImageOptions())])
+    N = int(grids.prod(-1).sum())
+    out = jax.eval_shape(partial(vision_forward, cfg=cfg), abstract_vision_params(cfg, jnp.bfloat16),
+                         jax.ShapeDtypeStruct((N, cfg.patch_dim), jnp.float32), vision_layout(grids, cfg))
+    assert (out.shape, out.dtype) == ((N // 4, 3584), jnp.bfloat16)
+    with pytest.raises(JaxtuneError, match="model_type 'qwen2_vl'"):
+        vision_config_from_hf({**QWEN2_5_VL_7B, "model_type": "qwen2_vl"})

@@ -20,7 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from jaxtune.config import tiny_config
 from jaxtune.models.rope import apply_rope
 from jaxtune.models.vision.mrope import mrope_angles, rope_index
-from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, vision_config_from_hf
+from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, image_options_from_hf, vision_config_from_hf
 from jaxtune.models.vision.qwen_vl_layout import patch_positions, vision_layout, window_index
 from jaxtune.models.vision.qwen_vl_processor import image_patches
 from jaxtune.models.vision.qwen_vl_vision import vision_forward
@@ -57,11 +57,14 @@ def generated_images() -> list[Image.Image]:
 
 @pytest.mark.parametrize("min_pixels,max_pixels", [(56 * 56, 28 * 28 * 1280), pytest.param(
     32 * 32, 64 * 64, marks=pytest.mark.full), pytest.param(100 * 100, 200 * 200, marks=pytest.mark.full)])
-def test_image_processor_equals_transformers(min_pixels, max_pixels):
-    """pixel_values equal to float32 rounding, image_grid_thw exactly, each image alone and all together."""
+def test_image_processor_equals_transformers(min_pixels, max_pixels, tmp_path):
+    """pixel_values equal to float32 rounding, image_grid_thw exactly, each image alone and all together, with the
+    options read from the processor's saved preprocessor_config.json."""
     images = generated_images()
     reference = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
-    options = QwenImageOptions(min_pixels=min_pixels, max_pixels=max_pixels)
+    reference.save_pretrained(tmp_path)
+    options = image_options_from_hf(json.loads((tmp_path / "preprocessor_config.json").read_text()))
+    assert options == QwenImageOptions(min_pixels=min_pixels, max_pixels=max_pixels, rescale_factor=1 / 255)
     for batch in [images] + [[image] for image in images]:
         expected = reference(batch, return_tensors="np")
         values, grids = image_patches(batch, options)

@@ -4,6 +4,7 @@ checkpoint's dict with unknown values refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,9 @@ from jaxtune.errors import JaxtuneError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the CLIP normalisation Qwen2-VL's processor uses
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+QWEN_VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")  # a config.json's, its vision_config's
 VISION_ACTIVATIONS = ("silu",)  # the blocks' gated MLP (the merger's is GELU, erf form, always)
+HF_VISION_NAMES = {"fullatt_block_indexes": "fullatt_blocks", "in_chans": "in_channels"}  # config.json's -> ours
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,37 +89,41 @@ class QwenImageOptions:
 
 
 def vision_config_from_hf(hf: dict[str, Any]) -> QwenVisionConfig:
-    """The `vision_config` of a Qwen2.5-VL config.json (or the whole config.json, which holds it)."""
+    """The `vision_config` of a Qwen2.5-VL config.json (or the whole config.json, which holds it): our fields by
+    their names there (`HF_VISION_NAMES` where they differ), rope_theta from rope_parameters, the rest (video's
+    tokens_per_second) not the tower's."""
+    if hf.get("model_type", "qwen2_5_vl") not in QWEN_VL_MODEL_TYPES:
+        raise JaxtuneError(f"model_type {hf['model_type']!r}: jaxtune reads Qwen2.5-VL's vision tower "
+                           f"({QWEN_VL_MODEL_TYPES})")
     hf = hf.get("vision_config", hf)
-    rope = hf.get("rope_parameters") or {}
-    try:
-        return QwenVisionConfig(
-            depth=hf["depth"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-            num_heads=hf["num_heads"], out_hidden_size=hf["out_hidden_size"], in_channels=hf.get("in_channels", 3),
-            patch_size=hf.get("patch_size", 14), temporal_patch_size=hf.get("temporal_patch_size", 2),
-            spatial_merge_size=hf.get("spatial_merge_size", 2), window_size=hf.get("window_size", 112),
-            fullatt_blocks=tuple(hf.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            hidden_act=hf.get("hidden_act", "silu"), rope_theta=float(rope.get("rope_theta", 10000.0)))
-    except KeyError as e:
-        raise JaxtuneError(f"Qwen2.5-VL vision_config: no {e.args[0]!r}") from None
+    fields = {f.name for f in dataclasses.fields(QwenVisionConfig)}
+    values = {HF_VISION_NAMES.get(k, k): v for k, v in hf.items() if HF_VISION_NAMES.get(k, k) in fields}
+    values["fullatt_blocks"] = tuple(values.get("fullatt_blocks", QwenVisionConfig.fullatt_blocks))
+    if "rope_theta" in (hf.get("rope_parameters") or {}):
+        values["rope_theta"] = float(hf["rope_parameters"]["rope_theta"])
+    missing = [f for f in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+               if f not in values]
+    if missing:
+        raise JaxtuneError(f"Qwen2.5-VL vision_config: no {missing}")
+    return QwenVisionConfig(**values)
 
 
 def image_options_from_hf(hf: dict[str, Any]) -> QwenImageOptions:
-    """A Qwen2-VL preprocessor_config.json: `size` {shortest_edge, longest_edge} (or the older min_pixels and
-    max_pixels) bound the area; the patch, merge and normalisation values as given."""
+    """A Qwen2-VL preprocessor_config.json: `size` {shortest_edge, longest_edge} bounds the area, the older
+    top-level min_pixels and max_pixels over it (as transformers reads them); patch, merge, scale and normalisation
+    values as given."""
     if hf.get("resample", 3) != 3:
         raise JaxtuneError(f"preprocessor_config.json: resample {hf['resample']} (jaxtune resizes with Pillow's "
                            "bicubic filter, 3, as Qwen2-VL's processor)")
-    if hf.get("do_resize", True) is False or hf.get("do_rescale", True) is False or hf.get("do_normalize") is False:
-        raise JaxtuneError("preprocessor_config.json: jaxtune's Qwen2-VL processor always resizes, rescales and "
-                           "normalises")
-    size = hf.get("size") or {}
-    default = QwenImageOptions()
+    steps = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+    if any(hf.get(step, True) is False for step in steps):
+        raise JaxtuneError(f"preprocessor_config.json: jaxtune's Qwen2-VL processor always does {steps}")
+    size, default = hf.get("size") or {}, QwenImageOptions()
     return QwenImageOptions(
         patch_size=hf.get("patch_size", default.patch_size),
         temporal_patch_size=hf.get("temporal_patch_size", default.temporal_patch_size),
         merge_size=hf.get("merge_size", default.merge_size),
-        min_pixels=size.get("shortest_edge", hf.get("min_pixels", default.min_pixels)),
-        max_pixels=size.get("longest_edge", hf.get("max_pixels", default.max_pixels)),
+        min_pixels=hf.get("min_pixels") or size.get("shortest_edge", default.min_pixels),
+        max_pixels=hf.get("max_pixels") or size.get("longest_edge", default.max_pixels),
         rescale_factor=hf.get("rescale_factor", default.rescale_factor),
         mean=tuple(hf.get("image_mean", default.mean)), std=tuple(hf.get("image_std", default.std)))

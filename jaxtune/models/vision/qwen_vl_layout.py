@@ -42,12 +42,12 @@ def _check(grid_thw: np.ndarray, cfg: QwenVisionConfig) -> np.ndarray:
 def patch_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     """int32 [N, 2]: each patch's (row, column) in its image, patches in `pixel_values`' order (merge x merge
     blocks consecutive, frames one after another), as `get_vision_position_ids`."""
-    rows = []
+    images = []
     for t, h, w in np.asarray(grid_thw).tolist():
         grid_2xHxW = np.indices((h, w)).reshape(2, h // merge, merge, w // merge, merge)
         in_blocks_2xN = grid_2xHxW.transpose(0, 1, 3, 2, 4).reshape(2, -1)
-        rows.append(np.tile(in_blocks_2xN.T, (t, 1)))
-    return np.concatenate(rows).astype(np.int32)
+        images.append(np.tile(in_blocks_2xN.T, (t, 1)))
+    return np.concatenate(images).astype(np.int32)
 
 
 def window_index(grid_thw: np.ndarray, cfg: QwenVisionConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -64,7 +64,7 @@ def _rotate(x_NxHxd: jax.Array, cos_Nxd: jax.Array, sin_Nxd: jax.Array) -> jax.A
     return (x * cos_Nxd[:, None] + rotated * sin_Nxd[:, None]).astype(x_NxHxd.dtype)
 
 
-def segment_mask(segment_N: jax.Array) -> AttentionMask:
+def _segment_mask(segment_N: jax.Array) -> AttentionMask:
     """Bidirectional attention among the patches of one segment (a window, or an image's frame)."""
     N = segment_N.shape[0]
     return AttentionMask(q_slot_T=jnp.full((N,), N, jnp.int32), k_valid_BxS=jnp.ones((1, N), bool),
@@ -98,8 +98,8 @@ def vision_forward(params: dict, pixel_values_NxP: jax.Array, layout: VisionLayo
     with jax.named_scope("patch_embed"):
         x_NxD = (pixel_values_NxP.astype(dtype) @ params["patch_embed"]["kernel"])[layout.patch_order_N]
     rope = rotary_angles(jnp.asarray(layout.positions_Nx2), cfg)
-    window_mask, image_mask = segment_mask(jnp.asarray(layout.window_segment_N)), segment_mask(
-        jnp.asarray(layout.image_segment_N))
+    window_mask = _segment_mask(jnp.asarray(layout.window_segment_N))
+    image_mask = _segment_mask(jnp.asarray(layout.image_segment_N))
     window_live, image_live = live_blocks(window_mask, N, N), live_blocks(image_mask, N, N)
     full_L = jnp.asarray(np.isin(np.arange(cfg.depth), cfg.fullatt_blocks))
 
