@@ -135,6 +135,26 @@ def test_vision_tower_equals_transformers(tiny_qwen_vl, count):
 
 
 @pytest.mark.full
+def test_vision_tower_gradients_equal_transformers(tiny_qwen_vl, tmp_path):
+    """The gradient of sum(embeddings²) over three images by every weight is torch's (its gradients written as a
+    checkpoint and read back through `read_vision_params`, so they arrive in our layout), to 3e-5 relative."""
+    directory, model = tiny_qwen_vl
+    cfg = vision_config_from_hf(json.loads((directory / "config.json").read_text()))
+    pixels, grids = image_patches([generated_images()[i] for i in (0, 4, 5)],
+                                  QwenImageOptions(patch_size=4, min_pixels=16 * 16, max_pixels=48 * 64))
+    model.zero_grad()
+    (model.model.visual(torch.from_numpy(pixels), grid_thw=torch.from_numpy(grids)).pooler_output ** 2).sum().backward()
+    grads = {f"visual.{name}": p.grad.numpy() for name, p in model.model.visual.named_parameters()}
+    save_file(grads, tmp_path / "model.safetensors")
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    layout = vision_layout(grids, cfg)
+    loss = lambda params: jnp.sum(vision_forward(params, pixels, layout, cfg) ** 2)
+    got = jax.jit(jax.grad(loss))(read_vision_params(directory))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5 * np.abs(b).max()), got,
+                 read_vision_params(tmp_path))
+
+
+@pytest.mark.full
 def test_vision_weights_read_under_either_prefix(tiny_qwen_vl, tmp_path):
     """A checkpoint naming the tower `model.visual.` (transformers 5's module path) reads as one naming it
     `visual.` (the hub's); a tensor of the wrong shape is refused with its name."""
