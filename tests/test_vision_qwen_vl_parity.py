@@ -22,7 +22,7 @@ from jaxtune.models.rope import apply_rope
 from jaxtune.models.vision.mrope import mrope_angles, rope_index
 from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, image_options_from_hf, vision_config_from_hf
 from jaxtune.models.vision.qwen_vl_layout import patch_positions, vision_layout, window_index
-from jaxtune.models.vision.qwen_vl_processor import image_patches
+from jaxtune.models.vision.qwen_vl_processor import image_patches, image_token_count
 from jaxtune.models.vision.qwen_vl_vision import vision_forward
 from jaxtune.models.vision.qwen_vl_weights import read_vision_params
 
@@ -59,7 +59,7 @@ def generated_images() -> list[Image.Image]:
     32 * 32, 64 * 64, marks=pytest.mark.full), pytest.param(100 * 100, 200 * 200, marks=pytest.mark.full)])
 def test_image_processor_equals_transformers(min_pixels, max_pixels, tmp_path):
     """pixel_values equal to float32 rounding, image_grid_thw exactly, each image alone and all together, with the
-    options read from the processor's saved preprocessor_config.json."""
+    options read from the processor's saved preprocessor_config.json; each image's token count from its size."""
     images = generated_images()
     reference = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
     reference.save_pretrained(tmp_path)
@@ -70,6 +70,9 @@ def test_image_processor_equals_transformers(min_pixels, max_pixels, tmp_path):
         values, grids = image_patches(batch, options)
         np.testing.assert_array_equal(grids, expected["image_grid_thw"])
         np.testing.assert_allclose(values, expected["pixel_values"], rtol=1e-6, atol=1e-6)
+    for image in images:  # the tokens an image takes, from its size alone, as vLLM asks the processor
+        patch_count = reference.get_number_of_image_patches(image.height, image.width)
+        assert image_token_count(image.height, image.width, options) == patch_count // 4
 
 
 def test_layout_equals_transformers():
