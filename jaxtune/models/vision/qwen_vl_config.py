@@ -1,6 +1,6 @@
 """Qwen2.5-VL's vision settings as frozen dataclasses: the tower's architecture (`QwenVisionConfig`, from config.json's
 `vision_config`) and its image preprocessing (`QwenImageOptions`, from preprocessor_config.json), each read from the
-checkpoint's dict with unknown values refused."""
+checkpoint's dict; a value jaxtune does not compute (another activation, resample filter, a skipped step) is refused."""
 
 from __future__ import annotations
 
