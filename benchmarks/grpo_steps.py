@@ -31,7 +31,8 @@ from jaxtune.config.plan import TrainPlan
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.objectives.grpo import GRPOConfig, group_advantages, rollout_batch, sample_group
+from jaxtune.objectives.grpo import group_advantages, rollout_batch, sample_group
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.run import abstract_run
 

@@ -42,7 +42,7 @@ from jaxtune.models.context_attention import (
 from jaxtune.objectives import objective_named
 from jaxtune.objectives.distill import DistillConfig
 from jaxtune.objectives.dpo import PreferenceConfig
-from jaxtune.objectives.grpo import GRPOConfig
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.parallel import make_mesh
 from jaxtune.parallel.rules import constrain
 from jaxtune.planner.program_flops import step_flops

@@ -18,7 +18,8 @@ from jaxtune.generation import generate
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.params import init_params
-from jaxtune.objectives.grpo import GRPOConfig, _token_logps, rollout_batch
+from jaxtune.objectives.grpo import _token_logps, rollout_batch
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.rollouts import ExternalSampler, ExternalSamplerConfig, sample_group_external
 
 CFG = tiny_config(vocab_size=259, eos_token_id=(2,), max_position_embeddings=64, initializer_range=0.3)

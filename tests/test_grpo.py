@@ -17,14 +17,8 @@ from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.objectives.base import ObjectiveInputs
-from jaxtune.objectives.grpo import (
-    GRPO,
-    GRPOConfig,
-    group_advantages,
-    load_reward_function,
-    rollout_batch,
-    sample_group,
-)
+from jaxtune.objectives.grpo import GRPO, group_advantages, load_reward_function, rollout_batch, sample_group
+from jaxtune.objectives.rollout_config import GRPOConfig
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method
 from jaxtune.models.params import init_params
 from jaxtune.objectives.episode_rollouts import episode_batch, episode_rollouts
-from jaxtune.objectives.grpo import GRPOConfig
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.run_config import dump_run_config, load_run_config
 
 

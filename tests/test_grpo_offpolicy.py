@@ -21,9 +21,10 @@ from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.objectives.base import ObjectiveInputs
-from jaxtune.objectives.grpo import GRPO, GRPOConfig, rollout_batch, soft_overlong_punishment
+from jaxtune.objectives.grpo import GRPO, rollout_batch, soft_overlong_punishment
 from jaxtune.objectives.losses import grpo_token_loss, sampler_weights
 from jaxtune.objectives.rloo import RLOO, RLOOConfig
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.spine.update import accumulate
 
 CASES = {  # GRPOConfig keys beyond loss_type; "is": (mode, C_min, C_max) of the sampler's weights

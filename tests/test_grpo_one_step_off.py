@@ -26,9 +26,10 @@ from jaxtune.config import TrainConfig
 from jaxtune.errors import ConfigError
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.objectives.grpo import GRPO, GRPOConfig, policy_and_reference_logps
+from jaxtune.objectives.grpo import GRPO, policy_and_reference_logps
 from jaxtune.objectives.losses import sampler_weights
 from jaxtune.objectives.rloo import RLOOConfig
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune

@@ -21,9 +21,10 @@ from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.methods import method_config
 from jaxtune.methods.transform import apply_method, combine, partition, trainable_mask
 from jaxtune.models.params import init_params
-from jaxtune.objectives.grpo import GRPOConfig, group_advantages, load_reward_function, rollout_batch, sample_group
+from jaxtune.objectives.grpo import group_advantages, load_reward_function, rollout_batch, sample_group
 from jaxtune.objectives.losses import grpo_token_loss, rloo_sequence_loss
 from jaxtune.objectives.rloo import RLOO, RLOOConfig, reward_advantages, step_advantages
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.run_config import load_run_config
 from jaxtune.spine.update import accumulate
 

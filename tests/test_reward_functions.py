@@ -15,9 +15,10 @@ from test_objective_runs import run_config
 from test_train import metric_lines
 
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.objectives.grpo import GRPO, GRPOConfig, group_advantages
+from jaxtune.objectives.grpo import GRPO, group_advantages
 from jaxtune.objectives.reward_functions import column_weights, weighted_sum
 from jaxtune.objectives.rloo import RLOO, RLOOConfig, reward_advantages, step_advantages
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.train.loop import fine_tune

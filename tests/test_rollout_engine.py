@@ -217,7 +217,8 @@ def test_grpo_samples_with_the_engine_and_the_planner_counts_its_pages():
     its pages x page size x layers x K x hd, keys and values (not rows x the whole row)."""
     from jaxtune.config import ForwardOptions
     from jaxtune.config.plan import TrainPlan
-    from jaxtune.objectives.grpo import GRPOConfig, sample_group
+    from jaxtune.objectives.grpo import sample_group
+    from jaxtune.objectives.rollout_config import GRPOConfig
     from jaxtune.planner.estimate import _rollout_kv
     from jaxtune.rollouts import PagePool, sample_groups
 

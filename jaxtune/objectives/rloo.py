@@ -20,9 +20,10 @@ import numpy as np
 
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.objectives.base import Context
-from jaxtune.objectives.grpo import GRPO, RolloutConfig, make_prepare, old_logps_of, policy_and_reference_logps
+from jaxtune.objectives.grpo import GRPO, make_prepare, old_logps_of, policy_and_reference_logps
 from jaxtune.objectives.losses import rloo_sequence_loss
 from jaxtune.objectives.reward_functions import column_weights, rloo_table_advantages
+from jaxtune.objectives.rollout_config import RolloutConfig
 
 
 @dataclass(frozen=True)
