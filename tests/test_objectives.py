@@ -10,14 +10,15 @@ from jaxtune.config import ForwardOptions
 from jaxtune.models.head import label_logps
 from jaxtune.objectives import distill, dpo, grpo
 from jaxtune.objectives.base import Context
+from jaxtune.objectives.grpo import group_advantages
 from jaxtune.objectives.losses import (
     bradley_terry_loss,
     distillation_kl,
-    grpo_advantages,
     grpo_token_loss,
     preference_loss,
     sequence_logps,
 )
+from jaxtune.objectives.rollout_config import GRPOConfig
 from jaxtune.spine.model import load_model
 
 RNG = np.random.default_rng(0)
@@ -89,7 +90,8 @@ def test_distillation_kl(reverse):
 def test_grpo_advantages_and_loss():
     rewards = RNG.normal(size=(3, 4))
     expected = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, ddof=1, keepdims=True) + 1e-4)
-    np.testing.assert_allclose(grpo_advantages(jnp.asarray(rewards)), expected, rtol=1e-5)
+    np.testing.assert_allclose(group_advantages(rewards.reshape(-1), GRPOConfig(group_size=4)), expected.reshape(-1),
+                               rtol=1e-5)
     logp, old, ref = (RNG.normal(-2, 0.3, (4, 6)) for _ in range(3))
     adv, mask = RNG.normal(size=4), (RNG.random((4, 6)) > 0.3).astype(float)
     ratio = np.exp(logp - old)

@@ -1,6 +1,6 @@
 """The objectives' losses as pure functions: `sequence_logps`, `preference_loss` (DPO, IPO, hinge),
-`bradley_terry_loss`, `generalized_jsd` (`distillation_kl`), `grpo_advantages`, `rloo_advantages`,
-`grpo_token_loss` (`grpo_aggregate`), `rloo_sequence_loss`. They return per-row, per-pair or per-token values, or
+`bradley_terry_loss`, `generalized_jsd` (`distillation_kl`), `grpo_token_loss` (`grpo_aggregate`),
+`rloo_sequence_loss`. They return per-row, per-pair or per-token values, or
 sums with their counts, never batch means, so micro-batches and eval batches add up exactly."""
 
 from __future__ import annotations
@@ -79,25 +79,6 @@ def distillation_kl(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.A
     """KL per position [B, T], both distributions softened by `temperature`, scaled by T^2 (Hinton et al. 2015):
     forward KL(teacher || student), or reverse KL(student || teacher) (MiniLLM); `generalized_jsd` at beta 0 or 1."""
     return generalized_jsd(student_logits_BxTxV, teacher_logits_BxTxV, float(reverse), temperature) * temperature**2
-
-
-def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-4, scale: str = "group") -> jax.Array:
-    """Advantages [P, G]: the reward minus its group's mean, divided by (std + eps) of the prompt's group ("group",
-    DeepSeekMath, Shao et al. 2024, section 4.1.2), of the whole batch ("batch", PPO Lite) or not ("none", Dr. GRPO);
-    stds with Bessel's correction. TRL 1.16's `scale_rewards` (grpo_trainer.py, `_generate_and_score_completions`)."""
-    centred = rewards_PxG - jnp.mean(rewards_PxG, axis=-1, keepdims=True)
-    if scale == "none":
-        return centred
-    if scale not in ("group", "batch"):
-        raise ValueError(f"unknown scale_rewards {scale!r}; choose group, batch or none")
-    return centred / (jnp.std(rewards_PxG, axis=-1 if scale == "group" else None, keepdims=True, ddof=1) + eps)
-
-
-def rloo_advantages(rewards_PxG: jax.Array) -> jax.Array:
-    """REINFORCE leave-one-out advantages [P, G]: each reward minus the mean of the other G - 1 rewards of its
-    prompt's group (Ahmadian et al. 2024, eq. 4; TRL 1.16 rloo_trainer.py, `_generate_and_score_completions`)."""
-    G = rewards_PxG.shape[-1]
-    return rewards_PxG - (jnp.sum(rewards_PxG, axis=-1, keepdims=True) - rewards_PxG) / (G - 1)
 
 
 GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
