@@ -7,6 +7,7 @@
                  EvalConfig
     plan.py      TrainPlan: what fixes a run's arrays and its step (the spine's and planner's input; not re-exported)
     sampling.py  SamplingConfig: how generation picks tokens
+    vision.py    SiglipConfig, VisionLanguageConfig: a vision-language model's image side
 """
 
 from jaxtune.config.forward import REMAT_POLICIES as REMAT_POLICIES
@@ -25,3 +26,5 @@ from jaxtune.config.run import ModelSection as ModelSection
 from jaxtune.config.run import OffloadConfig as OffloadConfig
 from jaxtune.config.run import TrainConfig as TrainConfig
 from jaxtune.config.sampling import SamplingConfig as SamplingConfig
+from jaxtune.config.vision import SiglipConfig as SiglipConfig
+from jaxtune.config.vision import VisionLanguageConfig as VisionLanguageConfig

@@ -25,10 +25,12 @@ HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transform
 # the architectures rotating part of each head
 PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # vision-language checkpoints whose text model jaxtune reads (as transformers' AutoModelForCausalLM does): its
-# `text_config`, its `model.language_model.*` tensors; the vision tower and a multi-token-prediction head are left
+# `text_config`, its `model.language_model.*` tensors; the vision tower (read apart: `models.vision`, Gemma 3's) and a
+# multi-token-prediction head are left
 VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
+                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+                   "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def model_dir(path: str | Path) -> Path:
