@@ -97,15 +97,15 @@ def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, wind
     same_chunk_QxC = q_slot_Q[:, None] // chunk == k_slot_C[None, :] // chunk
     window_QxC = ((window == 0) | ((window > 0) & (relative_QxC < window)) | ((window < 0) & same_chunk_QxC))
     if q_span_BxQ is None:
-        position_QxC = (relative_QxC >= 0) & window_QxC
+        position_BxQxC = ((relative_QxC >= 0) & window_QxC)[None]
     else:
         span_BxQxC = (q_span_BxQ[:, :, None] == k_span_BxC[:, None, :]) & (q_span_BxQ[:, :, None] >= 0)
-        position_QxC = ((relative_QxC >= 0)[None] | span_BxQxC) & window_QxC[None]
+        position_BxQxC = ((relative_QxC >= 0)[None] | span_BxQxC) & window_QxC[None]
     q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
     ancestor_BxQxC = ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC) | ((q_BxQx1 & -(2**LEAF_BITS)) == k_Bx1xC)
     shared_BxQxC = (k_Bx1xC > 0) & (q_BxQx1 >= 2**BRANCH_SHIFT) & ancestor_BxQxC  # a branch's or leaf's ancestors
     segment_BxQxC = (k_Bx1xC < 0) | (q_BxQx1 == k_Bx1xC) | shared_BxQxC
-    return position_QxC[None] & k_valid_BxC[:, None, :] & segment_BxQxC
+    return position_BxQxC & k_valid_BxC[:, None, :] & segment_BxQxC
 
 
 class _BlockedMask(NamedTuple):

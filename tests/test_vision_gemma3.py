@@ -1,0 +1,178 @@
+"""Gemma 3's images (jaxtune/models/vision/): the image processor's pixel values equal transformers'
+`Gemma3ImageProcessorPil`'s on generated pictures (RGB, RGBA, grayscale, palette; wide, tall, tiny; pan-and-scan);
+bidirectional spans in the blockwise attention equal a dense mask's, gradients too; and in the full tier
+`Gemma3ForConditionalGeneration`'s logits with one image and with several a row, read from its `save_pretrained`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from jaxtune.config.vision import ImageProcessingConfig
+from jaxtune.models.attention import blockwise_attention, training_mask
+from jaxtune.models.multimodal import PlacedEmbeddings, place_embeddings, span_ids
+from jaxtune.models.vision.image_processing import pixel_values, read_image_processing
+
+
+def pictures(seed: int = 0) -> list[Image.Image]:
+    """Photo-like test images: a smooth gradient with noise, shapes on a noisy background with partial transparency,
+    a grayscale ramp, a palette image with a transparent colour, a tall and a tiny one."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:61, 0:97]
+    gradient = np.stack([x * 2.5, y * 4.0, (x + y) * 1.6], -1) + rng.normal(0, 12, (61, 97, 3))
+    rgb = Image.fromarray(np.clip(gradient, 0, 255).astype(np.uint8))
+    rgba = Image.fromarray(rng.integers(0, 256, (80, 120, 4), dtype=np.uint8), "RGBA")
+    draw = ImageDraw.Draw(rgba)
+    draw.ellipse((10, 10, 70, 60), fill=(250, 30, 40, 180))
+    draw.rectangle((60, 20, 110, 75), fill=(20, 200, 90, 255))
+    gray = Image.fromarray(np.clip(np.add.outer(np.arange(50) * 5, np.arange(33) * 3), 0, 255).astype(np.uint8), "L")
+    palette = Image.fromarray(rng.integers(0, 256, (45, 45, 3), dtype=np.uint8)).convert("P", colors=16)
+    palette.info["transparency"] = 3
+    tall = Image.fromarray(rng.integers(0, 256, (150, 40, 3), dtype=np.uint8))
+    tiny = Image.fromarray(rng.integers(0, 256, (5, 7, 3), dtype=np.uint8))
+    return [rgb, rgba, gray, palette, tall, tiny]
+
+
+@pytest.mark.reference
+@pytest.mark.parity
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_pixel_values_equal_transformers_pil_processor(tmp_path, pan_and_scan):
+    """Read from the directory transformers' processor saves itself to; the same float32 values, crops and all."""
+    import transformers
+
+    kwargs = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=20, pan_and_scan_max_num_crops=3,
+                  pan_and_scan_min_ratio_to_activate=1.2) if pan_and_scan else {}
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 42}, image_mean=[0.4, 0.5, 0.6],
+                                                     image_std=[0.2, 0.3, 0.25], **kwargs)
+    processor.save_pretrained(tmp_path)
+    images = pictures()
+    want = processor(images=images, return_tensors="np")
+    cfg = read_image_processing(tmp_path)
+    ours, crops = pixel_values(images, cfg)
+    assert ours.dtype == np.float32 and ours.shape == want["pixel_values"].shape
+    assert crops == list(want["num_crops"]) and (sum(crops) > 0) == pan_and_scan
+    np.testing.assert_array_equal(ours, want["pixel_values"])
+
+
+def test_pixel_values_of_a_known_image():
+    """Without resizing: a 2x2 RGBA picture composited onto white, rescaled and normalised by hand (float64)."""
+    rgba = np.array([[[255, 0, 0, 255], [0, 255, 0, 0]], [[0, 0, 255, 128], [10, 20, 30, 255]]], np.uint8)
+    cfg = ImageProcessingConfig(height=2, width=2, resize=False, image_mean=(0.5, 0.4, 0.3), image_std=(0.2, 0.5, 1))
+    ours, _ = pixel_values([Image.fromarray(rgba, "RGBA")], cfg)
+    alpha = rgba[..., 3:] / 255
+    rgb = np.round(alpha * rgba[..., :3] + (1 - alpha) * 255)
+    want = (np.moveaxis(rgb, -1, 0) / 255 - np.array([0.5, 0.4, 0.3])[:, None, None]) / np.array([0.2, 0.5, 1])[
+        :, None, None]
+    np.testing.assert_allclose(ours[0], want, atol=1e-6)
+
+
+def dense_attention(q, k, v, allowed_BxTxS, scale):
+    s = jnp.einsum("bkgqh,bkch->bkgqc", q, k) * scale
+    s = jnp.where(allowed_BxTxS[:, None, None], s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bkgqc,bkch->bkgqh", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_bidirectional_spans_in_blockwise_attention(window):
+    """Two rows of 300 tokens (two query and key blocks), images as spans, one across the blocks' border: the
+    blockwise kernel's output and gradients equal dense attention under transformers' mask, causal or (within the
+    window's reach back) the same image."""
+    B, K, G, T, hd = 2, 1, 2, 300, 8
+    at = np.zeros((B, T), bool)
+    at[0, 20:30] = at[0, 31:36] = at[0, 250:262] = at[1, 100:108] = True
+    spans = span_ids(jnp.asarray(at))
+    assert np.asarray(spans)[0, [19, 20, 29, 30, 31, 250]].tolist() == [-1, 0, 0, -1, 1, 2]
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
+        [(B, K, G, T, hd), (B, K, T, hd), (B, K, T, hd)]))
+    mask = training_mask(B, T, 0, None, None, span_ids_BxT=spans)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.asarray(spans)
+    same = (s[:, :, None] == s[:, None, :]) & (s[:, :, None] >= 0)
+    allowed = ((j <= i) | same) & ((window == 0) | (j > i - window))
+    ours = lambda q, k, v: blockwise_attention(q, k, v, mask, window, scale=0.3)  # noqa: E731
+    want = lambda q, k, v: dense_attention(q, k, v, jnp.asarray(allowed), 0.3)  # noqa: E731
+    np.testing.assert_allclose(ours(q, k, v), want(q, k, v), atol=2e-5)
+    cotangent = jax.random.normal(jax.random.key(9), q.shape)
+    grads = [jax.vjp(f, q, k, v)[1](cotangent) for f in (ours, want)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_placed_embeddings_replace_marked_rows_in_order():
+    x = jnp.arange(2 * 4 * 3, dtype=jnp.float32).reshape(2, 4, 3)
+    at = jnp.asarray([[False, True, True, False], [True, False, False, False]])
+    vectors = -jnp.arange(9, dtype=jnp.float32).reshape(3, 3) - 1
+    out = np.asarray(place_embeddings(x, PlacedEmbeddings(vectors, at)))
+    np.testing.assert_array_equal(out[at], vectors)
+    np.testing.assert_array_equal(out[~np.asarray(at)], np.asarray(x)[~np.asarray(at)])
+
+
+TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, max_position_embeddings=128,
+            rms_norm_eps=1e-5, sliding_window=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+# 64-pixel images in 16-pixel patches: a 4 x 4 grid pooled to 2 x 2 soft tokens an image
+VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+              patch_size=16, vision_use_head=False)
+IMAGE, BOI, EOI = 90, 91, 92
+
+
+def gemma3_vision_language(directory, seed: int = 0):
+    """A random tiny Gemma3ForConditionalGeneration saved to `directory` (window 3, under an image's 4 tokens), with
+    its processor's settings; the model in float32. SigLIP's LayerNorms scale by their weight: ~1 here."""
+    import torch
+    import transformers
+    from hf_models import randomize
+
+    config = transformers.Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4,
+                                       image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
+    torch.manual_seed(seed)
+    model = randomize(transformers.Gemma3ForConditionalGeneration(config), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.model.vision_tower.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            if name.endswith("patch_embedding.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p[0].numel()))
+    model.save_pretrained(directory)
+    transformers.Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(directory)
+    return model.eval()
+
+
+def image_text(rows: list[list[int | str]]) -> np.ndarray:
+    """Token rows where "image" stands for boi, 4 image placeholders, eoi."""
+    out = [[t for item in row for t in ([BOI, *[IMAGE] * 4, EOI] if item == "image" else [item])] for row in rows]
+    assert len({len(r) for r in out}) == 1
+    return np.asarray(out)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+@pytest.mark.parametrize("rows", [
+    [[2, 17, 5, "image", 33, 8, 61, 12]],
+    [[2, "image", "image", 40, 7, "image", 3, 9], [2, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, "image", 23, 24, 25, 26]],
+], ids=["one_image", "three_images_a_row"])
+def test_logits_equal_gemma3_for_conditional_generation(tmp_path, rows):
+    """Read through `load_vision_language_model` from transformers' `save_pretrained`, images processed by
+    jaxtune: the soft tokens equal `get_image_features`', the logits transformers' with `token_type_ids`."""
+    import torch
+
+    from jaxtune.models.vision.gemma3 import image_soft_tokens, vision_language_forward
+    from jaxtune.spine.model import load_vision_language_model
+
+    model = gemma3_vision_language(tmp_path)
+    cfg, params, vision, vision_params = load_vision_language_model(tmp_path)
+    tokens = image_text(rows)
+    n = int((tokens == IMAGE).sum()) // 4
+    pixels, _ = pixel_values(pictures()[:n], read_image_processing(tmp_path))
+    with torch.no_grad():
+        features = model.get_image_features(torch.tensor(pixels)).pooler_output.numpy()
+        want = model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                     token_type_ids=torch.tensor(tokens == IMAGE, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(image_soft_tokens(vision_params, jnp.asarray(pixels), vision), features, rtol=1e-5,
+                               atol=1e-5)
+    run = jax.jit(vision_language_forward, static_argnames=("cfg", "vision"))
+    ours = run(params, vision_params, jnp.asarray(tokens), jnp.asarray(pixels), cfg=cfg, vision=vision)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
