@@ -110,7 +110,8 @@ def test_placed_embeddings_replace_marked_rows_in_order():
 
 TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, max_position_embeddings=128,
-            rms_norm_eps=1e-5, sliding_window=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+            rms_norm_eps=1e-5, sliding_window=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 # 64-pixel images in 16-pixel patches: a 4 x 4 grid pooled to 2 x 2 soft tokens an image
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=64,
               patch_size=16, vision_use_head=False)
@@ -152,7 +153,7 @@ def image_text(rows: list[list[int | str]]) -> np.ndarray:
 @pytest.mark.parity
 @pytest.mark.parametrize("rows", [
     [[2, 17, 5, "image", 33, 8, 61, 12]],
-    [[2, "image", "image", 40, 7, "image", 3, 9], [2, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, "image", 23, 24, 25, 26]],
+    [[2, "image", "image", 40, 7, "image", 3, 9], [2, *range(11, 23), "image", 23, 24, 25, 26]],
 ], ids=["one_image", "three_images_a_row"])
 def test_logits_equal_gemma3_for_conditional_generation(tmp_path, rows):
     """Read through `load_vision_language_model` from transformers' `save_pretrained`, images processed by

@@ -2,11 +2,11 @@
 (FlashAttention's algorithm, Dao et al. 2022, in pure JAX; any scale, optionally soft-capped) and a hand-written
 backward that recomputes each block's scores, so memory is O(T x block) per layer, not the [B, K, G, T, S] scores.
 The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cache_mask`) holds its parts (valid
-keys, query and key slots, packed segments or prefix trees (`branch_segment`), the window; P prefix keys in slots
-0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
-skipped in both passes (`live_blocks`, once per call, outside the layer scan); a row of one block runs without
-loops. Scores, softmax, sums: float32 (float64 inputs: float64). Sinks (gpt-oss): a logit per query head in each
-softmax's denominator, a key of value 0 (`join_sinks`, `sink_grads`).
+keys, query and key slots, packed segments or prefix trees (`branch_segment`), bidirectional spans (an image's
+tokens), the window; P prefix keys in slots 0..P-1, seen by every query) and a block's piece is built when the block
+is computed. Blocks no query may see are skipped in both passes (`live_blocks`, once per call, outside the layer
+scan); a row of one block runs without loops. Scores, softmax, sums: float32 (float64 inputs: float64). Sinks
+(gpt-oss): a logit per query head in each softmax's denominator, a key of value 0 (`join_sinks`, `sink_grads`).
 """
 
 from __future__ import annotations

@@ -47,10 +47,10 @@ MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtr
 LEFT_PARTS = ("model.visual.", "mtp.", "vision_tower.", "multi_modal_projector.", "model.audio_tower.",
               "model.embed_vision.", "model.embed_audio.")
 # a vision-language checkpoint's prefixes, as transformers 4 and 5 and the hub's releases save them -> jaxtune's
-VISION_LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                            ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", "vision_tower."),
-                            ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
-                            ("model.multi_modal_projector.", "multi_modal_projector."))
+VISION_LANGUAGE_PREFIXES = (
+    ("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
 TOP_LEVEL = {("embed_tokens",): "model.embed_tokens.weight", ("norm",): "model.norm.weight",
              ("lm_head", "kernel"): "lm_head.weight",
              ("embed_tokens_per_layer",): "model.embed_tokens_per_layer.weight",

@@ -404,9 +404,9 @@ def decoder_and_routing(
     if cfg.global_head_dim:  # Gemma 4's full layers: their own head width, RoPE tables and kernel choice
         global_cfg = cfg.global_view
         global_rope = rope_tables(positions_BxT, global_cfg, dtype, mask.q_slot_T)
-        global_fused = None if context is not None or span_ids_BxT is not None else choose_kernel(options.attention, shape._replace(
-            K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads, head_dim=cfg.global_head_dim),
-            platform_in_context())
+        global_fused = None if context is not None or span_ids_BxT is not None else choose_kernel(
+            options.attention, shape._replace(K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads,
+                                              head_dim=cfg.global_head_dim), platform_in_context())
 
     def layer_block(x_BxTxD, per_layer, shared, kind=LayerKind(), shared_kv=None):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)

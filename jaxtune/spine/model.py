@@ -6,8 +6,7 @@
     cfg, params, slots = load_adapters(model, {"a": "run-a/adapter", "b": "run-b/adapter"})   # stacked, one batch
     cfg, params = load_reward_model("run/reward_model")                   # + its `score` head
 
-`abstract_model` is the tree as ShapeDtypeStructs in their shardings (one device unless a mesh is given, a QLoRA
-base quantised); `load.read_tree` reads the checkpoint into exactly those, a shard at a time.
+`abstract_model`: the tree as ShapeDtypeStructs in their shardings; `load.read_tree` reads into those, shard by shard.
 """
 
 from __future__ import annotations
