@@ -177,3 +177,49 @@ def test_logits_equal_gemma3_for_conditional_generation(tmp_path, rows):
     run = jax.jit(vision_language_forward, static_argnames=("cfg", "vision"))
     ours = run(params, vision_params, jnp.asarray(tokens), jnp.asarray(pixels), cfg=cfg, vision=vision)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_lora_on_the_language_model_equals_peft(tmp_path):
+    """PEFT's LoRA on the text model's q_proj and v_proj (the vision tower's excluded), saved and read by
+    `load_peft_adapter` onto the text params: with two images in the row, the logits and d(loss)/d(LoRA A, B)
+    equal PEFT's (float32, to 1e-4 of the largest)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from test_methods_peft import randomize_peft
+
+    from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter
+    from jaxtune.models.vision.gemma3 import vision_language_forward
+    from jaxtune.spine.model import load_vision_language_model
+
+    model = gemma3_vision_language(tmp_path / "model")
+    peft_model = randomize_peft(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                 exclude_modules=r".*vision_tower.*")))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    cfg, params, vision, vision_params = load_vision_language_model(tmp_path / "model")
+    method, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
+    tokens = image_text([[2, 17, "image", 5, 33, "image", 8, 61, 12]])
+    pixels, _ = pixel_values(pictures()[:2], read_image_processing(tmp_path / "model"))
+
+    def loss(logits, lib):
+        logp = lib.nn.log_softmax(logits[:, :-1], -1) if lib is jax else torch.log_softmax(logits[:, :-1], -1)
+        picked = logp[0, np.arange(tokens.shape[1] - 1), tokens[0, 1:]]
+        return -picked[tokens[0, 1:] != IMAGE].mean()
+
+    out = peft_model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                     token_type_ids=torch.tensor(tokens == IMAGE, dtype=torch.long)).logits
+    loss(out, torch).backward()
+    theirs = {name.replace(".default", "").replace(".model.language_model.", ".model."): p.grad.numpy()
+              for name, p in peft_model.named_parameters() if p.requires_grad}
+
+    def logits(p):
+        return vision_language_forward(p, vision_params, jnp.asarray(tokens), jnp.asarray(pixels), cfg, vision,
+                                       method=method)
+
+    np.testing.assert_allclose(logits(with_adapter), out.detach().numpy(), rtol=1e-5, atol=1e-4)
+    ours = adapter_state_dict(jax.grad(lambda p: loss(logits(p), jax))(with_adapter), cfg, method)
+    assert set(ours) == set(theirs) and len(ours) == 4 * cfg.num_layers
+    for name, want in theirs.items():
+        assert np.abs(ours[name] - want).max() <= 1e-4 * np.abs(want).max(), name
