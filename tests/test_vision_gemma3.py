@@ -223,3 +223,39 @@ def test_lora_on_the_language_model_equals_peft(tmp_path):
     assert set(ours) == set(theirs) and len(ours) == 4 * cfg.num_layers
     for name, want in theirs.items():
         assert np.abs(ours[name] - want).max() <= 1e-4 * np.abs(want).max(), name
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_greedy_decoding_with_images_equals_transformers_generate(tmp_path):
+    """10 greedy tokens after a prompt with two images: `vision_language_prefill` (the images' spans in the cached
+    prefill), then `kv_cache.decode_step`, the same tokens as transformers' `generate`."""
+    import torch
+
+    from jaxtune.models.kv_cache import decode_step
+    from jaxtune.models.vision.gemma3 import vision_language_prefill
+    from jaxtune.spine.model import load_vision_language_model
+
+    model = gemma3_vision_language(tmp_path)
+    cfg, params, vision, vision_params = load_vision_language_model(tmp_path)
+    tokens = image_text([[2, 17, "image", 5, "image", 33, 8]])
+    pixels, _ = pixel_values(pictures()[1:3], read_image_processing(tmp_path))
+    n = 10
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                             token_type_ids=torch.tensor(tokens == IMAGE, dtype=torch.long), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        last = model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                     token_type_ids=torch.tensor(tokens == IMAGE, dtype=torch.long)).logits[:, -1].numpy()
+    want = out[0, tokens.shape[1]:].tolist()
+    logits, cache = jax.jit(vision_language_prefill, static_argnames=("cfg", "vision", "cache_size"))(
+        params, vision_params, jnp.asarray(tokens), jnp.asarray(pixels), cfg=cfg, vision=vision,
+        cache_size=tokens.shape[1] + n)
+    np.testing.assert_allclose(logits, last, rtol=1e-5, atol=1e-4)
+    step = jax.jit(decode_step, static_argnames=("cfg",))
+    ours = []
+    for _ in range(n):
+        ours.append(int(jnp.argmax(logits[0])))
+        logits, cache = step(params, jnp.asarray([ours[-1]]), cache, cfg=cfg)
+    assert ours == want
