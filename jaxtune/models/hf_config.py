@@ -162,7 +162,9 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     composite = next((a for a in archs if a in VISION_LANGUAGE), None)
     if composite is not None:
-        text = hf.get("text_config") or {}
+        text = hf.get("text_config")
+        if not text:
+            raise JaxtuneError(f"{where}: {composite} without a text_config (its text model's settings)")
         hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         archs = hf["architectures"]
