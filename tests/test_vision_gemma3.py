@@ -67,6 +67,38 @@ def test_pixel_values_of_a_known_image():
     np.testing.assert_allclose(ours[0], want, atol=1e-6)
 
 
+# gemma-3-4b-it's config.json as released: its text_config and vision_config name only what differs from the defaults
+RELEASED = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255_999,
+            "eoi_token_index": 256_000, "eos_token_id": [1, 106], "image_token_index": 262_144,
+            "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3", "text_config": {
+                "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+            "torch_dtype": "bfloat16", "vision_config": {
+                "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+                "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+@pytest.mark.reference
+def test_released_config_reads_as_transformers_reads_it():
+    """The sparse released config gives the same text model as the config transformers fills in and writes out,
+    and its image side: 27 layers of 1152, 64 x 64 patches of 14 pixels pooled 4 x 4 to 256 soft tokens."""
+    import transformers
+
+    from jaxtune.models.hf_config import config_from_hf
+    from jaxtune.models.vision.hf import vision_config_from_hf
+
+    filled = transformers.Gemma3Config(**{k: v for k, v in RELEASED.items() if k != "architectures"}).to_dict()
+    filled["architectures"] = RELEASED["architectures"]
+    cfg = config_from_hf(RELEASED)
+    assert cfg == config_from_hf(filled)
+    assert (cfg.num_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (8, 256, 262_208, True)
+    assert cfg.sliding_windows == ((1024,) * 5 + (0,)) * 5 + (1024,) * 4
+    vision = vision_config_from_hf(RELEASED)
+    assert vision == vision_config_from_hf(filled)
+    assert (vision.tower.num_layers, vision.tower.patches_per_side, vision.pooling, vision.image_token_id) == (
+        27, 64, 4, 262_144)
+
+
 def dense_attention(q, k, v, allowed_BxTxS, scale):
     s = jnp.einsum("bkgqh,bkch->bkgqc", q, k) * scale
     s = jnp.where(allowed_BxTxS[:, None, None], s, jnp.finfo(s.dtype).min)

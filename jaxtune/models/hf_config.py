@@ -31,6 +31,13 @@ VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
+# names only what differs from `Gemma3TextConfig`'s)
+COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    query_pre_attn_scalar=256, sliding_window=4096)}
 
 
 def model_dir(path: str | Path) -> Path:
@@ -165,6 +172,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         text = hf.get("text_config")
         if not text:
             raise JaxtuneError(f"{where}: {composite} without a text_config (its text model's settings)")
+        text = {**COMPOSITE_TEXT_DEFAULTS.get(composite, {}), **text}
         hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         archs = hf["architectures"]

@@ -16,13 +16,16 @@ from jaxtune.config import SiglipConfig, VisionLanguageConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
-from jaxtune.models.hf_config import model_dir
+from jaxtune.models.hf_config import COMPOSITE_TEXT_DEFAULTS, model_dir
 from jaxtune.models.hf_weights import canonical_name
 from jaxtune.models.params import ParamSpec
 
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 LAYER_NORMS = ("layer_norm1", "layer_norm2")
+# transformers' `SiglipVisionConfig` defaults, on which a released `vision_config` may rely
+SIGLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                       num_channels=3, image_size=224, patch_size=16, layer_norm_eps=1e-6)
 
 
 def vision_config_from_hf(hf: dict, where: str = "config.json") -> VisionLanguageConfig:
@@ -31,15 +34,15 @@ def vision_config_from_hf(hf: dict, where: str = "config.json") -> VisionLanguag
     if not set(archs) & set(VISION_LANGUAGE_ARCHITECTURES):
         raise JaxtuneError(f"{where}: no vision tower jaxtune computes (architectures {', '.join(archs) or 'none'}; "
                            f"supported: {', '.join(VISION_LANGUAGE_ARCHITECTURES)})")
-    vision, text = hf.get("vision_config") or {}, hf.get("text_config") or {}
-    if vision.get("vision_use_head"):
-        raise JaxtuneError(f"{where}: vision_use_head: a pooling head Gemma 3 does not use")
+    arch = next(a for a in archs if a in VISION_LANGUAGE_ARCHITECTURES)
+    vision = {**SIGLIP_DEFAULTS, **(hf.get("vision_config") or {})}  # a pooling head, if any, is left: Gemma 3's
+    text = {**COMPOSITE_TEXT_DEFAULTS[arch], **(hf.get("text_config") or {})}  # projector reads the patches
     try:
         tower = SiglipConfig(
             hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
             num_layers=int(vision["num_hidden_layers"]), num_heads=int(vision["num_attention_heads"]),
             image_size=int(vision["image_size"]), patch_size=int(vision["patch_size"]),
-            num_channels=int(vision.get("num_channels", 3)), layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)))
+            num_channels=int(vision["num_channels"]), layer_norm_eps=float(vision["layer_norm_eps"]))
         return VisionLanguageConfig(
             tower=tower, text_hidden_size=int(text["hidden_size"]),
             tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
