@@ -291,3 +291,32 @@ def test_greedy_decoding_with_images_equals_transformers_generate(tmp_path):
         ours.append(int(jnp.argmax(logits[0])))
         logits, cache = step(params, jnp.asarray([ours[-1]]), cache, cfg=cfg)
     assert ours == want
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parametrize("layout", [
+    {"language_model.model.": "language_model.model.", "vision_tower.": "vision_tower.vision_model.",
+     "multi_modal_projector.": "multi_modal_projector."},  # as released on the hub
+    {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.vision_model.",
+     "multi_modal_projector.": "model.multi_modal_projector."},  # as transformers 4 saves it
+], ids=["hub", "transformers4"])
+def test_every_checkpoint_layout_reads_the_same(tmp_path, layout):
+    """The tensors renamed into another layout (and a pooling head jaxtune does not read) load the same trees."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxtune.spine.model import load_vision_language_model
+
+    gemma3_vision_language(tmp_path / "saved")
+    shutil.copytree(tmp_path / "saved", tmp_path / "renamed")
+    tensors = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    renamed = {next(new + name[len(old):] for old, new in layout.items() if name.startswith(old)): value
+               for name, value in tensors.items()}
+    renamed[layout["vision_tower."] + "head.probe"] = np.zeros((1, 1, 32), np.float32)
+    save_file(renamed, str(tmp_path / "renamed" / "model.safetensors"), metadata={"format": "pt"})
+    want, ours = (load_vision_language_model(tmp_path / d) for d in ("saved", "renamed"))
+    assert want[0] == ours[0] and want[2] == ours[2]
+    for a, b in ((want[1], ours[1]), (want[3], ours[3])):
+        jax.tree.map(np.testing.assert_array_equal, a, b)
