@@ -319,3 +319,16 @@ def test_every_checkpoint_layout_reads_the_same(tmp_path, layout):
     assert want[0] == ours[0] and want[2] == ours[2]
     for a, b in ((want[1], ours[1]), (want[3], ours[3])):
         jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_image_placeholders_must_match_the_images():
+    """Outside jit the placeholders are counted before the tower runs: 8 for one image of 4 soft tokens is named."""
+    from jaxtune.config import SiglipConfig, VisionLanguageConfig, tiny_config
+    from jaxtune.errors import JaxtuneError
+    from jaxtune.models.vision.gemma3 import image_inputs
+
+    tower = SiglipConfig(hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, image_size=16, patch_size=4)
+    vision = VisionLanguageConfig(tower=tower, text_hidden_size=64, tokens_per_image=4, image_token_id=7)
+    tokens = np.asarray([[1, *[7] * 8, 2]])
+    with pytest.raises(JaxtuneError, match="8 image placeholder tokens .id 7. for 1 images of 4 soft tokens"):
+        image_inputs({}, tokens, np.zeros((1, 3, 16, 16), np.float32), tiny_config(), vision, jnp.float32)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtune.config import ForwardOptions, ModelConfig, VisionLanguageConfig
+from jaxtune.errors import JaxtuneError
 from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings, span_ids
@@ -40,7 +42,13 @@ def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values_NxCxHx
                  vision: VisionLanguageConfig, dtype) -> tuple[jax.Array, dict]:
     """(the tokens the text embeds [B, T], the decoder's image keywords: `placed_embeddings`, `span_ids_BxT`) of a
     text whose `vision.image_token_id` placeholders (tokens_per_image a picture, in order) take the soft tokens of
-    the N images [N, C, H, W]. A placeholder past the vocabulary looks up token 0, as transformers'."""
+    the N images [N, C, H, W]. A placeholder past the vocabulary looks up token 0, as transformers'. Tokens known
+    outside jit are checked to hold N x tokens_per_image placeholders (traced ones cannot be)."""
+    if not isinstance(tokens_BxT, jax.core.Tracer):
+        found, images = int(np.sum(np.asarray(tokens_BxT) == vision.image_token_id)), pixel_values_NxCxHxW.shape[0]
+        if found != images * vision.tokens_per_image:
+            raise JaxtuneError(f"{found} image placeholder tokens (id {vision.image_token_id}) for {images} images of "
+                               f"{vision.tokens_per_image} soft tokens each")
     images_NxMxD = image_soft_tokens(vision_params, pixel_values_NxCxHxW, vision, dtype)
     at_BxT = tokens_BxT == vision.image_token_id
     placed = PlacedEmbeddings(images_NxMxD.reshape(-1, images_NxMxD.shape[-1]), at_BxT)
