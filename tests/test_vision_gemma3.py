@@ -189,9 +189,12 @@ def image_text(rows: list[list[int | str]]) -> np.ndarray:
 ], ids=["one_image", "three_images_a_row"])
 def test_logits_equal_gemma3_for_conditional_generation(tmp_path, rows):
     """Read through `load_vision_language_model` from transformers' `save_pretrained`, images processed by
-    jaxtune: the soft tokens equal `get_image_features`', the logits transformers' with `token_type_ids`."""
+    jaxtune: the soft tokens equal `get_image_features`', the logits transformers' with `token_type_ids`; in float64
+    both (`reference.float64_reference`) to 1e-9: the same function."""
     import torch
+    from reference import float64_reference
 
+    from jaxtune.config import ForwardOptions
     from jaxtune.models.vision.gemma3 import image_soft_tokens, vision_language_forward
     from jaxtune.spine.model import load_vision_language_model
 
@@ -206,9 +209,17 @@ def test_logits_equal_gemma3_for_conditional_generation(tmp_path, rows):
                      token_type_ids=torch.tensor(tokens == IMAGE, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(image_soft_tokens(vision_params, jnp.asarray(pixels), vision), features, rtol=1e-5,
                                atol=1e-5)
-    run = jax.jit(vision_language_forward, static_argnames=("cfg", "vision"))
+    run = jax.jit(vision_language_forward, static_argnames=("cfg", "vision", "options"))
     ours = run(params, vision_params, jnp.asarray(tokens), jnp.asarray(pixels), cfg=cfg, vision=vision)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        want = float64_reference(model)(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels).double(),
+                                        token_type_ids=torch.tensor(tokens == IMAGE, dtype=torch.long)).logits.numpy()
+    with jax.enable_x64(True):
+        params, vision_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, vision_params))
+        ours = run(params, vision_params, jnp.asarray(tokens), jnp.asarray(pixels, jnp.float64), cfg=cfg,
+                   vision=vision, options=ForwardOptions(compute_dtype="float64"))
+        assert np.abs(np.asarray(ours) - want).max() <= 1e-9
 
 
 @pytest.mark.full
