@@ -345,3 +345,57 @@ def test_image_placeholders_must_match_the_images():
     tokens = np.asarray([[1, *[7] * 8, 2]])
     with pytest.raises(JaxtuneError, match="8 image placeholder tokens .id 7. for 1 images of 4 soft tokens"):
         image_inputs({}, tokens, np.zeros((1, 3, 16, 16), np.float32), tiny_config(), vision, jnp.float32)
+
+
+def numpy_soft_tokens(params: dict, pixels: np.ndarray, vision) -> np.ndarray:
+    """Gemma 3's image side written out in float64 numpy, a convolution loop and a dense softmax (the everyday tier's
+    reference for the tower and the projector)."""
+    t, tower = vision.tower, jax.tree.map(lambda a: np.asarray(a, np.float64), params["vision_tower"])
+    p, side, N = t.patch_size, t.patches_per_side, pixels.shape[0]
+    kernel = tower["patch_embedding"]["kernel"].T.reshape(t.hidden_size, t.num_channels, p, p)
+    x = np.stack([np.einsum("dcij,ncij->nd", kernel, pixels[:, :, r * p:(r + 1) * p, c * p:(c + 1) * p])
+                  for r in range(side) for c in range(side)], axis=1)
+    x = x + tower["patch_embedding"]["bias"] + tower["position_embedding"]
+
+    def norm(x, n):
+        return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + t.layer_norm_eps) * n["weight"] + \
+            n["bias"]
+
+    for i in range(t.num_layers):
+        layer = jax.tree.map(lambda a, i=i: a[i], tower["layers"])
+        lin = lambda x, name, layer=layer: x @ layer[name]["kernel"] + layer[name]["bias"]  # noqa: E731
+        h = norm(x, layer["layer_norm1"])
+        q, k, v = (lin(h, f"self_attn.{n}_proj").reshape(N, -1, t.num_heads, t.head_dim) for n in "qkv")
+        s = np.einsum("nqhd,nkhd->nhqk", q, k) / np.sqrt(t.head_dim)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        attended = np.einsum("nhqk,nkhd->nqhd", w / w.sum(-1, keepdims=True), v).reshape(x.shape)
+        x = x + lin(attended, "self_attn.out_proj")
+        h = lin(norm(x, layer["layer_norm2"]), "mlp.fc1")
+        x = x + lin(0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3))), "mlp.fc2")
+    x = norm(x, tower["post_layernorm"])
+    k = vision.pooling
+    pooled = x.reshape(N, side // k, k, side // k, k, -1).mean(axis=(2, 4)).reshape(N, -1, x.shape[-1])
+    projector = jax.tree.map(lambda a: np.asarray(a, np.float64), params["multi_modal_projector"])
+    normed = pooled / np.sqrt((pooled**2).mean(-1, keepdims=True) + t.layer_norm_eps)
+    return normed * (1 + projector["mm_soft_emb_norm"]) @ projector["mm_input_projection"]
+
+
+def test_soft_tokens_equal_a_float64_numpy_tower():
+    """A 2-layer tower on 3 images of 24 x 24 pixels (6 x 6 patches of 4, pooled 3 x 3 to 4 soft tokens), random
+    weights: jaxtune's float32 soft tokens equal the float64 numpy computation to float32's rounding."""
+    from jaxtune.config import SiglipConfig, VisionLanguageConfig
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.gemma3 import image_soft_tokens
+    from jaxtune.models.vision.hf import vision_param_specs
+
+    tower = SiglipConfig(hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, image_size=24, patch_size=4)
+    vision = VisionLanguageConfig(tower=tower, text_hidden_size=12, tokens_per_image=4, image_token_id=7)
+    specs, treedef = jax.tree.flatten(vision_param_specs(vision), is_leaf=lambda x: isinstance(x, ParamSpec))
+    rng = np.random.default_rng(0)
+    params = jax.tree.unflatten(treedef, [rng.normal(1.0 if s.init == "ones" else 0.0, 0.3, s.shape).astype(np.float32)
+                                          for s in specs])
+    pixels = rng.uniform(-1, 1, (3, 3, 24, 24)).astype(np.float32)
+    ours = image_soft_tokens(params, jnp.asarray(pixels), vision)
+    assert ours.shape == (3, 4, 12)
+    want = numpy_soft_tokens(params, pixels.astype(np.float64), vision)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
