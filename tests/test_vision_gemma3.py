@@ -1,9 +1,10 @@
 """Gemma 3's images (jaxtune/models/vision/): the image processor's pixel values equal transformers'
 `Gemma3ImageProcessorPil`'s on generated pictures (RGB, RGBA, grayscale, palette; wide, tall, tiny; pan-and-scan);
-bidirectional spans in the blockwise attention equal a dense mask's, gradients too; the released config and the
-hub's tensor names read; and in the full tier `Gemma3ForConditionalGeneration` from its `save_pretrained`: logits
-with one image and with several a row (float32, and float64 to 1e-9), LoRA on the text model against PEFT, greedy
-decoding with images against `generate`, transformers 4's tensor names."""
+bidirectional spans in the blockwise attention equal a dense mask's, gradients too; the tower and projector a
+float64 numpy computation's; the released config and the hub's tensor names read; and in the full tier
+`Gemma3ForConditionalGeneration` from its `save_pretrained`: logits with one image and with several a row (float32,
+and float64 to 1e-9), LoRA on the text model against PEFT, greedy decoding with images against `generate`,
+transformers 4's tensor names."""
 
 import jax
 import jax.numpy as jnp
