@@ -3,10 +3,10 @@
     model.py     ModelConfig, RopeScaling: a decoder's architecture
     method.py    MethodConfig: the base of every method's options (each unit declares its own), AdapterForward
     forward.py   ForwardOptions, Remat: how the forward computes
-    run.py       the sections of a training run: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig,
-                 EvalConfig
+    run.py       a training run's sections: ModelSection, DataConfig, TrainConfig, MeshConfig, OffloadConfig, EvalConfig
     plan.py      TrainPlan: what fixes a run's arrays and its step (the spine's and planner's input; not re-exported)
     sampling.py  SamplingConfig: how generation picks tokens
+    vision.py    SiglipConfig, VisionLanguageConfig, ImageProcessingConfig: a vision-language model's image side
 """
 
 from jaxtune.config.forward import REMAT_POLICIES as REMAT_POLICIES
@@ -25,3 +25,6 @@ from jaxtune.config.run import ModelSection as ModelSection
 from jaxtune.config.run import OffloadConfig as OffloadConfig
 from jaxtune.config.run import TrainConfig as TrainConfig
 from jaxtune.config.sampling import SamplingConfig as SamplingConfig
+from jaxtune.config.vision import ImageProcessingConfig as ImageProcessingConfig
+from jaxtune.config.vision import SiglipConfig as SiglipConfig
+from jaxtune.config.vision import VisionLanguageConfig as VisionLanguageConfig

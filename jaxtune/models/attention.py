@@ -2,11 +2,11 @@
 (FlashAttention's algorithm, Dao et al. 2022, in pure JAX; any scale, optionally soft-capped) and a hand-written
 backward that recomputes each block's scores, so memory is O(T x block) per layer, not the [B, K, G, T, S] scores.
 The mask is never materialised whole: an `AttentionMask` (`training_mask`, `cache_mask`) holds its parts (valid
-keys, query and key slots, packed segments or prefix trees (`branch_segment`), the window; P prefix keys in slots
-0..P-1, seen by every query) and a block's piece is built when the block is computed. Blocks no query may see are
-skipped in both passes (`live_blocks`, once per call, outside the layer scan); a row of one block runs without
-loops. Scores, softmax, sums: float32 (float64 inputs: float64). Sinks (gpt-oss): a logit per query head in each
-softmax's denominator, a key of value 0 (`join_sinks`, `sink_grads`).
+keys, query and key slots, packed segments or prefix trees (`branch_segment`), bidirectional spans (an image's
+tokens), the window; P prefix keys in slots 0..P-1, seen by every query) and a block's piece is built when the block
+is computed. Blocks no query may see are skipped in both passes (`live_blocks`, once per call, outside the layer
+scan); a row of one block runs without loops. Scores, softmax, sums: float32 (float64 inputs: float64). Sinks
+(gpt-oss): a logit per query head in each softmax's denominator, a key of value 0 (`join_sinks`, `sink_grads`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class AttentionMask(NamedTuple):
     q_slot_T: int32 [T], each query's slot. k_valid_BxS: bool [B, S], keys that may be attended to (not padding,
     written cache slots). q_segment_BxT, k_segment_BxS: int32 packed-segment ids, 1 .. 2**16 - 1 (keys < 0 are seen
     by all; a `branch_segment` query also sees its segment's shared keys). k_slot_S: int32 [S], each key's slot
-    (0..S-1 but where a context-parallel device holds other keys).
+    (0..S-1 but where a context-parallel device holds other keys). q_span_BxT, k_span_BxS: int32 bidirectional
+    spans (an image's tokens, `models.multimodal`): a query of span s >= 0 also sees the later keys of span s
+    (within the window's reach back); -1 outside any; None (no spans, nor any cost of them).
     """
 
     q_slot_T: jax.Array
@@ -37,6 +39,8 @@ class AttentionMask(NamedTuple):
     q_segment_BxT: jax.Array
     k_segment_BxS: jax.Array
     k_slot_S: jax.Array
+    q_span_BxT: jax.Array | None = None
+    k_span_BxS: jax.Array | None = None
 
 
 BRANCH_SHIFT = 16  # a prefix tree's ids: (segment << BRANCH_SHIFT) | (branch << LEAF_BITS) | leaf
@@ -55,10 +59,12 @@ def branch_segment(segment, branch, leaf=0):
 
 
 def training_mask(B: int, T: int, prefix: int, attention_mask_BxT: jax.Array | None,
-                  segment_ids_BxT: jax.Array | None, slots_T: jax.Array | None = None) -> AttentionMask:
+                  segment_ids_BxT: jax.Array | None, slots_T: jax.Array | None = None,
+                  span_ids_BxT: jax.Array | None = None) -> AttentionMask:
     """The mask of a full forward: P prefix keys seen by every query, then T tokens attending causally to the
     tokens that are not padding (attention_mask_BxT 0) and, if packed, of their own segment. slots_T: the tokens'
-    slots (default P..P+T-1; a context-parallel layout's order)."""
+    slots (default P..P+T-1; a context-parallel layout's order). span_ids_BxT: bidirectional spans (`AttentionMask`;
+    the prefix keys in none)."""
     valid_BxT = jnp.ones((B, T), bool) if attention_mask_BxT is None else attention_mask_BxT > 0
     segment_BxT = jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None else segment_ids_BxT.astype(jnp.int32)
     slots_T = prefix + jnp.arange(T, dtype=jnp.int32) if slots_T is None else slots_T
@@ -68,6 +74,9 @@ def training_mask(B: int, T: int, prefix: int, attention_mask_BxT: jax.Array | N
         q_segment_BxT=segment_BxT,
         k_segment_BxS=jnp.concatenate([jnp.full((B, prefix), -1, jnp.int32), segment_BxT], axis=1),
         k_slot_S=jnp.concatenate([jnp.arange(prefix, dtype=jnp.int32), slots_T]),
+        q_span_BxT=None if span_ids_BxT is None else span_ids_BxT.astype(jnp.int32),
+        k_span_BxS=None if span_ids_BxT is None else jnp.concatenate(
+            [jnp.full((B, prefix), -1, jnp.int32), span_ids_BxT.astype(jnp.int32)], axis=1),
     )
 
 
@@ -79,18 +88,24 @@ def cache_mask(start: jax.Array, T: int, valid_BxS: jax.Array) -> AttentionMask:
                          k_slot_S=jnp.arange(S, dtype=jnp.int32))
 
 
-def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window) -> jax.Array:
-    """[B, Q, C] boolean: which of Q queries may see which of C keys."""
+def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window, q_span_BxQ=None,
+             k_span_BxC=None) -> jax.Array:
+    """[B, Q, C] boolean: which of Q queries may see which of C keys (causally, or within a bidirectional span:
+    transformers' `blockwise_overlay` or'ed with causality, then and'ed with the window)."""
     relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
     chunk = jnp.maximum(-window, 1)  # window < 0: chunks of -window slots (Llama 4)
     same_chunk_QxC = q_slot_Q[:, None] // chunk == k_slot_C[None, :] // chunk
-    position_QxC = (relative_QxC >= 0) & ((window == 0) | ((window > 0) & (relative_QxC < window))
-                                          | ((window < 0) & same_chunk_QxC))
+    window_QxC = ((window == 0) | ((window > 0) & (relative_QxC < window)) | ((window < 0) & same_chunk_QxC))
+    if q_span_BxQ is None:
+        position_BxQxC = ((relative_QxC >= 0) & window_QxC)[None]
+    else:
+        span_BxQxC = (q_span_BxQ[:, :, None] == k_span_BxC[:, None, :]) & (q_span_BxQ[:, :, None] >= 0)
+        position_BxQxC = ((relative_QxC >= 0)[None] | span_BxQxC) & window_QxC[None]
     q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
     ancestor_BxQxC = ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC) | ((q_BxQx1 & -(2**LEAF_BITS)) == k_Bx1xC)
     shared_BxQxC = (k_Bx1xC > 0) & (q_BxQx1 >= 2**BRANCH_SHIFT) & ancestor_BxQxC  # a branch's or leaf's ancestors
     segment_BxQxC = (k_Bx1xC < 0) | (q_BxQx1 == k_Bx1xC) | shared_BxQxC
-    return position_QxC[None] & k_valid_BxC[:, None, :] & segment_BxQxC
+    return position_BxQxC & k_valid_BxC[:, None, :] & segment_BxQxC
 
 
 class _BlockedMask(NamedTuple):
@@ -101,6 +116,8 @@ class _BlockedMask(NamedTuple):
     k_slot: jax.Array  # [nk, bk]
     k_valid: jax.Array  # [nk, B, bk]
     k_segment: jax.Array  # [nk, B, bk]
+    q_span: jax.Array | None  # [nq, B, bq]
+    k_span: jax.Array | None  # [nk, B, bk]
 
 
 class _Blocked(NamedTuple):
@@ -136,7 +153,9 @@ def _blocked_mask(mask: AttentionMask, T: int, S: int) -> _BlockedMask:
     return _BlockedMask(
         q_slot=_cut(mask.q_slot_T, 0, bq, fill=-1), q_segment=_cut(mask.q_segment_BxT, 1, bq),
         k_slot=_cut(mask.k_slot_S, 0, bk, fill=NO_SLOT), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
-        k_segment=_cut(mask.k_segment_BxS, 1, bk))
+        k_segment=_cut(mask.k_segment_BxS, 1, bk),
+        q_span=None if mask.q_span_BxT is None else _cut(mask.q_span_BxT, 1, bq, fill=-1),
+        k_span=None if mask.k_span_BxS is None else _cut(mask.k_span_BxS, 1, bk, fill=-1))
 
 
 def _blocked(q, k, v, mask: AttentionMask) -> _Blocked:
@@ -150,11 +169,11 @@ def live_blocks(mask: AttentionMask, T: int, S: int) -> jax.Array:
     once per forward; `window` is applied per layer in `_window_live`)."""
     m = _blocked_mask(mask, T, S)
 
-    def row(q_slot_Q, q_segment_BxQ):
-        return jax.vmap(lambda s, kv, ks: jnp.any(_allowed(q_slot_Q, q_segment_BxQ, s, kv, ks, 0)))(
-            m.k_slot, m.k_valid, m.k_segment)
+    def row(q_slot_Q, q_segment_BxQ, q_span_BxQ):
+        return jax.vmap(lambda s, kv, ks, kp: jnp.any(_allowed(q_slot_Q, q_segment_BxQ, s, kv, ks, 0, q_span_BxQ,
+                                                               kp)))(m.k_slot, m.k_valid, m.k_segment, m.k_span)
 
-    return jax.lax.map(lambda args: row(*args), (m.q_slot, m.q_segment))
+    return jax.lax.map(lambda args: row(*args), (m.q_slot, m.q_segment, m.q_span))
 
 
 def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
@@ -218,14 +237,14 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
     loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
 
     def query_block(_, args):
-        q_blk, q_slot, q_segment, live_C = args
+        q_blk, q_slot, q_segment, q_span, live_C = args
 
         def key_block(carry, key_args):
-            k_blk, v_blk, k_slot, k_valid, k_segment, live = key_args
+            k_blk, v_blk, k_slot, k_valid, k_segment, k_span, live = key_args
 
             def update(carry):
                 max_, norm, acc = carry
-                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
+                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window, q_span, k_span)
                 s, _ = _scores(q_blk, k_blk, allowed, scale, softcap)
                 new_max = jnp.maximum(max_, jnp.max(s, axis=-1))
                 p = jnp.exp(s - new_max[..., None])
@@ -244,11 +263,11 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
             max_norm = (sink_BxKxGxQ, jnp.ones((B, K, G, bq), f32))
         init = (*max_norm, jnp.zeros((B, K, G, bq, hd), f32))
         (max_, norm, acc), _ = _scan_blocks(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
-                                                              m.k_segment, live_C))
+                                                              m.k_segment, m.k_span, live_C))
         norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached (and no sink): output 0
         return None, (acc / norm[..., None], max_ + jnp.log(norm))
 
-    _, (out, lse) = _scan_blocks(query_block, None, (blocks.q, m.q_slot, m.q_segment, live_QxC))
+    _, (out, lse) = _scan_blocks(query_block, None, (blocks.q, m.q_slot, m.q_segment, m.q_span, live_QxC))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, -1)[:, :, :, :T]
     return out, lse
@@ -311,14 +330,14 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
     loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
 
     def key_block(dq, key_args):
-        k_blk, v_blk, k_slot, k_valid, k_segment, live_Q = key_args
+        k_blk, v_blk, k_slot, k_valid, k_segment, k_span, live_Q = key_args
 
         def query_block(carry, query_args):
-            q_blk, g_blk, lse_blk, delta_blk, q_slot, q_segment, live = query_args
+            q_blk, g_blk, lse_blk, delta_blk, q_slot, q_segment, q_span, live = query_args
 
             def update(carry):
                 dk, dv = carry
-                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window)
+                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window, q_span, k_span)
                 s, tanh = _scores(q_blk, k_blk, allowed, scale, softcap)
                 p = jnp.exp(s - lse_blk[..., None])
                 dv = dv + _contract_rows(g_blk.astype(f32), p)
@@ -334,12 +353,12 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
 
         zeros = jnp.zeros(k_blk.shape, f32)
         (dk, dv), dq_blocks = _scan_blocks(query_block, (zeros, zeros), (
-            blocks.q, g_blocks, lse_blocks, delta, m.q_slot, m.q_segment, live_Q))
+            blocks.q, g_blocks, lse_blocks, delta, m.q_slot, m.q_segment, m.q_span, live_Q))
         return dq + dq_blocks, (dk, dv)
 
     dq = jnp.zeros(blocks.q.shape, f32)
     dq, (dk, dv) = _scan_blocks(key_block, dq, (blocks.k, blocks.v, m.k_slot, m.k_valid,
-                                                 m.k_segment, live_QxC.T))
+                                                 m.k_segment, m.k_span, live_QxC.T))
     dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     dk, dv = (jnp.moveaxis(d, 0, 2).reshape(B, K, -1, hd)[:, :, :S] for d in (dk, dv))
     return dq, dk, dv

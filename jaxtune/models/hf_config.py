@@ -25,10 +25,19 @@ HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transform
 # the architectures rotating part of each head
 PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # vision-language checkpoints whose text model jaxtune reads (as transformers' AutoModelForCausalLM does): its
-# `text_config`, its `model.language_model.*` tensors; the vision tower and a multi-token-prediction head are left
+# `text_config`, its `model.language_model.*` tensors; the vision tower (read apart: `models.vision`, Gemma 3's) and a
+# multi-token-prediction head are left
 VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
+                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+                   "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
+# names only what differs from `Gemma3TextConfig`'s)
+COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    query_pre_attn_scalar=256, sliding_window=4096)}
 
 
 def model_dir(path: str | Path) -> Path:
@@ -160,7 +169,10 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     composite = next((a for a in archs if a in VISION_LANGUAGE), None)
     if composite is not None:
-        text = hf.get("text_config") or {}
+        text = hf.get("text_config")
+        if not text:
+            raise JaxtuneError(f"{where}: {composite} without a text_config (its text model's settings)")
+        text = {**COMPOSITE_TEXT_DEFAULTS.get(composite, {}), **text}
         hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         archs = hf["architectures"]

@@ -42,9 +42,15 @@ STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16
 
 
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's hub names of an expert's parts
-# a vision-language checkpoint's vision (and audio) towers, Qwen3.5's multi-token head
-LEFT_PARTS = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
-              "model.embed_audio.")
+# a vision-language checkpoint's vision (and audio) towers (`models.vision` reads Gemma 3's), Qwen3.5's multi-token
+# head: left by the text model
+LEFT_PARTS = ("model.visual.", "mtp.", "vision_tower.", "multi_modal_projector.", "model.audio_tower.",
+              "model.embed_vision.", "model.embed_audio.")
+# a vision-language checkpoint's prefixes, as transformers 4 and 5 and the hub's releases save them -> jaxtune's
+VISION_LANGUAGE_PREFIXES = (
+    ("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
 TOP_LEVEL = {("embed_tokens",): "model.embed_tokens.weight", ("norm",): "model.norm.weight",
              ("lm_head", "kernel"): "lm_head.weight",
              ("embed_tokens_per_layer",): "model.embed_tokens_per_layer.weight",
@@ -68,14 +74,14 @@ def canonical_name(stored: str) -> str:
     """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become
     the names transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj), gpt-oss's router (`mlp.router`)
     the other mixtures' (`mlp.gate`), Llama 4's `feed_forward` and DeepSeek's `shared_experts` Qwen2-MoE's names,
-    a vision-language checkpoint's text model (`model.language_model.`) a text model's (`model.`); other names are
-    kept."""
+    a vision-language checkpoint's text model (`model.language_model.`, `language_model.model.`) a text model's
+    (`model.`), its vision tower `vision_tower.*` and projector `multi_modal_projector.*`; other names are kept."""
     stored = stored.replace(".feed_forward.", ".mlp.")  # Llama 4's
     stored = stored.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
     stored = re.sub(r"(\.layers\.\d+)\.(router\.proj|router|experts)\.",  # Gemma 4's, beside the MLP
                     lambda m: f"{m[1]}.mlp.{'experts' if m[2] == 'experts' else 'gate'}.", stored)
-    if stored.startswith("model.language_model."):  # a vision-language checkpoint's text model
-        stored = "model." + stored[len("model.language_model."):]
+    old, new = next(((old, new) for old, new in VISION_LANGUAGE_PREFIXES if stored.startswith(old)), ("", ""))
+    stored = new + stored[len(old):]
     if ".mlp.router." in stored:
         return stored.replace(".mlp.router.", ".mlp.gate.")
     if ".block_sparse_moe." not in stored:

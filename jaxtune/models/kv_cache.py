@@ -44,6 +44,7 @@ from jaxtune.models.llama import (
     per_layer_inputs,
     project_qkv,
 )
+from jaxtune.models.multimodal import PlacedEmbeddings, place_embeddings
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import constrain, context_ways
 
@@ -169,11 +170,14 @@ def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: ja
 
 def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, cache: KVCache,
            cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, adapter_B: jax.Array | None = None,
-           segment_ids_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+           segment_ids_BxT: jax.Array | None = None, placed_embeddings: PlacedEmbeddings | None = None,
+           span_ids_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Run T new tokens against the cache: final-norm hidden states [B, T, D] and the cache with them written.
 
     adapter_B: [B] int32, each row's slot of the adapter stacks `params` carries (`models/adapter_rows.py`).
-    segment_ids_BxT: packed rows written into an empty cache; a token sees the prefix and its own segment only."""
+    segment_ids_BxT: packed rows written into an empty cache; a token sees the prefix and its own segment only.
+    placed_embeddings, span_ids_BxT: an image's soft tokens and their bidirectional spans among the new tokens (as
+    `llama.decoder_and_routing`'s; the slots before them in no span)."""
     refuse_context_axis()
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
@@ -187,6 +191,10 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         segment_BxT = segment_ids_BxT.astype(jnp.int32)
         k_segment_BxS = jax.lax.dynamic_update_slice(jnp.full(valid_BxS.shape, -1, jnp.int32), segment_BxT, (0, start))
         mask = mask._replace(q_segment_BxT=segment_BxT, k_segment_BxS=k_segment_BxS)
+    if span_ids_BxT is not None:
+        span_BxT = span_ids_BxT.astype(jnp.int32)
+        k_span_BxS = jax.lax.dynamic_update_slice(jnp.full(valid_BxS.shape, -1, jnp.int32), span_BxT, (0, start))
+        mask = mask._replace(q_span_BxT=span_BxT, k_span_BxS=k_span_BxS)
     live_QxC = live_blocks(mask, T, cache.size) if T > 1 else None
     rope = rope_tables(positions_BxT, cfg, dtype, mask.q_slot_T)
     global_rope = rope_tables(positions_BxT, cfg.global_view, dtype, mask.q_slot_T) if cfg.global_head_dim else None
@@ -247,6 +255,8 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         return decoder_layer(x_BxTxD, layer, mixer, cfg, adapters, view.experts)[:2]
 
     x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
+    if placed_embeddings is not None:
+        x_BxTxD = place_embeddings(x_BxTxD, placed_embeddings)
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
     linear, new_full = cache.linear, None
@@ -312,12 +322,14 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
 
 def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mask_BxT: jax.Array | None = None, *,
             cache_size: int | None = None, method: MethodConfig | None = None,
-            options: ForwardOptions = ForwardOptions(), adapter_B: jax.Array | None = None
+            options: ForwardOptions = ForwardOptions(), adapter_B: jax.Array | None = None,
+            placed_embeddings: PlacedEmbeddings | None = None, span_ids_BxT: jax.Array | None = None
             ) -> tuple[jax.Array, KVCache]:
     """Float32 logits [B, V] for the token after each left-padded prompt, and the cache holding the prompts.
 
     tokens_BxT: prompts padded on the left; attention_mask_BxT: 1 for real tokens, 0 for padding (default all 1).
     cache_size: slots per row, at least P + T (the default); decoding n more tokens needs P + T + n.
+    placed_embeddings, span_ids_BxT: the prompts' images (`extend`).
     Jit with `static_argnames=("cfg", "cache_size", "method", "options")`.
     """
     B, T = tokens_BxT.shape
@@ -330,7 +342,7 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
     cache = init_cache(params, cfg, B, size, jnp.dtype(options.compute_dtype))
     positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
     hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options,
-                                 adapter_B)
+                                 adapter_B, placed_embeddings=placed_embeddings, span_ids_BxT=span_ids_BxT)
     return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap, pieces=False)[:, 0], cache
 
 

@@ -34,6 +34,7 @@ from jaxtune.models.layer_groups import scan_kv_sharing_layers, scan_layers_by_k
 from jaxtune.models.linear import dense, project, scaled, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
+from jaxtune.models.multimodal import PlacedEmbeddings, place_embeddings
 from jaxtune.models.norms import rms_norm, unscaled_rms_norm
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
@@ -345,6 +346,8 @@ def decoder_and_routing(
     method: MethodConfig | None = None,
     options: ForwardOptions = ForwardOptions(),
     dropout_key: jax.Array | None = None,
+    placed_embeddings: PlacedEmbeddings | None = None,
+    span_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(final-norm hidden states [B, T, D] in the compute dtype, a mixture's load-balancing loss or None).
 
@@ -354,6 +357,9 @@ def decoder_and_routing(
     method: the fine-tuning method whose leaves `params` carries (its LoRA scaling is static).
     dropout_key: training only, with a LoRA method whose `dropout` > 0: layer i draws its masks from
     `jax.random.split(dropout_key, L)[i]` (see `Adapters.of_module`). None (eval, generation): no dropout.
+    placed_embeddings: an encoder's vectors (an image's soft tokens) over the embeddings (after Gemma's sqrt(D)
+    scale) of the positions they mark (`models.multimodal`). span_ids_BxT: bidirectional spans (`multimodal.span_ids`),
+    whose tokens also see their span's later tokens; the blockwise kernel computes them. Neither: no cost.
     """
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
@@ -363,14 +369,17 @@ def decoder_and_routing(
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
     context = context_layout(T, cfg.sliding_windows, options.context_attention)
+    if context is not None and (placed_embeddings is not None or span_ids_BxT is not None):
+        raise JaxtuneError("placed embeddings and bidirectional spans (images) with a [mesh] context axis are not "
+                           "supported; train on one device's length")
     if context is None:
-        mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT)
+        mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT, span_ids_BxT=span_ids_BxT)
         live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
         K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         shape = AttentionShape(B, T, prefix + T, K, G, cfg.head_dim, prefix, segment_ids_BxT is not None,
                                attention_mask_BxT is not None, cfg.attn_logit_softcap, dtype,
                                tuple(sorted(set(cfg.sliding_windows))), "sinks" in params["layers"])
-        fused = choose_kernel(options.attention, shape, platform_in_context())
+        fused = None if span_ids_BxT is not None else choose_kernel(options.attention, shape, platform_in_context())
     else:  # each row's tokens split over the context axis, in its layout's order (the prefix apart)
         tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, slots_T = spread_inputs(
             context, tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
@@ -395,9 +404,9 @@ def decoder_and_routing(
     if cfg.global_head_dim:  # Gemma 4's full layers: their own head width, RoPE tables and kernel choice
         global_cfg = cfg.global_view
         global_rope = rope_tables(positions_BxT, global_cfg, dtype, mask.q_slot_T)
-        global_fused = None if context is not None else choose_kernel(options.attention, shape._replace(
-            K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads, head_dim=cfg.global_head_dim),
-            platform_in_context())
+        global_fused = None if context is not None or span_ids_BxT is not None else choose_kernel(
+            options.attention, shape._replace(K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads,
+                                              head_dim=cfg.global_head_dim), platform_in_context())
 
     def layer_block(x_BxTxD, per_layer, shared, kind=LayerKind(), shared_kv=None):
         layer, window, index, layer_key = per_layer if use_dropout else (*per_layer, None)
@@ -420,7 +429,10 @@ def decoder_and_routing(
     rematted = remat_layer(lambda *args: layer_block(*args)[:2], options.remat, dtype)
     shared = (rope, mask, live_QxC, stacks, valid_BxT)
     block = lambda x, per_layer: rematted(x, per_layer, shared)  # noqa: E731
-    x_BxTxD = constrain(embed(params, tokens_BxT, cfg, dtype), ("batch", "seq", None))
+    x_BxTxD = embed(params, tokens_BxT, cfg, dtype)
+    if placed_embeddings is not None:
+        x_BxTxD = place_embeddings(x_BxTxD, placed_embeddings)
+    x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
     per_layer: tuple = (layers, jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.arange(cfg.num_layers))
     if use_dropout:  # one key per layer, scanned like the weights, so every layer draws its own masks
         per_layer += (jax.random.split(dropout_key, cfg.num_layers),)

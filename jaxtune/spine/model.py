@@ -1,12 +1,12 @@
 """A model held for inference (eval, generate, export, a reward model, a reference), read by the spine's loader.
 
     cfg, params = load_model("path/to/model")                            # HF directory or GGUF file
+    cfg, params, vision, vision_params = load_vision_language_model(model)   # + Gemma 3's image side
     cfg, params, method = load_model_with_adapter(model, "run/adapter")   # + a PEFT adapter
     cfg, params, slots = load_adapters(model, {"a": "run-a/adapter", "b": "run-b/adapter"})   # stacked, one batch
     cfg, params = load_reward_model("run/reward_model")                   # + its `score` head
 
-`abstract_model` is the tree as ShapeDtypeStructs in their shardings (one device unless a mesh is given, a QLoRA
-base quantised); `load.read_tree` reads the checkpoint into exactly those, a shard at a time.
+`abstract_model`: the tree as ShapeDtypeStructs in their shardings; `load.read_tree` reads into those, shard by shard.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtune.config import MeshConfig, MethodConfig, ModelConfig
+from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, VisionLanguageConfig
 from jaxtune.errors import JaxtuneError, check_choice
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
@@ -30,6 +30,7 @@ from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
 from jaxtune.models.params import abstract_params
 from jaxtune.models.reward_model import reward_config
+from jaxtune.models.vision.hf import load_vision_config, read_vision_params
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.load import read_tree
 from jaxtune.spine.shardings import param_shardings
@@ -56,6 +57,15 @@ def load_model(model: str | Path, dtype=None, method: MethodConfig | None = None
     with checked_reader(model, cfg) as reader:
         dtype = np.dtype(dtype if dtype is not None else reader.dtype("model.embed_tokens.weight"))
         return cfg, read_tree(reader, abstract_model(cfg, dtype, method, mesh), cfg, method)
+
+
+def load_vision_language_model(model: str | Path, dtype=None, mesh: Mesh | None = None
+                               ) -> tuple[ModelConfig, dict, VisionLanguageConfig, dict]:
+    """(text config, text params, image-side config, image-side params) of a vision-language directory (Gemma 3):
+    the text model as `load_model` reads it, the vision tower and projector (`models.vision.hf`) in its dtype."""
+    cfg, params = load_model(model, dtype, mesh=mesh)
+    vision = load_vision_config(model)
+    return cfg, params, vision, read_vision_params(model, vision, params["embed_tokens"].dtype)
 
 
 def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None, dtype=None,
