@@ -31,12 +31,36 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get
 
 import grpo_tasks as tasks  # noqa: E402
 
-FULL = dict(sft_examples=3000, sft_steps=1200, grpo_prompts=1500, held_out=100, grpo_steps=30, prompts_per_step=8,
+FULL = dict(sft_examples=3000, sft_steps=2400, grpo_prompts=1500, held_out=100, grpo_steps=30, prompts_per_step=8,
             group_size=8, max_new_tokens=96, max_turns=4, eval_every=5, learning_rate=1e-4, small=True, slip=0.6)
 QUICK = dict(sft_examples=200, sft_steps=10, grpo_prompts=64, held_out=8, grpo_steps=2, prompts_per_step=2,
              group_size=4, max_new_tokens=96, max_turns=3, eval_every=2, learning_rate=5e-4, small=True, slip=0.6)
+OPTIONS = {"family": "hermes", "tools": ["grpo_tasks.add", "grpo_tasks.multiply"],
+           "reward": "grpo_tasks.calculator_solved"}
 SEQ_LEN = 320  # a solved episode is ~250 bytes in the template; a turn may start as late as SEQ_LEN, so the model
 # holds SEQ_LEN + max_new_tokens positions
+
+
+def calls_made(model: Path, held_out: list[dict], size: dict) -> dict:
+    """What the model does on the held-out prompts: the share of its episodes that make both calls, and their
+    success, greedy and sampled (temperature 1, one episode a prompt, seed 3)."""
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.objectives.episode_rollouts import episode_rollouts
+    from jaxtune.objectives.rollout_config import GRPOConfig
+    from jaxtune.spine.model import load_model
+
+    cfg, params = load_model(model)
+    tokenizer = load_tokenizer(model)
+    found = {}
+    for name, temperature, top_k in (("greedy", 1e-6, 1), ("sampled", 1.0, 0)):
+        section = GRPOConfig(environment="tools", environment_options=OPTIONS | {"max_turns": size["max_turns"]},
+                             max_new_tokens=size["max_new_tokens"], temperature=temperature, top_k=top_k)
+        ids, _, rewards = episode_rollouts(params, cfg, None, held_out, section, 3, cfg.eos_token_id, tokenizer,
+                                           SEQ_LEN + 1)
+        both = [r for row, r in zip(ids, rewards) if tokenizer.decode(row).count("<tool_call>") == 2]
+        found[name] = {"both_calls": len(both) / len(ids), "success": sum(rewards) / len(ids),
+                       "success_with_both_calls": sum(both) / max(len(both), 1)}
+    return found
 
 
 def run(out: Path, quick: bool, log=print) -> dict:
@@ -73,13 +97,15 @@ def run(out: Path, quick: bool, log=print) -> dict:
         "train": {"objective": "grpo", "output_dir": str(out / "grpo"), "max_steps": size["grpo_steps"],
                   "batch_size": size["prompts_per_step"], "learning_rate": size["learning_rate"],
                   "schedule": "constant", "log_every": 1, "eval_every": size["eval_every"]},
-        "grpo": {"environment": "tools", "environment_options": {
-                     "family": "hermes", "tools": ["grpo_tasks.add", "grpo_tasks.multiply"],
-                     "reward": "grpo_tasks.calculator_solved", "max_turns": size["max_turns"]},
+        "grpo": {"environment": "tools", "environment_options": OPTIONS | {"max_turns": size["max_turns"]},
                  "group_size": size["group_size"], "max_new_tokens": size["max_new_tokens"], "temperature": 1.0,
                  "kl_coef": 0.04, "loss_type": "grpo"}})
-    _, grpo_seconds, records = tasks.timed_fine_tune(grpo_config, log)
+    grpo_result, grpo_seconds, records = tasks.timed_fine_tune(grpo_config, log)
     summary = tasks.grpo_summary(records, grpo_seconds)
+    summary["calls_before"] = calls_made(sft_result.result_path, held_out, size)
+    summary["calls_after"] = calls_made(grpo_result.result_path, held_out, size)
+    log(f"      greedy episodes making both calls {summary['calls_before']['greedy']['both_calls']:.2f} -> "
+        f"{summary['calls_after']['greedy']['both_calls']:.2f}")
     held = summary["held_out"]
     summary = {"example": "grpo_calculator", "quick": quick, "model": "tiny Llama (4 layers, hidden 128, "
                "byte-level), SFT from random weights", "sizes": size, "seq_len": SEQ_LEN,
