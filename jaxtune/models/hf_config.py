@@ -30,7 +30,9 @@ PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalL
 VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
-                   "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+                   "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+TEXT_AT_TOP = ("Qwen2_5_VLForConditionalGeneration",)  # the hub's releases: the text model's keys beside vision_config
 # transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
 # names only what differs from `Gemma3TextConfig`'s)
 COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
@@ -57,7 +59,7 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
     kind = params.get("rope_type", params.get("type", "default"))
     if _partial_rotary_factor(hf) != 1.0 and not set(hf.get("architectures") or []) & set(PARTIAL_ROTARY):
         raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported (only {', '.join(PARTIAL_ROTARY)}'s)")
-    if kind == "default":
+    if kind in ("default", "mrope"):  # "mrope": Qwen2-VL's older name of its unscaled frequencies
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
@@ -169,7 +171,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     composite = next((a for a in archs if a in VISION_LANGUAGE), None)
     if composite is not None:
-        text = hf.get("text_config")
+        text = hf.get("text_config") or ({k: v for k, v in hf.items() if k != "vision_config"}
+                                          if composite in TEXT_AT_TOP else None)
         if not text:
             raise JaxtuneError(f"{where}: {composite} without a text_config (its text model's settings)")
         text = {**COMPOSITE_TEXT_DEFAULTS.get(composite, {}), **text}
@@ -225,6 +228,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             local_rope_theta=local_theta,
             fused_projections=arch == "Phi3ForCausalLM",
             partial_rotary_factor=_partial_rotary_factor(hf),
+            mrope_section=tuple(int(v) for v in (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get(
+                "mrope_section", ())),
             **_experts(hf, arch, layers, where),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),
