@@ -32,7 +32,8 @@ VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
-TEXT_AT_TOP = ("Qwen2_5_VLForConditionalGeneration",)  # the hub's releases: the text model's keys beside vision_config
+# M-RoPE's (transformers' `mrope_section`, its chunks in turn); the hub's releases keep the text's keys at the top
+MROPE = ("Qwen2_5_VLForConditionalGeneration",)
 # transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
 # names only what differs from `Gemma3TextConfig`'s)
 COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
@@ -170,12 +171,16 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Translate a transformers config dict; `where` names the file in error messages."""
     archs = hf.get("architectures") or []
     composite = next((a for a in archs if a in VISION_LANGUAGE), None)
+    mrope_section: tuple[int, ...] = ()
     if composite is not None:
         text = hf.get("text_config") or ({k: v for k, v in hf.items() if k != "vision_config"}
-                                          if composite in TEXT_AT_TOP else None)
+                                          if composite in MROPE else None)
         if not text:
             raise JaxtuneError(f"{where}: {composite} without a text_config (its text model's settings)")
         text = {**COMPOSITE_TEXT_DEFAULTS.get(composite, {}), **text}
+        if composite in MROPE:
+            rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+            mrope_section = tuple(int(v) for v in rope.get("mrope_section", ()))
         hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         archs = hf["architectures"]
@@ -228,8 +233,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             local_rope_theta=local_theta,
             fused_projections=arch == "Phi3ForCausalLM",
             partial_rotary_factor=_partial_rotary_factor(hf),
-            mrope_section=tuple(int(v) for v in (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get(
-                "mrope_section", ())),
+            mrope_section=mrope_section,
             **_experts(hf, arch, layers, where),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),
