@@ -1,8 +1,10 @@
 """Qwen2.5-VL as a whole model (jaxtune/models/vision/qwen_vl.py): the hub's config read; M-RoPE's three equal streams
-compute plain RoPE; prefill then decode with images equals the whole forward; and in the full tier
+compute plain RoPE; in the full tier, torch-free, prefill then decode with images equals the whole forward, and
 `Qwen2_5_VLForConditionalGeneration` from its `save_pretrained` (float32, windows cut through the images): logits with
 one image and with a batch of 3 + 1 images of different sizes, text between, left-padded; LoRA on the text model
 against PEFT; 10 greedy tokens with two images against `generate`; the hub's tensor names; text alone as before."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,16 +80,17 @@ def image_rows(rows: list[list], grids: np.ndarray) -> tuple[np.ndarray, np.ndar
     return tokens, mask
 
 
+@functools.cache
 def tiny_model(seed: int = 0):
     """(cfg, params, vision, vision_params): random, float32, no checkpoint (the everyday tier's)."""
     cfg = tiny_config(vocab_size=96, hidden_size=32, intermediate_size=48, num_heads=2, num_kv_heads=1, head_dim=16,
                       architecture="Qwen2ForCausalLM", qkv_bias=True, mrope_section=tuple(MROPE_SECTION))
     tower = QwenVisionConfig(**{k: v for k, v in VISION.items() if k != "fullatt_block_indexes"}, fullatt_blocks=(1,))
-    specs = abstract_vision_params(tower)
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), len(jax.tree.leaves(specs))))
-    vision_params = jax.tree.map(lambda s: 0.3 * jax.random.normal(next(keys), s.shape, s.dtype), specs)
-    return cfg, init_params(cfg, jax.random.PRNGKey(seed)), QwenVLConfig(tower=tower, image_token_id=IMAGE), \
-        vision_params
+    rng = np.random.RandomState(seed)
+    vision_params = jax.tree.map(lambda s: jnp.asarray(0.3 * rng.randn(*s.shape), s.dtype),
+                                 abstract_vision_params(tower))
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(seed))
+    return cfg, params, QwenVLConfig(tower=tower, image_token_id=IMAGE), vision_params
 
 
 def test_equal_streams_are_plain_rope():
@@ -101,6 +104,7 @@ def test_equal_streams_are_plain_rope():
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.full
 def test_prefill_and_decode_with_images_equal_the_forward():
     """Left-padded prompts with 3 + 1 images: `vision_language_prefill` then 3 `decode_step`s give the logits the
     whole forward gives at those tokens, whose positions `image_inputs` computes over the longer text (the rope
@@ -110,16 +114,16 @@ def test_prefill_and_decode_with_images_equal_the_forward():
     prompt, mask = image_rows([[5, "image", 7, 8, "image", "image", 9], [3, 4, "image", 6]], grids)
     follow = np.array([[11, 12, 13], [21, 22, 23]])
     tokens, full_mask = np.concatenate([prompt, follow], 1), np.concatenate([mask, np.ones_like(follow)], 1)
-    whole = vision_language_forward(params, vision_params, jnp.asarray(tokens),
-                                    image_inputs(tokens, pixels, grids, vision, full_mask), cfg, vision,
-                                    attention_mask_BxT=jnp.asarray(full_mask))
+    whole = jax.jit(vision_language_forward, static_argnames=("cfg", "vision"))(
+        params, vision_params, jnp.asarray(tokens), image_inputs(tokens, pixels, grids, vision, full_mask), cfg=cfg,
+        vision=vision, attention_mask_BxT=jnp.asarray(full_mask))
     logits, cache = jax.jit(vision_language_prefill, static_argnames=("cfg", "vision", "cache_size"))(
         params, vision_params, jnp.asarray(prompt), image_inputs(prompt, pixels, grids, vision, mask), cfg=cfg,
         vision=vision, attention_mask_BxT=jnp.asarray(mask), cache_size=tokens.shape[1])
-    T = prompt.shape[1]
+    T, step = prompt.shape[1], jax.jit(decode_step, static_argnames=("cfg",))
     for i in range(follow.shape[1]):
         np.testing.assert_allclose(logits, whole[:, T - 1 + i], rtol=1e-5, atol=1e-5)
-        logits, cache = decode_step(params, jnp.asarray(follow[:, i]), cache, cfg)
+        logits, cache = step(params, jnp.asarray(follow[:, i]), cache, cfg=cfg)
     short = np.where(np.arange(prompt.size).reshape(prompt.shape) == np.argmax(prompt == IMAGE), 7, prompt)
     with pytest.raises(JaxtuneError, match="image placeholder tokens"):
         image_inputs(short, pixels, grids, vision)
