@@ -371,8 +371,8 @@ def decoder_and_routing(
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
     context = context_layout(T, cfg.sliding_windows, options.context_attention)
     if context is not None and (placed_embeddings is not None or span_ids_BxT is not None or positions_BxT.ndim == 3):
-        raise JaxtuneError("placed embeddings and bidirectional spans (images) with a [mesh] context axis are not "
-                           "supported; train on one device's length")
+        raise JaxtuneError("placed embeddings, bidirectional spans or M-RoPE positions (images) with a [mesh] "
+                           "context axis are not supported; train on one device's length")
     if context is None:
         mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT, span_ids_BxT=span_ids_BxT)
         live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees
