@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.vision.mrope import mrope_streams, rope_index
+from jaxtune.models.rope import mrope_streams
+from jaxtune.models.vision.mrope import rope_index
 from jaxtune.models.vision.qwen_vl_config import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,

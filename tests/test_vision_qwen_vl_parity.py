@@ -18,8 +18,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryE
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from jaxtune.config import tiny_config
-from jaxtune.models.rope import apply_rope
-from jaxtune.models.vision.mrope import mrope_angles, rope_index
+from jaxtune.models.rope import apply_rope, mrope_angles
+from jaxtune.models.vision.mrope import rope_index
 from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, image_options_from_hf, vision_config_from_hf
 from jaxtune.models.vision.qwen_vl_layout import patch_positions, vision_layout, window_index
 from jaxtune.models.vision.qwen_vl_processor import image_patches, image_token_count
@@ -215,8 +215,9 @@ def test_mrope_equals_transformers(tiny_qwen_vl):
     positions, _ = rope_index(ids, np.array([[1, 4, 6], [1, 8, 4]]), image_token_id=IMAGE, spatial_merge_size=2)
     positions = positions + np.array([0, 50, 900])[:, None, None]  # streams far apart: a mixed-up one shows
     cos, sin = Qwen2_5_VLRotaryEmbedding(model.config.text_config)(torch.zeros(1), torch.from_numpy(positions))
-    cfg = tiny_config(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4)
-    got_cos, got_sin = mrope_angles(jnp.asarray(positions), cfg, MROPE_SECTION, jnp.float32)
+    cfg = tiny_config(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4,
+                      mrope_section=tuple(MROPE_SECTION))
+    got_cos, got_sin = mrope_angles(jnp.asarray(positions), cfg, jnp.float32)
     np.testing.assert_allclose(got_cos, cos.numpy(), atol=1e-6)
     np.testing.assert_allclose(got_sin, sin.numpy(), atol=1e-6)
     q = np.random.RandomState(0).randn(1, 2, ids.shape[1], 16).astype(np.float32)  # [B, heads, T, head_dim]

@@ -123,6 +123,9 @@ class ModelConfig:
     place of q/k/v_proj and gate/up_proj; `partial_rotary_factor`, RoPE on the first head_dim x factor dimensions
     of each head only.
 
+    Qwen2.5-VL: `mrope_section`, M-RoPE's rotary frequencies split into chunks read from the time, row and column
+    position streams in turn, when a forward is given positions [3, B, T] (`rope.mrope_angles`); [B, T]: plain RoPE.
+
     Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` > 0 replaces every layer's MLP by a router
     (a linear map to E logits; softmax in float32, the top `experts_per_token`, renormalised to sum to 1 when
     `normalize_top_k`) and E gated MLPs of width `expert_size` (0: intermediate_size), run as grouped matmuls
@@ -197,6 +200,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     nope_layers: tuple[int, ...] = ()
     rope_interleaved: bool = False
+    mrope_section: tuple[int, ...] = ()
     qk_l2_norm: bool = False
     temperature_floor: int = 0
     temperature_scale: float = 0.1

@@ -30,7 +30,10 @@ PARTIAL_ROTARY = ("Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalL
 VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
-                   "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+                   "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+# M-RoPE's (transformers' `mrope_section`, its chunks in turn); the hub's releases keep the text's keys at the top
+MROPE = ("Qwen2_5_VLForConditionalGeneration",)
 # transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
 # names only what differs from `Gemma3TextConfig`'s)
 COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
@@ -57,7 +60,7 @@ def _rope(hf: dict, where: str, params: dict | None = None, theta: float | None 
     kind = params.get("rope_type", params.get("type", "default"))
     if _partial_rotary_factor(hf) != 1.0 and not set(hf.get("architectures") or []) & set(PARTIAL_ROTARY):
         raise JaxtuneError(f"{where}: partial_rotary_factor != 1 is not supported (only {', '.join(PARTIAL_ROTARY)}'s)")
-    if kind == "default":
+    if kind in ("default", "mrope"):  # "mrope": Qwen2-VL's older name of its unscaled frequencies
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
@@ -168,11 +171,16 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Translate a transformers config dict; `where` names the file in error messages."""
     archs = hf.get("architectures") or []
     composite = next((a for a in archs if a in VISION_LANGUAGE), None)
+    mrope_section: tuple[int, ...] = ()
     if composite is not None:
-        text = hf.get("text_config")
+        text = hf.get("text_config") or ({k: v for k, v in hf.items() if k != "vision_config"}
+                                          if composite in MROPE else None)
         if not text:
             raise JaxtuneError(f"{where}: {composite} without a text_config (its text model's settings)")
         text = {**COMPOSITE_TEXT_DEFAULTS.get(composite, {}), **text}
+        if composite in MROPE:
+            rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+            mrope_section = tuple(int(v) for v in rope.get("mrope_section", ()))
         hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         archs = hf["architectures"]
@@ -225,6 +233,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             local_rope_theta=local_theta,
             fused_projections=arch == "Phi3ForCausalLM",
             partial_rotary_factor=_partial_rotary_factor(hf),
+            mrope_section=mrope_section,
             **_experts(hf, arch, layers, where),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),

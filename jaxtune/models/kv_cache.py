@@ -323,13 +323,14 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
 def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mask_BxT: jax.Array | None = None, *,
             cache_size: int | None = None, method: MethodConfig | None = None,
             options: ForwardOptions = ForwardOptions(), adapter_B: jax.Array | None = None,
-            placed_embeddings: PlacedEmbeddings | None = None, span_ids_BxT: jax.Array | None = None
-            ) -> tuple[jax.Array, KVCache]:
+            placed_embeddings: PlacedEmbeddings | None = None, span_ids_BxT: jax.Array | None = None,
+            positions_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Float32 logits [B, V] for the token after each left-padded prompt, and the cache holding the prompts.
 
     tokens_BxT: prompts padded on the left; attention_mask_BxT: 1 for real tokens, 0 for padding (default all 1).
     cache_size: slots per row, at least P + T (the default); decoding n more tokens needs P + T + n.
-    placed_embeddings, span_ids_BxT: the prompts' images (`extend`).
+    placed_embeddings, span_ids_BxT: the prompts' images (`extend`). positions_BxT: RoPE positions in place of the
+    default (P + each real token's index), e.g. M-RoPE's [3, B, T]; `decode_step` goes on from `next_position_B`.
     Jit with `static_argnames=("cfg", "cache_size", "method", "options")`.
     """
     B, T = tokens_BxT.shape
@@ -340,7 +341,8 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
     if attention_mask_BxT is None:
         attention_mask_BxT = jnp.ones((B, T), jnp.int32)
     cache = init_cache(params, cfg, B, size, jnp.dtype(options.compute_dtype))
-    positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
+    if positions_BxT is None:
+        positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
     hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options,
                                  adapter_B, placed_embeddings=placed_embeddings, span_ids_BxT=span_ids_BxT)
     return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap, pieces=False)[:, 0], cache

@@ -351,7 +351,8 @@ def decoder_and_routing(
 ) -> tuple[jax.Array, jax.Array | None]:
     """(final-norm hidden states [B, T, D] in the compute dtype, a mixture's load-balancing loss or None).
 
-    positions_BxT: RoPE positions (default P..P+T-1 after P prefix tokens; pass them for left padding or packing).
+    positions_BxT: RoPE positions (default P..P+T-1 after P prefix tokens; pass them for left padding or packing), or
+    M-RoPE's time, row and column streams [3, B, T] (Qwen2.5-VL's images; `cfg.mrope_section`, `rope.mrope_angles`).
     attention_mask_BxT: 1 for real tokens, 0 for padding (keys that nobody attends to).
     segment_ids_BxT: packed rows; a token attends only to earlier tokens of its own segment.
     method: the fine-tuning method whose leaves `params` carries (its LoRA scaling is static).
@@ -369,9 +370,9 @@ def decoder_and_routing(
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
     context = context_layout(T, cfg.sliding_windows, options.context_attention)
-    if context is not None and (placed_embeddings is not None or span_ids_BxT is not None):
-        raise JaxtuneError("placed embeddings and bidirectional spans (images) with a [mesh] context axis are not "
-                           "supported; train on one device's length")
+    if context is not None and (placed_embeddings is not None or span_ids_BxT is not None or positions_BxT.ndim == 3):
+        raise JaxtuneError("placed embeddings, bidirectional spans or M-RoPE positions (images) with a [mesh] "
+                           "context axis are not supported; train on one device's length")
     if context is None:
         mask = training_mask(B, T, prefix, attention_mask_BxT, segment_ids_BxT, span_ids_BxT=span_ids_BxT)
         live_QxC = live_blocks(mask, T, prefix + T)  # once for all layers: which blocks any query sees

@@ -1,9 +1,11 @@
 """Rotary position embeddings with Hugging Face's conventions (half-split rotation, float32 angles, the config's
-rope scaling): `rope_tables` for a batch's positions, `layer_rope` a layer's pick of them, `apply_rope`."""
+rope scaling): `rope_tables` for a batch's positions, `layer_rope` a layer's pick of them, `apply_rope`; Qwen2.5-VL's
+M-RoPE (`mrope_angles`) where the positions come as three streams [3, B, T]."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import ModelConfig
+from jaxtune.errors import JaxtuneError
 
 
 def inverse_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
@@ -89,6 +92,36 @@ def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
+def mrope_streams(mrope_section: Sequence[int], rotary_dim: int) -> np.ndarray:
+    """int [rotary_dim]: the stream (0 time, 1 row, 2 column) each rotary dimension reads: chunk i of
+    `mrope_section` (frequencies, summing to rotary_dim / 2) reads stream i % 3, on both halves."""
+    if 2 * sum(mrope_section) != rotary_dim:
+        raise JaxtuneError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, not half the rotary "
+                         f"dimension {rotary_dim}")
+    half: np.ndarray = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+    return np.concatenate([half, half])
+
+
+def mrope_angles(positions_3xBxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, rotary_dim] of M-RoPE: `rope_angles` of each stream (time, row, column), each dimension
+    taken from its `mrope_streams` stream of `cfg.mrope_section` (transformers' `Qwen2_5_VLRotaryEmbedding`)."""
+    _, B, T = positions_3xBxT.shape
+    streams_R = jnp.asarray(mrope_streams(cfg.mrope_section, cfg.rotary_dim))
+    tables = rope_angles(jnp.reshape(positions_3xBxT, (3 * B, T)), cfg, dtype)
+    cos_3xBxTxR, sin_3xBxTxR = (jnp.reshape(a, (3, B, T, -1)) for a in tables)
+    pick = lambda a: jnp.where(streams_R == 0, a[0], jnp.where(streams_R == 1, a[1], a[2]))  # noqa: E731
+    return pick(cos_3xBxTxR), pick(sin_3xBxTxR)
+
+
+def position_angles(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, rotary_dim]: `rope_angles` of positions [B, T], `mrope_angles` of streams [3, B, T]."""
+    if positions.ndim == 2:
+        return rope_angles(positions, cfg, dtype)
+    if not cfg.mrope_section:
+        raise JaxtuneError(f"positions of shape {positions.shape}: three streams need the config's mrope_section")
+    return mrope_angles(positions, cfg, dtype)
+
+
 def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array, interleaved: bool = False
                ) -> jax.Array:
     """Rotate the first R dimensions of each head's vector, x * cos + rotate_half(x) * sin, and pass the rest
@@ -123,14 +156,15 @@ class LayerRope(NamedTuple):
 
 def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype, slots_T: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """cos and sin [R, B, T, hd] (`rope_angles`), the tables of `cfg.rope_table_of_layer`: the full layers', then
-    the sliding layers' own when they have their own base (`local_rope_theta`: Gemma 3, OLMo 3; unscaled), then
-    the identity (cos 1, sin 0) when some layers are NoPE (`nope_layers`); and with `temperature_floor`, each
-    table's query scale [R, T] by the tokens' cache slots `slots_T` (else None)."""
-    tables = [rope_angles(positions_BxT, cfg, dtype)]
+    """cos and sin [R, B, T, hd] (`position_angles` of positions [B, T], or M-RoPE's streams [3, B, T]), the tables
+    of `cfg.rope_table_of_layer`: the full layers', then the sliding layers' own when they have their own base
+    (`local_rope_theta`: Gemma 3, OLMo 3; unscaled), then the identity (cos 1, sin 0) when some layers are NoPE
+    (`nope_layers`); and with `temperature_floor`, each table's query scale [R, T] by the tokens' cache slots
+    `slots_T` (else None)."""
+    tables = [position_angles(positions_BxT, cfg, dtype)]
     if cfg.local_rope_theta is not None:
         local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
-        tables.append(rope_angles(positions_BxT, local, dtype))
+        tables.append(position_angles(positions_BxT, local, dtype))
     if cfg.nope_layers:
         tables.append((jnp.ones_like(tables[0][0]), jnp.zeros_like(tables[0][1])))
     cos, sin = (jnp.stack(parts) for parts in zip(*tables))

@@ -1,7 +1,7 @@
 """A model held for inference (eval, generate, export, a reward model, a reference), read by the spine's loader.
 
     cfg, params = load_model("path/to/model")                            # HF directory or GGUF file
-    cfg, params, vision, vision_params = load_vision_language_model(model)   # + Gemma 3's image side
+    cfg, params, vision, vision_params = load_vision_language_model(model)   # + the image side (Gemma 3, Qwen2.5-VL)
     cfg, params, method = load_model_with_adapter(model, "run/adapter")   # + a PEFT adapter
     cfg, params, slots = load_adapters(model, {"a": "run-a/adapter", "b": "run-b/adapter"})   # stacked, one batch
     cfg, params = load_reward_model("run/reward_model")                   # + its `score` head
@@ -30,7 +30,8 @@ from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
 from jaxtune.models.params import abstract_params
 from jaxtune.models.reward_model import reward_config
-from jaxtune.models.vision.hf import load_vision_config, read_vision_params
+from jaxtune.models.vision.families import vision_language_family
+from jaxtune.models.vision.qwen_vl_config import QwenVLConfig
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.load import read_tree
 from jaxtune.spine.shardings import param_shardings
@@ -60,12 +61,14 @@ def load_model(model: str | Path, dtype=None, method: MethodConfig | None = None
 
 
 def load_vision_language_model(model: str | Path, dtype=None, mesh: Mesh | None = None
-                               ) -> tuple[ModelConfig, dict, VisionLanguageConfig, dict]:
-    """(text config, text params, image-side config, image-side params) of a vision-language directory (Gemma 3):
-    the text model as `load_model` reads it, the vision tower and projector (`models.vision.hf`) in its dtype."""
+                               ) -> tuple[ModelConfig, dict, VisionLanguageConfig | QwenVLConfig, dict]:
+    """(text config, text params, image-side config, image-side params) of a vision-language directory: the text
+    model as `load_model` reads it, the image side (Gemma 3's tower and projector, Qwen2.5-VL's tower) in its dtype;
+    `models.vision.families` gives the family's forward."""
     cfg, params = load_model(model, dtype, mesh=mesh)
-    vision = load_vision_config(model)
-    return cfg, params, vision, read_vision_params(model, vision, params["embed_tokens"].dtype)
+    family = vision_language_family(model)
+    vision = family.read_config(Path(model))
+    return cfg, params, vision, family.read_params(Path(model), vision, params["embed_tokens"].dtype)
 
 
 def load_model_with_adapter(model: str | Path, adapter: str | Path | None = None, dtype=None,

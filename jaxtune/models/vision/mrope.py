@@ -1,21 +1,17 @@
 """Qwen2.5-VL's multimodal RoPE (M-RoPE): three position streams (time, row, column) per token. `rope_index` gives
 them, as transformers' `Qwen2_5_VLModel.get_rope_index` (numpy, on the host): text tokens count on in all three
 streams; an image's tokens take (frame, row, column) in its merged grid offset by the position it starts at, and the
-text after it resumes at that start plus the grid's longer side. `mrope_angles` turns them into cos and sin: the
-rotary frequencies split by `mrope_section` into chunks that read the time, row and column streams in turn (the
-split repeated on both rotary halves), which `jaxtune.models.rope.apply_rope` applies to queries and keys as usual."""
+text after it resumes at that start plus the grid's longer side. The decoder turns them into cos and sin
+(`jaxtune.models.rope.mrope_angles`: the rotary frequencies split by the config's `mrope_section` into chunks that
+read the time, row and column streams in turn)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.models.rope import rope_angles
 
 
 def _image_positions(grid_thw: np.ndarray, merge: int, start: int) -> np.ndarray:
@@ -66,26 +62,3 @@ def rope_index(input_ids_BxT: np.ndarray, image_grid_thw: np.ndarray | None, *, 
     if next(grids, None) is not None:
         raise JaxtuneError("image_grid_thw has more images than the input ids have runs of image tokens")
     return positions, deltas
-
-
-def mrope_streams(mrope_section: Sequence[int], rotary_dim: int) -> np.ndarray:
-    """int [rotary_dim]: the stream (0 time, 1 row, 2 column) each rotary dimension reads: chunk i of
-    `mrope_section` (frequencies, summing to rotary_dim / 2) reads stream i % 3, on both halves."""
-    if 2 * sum(mrope_section) != rotary_dim:
-        raise JaxtuneError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, not half the rotary "
-                           f"dimension {rotary_dim}")
-    half: np.ndarray = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
-    return np.concatenate([half, half])
-
-
-def mrope_angles(positions_3xBxT: jax.Array, cfg: ModelConfig, mrope_section: Sequence[int], dtype
-                 ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B, T, rotary_dim] of M-RoPE: `rope_angles` of each stream (float32, cast to `dtype`, the config's
-    scaling applied), each dimension taken from its `mrope_streams` stream (transformers' `Qwen2_5_VLRotaryEmbedding`).
-    """
-    _, B, T = positions_3xBxT.shape
-    streams_R = jnp.asarray(mrope_streams(mrope_section, cfg.rotary_dim))
-    tables = rope_angles(jnp.reshape(positions_3xBxT, (3 * B, T)), cfg, dtype)
-    cos_3xBxTxR, sin_3xBxTxR = (jnp.reshape(a, (3, B, T, -1)) for a in tables)
-    pick = lambda a: jnp.where(streams_R == 0, a[0], jnp.where(streams_R == 1, a[1], a[2]))
-    return pick(cos_3xBxTxR), pick(sin_3xBxTxR)

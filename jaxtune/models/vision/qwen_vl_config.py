@@ -1,6 +1,7 @@
 """Qwen2.5-VL's vision settings as frozen dataclasses: the tower's architecture (`QwenVisionConfig`, from config.json's
-`vision_config`) and its image preprocessing (`QwenImageOptions`, from preprocessor_config.json), each read from the
-checkpoint's dict; a value jaxtune does not compute (another activation, resample filter, a skipped step) is refused."""
+`vision_config`), the image side of the whole model (`QwenVLConfig`: the tower and its tokens in the text) and its
+image preprocessing (`QwenImageOptions`, from preprocessor_config.json), each read from the checkpoint's dict; a value
+jaxtune does not compute (another activation, resample filter, a skipped step) is refused."""
 
 from __future__ import annotations
 
@@ -68,6 +69,18 @@ class QwenVisionConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class QwenVLConfig:
+    """Qwen2.5-VL's image path (`Qwen2_5_VLConfig` beside its text config): the tower's merged embeddings replace the
+    text's `image_token_id` placeholders (a run an image, which the chat template brackets by vision_start_token_id
+    and vision_end_token_id) and take M-RoPE positions (`mrope.rope_index`); no bidirectional spans."""
+
+    tower: QwenVisionConfig
+    image_token_id: int = 151655
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+
+@dataclass(frozen=True, kw_only=True)
 class QwenImageOptions:
     """Qwen2-VL's image processor (Qwen2.5-VL's too): images resized so each side is a multiple of
     patch_size * merge_size and the area lies in [min_pixels, max_pixels] (`smart_resize`), with Pillow's bicubic
@@ -106,6 +119,17 @@ def vision_config_from_hf(hf: dict[str, Any]) -> QwenVisionConfig:
     if missing:
         raise JaxtuneError(f"Qwen2.5-VL vision_config: no {missing}")
     return QwenVisionConfig(**values)
+
+
+def vision_language_config_from_hf(hf: dict[str, Any], text_hidden_size: int) -> QwenVLConfig:
+    """The image side of a Qwen2.5-VL config.json; the tower's output must be the text's `text_hidden_size` wide."""
+    tower = vision_config_from_hf(hf)
+    if tower.out_hidden_size != text_hidden_size:
+        raise JaxtuneError(f"Qwen2.5-VL vision_config out_hidden_size {tower.out_hidden_size}: the text model is "
+                           f"{text_hidden_size} wide")
+    default = QwenVLConfig(tower=tower)
+    return QwenVLConfig(tower=tower, **{k: int(hf.get(k, getattr(default, k))) for k in (
+        "image_token_id", "vision_start_token_id", "vision_end_token_id")})
 
 
 def image_options_from_hf(hf: dict[str, Any]) -> QwenImageOptions:
