@@ -13,6 +13,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from jaxtune.config.vision import ImageProcessingConfig
+from jaxtune.models import attention
 from jaxtune.models.attention import blockwise_attention, training_mask
 from jaxtune.models.multimodal import PlacedEmbeddings, place_embeddings, span_ids
 from jaxtune.models.vision.image_processing import pixel_values, read_image_processing
@@ -109,15 +110,16 @@ def dense_attention(q, k, v, allowed_BxTxS, scale):
 
 
 @pytest.mark.parametrize("window", [0, 7])
-def test_bidirectional_spans_in_blockwise_attention(window):
-    """Two rows of 300 tokens (two query and key blocks), images as spans, one across the blocks' border: the
-    blockwise kernel's output and gradients equal dense attention under transformers' mask, causal or (within the
-    window's reach back) the same image."""
-    B, K, G, T, hd = 2, 1, 2, 300, 8
+def test_bidirectional_spans_in_blockwise_attention(window, monkeypatch):
+    """Two rows of 48 tokens in blocks of 16 (three query and key blocks), images as spans, two across a blocks'
+    border: the blockwise kernel's output and gradients equal dense attention under transformers' mask, causal or
+    (within the window's reach back) the same image."""
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    B, K, G, T, hd = 2, 1, 2, 48, 8
     at = np.zeros((B, T), bool)
-    at[0, 20:30] = at[0, 31:36] = at[0, 250:262] = at[1, 100:108] = True
+    at[0, 3:7] = at[0, 8:10] = at[0, 13:20] = at[1, 30:36] = True
     spans = span_ids(jnp.asarray(at))
-    assert np.asarray(spans)[0, [19, 20, 29, 30, 31, 250]].tolist() == [-1, 0, 0, -1, 1, 2]
+    assert np.asarray(spans)[0, [2, 3, 6, 7, 8, 13]].tolist() == [-1, 0, 0, -1, 1, 2]
     q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
         [(B, K, G, T, hd), (B, K, T, hd), (B, K, T, hd)]))
     mask = training_mask(B, T, 0, None, None, span_ids_BxT=spans)
