@@ -40,7 +40,9 @@ class TrainPlan:
     `batch_size` counts examples: a pair is two rows, a GRPO prompt `group_size` rows (`objectives.rows(plan)`).
     second_model: the architecture of the objective's second model when it is a model directory (a teacher, a
     reference); None: the policy's own. optimizer: `[train] optimizer`, which decides the optimizer state's arrays
-    (its moments in bfloat16, `offload.moments_dtype`, are AdamW's only).
+    (its moments in bfloat16, `offload.moments_dtype`, are AdamW's only). images: a vision-language run's image
+    side (`models.vision.family.ImageSide`: the frozen tower beside the text model, pixel arrays in each batch
+    row), None for text.
     """
 
     method: MethodConfig
@@ -56,6 +58,7 @@ class TrainPlan:
     section: object = None
     second_model: ModelConfig | None = None
     optimizer: str = "adamw"
+    images: object = None
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):

@@ -7,6 +7,7 @@
 The trainer calls the step, the planner's estimate counts the same trees, `plan --confirm` lowers the same step: a
 plan (`train_plan(config)`) is the run it describes. Shardings: `shardings.py` (batch rows over data, fsdp, expert);
 traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s.
+A vision-language run (`plan.images`) holds its image side frozen and replicated as `frozen["vision"]`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
 from jaxtune.models.adapters import adapter_forward
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.params import abstract_params, init_params
+from jaxtune.models.params import ParamSpec, abstract_params, init_params
 from jaxtune.models.quant import as_bit_patterns
+from jaxtune.models.vision.families import image_side
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Context, Objective
 from jaxtune.parallel.distributed import global_array
@@ -184,7 +186,7 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_cfg is not None else None
 
     rows = plan.batch_size * objective.rows(section)
-    micro = objective.micro_batch(rows, plan.seq_len, section)
+    micro = objective.micro_batch(rows, plan.seq_len, section, plan.images)
     batch = {k: jax.ShapeDtypeStruct((plan.grad_accum, *x.shape), x.dtype) for k, x in micro.items()}
 
     shardings = _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, objective, plan)
@@ -193,11 +195,25 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     head = jnp.dtype(plan.forward.compute_dtype).itemsize > 2
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
+    if plan.images is not None:  # the image side: frozen, replicated (small), beside the text model
+        state, frozen = _with_image_side(state, frozen, plan, mesh)
+        shardings = replace(shardings, state=_shardings_of(state))
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
-    context = Context(cfg, method, plan.forward, section, second_cfg)
+    context = Context(cfg, method, plan.forward, section, second_cfg, plan.images)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
                        second, _with_shardings(batch, shardings.batch), shardings, optimizer,
                        learning_rate_schedule(train, total_steps))
+
+
+def _with_image_side(state: dict, frozen: dict, plan: TrainPlan, mesh: AnyMesh) -> tuple[dict, dict]:
+    """(state with a None `params["vision"]`, frozen with the image side's leaves in `plan.param_dtype`,
+    replicated), so `combine(trainable, frozen)["vision"]` is the tower's tree."""
+    images = plan.images
+    replicated = NamedSharding(mesh, PartitionSpec())
+    vision = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, jnp.dtype(plan.param_dtype),
+                                                            sharding=replicated),
+                          images.family.param_specs(images.config), is_leaf=lambda x: isinstance(x, ParamSpec))
+    return {**state, "params": {**state["params"], "vision": None}}, {**frozen, "vision": vision}
 
 
 def _shardings_of(tree):
@@ -232,12 +248,13 @@ def train_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan
     objective = objective_named(c.train.objective)
     section = c.section(objective.name)
     second = objective.second_model(section, c.method)
+    images = image_side(c.model.path, c.data.max_images_per_row) if objective.reads_images else None
     return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum,
                      cfg_dtype if c.model.dtype == "auto" else c.model.dtype,
                      c.model.forward.resolved(platform or jax.default_backend()), mesh=c.mesh, offload=c.offload,
                      objective=objective.name, optimizer=c.train.optimizer,
                      generate_tokens=objective.rollout_tokens(section), section=section,
-                     second_model=None if second in (None, "base") else load_config(second))
+                     second_model=None if second in (None, "base") else load_config(second), images=images)
 
 
 def per_device_bytes(tree) -> int:

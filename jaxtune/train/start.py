@@ -21,6 +21,7 @@ from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import abstract_params
+from jaxtune.models.vision.families import image_processor
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import ObjectiveData, ObjectiveInputs, strip_adapters
 from jaxtune.paths import run_directories
@@ -88,7 +89,9 @@ def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     objective = objective_named(plan.objective)
     section = section_of(plan)
     cache_dir = run_directories(c.train.output_dir)[0] / "cache"  # tokenised data, beside the run
-    setup = ObjectiveInputs(c, section, cfg, tokenizer, log, cache_dir, load_reward_model=load_reward_model)
+    images = None if plan.images is None else image_processor(c.model.path, tokenizer)
+    setup = ObjectiveInputs(c, section, cfg, tokenizer, log, cache_dir, load_reward_model=load_reward_model,
+                            images=images)
     training = objective.prepare(setup)
     total_steps = c.train.max_steps or c.train.epochs * training.steps_per_epoch
     if total_steps < 1:

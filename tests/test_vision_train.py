@@ -1,0 +1,106 @@
+"""Fine-tuning Gemma 3 with images (issue 52): chat and conversational prompt / completion records with images become
+ids exactly as transformers' Gemma3Processor writes them, the loss on the assistant's text only; cuts keep whole
+images; rows packed with their images, each row's pixel arrays in a static [rows, max images, C, H, W]."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from vision_models import BOI, EOI, IMAGE, write_gemma3_files
+
+from jaxtune.data.formats import DataStats
+from jaxtune.data.image_examples import image_example, image_sft_examples
+from jaxtune.data.tokenizer import load_tokenizer
+from jaxtune.errors import JaxtuneError
+from jaxtune.models.vision.families import image_processor
+
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"},
+                                         {"type": "image"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Red and blue."}]},
+            {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Green."}]
+
+
+def _picture(seed: int, size=(40, 30)) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
+
+
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return write_gemma3_files(tmp_path / "model")
+
+
+def test_loss_only_on_the_assistant_text_never_on_images(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    processor = image_processor(model_dir, tokenizer)
+    example = image_example(MESSAGES, [_picture(0), _picture(1)], processor, tokenizer)
+    ids, mask = np.asarray(example.ids), np.asarray(example.loss_mask)
+    assert example.pixel_values.shape == (2, 3, 64, 64) and (ids == IMAGE).sum() == 8
+    assert ((ids == BOI).sum(), (ids == EOI).sum()) == (2, 2)
+    trained = tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+    assert trained == "Red and blue.<end_of_turn>Green.<end_of_turn>"
+    assert not mask[np.isin(ids, [IMAGE, BOI, EOI])].any()
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_ids_and_pixels_equal_gemma3_processor(tmp_path, pan_and_scan):
+    """transformers' Gemma3Processor on the chat template's text (as TRL's vision collator calls it): the same ids,
+    image tokens where its token_type_ids are 1, the same pixel values (a wide picture gets pan-and-scan crops)."""
+    import transformers
+
+    model_dir = write_gemma3_files(tmp_path, pan_and_scan)
+    tokenizer = load_tokenizer(model_dir)
+    images = [_picture(0, (60, 20)), _picture(1)]
+    example = image_example(MESSAGES, images, image_processor(model_dir, tokenizer), tokenizer)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    kwargs = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=2,
+                  pan_and_scan_min_ratio_to_activate=1.5) if pan_and_scan else {}
+    processor = transformers.Gemma3Processor(
+        transformers.Gemma3ImageProcessorPil(size={"height": 64, "width": 64}, **kwargs), hf_tokenizer,
+        chat_template=hf_tokenizer.chat_template, image_seq_length=4)
+    text = processor.apply_chat_template(MESSAGES, tokenize=False)
+    want = processor(text=[text], images=[images], add_special_tokens=False, return_tensors="np", **kwargs)
+    assert list(example.ids) == want["input_ids"][0].tolist()
+    np.testing.assert_array_equal(np.asarray(example.ids) == IMAGE, want["token_type_ids"][0] == 1)
+    np.testing.assert_array_equal(example.pixel_values, want["pixel_values"])
+    assert (example.pixel_values.shape[0] > 2) == pan_and_scan
+
+
+def test_records_from_a_file_with_a_cut_and_a_missing_image(model_dir, tmp_path):
+    """Chat and conversational prompt / completion records, images by path and bytes; a cut inside the second
+    image's tokens keeps the first image only; a missing image is one line naming the file and line."""
+    tokenizer = load_tokenizer(model_dir)
+    processor = image_processor(model_dir, tokenizer)
+    _picture(0).save(tmp_path / "a.png")
+    records = [{"messages": MESSAGES, "images": ["a.png", {"bytes": _png(_picture(1))}]},
+               {"prompt": [MESSAGES[0]], "completion": [MESSAGES[1]], "images": ["a.png", "a.png"]},
+               {"prompt": "plain", "completion": " text"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r, default=lambda b: None) + "\n" for r in records).replace(
+        '{"bytes": null}', json.dumps(str(tmp_path / "a.png"))))
+    stats = DataStats()
+    chat, pair, text = image_sft_examples(data, tokenizer, processor, 200, stats=stats)
+    assert (chat.images, pair.images, text.images) == (2, 2, 0) and text.pixel_values.shape == (0, 3, 64, 64)
+    assert stats.formats == {"chat": 1, "prompt/completion": 2}
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+             {"role": "assistant", "content": "Red."}, {"role": "user", "content": [{"type": "image"}]},
+             {"role": "assistant", "content": "Green."}]
+    two = image_example(turns, [_picture(0), _picture(1)], processor, tokenizer)
+    second = int(np.flatnonzero(np.asarray(two.ids) == IMAGE)[5])  # inside the second image's run
+    data.write_text(json.dumps({"messages": turns, "images": ["a.png", "a.png"]}) + "\n")
+    cut, = image_sft_examples(data, tokenizer, processor, second)
+    assert cut.images == 1 and (np.asarray(cut.ids) == IMAGE).sum() == 4 and len(cut.ids) == second - 1
+    assert tokenizer.decode(np.asarray(cut.ids)[np.asarray(cut.loss_mask) == 1].tolist()) == "Red."
+    data.write_text(json.dumps({"messages": MESSAGES, "images": ["a.png", "gone.png"]}) + "\n")
+    with pytest.raises(JaxtuneError, match=r"^.*d.jsonl:1: images\[1\]: .*gone.png not found$"):
+        list(image_sft_examples(data, tokenizer, processor, 200))
