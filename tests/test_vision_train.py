@@ -20,6 +20,7 @@ MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "te
                                          {"type": "image"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "Red and blue."}]},
             {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Green."}]
+TEXT_ONLY = [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yo."}]
 
 
 def _picture(seed: int, size=(40, 30)) -> Image.Image:
@@ -104,3 +105,81 @@ def test_records_from_a_file_with_a_cut_and_a_missing_image(model_dir, tmp_path)
     data.write_text(json.dumps({"messages": MESSAGES, "images": ["a.png", "gone.png"]}) + "\n")
     with pytest.raises(JaxtuneError, match=r"^.*d.jsonl:1: images\[1\]: .*gone.png not found$"):
         list(image_sft_examples(data, tokenizer, processor, 200))
+
+
+def test_rows_pack_within_max_images_and_carry_their_pixels(model_dir):
+    """Three examples of 2, 1 and 0 images packed in rows of at most 2 pixel arrays: each row's pixel_values are
+    its examples' arrays in the order of its placeholder runs, zeros after; more than max_images is one line."""
+    from jaxtune.data.batching import ImageRows, epoch_batches
+
+    tokenizer = load_tokenizer(model_dir)
+    processor = image_processor(model_dir, tokenizer)
+    short = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+             {"role": "assistant", "content": "Yo."}]
+    examples = [image_example(MESSAGES, [_picture(0), _picture(1)], processor, tokenizer),
+                image_example(short, [_picture(2)], processor, tokenizer),
+                image_example(TEXT_ONLY, [], processor, tokenizer)]
+    batch, = epoch_batches(examples, 4, 200, 0, 0, images=ImageRows(2, processor.pixel_shape))
+    assert batch["pixel_values"].shape == (4, 2, 3, 64, 64)
+    by_pixels = {e.pixel_values[:1].tobytes(): e for e in examples[:2]}
+    for row, pixels in zip(batch["input_ids"], batch["pixel_values"]):
+        runs = int(np.sum(np.diff(np.concatenate([[0], row == IMAGE, [0]]).astype(int)) == 1))
+        assert not pixels[runs:].any()
+        if runs:
+            np.testing.assert_array_equal(pixels[:runs], by_pixels[pixels[:1].tobytes()].pixel_values)
+    with pytest.raises(JaxtuneError, match="holds 2 pixel arrays .*max_images_per_row = 1 must be at least that"):
+        epoch_batches(examples, 4, 200, 0, 0, images=ImageRows(1, processor.pixel_shape))
+
+
+def gemma3_run_dir(directory):
+    """test_vision_gemma3's tiny Gemma3ForConditionalGeneration saved with this module's tokenizer."""
+    from test_vision_gemma3 import gemma3_vision_language
+    from vision_models import write_gemma3_tokenizer
+
+    model = gemma3_vision_language(directory)
+    write_gemma3_tokenizer(directory)
+    return model
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_batch_loss_equals_gemma3_for_conditional_generation(tmp_path):
+    """SFT's `batch_loss` on a packed batch with images (the image side as the spine holds it, `params["vision"]`)
+    equals the sum over its examples of transformers' loss (labels -100 outside the assistant text) x their
+    target counts."""
+    import jax
+    import torch
+
+    from jaxtune.config import ForwardOptions
+    from jaxtune.data.batching import ImageRows, epoch_batches
+    from jaxtune.models.vision.families import image_side
+    from jaxtune.objectives.base import Context
+    from jaxtune.objectives.sft import batch_loss
+    from jaxtune.spine.model import load_vision_language_model
+
+    model = gemma3_run_dir(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    processor = image_processor(tmp_path, tokenizer)
+    short = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+             {"role": "assistant", "content": "Yo."}]
+    examples = [image_example(MESSAGES, [_picture(0), _picture(1)], processor, tokenizer),
+                image_example(short, [_picture(2)], processor, tokenizer),
+                image_example(TEXT_ONLY, [], processor, tokenizer)]
+    batch, = epoch_batches(examples, 2, 120, 0, 0, images=ImageRows(3, processor.pixel_shape))
+    assert batch["segment_ids"].max() >= 2  # packed
+    cfg, params, _, vision_params = load_vision_language_model(tmp_path)
+    ctx = Context(cfg, None, ForwardOptions(), images=image_side(tmp_path, 3))
+    loss, count = jax.jit(batch_loss, static_argnums=2)({**params, "vision": vision_params}, batch, ctx)
+    want_loss, want_count = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            ids = torch.tensor([e.ids])
+            labels = torch.where(torch.tensor([e.loss_mask]) == 1, ids, -100)
+            pixels = torch.tensor(e.pixel_values) if e.images else None
+            out = model(input_ids=ids, pixel_values=pixels, labels=labels,
+                        token_type_ids=(ids == IMAGE).long())
+            n = int(sum(e.loss_mask[1:]))
+            want_loss, want_count = want_loss + float(out.loss) * n, want_count + n
+    assert int(count) == want_count
+    np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5)
