@@ -183,3 +183,52 @@ def test_batch_loss_equals_gemma3_for_conditional_generation(tmp_path):
             want_loss, want_count = want_loss + float(out.loss) * n, want_count + n
     assert int(count) == want_count
     np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5)
+
+
+def write_image_data(directory, n: int = 8):
+    """n chat records, one or two pictures each (files beside the data), answers naming the pictures' colours."""
+    colours = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (20, 40, 230)}
+    for name, rgb in colours.items():
+        Image.new("RGB", (40, 30), rgb).save(directory / f"{name}.png")
+    names = list(colours)
+    lines = []
+    for i in range(n):
+        shown = [names[i % 3]] + ([names[(i + 1) % 3]] if i % 2 else [])
+        parts = [{"type": "image"} for _ in shown] + [{"type": "text", "text": "Colours?"}]
+        lines.append({"messages": [{"role": "user", "content": parts},
+                                   {"role": "assistant", "content": " and ".join(shown) + "."}],
+                      "images": [f"{c}.png" for c in shown]})
+    (directory / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return directory / "data.jsonl"
+
+
+@pytest.mark.full
+@pytest.mark.reference
+def test_lora_sft_on_images_lowers_the_loss_and_resumes(tmp_path):
+    """`fine_tune` on a TOML config naming a Gemma 3 VLM directory: LoRA SFT with images (two a row) lowers the
+    loss over 6 steps; a rerun with more steps resumes from the last checkpoint."""
+    from jaxtune.run_config import load_run_config
+    from jaxtune.train.loop import fine_tune
+
+    gemma3_run_dir(tmp_path / "model")
+    data = write_image_data(tmp_path)
+
+    def config(steps: int):
+        text = "\n".join(["[model]", f'path = "{tmp_path / "model"}"', 'dtype = "float32"', "[method]",
+                          'kind = "lora"', "rank = 4", 'target_modules = ["q_proj", "v_proj"]', "[data]",
+                          f'train = "{data}"', "max_seq_len = 64", "eval_fraction = 0.25",
+                          "max_images_per_row = 2", "[train]", f'output_dir = "{tmp_path / "run"}"',
+                          f"max_steps = {steps}", "batch_size = 2", "learning_rate = 3e-2", "log_every = 1",
+                          "checkpoint_every = 3", "eval_every = 3"])
+        (tmp_path / "run.toml").write_text(text + "\n")
+        return load_run_config(tmp_path / "run.toml")
+
+    logs: list[str] = []
+    first = fine_tune(config(6), log=logs.append)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert first.step == 6 and len(losses) >= 6 and losses[-1] < losses[0]
+    assert first.eval_loss is not None and np.isfinite(first.eval_loss)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    second = fine_tune(config(8), log=logs.append)
+    assert second.step == 8 and any("resum" in line.lower() for line in logs)

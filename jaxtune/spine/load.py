@@ -223,6 +223,8 @@ def _new_leaves(run: AbstractRun, loaded: dict, seed: int) -> dict:
 
 def params_like(params: dict, template: dict) -> dict:
     """`params` restricted to the dict paths of `template` (a trainable tree with None where frozen)."""
+    if template is None:  # a frozen subtree (a vision-language run's image side)
+        return None
     if not isinstance(template, dict):
         return template if isinstance(template, QuantizedArray) else params
     return {k: params_like(params[k], v) for k, v in template.items()}

@@ -177,6 +177,8 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     params = model_tree(cfg, plan, objective)
     trainable, frozen = partition(params, trainable_mask(params, method, objective.head_leaves))
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
+    if plan.images is not None:  # `combine(trainable, frozen)["vision"]`: the frozen image side's tree
+        trainable["vision"] = None
     optimizer = make_optimizer(plan.optimizer, train, total_steps, trainable, plan.offload.moments_dtype,
                                method_unit(method).learning_rates(method, trainable))
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
@@ -196,8 +198,7 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
     if plan.images is not None:  # the image side: frozen, replicated (small), beside the text model
-        state, frozen = _with_image_side(state, frozen, plan, mesh)
-        shardings = replace(shardings, state=_shardings_of(state))
+        frozen = {**frozen, "vision": _image_side(plan, mesh)}
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
     context = Context(cfg, method, plan.forward, section, second_cfg, plan.images)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
@@ -205,15 +206,12 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
                        learning_rate_schedule(train, total_steps))
 
 
-def _with_image_side(state: dict, frozen: dict, plan: TrainPlan, mesh: AnyMesh) -> tuple[dict, dict]:
-    """(state with a None `params["vision"]`, frozen with the image side's leaves in `plan.param_dtype`,
-    replicated), so `combine(trainable, frozen)["vision"]` is the tower's tree."""
+def _image_side(plan: TrainPlan, mesh: AnyMesh) -> dict:
+    """The image side's leaves in `plan.param_dtype`, replicated (the tower is small)."""
     images = plan.images
     replicated = NamedSharding(mesh, PartitionSpec())
-    vision = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, jnp.dtype(plan.param_dtype),
-                                                            sharding=replicated),
-                          images.family.param_specs(images.config), is_leaf=lambda x: isinstance(x, ParamSpec))
-    return {**state, "params": {**state["params"], "vision": None}}, {**frozen, "vision": vision}
+    return jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, jnp.dtype(plan.param_dtype), sharding=replicated),
+                        images.family.param_specs(images.config), is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
 def _shardings_of(tree):
