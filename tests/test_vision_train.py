@@ -202,33 +202,124 @@ def write_image_data(directory, n: int = 8):
     return directory / "data.jsonl"
 
 
-@pytest.mark.full
-@pytest.mark.reference
-def test_lora_sft_on_images_lowers_the_loss_and_resumes(tmp_path):
-    """`fine_tune` on a TOML config naming a Gemma 3 VLM directory: LoRA SFT with images (two a row) lowers the
-    loss over 6 steps; a rerun with more steps resumes from the last checkpoint."""
+def run_config(root, method: str, steps: int):
+    """A TOML run of `method` ("lora" on q_proj and v_proj, or "full") on root/model and root/data.jsonl."""
     from jaxtune.run_config import load_run_config
+
+    kind = ['kind = "lora"', "rank = 4", 'target_modules = ["q_proj", "v_proj"]'] if method == "lora" else [
+        'kind = "full"']
+    text = "\n".join(["[model]", f'path = "{root / "model"}"', 'dtype = "float32"', "[method]", *kind, "[data]",
+                      f'train = "{root / "data.jsonl"}"', "max_seq_len = 64", "eval_fraction = 0.25",
+                      "max_images_per_row = 2", "[train]", f'output_dir = "{root / method}"', f"max_steps = {steps}",
+                      "batch_size = 2", f"learning_rate = {3e-2 if method == 'lora' else 3e-3}", "log_every = 1",
+                      "checkpoint_every = 3", "eval_every = 3"])
+    (root / f"{method}.toml").write_text(text + "\n")
+    return load_run_config(root / f"{method}.toml")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A LoRA run of 6 steps on images, then the same command with 8 steps (a resume)."""
     from jaxtune.train.loop import fine_tune
 
-    gemma3_run_dir(tmp_path / "model")
-    data = write_image_data(tmp_path)
-
-    def config(steps: int):
-        text = "\n".join(["[model]", f'path = "{tmp_path / "model"}"', 'dtype = "float32"', "[method]",
-                          'kind = "lora"', "rank = 4", 'target_modules = ["q_proj", "v_proj"]', "[data]",
-                          f'train = "{data}"', "max_seq_len = 64", "eval_fraction = 0.25",
-                          "max_images_per_row = 2", "[train]", f'output_dir = "{tmp_path / "run"}"',
-                          f"max_steps = {steps}", "batch_size = 2", "learning_rate = 3e-2", "log_every = 1",
-                          "checkpoint_every = 3", "eval_every = 3"])
-        (tmp_path / "run.toml").write_text(text + "\n")
-        return load_run_config(tmp_path / "run.toml")
-
+    root = tmp_path_factory.mktemp("vision_run")
+    gemma3_run_dir(root / "model")
+    write_image_data(root)
     logs: list[str] = []
-    first = fine_tune(config(6), log=logs.append)
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
+    first = fine_tune(run_config(root, "lora", 6), log=logs.append)
+    metrics = (root / "lora" / "metrics.jsonl").read_text()
+    second = fine_tune(run_config(root, "lora", 8), log=logs.append)
+    return root, first, second, metrics, logs
+
+
+@pytest.mark.full
+@pytest.mark.reference
+def test_lora_sft_on_images_lowers_the_loss_and_resumes(trained):
+    """`fine_tune` on a TOML config naming a Gemma 3 VLM directory: LoRA SFT with images (two a row) lowers the
+    loss over 6 steps; a rerun with more steps resumes from the last checkpoint."""
+    root, first, second, metrics, logs = trained
+    losses = [json.loads(line)["loss"] for line in metrics.splitlines() if '"loss"' in line]
     assert first.step == 6 and len(losses) >= 6 and losses[-1] < losses[0]
     assert first.eval_loss is not None and np.isfinite(first.eval_loss)
-    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
-    second = fine_tune(config(8), log=logs.append)
     assert second.step == 8 and any("resum" in line.lower() for line in logs)
+
+
+def _hf_logits(model, ids, pixels):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
+                     token_type_ids=torch.tensor(ids == IMAGE, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_adapter_loads_in_peft_and_merged_export_in_transformers(trained, tmp_path):
+    """The run's adapter, keys as PEFT names them on Gemma3ForConditionalGeneration, loads with PEFT onto the
+    transformers VLM: its logits with images equal jaxtune's; `export_merged` writes the whole VLM directory
+    (tower and projector too), which transformers loads with the same logits."""
+    import jax.numpy as jnp
+    import transformers
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from jaxtune.methods.peft import load_peft_adapter
+    from jaxtune.models.vision.gemma3 import vision_language_forward
+    from jaxtune.spine.model import load_vision_language_model
+    from jaxtune.train.export import export_merged
+
+    root = trained[0]
+    adapter = root / "lora" / "adapter"
+    with safe_open(str(adapter / "adapter_model.safetensors"), "np") as f:
+        names = sorted(f.keys())
+    assert names and all(n.startswith("base_model.model.model.language_model.layers.") for n in names)
+    tokenizer = load_tokenizer(root / "model")
+    example = image_example(MESSAGES, [_picture(0), _picture(1)], image_processor(root / "model", tokenizer), tokenizer)
+    ids, pixels = np.asarray([example.ids]), example.pixel_values
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
+    want = _hf_logits(PeftModel.from_pretrained(base, adapter).eval(), ids, pixels)
+    cfg, params, vision, vision_params = load_vision_language_model(root / "model")
+    method, params = load_peft_adapter(adapter, params, cfg)
+    ours = vision_language_forward(params, vision_params, jnp.asarray(ids), jnp.asarray(pixels), cfg, vision,
+                                   method=method)
+    assert np.abs(np.asarray(ours) - want).max() > 0  # the adapter changed the model
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
+    merged = export_merged(root / "model", adapter, tmp_path / "merged")
+    assert (merged / "preprocessor_config.json").is_file()
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged, dtype="float32").eval()
+    np.testing.assert_allclose(_hf_logits(model, ids, pixels), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_full_fine_tune_on_images_writes_the_whole_vlm(trained):
+    """A full fine-tune of the language model on images (the tower frozen): its model/ directory loads in
+    transformers as a Gemma3ForConditionalGeneration whose tower equals the base's and whose logits equal
+    jaxtune's forward of the trained weights."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from jaxtune.models.vision.gemma3 import vision_language_forward
+    from jaxtune.spine.model import load_vision_language_model
+    from jaxtune.train.loop import fine_tune
+
+    root = trained[0]
+    result = fine_tune(run_config(root, "full", 2), log=lambda _: None)
+    out = root / "full" / "model"
+    assert result.result_path == out
+    trained_model = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype="float32").eval()
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
+    for (name, a), (_, b) in zip(trained_model.model.vision_tower.named_parameters(),
+                                 base.model.vision_tower.named_parameters()):
+        assert torch.equal(a, b), name
+    tokenizer = load_tokenizer(root / "model")
+    example = image_example(MESSAGES, [_picture(0), _picture(1)], image_processor(root / "model", tokenizer), tokenizer)
+    ids, pixels = np.asarray([example.ids]), example.pixel_values
+    cfg, params, vision, vision_params = load_vision_language_model(out)
+    ours = vision_language_forward(params, vision_params, jnp.asarray(ids), jnp.asarray(pixels), cfg, vision)
+    want = _hf_logits(trained_model, ids, pixels)
+    assert np.abs(want - _hf_logits(base.eval(), ids, pixels)).max() > 1e-3  # trained
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)

@@ -6,8 +6,7 @@ An example of ids x takes inputs x[:-1], labels x[1:], loss mask loss_mask[1:]. 
 own segment id (0 is padding) and positions from 0, so none attends to another. Packing (`pack_plan`) is best-fit
 decreasing on lengths alone, so the rows, and the steps per epoch, are the same every epoch (`count_epoch_batches`
 is exact); only their order changes, drawn from (seed, epoch). `eval_batches` pads each batch only to the
-power-of-two bucket of its longest row (`padded_length`): short data is scored at short shapes. Examples with images
-(`ImageRows`) pack too, at most `max_images` pixel arrays a row, held as `pixel_values` [rows, max_images, ...].
+power-of-two bucket of its longest row (`padded_length`): short data is scored at short shapes. Image rows: `ImageRows`.
 """
 
 from __future__ import annotations

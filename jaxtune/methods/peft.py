@@ -52,15 +52,21 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
     return config
 
 
-def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[str, np.ndarray]:
+def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig, text_prefix: str = "model."
+                       ) -> dict[str, np.ndarray]:
     """PEFT tensor name -> float32 numpy array in torch's layout: `modules_to_save`'s whole tensors, then the
-    method's own (a LoRA layer of rank r < the module's largest gives its first r ranks; skipped layers nothing)."""
+    method's own (a LoRA layer of rank r < the module's largest gives its first r ranks; skipped layers nothing).
+    text_prefix: where the text model's modules sit in the transformers model PEFT wraps ("model.language_model."
+    in a vision-language model)."""
     f32 = lambda x: np.asarray(x, np.float32)
     state = {SAVED_TENSORS[name]: np.ascontiguousarray(
         f32(params["lm_head"]["kernel"]).T if name == "lm_head" else f32(params["embed_tokens"]))
         for name in method.trained_whole}
-    return {**state, **{_as_peft_names(name, cfg): value
-                        for name, value in _format(method).tensors(params, cfg, method).items()}}
+    state = {**state, **{_as_peft_names(name, cfg): value
+                         for name, value in _format(method).tensors(params, cfg, method).items()}}
+    inner = "base_model.model.model."
+    return {f"base_model.model.{text_prefix}{k[len(inner):]}" if k.startswith(inner) else k: v
+            for k, v in state.items()}
 
 
 def _as_peft_names(name: str, cfg: ModelConfig, back: bool = False) -> str:
@@ -72,7 +78,7 @@ def _as_peft_names(name: str, cfg: ModelConfig, back: bool = False) -> str:
 
 
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
-                      base_model: str = "", initial: dict | None = None) -> Path:
+                      base_model: str = "", initial: dict | None = None, text_prefix: str = "model.") -> Path:
     """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
     `base_model_name_or_path` (a local path made absolute). A PiSSA or OLoRA adapter (whose base was changed) is
     written as PEFT converts it, a plain LoRA of rank 2r on the original base, from its init's A and B: `initial`
@@ -86,7 +92,8 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     config = peft_config(cfg, method, base_model)
     directory.mkdir(parents=True, exist_ok=True)
     # our writer, not safetensors' `save_file`: that one creates its file mode 0600, whatever the umask
-    entries = [(name, v.shape, v.dtype, lambda v=v: v) for name, v in adapter_state_dict(params, cfg, method).items()]
+    state = adapter_state_dict(params, cfg, method, text_prefix)
+    entries = [(name, v.shape, v.dtype, lambda v=v: v) for name, v in state.items()]
     write_safetensors(directory / WEIGHTS_FILE, entries, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory

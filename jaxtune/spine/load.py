@@ -230,6 +230,18 @@ def params_like(params: dict, template: dict) -> dict:
     return {k: params_like(params[k], v) for k, v in template.items()}
 
 
+def read_frozen(reader, run: AbstractRun, model: str | Path, initial: dict | None = None) -> dict:
+    """The run's frozen weights (`read_tree`), a vision-language run's image side read whole (it is small) and
+    replicated as `frozen["vision"]`."""
+    frozen = read_tree(reader, {k: v for k, v in run.frozen.items() if k != "vision"}, run.cfg, run.plan.method,
+                       initial)
+    if "vision" in run.frozen:
+        images = run.plan.images
+        vision = images.family.read_params(model, images.config, jax.numpy.dtype(run.plan.param_dtype))
+        frozen["vision"] = jax.device_put(vision, jax.tree.map(lambda x: x.sharding, run.frozen["vision"]))
+    return frozen
+
+
 def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path | None = None
              ) -> tuple[dict, dict, dict | None]:
     """(state, frozen, second model) of `run` from the checkpoint in `model`, each array created in its sharding.
@@ -241,19 +253,14 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
     if (second is None) != (run.second is None):
         raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
     initial: dict[str, dict] = {}  # a LoRA init's A and B, read with the kernels it changes
-    text = {k: v for k, v in run.frozen.items() if k != "vision"}
     with checked_reader(model, run.cfg) as reader:
-        frozen = read_tree(reader, text, run.cfg, run.plan.method, initial)
+        frozen = read_frozen(reader, run, model, initial)
         trainable = read_tree(reader, run.state["params"], run.cfg)
         second_params = read_tree(reader, run.second, run.cfg) if second == "base" and run.second is not None else None
     if second is not None and second != "base" and run.second is not None:
         assert run.context.second_cfg is not None  # a run with a second model has its architecture
         with checked_reader(second, run.context.second_cfg) as reader:
             second_params = read_tree(reader, run.second, run.context.second_cfg)
-    if "vision" in run.frozen:  # a vision-language run's image side, read whole (it is small) and replicated
-        images = run.plan.images
-        vision = images.family.read_params(model, images.config, jax.numpy.dtype(run.plan.param_dtype))
-        frozen["vision"] = jax.device_put(vision, jax.tree.map(lambda x: x.sharding, run.frozen["vision"]))
     new = _new_leaves(run, combine(trainable, frozen), seed)
     trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
     for name, leaves in initial.items():

@@ -6,9 +6,8 @@
 
 The trainer calls the step, the planner's estimate counts the same trees, `plan --confirm` lowers the same step: a
 plan (`train_plan(config)`) is the run it describes. Shardings: `shardings.py` (batch rows over data, fsdp, expert);
-traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s.
-A vision-language run (`plan.images`) holds its image side frozen and replicated as `frozen["vision"]`.
-"""
+traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s;
+a vision-language run's image side (`plan.images`) frozen, replicated, as `frozen["vision"]`."""
 
 from __future__ import annotations
 
