@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxtune.config.forward import ForwardOptions
 from jaxtune.config.method import MethodConfig
@@ -58,7 +59,7 @@ class TrainPlan:
     section: object = None
     second_model: ModelConfig | None = None
     optimizer: str = "adamw"
-    images: object = None
+    images: Any = None
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):

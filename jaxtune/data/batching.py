@@ -15,6 +15,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -133,8 +134,9 @@ def _fill(examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: i
     out: dict[str, np.ndarray] = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in BATCH_FIELDS.items()}
     if images is not None:
         out["pixel_values"] = np.zeros((num_rows, images.max_images, *images.shape), np.float32)
+        with_images: Sequence[Any] = examples  # `ImageExample`s
         for r, row in enumerate(rows):
-            arrays = [examples[i].pixel_values for i in row if examples[i].images]
+            arrays = [with_images[i].pixel_values for i in row if with_images[i].images]
             if arrays:
                 stacked = np.concatenate(arrays)
                 out["pixel_values"][r, :len(stacked)] = stacked

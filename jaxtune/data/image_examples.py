@@ -127,7 +127,7 @@ def image_sft_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageP
     stats = DataStats() if stats is None else stats
     eos = _eos(tokenizer)
     base = Path(path) if Path(path).is_dir() else Path(path).parent
-    empty = np.zeros((0, *processor.pixel_shape), np.float32)
+    empty: np.ndarray = np.zeros((0, *processor.pixel_shape), np.float32)
     for chunk in _chunks(iter_records(path, columns)):
         for n, record in chunk:
             where = f"{path}:{n}"

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtune.data.batching import ImageRows, count_epoch_rows, epoch_batches
 from jaxtune.data.cache import cached_examples
 from jaxtune.data.formats import DataStats, sft_chat_examples, sft_examples, train_eval_split
-from jaxtune.data.image_examples import image_sft_examples
+from jaxtune.data.image_examples import ImageExample, image_sft_examples
 from jaxtune.data.store import example_lengths
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
@@ -117,7 +117,7 @@ def image_split(setup: ObjectiveInputs) -> tuple[Sequence, Sequence]:
     examples = read(data.train, stats)
     train, held_out = (examples, read(data.eval, DataStats())) if data.eval else train_eval_split(
         examples, data.eval_fraction, data.seed)
-    images = sum(e.images for e in examples)
+    images = sum(e.images for e in examples if isinstance(e, ImageExample))
     setup.log(f"data: {len(train)} train / {len(held_out)} eval examples with {images} pixel arrays "
               f"({stats.dropped_prompt_too_long} dropped: prompt >= max_seq_len {data.max_seq_len}; "
               f"{stats.truncated} truncated)")

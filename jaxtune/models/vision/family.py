@@ -36,11 +36,11 @@ class VisionFamily:
 
     name: str
     architectures: tuple[str, ...]
-    read_config: Callable[[Path], Any]
+    read_config: Callable[[str | Path], Any]
     param_specs: Callable[[Any], dict]
     read_params: Callable[..., dict]
     tensor_name: Callable[[tuple[str, ...], int | None], str]
-    read_processing: Callable[[Path], Any]
+    read_processing: Callable[[str | Path], Any]
     pixels: Callable[[Sequence[Image.Image], Any], tuple[np.ndarray, list[int]]]
     pixel_shape: Callable[[Any], tuple[int, ...]]
     marker: Callable[[Any, Any], str]
