@@ -323,3 +323,39 @@ def test_full_fine_tune_on_images_writes_the_whole_vlm(trained):
     want = _hf_logits(trained_model, ids, pixels)
     assert np.abs(want - _hf_logits(base.eval(), ids, pixels)).max() > 1e-3  # trained
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_generation_with_images_equals_transformers_generate(trained, capsys):
+    """`generate_ids_with_images` (the run's adapter on, greedy, 8 tokens) equals transformers' `generate` of the
+    PEFT model on the prompt Gemma3Processor writes; `jaxtune generate --image A --image B` prints that text."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from jaxtune.cli import main
+    from jaxtune.config import SamplingConfig
+    from jaxtune.image_generation import generate_ids_with_images, load_image_generator, prompt_ids
+
+    root = trained[0]
+    adapter = root / "lora" / "adapter"
+    generator = load_image_generator(root / "model", adapter)
+    images = [_picture(0), _picture(1)]
+    ids, pixels = prompt_ids(generator.processor, "Colours?", images)
+    ours = generate_ids_with_images(generator, ids, pixels, SamplingConfig(max_new_tokens=8))
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=tokens, pixel_values=torch.tensor(pixels),
+                             token_type_ids=(tokens == IMAGE).long(), do_sample=False, max_new_tokens=8,
+                             min_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    assert ours == out[0, len(ids):].tolist()
+    for i, image in enumerate(images):
+        image.save(root / f"p{i}.png")
+    main(["generate", "--model", str(root / "model"), "--adapter", str(adapter), "--prompt", "Colours?",
+          "--image", str(root / "p0.png"), "--image", str(root / "p1.png"), "--max-new-tokens", "8"])
+    eos = ours.index(1) if 1 in ours else len(ours)
+    assert capsys.readouterr().out.strip() == load_tokenizer(root / "model").decode(ours[:eos]).strip()
