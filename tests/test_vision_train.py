@@ -359,3 +359,31 @@ def test_generation_with_images_equals_transformers_generate(trained, capsys):
           "--image", str(root / "p0.png"), "--image", str(root / "p1.png"), "--max-new-tokens", "8"])
     eos = ours.index(1) if 1 in ours else len(ours)
     assert capsys.readouterr().out.strip() == load_tokenizer(root / "model").decode(ours[:eos]).strip()
+
+
+def test_planner_counts_the_image_side_of_gemma3_4b():
+    """gemma-3-4b-it as released, LoRA SFT with 2 images a row on an H100, planned without allocating: the frozen
+    weights hold the tower and projector (bfloat16) beside the text model, and the tower's forward is a moment of
+    its own, its values as `tower_elements` counts them for the device's rows."""
+    import jax
+    from test_vision_gemma3 import RELEASED
+
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
+    from jaxtune.models.hf_config import config_from_hf
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.family import ImageSide
+    from jaxtune.models.vision.gemma3 import GEMMA3, tower_elements
+    from jaxtune.models.vision.hf import vision_config_from_hf, vision_param_specs
+    from jaxtune.planner import estimate
+    from jaxtune.planner.devices import get_device
+
+    cfg, vision = config_from_hf(RELEASED), vision_config_from_hf(RELEASED)
+    plan = TrainPlan(method_config("lora", rank=8), batch_size=2, seq_len=1024)
+    with_images = plan.replace(images=ImageSide(GEMMA3, vision, 2, (3, 896, 896)))
+    text, both = (estimate(cfg, p, get_device("h100")) for p in (plan, with_images))
+    tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(vision_param_specs(vision),
+                                                               is_leaf=lambda x: isinstance(x, ParamSpec)))
+    assert 400e6 < tower < 450e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
+    assert both.phases["image side"]["activations"] == tower_elements(vision, 2 * 2) * 2
+    assert "image side" not in text.phases

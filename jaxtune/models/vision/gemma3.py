@@ -110,6 +110,17 @@ def image_expansion(tokenizer, vision: VisionLanguageConfig, arrays: int) -> str
         [full] * (arrays - 1))
 
 
+def tower_elements(vision: VisionLanguageConfig, arrays: int) -> int:
+    """Values the image side holds at once for `arrays` images: their pixels, one encoder layer's [N, P, .] values
+    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F) and the soft tokens
+    [N, tokens_per_image, D] it hands the decoder."""
+    t = vision.tower
+    P = t.patches_per_side**2
+    pixels = t.num_channels * t.image_size**2
+    return arrays * (pixels + P * (6 * t.hidden_size + 2 * t.intermediate_size)
+                     + vision.tokens_per_image * vision.text_hidden_size)
+
+
 def _pixels(images, processing) -> tuple[np.ndarray, list[int]]:
     values, crops = pixel_values(images, processing)
     return values, [1 + n for n in crops]
@@ -122,4 +133,4 @@ GEMMA3 = VisionFamily(
     pixel_shape=lambda p: (3 if p.convert_rgb else 1, p.height, p.width),
     marker=image_marker, expansion=image_expansion,
     image_token=lambda v: v.image_token_id,
-    image_inputs=image_inputs, text_prefix="model.language_model.")
+    image_inputs=image_inputs, text_prefix="model.language_model.", forward_elements=tower_elements)
