@@ -387,3 +387,80 @@ def test_planner_counts_the_image_side_of_gemma3_4b():
     assert 400e6 < tower < 450e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
     assert both.phases["image side"]["activations"] == tower_elements(vision, 2 * 2) * 2
     assert "image side" not in text.phases
+
+
+def write_preference_data(root) -> None:
+    """Preference pairs about the colour pictures of `write_image_data`, TRL's vision format."""
+    lines = []
+    for i, (right, wrong) in enumerate([("red", "blue"), ("green", "red"), ("blue", "green"), ("red", "green")]):
+        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+        lines.append({"prompt": prompt, "chosen": f"{right.title()}.", "rejected": f"{wrong.title()}!",
+                      "images": [f"{right}.png"]})
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_dpo_with_images_equals_the_dpo_formula_on_transformers_logps(trained):
+    """Pairs whose prompts hold images: DPO's loss on a pair batch (policy: the run's LoRA adapter, reference: the
+    base with it off, both reading the images) equals TRL's sigmoid DPO loss on transformers' sequence log-probs of
+    the same ids; and one `fine_tune` step of objective dpo on those pairs runs through the spine."""
+    import dataclasses
+
+    import jax
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from peft import PeftModel
+
+    from jaxtune.config import ForwardOptions
+    from jaxtune.data.batching import ImageRows
+    from jaxtune.data.image_examples import image_preference_examples
+    from jaxtune.methods.peft import load_peft_adapter
+    from jaxtune.models.vision.families import image_side
+    from jaxtune.objectives.base import Context, strip_adapters
+    from jaxtune.objectives.dpo import PreferenceConfig, _pair_sums, pair_batch
+    from jaxtune.spine.model import load_vision_language_model
+    from jaxtune.train.loop import fine_tune
+
+    root = trained[0]
+    write_preference_data(root)
+    tokenizer = load_tokenizer(root / "model")
+    processor = image_processor(root / "model", tokenizer)
+    pairs = list(image_preference_examples(root / "pairs.jsonl", tokenizer, processor, 64))
+    assert [p.images for p in pairs] == [1] * 4 and tokenizer.decode(list(pairs[0].chosen)) == "Red."
+    batch = pair_batch(pairs[:3], 3, 64, images=ImageRows(2, processor.pixel_shape))
+    assert batch["pixel_values"].shape == (6, 2, 3, 64, 64)
+    cfg, params, _, vision_params = load_vision_language_model(root / "model")
+    method, policy = load_peft_adapter(root / "lora" / "adapter", params, cfg)
+    section = PreferenceConfig(beta=0.5)
+    ctx = Context(cfg, method, ForwardOptions(), section, images=image_side(root / "model", 2))
+    policy = {**policy, "vision": vision_params}
+    loss, count, _ = jax.jit(_pair_sums, static_argnums=3)(policy, strip_adapters(policy), batch, ctx)
+
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
+    model = PeftModel.from_pretrained(base, root / "lora" / "adapter").eval()
+
+    def logp(pair, completion):
+        ids = torch.tensor([pair.prompt + completion])
+        out = model(input_ids=ids, pixel_values=torch.tensor(pair.pixel_values), token_type_ids=(ids == IMAGE).long())
+        logps = torch.log_softmax(out.logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+        return logps[len(pair.prompt) - 1:].sum()
+
+    want = 0.0
+    with torch.no_grad():
+        for pair in pairs[:3]:
+            chosen, rejected = logp(pair, pair.chosen), logp(pair, pair.rejected)
+            with model.disable_adapter():
+                ref_chosen, ref_rejected = logp(pair, pair.chosen), logp(pair, pair.rejected)
+            want += float(-F.logsigmoid(section.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))))
+    assert float(count) == 3
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+
+    config = run_config(root, "lora", 1)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=str(root / "pairs.jsonl")),
+                                 train=dataclasses.replace(config.train, objective="dpo", output_dir=str(root / "dpo"),
+                                                           eval_every=0))
+    result = fine_tune(config, log=lambda _: None)
+    assert result.step == 1 and np.isfinite(result.train_loss)

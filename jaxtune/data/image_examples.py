@@ -3,7 +3,8 @@
 become `ImageExample`s, ids exactly as the model's processor writes them (the chat template's image marker replaced
 by the processor's placeholder text: Gemma 3's boi, soft-token run, eoi), the loss on the assistant turns' text only
 (never on an image's text), and the images' pixel arrays. An example cut by max_seq_len keeps only its images whose
-placeholders it holds whole. Other records go through `formats.sft_examples`' path (no images)."""
+placeholders it holds whole. Other records go through `formats.sft_examples`' path (no images). Preference pairs
+with images (DPO): `image_preference_examples`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,18 @@ from pathlib import Path
 import numpy as np
 
 from jaxtune.data.chat_records import check_messages, check_tools
-from jaxtune.data.formats import DataStats, Example, _chunks, _eos, _sft_chunk, chat_spans, detect_format, fit_example
+from jaxtune.data.formats import (
+    DataStats,
+    Example,
+    PreferenceExample,
+    _chunks,
+    _eos,
+    _sft_chunk,
+    chat_spans,
+    detect_format,
+    fit_example,
+    render_chat,
+)
 from jaxtune.data.images import image_parts, record_images
 from jaxtune.data.sources import iter_records
 from jaxtune.data.tokenizer import Tokenizer
@@ -149,3 +161,68 @@ def image_sft_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageP
     if not stats.examples:
         raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} "
                            f"({stats.dropped_prompt_too_long} prompts too long)")
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePreferenceExample(PreferenceExample):
+    """A `PreferenceExample` whose prompt holds images: their pixel arrays float32 [N, *shape], in the order of the
+    prompt's placeholder runs (both completions see them)."""
+
+    pixel_values: np.ndarray
+
+    @property
+    def images(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+def _turns(value, role: str, where: str, name: str) -> list[dict]:
+    """A preference field as messages: TRL's conversational lists as given, text as one turn of `role`."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise JaxtuneError(f"{where}: preference field '{name}' must be a string or a list of messages")
+
+
+def image_preference_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageProcessor, max_seq_len: int,
+                              columns: Mapping[str, str] | None = None, stats: DataStats | None = None
+                              ) -> Iterator[ImagePreferenceExample]:
+    """TRL's vision preference records {"prompt", "chosen", "rejected", "images"} (the prompt's image parts take
+    the images): the prompt rendered with the generation prompt and its image markers expanded (`image_example`'s
+    ids), each completion the rest of the render of prompt + completion (its trailing whitespace left out, as SFT's
+    loss spans leave it), as TRL's DPO applies the chat template.
+    A pair whose prompt fills max_seq_len is dropped; longer completions are cut to fit (counted in `stats`)."""
+    stats = DataStats() if stats is None else stats
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    for n, record in iter_records(path, columns):
+        where = f"{path}:{n}"
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
+        if missing:
+            raise JaxtuneError(f"{where}: preference record is missing field '{missing[0]}'")
+        prompt = check_messages(where, {"messages": [*_turns(record["prompt"], "user", where, "prompt"),
+                                                     {"role": "assistant", "content": ""}]})[:-1]
+        images = record_images(record, where, base, image_parts(prompt))
+        text = render_chat(prompt, tokenizer, add_generation_prompt=True)
+        completions = []
+        for name in ("chosen", "rejected"):
+            whole = render_chat(prompt + _turns(record[name], "assistant", where, name), tokenizer)
+            if not whole.startswith(text):
+                raise JaxtuneError(f"{where}: the chat template renders the prompt differently once the {name} "
+                                   "turn follows; its completion cannot be cut from the conversation")
+            completions.append(tuple(tokenizer.encode(whole[len(text):].rstrip(), add_special_tokens=False)))
+        pixels, expansions = processor(images)
+        expanded, _, _ = expand_images(text, [], processor.marker, expansions, where)
+        ids = tuple(tokenizer.encode(expanded, add_special_tokens=False))
+        stats.formats["preference"] = stats.formats.get("preference", 0) + 1
+        room = max_seq_len - len(ids)
+        if room <= 0:
+            stats.dropped_prompt_too_long += 1
+            continue
+        chosen, rejected = completions
+        stats.truncated += len(chosen) > room or len(rejected) > room
+        stats.examples += 1
+        stats.loss_tokens += min(len(chosen), room) + min(len(rejected), room)
+        yield ImagePreferenceExample(ids, chosen[:room], rejected[:room], pixels)
+    if not stats.examples:
+        raise JaxtuneError(f"{path}: no pair fits max_seq_len={max_seq_len} ({stats.dropped_prompt_too_long} "
+                           "prompts too long)")
