@@ -258,7 +258,8 @@ def _hf_logits(model, ids, pixels):
 def test_adapter_loads_in_peft_and_merged_export_in_transformers(trained, tmp_path):
     """The run's adapter, keys as PEFT names them on Gemma3ForConditionalGeneration, loads with PEFT onto the
     transformers VLM: its logits with images equal jaxtune's; `export_merged` writes the whole VLM directory
-    (tower and projector too), which transformers loads with the same logits."""
+    (tower and projector too), which transformers loads with the same logits; so does `export_run`'s from the
+    run's last checkpoint."""
     import jax.numpy as jnp
     import transformers
     from peft import PeftModel
@@ -267,7 +268,7 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(trained, tmp_pa
     from jaxtune.methods.peft import load_peft_adapter
     from jaxtune.models.vision.gemma3 import vision_language_forward
     from jaxtune.spine.model import load_vision_language_model
-    from jaxtune.train.export import export_merged
+    from jaxtune.train.export import export_merged, export_run
 
     root = trained[0]
     adapter = root / "lora" / "adapter"
@@ -288,6 +289,9 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(trained, tmp_pa
     merged = export_merged(root / "model", adapter, tmp_path / "merged")
     assert (merged / "preprocessor_config.json").is_file()
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged, dtype="float32").eval()
+    np.testing.assert_allclose(_hf_logits(model, ids, pixels), want, rtol=1e-5, atol=1e-4)
+    again = export_run(root / "lora", "merged", tmp_path / "from_checkpoint")  # `jaxtune export`'s path
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(again, dtype="float32").eval()
     np.testing.assert_allclose(_hf_logits(model, ids, pixels), want, rtol=1e-5, atol=1e-4)
 
 
