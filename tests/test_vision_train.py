@@ -4,6 +4,7 @@ images; rows packed with their images, each row's pixel arrays in a static [rows
 
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -279,7 +280,11 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(trained, tmp_pa
     example = image_example(MESSAGES, [_picture(0), _picture(1)], image_processor(root / "model", tokenizer), tokenizer)
     ids, pixels = np.asarray([example.ids]), example.pixel_values
     base = transformers.Gemma3ForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
-    want = _hf_logits(PeftModel.from_pretrained(base, adapter).eval(), ids, pixels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. PEFT's "missing adapter keys" (LoRA on the tower)
+        peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    assert not [n for n, _ in peft_model.named_parameters() if "lora" in n and "language_model" not in n]
+    want = _hf_logits(peft_model, ids, pixels)
     cfg, params, vision, vision_params = load_vision_language_model(root / "model")
     method, params = load_peft_adapter(adapter, params, cfg)
     ours = vision_language_forward(params, vision_params, jnp.asarray(ids), jnp.asarray(pixels), cfg, vision,
@@ -468,3 +473,17 @@ def test_dpo_with_images_equals_the_dpo_formula_on_transformers_logps(trained):
                                                            eval_every=0))
     result = fine_tune(config, log=lambda _: None)
     assert result.step == 1 and np.isfinite(result.train_loss)
+
+
+def test_adapter_exclusions_keep_peft_off_the_tower():
+    """`exclude_modules` as written for a VLM adapter: the tower's modules excluded, the method's own exclusions
+    (names or a regex) kept, the text model's modules not excluded."""
+    import re
+
+    from jaxtune.methods.peft import excluding
+
+    outside = r".*(vision_tower|multi_modal_projector).*"
+    tower, text = "model.vision_tower.encoder.layers.0.self_attn.q_proj", "model.language_model.layers.0.mlp.up_proj"
+    for own, excluded in ((None, ()), (("up_proj",), (text,)), (r".*\.mlp\..*", (text,))):
+        pattern = excluding(own, outside)
+        assert {p for p in (tower, text) if re.fullmatch(pattern, p)} == {tower, *excluded}

@@ -11,6 +11,7 @@ that base), and a unit without one has no PEFT format. `modules_to_save` are PEF
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -77,12 +78,24 @@ def _as_peft_names(name: str, cfg: ModelConfig, back: bool = False) -> str:
     return name.replace(".feed_forward.", ".mlp.") if back else name.replace(".mlp.", ".feed_forward.")
 
 
+def excluding(exclude, outside: str):
+    """PEFT's `exclude_modules` (None, names, or a regex) that also excludes every module the regex `outside`
+    matches: as one regex, a name list as PEFT matches it (the path, or its suffix after a dot)."""
+    if not exclude:
+        return outside
+    own = exclude if isinstance(exclude, str) else rf"(?:.*\.)?(?:{'|'.join(map(re.escape, exclude))})"
+    return f"(?:{own})|(?:{outside})"
+
+
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
-                      base_model: str = "", initial: dict | None = None, text_prefix: str = "model.") -> Path:
+                      base_model: str = "", initial: dict | None = None, text_prefix: str = "model.",
+                      outside: str | None = None) -> Path:
     """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
     `base_model_name_or_path` (a local path made absolute). A PiSSA or OLoRA adapter (whose base was changed) is
     written as PEFT converts it, a plain LoRA of rank 2r on the original base, from its init's A and B: `initial`
-    {module: {"lora_a", "lora_b"}} (`spine.load.initial_leaves`; `PeftFormat.as_stored`)."""
+    {module: {"lora_a", "lora_b"}} (`spine.load.initial_leaves`; `PeftFormat.as_stored`). text_prefix, outside: of
+    a vision-language model, where its text model's modules are and a regex of the modules PEFT must leave alone
+    (its vision tower, whose modules share the text model's names)."""
     directory = Path(directory)
     as_stored = _format(method).as_stored
     if as_stored is not None:
@@ -90,6 +103,8 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     if base_model and Path(base_model).exists():  # absolute, so PEFT finds the base from any working directory
         base_model = str(Path(base_model).resolve())
     config = peft_config(cfg, method, base_model)
+    if outside is not None and "target_modules" in config:  # a vision-language model: PEFT adapts its text alone
+        config["exclude_modules"] = excluding(config.get("exclude_modules"), outside)
     directory.mkdir(parents=True, exist_ok=True)
     # our writer, not safetensors' `save_file`: that one creates its file mode 0600, whatever the umask
     state = adapter_state_dict(params, cfg, method, text_prefix)

@@ -32,6 +32,7 @@ class VisionFamily:
     image_inputs          (vision params, tokens [B, T], pixel arrays [B, M, ...] or [N, ...], cfg, config, dtype)
                           -> (the tokens the text embeds, the decoder's keyword arguments)
     text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
+    outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
     forward_elements      (config, pixel arrays) -> values one forward of the frozen image side holds at its peak
                           (the planner's; no activations are saved: the tower runs under stop_gradient)
     """
@@ -50,6 +51,7 @@ class VisionFamily:
     image_token: Callable[[Any], int]
     image_inputs: Callable[..., tuple]
     text_prefix: str
+    outside_text: str
     forward_elements: Callable[[Any, int], int]
 
 

@@ -133,4 +133,5 @@ GEMMA3 = VisionFamily(
     pixel_shape=lambda p: (3 if p.convert_rgb else 1, p.height, p.width),
     marker=image_marker, expansion=image_expansion,
     image_token=lambda v: v.image_token_id,
-    image_inputs=image_inputs, text_prefix="model.language_model.", forward_elements=tower_elements)
+    image_inputs=image_inputs, text_prefix="model.language_model.",
+    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements)
