@@ -22,7 +22,7 @@ class VisionFamily:
     name, architectures   its name and the `config.json` architectures it reads
     read_config           directory -> its image-side config (Gemma 3: `VisionLanguageConfig`)
     param_specs           image-side config -> its tree as `ParamSpec`s; read_params(directory, config, dtype)
-    tensor_name           (leaf path, layer or None) -> the tensor's name in transformers' VLM checkpoint
+    tensor_entries        (image-side params, config, dtype) -> `write_weights` entries under canonical names
     read_processing       directory -> its image processor's settings
     pixels                (PIL images, processing) -> (float32 [N, *pixel_shape], pixel arrays each image takes)
     pixel_shape           processing -> one pixel array's shape (a batch's static shape)
@@ -42,7 +42,7 @@ class VisionFamily:
     read_config: Callable[[str | Path], Any]
     param_specs: Callable[[Any], dict]
     read_params: Callable[..., dict]
-    tensor_name: Callable[[tuple[str, ...], int | None], str]
+    tensor_entries: Callable[..., list[tuple]]
     read_processing: Callable[[str | Path], Any]
     pixels: Callable[[Sequence[Image.Image], Any], tuple[np.ndarray, list[int]]]
     pixel_shape: Callable[[Any], tuple[int, ...]]

@@ -17,7 +17,7 @@ from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings, span_ids
 from jaxtune.models.norms import rms_norm
 from jaxtune.models.vision.family import VisionFamily
-from jaxtune.models.vision.hf import load_vision_config, read_vision_params, vision_param_specs, vision_tensor_name
+from jaxtune.models.vision.hf import load_vision_config, read_vision_params, vision_param_specs, vision_tensor_entries
 from jaxtune.models.vision.image_processing import pixel_values, read_image_processing
 from jaxtune.models.vision.siglip import siglip_tower
 
@@ -128,7 +128,7 @@ def _pixels(images, processing) -> tuple[np.ndarray, list[int]]:
 
 GEMMA3 = VisionFamily(
     name="gemma3", architectures=("Gemma3ForConditionalGeneration",), read_config=load_vision_config,
-    param_specs=vision_param_specs, read_params=read_vision_params, tensor_name=vision_tensor_name,
+    param_specs=vision_param_specs, read_params=read_vision_params, tensor_entries=vision_tensor_entries,
     read_processing=read_image_processing, pixels=_pixels,
     pixel_shape=lambda p: (3 if p.convert_rgb else 1, p.height, p.width),
     marker=image_marker, expansion=image_expansion,

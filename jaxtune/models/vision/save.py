@@ -10,48 +10,16 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
-import numpy as np
-
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.safetensors import CheckpointReader, write_weights
 from jaxtune.models.hf_config import model_dir
-from jaxtune.models.hf_weights import STORED_DTYPES, canonical_name, host_array, tensor_entries
+from jaxtune.models.hf_weights import STORED_DTYPES, canonical_name, tensor_entries
 from jaxtune.models.vision.family import VisionFamily
 
 # what a vision-language directory holds beside its weights and tokenizer
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
                    "generation_config.json")
-
-
-def vision_entries(vision_params: dict, family: VisionFamily, config, dtype=None) -> list[tuple]:
-    """(canonical name, torch shape, dtype, produce) of every image-side tensor: kernels [in, out] back to
-    [out, in], the patch embedding's [C p p, Dv] back to the convolution's [Dv, C, p, p], stacked layers one a
-    tensor."""
-    entries: list[tuple] = []
-    tower = config.tower
-
-    def torch_layout(keys: tuple[str, ...], x: np.ndarray) -> np.ndarray:
-        if keys[-1] != "kernel":
-            return x
-        if keys[1] == "patch_embedding":
-            return x.T.reshape(tower.hidden_size, tower.num_channels, tower.patch_size, tower.patch_size)
-        return x.T
-
-    for path, leaf in jax.tree_util.tree_flatten_with_path(vision_params)[0]:
-        keys = tuple(k.key for k in path)
-        out = np.dtype(dtype or leaf.dtype)
-        layers = range(leaf.shape[0]) if keys[1] == "layers" else [None]
-        for layer in layers:
-            def produce(leaf=leaf, keys=keys, layer=layer, out=out):
-                value = host_array(leaf)
-                return np.ascontiguousarray(torch_layout(keys, value if layer is None else value[layer])).astype(out)
-
-            shape = jax.eval_shape(lambda: torch_layout(keys, np.zeros(leaf.shape[1:] if layer is not None
-                                                                         else leaf.shape, np.float32))).shape
-            entries.append((family.tensor_name(keys, layer), tuple(shape), out, produce))
-    return entries
 
 
 def save_vision_language_model(directory: str | Path, source: str | Path, cfg: ModelConfig, params: dict,
@@ -63,8 +31,8 @@ def save_vision_language_model(directory: str | Path, source: str | Path, cfg: M
     directory, source = Path(directory), model_dir(source)
     stored = STORED_DTYPES[dtype] if dtype else None
     text = {k: v for k, v in params.items() if k != "vision"}
-    entries = tensor_entries(text, cfg, stored, tensor=tensor) + vision_entries(params["vision"], family, config,
-                                                                                 stored)
+    entries = tensor_entries(text, cfg, stored, tensor=tensor) + family.tensor_entries(params["vision"], config,
+                                                                                        stored)
     with CheckpointReader(source, canonical_name) as reader:
         def name(canonical: str) -> str:
             if canonical in reader:
