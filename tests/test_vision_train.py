@@ -1,6 +1,10 @@
 """Fine-tuning Gemma 3 with images (issue 52): chat and conversational prompt / completion records with images become
 ids exactly as transformers' Gemma3Processor writes them, the loss on the assistant's text only; cuts keep whole
-images; rows packed with their images, each row's pixel arrays in a static [rows, max images, C, H, W]."""
+images; rows packed with their images in a static [rows, max images, C, H, W]; the planner counts the image side.
+Full tier, on a tiny Gemma3ForConditionalGeneration: a batch's loss equals transformers'; LoRA SFT through
+`fine_tune` lowers the loss and resumes; the adapter loads in PEFT on the VLM, merged and full fine-tune exports
+load in transformers, all with the same logits; greedy generation with images equals `generate`; DPO with images
+equals the DPO formula on transformers' log-probabilities."""
 
 import io
 import json
