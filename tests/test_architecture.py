@@ -51,7 +51,7 @@ FLOORS = (
     ("run_config",),  # the TOML run: the config sections and each objective's
     ("spine",),  # the abstract run, its shardings, the loader, the one jitted step
     ("harness",),  # jaxtune as an lm-evaluation-harness model: task scores for `eval --tasks` and training
-    ("presets", "train", "planner", "completions"),  # the faces
+    ("presets", "train", "planner", "completions", "image_generation"),  # the faces
     ("launch", "demo"),
     ("cli",),
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxtune.config.forward import ForwardOptions
 from jaxtune.config.method import MethodConfig
@@ -40,7 +41,9 @@ class TrainPlan:
     `batch_size` counts examples: a pair is two rows, a GRPO prompt `group_size` rows (`objectives.rows(plan)`).
     second_model: the architecture of the objective's second model when it is a model directory (a teacher, a
     reference); None: the policy's own. optimizer: `[train] optimizer`, which decides the optimizer state's arrays
-    (its moments in bfloat16, `offload.moments_dtype`, are AdamW's only).
+    (its moments in bfloat16, `offload.moments_dtype`, are AdamW's only). images: a vision-language run's image
+    side (`models.vision.family.ImageSide`: the frozen tower beside the text model, pixel arrays in each batch
+    row), None for text.
     """
 
     method: MethodConfig
@@ -56,6 +59,7 @@ class TrainPlan:
     section: object = None
     second_model: ModelConfig | None = None
     optimizer: str = "adamw"
+    images: Any = None
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):

@@ -55,7 +55,9 @@ class DataConfig:
     (`data.sources`). Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
     names -> the dataset's column names where they differ (TOML: `columns = {prompt = "question"}`), held as sorted
     pairs. apply_chat_template: prompt/completion and alpaca records become a user and an assistant turn of the
-    model's chat template (else raw text: prompt + completion + EOS)."""
+    model's chat template (else raw text: prompt + completion + EOS). max_images_per_row: for a vision-language
+    model, the pixel arrays (images, and pan-and-scan's crops) a batch row holds: the batch's static
+    [rows, max_images_per_row, C, H, W]; rows are packed within it, and an example holding more is an error."""
 
     train: str = ""
     eval: str = ""
@@ -65,6 +67,7 @@ class DataConfig:
     seed: int = 0
     columns: tuple = ()
     apply_chat_template: bool = False
+    max_images_per_row: int = 1
 
     def __post_init__(self):
         columns = self.columns.items() if isinstance(self.columns, dict) else self.columns
@@ -79,6 +82,7 @@ class DataConfig:
         check_range("eval_fraction", self.eval_fraction, 0.0, 1.0, high_open=True)
         check_range("max_seq_len", self.max_seq_len, 2)
         check_range("seed", self.seed, 0)
+        check_range("max_images_per_row", self.max_images_per_row, 1)
 
 
 REPORTERS = ("tensorboard", "wandb")  # [train] report_to (train/tracking.py)

@@ -6,7 +6,7 @@ An example of ids x takes inputs x[:-1], labels x[1:], loss mask loss_mask[1:]. 
 own segment id (0 is padding) and positions from 0, so none attends to another. Packing (`pack_plan`) is best-fit
 decreasing on lengths alone, so the rows, and the steps per epoch, are the same every epoch (`count_epoch_batches`
 is exact); only their order changes, drawn from (seed, epoch). `eval_batches` pads each batch only to the
-power-of-two bucket of its longest row (`padded_length`): short data is scored at short shapes.
+power-of-two bucket of its longest row (`padded_length`): short data is scored at short shapes. Image rows: `ImageRows`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +28,17 @@ MIN_BUCKET = 16
 
 BATCH_FIELDS = {"input_ids": np.int32, "labels": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
                 "positions": np.int32}  # an SFT batch's arrays and their dtypes
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """Rows of examples with images (`data.image_examples.ImageExample`): at most `max_images` pixel arrays of
+    `shape` a row, a batch's `pixel_values` float32 [rows, max_images, *shape] in the order of the row's image
+    placeholders (padding arrays are zeros, never placed). Packing is safe: segments keep examples apart and each
+    image's placeholders are one span of its own."""
+
+    max_images: int
+    shape: tuple[int, ...]
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -90,16 +103,43 @@ def pack_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
-def _plan(examples: Sequence[Example], seq_len: int, pack: bool) -> list[list[int]]:
+def _plan(examples: Sequence[Example], seq_len: int, pack: bool, images: ImageRows | None = None
+          ) -> list[list[int]]:
     lengths = _lengths(examples, seq_len)
-    if pack:
-        return pack_plan(lengths, seq_len)
-    return [[i] for i, n in enumerate(lengths) if n > 0]
+    rows = pack_plan(lengths, seq_len) if pack else [[i] for i, n in enumerate(lengths) if n > 0]
+    return rows if images is None else _within_images(examples, rows, images.max_images)
 
 
-def _fill(examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: int, num_rows: int) -> dict:
-    """Arrays [num_rows, seq_len] holding `rows` (lists of example indices) then empty rows."""
+def _within_images(examples: Sequence, rows: list[list[int]], max_images: int) -> list[list[int]]:
+    """Packed rows split, in order, where the next example's images would pass `max_images` a row."""
+    out: list[list[int]] = []
+    for row in rows:
+        held = max_images + 1
+        for i in row:
+            n = examples[i].images
+            if n > max_images:
+                raise JaxtuneError(f"an example holds {n} pixel arrays (images and their crops); [data] "
+                                   f"max_images_per_row = {max_images} must be at least that")
+            if held + n > max_images:
+                out.append([])
+                held = 0
+            out[-1].append(i)
+            held += n
+    return out
+
+
+def _fill(examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: int, num_rows: int,
+          images: ImageRows | None = None) -> dict:
+    """Arrays [num_rows, seq_len] holding `rows` (lists of example indices) then empty rows (and `pixel_values`)."""
     out: dict[str, np.ndarray] = {k: np.zeros((num_rows, seq_len), dtype) for k, dtype in BATCH_FIELDS.items()}
+    if images is not None:
+        out["pixel_values"] = np.zeros((num_rows, images.max_images, *images.shape), np.float32)
+        with_images: Sequence[Any] = examples  # `ImageExample`s
+        for r, row in enumerate(rows):
+            arrays = [with_images[i].pixel_values for i in row if with_images[i].images]
+            if arrays:
+                stacked = np.concatenate(arrays)
+                out["pixel_values"][r, :len(stacked)] = stacked
     for r, row in enumerate(rows):
         t = 0
         for segment, i in enumerate(row, 1):
@@ -125,8 +165,10 @@ class EpochBatches(Sequence):
     """One epoch's batches, each a dict of [batch_size, seq_len] arrays built from its rows when it is read, so an
     epoch holds its plan (example indices a row), not its tokens."""
 
-    def __init__(self, examples: Sequence[Example], rows: list[list[int]], batch_size: int, seq_len: int):
+    def __init__(self, examples: Sequence[Example], rows: list[list[int]], batch_size: int, seq_len: int,
+                 images: ImageRows | None = None):
         self.examples, self.rows, self.batch_size, self.seq_len = examples, rows, batch_size, seq_len
+        self.images = images
 
     def __len__(self) -> int:
         return math.ceil(len(self.rows) / self.batch_size)
@@ -138,21 +180,22 @@ class EpochBatches(Sequence):
             raise IndexError(f"batch {b} of {len(self)}")
         b %= len(self)
         rows = self.rows[b * self.batch_size:(b + 1) * self.batch_size]
-        return _fill(self.examples, rows, self.seq_len, self.batch_size)  # the last batch's extra rows: zeros
+        return _fill(self.examples, rows, self.seq_len, self.batch_size, self.images)  # extra rows: zeros
 
 
 def epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, seed: int, epoch: int,
-                  pack: bool = True) -> EpochBatches:
+                  pack: bool = True, images: ImageRows | None = None) -> EpochBatches:
     """One epoch of batches, each a dict of [batch_size, seq_len] arrays (see `pack_rows`), built as they are read.
 
     Rows are packed (or one example a row when pack=False) independently of the shuffle, then ordered by a
-    permutation from numpy's Generator seeded with (seed, epoch): same seed and epoch, same batches.
+    permutation from numpy's Generator seeded with (seed, epoch): same seed and epoch, same batches. images: the
+    examples' pixel arrays go with their rows (`ImageRows`).
     """
     if batch_size < 1:
         raise JaxtuneError(f"batch_size={batch_size} must be at least 1")
-    rows = _plan(examples, seq_len, pack)
+    rows = _plan(examples, seq_len, pack, images)
     order = np.random.default_rng([seed, epoch]).permutation(len(rows))
-    return EpochBatches(examples, [rows[j] for j in order], batch_size, seq_len)
+    return EpochBatches(examples, [rows[j] for j in order], batch_size, seq_len, images)
 
 
 def count_epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: int, pack: bool = True) -> int:
@@ -162,9 +205,10 @@ def count_epoch_batches(examples: Sequence[Example], batch_size: int, seq_len: i
     return math.ceil(count_epoch_rows(examples, seq_len, pack) / batch_size)
 
 
-def count_epoch_rows(examples: Sequence[Example], seq_len: int, pack: bool = True) -> int:
+def count_epoch_rows(examples: Sequence[Example], seq_len: int, pack: bool = True,
+                     images: ImageRows | None = None) -> int:
     """The rows of data an epoch's batches hold (packed, or one example a row), the same every epoch."""
-    return len(_plan(examples, seq_len, pack))
+    return len(_plan(examples, seq_len, pack, images))
 
 
 def eval_batches(examples: Sequence[Example], batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:

@@ -2,11 +2,13 @@
 records `{"messages": [...], "tools": [...]}` (the OpenAI chat API's shape): an assistant message may carry
 `tool_calls` [{"type": "function", "function": {"name", "arguments": {...}}}] and then needs no content; a tool's reply
 is {"role": "tool", "content", "name"}; `tools` are JSON schemas (`jaxtune.environments.json_schema`, transformers'
-`get_json_schema`) passed to the template as `tools`, as `apply_chat_template(messages, tools=tools)` does. Errors name
-the record (`FILE:LINE`) and the field at fault.
+`get_json_schema`) passed to the template as `tools`, as `apply_chat_template(messages, tools=tools)` does; content may
+be TRL's parts [{"type": "text", "text"}, {"type": "image"}]. Errors name the record (`FILE:LINE`) and the field.
 """
 
 from __future__ import annotations
+
+import json
 
 from jaxtune.data.sources import json_type
 from jaxtune.errors import JaxtuneError
@@ -40,9 +42,27 @@ def check_tools(where: str, record: dict) -> list[dict] | None:
     return tools
 
 
+def _check_parts(where: str, i: int, parts: list) -> None:
+    """A message's content as parts (TRL's vision format): {"type": "text", "text"} and {"type": "image"}."""
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image" or (kind == "text" and isinstance(part.get("text"), str)):
+            continue
+        raise JaxtuneError(f"{where}: chat field 'messages[{i}].content[{k}]' must be {{\"type\": \"text\", "
+                           f"\"text\": ...}} or {{\"type\": \"image\"}}, got {json.dumps(part)[:60]}")
+
+
+def content_text(message: dict) -> str:
+    """A message's text: its content string, or its text parts joined (image parts left out), stripped."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p["text"].strip() for p in content if p.get("type") == "text")
+    return content.strip()
+
+
 def check_messages(where: str, record: dict) -> list[dict]:
-    """record["messages"]: a non-empty list of {"role", "content"} objects (tool calls as above) with at least one
-    assistant message to train on."""
+    """record["messages"]: a non-empty list of {"role", "content"} objects (tool calls as above; content a string or
+    a list of text and image parts) with at least one assistant message to train on."""
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise JaxtuneError(f"{where}: chat field 'messages' must be a non-empty array, got {json_type(messages)}")
@@ -61,7 +81,9 @@ def check_messages(where: str, record: dict) -> list[dict]:
                 continue
             if name not in m:
                 raise JaxtuneError(f"{where}: chat record is missing field 'messages[{i}].{name}'")
-            if not isinstance(m[name], str):
+            if name == "content" and isinstance(m[name], list):
+                _check_parts(where, i, m[name])
+            elif not isinstance(m[name], str):
                 raise JaxtuneError(f"{where}: chat field 'messages[{i}].{name}' must be a string, "
                                    f"got {json_type(m[name])}")
     if not any(m["role"] == "assistant" for m in messages):

@@ -26,7 +26,8 @@ import numpy as np
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jaxtune.data.chat_records import check_messages, check_tools
+from jaxtune.data.chat_records import check_messages, check_tools, content_text
+from jaxtune.data.images import image_parts
 from jaxtune.data.sources import iter_records, json_type
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
@@ -213,7 +214,7 @@ def _chat_text(where: str, messages: list[dict], tokenizer: Tokenizer, tools: li
         text = render_chat(messages, tokenizer, tools=tools)
         spans, cursor = [], 0  # cursor: where the previous message's content ends in `text`
         for i, m in enumerate(messages):
-            body = (m.get("content") or "").strip()
+            body = content_text(m)
             if m["role"] != "assistant":
                 found = text.find(body, cursor) if body else -1
                 cursor = found + len(body) if found >= 0 else cursor
@@ -295,7 +296,7 @@ def _check_max_seq_len(max_seq_len: int) -> None:
         raise JaxtuneError(f"max_seq_len={max_seq_len} must be at least 2")
 
 
-def _fit(example: Example, max_seq_len: int, stats: DataStats) -> Example | None:
+def fit_example(example: Example, max_seq_len: int, stats: DataStats) -> Example | None:
     """The max_seq_len policy: drop when the prompt fills it, else cut the tail; counted in `stats`."""
     ids, mask = example.ids, example.loss_mask
     first = mask.index(1) if 1 in mask else len(mask)
@@ -380,6 +381,8 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
             pairs.append((k, _text(where, record, fmt, "prompt"), _text(where, record, fmt, "completion")))
         elif fmt == "chat":
             messages, tools = check_messages(where, record), check_tools(where, record)
+            if image_parts(messages) or "images" in record or "image" in record:
+                raise JaxtuneError(f"{where}: a record with images, but the model reads no images (a text model)")
             chats.append((k, *_chat_text(where, messages, tokenizer, tools)))
         elif fmt == "preference":
             raise JaxtuneError(f"{where}: a preference record {{prompt, chosen, rejected}} in supervised data; "
@@ -399,7 +402,7 @@ def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_
         encodings = tokenizer.backend.encode_batch([t for _, t, _ in chats], add_special_tokens=False)
         for (k, _, spans), enc in zip(chats, encodings):
             built[k] = Example(tuple(enc.ids), tuple(_span_mask(enc.offsets, spans)))
-    return [ex for ex in (_fit(b, max_seq_len, stats) for b in built if b is not None) if ex is not None]
+    return [ex for ex in (fit_example(b, max_seq_len, stats) for b in built if b is not None) if ex is not None]
 
 
 def load_sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,

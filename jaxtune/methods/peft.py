@@ -11,6 +11,7 @@ that base), and a unit without one has no PEFT format. `modules_to_save` are PEF
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -52,15 +53,21 @@ def peft_config(cfg: ModelConfig, method: MethodConfig, base_model: str = "") ->
     return config
 
 
-def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig) -> dict[str, np.ndarray]:
+def adapter_state_dict(params: dict, cfg: ModelConfig, method: MethodConfig, text_prefix: str = "model."
+                       ) -> dict[str, np.ndarray]:
     """PEFT tensor name -> float32 numpy array in torch's layout: `modules_to_save`'s whole tensors, then the
-    method's own (a LoRA layer of rank r < the module's largest gives its first r ranks; skipped layers nothing)."""
+    method's own (a LoRA layer of rank r < the module's largest gives its first r ranks; skipped layers nothing).
+    text_prefix: where the text model's modules sit in the transformers model PEFT wraps ("model.language_model."
+    in a vision-language model)."""
     f32 = lambda x: np.asarray(x, np.float32)
     state = {SAVED_TENSORS[name]: np.ascontiguousarray(
         f32(params["lm_head"]["kernel"]).T if name == "lm_head" else f32(params["embed_tokens"]))
         for name in method.trained_whole}
-    return {**state, **{_as_peft_names(name, cfg): value
-                        for name, value in _format(method).tensors(params, cfg, method).items()}}
+    state = {**state, **{_as_peft_names(name, cfg): value
+                         for name, value in _format(method).tensors(params, cfg, method).items()}}
+    inner = "base_model.model.model."
+    return {f"base_model.model.{text_prefix}{k[len(inner):]}" if k.startswith(inner) else k: v
+            for k, v in state.items()}
 
 
 def _as_peft_names(name: str, cfg: ModelConfig, back: bool = False) -> str:
@@ -71,12 +78,24 @@ def _as_peft_names(name: str, cfg: ModelConfig, back: bool = False) -> str:
     return name.replace(".feed_forward.", ".mlp.") if back else name.replace(".mlp.", ".feed_forward.")
 
 
+def excluding(exclude, outside: str):
+    """PEFT's `exclude_modules` (None, names, or a regex) that also excludes every module the regex `outside`
+    matches: as one regex, a name list as PEFT matches it (the path, or its suffix after a dot)."""
+    if not exclude:
+        return outside
+    own = exclude if isinstance(exclude, str) else rf"(?:.*\.)?(?:{'|'.join(map(re.escape, exclude))})"
+    return f"(?:{own})|(?:{outside})"
+
+
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
-                      base_model: str = "", initial: dict | None = None) -> Path:
+                      base_model: str = "", initial: dict | None = None, text_prefix: str = "model.",
+                      outside: str | None = None) -> Path:
     """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
     `base_model_name_or_path` (a local path made absolute). A PiSSA or OLoRA adapter (whose base was changed) is
     written as PEFT converts it, a plain LoRA of rank 2r on the original base, from its init's A and B: `initial`
-    {module: {"lora_a", "lora_b"}} (`spine.load.initial_leaves`; `PeftFormat.as_stored`)."""
+    {module: {"lora_a", "lora_b"}} (`spine.load.initial_leaves`; `PeftFormat.as_stored`). text_prefix, outside: of
+    a vision-language model, where its text model's modules are and a regex of the modules PEFT must leave alone
+    (its vision tower, whose modules share the text model's names)."""
     directory = Path(directory)
     as_stored = _format(method).as_stored
     if as_stored is not None:
@@ -84,9 +103,12 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     if base_model and Path(base_model).exists():  # absolute, so PEFT finds the base from any working directory
         base_model = str(Path(base_model).resolve())
     config = peft_config(cfg, method, base_model)
+    if outside is not None and "target_modules" in config:  # a vision-language model: PEFT adapts its text alone
+        config["exclude_modules"] = excluding(config.get("exclude_modules"), outside)
     directory.mkdir(parents=True, exist_ok=True)
     # our writer, not safetensors' `save_file`: that one creates its file mode 0600, whatever the umask
-    entries = [(name, v.shape, v.dtype, lambda v=v: v) for name, v in adapter_state_dict(params, cfg, method).items()]
+    state = adapter_state_dict(params, cfg, method, text_prefix)
+    entries = [(name, v.shape, v.dtype, lambda v=v: v) for name, v in state.items()]
     write_safetensors(directory / WEIGHTS_FILE, entries, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory

@@ -227,7 +227,7 @@ def checked_reader(directory: str | Path, cfg: ModelConfig) -> Iterator[Reader]:
 
 def stored_dtype(directory: str | Path) -> str:
     """The dtype the checkpoint stores its embedding in ("bfloat16", "float32", ...): the weights' "as stored"."""
-    opened = GGUFCheckpoint(directory) if is_gguf(directory) else CheckpointReader(model_dir(directory))
+    opened = GGUFCheckpoint(directory) if is_gguf(directory) else CheckpointReader(model_dir(directory), canonical_name)
     with opened as reader:
         if "model.embed_tokens.weight" not in reader.names():
             raise JaxtuneError(f"{directory}: tensor model.embed_tokens.weight is missing from the checkpoint")

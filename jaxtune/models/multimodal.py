@@ -13,7 +13,9 @@ import jax.numpy as jnp
 
 class PlacedEmbeddings(NamedTuple):
     """vectors_NxD: what replaces the token embeddings, in row-major order of the positions `at_BxT` (bool) marks;
-    N must equal the number of marked positions (transformers checks it, a jitted forward cannot)."""
+    N must equal the number of marked positions (transformers checks it, a jitted forward cannot). Or [B, N, D]:
+    each row its own vectors, in order of its marked positions, N at least as many (a training batch's rows, each
+    with its images padded to the same count, the padding never placed)."""
 
     vectors_NxD: jax.Array
     at_BxT: jax.Array
@@ -21,9 +23,13 @@ class PlacedEmbeddings(NamedTuple):
 
 def place_embeddings(x_BxTxD: jax.Array, placed: PlacedEmbeddings) -> jax.Array:
     """x [B, T, D] with the marked positions' rows replaced by the placed vectors (cast to x's dtype, unscaled)."""
-    at_BxT = placed.at_BxT
+    at_BxT, vectors = placed.at_BxT, placed.vectors_NxD.astype(x_BxTxD.dtype)
+    if vectors.ndim == 3:  # each row its own: [B, N, D]
+        index_BxT = jnp.clip(jnp.cumsum(at_BxT, axis=1) - 1, 0, vectors.shape[1] - 1)
+        rows_BxTxD = jnp.take_along_axis(vectors, index_BxT[..., None], axis=1)
+        return jnp.where(at_BxT[..., None], rows_BxTxD, x_BxTxD)
     index_BxT = jnp.cumsum(at_BxT.reshape(-1)).reshape(at_BxT.shape) - 1
-    rows_BxTxD = placed.vectors_NxD.astype(x_BxTxD.dtype)[jnp.clip(index_BxT, 0, placed.vectors_NxD.shape[0] - 1)]
+    rows_BxTxD = vectors[jnp.clip(index_BxT, 0, vectors.shape[0] - 1)]
     return jnp.where(at_BxT[..., None], rows_BxTxD, x_BxTxD)
 
 

@@ -48,13 +48,15 @@ class RunSections(Protocol):
 
 @dataclass(frozen=True)
 class Context:
-    """What an objective's terms are built from; static under jit. second_cfg: the second model's architecture."""
+    """What an objective's terms are built from; static under jit. second_cfg: the second model's architecture;
+    images: the run's image side (`models.vision.family.ImageSide`; its tower's weights are `params["vision"]`)."""
 
     cfg: ModelConfig
     method: MethodConfig | None
     options: ForwardOptions
     section: Any = None
     second_cfg: ModelConfig | None = None
+    images: Any = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class ObjectiveInputs:
     section, the model's architecture and tokenizer, where to log, and where tokenised data is cached (None: not).
     cache_writes: what loading found missing from the cache, written by the trainer only once every input has been
     checked (a run that fails to start leaves its directory as it was). load_reward_model(directory) -> (cfg,
-    params): the spine's loader, handed down (a reward model scoring GRPO's rollouts)."""
+    params): the spine's loader, handed down (a reward model scoring GRPO's rollouts). images: the model's
+    `ImageProcessor` where the run trains on images (a vision-language model and an objective that reads them)."""
 
     config: RunSections
     section: Any
@@ -73,6 +76,7 @@ class ObjectiveInputs:
     cache_dir: Path | None = None
     cache_writes: list = field(default_factory=list)
     load_reward_model: Callable[[str], tuple] | None = None
+    images: Any = None
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Objective(Generic[Section]):
     prepare             the trainer's side (`ObjectiveInputs` -> `ObjectiveData`)
     export, result      writes a finished run's result instead of the method's (a reward model), and what it is
     for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit
+    reads_images        its batches carry a vision-language model's pixel arrays (`pixel_values`)
     """
 
     name: str
@@ -146,10 +151,14 @@ class Objective(Generic[Section]):
     unit: str = "rows"
     rollout_tokens: Callable[[Section], int] = lambda section: 0
     extra_forwards: Callable[[Section], int] = lambda section: 0
+    reads_images: bool = False
 
-    def micro_batch(self, rows: int, seq_len: int, section) -> dict:
-        """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's."""
+    def micro_batch(self, rows: int, seq_len: int, section, images=None) -> dict:
+        """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's (+ a
+        vision-language run's `pixel_values` [rows, max_images, *pixel_shape], `images` its `ImageSide`)."""
         arrays = {k: jax.ShapeDtypeStruct((rows, seq_len), np.dtype(d)) for k, d in BATCH_FIELDS.items()}
+        if images is not None:
+            arrays["pixel_values"] = jax.ShapeDtypeStruct((rows, images.max_images, *images.pixel_shape), np.float32)
         return {**arrays, **self.batch_fields(rows, seq_len, section)}
 
     @property

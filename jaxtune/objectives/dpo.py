@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.data.formats import PreferenceExample, preference_examples
+from jaxtune.data.batching import ImageRows
+from jaxtune.data.formats import PreferenceExample, preference_examples, train_eval_split
+from jaxtune.data.image_examples import image_preference_examples
 from jaxtune.errors import JaxtuneError, check_choice, check_range
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
@@ -67,10 +70,11 @@ def sequence_row(ids: tuple[int, ...], prompt_len: int, seq_len: int) -> dict:
 
 
 def pair_batch(pairs: Sequence[PreferenceExample], batch_size: int, seq_len: int,
-               reference: np.ndarray | None = None) -> dict:
+               reference: np.ndarray | None = None, images: ImageRows | None = None) -> dict:
     """`pairs` (at most batch_size) as [2 * batch_size, seq_len] arrays, chosen rows then rejected rows, filled
     with empty pairs (no loss tokens). With `reference` ([len(pairs), 2] log-probs of chosen and rejected) also
-    "reference_logps" [2 * batch_size]."""
+    "reference_logps" [2 * batch_size]; with `images` (pairs with images) "pixel_values" [2 * batch_size,
+    max_images, ...], each row its prompt's pixel arrays."""
     empty: dict[str, np.ndarray] = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32)
                                     for k in PAIR_FIELDS}
     chosen = [sequence_row(p.prompt + p.chosen, len(p.prompt), seq_len) for p in pairs]
@@ -81,25 +85,42 @@ def pair_batch(pairs: Sequence[PreferenceExample], batch_size: int, seq_len: int
     if reference is not None:
         zeros: np.ndarray = np.zeros(batch_size - len(pairs), np.float32)
         batch["reference_logps"] = np.concatenate([reference[:, 0], zeros, reference[:, 1], zeros]).astype(np.float32)
+    if images is not None:
+        pixels: np.ndarray = np.zeros((batch_size, images.max_images, *images.shape), np.float32)
+        for i, pair in enumerate(pairs):
+            held: Any = pair  # `ImagePreferenceExample`
+            if held.images > images.max_images:
+                raise JaxtuneError(f"a pair's prompt holds {held.images} pixel arrays; [data] max_images_per_row = "
+                                   f"{images.max_images} must be at least that")
+            pixels[i, :held.images] = held.pixel_values
+        batch["pixel_values"] = np.concatenate([pixels, pixels])
     return batch
 
 
 def preference_batches(examples: list[PreferenceExample], batch_size: int, seq_len: int, seed: int,
-                       epoch: int, reference: np.ndarray | None = None) -> list[dict]:
+                       epoch: int, reference: np.ndarray | None = None, images: ImageRows | None = None
+                       ) -> list[dict]:
     """Batches of `batch_size` pairs (`pair_batch`), shuffled from (seed, epoch). `reference`: [N, 2] precomputed
     reference log-probs of the examples (`reference_logps`), carried along with their pairs."""
     order = np.random.default_rng([seed, epoch]).permutation(len(examples))
     return [pair_batch([examples[i] for i in chunk], batch_size, seq_len,
-                       None if reference is None else reference[chunk])
+                       None if reference is None else reference[chunk], images)
             for chunk in (order[start:start + batch_size] for start in range(0, len(order), batch_size))]
 
 
 def row_logps(params: dict, batch: dict, ctx: Context, method, dropout_key: jax.Array | None = None) -> jax.Array:
     """log p(label) [R, T] of every position of an [R, T] batch of rows under `params` read with `method` (None: a
-    plain model); dropout_key: LoRA dropout in training."""
-    hidden = decoder(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+    plain model); dropout_key: LoRA dropout in training. A batch with `pixel_values` reads its images through the
+    run's frozen image side (`params["vision"]`)."""
+    tokens_BxT, images = batch["input_ids"], {}
+    if "pixel_values" in batch:
+        side = ctx.images
+        tokens_BxT, images = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
+                                                      batch["pixel_values"], ctx.cfg, side.config,
+                                                      jnp.dtype(ctx.options.compute_dtype))
+    hidden = decoder(params, tokens_BxT, ctx.cfg, positions_BxT=batch["positions"],
                      segment_ids_BxT=batch["segment_ids"], method=method, options=ctx.options,
-                     dropout_key=dropout_key)
+                     dropout_key=dropout_key, **images)
     return label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
 
 
@@ -125,6 +146,8 @@ def _reference_pair(reference, micro, ctx: Context, mean: bool):
 
 def _pair_sums(policy_params, reference, micro, ctx: Context, key=None):
     p = ctx.section
+    if "vision" in policy_params and "vision" not in reference:  # a reference of its own reads the same images
+        reference = {**reference, "vision": policy_params["vision"]}
     mean = p.loss == "ipo"
     ref_chosen, ref_rejected = jax.lax.stop_gradient(_reference_pair(reference, micro, ctx, mean))
     chosen, rejected, real = pair_logps(policy_params, micro, ctx, ctx.method, mean, key)
@@ -156,14 +179,14 @@ def per_pair(sums: dict) -> dict:
 
 
 def reference_logps(reference: dict, examples: Sequence[PreferenceExample], ctx: Context, batch_size: int,
-                    seq_len: int) -> np.ndarray:
+                    seq_len: int, images: ImageRows | None = None) -> np.ndarray:
     """[N, 2] log-probs of each example's chosen and rejected completion under the reference model (summed, or the
     per-token mean for IPO), computed once, batch by batch."""
     score = jax.jit(lambda params, batch: pair_logps(params, batch, ctx, None, ctx.section.loss == "ipo"))
     out = []
     for start in range(0, len(examples), batch_size):
         pairs = examples[start:start + batch_size]
-        chosen, rejected, _ = score(reference, pair_batch(pairs, batch_size, seq_len))
+        chosen, rejected, _ = score(reference, pair_batch(pairs, batch_size, seq_len, images=images))
         out.append(np.stack([np.asarray(chosen), np.asarray(rejected)], axis=1)[:len(pairs)])
     return np.concatenate(out) if out else np.zeros((0, 2), np.float32)
 
@@ -171,17 +194,19 @@ def reference_logps(reference: dict, examples: Sequence[PreferenceExample], ctx:
 def pair_training(setup: ObjectiveInputs, metrics=per_pair) -> ObjectiveData:
     """Pair batches of data.train and, if `precompute_reference`, their reference scores (at `start`)."""
     c = setup.config
-    train, held_out = train_and_held_out(setup, preference_examples, "pairs")
+    images = None if setup.images is None else ImageRows(c.data.max_images_per_row, setup.images.pixel_shape)
+    train, held_out = image_pairs(setup) if images else train_and_held_out(setup, preference_examples, "pairs")
     scores: dict[str, np.ndarray | None] = {"train": None, "held_out": None}
     batches = lambda pairs, epoch, ref: preference_batches(pairs, c.train.batch_size, c.data.max_seq_len,
-                                                           c.data.seed, epoch, ref)
+                                                           c.data.seed, epoch, ref, images)
     steps = -(-len(batches(train, 0, None)) // c.train.grad_accum)
 
     def start(read_reference, ctx: Context, _second) -> None:
         if getattr(setup.section, "precompute_reference", False):
             params = read_reference(getattr(setup.section, "reference", "base"))
             scores["train"], scores["held_out"] = (reference_logps(params, pairs, ctx, c.train.batch_size,
-                                                                   c.data.max_seq_len) for pairs in (train, held_out))
+                                                                   c.data.max_seq_len, images)
+                                                   for pairs in (train, held_out))
             setup.log(f"reference log-probs precomputed for {len(train)} + {len(held_out)} pairs")
 
     def evaluate(eval_step, params):
@@ -189,6 +214,18 @@ def pair_training(setup: ObjectiveInputs, metrics=per_pair) -> ObjectiveData:
 
     return ObjectiveData(steps, epoch_cache(lambda e: batches(train, e, scores["train"]), c.train.grad_accum),
                     evaluate if held_out else None, start)
+
+
+def image_pairs(setup: ObjectiveInputs) -> tuple[list, list]:
+    """(train, held-out) preference pairs with images (`image_preference_examples`), read each run."""
+    data = setup.config.data
+    read = lambda path: list(image_preference_examples(path, setup.tokenizer, setup.images, data.max_seq_len,
+                                                       dict(data.columns)))
+    pairs = read(data.train)
+    train, held_out = (pairs, read(data.eval)) if data.eval else train_eval_split(pairs, data.eval_fraction,
+                                                                                   data.seed)
+    setup.log(f"data: {len(train)} train / {len(held_out)} eval pairs with images")
+    return list(train), list(held_out)
 
 
 def prepare(setup: ObjectiveInputs) -> ObjectiveData:
@@ -216,6 +253,7 @@ def _batch_fields(rows: int, _seq_len: int, section: PreferenceConfig) -> dict:
 
 
 DPO = Objective("dpo", loss_terms, eval_terms, prepare, section=PreferenceConfig, rows=lambda section: 2,
+                reads_images=True,
                 batch_fields=_batch_fields, second_model=_second_model,
                 logits_copies=lambda method, section: 2 if section.precompute_reference and not method_unit(
                     method).trains_base else 3, unit="pairs",

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtune.data.batching import count_epoch_rows, epoch_batches
+from jaxtune.data.batching import ImageRows, count_epoch_rows, epoch_batches
 from jaxtune.data.cache import cached_examples
-from jaxtune.data.formats import sft_chat_examples, sft_examples, train_eval_split
+from jaxtune.data.formats import DataStats, sft_chat_examples, sft_examples, train_eval_split
+from jaxtune.data.image_examples import ImageExample, image_sft_examples
 from jaxtune.data.store import example_lengths
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
@@ -29,14 +30,21 @@ from jaxtune.objectives.base import Context, Objective, ObjectiveData, Objective
 
 def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array | None = None,
                router_loss: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(sum of completion-token losses, number of completion tokens) of one [B, T] batch.
+    """(sum of completion-token losses, number of completion tokens) of one [B, T] batch (with `pixel_values`
+    [B, M, ...]: its images, through the run's image side `ctx.images`).
 
     dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout. router_loss: add a mixture's
     load-balancing term (training, when the model asks for it), coef x loss x tokens.
     """
-    hidden, balance = decoder_and_routing(params, batch["input_ids"], ctx.cfg, positions_BxT=batch["positions"],
+    tokens_BxT, images = batch["input_ids"], {}
+    if "pixel_values" in batch:  # a vision-language batch: the frozen tower's soft tokens over the placeholders
+        side = ctx.images
+        tokens_BxT, images = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
+                                                      batch["pixel_values"], ctx.cfg, side.config,
+                                                      jnp.dtype(ctx.options.compute_dtype))
+    hidden, balance = decoder_and_routing(params, tokens_BxT, ctx.cfg, positions_BxT=batch["positions"],
                                           segment_ids_BxT=batch["segment_ids"], method=ctx.method,
-                                          options=ctx.options, dropout_key=dropout_key)
+                                          options=ctx.options, dropout_key=dropout_key, **images)
     logps = label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
     mask = batch["loss_mask"].astype(logps.dtype)
     loss, count = -jnp.sum(logps * mask), jnp.sum(mask)
@@ -93,9 +101,27 @@ def train_and_held_out(setup: ObjectiveInputs, stream, unit: str) -> tuple[Seque
 
 
 def sft_split(setup: ObjectiveInputs) -> tuple[Sequence, Sequence]:
-    """(train, held-out) SFT examples of data.train and data.eval (`train_and_held_out`)."""
+    """(train, held-out) SFT examples of data.train and data.eval (`train_and_held_out`); for a vision-language
+    model, `ImageExample`s with their pixel arrays, read each run (not cached: the store keeps tokens only)."""
+    if setup.images is not None:
+        return image_split(setup)
     stream = sft_chat_examples if setup.config.data.apply_chat_template else sft_examples
     return train_and_held_out(setup, stream, "examples")
+
+
+def image_split(setup: ObjectiveInputs) -> tuple[Sequence, Sequence]:
+    data = setup.config.data
+    stats = DataStats()
+    read = lambda path, stats: list(image_sft_examples(path, setup.tokenizer, setup.images, data.max_seq_len,
+                                                       dict(data.columns), stats, data.apply_chat_template))
+    examples = read(data.train, stats)
+    train, held_out = (examples, read(data.eval, DataStats())) if data.eval else train_eval_split(
+        examples, data.eval_fraction, data.seed)
+    images = sum(e.images for e in examples if isinstance(e, ImageExample))
+    setup.log(f"data: {len(train)} train / {len(held_out)} eval examples with {images} pixel arrays "
+              f"({stats.dropped_prompt_too_long} dropped: prompt >= max_seq_len {data.max_seq_len}; "
+              f"{stats.truncated} truncated)")
+    return train, held_out
 
 
 def sft_training(setup: ObjectiveInputs, metrics=loss_metrics, split: tuple | None = None) -> ObjectiveData:
@@ -103,9 +129,10 @@ def sft_training(setup: ObjectiveInputs, metrics=loss_metrics, split: tuple | No
     (train, held-out) examples when the caller has read them (`sft_split`)."""
     c = setup.config
     train, held_out = split or sft_split(setup)
+    images = None if setup.images is None else ImageRows(c.data.max_images_per_row, setup.images.pixel_shape)
     batches = lambda examples, epoch: epoch_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed,
-                                                    epoch, c.data.pack)
-    rows = count_epoch_rows(train, c.data.max_seq_len, c.data.pack)
+                                                    epoch, c.data.pack, images)
+    rows = count_epoch_rows(train, c.data.max_seq_len, c.data.pack, images)
     steps = math.ceil(math.ceil(rows / c.train.batch_size) / c.train.grad_accum)
     held_out_batches = batches(held_out, 0) if held_out else []
     evaluate = (lambda eval_step, params: metrics(total([eval_step(params, b) for b in held_out_batches])))
@@ -115,4 +142,5 @@ def sft_training(setup: ObjectiveInputs, metrics=loss_metrics, split: tuple | No
 
 
 SFT: Objective[None] = Objective("sft", loss_terms, eval_terms, sft_training,
-                                 logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2)
+                                 logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2,
+                                 reads_images=True)

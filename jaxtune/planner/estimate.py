@@ -4,9 +4,9 @@ Nothing is allocated. The arrays the step holds are counted exactly on the spine
 transient memory is the largest of the step's moments (`step_phases`: XLA gives buffers not alive together the same
 memory), each a function of the step's shape (`step_of`): the loss's logits, the backward's saved activations and
 one layer's workspace (activations.py), the update, GRPO's rollout, with the weight copies alive then (dtype casts,
-ZeRO-3's gathered layer, a context axis's head). Beside them: the second model, the family's runtime reserve
-(`FAMILY_RULES`), the peak while loading (`spine/load.py`). Checked against XLA's compiled memory by
-experiments/planner_accuracy.py and experiments/tpu_compile_table.py.
+ZeRO-3's gathered layer, a context axis's head), a vision-language step's tower. Beside them: the second model, the
+family's runtime reserve (`FAMILY_RULES`), the peak while loading (`spine/load.py`). Checked against XLA's compiled
+memory by experiments/planner_accuracy.py and experiments/tpu_compile_table.py.
 """
 
 from __future__ import annotations
@@ -542,6 +542,10 @@ def step_phases(step: Step, logits: int, workspace: int, residual_copies: int, l
         phases["update"]["optimizer"] = held.optimizer  # copied in for the update, written back to host after
     if step.plan.generate_tokens:
         phases["generate"] = rollout_phase(step, kv)
+    images = step.plan.images
+    if images is not None:  # the frozen tower's forward on a device's rows' pixel arrays, before the decoder's
+        tower = images.family.forward_elements(images.config, step.w.b * images.max_images) * step.compute_size
+        phases["image side"] = {"activations": tower, "gradients": 0, "weight_copies": residual_copies}
     for p in phases.values():
         p["total"] = sum(p.values())
     return phases
@@ -593,6 +597,7 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         "backward": (acts.saved, acts.attention, 0, workspace),
         "update": (0, 0, 0, phases["update"]["activations"]),
         "generate": (at_peak["activations"] - kv, 0, 0, 0),
+        "image side": (0, 0, 0, at_peak["activations"]),
     }.get(peak, (0, 0, 0, 0))
     kv_at_peak = kv if peak == "generate" else 0
     copies += at_peak["weight_copies"]

@@ -223,9 +223,23 @@ def _new_leaves(run: AbstractRun, loaded: dict, seed: int) -> dict:
 
 def params_like(params: dict, template: dict) -> dict:
     """`params` restricted to the dict paths of `template` (a trainable tree with None where frozen)."""
+    if template is None:  # a frozen subtree (a vision-language run's image side)
+        return None
     if not isinstance(template, dict):
         return template if isinstance(template, QuantizedArray) else params
     return {k: params_like(params[k], v) for k, v in template.items()}
+
+
+def read_frozen(reader, run: AbstractRun, model: str | Path, initial: dict | None = None) -> dict:
+    """The run's frozen weights (`read_tree`), a vision-language run's image side read whole (it is small) and
+    replicated as `frozen["vision"]`."""
+    frozen = read_tree(reader, {k: v for k, v in run.frozen.items() if k != "vision"}, run.cfg, run.plan.method,
+                       initial)
+    if "vision" in run.frozen:
+        images = run.plan.images
+        vision = images.family.read_params(model, images.config, jax.numpy.dtype(run.plan.param_dtype))
+        frozen["vision"] = jax.device_put(vision, jax.tree.map(lambda x: x.sharding, run.frozen["vision"]))
+    return frozen
 
 
 def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path | None = None
@@ -240,7 +254,7 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
         raise JaxtuneError(f"objective {run.objective.name}: second model {second!r} does not match the run's")
     initial: dict[str, dict] = {}  # a LoRA init's A and B, read with the kernels it changes
     with checked_reader(model, run.cfg) as reader:
-        frozen = read_tree(reader, run.frozen, run.cfg, run.plan.method, initial)
+        frozen = read_frozen(reader, run, model, initial)
         trainable = read_tree(reader, run.state["params"], run.cfg)
         second_params = read_tree(reader, run.second, run.cfg) if second == "base" and run.second is not None else None
     if second is not None and second != "base" and run.second is not None:

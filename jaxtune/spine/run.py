@@ -6,8 +6,8 @@
 
 The trainer calls the step, the planner's estimate counts the same trees, `plan --confirm` lowers the same step: a
 plan (`train_plan(config)`) is the run it describes. Shardings: `shardings.py` (batch rows over data, fsdp, expert);
-traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s.
-"""
+traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s;
+a vision-language run's image side (`plan.images`) frozen, replicated, as `frozen["vision"]`."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
 from jaxtune.models.adapters import adapter_forward
 from jaxtune.models.hf_config import load_config
-from jaxtune.models.params import abstract_params, init_params
+from jaxtune.models.params import ParamSpec, abstract_params, init_params
 from jaxtune.models.quant import as_bit_patterns
+from jaxtune.models.vision.families import image_side
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import Context, Objective
 from jaxtune.parallel.distributed import global_array
@@ -175,6 +176,8 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     params = model_tree(cfg, plan, objective)
     trainable, frozen = partition(params, trainable_mask(params, method, objective.head_leaves))
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
+    if plan.images is not None:  # `combine(trainable, frozen)["vision"]`: the frozen image side's tree
+        trainable["vision"] = None
     optimizer = make_optimizer(plan.optimizer, train, total_steps, trainable, plan.offload.moments_dtype,
                                method_unit(method).learning_rates(method, trainable))
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
@@ -184,7 +187,7 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_cfg is not None else None
 
     rows = plan.batch_size * objective.rows(section)
-    micro = objective.micro_batch(rows, plan.seq_len, section)
+    micro = objective.micro_batch(rows, plan.seq_len, section, plan.images)
     batch = {k: jax.ShapeDtypeStruct((plan.grad_accum, *x.shape), x.dtype) for k, x in micro.items()}
 
     shardings = _shardings(mesh, cfg, second_cfg, state, frozen, second, optimizer, batch, objective, plan)
@@ -193,11 +196,21 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     head = jnp.dtype(plan.forward.compute_dtype).itemsize > 2
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
+    if plan.images is not None:  # the image side: frozen, replicated (small), beside the text model
+        frozen = {**frozen, "vision": _image_side(plan, mesh)}
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
-    context = Context(cfg, method, plan.forward, section, second_cfg)
+    context = Context(cfg, method, plan.forward, section, second_cfg, plan.images)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
                        second, _with_shardings(batch, shardings.batch), shardings, optimizer,
                        learning_rate_schedule(train, total_steps))
+
+
+def _image_side(plan: TrainPlan, mesh: AnyMesh) -> dict:
+    """The image side's leaves in `plan.param_dtype`, replicated (the tower is small)."""
+    images = plan.images
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, jnp.dtype(plan.param_dtype), sharding=replicated),
+                        images.family.param_specs(images.config), is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
 def _shardings_of(tree):
@@ -232,12 +245,13 @@ def train_plan(config, cfg_dtype: str, platform: str | None = None) -> TrainPlan
     objective = objective_named(c.train.objective)
     section = c.section(objective.name)
     second = objective.second_model(section, c.method)
+    images = image_side(c.model.path, c.data.max_images_per_row) if objective.reads_images else None
     return TrainPlan(c.method, c.train.batch_size, c.data.max_seq_len, c.train.grad_accum,
                      cfg_dtype if c.model.dtype == "auto" else c.model.dtype,
                      c.model.forward.resolved(platform or jax.default_backend()), mesh=c.mesh, offload=c.offload,
                      objective=objective.name, optimizer=c.train.optimizer,
                      generate_tokens=objective.rollout_tokens(section), section=section,
-                     second_model=None if second in (None, "base") else load_config(second))
+                     second_model=None if second in (None, "base") else load_config(second), images=images)
 
 
 def per_device_bytes(tree) -> int:

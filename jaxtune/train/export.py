@@ -25,11 +25,13 @@ from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import checked_reader, save_model, stored_dtype
+from jaxtune.models.vision.families import vision_family
+from jaxtune.models.vision.save import save_vision_language_model
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.paths import check_output_dir, run_directories
 from jaxtune.run_config import RunConfig
-from jaxtune.spine.load import initial_leaves, read_tree
+from jaxtune.spine.load import initial_leaves, read_frozen
 from jaxtune.spine.model import load_model_with_adapter
 from jaxtune.spine.run import abstract_run, train_plan
 from jaxtune.train.checkpoint import Checkpoints
@@ -60,7 +62,13 @@ def export_merged(model: str | Path, adapter: str | Path | None, out: str | Path
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
     tensor = _merged_layer(adapter, params, method, cfg)
     dtype = str(np.dtype(params["embed_tokens"].dtype))
-    path = save_model(out, cfg, params, dtype=dtype, tensor=tensor)
+    family = vision_family(model)
+    if family is not None:  # the whole vision-language model: its image side as the checkpoint holds it
+        config = family.read_config(model)
+        params = {**params, "vision": family.read_params(model, config, params["embed_tokens"].dtype)}
+        path = save_vision_language_model(out, model, cfg, params, family, config, dtype, tensor)
+    else:
+        path = save_model(out, cfg, params, dtype=dtype, tensor=tensor)
     copy_tokenizer(model, path)
     return path
 
@@ -89,16 +97,22 @@ def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: di
     """run_dir/adapter, or for a full fine-tune run_dir/model: an HF directory with the base's tokenizer, in
     [model] dtype (the float32 master weights when it is "auto"). A PiSSA or OLoRA adapter is written as the plain
     LoRA of rank 2r it is on the original weights, with its init's A and B (`initial`; recomputed when None)."""
+    family = vision_family(config.model.path)
     if method_unit(method).trains_base:
         dtype = None if config.model.dtype == "auto" else config.model.dtype
-        out = save_model(run_dir / "model", cfg, params, dtype=dtype)
+        if family is not None and "vision" in params:  # the whole vision-language model, its image side as read
+            out = save_vision_language_model(run_dir / "model", config.model.path, cfg, params, family,
+                                             family.read_config(config.model.path), dtype)
+        else:
+            out = save_model(run_dir / "model", cfg, params, dtype=dtype)
         copy_tokenizer(config.model.path, out)
         return out
     peft = method_unit(method).peft
     if peft is not None and peft.needs_initial(method) and initial is None:
         initial = initial_leaves(config.model.path, cfg, method, params)
     return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)),
-                             initial=initial)
+                             initial=initial, text_prefix=family.text_prefix if family is not None else "model.",
+                             outside=None if family is None else family.outside_text)
 
 
 def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None, log=None) -> Path:
@@ -126,7 +140,7 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
     trainable = checkpoints.restore_params(step, run.state["params"])
     initial: dict[str, dict] = {}
     with checked_reader(model, cfg) as reader:
-        frozen = read_tree(reader, run.frozen, cfg, config.method, initial)
+        frozen = read_frozen(reader, run, model, initial)
     params = combine(trainable, frozen)
     objective = objective_named(config.train.objective)
     if objective.export is not None:

@@ -21,6 +21,7 @@ from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_weights import checked_reader
 from jaxtune.models.params import abstract_params
+from jaxtune.models.vision.families import image_processor
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import ObjectiveData, ObjectiveInputs, strip_adapters
 from jaxtune.paths import run_directories
@@ -88,7 +89,9 @@ def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     objective = objective_named(plan.objective)
     section = section_of(plan)
     cache_dir = run_directories(c.train.output_dir)[0] / "cache"  # tokenised data, beside the run
-    setup = ObjectiveInputs(c, section, cfg, tokenizer, log, cache_dir, load_reward_model=load_reward_model)
+    images = None if plan.images is None else image_processor(c.model.path, tokenizer)
+    setup = ObjectiveInputs(c, section, cfg, tokenizer, log, cache_dir, load_reward_model=load_reward_model,
+                            images=images)
     training = objective.prepare(setup)
     total_steps = c.train.max_steps or c.train.epochs * training.steps_per_epoch
     if total_steps < 1:
@@ -97,12 +100,18 @@ def start_run_on(config, mesh: Mesh, tokenizer, stored_dtype: str, cfg: ModelCon
     run = abstract_run(cfg, plan, mesh, c.train, total_steps)
     state, frozen, second = load_run(run, c.model.path, c.train.seed, objective.second_model(section, c.method))
     if training.start is not None:
-        training.start(lambda reference: _read_reference(run, c, reference, frozen), run.context, second)
+        training.start(lambda reference: _with_image_side(_read_reference(run, c, reference, frozen), frozen),
+                       run.context, second)
     if objective.export is not None:
         export_fn = lambda run_dir, params: objective.export(run_dir, c, cfg, params)
     else:
         export_fn = lambda run_dir, params: export_result(run_dir, c, cfg, params, c.method)
     return StartedRun(run, training, total_steps, state, frozen, second, export_fn, setup.cache_writes)
+
+
+def _with_image_side(reference: dict, frozen: dict) -> dict:
+    """A reference that reads the run's images through its frozen image side (a vision-language run's)."""
+    return {**reference, "vision": frozen["vision"]} if "vision" in frozen and "vision" not in reference else reference
 
 
 def _read_reference(run: AbstractRun, config, reference: str, frozen: dict) -> dict:

@@ -1,8 +1,8 @@
 """A Gemma 3 checkpoint's image side: `config.json`'s `vision_config` and image tokens -> `VisionLanguageConfig`
 (`vision_config_from_hf`, `load_vision_config`), its tree declared (`vision_param_specs`) and read from the
 safetensors (`read_vision_params`; names as `hf_weights.canonical_name` gives them: `vision_tower.*`,
-`multi_modal_projector.*`, whichever layout transformers saved). Kernels are [in, out]; the patch convolution's
-[Dv, C, p, p] is read as a matmul's [C p p, Dv]. The tower is small: it is read whole, replicated."""
+`multi_modal_projector.*`, whichever layout transformers saved), and written back (`vision_tensor_entries`). Kernels
+are [in, out]; the convolution's [Dv, C, p, p] is a matmul's [C p p, Dv]. The tower is small: read whole, replicated."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
 from jaxtune.models.hf_config import COMPOSITE_TEXT_DEFAULTS, model_dir
-from jaxtune.models.hf_weights import canonical_name
+from jaxtune.models.hf_weights import canonical_name, host_array
 from jaxtune.models.params import ParamSpec
 
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
@@ -138,3 +138,26 @@ def read_vision_params(directory: str | Path, cfg: VisionLanguageConfig, dtype=j
             return jnp.asarray(value, dtype)
 
         return jax.tree.unflatten(treedef, [leaf(path, spec) for path, spec in flat])
+
+
+def vision_tensor_entries(vision_params: dict, cfg: VisionLanguageConfig, dtype=None) -> list[tuple]:
+    """(canonical name, torch shape, dtype, produce) of every image-side tensor, for `io.safetensors.write_weights`:
+    kernels [in, out] back to [out, in], the patch embedding's [C p p, Dv] back to the convolution's [Dv, C, p, p],
+    a stacked leaf one tensor a layer, each gathered to the host as it is written."""
+    t = cfg.tower
+    conv = (t.hidden_size, t.num_channels, t.patch_size, t.patch_size)
+    entries: list[tuple] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(vision_params)[0]:
+        keys = tuple(k.key for k in path)
+        out = np.dtype(dtype or leaf.dtype)
+        stacked = keys[1] == "layers"
+        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+        if keys[-1] == "kernel":
+            shape = conv if keys[1] == "patch_embedding" else shape[::-1]
+        for layer in range(leaf.shape[0]) if stacked else [None]:
+            def produce(leaf=leaf, layer=layer, shape=shape, kernel=keys[-1] == "kernel", out=out):
+                value = host_array(leaf) if layer is None else host_array(leaf[layer])
+                return np.ascontiguousarray((value.T if kernel else value).reshape(shape)).astype(out)
+
+            entries.append((vision_tensor_name(keys, layer), shape, out, produce))
+    return entries

@@ -1,0 +1,95 @@
+"""A vision family, one registered unit per vision-language architecture (`families.py` registers them): how its
+directory's image side is read, how its processor turns images into pixel arrays and each image's chat-template
+marker into the placeholder text the model reads (the number of text tokens an image takes is known from this
+before anything is tokenised), and how its images enter the shared decoder (`image_inputs`). Data, the step,
+export and generation ask the unit; none of them names a family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionFamily:
+    """One vision-language architecture.
+
+    name, architectures   its name and the `config.json` architectures it reads
+    read_config           directory -> its image-side config (Gemma 3: `VisionLanguageConfig`)
+    param_specs           image-side config -> its tree as `ParamSpec`s; read_params(directory, config, dtype)
+    tensor_entries        (image-side params, config, dtype) -> `write_weights` entries under canonical names
+    read_processing       directory -> its image processor's settings
+    pixels                (PIL images, processing) -> (float32 [N, *pixel_shape], pixel arrays each image takes)
+    pixel_shape           processing -> one pixel array's shape (a batch's static shape)
+    marker                (tokenizer, config) -> the text its chat template writes for an image part
+    expansion             (tokenizer, config, arrays of the image) -> the text the processor puts for that marker
+    image_token           config -> the soft-token placeholder id (a run of them an array, in pixel order)
+    image_inputs          (vision params, tokens [B, T], pixel arrays [B, M, ...] or [N, ...], cfg, config, dtype)
+                          -> (the tokens the text embeds, the decoder's keyword arguments)
+    text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
+    outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
+    forward_elements      (config, pixel arrays) -> values one forward of the frozen image side holds at its peak
+                          (the planner's; no activations are saved: the tower runs under stop_gradient)
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    read_config: Callable[[str | Path], Any]
+    param_specs: Callable[[Any], dict]
+    read_params: Callable[..., dict]
+    tensor_entries: Callable[..., list[tuple]]
+    read_processing: Callable[[str | Path], Any]
+    pixels: Callable[[Sequence[Image.Image], Any], tuple[np.ndarray, list[int]]]
+    pixel_shape: Callable[[Any], tuple[int, ...]]
+    marker: Callable[[Any, Any], str]
+    expansion: Callable[[Any, Any, int], str]
+    image_token: Callable[[Any], int]
+    image_inputs: Callable[..., tuple]
+    text_prefix: str
+    outside_text: str
+    forward_elements: Callable[[Any, int], int]
+
+
+@dataclass(frozen=True)
+class ImageSide:
+    """A training run's image side: the family, its image-side config, and each batch row's pixel arrays
+    [max_images, *pixel_shape] (static shapes; the tower is frozen and runs inside the step)."""
+
+    family: VisionFamily
+    config: Any
+    max_images: int
+    pixel_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """A model's processor, bound to its directory's settings and tokenizer: `__call__(images)` -> (float32 pixel
+    arrays [N, *shape], the text each image's `marker` becomes)."""
+
+    family: VisionFamily
+    config: Any
+    processing: Any
+    tokenizer: Any
+
+    @property
+    def marker(self) -> str:
+        return self.family.marker(self.tokenizer, self.config)
+
+    @property
+    def image_token(self) -> int:
+        return self.family.image_token(self.config)
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return self.family.pixel_shape(self.processing)
+
+    def __call__(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, list[str]]:
+        if not images:
+            return np.zeros((0, *self.pixel_shape), np.float32), []
+        pixels, arrays = self.family.pixels(images, self.processing)
+        return pixels, [self.family.expansion(self.tokenizer, self.config, n) for n in arrays]
