@@ -13,13 +13,16 @@ import warnings
 import numpy as np
 import pytest
 from PIL import Image
-from vision_models import BOI, EOI, IMAGE, write_gemma3_files
 
 from jaxtune.data.formats import DataStats
 from jaxtune.data.image_examples import image_example, image_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.vision.families import image_processor
+from jaxtune.presets import GEMMA3_BOI as BOI
+from jaxtune.presets import GEMMA3_EOI as EOI
+from jaxtune.presets import GEMMA3_IMAGE as IMAGE
+from jaxtune.presets import write_gemma3_files
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"},
                                          {"type": "image"}]},
@@ -139,7 +142,8 @@ def test_rows_pack_within_max_images_and_carry_their_pixels(model_dir):
 def gemma3_run_dir(directory):
     """test_vision_gemma3's tiny Gemma3ForConditionalGeneration saved with this module's tokenizer."""
     from test_vision_gemma3 import gemma3_vision_language
-    from vision_models import write_gemma3_tokenizer
+
+    from jaxtune.presets import write_gemma3_tokenizer
 
     model = gemma3_vision_language(directory)
     write_gemma3_tokenizer(directory)
