@@ -1,5 +1,6 @@
 """One configuration of benchmarks/device_run.py, measured in this process: jaxtune's own jitted train step, or
-PyTorch+PEFT's eager step (TRL's log-probabilities and DPO loss for DPO), on the first accelerator (or the CPU).
+PyTorch+PEFT's eager step (TRL's log-probabilities and DPO loss for DPO), on the first accelerator (or the CPU); or
+one layer's attention through cuDNN's flash attention or jaxtune's blockwise kernel (`attention_run`).
 
 Both sides train in bfloat16 as their users would: jaxtune with bfloat16 frozen weights and compute, float32
 trainable masters (`TrainPlan(param_dtype="bfloat16", compute_dtype="bfloat16")`); torch with bfloat16 frozen
@@ -72,8 +73,7 @@ def token_batch(shape: str, method: str, batch: int, seq: int) -> dict:
             "segment_ids": ones, "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), ones.shape)}
 
 
-def jax_run(shape: str, method: str, attention: str, batch: int, seq: int, warmup: int, steps: int,
-            device_name: str) -> dict:
+def jax_run(shape: str, method: str, batch: int, seq: int, warmup: int, steps: int, device_name: str) -> dict:
     """jaxtune's step of one configuration; with the planner's prediction of its peak on `device_name`."""
     import jax
 
@@ -93,9 +93,10 @@ def jax_run(shape: str, method: str, attention: str, batch: int, seq: int, warmu
     options = {} if kind == "full" else dict(rank=RANK, alpha=ALPHA, target_modules=ALL_LINEAR)
     method_cfg = method_config(kind, **options)
     plan = TrainPlan(method_cfg, batch, seq, 1, param_dtype="bfloat16", objective=objective,
-                     forward=ForwardOptions(compute_dtype="bfloat16", attention=attention))
+                     forward=ForwardOptions(compute_dtype="bfloat16"))
     device = jax.devices()[0]
     predicted = estimate(cfg, plan, get_device(device_name))
+    # the step's rows carry segment ids (packing), which cuDNN's attention cannot take: "auto" is blockwise there
     kernel = planned_kernel(cfg, plan, device.platform, rows_of(method, batch), 0, 1)
 
     key = jax.random.key(0)
@@ -125,6 +126,43 @@ def jax_run(shape: str, method: str, attention: str, batch: int, seq: int, warmu
             "planned_peak_bytes": predicted.peak_bytes, "planned_step_bytes": predicted.total_bytes,
             "planned_device": predicted.device.name, "attention_kernel": kernel.name if kernel else "blockwise",
             "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
+
+
+def attention_run(shape: str, kernel: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    """One layer's causal attention, forward and backward (the gradients of q, k and v), at `shape`'s heads on
+    [batch, seq] unpacked rows in bfloat16: cuDNN's flash attention as jaxtune calls it (`kernels.cudnn.
+    cudnn_attention`; off a GPU the same `jax.nn.dot_product_attention` call with XLA's implementation) or jaxtune's
+    blockwise kernel (`attention.blockwise_attention`, its live-block skipping included)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtune.models import attention
+    from jaxtune.models.kernels.cudnn import cudnn_attention
+
+    s = SHAPES[shape]
+    K, G, hd = s["num_kv_heads"], s["num_heads"] // s["num_kv_heads"], s["head_dim"]
+    rng = np.random.default_rng(0)
+    q, k, v, g = (jnp.asarray(rng.standard_normal(dims), jnp.bfloat16) for dims in
+                  ((batch, seq, K, G, hd), (batch, seq, K, hd), (batch, seq, K, hd), (batch, seq, K, G, hd)))
+    implementation = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+
+    def cudnn(q, k, v):
+        return cudnn_attention(q, k, v, jnp.int32(0), (0,), scale=hd**-0.5, implementation=implementation)
+
+    def blockwise(q, k, v):
+        mask = attention.training_mask(batch, seq, 0, None, None)
+        out = attention.blockwise_attention(q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3),
+                                            v.transpose(0, 2, 1, 3), mask, 0, attention.live_blocks(mask, seq, seq),
+                                            scale=hd**-0.5)
+        return out.transpose(0, 3, 1, 2, 4)
+
+    forward = cudnn if kernel == "cudnn" else blockwise
+    loss = lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32) * g)  # noqa: E731
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    compile_s = time.perf_counter() - t0
+    timing = M.time_steps(lambda: jax.block_until_ready(compiled(q, k, v)), warmup, steps, batch * seq)
+    return {"compile_s": compile_s, **timing, "implementation": implementation if kernel == "cudnn" else "blockwise"}
 
 
 def torch_run(shape: str, method: str, batch: int, seq: int, warmup: int, steps: int) -> dict:

@@ -2,14 +2,15 @@
 
     python benchmarks/device_run.py                  # on the GPU machine: installs what is missing, then measures
     python benchmarks/device_run.py --dry-run        # the same flow on this CPU, tiny shapes, no installs
-    python benchmarks/device_run.py --only 1b:lora --no-torch --budget-s 120
+    python benchmarks/device_run.py --only 1b:lora,1b:layer --no-torch --budget-s 120
 
 Shapes: Llama-3.2-1B (4 of its 16 layers, tied head) and Llama-3.1-8B (2 of its 32 layers), their real widths,
 heads and 128,256-token vocabulary; batch 4 x 1024 tokens (DPO: 4 pairs). Methods: full fine-tune, LoRA on every
 linear layer, QLoRA (NF4, double quantisation; torch's side needs bitsandbytes, else n/a) and DPO with LoRA (torch:
 TRL's log-probabilities and sigmoid loss, the reference the base with adapters off); rank 16, alpha 32; AdamW 2e-4,
-clipping at 1.0 (`_device_workers.py` says how each side is built). For the first shape's LoRA, jaxtune runs again
-with `attention="blockwise"`, against the default ("auto": cuDNN's flash attention on an NVIDIA GPU).
+clipping at 1.0 (`_device_workers.py` says how each side is built). jaxtune's train step packs rows (segment ids),
+which cuDNN's attention does not take, so its "auto" attention is the blockwise kernel there; the two kernels are
+compared on one layer's causal attention, forward and backward, at the first shape's heads on the same batch.
 
 Per row: tokens/s and step time (median of the timed steps after warm-up), jaxtune's compile seconds, MFU against
 the device's dense bfloat16 peak (the planner's catalogue: 989.5 TFLOP/s for an H200 SXM) with the FLOPs of
@@ -17,13 +18,14 @@ the device's dense bfloat16 peak (the planner's catalogue: 989.5 TFLOP/s for an 
 prediction of jaxtune's run (`planner.estimate(...).peak_bytes`) with the ratio measured / predicted (for torch's
 row too, as a yardstick). Each worker runs in its own process with `--config-s` seconds at most; the whole run,
 installs included, stops starting workers when under MIN_WORKER_S of `--budget-s` is left, and says which it skipped.
-Prints a markdown table; writes one JSON (`--output`) with the machine (GPU, driver, CUDA, package versions), after
-every worker, so a run cut short keeps what it measured.
+Prints a markdown table; writes one JSON (`--output`; a dry run's apart) with the machine (GPU, driver, CUDA,
+package versions), after every worker, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import subprocess
@@ -34,13 +36,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
-
-import _device_workers as W  # noqa: E402
+# Only the standard library at import: `_device_workers` (numpy, jaxtune) is imported where used, on a bare machine
+# after `install`.
 
 BUDGET_S, CONFIG_S, MIN_WORKER_S = 480.0, 120.0, 20.0
 GPU_RUN = dict(shapes=("1b", "8b"), batch=4, seq=1024, warmup=2, steps=5, device="h200")
 DRY_RUN = dict(shapes=("tiny",), batch=2, seq=32, warmup=1, steps=2, device="cpu")
-ATTENTION_COMPARED = "lora"  # the method whose first shape also runs with jaxtune's blockwise kernel
+ATTENTION_AFTER = "lora"  # the one-layer attention workers run after the first shape's LoRA
+ATTENTION_KERNELS = ("cudnn", "blockwise")
 # What the GPU run needs: the bench extra's pins (pyproject.toml: torch, transformers, peft, trl), jaxtune's own
 # dependencies, and JAX's CUDA wheels (`cuda_jax`).
 BENCH_EXTRA = f"{REPO}[bench]"
@@ -49,16 +52,18 @@ LABELS = {"full": "full", "lora": "LoRA (all-linear)", "qlora": "QLoRA (NF4, all
 
 
 def worker_names(shapes: tuple[str, ...], torch: bool, only: str | None) -> list[str]:
-    """"jax:SHAPE:METHOD:ATTENTION" and "torch:SHAPE:METHOD", first shape first; `only` keeps those whose
-    "SHAPE:METHOD" or full name it lists (comma-separated)."""
+    """"jax:SHAPE:METHOD", "torch:SHAPE:METHOD" and "attention:SHAPE:layer:KERNEL", first shape first; `only`
+    keeps those whose "SHAPE:METHOD" or full name it lists (comma-separated)."""
+    import _device_workers as W
+
     names = []
     for shape in shapes:
         for method in W.METHODS:
-            names.append(f"jax:{shape}:{method}:auto")
-            if method == ATTENTION_COMPARED and shape == shapes[0]:
-                names.append(f"jax:{shape}:{method}:blockwise")
+            names.append(f"jax:{shape}:{method}")
             if torch:
                 names.append(f"torch:{shape}:{method}")
+            if method == ATTENTION_AFTER and shape == shapes[0]:
+                names += [f"attention:{shape}:layer:{kernel}" for kernel in ATTENTION_KERNELS]
     if only:
         wanted = set(only.split(","))
         names = [n for n in names if n in wanted or ":".join(n.split(":")[1:3]) in wanted]
@@ -70,19 +75,22 @@ def worker_names(shapes: tuple[str, ...], torch: bool, only: str | None) -> list
 
 def run_worker(name: str, setting: dict) -> dict:
     """Measure one worker in this process."""
-    framework, shape, method, *attention = name.split(":")
-    shape_args = (shape, method)
+    import _device_workers as W
+
+    framework, shape, method, *kernel = name.split(":")
     sizes = (setting["batch"], setting["seq"], setting["warmup"], setting["steps"])
+    if framework == "attention":
+        return W.attention_run(shape, kernel[0], *sizes)
     if framework == "jax":
-        return W.jax_run(*shape_args, attention[0], *sizes, setting["device"])
-    return W.torch_run(*shape_args, *sizes)
+        return W.jax_run(shape, method, *sizes, setting["device"])
+    return W.torch_run(shape, method, *sizes)
 
 
 def describe(name: str) -> dict:
     """A worker's name as the fields of its record."""
-    framework, shape, method, *attention = name.split(":")
+    framework, shape, method, *kernel = name.split(":")
     return {"name": name, "framework": framework, "shape": shape, "method": method,
-            "attention": attention[0] if attention else None}
+            "kernel": kernel[0] if kernel else None}
 
 
 def spawn(name: str, dry_run: bool, device: str, timeout_s: float) -> dict:
@@ -104,7 +112,9 @@ def spawn(name: str, dry_run: bool, device: str, timeout_s: float) -> dict:
 
 def with_utilisation(result: dict, setting: dict, peak_flops: float) -> dict:
     """The result with its step's model FLOPs, achieved TFLOP/s and MFU (against `peak_flops`)."""
-    if "step_s_median" not in result:
+    import _device_workers as W
+
+    if "step_s_median" not in result or result["framework"] == "attention":
         return result
     flops = W.model_flops(result["shape"], result["method"], setting["batch"], setting["seq"])
     achieved = flops / result["step_s_median"]
@@ -164,37 +174,36 @@ def _gib(value: float | None) -> str:
 
 
 def table(results: list[dict], dry_run: bool) -> str:
-    """The markdown table: per configuration jaxtune's row(s), then PyTorch's; the attention comparison below."""
-    jax_auto = {(r["shape"], r["method"]): r for r in results if r["framework"] == "jax" and r["attention"] == "auto"}
+    """The markdown table (per configuration jaxtune's row, then PyTorch's), then the attention kernels' line."""
+    steps = [r for r in results if r["framework"] != "attention"]
+    planned = {(r["shape"], r["method"]): r.get("planned_peak_bytes") for r in steps if r["framework"] == "jax"}
+    torch_speed = {(r["shape"], r["method"]): r["tokens_per_s"] for r in steps
+                   if r["framework"] == "torch" and "tokens_per_s" in r}
     rows = ["| config | framework | tokens/s | step ms | compile s | MFU | peak GiB | planned GiB | peak / planned | "
             "vs PyTorch |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
+    for r in steps:
+        key = (r["shape"], r["method"])
         config = f"{r['shape']} {LABELS[r['method']]}"
-        framework = f"jaxtune, attention {r['attention']}" if r["framework"] == "jax" else \
+        framework = f"jaxtune ({r.get('attention_kernel', 'attention n/a')})" if r["framework"] == "jax" else \
             ("PyTorch" if r["method"] == "full" else "PyTorch+PEFT")
-        if r.get("attention_kernel", r["attention"]) != r["attention"]:
-            framework += f" ({r['attention_kernel']})"
         if "tokens_per_s" not in r:
             why = r.get("unavailable") or r.get("error", "").split(" | ")[-1]
             rows.append(f"| {config} | {framework} | n/a ({why}) |  |  |  |  |  |  |  |")
             continue
-        planned = jax_auto.get((r["shape"], r["method"]), {}).get("planned_peak_bytes")
-        ratio = "n/a" if r["peak_bytes"] is None or not planned else f"{r['peak_bytes'] / planned:.2f}"
-        torch_r = next((t for t in results if t["framework"] == "torch" and "tokens_per_s" in t
-                        and (t["shape"], t["method"]) == (r["shape"], r["method"])), None)
-        speed = f"{r['tokens_per_s'] / torch_r['tokens_per_s']:.2f}x" if torch_r and r is not torch_r else ""
+        ratio = "n/a" if r["peak_bytes"] is None or not planned.get(key) else f"{r['peak_bytes'] / planned[key]:.2f}"
+        speed = f"{r['tokens_per_s'] / torch_speed[key]:.2f}x" if r["framework"] == "jax" and key in torch_speed else ""
         compile_s = "—" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         rows.append(f"| {config} | {framework} | {r['tokens_per_s']:.0f} | {1e3 * r['step_s_median']:.1f} | "
-                    f"{compile_s} | {100 * r['mfu']:.1f}% | {_gib(r['peak_bytes'])} | {_gib(planned)} | {ratio} | "
-                    f"{speed} |")
+                    f"{compile_s} | {100 * r['mfu']:.1f}% | {_gib(r['peak_bytes'])} | {_gib(planned.get(key))} | "
+                    f"{ratio} | {speed} |")
     lines = ["\n".join(rows)]
-    blockwise = [r for r in results if r["attention"] == "blockwise" and "tokens_per_s" in r]
-    for b in blockwise:
-        fused = jax_auto.get((b["shape"], b["method"]))
-        if fused and "tokens_per_s" in fused:
-            lines.append(f"attention, {b['shape']} {LABELS[b['method']]}: {fused['attention_kernel']} "
-                         f"{fused['tokens_per_s']:.0f} tokens/s, blockwise {b['tokens_per_s']:.0f}: "
-                         f"{fused['tokens_per_s'] / b['tokens_per_s']:.2f}x")
+    layer = {r["kernel"]: r for r in results if r["framework"] == "attention" and "step_s_median" in r}
+    if len(layer) == len(ATTENTION_KERNELS):
+        cudnn, blockwise = (layer[k] for k in ATTENTION_KERNELS)
+        lines.append(f"attention, one layer forward + backward ({cudnn['shape']} heads, bfloat16): "
+                     f"cuDNN ({cudnn['implementation']}) {1e3 * cudnn['step_s_median']:.2f} ms, blockwise "
+                     f"{1e3 * blockwise['step_s_median']:.2f} ms: cuDNN "
+                     f"{blockwise['step_s_median'] / cudnn['step_s_median']:.2f}x as fast")
     if dry_run:
         lines.insert(0, "**Dry run**: CPU, tiny shapes; the numbers test the flow and say nothing about a GPU.")
     return "\n\n".join(lines)
@@ -203,15 +212,16 @@ def table(results: list[dict], dry_run: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="this CPU, tiny shapes, a few steps, no installs")
-    parser.add_argument("--only", help="comma-separated configs (1b:lora, 8b:full, ...) or workers "
-                                       "(jax:1b:lora:blockwise, torch:1b:qlora)")
+    parser.add_argument("--only", help="comma-separated configs (1b:lora, 8b:full, ..., 1b:layer: the attention "
+                                       "kernels) or workers (jax:1b:lora, torch:1b:qlora, attention:1b:layer:cudnn)")
     parser.add_argument("--no-torch", action="store_true", help="jaxtune only")
     parser.add_argument("--no-install", action="store_true", help="never pip-install (the packages are there)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's wall-clock seconds")
     parser.add_argument("--config-s", type=float, default=CONFIG_S, help="one worker's seconds at most")
     parser.add_argument("--device", help="the planner's name of the accelerator, for its peak FLOP/s and the "
                                          "predicted memory (default: h200; cpu with --dry-run)")
-    parser.add_argument("--output", default=str(HERE / "results" / "device_run.json"))
+    parser.add_argument("--output", help="the JSON (default: benchmarks/results/device_run.json, with --dry-run "
+                                         "device_run_dry.json: a dry run never overwrites a GPU run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     setting = {**(DRY_RUN if args.dry_run else GPU_RUN), **({"device": args.device} if args.device else {})}
@@ -219,9 +229,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_worker(args.worker, setting)))
         return
 
+    output = args.output or str(HERE / "results" / ("device_run_dry.json" if args.dry_run else "device_run.json"))
     start = time.perf_counter()
     installed = None if args.dry_run or args.no_install else install()
-    from jaxtune.planner import get_device  # after the install: jaxtune's dependencies may have come with it
+    importlib.invalidate_caches()  # the finders' listings of site-packages predate the install
+    # after the install: these need numpy and jaxtune's dependencies
+    import _device_workers as W
+
+    from jaxtune.planner import get_device
 
     device = get_device(setting["device"])
     report = {"dry_run": args.dry_run, "machine": machine(), "install": installed, "budget_s": args.budget_s,
@@ -241,9 +256,9 @@ def main(argv: list[str] | None = None) -> None:
                    if "tokens_per_s" in result else result.get("unavailable") or result.get("error"))
         print(f"{name}: {summary}", file=sys.stderr, flush=True)
         report["elapsed_s"] = time.perf_counter() - start
-        write(args.output, report)
+        write(output, report)
     report["elapsed_s"] = time.perf_counter() - start
-    write(args.output, report)
+    write(output, report)
     print(table(report["results"], args.dry_run))
     if report["skipped"]:
         print("\nskipped (out of time): " + "; ".join(report["skipped"]))
