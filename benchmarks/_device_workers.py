@@ -6,8 +6,9 @@ Both sides train in bfloat16 as their users would: jaxtune with bfloat16 frozen 
 trainable masters (`TrainPlan(param_dtype="bfloat16", compute_dtype="bfloat16")`); torch with bfloat16 frozen
 weights (float32 for the full fine-tune, whose weights are its masters) under `torch.autocast(bfloat16)`, PEFT's
 adapters in float32. QLoRA: jaxtune's NF4 with double quantisation against bitsandbytes' (the same), where it imports
-and CUDA runs it. Peak memory is the device's high-water mark over the whole process (model creation included):
-jax's `memory_stats()["peak_bytes_in_use"]`, torch's `max_memory_allocated()`; None on a CPU, which has no such count.
+and CUDA runs it. Peak memory is the device's high-water mark: jax's `memory_stats()["peak_bytes_in_use"]` over the
+whole process (its weights are created in their dtypes), torch's `max_memory_allocated()` from the model in its
+training dtypes on (transformers creates float32 weights first); None on a CPU, which has no such count.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def jax_run(shape: str, method: str, batch: int, seq: int, warmup: int, steps: i
     state = run.init_state(trainable, seed=0, donate=True)  # as spine/load.py: no second copy of a full model
     frozen = as_bit_patterns(frozen)
     batch_arrays = jax.device_put({k: v[None] for k, v in token_batch(shape, method, batch, seq).items()})
+    created = (device.memory_stats() or {}).get("peak_bytes_in_use")  # QLoRA: the bfloat16 weights it quantised
 
     t0 = time.perf_counter()
     compiled = run.step.lower(state, frozen, None, batch_arrays).compile()
@@ -123,8 +125,9 @@ def jax_run(shape: str, method: str, batch: int, seq: int, warmup: int, steps: i
     timing = M.time_steps(step, warmup, steps, rows_of(method, batch) * seq)
     stats = device.memory_stats() or {}
     return {"compile_s": compile_s, **timing, "peak_bytes": stats.get("peak_bytes_in_use"),
-            "planned_peak_bytes": predicted.peak_bytes, "planned_step_bytes": predicted.total_bytes,
-            "planned_device": predicted.device.name, "attention_kernel": kernel.name if kernel else "blockwise",
+            "creation_peak_bytes": created, "planned_peak_bytes": predicted.peak_bytes,
+            "planned_step_bytes": predicted.total_bytes, "planned_device": predicted.device.name,
+            "attention_kernel": kernel.name if kernel else "blockwise",
             "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
 
 
@@ -188,6 +191,8 @@ def torch_run(shape: str, method: str, batch: int, seq: int, warmup: int, steps:
         head_dim=s["head_dim"], tie_word_embeddings=s["tie_word_embeddings"], max_position_embeddings=max(seq, 2048),
         use_cache=False, attn_implementation="sdpa")
     model = _nf4_model(config) if kind == "qlora" else _model(config, device, kind)
+    if device == "cuda":  # the peak from the model in its training dtypes on: not its float32 creation or NF4 loading
+        torch.cuda.reset_peak_memory_stats()
     if kind != "full":
         lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(ALL_LINEAR),
                                bias="none", task_type="CAUSAL_LM")
@@ -237,7 +242,6 @@ def _nf4_model(config):
         with torch.device("cuda"):
             transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()  # the saved model's memory is not the QLoRA run's
         return transformers.LlamaForCausalLM.from_pretrained(directory, quantization_config=quantization,
                                                              dtype=torch.bfloat16, device_map={"": 0})
 
