@@ -36,7 +36,7 @@ def _check_report(report: dict, measured: set[str]) -> None:
             assert r["planned_peak_bytes"] > 0 and r["peak_bytes"] is None  # a CPU keeps no device high-water mark
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_dry_run_of_one_configuration(tmp_path, monkeypatch):
     """The runner's flow with one jaxtune worker measured in this process (the full tier spawns them)."""
     run = _script()
