@@ -1,7 +1,7 @@
 """benchmarks/device_run.py, the GPU benchmark, run here as its `--dry-run` (CPU, tiny shapes): its flow, its JSON's
-fields and its table. The everyday tier checks the table and the budget, and (`slow`) measures one jaxtune
-configuration in this process; the full tier runs the script itself, each worker its own process, PyTorch+PEFT's and
-TRL's side included."""
+fields and its table. The everyday tier checks the table and the budget; the full tier measures one jaxtune
+configuration in this process and runs the script itself, each worker its own process, PyTorch+PEFT's and TRL's side
+included."""
 
 from __future__ import annotations
 
