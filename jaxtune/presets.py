@@ -170,7 +170,7 @@ def write_gemma3_files(directory: str | Path, pan_and_scan: bool = False, **text
     config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
               "text_config": GEMMA3_TEXT | text, "vision_config": GEMMA3_VISION, "mm_tokens_per_image": 4,
               "image_token_index": GEMMA3_IMAGE, "boi_token_index": GEMMA3_BOI, "eoi_token_index": GEMMA3_EOI,
-              "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}
+              "eos_token_id": [1, 94], "bos_token_id": 2, "pad_token_id": 0}  # <eos> and <end_of_turn>, as released
     (directory / "config.json").write_text(json.dumps(config))
     processing = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 64, "width": 64},
                   "do_pan_and_scan": pan_and_scan, "pan_and_scan_min_crop_size": 8,
