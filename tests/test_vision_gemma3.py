@@ -85,7 +85,8 @@ RELEASED = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_inde
 @pytest.mark.reference
 def test_released_config_reads_as_transformers_reads_it():
     """The sparse released config gives the same text model as the config transformers fills in and writes out,
-    and its image side: 27 layers of 1152, 64 x 64 patches of 14 pixels pooled 4 x 4 to 256 soft tokens."""
+    and its image side: 27 layers of 1152, 64 x 64 patches of 14 pixels pooled 4 x 4 to 256 soft tokens; the EOS ids
+    are the composite's top-level ones (its text_config has none), as transformers' generation config takes them."""
     import transformers
 
     from jaxtune.models.hf_config import config_from_hf
@@ -96,6 +97,7 @@ def test_released_config_reads_as_transformers_reads_it():
     cfg = config_from_hf(RELEASED)
     assert cfg == config_from_hf(filled)
     assert (cfg.num_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (8, 256, 262_208, True)
+    assert cfg.eos_token_id == (1, 106)  # the composite's <eos> and <end_of_turn>, which generation stops at
     assert cfg.sliding_windows == ((1024,) * 5 + (0,)) * 5 + (1024,) * 4
     vision = vision_config_from_hf(RELEASED)
     assert vision == vision_config_from_hf(filled)

@@ -181,7 +181,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         if composite in MROPE:
             rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
             mrope_section = tuple(int(v) for v in rope.get("mrope_section", ()))
-        hf = {**text, "architectures": [VISION_LANGUAGE[composite]],
+        special = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id") if hf.get(k) is not None}
+        hf = {**text, **special, "architectures": [VISION_LANGUAGE[composite]],  # the composite's ids: generation's
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
         archs = hf["architectures"]
     arch = next((a for a in archs if a in ARCHITECTURES), None)
