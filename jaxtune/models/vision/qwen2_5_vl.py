@@ -55,7 +55,7 @@ def image_arrays(images, options: QwenImageOptions) -> tuple[np.ndarray, list[in
     return out, counts
 
 
-def _placement(is_image_RxL, counts_RxM, width_RxM, height_RxM, positions_RxL):
+def image_placement(is_image_RxL, counts_RxM, width_RxM, height_RxM, positions_RxL):
     """For rows whose images (per row, in order) take counts_RxM tokens of merged grids height x width: the image
     (its index in the row) and the index within it of every token, and M-RoPE's [3, R, L] positions."""
     ends_RxM = jnp.cumsum(counts_RxM, axis=1)
@@ -93,7 +93,7 @@ def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.A
     height, width = grid[..., 1] // m, grid[..., 2] // m
     counts = grid[..., 0] * height * width
     at_BxT = tokens_BxT == vision.image_token_id
-    image, k, positions = _placement(at_BxT.reshape(R, -1), counts, width, height, positions_BxT.reshape(R, -1))
+    image, k, positions = image_placement(at_BxT.reshape(R, -1), counts, width, height, positions_BxT.reshape(R, -1))
     index = (jnp.arange(R)[:, None] * grid.shape[1] + image).reshape(B, T)
     vectors_BxTxD = merged_IxKxD[index, jnp.clip(k, 0, merged_IxKxD.shape[1] - 1).reshape(B, T)]
     # each token its own vector: placed in order over the row's marked tokens, a token's is its own
