@@ -106,16 +106,23 @@ def saved(tmp_path_factory):
 @pytest.mark.reference
 @pytest.mark.parity
 def test_ids_and_pixels_equal_qwen2_5_vl_processor(saved):
-    """transformers' Qwen2_5_VLProcessor on the chat template's text: the same ids, the same patches and grids."""
+    """transformers' Qwen2_5_VLProcessor on the chat template's text: the same ids, the same patches and grids (its
+    video processor left out: it needs torchvision)."""
     import transformers
+
+    class ImagesOnly(transformers.Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id, self.video_token_id = QWEN_IMAGE, 91
+            transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
     directory, _ = saved
     tokenizer = load_tokenizer(directory)
     images = [_picture(0, SIZES[0]), _picture(1, SIZES[2])]
     example = image_example(MESSAGES, images, image_processor(directory, tokenizer), tokenizer)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    processor = transformers.Qwen2_5_VLProcessor(
-        transformers.Qwen2VLImageProcessorPil(**QWEN_PROCESSING), hf_tokenizer, chat_template=hf_tokenizer.chat_template)
+    processor = ImagesOnly(transformers.Qwen2VLImageProcessorPil(**QWEN_PROCESSING), hf_tokenizer,
+                           chat_template=hf_tokenizer.chat_template)
     text = processor.apply_chat_template(MESSAGES, tokenize=False)
     want = processor(text=[text], images=images, add_special_tokens=False, return_tensors="np")
     assert list(example.ids) == want["input_ids"][0].tolist()
@@ -280,7 +287,7 @@ def test_generation_with_images_equals_transformers_generate(trained, capsys):
     base = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
     model = PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
-        out = model.generate(**_hf_inputs(ImageExample(tuple(ids), (), pixels)), do_sample=False, max_new_tokens=8,
+        out = model.generate(**_hf_inputs(ImageExample(tuple(ids), (0,) * len(ids), pixels)), do_sample=False, max_new_tokens=8,
                              min_new_tokens=8, pad_token_id=0, eos_token_id=None)
     assert ours == out[0, len(ids):].tolist()
     for i, image in enumerate(images):
