@@ -85,7 +85,19 @@ def write_gemma3_files(directory, pan_and_scan: bool = False) -> Path:
     return directory
 
 
-QWEN_VL_CHAT_TEMPLATE = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"  # Qwen2.5-VL-Instruct's, as trl/chat_templates/qwen2_5_vl.jinja holds it
+# Qwen2.5-VL-Instruct's chat template, as trl/chat_templates/qwen2_5_vl.jinja holds it
+QWEN_VL_CHAT_TEMPLATE = (
+    '{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for messa'
+    "ge in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a"
+    " helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['conten"
+    "t'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'"
+    "] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set im"
+    'age_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}:'
+    " {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'vi"
+    "deo' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video"
+    " {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' i"
+    "n content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if "
+    'add_generation_prompt %}<|im_start|>assistant\n{% endif %}')
 QWEN_SPECIAL = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<unk>": 3, "<|image_pad|>": 90,
                 "<|video_pad|>": 91, "<|vision_start|>": 92, "<|vision_end|>": 93}
 QWEN_IMAGE, QWEN_VISION_START, QWEN_VISION_END = 90, 92, 93
