@@ -398,7 +398,7 @@ def test_planner_counts_the_image_side_of_gemma3_4b():
     tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(vision_param_specs(vision),
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert 400e6 < tower < 450e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, 2 * 2) * 2
+    assert both.phases["image side"]["activations"] == tower_elements(vision, (3, 896, 896), 2 * 2) * 2
     assert "image side" not in text.phases
 
 
