@@ -1,10 +1,10 @@
 """Fine-tuning Qwen2.5-VL with images (issue 52; `models/vision/qwen2_5_vl.py`): chat records become ids as
 Qwen2_5_VLProcessor writes them (each `<|image_pad|>` one run of an image's merged tokens), the loss on the assistant's
 text only, each image a padded pixel array with its grid; M-RoPE positions traced in the step equal `rope_index` on a
-packed row. Full tier, on a tiny Qwen2_5_VLForConditionalGeneration: ids and pixels equal the processor's; the unit's
-forward equals the host-side one; a packed batch's loss equals transformers'; LoRA SFT through `fine_tune` lowers the
+packed row. Full tier, on a tiny Qwen2_5_VLForConditionalGeneration: ids and pixels equal the processor's; a packed
+batch's loss equals transformers'; LoRA SFT through `fine_tune` lowers the
 loss and resumes; the adapter loads in PEFT and the merged export in transformers with the same logits; greedy
-generation with images equals `generate`."""
+generation with images equals `generate`; DPO with images equals the DPO formula on transformers' log-probs."""
 
 import json
 
@@ -297,3 +297,57 @@ def test_generation_with_images_equals_transformers_generate(trained, capsys):
           "--image", str(root / "p0.png"), "--image", str(root / "p1.png"), "--max-new-tokens", "8"])
     eos = ours.index(2) if 2 in ours else len(ours)
     assert capsys.readouterr().out.strip() == load_tokenizer(root / "model").decode(ours[:eos]).strip()
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_dpo_with_images_equals_the_dpo_formula_on_transformers_logps(trained):
+    """Pairs whose prompts hold images of different sizes: DPO's loss on a pair batch (policy: the run's adapter,
+    reference: the base with it off) equals TRL's sigmoid DPO loss on transformers' sequence log-probs."""
+    import jax
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from peft import PeftModel
+    from test_vision_train import write_preference_data
+
+    from jaxtune.config import ForwardOptions
+    from jaxtune.data.batching import ImageRows
+    from jaxtune.data.image_examples import ImageExample, image_preference_examples
+    from jaxtune.methods.peft import load_peft_adapter
+    from jaxtune.models.vision.families import image_side
+    from jaxtune.objectives.base import Context, strip_adapters
+    from jaxtune.objectives.dpo import PreferenceConfig, _pair_sums, pair_batch
+    from jaxtune.spine.model import load_vision_language_model
+
+    root = trained[0]
+    write_preference_data(root)
+    tokenizer = load_tokenizer(root / "model")
+    processor = image_processor(root / "model", tokenizer)
+    pairs = list(image_preference_examples(root / "pairs.jsonl", tokenizer, processor, 160))[:3]
+    batch = pair_batch(pairs, 3, 160, images=ImageRows(2, processor.pixel_shape))
+    cfg, params, _, vision_params = load_vision_language_model(root / "model")
+    method, policy = load_peft_adapter(root / "lora" / "adapter", params, cfg)
+    section = PreferenceConfig(beta=0.5)
+    ctx = Context(cfg, method, ForwardOptions(), section, images=image_side(root / "model", 2))
+    policy = {**policy, "vision": vision_params}
+    loss, count, _ = jax.jit(_pair_sums, static_argnums=3)(policy, strip_adapters(policy), batch, ctx)
+    base = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "model", dtype="float32")
+    model = PeftModel.from_pretrained(base, root / "lora" / "adapter").eval()
+
+    def logp(pair, completion):
+        ids = pair.prompt + completion
+        logits = model(**_hf_inputs(ImageExample(ids, (0,) * len(ids), pair.pixel_values))).logits
+        logps = torch.log_softmax(logits[0, :-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return logps[len(pair.prompt) - 1:].sum()
+
+    want = 0.0
+    with torch.no_grad():
+        for pair in pairs:
+            chosen, rejected = logp(pair, pair.chosen), logp(pair, pair.rejected)
+            with model.disable_adapter():
+                ref_chosen, ref_rejected = logp(pair, pair.chosen), logp(pair, pair.rejected)
+            want += float(-F.logsigmoid(section.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))))
+    assert float(count) == 3
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
