@@ -3,7 +3,7 @@ one pixel array [1 + max_patches, patch_dim], row 0 its grid (t, h, w) in patche
 processor's order, zeros past them (the budget `max_patches` from preprocessor_config.json's max_pixels, the most
 patches `smart_resize` gives an image); `image_inputs` runs the tower on the padded images
 (`qwen_vl_vision.padded_vision_forward`) and derives M-RoPE's [3, B, T] positions from the traced tokens, grids and
-each example's plain positions (a packed row's examples restart at 0), as `mrope.rope_index` computes them."""
+each example's plain positions (a packed row's examples restart at 0), as transformers' `get_rope_index`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jaxtune.models.vision.qwen_vl_config import (
     image_options_from_hf,
     vision_language_config_from_hf,
 )
-from jaxtune.models.vision.qwen_vl_processor import normalized_image, patches
+from jaxtune.models.vision.qwen_vl_processor import image_patches
 from jaxtune.models.vision.qwen_vl_vision import abstract_vision_params, padded_vision_forward
 from jaxtune.models.vision.qwen_vl_weights import read_vision_params, vision_tensor_entries
 
@@ -42,22 +42,28 @@ def pixel_shape(options: QwenImageOptions) -> tuple[int, int]:
 
 
 def image_arrays(images, options: QwenImageOptions) -> tuple[np.ndarray, list[int]]:
-    """(float32 [N, *pixel_shape]: each image's grid row, then its patches as `Qwen2VLImageProcessor` gives them,
-    then zeros; each image's `<|image_pad|>` tokens, t h w / merge²)."""
+    """(float32 [N, *pixel_shape]: each image's grid row, then its patches as `Qwen2VLImageProcessor` gives them
+    (`image_patches`), then zeros; each image's `<|image_pad|>` tokens, t h w / merge²)."""
     out: np.ndarray = np.zeros((len(images), *pixel_shape(options)), np.float32)
-    counts = []
-    for i, image in enumerate(images):
-        pixels = normalized_image(image, options)
-        rows = patches(pixels, options)
-        out[i, 0, :3] = (1, pixels.shape[1] // options.patch_size, pixels.shape[2] // options.patch_size)
+    if not images:
+        return out, []
+    values, grids = image_patches(images, options)
+    sizes = grids.prod(-1)
+    for i, (rows, grid) in enumerate(zip(np.split(values, np.cumsum(sizes)[:-1]), grids)):
+        out[i, 0, :3] = grid
         out[i, 1:1 + len(rows)] = rows
-        counts.append(len(rows) // options.merge_size**2)
-    return out, counts
+    return out, (sizes // options.merge_size**2).tolist()
 
 
-def image_placement(is_image_RxL, counts_RxM, width_RxM, height_RxM, positions_RxL):
-    """For rows whose images (per row, in order) take counts_RxM tokens of merged grids height x width: the image
-    (its index in the row) and the index within it of every token, and M-RoPE's [3, R, L] positions."""
+def image_placement(is_image_RxL: jax.Array, grid_RxMx3: jax.Array, positions_RxL: jax.Array, merge: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the image of each token [R, L], its index there [R, L], M-RoPE's positions [3, R, L]) of rows whose image
+    tokens are, in order, runs of the row's images of grids (t, h, w) [R, M, 3] in patches (t h w / merge² tokens
+    each; t = 0: no image). Text counts on in all three streams from each example's start (plain position 0); an
+    image's tokens take its start plus (frame, row, column) in its merged grid, the text after it resumes at its
+    start plus the longer merged side."""
+    height_RxM, width_RxM = grid_RxMx3[..., 1] // merge, grid_RxMx3[..., 2] // merge
+    counts_RxM = grid_RxMx3[..., 0] * height_RxM * width_RxM
     ends_RxM = jnp.cumsum(counts_RxM, axis=1)
     before_RxL = jnp.cumsum(is_image_RxL, axis=1) - is_image_RxL  # image tokens before each token
     image_RxL = jnp.minimum(jnp.sum(before_RxL[..., None] >= ends_RxM[:, None], -1), counts_RxM.shape[1] - 1)
@@ -90,10 +96,8 @@ def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.A
     m = vision.tower.spatial_merge_size
     R = B if per_row else 1
     grid = grid_Ix3.reshape(R, -1, 3)
-    height, width = grid[..., 1] // m, grid[..., 2] // m
-    counts = grid[..., 0] * height * width
     at_BxT = tokens_BxT == vision.image_token_id
-    image, k, positions = image_placement(at_BxT.reshape(R, -1), counts, width, height, positions_BxT.reshape(R, -1))
+    image, k, positions = image_placement(at_BxT.reshape(R, -1), grid, positions_BxT.reshape(R, -1), m)
     index = (jnp.arange(R)[:, None] * grid.shape[1] + image).reshape(B, T)
     vectors_BxTxD = merged_IxKxD[index, jnp.clip(k, 0, merged_IxKxD.shape[1] - 1).reshape(B, T)]
     # each token its own vector: placed in order over the row's marked tokens, a token's is its own

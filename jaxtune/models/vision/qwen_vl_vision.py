@@ -1,9 +1,10 @@
-"""Qwen2.5-VL's vision transformer as a pure function (`vision_forward`): patches embedded (its Conv3d, whose stride
-is its kernel, is one matmul), put in window order (`qwen_vl_layout`), rotated by 2D RoPE (rows on the first half of
-each rotary half, columns on the second), then blocks of RMSNorm, attention and a gated SiLU MLP, scanned over the
-stacked blocks: attention within windows, or over the whole image in `fullatt_blocks`, never across images; then the
-merger (RMSNorm, merge² neighbouring patches concatenated, a GELU MLP) and the merged tokens back in image order.
-Attention is jaxtune's blockwise kernel with segment ids, so nothing grows with the square of the patch count."""
+"""Qwen2.5-VL's vision transformer as a pure function (`padded_vision_forward`) over images each padded to a static
+patch count: patches embedded (its Conv3d, whose stride is its kernel, is one matmul), rotated by 2D RoPE (rows on
+the first half of each rotary half, columns on the second), then blocks of RMSNorm, attention and a gated SiLU MLP,
+scanned over the stacked blocks: attention within windows, or over the whole frame in `fullatt_blocks` (segment ids
+from the traced grids, `padded_layout`: no reordering), each image its own batch row; then the merger (RMSNorm,
+merge² neighbouring patches concatenated, a GELU MLP). Attention is jaxtune's blockwise kernel, so nothing grows
+with the square of the patch count."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import numpy as np
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks
 from jaxtune.models.norms import rms_norm
 from jaxtune.models.vision.qwen_vl_config import QwenVisionConfig
-from jaxtune.models.vision.qwen_vl_layout import MAX_SEGMENTS, VisionLayout
 
-PAD_SEGMENT = MAX_SEGMENTS  # padding patches attend among themselves (their output is never read)
+PAD_SEGMENT = 2**16 - 1  # the mask's largest plain segment id: padding patches attend among themselves (never read)
 
 
 def _linear(d_in: int, d_out: int, dtype, bias: bool = True, layers: tuple[int, ...] = ()) -> dict:
@@ -112,23 +112,12 @@ def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_
         return _dense(jax.nn.gelu(_dense(merged, merger["fc1"]), approximate=False), merger["fc2"])
 
 
-def vision_forward(params: dict, pixel_values_NxP: jax.Array, layout: VisionLayout, cfg: QwenVisionConfig
-                   ) -> jax.Array:
-    """Image embeddings [N / merge², out_hidden_size] in params' dtype, in image order (what
-    `Qwen2_5_VLModel.get_image_features` gives, concatenated): pixel_values [N, C * T * P * P] as the processor
-    gives them (`image_patches`), layout = `vision_layout(image_grid_thw, cfg)`. Jit with `cfg` static."""
-    dtype = params["patch_embed"]["kernel"].dtype
-    with jax.named_scope("patch_embed"):
-        x_NxD = (pixel_values_NxP.astype(dtype) @ params["patch_embed"]["kernel"])[layout.patch_order_N]
-    merged = _tower(params, x_NxD[None], jnp.asarray(layout.positions_Nx2)[None],
-                    jnp.asarray(layout.window_segment_N)[None], jnp.asarray(layout.image_segment_N)[None], cfg)
-    return merged[0][layout.merged_order_M]
-
-
 def padded_layout(grid_Ix3: jax.Array, N: int, cfg: QwenVisionConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(positions [I, N, 2], window segments [I, N], image segments [I, N]) of I images of traced grids (t, h, w)
     each held in N patch slots in the processor's order (merge blocks row by row, frames one after another); slots
-    past t h w are padding, a segment of their own (`PAD_SEGMENT`). Windows as `qwen_vl_layout.window_index`'s."""
+    past t h w are padding, a segment of their own (`PAD_SEGMENT`). Windows as transformers' `get_vision_window_index`
+tiles them: window_size // merge // patch merged tokens a side, row by row, edge windows smaller; image segments
+one a frame."""
     m, side = cfg.spatial_merge_size, cfg.window_tokens
     t, h, w = (grid_Ix3[:, i, None] for i in range(3))
     gh, gw = jnp.maximum(h // m, 1), jnp.maximum(w // m, 1)
@@ -141,7 +130,7 @@ def padded_layout(grid_Ix3: jax.Array, N: int, cfg: QwenVisionConfig) -> tuple[j
     window = (frame * -(-gh // side) + block_row // side) * windows_across + block_col // side
     valid = slot < t * h * w
     return (positions.astype(jnp.int32), jnp.where(valid, window + 1, PAD_SEGMENT).astype(jnp.int32),
-            jnp.where(valid, 1, PAD_SEGMENT).astype(jnp.int32))
+            jnp.where(valid, frame + 1, PAD_SEGMENT).astype(jnp.int32))
 
 
 def padded_vision_forward(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, cfg: QwenVisionConfig
