@@ -1,9 +1,8 @@
 """Fine-tuning Qwen2.5-VL with images (issue 52; `models/vision/qwen2_5_vl.py`): chat records become ids as
 Qwen2_5_VLProcessor writes them (each `<|image_pad|>` one run of an image's merged tokens), the loss on the assistant's
-text only, each image a padded pixel array with its grid; M-RoPE positions traced in the step equal `rope_index` on a
-packed row. Full tier, on a tiny Qwen2_5_VLForConditionalGeneration: ids and pixels equal the processor's; a packed
-batch's loss equals transformers'; LoRA SFT through `fine_tune` lowers the
-loss and resumes; the adapter loads in PEFT and the merged export in transformers with the same logits; greedy
+text only, each image a padded pixel array with its grid. Full tier, on a tiny Qwen2_5_VLForConditionalGeneration:
+ids and pixels equal the processor's; a packed batch's loss equals transformers'; LoRA SFT through `fine_tune` lowers
+the loss and resumes; the adapter loads in PEFT and the merged export in transformers with the same logits; greedy
 generation with images equals `generate`; DPO with images equals the DPO formula on transformers' log-probs."""
 
 import json
@@ -62,24 +61,6 @@ def test_ids_loss_mask_and_padded_pixel_arrays(tmp_path):
     assert f"<|vision_start|>{'<|image_pad|>' * 20}<|vision_end|>What colour?<|vision_start|>" in text
     trained = tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
     assert trained == "Red and blue.<|im_end|>Green.<|im_end|>"
-
-
-def test_traced_mrope_positions_equal_rope_index_on_a_packed_row():
-    """Two examples packed in a row (plain positions restarting at 0), images of 2 x 3 and 4 x 2 merged tokens:
-    `image_placement`'s positions equal `rope_index` on each example alone."""
-    from jaxtune.models.vision.mrope import rope_index
-    from jaxtune.models.vision.qwen2_5_vl import image_placement
-
-    first = [5, 6, *[QWEN_IMAGE] * 6, 7, 8]
-    second = [9, *[QWEN_IMAGE] * 8, 3, 4, 4]
-    row = np.asarray([first + second + [0, 0]])
-    plain = np.asarray([[*range(len(first)), *range(len(second)), 0, 0]])
-    _, _, positions = image_placement(jnp.asarray(row == QWEN_IMAGE), jnp.asarray([[6, 8, 0]]),
-                                      jnp.asarray([[3, 2, 0]]), jnp.asarray([[2, 4, 0]]), jnp.asarray(plain))
-    want = [rope_index(np.asarray([ids]), np.asarray([grid]), image_token_id=QWEN_IMAGE, spatial_merge_size=2)[0]
-            for ids, grid in ((first, (1, 4, 6)), (second, (1, 8, 4)))]
-    np.testing.assert_array_equal(np.asarray(positions)[:, 0, :len(first) + len(second)],
-                                  np.concatenate([w[:, 0] for w in want], axis=1))
 
 
 @pytest.fixture(scope="module")
