@@ -73,8 +73,9 @@ def window_peak_rss_mib() -> float:
     return _status_kib("VmHWM") / 1024
 
 
-def time_steps(step, warmup: int, steps: int) -> dict:
-    """Run `step()` (which must block until its result exists) warmup + steps times; per-step wall times."""
+def time_steps(step, warmup: int, steps: int, tokens: int = BATCH * SEQ) -> dict:
+    """Run `step()` (which must block until its result exists) warmup + steps times; per-step wall times and
+    `tokens` (a step's) per second."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -88,4 +89,4 @@ def time_steps(step, warmup: int, steps: int) -> dict:
     median = statistics.median(times)
     # CPU seconds (all threads) per step: a check on the wall time when other processes share the cores.
     return {"warmup_s": first, "step_s_median": median, "step_s_min": min(times), "step_s_max": max(times),
-            "step_s_all": times, "cpu_s_per_step": statistics.median(cpu), "tokens_per_s": BATCH * SEQ / median}
+            "step_s_all": times, "cpu_s_per_step": statistics.median(cpu), "tokens_per_s": tokens / median}

@@ -1,16 +1,21 @@
-"""Small random models written as Hugging Face directories: for the demo, examples and benchmarks."""
+"""Small random models written as Hugging Face directories: for the demo, examples and benchmarks; a tiny Gemma 3
+vision-language model (a character-level tokenizer holding Gemma 3's special tokens, its released chat template)."""
 
 from __future__ import annotations
 
+import json
+import string
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import tokenizers
 
 from jaxtune.config import ModelConfig, RopeScaling, tiny_config
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.models.hf_weights import save_model
-from jaxtune.models.params import init_params
+from jaxtune.models.params import ParamSpec, init_params
 
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
@@ -101,3 +106,98 @@ def write_random_model(directory: str | Path, arch: str = "llama", seed: int = 0
     save_model(directory, cfg, params)
     Tokenizer.byte_level().save(directory)
     return Path(directory)
+
+
+# gemma-3-4b-it's chat_template.json
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n")
+
+SPECIAL = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<image_soft_token>": 90, "<start_of_image>": 91,
+           "<end_of_image>": 92, "<start_of_turn>": 93, "<end_of_turn>": 94}
+CHARS = "\n " + string.ascii_letters + string.digits + ".,?!:'-"  # ids 4 .. 74
+
+
+def write_gemma3_tokenizer(directory: str | Path) -> None:
+    """tokenizer.json (characters, no merges; the special tokens whole) and a tokenizer_config.json with the chat
+    template and transformers' Gemma 3 image token attributes, for a 96-token vocabulary."""
+    vocab = dict(SPECIAL)
+    vocab.update({c: 4 + i for i, c in enumerate(CHARS)})
+    vocab.update({f"<unused{i}>": i for i in range(96) if i not in vocab.values()})
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(list(SPECIAL))
+    backend.decoder = tokenizers.decoders.Fuse()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+              "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": GEMMA3_CHAT_TEMPLATE,
+              "extra_special_tokens": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                                       "eoi_token": "<end_of_image>"}}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+GEMMA3_TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, max_position_embeddings=512,
+            rms_norm_eps=1e-5, sliding_window=3, model_type="gemma3_text",
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+# 64-pixel images in 16-pixel patches: a 4 x 4 grid pooled to 2 x 2 soft tokens an image
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+              patch_size=16, vision_use_head=False, model_type="siglip_vision_model")
+GEMMA3_IMAGE, GEMMA3_BOI, GEMMA3_EOI = 90, 91, 92
+
+
+def write_gemma3_files(directory: str | Path, pan_and_scan: bool = False, **text) -> Path:
+    """A tiny Gemma 3 VLM directory without weights: config.json (`text` over GEMMA3_TEXT), preprocessor_config.json,
+    the tokenizer."""
+    directory = Path(directory)
+    write_gemma3_tokenizer(directory)
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": GEMMA3_TEXT | text, "vision_config": GEMMA3_VISION, "mm_tokens_per_image": 4,
+              "image_token_index": GEMMA3_IMAGE, "boi_token_index": GEMMA3_BOI, "eoi_token_index": GEMMA3_EOI,
+              "eos_token_id": [1, 94], "bos_token_id": 2, "pad_token_id": 0}  # <eos> and <end_of_turn>, as released
+    (directory / "config.json").write_text(json.dumps(config))
+    processing = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 64, "width": 64},
+                  "do_pan_and_scan": pan_and_scan, "pan_and_scan_min_crop_size": 8,
+                  "pan_and_scan_max_num_crops": 2, "pan_and_scan_min_ratio_to_activate": 1.5}
+    (directory / "preprocessor_config.json").write_text(json.dumps(processing))
+    return directory
+
+def write_random_vision_model(directory: str | Path, seed: int = 0, **text) -> Path:
+    """A tiny Gemma 3 vision-language model with random weights (`write_gemma3_files`' shape, `text` over its text
+    config), its tensors named as transformers 5 saves Gemma3ForConditionalGeneration, so jaxtune and transformers
+    both load it: for the vision demo, examples and tests."""
+    from jaxtune.io.safetensors import write_weights
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.hf_weights import tensor_entries
+    from jaxtune.models.vision.gemma3 import GEMMA3
+
+    directory = write_gemma3_files(directory, **text)
+    cfg, vision = load_config(directory), GEMMA3.read_config(directory)
+    text_key, vision_key = jax.random.split(jax.random.key(seed))
+    specs, treedef = jax.tree.flatten(GEMMA3.param_specs(vision), is_leaf=lambda x: isinstance(x, ParamSpec))
+    leaves = [jnp.ones(s.shape) if s.init == "ones" else jnp.zeros(s.shape) if s.init == "zeros" else
+              cfg.initializer_range * jax.random.normal(k, s.shape)
+              for s, k in zip(specs, jax.random.split(vision_key, len(specs)))]
+    entries = (tensor_entries(init_params(cfg, text_key), cfg)
+               + GEMMA3.tensor_entries(jax.tree.unflatten(treedef, leaves), vision))
+    named = {"model.": "model.language_model.", "vision_tower.": "model.vision_tower.vision_model.",
+             "multi_modal_projector.": "model.multi_modal_projector."}
+    write_weights(directory, [(next(new + name[len(old):] for old, new in named.items() if name.startswith(old)), *rest)
+                              for name, *rest in entries])
+    return directory

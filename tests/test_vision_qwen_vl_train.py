@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
-from vision_models import QWEN_IMAGE, QWEN_PROCESSING, QWEN_TEXT, QWEN_VISION, write_qwen_vl_files
+from qwen_vl_files import QWEN_IMAGE, QWEN_PROCESSING, QWEN_TEXT, QWEN_VISION, write_qwen_vl_files
 
 from jaxtune.data.image_examples import image_example
 from jaxtune.data.tokenizer import load_tokenizer

@@ -13,13 +13,16 @@ import warnings
 import numpy as np
 import pytest
 from PIL import Image
-from vision_models import BOI, EOI, IMAGE, write_gemma3_files
 
 from jaxtune.data.formats import DataStats
 from jaxtune.data.image_examples import image_example, image_sft_examples
 from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.vision.families import image_processor
+from jaxtune.presets import GEMMA3_BOI as BOI
+from jaxtune.presets import GEMMA3_EOI as EOI
+from jaxtune.presets import GEMMA3_IMAGE as IMAGE
+from jaxtune.presets import write_gemma3_files
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"},
                                          {"type": "image"}]},
@@ -139,7 +142,8 @@ def test_rows_pack_within_max_images_and_carry_their_pixels(model_dir):
 def gemma3_run_dir(directory):
     """test_vision_gemma3's tiny Gemma3ForConditionalGeneration saved with this module's tokenizer."""
     from test_vision_gemma3 import gemma3_vision_language
-    from vision_models import write_gemma3_tokenizer
+
+    from jaxtune.presets import write_gemma3_tokenizer
 
     model = gemma3_vision_language(directory)
     write_gemma3_tokenizer(directory)
@@ -491,3 +495,30 @@ def test_adapter_exclusions_keep_peft_off_the_tower():
     for own, excluded in ((None, ()), (("up_proj",), (text,)), (r".*\.mlp\..*", (text,))):
         pattern = excluding(own, outside)
         assert {p for p in (tower, text) if re.fullmatch(pattern, p)} == {tower, *excluded}
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_the_random_vision_preset_loads_in_transformers_with_the_same_logits(tmp_path):
+    """`presets.write_random_vision_model` (the vision demo's base, written without torch): transformers' Gemma 3
+    VLM loads every tensor, and its logits with an image equal jaxtune's."""
+    import jax.numpy as jnp
+    import transformers
+
+    from jaxtune.image_generation import load_image_generator, prompt_ids
+    from jaxtune.models.head import head_logits
+    from jaxtune.models.llama import decoder
+    from jaxtune.presets import write_random_vision_model
+
+    directory = write_random_vision_model(tmp_path / "m", seed=1, hidden_size=128, intermediate_size=256)
+    generator = load_image_generator(directory)
+    ids, pixels = prompt_ids(generator.processor, "Colour?", [_picture(3, (64, 64))])
+    model, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(directory, dtype="float32",
+                                                                              output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    text, images = generator.processor.family.image_inputs(generator.vision_params, jnp.asarray([ids]),
+                                                           jnp.asarray(pixels), generator.cfg,
+                                                           generator.processor.config, jnp.float32)
+    ours = np.asarray(head_logits(generator.params, decoder(generator.params, text, generator.cfg, **images)))
+    np.testing.assert_allclose(ours, _hf_logits(model.eval(), np.asarray([ids]), pixels), rtol=1e-5, atol=1e-4)
