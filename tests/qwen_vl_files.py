@@ -35,8 +35,8 @@ QWEN_PROCESSING = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pi
 
 def write_qwen_vl_files(directory, config: bool = True) -> Path:
     """The tokenizer (characters, no merges, the special tokens whole; EOS `<|im_end|>`, pad `<|endoftext|>`),
-    preprocessor_config.json (4-pixel patches, at most
-    48 x 64 pixels: 192 patches an image) and (config) config.json of a tiny Qwen2.5-VL, without weights."""
+    preprocessor_config.json (4-pixel patches, at most 48 x 64 pixels: 192 patches an image) and (config)
+    config.json of a tiny Qwen2.5-VL, without weights."""
     vocab = dict(QWEN_SPECIAL)
     vocab.update({c: 4 + i for i, c in enumerate(CHARS)})
     vocab.update({f"<unused{i}>": i for i in range(96) if i not in vocab.values()})
