@@ -518,7 +518,7 @@ def test_the_random_vision_preset_loads_in_transformers_with_the_same_logits(tmp
                                                                               output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     text, images = generator.processor.family.image_inputs(generator.vision_params, jnp.asarray([ids]),
-                                                           jnp.asarray(pixels), generator.cfg,
+                                                           jnp.asarray(pixels), None, generator.cfg,
                                                            generator.processor.config, jnp.float32)
     ours = np.asarray(head_logits(generator.params, decoder(generator.params, text, generator.cfg, **images)))
     np.testing.assert_allclose(ours, _hf_logits(model.eval(), np.asarray([ids]), pixels), rtol=1e-5, atol=1e-4)
