@@ -1,9 +1,10 @@
 """Fine-tuning Qwen2.5-VL with images (issue 52; `models/vision/qwen2_5_vl.py`): chat records become ids as
 Qwen2_5_VLProcessor writes them (each `<|image_pad|>` one run of an image's merged tokens), the loss on the assistant's
-text only, each image a padded pixel array with its grid. Full tier, on a tiny Qwen2_5_VLForConditionalGeneration:
-ids and pixels equal the processor's; a packed batch's loss equals transformers'; LoRA SFT through `fine_tune` lowers
-the loss and resumes; the adapter loads in PEFT and the merged export in transformers with the same logits; greedy
-generation with images equals `generate`; DPO with images equals the DPO formula on transformers' log-probs."""
+text only, each image a padded pixel array with its grid; the planner counts the 3B's tower. Full tier, on a tiny
+Qwen2_5_VLForConditionalGeneration: ids and pixels equal the processor's; a packed batch's loss equals transformers';
+LoRA SFT through `fine_tune` lowers the loss and resumes; the adapter loads in PEFT and the merged export in
+transformers with the same logits; greedy generation with images equals `generate`; DPO with images equals the DPO
+formula on transformers' log-probs."""
 
 import json
 
@@ -332,3 +333,33 @@ def test_dpo_with_images_equals_the_dpo_formula_on_transformers_logps(trained):
             want += float(-F.logsigmoid(section.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))))
     assert float(count) == 3
     np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+
+
+def test_planner_counts_the_image_side_of_qwen2_5_vl_3b():
+    """Qwen2.5-VL-3B-Instruct as released, LoRA SFT with 2 images a row of the processor's default patch budget on an
+    H100, planned without allocating: the frozen weights hold the tower beside the text model, and its forward over the
+    padded patches is a moment of its own."""
+    import jax
+    from test_vision_qwen_vl_model import RELEASED
+
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
+    from jaxtune.models.hf_config import config_from_hf
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.family import ImageSide
+    from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL, pixel_shape, tower_elements
+    from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, vision_language_config_from_hf
+    from jaxtune.planner import estimate
+    from jaxtune.planner.devices import get_device
+
+    cfg = config_from_hf(RELEASED)
+    vision = vision_language_config_from_hf(RELEASED, cfg.hidden_size)
+    shape = pixel_shape(QwenImageOptions())  # the processor's default max_pixels, 28 * 28 * 1280
+    assert shape == (1 + 5120, 1176) and pixel_shape(QwenImageOptions(max_pixels=12845056))[0] == 1 + 65536
+    plan = TrainPlan(method_config("lora", rank=8), batch_size=2, seq_len=1024)
+    with_images = plan.replace(images=ImageSide(QWEN2_5_VL, vision, 2, shape))
+    text, both = (estimate(cfg, p, get_device("h100")) for p in (plan, with_images))
+    tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(QWEN2_5_VL.param_specs(vision),
+                                                               is_leaf=lambda x: isinstance(x, ParamSpec)))
+    assert 600e6 < tower < 700e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
+    assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
