@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from PIL import Image
 
@@ -20,7 +21,7 @@ class VisionFamily:
     """One vision-language architecture.
 
     name, architectures   its name and the `config.json` architectures it reads
-    read_config           directory -> its image-side config (Gemma 3: `VisionLanguageConfig`)
+    read_config           directory -> its image-side config (`VisionLanguageConfig`, `QwenVLConfig`)
     param_specs           image-side config -> its tree as `ParamSpec`s; read_params(directory, config, dtype)
     tensor_entries        (image-side params, config, dtype) -> `write_weights` entries under canonical names
     read_processing       directory -> its image processor's settings
@@ -54,7 +55,7 @@ class VisionFamily:
     expansion: Callable[[Any, Any, int], str]
     image_token: Callable[[Any], int]
     image_inputs: Callable[..., tuple]
-    forward: Callable[..., Any]
+    forward: Callable[..., jax.Array]
     prefill: Callable[..., tuple]
     text_prefix: str
     outside_text: str
