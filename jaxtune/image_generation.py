@@ -1,7 +1,8 @@
-"""Generation with images (a vision-language model; its family's `ImageProcessor` and `image_inputs`): one prompt, its
-images placed by the chat template's image markers expanded as the processor does, prefilled into a KV cache with
-the images' soft tokens and bidirectional spans, then decoded a token at a time (greedy, or sampled as `generation`
-samples). `load_image_generator` reads what it needs from a model directory (and a PEFT adapter)."""
+"""Generation with images (a vision-language model; its family's `ImageProcessor` and `prefill`): one prompt, its
+images placed by the chat template's image markers expanded as the processor does, prefilled into a KV cache by the
+family (the images' tokens, Gemma 3's bidirectional spans, Qwen2.5-VL's M-RoPE positions), then decoded a token at a
+time (greedy, or sampled as `generation` samples). `load_image_generator` reads what it needs from a model directory
+(and a PEFT adapter)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def prompt_ids(processor: ImageProcessor, prompt: str | list[dict], images: Sequ
 
 @partial(jax.jit, static_argnames=("cfg", "processor", "cache_size", "method", "options"))
 def _prefill(params, vision_params, tokens_1xT, pixels, *, cfg, processor, cache_size, method, options):
-    text, images = processor.family.image_inputs(vision_params, tokens_1xT, pixels, cfg, processor.config,
-                                                 jnp.dtype(options.compute_dtype))
-    return prefill(params, text, cfg, cache_size=cache_size, method=method, options=options, **images)
+    if pixels.shape[0] == 0:
+        return prefill(params, tokens_1xT, cfg, cache_size=cache_size, method=method, options=options)
+    return processor.family.prefill(params, vision_params, tokens_1xT, pixels, cfg, processor.config,
+                                    cache_size=cache_size, method=method, options=options)
 
 
 def generate_ids_with_images(generator: ImageGenerator, ids: Sequence[int], pixels: np.ndarray,

@@ -349,7 +349,7 @@ def test_image_placeholders_must_match_the_images():
     vision = VisionLanguageConfig(tower=tower, text_hidden_size=64, tokens_per_image=4, image_token_id=7)
     tokens = np.asarray([[1, *[7] * 8, 2]])
     with pytest.raises(JaxtuneError, match="8 image placeholder tokens .id 7. for 1 images of 4 soft tokens"):
-        image_inputs({}, tokens, np.zeros((1, 3, 16, 16), np.float32), tiny_config(), vision, jnp.float32)
+        image_inputs({}, tokens, np.zeros((1, 3, 16, 16), np.float32), None, tiny_config(), vision, jnp.float32)
 
 
 def numpy_soft_tokens(params: dict, pixels: np.ndarray, vision) -> np.ndarray:

@@ -1,6 +1,6 @@
-"""Qwen2.5-VL's vision parts, torch-free: the processor's resize rule, patch order and placeholders by hand, the
-window layout and M-RoPE positions on small cases, and the tower's own invariants (images do not see each other;
-windows matter). Their agreement with transformers is test_vision_qwen_vl_parity.py's."""
+"""Qwen2.5-VL's vision parts, torch-free: the processor's resize rule and patch order by hand, the padded window
+layout and M-RoPE positions on small cases, and the tower's own invariants (padding changes nothing; windows
+matter). Their agreement with transformers is test_vision_qwen_vl_parity.py's."""
 
 from functools import partial
 
@@ -12,7 +12,7 @@ from PIL import Image
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.rope import mrope_streams
-from jaxtune.models.vision.mrope import rope_index
+from jaxtune.models.vision.qwen2_5_vl import image_placement
 from jaxtune.models.vision.qwen_vl_config import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -21,17 +21,13 @@ from jaxtune.models.vision.qwen_vl_config import (
     image_options_from_hf,
     vision_config_from_hf,
 )
-from jaxtune.models.vision.qwen_vl_layout import vision_layout, window_index
-from jaxtune.models.vision.qwen_vl_processor import (
-    IMAGE_PAD,
-    expand_image_placeholders,
-    image_grid,
-    image_patches,
-    image_token_count,
-    patches,
-    smart_resize,
+from jaxtune.models.vision.qwen_vl_processor import image_patches, patches, smart_resize
+from jaxtune.models.vision.qwen_vl_vision import (
+    PAD_SEGMENT,
+    abstract_vision_params,
+    padded_layout,
+    padded_vision_forward,
 )
-from jaxtune.models.vision.qwen_vl_vision import abstract_vision_params, vision_forward
 
 # 4 x 4-pixel patches, windows of 2 x 2 merged tokens (16 pixels), block 2 attending over whole images
 TINY_VISION = QwenVisionConfig(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=24,
@@ -43,7 +39,6 @@ def test_smart_resize_by_hand():
     assert smart_resize(60, 100) == (56, 112)  # 2.1 and 3.6 factors round to 2 and 4
     assert smart_resize(1000, 2000, max_pixels=28 * 28 * 100) == (196, 392)  # beta = sqrt(2e6 / 78400)
     assert smart_resize(10, 20) == (56, 84)  # beta = sqrt(3136 / 200): ceil(1.41), ceil(2.83) factors
-    assert image_token_count(60, 100, QwenImageOptions()) == 8  # a 4 x 8 patch grid, 2 x 2 merged
     with pytest.raises(JaxtuneError, match="aspect ratio"):
         smart_resize(10, 2100)
 
@@ -93,38 +88,33 @@ def test_image_options_read_old_and_new_preprocessor_configs():
         image_options_from_hf({"do_convert_rgb": False})
 
 
-def test_placeholders_expand_in_order_across_texts():
-    texts = ["a" + IMAGE_PAD + "b", IMAGE_PAD + " and " + IMAGE_PAD]
-    assert expand_image_placeholders(texts, [2, 1, 3]) == ["a" + IMAGE_PAD * 2 + "b",
-                                                           IMAGE_PAD + " and " + IMAGE_PAD * 3]
-    with pytest.raises(JaxtuneError, match="3 <|image_pad|> placeholders"):
-        expand_image_placeholders(texts, [2, 1])
-
-
 def test_window_layout_by_hand():
-    """A 2 x 4 merged grid in windows of 2 x 2 merged tokens: tokens 0, 1, 4, 5 then 2, 3, 6, 7; a second image's
-    tokens after the first's, in windows of their own; each merged token's patches kept together."""
-    merged_index, window_of = window_index(np.array([[1, 4, 8], [1, 2, 2]]), TINY_VISION)
-    assert merged_index.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8]
-    assert window_of.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
-    layout = vision_layout(np.array([[1, 4, 8], [1, 2, 2]]), TINY_VISION)
-    assert layout.patch_order_N[:8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # merged tokens 0 and 1
-    assert layout.patch_order_N[8:12].tolist() == [16, 17, 18, 19]  # merged token 4
-    assert (merged_index[layout.merged_order_M] == np.arange(9)).all()
-    assert layout.image_segment_N.tolist() == [1] * 32 + [2] * 4
-    assert layout.positions_Nx2[8:12].tolist() == [[2, 0], [2, 1], [3, 0], [3, 1]]  # merged token 4: rows 2-3
+    """A 2 x 4 merged grid in windows of 2 x 2 merged tokens: merged tokens 0, 1, 4, 5 in window 1, 2, 3, 6, 7 in
+    window 2 (each merged token's 4 patches together); merged token 4's patches at rows 2-3, columns 0-1; the slots
+    past the image's 32 patches padding; a two-frame image's frames apart."""
+    layout = jax.jit(padded_layout, static_argnums=(1, 2))
+    positions, windows, images = layout(jnp.asarray([[1, 4, 8], [2, 2, 2]]), 36, TINY_VISION)
+    assert windows[0].tolist() == np.repeat([1, 1, 2, 2, 1, 1, 2, 2], 4).tolist() + [PAD_SEGMENT] * 4
+    assert positions[0, 16:20].tolist() == [[2, 0], [2, 1], [3, 0], [3, 1]]
+    assert images[1].tolist() == [1] * 4 + [2] * 4 + [PAD_SEGMENT] * 28 and windows[1, :8].tolist() == [1] * 4 + [2] * 4
 
 
-def test_rope_index_by_hand():
+def placement(ids, grids, plain=None):
+    """`image_placement`'s positions [3, T] of one row of image token 1."""
+    ids = np.asarray([ids])
+    plain = np.arange(ids.shape[1])[None] if plain is None else np.asarray([plain])
+    run = jax.jit(image_placement, static_argnums=3)
+    return np.asarray(run(jnp.asarray(ids == 1), jnp.asarray([grids]), jnp.asarray(plain), 2)[2])[:, 0]
+
+
+def test_mrope_positions_by_hand():
     """Text counts on in all three streams; a 4 x 4-patch image (2 x 2 merged) starting at 3 takes (3, 3 + row,
-    3 + column); the text after it resumes at 3 + 2."""
-    ids = np.array([[5, 6, 7, 1, 1, 1, 1, 8, 9]])  # image token 1
-    positions, deltas = rope_index(ids, np.array([[1, 4, 4]]), image_token_id=1, spatial_merge_size=2)
-    assert positions[:, 0].tolist() == [[0, 1, 2, 3, 3, 3, 3, 5, 6], [0, 1, 2, 3, 3, 4, 4, 5, 6],
-                                        [0, 1, 2, 3, 4, 3, 4, 5, 6]]
-    assert deltas.tolist() == [[-2]]
-    with pytest.raises(JaxtuneError, match="takes 4 image tokens"):
-        rope_index(ids[:, :5], np.array([[1, 4, 4]]), image_token_id=1, spatial_merge_size=2)
+    3 + column); the text after it resumes at 3 + 2; a second example packed after restarts at 0."""
+    assert placement([5, 6, 7, 1, 1, 1, 1, 8, 9], [[1, 4, 4]]).tolist() == [
+        [0, 1, 2, 3, 3, 3, 3, 5, 6], [0, 1, 2, 3, 3, 4, 4, 5, 6], [0, 1, 2, 3, 4, 3, 4, 5, 6]]
+    packed = placement([5, 1, 1, 1, 1, 8, 7, 1, 1, 1, 1, 9], [[1, 4, 4], [1, 4, 4]], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3,
+                                                                                         4, 5])
+    assert packed[2].tolist() == [0, 1, 2, 1, 2, 3] * 2
     assert mrope_streams((1, 2, 1), 8).tolist() == [0, 1, 1, 2, 0, 1, 1, 2]
 
 
@@ -141,19 +131,20 @@ def random_vision_params(cfg: QwenVisionConfig, seed: int = 0) -> dict:
     return jax.tree_util.tree_map_with_path(draw, abstract_vision_params(TINY_VISION))
 
 
-def test_images_do_not_see_each_other_and_windows_matter():
-    """Two images through the tower together give what each gives alone; attending over whole images in every
-    block instead of windows changes the output."""
+def test_padding_changes_nothing_and_windows_matter():
+    """An image padded to more patch slots, beside another, gives what it gives in exactly its own; attending over
+    whole images in every block instead of windows changes the output."""
     cfg, params = TINY_VISION, random_vision_params(TINY_VISION)
-    forward = jax.jit(vision_forward, static_argnums=3)
-    grids = np.array([[1, 8, 12], [1, 4, 4]])
-    pixels = np.random.RandomState(1).randn(112, cfg.patch_dim).astype(np.float32)
-    both = forward(params, pixels, vision_layout(grids, cfg), cfg)
-    first = forward(params, pixels[:96], vision_layout(grids[:1], cfg), cfg)
-    second = forward(params, pixels[96:], vision_layout(grids[1:], cfg), cfg)
-    np.testing.assert_allclose(both, jnp.concatenate([first, second]), rtol=1e-5, atol=1e-5)
+    forward = jax.jit(padded_vision_forward, static_argnums=3)
+    pixels = np.random.RandomState(1).randn(2, 112, cfg.patch_dim).astype(np.float32)
+    pixels[:, 96:], pixels[1, 16:] = 0, 0
+    grids = jnp.asarray([[1, 8, 12], [1, 4, 4]])
+    both = forward(params, jnp.asarray(pixels), grids, cfg)
+    first = forward(params, jnp.asarray(pixels[:1, :96]), grids[:1], cfg)
+    np.testing.assert_allclose(both[0, :24], first[0], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(both)).all()
     full = QwenVisionConfig(**{**cfg.__dict__, "fullatt_blocks": (0, 1, 2)})
-    assert np.abs(forward(params, pixels[:96], vision_layout(grids[:1], full), full) - first).max() > 1e-2
+    assert np.abs(forward(params, jnp.asarray(pixels[:1, :96]), grids[:1], full) - first).max() > 1e-2
 
 
 # Qwen2.5-VL-7B-Instruct's config.json, its vision part as the hub writes it (`in_chans`, `spatial_patch_size`)
@@ -164,14 +155,14 @@ QWEN2_5_VL_7B = {"model_type": "qwen2_5_vl", "vision_config": {
 
 
 def test_the_7b_tower_traces_to_its_shape():
-    """The hub's 7B vision config reads, and its tower traces (`jax.eval_shape`, nothing allocated) from a
-    processor's patches of two images to one 3584-wide embedding per merged token; Qwen2-VL's is refused."""
+    """The hub's 7B vision config reads, and its tower traces (`jax.eval_shape`, nothing allocated) from two images
+    padded to the released patch budget to one 3584-wide embedding per merged token; Qwen2-VL's is refused."""
     cfg = vision_config_from_hf(QWEN2_5_VL_7B)
     assert (cfg.head_dim, cfg.window_tokens, cfg.patch_dim, cfg.fullatt_blocks) == (80, 4, 1176, (7, 15, 23, 31))
-    grids = np.array([image_grid(480, 640, QwenImageOptions()), image_grid(1000, 300, QwenImageOptions())])
-    N = int(grids.prod(-1).sum())
-    out = jax.eval_shape(partial(vision_forward, cfg=cfg), abstract_vision_params(cfg, jnp.bfloat16),
-                         jax.ShapeDtypeStruct((N, cfg.patch_dim), jnp.float32), vision_layout(grids, cfg))
-    assert (out.shape, out.dtype) == ((N // 4, 3584), jnp.bfloat16)
+    N = 12845056 // 14**2  # the released max_pixels' budget a padded image
+    out = jax.eval_shape(partial(padded_vision_forward, cfg=cfg), abstract_vision_params(cfg, jnp.bfloat16),
+                         jax.ShapeDtypeStruct((2, N, cfg.patch_dim), jnp.float32),
+                         jax.ShapeDtypeStruct((2, 3), jnp.int32))
+    assert (out.shape, out.dtype) == ((2, N // 4, 3584), jnp.bfloat16)
     with pytest.raises(JaxtuneError, match="model_type 'qwen2_vl'"):
         vision_config_from_hf({**QWEN2_5_VL_7B, "model_type": "qwen2_vl"})

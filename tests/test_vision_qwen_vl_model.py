@@ -1,4 +1,5 @@
-"""Qwen2.5-VL as a whole model (jaxtune/models/vision/qwen_vl.py): the hub's config read; M-RoPE's three equal streams
+"""Qwen2.5-VL as a whole model (the `QWEN2_5_VL` unit's forward and prefill, jaxtune/models/vision/qwen2_5_vl.py,
+its images padded pixel arrays): the hub's config read; M-RoPE's three equal streams
 compute plain RoPE; in the full tier, torch-free, prefill then decode with images equals the whole forward, and
 `Qwen2_5_VLForConditionalGeneration` from its `save_pretrained` (float32, windows cut through the images): logits with
 one image and with a batch of 3 + 1 images of different sizes, text between, left-padded; LoRA on the text model
@@ -17,7 +18,7 @@ from jaxtune.models.hf_config import config_from_hf
 from jaxtune.models.kv_cache import decode_step
 from jaxtune.models.llama import forward
 from jaxtune.models.params import init_params
-from jaxtune.models.vision.qwen_vl import image_inputs, vision_language_forward, vision_language_prefill
+from jaxtune.models.vision.qwen2_5_vl import image_arrays, vision_language_forward, vision_language_prefill
 from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, QwenVisionConfig, QwenVLConfig
 from jaxtune.models.vision.qwen_vl_processor import image_patches
 from jaxtune.models.vision.qwen_vl_vision import abstract_vision_params
@@ -67,6 +68,17 @@ def pictures() -> list:
             [(60, 100), (91, 37), (20, 300), (64, 64), (140, 45)]]
 
 
+def plain(mask: np.ndarray) -> jnp.ndarray:
+    """Each left-padded row's plain positions, from 0 at its first real token."""
+    return jnp.asarray(np.maximum(np.cumsum(mask, 1) - 1, 0))
+
+
+def arrays_and_grids(images) -> tuple[np.ndarray, np.ndarray]:
+    """The unit's pixel arrays of `images` and their grids (t, h, w)."""
+    arrays, _ = image_arrays(images, OPTIONS)
+    return arrays, np.round(arrays[:, 0, :3]).astype(np.int64)
+
+
 def image_rows(rows: list[list], grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, T], attention mask [B, T]) of rows where "image" takes the next grid's bracketed placeholders,
     left-padded with 0 to the longest."""
@@ -107,26 +119,22 @@ def test_equal_streams_are_plain_rope():
 @pytest.mark.full
 def test_prefill_and_decode_with_images_equal_the_forward():
     """Left-padded prompts with 3 + 1 images: `vision_language_prefill` then 3 `decode_step`s give the logits the
-    whole forward gives at those tokens, whose positions `image_inputs` computes over the longer text (the rope
-    deltas carry the decoding on); placeholders that do not match the images are refused."""
+    whole forward gives at those tokens (decoding goes on from each row's largest M-RoPE position)."""
     cfg, params, vision, vision_params = tiny_model()
-    pixels, grids = image_patches(pictures()[:4], OPTIONS)
+    pixels, grids = arrays_and_grids(pictures()[:4])
     prompt, mask = image_rows([[5, "image", 7, 8, "image", "image", 9], [3, 4, "image", 6]], grids)
     follow = np.array([[11, 12, 13], [21, 22, 23]])
     tokens, full_mask = np.concatenate([prompt, follow], 1), np.concatenate([mask, np.ones_like(follow)], 1)
     whole = jax.jit(vision_language_forward, static_argnames=("cfg", "vision"))(
-        params, vision_params, jnp.asarray(tokens), image_inputs(tokens, pixels, grids, vision, full_mask), cfg=cfg,
-        vision=vision, attention_mask_BxT=jnp.asarray(full_mask))
+        params, vision_params, jnp.asarray(tokens), jnp.asarray(pixels), cfg=cfg, vision=vision,
+        attention_mask_BxT=jnp.asarray(full_mask), positions_BxT=plain(full_mask))
     logits, cache = jax.jit(vision_language_prefill, static_argnames=("cfg", "vision", "cache_size"))(
-        params, vision_params, jnp.asarray(prompt), image_inputs(prompt, pixels, grids, vision, mask), cfg=cfg,
-        vision=vision, attention_mask_BxT=jnp.asarray(mask), cache_size=tokens.shape[1])
+        params, vision_params, jnp.asarray(prompt), jnp.asarray(pixels), cfg=cfg, vision=vision,
+        attention_mask_BxT=jnp.asarray(mask), positions_BxT=plain(mask), cache_size=tokens.shape[1])
     T, step = prompt.shape[1], jax.jit(decode_step, static_argnames=("cfg",))
     for i in range(follow.shape[1]):
         np.testing.assert_allclose(logits, whole[:, T - 1 + i], rtol=1e-5, atol=1e-5)
         logits, cache = step(params, jnp.asarray(follow[:, i]), cache, cfg=cfg)
-    short = np.where(np.arange(prompt.size).reshape(prompt.shape) == np.argmax(prompt == IMAGE), 7, prompt)
-    with pytest.raises(JaxtuneError, match="image placeholder tokens"):
-        image_inputs(short, pixels, grids, vision)
 
 
 @pytest.fixture(scope="module")
@@ -173,20 +181,21 @@ def test_logits_equal_qwen2_5_vl_for_conditional_generation(saved_model, rows, i
     transformers' to ~1e-5 relative."""
     import torch
 
-    from jaxtune.models.vision.families import vision_language_family
+    from jaxtune.models.vision.families import vision_family
     from jaxtune.spine.model import load_vision_language_model
 
     directory, model = saved_model
     cfg, params, vision, vision_params = load_vision_language_model(directory)
     assert isinstance(vision, QwenVLConfig) and cfg.mrope_section == tuple(MROPE_SECTION)
     pixels, grids = image_patches([pictures()[i] for i in images], OPTIONS)
+    arrays, _ = arrays_and_grids([pictures()[i] for i in images])
     assert len({tuple(g) for g in grids}) == len(grids) and (grids[:, 1:] // 2 % 2).any()  # sizes differ, cut windows
     tokens, mask = image_rows(rows, grids)
     with torch.no_grad():
         want = model(**torch_inputs(tokens, mask, pixels, grids)).logits.numpy()
-    run = jax.jit(vision_language_family(directory).forward, static_argnames=("cfg", "vision"))
-    ours = np.asarray(run(params, vision_params, jnp.asarray(tokens), image_inputs(tokens, pixels, grids, vision, mask),
-                          cfg=cfg, vision=vision, attention_mask_BxT=jnp.asarray(mask)))
+    run = jax.jit(vision_family(directory).forward, static_argnames=("cfg", "vision"))
+    ours = np.asarray(run(params, vision_params, jnp.asarray(tokens), jnp.asarray(arrays), cfg=cfg, vision=vision,
+                          attention_mask_BxT=jnp.asarray(mask), positions_BxT=plain(mask)))
     real = mask > 0
     np.testing.assert_allclose(ours[real], want[real], rtol=1e-5, atol=1e-5 * np.abs(want[real]).max())
 
@@ -215,7 +224,7 @@ def test_lora_on_the_language_model_equals_peft(saved_model, tmp_path):
     method, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
     pixels, grids = image_patches(pictures()[1:3], OPTIONS)
     tokens, mask = image_rows([[1, 17, "image", 5, 33, "image", 8, 61, 12]], grids)
-    images = image_inputs(tokens, pixels, grids, vision)
+    images = jnp.asarray(arrays_and_grids(pictures()[1:3])[0])
 
     def loss(logits, lib):
         logp = lib.nn.log_softmax(logits[:, :-1], -1) if lib is jax else torch.log_softmax(logits[:, :-1], -1)
@@ -251,14 +260,15 @@ def test_greedy_decoding_with_images_equals_transformers_generate(saved_model):
     cfg, params, vision, vision_params = load_vision_language_model(directory)
     pixels, grids = image_patches([pictures()[0], pictures()[4]], OPTIONS)
     tokens, mask = image_rows([[1, 17, "image", 5, "image", 33, 8]], grids)
+    arrays, _ = arrays_and_grids([pictures()[0], pictures()[4]])
     n = 10
     with torch.no_grad():
         out = model.generate(**torch_inputs(tokens, mask, pixels, grids), do_sample=False, max_new_tokens=n,
                              min_new_tokens=n, pad_token_id=0, eos_token_id=None)
     want = out[0, tokens.shape[1]:].tolist()
     logits, cache = jax.jit(vision_language_prefill, static_argnames=("cfg", "vision", "cache_size"))(
-        params, vision_params, jnp.asarray(tokens), image_inputs(tokens, pixels, grids, vision), cfg=cfg,
-        vision=vision, cache_size=tokens.shape[1] + n)
+        params, vision_params, jnp.asarray(tokens), jnp.asarray(arrays), cfg=cfg, vision=vision,
+        cache_size=tokens.shape[1] + n)
     step = jax.jit(decode_step, static_argnames=("cfg",))
     ours = []
     for _ in range(n):

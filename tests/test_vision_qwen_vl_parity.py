@@ -1,6 +1,7 @@
 """Qwen2.5-VL's vision parts equal transformers': the image processor (`Qwen2VLImageProcessorPil`, torchvision
-absent) on Pillow-made images of several sizes and modes, the window layout, the vision tower read from a tiny random
-checkpoint (after the merger, one image and three), `get_rope_index` and the M-RoPE cos/sin and rotation."""
+absent) on Pillow-made images of several sizes and modes, the padded window layout, the vision tower read from a tiny
+random checkpoint (after the merger, one image and three, padded), `get_rope_index` and the M-RoPE cos/sin and
+rotation."""
 
 import json
 import shutil
@@ -19,11 +20,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from jaxtune.config import tiny_config
 from jaxtune.models.rope import apply_rope, mrope_angles
-from jaxtune.models.vision.mrope import rope_index
+from jaxtune.models.vision.qwen2_5_vl import image_placement
 from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, image_options_from_hf, vision_config_from_hf
-from jaxtune.models.vision.qwen_vl_layout import patch_positions, vision_layout, window_index
-from jaxtune.models.vision.qwen_vl_processor import image_patches, image_token_count
-from jaxtune.models.vision.qwen_vl_vision import vision_forward
+from jaxtune.models.vision.qwen_vl_processor import image_patches, smart_resize
+from jaxtune.models.vision.qwen_vl_vision import padded_layout, padded_vision_forward
 from jaxtune.models.vision.qwen_vl_weights import read_vision_params
 
 pytestmark = [pytest.mark.parity, pytest.mark.reference]
@@ -70,29 +70,45 @@ def test_image_processor_equals_transformers(min_pixels, max_pixels, tmp_path):
         values, grids = image_patches(batch, options)
         np.testing.assert_array_equal(grids, expected["image_grid_thw"])
         np.testing.assert_allclose(values, expected["pixel_values"], rtol=1e-6, atol=1e-6)
-    for image in images:  # the tokens an image takes, from its size alone, as vLLM asks the processor
-        patch_count = reference.get_number_of_image_patches(image.height, image.width)
-        assert image_token_count(image.height, image.width, options) == patch_count // 4
+    for image in images:  # the patches an image takes, from its size alone, as vLLM asks the processor
+        h, w = smart_resize(image.height, image.width, options.factor, options.min_pixels, options.max_pixels)
+        assert h * w // 14**2 == reference.get_number_of_image_patches(image.height, image.width)
 
 
 def test_layout_equals_transformers():
-    """Window order, window boundaries, patch positions and per-frame segments as `vision_utils` computes them, on
-    grids whose merged sides are and are not multiples of the window, and a two-frame one."""
+    """Window membership, patch positions and per-frame segments of `padded_layout` (slots in the processor's order)
+    as `vision_utils` computes them, on grids whose merged sides are and are not multiples of the window, and a
+    two-frame one."""
     cfg = vision_config_from_hf(VISION)
-    grid = np.array([[1, 12, 8], [2, 4, 4], [1, 10, 14], [1, 2, 18]])
-    order, cu_windows = vision_utils.get_vision_window_index(torch.from_numpy(grid), spatial_merge_size=2,
-                                                             window_size=16, patch_size=4)
-    merged_index, window_of = window_index(grid, cfg)
-    np.testing.assert_array_equal(merged_index, order.numpy())
-    sizes = np.diff(cu_windows.numpy())
-    np.testing.assert_array_equal(np.repeat(np.arange(len(sizes)), sizes), np.repeat(
-        np.unique(window_of, return_inverse=True)[1], cfg.merge_unit))
-    positions = vision_utils.get_vision_position_ids(torch.from_numpy(grid), 2).numpy()
-    np.testing.assert_array_equal(patch_positions(grid, 2), positions)
-    layout = vision_layout(grid, cfg)
-    frames = np.diff(vision_utils.get_vision_cu_seqlens(torch.from_numpy(grid)).numpy())
-    np.testing.assert_array_equal(layout.image_segment_N[np.argsort(layout.patch_order_N)],
-                                  np.repeat(np.arange(1, len(frames) + 1), frames))
+    grids = np.array([[1, 12, 8], [2, 4, 4], [1, 10, 14], [1, 2, 18]])
+    N = int(grids.prod(-1).max()) + 4
+    positions, windows, frames = (np.asarray(a) for a in padded_layout(jnp.asarray(grids), N, cfg))
+    for i, grid in enumerate(grids):
+        one = torch.from_numpy(grid[None])
+        n = int(grid.prod())
+        order, cu_windows = vision_utils.get_vision_window_index(one, spatial_merge_size=2, window_size=16,
+                                                                 patch_size=4)
+        sizes = np.diff(cu_windows.numpy()) // cfg.merge_unit
+        theirs = np.empty(n // cfg.merge_unit, np.int64)  # each merged token's window, in image order
+        theirs[order.numpy()] = np.repeat(np.arange(len(sizes)), sizes)
+        np.testing.assert_array_equal(windows[i, :n:cfg.merge_unit], theirs + 1)
+        np.testing.assert_array_equal(positions[i, :n], vision_utils.get_vision_position_ids(one, 2).numpy())
+        per_frame = np.diff(vision_utils.get_vision_cu_seqlens(one).numpy())
+        np.testing.assert_array_equal(frames[i, :n], np.repeat(np.arange(1, len(per_frame) + 1), per_frame))
+
+
+def padded(pixels: np.ndarray, grids: np.ndarray) -> np.ndarray:
+    """The processor's concatenated patches as one [images, most patches, patch_dim] array, zeros past each."""
+    sizes = grids.prod(-1)
+    out = np.zeros((len(grids), sizes.max(), pixels.shape[1]), np.float32)
+    for i, rows in enumerate(np.split(pixels, np.cumsum(sizes)[:-1])):
+        out[i, :len(rows)] = rows
+    return out
+
+
+def unpadded(merged: jax.Array, grids: np.ndarray) -> jax.Array:
+    """Each image's merged tokens, concatenated (transformers' `pooler_output`)."""
+    return jnp.concatenate([merged[i, :n] for i, n in enumerate(grids.prod(-1) // 4)])
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +138,7 @@ def tiny_qwen_vl(tmp_path_factory):
 @pytest.mark.full
 @pytest.mark.parametrize("count", [1, 3])
 def test_vision_tower_equals_transformers(tiny_qwen_vl, count):
-    """`vision_forward` on the processor's patches of `count` images (windows cut through them) is
+    """`padded_vision_forward` on the processor's patches of `count` images (windows cut through them) is
     `model.visual(pixel_values, grid_thw).pooler_output` to ~1e-5 relative, weights read from the checkpoint."""
     directory, model = tiny_qwen_vl
     cfg = vision_config_from_hf(json.loads((directory / "config.json").read_text()))
@@ -132,7 +148,8 @@ def test_vision_tower_equals_transformers(tiny_qwen_vl, count):
     with torch.no_grad():
         expected = model.model.visual(torch.from_numpy(pixels), grid_thw=torch.from_numpy(grids)).pooler_output
     params = read_vision_params(directory)
-    got = np.asarray(jax.jit(vision_forward, static_argnums=3)(params, pixels, vision_layout(grids, cfg), cfg))
+    merged = jax.jit(padded_vision_forward, static_argnums=3)(params, padded(pixels, grids), jnp.asarray(grids), cfg)
+    got = np.asarray(unpadded(merged, grids))
     assert got.shape == (grids.prod(-1).sum() // 4, 24)
     np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-5 * np.abs(expected.numpy()).max())
 
@@ -150,8 +167,8 @@ def test_vision_tower_gradients_equal_transformers(tiny_qwen_vl, tmp_path):
     grads = {f"visual.{name}": p.grad.numpy() for name, p in model.model.visual.named_parameters()}
     save_file(grads, tmp_path / "model.safetensors")
     shutil.copy(directory / "config.json", tmp_path / "config.json")
-    layout = vision_layout(grids, cfg)
-    loss = lambda params: jnp.sum(vision_forward(params, pixels, layout, cfg) ** 2)
+    images = padded(pixels, grids)
+    loss = lambda params: jnp.sum(unpadded(padded_vision_forward(params, images, jnp.asarray(grids), cfg), grids) ** 2)
     got = jax.jit(jax.grad(loss))(read_vision_params(directory))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5 * np.abs(b).max()), got,
                  read_vision_params(tmp_path))
@@ -184,26 +201,30 @@ def tokens(*parts) -> list[int]:
 
 @pytest.mark.full
 def test_rope_index_equals_transformers(tiny_qwen_vl):
-    """Rows with no image, one, and three (text between), left- and right-padded, and unpadded."""
+    """`image_placement`'s M-RoPE positions of rows with no image, one, and three (text between), left- and
+    right-padded, equal `get_rope_index`'s at the real tokens; each row's largest + 1 minus its length is its delta."""
     _, model = tiny_qwen_vl
     grids = [(1, 4, 6), (1, 2, 2), (1, 8, 4), (1, 6, 6), (1, 4, 10)]
     rows = [tokens(3, grids[0], 5), tokens(7), tokens(4, grids[1], 1, grids[2], 2, grids[3], 3),
             tokens(grids[4], 2)]
+    per_row = [[grids[0]], [], grids[1:4], [grids[4]]]
     T = max(map(len, rows)) + 2
     ids, mask = np.zeros((len(rows), T), np.int64), np.zeros((len(rows), T), np.int64)
     for b, row in enumerate(rows):
         start = 0 if b % 2 else T - len(row)
         ids[b, start:start + len(row)], mask[b, start:start + len(row)] = row, 1
-    for batch, padding in ((ids, mask), (ids[2:3, 2:], None)):
-        images = np.array(grids if padding is not None else grids[1:4])
-        torch_ids = torch.from_numpy(batch)
-        expected, deltas = model.model.get_rope_index(
-            torch_ids, (torch_ids == IMAGE).int(), torch.from_numpy(images),
-            attention_mask=None if padding is None else torch.from_numpy(padding))
-        got, got_deltas = rope_index(batch, images, image_token_id=IMAGE, spatial_merge_size=2,
-                                     attention_mask_BxT=padding)
-        np.testing.assert_array_equal(got, expected.numpy())
-        np.testing.assert_array_equal(got_deltas, deltas.numpy())
+    torch_ids = torch.from_numpy(ids)
+    expected, deltas = model.model.get_rope_index(torch_ids, (torch_ids == IMAGE).int(), torch.from_numpy(
+        np.array(grids)), attention_mask=torch.from_numpy(mask))
+    images = np.zeros((len(rows), 3, 3), np.int64)
+    for b, row_grids in enumerate(per_row):
+        images[b, :len(row_grids)] = np.reshape(row_grids, (-1, 3))
+    plain = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    _, _, got = jax.jit(image_placement, static_argnums=3)(jnp.asarray(ids == IMAGE), jnp.asarray(images),
+                                                            jnp.asarray(plain), 2)
+    got, real = np.asarray(got), mask > 0
+    np.testing.assert_array_equal(got[:, real], expected.numpy()[:, real])
+    np.testing.assert_array_equal(np.where(real, got, 0).max(axis=(0, 2)) + 1 - real.sum(1), deltas.numpy()[:, 0])
 
 
 @pytest.mark.full
@@ -212,7 +233,8 @@ def test_mrope_equals_transformers(tiny_qwen_vl):
     model's rotary embedding and `apply_rotary_pos_emb` compute them."""
     _, model = tiny_qwen_vl
     ids = np.array([tokens(3, (1, 4, 6), 2, (1, 8, 4), 4)])
-    positions, _ = rope_index(ids, np.array([[1, 4, 6], [1, 8, 4]]), image_token_id=IMAGE, spatial_merge_size=2)
+    positions = np.asarray(image_placement(jnp.asarray(ids == IMAGE), jnp.asarray([[[1, 4, 6], [1, 8, 4]]]),
+                                           jnp.arange(ids.shape[1])[None], 2)[2])
     positions = positions + np.array([0, 50, 900])[:, None, None]  # streams far apart: a mixed-up one shows
     cos, sin = Qwen2_5_VLRotaryEmbedding(model.config.text_config)(torch.zeros(1), torch.from_numpy(positions))
     cfg = tiny_config(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4,

@@ -402,7 +402,7 @@ def test_planner_counts_the_image_side_of_gemma3_4b():
     tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(vision_param_specs(vision),
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert 400e6 < tower < 450e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, 2 * 2) * 2
+    assert both.phases["image side"]["activations"] == tower_elements(vision, (3, 896, 896), 2 * 2) * 2
     assert "image side" not in text.phases
 
 
@@ -518,7 +518,7 @@ def test_the_random_vision_preset_loads_in_transformers_with_the_same_logits(tmp
                                                                               output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     text, images = generator.processor.family.image_inputs(generator.vision_params, jnp.asarray([ids]),
-                                                           jnp.asarray(pixels), generator.cfg,
+                                                           jnp.asarray(pixels), None, generator.cfg,
                                                            generator.processor.config, jnp.float32)
     ours = np.asarray(head_logits(generator.params, decoder(generator.params, text, generator.cfg, **images)))
     np.testing.assert_allclose(ours, _hf_logits(model.eval(), np.asarray([ids]), pixels), rtol=1e-5, atol=1e-4)

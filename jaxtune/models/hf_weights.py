@@ -50,7 +50,8 @@ LEFT_PARTS = ("model.visual.", "visual.", "mtp.", "vision_tower.", "multi_modal_
 VISION_LANGUAGE_PREFIXES = (
     ("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
     ("model.vision_tower.vision_model.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
-    ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
+    ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.visual.", "visual."))
 TOP_LEVEL = {("embed_tokens",): "model.embed_tokens.weight", ("norm",): "model.norm.weight",
              ("lm_head", "kernel"): "lm_head.weight",
              ("embed_tokens_per_layer",): "model.embed_tokens_per_layer.weight",
@@ -71,11 +72,12 @@ def hf_module_path(module: str) -> str:
 
 
 def canonical_name(stored: str) -> str:
-    """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become
-    the names transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj), gpt-oss's router (`mlp.router`)
-    the other mixtures' (`mlp.gate`), Llama 4's `feed_forward` and DeepSeek's `shared_experts` Qwen2-MoE's names,
-    a vision-language checkpoint's text model (`model.language_model.`, `language_model.model.`) a text model's
-    (`model.`), its vision tower `vision_tower.*` and projector `multi_modal_projector.*`; other names are kept."""
+    """A tensor's name as jaxtune reads it: Mixtral's hub names (`block_sparse_moe`, experts' w1/w3/w2) become the names
+    transformers 5 gives them (`mlp`, gate_proj/up_proj/down_proj), gpt-oss's router (`mlp.router`) the other
+    mixtures' (`mlp.gate`), Llama 4's `feed_forward` and DeepSeek's `shared_experts` Qwen2-MoE's names, a vision-
+    language checkpoint's text model (`model.language_model.`, `language_model.model.`) a text model's (`model.`),
+    its vision tower `vision_tower.*` (Qwen2.5-VL's `visual.*`) and projector `multi_modal_projector.*`; other names
+    are kept."""
     stored = stored.replace(".feed_forward.", ".mlp.")  # Llama 4's
     stored = stored.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
     stored = re.sub(r"(\.layers\.\d+)\.(router\.proj|router|experts)\.",  # Gemma 4's, beside the MLP

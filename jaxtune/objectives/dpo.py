@@ -112,15 +112,14 @@ def row_logps(params: dict, batch: dict, ctx: Context, method, dropout_key: jax.
     """log p(label) [R, T] of every position of an [R, T] batch of rows under `params` read with `method` (None: a
     plain model); dropout_key: LoRA dropout in training. A batch with `pixel_values` reads its images through the
     run's frozen image side (`params["vision"]`)."""
-    tokens_BxT, images = batch["input_ids"], {}
+    tokens_BxT, inputs = batch["input_ids"], dict(positions_BxT=batch["positions"])
     if "pixel_values" in batch:
         side = ctx.images
-        tokens_BxT, images = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
-                                                      batch["pixel_values"], ctx.cfg, side.config,
+        tokens_BxT, inputs = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
+                                                      batch["pixel_values"], batch["positions"], ctx.cfg, side.config,
                                                       jnp.dtype(ctx.options.compute_dtype))
-    hidden = decoder(params, tokens_BxT, ctx.cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=ctx.options,
-                     dropout_key=dropout_key, **images)
+    hidden = decoder(params, tokens_BxT, ctx.cfg, segment_ids_BxT=batch["segment_ids"], method=method,
+                     options=ctx.options, dropout_key=dropout_key, **inputs)
     return label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
 
 

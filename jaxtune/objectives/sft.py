@@ -36,15 +36,15 @@ def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array |
     dropout_key: training with LoRA dropout (see `llama.decoder`); None: no dropout. router_loss: add a mixture's
     load-balancing term (training, when the model asks for it), coef x loss x tokens.
     """
-    tokens_BxT, images = batch["input_ids"], {}
+    tokens_BxT, inputs = batch["input_ids"], dict(positions_BxT=batch["positions"])
     if "pixel_values" in batch:  # a vision-language batch: the frozen tower's soft tokens over the placeholders
         side = ctx.images
-        tokens_BxT, images = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
-                                                      batch["pixel_values"], ctx.cfg, side.config,
+        tokens_BxT, inputs = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
+                                                      batch["pixel_values"], batch["positions"], ctx.cfg, side.config,
                                                       jnp.dtype(ctx.options.compute_dtype))
-    hidden, balance = decoder_and_routing(params, tokens_BxT, ctx.cfg, positions_BxT=batch["positions"],
+    hidden, balance = decoder_and_routing(params, tokens_BxT, ctx.cfg,
                                           segment_ids_BxT=batch["segment_ids"], method=ctx.method,
-                                          options=ctx.options, dropout_key=dropout_key, **images)
+                                          options=ctx.options, dropout_key=dropout_key, **inputs)
     logps = label_logps(params, hidden, batch["labels"], ctx.cfg.final_logit_softcap)
     mask = batch["loss_mask"].astype(logps.dtype)
     loss, count = -jnp.sum(logps * mask), jnp.sum(mask)

@@ -544,7 +544,8 @@ def step_phases(step: Step, logits: int, workspace: int, residual_copies: int, l
         phases["generate"] = rollout_phase(step, kv)
     images = step.plan.images
     if images is not None:  # the frozen tower's forward on a device's rows' pixel arrays, before the decoder's
-        tower = images.family.forward_elements(images.config, step.w.b * images.max_images) * step.compute_size
+        tower = images.family.forward_elements(images.config, images.pixel_shape,
+                                                step.w.b * images.max_images) * step.compute_size
         phases["image side"] = {"activations": tower, "gradients": 0, "weight_copies": residual_copies}
     for p in phases.values():
         p["total"] = sum(p.values())

@@ -30,7 +30,7 @@ from jaxtune.models.hf_config import load_config
 from jaxtune.models.hf_weights import check_tensors, checked_reader, expected_tensors
 from jaxtune.models.params import abstract_params
 from jaxtune.models.reward_model import reward_config
-from jaxtune.models.vision.families import vision_language_family
+from jaxtune.models.vision.families import required_vision_family
 from jaxtune.models.vision.qwen_vl_config import QwenVLConfig
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.spine.load import read_tree
@@ -64,9 +64,9 @@ def load_vision_language_model(model: str | Path, dtype=None, mesh: Mesh | None 
                                ) -> tuple[ModelConfig, dict, VisionLanguageConfig | QwenVLConfig, dict]:
     """(text config, text params, image-side config, image-side params) of a vision-language directory: the text
     model as `load_model` reads it, the image side (Gemma 3's tower and projector, Qwen2.5-VL's tower) in its dtype;
-    `models.vision.families` gives the family's forward."""
+    its family (`models.vision.families.vision_family`) gives the forward."""
+    family = required_vision_family(model)
     cfg, params = load_model(model, dtype, mesh=mesh)
-    family = vision_language_family(model)
     vision = family.read_config(Path(model))
     return cfg, params, vision, family.read_params(Path(model), vision, params["embed_tokens"].dtype)
 

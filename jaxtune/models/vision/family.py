@@ -1,7 +1,7 @@
 """A vision family, one registered unit per vision-language architecture (`families.py` registers them): how its
 directory's image side is read, how its processor turns images into pixel arrays and each image's chat-template
-marker into the placeholder text the model reads (the number of text tokens an image takes is known from this
-before anything is tokenised), and how its images enter the shared decoder (`image_inputs`). Data, the step,
+marker into the placeholder text the model reads (the number of text tokens an image takes is known from its
+pixels before anything is tokenised), and how its images enter the shared decoder (`image_inputs`). Data, the step,
 export and generation ask the unit; none of them names a family."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from PIL import Image
 
@@ -20,21 +21,25 @@ class VisionFamily:
     """One vision-language architecture.
 
     name, architectures   its name and the `config.json` architectures it reads
-    read_config           directory -> its image-side config (Gemma 3: `VisionLanguageConfig`)
+    read_config           directory -> its image-side config (`VisionLanguageConfig`, `QwenVLConfig`)
     param_specs           image-side config -> its tree as `ParamSpec`s; read_params(directory, config, dtype)
     tensor_entries        (image-side params, config, dtype) -> `write_weights` entries under canonical names
     read_processing       directory -> its image processor's settings
-    pixels                (PIL images, processing) -> (float32 [N, *pixel_shape], pixel arrays each image takes)
+    pixels                (PIL images, processing) -> (float32 [N, *pixel_shape], per image what `expansion` takes:
+                          Gemma 3 its pixel arrays, Qwen2.5-VL its placeholder tokens)
     pixel_shape           processing -> one pixel array's shape (a batch's static shape)
     marker                (tokenizer, config) -> the text its chat template writes for an image part
-    expansion             (tokenizer, config, arrays of the image) -> the text the processor puts for that marker
+    expansion             (tokenizer, config, that value of the image) -> the text the processor puts for that marker
     image_token           config -> the soft-token placeholder id (a run of them an array, in pixel order)
-    image_inputs          (vision params, tokens [B, T], pixel arrays [B, M, ...] or [N, ...], cfg, config, dtype)
-                          -> (the tokens the text embeds, the decoder's keyword arguments)
+    image_inputs          (vision params, tokens [B, T], pixel arrays [B, M, ...] or [N, ...], each example's plain
+                          positions [B, T] or None, cfg, config, dtype) -> (the tokens the text embeds, the decoder's
+                          keyword arguments, `positions_BxT` among them); traceable, inside the one jitted step
+    forward, prefill      (params, vision params, tokens [B, T], pixel arrays [N, ...], cfg, config, **llama's keywords)
+                          -> the whole model's logits [B, T, V]; `kv_cache.prefill`'s (logits [B, V], cache)
     text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
     outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
-    forward_elements      (config, pixel arrays) -> values one forward of the frozen image side holds at its peak
-                          (the planner's; no activations are saved: the tower runs under stop_gradient)
+    forward_elements      (config, pixel_shape, pixel arrays) -> values one forward of the frozen image side holds at
+                          its peak (the planner's; no activations are saved: the tower runs under stop_gradient)
     """
 
     name: str
@@ -50,9 +55,11 @@ class VisionFamily:
     expansion: Callable[[Any, Any, int], str]
     image_token: Callable[[Any], int]
     image_inputs: Callable[..., tuple]
+    forward: Callable[..., jax.Array]
+    prefill: Callable[..., tuple]
     text_prefix: str
     outside_text: str
-    forward_elements: Callable[[Any, int], int]
+    forward_elements: Callable[[Any, tuple[int, ...], int], int]
 
 
 @dataclass(frozen=True)

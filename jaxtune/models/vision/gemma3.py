@@ -41,9 +41,10 @@ def image_soft_tokens(vision_params: dict, pixel_values_NxCxHxW: jax.Array, cfg:
     return project_patches(vision_params["multi_modal_projector"], patches_NxPxD, cfg)
 
 
-def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.Array, cfg: ModelConfig,
-                 vision: VisionLanguageConfig, dtype) -> tuple[jax.Array, dict]:
-    """(the tokens the text embeds [B, T], the decoder's image keywords: `placed_embeddings`, `span_ids_BxT`) of a
+def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.Array, positions_BxT: jax.Array | None,
+                 cfg: ModelConfig, vision: VisionLanguageConfig, dtype) -> tuple[jax.Array, dict]:
+    """(the tokens the text embeds [B, T], the decoder's keywords: `positions_BxT` as given (None: the decoder's
+    default), `placed_embeddings`, `span_ids_BxT`) of a
     text whose `vision.image_token_id` placeholders (tokens_per_image a picture, in order) take the soft tokens of
     the images: N of them [N, C, H, W] in row-major order over the batch, or each row's own [B, M, C, H, W] (a
     training batch: M the most a row holds, padding images never placed). A placeholder past the vocabulary looks
@@ -61,8 +62,8 @@ def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.A
         pixel_values.shape[0], -1, D)
     at_BxT = tokens_BxT == vision.image_token_id
     placed = PlacedEmbeddings(vectors, at_BxT)
-    return jnp.where(tokens_BxT < cfg.vocab_size, tokens_BxT, 0), dict(placed_embeddings=placed,
-                                                                       span_ids_BxT=span_ids(at_BxT))
+    return jnp.where(tokens_BxT < cfg.vocab_size, tokens_BxT, 0), dict(
+        positions_BxT=positions_BxT, placed_embeddings=placed, span_ids_BxT=span_ids(at_BxT))
 
 
 def vision_language_forward(params: dict, vision_params: dict, tokens_BxT: jax.Array,
@@ -72,8 +73,8 @@ def vision_language_forward(params: dict, vision_params: dict, tokens_BxT: jax.A
     the text alone. Keyword arguments as for `llama.forward`; jit with `static_argnames=("cfg", "vision", ...)`."""
     if pixel_values_NxCxHxW is None or pixel_values_NxCxHxW.shape[0] == 0:
         return forward(params, tokens_BxT, cfg, options=options, **kwargs)
-    text_BxT, images = image_inputs(vision_params, tokens_BxT, pixel_values_NxCxHxW, cfg, vision,
-                                    jnp.dtype(options.compute_dtype))
+    text_BxT, images = image_inputs(vision_params, tokens_BxT, pixel_values_NxCxHxW, kwargs.pop("positions_BxT", None),
+                                    cfg, vision, jnp.dtype(options.compute_dtype))
     return forward(params, text_BxT, cfg, options=options, **kwargs, **images)
 
 
@@ -82,8 +83,8 @@ def vision_language_prefill(params: dict, vision_params: dict, tokens_BxT: jax.A
                             options: ForwardOptions = ForwardOptions(), **kwargs) -> tuple[jax.Array, KVCache]:
     """`kv_cache.prefill` of prompts with N images (`image_inputs`): logits [B, V] of the next token and the cache,
     which `kv_cache.decode_step` continues (the images live on in the cache's keys and values)."""
-    text_BxT, images = image_inputs(vision_params, tokens_BxT, pixel_values_NxCxHxW, cfg, vision,
-                                    jnp.dtype(options.compute_dtype))
+    text_BxT, images = image_inputs(vision_params, tokens_BxT, pixel_values_NxCxHxW, kwargs.pop("positions_BxT", None),
+                                    cfg, vision, jnp.dtype(options.compute_dtype))
     return prefill(params, text_BxT, cfg, options=options, **kwargs, **images)
 
 
@@ -110,7 +111,7 @@ def image_expansion(tokenizer, vision: VisionLanguageConfig, arrays: int) -> str
         [full] * (arrays - 1))
 
 
-def tower_elements(vision: VisionLanguageConfig, arrays: int) -> int:
+def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int) -> int:
     """Values the image side holds at once for `arrays` images: their pixels, one encoder layer's [N, P, .] values
     (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F) and the soft tokens
     [N, tokens_per_image, D] it hands the decoder."""
@@ -133,5 +134,6 @@ GEMMA3 = VisionFamily(
     pixel_shape=lambda p: (3 if p.convert_rgb else 1, p.height, p.width),
     marker=image_marker, expansion=image_expansion,
     image_token=lambda v: v.image_token_id,
-    image_inputs=image_inputs, text_prefix="model.language_model.",
+    image_inputs=image_inputs, forward=vision_language_forward, prefill=vision_language_prefill,
+    text_prefix="model.language_model.",
     outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements)

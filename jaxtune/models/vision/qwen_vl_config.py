@@ -72,7 +72,7 @@ class QwenVisionConfig:
 class QwenVLConfig:
     """Qwen2.5-VL's image path (`Qwen2_5_VLConfig` beside its text config): the tower's merged embeddings replace the
     text's `image_token_id` placeholders (a run an image, which the chat template brackets by vision_start_token_id
-    and vision_end_token_id) and take M-RoPE positions (`mrope.rope_index`); no bidirectional spans."""
+    and vision_end_token_id) and take M-RoPE positions (`qwen2_5_vl.image_placement`); no bidirectional spans."""
 
     tower: QwenVisionConfig
     image_token_id: int = 151655

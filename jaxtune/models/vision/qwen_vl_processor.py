@@ -1,12 +1,10 @@
 """Qwen2-VL's image processor in numpy + Pillow, step for step as transformers' `Qwen2VLImageProcessorPil`: RGB
 (transparency over white), `smart_resize`d with Pillow's bicubic filter, scaled, normalised, then cut into patches
-in merge-window order (`image_patches`); the tokens an image takes in the text (`image_token_count`), known from its
-size alone, and the expansion of each `<|image_pad|>` into that many (`expand_image_placeholders`)."""
+in merge-block order (`image_patches`)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,8 +12,6 @@ from PIL import Image
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.vision.qwen_vl_config import QwenImageOptions
-
-IMAGE_PAD = "<|image_pad|>"  # the placeholder a Qwen-VL chat template writes once per image
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -33,18 +29,6 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
         beta = math.sqrt(min_pixels / (height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def image_grid(height: int, width: int, options: QwenImageOptions) -> tuple[int, int, int]:
-    """(t, h, w) in patches of an image `height` x `width` pixels once resized: its row of `image_grid_thw`."""
-    h, w = smart_resize(height, width, options.factor, options.min_pixels, options.max_pixels)
-    return 1, h // options.patch_size, w // options.patch_size
-
-
-def image_token_count(height: int, width: int, options: QwenImageOptions) -> int:
-    """The `<|image_pad|>` tokens an image of `height` x `width` pixels takes in the text: t * h * w / merge²."""
-    t, h, w = image_grid(height, width, options)
-    return t * h * w // options.merge_size ** 2
 
 
 def rgb_pixels(image: Image.Image) -> np.ndarray:
@@ -90,14 +74,3 @@ def image_patches(images: Sequence[Image.Image], options: QwenImageOptions = Qwe
         values.append(patches(pixels, options))
         grids.append((1, pixels.shape[1] // options.patch_size, pixels.shape[2] // options.patch_size))
     return np.concatenate(values), np.asarray(grids, np.int64)
-
-
-def expand_image_placeholders(texts: Sequence[str], token_counts: Sequence[int], image_token: str = IMAGE_PAD
-                              ) -> list[str]:
-    """Each text with its k-th `image_token` (counted across the texts, in order) repeated token_counts[k] times,
-    as the Qwen2.5-VL processor expands its placeholders before tokenising."""
-    found = sum(text.count(image_token) for text in texts)
-    if found != len(token_counts):
-        raise JaxtuneError(f"{found} {image_token} placeholders in the texts for {len(token_counts)} images")
-    counts = iter(token_counts)
-    return [re.sub(re.escape(image_token), lambda _: image_token * next(counts), text) for text in texts]

@@ -1,9 +1,10 @@
-"""Qwen2.5-VL's vision transformer as a pure function (`vision_forward`): patches embedded (its Conv3d, whose stride
-is its kernel, is one matmul), put in window order (`qwen_vl_layout`), rotated by 2D RoPE (rows on the first half of
-each rotary half, columns on the second), then blocks of RMSNorm, attention and a gated SiLU MLP, scanned over the
-stacked blocks: attention within windows, or over the whole image in `fullatt_blocks`, never across images; then the
-merger (RMSNorm, merge² neighbouring patches concatenated, a GELU MLP) and the merged tokens back in image order.
-Attention is jaxtune's blockwise kernel with segment ids, so nothing grows with the square of the patch count."""
+"""Qwen2.5-VL's vision transformer as a pure function (`padded_vision_forward`) over images each padded to a static
+patch count: patches embedded (its Conv3d, whose stride is its kernel, is one matmul), rotated by 2D RoPE (rows on
+the first half of each rotary half, columns on the second), then blocks of RMSNorm, attention and a gated SiLU MLP,
+scanned over the stacked blocks: attention within windows, or over the whole frame in `fullatt_blocks` (segment ids
+from the traced grids, `padded_layout`: no reordering), each image its own batch row; then the merger (RMSNorm,
+merge² neighbouring patches concatenated, a GELU MLP). Attention is jaxtune's blockwise kernel, so nothing grows
+with the square of the patch count."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import numpy as np
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks
 from jaxtune.models.norms import rms_norm
 from jaxtune.models.vision.qwen_vl_config import QwenVisionConfig
-from jaxtune.models.vision.qwen_vl_layout import VisionLayout
+
+PAD_SEGMENT = 2**16 - 1  # the mask's largest plain segment id: padding patches attend among themselves (never read)
 
 
 def _linear(d_in: int, d_out: int, dtype, bias: bool = True, layers: tuple[int, ...] = ()) -> dict:
@@ -64,53 +66,79 @@ def _rotate(x_NxHxd: jax.Array, cos_Nxd: jax.Array, sin_Nxd: jax.Array) -> jax.A
     return (x * cos_Nxd[:, None] + rotated * sin_Nxd[:, None]).astype(x_NxHxd.dtype)
 
 
-def _segment_mask(segment_N: jax.Array) -> AttentionMask:
-    """Bidirectional attention among the patches of one segment (a window, or an image's frame)."""
-    N = segment_N.shape[0]
-    return AttentionMask(q_slot_T=jnp.full((N,), N, jnp.int32), k_valid_BxS=jnp.ones((1, N), bool),
-                         q_segment_BxT=segment_N[None], k_segment_BxS=segment_N[None],
-                         k_slot_S=jnp.arange(N, dtype=jnp.int32))
+def _segment_mask(segment_IxN: jax.Array) -> AttentionMask:
+    """Bidirectional attention among the patches of one segment (a window, or an image's frame), each of I
+    sequences [I, N] its own."""
+    N = segment_IxN.shape[-1]
+    return AttentionMask(q_slot_T=jnp.full((N,), N, jnp.int32), k_valid_BxS=jnp.ones(segment_IxN.shape, bool),
+                         q_segment_BxT=segment_IxN, k_segment_BxS=segment_IxN, k_slot_S=jnp.arange(N, dtype=jnp.int32))
 
 
-def _block(x_NxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], mask: AttentionMask,
+def _block(x_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], mask: AttentionMask,
            live: jax.Array, cfg: QwenVisionConfig) -> jax.Array:
-    N, H = x_NxD.shape[0], cfg.num_heads
+    n_images, N, H = x_IxNxD.shape[0], x_IxNxD.shape[1], cfg.num_heads
     with jax.named_scope("attention"):
-        qkv_Nx3xHxd = _dense(rms_norm(x_NxD, block["norm1"], cfg.norm_eps), block["qkv"]).reshape(N, 3, H, -1)
-        q, k = (_rotate(qkv_Nx3xHxd[:, i], *rope) for i in (0, 1))
-        heads = lambda a: jnp.transpose(a, (1, 0, 2))[None]  # [1, H, N, d]
-        out_HxNxd = blockwise_attention(heads(q)[:, :, None], heads(k), heads(qkv_Nx3xHxd[:, 2]), mask,
-                                        live_QxC=live)[0, :, 0]
-        x_NxD = x_NxD + _dense(jnp.transpose(out_HxNxd, (1, 0, 2)).reshape(N, -1), block["proj"])
+        qkv = _dense(rms_norm(x_IxNxD, block["norm1"], cfg.norm_eps), block["qkv"]).reshape(n_images * N, 3, H, -1)
+        q, k = (_rotate(qkv[:, i], *rope).reshape(n_images, N, H, -1) for i in (0, 1))
+        heads = lambda a: jnp.transpose(a, (0, 2, 1, 3))  # [I, H, N, d]
+        v = qkv[:, 2].reshape(n_images, N, H, -1)
+        out_IxHxNxd = blockwise_attention(heads(q)[:, :, None], heads(k), heads(v), mask, live_QxC=live)[:, :, 0]
+        x_IxNxD = x_IxNxD + _dense(jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1), block["proj"])
     with jax.named_scope("mlp"):
-        h = rms_norm(x_NxD, block["norm2"], cfg.norm_eps)
+        h = rms_norm(x_IxNxD, block["norm2"], cfg.norm_eps)
         gated = jax.nn.silu(_dense(h, block["gate_proj"])) * _dense(h, block["up_proj"])
-        return x_NxD + _dense(gated, block["down_proj"])
+        return x_IxNxD + _dense(gated, block["down_proj"])
 
 
-def vision_forward(params: dict, pixel_values_NxP: jax.Array, layout: VisionLayout, cfg: QwenVisionConfig
-                   ) -> jax.Array:
-    """Image embeddings [N / merge², out_hidden_size] in params' dtype, in image order (what
-    `Qwen2_5_VLModel.get_image_features` gives, concatenated): pixel_values [N, C * T * P * P] as the processor
-    gives them (`image_patches`), layout = `vision_layout(image_grid_thw, cfg)`. Jit with `cfg` static."""
-    dtype = params["patch_embed"]["kernel"].dtype
-    N = pixel_values_NxP.shape[0]
-    with jax.named_scope("patch_embed"):
-        x_NxD = (pixel_values_NxP.astype(dtype) @ params["patch_embed"]["kernel"])[layout.patch_order_N]
-    rope = rotary_angles(jnp.asarray(layout.positions_Nx2), cfg)
-    window_mask = _segment_mask(jnp.asarray(layout.window_segment_N))
-    image_mask = _segment_mask(jnp.asarray(layout.image_segment_N))
+def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_IxN: jax.Array, image_IxN: jax.Array,
+           cfg: QwenVisionConfig) -> jax.Array:
+    """The blocks and the merger over I sequences of N embedded patches (merge units consecutive): [I, N / merge²,
+    out_hidden_size], attention within each sequence's windows (or its images, in `fullatt_blocks`)."""
+    n_images, N, _ = x_IxNxD.shape
+    cos, sin = rotary_angles(positions_IxNx2.reshape(n_images * N, 2), cfg)
+    window_mask, image_mask = _segment_mask(window_IxN), _segment_mask(image_IxN)
     window_live, image_live = live_blocks(window_mask, N, N), live_blocks(image_mask, N, N)
     full_L = jnp.asarray(np.isin(np.arange(cfg.depth), cfg.fullatt_blocks))
 
     def step(x, layer):
         block, full = layer
         mask = jax.tree.map(lambda a, b: jnp.where(full, a, b), image_mask, window_mask)
-        return _block(x, block, rope, mask, jnp.where(full, image_live, window_live), cfg), None
+        return _block(x, block, (cos, sin), mask, jnp.where(full, image_live, window_live), cfg), None
 
-    x_NxD, _ = jax.lax.scan(step, x_NxD, (params["blocks"], full_L))
+    x_IxNxD, _ = jax.lax.scan(step, x_IxNxD, (params["blocks"], full_L))
     with jax.named_scope("merger"):
         merger = params["merger"]
-        merged = rms_norm(x_NxD, merger["norm"], cfg.norm_eps).reshape(N // cfg.merge_unit, -1)
-        merged = _dense(jax.nn.gelu(_dense(merged, merger["fc1"]), approximate=False), merger["fc2"])
-    return merged[layout.merged_order_M]
+        merged = rms_norm(x_IxNxD, merger["norm"], cfg.norm_eps).reshape(n_images, N // cfg.merge_unit, -1)
+        return _dense(jax.nn.gelu(_dense(merged, merger["fc1"]), approximate=False), merger["fc2"])
+
+
+def padded_layout(grid_Ix3: jax.Array, N: int, cfg: QwenVisionConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(positions [I, N, 2], window segments [I, N], image segments [I, N]) of I images of traced grids (t, h, w)
+    each held in N patch slots in the processor's order (merge blocks row by row, frames one after another); slots
+    past t h w are padding, a segment of their own (`PAD_SEGMENT`). Windows as transformers' `get_vision_window_index`
+tiles them: window_size // merge // patch merged tokens a side, row by row, edge windows smaller; image segments
+one a frame."""
+    m, side = cfg.spatial_merge_size, cfg.window_tokens
+    t, h, w = (grid_Ix3[:, i, None] for i in range(3))
+    gh, gw = jnp.maximum(h // m, 1), jnp.maximum(w // m, 1)
+    slot = jnp.arange(N)[None]
+    block, within = slot // cfg.merge_unit, slot % cfg.merge_unit
+    frame, in_frame = block // (gh * gw), block % (gh * gw)
+    block_row, block_col = in_frame // gw, in_frame % gw
+    positions = jnp.stack([block_row * m + within // m, block_col * m + within % m], -1)
+    windows_across = -(-gw // side)
+    window = (frame * -(-gh // side) + block_row // side) * windows_across + block_col // side
+    valid = slot < t * h * w
+    return (positions.astype(jnp.int32), jnp.where(valid, window + 1, PAD_SEGMENT).astype(jnp.int32),
+            jnp.where(valid, frame + 1, PAD_SEGMENT).astype(jnp.int32))
+
+
+def padded_vision_forward(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, cfg: QwenVisionConfig
+                          ) -> jax.Array:
+    """[I, N / merge², out_hidden_size] in params' dtype: I images each padded to N patches [N, C * T * P * P] (the
+    processor's order, zeros past its t h w, `grid_Ix3` int32 traced), the first t h w / merge² rows of each its
+    `get_image_features` (windows are masks here, never a reordering: the same sums, in another order)."""
+    dtype = params["patch_embed"]["kernel"].dtype
+    with jax.named_scope("patch_embed"):
+        x_IxNxD = patches_IxNxP.astype(dtype) @ params["patch_embed"]["kernel"]
+    return _tower(params, x_IxNxD, *padded_layout(grid_Ix3, patches_IxNxP.shape[1], cfg), cfg)

@@ -1,7 +1,8 @@
 """Qwen2.5-VL's vision tower read from a Hugging Face checkpoint without torch (`read_vision_params`): the tensors
 under `visual.` (the hub's layout and what transformers 5 saves) or `model.visual.`, each shape checked against
 `abstract_vision_params` before it is used; Linear weights [out, in] become kernels [in, out], the Conv3d's
-[D, C, T, P, P] the patch embedding's [C * T * P * P, D], the blocks stacked on a leading axis."""
+[D, C, T, P, P] the patch embedding's [C * T * P * P, D], the blocks stacked on a leading axis; written back by
+`vision_tensor_entries`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.json import read_json
 from jaxtune.io.safetensors import CheckpointReader
+from jaxtune.models.hf_weights import host_array
 from jaxtune.models.vision.qwen_vl_config import QwenVisionConfig, vision_config_from_hf
 from jaxtune.models.vision.qwen_vl_vision import abstract_vision_params
 
@@ -65,3 +67,34 @@ def read_vision_params(directory: str | Path, cfg: QwenVisionConfig | None = Non
         return {"patch_embed": module("patch_embed.proj", specs["patch_embed"]),
                 "blocks": jax.tree.map(lambda *a: np.stack(a), *layers),
                 "merger": {ours: module(hf, specs["merger"][ours]) for ours, hf in MERGER_NAMES.items()}}
+
+
+def vision_tensor_entries(params: dict, cfg: QwenVisionConfig, dtype=None) -> list[tuple]:
+    """(name under `visual.`, torch shape, dtype, produce) of every tower tensor, for `io.safetensors.write_weights`
+    (the inverse of `read_vision_params`): kernels back to [out, in], the patch embedding to the Conv3d's
+    [D, C, T, P, P], the blocks one tensor a block, each gathered to the host as it is written."""
+    conv = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+    entries: list[tuple] = []
+
+    def add(name: str, leaf, kind: str, layer: int | None = None, shape: tuple | None = None):
+        out = np.dtype(dtype or leaf.dtype)
+        one = leaf.shape[1:] if layer is not None else leaf.shape
+        shape = shape or (tuple(one[::-1]) if kind == "kernel" else tuple(one))
+
+        def produce(leaf=leaf, layer=layer, shape=shape, out=out, kernel=kind == "kernel"):
+            value = host_array(leaf) if layer is None else host_array(leaf[layer])
+            return np.ascontiguousarray((value.T if kernel else value).reshape(shape)).astype(out)
+
+        entries.append((f"visual.{name}.{'weight' if kind in ('kernel', 'norm') else 'bias'}", shape, out, produce))
+
+    add("patch_embed.proj", params["patch_embed"]["kernel"], "kernel", shape=conv)
+    for i in range(cfg.depth):
+        for ours, hf in BLOCK_NAMES.items():
+            module = params["blocks"][ours]
+            for kind, leaf in (module.items() if isinstance(module, dict) else [("norm", module)]):
+                add(f"blocks.{i}.{hf}", leaf, kind, layer=i)
+    for ours, hf in MERGER_NAMES.items():
+        module = params["merger"][ours]
+        for kind, leaf in (module.items() if isinstance(module, dict) else [("norm", module)]):
+            add(hf, leaf, kind)
+    return entries
