@@ -522,3 +522,17 @@ def test_the_random_vision_preset_loads_in_transformers_with_the_same_logits(tmp
                                                            generator.processor.config, jnp.float32)
     ours = np.asarray(head_logits(generator.params, decoder(generator.params, text, generator.cfg, **images)))
     np.testing.assert_allclose(ours, _hf_logits(model.eval(), np.asarray([ids]), pixels), rtol=1e-5, atol=1e-4)
+
+
+def test_a_vision_language_model_is_refused_as_gguf_in_one_line(tmp_path):
+    from jaxtune.errors import JaxtuneError
+    from jaxtune.presets import write_gemma3_files
+    from jaxtune.train.export import export_gguf, export_gguf_lora
+
+    model = write_gemma3_files(tmp_path / "m")  # the refusal comes before any weight is read
+    for export in (lambda: export_gguf(model, None, tmp_path / "m.gguf"),
+                   lambda: export_gguf_lora(model, tmp_path / "adapter", tmp_path / "a.gguf")):
+        with pytest.raises(JaxtuneError, match=r"m: a vision-language model \(Gemma3ForConditionalGeneration\); "
+                                               r"llama.cpp reads its image side from a separate mmproj GGUF"):
+            export()
+    assert not (tmp_path / "m.gguf").exists()

@@ -73,9 +73,17 @@ def export_merged(model: str | Path, adapter: str | Path | None, out: str | Path
     return path
 
 
+def _refuse_images_in_gguf(model: str | Path) -> None:
+    family = vision_family(model)
+    if family is not None:
+        raise JaxtuneError(f"{model}: a vision-language model ({family.architectures[0]}); llama.cpp reads its image "
+                           "side from a separate mmproj GGUF, which jaxtune does not write: export --merged or --peft")
+
+
 def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, kind: str = "f16", log=None) -> Path:
     """A model, with a PEFT LoRA/DoRA adapter merged in when given (a full fine-tune's model directory needs none),
     written as a GGUF file of `kind` (f32, f16, bf16, q8_0) with its tokenizer and chat template."""
+    _refuse_images_in_gguf(model)
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
     tensor = _merged_layer(adapter, params, method, cfg)
     return save_gguf(out, cfg, params, load_tokenizer(model), kind, tensor=tensor, name=Path(str(model)).stem)
@@ -83,6 +91,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
 
 def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
     """A PEFT LoRA adapter as llama.cpp's GGUF LoRA, for `model` written by `export_gguf` (or any GGUF of it)."""
+    _refuse_images_in_gguf(model)
     cfg, params, method = load_model_with_adapter(model, adapter, log=log)
     assert method is not None  # the adapter's
     write = method_unit(method).gguf_lora
