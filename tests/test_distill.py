@@ -155,7 +155,7 @@ def _logits(params, cfg, rows: dict) -> np.ndarray:
     return np.asarray(head_logits(params, hidden, cfg.final_logit_softcap))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.reference
 def test_seq_kd_batch_is_the_teachers_samples_and_its_loss_is_trls(tmp_path):
     """With seq_kd (lmbda = 0) a step's batch is the teacher's completions of the step's prompts, decoded with the

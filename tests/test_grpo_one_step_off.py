@@ -64,7 +64,7 @@ def _trl_loss(g: GRPOConfig, logp, old, ref, advantages, mask, weights=None) -> 
 
 @pytest.mark.slow
 @pytest.mark.reference
-@pytest.mark.parametrize("engine, corrected", [("padded", False), ("padded", True),
+@pytest.mark.parametrize("engine, corrected", [("padded", False), pytest.param("padded", True, marks=pytest.mark.full),
                                                pytest.param("paged", False, marks=pytest.mark.full)])
 def test_step_t_trains_on_the_batch_of_step_t_minus_1s_params_with_trls_loss(tmp_path, engine, corrected):
     """The trainer's order through GRPO's own `prepare` and the spine's (donating) step, one prompt batch an epoch:
