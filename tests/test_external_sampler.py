@@ -224,7 +224,7 @@ def test_config_is_checked():
             ExternalSamplerConfig(**bad)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_grpo_run_samples_from_the_server_as_from_its_own_decode(tmp_path):
     """`[grpo] sampler_url` on a server serving the run's own base model: every rollout batch pushes the adapter
     and samples there, the sampler's log-probs weigh the loss (importance sampling on: weights 1 within float
