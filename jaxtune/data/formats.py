@@ -285,7 +285,7 @@ def chat_example(messages: list[dict], tokenizer: Tokenizer, tools: list[dict] |
 
 # --- loading --------------------------------------------------------------------------------------------------
 
-def _eos(tokenizer: Tokenizer) -> int:
+def eos_of(tokenizer: Tokenizer) -> int:
     if tokenizer.eos_id is None:
         raise JaxtuneError("the tokenizer has no EOS token; set eos_token in tokenizer_config.json")
     return tokenizer.eos_id
@@ -321,7 +321,7 @@ def _encode_batch(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bo
     return encode(texts, add_special_tokens=add_special_tokens)
 
 
-def _chunks(items, size: int = 1024):
+def record_chunks(items, size: int = 1024):
     """Lists of up to `size` items of an iterable, as it is consumed."""
     items = iter(items)
     while chunk := list(itertools.islice(items, size)):
@@ -342,10 +342,10 @@ def sft_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int, colum
     alpaca instruction and its input) and an assistant turn (the completion) of the model's chat template, the loss
     on the assistant turn, as a chat record would. Raises once the data is read if no example was kept."""
     _check_max_seq_len(max_seq_len)
-    eos = _eos(tokenizer)
+    eos = eos_of(tokenizer)
     stats = DataStats() if stats is None else stats
-    for chunk in _chunks(iter_records(path, columns)):
-        yield from _sft_chunk(path, chunk, tokenizer, max_seq_len, eos, stats, as_chat)
+    for chunk in record_chunks(iter_records(path, columns)):
+        yield from sft_chunk(path, chunk, tokenizer, max_seq_len, eos, stats, as_chat)
     if not stats.examples:
         raise _no_example(path, max_seq_len, stats)
 
@@ -360,7 +360,7 @@ def _as_turns(prompt: str, completion: str) -> list[dict]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
 
 
-def _sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_seq_len: int, eos: int,
+def sft_chunk(path, records: list[tuple[int, dict]], tokenizer: Tokenizer, max_seq_len: int, eos: int,
                stats: DataStats, as_chat: bool = False) -> list[Example]:
     pairs: list[tuple[int, str, str]] = []  # (record index, prompt, completion)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []  # (record index, text, trained spans)
@@ -419,9 +419,9 @@ def preference_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int
     """Preference pairs {prompt, chosen, rejected}, a chunk of records at a time as they are read;
     len(prompt) + len(completion) <= max_seq_len for each side. Raises once the data is read if none was kept."""
     _check_max_seq_len(max_seq_len)
-    eos = _eos(tokenizer)
+    eos = eos_of(tokenizer)
     stats = DataStats() if stats is None else stats
-    for chunk in _chunks(iter_records(path, columns)):
+    for chunk in record_chunks(iter_records(path, columns)):
         texts = [tuple(_text(f"{path}:{n}", record, "preference", name) for name in ("prompt", "chosen", "rejected"))
                  for n, record in chunk]
         stats.formats["preference"] = stats.formats.get("preference", 0) + len(texts)
@@ -457,9 +457,9 @@ def labelled_examples(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
     pair {prompt, chosen, rejected} gives two, chosen desirable and rejected not (TRL's `unpair_preference_dataset`).
     A chunk of records at a time, cut and dropped as `preference_examples`; raises once read if none was kept."""
     _check_max_seq_len(max_seq_len)
-    eos = _eos(tokenizer)
+    eos = eos_of(tokenizer)
     stats = DataStats() if stats is None else stats
-    for chunk in _chunks(iter_records(path, columns)):
+    for chunk in record_chunks(iter_records(path, columns)):
         items: list[tuple[str, str, int]] = []  # (prompt, completion, label)
         for n, record in chunk:
             where = f"{path}:{n}"

@@ -19,13 +19,13 @@ from jaxtune.data.formats import (
     DataStats,
     Example,
     PreferenceExample,
-    _chunks,
-    _eos,
-    _sft_chunk,
     chat_spans,
     detect_format,
+    eos_of,
     fit_example,
+    record_chunks,
     render_chat,
+    sft_chunk,
 )
 from jaxtune.data.images import image_parts, record_images
 from jaxtune.data.sources import iter_records
@@ -137,10 +137,10 @@ def image_sft_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageP
     hold none), in file order; images read relative to the data file's directory, each failure one line naming
     FILE:LINE (`data.images`). Raises once the data is read if no example was kept."""
     stats = DataStats() if stats is None else stats
-    eos = _eos(tokenizer)
+    eos = eos_of(tokenizer)
     base = Path(path) if Path(path).is_dir() else Path(path).parent
     empty: np.ndarray = np.zeros((0, *processor.pixel_shape), np.float32)
-    for chunk in _chunks(iter_records(path, columns)):
+    for chunk in record_chunks(iter_records(path, columns)):
         for n, record in chunk:
             where = f"{path}:{n}"
             messages = record_messages(record, where)
@@ -148,7 +148,7 @@ def image_sft_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageP
                 if "images" in record or "image" in record:
                     raise JaxtuneError(f"{where}: images need a chat record (\"messages\") or a conversational "
                                        "prompt / completion, whose {\"type\": \"image\"} parts place them")
-                for text_only in _sft_chunk(path, [(n, record)], tokenizer, max_seq_len, eos, stats, as_chat):
+                for text_only in sft_chunk(path, [(n, record)], tokenizer, max_seq_len, eos, stats, as_chat):
                     yield ImageExample(text_only.ids, text_only.loss_mask, empty)
                 continue
             fmt = "chat" if "messages" in record else "prompt/completion"
