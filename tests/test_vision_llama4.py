@@ -139,6 +139,35 @@ def test_placeholder_text_equals_llama4_processor(tmp_path):
         assert ids.count(PATCH) == 4 * (grid[0] * grid[1] + (grid != (1, 1)))
 
 
+# Llama-4-Scout-17B-16E-Instruct's config.json, its image side (and the text width the projector feeds)
+SCOUT = {"architectures": ["Llama4ForConditionalGeneration"], "boi_token_index": 200080, "eoi_token_index": 200081,
+         "image_token_index": 200092, "text_config": {"hidden_size": 5120},
+         "vision_config": {"hidden_size": 1408, "image_size": 336, "intermediate_size": 5632, "num_attention_heads": 16,
+                           "num_channels": 3, "num_hidden_layers": 34, "patch_size": 14, "pixel_shuffle_ratio": 0.5,
+                           "projector_input_dim": 4096, "projector_output_dim": 4096, "rope_theta": 10000,
+                           "vision_output_dim": 4096, "norm_eps": 1e-05, "model_type": "llama4_vision_model"}}
+
+
+def test_scout_image_side_shapes():
+    """Scout's config read; `jax.eval_shape` of its tower on two 336-pixel tiles (nothing allocated): 144 soft
+    tokens a tile of the text's width; an inconsistent shuffle width is one line naming the key."""
+    from jaxtune.errors import JaxtuneError
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.llama4_vision import param_specs, tile_soft_tokens, vision_config_from_hf
+
+    vision = vision_config_from_hf(SCOUT)
+    assert (vision.tokens_per_tile, vision.head_dim, vision.image_token_id, vision.rope_theta) == (144, 88, 200092, 1e4)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), param_specs(vision),
+                          is_leaf=lambda x: isinstance(x, ParamSpec))
+    assert params["layers"]["mlp.fc1"]["kernel"].shape == (34, 1408, 5632)
+    out = jax.eval_shape(lambda p, t: tile_soft_tokens(p, t, vision, jnp.bfloat16), params,
+                         jax.ShapeDtypeStruct((2, 3, 336, 336), jnp.float32))
+    assert (out.shape, out.dtype) == ((2, 144, 5120), jnp.bfloat16)
+    bad = {**SCOUT, "vision_config": {**SCOUT["vision_config"], "intermediate_size": 4096}}
+    with pytest.raises(JaxtuneError, match="intermediate_size 4096"):
+        vision_config_from_hf(bad)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(directory, model): the tiny Llama4ForConditionalGeneration, float32, `save_pretrained` with its tokenizer and
@@ -291,10 +320,12 @@ def test_greedy_decoding_with_images_equals_transformers_generate(saved):
 @pytest.mark.full
 @pytest.mark.reference
 @pytest.mark.parity
-def test_sft_through_fine_tune_and_the_adapter_in_peft(saved):
+def test_sft_through_fine_tune_and_the_adapter_in_peft(saved, tmp_path):
     """LoRA SFT on chat records with images (tiles padded to a budget of 10 a row) through `fine_tune`: it runs 2
     steps and the loss is finite; its adapter (keys under `language_model.model.`, none on the tower) loads with PEFT
-    onto the transformers VLM with jaxtune's logits on a prompt with images."""
+    onto the transformers VLM with jaxtune's logits on a prompt with images; `export_merged` writes the whole VLM,
+    which transformers loads with those logits; `generate_ids_with_images` (the chat template's prompt, the adapter
+    on, 8 greedy tokens) equals the PEFT model's `generate`."""
     import warnings
 
     import torch
@@ -303,10 +334,13 @@ def test_sft_through_fine_tune_and_the_adapter_in_peft(saved):
     from safetensors import safe_open
     from test_vision_train import write_image_data
 
+    from jaxtune.config import SamplingConfig
+    from jaxtune.image_generation import generate_ids_with_images, load_image_generator, prompt_ids
     from jaxtune.methods.peft import load_peft_adapter
     from jaxtune.models.vision.llama4 import LLAMA4
     from jaxtune.run_config import load_run_config
     from jaxtune.spine.model import load_vision_language_model
+    from jaxtune.train.export import export_merged
     from jaxtune.train.loop import fine_tune
 
     directory = saved[0]
@@ -327,8 +361,8 @@ def test_sft_through_fine_tune_and_the_adapter_in_peft(saved):
         warnings.simplefilter("error", UserWarning)
         base = transformers.Llama4ForConditionalGeneration.from_pretrained(directory, dtype="float32")
         peft_model = PeftModel.from_pretrained(base, adapter).eval()
-    peft_model.base_model.model.language_model.register_forward_hook(
-        lambda module, inputs, output: setattr(output, "image_outputs", None) or output)
+    with_image_outputs = lambda module, inputs, output: setattr(output, "image_outputs", None) or output  # noqa
+    peft_model.base_model.model.language_model.register_forward_hook(with_image_outputs)
     assert not [n for n, _ in peft_model.named_parameters() if "lora" in n and "language_model" not in n]
     ids, tiles = prompt(directory, "<|begin_of_text|>red<|image|>?", [Image.open(root / "red.png")])
     with torch.no_grad():
@@ -339,3 +373,16 @@ def test_sft_through_fine_tune_and_the_adapter_in_peft(saved):
     untrained = LLAMA4.forward(params, vision_params, jnp.asarray(ids), jnp.asarray(tiles), cfg, vision)
     assert np.abs(np.asarray(ours) - np.asarray(untrained)).max() > 1e-3  # the adapter moved the logits
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
+    merged = transformers.Llama4ForConditionalGeneration.from_pretrained(
+        export_merged(directory, adapter, tmp_path / "merged"), dtype="float32").eval()
+    merged.language_model.register_forward_hook(with_image_outputs)
+    with torch.no_grad():
+        np.testing.assert_allclose(merged(input_ids=torch.from_numpy(ids), pixel_values=torch.from_numpy(tiles)
+                                          ).logits.numpy(), want, rtol=1e-5, atol=1e-4)
+    generator = load_image_generator(directory, adapter)
+    ids, tiles = prompt_ids(generator.processor, "Colours?", [Image.open(root / "red.png"), pictures()[4]])
+    ours = generate_ids_with_images(generator, ids, tiles, SamplingConfig(max_new_tokens=8))
+    with torch.no_grad():
+        out = peft_model.generate(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(tiles), do_sample=False,
+                                  max_new_tokens=8, min_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    assert ours == out[0, len(ids):].tolist()
