@@ -141,7 +141,11 @@ def test_placeholder_text_equals_llama4_processor(tmp_path):
 
 # Llama-4-Scout-17B-16E-Instruct's config.json, its image side (and the text width the projector feeds)
 SCOUT = {"architectures": ["Llama4ForConditionalGeneration"], "boi_token_index": 200080, "eoi_token_index": 200081,
-         "image_token_index": 200092, "text_config": {"hidden_size": 5120},
+         "image_token_index": 200092,
+         "text_config": {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+                         "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+                         "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+                         "attention_chunk_size": 8192},
          "vision_config": {"hidden_size": 1408, "image_size": 336, "intermediate_size": 5632, "num_attention_heads": 16,
                            "num_channels": 3, "num_hidden_layers": 34, "patch_size": 14, "pixel_shuffle_ratio": 0.5,
                            "projector_input_dim": 4096, "projector_output_dim": 4096, "rope_theta": 10000,
@@ -166,6 +170,55 @@ def test_scout_image_side_shapes():
     bad = {**SCOUT, "vision_config": {**SCOUT["vision_config"], "intermediate_size": 4096}}
     with pytest.raises(JaxtuneError, match="intermediate_size 4096"):
         vision_config_from_hf(bad)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+def test_scout_image_side_counts_as_transformers():
+    """Scout's image side as `param_specs` declares it holds as many values as transformers' `Llama4VisionModel` and
+    `Llama4MultiModalProjector` built on the meta device (871,932,416), leaf for leaf by shape."""
+    import torch
+    import transformers
+
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.llama4_vision import param_specs, vision_config_from_hf
+
+    config = transformers.Llama4Config(**{k: v for k, v in SCOUT.items() if k != "architectures"})
+    with torch.device("meta"):
+        modules = [transformers.models.llama4.modeling_llama4.Llama4VisionModel(config.vision_config),
+                   transformers.models.llama4.modeling_llama4.Llama4MultiModalProjector(config)]
+    theirs = sorted(p.numel() for m in modules for p in m.parameters())
+    specs = jax.tree.leaves(param_specs(vision_config_from_hf(SCOUT)), is_leaf=lambda x: isinstance(x, ParamSpec))
+    ours = sorted(int(np.prod(s.shape[1:])) for s in specs if len(s.shape) > 1 and s.shape[0] == 34
+                  for _ in range(34)) + sorted(int(np.prod(s.shape)) for s in specs
+                                               if not (len(s.shape) > 1 and s.shape[0] == 34))
+    assert sum(theirs) == sum(ours) == 871_932_416 and sorted(ours) == theirs
+
+
+def test_planner_counts_the_image_side_of_scout():
+    """Scout as released, LoRA SFT with a budget of 5 tiles a row on an H100, planned without allocating: the frozen
+    weights hold the tower, adapter and projector (bfloat16) beside the MoE text model, and the tower's forward is a
+    moment of its own, its values as `tower_elements` counts them for the device's rows."""
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
+    from jaxtune.models.hf_config import config_from_hf
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.family import ImageSide
+    from jaxtune.models.vision.llama4 import LLAMA4, tower_elements
+    from jaxtune.models.vision.llama4_vision import param_specs, vision_config_from_hf
+    from jaxtune.planner import estimate
+    from jaxtune.planner.devices import get_device
+
+    cfg, vision = config_from_hf(SCOUT), vision_config_from_hf(SCOUT)
+    assert cfg.architecture == "Llama4ForCausalLM" and cfg.num_experts == 16
+    plan = TrainPlan(method_config("lora", rank=8), batch_size=2, seq_len=1024)
+    with_images = plan.replace(images=ImageSide(LLAMA4, vision, 5, (3, 336, 336)))
+    text, both = (estimate(cfg, p, get_device("h100")) for p in (plan, with_images))
+    tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(vision),
+                                                               is_leaf=lambda x: isinstance(x, ParamSpec)))
+    assert both.frozen_bytes - text.frozen_bytes == 2 * tower
+    assert both.phases["image side"]["activations"] == tower_elements(vision, (3, 336, 336), 2 * 5) * 2
+    assert "image side" not in text.phases
 
 
 @pytest.fixture(scope="module")
