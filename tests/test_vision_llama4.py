@@ -97,10 +97,12 @@ def test_tiles_equal_llama4_image_processor(monkeypatch):
 
 def test_placeholder_ids_of_a_tile_grid(tmp_path):
     """Torch-free: a 1 x 2 grid's ids are `<|image_start|>`, a tile's patches, the column separator, the next tile's,
-    the row separator, `<|image|>`, the global tile's, `<|image_end|>`; `<|patch|>` is the config's image token."""
+    the row separator, `<|image|>`, the global tile's, `<|image_end|>`; `<|patch|>` is the config's image token. Its
+    3 tiles' placeholders given 2 tiles: one line naming the counts."""
     from llama4_vl_files import IMAGE_END, IMAGE_START, LLAMA4_SPECIAL, LLAMA4_TEXT, LLAMA4_VISION, write_llama4_files
 
     from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.errors import JaxtuneError
     from jaxtune.models.vision.llama4 import LLAMA4
     from jaxtune.models.vision.llama4_vision import vision_config_from_hf
 
@@ -111,6 +113,8 @@ def test_placeholder_ids_of_a_tile_grid(tmp_path):
     x, y, image = (LLAMA4_SPECIAL[t] for t in ("<|tile_x_separator|>", "<|tile_y_separator|>", "<|image|>"))
     patches = [PATCH] * vision.tokens_per_tile
     assert ids == [IMAGE_START, *patches, x, *patches, y, image, *patches, IMAGE_END]
+    with pytest.raises(JaxtuneError, match="12 image placeholder tokens .id 80. for 2 tiles of 4 soft tokens each"):
+        LLAMA4.image_inputs({}, jnp.asarray([ids]), jnp.zeros((2, 3, 16, 16)), None, None, vision, jnp.float32)
 
 
 @pytest.mark.full
