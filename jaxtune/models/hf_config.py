@@ -31,7 +31,8 @@ VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                   "Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 # M-RoPE's (transformers' `mrope_section`, its chunks in turn); the hub's releases keep the text's keys at the top
 MROPE = ("Qwen2_5_VLForConditionalGeneration",)
 # transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`

@@ -44,8 +44,8 @@ STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's hub names of an expert's parts
 # a vision-language checkpoint's vision (and audio) towers (`models.vision` reads Gemma 3's), Qwen3.5's multi-token
 # head: left by the text model
-LEFT_PARTS = ("model.visual.", "visual.", "mtp.", "vision_tower.", "multi_modal_projector.", "model.audio_tower.",
-              "model.embed_vision.", "model.embed_audio.")
+LEFT_PARTS = ("model.visual.", "visual.", "mtp.", "vision_tower.", "vision_model.", "multi_modal_projector.",
+              "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 # a vision-language checkpoint's prefixes, as transformers 4 and 5 and the hub's releases save them -> jaxtune's
 VISION_LANGUAGE_PREFIXES = (
     ("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),

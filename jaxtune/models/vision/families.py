@@ -11,9 +11,10 @@ from jaxtune.io.json import read_json
 from jaxtune.models.hf_config import model_dir
 from jaxtune.models.vision.family import ImageProcessor, ImageSide, VisionFamily
 from jaxtune.models.vision.gemma3 import GEMMA3
+from jaxtune.models.vision.llama4 import LLAMA4
 from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL
 
-FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL)
+FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, LLAMA4)
 
 
 def vision_family(directory: str | Path) -> VisionFamily | None:

@@ -26,7 +26,8 @@ class VisionFamily:
     tensor_entries        (image-side params, config, dtype) -> `write_weights` entries under canonical names
     read_processing       directory -> its image processor's settings
     pixels                (PIL images, processing) -> (float32 [N, *pixel_shape], per image what `expansion` takes:
-                          Gemma 3 its pixel arrays, Qwen2.5-VL its placeholder tokens)
+                          Gemma 3 its pixel arrays, Qwen2.5-VL its placeholder tokens,
+                          Llama 4 its tile grid)
     pixel_shape           processing -> one pixel array's shape (a batch's static shape)
     marker                (tokenizer, config) -> the text its chat template writes for an image part
     expansion             (tokenizer, config, that value of the image) -> the text the processor puts for that marker
@@ -49,10 +50,10 @@ class VisionFamily:
     read_params: Callable[..., dict]
     tensor_entries: Callable[..., list[tuple]]
     read_processing: Callable[[str | Path], Any]
-    pixels: Callable[[Sequence[Image.Image], Any], tuple[np.ndarray, list[int]]]
+    pixels: Callable[[Sequence[Image.Image], Any], tuple[np.ndarray, list]]
     pixel_shape: Callable[[Any], tuple[int, ...]]
     marker: Callable[[Any, Any], str]
-    expansion: Callable[[Any, Any, int], str]
+    expansion: Callable[[Any, Any, Any], str]
     image_token: Callable[[Any], int]
     image_inputs: Callable[..., tuple]
     forward: Callable[..., jax.Array]

@@ -41,7 +41,7 @@ def save_vision_language_model(directory: str | Path, source: str | Path, cfg: M
                 return canonical
             raise JaxtuneError(f"{source}: tensor {canonical} is not in the vision-language checkpoint")
 
-        entries = [(name(n), *rest) for n, *rest in entries]
+        entries = [(name(canonical_name(n)), *rest) for n, *rest in entries]  # Llama 4's text: hub names
     directory.mkdir(parents=True, exist_ok=True)
     hf = json.loads((source / "config.json").read_text())
     written = str(entries[0][2])
