@@ -70,6 +70,50 @@ def saved(tmp_path_factory):
     return directory, write_gemma4_vl(directory)
 
 
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"},
+                                         {"type": "image"}]},
+            {"role": "assistant", "content": "Two pictures."}]
+
+
+@pytest.mark.full
+def test_ids_and_pixels_equal_gemma4_processor(saved):
+    """transformers' Gemma4Processor on the chat template's text (its feature extractor and video processor left
+    out): the same ids, pixel values and positions; the loss on the assistant's text only."""
+    import transformers
+    from gemma4_vl_files import BOI, EOI, IMAGE, PROCESSING
+
+    from jaxtune.data.image_examples import image_example
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.models.vision.families import image_processor
+
+    class ImagesOnly(transformers.Gemma4Processor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+            self.image_token, self.boi_token, self.eoi_token = "<|image|>", "<|image>", "<image|>"
+            self.image_token_id, self.image_seq_length = IMAGE, 70
+            self.video_token = self.audio_token = self.boa_token = self.eoa_token = None
+            self.video_token_id = self.audio_token_id = None
+            transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        def validate_inputs(self, **kwargs):  # its audio-token check needs a tokenizer with audio tokens
+            pass
+
+    directory, _ = saved
+    tokenizer = load_tokenizer(directory)
+    images = [pictures()[0], pictures()[4]]
+    example = image_example(MESSAGES, images, image_processor(directory, tokenizer), tokenizer)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    processor = ImagesOnly(transformers.Gemma4ImageProcessorPil(**PROCESSING), hf_tokenizer,
+                           chat_template=hf_tokenizer.chat_template)
+    text = processor.apply_chat_template(MESSAGES, tokenize=False)
+    want = processor(text=[text], images=images, add_special_tokens=False, return_tensors="np")
+    ids = np.asarray(example.ids)
+    assert ids.tolist() == want["input_ids"][0].tolist() and (ids == BOI).sum() == (ids == EOI).sum() == 2
+    np.testing.assert_array_equal(example.pixel_values[..., :2], want["image_position_ids"])
+    np.testing.assert_allclose(example.pixel_values[..., 2:], want["pixel_values"], rtol=1e-6, atol=1e-6)
+    learned = tokenizer.decode([t for t, m in zip(example.ids, example.loss_mask) if m])
+    assert learned.startswith("Two pictures.") and IMAGE not in ids[np.asarray(example.loss_mask) == 1]
+
+
 def image_rows(rows: list[list], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, T], attention mask [B, T]) of rows where "image" takes the next image's boi, soft tokens, eoi,
     left-padded with 0 to the longest."""
