@@ -253,9 +253,11 @@ def test_greedy_decoding_with_images_equals_transformers_generate(saved):
 
 
 @pytest.mark.full
-def test_sft_step_through_fine_tune_and_its_adapter_in_peft(saved, tmp_path):
+def test_sft_step_through_fine_tune_and_its_adapter_in_peft(saved, tmp_path, capsys):
     """Two LoRA SFT steps on chat records with images through the spine (`fine_tune`); the adapter's keys are PEFT's
-    on the VLM's text model, and PEFT loads it onto transformers' Gemma 4 with jaxtune's logits with two images."""
+    on the VLM's text model, and PEFT loads it onto transformers' Gemma 4 with jaxtune's logits with two images;
+    `export_merged` writes the whole VLM, which transformers loads with those logits; the adapter's 8 greedy tokens
+    after an image equal the PEFT model's `generate`, and `jaxtune generate --image` prints their text."""
     import shutil
 
     import torch
@@ -264,12 +266,16 @@ def test_sft_step_through_fine_tune_and_its_adapter_in_peft(saved, tmp_path):
     from peft import PeftModel
     from test_vision_train import write_image_data
 
+    from jaxtune.cli import main
+    from jaxtune.config import SamplingConfig
     from jaxtune.data.image_examples import image_example
     from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.image_generation import generate_ids_with_images, load_image_generator, prompt_ids
     from jaxtune.methods.peft import load_peft_adapter
     from jaxtune.models.vision.families import image_processor
     from jaxtune.run_config import load_run_config
     from jaxtune.spine.model import load_vision_language_model
+    from jaxtune.train.export import export_merged
     from jaxtune.train.loop import fine_tune
 
     directory, _ = saved
@@ -303,3 +309,55 @@ def test_sft_step_through_fine_tune_and_its_adapter_in_peft(saved, tmp_path):
         want = peft_model(input_ids=torch.from_numpy(ids), mm_token_type_ids=torch.from_numpy(
             (ids == IMAGE).astype(np.int64)), **_arrays_as_torch(example.pixel_values)).logits.numpy()
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=5e-5 * np.abs(want).max())
+    merged = export_merged(tmp_path / "model", adapter, tmp_path / "merged")
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(merged, dtype="float32").eval()
+    with torch.no_grad():
+        again = model(input_ids=torch.from_numpy(ids), mm_token_type_ids=torch.from_numpy(
+            (ids == IMAGE).astype(np.int64)), **_arrays_as_torch(example.pixel_values)).logits.numpy()
+    np.testing.assert_allclose(again, want, rtol=1e-5, atol=5e-5 * np.abs(want).max())
+
+    prompt, pixels = prompt_ids(image_processor(tmp_path / "model", tokenizer), "Colours?", [pictures()[3]])
+    prompt_BxT = np.asarray([prompt])
+    with torch.no_grad():
+        out = peft_model.generate(input_ids=torch.from_numpy(prompt_BxT), mm_token_type_ids=torch.from_numpy(
+            (prompt_BxT == IMAGE).astype(np.int64)), **_arrays_as_torch(pixels), do_sample=False, max_new_tokens=8,
+            min_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    pictures()[3].save(tmp_path / "p.png")
+    main(["generate", "--model", str(tmp_path / "model"), "--adapter", str(adapter), "--prompt", "Colours?",
+          "--image", str(tmp_path / "p.png"), "--max-new-tokens", "8"])
+    want_ids = out[0, len(prompt):].tolist()
+    assert generate_ids_with_images(load_image_generator(tmp_path / "model", adapter), prompt, pixels,
+                                    SamplingConfig(max_new_tokens=8)) == want_ids
+    eos = next((i for i, t in enumerate(want_ids) if t in (1, 94)), len(want_ids))  # <eos>, <turn|>
+    assert capsys.readouterr().out.strip() == tokenizer.decode(want_ids[:eos]).strip()
+
+
+@pytest.mark.full  # ~40 s (the planned step's abstract evaluation); the everyday tier plans Qwen2.5-VL's
+def test_planner_counts_gemma4s_image_side():
+    """transformers' default Gemma 4 vision tower (gemma-4-e2b-it's) beside a tiny Gemma 4 text model, LoRA SFT with
+    2 images a row of the default 280-token budget on an H100, planned without allocating: the frozen weights hold the
+    tower and embedder, and its forward over the padded patches is a moment of its own."""
+    import transformers
+
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.family import ImageSide
+    from jaxtune.models.vision.gemma4 import Gemma4VLConfig, tower_elements
+    from jaxtune.models.vision.gemma4_vision import vision_config_from_hf
+    from jaxtune.planner import estimate
+    from jaxtune.planner.devices import get_device
+    from jaxtune.presets import tiny_model_config
+
+    cfg = tiny_model_config("gemma4")
+    vision = Gemma4VLConfig(tower=vision_config_from_hf({"vision_config": transformers.Gemma4VisionConfig().to_dict()},
+                                                        cfg.hidden_size))
+    shape = GEMMA4.pixel_shape(Gemma4ImageOptions())
+    assert shape == (280 * 9, 2 + 3 * 16 * 16)
+    plan = TrainPlan(method_config("lora", rank=8), batch_size=2, seq_len=1024)
+    with_images = plan.replace(images=ImageSide(GEMMA4, vision, 2, shape))
+    text, both = (estimate(cfg, p, get_device("h100")) for p in (plan, with_images))
+    tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(GEMMA4.param_specs(vision),
+                                                               is_leaf=lambda x: isinstance(x, ParamSpec)))
+    assert 160e6 < tower < 175e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
+    assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
