@@ -49,6 +49,35 @@ def test_image_processor_equals_transformers(tmp_path):
         read_processing(tmp_path)
 
 
+def test_image_spans_on_sliding_layers_only(monkeypatch):
+    """Gemma 4's mask (`span_ids(sliding_only=True)`), two rows of 48 tokens in blocks of 16, images across the
+    blocks' borders: on a full layer (window 0) the blockwise kernel is causal, on a sliding one (window 7) an image's
+    tokens also see its later tokens within the window: dense attention under transformers' masks (the backward
+    shares `_allowed` and the liveness; Gemma 3's spans test takes gradients)."""
+    from test_vision_gemma3 import dense_attention
+
+    from jaxtune.models import attention
+    from jaxtune.models.attention import blockwise_attention, training_mask
+    from jaxtune.models.multimodal import span_ids
+
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    B, K, G, T, hd = 2, 1, 2, 48, 8
+    at = np.zeros((B, T), bool)
+    at[0, 3:7] = at[0, 13:20] = at[1, 30:36] = True
+    spans = span_ids(jnp.asarray(at), sliding_only=True)
+    assert np.asarray(spans)[0, [2, 3, 13]].tolist() == [-1, attention.SLIDING_SPANS, attention.SLIDING_SPANS + 1]
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
+        [(B, K, G, T, hd), (B, K, T, hd), (B, K, T, hd)]))
+    mask = training_mask(B, T, 0, None, None, span_ids_BxT=spans)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.asarray(spans)
+    same = (s[:, :, None] == s[:, None, :]) & (s[:, :, None] >= 0)
+    for window, allowed in ((0, np.broadcast_to(j <= i, same.shape)), (7, ((j <= i) | same) & (j > i - 7))):
+        ours = lambda q, k, v: blockwise_attention(q, k, v, mask, window, scale=0.3)  # noqa: E731
+        want = lambda q, k, v: dense_attention(q, k, v, jnp.asarray(allowed), 0.3)  # noqa: E731
+        np.testing.assert_allclose(ours(q, k, v), want(q, k, v), atol=2e-5)
+
+
 def test_an_audio_part_in_data_is_one_line(tmp_path):
     """A record with an audio part (or an "audio" key) is refused naming its line: the audio tower is left."""
     from jaxtune.data.images import record_images
