@@ -390,3 +390,62 @@ def test_planner_counts_gemma4s_image_side():
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert 160e6 < tower < 175e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
     assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
+
+
+@pytest.mark.full
+def test_dpo_with_images_equals_the_dpo_formula_on_transformers_logps(saved, tmp_path):
+    """Pairs whose prompts hold an image: DPO's loss on a pair batch (policy: a random PEFT LoRA, reference: the base
+    with it off, both reading the images through the frozen image side) equals TRL's sigmoid DPO loss on
+    transformers' sequence log-probs of the same ids."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from gemma4_vl_files import IMAGE
+    from peft import LoraConfig, get_peft_model
+    from test_methods_peft import randomize_peft
+    from test_vision_train import write_image_data, write_preference_data
+
+    from jaxtune.config import ForwardOptions
+    from jaxtune.data.batching import ImageRows
+    from jaxtune.data.image_examples import image_preference_examples
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.methods.peft import load_peft_adapter
+    from jaxtune.models.vision.families import image_processor, image_side
+    from jaxtune.objectives.base import Context, strip_adapters
+    from jaxtune.objectives.dpo import PreferenceConfig, _pair_sums, pair_batch
+    from jaxtune.spine.model import load_vision_language_model
+
+    directory, model = saved
+    peft_model = randomize_peft(get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], exclude_modules=GEMMA4.outside_text)))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    write_image_data(tmp_path)
+    write_preference_data(tmp_path)
+    tokenizer = load_tokenizer(directory)
+    processor = image_processor(directory, tokenizer)
+    pairs = list(image_preference_examples(tmp_path / "pairs.jsonl", tokenizer, processor, 200))[:3]
+    batch = pair_batch(pairs, 3, 200, images=ImageRows(1, processor.pixel_shape))
+    cfg, params, _, vision_params = load_vision_language_model(directory)
+    method, policy = load_peft_adapter(tmp_path / "adapter", params, cfg)
+    section = PreferenceConfig(beta=0.5)
+    ctx = Context(cfg, method, ForwardOptions(), section, images=image_side(directory, 1))
+    policy = {**policy, "vision": vision_params}
+    loss, count, _ = jax.jit(_pair_sums, static_argnums=3)(policy, strip_adapters(policy), batch, ctx)
+
+    def logp(pair, completion):
+        ids = np.asarray([pair.prompt + completion])
+        logits = peft_model(input_ids=torch.from_numpy(ids), mm_token_type_ids=torch.from_numpy(
+            (ids == IMAGE).astype(np.int64)), **_arrays_as_torch(pair.pixel_values)).logits
+        logps = torch.log_softmax(logits[0, :-1], -1).gather(1, torch.from_numpy(ids[0, 1:])[:, None])[:, 0]
+        return logps[len(pair.prompt) - 1:].sum()
+
+    want = 0.0
+    with torch.no_grad():
+        for pair in pairs:
+            chosen, rejected = logp(pair, pair.chosen), logp(pair, pair.rejected)
+            with peft_model.disable_adapter():
+                ref_chosen, ref_rejected = logp(pair, pair.chosen), logp(pair, pair.rejected)
+            want += float(-F.logsigmoid(section.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))))
+    assert float(count) == 3 and abs(want - 3 * np.log(2)) > 1e-3  # the adapter moves the pairs' margins
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)

@@ -133,17 +133,19 @@ def read_params(directory: str | Path, cfg: Gemma4VisionConfig, dtype=None) -> d
                                    f"{tuple(reader.shape(name))}, expected {shape}")
             return reader.read(name)
 
+        def one_layer(keys: tuple[str, ...], shape: tuple[int, ...], layer: int | None) -> np.ndarray:
+            if keys[-1] == "clip":  # four scalar buffers beside the linear's weight
+                weight = _hf_name(keys[:-1] + ("kernel",), layer)[0]
+                return np.stack([tensor(weight.replace("linear.weight", bound), ()) for bound in CLIP_BOUNDS])
+            name, kernel = _hf_name(keys, layer)
+            return tensor(name, shape[::-1]).T if kernel else tensor(name, shape)
+
         def leaf(path, spec) -> jax.Array:
             keys = tuple(k.key for k in path)
-            one = spec.shape[1:] if keys[0] == "layers" else spec.shape
-            if keys[-1] == "clip":  # four scalar buffers beside the linear's weight
-                read = lambda i: np.stack([tensor(_hf_name(keys[:-1] + ("kernel",), i)[0].replace(  # noqa: E731
-                    "linear.weight", bound), ()) for bound in CLIP_BOUNDS])
-            else:
-                def read(i):
-                    name, kernel = _hf_name(keys, i)
-                    return tensor(name, one[::-1]).T if kernel else tensor(name, one)
-            value = np.stack([read(i) for i in range(cfg.num_layers)]) if keys[0] == "layers" else read(None)
+            stacked = keys[0] == "layers"
+            shape = spec.shape[1:] if stacked else spec.shape
+            value = (np.stack([one_layer(keys, shape, i) for i in range(cfg.num_layers)]) if stacked
+                     else one_layer(keys, shape, None))
             return jnp.asarray(value, dtype or value.dtype)
 
         return jax.tree_util.tree_map_with_path(leaf, abstract)
