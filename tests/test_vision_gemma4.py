@@ -78,6 +78,23 @@ def test_image_spans_on_sliding_layers_only(monkeypatch):
         np.testing.assert_allclose(ours(q, k, v), want(q, k, v), atol=2e-5)
 
 
+def test_vision_config_refusals_are_one_line():
+    """What the tower does not compute is refused naming the key and value; transformers' defaults read."""
+    from jaxtune.models.vision.gemma4_vision import vision_config_from_hf
+
+    tower = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
+    cfg = vision_config_from_hf({"vision_config": tower}, 64)
+    assert (cfg.num_kv_heads, cfg.patch_size, cfg.pooling_kernel_size, cfg.rope_theta) == (2, 16, 3, 100.0)
+    for change, message in [({"hidden_activation": "gelu"}, "vision_config hidden_activation 'gelu'"),
+                            ({"rope_parameters": {"rope_type": "default"}}, "rope_parameters.rope_type 'default'"),
+                            ({"head_dim": None}, "vision_config has no head_dim"),
+                            ({"head_dim": 18}, "head_dim 18 must be a multiple of 4")]:
+        with pytest.raises(JaxtuneError, match=message):
+            vision_config_from_hf({"vision_config": tower | change}, 64)
+    with pytest.raises(JaxtuneError, match="config.json: Gemma4ForConditionalGeneration without a vision_config"):
+        vision_config_from_hf({}, 64)
+
+
 def test_an_audio_part_in_data_is_one_line(tmp_path):
     """A record with an audio part (or an "audio" key) is refused naming its line: the audio tower is left."""
     from jaxtune.data.images import record_images
