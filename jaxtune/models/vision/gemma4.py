@@ -158,7 +158,7 @@ def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.A
                  cfg: ModelConfig, vision: Gemma4VLConfig, dtype) -> tuple[jax.Array, dict]:
     """(tokens [B, T] with the image tokens as the pad token, the decoder's keywords) of rows whose `image_token_id`
     runs take the images, [N, max_patches, K] in row-major order over the batch or each row's own [B, M, ...]
-    (padding images, all rows at (-1, -1), never placed)."""
+    (a row's unused slots, zeros after its images, are never placed)."""
     del cfg, dtype  # the tower computes in its weights' dtype, as transformers'
     B, T = tokens_BxT.shape
     per_row = pixel_values.ndim == 4
