@@ -378,7 +378,7 @@ def test_sft_step_through_fine_tune_and_its_adapter_in_peft(saved, tmp_path, cap
     assert capsys.readouterr().out.strip() == tokenizer.decode(want_ids[:eos]).strip()
 
 
-@pytest.mark.full  # ~40 s (the planned step's abstract evaluation); the everyday tier plans Qwen2.5-VL's
+@pytest.mark.full  # ~40 s cold on the shared 2 cores; the everyday tier plans Qwen2.5-VL's image side
 def test_planner_counts_gemma4s_image_side():
     """transformers' default Gemma 4 vision tower (gemma-4-e2b-it's) beside a tiny Gemma 4 text model, LoRA SFT with
     2 images a row of the default 280-token budget on an H100, planned without allocating: the frozen weights hold the
