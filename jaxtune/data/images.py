@@ -25,6 +25,25 @@ def image_parts(value) -> int:
     return 0
 
 
+OTHER_MEDIA = ("audio", "audios", "video", "videos", "input_audio")  # parts' types and records' keys
+
+
+def other_media(value) -> str | None:
+    """What in a record (or a message, a part) is neither text nor an image: `key 'audio'`, `a part of type
+    'audio'`; None if nothing."""
+    if isinstance(value, list):
+        return next(filter(None, map(other_media, value)), None)
+    if not isinstance(value, dict):
+        return None
+    if value.get("type") in OTHER_MEDIA:
+        return f"a part of type {value['type']!r}"
+    key = next((k for k in OTHER_MEDIA if k in value), None)
+    if key is not None:
+        return f"key {key!r}"
+    return next(filter(None, map(other_media, (value.get(k) for k in ("messages", "prompt", "completion", "chosen",
+                                                                        "rejected", "content")))), None)
+
+
 def image_references(record: dict, where: str) -> list:
     """The record's images as it gives them (`images` a list, or `image` one; none: []), not yet read."""
     if "images" in record and "image" in record:
@@ -70,6 +89,10 @@ def read_image(reference, base: Path, what: str) -> Image.Image:
 def record_images(record: dict, where: str, base: Path, parts: int) -> list[Image.Image]:
     """The record's images, read: `where` names the record ("data.jsonl:7"), `base` the directory relative paths
     start from, `parts` the image parts its text holds (`image_parts`), which must be as many."""
+    media = other_media(record)
+    if media:
+        raise JaxtuneError(f"{where}: {media}: jaxtune trains on text and images (a model's audio tower and video "
+                           "are left)")
     references = image_references(record, where)
     if len(references) != parts:
         raise JaxtuneError(f"{where}: {len(references)} image{'s' * (len(references) != 1)} for {parts} "

@@ -43,6 +43,7 @@ class AttentionMask(NamedTuple):
     k_span_BxS: jax.Array | None = None
 
 
+SLIDING_SPANS = 2**30  # span ids from here up: bidirectional on sliding layers only (Gemma 4's images)
 BRANCH_SHIFT = 16  # a prefix tree's ids: (segment << BRANCH_SHIFT) | (branch << LEAF_BITS) | leaf
 LEAF_BITS = 8
 MAX_BRANCHES = 2**LEAF_BITS - 1  # branches of a tree, and leaves of a branch
@@ -89,9 +90,10 @@ def cache_mask(start: jax.Array, T: int, valid_BxS: jax.Array) -> AttentionMask:
 
 
 def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window, q_span_BxQ=None,
-             k_span_BxC=None) -> jax.Array:
+             k_span_BxC=None, every_span: bool = False) -> jax.Array:
     """[B, Q, C] boolean: which of Q queries may see which of C keys (causally, or within a bidirectional span:
-    transformers' `blockwise_overlay` or'ed with causality, then and'ed with the window)."""
+    transformers' `blockwise_overlay` or'ed with causality, then and'ed with the window). Spans numbered from
+    SLIDING_SPANS are bidirectional on sliding layers only (window != 0), unless `every_span` (a liveness bound)."""
     relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
     chunk = jnp.maximum(-window, 1)  # window < 0: chunks of -window slots (Llama 4)
     same_chunk_QxC = q_slot_Q[:, None] // chunk == k_slot_C[None, :] // chunk
@@ -99,7 +101,9 @@ def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, wind
     if q_span_BxQ is None:
         position_BxQxC = ((relative_QxC >= 0) & window_QxC)[None]
     else:
-        span_BxQxC = (q_span_BxQ[:, :, None] == k_span_BxC[:, None, :]) & (q_span_BxQ[:, :, None] >= 0)
+        on_layer_BxQ = (q_span_BxQ < SLIDING_SPANS) | (window != 0) | every_span
+        span_BxQxC = ((q_span_BxQ[:, :, None] == k_span_BxC[:, None, :]) & (q_span_BxQ[:, :, None] >= 0)
+                      & on_layer_BxQ[:, :, None])
         position_BxQxC = ((relative_QxC >= 0)[None] | span_BxQxC) & window_QxC[None]
     q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
     ancestor_BxQxC = ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC) | ((q_BxQx1 & -(2**LEAF_BITS)) == k_Bx1xC)
@@ -170,8 +174,9 @@ def live_blocks(mask: AttentionMask, T: int, S: int) -> jax.Array:
     m = _blocked_mask(mask, T, S)
 
     def row(q_slot_Q, q_segment_BxQ, q_span_BxQ):
-        return jax.vmap(lambda s, kv, ks, kp: jnp.any(_allowed(q_slot_Q, q_segment_BxQ, s, kv, ks, 0, q_span_BxQ,
-                                                               kp)))(m.k_slot, m.k_valid, m.k_segment, m.k_span)
+        return jax.vmap(lambda s, kv, ks, kp: jnp.any(_allowed(q_slot_Q, q_segment_BxQ, s, kv, ks, 0, q_span_BxQ, kp,
+                                                               every_span=True)))(m.k_slot, m.k_valid, m.k_segment,
+                                                                                  m.k_span)
 
     return jax.lax.map(lambda args: row(*args), (m.q_slot, m.q_segment, m.q_span))
 

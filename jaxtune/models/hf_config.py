@@ -194,7 +194,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act not in HF_ACTIVATIONS:
         raise JaxtuneError(f"{where}: hidden activation {act!r} is not supported ({', '.join(HF_ACTIVATIONS)})")
-    if hf.get("use_bidirectional_attention"):
+    if hf.get("use_bidirectional_attention") and (composite, hf["use_bidirectional_attention"]) != (
+            "Gemma4ForConditionalGeneration", "vision"):  # Gemma 4's images' spans: its vision unit's mask
         raise JaxtuneError(f"{where}: use_bidirectional_attention is not supported (a decoder attends causally)")
     try:
         heads = int(hf["num_attention_heads"])

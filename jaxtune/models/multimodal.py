@@ -10,6 +10,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxtune.models.attention import SLIDING_SPANS
+
 
 class PlacedEmbeddings(NamedTuple):
     """vectors_NxD: what replaces the token embeddings, in row-major order of the positions `at_BxT` (bool) marks;
@@ -33,9 +35,11 @@ def place_embeddings(x_BxTxD: jax.Array, placed: PlacedEmbeddings) -> jax.Array:
     return jnp.where(at_BxT[..., None], rows_BxTxD, x_BxTxD)
 
 
-def span_ids(at_BxT: jax.Array) -> jax.Array:
+def span_ids(at_BxT: jax.Array, sliding_only: bool = False) -> jax.Array:
     """int32 [B, T]: each run of consecutive marked positions numbered 0, 1, ... along its row, -1 elsewhere (an
-    image's placeholder tokens, one bidirectional span an image; transformers' `get_block_sequence_ids_for_mask`)."""
+    image's placeholder tokens, one bidirectional span an image; transformers' `get_block_sequence_ids_for_mask`).
+    sliding_only: numbered from `attention.SLIDING_SPANS`, bidirectional on sliding layers only (Gemma 4's mask)."""
     previous_BxT = jnp.pad(at_BxT, ((0, 0), (1, 0)))[:, :-1]
     starts_BxT = at_BxT & ~previous_BxT
-    return jnp.where(at_BxT, jnp.cumsum(starts_BxT, axis=1, dtype=jnp.int32) - 1, -1)
+    first = SLIDING_SPANS if sliding_only else 0
+    return jnp.where(at_BxT, jnp.cumsum(starts_BxT, axis=1, dtype=jnp.int32) - 1 + first, -1)

@@ -1,6 +1,6 @@
-"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL), by the architecture in
-`config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a text-only model;
-`required_vision_family` says which families there are when a directory has none of them."""
+"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Gemma 4), by the
+architecture in `config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a
+text-only model; `required_vision_family` says which families there are when a directory has none of them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from jaxtune.io.json import read_json
 from jaxtune.models.hf_config import model_dir
 from jaxtune.models.vision.family import ImageProcessor, ImageSide, VisionFamily
 from jaxtune.models.vision.gemma3 import GEMMA3
+from jaxtune.models.vision.gemma4 import GEMMA4
 from jaxtune.models.vision.llama4 import LLAMA4
 from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL
 
-FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, LLAMA4)
+FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, LLAMA4, GEMMA4)
 
 
 def vision_family(directory: str | Path) -> VisionFamily | None:
