@@ -1,5 +1,5 @@
-"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Gemma 4), by the
-architecture in `config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a
+"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Llama 4, Gemma 4), by
+the architecture in `config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a
 text-only model; `required_vision_family` says which families there are when a directory has none of them."""
 
 from __future__ import annotations
