@@ -8,7 +8,7 @@ decoded by `generation.decode_more` (one `lax.while_loop`; greedy, or sampled as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -121,10 +121,14 @@ def _begin(params, vision_params, tokens_BxW, mask_BxW, pixels_BxMx, live_B, *, 
 
 def generate_batch_with_images(generator: ImageGenerator, prompts: Sequence[tuple[Sequence[int], np.ndarray]],
                                sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (),
-                               options: ForwardOptions = ForwardOptions()) -> list[list[int]]:
+                               options: ForwardOptions = ForwardOptions(),
+                               stop_when: Callable[[int, list[int]], bool] | None = None, chunk_steps: int = 16
+                               ) -> list[list[int]]:
     """Each prompt's new tokens, decoded together: up to `sampling.max_new_tokens`, ending with the first of
     `eos_ids` (kept). prompts: (token ids, pixel arrays [N, *pixel_shape]) as `prompt_ids` gives them (N x the
-    family's tokens an image in placeholders). Greedy, a prompt's tokens are those it gets alone."""
+    family's tokens an image in placeholders). Greedy, a prompt's tokens are those it gets alone.
+    stop_when(prompt index, its new tokens so far), as `generation.generate`'s: asked on the host every
+    `chunk_steps` steps for each row still running; True ends that row (its tokens run to the end of the chunk)."""
     g, N = generator, sampling.max_new_tokens
     batch = image_batch(prompts, g.processor.pixel_shape)
     program = dict(cfg=g.cfg, method=g.method, options=options)
@@ -133,9 +137,20 @@ def generate_batch_with_images(generator: ImageGenerator, prompts: Sequence[tupl
     is_stop_V: np.ndarray = np.zeros(g.cfg.vocab_size, bool)
     is_stop_V[list(eos_ids)] = True
     limit_B: np.ndarray = np.full(len(batch.live_B), N, np.int32)
-    state = decode_more(g.params, state, limit_B, is_stop_V, np.float32(max(sampling.temperature, 1e-6)),
-                        np.int32(sampling.top_k), np.float32(sampling.top_p), jax.random.key(sampling.seed),
-                        np.int32(N), **program, greedy=sampling.greedy)
+    sampling_args = (is_stop_V, np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k),
+                     np.float32(sampling.top_p), jax.random.key(sampling.seed))
+    until = N if stop_when is None else min(chunk_steps, N)
+    state = decode_more(g.params, state, limit_B, *sampling_args, np.int32(until), **program, greedy=sampling.greedy)
+    while stop_when is not None and until < N:  # the host reads each chunk's tokens (one transfer) to end rows
+        out_BxN, done_B = jax.device_get((state.out_BxN, state.done_B))
+        done_B = done_B.copy()
+        for row in np.flatnonzero(~done_B):
+            done_B[row] = stop_when(int(row), row_tokens(out_BxN[row], is_stop_V, False))
+        if done_B.all():
+            break
+        until = min(until + chunk_steps, N)
+        state = decode_more(g.params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
+                            **program, greedy=sampling.greedy)
     return [row_tokens(row, is_stop_V, include_stop=True) for row in np.asarray(state.out_BxN)[:len(prompts)]]
 
 

@@ -1,6 +1,7 @@
 """Generation with images in batches (issue 52; `image_generation.py`): prompts, each with its own images, padded to
 static shapes and decoded together. Full tier, on a tiny random Gemma 3 (`presets.write_random_vision_model`) and a
-tiny Qwen2.5-VL: greedy tokens of a batch equal each prompt's alone and transformers' `generate`."""
+tiny Qwen2.5-VL: greedy tokens of a batch equal each prompt's alone and transformers' `generate`; a row that
+`stop_when` ends stops after its chunk, the others as before."""
 
 import numpy as np
 import pytest
@@ -54,6 +55,9 @@ def _greedy_batch_equals_alone_and_generate(directory, hf_generate, sizes):
     assert together == [generate_ids_with_images(generator, ids, pixels, sampling) for ids, pixels in prompts]
     assert together == [hf_generate(ids, pixels) for ids, pixels in prompts]
     assert len({tuple(t) for t in together}) > 1  # the prompts differ
+    stopped = generate_batch_with_images(generator, prompts, sampling, stop_when=lambda row, tokens: row == 1,
+                                         chunk_steps=2)  # row 1 ends after the first chunk, the others run on
+    assert stopped == [together[0], together[1][:2], together[2]]
 
 
 @pytest.mark.full

@@ -281,7 +281,7 @@ class JaxtuneLM(TemplateLM):
             max_new = int(kwargs.pop("max_gen_toks"))
             sampling = self._sampling(kwargs, max_new)
             if images:
-                new = self._generate_with_images([requests[i] for i in members], sampling)
+                new = self._generate_with_images([requests[i] for i in members], until, sampling)
                 order = members
             else:
                 new, order = self._generate_text([requests[i].args[0] for i in members], members, until, sampling)
@@ -306,8 +306,9 @@ class JaxtuneLM(TemplateLM):
                            options=self.options, stop_when=stops if stops.any else None, batch_rows=self.batch_rows)
         return new, order
 
-    def _generate_with_images(self, requests: list, sampling: SamplingConfig) -> list[list[int]]:
-        """Each request's new tokens after its context with its images, `batch_rows` prompts decoded together."""
+    def _generate_with_images(self, requests: list, until: list[str], sampling: SamplingConfig) -> list[list[int]]:
+        """Each request's new tokens after its context with its images, `batch_rows` prompts decoded together; a
+        row stops decoding once its text holds one of `until` (checked every 16 steps)."""
         assert self.images is not None
         prompts = [self._image_ids(request, request.args[0]) for request in requests]
         for request, (ids, _) in zip(requests, prompts):
@@ -317,9 +318,11 @@ class JaxtuneLM(TemplateLM):
                                    "are never cut)")
         new: list[list[int]] = []
         for at in range(0, len(prompts), self.batch_rows):
+            batch = prompts[at:at + self.batch_rows]
+            stops = StopStrings.of(self.tokenizer, until, len(batch))
             with self._traced():
-                new += generate_batch_with_images(self.images, prompts[at:at + self.batch_rows], sampling,
-                                                  sorted(self._stops), self.options)
+                new += generate_batch_with_images(self.images, batch, sampling, sorted(self._stops), self.options,
+                                                  stop_when=stops if stops.any else None)
         return new
 
     def _sampling(self, kwargs: dict, max_new_tokens: int) -> SamplingConfig:
