@@ -128,8 +128,14 @@ def generate_batch_with_images(generator: ImageGenerator, prompts: Sequence[tupl
     `eos_ids` (kept). prompts: (token ids, pixel arrays [N, *pixel_shape]) as `prompt_ids` gives them (N x the
     family's tokens an image in placeholders). Greedy, a prompt's tokens are those it gets alone.
     stop_when(prompt index, its new tokens so far), as `generation.generate`'s: asked on the host every
-    `chunk_steps` steps for each row still running; True ends that row (its tokens run to the end of the chunk)."""
+    `chunk_steps` steps for each row still running; True ends that row (its tokens run to the end of the chunk).
+    A prompt that with `max_new_tokens` would pass the model's context is one error line."""
     g, N = generator, sampling.max_new_tokens
+    context = g.cfg.max_position_embeddings
+    for i, (ids, _) in enumerate(prompts):
+        if len(ids) + N > context:
+            raise JaxtuneError(f"prompt {i} has {len(ids)} tokens with its images: with max_new_tokens={N} it would "
+                               f"pass the model's context of {context} (max_position_embeddings)")
     batch = image_batch(prompts, g.processor.pixel_shape)
     program = dict(cfg=g.cfg, method=g.method, options=options)
     state = _begin(g.params, g.vision_params, batch.tokens_BxW, batch.mask_BxW, batch.pixels_BxMx, batch.live_B,
@@ -169,14 +175,16 @@ def eos_ids(generator: ImageGenerator) -> list[int]:
 
 def generate_texts_with_images(generator: ImageGenerator, prompts: Sequence[str | list[dict]],
                                images: Sequence[Sequence[Image.Image]], sampling: SamplingConfig = SamplingConfig(),
-                               options: ForwardOptions = ForwardOptions()) -> list[str]:
+                               options: ForwardOptions = ForwardOptions(), batch_rows: int = 16) -> list[str]:
     """The text the model answers each prompt (text, or a conversation with image parts) about its own images
-    with, decoded together, up to its EOS (the model's or the tokenizer's) or `sampling.max_new_tokens`."""
+    with, `batch_rows` prompts decoded together, up to its EOS (the model's or the tokenizer's) or
+    `sampling.max_new_tokens`."""
     if len(prompts) != len(images):
         raise JaxtuneError(f"{len(prompts)} prompts but {len(images)} image lists: give each prompt its own")
     eos = eos_ids(generator)
     ids = [prompt_ids(generator.processor, prompt, own) for prompt, own in zip(prompts, images)]
-    new = generate_batch_with_images(generator, ids, sampling, eos, options)
+    new = [tokens for at in range(0, len(ids), batch_rows)
+           for tokens in generate_batch_with_images(generator, ids[at:at + batch_rows], sampling, eos, options)]
     tokenizer = generator.processor.tokenizer
     return [tokenizer.decode(t[:-1] if t and t[-1] in eos else t, skip_special_tokens=True) for t in new]
 

@@ -1,7 +1,7 @@
 """Generation with images in batches (issue 52; `image_generation.py`): prompts, each with its own images, padded to
 static shapes and decoded together. Full tier, on a tiny random Gemma 3 (`presets.write_random_vision_model`) and a
-tiny Qwen2.5-VL: greedy tokens of a batch equal each prompt's alone and transformers' `generate`; a row that
-`stop_when` ends stops after its chunk, the others as before."""
+tiny Qwen2.5-VL: greedy tokens of a batch equal each prompt's alone and transformers' `generate`, the texts are
+theirs in batches of 2; a row that `stop_when` ends stops after its chunk, the others as before."""
 
 import numpy as np
 import pytest
@@ -36,25 +36,49 @@ def test_image_batch_pads_prompts_left_and_images_per_row():
         image_batch([([], np.zeros((0, *shape)))], shape)
 
 
+def test_a_prompt_past_the_context_and_missing_image_lists_are_one_line(tmp_path):
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.image_generation import ImageGenerator, generate_batch_with_images, generate_texts_with_images
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.vision.families import image_processor
+    from jaxtune.presets import write_gemma3_files
+
+    directory = write_gemma3_files(tmp_path / "m")  # no weights: both refusals come before any is read
+    generator = ImageGenerator(load_config(directory), {}, {}, image_processor(directory, load_tokenizer(directory)))
+    with pytest.raises(JaxtuneError, match=r"^prompt 1 has 510 tokens with its images: with max_new_tokens=8 it would "
+                                           r"pass the model's context of 512 \(max_position_embeddings\)$"):
+        generate_batch_with_images(generator, [([5], np.zeros((0, 3, 64, 64))), ([5] * 510, np.zeros((0, 3, 64, 64)))],
+                                   SamplingConfig(max_new_tokens=8))
+    with pytest.raises(JaxtuneError, match="^2 prompts but 1 image lists: give each prompt its own$"):
+        generate_texts_with_images(generator, ["a", "b"], [[]])
+
+
 QUESTIONS = [("Colours?", 2), ("What is in the picture, in a few words?", 1), ("Hi", 0)]
 
 
 def _greedy_batch_equals_alone_and_generate(directory, hf_generate, sizes):
     from jaxtune.image_generation import (
+        eos_ids,
         generate_batch_with_images,
         generate_ids_with_images,
+        generate_texts_with_images,
         load_image_generator,
         prompt_ids,
     )
 
     generator = load_image_generator(directory)
-    prompts = [prompt_ids(generator.processor, q, [_picture(10 * i + k, sizes[k]) for k in range(n)])
-               for i, (q, n) in enumerate(QUESTIONS)]
+    images = [[_picture(10 * i + k, sizes[k]) for k in range(n)] for i, (_, n) in enumerate(QUESTIONS)]
+    prompts = [prompt_ids(generator.processor, q, own) for (q, _), own in zip(QUESTIONS, images)]
     sampling = SamplingConfig(max_new_tokens=6)
     together = generate_batch_with_images(generator, prompts, sampling)
     assert together == [generate_ids_with_images(generator, ids, pixels, sampling) for ids, pixels in prompts]
     assert together == [hf_generate(ids, pixels) for ids, pixels in prompts]
     assert len({tuple(t) for t in together}) > 1  # the prompts differ
+    eos = eos_ids(generator)
+    texts = generate_texts_with_images(generator, [q for q, _ in QUESTIONS], images, sampling, batch_rows=2)
+    tokenizer = generator.processor.tokenizer
+    assert texts == [tokenizer.decode(t[:next((k for k, x in enumerate(t) if x in eos), len(t))],
+                                      skip_special_tokens=True) for t in together]
     stopped = generate_batch_with_images(generator, prompts, sampling, stop_when=lambda row, tokens: row == 1,
                                          chunk_steps=2)  # row 1 ends after the first chunk, the others run on
     assert stopped == [together[0], together[1][:2], together[2]]
