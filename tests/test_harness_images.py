@@ -161,9 +161,10 @@ def test_colour_tasks_on_gemma3_equal_hf_multimodal_and_transformers(gemma3, mon
     assert "jaxtune_qa/exact_match[strip]" in scores(ours)
 
 
-def _fake_chartqa_cache(cache: Path) -> None:
+def _fake_chartqa_cache(cache: Path, broken: bool = False) -> None:
     """A prepared `datasets` cache of HuggingFaceM4/ChartQA's test split (the layout `load_dataset` reads offline):
-    two Pillow-drawn bar charts with their questions and answers, as the Hub's parquet holds them."""
+    two Pillow-drawn bar charts with their questions and answers, as the Hub's parquet holds them (broken: the
+    second chart's bytes not an image)."""
     import datasets
     from datasets.data_files import DataFilesDict
     from datasets.packaged_modules.parquet.parquet import Parquet
@@ -176,6 +177,8 @@ def _fake_chartqa_cache(cache: Path) -> None:
         draw.rectangle((10, 60 - left, 25, 60), fill="blue")
         draw.rectangle((38, 60 - right, 53, 60), fill="blue")
         charts.append(image)
+    if broken:
+        charts[1] = {"bytes": b"not a png", "path": "chart_1.png"}
     features = datasets.Features({"image": datasets.Image(), "query": datasets.Value("string"),
                                   "label": datasets.List(datasets.Value("string")),
                                   "human_or_machine": datasets.Value("int64")})
@@ -192,7 +195,8 @@ def _fake_chartqa_cache(cache: Path) -> None:
 @pytest.mark.full
 def test_lm_evals_chartqa_runs_from_a_local_datasets_cache(tmp_path):
     """lm-eval's own chartqa (HuggingFaceM4/ChartQA on the Hub) with its dataset in the local `datasets` cache and the
-    Hub off: `python -m jaxtune.harness run --model jaxtune` on a tiny Gemma 3 answers both charts (4 new tokens)."""
+    Hub off: `python -m jaxtune.harness run --model jaxtune` on a tiny Gemma 3 answers both charts (4 new tokens); a
+    chart whose bytes are not an image stops `jaxtune eval` with one line."""
     from jaxtune.presets import write_random_vision_model
 
     directory = write_random_vision_model(tmp_path / "model", max_position_embeddings=2048)
@@ -210,6 +214,14 @@ def test_lm_evals_chartqa_runs_from_a_local_datasets_cache(tmp_path):
     answered = [json.loads(line) for line in samples.read_text().splitlines()]
     assert sorted(s["target"] for s in answered) == ["left", "right"]
     assert all(s["resps"][0][0] for s in answered)
+    (tmp_path / "broken").mkdir()
+    _fake_chartqa_cache(tmp_path / "broken", broken=True)
+    out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "eval", "--model", str(directory), "--tasks",
+                          "chartqa"], env={**env, "HF_DATASETS_CACHE": str(tmp_path / "broken")},
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        "jaxtune: error: tasks chartqa: an image in a task's dataset is not one Pillow can read "
+        "(UnidentifiedImageError; lm-eval decodes them as it loads the task, before naming a doc)"), out.stderr[-2000:]
 
 
 @pytest.mark.full
