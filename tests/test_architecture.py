@@ -50,8 +50,9 @@ FLOORS = (
     ("objectives",),  # one unit per objective
     ("run_config",),  # the TOML run: the config sections and each objective's
     ("spine",),  # the abstract run, its shardings, the loader, the one jitted step
+    ("image_generation",),  # generation with images: the loader's vision model, generation's decode loop
     ("harness",),  # jaxtune as an lm-evaluation-harness model: task scores for `eval --tasks` and training
-    ("presets", "train", "planner", "completions", "image_generation"),  # the faces
+    ("presets", "train", "planner", "completions"),  # the faces
     ("launch", "demo"),
     ("cli",),
 )

@@ -18,6 +18,7 @@ import jaxlib
 import lm_eval
 import lm_eval.evaluator
 from lm_eval.utils import handle_non_serializable, make_table
+from PIL import UnidentifiedImageError
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.harness.model import JaxtuneLM
@@ -55,6 +56,10 @@ def evaluate_tasks(lm: JaxtuneLM, tasks: Sequence[str], *, limit: float | None =
                 bootstrap_iters=0 if quiet else 100000)
     except JaxtuneError:
         raise
+    except UnidentifiedImageError as e:  # `datasets` decodes a task's images while lm-eval loads it: no doc named yet
+        raise JaxtuneError(f"tasks {', '.join(tasks)}: an image in a task's dataset is not one Pillow can read "
+                           f"({type(e).__name__}; lm-eval decodes them as it loads the task, before naming a doc)"
+                           ) from None
     except (FileNotFoundError, ValueError, KeyError) as e:  # a task's data or config, as lm-eval/datasets say it
         raise JaxtuneError(f"tasks {', '.join(tasks)}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     return results

@@ -1,7 +1,8 @@
 """Which lm-eval tasks a `--tasks` list names: `task_specs`.
 
 Each name is a task YAML file (lm-eval's format; `dataset_kwargs.data_files` relative to the file), a task bundled
-with jaxtune (`jaxtune/assets/tasks`: jaxtune_facts, jaxtune_qa, jaxtune_text), or a task, group or tag of lm-eval's
+with jaxtune (`jaxtune/assets/tasks`: jaxtune_facts, jaxtune_qa, jaxtune_text; with images jaxtune_colours,
+jaxtune_colours_choice), or a task, group or tag of lm-eval's
 own registry (indexed only when one is asked for: it takes seconds).
 """
 
