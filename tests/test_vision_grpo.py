@@ -97,3 +97,166 @@ def test_rollouts_with_images_decode_each_prompt_as_alone(tmp_path):
         sample("paged")
     alone = [generate_ids_with_images(generator, ids, pixels, sampling, eos) for ids, pixels in prompts]
     assert sample("padded") == [r for r in alone for _ in range(2)] and alone[0] != alone[1]
+
+
+def _gemma3(directory):
+    """test_vision_gemma3's tiny Gemma3ForConditionalGeneration (float32) with the preset's tokenizer."""
+    from test_vision_train import gemma3_run_dir
+
+    return gemma3_run_dir(directory)
+
+
+def _qwen2_5_vl(directory):
+    """A tiny random Qwen2_5_VLForConditionalGeneration (tests/qwen_vl_files.py's shapes), saved with its files."""
+    import torch
+    import transformers
+    from hf_models import randomize
+    from qwen_vl_files import QWEN_IMAGE, QWEN_TEXT, QWEN_VISION, write_qwen_vl_files
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={**QWEN_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                      "rope_theta": 1e4}},
+        vision_config=QWEN_VISION, image_token_id=QWEN_IMAGE, video_token_id=91, vision_start_token_id=92,
+        vision_end_token_id=93)
+    torch.manual_seed(0)
+    model = randomize(transformers.Qwen2_5_VLForConditionalGeneration(config), 0)
+    model.save_pretrained(directory)
+    write_qwen_vl_files(directory, config=False)
+    return model.eval()
+
+
+def _hf_inputs(family: str, ids, pixels) -> dict:
+    """transformers' keyword arguments for a prompt's ids [1, T] and its pixel arrays [N, ...]."""
+    import torch
+    from test_vision_qwen_vl_train import _hf_inputs as qwen_inputs
+
+    from jaxtune.data.image_examples import ImageExample
+
+    if family == "qwen2_5_vl":
+        return qwen_inputs(ImageExample(tuple(ids), (0,) * len(ids), pixels))
+    tokens = torch.tensor([list(ids)])
+    if not len(pixels):
+        return dict(input_ids=tokens)
+    return dict(input_ids=tokens, pixel_values=torch.tensor(pixels), token_type_ids=(tokens == GEMMA3_IMAGE).long())
+
+
+FAMILIES = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}
+SIZES = [(40, 30), (20, 52), (64, 64)]
+
+
+def _prompts(root, model_dir):
+    """Three prompts of TRL's format read for the model: two pictures, one, none (different lengths)."""
+    for i, size in enumerate(SIZES):
+        _picture(i, size).save(root / f"p{i}.png")
+    records = [{"prompt": TWO, "images": ["p0.png", "p1.png"], "answer": "a"},
+               {"prompt": [{"role": "user", "content": "Colour of this one?"}], "image": "p2.png", "answer": "b"},
+               {"prompt": [{"role": "user", "content": "No picture here"}], "answer": "c"}]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = load_tokenizer(model_dir)
+    return image_prompt_examples(root / "prompts.jsonl", tokenizer, image_processor(model_dir, tokenizer), 2)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_rollouts_with_images_equal_transformers_generate(tmp_path, family):
+    """GRPO's rollouts (`sampled_groups`, the prompts left-padded together, each twice) of prompts with images,
+    greedy, 10 tokens: each row equals transformers' `generate` of its prompt (Qwen2.5-VL: decoding on from the
+    M-RoPE prompt's largest position + 1, transformers' rope deltas)."""
+    import torch
+
+    from jaxtune.config import SamplingConfig
+    from jaxtune.models.vision.families import image_side
+    from jaxtune.objectives.rollout_config import GRPOConfig
+    from jaxtune.rollouts.decoders import sampled_groups
+    from jaxtune.rollouts.image_prompts import PromptImages
+    from jaxtune.spine.model import load_vision_language_model
+
+    model = FAMILIES[family](tmp_path / "model")
+    prompts = _prompts(tmp_path, tmp_path / "model")
+    cfg, params, _, vision_params = load_vision_language_model(tmp_path / "model")
+    rows = sampled_groups({**params, "vision": vision_params}, cfg, [list(p.ids) for p in prompts], 2,
+                          SamplingConfig(max_new_tokens=10, temperature=0.0), GRPOConfig(reward=("r",)), eos_ids=[],
+                          method=None, images=PromptImages.of(image_side(tmp_path / "model", 2), prompts))
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = model.generate(**_hf_inputs(family, prompt.ids, prompt.pixel_values), do_sample=False,
+                                 max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=None)
+        assert rows[2 * i] == rows[2 * i + 1] == out[0, len(prompt.ids):].tolist(), i
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_grpo_step_with_images_equals_torch_on_transformers(tmp_path, family):
+    """One GRPO step's loss terms on fixed completions of prompts with images (LoRA policy, the base with it off as
+    the reference, temperature 0.7, KL 0.1, TRL's default loss_type "dapo"): the loss and d(loss)/d(LoRA A, B) equal
+    TRL's per-token loss computed in torch on the PEFT-wrapped transformers model with the same images."""
+    import jax
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from test_methods_peft import randomize_peft
+
+    from jaxtune.config import ForwardOptions
+    from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter
+    from jaxtune.methods.transform import combine, partition, trainable_mask
+    from jaxtune.models.vision.families import image_side, vision_family
+    from jaxtune.objectives.base import Context
+    from jaxtune.objectives.grpo import GRPO, rollout_batch
+    from jaxtune.objectives.rollout_config import GRPOConfig
+    from jaxtune.rollouts.image_prompts import PromptImages
+    from jaxtune.spine.model import load_vision_language_model
+
+    directory = tmp_path / "model"
+    model = FAMILIES[family](directory)
+    outside = vision_family(directory).outside_text
+    peft_model = randomize_peft(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                 exclude_modules=outside)))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    prompts = _prompts(tmp_path, directory)
+    cfg, params, _, vision_params = load_vision_language_model(directory)
+    method, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
+    section = GRPOConfig(reward=("r",), group_size=2, temperature=0.7, kl_coef=0.1)
+    completions = [[5, 9, 12, 1], [7, 7], [20, 21, 22, 23, 24], [2], [30, 1], [11, 13, 17]]
+    rows = [list(p.ids) for p in prompts for _ in range(2)]
+    advantages = np.float32([0.5, -0.5, 1.0, -1.0, 0.3, -0.3])
+    batch = rollout_batch(rows, completions, np.zeros(6), advantages, 256)
+    assert batch["loss_mask"].sum() == sum(map(len, completions))  # nothing cut
+    images = PromptImages.of(image_side(directory, 2), prompts)
+    batch["pixel_values"] = np.repeat(images.pixels, 2, axis=0)
+    policy = {**with_adapter, "vision": vision_params}
+    trainable, frozen = partition(policy, trainable_mask(policy, method))
+    terms = GRPO.loss_terms(Context(cfg, method, ForwardOptions(), section, images=images.side))
+
+    def loss(t):
+        total, (count, _) = terms(t, frozen, None, {k: jax.numpy.asarray(v) for k, v in batch.items()})
+        return total / count
+
+    ours, grads = jax.value_and_grad(loss)(trainable)
+
+    def token_logps(prompt, completion):
+        ids = list(prompt.ids) + completion
+        logits = peft_model(**_hf_inputs(family, ids, prompt.pixel_values)).logits[0, :-1] / section.temperature
+        logps = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return logps[len(prompt.ids) - 1:]
+
+    per_token = []
+    for row, completion in enumerate(completions):
+        prompt = prompts[row // 2]
+        logp = token_logps(prompt, completion)
+        with torch.no_grad(), peft_model.disable_adapter():
+            ref = token_logps(prompt, completion)
+        ratio = torch.exp(logp - logp.detach())
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token.append(-ratio * float(advantages[row]) + section.kl_coef * kl)
+    want = torch.cat(per_token).sum() / sum(len(c) for c in completions)
+    want.backward()
+    np.testing.assert_allclose(float(ours), float(want), rtol=1e-5, atol=1e-6)
+    theirs = {name.replace(".default", "").replace(".model.language_model.", ".model."): p.grad.numpy()
+              for name, p in peft_model.named_parameters() if p.requires_grad}
+    mine = adapter_state_dict(combine(grads, frozen), cfg, method)
+    assert set(mine) == set(theirs) and len(mine) == 4 * cfg.num_layers
+    for name, grad in theirs.items():
+        assert np.abs(mine[name] - grad).max() <= 1e-4 * np.abs(grad).max(), name
