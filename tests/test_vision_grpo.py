@@ -69,6 +69,29 @@ def test_image_prompts_in_trls_format(tmp_path):
         image_prompt_examples(path, tokenizer, processor, 2)
 
 
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_planner_counts_the_image_side_of_grpo_and_rloo(tmp_path, objective):
+    """A GRPO or RLOO run config on a Gemma 3 VLM plans what it runs: the image side (the tower's weights among the
+    frozen ones, its forward a moment of its own) and each rollout row's pixel arrays in the step's micro-batch,
+    beside the rollout's KV cache."""
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.vision.families import image_side
+    from jaxtune.objectives import objective_named
+    from jaxtune.planner import estimate
+    from jaxtune.planner.devices import get_device
+    from jaxtune.spine.run import train_plan
+
+    cfg = load_config(write_gemma3_files(tmp_path / "model"))  # `plan --config`'s plan, without the weights
+    plan = train_plan(_run_config(tmp_path, objective, 1), "float32")
+    assert plan.images == image_side(tmp_path / "model", 1) and plan.generate_tokens == 6
+    micro = objective_named(objective).micro_batch(4, 64, plan.section, plan.images)
+    assert micro["pixel_values"].shape == (4, 1, 3, 64, 64) and micro["advantages"].shape == (4,)
+    planned = estimate(cfg, plan, get_device("h100"))
+    assert planned.phases["image side"]["activations"] > 0 and planned.phases["generate"]["activations"] > 0
+    text_only = estimate(cfg, plan.replace(images=None), get_device("h100"))
+    assert planned.frozen_bytes > text_only.frozen_bytes and "image side" not in text_only.phases
+
+
 @pytest.mark.full
 def test_rollouts_with_images_decode_each_prompt_as_alone(tmp_path):
     """`sampled_groups` of prompts with images (two pictures, none; left-padded together, each twice), greedy:
