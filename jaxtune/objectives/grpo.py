@@ -1,6 +1,5 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): online policy optimisation against a reward function, no critic (`GRPO`,
 its section `GRPOConfig`); RLOO (`rloo.py`) shares its rollouts, rewards and data (`RolloutConfig`, `make_prepare`).
-
 Each step: sample `group_size` completions a prompt (`sample_group`), score them, normalise the rewards into
 advantages (`group_advantages`), pad the rows to the power-of-two bucket of the longest (a compile per bucket), and
 step on the clipped-ratio objective (or CISPO's) with a KL penalty to the reference (the base, adapters off; a frozen
