@@ -144,7 +144,8 @@ def pair_logits_copies(method, section=None) -> int:
     return 3 if method_unit(method).trains_base else 2
 
 
+# Pairs with images read them as DPO's do (`dpo.row_logps`: each row its prompt's pixel arrays)
 CPO = Objective("cpo", loss_terms, eval_terms, pair_training, section=CPOConfig, rows=lambda section: 2,
-                logits_copies=pair_logits_copies, unit="pairs")
+                logits_copies=pair_logits_copies, unit="pairs", reads_images=True)
 SIMPO = Objective("simpo", loss_terms, eval_terms, pair_training, section=SimPOConfig, rows=lambda section: 2,
-                  logits_copies=pair_logits_copies, unit="pairs")
+                  logits_copies=pair_logits_copies, unit="pairs", reads_images=True)

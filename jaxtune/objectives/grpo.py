@@ -1,13 +1,13 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): online policy optimisation against a reward function, no critic (`GRPO`,
 its section `GRPOConfig`); RLOO (`rloo.py`) shares its rollouts, rewards and data (`RolloutConfig`, `make_prepare`).
-
 Each step: sample `group_size` completions a prompt (`sample_group`), score them, normalise the rewards into
 advantages (`group_advantages`), pad the rows to the power-of-two bucket of the longest (a compile per bucket), and
 step on the clipped-ratio objective (or CISPO's) with a KL penalty to the reference (the base, adapters off; a frozen
 copy for a full fine-tune), aggregated as TRL 1.16's `loss_type`. With `num_iterations` > 1 a batch serves that many
 steps with the learner's log-probs at sampling (`old_logps`; `rollout_store`); another sampler's (`sampler_logps`)
 weight the loss as TRL's importance sampling does. The reward: `reward(prompts, completions, **fields)` by a dotted
-path (`load_reward_function`; other fields as keyword lists) or a reward model (`reward_model_function`)."""
+path (`load_reward_function`; other fields as keyword lists) or a reward model (`reward_model_function`). A
+vision-language policy reads TRL's prompts with images (`data.image_prompts`): samples and log-probs see them."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import numpy as np
 from jaxtune.config import ForwardOptions, MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.data.batching import trimmed_to_longest
 from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval_split
+from jaxtune.data.image_prompts import ImagePrompt, image_prompt_examples
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import method_unit
@@ -31,6 +32,7 @@ from jaxtune.methods.transform import combine
 from jaxtune.models.head import head_logits, label_logps, per_token, token_logps, vocab_size
 from jaxtune.models.llama import decoder
 from jaxtune.models.reward_model import reward_scores
+from jaxtune.models.vision.family import ImageSide
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, reference_of
 from jaxtune.objectives.dpo import sequence_row
 from jaxtune.objectives.episode_rollouts import episode_batch, episode_rollouts
@@ -54,6 +56,7 @@ from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
 from jaxtune.rollouts.decoders import sampled_groups
 from jaxtune.rollouts.external_sampler import ExternalSampler, sample_group_external
+from jaxtune.rollouts.image_prompts import PromptImages
 from jaxtune.stop_strings import StopStrings
 
 
@@ -123,17 +126,19 @@ def stops_of(section: RolloutConfig, tokenizer: Tokenizer | None, rows: int) -> 
 
 
 def sample_group(params: dict, cfg: ModelConfig, method: MethodConfig | None, prompts: list[list[int]],
-                 grpo: RolloutConfig, seed: int, eos_ids, tokenizer: Tokenizer | None = None
-                 ) -> tuple[list[list[int]], list[list[int]]]:
+                 grpo: RolloutConfig, seed: int, eos_ids, tokenizer: Tokenizer | None = None,
+                 images: PromptImages | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """G completions per prompt from the current policy: (prompt of each row, completion of each row); a completion
     that stopped ends with its EOS, or with the token that completed one of the section's `stop_strings` (decoded by
-    `tokenizer`), so the step's loss covers the choice to stop."""
+    `tokenizer`), so the step's loss covers the choice to stop. images: the prompts' pixel arrays, which the samples
+    are conditioned on (`params["vision"]` the image side's weights)."""
     repeated = [p for p in prompts for _ in range(grpo.group_size)]
     sampling = SamplingConfig(max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_k=grpo.top_k,
                               top_p=grpo.top_p, seed=seed)
     stops = stops_of(grpo, tokenizer, len(repeated))
     return repeated, sampled_groups(params, cfg, prompts, grpo.group_size, sampling, grpo, eos_ids=eos_ids,
-                                    method=method, stop_token_ids=stops.token_ids() if stops else [], stop_when=stops)
+                                    method=method, stop_token_ids=stops.token_ids() if stops else [], stop_when=stops,
+                                    images=images)
 
 
 def group_advantages(rewards, grpo: GRPOConfig) -> np.ndarray:
@@ -144,19 +149,29 @@ def group_advantages(rewards, grpo: GRPOConfig) -> np.ndarray:
                                  grpo.multi_objective_aggregation)
 
 
-def _token_logps(params, cfg, batch, method, options, temperature: float, dropout_key=None):
-    hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
+def _hidden(params, cfg, batch, method, options, dropout_key=None, images: ImageSide | None = None):
+    """The decoder's output [B, T, D] of rollout rows; with the run's image side `images` (its weights
+    `params["vision"]`, frozen), each row reads its prompt's images, the batch's `pixel_values` [B, M, ...]."""
+    tokens_BxT, inputs = batch["input_ids"], dict(positions_BxT=batch["positions"])
+    if images is not None:
+        tokens_BxT, inputs = images.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
+                                                        batch["pixel_values"], batch["positions"], cfg, images.config,
+                                                        jnp.dtype(options.compute_dtype))
+    return decoder(params, tokens_BxT, cfg, segment_ids_BxT=batch["segment_ids"], method=method, options=options,
+                   dropout_key=dropout_key, **inputs)
+
+
+def _token_logps(params, cfg, batch, method, options, temperature: float, dropout_key=None, images=None):
+    hidden = _hidden(params, cfg, batch, method, options, dropout_key, images)
     return label_logps(params, hidden, batch["labels"], cfg.final_logit_softcap, temperature)
 
 
 def _token_logps_and_entropy(params, cfg, batch, method, options, temperature: float, dropout_key=None,
-                             entropy_grad: bool = False):
+                             entropy_grad: bool = False, images=None):
     """(log p(label), the entropy of p) [B, T] of the logits divided by `temperature`, a chunk of tokens at a time
     (`head.per_token`): the entropy is logsumexp(z) - sum softmax(z) z of the chunk's logits z, of constant logits
     unless entropy_grad (so that the backward keeps nothing of it: a GRPO step's bytes as without the metric)."""
-    hidden = decoder(params, batch["input_ids"], cfg, positions_BxT=batch["positions"],
-                     segment_ids_BxT=batch["segment_ids"], method=method, options=options, dropout_key=dropout_key)
+    hidden = _hidden(params, cfg, batch, method, options, dropout_key, images)
 
     def chunk(hidden_BxCxD, labels_BxC):
         logits_BxCxV = head_logits(params, hidden_BxCxD, cfg.final_logit_softcap) / temperature
@@ -171,11 +186,14 @@ def _token_logps_and_entropy(params, cfg, batch, method, options, temperature: f
 def policy_and_reference_logps(ctx: Context, trainable, frozen, second, micro, key=None, entropy_grad: bool = False):
     """log p(label) [B, T] under the policy (differentiable) and under the reference (constant), both of the logits
     divided by the sampling temperature, as TRL's GRPO and RLOO trainers score them, and the policy's entropy
-    [B, T] (differentiable if entropy_grad, else constant)."""
+    [B, T] (differentiable if entropy_grad, else constant). Rows with images: both read them (`_hidden`)."""
     t = ctx.section.temperature
-    logp, entropy = _token_logps_and_entropy(combine(trainable, frozen), ctx.cfg, micro, ctx.method, ctx.options, t,
-                                             key, entropy_grad)
-    ref_logp = _token_logps(reference_of(frozen, second), ctx.cfg, micro, None, ctx.options, t)
+    policy, reference = combine(trainable, frozen), reference_of(frozen, second)
+    if "vision" in policy and "vision" not in reference:  # a reference of its own reads the same images
+        reference = {**reference, "vision": policy["vision"]}
+    logp, entropy = _token_logps_and_entropy(policy, ctx.cfg, micro, ctx.method, ctx.options, t, key, entropy_grad,
+                                             ctx.images)
+    ref_logp = _token_logps(reference, ctx.cfg, micro, None, ctx.options, t, images=ctx.images)
     return logp, jax.lax.stop_gradient(ref_logp), entropy if entropy_grad else jax.lax.stop_gradient(entropy)
 
 
@@ -281,10 +299,21 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     if g.reward_model:
         sources.append((g.reward_model, reward_model_function(g.reward_model, seq_len, setup.load_reward_model)))
     names, weights = reward_names(g), column_weights(g)
-    examples = load_prompt_examples(c.data.train, dict(c.data.columns))
-    held_out: Sequence[PromptExample] | None
-    held_out = load_prompt_examples(c.data.eval, dict(c.data.columns)) if c.data.eval else None
-    fits = lambda e: len(tok.encode(e.prompt)) + g.max_new_tokens <= seq_len + 1
+    processor = setup.images  # a vision-language policy: prompts with images (TRL's format), samples that see them
+    side = None if processor is None else ImageSide(processor.family, processor.config, c.data.max_images_per_row,
+                                                    processor.pixel_shape)
+    if side is not None and (g.environment or g.sampler_url or g.rollout_engine == "paged"):
+        raise JaxtuneError(f"[{name}] " + ("rollout_engine = \"paged\"" if g.rollout_engine == "paged" else
+                                           "environment" if g.environment else "sampler_url")
+                           + " does not take a vision-language model's prompts with images yet (they decode padded, "
+                           "with their pixel arrays: rollout_engine = \"padded\", no environment or sampler_url)")
+    read: Callable[[str], Sequence[PromptExample | ImagePrompt]] = (
+        (lambda path: load_prompt_examples(path, dict(c.data.columns))) if processor is None else
+        (lambda path: image_prompt_examples(path, tok, processor, c.data.max_images_per_row, dict(c.data.columns))))
+    ids_of = (lambda e: tok.encode(e.prompt)) if side is None else (lambda e: list(e.ids))
+    examples = read(c.data.train)
+    held_out: Sequence[PromptExample | ImagePrompt] | None = read(c.data.eval) if c.data.eval else None
+    fits = lambda e: len(ids_of(e)) + g.max_new_tokens <= seq_len + 1
     kept = [e for e in examples if fits(e)]
     train, held_out = (kept, held_out) if held_out is not None else train_eval_split(kept, c.data.eval_fraction,
                                                                                      c.data.seed)
@@ -344,7 +373,10 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     # one-step-off: a hard-killed run resumes from its last checkpoint, up to checkpoint_every batches back
     store = RolloutStore(directory, keep=max(2, tc.checkpoint_every + 1) if g.off_policy_steps else 2)
     options = c.model.forward.resolved(jax.default_backend())
-    learner_logps = jax.jit(lambda params, micro: _token_logps(params, cfg, micro, method, options, g.temperature))
+    learner_logps = jax.jit(lambda params, micro: _token_logps(params, cfg, micro, method, options, g.temperature,
+                                                               images=side))
+
+    prompt_images = lambda chosen: None if side is None else PromptImages.of(side, chosen)
 
     def sample(epoch: int, generation: int, params) -> Callable[[], dict]:
         """Rollout batch `generation` of `epoch`, in two parts: this call decodes with `params()` and dispatches the
@@ -361,9 +393,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                                                   seq_len + 1)
             rollouts = episode_batch(ids, masks, scores, advantages(scores, g), seq_len)
         else:
-            prompts, sampled = [tok.encode(e.prompt) for e in chosen], None
+            prompts, sampled, images = [ids_of(e) for e in chosen], None, prompt_images(chosen)
             if sampler is None:
-                rows, completions = sample_group(policy, cfg, method, prompts, g, seed, eos, tok)
+                rows, completions = sample_group(policy, cfg, method, prompts, g, seed, eos, tok, images)
             else:  # the rollout batch's number over the run, for push_every
                 number = epoch * (steps_per_epoch // g.num_iterations) + generation
                 rows, completions, sampled = sample_group_external(
@@ -376,6 +408,8 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
                                      eos_ids=eos if g.mask_truncated_completions else (),
                                      sampler_logps=sampled if sampler_corrected(g) else None,
                                      stopped=stopped)
+            if images is not None:  # each row reads its prompt's images in the step
+                rollouts["pixel_values"] = np.repeat(images.pixels, g.group_size, axis=0)
         stacked = {k: v.reshape(tc.grad_accum, -1, *v.shape[1:]) for k, v in rollouts.items()}
         # the old policy's, scored once with the parameters that sampled (dispatched now, read in `finish`)
         old = ([learner_logps(policy, {k: v[a] for k, v in stacked.items()}) for a in range(tc.grad_accum)]
@@ -439,9 +473,9 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
             return {"eval_reward": float(np.mean(scores))}
         greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=0.0)
         stops = stops_of(g, tok, len(held_out))
-        completions = sampled_groups(params, cfg, [tok.encode(e.prompt) for e in held_out], 1, greedy, g, eos_ids=eos,
+        completions = sampled_groups(params, cfg, [ids_of(e) for e in held_out], 1, greedy, g, eos_ids=eos,
                                      method=method, stop_token_ids=stops.token_ids() if stops else [],
-                                     stop_when=stops)
+                                     stop_when=stops, images=prompt_images(held_out))
         table = rewards(held_out, completions, 1)  # the soft overlong punishment left out, as before several rewards
         return {"eval_reward": float(nanmean(weighted_sum(table, weights[:len(sources)]))),
                 **column_stats(table, names[:len(sources)], "eval_")}
@@ -477,7 +511,7 @@ GRPO: Objective[RolloutConfig] = Objective(
     second_model=lambda section, method: "base" if method_unit(method).trains_base else None,
     logits_copies=lambda method, section: 3,
     batch_metrics=_batch_metrics,
-    unit="prompts", generates=True,
+    unit="prompts", generates=True, reads_images=True,
     rollout_tokens=lambda section: section.max_new_tokens,
     extra_forwards=lambda section: 1
 )
