@@ -331,7 +331,8 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     """One LoRA SFT step and one DPO step on image records through `fine_tune` (the spine: the tower frozen inside
     the one jitted step, DeepStack into the text); the SFT adapter (keys under `model.language_model.`, none on
     `visual.*`) loads with PEFT onto the transformers VLM with jaxtune's logits, and `export_merged` writes the whole
-    VLM, which transformers loads with the same logits."""
+    VLM, which transformers loads with the same logits; greedy generation with images (as `jaxtune generate
+    --image`) equals the PEFT model's `generate`."""
     import shutil
     import warnings
 
@@ -342,8 +343,10 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     from safetensors import safe_open
     from test_vision_train import write_image_data, write_preference_data
 
+    from jaxtune.config import SamplingConfig
     from jaxtune.data.image_examples import image_example
     from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.image_generation import generate_ids_with_images, load_image_generator, prompt_ids
     from jaxtune.methods.peft import load_peft_adapter
     from jaxtune.models.vision.families import image_processor
     from jaxtune.spine.model import load_vision_language_model
@@ -389,3 +392,11 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     with torch.no_grad():
         exported = load(merged, dtype="float32").eval()(**torch_inputs(tokens, np.ones_like(tokens), chosen)).logits
     np.testing.assert_allclose(exported.numpy(), want, rtol=1e-5, atol=1e-4)
+    generator = load_image_generator(root / "model", adapter)
+    ids, pixels = prompt_ids(generator.processor, "Colours?", chosen)
+    prompt = np.asarray([ids])
+    with torch.no_grad():
+        out = peft_model.generate(**torch_inputs(prompt, np.ones_like(prompt), chosen), do_sample=False,
+                                  max_new_tokens=8, min_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    ours = generate_ids_with_images(generator, ids, pixels, SamplingConfig(max_new_tokens=8))
+    assert ours == out[0, len(ids):].tolist()
