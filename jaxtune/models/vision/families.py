@@ -1,5 +1,5 @@
-"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Qwen3-VL), by the
-architecture in `config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a
+"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Qwen3-VL, Qwen3.5), by
+the architecture in `config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a
 text-only model; `required_vision_family` says which families there are when a directory has none of them."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from jaxtune.models.hf_config import model_dir
 from jaxtune.models.vision.family import ImageProcessor, ImageSide, VisionFamily
 from jaxtune.models.vision.gemma3 import GEMMA3
 from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL
-from jaxtune.models.vision.qwen3_vl import QWEN3_VL
+from jaxtune.models.vision.qwen3_vl import QWEN3_5_VL, QWEN3_VL
 
-FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, QWEN3_VL)
+FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, QWEN3_VL, QWEN3_5_VL)
 
 
 def vision_family(directory: str | Path) -> VisionFamily | None:

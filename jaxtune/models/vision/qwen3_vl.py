@@ -30,19 +30,22 @@ from jaxtune.models.vision.qwen2_5_vl import (
     vision_language_prefill,
 )
 from jaxtune.models.vision.qwen3_vl_vision import (
-    QWEN3_VL_NAMES,
     Qwen3VisionConfig,
     abstract_qwen3_vl_params,
     qwen3_vl_tower,
+    tower_names,
 )
 from jaxtune.models.vision.qwen_vl_weights import conv_shapes, read_tower, tower_tensor_entries
+
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")  # a config.json's, its vision_config's
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_vision")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3VLConfig:
-    """Qwen3-VL's image path: the tower's merged embeddings replace the text's `image_token_id` placeholders (a run an
-    image, bracketed by vision_start_token_id and vision_end_token_id) and take M-RoPE positions; its DeepStack
-    features are added to the same positions after the text's first layers."""
+    """Qwen3-VL's image path (Qwen3.5's too): the tower's merged embeddings replace the text's `image_token_id`
+    placeholders (a run an image, bracketed by vision_start_token_id and vision_end_token_id) and take M-RoPE
+    positions; its DeepStack features, if any, are added to the same positions after the text's first layers."""
 
     tower: Qwen3VisionConfig
     image_token_id: int = 151655
@@ -51,15 +54,16 @@ class Qwen3VLConfig:
 
 
 def vision_config_from_hf(hf: dict[str, Any]) -> Qwen3VisionConfig:
-    """The `vision_config` of a Qwen3-VL config.json (or the whole config.json): our fields by their names there,
-    rope_theta from rope_parameters; the rest (initializer_range) not the tower's."""
-    if hf.get("model_type", "qwen3_vl") not in ("qwen3_vl", "qwen3_vl_vision"):
-        raise JaxtuneError(f"model_type {hf['model_type']!r}: jaxtune reads Qwen3-VL's vision tower here")
+    """The `vision_config` of a Qwen3-VL or Qwen3.5 config.json (or the whole config.json): our fields by their names
+    there (Qwen3.5's tower has no DeepStack), rope_theta from rope_parameters; the rest not the tower's."""
+    kind = hf.get("model_type", "qwen3_vl")
+    if kind not in QWEN3_VL_MODEL_TYPES + QWEN3_5_MODEL_TYPES:
+        raise JaxtuneError(f"model_type {kind!r}: jaxtune reads Qwen3-VL's and Qwen3.5's vision towers here")
     hf = hf.get("vision_config", hf)
     fields = {f.name for f in dataclasses.fields(Qwen3VisionConfig)}
     values = {k: v for k, v in hf.items() if k in fields}
-    if "deepstack_visual_indexes" in values:
-        values["deepstack_visual_indexes"] = tuple(values["deepstack_visual_indexes"])
+    values["deepstack_visual_indexes"] = tuple(values.get("deepstack_visual_indexes", (
+        () if kind in QWEN3_5_MODEL_TYPES else Qwen3VisionConfig.deepstack_visual_indexes)))
     if "rope_theta" in (hf.get("rope_parameters") or {}):
         values["rope_theta"] = float(hf["rope_parameters"]["rope_theta"])
     missing = [f for f in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
@@ -92,11 +96,13 @@ def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.A
     together_IxKxX = jnp.concatenate([merged_IxKxD, *deepstack_SxIxKxD], axis=-1)  # [I, K, (1 + S) D]
     positions, placed = placed_images(together_IxKxX, grid_Ix3, tokens_BxT, pixel_values.ndim == 4, positions_BxT,
                                       vision.tower.spatial_merge_size, vision.image_token_id)
-    B, T = tokens_BxT.shape
-    deepstack_SxBxTxD = jnp.moveaxis(placed.vectors_NxD[..., D:].reshape(B, T, S, D), 2, 0)
-    return tokens_BxT, dict(positions_BxT=positions,
-                            placed_embeddings=PlacedEmbeddings(placed.vectors_NxD[..., :D], placed.at_BxT),
-                            deepstack=DeepStack(deepstack_SxBxTxD, placed.at_BxT))
+    inputs = dict(positions_BxT=positions, placed_embeddings=PlacedEmbeddings(placed.vectors_NxD[..., :D],
+                                                                              placed.at_BxT))
+    if S:  # Qwen3.5's tower has none: the decoder without the hook
+        B, T = tokens_BxT.shape
+        inputs["deepstack"] = DeepStack(jnp.moveaxis(placed.vectors_NxD[..., D:].reshape(B, T, S, D), 2, 0),
+                                        placed.at_BxT)
+    return tokens_BxT, inputs
 
 
 def read_config(directory) -> Qwen3VLConfig:
@@ -118,8 +124,8 @@ QWEN3_VL = VisionFamily(
     param_specs=lambda vision: jax.tree.map(lambda s: ParamSpec(s.shape, (None,) * len(s.shape)),
                                             abstract_qwen3_vl_params(vision.tower)),
     read_params=lambda directory, vision, dtype: jax.tree.map(jnp.asarray, read_tower(
-        model_dir(directory), abstract_qwen3_vl_params(vision.tower), QWEN3_VL_NAMES, dtype)),
-    tensor_entries=lambda params, vision, dtype: tower_tensor_entries(params, QWEN3_VL_NAMES, conv_shapes(
+        model_dir(directory), abstract_qwen3_vl_params(vision.tower), tower_names(vision.tower), dtype)),
+    tensor_entries=lambda params, vision, dtype: tower_tensor_entries(params, tower_names(vision.tower), conv_shapes(
         vision.tower.hidden_size, vision.tower.in_channels, vision.tower.temporal_patch_size,
         vision.tower.patch_size), dtype),
     read_processing=QWEN2_5_VL.read_processing, pixels=QWEN2_5_VL.pixels, pixel_shape=QWEN2_5_VL.pixel_shape,
@@ -127,3 +133,5 @@ QWEN3_VL = VisionFamily(
     image_inputs=image_inputs, forward=functools.partial(vision_language_forward, inputs=image_inputs),
     prefill=functools.partial(vision_language_prefill, inputs=image_inputs), text_prefix="model.language_model.",
     outside_text=r".*visual.*", forward_elements=tower_elements)
+# Qwen3.5's image side is Qwen3-VL's without DeepStack (its text model Qwen3.5's: Gated DeltaNet layers)
+QWEN3_5_VL = dataclasses.replace(QWEN3_VL, name="qwen3_5", architectures=("Qwen3_5ForConditionalGeneration",))

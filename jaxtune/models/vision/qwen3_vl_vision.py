@@ -27,7 +27,8 @@ from jaxtune.models.vision.qwen_vl_vision import (
 from jaxtune.models.vision.siglip import layer_norm
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh",)  # the blocks' MLP (the mergers' GELU is the erf form, always)
-# our module's path -> its name under the tower in a checkpoint (`qwen_vl_weights.read_tower`)
+# our module's path -> its name under the tower in a checkpoint (`qwen_vl_weights.read_tower`); `deepstack` only in a
+# tower with DeepStack (`tower_names`)
 QWEN3_VL_NAMES: dict[tuple[str, ...], str] = {
     ("patch_embed",): "patch_embed.proj", ("pos_embed",): "pos_embed",
     **{("blocks", ours): f"blocks.{{i}}.{hf}" for ours, hf in {
@@ -40,8 +41,9 @@ QWEN3_VL_NAMES: dict[tuple[str, ...], str] = {
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3VisionConfig:
-    """Qwen3-VL's vision transformer (`vision_config`). num_position_embeddings: a square grid of learned positions;
-    deepstack_visual_indexes: the blocks whose outputs feed the text's first layers, in that order."""
+    """Qwen3-VL's vision transformer (`vision_config`; Qwen3.5's, without DeepStack). num_position_embeddings: a
+    square grid of learned positions; deepstack_visual_indexes: the blocks whose outputs feed the text's first
+    layers, in that order (none: Qwen3.5's)."""
 
     depth: int
     hidden_size: int
@@ -66,9 +68,9 @@ class Qwen3VisionConfig:
                                "must be a multiple of 4 (its rotary halves split between rows and columns)")
         if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
             raise JaxtuneError(f"vision num_position_embeddings {self.num_position_embeddings}: not a square grid")
-        if not self.deepstack_visual_indexes or not all(0 <= i < self.depth for i in self.deepstack_visual_indexes):
-            raise JaxtuneError(f"vision deepstack_visual_indexes {list(self.deepstack_visual_indexes)}: one or more "
-                               f"of the {self.depth} blocks")
+        if not all(0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise JaxtuneError(f"vision deepstack_visual_indexes {list(self.deepstack_visual_indexes)}: blocks of "
+                               f"the {self.depth}")
 
     @property
     def head_dim(self) -> int:
@@ -90,6 +92,12 @@ class Qwen3VisionConfig:
         return math.isqrt(self.num_position_embeddings)
 
 
+def tower_names(cfg: Qwen3VisionConfig) -> dict[tuple[str, ...], str]:
+    """`QWEN3_VL_NAMES` of the modules `cfg`'s tower has (no DeepStack mergers without deepstack_visual_indexes)."""
+    return {path: name for path, name in QWEN3_VL_NAMES.items()
+            if path[0] != "deepstack" or cfg.deepstack_visual_indexes}
+
+
 def _layer_norm_spec(shape: tuple[int, ...], dtype) -> dict:
     return {"weight": jax.ShapeDtypeStruct(shape, dtype), "bias": jax.ShapeDtypeStruct(shape, dtype)}
 
@@ -98,10 +106,10 @@ def abstract_qwen3_vl_params(cfg: Qwen3VisionConfig, dtype=jnp.float32) -> dict:
     """The tower's parameters as `ShapeDtypeStruct`s, kernels [in, out], blocks stacked on a leading [depth] axis and
     the DeepStack mergers on [K]: patch_embed [C * T * P * P, D] with bias; pos_embed [num_position_embeddings, D];
     blocks' LayerNorms norm1, norm2, qkv, proj, fc1 [D, F], fc2 [F, D]; merger's LayerNorm [D], fc1 [4D, 4D], fc2
-    [4D, out]; deepstack's the same with the LayerNorm [4D]."""
+    [4D, out]; deepstack's the same with the LayerNorm [4D] (none without deepstack_visual_indexes)."""
     D, F, L, wide = cfg.hidden_size, cfg.intermediate_size, (cfg.depth,), cfg.hidden_size * cfg.merge_unit
     K = (len(cfg.deepstack_visual_indexes),)
-    return {
+    tree = {
         "patch_embed": linear_spec(cfg.patch_dim, D, dtype),
         "pos_embed": jax.ShapeDtypeStruct((cfg.num_position_embeddings, D), dtype),
         "blocks": {"norm1": _layer_norm_spec((*L, D), dtype), "norm2": _layer_norm_spec((*L, D), dtype),
@@ -112,6 +120,7 @@ def abstract_qwen3_vl_params(cfg: Qwen3VisionConfig, dtype=jnp.float32) -> dict:
         "deepstack": {"norm": _layer_norm_spec((*K, wide), dtype), "fc1": linear_spec(wide, wide, dtype, layers=K),
                       "fc2": linear_spec(wide, cfg.out_hidden_size, dtype, layers=K)},
     }
+    return tree if cfg.deepstack_visual_indexes else {k: v for k, v in tree.items() if k != "deepstack"}
 
 
 def position_embeddings(pos_embed_PxD: jax.Array, positions_IxNx2: jax.Array, grid_Ix3: jax.Array, side: int
@@ -144,9 +153,10 @@ def _merge(x_IxNxD: jax.Array, merger: dict, cfg: Qwen3VisionConfig, norm_after:
 
 def qwen3_vl_tower(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, cfg: Qwen3VisionConfig
                    ) -> tuple[jax.Array, jax.Array]:
-    """(merged [I, N / merge², out_hidden_size], DeepStack features [K, I, N / merge², out_hidden_size]) in params'
-    dtype of I images each padded to N patches [N, C * T * P * P] (the processor's order, zeros past its t h w;
-    `grid_Ix3` int32 traced): the first t h w / merge² rows of each, transformers' `get_image_features`."""
+    """(merged [I, N / merge², out_hidden_size], DeepStack features [K, I, N / merge², out_hidden_size], K = 0 without
+    them) in params' dtype of I images each padded to N patches [N, C * T * P * P] (the processor's order, zeros
+    past its t h w; `grid_Ix3` int32 traced): the first t h w / merge² rows of each, transformers'
+    `get_image_features`."""
     dtype = params["patch_embed"]["kernel"].dtype
     n_images, N, _ = patches_IxNxP.shape
     positions_IxNx2, frames_IxN = frame_layout(grid_Ix3, N, cfg.spatial_merge_size)
@@ -168,9 +178,10 @@ def qwen3_vl_tower(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, 
         with jax.named_scope("mlp"):
             h = apply_linear(layer_norm(x, block["norm2"], cfg.norm_eps), block["fc1"])
             x = x + apply_linear(jax.nn.gelu(h, approximate=True), block["fc2"])
-        merger = jax.tree.map(lambda a: a[jnp.maximum(k, 0)], params["deepstack"])
-        features = jax.lax.cond(k >= 0, lambda: features.at[jnp.maximum(k, 0)].set(_merge(x, merger, cfg, True)),
-                                lambda: features)
+        if K:
+            merger = jax.tree.map(lambda a: a[jnp.maximum(k, 0)], params["deepstack"])
+            features = jax.lax.cond(k >= 0, lambda: features.at[jnp.maximum(k, 0)].set(_merge(x, merger, cfg, True)),
+                                    lambda: features)
         return (x, features), None
 
     features = jnp.zeros((K, n_images, N // cfg.merge_unit, cfg.out_hidden_size), dtype)
