@@ -445,3 +445,32 @@ def test_qwen3_5_logits_with_images_equal_transformers(tmp_path, rows, images):
                           cfg=cfg, vision=side, attention_mask_BxT=jnp.asarray(mask), positions_BxT=plain(mask)))
     real = mask > 0
     np.testing.assert_allclose(ours[real], want[real], rtol=1e-5, atol=1e-5 * np.abs(want[real]).max())
+
+
+def test_planner_counts_the_image_side_of_qwen3_vl_2b():
+    """Qwen3-VL-2B-Instruct as released, LoRA SFT with 2 images a row of a 1024-patch budget on an H100, planned
+    without allocating: the frozen weights hold the tower (its DeepStack mergers too) beside the text model, and its
+    forward over the padded patches is a moment of its own."""
+    from jaxtune.config.plan import TrainPlan
+    from jaxtune.methods import method_config
+    from jaxtune.models.params import ParamSpec
+    from jaxtune.models.vision.family import ImageSide
+    from jaxtune.models.vision.qwen2_5_vl import pixel_shape
+    from jaxtune.models.vision.qwen3_vl import tower_elements
+    from jaxtune.models.vision.qwen_vl_config import image_options_from_hf
+    from jaxtune.planner import estimate
+    from jaxtune.planner.devices import get_device
+
+    cfg = config_from_hf(RELEASED)
+    vision = vision_language_config_from_hf(RELEASED, cfg.hidden_size)
+    shape = pixel_shape(image_options_from_hf({**RELEASED_PROCESSING, "size": {"longest_edge": 1024 * 16 * 16}}))
+    assert shape == (1 + 1024, 3 * 2 * 16 * 16)
+    plan = TrainPlan(method_config("lora", rank=8), batch_size=2, seq_len=1024)
+    with_images = plan.replace(images=ImageSide(QWEN3_VL, vision, 2, shape))
+    text, both = (estimate(cfg, p, get_device("h100")) for p in (plan, with_images))
+    specs = jax.tree.leaves(QWEN3_VL.param_specs(vision), is_leaf=lambda x: isinstance(x, ParamSpec))
+    deepstack = jax.tree.leaves(QWEN3_VL.param_specs(vision)["deepstack"], is_leaf=lambda x: isinstance(x, ParamSpec))
+    tower = sum(int(np.prod(s.shape)) for s in specs)
+    assert sum(int(np.prod(s.shape)) for s in deepstack) == 3 * (4096 * 4096 + 4096 * 2048 + 2 * 4096 + 4096 + 2048)
+    assert both.frozen_bytes - text.frozen_bytes == 2 * tower
+    assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
