@@ -4,7 +4,7 @@ image's tokens. Full tier, on a tiny random `Qwen3VLForConditionalGeneration` fr
 positions resampled from a 4 x 4 grid, DeepStack from blocks 0 and 2 into 2 of 3 text layers): the image processor
 with Qwen3-VL's released settings equals transformers'; logits with one image and with 3 + 1 images, left-padded;
 LoRA gradients equal PEFT's; 20 greedy tokens equal `generate`; one SFT and one DPO step through `fine_tune`, the
-adapter in PEFT and the merged export in transformers with jaxtune's logits; Qwen3.5's logits with images."""
+adapter in PEFT and the merged export in transformers with jaxtune's logits (Qwen3.5's: test_vision_qwen3_5.py)."""
 
 
 import jax
@@ -400,51 +400,6 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
                                   max_new_tokens=8, min_new_tokens=8, pad_token_id=0, eos_token_id=None)
     ours = generate_ids_with_images(generator, ids, pixels, SamplingConfig(max_new_tokens=8))
     assert ours == out[0, len(ids):].tolist()
-
-
-@pytest.mark.full
-@pytest.mark.reference
-@pytest.mark.parity
-@pytest.mark.parametrize("rows,images", [
-    ([[1, 17, 5, "image", 33, 8, 61, 12]], [0]),
-    ([[1, "image", 40, "image", 7, 8, "image", 3, 9], [1, *range(11, 17), "image", 23, 24]], [0, 1, 2, 4]),
-], ids=["one_image", "three_and_one_images"])
-def test_qwen3_5_logits_with_images_equal_transformers(tmp_path, rows, images):
-    """Qwen3.5's image side, Qwen3-VL's tower without DeepStack (the `QWEN3_5_VL` unit), into its text model (Gated
-    DeltaNet and gated attention layers, a quarter of each head rotated, interleaved M-RoPE): a tiny random
-    `Qwen3_5ForConditionalGeneration`'s logits with images, left-padded, equal transformers'."""
-    import torch
-    import transformers
-    from hf_models import randomize
-
-    from jaxtune.models.vision.families import vision_family
-    from jaxtune.models.vision.qwen3_vl import QWEN3_5_VL
-    from jaxtune.spine.model import load_vision_language_model
-
-    text = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=32, linear_key_head_dim=8, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
-    vision = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE,
-                                        video_token_id=91, vision_start_token_id=QWEN_VISION_START,
-                                        vision_end_token_id=QWEN_VISION_END)
-    torch.manual_seed(0)
-    model = randomize(transformers.Qwen3_5ForConditionalGeneration(config), 0).eval()
-    model.save_pretrained(tmp_path)
-    assert vision_family(tmp_path) is QWEN3_5_VL
-    cfg, params, side, vision_params = load_vision_language_model(tmp_path)
-    assert side.tower.deepstack_visual_indexes == () and "deepstack" not in vision_params and cfg.mrope_interleaved
-    chosen = [pictures()[i] for i in images]
-    tokens, mask = image_rows(rows, grids_of(chosen))
-    with torch.no_grad():
-        want = model(**torch_inputs(tokens, mask, chosen)).logits.numpy()
-    run = jax.jit(QWEN3_5_VL.forward, static_argnames=("cfg", "vision"))
-    ours = np.asarray(run(params, vision_params, jnp.asarray(tokens), jnp.asarray(image_arrays(chosen, OPTIONS)[0]),
-                          cfg=cfg, vision=side, attention_mask_BxT=jnp.asarray(mask), positions_BxT=plain(mask)))
-    real = mask > 0
-    np.testing.assert_allclose(ours[real], want[real], rtol=1e-5, atol=1e-5 * np.abs(want[real]).max())
 
 
 def test_planner_counts_the_image_side_of_qwen3_vl_2b():
