@@ -91,10 +91,13 @@ def test_interleaved_mrope_equals_transformers():
     np.testing.assert_allclose(ours[1], sin.numpy(), atol=1e-6)
 
 
-def test_deepstack_enters_after_the_first_layers_at_the_image_tokens():
-    """`llama.decoder`'s DeepStack hook on a tiny random 3-layer model: vectors for 2 layers change only the marked
-    tokens and those after them (the others' hidden states exactly as without); prefill with them (the cache's hook)
-    gives the forward's last logits."""
+@pytest.mark.parametrize("kinds", [{}, pytest.param(dict(num_experts=4, experts_per_token=2, expert_size=32,
+                                                          dense_layers=(0,)), marks=pytest.mark.full)],
+                         ids=["one_kind", "dense_and_mixture_layers"])
+def test_deepstack_enters_after_the_first_layers_at_the_image_tokens(kinds):
+    """`llama.decoder`'s DeepStack hook on a tiny random 3-layer model (one scan, or layers of two kinds scanned by
+    kind): vectors for 2 layers change only the marked tokens and those after them (the others' hidden states exactly
+    as without); prefill with them (the cache's hook) gives the forward's last logits."""
     from jaxtune.config import tiny_config
     from jaxtune.models.head import head_logits
     from jaxtune.models.kv_cache import prefill
@@ -102,7 +105,7 @@ def test_deepstack_enters_after_the_first_layers_at_the_image_tokens():
     from jaxtune.models.multimodal import DeepStack
     from jaxtune.models.params import init_params
 
-    cfg = tiny_config(num_layers=3, vocab_size=96)
+    cfg = tiny_config(num_layers=3, vocab_size=96, **kinds)
     params = init_params(cfg, jax.random.PRNGKey(0))
     tokens = jnp.asarray([[5, 6, 90, 90, 90, 7, 8, 9]])
     deepstack = DeepStack(jnp.asarray(np.random.RandomState(1).randn(2, 3, cfg.hidden_size), jnp.float32),
