@@ -125,6 +125,7 @@ class ModelConfig:
 
     Qwen2.5-VL: `mrope_section`, M-RoPE's rotary frequencies split into chunks read from the time, row and column
     position streams in turn, when a forward is given positions [3, B, T] (`rope.mrope_angles`); [B, T]: plain RoPE.
+    Qwen3-VL: `mrope_interleaved`, the row and column streams on every third frequency instead (`rope.mrope_streams`).
 
     Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` > 0 replaces every layer's MLP by a router
     (a linear map to E logits; softmax in float32, the top `experts_per_token`, renormalised to sum to 1 when
@@ -201,6 +202,7 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()
     rope_interleaved: bool = False
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
     qk_l2_norm: bool = False
     temperature_floor: int = 0
     temperature_scale: float = 0.1

@@ -32,9 +32,12 @@ VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
-                   "Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
-# M-RoPE's (transformers' `mrope_section`, its chunks in turn); the hub's releases keep the text's keys at the top
-MROPE = ("Qwen2_5_VLForConditionalGeneration",)
+                   "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+# M-RoPE's (transformers' `mrope_section`: Qwen2.5-VL's chunks in turn, Qwen3-VL's and Qwen3.5's interleaved whatever
+# the config's `mrope_interleaved` says); Qwen2.5-VL's hub releases keep the text's keys at the top
+MROPE = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+MROPE_INTERLEAVED = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 # transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
 # names only what differs from `Gemma3TextConfig`'s)
 COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
@@ -173,6 +176,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     composite = next((a for a in archs if a in VISION_LANGUAGE), None)
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved = False
     if composite is not None:
         text = hf.get("text_config") or ({k: v for k, v in hf.items() if k != "vision_config"}
                                           if composite in MROPE else None)
@@ -182,6 +186,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         if composite in MROPE:
             rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
             mrope_section = tuple(int(v) for v in rope.get("mrope_section", ()))
+        mrope_interleaved = composite in MROPE_INTERLEAVED
         special = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id") if hf.get(k) is not None}
         hf = {**text, **special, "architectures": [VISION_LANGUAGE[composite]],  # the composite's ids: generation's
               "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
@@ -237,6 +242,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             fused_projections=arch == "Phi3ForCausalLM",
             partial_rotary_factor=_partial_rotary_factor(hf),
             mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
             **_experts(hf, arch, layers, where),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),

@@ -44,7 +44,7 @@ from jaxtune.models.llama import (
     per_layer_inputs,
     project_qkv,
 )
-from jaxtune.models.multimodal import PlacedEmbeddings, place_embeddings
+from jaxtune.models.multimodal import DeepStack, PlacedEmbeddings, add_deepstack, place_embeddings
 from jaxtune.models.rope import layer_rope, rope_tables
 from jaxtune.parallel.rules import constrain, context_ways
 
@@ -171,13 +171,13 @@ def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: ja
 def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, cache: KVCache,
            cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, adapter_B: jax.Array | None = None,
            segment_ids_BxT: jax.Array | None = None, placed_embeddings: PlacedEmbeddings | None = None,
-           span_ids_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+           span_ids_BxT: jax.Array | None = None, deepstack: DeepStack | None = None) -> tuple[jax.Array, KVCache]:
     """Run T new tokens against the cache: final-norm hidden states [B, T, D] and the cache with them written.
 
     adapter_B: [B] int32, each row's slot of the adapter stacks `params` carries (`models/adapter_rows.py`).
     segment_ids_BxT: packed rows written into an empty cache; a token sees the prefix and its own segment only.
     placed_embeddings, span_ids_BxT: an image's soft tokens and their bidirectional spans among the new tokens (as
-    `llama.decoder_and_routing`'s; the slots before them in no span)."""
+    `llama.decoder_and_routing`'s; the slots before them in no span); deepstack: Qwen3-VL's, after the first layers."""
     refuse_context_axis()
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
@@ -260,9 +260,16 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
     windows_L = jnp.asarray(cfg.sliding_windows, jnp.int32)
     tables_L = jnp.asarray(cfg.rope_table_of_layer, jnp.int32)
     linear, new_full = cache.linear, None
-    if not cfg.stacked_by_kind:
+    if not cfg.stacked_by_kind and deepstack is None:
         x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(block, x_BxTxD, (layers, windows_L, tables_L, cache.k,
                                                                              cache.v))
+    elif not cfg.stacked_by_kind:
+        def deepstack_block(x_BxTxD, layer_window_kv_index):
+            x_BxTxD, kv = block(x_BxTxD, layer_window_kv_index[:-1])
+            return add_deepstack(x_BxTxD, deepstack, layer_window_kv_index[-1]), kv
+
+        x_BxTxD, (k_LxBxTxKxh, v_LxBxTxKxh) = jax.lax.scan(deepstack_block, x_BxTxD, (
+            layers, windows_L, tables_L, cache.k, cache.v, jnp.arange(cfg.num_layers)))
     else:  # layers of several kinds (Qwen3.5's linear attention, Maverick's dense MLPs): one scan over their periods
         every = tuple(range(cfg.num_layers))
         layers_k, layers_full = cached_layers(cfg)
@@ -279,11 +286,16 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         def rows_layer(rows):
             return {hf_module_name(name): rows[name] for name in (*layers, "per_layer_input") if name in rows}
 
+        if deepstack is not None:
+            items["per_layer.index"] = (jnp.arange(cfg.num_layers), every)
+
         def mixed_block(x, rows, kind):
             if kind.linear:
-                return linear_block(x, rows_layer(rows), rows["per_layer.state"])
-            kv = rows["per_layer.full_kv" if kind.full else "per_layer.kv"]
-            return block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], *kv), kind.full)
+                x, out = linear_block(x, rows_layer(rows), rows["per_layer.state"])
+            else:
+                kv = rows["per_layer.full_kv" if kind.full else "per_layer.kv"]
+                x, out = block(x, (rows_layer(rows), rows["per_layer.window"], rows["per_layer.table"], *kv), kind.full)
+            return (x, out) if deepstack is None else (add_deepstack(x, deepstack, rows["per_layer.index"]), out)
 
         first = cfg.num_layers - cfg.shared_kv_layers
         group = (lambda kind: kind.full) if cfg.global_head_dim else (lambda kind: kind.linear)  # of the outputs
@@ -324,13 +336,13 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
             cache_size: int | None = None, method: MethodConfig | None = None,
             options: ForwardOptions = ForwardOptions(), adapter_B: jax.Array | None = None,
             placed_embeddings: PlacedEmbeddings | None = None, span_ids_BxT: jax.Array | None = None,
-            positions_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+            positions_BxT: jax.Array | None = None, deepstack: DeepStack | None = None) -> tuple[jax.Array, KVCache]:
     """Float32 logits [B, V] for the token after each left-padded prompt, and the cache holding the prompts.
 
     tokens_BxT: prompts padded on the left; attention_mask_BxT: 1 for real tokens, 0 for padding (default all 1).
     cache_size: slots per row, at least P + T (the default); decoding n more tokens needs P + T + n.
-    placed_embeddings, span_ids_BxT: the prompts' images (`extend`). positions_BxT: RoPE positions in place of the
-    default (P + each real token's index), e.g. M-RoPE's [3, B, T]; `decode_step` goes on from `next_position_B`.
+    placed_embeddings, span_ids_BxT, deepstack: the prompts' images (`extend`). positions_BxT: RoPE positions in place
+    of the default (P + each real token's index), e.g. M-RoPE's [3, B, T]; `decode_step` goes on from `next_position_B`.
     Jit with `static_argnames=("cfg", "cache_size", "method", "options")`.
     """
     B, T = tokens_BxT.shape
@@ -344,7 +356,8 @@ def prefill(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig, attention_mas
     if positions_BxT is None:
         positions_BxT = P + jnp.maximum(jnp.cumsum(attention_mask_BxT > 0, axis=1) - 1, 0)
     hidden_BxTxD, cache = extend(params, tokens_BxT, positions_BxT, attention_mask_BxT, cache, cfg, method, options,
-                                 adapter_B, placed_embeddings=placed_embeddings, span_ids_BxT=span_ids_BxT)
+                                 adapter_B, placed_embeddings=placed_embeddings, span_ids_BxT=span_ids_BxT,
+                                 deepstack=deepstack)
     return head_logits(params, hidden_BxTxD[:, -1:], cfg.final_logit_softcap, pieces=False)[:, 0], cache
 
 

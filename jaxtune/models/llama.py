@@ -34,7 +34,7 @@ from jaxtune.models.layer_groups import scan_kv_sharing_layers, scan_layers_by_k
 from jaxtune.models.linear import dense, project, scaled, wide
 from jaxtune.models.linear_attention import gated_deltanet_layer
 from jaxtune.models.moe import routed_experts, router_loss
-from jaxtune.models.multimodal import PlacedEmbeddings, place_embeddings
+from jaxtune.models.multimodal import DeepStack, PlacedEmbeddings, add_deepstack, place_embeddings
 from jaxtune.models.norms import rms_norm, unscaled_rms_norm
 from jaxtune.models.quant import BitPattern
 from jaxtune.models.remat import remat_layer
@@ -348,6 +348,7 @@ def decoder_and_routing(
     dropout_key: jax.Array | None = None,
     placed_embeddings: PlacedEmbeddings | None = None,
     span_ids_BxT: jax.Array | None = None,
+    deepstack: DeepStack | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(final-norm hidden states [B, T, D] in the compute dtype, a mixture's load-balancing loss or None).
 
@@ -360,7 +361,8 @@ def decoder_and_routing(
     `jax.random.split(dropout_key, L)[i]` (see `Adapters.of_module`). None (eval, generation): no dropout.
     placed_embeddings: an encoder's vectors (an image's soft tokens) over the embeddings (after Gemma's sqrt(D)
     scale) of the positions they mark (`models.multimodal`). span_ids_BxT: bidirectional spans (`multimodal.span_ids`),
-    whose tokens also see their span's later tokens; the blockwise kernel computes them. Neither: no cost.
+    whose tokens also see their span's later tokens; the blockwise kernel computes them. deepstack: vectors added to
+    those positions' hidden states after the first layers (`multimodal.DeepStack`, Qwen3-VL's). None of them: no cost.
     """
     dtype = jnp.dtype(options.compute_dtype)
     B, T = tokens_BxT.shape
@@ -370,7 +372,8 @@ def decoder_and_routing(
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(prefix + jnp.arange(T), (B, T))
     context = context_layout(T, cfg.sliding_windows, options.context_attention)
-    if context is not None and (placed_embeddings is not None or span_ids_BxT is not None or positions_BxT.ndim == 3):
+    if context is not None and (placed_embeddings is not None or span_ids_BxT is not None or deepstack is not None
+                                or positions_BxT.ndim == 3):
         raise JaxtuneError("placed embeddings, bidirectional spans or M-RoPE positions (images) with a [mesh] "
                            "context axis are not supported; train on one device's length")
     if context is None:
@@ -425,6 +428,8 @@ def decoder_and_routing(
                                             layer_fused, context, shared_kv)
         x_BxTxD, kv, routing = decoder_layer(x_BxTxD, layer, attend_fn, cfg, adapters, view.experts, valid_BxT,
                                              options.tiled_mlp)
+        if deepstack is not None:
+            x_BxTxD = add_deepstack(x_BxTxD, deepstack, index)
         return x_BxTxD, routing, kv
 
     rematted = remat_layer(lambda *args: layer_block(*args)[:2], options.remat, dtype)

@@ -1,7 +1,8 @@
 """How another modality's encoder enters the shared decoder (`llama.decoder_and_routing`): its vectors placed over
 the token embeddings of its placeholder tokens (`PlacedEmbeddings`, `place_embeddings`: transformers'
-`masked_scatter`), and the bidirectional spans its tokens attend within (`span_ids`: Gemma 3's `token_type_ids` mask).
-A forward given neither computes exactly as a text-only one."""
+`masked_scatter`), vectors added to the hidden states of those positions after the first layers (`DeepStack`,
+`add_deepstack`: Qwen3-VL's), and the bidirectional spans its tokens attend within (`span_ids`: Gemma 3's
+`token_type_ids` mask). A forward given none of them computes exactly as a text-only one."""
 
 from __future__ import annotations
 
@@ -23,16 +24,37 @@ class PlacedEmbeddings(NamedTuple):
     at_BxT: jax.Array
 
 
-def place_embeddings(x_BxTxD: jax.Array, placed: PlacedEmbeddings) -> jax.Array:
-    """x [B, T, D] with the marked positions' rows replaced by the placed vectors (cast to x's dtype, unscaled)."""
-    at_BxT, vectors = placed.at_BxT, placed.vectors_NxD.astype(x_BxTxD.dtype)
+class DeepStack(NamedTuple):
+    """vectors_KxNxD: K stacks of vectors as `PlacedEmbeddings`' (each [N, D], or [B, N, D] each row its own), the
+    k-th added to the hidden states of the positions `at_BxT` marks after decoder layer k (Qwen3-VL's DeepStack:
+    features of K tower layers, transformers' `_deepstack_process`)."""
+
+    vectors_KxNxD: jax.Array
+    at_BxT: jax.Array
+
+
+def _placed_rows(vectors: jax.Array, at_BxT: jax.Array) -> jax.Array:
+    """[B, T, D]: at each marked position its vector (`PlacedEmbeddings`' order), elsewhere some vector."""
     if vectors.ndim == 3:  # each row its own: [B, N, D]
         index_BxT = jnp.clip(jnp.cumsum(at_BxT, axis=1) - 1, 0, vectors.shape[1] - 1)
-        rows_BxTxD = jnp.take_along_axis(vectors, index_BxT[..., None], axis=1)
-        return jnp.where(at_BxT[..., None], rows_BxTxD, x_BxTxD)
+        return jnp.take_along_axis(vectors, index_BxT[..., None], axis=1)
     index_BxT = jnp.cumsum(at_BxT.reshape(-1)).reshape(at_BxT.shape) - 1
-    rows_BxTxD = vectors[jnp.clip(index_BxT, 0, vectors.shape[0] - 1)]
-    return jnp.where(at_BxT[..., None], rows_BxTxD, x_BxTxD)
+    return vectors[jnp.clip(index_BxT, 0, vectors.shape[0] - 1)]
+
+
+def place_embeddings(x_BxTxD: jax.Array, placed: PlacedEmbeddings) -> jax.Array:
+    """x [B, T, D] with the marked positions' rows replaced by the placed vectors (cast to x's dtype, unscaled)."""
+    rows_BxTxD = _placed_rows(placed.vectors_NxD.astype(x_BxTxD.dtype), placed.at_BxT)
+    return jnp.where(placed.at_BxT[..., None], rows_BxTxD, x_BxTxD)
+
+
+def add_deepstack(x_BxTxD: jax.Array, deepstack: DeepStack, layer: jax.Array) -> jax.Array:
+    """x [B, T, D] after decoder layer `layer` (traced): plus that layer's DeepStack vectors at the marked positions
+    when layer < K, else x as it is (x + 0 elsewhere: the same values)."""
+    K = deepstack.vectors_KxNxD.shape[0]
+    vectors = jax.lax.dynamic_index_in_dim(deepstack.vectors_KxNxD, jnp.minimum(layer, K - 1), keepdims=False)
+    rows_BxTxD = _placed_rows(vectors.astype(x_BxTxD.dtype), deepstack.at_BxT)
+    return x_BxTxD + jnp.where(deepstack.at_BxT[..., None] & (layer < K), rows_BxTxD, 0)
 
 
 def span_ids(at_BxT: jax.Array, sliding_only: bool = False) -> jax.Array:

@@ -92,21 +92,28 @@ def rope_angles(positions_BxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def mrope_streams(mrope_section: Sequence[int], rotary_dim: int) -> np.ndarray:
-    """int [rotary_dim]: the stream (0 time, 1 row, 2 column) each rotary dimension reads: chunk i of
-    `mrope_section` (frequencies, summing to rotary_dim / 2) reads stream i % 3, on both halves."""
+def mrope_streams(mrope_section: Sequence[int], rotary_dim: int, interleaved: bool = False) -> np.ndarray:
+    """int [rotary_dim]: the stream (0 time, 1 row, 2 column) each rotary dimension reads, on both halves. Chunked:
+    chunk i of `mrope_section` (frequencies, summing to rotary_dim / 2) reads stream i % 3 (Qwen2.5-VL's).
+    Interleaved: frequency j reads stream j % 3 while j < 3 x that stream's section, else time (transformers'
+    Qwen3-VL `recomposition_frequencies`)."""
     if 2 * sum(mrope_section) != rotary_dim:
         raise JaxtuneError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, not half the rotary "
                          f"dimension {rotary_dim}")
-    half: np.ndarray = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+    if interleaved:
+        j = np.arange(rotary_dim // 2)
+        half = np.where((j % 3 > 0) & (j < 3 * np.take(mrope_section, j % 3)), j % 3, 0)
+    else:
+        half = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
     return np.concatenate([half, half])
 
 
 def mrope_angles(positions_3xBxT: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
     """cos and sin [B, T, rotary_dim] of M-RoPE: `rope_angles` of each stream (time, row, column), each dimension
-    taken from its `mrope_streams` stream of `cfg.mrope_section` (transformers' `Qwen2_5_VLRotaryEmbedding`)."""
+    taken from its `mrope_streams` stream of `cfg.mrope_section` (transformers' `Qwen2_5_VLRotaryEmbedding`, or
+    Qwen3-VL's interleaved)."""
     _, B, T = positions_3xBxT.shape
-    streams_R = jnp.asarray(mrope_streams(cfg.mrope_section, cfg.rotary_dim))
+    streams_R = jnp.asarray(mrope_streams(cfg.mrope_section, cfg.rotary_dim, cfg.mrope_interleaved))
     tables = rope_angles(jnp.reshape(positions_3xBxT, (3 * B, T)), cfg, dtype)
     cos_3xBxTxR, sin_3xBxTxR = (jnp.reshape(a, (3, B, T, -1)) for a in tables)
     pick = lambda a: jnp.where(streams_R == 0, a[0], jnp.where(streams_R == 1, a[1], a[2]))  # noqa: E731

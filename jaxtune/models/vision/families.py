@@ -1,6 +1,7 @@
-"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Llama 4, Gemma 4), by
-the architecture in `config.json`: a new one is its unit and one entry here. `vision_family(directory)` is None for a
-text-only model; `required_vision_family` says which families there are when a directory has none of them."""
+"""The vision families jaxtune trains and runs (`family.VisionFamily`: Gemma 3, Qwen2.5-VL, Qwen3-VL, Qwen3.5,
+Llama 4, Gemma 4), by the architecture in `config.json`: a new one is its unit and one entry here.
+`vision_family(directory)` is None for a text-only model; `required_vision_family` says which families there are when
+a directory has none of them."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from jaxtune.models.vision.gemma3 import GEMMA3
 from jaxtune.models.vision.gemma4 import GEMMA4
 from jaxtune.models.vision.llama4 import LLAMA4
 from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL
+from jaxtune.models.vision.qwen3_vl import QWEN3_5_VL, QWEN3_VL
 
-FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, LLAMA4, GEMMA4)
+FAMILIES: tuple[VisionFamily, ...] = (GEMMA3, QWEN2_5_VL, QWEN3_VL, QWEN3_5_VL, LLAMA4, GEMMA4)
 
 
 def vision_family(directory: str | Path) -> VisionFamily | None:

@@ -21,7 +21,7 @@ class VisionFamily:
     """One vision-language architecture.
 
     name, architectures   its name and the `config.json` architectures it reads
-    read_config           directory -> its image-side config (`VisionLanguageConfig`, `QwenVLConfig`)
+    read_config           directory -> its image-side config (`VisionLanguageConfig`, `QwenVLConfig`, `Qwen3VLConfig`)
     param_specs           image-side config -> its tree as `ParamSpec`s; read_params(directory, config, dtype)
     tensor_entries        (image-side params, config, dtype) -> `write_weights` entries under canonical names
     read_processing       directory -> its image processor's settings

@@ -7,6 +7,8 @@ each example's plain positions (a packed row's examples restart at 0), as transf
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,52 +81,68 @@ def image_placement(is_image_RxL: jax.Array, grid_RxMx3: jax.Array, positions_Rx
     return image_RxL, k_RxL, start[None] + jnp.where(is_image_RxL[None], offsets, 0)
 
 
+def padded_images(pixel_values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(patches [I, max_patches, patch_dim], grids (t, h, w) int32 [I, 3]) of pixel arrays [N, *pixel_shape] or
+    [B, M, *pixel_shape] (`image_arrays`' rows: the grid, then the patches)."""
+    images = pixel_values.reshape(-1, *pixel_values.shape[-2:])
+    return images[:, 1:], jnp.round(images[:, 0, :3]).astype(jnp.int32)
+
+
+def placed_images(vectors_IxKxX: jax.Array, grid_Ix3: jax.Array, tokens_BxT: jax.Array, per_row: bool,
+                  positions_BxT: jax.Array | None, merge: int, image_token_id: int
+                  ) -> tuple[jax.Array, PlacedEmbeddings]:
+    """(M-RoPE's positions [3, B, T], each `image_token_id` token's vector as `PlacedEmbeddings` [B, T, X]) of rows
+    whose image token runs take the images' merged vectors [I, K, X] in row-major order over the batch, or (per_row)
+    each row its own M images (I = B M; padding images, grid 0, never placed). positions_BxT: each example's plain
+    positions (None: one example a row from 0)."""
+    B, T = tokens_BxT.shape
+    if positions_BxT is None:
+        positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    R = B if per_row else 1
+    grid = grid_Ix3.reshape(R, -1, 3)
+    at_BxT = tokens_BxT == image_token_id
+    image, k, positions = image_placement(at_BxT.reshape(R, -1), grid, positions_BxT.reshape(R, -1), merge)
+    index = (jnp.arange(R)[:, None] * grid.shape[1] + image).reshape(B, T)
+    vectors_BxTxX = vectors_IxKxX[index, jnp.clip(k, 0, vectors_IxKxX.shape[1] - 1).reshape(B, T)]
+    # each token its own vector: placed in order over the row's marked tokens, a token's is its own
+    order_BxT = jnp.argsort(~at_BxT, axis=1, stable=True)
+    placed = PlacedEmbeddings(jnp.take_along_axis(vectors_BxTxX, order_BxT[..., None], axis=1), at_BxT)
+    return positions.reshape(3, B, T), placed
+
+
 def image_inputs(vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.Array, positions_BxT: jax.Array | None,
                  cfg: ModelConfig, vision: QwenVLConfig, dtype) -> tuple[jax.Array, dict]:
     """(tokens [B, T], the decoder's keywords: `positions_BxT` M-RoPE's [3, B, T], `placed_embeddings`) of rows whose
     `image_token_id` runs take the images: [N, *pixel_shape] in row-major order over the batch, or each row's own
-    [B, M, *pixel_shape] (padding images, grid 0, never placed). positions_BxT: each example's plain positions
-    (None: one example a row from 0)."""
+    [B, M, *pixel_shape] (`placed_images`). positions_BxT: each example's plain positions (None: from 0)."""
     del cfg, dtype  # the tower computes in its weights' dtype, as transformers'
-    B, T = tokens_BxT.shape
-    if positions_BxT is None:
-        positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
-    per_row = pixel_values.ndim == 4
-    images = pixel_values.reshape(-1, *pixel_values.shape[-2:])
-    grid_Ix3 = jnp.round(images[:, 0, :3]).astype(jnp.int32)
-    merged_IxKxD = padded_vision_forward(vision_params, images[:, 1:], grid_Ix3, vision.tower)
-    m = vision.tower.spatial_merge_size
-    R = B if per_row else 1
-    grid = grid_Ix3.reshape(R, -1, 3)
-    at_BxT = tokens_BxT == vision.image_token_id
-    image, k, positions = image_placement(at_BxT.reshape(R, -1), grid, positions_BxT.reshape(R, -1), m)
-    index = (jnp.arange(R)[:, None] * grid.shape[1] + image).reshape(B, T)
-    vectors_BxTxD = merged_IxKxD[index, jnp.clip(k, 0, merged_IxKxD.shape[1] - 1).reshape(B, T)]
-    # each token its own vector: placed in order over the row's marked tokens, a token's is its own
-    order_BxT = jnp.argsort(~at_BxT, axis=1, stable=True)
-    placed = PlacedEmbeddings(jnp.take_along_axis(vectors_BxTxD, order_BxT[..., None], axis=1), at_BxT)
-    return tokens_BxT, dict(positions_BxT=positions.reshape(3, B, T), placed_embeddings=placed)
+    patches_IxNxP, grid_Ix3 = padded_images(pixel_values)
+    merged_IxKxD = padded_vision_forward(vision_params, patches_IxNxP, grid_Ix3, vision.tower)
+    positions, placed = placed_images(merged_IxKxD, grid_Ix3, tokens_BxT, pixel_values.ndim == 4, positions_BxT,
+                                      vision.tower.spatial_merge_size, vision.image_token_id)
+    return tokens_BxT, dict(positions_BxT=positions, placed_embeddings=placed)
 
 
 def vision_language_forward(params: dict, vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.Array | None,
-                            cfg: ModelConfig, vision: QwenVLConfig, *, options: ForwardOptions = ForwardOptions(),
-                            **kwargs) -> jax.Array:
-    """Logits [B, T, V] of a text with images (`image_inputs`' pixel arrays; None: the text alone), keyword arguments
-    as for `llama.forward`."""
+                            cfg: ModelConfig, vision, *, options: ForwardOptions = ForwardOptions(),
+                            inputs: Callable[..., tuple] = image_inputs, **kwargs) -> jax.Array:
+    """Logits [B, T, V] of a text with images (pixel arrays through `inputs`, the family's `image_inputs`; None: the
+    text alone), keyword arguments as for `llama.forward`."""
     if pixel_values is None:
         return forward(params, tokens_BxT, cfg, options=options, **kwargs)
-    tokens_BxT, images = image_inputs(vision_params, tokens_BxT, pixel_values, kwargs.pop("positions_BxT", None), cfg,
-                                      vision, None)
+    tokens_BxT, images = inputs(vision_params, tokens_BxT, pixel_values, kwargs.pop("positions_BxT", None), cfg,
+                                vision, None)
     return forward(params, tokens_BxT, cfg, options=options, **kwargs, **images)
 
 
 def vision_language_prefill(params: dict, vision_params: dict, tokens_BxT: jax.Array, pixel_values: jax.Array,
-                            cfg: ModelConfig, vision: QwenVLConfig, *, options: ForwardOptions = ForwardOptions(),
-                            **kwargs) -> tuple[jax.Array, KVCache]:
-    """`kv_cache.prefill` of unpadded prompts with images: logits [B, V] of the next token and the cache, decoding on
-    from each row's largest M-RoPE position + 1 (transformers' rope deltas)."""
-    tokens_BxT, images = image_inputs(vision_params, tokens_BxT, pixel_values, kwargs.pop("positions_BxT", None), cfg,
-                                      vision, None)
+                            cfg: ModelConfig, vision, *, options: ForwardOptions = ForwardOptions(),
+                            inputs: Callable[..., tuple] = image_inputs, **kwargs) -> tuple[jax.Array, KVCache]:
+    """`kv_cache.prefill` of unpadded prompts with images (through `inputs`, the family's `image_inputs`): logits
+    [B, V] of the next token and the cache, decoding on from each row's largest M-RoPE position + 1 (transformers'
+    rope deltas)."""
+    tokens_BxT, images = inputs(vision_params, tokens_BxT, pixel_values, kwargs.pop("positions_BxT", None), cfg,
+                                vision, None)
     logits_BxV, cache = prefill(params, tokens_BxT, cfg, options=options, **kwargs, **images)
     return logits_BxV, cache._replace(next_position_B=images["positions_BxT"].max(axis=(0, 2)) + 1)
 

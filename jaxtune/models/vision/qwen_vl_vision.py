@@ -19,7 +19,8 @@ from jaxtune.models.vision.qwen_vl_config import QwenVisionConfig
 PAD_SEGMENT = 2**16 - 1  # the mask's largest plain segment id: padding patches attend among themselves (never read)
 
 
-def _linear(d_in: int, d_out: int, dtype, bias: bool = True, layers: tuple[int, ...] = ()) -> dict:
+def linear_spec(d_in: int, d_out: int, dtype, bias: bool = True, layers: tuple[int, ...] = ()) -> dict:
+    """A linear's kernel [*layers, in, out] (and bias [*layers, out]) as `ShapeDtypeStruct`s."""
     module = {"kernel": jax.ShapeDtypeStruct((*layers, d_in, d_out), dtype)}
     if bias:
         module["bias"] = jax.ShapeDtypeStruct((*layers, d_out), dtype)
@@ -32,33 +33,34 @@ def abstract_vision_params(cfg: QwenVisionConfig, dtype=jnp.float32) -> dict:
     proj, gate_proj, up_proj, down_proj with biases; merger's norm [D], fc1 [4D, 4D], fc2 [4D, out]."""
     D, F, L, wide = cfg.hidden_size, cfg.intermediate_size, (cfg.depth,), cfg.hidden_size * cfg.merge_unit
     return {
-        "patch_embed": _linear(cfg.patch_dim, D, dtype, bias=False),
+        "patch_embed": linear_spec(cfg.patch_dim, D, dtype, bias=False),
         "blocks": {"norm1": jax.ShapeDtypeStruct((*L, D), dtype), "norm2": jax.ShapeDtypeStruct((*L, D), dtype),
-                   "qkv": _linear(D, 3 * D, dtype, layers=L), "proj": _linear(D, D, dtype, layers=L),
-                   "gate_proj": _linear(D, F, dtype, layers=L), "up_proj": _linear(D, F, dtype, layers=L),
-                   "down_proj": _linear(F, D, dtype, layers=L)},
-        "merger": {"norm": jax.ShapeDtypeStruct((D,), dtype), "fc1": _linear(wide, wide, dtype),
-                   "fc2": _linear(wide, cfg.out_hidden_size, dtype)},
+                   "qkv": linear_spec(D, 3 * D, dtype, layers=L), "proj": linear_spec(D, D, dtype, layers=L),
+                   "gate_proj": linear_spec(D, F, dtype, layers=L), "up_proj": linear_spec(D, F, dtype, layers=L),
+                   "down_proj": linear_spec(F, D, dtype, layers=L)},
+        "merger": {"norm": jax.ShapeDtypeStruct((D,), dtype), "fc1": linear_spec(wide, wide, dtype),
+                   "fc2": linear_spec(wide, cfg.out_hidden_size, dtype)},
     }
 
 
-def _dense(x: jax.Array, module: dict) -> jax.Array:
+def apply_linear(x: jax.Array, module: dict) -> jax.Array:
+    """x @ kernel (+ bias): every linear of the Qwen-VL towers."""
     y = x @ module["kernel"]
     return y + module["bias"] if "bias" in module else y
 
 
-def rotary_angles(positions_Nx2: jax.Array, cfg: QwenVisionConfig) -> tuple[jax.Array, jax.Array]:
+def rotary_angles(positions_Nx2: jax.Array, head_dim: int, rope_theta: float) -> tuple[jax.Array, jax.Array]:
     """cos and sin, float32 [N, head_dim]: frequencies theta^(-4i / head_dim) (i < head_dim / 4) at the row, then
-    at the column, that half repeated (transformers' axial `Qwen2_5_VLVisionRotaryEmbedding`)."""
-    quarter = cfg.head_dim // 2
-    inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))).astype(np.float32)
+    at the column, that half repeated (transformers' axial `Qwen2_5_VLVisionRotaryEmbedding`, Qwen3-VL's)."""
+    quarter = head_dim // 2
+    inv_freq = (1.0 / (rope_theta ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))).astype(np.float32)
     freqs_Nx2xQ = positions_Nx2.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     half_NxH = freqs_Nx2xQ.reshape(freqs_Nx2xQ.shape[0], -1)
     angles_NxR = jnp.concatenate([half_NxH, half_NxH], axis=-1)
     return jnp.cos(angles_NxR), jnp.sin(angles_NxR)
 
 
-def _rotate(x_NxHxd: jax.Array, cos_Nxd: jax.Array, sin_Nxd: jax.Array) -> jax.Array:
+def rotate(x_NxHxd: jax.Array, cos_Nxd: jax.Array, sin_Nxd: jax.Array) -> jax.Array:
     """x * cos + rotate_half(x) * sin in float32, cast back (transformers' `apply_rotary_pos_emb_vision`)."""
     x = x_NxHxd.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -66,7 +68,7 @@ def _rotate(x_NxHxd: jax.Array, cos_Nxd: jax.Array, sin_Nxd: jax.Array) -> jax.A
     return (x * cos_Nxd[:, None] + rotated * sin_Nxd[:, None]).astype(x_NxHxd.dtype)
 
 
-def _segment_mask(segment_IxN: jax.Array) -> AttentionMask:
+def segment_mask(segment_IxN: jax.Array) -> AttentionMask:
     """Bidirectional attention among the patches of one segment (a window, or an image's frame), each of I
     sequences [I, N] its own."""
     N = segment_IxN.shape[-1]
@@ -74,20 +76,28 @@ def _segment_mask(segment_IxN: jax.Array) -> AttentionMask:
                          q_segment_BxT=segment_IxN, k_segment_BxS=segment_IxN, k_slot_S=jnp.arange(N, dtype=jnp.int32))
 
 
+def self_attention(h_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], mask: AttentionMask,
+                   live: jax.Array, num_heads: int) -> jax.Array:
+    """[I, N, D]: the blocks' attention over normed h (`qkv`, 2D rotary on queries and keys, bidirectional within
+    the mask's segments, `proj`), before the residual."""
+    n_images, N = h_IxNxD.shape[:2]
+    qkv = apply_linear(h_IxNxD, block["qkv"]).reshape(n_images * N, 3, num_heads, -1)
+    q, k = (rotate(qkv[:, i], *rope).reshape(n_images, N, num_heads, -1) for i in (0, 1))
+    heads = lambda a: jnp.transpose(a, (0, 2, 1, 3))  # [I, H, N, d]
+    v = qkv[:, 2].reshape(n_images, N, num_heads, -1)
+    out_IxHxNxd = blockwise_attention(heads(q)[:, :, None], heads(k), heads(v), mask, live_QxC=live)[:, :, 0]
+    return apply_linear(jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1), block["proj"])
+
+
 def _block(x_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], mask: AttentionMask,
            live: jax.Array, cfg: QwenVisionConfig) -> jax.Array:
-    n_images, N, H = x_IxNxD.shape[0], x_IxNxD.shape[1], cfg.num_heads
     with jax.named_scope("attention"):
-        qkv = _dense(rms_norm(x_IxNxD, block["norm1"], cfg.norm_eps), block["qkv"]).reshape(n_images * N, 3, H, -1)
-        q, k = (_rotate(qkv[:, i], *rope).reshape(n_images, N, H, -1) for i in (0, 1))
-        heads = lambda a: jnp.transpose(a, (0, 2, 1, 3))  # [I, H, N, d]
-        v = qkv[:, 2].reshape(n_images, N, H, -1)
-        out_IxHxNxd = blockwise_attention(heads(q)[:, :, None], heads(k), heads(v), mask, live_QxC=live)[:, :, 0]
-        x_IxNxD = x_IxNxD + _dense(jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1), block["proj"])
+        h = rms_norm(x_IxNxD, block["norm1"], cfg.norm_eps)
+        x_IxNxD = x_IxNxD + self_attention(h, block, rope, mask, live, cfg.num_heads)
     with jax.named_scope("mlp"):
         h = rms_norm(x_IxNxD, block["norm2"], cfg.norm_eps)
-        gated = jax.nn.silu(_dense(h, block["gate_proj"])) * _dense(h, block["up_proj"])
-        return x_IxNxD + _dense(gated, block["down_proj"])
+        gated = jax.nn.silu(apply_linear(h, block["gate_proj"])) * apply_linear(h, block["up_proj"])
+        return x_IxNxD + apply_linear(gated, block["down_proj"])
 
 
 def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_IxN: jax.Array, image_IxN: jax.Array,
@@ -95,8 +105,8 @@ def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_
     """The blocks and the merger over I sequences of N embedded patches (merge units consecutive): [I, N / merge²,
     out_hidden_size], attention within each sequence's windows (or its images, in `fullatt_blocks`)."""
     n_images, N, _ = x_IxNxD.shape
-    cos, sin = rotary_angles(positions_IxNx2.reshape(n_images * N, 2), cfg)
-    window_mask, image_mask = _segment_mask(window_IxN), _segment_mask(image_IxN)
+    cos, sin = rotary_angles(positions_IxNx2.reshape(n_images * N, 2), cfg.head_dim, cfg.rope_theta)
+    window_mask, image_mask = segment_mask(window_IxN), segment_mask(image_IxN)
     window_live, image_live = live_blocks(window_mask, N, N), live_blocks(image_mask, N, N)
     full_L = jnp.asarray(np.isin(np.arange(cfg.depth), cfg.fullatt_blocks))
 
@@ -109,28 +119,33 @@ def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_
     with jax.named_scope("merger"):
         merger = params["merger"]
         merged = rms_norm(x_IxNxD, merger["norm"], cfg.norm_eps).reshape(n_images, N // cfg.merge_unit, -1)
-        return _dense(jax.nn.gelu(_dense(merged, merger["fc1"]), approximate=False), merger["fc2"])
+        return apply_linear(jax.nn.gelu(apply_linear(merged, merger["fc1"]), approximate=False), merger["fc2"])
+
+
+def frame_layout(grid_Ix3: jax.Array, N: int, merge: int) -> tuple[jax.Array, jax.Array]:
+    """(positions (row, column) [I, N, 2], frame segments [I, N]) of I images of traced grids (t, h, w) each held in N
+    patch slots in the processor's order (merge blocks row by row, frames one after another); slots past t h w are
+    padding, a segment of their own (`PAD_SEGMENT`), frames numbered from 1."""
+    t, h, w = (grid_Ix3[:, i, None] for i in range(3))
+    gh, gw = jnp.maximum(h // merge, 1), jnp.maximum(w // merge, 1)
+    slot = jnp.arange(N)[None]
+    block, within = slot // merge**2, slot % merge**2
+    frame, in_frame = block // (gh * gw), block % (gh * gw)
+    positions = jnp.stack([in_frame // gw * merge + within // merge, in_frame % gw * merge + within % merge], -1)
+    return positions.astype(jnp.int32), jnp.where(slot < t * h * w, frame + 1, PAD_SEGMENT).astype(jnp.int32)
 
 
 def padded_layout(grid_Ix3: jax.Array, N: int, cfg: QwenVisionConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(positions [I, N, 2], window segments [I, N], image segments [I, N]) of I images of traced grids (t, h, w)
-    each held in N patch slots in the processor's order (merge blocks row by row, frames one after another); slots
-    past t h w are padding, a segment of their own (`PAD_SEGMENT`). Windows as transformers' `get_vision_window_index`
-tiles them: window_size // merge // patch merged tokens a side, row by row, edge windows smaller; image segments
-one a frame."""
+    """(positions [I, N, 2], window segments [I, N], image segments [I, N]): `frame_layout`'s, and windows as
+    transformers' `get_vision_window_index` tiles them: window_size // merge // patch merged tokens a side, row by
+    row, edge windows smaller (padding slots `PAD_SEGMENT` in both)."""
     m, side = cfg.spatial_merge_size, cfg.window_tokens
-    t, h, w = (grid_Ix3[:, i, None] for i in range(3))
+    positions, frames = frame_layout(grid_Ix3, N, m)
+    h, w = grid_Ix3[:, 1, None], grid_Ix3[:, 2, None]
     gh, gw = jnp.maximum(h // m, 1), jnp.maximum(w // m, 1)
-    slot = jnp.arange(N)[None]
-    block, within = slot // cfg.merge_unit, slot % cfg.merge_unit
-    frame, in_frame = block // (gh * gw), block % (gh * gw)
-    block_row, block_col = in_frame // gw, in_frame % gw
-    positions = jnp.stack([block_row * m + within // m, block_col * m + within % m], -1)
-    windows_across = -(-gw // side)
-    window = (frame * -(-gh // side) + block_row // side) * windows_across + block_col // side
-    valid = slot < t * h * w
-    return (positions.astype(jnp.int32), jnp.where(valid, window + 1, PAD_SEGMENT).astype(jnp.int32),
-            jnp.where(valid, frame + 1, PAD_SEGMENT).astype(jnp.int32))
+    block_row, block_col = positions[..., 0] // m, positions[..., 1] // m
+    window = ((frames - 1) * -(-gh // side) + block_row // side) * -(-gw // side) + block_col // side
+    return positions, jnp.where(frames == PAD_SEGMENT, PAD_SEGMENT, window + 1).astype(jnp.int32), frames
 
 
 def padded_vision_forward(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, cfg: QwenVisionConfig
