@@ -4,7 +4,7 @@ text only, each image a padded pixel array with its grid; the planner counts the
 Qwen2_5_VLForConditionalGeneration: ids and pixels equal the processor's; a packed batch's loss equals transformers';
 LoRA SFT through `fine_tune` lowers the loss and resumes; the adapter loads in PEFT and the merged export in
 transformers with the same logits; greedy generation with images equals `generate`; DPO with images equals the DPO
-formula on transformers' log-probs."""
+formula on transformers' log-probs, KTO's TRL's."""
 
 import json
 
@@ -333,6 +333,26 @@ def test_dpo_with_images_equals_the_dpo_formula_on_transformers_logps(trained):
             want += float(-F.logsigmoid(section.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))))
     assert float(count) == 3
     np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_kto_with_images_equals_trl_kto_loss_on_transformers_logps(saved):
+    """KTO rows and their KL rows with images of different sizes (`test_vision_kto.kto_against_trl`): jaxtune's loss
+    equals TRL's formula on transformers' log-probs (patches and grids as `_hf_inputs` gives them)."""
+    from test_vision_kto import kto_against_trl
+
+    from jaxtune.data.image_examples import ImageExample
+    from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL
+
+    def forward(model, ids, pixels):
+        return model(**_hf_inputs(ImageExample(ids, (0,) * len(ids), pixels))).logits
+
+    directory, model = saved
+    ours, trl = kto_against_trl(directory.parent, model, forward, QWEN2_5_VL.outside_text, 160,
+                                 seed=4)  # a LoRA whose z0 > 0 on this model
+    np.testing.assert_allclose(ours, trl, rtol=1e-4)
 
 
 def test_planner_counts_the_image_side_of_qwen2_5_vl_3b():

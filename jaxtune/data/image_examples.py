@@ -4,7 +4,7 @@ become `ImageExample`s, ids exactly as the model's processor writes them (the ch
 by the processor's placeholder text: Gemma 3's boi, soft-token run, eoi), the loss on the assistant turns' text only
 (never on an image's text), and the images' pixel arrays. An example cut by max_seq_len keeps only its images whose
 placeholders it holds whole. Other records go through `formats.sft_examples`' path (no images). Preference pairs
-with images (DPO): `image_preference_examples`."""
+with images (DPO): `image_preference_examples`; KTO's labelled completions with images: `image_labelled_examples`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jaxtune.data.chat_records import check_messages, check_tools
 from jaxtune.data.formats import (
     DataStats,
     Example,
+    LabelledExample,
     PreferenceExample,
     chat_spans,
     detect_format,
@@ -184,13 +185,33 @@ def _turns(value, role: str, where: str, name: str) -> list[dict]:
     raise JaxtuneError(f"{where}: preference field '{name}' must be a string or a list of messages")
 
 
+def _prompt_and_completions(record: dict, names: tuple[str, ...], where: str, base: Path, tokenizer: Tokenizer,
+                            processor: ImageProcessor) -> tuple[tuple[int, ...], np.ndarray, list[tuple[int, ...]]]:
+    """(the prompt's ids, its images' pixel arrays, the ids of each completion field in `names`) of a vision record:
+    the prompt rendered with the generation prompt and its image markers expanded (`image_example`'s ids), each
+    completion the rest of the render of prompt + completion (its trailing whitespace left out, as SFT's loss spans
+    leave it), as TRL applies the chat template."""
+    prompt = check_messages(where, {"messages": [*_turns(record["prompt"], "user", where, "prompt"),
+                                                 {"role": "assistant", "content": ""}]})[:-1]
+    images = record_images(record, where, base, image_parts(prompt))
+    text = render_chat(prompt, tokenizer, add_generation_prompt=True)
+    completions = []
+    for name in names:
+        whole = render_chat(prompt + _turns(record[name], "assistant", where, name), tokenizer)
+        if not whole.startswith(text):
+            raise JaxtuneError(f"{where}: the chat template renders the prompt differently once the {name} "
+                               "turn follows; its completion cannot be cut from the conversation")
+        completions.append(tuple(tokenizer.encode(whole[len(text):].rstrip(), add_special_tokens=False)))
+    pixels, expansions = processor(images)
+    expanded, _, _ = expand_images(text, [], processor.marker, expansions, where)
+    return tuple(tokenizer.encode(expanded, add_special_tokens=False)), pixels, completions
+
+
 def image_preference_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageProcessor, max_seq_len: int,
                               columns: Mapping[str, str] | None = None, stats: DataStats | None = None
                               ) -> Iterator[ImagePreferenceExample]:
     """TRL's vision preference records {"prompt", "chosen", "rejected", "images"} (the prompt's image parts take
-    the images): the prompt rendered with the generation prompt and its image markers expanded (`image_example`'s
-    ids), each completion the rest of the render of prompt + completion (its trailing whitespace left out, as SFT's
-    loss spans leave it), as TRL's DPO applies the chat template.
+    the images), prompt and completions as `_prompt_and_completions` writes them.
     A pair whose prompt fills max_seq_len is dropped; longer completions are cut to fit (counted in `stats`)."""
     stats = DataStats() if stats is None else stats
     base = Path(path) if Path(path).is_dir() else Path(path).parent
@@ -199,30 +220,64 @@ def image_preference_examples(path: str | Path, tokenizer: Tokenizer, processor:
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
         if missing:
             raise JaxtuneError(f"{where}: preference record is missing field '{missing[0]}'")
-        prompt = check_messages(where, {"messages": [*_turns(record["prompt"], "user", where, "prompt"),
-                                                     {"role": "assistant", "content": ""}]})[:-1]
-        images = record_images(record, where, base, image_parts(prompt))
-        text = render_chat(prompt, tokenizer, add_generation_prompt=True)
-        completions = []
-        for name in ("chosen", "rejected"):
-            whole = render_chat(prompt + _turns(record[name], "assistant", where, name), tokenizer)
-            if not whole.startswith(text):
-                raise JaxtuneError(f"{where}: the chat template renders the prompt differently once the {name} "
-                                   "turn follows; its completion cannot be cut from the conversation")
-            completions.append(tuple(tokenizer.encode(whole[len(text):].rstrip(), add_special_tokens=False)))
-        pixels, expansions = processor(images)
-        expanded, _, _ = expand_images(text, [], processor.marker, expansions, where)
-        ids = tuple(tokenizer.encode(expanded, add_special_tokens=False))
+        ids, pixels, (chosen, rejected) = _prompt_and_completions(record, ("chosen", "rejected"), where, base,
+                                                                  tokenizer, processor)
         stats.formats["preference"] = stats.formats.get("preference", 0) + 1
         room = max_seq_len - len(ids)
         if room <= 0:
             stats.dropped_prompt_too_long += 1
             continue
-        chosen, rejected = completions
         stats.truncated += len(chosen) > room or len(rejected) > room
         stats.examples += 1
         stats.loss_tokens += min(len(chosen), room) + min(len(rejected), room)
         yield ImagePreferenceExample(ids, chosen[:room], rejected[:room], pixels)
     if not stats.examples:
         raise JaxtuneError(f"{path}: no pair fits max_seq_len={max_seq_len} ({stats.dropped_prompt_too_long} "
+                           "prompts too long)")
+
+
+@dataclass(frozen=True, eq=False)
+class ImageLabelledExample(LabelledExample):
+    """A `LabelledExample` whose prompt holds images: their pixel arrays float32 [N, *shape], in the order of the
+    prompt's placeholder runs."""
+
+    pixel_values: np.ndarray
+
+    @property
+    def images(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+def image_labelled_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageProcessor, max_seq_len: int,
+                            columns: Mapping[str, str] | None = None, stats: DataStats | None = None
+                            ) -> Iterator[ImageLabelledExample]:
+    """KTO's records with images: TRL's vision format {"prompt", "completion", "label": true | false, "images"}, and
+    a pair {"prompt", "chosen", "rejected", "images"} as two (chosen desirable, rejected not: TRL's
+    `unpair_preference_dataset`), prompt and completions as `_prompt_and_completions` writes them. A record whose
+    prompt fills max_seq_len is dropped; a longer completion is cut to fit (counted in `stats`)."""
+    stats = DataStats() if stats is None else stats
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    for n, record in iter_records(path, columns):
+        where = f"{path}:{n}"
+        fmt = "preference" if "chosen" in record or "rejected" in record else "unpaired"
+        names = ("chosen", "rejected") if fmt == "preference" else ("completion",)
+        missing = [k for k in ("prompt", *names, *(("label",) if fmt == "unpaired" else ())) if k not in record]
+        if missing:
+            raise JaxtuneError(f"{where}: {fmt} record is missing field '{missing[0]}'")
+        if fmt == "unpaired" and not isinstance(record["label"], bool):
+            raise JaxtuneError(f"{where}: unpaired field 'label' must be true or false, got {record['label']!r}")
+        ids, pixels, completions = _prompt_and_completions(record, names, where, base, tokenizer, processor)
+        labels = (1, 0) if fmt == "preference" else (int(record["label"]),)
+        stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
+        room = max_seq_len - len(ids)
+        if room <= 0:
+            stats.dropped_prompt_too_long += len(labels)
+            continue
+        for completion, label in zip(completions, labels):
+            stats.truncated += len(completion) > room
+            stats.examples += 1
+            stats.loss_tokens += min(len(completion), room)
+            yield ImageLabelledExample(ids, completion[:room], (label,), pixels)
+    if not stats.examples:
+        raise JaxtuneError(f"{path}: no example fits max_seq_len={max_seq_len} ({stats.dropped_prompt_too_long} "
                            "prompts too long)")

@@ -1,24 +1,27 @@
 """KTO, Kahneman-Tversky optimisation (Ethayarajh et al. 2024), as TRL 1.16's `KTOTrainer` (`KTO`, its section
 `KTOConfig`): unpaired completions labelled desirable or undesirable (`data.formats.labelled_examples`; preference
 pairs split into one of each), each pushed away from the reference, to the side its label says.
-
 A micro-batch of B examples is 2B rows: each example's prompt + completion, then the mismatched pairs prompt_i +
 completion_(i-1) of its real examples (TRL's rotation within the batch). Those estimate the reference point z0, the
 batch's mean log pi/ref of completions the prompt did not ask for, clamped at 0, no gradient (`kto_reference_point`).
 The reference is the frozen base with the adapters off (no copy; a full fine-tune keeps a frozen copy), read in the
 same step under stop_gradient. loss_type "apo_zero_unpaired" uses no z0, so its micro-batch is the B rows alone.
-"""
+With images (`image_labelled_examples`) each row carries its prompt's pixel arrays, a mismatched row prompt_i's, as
+TRL's vision collator builds its KL rows."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtune.data.formats import LabelledExample, labelled_examples
+from jaxtune.data.batching import ImageRows
+from jaxtune.data.formats import LabelledExample, labelled_examples, train_eval_split
+from jaxtune.data.image_examples import image_labelled_examples
 from jaxtune.errors import JaxtuneError, check_choice, check_range
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
@@ -75,10 +78,12 @@ def _mismatched(section: KTOConfig) -> bool:
     return section.loss_type == "kto"
 
 
-def kto_batch(examples: list[LabelledExample], batch_size: int, seq_len: int, mismatched: bool) -> dict:
+def kto_batch(examples: list[LabelledExample], batch_size: int, seq_len: int, mismatched: bool,
+              images: ImageRows | None = None) -> dict:
     """`examples` (at most batch_size) as [batch_size, seq_len] rows of prompt + completion, filled with empty rows;
     `mismatched`: then as many rows of prompt_i + completion_(i-1) of the real examples (cut to seq_len). "desirable"
-    [rows]: 1.0 on a desirable example's own row."""
+    [rows]: 1.0 on a desirable example's own row. With `images` (`ImageLabelledExample`s) "pixel_values" [rows,
+    max_images, ...]: each row its prompt's pixel arrays (a mismatched row those of prompt_i)."""
     empty: dict[str, np.ndarray] = {k: np.zeros(seq_len, np.float32 if k == "loss_mask" else np.int32)
                                     for k in PAIR_FIELDS}
     pad = [empty] * (batch_size - len(examples))
@@ -89,14 +94,24 @@ def kto_batch(examples: list[LabelledExample], batch_size: int, seq_len: int, mi
     batch = {k: np.stack([r[k] for r in rows]) for k in PAIR_FIELDS}
     batch["desirable"] = np.zeros(len(rows), np.float32)
     batch["desirable"][:len(examples)] = [e.label[0] for e in examples]
+    if images is not None:
+        pixels: np.ndarray = np.zeros((batch_size, images.max_images, *images.shape), np.float32)
+        for i, example in enumerate(examples):
+            held: Any = example  # `ImageLabelledExample`
+            if held.images > images.max_images:
+                raise JaxtuneError(f"an example's prompt holds {held.images} pixel arrays; [data] max_images_per_row "
+                                   f"= {images.max_images} must be at least that")
+            pixels[i, :held.images] = held.pixel_values
+        batch["pixel_values"] = np.concatenate([pixels, pixels]) if mismatched else pixels
     return batch
 
 
-def kto_batches(examples, batch_size: int, seq_len: int, seed: int, epoch: int, mismatched: bool) -> list[dict]:
+def kto_batches(examples, batch_size: int, seq_len: int, seed: int, epoch: int, mismatched: bool,
+                images: ImageRows | None = None) -> list[dict]:
     """Batches of `batch_size` examples (`kto_batch`), shuffled from (seed, epoch)."""
     order = np.random.default_rng([seed, epoch]).permutation(len(examples))
-    return [kto_batch([examples[i] for i in order[start:start + batch_size]], batch_size, seq_len, mismatched)
-            for start in range(0, len(order), batch_size)]
+    return [kto_batch([examples[i] for i in order[start:start + batch_size]], batch_size, seq_len, mismatched,
+                      images) for start in range(0, len(order), batch_size)]
 
 
 def kto_terms(policy_R: jax.Array, reference_R: jax.Array, count_R: jax.Array, desirable_R: jax.Array,
@@ -123,6 +138,8 @@ def kto_terms(policy_R: jax.Array, reference_R: jax.Array, count_R: jax.Array, d
 
 
 def _sums(policy_params, reference, micro, ctx: Context, key=None) -> tuple[jax.Array, jax.Array, dict]:
+    if "vision" in policy_params and "vision" not in reference:  # a reference of its own reads the same images
+        reference = {**reference, "vision": policy_params["vision"]}
     mask = micro["loss_mask"]
     policy, count = sequence_logps(row_logps(policy_params, micro, ctx, ctx.method, key), mask)
     reference, _ = sequence_logps(row_logps(reference, micro, ctx, None), mask)
@@ -171,9 +188,10 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
     if _mismatched(k) and c.train.batch_size < 2:
         raise JaxtuneError(f"[kto] loss_type = \"kto\" estimates its reference point from the batch's mismatched "
                            f"completions: train.batch_size = {c.train.batch_size} must be at least 2")
-    train, held_out = train_and_held_out(setup, labelled_examples, "examples")
+    images = None if setup.images is None else ImageRows(c.data.max_images_per_row, setup.images.pixel_shape)
+    train, held_out = image_split(setup) if images else train_and_held_out(setup, labelled_examples, "examples")
     batches = lambda examples, epoch: kto_batches(examples, c.train.batch_size, c.data.max_seq_len, c.data.seed, epoch,
-                                                  _mismatched(k))
+                                                  _mismatched(k), images)
     steps = math.ceil(math.ceil(len(train) / c.train.batch_size) / c.train.grad_accum)
 
     def evaluate(eval_step, params):  # reads `held_out`, which keeps its token store (and the cache's files) alive
@@ -181,6 +199,19 @@ def prepare(setup: ObjectiveInputs) -> ObjectiveData:
 
     return ObjectiveData(steps, epoch_cache(lambda e: batches(train, e), c.train.grad_accum),
                          evaluate if held_out else None)
+
+
+def image_split(setup: ObjectiveInputs) -> tuple[list, list]:
+    """(train, held-out) labelled examples with images (`image_labelled_examples`), read each run."""
+    data = setup.config.data
+    read = lambda path: list(image_labelled_examples(path, setup.tokenizer, setup.images, data.max_seq_len,
+                                                     dict(data.columns)))
+    examples = read(data.train)
+    train, held_out = (examples, read(data.eval)) if data.eval else train_eval_split(examples, data.eval_fraction,
+                                                                                     data.seed)
+    images = sum(e.images for e in examples)
+    setup.log(f"data: {len(train)} train / {len(held_out)} eval examples with {images} pixel arrays")
+    return list(train), list(held_out)
 
 
 def _second_model(section: KTOConfig, method) -> str | None:
@@ -196,4 +227,4 @@ KTO = Objective("kto", loss_terms, eval_terms, prepare, section=KTOConfig,
                 # the reference's forward holds a [b, T, V] chunk more than DPO's count for an adapter method (a
                 # LoRA KTO step on XLA:CPU: 19% above the estimate with 2)
                 second_model=_second_model, logits_copies=lambda method, section: 3, unit="examples",
-                extra_forwards=lambda section: 1)
+                extra_forwards=lambda section: 1, reads_images=True)

@@ -4,6 +4,8 @@
 Pairs are batched as for DPO (`dpo.pair_batch`). Per micro-batch the loss is the NLL of the chosen rows (a token mean,
 over the prompt and the completion, as TRL's "orpo chosen nll loss is computed over the full prompt and response")
 plus the mean over pairs of `odds_ratio_loss` of the mean per-token log-probabilities of the two completions.
+Pairs with images read them as DPO's (`dpo.row_logps`); the NLL then counts the prompt's image placeholders too, as
+every other prompt target (TRL's ORPO reads no images; its SFT without completion_only_loss counts them the same).
 """
 
 from __future__ import annotations
@@ -70,4 +72,4 @@ loss_terms, eval_terms = reference_free_terms(_sums)
 
 
 ORPO = Objective("orpo", loss_terms, eval_terms, pair_training, section=ORPOConfig, rows=lambda section: 2,
-                 logits_copies=pair_logits_copies, unit="pairs")
+                 logits_copies=pair_logits_copies, unit="pairs", reads_images=True)
