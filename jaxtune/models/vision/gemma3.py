@@ -16,8 +16,14 @@ from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings, span_ids
 from jaxtune.models.norms import rms_norm
-from jaxtune.models.vision.family import VisionFamily
-from jaxtune.models.vision.hf import load_vision_config, read_vision_params, vision_param_specs, vision_tensor_entries
+from jaxtune.models.vision.family import VisionFamily, VisionPart
+from jaxtune.models.vision.hf import (
+    LAYER_LINEARS,
+    load_vision_config,
+    read_vision_params,
+    vision_param_specs,
+    vision_tensor_entries,
+)
 from jaxtune.models.vision.image_processing import pixel_values, read_image_processing
 from jaxtune.models.vision.siglip import siglip_tower
 
@@ -136,4 +142,8 @@ GEMMA3 = VisionFamily(
     image_token=lambda v: v.image_token_id,
     image_inputs=image_inputs, forward=vision_language_forward, prefill=vision_language_prefill,
     text_prefix="model.language_model.",
-    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements)
+    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements,
+    parts={"vision_tower": VisionPart(keys=("vision_tower",), linears={
+        ("vision_tower", "layers", name): f"model.vision_tower.encoder.layers.{{i}}.{name}" for name in LAYER_LINEARS}),
+        # mm_input_projection is a bare nn.Parameter in transformers, no Linear PEFT adapts: the projector trains whole
+        "multi_modal_projector": VisionPart(keys=("multi_modal_projector",), saved="multi_modal_projector")})

@@ -19,7 +19,7 @@ from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings
 from jaxtune.models.params import ParamSpec
-from jaxtune.models.vision.family import VisionFamily
+from jaxtune.models.vision.family import VisionFamily, VisionPart
 from jaxtune.models.vision.qwen_vl_config import (
     QwenImageOptions,
     QwenVLConfig,
@@ -28,7 +28,7 @@ from jaxtune.models.vision.qwen_vl_config import (
 )
 from jaxtune.models.vision.qwen_vl_processor import image_patches
 from jaxtune.models.vision.qwen_vl_vision import abstract_vision_params, padded_vision_forward
-from jaxtune.models.vision.qwen_vl_weights import read_vision_params, vision_tensor_entries
+from jaxtune.models.vision.qwen_vl_weights import BLOCK_NAMES, read_vision_params, vision_tensor_entries
 
 
 def max_patches(options: QwenImageOptions) -> int:
@@ -170,4 +170,7 @@ QWEN2_5_VL = VisionFamily(
     expansion=lambda tokenizer, vision, count: _token(tokenizer, vision.image_token_id) * count,
     image_token=lambda vision: vision.image_token_id, image_inputs=image_inputs,
     forward=vision_language_forward, prefill=vision_language_prefill, text_prefix="model.language_model.",
-    outside_text=r".*visual.*", forward_elements=tower_elements)
+    outside_text=r".*visual.*", forward_elements=tower_elements,
+    parts={"visual": VisionPart(keys=("patch_embed", "blocks"), linears={  # less its merger, as LLaMA-Factory's
+        ("blocks", ours): f"model.visual.blocks.{{i}}.{hf}" for ours, hf in BLOCK_NAMES.items() if "norm" not in ours}),
+        "visual.merger": VisionPart(keys=("merger",), saved="visual.merger")})

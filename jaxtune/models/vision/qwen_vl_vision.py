@@ -15,6 +15,7 @@ import numpy as np
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks
 from jaxtune.models.norms import rms_norm
 from jaxtune.models.vision.qwen_vl_config import QwenVisionConfig
+from jaxtune.models.vision.tower_linear import tower_linear
 
 PAD_SEGMENT = 2**16 - 1  # the mask's largest plain segment id: padding patches attend among themselves (never read)
 
@@ -40,11 +41,6 @@ def abstract_vision_params(cfg: QwenVisionConfig, dtype=jnp.float32) -> dict:
         "merger": {"norm": jax.ShapeDtypeStruct((D,), dtype), "fc1": _linear(wide, wide, dtype),
                    "fc2": _linear(wide, cfg.out_hidden_size, dtype)},
     }
-
-
-def _dense(x: jax.Array, module: dict) -> jax.Array:
-    y = x @ module["kernel"]
-    return y + module["bias"] if "bias" in module else y
 
 
 def rotary_angles(positions_Nx2: jax.Array, cfg: QwenVisionConfig) -> tuple[jax.Array, jax.Array]:
@@ -78,16 +74,18 @@ def _block(x_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], m
            live: jax.Array, cfg: QwenVisionConfig) -> jax.Array:
     n_images, N, H = x_IxNxD.shape[0], x_IxNxD.shape[1], cfg.num_heads
     with jax.named_scope("attention"):
-        qkv = _dense(rms_norm(x_IxNxD, block["norm1"], cfg.norm_eps), block["qkv"]).reshape(n_images * N, 3, H, -1)
+        qkv = tower_linear(rms_norm(x_IxNxD, block["norm1"], cfg.norm_eps), block["qkv"]).reshape(
+            n_images * N, 3, H, -1)
         q, k = (_rotate(qkv[:, i], *rope).reshape(n_images, N, H, -1) for i in (0, 1))
         heads = lambda a: jnp.transpose(a, (0, 2, 1, 3))  # [I, H, N, d]
         v = qkv[:, 2].reshape(n_images, N, H, -1)
         out_IxHxNxd = blockwise_attention(heads(q)[:, :, None], heads(k), heads(v), mask, live_QxC=live)[:, :, 0]
-        x_IxNxD = x_IxNxD + _dense(jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1), block["proj"])
+        attended_IxNxD = jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1)
+        x_IxNxD = x_IxNxD + tower_linear(attended_IxNxD, block["proj"])
     with jax.named_scope("mlp"):
         h = rms_norm(x_IxNxD, block["norm2"], cfg.norm_eps)
-        gated = jax.nn.silu(_dense(h, block["gate_proj"])) * _dense(h, block["up_proj"])
-        return x_IxNxD + _dense(gated, block["down_proj"])
+        gated = jax.nn.silu(tower_linear(h, block["gate_proj"])) * tower_linear(h, block["up_proj"])
+        return x_IxNxD + tower_linear(gated, block["down_proj"])
 
 
 def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_IxN: jax.Array, image_IxN: jax.Array,
@@ -109,7 +107,7 @@ def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_
     with jax.named_scope("merger"):
         merger = params["merger"]
         merged = rms_norm(x_IxNxD, merger["norm"], cfg.norm_eps).reshape(n_images, N // cfg.merge_unit, -1)
-        return _dense(jax.nn.gelu(_dense(merged, merger["fc1"]), approximate=False), merger["fc2"])
+        return tower_linear(jax.nn.gelu(tower_linear(merged, merger["fc1"]), approximate=False), merger["fc2"])
 
 
 def padded_layout(grid_Ix3: jax.Array, N: int, cfg: QwenVisionConfig) -> tuple[jax.Array, jax.Array, jax.Array]:

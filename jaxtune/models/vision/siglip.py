@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtune.config import SiglipConfig
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.linear import wide
+from jaxtune.models.vision.tower_linear import tower_linear as linear
 
 
 def layer_norm(x: jax.Array, norm: dict, eps: float) -> jax.Array:
@@ -21,11 +22,6 @@ def layer_norm(x: jax.Array, norm: dict, eps: float) -> jax.Array:
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
     return (y * norm["weight"].astype(y.dtype) + norm["bias"].astype(y.dtype)).astype(x.dtype)
-
-
-def linear(x: jax.Array, module: dict) -> jax.Array:
-    """x @ kernel + bias in x's dtype; kernel [in, out]."""
-    return x @ module["kernel"].astype(x.dtype) + module["bias"].astype(x.dtype)
 
 
 def patches(pixels_NxCxHxW: jax.Array, patch: int) -> jax.Array:
