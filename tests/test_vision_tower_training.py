@@ -147,9 +147,9 @@ def test_gemma3_tower_lora_and_projector_gradients_and_logits_equal_peft(tmp_pat
     from jaxtune.data.batching import ImageRows, epoch_batches
     from jaxtune.data.image_examples import image_example
     from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.methods.vision import with_lora_scales
     from jaxtune.models.vision.families import image_processor
     from jaxtune.models.vision.gemma3 import vision_language_forward
-    from jaxtune.methods.vision import with_lora_scales
     from jaxtune.presets import GEMMA3_IMAGE
     from jaxtune.spine.model import load_vision_language_model
 
