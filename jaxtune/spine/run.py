@@ -221,8 +221,9 @@ def _image_side(plan: TrainPlan, mesh: AnyMesh) -> tuple[dict | None, dict]:
     mask = vision_mask(vision, plan.method, images.family)
     trained, frozen = partition(vision, mask)
     if any(jax.tree.leaves(mask)) and plan.objective != "sft":
-        raise ConfigError("vision_modules", list(plan.method.vision_modules), f"the image side trains with the sft "
-                          f"objective (not yet {plan.objective}: its reference reads the frozen tower)")
+        names = list(getattr(plan.method, "vision_modules", ()))
+        raise ConfigError("vision_modules", names, f"the image side trains with the sft objective (not yet "
+                          f"{plan.objective}: its reference reads the frozen tower)")
     return (trained if any(jax.tree.leaves(mask)) else None), frozen
 
 
