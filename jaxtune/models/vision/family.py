@@ -55,8 +55,9 @@ class VisionFamily:
                           -> the whole model's logits [B, T, V]; `kv_cache.prefill`'s (logits [B, V], cache)
     text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
     outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
-    forward_elements      (config, pixel_shape, pixel arrays) -> values one forward of the image side holds at its
-                          peak (the planner's; with trained parts, about what the backward keeps of each layer)
+    forward_elements      (config, pixel_shape, pixel arrays, saved=False) -> values one forward of the image side
+                          holds at its peak (the planner's); saved: of a trained tower, every layer's kept for the
+                          backward
     parts                 {name: `VisionPart`}: what `[method] vision_modules` may name, in the model's order
     """
 
@@ -77,8 +78,8 @@ class VisionFamily:
     prefill: Callable[..., tuple]
     text_prefix: str
     outside_text: str
-    forward_elements: Callable[[Any, tuple[int, ...], int], int]
-    parts: Mapping[str, VisionPart]
+    forward_elements: Callable[..., int]
+    parts: Mapping[str, VisionPart] = field(hash=False, compare=False)  # a dict; the unit is one of a kind
 
 
 @dataclass(frozen=True)

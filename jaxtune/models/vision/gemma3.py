@@ -117,14 +117,16 @@ def image_expansion(tokenizer, vision: VisionLanguageConfig, arrays: int) -> str
         [full] * (arrays - 1))
 
 
-def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int) -> int:
+def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int, saved: bool = False) -> int:
     """Values the image side holds at once for `arrays` images: their pixels, one encoder layer's [N, P, .] values
-    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F) and the soft tokens
+    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F; `saved`: beside
+    them every layer's input [N, P, Dv], what a trained tower's rematerialised backward keeps) and the soft tokens
     [N, tokens_per_image, D] it hands the decoder."""
     t = vision.tower
     P = t.patches_per_side**2
     pixels = t.num_channels * t.image_size**2
-    return arrays * (pixels + P * (6 * t.hidden_size + 2 * t.intermediate_size)
+    inputs = t.num_layers * P * t.hidden_size if saved else 0
+    return arrays * (pixels + inputs + P * (6 * t.hidden_size + 2 * t.intermediate_size)
                      + vision.tokens_per_image * vision.text_hidden_size)
 
 

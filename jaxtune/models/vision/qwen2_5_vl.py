@@ -151,11 +151,13 @@ def _token(tokenizer, token_id: int) -> str:
     return text
 
 
-def tower_elements(vision: QwenVLConfig, shape: tuple[int, ...], arrays: int) -> int:
+def tower_elements(vision: QwenVLConfig, shape: tuple[int, ...], arrays: int, saved: bool = False) -> int:
     """Values the image side holds at once for `arrays` padded images: their pixels, one block's [N, .] values (the
-    residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of F), the merged tokens."""
+    residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of F; `saved`: beside them
+    every block's input [N, D], what a trained tower's rematerialised backward keeps), the merged tokens."""
     t, N = vision.tower, shape[0] - 1
-    return arrays * (shape[0] * shape[1] + N * (6 * t.hidden_size + 3 * t.intermediate_size)
+    inputs = t.depth * N * t.hidden_size if saved else 0
+    return arrays * (shape[0] * shape[1] + inputs + N * (6 * t.hidden_size + 3 * t.intermediate_size)
                      + N // t.merge_unit * t.out_hidden_size)
 
 

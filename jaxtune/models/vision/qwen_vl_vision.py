@@ -103,7 +103,8 @@ def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_
         mask = jax.tree.map(lambda a, b: jnp.where(full, a, b), image_mask, window_mask)
         return _block(x, block, (cos, sin), mask, jnp.where(full, image_live, window_live), cfg), None
 
-    x_IxNxD, _ = jax.lax.scan(step, x_IxNxD, (params["blocks"], full_L))
+    # each block rematerialised in a trained tower's backward: only the blocks' inputs [I, N, D] are kept
+    x_IxNxD, _ = jax.lax.scan(jax.checkpoint(step), x_IxNxD, (params["blocks"], full_L))
     with jax.named_scope("merger"):
         merger = params["merger"]
         merged = rms_norm(x_IxNxD, merger["norm"], cfg.norm_eps).reshape(n_images, N // cfg.merge_unit, -1)

@@ -1,8 +1,9 @@
 """The SigLIP vision tower (Zhai et al. 2023; transformers' `SiglipVisionModel` without its pooling head) as pure
-functions over `hf.vision_param_specs`' tree: `siglip_tower` (pixels [N, C, H, W] -> patch features [N, P, Dv]).
-The patch convolution is a reshape and one matmul (its stride is its kernel); the encoder's layers are stacked and
-scanned; attention is the decoder's blockwise kernel with each image one bidirectional span, so no [P, P] scores are
-held. Numerics as transformers': LayerNorm statistics and the softmax in float32, the rest in the compute dtype."""
+functions over `hf.vision_param_specs`' tree: `siglip_tower` (pixels [N, C, H, W] -> patch features [N, P, Dv]). The
+patch convolution is a reshape and one matmul (its stride is its kernel); the encoder's layers are stacked and
+scanned (each rematerialised in a trained tower's backward); attention is the decoder's blockwise kernel with each
+image one bidirectional span, so no [P, P] scores are held. Numerics as transformers': LayerNorm statistics and the
+softmax in float32, the rest in the compute dtype."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def siglip_tower(tower: dict, pixels_NxCxHxW: jax.Array, cfg: SiglipConfig, dtyp
     N, P, _ = x_NxPxD.shape
     mask = training_mask(N, P, 0, None, None, span_ids_BxT=jnp.zeros((N, P), jnp.int32))  # every patch sees all
     live_QxC = live_blocks(mask, P, P)
-    x_NxPxD, _ = jax.lax.scan(lambda x, layer: (encoder_layer(x, layer, mask, live_QxC, cfg), None), x_NxPxD,
-                              tower["layers"])
+    # each layer rematerialised in a trained tower's backward: only the layers' inputs [N, P, D] are kept
+    layer_step = jax.checkpoint(lambda x, layer: (encoder_layer(x, layer, mask, live_QxC, cfg), None))
+    x_NxPxD, _ = jax.lax.scan(layer_step, x_NxPxD, tower["layers"])
     return layer_norm(x_NxPxD, tower["post_layernorm"], cfg.layer_norm_eps)
