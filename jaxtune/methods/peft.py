@@ -30,6 +30,7 @@ from jaxtune.methods.vision import peft_vision, trained_parts
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
 from jaxtune.models.quant import QuantizedArray
+from jaxtune.models.vision.families import FAMILIES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -210,11 +211,6 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     directory = Path(directory)
     if not directory.is_dir():
         raise JaxtuneError(f"{directory}: adapter directory not found")
-    if method is None:
-        method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
-        on_float = method_unit(method).on_float_base
-        if on_float is not None and not any(_is_quantized(x) for x in jax.tree.leaves(params, is_leaf=_is_quantized)):
-            method = on_float(method)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise JaxtuneError(f"{path}: file not found")
@@ -222,6 +218,15 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
         state = {k.replace(".model.language_model.", ".model."): v for k, v in load_file(str(path)).items()}
     except Exception as e:  # safetensors raises its own error type, or OSError, for damaged files
         raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
+    image_side = [n for n in state if any(re.fullmatch(f.outside_text, n) for f in FAMILIES)]
+    if image_side:
+        raise JaxtuneError(f"{path}: tensor {image_side[0]} trains the image side (vision_modules): jaxtune does not "
+                           "read such an adapter back yet (PEFT's merge_and_unload merges it)")
+    if method is None:
+        method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
+        on_float = method_unit(method).on_float_base
+        if on_float is not None and not any(_is_quantized(x) for x in jax.tree.leaves(params, is_leaf=_is_quantized)):
+            method = on_float(method)
     try:
         quantized = any(_is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=_is_quantized))
         base = params if quantized else quantize_base(params, method)  # a base may come quantised as it was read
