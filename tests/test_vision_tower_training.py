@@ -16,7 +16,7 @@ from test_vision_qwen_vl_train import saved  # noqa: F401, E402  (the tiny Qwen2
 
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.methods import method_config
-from jaxtune.methods.vision import add_vision_leaves, trained_parts, vision_mask
+from jaxtune.methods.vision import add_vision_leaves, image_side_reached, trained_parts, vision_mask
 from jaxtune.models.params import ParamSpec
 from jaxtune.models.vision.gemma3 import GEMMA3
 from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL
@@ -81,6 +81,11 @@ def test_a_name_that_reaches_nothing_is_one_line():
         method_config("ia3", vision_modules=["visual"])
     with pytest.raises(ConfigError, match="^dropout = 0.1: does not go with vision_modules"):
         method_config("lora", vision_modules=["visual"], dropout=0.1)
+    # an adapter that trained the image side is refused where jaxtune reads adapters back (not yet read)
+    assert image_side_reached({"modules_to_save": ["lm_head", "visual.merger"]}) == "visual.merger"
+    tower = "base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight"
+    assert image_side_reached({}, ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", tower]) == tower
+    assert image_side_reached({"modules_to_save": ["lm_head"], "target_modules": ".*q_proj"}) is None
 
 
 def _with_random_b(tree: dict, seed: int) -> dict:
@@ -299,7 +304,7 @@ def test_lora_run_trains_the_tower_and_its_adapter_loads_in_peft(gemma3_runs):
     before = _hf_logits(base, ids, pixels)
     model = _peft_model(base, root / "lora" / "adapter").eval()
     assert np.abs(_hf_logits(model, ids, pixels) - before).max() > 1e-3
-    refused = r"tensor base_model\.model\.model\.(vision_tower|multi_modal_projector)\..* trains the image side"
+    refused = r"adapter_config\.json: it trains the image side \(multi_modal_projector; vision_modules\)"
     with pytest.raises(JaxtuneError, match=refused):
         export_run(root / "lora", "merged", root / "merged")
 

@@ -26,11 +26,10 @@ from jaxtune.io.safetensors import write_safetensors
 from jaxtune.methods.base import METHODS, method_unit
 from jaxtune.methods.targets import Targeted
 from jaxtune.methods.transform import add_method_leaves, apply_method, parameter_report, quantize_base
-from jaxtune.methods.vision import peft_vision, trained_parts
+from jaxtune.methods.vision import image_side_reached, peft_vision, trained_parts
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
 from jaxtune.models.quant import QuantizedArray
-from jaxtune.models.vision.families import FAMILIES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -154,6 +153,10 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
     formats = {t: unit.peft for unit in METHODS.values() if unit.peft is not None for t in unit.peft.peft_types}
     if kind not in formats:
         raise JaxtuneError(f"{where}: PEFT adapter type {kind!r} is not supported (readable: {', '.join(formats)})")
+    reached = image_side_reached(config)
+    if reached:
+        raise JaxtuneError(f"{where}: it trains the image side ({reached}; vision_modules): jaxtune does not read "
+                           "such an adapter back yet (PEFT's merge_and_unload merges it)")
     if config.get("task_type") not in (None, "CAUSAL_LM"):
         raise JaxtuneError(f"{where}: task_type {config['task_type']!r} is not supported (jaxtune adapts causal "
                            "language models: CAUSAL_LM)")
@@ -211,6 +214,11 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     directory = Path(directory)
     if not directory.is_dir():
         raise JaxtuneError(f"{directory}: adapter directory not found")
+    if method is None:
+        method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
+        on_float = method_unit(method).on_float_base
+        if on_float is not None and not any(_is_quantized(x) for x in jax.tree.leaves(params, is_leaf=_is_quantized)):
+            method = on_float(method)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise JaxtuneError(f"{path}: file not found")
@@ -218,15 +226,10 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
         state = {k.replace(".model.language_model.", ".model."): v for k, v in load_file(str(path)).items()}
     except Exception as e:  # safetensors raises its own error type, or OSError, for damaged files
         raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
-    image_side = [n for n in state if any(re.fullmatch(f.outside_text, n) for f in FAMILIES)]
-    if image_side:
-        raise JaxtuneError(f"{path}: tensor {image_side[0]} trains the image side (vision_modules): jaxtune does not "
-                           "read such an adapter back yet (PEFT's merge_and_unload merges it)")
-    if method is None:
-        method = method_from_peft_config(read_json(directory / CONFIG_FILE), directory / CONFIG_FILE)
-        on_float = method_unit(method).on_float_base
-        if on_float is not None and not any(_is_quantized(x) for x in jax.tree.leaves(params, is_leaf=_is_quantized)):
-            method = on_float(method)
+    reached = image_side_reached({}, state)
+    if reached:
+        raise JaxtuneError(f"{path}: it trains the image side ({reached}; vision_modules): jaxtune does not read "
+                           "such an adapter back yet (PEFT's merge_and_unload merges it)")
     try:
         quantized = any(_is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=_is_quantized))
         base = params if quantized else quantize_base(params, method)  # a base may come quantised as it was read

@@ -19,6 +19,7 @@ from jaxtune.config import MethodConfig
 from jaxtune.errors import ConfigError
 from jaxtune.methods.lora.layout import pattern_value
 from jaxtune.methods.lora.options import LoRAConfig
+from jaxtune.models.vision.families import FAMILIES
 from jaxtune.models.vision.family import VisionFamily, VisionPart
 
 LORA_LEAVES = ("lora_a", "lora_b")
@@ -145,3 +146,12 @@ def peft_vision(vision: dict, method: MethodConfig, family: VisionFamily, config
             if any(name.startswith(saved + ".") for saved in whole):
                 tensors[f"base_model.model.model.{name}"] = np.asarray(produce(), np.float32)
     return tensors, "|".join(paths) or None, whole
+
+
+def image_side_reached(config: dict, tensors=()) -> str | None:
+    """The first part of a registered family's image side a PEFT adapter trains (a projector its config's
+    `modules_to_save` names, or one of `tensors`' names under a tower), or None."""
+    saved = config.get("modules_to_save") or []
+    whole = [part.saved for family in FAMILIES for part in family.parts.values() if part.saved and part.saved in saved]
+    tower = [name for name in tensors if any(re.fullmatch(family.outside_text, name) for family in FAMILIES)]
+    return next(iter(whole + tower), None)

@@ -7,8 +7,7 @@
 The trainer calls the step, the planner's estimate counts the same trees, `plan --confirm` lowers the same step: a
 plan (`train_plan(config)`) is the run it describes. Shardings: `shardings.py` (batch rows over data, fsdp, expert);
 traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s;
-a vision-language run's image side (`plan.images`) replicated, as `frozen["vision"]` (and, where the method trains
-parts of it, `methods/vision.py`, their leaves in `state["params"]["vision"]`)."""
+a vision-language run's image side replicated, its trained parts (`methods/vision.py`) in the state's "vision"."""
 
 from __future__ import annotations
 
@@ -187,6 +186,9 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
 
     second_name = objective.second_model(section, method)
+    if trainable.get("vision") is not None and second_name is not None:
+        raise ConfigError("vision_modules", list(getattr(method, "vision_modules", ())), "the image side trains "
+                          f"without a second model (not yet {objective.name}'s, which reads the frozen tower)")
     second_cfg = None if second_name is None else cfg if second_name == "base" else plan.second_model or cfg
     second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_cfg is not None else None
 
@@ -220,10 +222,6 @@ def _image_side(plan: TrainPlan, mesh: AnyMesh) -> tuple[dict | None, dict]:
     vision = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), vision)
     mask = vision_mask(vision, plan.method, images.family)
     trained, frozen = partition(vision, mask)
-    if any(jax.tree.leaves(mask)) and plan.objective != "sft":
-        names = list(getattr(plan.method, "vision_modules", ()))
-        raise ConfigError("vision_modules", names, f"the image side trains with the sft objective (not yet "
-                          f"{plan.objective}: its reference reads the frozen tower)")
     return (trained if any(jax.tree.leaves(mask)) else None), frozen
 
 
