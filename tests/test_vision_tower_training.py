@@ -238,8 +238,8 @@ def test_qwen2_5_vl_tower_lora_and_merger_gradients_and_logits_equal_peft(saved,
     np.testing.assert_allclose(np.asarray(ours), out.logits.detach().numpy(), rtol=1e-5, atol=1e-4)
 
 
-def _run_config(root, kind: str, vision_modules: list[str]):
-    """A TOML run of 4 steps of `kind` ("lora": rank 4 on q_proj and v_proj) on root/model and root/data.jsonl,
+def _run_config(root, kind: str, vision_modules: list[str], steps: int = 4):
+    """A TOML run of `steps` steps of `kind` ("lora": rank 4 on q_proj and v_proj) on root/model and root/data.jsonl,
     training the image side's `vision_modules`, into root/<kind>."""
     from jaxtune.run_config import load_run_config
 
@@ -248,7 +248,7 @@ def _run_config(root, kind: str, vision_modules: list[str]):
     text = "\n".join(["[model]", f'path = "{root / "model"}"', 'dtype = "float32"', "[method]", *method,
                       f"vision_modules = {json.dumps(vision_modules)}", "[data]", f'train = "{root / "data.jsonl"}"',
                       "max_seq_len = 64", "max_images_per_row = 2", "[train]", f'output_dir = "{root / kind}"',
-                      "max_steps = 4", "batch_size = 2", f"learning_rate = {3e-2 if kind == 'lora' else 3e-3}",
+                      f"max_steps = {steps}", "batch_size = 2", f"learning_rate = {3e-2 if kind == 'lora' else 3e-3}",
                       "checkpoint_every = 4"])
     (root / f"{kind}.toml").write_text(text + "\n")
     return load_run_config(root / f"{kind}.toml")
@@ -256,8 +256,8 @@ def _run_config(root, kind: str, vision_modules: list[str]):
 
 @pytest.fixture(scope="module")
 def gemma3_runs(tmp_path_factory):
-    """A tiny Gemma 3 (transformers'), its image data, a LoRA run training the tower and projector, a full fine-tune
-    training the tower."""
+    """A tiny Gemma 3 (transformers'), its image data, a LoRA run training the tower and projector (4 steps, then
+    resumed to 5), a full fine-tune training the tower."""
     from test_vision_train import gemma3_run_dir, write_image_data
 
     from jaxtune.train.loop import fine_tune
@@ -265,7 +265,11 @@ def gemma3_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tower_runs")
     base = gemma3_run_dir(root / "model")
     write_image_data(root)
-    fine_tune(_run_config(root, "lora", ["vision_tower", "multi_modal_projector"]), log=lambda _: None)
+    trained = ["vision_tower", "multi_modal_projector"]
+    fine_tune(_run_config(root, "lora", trained), log=lambda _: None)
+    logs: list[str] = []
+    resumed = fine_tune(_run_config(root, "lora", trained, steps=5), log=logs.append)  # the tower's state restored
+    assert resumed.step == 5 and any("resum" in line.lower() for line in logs)
     fine_tune(_run_config(root, "full", ["vision_tower"]), log=lambda _: None)
     return root, base
 
@@ -386,6 +390,9 @@ def test_the_spine_holds_a_trained_tower_in_the_state_and_a_frozen_one_outside()
     assert with_tower.optimizer_bytes - without.optimizer_bytes == 8 * (lora + 256 + 256 * 128)
     assert with_tower.phases["backward"]["activations"] - without.phases["backward"]["activations"] == (
         6 * 2 * 2 * 256 * 256 * 4)  # each layer's input [256 patches, 256] of the 4 pixel arrays, float32
+    cfg, plan = _planned(("vision_tower",))
+    with pytest.raises(ConfigError, match=r"^vision_modules = \[\"vision_tower\"\]: .* \(not yet dpo: "):
+        abstract_run(cfg, plan.replace(objective="dpo"), make_mesh())
 
 
 @pytest.mark.full

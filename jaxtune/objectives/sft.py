@@ -145,4 +145,4 @@ def sft_training(setup: ObjectiveInputs, metrics=loss_metrics, split: tuple | No
 
 SFT: Objective[None] = Objective("sft", loss_terms, eval_terms, sft_training,
                                  logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2,
-                                 reads_images=True)
+                                 reads_images=True, trains_images=True)

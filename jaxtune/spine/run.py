@@ -185,10 +185,10 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
                                method_unit(method).learning_rates(method, trainable))
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
 
-    second_name = objective.second_model(section, method)
-    if trainable.get("vision") is not None and second_name is not None:
+    if trainable.get("vision") is not None and not objective.trains_images:
         raise ConfigError("vision_modules", list(getattr(method, "vision_modules", ())), "the image side trains "
-                          f"without a second model (not yet {objective.name}'s, which reads the frozen tower)")
+                          f"with SFT (not yet {objective.name}: its reference reads the frozen tower)")
+    second_name = objective.second_model(section, method)
     second_cfg = None if second_name is None else cfg if second_name == "base" else plan.second_model or cfg
     second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_cfg is not None else None
 
