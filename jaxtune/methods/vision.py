@@ -4,7 +4,7 @@ linear modules get `lora_a` [..., in, r] / `lora_b` [..., r, out] beside their k
 alpha patterns on their transformers paths) and a part without linear modules (a projector) trains whole, as PEFT's
 `modules_to_save`; `kind = "full"` trains every leaf of the parts. The towers run them through
 `models.vision.tower_linear`. `peft_vision` gives the adapter's tensors and PEFT config keys, so
-`PeftModel.from_pretrained` on transformers' model reads it; `merged_vision` folds the LoRA into the kernels."""
+`PeftModel.from_pretrained` on transformers' model reads it (jaxtune does not read such an adapter back yet)."""
 
 from __future__ import annotations
 
@@ -112,17 +112,11 @@ def with_lora_scales(vision: dict, method: MethodConfig | None, family: VisionFa
     return vision
 
 
-def merged_vision(vision: dict, method: MethodConfig | None, family: VisionFamily) -> dict:
-    """The image-side tree as a plain model: each adapted kernel + scale A B in its dtype, the LoRA leaves gone."""
-    for path, hf in _adapted(method, family):
-        assert isinstance(method, LoRAConfig)
-        module = _get(vision, path)
-        _, scale = lora_of(method, hf, _layers(module))
-        kernel = module["kernel"]
-        delta = scale * jnp.matmul(module["lora_a"].astype(jnp.float32), module["lora_b"].astype(jnp.float32))
-        plain = {k: v for k, v in module.items() if k not in LORA_LEAVES}
-        vision = _with(vision, path, {**plain, "kernel": (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)})
-    return vision
+def without_lora(vision: dict) -> dict:
+    """The image-side tree less LoRA's leaves (the base weights and the parts trained whole)."""
+    if not isinstance(vision, dict):
+        return vision
+    return {k: without_lora(v) for k, v in vision.items() if k not in LORA_LEAVES}
 
 
 def peft_vision(vision: dict, method: MethodConfig, family: VisionFamily, config) -> tuple[dict, str | None, list]:
@@ -141,7 +135,7 @@ def peft_vision(vision: dict, method: MethodConfig, family: VisionFamily, config
         paths.append(re.escape(hf).replace(re.escape("{i}"), r"\d+"))
     whole = [part.saved for part in trained_parts(method, family) if not part.linears]
     if whole:
-        plain = merged_vision(vision, method, family)
+        plain = without_lora(vision)
         for name, _, _, produce in family.tensor_entries(plain, config, np.float32):
             if any(name.startswith(saved + ".") for saved in whole):
                 tensors[f"base_model.model.model.{name}"] = np.asarray(produce(), np.float32)
