@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, Self
 
+from jaxtune.errors import ConfigError
+
 if TYPE_CHECKING:
     import jax
 
@@ -79,6 +81,17 @@ class AdapterForward:
     experts: ExpertHook | None = None
     dropout_rate: float = 0.0
     prepare: Callable[[dict], dict] | None = None
+
+
+def vision_module_names(value) -> tuple[str, ...]:
+    """`[method] vision_modules` as a tuple of distinct names (a string: one name); its family checks them
+    (`methods.vision.trained_parts`)."""
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ConfigError("vision_modules", name, "names a part of the image side, e.g. vision_tower, "
+                              "multi_modal_projector (Gemma 3), visual, visual.merger (Qwen2.5-VL)")
+    return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ from jaxtune.io.safetensors import write_safetensors
 from jaxtune.methods.base import METHODS, method_unit
 from jaxtune.methods.targets import Targeted
 from jaxtune.methods.transform import add_method_leaves, apply_method, parameter_report, quantize_base
+from jaxtune.methods.vision import image_side_reached, peft_vision, trained_parts
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import abstract_params
 from jaxtune.models.quant import QuantizedArray
@@ -87,15 +88,23 @@ def excluding(exclude, outside: str):
     return f"(?:{own})|(?:{outside})"
 
 
+def within(selection, prefix: str) -> str:
+    """PEFT's target_modules / exclude_modules (names, or a regex) as one regex that matches only under `prefix`
+    (a name list as PEFT matches it: the path, or its suffix after a dot)."""
+    own = selection if isinstance(selection, str) else rf"(?:.*\.)?(?:{'|'.join(map(re.escape, selection))})"
+    return rf"(?={re.escape(prefix)})(?:{own})"
+
+
 def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, method: MethodConfig,
                       base_model: str = "", initial: dict | None = None, text_prefix: str = "model.",
-                      outside: str | None = None) -> Path:
+                      outside: str | None = None, image_side: tuple | None = None) -> Path:
     """Write `method`'s leaves of `params` as a PEFT adapter directory; `base_model` is recorded as its
     `base_model_name_or_path` (a local path made absolute). A PiSSA or OLoRA adapter (whose base was changed) is
     written as PEFT converts it, a plain LoRA of rank 2r on the original base, from its init's A and B: `initial`
     {module: {"lora_a", "lora_b"}} (`spine.load.initial_leaves`; `PeftFormat.as_stored`). text_prefix, outside: of
     a vision-language model, where its text model's modules are and a regex of the modules PEFT must leave alone
-    (its vision tower, whose modules share the text model's names)."""
+    (its vision tower, whose modules share the text model's names). image_side: (vision family, its config) of a
+    run that trains parts of it (`methods.vision.peft_vision`): their tensors, targets and modules_to_save added."""
     directory = Path(directory)
     as_stored = _format(method).as_stored
     if as_stored is not None:
@@ -108,6 +117,16 @@ def save_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
     directory.mkdir(parents=True, exist_ok=True)
     # our writer, not safetensors' `save_file`: that one creates its file mode 0600, whatever the umask
     state = adapter_state_dict(params, cfg, method, text_prefix)
+    if image_side is not None and trained_parts(method, image_side[0]):
+        tensors, adapted, whole = peft_vision(params["vision"], method, *image_side)
+        state.update(tensors)
+        if adapted:  # one regex: the text model's targets, then the tower's linear modules
+            assert isinstance(method, Targeted)  # a LoRA method: `_adapted`'s
+            config["target_modules"] = f"(?:{within(method.target_modules, text_prefix)})|(?:{adapted})"
+            own = method.exclude_modules
+            config["exclude_modules"] = within(own, text_prefix) if own else None
+        if whole:
+            config["modules_to_save"] = [*(config.get("modules_to_save") or []), *whole]
     entries = [(name, v.shape, v.dtype, lambda v=v: v) for name, v in state.items()]
     write_safetensors(directory / WEIGHTS_FILE, entries, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -134,6 +153,10 @@ def method_from_peft_config(config: dict, where: Path) -> MethodConfig:
     formats = {t: unit.peft for unit in METHODS.values() if unit.peft is not None for t in unit.peft.peft_types}
     if kind not in formats:
         raise JaxtuneError(f"{where}: PEFT adapter type {kind!r} is not supported (readable: {', '.join(formats)})")
+    reached = image_side_reached(config)
+    if reached:
+        raise JaxtuneError(f"{where}: it trains the image side ({reached}; vision_modules): jaxtune does not read "
+                           "such an adapter back yet (PEFT's merge_and_unload merges it)")
     if config.get("task_type") not in (None, "CAUSAL_LM"):
         raise JaxtuneError(f"{where}: task_type {config['task_type']!r} is not supported (jaxtune adapts causal "
                            "language models: CAUSAL_LM)")
@@ -203,6 +226,10 @@ def load_peft_adapter(directory: str | Path, params: dict, cfg: ModelConfig, met
         state = {k.replace(".model.language_model.", ".model."): v for k, v in load_file(str(path)).items()}
     except Exception as e:  # safetensors raises its own error type, or OSError, for damaged files
         raise JaxtuneError(f"{path}: not a readable safetensors file ({e})") from None
+    reached = image_side_reached({}, state)
+    if reached:
+        raise JaxtuneError(f"{path}: it trains the image side ({reached}; vision_modules): jaxtune does not read "
+                           "such an adapter back yet (PEFT's merge_and_unload merges it)")
     try:
         quantized = any(_is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=_is_quantized))
         base = params if quantized else quantize_base(params, method)  # a base may come quantised as it was read

@@ -131,6 +131,7 @@ class Objective(Generic[Section]):
     export, result      writes a finished run's result instead of the method's (a reward model), and what it is
     for the planner     logits_copies(method, section), rollout_tokens, extra_forwards, unit
     reads_images        its batches carry a vision-language model's pixel arrays (`pixel_values`)
+    trains_images       its loss may train the image side (`[method] vision_modules`; not where a reference reads it)
     """
 
     name: str
@@ -152,6 +153,7 @@ class Objective(Generic[Section]):
     rollout_tokens: Callable[[Section], int] = lambda section: 0
     extra_forwards: Callable[[Section], int] = lambda section: 0
     reads_images: bool = False
+    trains_images: bool = False
 
     def micro_batch(self, rows: int, seq_len: int, section, images=None) -> dict:
         """The arrays of one micro-batch, as ShapeDtypeStructs: [rows, seq_len] SFT fields + the objective's (+ a

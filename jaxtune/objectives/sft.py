@@ -23,6 +23,7 @@ from jaxtune.data.image_examples import ImageExample, image_sft_examples
 from jaxtune.data.store import example_lengths
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
+from jaxtune.methods.vision import with_lora_scales
 from jaxtune.models.head import label_logps
 from jaxtune.models.llama import decoder_and_routing
 from jaxtune.objectives.base import Context, Objective, ObjectiveData, ObjectiveInputs, epoch_cache, total
@@ -37,9 +38,10 @@ def batch_loss(params: dict, batch: dict, ctx: Context, dropout_key: jax.Array |
     load-balancing term (training, when the model asks for it), coef x loss x tokens.
     """
     tokens_BxT, inputs = batch["input_ids"], dict(positions_BxT=batch["positions"])
-    if "pixel_values" in batch:  # a vision-language batch: the frozen tower's soft tokens over the placeholders
+    if "pixel_values" in batch:  # a vision-language batch: the tower's soft tokens over the placeholders
         side = ctx.images
-        tokens_BxT, inputs = side.family.image_inputs(jax.lax.stop_gradient(params["vision"]), tokens_BxT,
+        vision = with_lora_scales(params["vision"], ctx.method, side.family)  # trained or frozen, as the tree holds
+        tokens_BxT, inputs = side.family.image_inputs(vision, tokens_BxT,
                                                       batch["pixel_values"], batch["positions"], ctx.cfg, side.config,
                                                       jnp.dtype(ctx.options.compute_dtype))
     hidden, balance = decoder_and_routing(params, tokens_BxT, ctx.cfg,
@@ -143,4 +145,4 @@ def sft_training(setup: ObjectiveInputs, metrics=loss_metrics, split: tuple | No
 
 SFT: Objective[None] = Objective("sft", loss_terms, eval_terms, sft_training,
                                  logits_copies=lambda method, section: 3 if method_unit(method).trains_base else 2,
-                                 reads_images=True)
+                                 reads_images=True, trains_images=True)

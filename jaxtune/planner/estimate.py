@@ -24,6 +24,7 @@ from jaxtune.config.run import batch_ways
 from jaxtune.data.batching import MIN_BUCKET, bucket
 from jaxtune.errors import JaxtuneError
 from jaxtune.methods.base import Method, method_unit
+from jaxtune.methods.vision import trained_parts
 from jaxtune.models.attention import block_size
 from jaxtune.models.head import chunk_length
 from jaxtune.models.linear import gathered_piece_bytes
@@ -543,13 +544,31 @@ def step_phases(step: Step, logits: int, workspace: int, residual_copies: int, l
     if step.plan.generate_tokens:
         phases["generate"] = rollout_phase(step, kv)
     images = step.plan.images
-    if images is not None:  # the frozen tower's forward on a device's rows' pixel arrays, before the decoder's
-        tower = images.family.forward_elements(images.config, images.pixel_shape,
-                                                step.w.b * images.max_images) * step.compute_size
+    if images is not None:  # the tower's forward on a device's rows' pixel arrays, before the decoder's
+        trained = bool(trained_parts(step.plan.method, images.family))
+        kept = {"saved": True} if trained else {}  # a family whose image side trains counts its saved layers
+        tower = images.family.forward_elements(images.config, images.pixel_shape, step.w.b * images.max_images,
+                                                **kept) * step.compute_size
         phases["image side"] = {"activations": tower, "gradients": 0, "weight_copies": residual_copies}
+        phases["loss"]["activations"] += tower_saved(step)
+        phases["backward"]["activations"] += tower_saved(step)
+        if trained:  # its backward, last: a layer recomputed beside its cotangents, the layers' inputs kept
+            phases["image side backward"] = {"activations": tower + tower - tower_saved(step),
+                                             "gradients": held.trainable, "weight_copies": residual_copies}
     for p in phases.values():
         p["total"] = sum(p.values())
     return phases
+
+
+def tower_saved(step) -> int:
+    """Bytes a trained tower keeps for its backward while the decoder runs (each layer's input: the layers are
+    rematerialised); 0 for a frozen one or a text run."""
+    images = step.plan.images
+    if images is None or not trained_parts(step.plan.method, images.family):
+        return 0
+    count = lambda saved: images.family.forward_elements(images.config, images.pixel_shape,  # noqa: E731
+                                                         step.w.b * images.max_images, saved=saved)
+    return (count(True) - count(False)) * step.compute_size
 
 
 def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
@@ -594,11 +613,12 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
                      "memory between steps, not at the step's peak")
     # the breakdown at the peak: what each phase's "activations" are made of
     saved, attention, logits_at_peak, workspace_at_peak = {
-        "loss": (acts.saved, 0, logits, 0),
-        "backward": (acts.saved, acts.attention, 0, workspace),
+        "loss": (acts.saved + tower_saved(step), 0, logits, 0),
+        "backward": (acts.saved + tower_saved(step), acts.attention, 0, workspace),
         "update": (0, 0, 0, phases["update"]["activations"]),
         "generate": (at_peak["activations"] - kv, 0, 0, 0),
         "image side": (0, 0, 0, at_peak["activations"]),
+        "image side backward": (0, 0, 0, at_peak["activations"]),
     }.get(peak, (0, 0, 0, 0))
     kv_at_peak = kv if peak == "generate" else 0
     copies += at_peak["weight_copies"]

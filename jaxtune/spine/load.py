@@ -22,7 +22,8 @@ from jaxtune.errors import JaxtuneError
 from jaxtune.host_memory import release_freed_memory
 from jaxtune.io.gguf import forget_readers
 from jaxtune.methods.base import BaseInit, method_unit
-from jaxtune.methods.transform import add_method_leaves, combine
+from jaxtune.methods.transform import add_method_leaves, combine, partition
+from jaxtune.methods.vision import add_vision_leaves, vision_mask
 from jaxtune.models.hf_weights import checked_reader, expert_rows, read_layer
 from jaxtune.models.params import ParamSpec, param_specs
 from jaxtune.models.quant import BitPattern, NF4Array, QuantizedArray, from_bit_patterns, full_shape, quantize_by_rows
@@ -207,18 +208,24 @@ def _new_leaves(run: AbstractRun, loaded: dict, seed: int) -> dict:
     """The trainable leaves no checkpoint holds (a method's, an objective's head), made in their shardings."""
     cfg, method, objective = run.cfg, run.plan.method, run.objective
     paths = checkpoint_paths(cfg)
-    is_new = jax.tree_util.tree_map_with_path(lambda p, _: _keys(p) not in paths, run.state["params"])
+    text = _text(run.state["params"])
+    is_new = jax.tree_util.tree_map_with_path(lambda p, _: _keys(p) not in paths, text)
     if not any(jax.tree.leaves(is_new)):
-        return jax.tree.map(lambda _: None, run.state["params"])
-    shardings = jax.tree.map(lambda leaf, new: leaf.sharding if new else None, run.state["params"], is_new)
+        return jax.tree.map(lambda _: None, text)
+    shardings = jax.tree.map(lambda leaf, new: leaf.sharding if new else None, text, is_new)
 
     def make(base):
         params = add_method_leaves(from_bit_patterns(base), cfg, method, jax.random.key(seed))
         if objective.head:
             params = objective.head(params, cfg, jax.random.key(seed + 1))
-        return jax.tree.map(lambda x, new: x if new else None, params_like(params, run.state["params"]), is_new)
+        return jax.tree.map(lambda x, new: x if new else None, params_like(params, text), is_new)
 
     return jax.jit(make, out_shardings=shardings)(loaded)
+
+
+def _text(tree: dict) -> dict:
+    """A tree less its image side (read apart: `read_image_side`)."""
+    return {k: v for k, v in tree.items() if k != "vision"}
 
 
 def params_like(params: dict, template: dict) -> dict:
@@ -236,10 +243,24 @@ def read_frozen(reader, run: AbstractRun, model: str | Path, initial: dict | Non
     frozen = read_tree(reader, {k: v for k, v in run.frozen.items() if k != "vision"}, run.cfg, run.plan.method,
                        initial)
     if "vision" in run.frozen:
-        images = run.plan.images
-        vision = images.family.read_params(model, images.config, jax.numpy.dtype(run.plan.param_dtype))
-        frozen["vision"] = jax.device_put(vision, jax.tree.map(lambda x: x.sharding, run.frozen["vision"]))
+        frozen["vision"] = read_image_side(run, model, 0)[1]
     return frozen
+
+
+def read_image_side(run: AbstractRun, model: str | Path, seed: int) -> tuple[dict | None, dict]:
+    """(trained, frozen) halves of a vision-language run's image side (`spine.run`'s), read whole (it is small)
+    with the method's leaves added (`methods.vision`; LoRA's A drawn from `seed`), each in its sharding; the
+    trained half float32 (None when the method trains none of it)."""
+    images, method = run.plan.images, run.plan.method
+    vision = images.family.read_params(model, images.config, jax.numpy.dtype(run.plan.param_dtype))
+    vision = add_vision_leaves(vision, method, images.family, jax.random.fold_in(jax.random.key(seed), 1))
+    trained, frozen = partition(vision, vision_mask(vision, method, images.family))
+    frozen = jax.device_put(frozen, jax.tree.map(lambda x: x.sharding, run.frozen["vision"]))
+    abstract = run.state["params"].get("vision")
+    if abstract is None:
+        return None, frozen
+    return jax.device_put(jax.tree.map(lambda x: x.astype(np.float32), trained),
+                          jax.tree.map(lambda x: x.sharding, abstract)), frozen
 
 
 def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path | None = None
@@ -255,14 +276,16 @@ def load_run(run: AbstractRun, model: str | Path, seed: int, second: str | Path 
     initial: dict[str, dict] = {}  # a LoRA init's A and B, read with the kernels it changes
     with checked_reader(model, run.cfg) as reader:
         frozen = read_frozen(reader, run, model, initial)
-        trainable = read_tree(reader, run.state["params"], run.cfg)
+        trainable = read_tree(reader, _text(run.state["params"]), run.cfg)
         second_params = read_tree(reader, run.second, run.cfg) if second == "base" and run.second is not None else None
     if second is not None and second != "base" and run.second is not None:
         assert run.context.second_cfg is not None  # a run with a second model has its architecture
         with checked_reader(second, run.context.second_cfg) as reader:
             second_params = read_tree(reader, run.second, run.context.second_cfg)
-    new = _new_leaves(run, combine(trainable, frozen), seed)
+    new = _new_leaves(run, combine(trainable, _text(frozen)), seed)
     trainable = jax.tree.map(lambda a, b: b if a is None else a, trainable, new, is_leaf=lambda x: x is None)
+    if "vision" in run.state["params"]:
+        trainable["vision"] = read_image_side(run, model, seed)[0]
     for name, leaves in initial.items():
         abstract = run.state["params"]["layers"][name]
         placed = {k: _make_array(v.shape, abstract[k].sharding, lambda index, v=v: v[index]) for k, v in leaves.items()}

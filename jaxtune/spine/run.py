@@ -7,13 +7,13 @@
 The trainer calls the step, the planner's estimate counts the same trees, `plan --confirm` lowers the same step: a
 plan (`train_plan(config)`) is the run it describes. Shardings: `shardings.py` (batch rows over data, fsdp, expert);
 traced under the mesh (`traced_on`); offloaded trees in host memory; frozen 16-bit kernels as `quant.BitPattern`s;
-a vision-language run's image side (`plan.images`) frozen, replicated, as `frozen["vision"]`."""
+a vision-language run's image side replicated, its trained parts (`methods/vision.py`) in the state's "vision"."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TypeAlias
 
 import jax
@@ -23,8 +23,10 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxtune.config import MethodConfig, ModelConfig, TrainConfig
 from jaxtune.config.plan import TrainPlan
+from jaxtune.errors import ConfigError
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import apply_method, combine, parameter_report, partition, trainable_mask
+from jaxtune.methods.vision import add_vision_leaves, vision_mask
 from jaxtune.models.adapters import adapter_forward
 from jaxtune.models.hf_config import load_config
 from jaxtune.models.params import ParamSpec, abstract_params, init_params
@@ -176,12 +178,16 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     params = model_tree(cfg, plan, objective)
     trainable, frozen = partition(params, trainable_mask(params, method, objective.head_leaves))
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
-    if plan.images is not None:  # `combine(trainable, frozen)["vision"]`: the frozen image side's tree
-        trainable["vision"] = None
+    if plan.images is not None:  # the image side's trained leaves (None where frozen; the whole side by default)
+        vision_trainable, vision_frozen = _image_side(plan, mesh)
+        trainable["vision"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), vision_trainable)
     optimizer = make_optimizer(plan.optimizer, train, total_steps, trainable, plan.offload.moments_dtype,
                                method_unit(method).learning_rates(method, trainable))
     state = jax.eval_shape(lambda t: init_state(t, optimizer, 0), trainable)
 
+    if trainable.get("vision") is not None and not objective.trains_images:
+        raise ConfigError("vision_modules", list(getattr(method, "vision_modules", ())), "the image side trains "
+                          f"with SFT (not yet {objective.name}: its reference reads the frozen tower)")
     second_name = objective.second_model(section, method)
     second_cfg = None if second_name is None else cfg if second_name == "base" else plan.second_model or cfg
     second = abstract_params(second_cfg, jnp.dtype(plan.param_dtype)) if second_cfg is not None else None
@@ -196,8 +202,8 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
     head = jnp.dtype(plan.forward.compute_dtype).itemsize > 2
     frozen = as_bit_patterns(_with_shardings(frozen, shardings.frozen), head)
     second = None if second is None else as_bit_patterns(_with_shardings(second, shardings.second), head)
-    if plan.images is not None:  # the image side: frozen, replicated (small), beside the text model
-        frozen = {**frozen, "vision": _image_side(plan, mesh)}
+    if plan.images is not None:  # the image side: replicated (small), beside the text model
+        frozen = {**frozen, "vision": vision_frozen}
     shardings = replace(shardings, frozen=_shardings_of(frozen), second=_shardings_of(second))
     context = Context(cfg, method, plan.forward, section, second_cfg, plan.images)
     return AbstractRun(cfg, plan, objective, context, mesh, params, _with_shardings(state, shardings.state), frozen,
@@ -205,12 +211,18 @@ def abstract_run(cfg: ModelConfig, plan: TrainPlan, mesh: AnyMesh, train: TrainC
                        learning_rate_schedule(train, total_steps))
 
 
-def _image_side(plan: TrainPlan, mesh: AnyMesh) -> dict:
-    """The image side's leaves in `plan.param_dtype`, replicated (the tower is small)."""
+def _image_side(plan: TrainPlan, mesh: AnyMesh) -> tuple[dict | None, dict]:
+    """(trained, frozen) halves of the image side, replicated (the tower is small); trained None when all is frozen."""
     images = plan.images
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, jnp.dtype(plan.param_dtype), sharding=replicated),
+    base = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, jnp.dtype(plan.param_dtype)),
                         images.family.param_specs(images.config), is_leaf=lambda x: isinstance(x, ParamSpec))
+    vision = jax.eval_shape(partial(add_vision_leaves, method=plan.method, family=images.family), base,
+                            key=jax.random.key(0))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    vision = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), vision)
+    mask = vision_mask(vision, plan.method, images.family)
+    trained, frozen = partition(vision, mask)
+    return (trained if any(jax.tree.leaves(mask)) else None), frozen
 
 
 def _shardings_of(tree):

@@ -121,7 +121,8 @@ def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: di
         initial = initial_leaves(config.model.path, cfg, method, params)
     return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)),
                              initial=initial, text_prefix=family.text_prefix if family is not None else "model.",
-                             outside=None if family is None else family.outside_text)
+                             outside=None if family is None else family.outside_text,
+                             image_side=None if family is None else (family, family.read_config(config.model.path)))
 
 
 def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None, log=None) -> Path:

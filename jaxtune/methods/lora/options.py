@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jaxtune.config.method import AdapterForward
+from jaxtune.config.method import AdapterForward, vision_module_names
 from jaxtune.config.model import EXPERT_MODULES, ModelConfig
 from jaxtune.errors import ConfigError, check_choice, check_range
 from jaxtune.methods.lora.init import BASE_INITS, INITS
@@ -31,7 +31,9 @@ class LoRAConfig(Targeted):
     weights, which it changes: "pissa" (top singular vectors), "olora" (QR), or on a quantised base "loftq"
     (`loftq_iter` alternations), as `lora.init` says. loraplus_lr_ratio (PEFT's `create_loraplus_optimizer`;
     LoRA+, Hayou et al. 2024): the B matrices (and vectors: a LoRA bias, DoRA's magnitude) learn at learning_rate x
-    this ratio (0: off).
+    this ratio (0: off). vision_modules: parts of a vision-language model's image side that train too (the family's
+    names, transformers' module paths: `vision_tower`, `visual`: LoRA on their linear modules; a projector,
+    `multi_modal_projector`, `visual.merger`: trained whole, PEFT's `modules_to_save`); empty: frozen.
     """
 
     kind: ClassVar[str] = "lora"
@@ -50,6 +52,7 @@ class LoRAConfig(Targeted):
     loraplus_lr_ratio: float = 0.0
     init: str = "default"
     loftq_iter: int = 1
+    vision_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         experts = (self.target_parameters,) if isinstance(self.target_parameters, str) else self.target_parameters
@@ -75,6 +78,13 @@ class LoRAConfig(Targeted):
             raise ConfigError("loftq_iter", self.loftq_iter, "LoftQ's iterations are an integer >= 1")
         if self.loftq_iter != 1 and self.init != "loftq":
             raise ConfigError("loftq_iter", self.loftq_iter, "is for init = loftq")
+        object.__setattr__(self, "vision_modules", vision_module_names(self.vision_modules))
+        unsupported = {"dropout": self.dropout, "dora": self.dora, "lora_bias": self.lora_bias,
+                       "layers_to_transform": self.layers_to_transform, "init": self.init != "default" and self.init}
+        for name, value in unsupported.items():  # the tower's LoRA: plain, every layer (PEFT's target one regex)
+            if value and self.vision_modules:
+                raise ConfigError(name, value, "does not go with vision_modules (the image side's LoRA is plain "
+                                  "LoRA, default init, on every layer, without dropout)")
 
     def _check_experts(self) -> None:
         """Expert stacks alone, as PEFT's parameter LoRA takes them."""

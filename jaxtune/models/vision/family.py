@@ -1,19 +1,36 @@
 """A vision family, one registered unit per vision-language architecture (`families.py` registers them): how its
 directory's image side is read, how its processor turns images into pixel arrays and each image's chat-template
 marker into the placeholder text the model reads (the number of text tokens an image takes is known from its
-pixels before anything is tokenised), and how its images enter the shared decoder (`image_inputs`). Data, the step,
-export and generation ask the unit; none of them names a family."""
+pixels before anything is tokenised), how its images enter the shared decoder (`image_inputs`), and which of its
+parts may train (`VisionPart`). Data, the step, export and generation ask the unit; none of them names a family."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from PIL import Image
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionPart:
+    """A part of the image side `[method] vision_modules` may train, named by its module path in transformers' model
+    (less `model.`): `vision_tower`, `visual`.
+
+    keys      the top-level keys of the image-side tree it holds (`kind = "full"` trains all their leaves)
+    linears   {dict path of a linear module in the image-side tree: its transformers path, `{i}` the layer of a stacked
+              one}: the modules LoRA adapts; a part without any (a projector) trains whole beside an adapter
+              (PEFT's `modules_to_save`)
+    saved     the module path PEFT's `modules_to_save` names a part trained whole by, and its tensors' prefix
+    """
+
+    keys: tuple[str, ...]
+    linears: Mapping[tuple[str, ...], str] = field(default_factory=dict)
+    saved: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +56,11 @@ class VisionFamily:
                           -> the whole model's logits [B, T, V]; `kv_cache.prefill`'s (logits [B, V], cache)
     text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
     outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
-    forward_elements      (config, pixel_shape, pixel arrays) -> values one forward of the frozen image side holds at
-                          its peak (the planner's; no activations are saved: the tower runs under stop_gradient)
+    forward_elements      (config, pixel_shape, pixel arrays) -> values one forward of the image side holds at its
+                          peak (the planner's); a family with `parts` also takes saved=True: of a trained tower,
+                          every layer's kept for the backward
+    parts                 {name: `VisionPart`}: what `[method] vision_modules` may name, in the model's order (none:
+                          the image side stays frozen)
     """
 
     name: str
@@ -60,13 +80,14 @@ class VisionFamily:
     prefill: Callable[..., tuple]
     text_prefix: str
     outside_text: str
-    forward_elements: Callable[[Any, tuple[int, ...], int], int]
+    forward_elements: Callable[..., int]
+    parts: Mapping[str, VisionPart] = field(default_factory=dict, hash=False, compare=False)  # one of a kind
 
 
 @dataclass(frozen=True)
 class ImageSide:
     """A training run's image side: the family, its image-side config, and each batch row's pixel arrays
-    [max_images, *pixel_shape] (static shapes; the tower is frozen and runs inside the step)."""
+    [max_images, *pixel_shape] (static shapes; the tower runs inside the step, frozen unless the method trains it)."""
 
     family: VisionFamily
     config: Any

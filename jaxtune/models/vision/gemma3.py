@@ -16,8 +16,14 @@ from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings, span_ids
 from jaxtune.models.norms import rms_norm
-from jaxtune.models.vision.family import VisionFamily
-from jaxtune.models.vision.hf import load_vision_config, read_vision_params, vision_param_specs, vision_tensor_entries
+from jaxtune.models.vision.family import VisionFamily, VisionPart
+from jaxtune.models.vision.hf import (
+    LAYER_LINEARS,
+    load_vision_config,
+    read_vision_params,
+    vision_param_specs,
+    vision_tensor_entries,
+)
 from jaxtune.models.vision.image_processing import pixel_values, read_image_processing
 from jaxtune.models.vision.siglip import siglip_tower
 
@@ -111,14 +117,16 @@ def image_expansion(tokenizer, vision: VisionLanguageConfig, arrays: int) -> str
         [full] * (arrays - 1))
 
 
-def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int) -> int:
+def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int, saved: bool = False) -> int:
     """Values the image side holds at once for `arrays` images: their pixels, one encoder layer's [N, P, .] values
-    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F) and the soft tokens
+    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F; `saved`: beside
+    them every layer's input [N, P, Dv], what a trained tower's rematerialised backward keeps) and the soft tokens
     [N, tokens_per_image, D] it hands the decoder."""
     t = vision.tower
     P = t.patches_per_side**2
     pixels = t.num_channels * t.image_size**2
-    return arrays * (pixels + P * (6 * t.hidden_size + 2 * t.intermediate_size)
+    inputs = t.num_layers * P * t.hidden_size if saved else 0
+    return arrays * (pixels + inputs + P * (6 * t.hidden_size + 2 * t.intermediate_size)
                      + vision.tokens_per_image * vision.text_hidden_size)
 
 
@@ -136,4 +144,8 @@ GEMMA3 = VisionFamily(
     image_token=lambda v: v.image_token_id,
     image_inputs=image_inputs, forward=vision_language_forward, prefill=vision_language_prefill,
     text_prefix="model.language_model.",
-    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements)
+    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements,
+    parts={"vision_tower": VisionPart(keys=("vision_tower",), linears={
+        ("vision_tower", "layers", name): f"model.vision_tower.encoder.layers.{{i}}.{name}" for name in LAYER_LINEARS}),
+        # mm_input_projection is a bare nn.Parameter in transformers, no Linear PEFT adapts: the projector trains whole
+        "multi_modal_projector": VisionPart(keys=("multi_modal_projector",), saved="multi_modal_projector")})

@@ -21,7 +21,7 @@ from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings
 from jaxtune.models.params import ParamSpec
-from jaxtune.models.vision.family import VisionFamily
+from jaxtune.models.vision.family import VisionFamily, VisionPart
 from jaxtune.models.vision.qwen_vl_config import (
     QwenImageOptions,
     QwenVLConfig,
@@ -30,7 +30,7 @@ from jaxtune.models.vision.qwen_vl_config import (
 )
 from jaxtune.models.vision.qwen_vl_processor import image_patches
 from jaxtune.models.vision.qwen_vl_vision import abstract_vision_params, padded_vision_forward
-from jaxtune.models.vision.qwen_vl_weights import read_vision_params, vision_tensor_entries
+from jaxtune.models.vision.qwen_vl_weights import QWEN2_5_VL_NAMES, read_vision_params, vision_tensor_entries
 
 
 def max_patches(options: QwenImageOptions) -> int:
@@ -169,11 +169,13 @@ def _token(tokenizer, token_id: int) -> str:
     return text
 
 
-def tower_elements(vision: QwenVLConfig, shape: tuple[int, ...], arrays: int) -> int:
+def tower_elements(vision: QwenVLConfig, shape: tuple[int, ...], arrays: int, saved: bool = False) -> int:
     """Values the image side holds at once for `arrays` padded images: their pixels, one block's [N, .] values (the
-    residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of F), the merged tokens."""
+    residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of F; `saved`: beside them
+    every block's input [N, D], what a trained tower's rematerialised backward keeps), the merged tokens."""
     t, N = vision.tower, shape[0] - 1
-    return arrays * (shape[0] * shape[1] + N * (6 * t.hidden_size + 3 * t.intermediate_size)
+    inputs = t.depth * N * t.hidden_size if saved else 0
+    return arrays * (shape[0] * shape[1] + inputs + N * (6 * t.hidden_size + 3 * t.intermediate_size)
                      + N // t.merge_unit * t.out_hidden_size)
 
 
@@ -188,4 +190,8 @@ QWEN2_5_VL = VisionFamily(
     expansion=lambda tokenizer, vision, count: _token(tokenizer, vision.image_token_id) * count,
     image_token=lambda vision: vision.image_token_id, image_inputs=image_inputs,
     forward=vision_language_forward, prefill=vision_language_prefill, text_prefix="model.language_model.",
-    outside_text=r".*visual.*", forward_elements=tower_elements)
+    outside_text=r".*visual.*", forward_elements=tower_elements,
+    parts={"visual": VisionPart(keys=("patch_embed", "blocks"), linears={  # less its merger, as LLaMA-Factory's
+        key: f"model.visual.{hf}" for key, hf in QWEN2_5_VL_NAMES.items()
+        if key[0] == "blocks" and "norm" not in key[1]}),
+        "visual.merger": VisionPart(keys=("merger",), saved="visual.merger")})

@@ -17,7 +17,6 @@ import numpy as np
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.attention import live_blocks
 from jaxtune.models.vision.qwen_vl_vision import (
-    apply_linear,
     frame_layout,
     linear_spec,
     rotary_angles,
@@ -25,6 +24,7 @@ from jaxtune.models.vision.qwen_vl_vision import (
     self_attention,
 )
 from jaxtune.models.vision.siglip import layer_norm
+from jaxtune.models.vision.tower_linear import tower_linear
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh",)  # the blocks' MLP (the mergers' GELU is the erf form, always)
 # our module's path -> its name under the tower in a checkpoint (`qwen_vl_weights.read_tower`); `deepstack` only in a
@@ -148,7 +148,7 @@ def _merge(x_IxNxD: jax.Array, merger: dict, cfg: Qwen3VisionConfig, norm_after:
     merge = lambda x: x.reshape(n_images, N // cfg.merge_unit, -1)  # noqa: E731
     x = layer_norm(merge(x_IxNxD), merger["norm"], cfg.norm_eps) if norm_after else merge(
         layer_norm(x_IxNxD, merger["norm"], cfg.norm_eps))
-    return apply_linear(jax.nn.gelu(apply_linear(x, merger["fc1"]), approximate=False), merger["fc2"])
+    return tower_linear(jax.nn.gelu(tower_linear(x, merger["fc1"]), approximate=False), merger["fc2"])
 
 
 def qwen3_vl_tower(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, cfg: Qwen3VisionConfig
@@ -161,7 +161,7 @@ def qwen3_vl_tower(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, 
     n_images, N, _ = patches_IxNxP.shape
     positions_IxNx2, frames_IxN = frame_layout(grid_Ix3, N, cfg.spatial_merge_size)
     with jax.named_scope("patch_embed"):
-        x_IxNxD = apply_linear(patches_IxNxP.astype(dtype), params["patch_embed"])
+        x_IxNxD = tower_linear(patches_IxNxP.astype(dtype), params["patch_embed"])
         x_IxNxD = x_IxNxD + position_embeddings(params["pos_embed"], positions_IxNx2, grid_Ix3, cfg.grid_side)
     rope = rotary_angles(positions_IxNx2.reshape(n_images * N, 2), cfg.head_dim, cfg.rope_theta)
     mask = segment_mask(frames_IxN)
@@ -176,8 +176,8 @@ def qwen3_vl_tower(params: dict, patches_IxNxP: jax.Array, grid_Ix3: jax.Array, 
         with jax.named_scope("attention"):
             x = x + self_attention(layer_norm(x, block["norm1"], cfg.norm_eps), block, rope, mask, live, cfg.num_heads)
         with jax.named_scope("mlp"):
-            h = apply_linear(layer_norm(x, block["norm2"], cfg.norm_eps), block["fc1"])
-            x = x + apply_linear(jax.nn.gelu(h, approximate=True), block["fc2"])
+            h = tower_linear(layer_norm(x, block["norm2"], cfg.norm_eps), block["fc1"])
+            x = x + tower_linear(jax.nn.gelu(h, approximate=True), block["fc2"])
         if K:
             merger = jax.tree.map(lambda a: a[jnp.maximum(k, 0)], params["deepstack"])
             features = jax.lax.cond(k >= 0, lambda: features.at[jnp.maximum(k, 0)].set(_merge(x, merger, cfg, True)),

@@ -15,6 +15,7 @@ import numpy as np
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks
 from jaxtune.models.norms import rms_norm
 from jaxtune.models.vision.qwen_vl_config import QwenVisionConfig
+from jaxtune.models.vision.tower_linear import tower_linear
 
 PAD_SEGMENT = 2**16 - 1  # the mask's largest plain segment id: padding patches attend among themselves (never read)
 
@@ -41,12 +42,6 @@ def abstract_vision_params(cfg: QwenVisionConfig, dtype=jnp.float32) -> dict:
         "merger": {"norm": jax.ShapeDtypeStruct((D,), dtype), "fc1": linear_spec(wide, wide, dtype),
                    "fc2": linear_spec(wide, cfg.out_hidden_size, dtype)},
     }
-
-
-def apply_linear(x: jax.Array, module: dict) -> jax.Array:
-    """x @ kernel (+ bias): every linear of the Qwen-VL towers."""
-    y = x @ module["kernel"]
-    return y + module["bias"] if "bias" in module else y
 
 
 def rotary_angles(positions_Nx2: jax.Array, head_dim: int, rope_theta: float) -> tuple[jax.Array, jax.Array]:
@@ -81,12 +76,12 @@ def self_attention(h_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.A
     """[I, N, D]: the blocks' attention over normed h (`qkv`, 2D rotary on queries and keys, bidirectional within
     the mask's segments, `proj`), before the residual."""
     n_images, N = h_IxNxD.shape[:2]
-    qkv = apply_linear(h_IxNxD, block["qkv"]).reshape(n_images * N, 3, num_heads, -1)
+    qkv = tower_linear(h_IxNxD, block["qkv"]).reshape(n_images * N, 3, num_heads, -1)
     q, k = (rotate(qkv[:, i], *rope).reshape(n_images, N, num_heads, -1) for i in (0, 1))
     heads = lambda a: jnp.transpose(a, (0, 2, 1, 3))  # [I, H, N, d]
     v = qkv[:, 2].reshape(n_images, N, num_heads, -1)
     out_IxHxNxd = blockwise_attention(heads(q)[:, :, None], heads(k), heads(v), mask, live_QxC=live)[:, :, 0]
-    return apply_linear(jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1), block["proj"])
+    return tower_linear(jnp.transpose(out_IxHxNxd, (0, 2, 1, 3)).reshape(n_images, N, -1), block["proj"])
 
 
 def _block(x_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], mask: AttentionMask,
@@ -96,8 +91,8 @@ def _block(x_IxNxD: jax.Array, block: dict, rope: tuple[jax.Array, jax.Array], m
         x_IxNxD = x_IxNxD + self_attention(h, block, rope, mask, live, cfg.num_heads)
     with jax.named_scope("mlp"):
         h = rms_norm(x_IxNxD, block["norm2"], cfg.norm_eps)
-        gated = jax.nn.silu(apply_linear(h, block["gate_proj"])) * apply_linear(h, block["up_proj"])
-        return x_IxNxD + apply_linear(gated, block["down_proj"])
+        gated = jax.nn.silu(tower_linear(h, block["gate_proj"])) * tower_linear(h, block["up_proj"])
+        return x_IxNxD + tower_linear(gated, block["down_proj"])
 
 
 def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_IxN: jax.Array, image_IxN: jax.Array,
@@ -115,11 +110,12 @@ def _tower(params: dict, x_IxNxD: jax.Array, positions_IxNx2: jax.Array, window_
         mask = jax.tree.map(lambda a, b: jnp.where(full, a, b), image_mask, window_mask)
         return _block(x, block, (cos, sin), mask, jnp.where(full, image_live, window_live), cfg), None
 
-    x_IxNxD, _ = jax.lax.scan(step, x_IxNxD, (params["blocks"], full_L))
+    # each block rematerialised in a trained tower's backward: only the blocks' inputs [I, N, D] are kept
+    x_IxNxD, _ = jax.lax.scan(jax.checkpoint(step), x_IxNxD, (params["blocks"], full_L))
     with jax.named_scope("merger"):
         merger = params["merger"]
         merged = rms_norm(x_IxNxD, merger["norm"], cfg.norm_eps).reshape(n_images, N // cfg.merge_unit, -1)
-        return apply_linear(jax.nn.gelu(apply_linear(merged, merger["fc1"]), approximate=False), merger["fc2"])
+        return tower_linear(jax.nn.gelu(tower_linear(merged, merger["fc1"]), approximate=False), merger["fc2"])
 
 
 def frame_layout(grid_Ix3: jax.Array, N: int, merge: int) -> tuple[jax.Array, jax.Array]:

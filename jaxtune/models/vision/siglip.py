@@ -1,8 +1,9 @@
 """The SigLIP vision tower (Zhai et al. 2023; transformers' `SiglipVisionModel` without its pooling head) as pure
-functions over `hf.vision_param_specs`' tree: `siglip_tower` (pixels [N, C, H, W] -> patch features [N, P, Dv]).
-The patch convolution is a reshape and one matmul (its stride is its kernel); the encoder's layers are stacked and
-scanned; attention is the decoder's blockwise kernel with each image one bidirectional span, so no [P, P] scores are
-held. Numerics as transformers': LayerNorm statistics and the softmax in float32, the rest in the compute dtype."""
+functions over `hf.vision_param_specs`' tree: `siglip_tower` (pixels [N, C, H, W] -> patch features [N, P, Dv]). The
+patch convolution is a reshape and one matmul (its stride is its kernel); the encoder's layers are stacked and
+scanned (each rematerialised in a trained tower's backward); attention is the decoder's blockwise kernel with each
+image one bidirectional span, so no [P, P] scores are held. Numerics as transformers': LayerNorm statistics and the
+softmax in float32, the rest in the compute dtype."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jaxtune.config import SiglipConfig
 from jaxtune.models.attention import AttentionMask, blockwise_attention, live_blocks, training_mask
 from jaxtune.models.linear import wide
+from jaxtune.models.vision.tower_linear import tower_linear as linear
 
 
 def layer_norm(x: jax.Array, norm: dict, eps: float) -> jax.Array:
@@ -21,11 +23,6 @@ def layer_norm(x: jax.Array, norm: dict, eps: float) -> jax.Array:
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
     return (y * norm["weight"].astype(y.dtype) + norm["bias"].astype(y.dtype)).astype(x.dtype)
-
-
-def linear(x: jax.Array, module: dict) -> jax.Array:
-    """x @ kernel + bias in x's dtype; kernel [in, out]."""
-    return x @ module["kernel"].astype(x.dtype) + module["bias"].astype(x.dtype)
 
 
 def patches(pixels_NxCxHxW: jax.Array, patch: int) -> jax.Array:
@@ -60,6 +57,7 @@ def siglip_tower(tower: dict, pixels_NxCxHxW: jax.Array, cfg: SiglipConfig, dtyp
     N, P, _ = x_NxPxD.shape
     mask = training_mask(N, P, 0, None, None, span_ids_BxT=jnp.zeros((N, P), jnp.int32))  # every patch sees all
     live_QxC = live_blocks(mask, P, P)
-    x_NxPxD, _ = jax.lax.scan(lambda x, layer: (encoder_layer(x, layer, mask, live_QxC, cfg), None), x_NxPxD,
-                              tower["layers"])
+    # each layer rematerialised in a trained tower's backward: only the layers' inputs [N, P, D] are kept
+    layer_step = jax.checkpoint(lambda x, layer: (encoder_layer(x, layer, mask, live_QxC, cfg), None))
+    x_NxPxD, _ = jax.lax.scan(layer_step, x_NxPxD, tower["layers"])
     return layer_norm(x_NxPxD, tower["post_layernorm"], cfg.layer_norm_eps)
