@@ -339,30 +339,47 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         packs = pack((max(p.tokens_RxT.shape[0] for p in pack((0, T))), T))
     is_stop_V: np.ndarray = np.zeros(cfg.vocab_size, bool)
     is_stop_V[list(stops)] = True
-    sampling_args = (is_stop_V, np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k),
-                     np.float32(sampling.top_p), jax.random.key(sampling.seed))
-    program = dict(cfg=cfg, method=method, options=options)
     new_tokens = []
     for batch, packed, adapter_B in zip(batches, packs, adapters):
         live_B = np.arange(B) < len(batch)  # rows added to fill the batch bucket start finished
         limit_B = np.pad(np.asarray([limits[i] for i in batch], np.int32), (0, B - len(batch)))
-        state = begin(params, packed, live_B, limit_B, **program, cache_size=P + W + N, max_new_tokens=N)
-        until = N if stop_when is None else min(chunk_steps, N)
-        state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program,
-                            greedy=sampling.greedy)
-        while stop_when is not None and until < N:  # the host reads each chunk's tokens (one transfer) to end rows
-            out_BxN, done_B = host_copy((state.out_BxN, state.done_B))
-            done_B = done_B.copy()
-            for row in np.flatnonzero(~done_B):
-                done_B[row] = stop_when(batch[row], row_tokens(out_BxN[row], is_stop_V, False))
-            if done_B.all():
-                break
-            until = min(until + chunk_steps, N)
-            state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
-                                adapter_B, **program, greedy=sampling.greedy)
-        new_tokens += [row_tokens(row, is_stop_V, include_stop) for row in host_copy(state.out_BxN)[: len(batch)]]
+        state = begin(params, packed, live_B, limit_B, cfg=cfg, method=method, options=options,
+                      cache_size=P + W + N, max_new_tokens=N)
+        new_tokens += decode_rows(params, state, limit_B, is_stop_V, sampling, adapter_B, cfg=cfg, method=method,
+                                  options=options, prompt_of_row=batch, include_stop=include_stop,
+                                  stop_when=stop_when, chunk_steps=chunk_steps)
+    return new_tokens
+
+
+def decode_rows(params: dict, state: DecodeState, limit_B: np.ndarray, is_stop_V: np.ndarray,
+                sampling: SamplingConfig, adapter_B: np.ndarray | None = None, *, cfg: ModelConfig,
+                method: MethodConfig | None, options: ForwardOptions, prompt_of_row: Sequence[int],
+                include_stop: bool, stop_when: Callable[[int, list[int]], bool] | None,
+                chunk_steps: int) -> list[list[int]]:
+    """The new tokens of rows [:len(prompt_of_row)] of a just-begun `state` (out_BxN [B, N]), as `generate` returns
+    them: decoded by `decode_more` to N in one call, or with `stop_when` in chunks of `chunk_steps` steps, the host
+    asking stop_when(prompt_of_row[row], its tokens so far) of each row still running between them; a `StopStrings`
+    also cuts each row's tokens where its text first held one of its strings."""
+    N = state.out_BxN.shape[1]
+    sampling_args = (is_stop_V, np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k),
+                     np.float32(sampling.top_p), jax.random.key(sampling.seed))
+    program = dict(cfg=cfg, method=method, options=options, greedy=sampling.greedy)
+    until = N if stop_when is None else min(chunk_steps, N)
+    state = decode_more(params, state, limit_B, *sampling_args, np.int32(until), adapter_B, **program)
+    while stop_when is not None and until < N:  # the host reads each chunk's tokens (one transfer) to end rows
+        out_BxN, done_B = host_copy((state.out_BxN, state.done_B))
+        done_B = done_B.copy()
+        for row in np.flatnonzero(~done_B):
+            done_B[row] = stop_when(prompt_of_row[int(row)], row_tokens(out_BxN[row], is_stop_V, False))
+        if done_B.all():
+            break
+        until = min(until + chunk_steps, N)
+        state = decode_more(params, state._replace(done_B=done_B), limit_B, *sampling_args, np.int32(until),
+                            adapter_B, **program)
+    rows = host_copy(state.out_BxN)[:len(prompt_of_row)]
+    new_tokens = [row_tokens(row, is_stop_V, include_stop) for row in rows]
     if isinstance(stop_when, StopStrings):
-        return [stop_when.cut(i, tokens, include_stop) for i, tokens in enumerate(new_tokens)]
+        return [stop_when.cut(i, tokens, include_stop) for i, tokens in zip(prompt_of_row, new_tokens)]
     return new_tokens
 
 

@@ -164,7 +164,8 @@ GEMMA3_IMAGE, GEMMA3_BOI, GEMMA3_EOI = 90, 91, 92
 
 def write_gemma3_files(directory: str | Path, pan_and_scan: bool = False, **text) -> Path:
     """A tiny Gemma 3 VLM directory without weights: config.json (`text` over GEMMA3_TEXT), preprocessor_config.json,
-    the tokenizer."""
+    processor_config.json and chat_template.json (the image_seq_length and chat template transformers' Gemma3Processor
+    reads, as released directories hold them), the tokenizer."""
     directory = Path(directory)
     write_gemma3_tokenizer(directory)
     config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
@@ -176,6 +177,9 @@ def write_gemma3_files(directory: str | Path, pan_and_scan: bool = False, **text
                   "do_pan_and_scan": pan_and_scan, "pan_and_scan_min_crop_size": 8,
                   "pan_and_scan_max_num_crops": 2, "pan_and_scan_min_ratio_to_activate": 1.5}
     (directory / "preprocessor_config.json").write_text(json.dumps(processing))
+    (directory / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
+                                                                 "image_seq_length": config["mm_tokens_per_image"]}))
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": GEMMA3_CHAT_TEMPLATE}))
     return directory
 
 def write_random_vision_model(directory: str | Path, seed: int = 0, **text) -> Path:

@@ -44,13 +44,14 @@ FLOORS = (
     ("models",),  # forward passes, kernels, quantised leaves, HF/GGUF names
     ("data",),  # formats, tokenizer, packing, streaming store
     ("methods",),  # one unit per method
-    ("generation", "environments", "stop_strings"),  # decoding with the KV cache (the CLI's generate, GRPO's
-    # rollouts); RL environments; stop strings, read on the host between decode chunks
+    ("generation", "environments", "stop_strings", "image_decoding"),  # decoding with the KV cache (the CLI's
+    # generate, GRPO's rollouts); RL environments; stop strings, read on the host between decode chunks; the padded
+    # decode of prompts with images (image rollouts, `generate --image`, the harness)
     ("rollouts",),  # RL sampling: the rollout engine (a paged KV cache, continuous batching), an external sampler
     ("objectives",),  # one unit per objective
     ("run_config",),  # the TOML run: the config sections and each objective's
     ("spine",),  # the abstract run, its shardings, the loader, the one jitted step
-    ("image_generation",),  # generation with images: the loader's vision model, generation's decode loop
+    ("image_generation",),  # generation with images: the loader's vision model, image_decoding's decode
     ("harness",),  # jaxtune as an lm-evaluation-harness model: task scores for `eval --tasks` and training
     ("presets", "train", "planner", "completions"),  # the faces
     ("launch", "demo"),

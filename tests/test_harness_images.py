@@ -2,7 +2,8 @@
 images read in full, each failure one line naming the task, doc and image; lm-eval's `<image>` as the family's marker;
 the bundled jaxtune_colours tasks' pictures as their script draws them. Full tier, on a tiny random Gemma 3: the
 colours task's answers and score equal lm-eval's `hf-multimodal` model's on the same directory, its multiple-choice
-twin's log-likelihoods with images equal transformers' (a text task in the same evaluation scored as before)."""
+twin's log-likelihoods with images equal transformers' (a text task in the same evaluation scored as before);
+transformers' `AutoProcessor` reads the preset's directory as it is."""
 
 import json
 import os
@@ -58,6 +59,32 @@ def test_the_image_placeholder_becomes_the_familys_marker():
                                                  {"type": "image"}]}, {"role": "assistant", "content": "Red"}]
 
 
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_transformers_processor_reads_the_preset_as_it_is(tmp_path):
+    """transformers' `AutoProcessor` (what `hf-multimodal` loads) on `write_gemma3_files`' directory, with nothing
+    added: a Gemma3Processor with the config's soft tokens an image and the chat template, its ids and pixel values
+    for a prompt with a picture jaxtune's."""
+    import transformers
+
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.image_generation import prompt_ids
+    from jaxtune.models.vision.families import image_processor
+    from jaxtune.presets import write_gemma3_files
+
+    directory = write_gemma3_files(tmp_path / "model")
+    processor = transformers.AutoProcessor.from_pretrained(directory)
+    assert type(processor).__name__ == "Gemma3Processor" and processor.image_seq_length == 4
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    ids, pixels = prompt_ids(image_processor(directory, load_tokenizer(directory)), "Colours?", [picture])
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colours?"}]}]
+    text = processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    want = processor(text=[text], images=[[picture]], add_special_tokens=False, return_tensors="np")
+    assert ids == want["input_ids"][0].tolist()
+    np.testing.assert_allclose(pixels, want["pixel_values"], atol=1e-6)
+
+
 def test_the_colour_tasks_pictures_are_what_their_script_draws(tmp_path):
     """The bundled pictures equal `jaxtune_colours.docs()` (24 docs, each colour 6 times); both tasks load with
     their `doc_to_image`; a task copy with a missing and a broken picture fails on one line naming task, doc, image."""
@@ -102,15 +129,10 @@ class _NeverAsked(LM):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    """A tiny random Gemma 3 VLM, with the processor_config.json released Gemma 3 directories hold (its
-    image_seq_length, which transformers' Gemma3Processor reads)."""
+    """A tiny random Gemma 3 VLM (its processor_config.json as released Gemma 3 directories hold it)."""
     from jaxtune.presets import write_random_vision_model
 
-    directory = write_random_vision_model(tmp_path_factory.mktemp("gemma3") / "model")
-    tokens = json.loads((directory / "config.json").read_text())["mm_tokens_per_image"]
-    (directory / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
-                                                                 "image_seq_length": tokens}))
-    return directory
+    return write_random_vision_model(tmp_path_factory.mktemp("gemma3") / "model")
 
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

@@ -9,7 +9,7 @@ from test_vision_qwen_vl_train import SIZES, _hf_inputs, saved  # noqa: F401  (s
 
 from jaxtune.config import SamplingConfig
 from jaxtune.errors import JaxtuneError
-from jaxtune.image_generation import image_batch
+from jaxtune.image_decoding import padded_rows
 from jaxtune.presets import GEMMA3_IMAGE
 
 
@@ -19,21 +19,39 @@ def _picture(seed: int, size=(40, 30)):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
 
 
-def test_image_batch_pads_prompts_left_and_images_per_row():
-    """Rows, width and images a row in buckets; prompts left-padded; a row's images first, zeros after; the rows
-    filling the bucket repeat the first prompt and are not live."""
+def test_padded_rows_pad_prompts_left_and_images_per_row():
+    """Rows and width in buckets; prompts left-padded; a row's pixel arrays beside it; the rows filling the bucket hold
+    one token and no image (no query of theirs attends to nothing)."""
     shape = (3, 2, 2)
-    prompts = [([5, 6, 7], np.ones((2, *shape))), (list(range(1, 20)), np.zeros((0, *shape))),
-               ([9], np.full((1, *shape), 3.0))]
-    batch = image_batch(prompts, shape)
-    assert batch.tokens_BxW.shape == (4, 32) and batch.pixels_BxMx.shape == (4, 2, *shape)
-    assert batch.tokens_BxW[0, -3:].tolist() == [5, 6, 7] and not batch.tokens_BxW[0, :-3].any()
-    assert batch.mask_BxW.sum(axis=1).tolist() == [3, 19, 1, 3]
-    assert batch.pixels_BxMx[2, 0].min() == 3 and not batch.pixels_BxMx[2, 1].any()
-    assert batch.live_B.tolist() == [True, True, True, False]
-    assert image_batch([([1], np.zeros((0, *shape)))], shape).pixels_BxMx.shape == (1, 0, *shape)
-    with pytest.raises(JaxtuneError, match="at least one token"):
-        image_batch([([], np.zeros((0, *shape)))], shape)
+    pixels = np.zeros((3, 2, *shape), np.float32)
+    pixels[0], pixels[2, 0] = 1.0, 3.0
+    tokens, mask, pixels_BxMx = padded_rows([[5, 6, 7], list(range(1, 20)), [9]], pixels)
+    assert tokens.shape == (4, 32) and pixels_BxMx.shape == (4, 2, *shape)
+    assert tokens[0, -3:].tolist() == [5, 6, 7] and not tokens[0, :-3].any()
+    assert mask.sum(axis=1).tolist() == [3, 19, 1, 1] and mask[3, -1] == 1 and not tokens[3].any()
+    assert pixels_BxMx[0].min() == 1 and pixels_BxMx[2, 0].min() == 3 and not pixels_BxMx[2, 1].any()
+    assert not pixels_BxMx[3].any()
+
+
+def test_prompt_images_bucket_the_images_a_row_and_empty_prompts_are_refused(tmp_path):
+    from jaxtune.data.tokenizer import load_tokenizer
+    from jaxtune.image_generation import ImageGenerator, generate_batch_with_images, prompt_images
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.vision.families import image_processor
+    from jaxtune.presets import write_gemma3_files
+
+    directory = write_gemma3_files(tmp_path / "m")  # no weights: nothing here reads them
+    processor = image_processor(directory, load_tokenizer(directory))
+    shape = processor.pixel_shape
+    images = prompt_images(processor, [np.ones((3, *shape)), np.zeros((0, *shape)), np.full((1, *shape), 2.0)])
+    assert images.side.max_images == 4 and images.pixels.shape == (3, 4, *shape)
+    assert images.pixels[0, :3].min() == 1 and not images.pixels[0, 3].any() and not images.pixels[1].any()
+    assert images.pixels[2, 0].min() == 2 and not images.pixels[2, 1:].any()
+    assert prompt_images(processor, [np.zeros((0, *shape))]).pixels.shape == (1, 0, *shape)
+    generator = ImageGenerator(load_config(directory), {}, {}, processor)
+    with pytest.raises(JaxtuneError, match="^generation with images needs at least one prompt, each of at least one "
+                                           "token$"):
+        generate_batch_with_images(generator, [([], np.zeros((0, *shape)))])
 
 
 def test_a_prompt_past_the_context_and_missing_image_lists_are_one_line(tmp_path):
@@ -51,6 +69,31 @@ def test_a_prompt_past_the_context_and_missing_image_lists_are_one_line(tmp_path
                                    SamplingConfig(max_new_tokens=8))
     with pytest.raises(JaxtuneError, match="^2 prompts but 1 image lists: give each prompt its own$"):
         generate_texts_with_images(generator, ["a", "b"], [[]])
+
+
+def test_decoding_with_images_refuses_prefix_tuning_and_a_context_mesh(tmp_path):
+    """Image prompts' positions count from their first token, so prefix tuning is one error line; a mesh that splits
+    rows over a context axis is `generate`'s refusal."""
+    from jaxtune.config import MeshConfig
+    from jaxtune.image_decoding import PromptImages, decode_with_images
+    from jaxtune.models.hf_config import load_config
+    from jaxtune.models.vision.families import image_side
+    from jaxtune.parallel import abstract_mesh
+    from jaxtune.presets import write_gemma3_files
+    from jaxtune.spine.run import traced_on
+
+    directory = write_gemma3_files(tmp_path / "m")  # no weights: both refusals come before any is read
+    side = image_side(directory, 1)
+    assert side is not None
+    decode = lambda params: decode_with_images(params, {}, load_config(directory), [[5, 6]],
+                                               PromptImages.of(side, [np.zeros((0, *side.pixel_shape))]),
+                                               SamplingConfig(max_new_tokens=2), eos_ids=None)
+    with pytest.raises(JaxtuneError, match="^prefix tuning with image prompts: their positions count from each "
+                                           "prompt's first token"):
+        decode({"layers": {"prefix": {"key": np.zeros((1, 4, 1, 1), np.float32)}}})
+    with traced_on(abstract_mesh(MeshConfig(fsdp=1, context=8), 8)), pytest.raises(
+            JaxtuneError, match=r"^generation does not split a row over \[mesh\] context = 8"):
+        decode({})
 
 
 QUESTIONS = [("Colours?", 2), ("What is in the picture, in a few words?", 1), ("Hi", 0)]

@@ -1,5 +1,5 @@
 """GRPO and RLOO with image prompts (issue 52): TRL's prompt records with images, rollouts conditioned on them
-(`rollouts.image_prompts`: left-padded, prefilled by the family), the step's log-probs reading them. Everyday: the
+(`image_decoding`: left-padded, prefilled by the family), the step's log-probs reading them. Everyday: the
 records' ids and pixels; batched rollouts equal each prompt decoded alone (Gemma 3). Full tier: greedy rollouts
 equal transformers' `generate` (Gemma 3, Qwen2.5-VL); a GRPO step's loss and LoRA gradients on fixed completions
 equal a torch computation on transformers' model; `fine_tune` GRPO and RLOO runs on image prompts."""
@@ -98,12 +98,12 @@ def test_rollouts_with_images_decode_each_prompt_as_alone(tmp_path):
     every row's tokens are those of its prompt decoded alone by `generate_ids_with_images` (itself transformers'
     `generate`'s, tests/test_vision_train.py). The paged engine refuses image prompts in one line."""
     from jaxtune.config import SamplingConfig
+    from jaxtune.image_decoding import PromptImages
     from jaxtune.image_generation import generate_ids_with_images, load_image_generator, prompt_ids
     from jaxtune.models.vision.families import image_side
     from jaxtune.objectives.rollout_config import GRPOConfig
     from jaxtune.presets import write_random_vision_model
     from jaxtune.rollouts.decoders import sampled_groups
-    from jaxtune.rollouts.image_prompts import PromptImages
 
     model = write_random_vision_model(tmp_path / "m", seed=3)
     generator = load_image_generator(model)
@@ -111,7 +111,7 @@ def test_rollouts_with_images_decode_each_prompt_as_alone(tmp_path):
                prompt_ids(generator.processor, "No picture, a longer prompt", [])]
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
     eos = list(generator.cfg.eos_token_id)
-    images = PromptImages.of(image_side(model, 2), [type("P", (), {"pixel_values": p})() for _, p in prompts])
+    images = PromptImages.of(image_side(model, 2), [p for _, p in prompts])
     params = {**generator.params, "vision": generator.vision_params}
     sample = lambda engine: sampled_groups(params, generator.cfg, [ids for ids, _ in prompts], 2, sampling,
                                            GRPOConfig(reward=("r",), rollout_engine=engine), eos_ids=eos, method=None,
@@ -190,10 +190,10 @@ def test_greedy_rollouts_with_images_equal_transformers_generate(tmp_path, famil
     import torch
 
     from jaxtune.config import SamplingConfig
+    from jaxtune.image_decoding import PromptImages
     from jaxtune.models.vision.families import image_side
     from jaxtune.objectives.rollout_config import GRPOConfig
     from jaxtune.rollouts.decoders import sampled_groups
-    from jaxtune.rollouts.image_prompts import PromptImages
     from jaxtune.spine.model import load_vision_language_model
 
     model = FAMILIES[family](tmp_path / "model")
@@ -201,7 +201,8 @@ def test_greedy_rollouts_with_images_equal_transformers_generate(tmp_path, famil
     cfg, params, _, vision_params = load_vision_language_model(tmp_path / "model")
     rows = sampled_groups({**params, "vision": vision_params}, cfg, [list(p.ids) for p in prompts], 2,
                           SamplingConfig(max_new_tokens=10, temperature=0.0), GRPOConfig(reward=("r",)), eos_ids=[],
-                          method=None, images=PromptImages.of(image_side(tmp_path / "model", 2), prompts))
+                          method=None, images=PromptImages.of(image_side(tmp_path / "model", 2),
+                                                              [p.pixel_values for p in prompts]))
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             out = model.generate(**_hf_inputs(family, prompt.ids, prompt.pixel_values), do_sample=False,
@@ -223,13 +224,13 @@ def test_grpo_step_with_images_equals_torch_on_transformers(tmp_path, family):
     from test_methods_peft import randomize_peft
 
     from jaxtune.config import ForwardOptions
+    from jaxtune.image_decoding import PromptImages
     from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter
     from jaxtune.methods.transform import combine, partition, trainable_mask
     from jaxtune.models.vision.families import image_side, vision_family
     from jaxtune.objectives.base import Context
     from jaxtune.objectives.grpo import GRPO, rollout_batch
     from jaxtune.objectives.rollout_config import GRPOConfig
-    from jaxtune.rollouts.image_prompts import PromptImages
     from jaxtune.spine.model import load_vision_language_model
 
     directory = tmp_path / "model"
@@ -247,7 +248,7 @@ def test_grpo_step_with_images_equals_torch_on_transformers(tmp_path, family):
     advantages = np.float32([0.5, -0.5, 1.0, -1.0, 0.3, -0.3])
     batch = rollout_batch(rows, completions, np.zeros(6), advantages, 256)
     assert batch["loss_mask"].sum() == sum(map(len, completions))  # nothing cut
-    images = PromptImages.of(image_side(directory, 2), prompts)
+    images = PromptImages.of(image_side(directory, 2), [p.pixel_values for p in prompts])
     batch["pixel_values"] = np.repeat(images.pixels, 2, axis=0)
     policy = {**with_adapter, "vision": vision_params}
     trainable, frozen = partition(policy, trainable_mask(policy, method))

@@ -27,6 +27,7 @@ from jaxtune.data.formats import PromptExample, load_prompt_examples, train_eval
 from jaxtune.data.image_prompts import ImagePrompt, image_prompt_examples
 from jaxtune.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.image_decoding import PromptImages
 from jaxtune.methods.base import method_unit
 from jaxtune.methods.transform import combine
 from jaxtune.models.head import head_logits, label_logps, per_token, token_logps, vocab_size
@@ -56,7 +57,6 @@ from jaxtune.objectives.rollout_store import RolloutStore
 from jaxtune.parallel.distributed import host_copy, scored_in_shares
 from jaxtune.rollouts.decoders import sampled_groups
 from jaxtune.rollouts.external_sampler import ExternalSampler, sample_group_external
-from jaxtune.rollouts.image_prompts import PromptImages
 from jaxtune.stop_strings import StopStrings
 
 
@@ -376,7 +376,7 @@ def _prepare(setup: ObjectiveInputs, name: str, advantages) -> ObjectiveData:
     learner_logps = jax.jit(lambda params, micro: _token_logps(params, cfg, micro, method, options, g.temperature,
                                                                images=side))
 
-    prompt_images = lambda chosen: None if side is None else PromptImages.of(side, chosen)
+    prompt_images = lambda chosen: None if side is None else PromptImages.of(side, [p.pixel_values for p in chosen])
 
     def sample(epoch: int, generation: int, params) -> Callable[[], dict]:
         """Rollout batch `generation` of `epoch`, in two parts: this call decodes with `params()` and dispatches the

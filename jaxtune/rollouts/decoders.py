@@ -1,6 +1,6 @@
 """Which decoder an objective's rollouts take: its section's `EngineKeys` (GRPO's and RLOO's, their environments'
 episodes, distillation's on-policy and seq_kd completions), and `sampled_groups`, the one call they all make (prompts
-with images too: `image_prompts`, the padded decode)."""
+with images too: `image_decoding`, the padded decode)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 from jaxtune.config import MethodConfig, ModelConfig, SamplingConfig
 from jaxtune.errors import JaxtuneError, check_choice, check_range
 from jaxtune.generation import generate
+from jaxtune.image_decoding import PromptImages, decode_with_images
 from jaxtune.rollouts.engine import PagePool, sample_groups
-from jaxtune.rollouts.image_prompts import PromptImages, generate_with_images
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def sampled_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[in
     """group_size samples of each prompt (group-major: sample g * group_size + j the j-th of prompt g), each ending
     with the EOS or stop token that ended it (`include_stop`), by the decoder `keys` names: greedy, the same tokens
     either way; sampled, the same distribution (the engine folds the key by sample and step). images: the prompts'
-    pixel arrays (a vision-language policy), decoded padded (`image_prompts.generate_with_images`)."""
+    pixel arrays (a vision-language policy), decoded padded (`image_decoding.decode_with_images`)."""
     pool = keys.page_pool
     if images is not None:
         if pool is not None:
@@ -59,9 +59,8 @@ def sampled_groups(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[in
                                'prompts without their pixel arrays); use rollout_engine = "padded"')
         repeated = [p for p in prompts for _ in range(group_size)]
         rows = PromptImages(images.side, np.repeat(images.pixels, group_size, axis=0))
-        return generate_with_images(params, cfg, repeated, rows, sampling, eos_ids=eos_ids,
-                                    stop_token_ids=stop_token_ids, method=method, include_stop=True,
-                                    stop_when=stop_when)
+        return decode_with_images(params, params["vision"], cfg, repeated, rows, sampling, eos_ids=eos_ids,
+                                  stop_token_ids=stop_token_ids, method=method, include_stop=True, stop_when=stop_when)
     if pool is not None:
         return sample_groups(params, cfg, prompts, group_size, sampling, pool=pool, eos_ids=eos_ids,
                              stop_token_ids=stop_token_ids, include_stop=True, method=method,
