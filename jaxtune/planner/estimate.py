@@ -185,7 +185,10 @@ class Estimate:
                      "mesh": self.mesh, "offload": {"optimizer_state": p.offload.optimizer_state,
                                                     "frozen_params": p.offload.frozen_params,
                                                     "moments_dtype": p.offload.moments_dtype},
-                     "objective": p.objective, "context_attention": p.forward.context_attention},
+                     "objective": p.objective, "context_attention": p.forward.context_attention,
+                     "images": None if p.images is None else {"family": p.images.family.name,
+                                                              "max_images_per_row": p.images.max_images,
+                                                              "pixel_shape": list(p.images.pixel_shape)}},
             "model": {"parameters": self.base_parameters, "method_parameters": self.parameters - self.base_parameters,
                       "trainable_parameters": self.trainable_parameters,
                       "layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
@@ -544,8 +547,8 @@ def step_phases(step: Step, logits: int, workspace: int, residual_copies: int, l
         phases["generate"] = rollout_phase(step, kv)
     images = step.plan.images
     if images is not None:  # the frozen tower's forward on a device's rows' pixel arrays, before the decoder's
-        tower = images.family.forward_elements(images.config, images.pixel_shape,
-                                                step.w.b * images.max_images) * step.compute_size
+        tower = images.family.forward_bytes(images.config, images.pixel_shape, step.w.b * images.max_images,
+                                            step.compute_size)
         phases["image side"] = {"activations": tower, "gradients": 0, "weight_copies": residual_copies}
     for p in phases.values():
         p["total"] = sum(p.values())

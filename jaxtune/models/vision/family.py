@@ -38,8 +38,11 @@ class VisionFamily:
                           -> the whole model's logits [B, T, V]; `kv_cache.prefill`'s (logits [B, V], cache)
     text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
     outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
-    forward_elements      (config, pixel_shape, pixel arrays) -> values one forward of the frozen image side holds at
-                          its peak (the planner's; no activations are saved: the tower runs under stop_gradient)
+    forward_bytes         (config, pixel_shape, pixel arrays, compute itemsize) -> bytes one forward of the frozen
+                          image side holds at its peak (the planner's; no activations are saved: the tower runs under
+                          stop_gradient)
+    image_spans           its image tokens attend each other both ways (`image_inputs` gives `span_ids_BxT`): the
+                          decoder then runs the blockwise kernel, no fused one (`kernels.choose_kernel`)
     """
 
     name: str
@@ -59,7 +62,8 @@ class VisionFamily:
     prefill: Callable[..., tuple]
     text_prefix: str
     outside_text: str
-    forward_elements: Callable[[Any, tuple[int, ...], int], int]
+    forward_bytes: Callable[[Any, tuple[int, ...], int, int], int]
+    image_spans: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, ModelConfig, VisionLanguageConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.attention import forward_block_bytes
 from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings, span_ids
@@ -111,15 +112,17 @@ def image_expansion(tokenizer, vision: VisionLanguageConfig, arrays: int) -> str
         [full] * (arrays - 1))
 
 
-def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int) -> int:
-    """Values the image side holds at once for `arrays` images: their pixels, one encoder layer's [N, P, .] values
-    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F) and the soft tokens
-    [N, tokens_per_image, D] it hands the decoder."""
+def tower_bytes(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int, itemsize: int) -> int:
+    """Bytes the image side holds at once for `arrays` images, values of `itemsize` bytes: their pixels, one encoder
+    layer's [N, P, .] values (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of
+    F), the soft tokens [N, tokens_per_image, D] it hands the decoder, and the attention kernel's float32 working set
+    (`attention.forward_block_bytes`)."""
     t = vision.tower
     P = t.patches_per_side**2
     pixels = t.num_channels * t.image_size**2
-    return arrays * (pixels + P * (6 * t.hidden_size + 2 * t.intermediate_size)
-                     + vision.tokens_per_image * vision.text_hidden_size)
+    values = (pixels + P * (6 * t.hidden_size + 2 * t.intermediate_size)
+              + vision.tokens_per_image * vision.text_hidden_size)
+    return arrays * (values * itemsize + forward_block_bytes(P, t.num_heads, t.hidden_size))
 
 
 def _pixels(images, processing) -> tuple[np.ndarray, list[int]]:
@@ -136,4 +139,5 @@ GEMMA3 = VisionFamily(
     image_token=lambda v: v.image_token_id,
     image_inputs=image_inputs, forward=vision_language_forward, prefill=vision_language_prefill,
     text_prefix="model.language_model.",
-    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements)
+    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_bytes=tower_bytes,
+    image_spans=True)
