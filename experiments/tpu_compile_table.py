@@ -6,13 +6,14 @@
     python experiments/tpu_compile_table.py --replan     # the planner's columns again (no compiling), then the table
 
 Each row is a model from its published config.json (Llama-3.2-1B and 3B, Llama-3.1-8B and 70B, Qwen3-8B, Gemma-2-9B,
-Mixtral-8x7B, Qwen3-30B-A3B) with a method, objective, context, slice, mesh and remat policy, compiled by libtpu
-for the slice's topology (`jaxtune.planner.confirm_plan`, in a subprocess a row). Recorded: the planner's bytes per
-device (`Estimate.compiled_bytes`, no runtime reserve) against the compiler's (arguments + temporaries + outputs -
-aliased), the planner's FLOPs (`planner.timing.step_time`) against the program's (every matmul of the traced step,
-loops by their trip counts: `planner.program_flops`) and XLA's `cost_analysis` (which counts a loop body once), the
-compile's seconds on this host, and a step time and MFU *modelled* from the program's FLOPs at the chip's peak
-(never a measurement). Results: experiments/results/tpu_compile_table.json.
+Mixtral-8x7B, Qwen3-30B-A3B; Qwen2.5-VL-7B and Gemma-3-27B with images, their preprocessor_config.json beside) with
+a method, objective, context, slice, mesh and remat policy, compiled by libtpu for the slice's topology
+(`jaxtune.planner.confirm_plan`, in a subprocess a row). Recorded: the planner's bytes per device
+(`Estimate.compiled_bytes`, no runtime reserve) against the compiler's (arguments + temporaries + outputs - aliased),
+the planner's FLOPs (`planner.timing.step_time`) against the program's (every matmul of the traced step, loops by
+their trip counts: `planner.program_flops`) and XLA's `cost_analysis` (which counts a loop body once), the compile's
+seconds on this host, and a step time and MFU *modelled* from the program's FLOPs at the chip's peak (never a
+measurement). Results: experiments/results/tpu_compile_table.json.
 """
 
 from __future__ import annotations
@@ -165,9 +166,49 @@ MODELS = {
     "gemma-4-31b": {**GEMMA4, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
                     "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4,
                     "attention_k_eq_v": True, "hidden_size_per_layer_input": 0},
+    # issue 52: vision-language checkpoints as released (config.json), their image processors below
+    "qwen2.5-vl-7b": {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                      "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                      "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+                      "rope_theta": 1000000.0, "max_position_embeddings": 128000, "max_window_layers": 28,
+                      "sliding_window": 32768, "use_sliding_window": False, "hidden_act": "silu",
+                      "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+                      "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+                      "image_token_id": 151655, "video_token_id": 151656,
+                      "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+                      "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                                        "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                                        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                        "spatial_patch_size": 14, "window_size": 112,
+                                        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                                        "temporal_patch_size": 2}},
+    "gemma-3-27b-it": {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                       "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+                       "image_token_index": 262144, "mm_tokens_per_image": 256,
+                       "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                                       "model_type": "gemma3_text", "num_attention_heads": 32,
+                                       "num_hidden_layers": 62, "num_key_value_heads": 16,
+                                       "query_pre_attn_scalar": 168, "sliding_window": 1024,
+                                       "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+                       "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                         "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                         "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
+}
+# their preprocessor_config.json as released, but Qwen's max_pixels: the 1,280 merged tokens (5,120 patches) an
+# image its model card suggests, not the released 12,845,056 pixels (65,536 patches); Gemma's 896 px, no pan-and-scan
+PREPROCESSORS = {
+    "qwen2.5-vl-7b": {"min_pixels": 3136, "max_pixels": 1280 * 28 * 28, "patch_size": 14, "temporal_patch_size": 2,
+                      "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                      "image_std": [0.26862954, 0.26130258, 0.27577711],
+                      "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"},
+    "gemma-3-27b-it": {"do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
+                       "image_seq_length": 256, "processor_class": "Gemma3Processor", "resample": 2,
+                       "rescale_factor": 0.00392156862745098, "size": {"height": 896, "width": 896}},
 }
 
-# (model, method, objective, tokens a row, batch (examples over all devices), target, mesh, remat)
+# (model, method, objective, tokens a row, batch (examples over all devices), target, mesh, remat); an objective
+# "sft+N images": SFT on a vision-language model, N pixel arrays a row (`data.max_images_per_row`)
 ROWS = [
     ("llama-3.2-1b", "full", "sft", 2048, 8, "v5e-8", "fsdp=8", "none"),
     ("llama-3.2-1b", "lora", "sft", 2048, 8, "v5e-8", "fsdp=8", "full"),
@@ -239,8 +280,16 @@ ROWS = [
     # issue 51: GRPO with 4,096-token rollouts (512 of prompt), groups of 4, predicted before compiling
     ("llama-3.1-8b", "lora", "grpo@4096", 4608, 16, "v5p-64", "fsdp=32", "full"),
     ("llama-3.1-8b", "lora", "grpo@4096", 4608, 2, "v6e-8", "fsdp=8", "full"),
+    # issue 52: SFT with images, the frozen tower inside the step (Qwen: 1,280 tokens an image; Gemma: 256)
+    ("qwen2.5-vl-7b", "lora", "sft+2 images", 4096, 8, "v5e-8", "fsdp=8", "full"),
+    ("qwen2.5-vl-7b", "lora", "sft+2 images", 4096, 16, "v6e-8", "fsdp=8", "full"),
+    ("gemma-3-27b-it", "lora", "sft+2 images", 2048, 8, "v5e-8", "fsdp=8", "full"),
+    ("gemma-3-27b-it", "lora", "sft+2 images", 4096, 8, "v6e-8", "fsdp=8", "full"),
+    # the same text models without images: what the image side adds, in the compiler's bytes
+    ("qwen2.5-vl-7b", "lora", "sft", 4096, 8, "v5e-8", "fsdp=8", "full"),
+    ("gemma-3-27b-it", "lora", "sft", 2048, 8, "v5e-8", "fsdp=8", "full"),
 ]
-HELD_OUT = 21  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
+HELD_OUT = 27  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
 GRPO_TOKENS = 256  # a rollout's new tokens
 
 
@@ -260,14 +309,27 @@ def model_and_plan(row):
 
     model, method, objective, seq, batch, target, mesh, remat = row
     objective, _, rollout = objective.partition("@")  # "grpo@4096": a rollout of 4,096 new tokens
+    objective, _, images = objective.partition("+")  # "sft+2 images": 2 pixel arrays a row
     kind = "lora" if method == "dora" else method
     targets = ("all-linear",) if kind in ("lora", "qlora") else ()
     options = dict(rank=16, alpha=32.0, target_modules=targets, dora=method == "dora") if targets else {}
     plan = TrainPlan(method_config(kind, **options), batch,
                      seq, 1, param_dtype="bfloat16", forward=ForwardOptions(compute_dtype="bfloat16", remat=remat),
                      mesh=parse_mesh(mesh), objective=objective,
-                     generate_tokens=int(rollout or GRPO_TOKENS) if objective == "grpo" else 0)
+                     generate_tokens=int(rollout or GRPO_TOKENS) if objective == "grpo" else 0,
+                     images=image_side_of(model, int(images.split()[0])) if images else None)
     return config_from_hf(MODELS[model], model), plan, get_device(target)
+
+
+def image_side_of(model: str, max_images: int):
+    """The `ImageSide` a run of `model` holds: its family unit's reading of its config.json and
+    preprocessor_config.json, written to a directory without weights."""
+    from jaxtune.models.vision.families import image_side
+
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(MODELS[model]))
+        (Path(directory) / "preprocessor_config.json").write_text(json.dumps(PREPROCESSORS[model]))
+        return image_side(directory, max_images)
 
 
 def planner_columns(est) -> dict:

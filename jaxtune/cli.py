@@ -288,7 +288,8 @@ def cmd_plan(args) -> None:
     from jaxtune.planner.command import public, render, run_plan
 
     names = ("model", "params", "config", "method", "target", "batch", "seq", "accum", "remat", "mesh", "offload",
-             "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens", "context_attention")
+             "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens", "context_attention",
+             "images")
     result = run_plan(search_plans=args.search, longest=args.longest_context, step=args.seq_step, confirm=args.confirm,
                       **{name: getattr(args, name) for name in names})
     print(json.dumps(public(result), indent=2) if args.json else render(result))
@@ -469,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "reward, orpo, cpo and simpo, examples for kto")
     plan.add_argument("--generate-tokens", type=int, default=0,
                       help="grpo: tokens each rollout samples, of the --seq tokens of a row")
+    plan.add_argument("--images", type=int, default=1, help="a vision-language --model: pixel arrays a batch row "
+                      "holds (data.max_images_per_row; default 1), their tower's forward planned")
     plan.add_argument("--search", action="store_true", help="try batch splits, remat, meshes, bits and offload; "
                       "rank what fits by predicted step time")
     plan.add_argument("--longest-context", action="store_true", help="search for the longest sequence at which some "

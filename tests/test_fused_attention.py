@@ -194,6 +194,7 @@ def test_the_dispatcher_takes_a_fused_kernel_only_where_it_covers_the_mask(monke
     assert decide(sinks=True) == FusedAttention("splash", (0,), False, interpret=False)  # gpt-oss's sinks
     assert decide(windows=(-128, 0)) == FusedAttention("splash", (-128, 0), False, interpret=False)  # Llama 4
     assert decide(windows=(-128, 0), prefix=128, S=384) is None  # chunks after prefix keys: blockwise
+    assert decide(spans=True) is None and decide("splash", spans=True) is None  # an image's two-way spans: blockwise
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert decide(windows=(-128, 0)) is None  # no chunked mask in cuDNN
     assert decide(dtype=jnp.float32) is None  # cuDNN's flash attention is 16-bit

@@ -389,7 +389,7 @@ def test_planner_counts_gemma4s_image_side():
     from jaxtune.methods import method_config
     from jaxtune.models.params import ParamSpec
     from jaxtune.models.vision.family import ImageSide
-    from jaxtune.models.vision.gemma4 import Gemma4VLConfig, tower_elements
+    from jaxtune.models.vision.gemma4 import Gemma4VLConfig, tower_bytes
     from jaxtune.models.vision.gemma4_vision import vision_config_from_hf
     from jaxtune.planner import estimate
     from jaxtune.planner.devices import get_device
@@ -406,7 +406,7 @@ def test_planner_counts_gemma4s_image_side():
     tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(GEMMA4.param_specs(vision),
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert 160e6 < tower < 175e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
+    assert both.phases["image side"]["activations"] == tower_bytes(vision, shape, 2 * 2, 2)
 
 
 @pytest.mark.full

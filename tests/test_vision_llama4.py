@@ -202,13 +202,13 @@ def test_scout_image_side_counts_as_transformers():
 def test_planner_counts_the_image_side_of_scout():
     """Scout as released, LoRA SFT with a budget of 5 tiles a row on an H100, planned without allocating: the frozen
     weights hold the tower, adapter and projector (bfloat16) beside the MoE text model, and the tower's forward is a
-    moment of its own, its values as `tower_elements` counts them for the device's rows."""
+    moment of its own, its values as `tower_bytes` counts them for the device's rows."""
     from jaxtune.config.plan import TrainPlan
     from jaxtune.methods import method_config
     from jaxtune.models.hf_config import config_from_hf
     from jaxtune.models.params import ParamSpec
     from jaxtune.models.vision.family import ImageSide
-    from jaxtune.models.vision.llama4 import LLAMA4, tower_elements
+    from jaxtune.models.vision.llama4 import LLAMA4, tower_bytes
     from jaxtune.models.vision.llama4_vision import param_specs, vision_config_from_hf
     from jaxtune.planner import estimate
     from jaxtune.planner.devices import get_device
@@ -221,7 +221,7 @@ def test_planner_counts_the_image_side_of_scout():
     tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(vision),
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, (3, 336, 336), 2 * 5) * 2
+    assert both.phases["image side"]["activations"] == tower_bytes(vision, (3, 336, 336), 2 * 5, 2)
     assert "image side" not in text.phases
 
 

@@ -414,7 +414,7 @@ def test_planner_counts_the_image_side_of_qwen3_vl_2b():
     from jaxtune.models.params import ParamSpec
     from jaxtune.models.vision.family import ImageSide
     from jaxtune.models.vision.qwen2_5_vl import pixel_shape
-    from jaxtune.models.vision.qwen3_vl import tower_elements
+    from jaxtune.models.vision.qwen3_vl import tower_bytes
     from jaxtune.models.vision.qwen_vl_config import image_options_from_hf
     from jaxtune.planner import estimate
     from jaxtune.planner.devices import get_device
@@ -431,4 +431,4 @@ def test_planner_counts_the_image_side_of_qwen3_vl_2b():
     tower = sum(int(np.prod(s.shape)) for s in specs)
     assert sum(int(np.prod(s.shape)) for s in deepstack) == 3 * (4096 * 4096 + 4096 * 2048 + 2 * 4096 + 4096 + 2048)
     assert both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
+    assert both.phases["image side"]["activations"] == tower_bytes(vision, shape, 2 * 2, 2)

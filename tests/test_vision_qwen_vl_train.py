@@ -367,7 +367,7 @@ def test_planner_counts_the_image_side_of_qwen2_5_vl_3b():
     from jaxtune.models.hf_config import config_from_hf
     from jaxtune.models.params import ParamSpec
     from jaxtune.models.vision.family import ImageSide
-    from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL, pixel_shape, tower_elements
+    from jaxtune.models.vision.qwen2_5_vl import QWEN2_5_VL, pixel_shape, tower_bytes
     from jaxtune.models.vision.qwen_vl_config import QwenImageOptions, vision_language_config_from_hf
     from jaxtune.planner import estimate
     from jaxtune.planner.devices import get_device
@@ -382,4 +382,4 @@ def test_planner_counts_the_image_side_of_qwen2_5_vl_3b():
     tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(QWEN2_5_VL.param_specs(vision),
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert 600e6 < tower < 700e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, shape, 2 * 2) * 2
+    assert both.phases["image side"]["activations"] == tower_bytes(vision, shape, 2 * 2, 2)

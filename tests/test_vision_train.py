@@ -381,7 +381,7 @@ def test_generation_with_images_equals_transformers_generate(trained, capsys):
 def test_planner_counts_the_image_side_of_gemma3_4b():
     """gemma-3-4b-it as released, LoRA SFT with 2 images a row on an H100, planned without allocating: the frozen
     weights hold the tower and projector (bfloat16) beside the text model, and the tower's forward is a moment of
-    its own, its values as `tower_elements` counts them for the device's rows."""
+    its own, its bytes as `tower_bytes` counts them for the device's rows."""
     import jax
     from test_vision_gemma3 import RELEASED
 
@@ -390,7 +390,7 @@ def test_planner_counts_the_image_side_of_gemma3_4b():
     from jaxtune.models.hf_config import config_from_hf
     from jaxtune.models.params import ParamSpec
     from jaxtune.models.vision.family import ImageSide
-    from jaxtune.models.vision.gemma3 import GEMMA3, tower_elements
+    from jaxtune.models.vision.gemma3 import GEMMA3, tower_bytes
     from jaxtune.models.vision.hf import vision_config_from_hf, vision_param_specs
     from jaxtune.planner import estimate
     from jaxtune.planner.devices import get_device
@@ -402,7 +402,7 @@ def test_planner_counts_the_image_side_of_gemma3_4b():
     tower = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(vision_param_specs(vision),
                                                                is_leaf=lambda x: isinstance(x, ParamSpec)))
     assert 400e6 < tower < 450e6 and both.frozen_bytes - text.frozen_bytes == 2 * tower
-    assert both.phases["image side"]["activations"] == tower_elements(vision, (3, 896, 896), 2 * 2) * 2
+    assert both.phases["image side"]["activations"] == tower_bytes(vision, (3, 896, 896), 2 * 2, 2)
     assert "image side" not in text.phases
 
 

@@ -140,6 +140,15 @@ def block_size(n: int) -> int:
     return min(n, BLOCK)
 
 
+def forward_block_bytes(n: int, heads: int, width: int) -> int:
+    """Float32 bytes a forward of `blockwise_attention` (no gradient) holds for one row of n positions attending all
+    n, `heads` heads over `width` channels, beyond its inputs and output: one [heads, bq, bk] block of scores; with
+    several key blocks, the [n, width] output, max and sum the loop carries (the planner's, for the frozen towers)."""
+    bq = block_size(n)
+    carried = n * width + 2 * heads * n if bq < n else 0
+    return 4 * (heads * bq * bq + carried)
+
+
 def _cut(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
     """x with `axis` padded to a multiple of `size` (with `fill`) and cut into blocks, the block index first."""
     n = x.shape[axis]

@@ -382,8 +382,9 @@ def decoder_and_routing(
         K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         shape = AttentionShape(B, T, prefix + T, K, G, cfg.head_dim, prefix, segment_ids_BxT is not None,
                                attention_mask_BxT is not None, cfg.attn_logit_softcap, dtype,
-                               tuple(sorted(set(cfg.sliding_windows))), "sinks" in params["layers"])
-        fused = None if span_ids_BxT is not None else choose_kernel(options.attention, shape, platform_in_context())
+                               tuple(sorted(set(cfg.sliding_windows))), "sinks" in params["layers"],
+                               span_ids_BxT is not None)
+        fused = choose_kernel(options.attention, shape, platform_in_context())
     else:  # each row's tokens split over the context axis, in its layout's order (the prefix apart)
         tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, slots_T = spread_inputs(
             context, tokens_BxT, positions_BxT, attention_mask_BxT, segment_ids_BxT, prefix)
@@ -408,7 +409,7 @@ def decoder_and_routing(
     if cfg.global_head_dim:  # Gemma 4's full layers: their own head width, RoPE tables and kernel choice
         global_cfg = cfg.global_view
         global_rope = rope_tables(positions_BxT, global_cfg, dtype, mask.q_slot_T)
-        global_fused = None if context is not None or span_ids_BxT is not None else choose_kernel(
+        global_fused = None if context is not None else choose_kernel(  # `shape.spans`: the blockwise kernel
             options.attention, shape._replace(K=global_cfg.num_kv_heads, G=cfg.num_heads // global_cfg.num_kv_heads,
                                               head_dim=cfg.global_head_dim), platform_in_context())
 

@@ -19,6 +19,7 @@ from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
 from jaxtune.methods import method_config, option_names
+from jaxtune.models.vision.families import image_side
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
 from jaxtune.planner.compiled_search import confirm_plan, format_bound, largest_accepted
@@ -80,11 +81,13 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
               mesh: str | None = None,
               offload=(), rank: int = 16, bits: int = 4, targets: str = "all-linear",
               compute_dtype: str | None = None, param_dtype: str | None = None, objective: str = "sft",
-              generate_tokens: int = 0, context_attention: str = "ring") -> tuple[ModelConfig, TrainPlan, Device]:
+              generate_tokens: int = 0, context_attention: str = "ring",
+              images: int = 1) -> tuple[ModelConfig, TrainPlan, Device]:
     """(model config, plan, device) from the values `jaxtune plan` takes. Exactly one of `model` (a Hugging Face
     directory), `params` (millions, for a standard Llama shape) or `config` (a `jaxtune train` TOML, which then
     gives every other value) names the model. `batch` (rows per micro-batch
-    over all devices) defaults to one row per data x fsdp device."""
+    over all devices) defaults to one row per data x fsdp device. `images`: pixel arrays a batch row holds when
+    `model` is a vision-language directory (`data.max_images_per_row`), its image side then in the plan."""
     if sum(x is not None for x in (model, params, config)) != 1:
         raise JaxtuneError("give exactly one of --model DIR, --params MILLIONS or --config RUN.toml")
     device = get_device(target)
@@ -93,7 +96,10 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
         if compute_dtype is not None:
             plan = plan.replace(compute_dtype=compute_dtype)
         return cfg, plan, device
-    objective = objective_named(objective).name
+    unit = objective_named(objective)
+    objective = unit.name
+    if images < 1:
+        raise JaxtuneError(f"--images {images}: a vision-language row holds at least 1 image")
     if model is not None:
         cfg, stored = model_from_directory(model)
     else:
@@ -110,7 +116,8 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
                          forward=ForwardOptions(compute_dtype or ("bfloat16" if accelerator else "float32"),
                                                 Remat(remat or "none"), context_attention=context_attention),
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
-                         generate_tokens=generate_tokens)
+                         generate_tokens=generate_tokens,
+                         images=image_side(model, images) if model is not None and unit.reads_images else None)
     except ConfigError:
         raise
     except ValueError as e:

@@ -186,7 +186,10 @@ class Estimate:
                      "mesh": self.mesh, "offload": {"optimizer_state": p.offload.optimizer_state,
                                                     "frozen_params": p.offload.frozen_params,
                                                     "moments_dtype": p.offload.moments_dtype},
-                     "objective": p.objective, "context_attention": p.forward.context_attention},
+                     "objective": p.objective, "context_attention": p.forward.context_attention,
+                     "images": None if p.images is None else {"family": p.images.family.name,
+                                                              "max_images_per_row": p.images.max_images,
+                                                              "pixel_shape": list(p.images.pixel_shape)}},
             "model": {"parameters": self.base_parameters, "method_parameters": self.parameters - self.base_parameters,
                       "trainable_parameters": self.trainable_parameters,
                       "layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
@@ -547,8 +550,8 @@ def step_phases(step: Step, logits: int, workspace: int, residual_copies: int, l
     if images is not None:  # the tower's forward on a device's rows' pixel arrays, before the decoder's
         trained = bool(trained_parts(step.plan.method, images.family))
         kept = {"saved": True} if trained else {}  # a family whose image side trains counts its saved layers
-        tower = images.family.forward_elements(images.config, images.pixel_shape, step.w.b * images.max_images,
-                                                **kept) * step.compute_size
+        tower = images.family.forward_bytes(images.config, images.pixel_shape, step.w.b * images.max_images,
+                                            step.compute_size, **kept)
         phases["image side"] = {"activations": tower, "gradients": 0, "weight_copies": residual_copies}
         phases["loss"]["activations"] += tower_saved(step)
         phases["backward"]["activations"] += tower_saved(step)
@@ -566,9 +569,9 @@ def tower_saved(step) -> int:
     images = step.plan.images
     if images is None or not trained_parts(step.plan.method, images.family):
         return 0
-    count = lambda saved: images.family.forward_elements(images.config, images.pixel_shape,  # noqa: E731
-                                                         step.w.b * images.max_images, saved=saved)
-    return (count(True) - count(False)) * step.compute_size
+    count = lambda saved: images.family.forward_bytes(images.config, images.pixel_shape,  # noqa: E731
+                                                      step.w.b * images.max_images, step.compute_size, saved=saved)
+    return count(True) - count(False)
 
 
 def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:

@@ -19,6 +19,7 @@ def planned_kernel(cfg: ModelConfig, plan: TrainPlan, platform: str, rows: int, 
     shape = AttentionShape(rows, plan.seq_len, plan.seq_len + prefix, cfg.num_kv_heads,
                            cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, prefix, True, False, cfg.attn_logit_softcap,
                            plan.forward.compute_dtype, tuple(sorted(set(cfg.sliding_windows))),
-                           "sinks" in param_specs(cfg)["layers"])  # as the forward reads them: from the parameters
+                           "sinks" in param_specs(cfg)["layers"],  # as the forward reads them: from the parameters
+                           plan.images is not None and plan.images.family.image_spans)
     fused = choose_kernel(plan.forward.attention, shape, platform, planning=True)
     return None if fused is None else KERNELS[fused.kind]

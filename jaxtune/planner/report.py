@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
+
 from jaxtune.methods.base import method_unit
+from jaxtune.models.params import ParamSpec
 from jaxtune.planner.confirm import CompiledMemory
 from jaxtune.planner.estimate import Estimate
 from jaxtune.planner.search import LongestContext, SearchResult, explain
@@ -52,7 +57,19 @@ def _describe(est: Estimate) -> list[str]:
         f"{f', context attention {p.forward.context_attention}' if mesh['context'] > 1 else ''}",
         f"target: {est.device.count} x {est.device.name} (mesh {mesh_label(mesh)})"
         f"{', offload ' + _offload(est) if _offload(est) else ''}",
-    ]
+    ] + _images(est)
+
+
+def _images(est: Estimate) -> list[str]:
+    """The image side's line of a vision-language plan: its arrays, its frozen tower, its forward's moment."""
+    images = est.plan.images
+    if images is None:
+        return []
+    specs = jax.tree.leaves(images.family.param_specs(images.config), is_leaf=lambda x: isinstance(x, ParamSpec))
+    forward = est.phases["image side"]["activations"]
+    return [f"images: {images.family.name}, {images.max_images} pixel array(s) of {list(images.pixel_shape)} a row; "
+            f"the frozen tower's {_count(sum(math.prod(s.shape) for s in specs))} parameters are in the frozen "
+            f"weights, its forward {forward / MiB:,.2f} MiB a device (the image side's moment)"]
 
 
 def _offload(est: Estimate) -> str:

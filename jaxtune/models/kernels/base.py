@@ -28,7 +28,8 @@ class AttentionShape(NamedTuple):
     """The static facts of a full forward's attention: B rows of T queries over S keys (S - T = prefix learned
     ones), K key/value heads each shared by G query heads of head_dim; packed segments or padding present; the
     scores' soft cap; the compute dtype; the model's distinct sliding windows (0: none); attention sinks present
-    (gpt-oss's learned logit per query head in every softmax)."""
+    (gpt-oss's learned logit per query head in every softmax); bidirectional spans present (an image's tokens
+    attending each other both ways, `span_ids_BxT`: no fused kernel computes them)."""
 
     B: int
     T: int
@@ -43,6 +44,7 @@ class AttentionShape(NamedTuple):
     dtype: object
     windows: tuple[int, ...]
     sinks: bool
+    spans: bool = False
 
 
 class FusedAttention(NamedTuple):
@@ -157,7 +159,7 @@ def choose_kernel(choice: str, shape: AttentionShape, platform: str, planning: b
     planning: the planner's question, off the platform's machine: no probe, no warning, and a kernel that would not
     run natively there counts as the blockwise kernel."""
     check_choice(choice)
-    if choice == BLOCKWISE:
+    if choice == BLOCKWISE or shape.spans:
         return None
     if choice == "auto":
         kernel = next((k for k in KERNELS.values() if platform in k.platforms), None)

@@ -56,9 +56,11 @@ class VisionFamily:
                           -> the whole model's logits [B, T, V]; `kv_cache.prefill`'s (logits [B, V], cache)
     text_prefix           the text model's tensor prefix in its VLM checkpoint (PEFT's and the merged export's)
     outside_text          a regex of the VLM's module paths outside the text model (an adapter's exclude_modules)
-    forward_elements      (config, pixel_shape, pixel arrays) -> values one forward of the image side holds at its
-                          peak (the planner's); a family with `parts` also takes saved=True: of a trained tower,
-                          every layer's kept for the backward
+    forward_bytes         (config, pixel_shape, pixel arrays, compute itemsize) -> bytes one forward of the image side
+                          holds at its peak (the planner's); a family with `parts` also takes saved=True: of a
+                          trained tower, every layer's input kept for the backward beside them
+    image_spans           its image tokens attend each other both ways (`image_inputs` gives `span_ids_BxT`): the
+                          decoder then runs the blockwise kernel, no fused one (`kernels.choose_kernel`)
     parts                 {name: `VisionPart`}: what `[method] vision_modules` may name, in the model's order (none:
                           the image side stays frozen)
     """
@@ -80,7 +82,8 @@ class VisionFamily:
     prefill: Callable[..., tuple]
     text_prefix: str
     outside_text: str
-    forward_elements: Callable[..., int]
+    forward_bytes: Callable[..., int]
+    image_spans: bool = False
     parts: Mapping[str, VisionPart] = field(default_factory=dict, hash=False, compare=False)  # one of a kind
 
 

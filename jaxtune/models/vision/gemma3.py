@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, ModelConfig, VisionLanguageConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.attention import forward_block_bytes
 from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings, span_ids
@@ -117,17 +118,20 @@ def image_expansion(tokenizer, vision: VisionLanguageConfig, arrays: int) -> str
         [full] * (arrays - 1))
 
 
-def tower_elements(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int, saved: bool = False) -> int:
-    """Values the image side holds at once for `arrays` images: their pixels, one encoder layer's [N, P, .] values
-    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F; `saved`: beside
-    them every layer's input [N, P, Dv], what a trained tower's rematerialised backward keeps) and the soft tokens
-    [N, tokens_per_image, D] it hands the decoder."""
+def tower_bytes(vision: VisionLanguageConfig, shape: tuple[int, ...], arrays: int, itemsize: int,
+                saved: bool = False) -> int:
+    """Bytes the image side holds at once for `arrays` images, values of `itemsize` bytes: their pixels, one encoder
+    layer's [N, P, .] values (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of
+    F; `saved`: beside them every layer's input [N, P, Dv], what a trained tower's rematerialised backward keeps), the
+    soft tokens [N, tokens_per_image, D] it hands the decoder, and the attention kernel's float32 working set
+    (`attention.forward_block_bytes`)."""
     t = vision.tower
     P = t.patches_per_side**2
     pixels = t.num_channels * t.image_size**2
     inputs = t.num_layers * P * t.hidden_size if saved else 0
-    return arrays * (pixels + inputs + P * (6 * t.hidden_size + 2 * t.intermediate_size)
-                     + vision.tokens_per_image * vision.text_hidden_size)
+    values = (pixels + inputs + P * (6 * t.hidden_size + 2 * t.intermediate_size)
+              + vision.tokens_per_image * vision.text_hidden_size)
+    return arrays * (values * itemsize + forward_block_bytes(P, t.num_heads, t.hidden_size))
 
 
 def _pixels(images, processing) -> tuple[np.ndarray, list[int]]:
@@ -144,7 +148,7 @@ GEMMA3 = VisionFamily(
     image_token=lambda v: v.image_token_id,
     image_inputs=image_inputs, forward=vision_language_forward, prefill=vision_language_prefill,
     text_prefix="model.language_model.",
-    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_elements=tower_elements,
+    outside_text=r".*(vision_tower|multi_modal_projector).*", forward_bytes=tower_bytes, image_spans=True,
     parts={"vision_tower": VisionPart(keys=("vision_tower",), linears={
         ("vision_tower", "layers", name): f"model.vision_tower.encoder.layers.{{i}}.{name}" for name in LAYER_LINEARS}),
         # mm_input_projection is a bare nn.Parameter in transformers, no Linear PEFT adapts: the projector trains whole

@@ -21,6 +21,7 @@ from PIL import Image
 from jaxtune.config import ForwardOptions, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.json import read_json
+from jaxtune.models.attention import forward_block_bytes
 from jaxtune.models.hf_config import load_config, model_dir
 from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
@@ -218,12 +219,14 @@ def image_expansion(tokenizer, vision: Gemma4VLConfig, count: int) -> str:
             + _token(tokenizer, vision.eoi_token_id, "end-of-image"))
 
 
-def tower_elements(vision: Gemma4VLConfig, shape: tuple[int, ...], arrays: int) -> int:
-    """Values the image side holds at once for `arrays` padded images: their pixels, one layer's [P, .] values (the
-    residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of F), the soft tokens."""
+def tower_bytes(vision: Gemma4VLConfig, shape: tuple[int, ...], arrays: int, itemsize: int) -> int:
+    """Bytes the image side holds at once for `arrays` padded images, values of `itemsize` bytes: their pixels, one
+    layer's [P, .] values (the residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of
+    F), the soft tokens, and the attention kernel's float32 working set."""
     t, P = vision.tower, shape[0]
-    return arrays * (P * shape[1] + P * (6 * t.hidden_size + 3 * t.intermediate_size)
-                     + P // t.pooling_kernel_size**2 * t.text_hidden_size)
+    values = (P * shape[1] + P * (6 * t.hidden_size + 3 * t.intermediate_size)
+              + P // t.pooling_kernel_size**2 * t.text_hidden_size)
+    return arrays * (values * itemsize + forward_block_bytes(P, t.num_heads, t.num_heads * t.head_dim))
 
 
 GEMMA4 = VisionFamily(
@@ -237,4 +240,5 @@ GEMMA4 = VisionFamily(
     marker=lambda tokenizer, vision: _token(tokenizer, vision.image_token_id, "image"),
     expansion=image_expansion, image_token=lambda vision: vision.image_token_id, image_inputs=image_inputs,
     forward=vision_language_forward, prefill=vision_language_prefill, text_prefix="model.language_model.",
-    outside_text=r".*(vision_tower|embed_vision|audio_tower|embed_audio).*", forward_elements=tower_elements)
+    outside_text=r".*(vision_tower|embed_vision|audio_tower|embed_audio).*", forward_bytes=tower_bytes,
+    image_spans=True)

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxtune.config import ForwardOptions, ModelConfig
 from jaxtune.errors import JaxtuneError
+from jaxtune.models.attention import forward_block_bytes
 from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
 from jaxtune.models.multimodal import PlacedEmbeddings
@@ -92,14 +93,15 @@ def image_expansion(tokenizer, vision: Llama4VisionConfig, grid: tuple[int, int]
     return f"{IMAGE_START}{tiles}{IMAGE_MARKER}{patches}{IMAGE_END}"
 
 
-def tower_elements(vision: Llama4VisionConfig, shape: tuple[int, ...], arrays: int) -> int:
-    """Values the image side holds at once for `arrays` tiles: their pixels, one encoder layer's [N, P + 1, .] values
-    (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two of F), the adapter's and
-    the projector's outputs."""
+def tower_bytes(vision: Llama4VisionConfig, shape: tuple[int, ...], arrays: int, itemsize: int) -> int:
+    """Bytes the image side holds at once for `arrays` tiles, values of `itemsize` bytes: their pixels, one encoder
+    layer's [N, P + 1, .] values (the residual, its LayerNorm, q, k, v, the attention's output: 6 x Dv; the MLP's two
+    of F), the adapter's and the projector's outputs, and the attention kernel's float32 working set."""
     P = vision.patches_per_side**2 + 1
     K = vision.tokens_per_tile
-    return arrays * (int(np.prod(shape)) + P * (6 * vision.hidden_size + 2 * vision.intermediate_size)
-                     + K * (vision.projector_input_dim + vision.projector_output_dim + vision.text_hidden_size))
+    values = (int(np.prod(shape)) + P * (6 * vision.hidden_size + 2 * vision.intermediate_size)
+              + K * (vision.projector_input_dim + vision.projector_output_dim + vision.text_hidden_size))
+    return arrays * (values * itemsize + forward_block_bytes(P, vision.num_heads, vision.hidden_size))
 
 
 def _pixel_shape(options: Llama4ImageOptions) -> tuple[int, int, int]:
@@ -113,4 +115,4 @@ LLAMA4 = VisionFamily(
     pixel_shape=_pixel_shape, marker=image_marker, expansion=image_expansion,
     image_token=lambda vision: vision.image_token_id, image_inputs=image_inputs, forward=vision_language_forward,
     prefill=vision_language_prefill, text_prefix="language_model.model.",
-    outside_text=r".*(vision_model|multi_modal_projector).*", forward_elements=tower_elements)
+    outside_text=r".*(vision_model|multi_modal_projector).*", forward_bytes=tower_bytes)

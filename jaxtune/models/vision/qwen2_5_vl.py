@@ -16,6 +16,7 @@ import numpy as np
 from jaxtune.config import ForwardOptions, ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.json import read_json
+from jaxtune.models.attention import forward_block_bytes
 from jaxtune.models.hf_config import load_config, model_dir
 from jaxtune.models.kv_cache import KVCache, prefill
 from jaxtune.models.llama import forward
@@ -169,14 +170,17 @@ def _token(tokenizer, token_id: int) -> str:
     return text
 
 
-def tower_elements(vision: QwenVLConfig, shape: tuple[int, ...], arrays: int, saved: bool = False) -> int:
-    """Values the image side holds at once for `arrays` padded images: their pixels, one block's [N, .] values (the
-    residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of F; `saved`: beside them
-    every block's input [N, D], what a trained tower's rematerialised backward keeps), the merged tokens."""
+def tower_bytes(vision: QwenVLConfig, shape: tuple[int, ...], arrays: int, itemsize: int, saved: bool = False
+                ) -> int:
+    """Bytes the image side holds at once for `arrays` padded images, values of `itemsize` bytes: their pixels, one
+    block's [N, .] values (the residual, its norm, q, k, v, the attention's output: 6 x D; the gated MLP's three of
+    F; `saved`: beside them every block's input [N, D], what a trained tower's rematerialised backward keeps), the
+    merged tokens, and the attention kernel's float32 working set (`attention.forward_block_bytes`)."""
     t, N = vision.tower, shape[0] - 1
     inputs = t.depth * N * t.hidden_size if saved else 0
-    return arrays * (shape[0] * shape[1] + inputs + N * (6 * t.hidden_size + 3 * t.intermediate_size)
-                     + N // t.merge_unit * t.out_hidden_size)
+    values = (shape[0] * shape[1] + inputs + N * (6 * t.hidden_size + 3 * t.intermediate_size)
+              + N // t.merge_unit * t.out_hidden_size)
+    return arrays * (values * itemsize + forward_block_bytes(N, t.num_heads, t.hidden_size))
 
 
 QWEN2_5_VL = VisionFamily(
@@ -190,7 +194,7 @@ QWEN2_5_VL = VisionFamily(
     expansion=lambda tokenizer, vision, count: _token(tokenizer, vision.image_token_id) * count,
     image_token=lambda vision: vision.image_token_id, image_inputs=image_inputs,
     forward=vision_language_forward, prefill=vision_language_prefill, text_prefix="model.language_model.",
-    outside_text=r".*visual.*", forward_elements=tower_elements,
+    outside_text=r".*visual.*", forward_bytes=tower_bytes,
     parts={"visual": VisionPart(keys=("patch_embed", "blocks"), linears={  # less its merger, as LLaMA-Factory's
         key: f"model.visual.{hf}" for key, hf in QWEN2_5_VL_NAMES.items()
         if key[0] == "blocks" and "norm" not in key[1]}),

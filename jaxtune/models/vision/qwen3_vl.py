@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtune.config import ModelConfig
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.json import read_json
+from jaxtune.models.attention import forward_block_bytes
 from jaxtune.models.hf_config import load_config, model_dir
 from jaxtune.models.multimodal import DeepStack, PlacedEmbeddings
 from jaxtune.models.params import ParamSpec
@@ -110,13 +111,14 @@ def read_config(directory) -> Qwen3VLConfig:
     return vision_language_config_from_hf(read_json(path / "config.json"), load_config(path).hidden_size)
 
 
-def tower_elements(vision: Qwen3VLConfig, shape: tuple[int, ...], arrays: int) -> int:
-    """Values the image side holds at once for `arrays` padded images: their pixels, one block's [N, .] values (the
-    residual, its norm, q, k, v, the attention's output: 6 x D; the MLP's two of F), the merged tokens and the
-    DeepStack features."""
+def tower_bytes(vision: Qwen3VLConfig, shape: tuple[int, ...], arrays: int, itemsize: int) -> int:
+    """Bytes the image side holds at once for `arrays` padded images, values of `itemsize` bytes: their pixels, one
+    block's [N, .] values (the residual, its norm, q, k, v, the attention's output: 6 x D; the MLP's two of F), the
+    merged tokens and the DeepStack features, and the attention kernel's float32 working set."""
     t, N = vision.tower, shape[0] - 1
-    return arrays * (shape[0] * shape[1] + N * (6 * t.hidden_size + 2 * t.intermediate_size)
-                     + (1 + len(t.deepstack_visual_indexes)) * N // t.merge_unit * t.out_hidden_size)
+    values = (shape[0] * shape[1] + N * (6 * t.hidden_size + 2 * t.intermediate_size)
+              + (1 + len(t.deepstack_visual_indexes)) * N // t.merge_unit * t.out_hidden_size)
+    return arrays * (values * itemsize + forward_block_bytes(N, t.num_heads, t.hidden_size))
 
 
 QWEN3_VL = VisionFamily(
@@ -132,6 +134,6 @@ QWEN3_VL = VisionFamily(
     marker=QWEN2_5_VL.marker, expansion=QWEN2_5_VL.expansion, image_token=lambda vision: vision.image_token_id,
     image_inputs=image_inputs, forward=functools.partial(vision_language_forward, inputs=image_inputs),
     prefill=functools.partial(vision_language_prefill, inputs=image_inputs), text_prefix="model.language_model.",
-    outside_text=r".*visual.*", forward_elements=tower_elements)
+    outside_text=r".*visual.*", forward_bytes=tower_bytes)
 # Qwen3.5's image side is Qwen3-VL's without DeepStack (its text model Qwen3.5's: Gated DeltaNet layers)
 QWEN3_5_VL = dataclasses.replace(QWEN3_VL, name="qwen3_5", architectures=("Qwen3_5ForConditionalGeneration",))
