@@ -65,7 +65,7 @@ def test_plan_on_a_vision_language_directory_counts_and_prints_its_image_side(tm
     planned = json.loads(capsys.readouterr().out)
     assert planned["plan"]["images"] == {"family": "gemma3", "max_images_per_row": 2, "pixel_shape": [3, 64, 64]}
     assert planned["phases"]["image side"]["activations"] > 0
-    assert make_plan(model=vlm, target="v5e-4", objective="kto")[1].images is None
+    assert make_plan(model=vlm, target="v5e-4", objective="reward")[1].images is None  # reads no images
     cfg, plan, _ = make_plan(model=vlm, target="v5e-4", seq=256)
     assert planned_kernel(cfg, plan, "tpu", 1, 0, 1) is None  # Gemma 3's images attend both ways: blockwise
     assert planned_kernel(cfg, plan.replace(images=None), "tpu", 1, 0, 1).name == "splash"
