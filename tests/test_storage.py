@@ -29,6 +29,7 @@ from jaxtune.models.llama import forward
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import load_run_config
 from jaxtune.spine.model import load_model
+from jaxtune.train.export import export_run
 from jaxtune.train.loop import fine_tune
 from jaxtune.train.outputs import fetch_run_directory, run_directories, sync_run_directory
 
@@ -152,6 +153,13 @@ def test_a_run_directory_goes_to_its_url_and_comes_back(tmp_path, bucket, monkey
     assert (run_dir / "checkpoints/4/state").read_text() == "checkpoints/4/state"
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()) == [
         "checkpoints/4/state", "config.toml", "metrics.jsonl"]
+    # where orbax writes the checkpoints itself (gs://, file://), they are neither copied there nor fetched back
+    sync_run_directory(f"file://{tmp_path}/r", run_dir)
+    assert sorted(os.listdir(tmp_path / "r")) == ["config.toml", "metrics.jsonl"]
+    (tmp_path / "r" / "checkpoints" / "6").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "6" / "state").write_text("6")
+    fetch_run_directory(f"file://{tmp_path}/r", staging)
+    assert sorted(os.listdir(staging)) == ["config.toml", "metrics.jsonl"]
 
 
 def _write_config(path: Path, model: str, data: str, out: str, max_steps: int) -> Path:
@@ -166,7 +174,7 @@ def _write_config(path: Path, model: str, data: str, out: str, max_steps: int) -
 def test_a_run_reads_and_writes_a_bucket_and_resumes_from_it(model, tmp_path, bucket, monkeypatch, scheme):
     """Model and data read from `memory://`, the run written to `memory://` or `file://` (checkpoints by orbax, as
     to gs://): the same metrics and adapter as the local run; then, from a fresh working directory (a new machine),
-    the same command with more steps resumes from the bucket's checkpoint."""
+    the same command with more steps resumes from the bucket's checkpoint, and the run exports by its URL."""
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     bucket.put(str(model), "/bucket/model", recursive=True)
     bucket.put(str(tmp_path / "rows.jsonl"), "/bucket/rows.jsonl")
@@ -194,3 +202,9 @@ def test_a_run_reads_and_writes_a_bucket_and_resumes_from_it(model, tmp_path, bu
     fine_tune(load_run_config(longer), log=lines.append)
     assert any(line.startswith("resumed from step 4") for line in lines)
     assert fs.exists(f"{root}/checkpoints/6")
+    # `jaxtune export` of the run by its URL, from a third machine, to a URL
+    (tmp_path / "machine3").mkdir()
+    monkeypatch.chdir(tmp_path / "machine3")
+    assert export_run(out, "peft", "memory://bucket/exported", step=4) == "memory://bucket/exported"
+    assert bucket.cat_file("/bucket/exported/adapter_model.safetensors") == (
+        local.run_dir / "adapter" / "adapter_model.safetensors").read_bytes()

@@ -3,9 +3,9 @@ and written through fsspec so that a reader never sees a difference from a local
 
     is_url("gs://b/m"); size(url); read_range(url, start, n)   # CheckpointReader's headers and tensors, by range
     open_url(url, "rb")                    # a data file streamed (JSONL, Parquet), an image beside it
-    local_model_dir(url)                   # a model's small files (config, tokenizer...) copied once a process;
-                                           # its weights stay in the bucket (`remote_of`)
+    local_model_dir(url)                   # a model's small files copied once a process, its weights left there
     upload_tree(local_dir, url); download_tree(url, local_dir)   # a run directory's files to and from the bucket
+    upload(local, url)                     # an export's file or directory
 A missing object is one JaxtuneError naming the URL; a scheme whose fsspec package is absent names its install.
 """
 
@@ -116,14 +116,14 @@ def remote_of(local: Path) -> str | None:
     return None
 
 
-def upload_tree(local_dir: Path, url: str, skip: tuple[str, ...] = ()) -> None:
+def upload_tree(local_dir: Path, url: str, skip: tuple[str, ...] = (), remove_others: bool = True) -> None:
     """Copy `local_dir`'s files to `url` (same relative names), those changed since this process last uploaded
-    them; top-level entries named in `skip` stay local."""
+    them; top-level entries named in `skip` stay local. remove_others: a file there that `local_dir` no longer has
+    (an old checkpoint orbax dropped) is removed."""
     fs, root = filesystem(url)
-    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+    listed = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.relative_to(local_dir).parts[0] not in skip)
+    for path in listed:
         relative = path.relative_to(local_dir)
-        if relative.parts[0] in skip:
-            continue
         stat = path.stat()
         key, stamp = (str(path), url), (stat.st_size, stat.st_mtime_ns)
         if _uploaded.get(key) == stamp:
@@ -131,28 +131,39 @@ def upload_tree(local_dir: Path, url: str, skip: tuple[str, ...] = ()) -> None:
         fs.makedirs(join(root, *relative.parts[:-1]), exist_ok=True)
         fs.put_file(str(path), join(root, relative.as_posix()))
         _uploaded[key] = stamp
-    # a local file removed (an old checkpoint orbax dropped) is removed there too
-    listed = {p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file()}
-    if fs.isdir(root):
+    if remove_others and fs.isdir(root):
+        names = {p.relative_to(local_dir).as_posix() for p in listed}
         for remote in fs.find(root):
             relative = remote[len(root.rstrip("/")) + 1:]
-            if relative.split("/", 1)[0] not in skip and relative not in listed:
+            if relative.split("/", 1)[0] not in skip and relative not in names:
                 fs.rm_file(remote)
 
 
-def download_tree(url: str, local_dir: Path) -> None:
-    """Copy `url`'s files (a run directory in the bucket) into `local_dir`, those not there already with that size."""
+def download_tree(url: str, local_dir: Path, skip: tuple[str, ...] = ()) -> None:
+    """Copy `url`'s files (a run directory in the bucket) into `local_dir`, those not there already with that size;
+    top-level entries named in `skip` stay there."""
     fs, root = filesystem(url)
     if not fs.isdir(root):
         return
     for remote, info in fs.find(root, detail=True).items():
-        target = local_dir / remote[len(root.rstrip("/")) + 1:]
-        if target.is_file() and target.stat().st_size == info["size"]:
+        relative = remote[len(root.rstrip("/")) + 1:]
+        target = local_dir / relative
+        if relative.split("/", 1)[0] in skip or (target.is_file() and target.stat().st_size == info["size"]):
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(remote, str(target))
         stat = target.stat()
         _uploaded[(str(target), url)] = (stat.st_size, stat.st_mtime_ns)
+
+
+def upload(local: Path, url: str) -> None:
+    """A file, or a directory's files, copied to `url` (other files there kept)."""
+    if local.is_dir():
+        upload_tree(local, url, remove_others=False)
+        return
+    fs, path = filesystem(url)
+    fs.makedirs(parent(path) if "/" in path.strip("/") else path, exist_ok=True)
+    fs.put_file(str(local), path)
 
 
 def local_path(url: str) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.data.tokenizer import copy_tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.io import storage
 from jaxtune.io.storage import is_url
 from jaxtune.methods.base import METHODS, method_unit
 from jaxtune.methods.gguf_export import save_gguf
@@ -36,7 +37,7 @@ from jaxtune.spine.load import initial_leaves, read_frozen
 from jaxtune.spine.model import load_model_with_adapter
 from jaxtune.spine.run import abstract_run, train_plan
 from jaxtune.train.checkpoint import Checkpoints
-from jaxtune.train.outputs import checkpoint_directory
+from jaxtune.train.outputs import checkpoint_directory, local_run_directory
 from jaxtune.train.resume import run_config_at
 
 EXPORT_TARGETS = ("peft", "merged", "gguf", "gguf-lora")
@@ -161,15 +162,22 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
 
 
 def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | None = None, gguf_type: str = "f16",
-               log=None) -> Path:
+               log=None) -> Path | str:
     """A run's result from its checkpoint of `step` (default: the latest; `run_dir` may also be a checkpoint,
     RUN/checkpoints/N) as `target`: "peft" (the adapter
     directory), "merged" (an HF model directory: the adapter merged, or a full fine-tune's or reward model's own),
     "gguf" (one GGUF file of `gguf_type`) or "gguf-lora" (llama.cpp's LoRA). Written to `out`; nothing is written
-    into the run directory. A run may export while it trains (its checkpoints are only read)."""
+    into the run directory. A run may export while it trains (its checkpoints are only read). `run_dir` may be a
+    run's URL `output_dir` and `out` a URL (`io.storage`)."""
     if target not in EXPORT_TARGETS:
         raise JaxtuneError(f"export target {target!r}: choose one of {', '.join(EXPORT_TARGETS)}")
-    run_dir, step = checkpoint_of(run_dir, step)
+    if is_url(out):  # written here, then copied there
+        with tempfile.TemporaryDirectory(prefix="jaxtune-export-") as local:
+            written = export_run(run_dir, target, Path(local) / out.rstrip("/").rsplit("/", 1)[-1], step, gguf_type,
+                                 log)
+            storage.upload(Path(written), out)
+        return out
+    run_dir, step = checkpoint_of(local_run_directory(run_dir), step)
     out = Path(out)
     if target.startswith("gguf"):
         if out.exists():

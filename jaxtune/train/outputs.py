@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxtune.errors import JaxtuneError
 from jaxtune.io import storage
 from jaxtune.io.storage import is_url
 
@@ -34,14 +35,29 @@ def checkpoint_directory(output_dir: str, run_dir: Path) -> str | Path:
     return run_dir / "checkpoints"
 
 
+def _not_copied(url: str) -> tuple[str, ...]:
+    """The run directory's entries never copied between `url` and the local copy."""
+    return (*LOCAL_ONLY, "checkpoints") if _orbax_writes(url) else LOCAL_ONLY
+
+
 def fetch_run_directory(output_dir: str, run_dir: Path) -> None:
-    """A URL output's files (config, metrics, the checkpoints it holds) brought into the local `run_dir`."""
+    """A URL output's files (config, metrics, the checkpoints orbax cannot read there) brought into `run_dir`."""
     if is_url(output_dir):
-        storage.download_tree(output_dir, run_dir)
+        storage.download_tree(output_dir, run_dir, _not_copied(output_dir))
 
 
 def sync_run_directory(output_dir: str, run_dir: Path) -> None:
     """The local `run_dir`'s files copied to a URL output, but the data cache and the checkpoints orbax wrote there."""
     if is_url(output_dir) and run_dir.is_dir():
-        skip = (*LOCAL_ONLY, "checkpoints") if _orbax_writes(output_dir) else LOCAL_ONLY
-        storage.upload_tree(run_dir, output_dir, skip)
+        storage.upload_tree(run_dir, output_dir, _not_copied(output_dir))
+
+
+def local_run_directory(run: str | Path) -> Path:
+    """A run directory given as its `output_dir` URL: its local copy, fetched; a local one as it is."""
+    if not is_url(run):
+        return Path(run)
+    if not storage.exists(run):
+        raise JaxtuneError(f"{run}: run directory not found")
+    run_dir = run_directories(run)[0]
+    fetch_run_directory(run, run_dir)
+    return run_dir
