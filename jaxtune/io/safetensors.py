@@ -6,7 +6,7 @@ Format (huggingface/safetensors): an 8-byte little-endian header length N, N byt
 C-contiguous little-endian data. Reading uses positioned reads (`os.pread`), not a memory map, whose touched pages
 would stay resident: a slice reads only its bytes (one read for whole trailing rows, one per row otherwise), and
 `bytes_read` counts them, so a caller can check that a process read only its part. A model in a bucket
-(`io.storage.local_model_dir`) is read the same way, each read one ranged request.
+(`io.storage.local_model_dir`) is read by ranged requests, one a slice (the span of its rows).
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class CheckpointReader:
             else:
                 raise JaxtuneError(f"{path}: file not found (listed in {INDEX_FILE})")
             tensors, _ = _header(where, size, read)
-            self._tensors.update({(rename or str)(t): (*info, read, where, t) for t, info in tensors.items()})
+            self._tensors.update({(rename or str)(t): (*info, read, where, t, bool(bucket))
+                                  for t, info in tensors.items()})
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -155,7 +156,7 @@ class CheckpointReader:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """`tensor[index]` (slices of step 1, one per leading dimension; missing ones take everything)."""
-        dtype, shape, begin, source, path, _ = self._info(name)
+        dtype, shape, begin, source, path, _, bucket = self._info(name)
         index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
         bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
         out_shape = tuple(max(0, b - a) for a, b in bounds)
@@ -171,9 +172,16 @@ class CheckpointReader:
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         run = math.prod(out_shape[lead:])
         flat = out.reshape(-1)
-        for i, start in enumerate(np.ndindex(*out_shape[:lead])):
-            first = sum((bounds[d][0] + start[d]) * strides[d] for d in range(len(start)))
-            first += sum(bounds[d][0] * strides[d] for d in range(len(start), len(shape)))
+        firsts = [sum((bounds[d][0] + start[d]) * strides[d] for d in range(len(start)))
+                  + sum(bounds[d][0] * strides[d] for d in range(len(start), len(shape)))
+                  for start in np.ndindex(*out_shape[:lead])]
+        if bucket and len(firsts) > 1:  # a request's latency, not its bytes, is a bucket's cost: one for the span
+            span = np.frombuffer(self._pread(source, (firsts[-1] + run - firsts[0]) * dtype.itemsize,
+                                             begin + firsts[0] * dtype.itemsize, path), dtype)
+            for i, first in enumerate(firsts):
+                flat[i * run:(i + 1) * run] = span[first - firsts[0]:first - firsts[0] + run]
+            return out
+        for i, first in enumerate(firsts):
             data = self._pread(source, run * dtype.itemsize, begin + first * dtype.itemsize, path)
             flat[i * run:(i + 1) * run] = np.frombuffer(data, dtype)
         return out
