@@ -12,7 +12,6 @@ so errors name "file:position". `columns` maps our field names to the dataset's 
 from __future__ import annotations
 
 import gzip
-import io
 import itertools
 import json
 from collections.abc import Mapping
@@ -34,17 +33,17 @@ def json_type(value) -> str:
         type(value), type(value).__name__)
 
 
-def _opened(path: Path | str, mode: str):
-    """A local file or a URL's object (streamed, `io.storage`), gunzipped for a `.gz` name."""
+def _text(path: Path | str):
+    """A local file or a URL's object (streamed, `io.storage`) as text, gunzipped for a `.gz` name."""
+    gzipped = str(path).endswith(".gz")
     if is_url(path):
-        raw = storage.open_url(str(path), "rb")
-        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if str(path).endswith(".gz") else raw, encoding="utf-8")
-    return (gzip.open if str(path).endswith(".gz") else open)(path, mode, encoding="utf-8")
+        return storage.open_url(path, "rt", compression="gzip" if gzipped else None, encoding="utf-8")
+    return (gzip.open if gzipped else open)(path, "rt", encoding="utf-8")
 
 
 def _jsonl_lines(path: Path | str):
     try:
-        with _opened(path, "rt") as f:
+        with _text(path) as f:
             yield from enumerate(f, 1)
     except UnicodeDecodeError as e:
         raise JaxtuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None

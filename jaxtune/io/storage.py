@@ -77,12 +77,13 @@ def read_range(url: str, start: int, length: int) -> bytes:
         raise JaxtuneError(f"{url}: not found") from None
 
 
-def open_url(url: str, mode: str = "rb") -> IO:
-    """`url` opened for streaming (read ahead in blocks, never fetched whole)."""
+def open_url(url: str, mode: str = "rb", **options) -> IO:
+    """`url` opened for streaming (read ahead in blocks, never fetched whole); options: fsspec's (`compression`,
+    `encoding`, ...)."""
     fs, path = filesystem(url)
     if "r" in mode and not fs.isfile(path):
         raise JaxtuneError(f"{url}: not found")
-    return fs.open(path, mode)
+    return fs.open(path, mode, **options)
 
 
 def local_model_dir(url: str) -> Path:
