@@ -2,7 +2,6 @@
 the path, instead of after minutes of work (or halfway through, leaving a partial directory).
 
     check_output_dir(path, "train.output_dir")   # writable, or a JaxtuneError naming the key and the path
-    run_directories(output_dir)                  # (run dir, checkpoint dir); gs:// keeps checkpoints in the bucket
     with run_directory_lock(run_dir): ...        # one writer per run directory (flock)
     with writing(path, needed): ...              # refused when the disk lacks room; a full disk is one line
 """
@@ -35,15 +34,6 @@ def check_output_dir(path: str | Path, what: str) -> Path:
     except OSError as e:
         raise JaxtuneError(f"{what} {str(path)!r}: {existing} is not writable ({e.strerror})") from None
     return path
-
-
-def run_directories(output_dir: str) -> tuple[Path, str | Path]:
-    """(run directory, checkpoint directory) of `train.output_dir`. A `gs://bucket/path` output keeps its
-    checkpoints there (orbax writes to Cloud Storage directly, so a re-created TPU VM resumes from them) and writes
-    the other files (config, metrics, plot, result) to the local `runs/bucket/path`."""
-    if output_dir.startswith("gs://"):
-        return Path("runs") / output_dir.removeprefix("gs://").strip("/"), output_dir.rstrip("/") + "/checkpoints"
-    return Path(output_dir), Path(output_dir) / "checkpoints"
 
 
 @contextmanager

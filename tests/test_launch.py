@@ -87,7 +87,7 @@ exit 0
 
 def test_gs_output_keeps_checkpoints_in_the_bucket_and_the_rest_local():
     """What makes a re-created VM resume: the checkpoints (orbax, straight to Cloud Storage) outlive it."""
-    from jaxtune.paths import run_directories
+    from jaxtune.train.outputs import run_directories
 
     assert run_directories("gs://bucket/runs/a/") == (Path("runs/bucket/runs/a"), "gs://bucket/runs/a/checkpoints")
     assert run_directories("out/run") == (Path("out/run"), Path("out/run/checkpoints"))

@@ -28,7 +28,7 @@ from jaxtune.data.formats import (
     render_chat,
     sft_chunk,
 )
-from jaxtune.data.images import image_parts, record_images
+from jaxtune.data.images import image_base, image_parts, record_images
 from jaxtune.data.sources import iter_records
 from jaxtune.data.tokenizer import Tokenizer
 from jaxtune.errors import JaxtuneError
@@ -139,7 +139,7 @@ def image_sft_examples(path: str | Path, tokenizer: Tokenizer, processor: ImageP
     FILE:LINE (`data.images`). Raises once the data is read if no example was kept."""
     stats = DataStats() if stats is None else stats
     eos = eos_of(tokenizer)
-    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    base = image_base(path)
     empty: np.ndarray = np.zeros((0, *processor.pixel_shape), np.float32)
     for chunk in record_chunks(iter_records(path, columns)):
         for n, record in chunk:
@@ -214,7 +214,7 @@ def image_preference_examples(path: str | Path, tokenizer: Tokenizer, processor:
     the images), prompt and completions as `_prompt_and_completions` writes them.
     A pair whose prompt fills max_seq_len is dropped; longer completions are cut to fit (counted in `stats`)."""
     stats = DataStats() if stats is None else stats
-    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    base = image_base(path)
     for n, record in iter_records(path, columns):
         where = f"{path}:{n}"
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]

@@ -12,6 +12,8 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.io import storage
+from jaxtune.io.storage import is_url
 
 
 def image_parts(value) -> int:
@@ -65,8 +67,16 @@ def _decoded(data: bytes, what: str) -> Image.Image:
     return image
 
 
-def read_image(reference, base: Path, what: str) -> Image.Image:
-    """One image: a path (relative to `base`), bytes, or `{"bytes", "path"}` (bytes first, as `datasets` reads)."""
+def image_base(data_path: str | Path) -> str | Path:
+    """Where a dataset's relative image paths start: its directory, or the directory (or bucket prefix) of its file."""
+    if is_url(data_path):
+        return storage.parent(str(data_path))
+    return Path(data_path) if Path(data_path).is_dir() else Path(data_path).parent
+
+
+def read_image(reference, base: str | Path, what: str) -> Image.Image:
+    """One image: a path (relative to `base`, a directory or a bucket URL) or a URL, bytes, or `{"bytes", "path"}`
+    (bytes first, as `datasets` reads)."""
     if isinstance(reference, dict):
         if reference.get("bytes") is not None:
             return _decoded(bytes(reference["bytes"]), what)
@@ -75,8 +85,12 @@ def read_image(reference, base: Path, what: str) -> Image.Image:
         return _decoded(bytes(reference), what)
     if not isinstance(reference, str) or not reference:
         raise JaxtuneError(f"{what}: expected a path, image bytes or {{\"bytes\", \"path\"}}, got {reference!r:.60}")
+    if is_url(reference) or (is_url(base) and not reference.startswith("/")):
+        url = reference if is_url(reference) else storage.join(str(base), reference)
+        with storage.open_url(url) as f:
+            return _decoded(f.read(), f"{what} ({url})")
     path = Path(reference).expanduser()
-    path = path if path.is_absolute() else base / path
+    path = path if path.is_absolute() else Path(base) / path
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -86,7 +100,7 @@ def read_image(reference, base: Path, what: str) -> Image.Image:
     return _decoded(data, f"{what} ({path})")
 
 
-def record_images(record: dict, where: str, base: Path, parts: int) -> list[Image.Image]:
+def record_images(record: dict, where: str, base: str | Path, parts: int) -> list[Image.Image]:
     """The record's images, read: `where` names the record ("data.jsonl:7"), `base` the directory relative paths
     start from, `parts` the image parts its text holds (`image_parts`), which must be as many."""
     media = other_media(record)

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.io import storage
+from jaxtune.io.storage import is_url
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 BATCH_ROWS = 1024  # rows of a Parquet file read at a time
@@ -31,10 +33,17 @@ def json_type(value) -> str:
         type(value), type(value).__name__)
 
 
-def _jsonl_lines(path: Path):
-    opener = gzip.open if path.name.endswith(".gz") else open
+def _text(path: Path | str):
+    """A local file or a URL's object (streamed, `io.storage`) as text, gunzipped for a `.gz` name."""
+    gzipped = str(path).endswith(".gz")
+    if is_url(path):
+        return storage.open_url(path, "rt", compression="gzip" if gzipped else None, encoding="utf-8")
+    return (gzip.open if gzipped else open)(path, "rt", encoding="utf-8")
+
+
+def _jsonl_lines(path: Path | str):
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with _text(path) as f:
             yield from enumerate(f, 1)
     except UnicodeDecodeError as e:
         raise JaxtuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -42,7 +51,7 @@ def _jsonl_lines(path: Path):
         raise JaxtuneError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
-def _jsonl_records(path: Path):
+def _jsonl_records(path: Path | str):
     for n, line in _jsonl_lines(path):
         if not line.strip():
             continue
@@ -55,16 +64,18 @@ def _jsonl_records(path: Path):
         yield n, record
 
 
-def _record_batches(path: Path):
-    """The record batches of a Parquet or Arrow file, read one at a time."""
+def _record_batches(path: Path | str):
+    """The record batches of a Parquet or Arrow file (local or a URL's, read by range), read one at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    suffix = "." + str(path).rsplit(".", 1)[-1]
     try:
-        if path.suffix == ".parquet":
-            yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
+        if suffix == ".parquet":
+            with storage.open_url(path) if is_url(path) else open(path, "rb") as f:
+                yield from pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS)
             return
-        with pa.memory_map(str(path)) as source:
+        with storage.open_url(path) if is_url(path) else pa.memory_map(str(path)) as source:
             try:
                 batches = pa.ipc.open_stream(source)  # what `datasets` writes
             except pa.ArrowInvalid:
@@ -73,7 +84,7 @@ def _record_batches(path: Path):
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             yield from batches
     except (pa.ArrowInvalid, OSError) as e:
-        raise JaxtuneError(f"{path}: not a readable {path.suffix[1:]} file ({e})") from None
+        raise JaxtuneError(f"{path}: not a readable {suffix[1:]} file ({e})") from None
 
 
 def _saved_dataset_files(directory: Path) -> list[Path]:
@@ -94,8 +105,8 @@ def _saved_dataset_files(directory: Path) -> list[Path]:
     return files
 
 
-def _table_records(path: Path):
-    files = _saved_dataset_files(path) if path.is_dir() else [path]
+def _table_records(path: Path | str):
+    files = [path] if is_url(path) or not Path(path).is_dir() else _saved_dataset_files(Path(path))
     n = 0
     for f in files:
         for batch in _record_batches(f):
@@ -104,7 +115,7 @@ def _table_records(path: Path):
                 yield n, record
 
 
-def _renamed(path: Path, records, columns: Mapping[str, str]):
+def _renamed(path: Path | str, records, columns: Mapping[str, str]):
     first = list(itertools.islice(records, 1000))
     present = set().union(*(r.keys() for _, r in first))
     for ours, theirs in columns.items():
@@ -119,11 +130,18 @@ def _renamed(path: Path, records, columns: Mapping[str, str]):
 def iter_records(path: str | Path, columns: Mapping[str, str] | None = None):
     """(line or row number, record) for every example of a JSONL (.jsonl, .jsonl.gz), Parquet or Arrow file or a
     `save_to_disk` directory, read as they are consumed (a file larger than memory streams through), with
-    `columns` ({our name: theirs}) renamed; errors name the file and the line, an empty dataset included."""
-    path = Path(path)
-    if not path.exists():
-        raise JaxtuneError(f"{path}: data file not found")
-    records = _table_records(path) if path.is_dir() or path.suffix in TABLE_SUFFIXES else _jsonl_records(path)
+    `columns` ({our name: theirs}) renamed; errors name the file and the line, an empty dataset included. A URL
+    (`gs://`, any fsspec URL) names a JSONL, Parquet or Arrow file in a bucket, streamed."""
+    if is_url(path):
+        if not storage.exists(str(path)):
+            raise JaxtuneError(f"{path}: data file not found")
+        table = str(path).endswith(TABLE_SUFFIXES)
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise JaxtuneError(f"{path}: data file not found")
+        table = path.is_dir() or path.suffix in TABLE_SUFFIXES
+    records = _table_records(path) if table else _jsonl_records(path)
     if columns:
         records = _renamed(path, records, columns)
     empty = True

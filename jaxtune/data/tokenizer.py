@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as Backend
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.gguf import gguf_tokenizer_metadata, is_gguf
 from jaxtune.io.json import read_json
+from jaxtune.io.storage import is_url, local_model_dir
 
 BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -118,7 +119,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     of a GGUF file."""
     if is_gguf(directory):
         return gguf_tokenizer(directory)
-    directory = Path(directory)
+    directory = local_model_dir(directory) if is_url(directory) else Path(directory)
     if not directory.is_dir():
         raise JaxtuneError(f"{directory}: model directory not found")
     path = directory / "tokenizer.json"
@@ -257,6 +258,7 @@ def copy_tokenizer(source: str | Path | None, directory: str | Path) -> None:
         return
     if is_gguf(source):
         return gguf_tokenizer(source).save(directory)
+    source = local_model_dir(source) if is_url(source) else Path(source)
     for name in TOKENIZER_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, Path(directory) / name)
+        if (source / name).is_file():
+            shutil.copyfile(source / name, Path(directory) / name)

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.io.storage import is_url
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -26,6 +27,8 @@ def is_gguf(path: str | Path) -> bool:
 
 def gguf_reader(path: str | Path):
     """The file's `gguf.GGUFReader` (memory-mapped; parsing the metadata takes seconds, so the last few are kept)."""
+    if is_url(path):
+        raise JaxtuneError(f"{path}: a GGUF file is read from a local path (copy it from its bucket first)")
     path = Path(path)
     if not path.is_file():
         raise JaxtuneError(f"{path}: GGUF file not found")
@@ -103,8 +106,8 @@ def gguf_tokenizer_metadata(path: str | Path) -> dict:
     """The tokenizer a GGUF file describes, under llama.cpp's key names less `tokenizer.ggml.` (`model`, `pre`,
     `tokens`, `token_type`, `merges`, `scores`, `bos_token_id`, ..., `add_bos_token`, `add_space_prefix`) and
     `chat_template`; absent keys are left out."""
-    path = Path(path)
     fields = gguf_reader(path).fields
+    path = Path(path)
     out = {}
     for key, field in fields.items():
         if key.startswith("tokenizer.ggml.") or key == "tokenizer.chat_template":

@@ -5,7 +5,8 @@ Format (huggingface/safetensors): an 8-byte little-endian header length N, N byt
 "shape", "data_offsets": [begin, end]}, "__metadata__": {...}} padded with spaces to a multiple of 8, then the
 C-contiguous little-endian data. Reading uses positioned reads (`os.pread`), not a memory map, whose touched pages
 would stay resident: a slice reads only its bytes (one read for whole trailing rows, one per row otherwise), and
-`bytes_read` counts them, so a caller can check that a process read only its part.
+`bytes_read` counts them, so a caller can check that a process read only its part. A model in a bucket
+(`io.storage.local_model_dir`) is read by ranged requests, one a slice (the span of its rows).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxtune.errors import JaxtuneError
+from jaxtune.io import storage
 from jaxtune.paths import check_room, writing
 
 SINGLE_FILE = "model.safetensors"
@@ -32,7 +34,7 @@ SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "
 SAFETENSORS_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _header(path: Path, size: int, read) -> tuple[dict, int]:
+def _header(path: Path | str, size: int, read) -> tuple[dict, int]:
     """(tensor name -> (dtype, shape, begin, end) in file offsets, metadata)."""
     raw = read(8, 0)
     if len(raw) < 8:
@@ -71,27 +73,36 @@ class CheckpointReader:
         """rename(stored name) -> the name this reader shows (an old layout's names as the current ones); errors
         name the tensor as stored (`stored_name`)."""
         directory = Path(directory)
+        bucket = storage.remote_of(directory)  # a model in a bucket: its weights read there by range, never copied
         if (directory / INDEX_FILE).is_file():
             try:
                 files = sorted(set(json.loads((directory / INDEX_FILE).read_text())["weight_map"].values()))
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise JaxtuneError(f"{directory / INDEX_FILE}: not a weight index ({type(e).__name__}: {e})") from None
-        elif (directory / SINGLE_FILE).is_file():
+        elif (directory / SINGLE_FILE).is_file() or (bucket and storage.exists(storage.join(bucket, SINGLE_FILE))):
             files = [SINGLE_FILE]
         else:
             found = ", ".join(sorted(p.name for p in directory.iterdir())) if directory.is_dir() else "no directory"
-            raise JaxtuneError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (found: {found or 'nothing'})")
+            raise JaxtuneError(f"{bucket or directory}: no {SINGLE_FILE} or {INDEX_FILE} (found: {found or 'nothing'})")
         self.bytes_read = 0
         self._fds: list[int] = []
         self._tensors: dict[str, tuple] = {}
         for name in files:
             path = directory / name
-            if not path.is_file():
+            if bucket:
+                url = storage.join(bucket, name)
+                if not storage.exists(url):
+                    raise JaxtuneError(f"{url}: file not found (listed in {INDEX_FILE})")
+                read, size, where = (lambda k, at, url=url: storage.read_range(url, at, k)), storage.size(url), url
+            elif path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                self._fds.append(fd)
+                read, size, where = (lambda k, at, fd=fd: os.pread(fd, k, at)), os.fstat(fd).st_size, path
+            else:
                 raise JaxtuneError(f"{path}: file not found (listed in {INDEX_FILE})")
-            fd = os.open(path, os.O_RDONLY)
-            self._fds.append(fd)
-            tensors, _ = _header(path, os.fstat(fd).st_size, lambda k, at, fd=fd: os.pread(fd, k, at))
-            self._tensors.update({(rename or str)(t): (*info, fd, path, t) for t, info in tensors.items()})
+            tensors, _ = _header(where, size, read)
+            self._tensors.update({(rename or str)(t): (*info, read, where, t, bool(bucket))
+                                  for t, info in tensors.items()})
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -126,7 +137,8 @@ class CheckpointReader:
     def stored_bytes(self, name: str) -> int:
         return math.prod(self.shape(name)) * self.dtype(name).itemsize
 
-    def file_of(self, name: str) -> Path:
+    def file_of(self, name: str) -> Path | str:
+        """The file (or the URL of a model in a bucket) holding tensor `name`."""
         return self._info(name)[4]
 
     def _info(self, name: str) -> tuple:
@@ -134,8 +146,8 @@ class CheckpointReader:
             raise JaxtuneError(f"tensor {name} is not in the checkpoint")
         return self._tensors[name]
 
-    def _pread(self, fd: int, size: int, at: int, path: Path) -> bytes:
-        data = os.pread(fd, size, at)
+    def _pread(self, read: Callable[[int, int], bytes], size: int, at: int, path: Path | str) -> bytes:
+        data = read(size, at)
         if len(data) != size:
             raise JaxtuneError(f"{path}: truncated: {size} bytes at {at} asked, {len(data)} read")
         self.bytes_read += size
@@ -144,7 +156,7 @@ class CheckpointReader:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """`tensor[index]` (slices of step 1, one per leading dimension; missing ones take everything)."""
-        dtype, shape, begin, fd, path, _ = self._info(name)
+        dtype, shape, begin, source, path, _, bucket = self._info(name)
         index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
         bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
         out_shape = tuple(max(0, b - a) for a, b in bounds)
@@ -160,10 +172,17 @@ class CheckpointReader:
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         run = math.prod(out_shape[lead:])
         flat = out.reshape(-1)
-        for i, start in enumerate(np.ndindex(*out_shape[:lead])):
-            first = sum((bounds[d][0] + start[d]) * strides[d] for d in range(len(start)))
-            first += sum(bounds[d][0] * strides[d] for d in range(len(start), len(shape)))
-            data = self._pread(fd, run * dtype.itemsize, begin + first * dtype.itemsize, path)
+        firsts = [sum((bounds[d][0] + start[d]) * strides[d] for d in range(len(start)))
+                  + sum(bounds[d][0] * strides[d] for d in range(len(start), len(shape)))
+                  for start in np.ndindex(*out_shape[:lead])]
+        if bucket and len(firsts) > 1:  # a request's latency, not its bytes, is a bucket's cost: one for the span
+            span = np.frombuffer(self._pread(source, (firsts[-1] + run - firsts[0]) * dtype.itemsize,
+                                             begin + firsts[0] * dtype.itemsize, path), dtype)
+            for i, first in enumerate(firsts):
+                flat[i * run:(i + 1) * run] = span[first - firsts[0]:first - firsts[0] + run]
+            return out
+        for i, first in enumerate(firsts):
+            data = self._pread(source, run * dtype.itemsize, begin + first * dtype.itemsize, path)
             flat[i * run:(i + 1) * run] = np.frombuffer(data, dtype)
         return out
 

@@ -95,8 +95,8 @@ def proportional_rope_parameters(factors: np.ndarray) -> dict:
 
 def gguf_config(path: str | Path) -> dict:
     """A transformers config.json dict of GGUF file `path`, from its metadata (and which tensors it holds)."""
+    reader = gguf_reader(path)  # (a URL refused there, before Path() folds its "//")
     path = Path(path)
-    reader = gguf_reader(path)
     meta = gguf_metadata(reader, path)
     form = FORMS.get(meta.get("general.architecture"))  # type: ignore[arg-type]
     if form is None:
@@ -296,8 +296,8 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path, rename=None):
         """rename(transformers' name) -> the name this reader shows (as `CheckpointReader`'s)."""
+        reader = gguf_reader(path)
         self.path = Path(path)
-        reader = gguf_reader(self.path)
         config = gguf_config(self.path)
         form = FORMS[str(gguf_metadata(reader, self.path)["general.architecture"])]
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}

@@ -11,6 +11,7 @@ from jaxtune.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxtune.errors import JaxtuneError
 from jaxtune.io.gguf import is_gguf
 from jaxtune.io.json import read_json
+from jaxtune.io.storage import is_url, local_model_dir
 from jaxtune.models.gguf import gguf_config
 from jaxtune.models.hf_families import FAMILIES, family_to_hf
 
@@ -48,6 +49,10 @@ COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
 
 
 def model_dir(path: str | Path) -> Path:
+    """The local directory of a model: `path`, or for a bucket URL a copy of its small files (its weights are read
+    from the bucket by range, `io.storage`)."""
+    if is_url(path):
+        return local_model_dir(str(path))
     path = Path(path)
     if not path.exists():
         raise JaxtuneError(f"{path}: model directory not found")

@@ -41,8 +41,8 @@ class Checkpoints:
     """Save and restore `(state, meta)` pairs under `directory/<step>/`; `meta` is a small JSON dict."""
 
     def __init__(self, directory: str | Path, keep: int, read_only: bool = False):
-        """directory: a local path, or a "gs://bucket/..." URL that orbax writes to directly (needs gcsfs:
-        `pip install 'etils[epath-gcs]'`). read_only: only read (an export beside a running run, whose partial
+        """directory: a local path, or a "gs://bucket/..." URL that orbax writes to directly (`pip install
+        jaxtune[gcs]`). read_only: only read (an export beside a running run, whose partial
         checkpoint a writer's start would remove)."""
         remote = "://" in str(directory)
         self.directory = epath.Path(str(directory) if remote else Path(directory).absolute())

@@ -19,6 +19,8 @@ import numpy as np
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.data.tokenizer import copy_tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.io import storage
+from jaxtune.io.storage import is_url
 from jaxtune.methods.base import METHODS, method_unit
 from jaxtune.methods.gguf_export import save_gguf
 from jaxtune.methods.peft import save_peft_adapter
@@ -29,12 +31,13 @@ from jaxtune.models.vision.families import vision_family
 from jaxtune.models.vision.save import save_vision_language_model
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import make_mesh
-from jaxtune.paths import check_output_dir, run_directories
+from jaxtune.paths import check_output_dir
 from jaxtune.run_config import RunConfig
 from jaxtune.spine.load import initial_leaves, read_frozen
 from jaxtune.spine.model import load_model_with_adapter
 from jaxtune.spine.run import abstract_run, train_plan
 from jaxtune.train.checkpoint import Checkpoints
+from jaxtune.train.outputs import checkpoint_directory, local_run_directory
 from jaxtune.train.resume import run_config_at
 
 EXPORT_TARGETS = ("peft", "merged", "gguf", "gguf-lora")
@@ -119,7 +122,8 @@ def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: di
     peft = method_unit(method).peft
     if peft is not None and peft.needs_initial(method) and initial is None:
         initial = initial_leaves(config.model.path, cfg, method, params)
-    return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=str(Path(config.model.path)),
+    base = config.model.path if is_url(config.model.path) else str(Path(config.model.path))
+    return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=base,
                              initial=initial, text_prefix=family.text_prefix if family is not None else "model.",
                              outside=None if family is None else family.outside_text,
                              image_side=None if family is None else (family, family.read_config(config.model.path)))
@@ -131,7 +135,7 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
     run_dir = Path(run_dir)
     config = run_config_at(run_dir, step if step is not None else 1 << 62)
     output = config.train.output_dir
-    checkpoints = Checkpoints(run_directories(output)[1] if output.startswith("gs://") else run_dir / "checkpoints",
+    checkpoints = Checkpoints(checkpoint_directory(output, run_dir),
                               keep=1, read_only=True)
     steps = checkpoints.steps()
     if not steps:
@@ -159,15 +163,22 @@ def write_run_result(run_dir: str | Path, out_dir: Path, step: int | None = None
 
 
 def export_run(run_dir: str | Path, target: str, out: str | Path, step: int | None = None, gguf_type: str = "f16",
-               log=None) -> Path:
+               log=None) -> Path | str:
     """A run's result from its checkpoint of `step` (default: the latest; `run_dir` may also be a checkpoint,
     RUN/checkpoints/N) as `target`: "peft" (the adapter
     directory), "merged" (an HF model directory: the adapter merged, or a full fine-tune's or reward model's own),
     "gguf" (one GGUF file of `gguf_type`) or "gguf-lora" (llama.cpp's LoRA). Written to `out`; nothing is written
-    into the run directory. A run may export while it trains (its checkpoints are only read)."""
+    into the run directory. A run may export while it trains (its checkpoints are only read). `run_dir` may be a
+    run's URL `output_dir` and `out` a URL (`io.storage`)."""
     if target not in EXPORT_TARGETS:
         raise JaxtuneError(f"export target {target!r}: choose one of {', '.join(EXPORT_TARGETS)}")
-    run_dir, step = checkpoint_of(run_dir, step)
+    if is_url(out):  # written here, then copied there
+        with tempfile.TemporaryDirectory(prefix="jaxtune-export-") as local:
+            written = export_run(run_dir, target, Path(local) / out.rstrip("/").rsplit("/", 1)[-1], step, gguf_type,
+                                 log)
+            storage.upload(Path(written), out)
+        return out
+    run_dir, step = checkpoint_of(local_run_directory(run_dir), step)
     out = Path(out)
     if target.startswith("gguf"):
         if out.exists():

@@ -33,10 +33,11 @@ from jaxtune.objectives import objective_named
 from jaxtune.parallel.distributed import barrier, host_copy, is_main_process, main_process_says
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
-from jaxtune.paths import check_output_dir, run_directories, run_directory_lock
+from jaxtune.paths import check_output_dir, run_directory_lock
 from jaxtune.run_config import RunConfig, config_items, dump_run_config
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
+from jaxtune.train.outputs import fetch_run_directory, run_directories, sync_run_directory
 from jaxtune.train.resume import check_resume, export_hint, record_config
 from jaxtune.train.setup_checks import warn_degenerate
 from jaxtune.train.start import StartedRun, start_run_on
@@ -95,7 +96,7 @@ def _progress(total: int, initial: int):
 def fine_tune(config: RunConfig, log=print, progress=None) -> RunResult:
     """Train `config.model.path` with `config.train.objective` on `config.data.train`; write the run directory.
 
-    run_dir = config.train.output_dir (see `run_directories` for gs://): config.toml, metrics.jsonl, loss.png,
+    run_dir = config.train.output_dir (a URL's local copy: `train.outputs`): config.toml, metrics.jsonl, loss.png,
     checkpoints/, and the result:
     adapter/ in PEFT format, or model/ as a Hugging Face directory for a full fine-tune; reward_model/ (an HF
     sequence-classification directory) for objective "reward". log: where messages go; progress: where the
@@ -134,11 +135,14 @@ def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
     writer = is_main_process()  # files that exist once are written by process 0 alone
     check_output_dir(run_dir, "train.output_dir")
     objective_named(tc.objective)  # an unknown objective fails before anything is written
+    fetch_run_directory(tc.output_dir, run_dir)  # a URL output's run, restarted here
     if jax.process_count() > 1:
         log(f"process {jax.process_index()} of {jax.process_count()}: {len(jax.devices())} devices "
             f"({len(jax.local_devices())} local)")
     with ExitStack() as held:
         lock = held.enter_context(run_directory_lock(run_dir)) if writer else None
+        if writer:  # what the run wrote reaches a URL output however it ends
+            held.callback(sync_run_directory, tc.output_dir, run_dir)
         loading = time.perf_counter()
         log(f"loading {config.model.path} and {config.data.train}, placing the weights ...")
         task = start_run(config, log)
@@ -212,6 +216,8 @@ def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start:
         metrics_log.sync()  # the step's line is on disk before its checkpoint exists
         timed("checkpoint", checkpoints.save, step, state, {"step": step, "epoch": step // steps_per_epoch,
                                                             "batch": step % steps_per_epoch, "config": recorded})
+        if writer:
+            timed("checkpoint", sync_run_directory, tc.output_dir, run_dir)
 
     def eval_due(step: int) -> bool:
         return bool(tc.eval_every and step % tc.eval_every == 0) or step % steps_per_epoch == 0 or step == total_steps

@@ -24,12 +24,12 @@ from jaxtune.models.params import abstract_params
 from jaxtune.models.vision.families import image_processor
 from jaxtune.objectives import objective_named, section_of
 from jaxtune.objectives.base import ObjectiveData, ObjectiveInputs, strip_adapters
-from jaxtune.paths import run_directories
 from jaxtune.spine.load import load_run, read_tree
 from jaxtune.spine.model import load_reward_model
 from jaxtune.spine.run import AbstractRun, abstract_run, traced_on, train_plan
 from jaxtune.spine.shardings import param_shardings
 from jaxtune.train.export import export_result
+from jaxtune.train.outputs import run_directories
 
 
 @dataclass(frozen=True)
