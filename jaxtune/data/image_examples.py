@@ -185,7 +185,7 @@ def _turns(value, role: str, where: str, name: str) -> list[dict]:
     raise JaxtuneError(f"{where}: preference field '{name}' must be a string or a list of messages")
 
 
-def _prompt_and_completions(record: dict, names: tuple[str, ...], where: str, base: Path, tokenizer: Tokenizer,
+def _prompt_and_completions(record: dict, names: tuple[str, ...], where: str, base: str | Path, tokenizer: Tokenizer,
                             processor: ImageProcessor) -> tuple[tuple[int, ...], np.ndarray, list[tuple[int, ...]]]:
     """(the prompt's ids, its images' pixel arrays, the ids of each completion field in `names`) of a vision record:
     the prompt rendered with the generation prompt and its image markers expanded (`image_example`'s ids), each
@@ -256,7 +256,7 @@ def image_labelled_examples(path: str | Path, tokenizer: Tokenizer, processor: I
     `unpair_preference_dataset`), prompt and completions as `_prompt_and_completions` writes them. A record whose
     prompt fills max_seq_len is dropped; a longer completion is cut to fit (counted in `stats`)."""
     stats = DataStats() if stats is None else stats
-    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    base = image_base(path)
     for n, record in iter_records(path, columns):
         where = f"{path}:{n}"
         fmt = "preference" if "chosen" in record or "rejected" in record else "unpaired"
