@@ -61,6 +61,8 @@ def cmd_init(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from jaxtune.config.run import REPO_ID
+    from jaxtune.hub import hub_id_of
     from jaxtune.methods.peft import save_peft_adapter
     from jaxtune.paths import check_output_dir
     from jaxtune.spine.model import load_model_with_adapter
@@ -69,6 +71,8 @@ def cmd_export(args) -> None:
     note = lambda text: print(text, file=sys.stderr)
     if (args.model is None) == (args.run_dir is None):
         raise JaxtuneError("export needs --model (with --adapter) or --run (a run directory), not both")
+    if args.push is not None and not REPO_ID.fullmatch(args.push):
+        raise JaxtuneError(f"--push {args.push}: needs a Hub repo id, owner/name")
     if args.run_dir is not None:
         return _export_run(args, note)
     if args.step is not None:
@@ -82,18 +86,19 @@ def cmd_export(args) -> None:
         path = (export_gguf(args.model, args.adapter, out, args.type, log=note) if args.gguf else
                 export_gguf_lora(args.model, args.adapter, out, log=note))
         print(f"wrote {f'the {args.type} model' if args.gguf else 'the LoRA adapter'} as GGUF to {path}")
-        return
+        return _push(args, path, "gguf" if args.gguf else "gguf-lora")
     if args.peft and args.adapter is None:
         raise JaxtuneError("--peft needs --adapter")
     check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")
     if args.merged:
         path = export_merged(args.model, args.adapter, args.merged, log=note)
         print(f"wrote the {'merged ' if args.adapter else ''}model to {path}")
-        return
+        return _push(args, path, "merged")
     cfg, params, method = load_model_with_adapter(args.model, args.adapter, log=note)
     assert method is not None  # --peft needs --adapter, checked above
-    path = save_peft_adapter(args.peft, params, cfg, method, base_model=str(args.model))
+    path = save_peft_adapter(args.peft, params, cfg, method, base_model=hub_id_of(args.model) or str(args.model))
     print(f"wrote the {method.kind} adapter in PEFT format to {path}")
+    return _push(args, path, "peft")
 
 
 def _export_run(args, note) -> None:
@@ -105,6 +110,27 @@ def _export_run(args, note) -> None:
                                            ("gguf-lora", args.gguf_lora)) if o is not None)
     path = export_run(args.run_dir, target, out, args.step, args.type, log=note)
     print(f"wrote {args.run_dir}'s result as {target} to {path}")
+    _push(args, path, target)
+
+
+def _push(args, path: Path, target: str) -> None:
+    """`export --push OWNER/NAME`: `path` (just written, and kept) uploaded with its model card."""
+    from jaxtune.hub import push
+    from jaxtune.io.json import read_json
+    from jaxtune.train.card import model_card, run_card
+    from jaxtune.train.export import checkpoint_of
+    from jaxtune.train.resume import run_config_at
+
+    if args.push is None:
+        return
+    if args.run_dir is not None:
+        run_dir, step = checkpoint_of(args.run_dir, args.step)
+        card = run_card(args.push, target, run_config_at(run_dir, step if step is not None else 1 << 62), run_dir)
+    else:
+        adapter = Path(args.adapter) / "adapter_config.json" if args.adapter else None
+        method = read_json(adapter).get("peft_type", "lora").lower() if adapter and adapter.is_file() else None
+        card = model_card(args.push, target, args.model, method)
+    print(f"pushed {path} to {push(path, args.push, card)}")
 
 
 def cmd_train(args) -> int:
@@ -417,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "GGUF file for llama.cpp")
     target.add_argument("--gguf-lora", metavar="OUT.gguf", help="write the LoRA adapter as llama.cpp's GGUF LoRA "
                         "(llama-cli -m MODEL.gguf --lora OUT.gguf)")
+    export.add_argument("--push", metavar="OWNER/NAME", help="then upload what was written to this Hub model repo "
+                        "(created if missing) with a model card (base model, method, data, final metrics); the local "
+                        "copy is kept (docs/hub.md)")
     export.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f16", help="--gguf's tensor type "
                         "(default f16; q8_0: 8-bit blocks)")
     export.set_defaults(run=cmd_export)
@@ -511,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command not in STARTS_ITS_OWN_BACKENDS:
             _start_backends_quietly()
+        if getattr(args, "model", None) is not None:  # a Hub id, as a local snapshot (docs/hub.md)
+            from jaxtune.hub import local_model
+
+            args.model = local_model(args.model)
         return args.run(args) or 0
     except JaxtuneError as e:
         print(f"jaxtune: error: {_as_flag(e, argv)}", file=sys.stderr)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from jaxtune.config.forward import ForwardOptions
@@ -85,6 +86,7 @@ class DataConfig:
         check_range("max_images_per_row", self.max_images_per_row, 1)
 
 
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hub repo `owner/name` (train.push_to_hub)
 REPORTERS = ("tensorboard", "wandb")  # [train] report_to (train/tracking.py)
 
 
@@ -109,7 +111,8 @@ class TrainConfig:
     after run_dir, project WANDB_PROJECT or "jaxtune", offline under run_dir/wandb when no credentials exist, for
     `wandb sync` later; each needs its package installed). profile_steps: [first, last] writes a `jax.profiler` trace
     of those steps to run_dir/profile (TensorBoard's profile plugin or Perfetto open it). progress_every_s: where
-    stderr is not a terminal, a progress line this often.
+    stderr is not a terminal, a progress line this often. push_to_hub: "owner/name", a Hub repo the finished run's
+    result (adapter/ or model/) is uploaded to with a model card (`train.push`); "" (default): none.
     """
 
     objective: str = "sft"
@@ -140,8 +143,11 @@ class TrainConfig:
     report_to: tuple = ()
     profile_steps: tuple = ()
     progress_every_s: float = 10.0
+    push_to_hub: str = ""
 
     def __post_init__(self):
+        if self.push_to_hub and not REPO_ID.fullmatch(self.push_to_hub):
+            raise ConfigError("push_to_hub", self.push_to_hub, "needs a Hub repo id, owner/name")
         check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("muon_adjust_lr_fn", self.muon_adjust_lr_fn, MUON_LR_ADJUSTMENTS)
