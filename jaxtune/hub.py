@@ -136,6 +136,7 @@ class _one_line:
                                                   "(HF_HUB_OFFLINE=1) or the Hub cannot be reached",
                   errors.RevisionNotFoundError: "no such revision in the repo",
                   errors.EntryNotFoundError: "no such file in the repo",
+                  errors.HFValidationError: "not a valid repo id (letters, digits, '-', '_', '.'; no '--' or '..')",
                   errors.RepositoryNotFoundError: "no such repo on the Hub (or it is private: log in "
                                                   "with `hf auth login` or set HF_TOKEN)"}
         said = next((text for cls, text in reason.items() if isinstance(e, cls)), None)
