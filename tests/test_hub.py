@@ -78,10 +78,11 @@ def test_a_run_config_resolves_its_ids_from_the_cache(tiny_model, offline_cache,
 
 
 @pytest.mark.full
-def test_a_run_on_a_model_id_and_a_dataset_id_from_the_cache(tiny_model, offline_cache, tmp_path):
+def test_a_run_on_a_model_id_and_a_dataset_id_from_the_cache(tiny_model, offline_cache, tmp_path, monkeypatch):
     """`[model] path = "me/tiny"`, `[data] train = "me/data"`: resolved from the cache offline, the run trains on
     the snapshot's Parquet split, records the snapshot it ran on, and its adapter names the base by id. The push at
-    the end fails (offline): one warning naming the repo, the adapter kept."""
+    the end fails (offline): one warning naming the repo, the adapter kept; `export --run ... --push` sends it later
+    with the run's card."""
     snapshot, data = cached_ids(offline_cache, tiny_model, tmp_path)
     (tmp_path / "run.toml").write_text(
         '[model]\npath = "me/tiny"\n[method]\nkind = "lora"\n[data]\ntrain = "me/data"\neval = "me/data"\n'
@@ -102,6 +103,19 @@ def test_a_run_on_a_model_id_and_a_dataset_id_from_the_cache(tiny_model, offline
     assert pushed[0].startswith("train.push_to_hub: me/tuned: pushing to the Hub:") and str(result.result_path) in \
         pushed[0]
     assert (result.result_path / "adapter_model.safetensors").is_file()
+    hub = FakeHub({})  # online now: the command the warning names pushes it later, with the run's card
+    try:
+        hub.use(monkeypatch, offline_cache)
+        assert cli.main(["export", "--run", str(tmp_path / "run"), "--peft", str(tmp_path / "later"),
+                         "--push", "me/tuned"]) == 0
+    finally:
+        hub.close()
+    assert {k: v for k, v in hub.pushed["me/tuned"].items() if k != "README.md"} == directory_files(
+        tmp_path / "later")
+    card = hub.pushed["me/tuned"]["README.md"].decode()
+    assert yaml.safe_load(card.split("---\n")[1])["datasets"] == ["me/data"]
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert f"| train_loss | {[r for r in last if 'loss' in r][-1]['loss']:.6g} |" in card
 
 
 def test_push_writes_the_result_and_its_card(tmp_path, fake_hub, monkeypatch):

@@ -32,14 +32,15 @@ def model_card(repo_id: str, target: str, base_model: str | None, method: str | 
     line saying how it was made (`target`: a key of KINDS; method None: the base model as it is), and a table of
     `metrics` ({name: value})."""
     library, tag = KINDS[target]
-    base, datasets = as_hub_id(base_model), [d for d in map(as_hub_id, data) if d]
+    base, datasets = as_hub_id(base_model), list(dict.fromkeys(d for d in map(as_hub_id, data) if d))
     tags = list(dict.fromkeys(filter(None, ("jaxtune", tag, method, objective))))
     front = ([f"base_model: {json.dumps(base)}"] if base else []) + [f"library_name: {library}", "tags:"]
     front += [f"- {json.dumps(t)}" for t in tags] + (["datasets:"] + [f"- {json.dumps(d)}" for d in datasets]
                                                      if datasets else [])
     named = f"[{base}](https://huggingface.co/{base})" if base else f"`{base_model}`"
     made = (f"A {method} fine-tune{f' ({objective})' if objective else ''} of {named}, trained with jaxtune"
-            f"{' on ' + ', '.join(f'`{as_hub_id(d) or d}`' for d in data) if data else ''}; written as {target}."
+            f"{' on ' + ', '.join(f'`{d}`' for d in dict.fromkeys(as_hub_id(d) or d for d in data)) if data else ''}"
+            f"; written as {target}."
             if method else f"{named}, written by jaxtune as {target}.")
     table = ["| metric | value |", "|---|---|", *(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |"
                                                  for k, v in (metrics or {}).items())]
