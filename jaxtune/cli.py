@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a model (a Hugging Face directory or a .gguf file): its shape, "
                           "parameters, and tensor types and bytes as stored")
-    info.add_argument("--model", required=True, help="directory with config.json and *.safetensors, or a .gguf file")
+    info.add_argument("--model", required=True, help="directory with config.json and *.safetensors, a .gguf file, "
+                      "or a Hub id (owner/name[@revision], owner/name/file.gguf)")
     info.add_argument("--adapter", help="a PEFT adapter directory: report its method and trainable parameters")
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(run=cmd_info)
@@ -362,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="completion-token loss and perplexity on SFT data; pairwise accuracy on "
                               "preference data; benchmark tasks through lm-evaluation-harness (--tasks)")
-    evaluate.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file, or a reward "
-                          "model as `objective = \"reward\"` exports it")
+    evaluate.add_argument("--model", required=True, help="Hugging Face model directory, .gguf file or Hub id, or a "
+                          "reward model as `objective = \"reward\"` exports it")
     evaluate.add_argument("--adapter", help="PEFT adapter directory to apply (on preference data: scored against "
                           "--model alone as the DPO reference)")
     what = evaluate.add_mutually_exclusive_group(required=True)
@@ -393,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory, .gguf file or Hub id "
+                     "(owner/name[@revision])")
     gen.add_argument("--adapter", action="append", help="PEFT adapter directory to apply; or NAME=DIR, repeatable: "
                      "LoRA adapters the requests of --data choose by name, mixed in one batch")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -427,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write an adapter in PEFT format or as a GGUF LoRA, or merge it into "
                            "an HF model directory or a GGUF file; a .gguf model as an HF directory")
-    export.add_argument("--model", help="the base model: Hugging Face directory or .gguf file")
+    export.add_argument("--model", help="the base model: Hugging Face directory, .gguf file or Hub id")
     export.add_argument("--adapter", help="a PEFT adapter directory (as jaxtune train writes)")
     export.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help="instead of --model/--adapter: a run "
                         "directory (finished, stopped or still training), its result as of its latest checkpoint; or "
@@ -469,8 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="will a fine-tune fit: per-device memory, the best layouts, XLA's own figure")
     model = plan.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read) "
-                       "or .gguf file")
+    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read), "
+                       ".gguf file or Hub id")
     model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
     model.add_argument("--config", metavar="RUN.toml", help="a `jaxtune train` config: its model, method, batch, "
                        "sequence, remat, mesh and offload")

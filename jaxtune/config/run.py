@@ -27,7 +27,8 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base (a run's
 
 @dataclass(frozen=True)
 class ModelSection:
-    """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
+    """path: a Hugging Face model directory, a .gguf file, or a Hub id (`owner/name[@revision]`: `jaxtune.hub`).
+    dtype: of the frozen base ("auto": as stored). Trainable leaves are
     always float32 master weights. forward: how the forward computes (`ForwardOptions`: compute_dtype, remat,
     scan_layers, attention, context_attention, tiled_mlp), written as keys of [model] beside these in a run's TOML;
     its compute_dtype defaults to "auto" here, what the run's devices multiply fast (bfloat16 on TPUs, GPUs and
@@ -52,8 +53,9 @@ RECORD_FIELDS = ("instruction", "input", "output", "prompt", "completion", "mess
 
 @dataclass(frozen=True)
 class DataConfig:
-    """train/eval: JSONL (.jsonl, .jsonl.gz), Parquet or Arrow files or `datasets` `save_to_disk` directories
-    (`data.sources`). Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
+    """train/eval: JSONL (.jsonl, .jsonl.gz), Parquet or Arrow files (or a glob of them), `datasets` `save_to_disk`
+    directories (`data.sources`), or a Hub dataset id `owner/name[@revision][:split]` (`jaxtune.hub`).
+    Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
     names -> the dataset's column names where they differ (TOML: `columns = {prompt = "question"}`), held as sorted
     pairs. apply_chat_template: prompt/completion and alpaca records become a user and an assistant turn of the
     model's chat template (else raw text: prompt + completion + EOS). max_images_per_row: for a vision-language
