@@ -22,6 +22,7 @@ _ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<file>/[^@:]+\.gguf)?(
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
                "processor_config.json", "model.safetensors.index.json")
+FILE_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".arrow", ".csv", ".gguf", ".safetensors")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 OWN_LAYOUT = ("data/{}-*.parquet", "data/{}.parquet")  # a dataset repo's split files, as `datasets` pushes them
 PARQUET_BRANCH = "refs/convert/parquet"  # the Hub's Parquet conversion of any dataset: <config>/<split>/NNNN.parquet
@@ -32,6 +33,8 @@ def parse_id(ref: str, splits: bool = False) -> dict | None:
     """{"repo", "file", "rev", "split"} of a Hub reference, or None when `ref` is not one (or is a local path)."""
     match = _ID.fullmatch(str(ref))
     if match is None or Path(ref).exists() or (match["split"] and not splits) or (match["file"] and splits):
+        return None
+    if match["repo"].endswith(FILE_SUFFIXES):  # `data/train.jsonl`: a local file that is not there, said as such
         return None
     return match.groupdict()
 

@@ -207,6 +207,8 @@ def test_offline_a_missing_file_or_an_unknown_id_is_one_line(tiny_model, offline
                                        "Hub cannot be reached\n")
     with pytest.raises(JaxtuneError, match=r"^me/a--b: not a local path, and as a Hub model id: not a valid repo id"):
         local_model("me/a--b")
+    assert local_dataset("data/train.jsonl", ("train",)) == "data/train.jsonl"  # a file, left to its reader
+    assert local_model("models/m.gguf") == "models/m.gguf"
     monkeypatch.chdir(tmp_path)  # a local directory named like an id wins
     (tmp_path / "me" / "tiny").mkdir(parents=True)
     assert local_model("me/tiny") == "me/tiny" and local_dataset("me/tiny", ("train",)) == "me/tiny"
