@@ -193,13 +193,24 @@ def _unknown(section: str, key: str, cls: type) -> str:
     return f"unknown key {key!r} in section [method] for kind {kind!r} (known: kind, {known or 'nothing else'}){whose}"
 
 
-def with_local_inputs(config: RunConfig) -> RunConfig:
-    """`config` with [model] path and [data] train / eval as local paths: a Hub id resolved through the Hugging Face
-    cache (`jaxtune.hub`; data.eval without a split: the repo's validation, else test split)."""
+def with_local_models(config: RunConfig) -> RunConfig:
+    """`config` with [model] path and its objective's model fields (a DPO reference, a distillation teacher:
+    `Objective.model_fields`) as local paths: a Hub id resolved through the Hugging Face cache (`jaxtune.hub`)."""
     model = dataclasses.replace(config.model, path=local_model(config.model.path) if config.model.path else "")
+    objective = objective_named(config.train.objective)
+    section = config.section(objective.name)
+    named = {f: local_model(getattr(section, f)) for f in objective.model_fields if getattr(section, f)}
+    objectives = tuple((name, dataclasses.replace(s, **named) if name == objective.name and named else s)
+                       for name, s in config.objectives)
+    return dataclasses.replace(config, model=model, objectives=objectives)
+
+
+def with_local_inputs(config: RunConfig) -> RunConfig:
+    """`with_local_models`, and [data] train / eval as local paths too (a Hub dataset id: its Parquet split; eval
+    without a split: the repo's validation, else test split)."""
     data = dataclasses.replace(config.data, train=config.data.train and local_dataset(config.data.train, ("train",)),
                                eval=config.data.eval and local_dataset(config.data.eval, ("validation", "test")))
-    return dataclasses.replace(config, model=model, data=data)
+    return dataclasses.replace(with_local_models(config), data=data)
 
 
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -19,8 +19,9 @@ from jaxtune.data.tokenizer import TOKENIZER_FILES
 from jaxtune.errors import JaxtuneError, JaxtuneWarning
 from jaxtune.hub import INDEX, MODEL_FILES, local_dataset, local_model
 from jaxtune.models.hf_config import load_config
+from jaxtune.planner.command import plan_from_run_config
 from jaxtune.presets import write_random_model
-from jaxtune.run_config import load_run_config, with_local_inputs
+from jaxtune.run_config import load_run_config, with_local_inputs, with_local_models
 from jaxtune.train.card import push_run_result
 from jaxtune.train.loop import fine_tune
 
@@ -67,7 +68,8 @@ def cached_ids(cache: Path, model: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_run_config_resolves_its_ids_from_the_cache(tiny_model, offline_cache, tmp_path):
     """What a run does first (`with_local_inputs`, the full tier's run below): [model] path and [data] train/eval
-    as the cached snapshot and its Parquet splits (eval without a validation split: test), read as written."""
+    as the cached snapshot and its Parquet splits (eval without a validation split: test), read as written; an
+    objective's model fields (a distillation teacher, a DPO reference) by id too, "base" left as it is."""
     snapshot, data = cached_ids(offline_cache, tiny_model, tmp_path)
     config = with_local_inputs(load_run_config(None, ["model.path=me/tiny", "data.train=me/data",
                                                       "data.eval=me/data"]))
@@ -75,6 +77,16 @@ def test_a_run_config_resolves_its_ids_from_the_cache(tiny_model, offline_cache,
         str(snapshot), str(data / "data/train-*.parquet"), str(data / "data/test-*.parquet"))
     assert load_config(config.model.path) == load_config(tiny_model)
     assert [r for _, r in read_records(config.data.eval)] == ROWS[:4]
+    teacher = hub_cache(offline_cache, "me/teacher", directory_files(write_random_model(
+        tmp_path / "teacher", "llama", seed=1, hidden_size=32, head_dim=8)))
+    distill = load_run_config(None, ["model.path=me/tiny", "train.objective=distill", "distill.teacher=me/teacher"])
+    cfg, plan = plan_from_run_config(distill, "cpu")  # `jaxtune plan --config` reads the teacher by id too
+    assert cfg == load_config(tiny_model) and plan.second_model == load_config(teacher) != cfg
+    dpo = with_local_models(load_run_config(None, ["model.path=me/tiny", "train.objective=dpo",
+                                                   "dpo.reference=me/tiny"]))
+    assert dpo.section("dpo").reference == str(snapshot)
+    assert with_local_models(load_run_config(None, ["model.path=me/tiny", "train.objective=dpo"])).section(
+        "dpo").reference == "base"
 
 
 @pytest.mark.full

@@ -10,7 +10,6 @@ the target (a TPU slice's from its topology, `planner/slices.py`); `suggestion_f
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -19,7 +18,6 @@ from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig, OffloadConfi
 from jaxtune.config.plan import TrainPlan
 from jaxtune.config.run import batch_ways
 from jaxtune.errors import ConfigError, JaxtuneError
-from jaxtune.hub import local_model
 from jaxtune.methods import method_config, option_names
 from jaxtune.objectives import objective_named
 from jaxtune.parallel.mesh import MESH_AXES
@@ -37,7 +35,7 @@ from jaxtune.planner.report import (
 from jaxtune.planner.search import longest_context, search
 from jaxtune.planner.shapes import model_from_directory, standard_config
 from jaxtune.planner.timing import step_time
-from jaxtune.run_config import load_run_config
+from jaxtune.run_config import load_run_config, with_local_models
 from jaxtune.spine import run as spine_run
 
 OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
@@ -126,7 +124,7 @@ def plan_from_run_config(config, platform: str | None = None) -> tuple[ModelConf
     (`spine.run.train_plan`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=local_model(config.model.path)))
+    config = with_local_models(config)  # Hub ids as their cached snapshots
     cfg, stored = model_from_directory(config.model.path)
     return cfg, spine_run.train_plan(config, stored, platform)
 
