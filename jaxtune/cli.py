@@ -61,6 +61,8 @@ def cmd_init(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from jaxtune.config.run import REPO_ID
+    from jaxtune.hub import hub_id_of
     from jaxtune.methods.peft import save_peft_adapter
     from jaxtune.paths import check_output_dir
     from jaxtune.spine.model import load_model_with_adapter
@@ -69,6 +71,8 @@ def cmd_export(args) -> None:
     note = lambda text: print(text, file=sys.stderr)
     if (args.model is None) == (args.run_dir is None):
         raise JaxtuneError("export needs --model (with --adapter) or --run (a run directory), not both")
+    if args.push is not None and not REPO_ID.fullmatch(args.push):
+        raise JaxtuneError(f"--push {args.push}: needs a Hub repo id, owner/name")
     if args.run_dir is not None:
         return _export_run(args, note)
     if args.step is not None:
@@ -82,18 +86,19 @@ def cmd_export(args) -> None:
         path = (export_gguf(args.model, args.adapter, out, args.type, log=note) if args.gguf else
                 export_gguf_lora(args.model, args.adapter, out, log=note))
         print(f"wrote {f'the {args.type} model' if args.gguf else 'the LoRA adapter'} as GGUF to {path}")
-        return
+        return _push(args, path, "gguf" if args.gguf else "gguf-lora")
     if args.peft and args.adapter is None:
         raise JaxtuneError("--peft needs --adapter")
     check_output_dir(args.merged or args.peft, "--merged" if args.merged else "--peft")
     if args.merged:
         path = export_merged(args.model, args.adapter, args.merged, log=note)
         print(f"wrote the {'merged ' if args.adapter else ''}model to {path}")
-        return
+        return _push(args, path, "merged")
     cfg, params, method = load_model_with_adapter(args.model, args.adapter, log=note)
     assert method is not None  # --peft needs --adapter, checked above
-    path = save_peft_adapter(args.peft, params, cfg, method, base_model=str(args.model))
+    path = save_peft_adapter(args.peft, params, cfg, method, base_model=hub_id_of(args.model) or str(args.model))
     print(f"wrote the {method.kind} adapter in PEFT format to {path}")
+    return _push(args, path, "peft")
 
 
 def _export_run(args, note) -> None:
@@ -105,6 +110,32 @@ def _export_run(args, note) -> None:
                                            ("gguf-lora", args.gguf_lora)) if o is not None)
     path = export_run(args.run_dir, target, out, args.step, args.type, log=note)
     print(f"wrote {args.run_dir}'s result as {target} to {path}")
+    _push(args, path, target)
+
+
+def _push(args, path: Path | str, target: str) -> None:
+    """`export --push OWNER/NAME`: `path` (just written, and kept) uploaded with its model card."""
+    from jaxtune.hub import push
+    from jaxtune.io.json import read_json
+    from jaxtune.io.storage import is_url
+    from jaxtune.train.card import model_card, run_card
+    from jaxtune.train.export import checkpoint_of
+    from jaxtune.train.resume import run_config_at
+
+    if args.push is None:
+        return
+    if is_url(path):
+        raise JaxtuneError(f"--push uploads an export on this machine's disk; {path} was written to a bucket (export "
+                           "to a local directory to push it)")
+    path = Path(path)
+    if args.run_dir is not None:
+        run_dir, step = checkpoint_of(args.run_dir, args.step)
+        card = run_card(args.push, target, run_config_at(run_dir, step if step is not None else 1 << 62), run_dir)
+    else:
+        adapter = Path(args.adapter) / "adapter_config.json" if args.adapter else None
+        method = read_json(adapter).get("peft_type", "lora").lower() if adapter and adapter.is_file() else None
+        card = model_card(args.push, target, args.model, method)
+    print(f"pushed {path} to {push(path, args.push, card)}")
 
 
 def cmd_train(args) -> int:
@@ -306,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a model (a Hugging Face directory or a .gguf file): its shape, "
                           "parameters, and tensor types and bytes as stored")
-    info.add_argument("--model", required=True, help="directory with config.json and *.safetensors, or a .gguf file")
+    info.add_argument("--model", required=True, help="directory with config.json and *.safetensors, a .gguf file, "
+                      "or a Hub id (owner/name[@revision], owner/name/file.gguf)")
     info.add_argument("--adapter", help="a PEFT adapter directory: report its method and trainable parameters")
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(run=cmd_info)
@@ -337,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="completion-token loss and perplexity on SFT data; pairwise accuracy on "
                               "preference data; benchmark tasks through lm-evaluation-harness (--tasks)")
-    evaluate.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file, or a reward "
-                          "model as `objective = \"reward\"` exports it")
+    evaluate.add_argument("--model", required=True, help="Hugging Face model directory, .gguf file or Hub id, or a "
+                          "reward model as `objective = \"reward\"` exports it")
     evaluate.add_argument("--adapter", help="PEFT adapter directory to apply (on preference data: scored against "
                           "--model alone as the DPO reference)")
     what = evaluate.add_mutually_exclusive_group(required=True)
@@ -368,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample continuations with a KV cache (temperature 0: greedy)")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory, .gguf file or Hub id "
+                     "(owner/name[@revision])")
     gen.add_argument("--adapter", action="append", help="PEFT adapter directory to apply; or NAME=DIR, repeatable: "
                      "LoRA adapters the requests of --data choose by name, mixed in one batch")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -402,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write an adapter in PEFT format or as a GGUF LoRA, or merge it into "
                            "an HF model directory or a GGUF file; a .gguf model as an HF directory")
-    export.add_argument("--model", help="the base model: Hugging Face directory or .gguf file")
+    export.add_argument("--model", help="the base model: Hugging Face directory, .gguf file or Hub id")
     export.add_argument("--adapter", help="a PEFT adapter directory (as jaxtune train writes)")
     export.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help="instead of --model/--adapter: a run "
                         "directory (finished, stopped or still training), its result as of its latest checkpoint; or "
@@ -418,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "GGUF file for llama.cpp")
     target.add_argument("--gguf-lora", metavar="OUT.gguf", help="write the LoRA adapter as llama.cpp's GGUF LoRA "
                         "(llama-cli -m MODEL.gguf --lora OUT.gguf)")
+    export.add_argument("--push", metavar="OWNER/NAME", help="then upload what was written to this Hub model repo "
+                        "(created if missing) with a model card (base model, method, data, final metrics); the local "
+                        "copy is kept (docs/hub.md)")
     export.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f16", help="--gguf's tensor type "
                         "(default f16; q8_0: 8-bit blocks)")
     export.set_defaults(run=cmd_export)
@@ -441,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="will a fine-tune fit: per-device memory, the best layouts, XLA's own figure")
     model = plan.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read) "
-                       "or .gguf file")
+    model.add_argument("--model", help="a Hugging Face model directory (config and safetensors headers are read), "
+                       ".gguf file or Hub id")
     model.add_argument("--params", type=float, metavar="MILLIONS", help="a standard Llama shape of this size")
     model.add_argument("--config", metavar="RUN.toml", help="a `jaxtune train` config: its model, method, batch, "
                        "sequence, remat, mesh and offload")
@@ -514,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command not in STARTS_ITS_OWN_BACKENDS:
             _start_backends_quietly()
+        if getattr(args, "model", None) is not None:  # a Hub id, as a local snapshot (docs/hub.md)
+            from jaxtune.hub import local_model
+
+            args.model = local_model(args.model)
         return args.run(args) or 0
     except JaxtuneError as e:
         print(f"jaxtune: error: {_as_flag(e, argv)}", file=sys.stderr)

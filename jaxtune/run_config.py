@@ -25,6 +25,7 @@ from jaxtune.config.forward import ForwardOptions, Remat
 from jaxtune.config.plan import FORWARD_KNOBS
 from jaxtune.config.run import context_split_error
 from jaxtune.errors import ConfigError, JaxtuneError
+from jaxtune.hub import local_dataset, local_model
 from jaxtune.methods import METHODS, LoRAConfig, method_unit, option_names
 from jaxtune.models.kernels import check_choice as check_kernel
 from jaxtune.objectives import OBJECTIVES, objective_named
@@ -190,6 +191,26 @@ def _unknown(section: str, key: str, cls: type) -> str:
     readers = [k for k in METHODS if key in option_names(k)]
     whose = f"; it is an option of {', '.join(readers)}" if readers else ""
     return f"unknown key {key!r} in section [method] for kind {kind!r} (known: kind, {known or 'nothing else'}){whose}"
+
+
+def with_local_models(config: RunConfig) -> RunConfig:
+    """`config` with [model] path and its objective's model fields (a DPO reference, a distillation teacher:
+    `Objective.model_fields`) as local paths: a Hub id resolved through the Hugging Face cache (`jaxtune.hub`)."""
+    model = dataclasses.replace(config.model, path=local_model(config.model.path) if config.model.path else "")
+    objective = objective_named(config.train.objective)
+    section = config.section(objective.name)
+    named = {f: local_model(getattr(section, f)) for f in objective.model_fields if getattr(section, f)}
+    objectives = tuple((name, dataclasses.replace(s, **named) if name == objective.name and named else s)
+                       for name, s in config.objectives)
+    return dataclasses.replace(config, model=model, objectives=objectives)
+
+
+def with_local_inputs(config: RunConfig) -> RunConfig:
+    """`with_local_models`, and [data] train / eval as local paths too (a Hub dataset id: its Parquet split; eval
+    without a split: the repo's validation, else test split)."""
+    data = dataclasses.replace(config.data, train=config.data.train and local_dataset(config.data.train, ("train",)),
+                               eval=config.data.eval and local_dataset(config.data.eval, ("validation", "test")))
+    return dataclasses.replace(with_local_models(config), data=data)
 
 
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -21,6 +21,9 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test reaches the Hugging Face Hub: a Hub id resolves from a cache the test writes (tests/test_hub.py), or from a
+# fake endpoint on 127.0.0.1 the test points huggingface_hub at.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The CPU backend only: with libtpu installed (the test extra, for compiling TPU programs from topologies), JAX would
 # otherwise try to start a TPU backend in every process and write libtpu's notices into the CLI's one-line stderr.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from jaxtune.config.forward import ForwardOptions
@@ -26,7 +27,8 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")  # of the frozen base (a run's
 
 @dataclass(frozen=True)
 class ModelSection:
-    """path: a Hugging Face model directory. dtype: of the frozen base ("auto": as stored). Trainable leaves are
+    """path: a Hugging Face model directory, a .gguf file, or a Hub id (`owner/name[@revision]`: `jaxtune.hub`).
+    dtype: of the frozen base ("auto": as stored). Trainable leaves are
     always float32 master weights. forward: how the forward computes (`ForwardOptions`: compute_dtype, remat,
     scan_layers, attention, context_attention, tiled_mlp), written as keys of [model] beside these in a run's TOML;
     its compute_dtype defaults to "auto" here, what the run's devices multiply fast (bfloat16 on TPUs, GPUs and
@@ -51,8 +53,9 @@ RECORD_FIELDS = ("instruction", "input", "output", "prompt", "completion", "mess
 
 @dataclass(frozen=True)
 class DataConfig:
-    """train/eval: JSONL (.jsonl, .jsonl.gz), Parquet or Arrow files or `datasets` `save_to_disk` directories
-    (`data.sources`). Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
+    """train/eval: JSONL (.jsonl, .jsonl.gz), Parquet or Arrow files (or a glob of them), `datasets` `save_to_disk`
+    directories (`data.sources`), or a Hub dataset id `owner/name[@revision][:split]` (`jaxtune.hub`).
+    Without an eval file, `eval_fraction` of train is held out (by `seed`). columns: our field
     names -> the dataset's column names where they differ (TOML: `columns = {prompt = "question"}`), held as sorted
     pairs. apply_chat_template: prompt/completion and alpaca records become a user and an assistant turn of the
     model's chat template (else raw text: prompt + completion + EOS). max_images_per_row: for a vision-language
@@ -85,6 +88,7 @@ class DataConfig:
         check_range("max_images_per_row", self.max_images_per_row, 1)
 
 
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hub repo `owner/name` (train.push_to_hub)
 REPORTERS = ("tensorboard", "wandb")  # [train] report_to (train/tracking.py)
 
 
@@ -109,7 +113,8 @@ class TrainConfig:
     after run_dir, project WANDB_PROJECT or "jaxtune", offline under run_dir/wandb when no credentials exist, for
     `wandb sync` later; each needs its package installed). profile_steps: [first, last] writes a `jax.profiler` trace
     of those steps to run_dir/profile (TensorBoard's profile plugin or Perfetto open it). progress_every_s: where
-    stderr is not a terminal, a progress line this often.
+    stderr is not a terminal, a progress line this often. push_to_hub: "owner/name", a Hub repo the finished run's
+    result (adapter/ or model/) is uploaded to with a model card (`train.push`); "" (default): none.
     """
 
     objective: str = "sft"
@@ -140,8 +145,11 @@ class TrainConfig:
     report_to: tuple = ()
     profile_steps: tuple = ()
     progress_every_s: float = 10.0
+    push_to_hub: str = ""
 
     def __post_init__(self):
+        if self.push_to_hub and not REPO_ID.fullmatch(self.push_to_hub):
+            raise ConfigError("push_to_hub", self.push_to_hub, "needs a Hub repo id, owner/name")
         check_choice("schedule", self.schedule, ("cosine", "linear", "constant"))
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("muon_adjust_lr_fn", self.muon_adjust_lr_fn, MUON_LR_ADJUSTMENTS)

@@ -20,13 +20,13 @@ import weakref
 from pathlib import Path
 
 from jaxtune.data.formats import DataStats
+from jaxtune.data.sources import source_files
 from jaxtune.data.store import StoreWriter, TokenStore
 from jaxtune.data.tokenizer import Tokenizer
 
 
 def _fingerprint(stream, path: Path, tokenizer: Tokenizer, max_seq_len: int, columns) -> str:
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    stamp = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stamp = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in source_files(path)]
     vocab = hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
     key = [2, stream.__module__, stream.__name__, stamp, sorted((columns or {}).items()), max_seq_len, vocab,
            tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, tokenizer.chat_template]
@@ -39,7 +39,7 @@ def cached_examples(cache_dir: str | Path | None, stream, path: str | Path, toke
     `preference_examples`): a `TokenStore` read from `cache_dir` when these inputs were tokenised before, else
     streamed into a new store there, or, given `deferred`, into a temporary directory that a function appended to
     `deferred` moves there (so the run's directory is written only once the run starts). No cache_dir: a list."""
-    if cache_dir is None or not Path(path).exists():  # the loader names a missing file
+    if cache_dir is None or not source_files(path):  # the loader names a missing file
         stats = DataStats()
         return list(stream(path, tokenizer, max_seq_len, columns, stats)), stats
     final = Path(cache_dir) / _fingerprint(stream, Path(path), tokenizer, max_seq_len, columns)

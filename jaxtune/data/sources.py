@@ -1,16 +1,17 @@
 """Where examples come from: JSONL (plain or gzip), Parquet, Arrow, or a `datasets.Dataset.save_to_disk` directory.
 
-    records = iter_records("train.parquet", columns={"prompt": "question", "completion": "answer"})
-    # (row number, {"prompt": ..., "completion": ...}), ... read as consumed; read_records lists them
+    records = iter_records("train.parquet", columns={"prompt": "question", "completion": "answer"})  # as consumed
 
 Every source gives (position, record) pairs, position a line number for JSONL and a 1-based row number for tables,
-so errors name "file:position". `columns` maps our field names to the dataset's column names where they differ
-(only the mapped columns are renamed; the others keep their names). Parquet and Arrow are read with pyarrow; a
-`save_to_disk` directory is its `state.json`'s Arrow files in order (a `DatasetDict` directory names its splits).
+so errors name "file:position". `columns` maps our field names to the dataset's column names where they differ.
+Parquet and Arrow are read with pyarrow; a `save_to_disk` directory is its `state.json`'s Arrow files in order (a
+`DatasetDict` directory names its splits); a glob (`data/train-*.parquet`, as a Hub dataset resolves to:
+`jaxtune.hub`) is its matching tables in name order.
 """
 
 from __future__ import annotations
 
+import glob
 import gzip
 import itertools
 import json
@@ -105,8 +106,23 @@ def _saved_dataset_files(directory: Path) -> list[Path]:
     return files
 
 
+def source_files(path: str | Path) -> list[Path]:
+    """The files a data path reads: a glob's matches in name order (none: []), a file itself, a directory's files."""
+    path = Path(path)
+    if glob.has_magic(path.name):
+        return sorted(path.parent.glob(path.name))
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return [path] if path.exists() else []
+
+
 def _table_records(path: Path | str):
-    files = [path] if is_url(path) or not Path(path).is_dir() else _saved_dataset_files(Path(path))
+    if is_url(path):
+        files: list = [path]
+    else:
+        path = Path(path)
+        files = source_files(path) if glob.has_magic(path.name) else _saved_dataset_files(path) if path.is_dir() \
+            else [path]
     n = 0
     for f in files:
         for batch in _record_batches(f):
@@ -131,15 +147,17 @@ def iter_records(path: str | Path, columns: Mapping[str, str] | None = None):
     """(line or row number, record) for every example of a JSONL (.jsonl, .jsonl.gz), Parquet or Arrow file or a
     `save_to_disk` directory, read as they are consumed (a file larger than memory streams through), with
     `columns` ({our name: theirs}) renamed; errors name the file and the line, an empty dataset included. A URL
-    (`gs://`, any fsspec URL) names a JSONL, Parquet or Arrow file in a bucket, streamed."""
+    (`gs://`, any fsspec URL) names a JSONL, Parquet or Arrow file in a bucket, streamed; a local glob (a Hub
+    dataset's shards) reads its files in name order as one table."""
     if is_url(path):
         if not storage.exists(str(path)):
             raise JaxtuneError(f"{path}: data file not found")
         table = str(path).endswith(TABLE_SUFFIXES)
     else:
         path = Path(path)
-        if not path.exists():
-            raise JaxtuneError(f"{path}: data file not found")
+        if not (path.exists() or source_files(path)):
+            found = "no file matches it" if glob.has_magic(path.name) else "data file not found"
+            raise JaxtuneError(f"{path}: {found}")
         table = path.is_dir() or path.suffix in TABLE_SUFFIXES
     records = _table_records(path) if table else _jsonl_records(path)
     if columns:

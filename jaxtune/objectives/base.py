@@ -122,6 +122,7 @@ class Objective(Generic[Section]):
     rows, batch_fields  rows a micro-batch holds per example (a preference pair: 2); its arrays beside SFT's five
                         (rows, seq_len, section) -> {name: ShapeDtypeStruct}
     second_model        None, "base" (a full fine-tune's frozen copy; adapter methods: the base, adapters off) or a dir
+    model_fields        its section's fields that name a model (a directory or a Hub id, resolved as [model] path is)
     generates           its step samples from the policy (rollouts): rows decoded whole (no context axis); one that
                         samples only for some sections (distill's lmbda > 0) says so by its rollout_tokens alone
     loss_terms          (`Context`) -> per micro-batch sums (loss, (count, metrics)); eval_terms: per held-out batch
@@ -142,6 +143,7 @@ class Objective(Generic[Section]):
     rows: Callable[[Section], int] = lambda section: 1
     batch_fields: Callable[[int, int, Section], dict] = lambda rows, seq_len, section: {}
     second_model: Callable[[Section, MethodConfig], str | None] = lambda section, method: None
+    model_fields: tuple[str, ...] = ()
     generates: bool = False
     logits_copies: Callable[[MethodConfig, Section], int] = lambda method, section: 2
     head: Callable[[dict, ModelConfig, jax.Array], dict] | None = None

@@ -227,7 +227,8 @@ def _batch_fields(rows: int, seq_len: int, section: DistillConfig) -> dict:
 
 
 DISTILL = Objective("distill", loss_terms, eval_terms, prepare, section=DistillConfig,
-                    second_model=lambda section, method: section.teacher, logits_copies=lambda method, section: 6,
+                    second_model=lambda section, method: section.teacher, model_fields=("teacher",),
+                    logits_copies=lambda method, section: 6,
                     extra_forwards=lambda section: 1, batch_fields=_batch_fields,
                     batch_metrics=lambda batch: {"on_policy": jnp.mean(batch["on_policy"])} if "on_policy" in batch
                     else {},

@@ -253,7 +253,7 @@ def _batch_fields(rows: int, _seq_len: int, section: PreferenceConfig) -> dict:
 
 DPO = Objective("dpo", loss_terms, eval_terms, prepare, section=PreferenceConfig, rows=lambda section: 2,
                 reads_images=True,
-                batch_fields=_batch_fields, second_model=_second_model,
+                batch_fields=_batch_fields, second_model=_second_model, model_fields=("reference",),
                 logits_copies=lambda method, section: 2 if section.precompute_reference and not method_unit(
                     method).trains_base else 3, unit="pairs",
                 extra_forwards=lambda section: 0 if section.precompute_reference else 1)

@@ -36,7 +36,7 @@ from jaxtune.planner.report import (
 from jaxtune.planner.search import longest_context, search
 from jaxtune.planner.shapes import model_from_directory, standard_config
 from jaxtune.planner.timing import step_time
-from jaxtune.run_config import load_run_config
+from jaxtune.run_config import load_run_config, with_local_models
 from jaxtune.spine import run as spine_run
 
 OFFLOAD_CHOICES = ("optimizer", "params", "moments-bf16")
@@ -131,6 +131,7 @@ def plan_from_run_config(config, platform: str | None = None) -> tuple[ModelConf
     (`spine.run.train_plan`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")
+    config = with_local_models(config)  # Hub ids as their cached snapshots
     cfg, stored = model_from_directory(config.model.path)
     return cfg, spine_run.train_plan(config, stored, platform)
 

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtune.config import MeshConfig, MethodConfig, ModelConfig, OffloadConfig
 from jaxtune.data.tokenizer import copy_tokenizer, load_tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.hub import hub_id_of
 from jaxtune.io import storage
 from jaxtune.io.storage import is_url
 from jaxtune.methods.base import METHODS, method_unit
@@ -122,7 +123,9 @@ def export_result(run_dir: Path, config: RunConfig, cfg: ModelConfig, params: di
     peft = method_unit(method).peft
     if peft is not None and peft.needs_initial(method) and initial is None:
         initial = initial_leaves(config.model.path, cfg, method, params)
-    base = config.model.path if is_url(config.model.path) else str(Path(config.model.path))
+    # PEFT's base_model_name_or_path: the Hub id, the bucket URL, or the local path
+    base = hub_id_of(config.model.path) or (config.model.path if is_url(config.model.path)
+                                            else str(Path(config.model.path)))
     return save_peft_adapter(run_dir / "adapter", params, cfg, method, base_model=base,
                              initial=initial, text_prefix=family.text_prefix if family is not None else "model.",
                              outside=None if family is None else family.outside_text,

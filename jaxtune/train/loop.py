@@ -34,7 +34,8 @@ from jaxtune.parallel.distributed import barrier, host_copy, is_main_process, ma
 from jaxtune.parallel.mesh import make_mesh
 from jaxtune.parallel.offload import on_device
 from jaxtune.paths import check_output_dir, run_directory_lock
-from jaxtune.run_config import RunConfig, config_items, dump_run_config
+from jaxtune.run_config import RunConfig, config_items, dump_run_config, with_local_inputs
+from jaxtune.train.card import push_run_result
 from jaxtune.train.checkpoint import Checkpoints
 from jaxtune.train.metrics import PHASES, MetricsLog, plot_losses
 from jaxtune.train.outputs import fetch_run_directory, run_directories, sync_run_directory
@@ -129,7 +130,9 @@ def start_run(config: RunConfig, log) -> StartedRun:
 
 def _train(config: RunConfig, log, progress_log, stop: dict) -> RunResult:
     """Every input is checked (output directory, model, data, the checkpoint to resume and the config changes it
-    allows) before the run directory is written to, so a run that fails to start leaves a finished one as it was."""
+    allows) before the run directory is written to, so a run that fails to start leaves a finished one as it was.
+    A Hub id in [model] or [data] is resolved first: the run records (and resumes from) its snapshot's path."""
+    config = with_local_inputs(config)
     tc = config.train
     run_dir, checkpoint_dir = run_directories(tc.output_dir)
     writer = is_main_process()  # files that exist once are written by process 0 alone
@@ -309,6 +312,8 @@ def _steps(config: RunConfig, task: StartedRun, checkpoints: Checkpoints, start:
             params = host_copy(params)  # every process takes part in gathering what is split across them
         result_path = task.export(run_dir, params) if writer else None
         barrier("export")
+        if result_path is not None and tc.push_to_hub:
+            push_run_result(run_dir, config, result_path, log)
     evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in metrics_log.records()
              if any(k.startswith("eval_") for k in r)]
     last = evals[-1] if evals else None

@@ -21,7 +21,8 @@ from jaxtune.run_config import RunConfig, dump_run_config, load_run_config
 RESUMABLE = frozenset({
     "train.epochs", "train.max_steps", "train.learning_rate", "train.schedule", "train.warmup_steps",
     "train.min_lr_ratio", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
-    "train.report_to", "train.profile_steps", "train.progress_every_s", "train.max_nonfinite_steps",
+    "train.report_to", "train.push_to_hub", "train.profile_steps", "train.progress_every_s",
+    "train.max_nonfinite_steps",
     "model.remat", "model.attention", "model.context_attention", "model.tiled_mlp", "offload.optimizer_state",
     "offload.frozen_params", "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.context", "mesh.tensor"})
 NOT_COMPARED = frozenset({"train.resume_step", "train.output_dir"})  # how to find the run, not what it is
