@@ -6,9 +6,8 @@
     expert  expert parallelism: a mixture's experts split E / expert a device, the batch split as over data.
     context each row's tokens split (context parallelism), and with fsdp ZeRO-3's partitions (`context_attention`).
     tensor  tensor parallelism: attention heads, MLP columns and the vocabulary split (Megatron-style).
-Which dimension goes to which axis is one table, `parallel/rules.py`. One size may be -1, "the rest". With
-`slices` > 1 (multi-slice TPU), `data` spans the slices over DCN and every other axis stays inside a slice.
-"""
+Which dimension goes to which axis is one table, `parallel/rules.py`. One size may be -1, "the rest". `slices` > 1
+(multi-slice TPU): `data` spans the slices over DCN, every other axis stays inside a slice."""
 
 from __future__ import annotations
 
