@@ -78,7 +78,8 @@ def add_launch_parsers(sub) -> None:
     """`jaxtune launch {tpu,gke,xpk,slurm}` on the CLI's subcommands `sub`."""
     launcher = sub.add_parser("launch", help="run `jaxtune train` on a Cloud TPU VM (gcloud), GKE TPU slices (a "
                               "JobSet, or xpk) or a Slurm GPU cluster (sbatch)")
-    platforms = launcher.add_subparsers(dest="platform", required=True, metavar="{tpu,gke,xpk,slurm}")
+    platforms = launcher.add_subparsers(dest="platform", required=True, metavar="{tpu,gke,xpk,slurm}",
+                                        help="where: a Cloud TPU VM, GKE (JobSet), xpk, Slurm")
     launch = platforms.add_parser("tpu", help="a Cloud TPU VM through gcloud",
                                   usage="jaxtune launch tpu --name N --zone Z --accelerator TYPE [--project P] "
                                         "[--spot] [--queued] [--dry-run] [--no-compile-check] -- train CONFIG.toml "
