@@ -116,6 +116,7 @@ def test_gke_apply_follows_the_jobsets_restarts_to_the_end(config, tmp_path, mon
     (["--slices", "0"], "--slices 0: a run takes 1 or more slices"),
     (["--name", "Tune_1"], "--name 'Tune_1': a JobSet name is lowercase letters, digits and '-'"),
     (["--set", "mesh.data=1"], "--set mesh.data=1: the data axis spans the 2 slices, so it is a multiple of slices"),
+    (["--set", "mesh.slices=4", "--set", "mesh.data=4"], "--slices 2, but run.toml says [mesh] slices = 4"),
     (["--set", "train.output_dir=runs/a"], "a GKE run needs train.output_dir on gs:// (pods' disks do not outlive a "
                                            "restart, so nothing could resume), got 'runs/a'"),
     (["--apply"], "--apply runs `kubectl`, which is not on PATH (gcloud components install kubectl"),
@@ -123,7 +124,8 @@ def test_gke_apply_follows_the_jobsets_restarts_to_the_end(config, tmp_path, mon
 def test_gke_bad_input_is_one_line(config, monkeypatch, capsys, flags, message):
     monkeypatch.setenv("PATH", "/nonexistent")
     overrides = [f for f in flags if f == "--set" or "=" in f]
-    assert main([*GKE, *(f for f in flags if f not in overrides), "--", "train", str(config), *overrides]) == 2
+    given = [f for f in flags if f not in overrides]
+    assert main([*GKE, *given, "--", "train", config.name, *overrides]) == 2  # the fixture works in its folder
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not Path("tune.yaml").exists()

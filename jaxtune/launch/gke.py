@@ -75,6 +75,9 @@ def prepared_run(job: SliceJob, rest: list[str], where: str, compile_first: bool
     is on gs://, its step compiles for the slices), then (the pods' `jaxtune train` argv, {file name: local path} of
     the config and local data it reads from the directory `where`, the checkpoint directory a restart resumes from)."""
     config_path, overrides = parse_train_args(rest)
+    said = load_run_config(config_path, overrides).mesh.slices
+    if said not in (1, job.slices):
+        raise JaxtuneError(f"--slices {job.slices}, but {config_path} says [mesh] slices = {said}: give one number")
     overrides = overrides + [f"mesh.slices={job.slices}"]
     run = load_run_config(config_path, overrides)
     if not run.train.output_dir.startswith("gs://"):
