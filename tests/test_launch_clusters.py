@@ -134,13 +134,13 @@ def test_gke_bad_input_is_one_line(config, monkeypatch, capsys, flags, message):
 def test_xpk_writes_its_script_dir_and_runs_workload_create(config, tmp_path, monkeypatch, capsys):
     bin_dir = fake_tool(tmp_path, "xpk", f"printf '%s\\n' \"$@\" > {tmp_path}/xpk.args")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    assert main(["launch", "xpk", "--name", "tune", "--tpu", "v6e-16", "--slices", "4", "--image", "img",
+    assert main(["launch", "xpk", "--name", "tune", "--tpu", "v5e-16", "--slices", "4", "--image", "img",
                  "--cluster", "c1", "--zone", "us-east5-b", "--max-restarts", "2", "--no-compile-check", "--apply",
                  "--", "train", str(config), "--set", "mesh.fsdp=16"]) == 0
     assert sorted(p.name for p in (tmp_path / "tune-xpk").iterdir()) == ["run.toml", "train-train.jsonl"]
     argv = (tmp_path / "xpk.args").read_text().splitlines()
     assert argv[:2] == ["workload", "create"]
-    assert argv[2:10] == ["--cluster=c1", "--workload=tune", "--tpu-type=v6e-16", "--num-slices=4",
+    assert argv[2:10] == ["--cluster=c1", "--workload=tune", "--tpu-type=v5litepod-16", "--num-slices=4",
                           "--base-docker-image=img", "--script-dir=tune-xpk", "--max-restarts=2",
                           "--command=jaxtune train ./run.toml --auto-cluster --set mesh.fsdp=16 --set mesh.slices=4 "
                           "--set data.train=./train-train.jsonl"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxtune.errors import JaxtuneError
-from jaxtune.launch.tpu import compile_check, local_data_files, needs, parse_train_args
+from jaxtune.launch.tpu import GCLOUD_NAMES, compile_check, local_data_files, needs, parse_train_args
 from jaxtune.paths import run_directories
 from jaxtune.planner.devices import get_device
 from jaxtune.planner.slices import TpuSlice, tpu_slice
@@ -51,22 +51,29 @@ class SliceJob:
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", self.name):
             raise JaxtuneError(f"--name {self.name!r}: a JobSet name is lowercase letters, digits and '-', starting "
                                "with a letter, at most 40 characters")
-        generation = self.tpu.replace("v5litepod", "v5e").partition("-")[0]
-        if generation not in GKE_ACCELERATORS or not self.tpu.partition("-")[2].isdigit():
+        generation, _, size = self.tpu.replace("v5litepod", "v5e").partition("-")
+        if generation not in GKE_ACCELERATORS or not size.isdigit():
             raise JaxtuneError(f"--tpu {self.tpu!r}: expected TYPE-SIZE with TYPE one of {', '.join(GKE_ACCELERATORS)}"
                                " (e.g. v5p-64, v6e-16)")
+        object.__setattr__(self, "tpu", f"{generation}-{size}")  # jaxtune's name for it, the planner's
         if self.slices < 1:
             raise JaxtuneError(f"--slices {self.slices}: a run takes 1 or more slices")
         if self.max_restarts < 0:
             raise JaxtuneError(f"--max-restarts {self.max_restarts}: 0 or more")
         try:
-            tpu_slice(get_device(self.tpu.replace("v5litepod", "v5e")))
+            self.slice  # a size Cloud TPU makes, or the line naming those it does
         except JaxtuneError as e:
             raise JaxtuneError(f"--tpu {e}") from None
 
     @property
     def slice(self) -> TpuSlice:
-        return tpu_slice(get_device(self.tpu.replace("v5litepod", "v5e")))
+        return tpu_slice(get_device(self.tpu))
+
+    @property
+    def gcloud_tpu(self) -> str:
+        """The type as gcloud and xpk name it ("v5litepod-16")."""
+        generation, _, size = self.tpu.partition("-")
+        return f"{GCLOUD_NAMES.get(generation, generation)}-{size}"
 
 
 def prepared_run(job: SliceJob, rest: list[str], where: str, compile_first: bool,
@@ -220,7 +227,7 @@ def xpk_command(job: SliceJob, image: str, cluster: str, argv: list[str], script
     """`xpk workload create` for the run: xpk layers `script_dir` (the config and local data) on `image` and runs
     `argv` there on every host of every slice (xpk sets the MEGASCALE_* variables itself)."""
     return ["xpk", "workload", "create", f"--cluster={cluster}", f"--workload={job.name}",
-            f"--tpu-type={job.slice.accelerator}", f"--num-slices={job.slices}", f"--base-docker-image={image}",
+            f"--tpu-type={job.gcloud_tpu}", f"--num-slices={job.slices}", f"--base-docker-image={image}",
             f"--script-dir={script_dir}", f"--max-restarts={job.max_restarts}", f"--command={shlex.join(argv)}",
             *([f"--project={project}"] if project else []), *([f"--zone={zone}"] if zone else [])]
 
