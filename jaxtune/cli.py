@@ -23,6 +23,7 @@ from pathlib import Path
 
 from jaxtune.errors import ConfigError, JaxtuneError, JaxtuneWarning
 from jaxtune.host_memory import restart_with_huge_pages
+from jaxtune.launch.command import add_launch_parsers
 
 # Each command imports the library it calls when it runs, so `jaxtune --help` and a bad flag answer without loading
 # JAX, and a command loads only what it uses.
@@ -306,15 +307,6 @@ def cmd_demo(args) -> None:
     run_demo(args.out, tiny=args.tiny)
 
 
-def cmd_launch(args) -> int:
-    from jaxtune.launch import TpuTarget, launch_tpu
-
-    rest = args.rest
-    target = TpuTarget(args.name, args.zone, args.accelerator, args.project, args.spot, args.queued)
-    return launch_tpu(target, rest, dry_run=args.dry_run, max_restarts=args.max_restarts,
-                      compile_first=not args.no_compile_check)
-
-
 def cmd_plan(args) -> None:
     from jaxtune.planner.command import public, render, run_plan
 
@@ -458,22 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default f16; q8_0: 8-bit blocks)")
     export.set_defaults(run=cmd_export)
 
-    launch = sub.add_parser("launch", help="run `jaxtune train` on every worker of a Cloud TPU VM via gcloud",
-                            usage="jaxtune launch tpu --name N --zone Z --accelerator TYPE [--project P] [--spot] "
-                                  "[--queued] [--dry-run] [--no-compile-check] -- train CONFIG.toml [--set k=v ...]")
-    launch.add_argument("platform", choices=("tpu",), help="where to launch (tpu: a Cloud TPU VM)")
-    launch.add_argument("--name", required=True, help="TPU VM (or queued resource) name")
-    launch.add_argument("--zone", required=True, help="the TPU VM's zone, e.g. us-central2-b")
-    launch.add_argument("--accelerator", required=True, help="e.g. v5e-8, v5p-32, v6e-16, v4-8")
-    launch.add_argument("--project", help="Google Cloud project (default: gcloud's configured one)")
-    launch.add_argument("--spot", action="store_true", help="spot capacity; needs train.output_dir on gs://")
-    launch.add_argument("--queued", action="store_true", help="create through a queued resource")
-    launch.add_argument("--max-restarts", type=int, default=5, help="re-creations after preemption")
-    launch.add_argument("--dry-run", action="store_true", help="print every gcloud command, run none (the compile "
-                        "check still runs and says its verdict)")
-    launch.add_argument("--no-compile-check", action="store_true", help="launch without first compiling the run's "
-                        "step for the slice with the TPU compiler (which needs libtpu and the model's config here)")
-    launch.set_defaults(run=cmd_launch)
+    add_launch_parsers(sub)
 
     plan = sub.add_parser("plan", help="will a fine-tune fit: per-device memory, the best layouts, XLA's own figure")
     model = plan.add_mutually_exclusive_group(required=True)

@@ -190,6 +190,16 @@ def run(method: str) -> dict:
     return out
 
 
+def two_slices() -> dict:
+    """LoRA on a 2-slice hybrid mesh (data over the slices, fsdp x tensor within each): its losses' largest relative
+    difference from one device's (and the first step's), and the device ids in each slice's block of the data axis."""
+    hybrid = MeshConfig(data=2, fsdp=2, tensor=2, slices=2)
+    losses, reference = train("lora", hybrid), train("lora", MeshConfig(fsdp=1), jax.devices()[:1])
+    grid = make_mesh(hybrid).devices
+    return {"first_step": relative_diff(losses[:1], reference[:1]), "all_steps": relative_diff(losses, reference),
+            "blocks": [sorted(d.id for d in grid[i].flat) for i in range(2)]}
+
+
 def loop(config: str, overrides: list[str]) -> dict:
     """`fine_tune` as `jaxtune train CONFIG --set ...` runs it on this process's 8 devices: its metrics records."""
     from jaxtune.run_config import load_run_config
@@ -527,7 +537,7 @@ def dispatch(args: list[str]) -> dict:
     assert jax.device_count() == 8, jax.devices()
     checks = {"load": load, "frozen_bf16": frozen_bf16, "eval": eval_rows, "loop": lambda c, *o: loop(c, list(o)),
               "planner": planner, "megablox": megablox, "families": families, "splash": splash, "mixtures": mixtures,
-              "decode_rows": decode_rows, "engine_rows": engine_rows}
+              "decode_rows": decode_rows, "engine_rows": engine_rows, "two_slices": two_slices}
     return checks[args[0]](*args[1:]) if args[0] in checks else run(args[0])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jaxtune.methods.transform import apply_method, partition, trainable_mask
 from jaxtune.models.params import init_params
 from jaxtune.parallel import abstract_mesh, low_precision_moments, make_mesh, partition_spec
 from jaxtune.parallel import offload as offload_module
+from jaxtune.parallel.mesh import hybrid_device_grid
 from jaxtune.presets import write_random_model
 from jaxtune.run_config import dump_run_config, load_run_config
 from jaxtune.spine.run import abstract_run, per_device_bytes
@@ -167,6 +169,16 @@ def test_sharded_training_on_8_devices(method):
         bf16 = out["bf16_moments"]
         assert bf16["dtypes"] == ["bfloat16", "int32"]
         assert bf16["relative_diff"] <= 1e-4  # 1.5e-5 over these 10 steps; longer runs: experiments/README.md
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_a_two_slice_hybrid_mesh_trains_as_one_device():
+    """[mesh] slices = 2, data = 2, fsdp = 2, tensor = 2: the data axis is two blocks of 4 devices, one a slice
+    (DCN between them), fsdp x tensor within each; LoRA's losses equal one device's from the first step."""
+    out = run_worker("two_slices")
+    assert out["blocks"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert out["first_step"] <= 1e-6 and out["all_steps"] <= 1e-5, out
 
 
 @pytest.mark.slow
@@ -330,9 +342,29 @@ def test_mesh_sizes_that_do_not_fit_the_devices_are_errors_naming_both():
         MeshConfig(data=-1, fsdp=-1)
     with pytest.raises(JaxtuneError, match=r"--set mesh.tensor=0: a mesh axis size is a positive integer"):
         load_run_config(None, ["mesh.tensor=0"])
+    assert MeshConfig(data=-1, fsdp=2, slices=2).resolve(8)["data"] == 4
+    with pytest.raises(JaxtuneError, match=r"mesh.data = 1: the data axis spans the 2 slices, so it is a "
+                                           r"multiple of slices = 2 \(or -1\)"):
+        load_run_config(None, ["mesh.slices=2"])
+    with pytest.raises(JaxtuneError, match=r"--set mesh.slices=0: the number of slices is a positive integer"):
+        load_run_config(None, ["mesh.slices=0"])
+    with pytest.raises(JaxtuneError, match=r"data=-1 x fsdp=3 x tensor=1 x slices=2: the data axis takes 1 of 3"):
+        MeshConfig(data=-1, fsdp=3, slices=2).resolve(3)
     with pytest.raises(JaxtuneError,
                        match=r"batch_size = 6 rows cannot be split .* data x fsdp x expert = 2 x 4 x 1 = 8"):
         batch_sharding(abstract_mesh(MeshConfig(data=2, fsdp=4), 8), 6)
+
+
+def test_devices_that_name_their_slice_fill_its_block_of_the_data_axis():
+    """A TPU device says its slice (`slice_index`): each slice's devices make one block of the data axis, in slice
+    order whatever the device order (the 8-device training check above uses devices that do not say it)."""
+    devices = [SimpleNamespace(id=i, slice_index=1 - i // 4, platform="cpu", device_kind="cpu", process_index=0)
+               for i in range(8)]
+    grid = hybrid_device_grid([2, 2, 1, 1, 2], 2, devices)
+    assert grid.shape == (2, 2, 1, 1, 2)
+    assert [sorted(d.id for d in grid[i].flat) for i in range(2)] == [[4, 5, 6, 7], [0, 1, 2, 3]]
+    with pytest.raises(JaxtuneError, match=r"slices = 4, but the 8 devices are in 2 slice\(s\) of \[4\] devices"):
+        hybrid_device_grid([4, 2, 1, 1, 1], 4, devices)
 
 
 def test_offload_where_the_backend_has_no_host_memory_says_so(monkeypatch):

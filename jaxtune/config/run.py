@@ -198,6 +198,8 @@ class MeshConfig:
     The default puts every device on `fsdp`: ZeRO-3 over all devices, which is plain training on one device.
     context splits each row's tokens (context parallelism; `models/context_attention.py`) and, with fsdp, the
     parameters, gradients and optimizer state (ZeRO-3 over fsdp x context).
+    slices: how many TPU slices (multi-slice over the data-centre network, DCN) the data axis spans; the other axes
+    stay within a slice (over its chip links), so `data` is a multiple of `slices` (`parallel/mesh.py`).
     """
 
     data: int = 1
@@ -205,6 +207,7 @@ class MeshConfig:
     expert: int = 1
     context: int = 1
     tensor: int = 1
+    slices: int = 1
 
     def __post_init__(self):
         sizes = self.sizes()
@@ -214,13 +217,18 @@ class MeshConfig:
         if list(sizes.values()).count(-1) > 1:
             raise ConfigError("fsdp" if self.fsdp == -1 else "data", -1,
                               f"at most one mesh axis may be -1 ({self._describe()})")
+        if isinstance(self.slices, bool) or not isinstance(self.slices, int) or self.slices < 1:
+            raise ConfigError("slices", self.slices, "the number of slices is a positive integer")
+        if self.data != -1 and self.data % self.slices:
+            raise ConfigError("data", self.data, f"the data axis spans the {self.slices} slices, so it is a multiple "
+                              f"of slices = {self.slices} (or -1)")
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_AXES}
 
     def _describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in self.sizes().items()
-                          if name not in ("expert", "context") or size != 1)
+        return " x ".join(f"{name}={size}" for name, size in {**self.sizes(), "slices": self.slices}.items()
+                          if name not in ("expert", "context", "slices") or size != 1)
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """The axis sizes for `num_devices` devices, -1 filled in; a JaxtuneError naming both when they don't fit."""
@@ -234,6 +242,9 @@ class MeshConfig:
         elif known != num_devices:
             raise JaxtuneError(f"[mesh] {self._describe()} needs {known} devices, but {num_devices} are available "
                                "(set one axis to -1 to take the rest)")
+        if sizes["data"] % self.slices:
+            raise JaxtuneError(f"[mesh] {self._describe()}: the data axis takes {sizes['data']} of {num_devices} "
+                               f"devices, not a multiple of the {self.slices} slices it spans")
         return sizes
 
 

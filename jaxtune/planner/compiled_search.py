@@ -86,19 +86,20 @@ class Confirmation:
 
 def confirm_plan(cfg: ModelConfig, plan: TrainPlan, target: Device) -> Confirmation:
     """Compile the real step of `plan`: for a TPU target with the TPU compiler, for that slice's topology on any
-    host (`planner.slices`); for a GPU target only where this backend is a GPU (else a `Confirmation` that says so
-    and keeps the planner's figure); otherwise on this backend (fake CPU devices for a mesh), beside the planner's
+    host (`planner.slices`; `[mesh] slices` such slices joined over DCN, `target` being one of them); for a GPU
+    target only where this backend is a GPU (else a `Confirmation` that says so and keeps the planner's figure);
+    otherwise on this backend (fake CPU devices for a mesh), beside the planner's
     estimate with that backend's rules (the target's when it is of the backend's family, else a stand-in)."""
     count = math.prod(plan.mesh.sizes().values())
     family = jax.default_backend()  # "cpu", "gpu" or "tpu"
     if target.family == "tpu" and family != "tpu":
         slice_ = tpu_slice(target)
-        devices = topology_devices(slice_)
+        devices = topology_devices(slice_, plan.mesh.slices)
         with libtpu_quiet():
             compiled = compile_step(cfg, plan, devices)
             rollout = compile_rollout(cfg, plan, devices) if plan.generate_tokens else None
-        return Confirmation(compiled, estimate(cfg, plan, target.with_count(count)), topology=describe(slice_),
-                            rollout=rollout)
+        return Confirmation(compiled, estimate(cfg, plan, target.with_count(count)),
+                            topology=describe(slice_, plan.mesh.slices), rollout=rollout)
     if target.family in ("gpu", "gaudi") and family != target.family:
         return Confirmation(None, estimate(cfg, plan, target.with_count(count)),
                             skipped=f"no {target.family.upper()} compiler runs without a {target.family.upper()}: "

@@ -76,7 +76,7 @@ def _mesh(plan: TrainPlan, devices):
                 if jax.default_backend() == "cpu" else "")
         raise JaxtuneError(f"the plan's mesh needs {needed} devices, this {jax.default_backend()} backend has "
                            f"{len(available)}{hint}")
-    return make_mesh(MeshConfig(**sizes), available[:needed])
+    return make_mesh(MeshConfig(**sizes, slices=plan.mesh.slices), available[:needed])
 
 
 def compile_step(cfg: ModelConfig, plan: TrainPlan, devices=None) -> CompiledMemory:

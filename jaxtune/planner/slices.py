@@ -68,9 +68,10 @@ def tpu_slice(device: Device) -> TpuSlice:
     return TpuSlice(name, generation, chips, shapes[chips], chips if chips <= single else 4)
 
 
-def topology_devices(slice_: TpuSlice) -> list:
-    """The slice's devices from libtpu's topology description (one a chip), for a `Mesh` the TPU compiler compiles
-    for; a JaxtuneError saying what to install where libtpu is missing. libtpu's start-up notices on a host without
+def topology_devices(slice_: TpuSlice, num_slices: int = 1) -> list:
+    """The slice's devices from libtpu's topology description (one a chip; `num_slices` such slices joined over DCN,
+    each device naming its `slice_index`), for a `Mesh` the TPU compiler compiles for; a JaxtuneError saying what
+    to install where libtpu is missing. libtpu's start-up notices on a host without
     a TPU (its accelerator type and worker names) are kept off the terminal."""
     try:
         from jax.experimental import topologies
@@ -80,6 +81,8 @@ def topology_devices(slice_: TpuSlice) -> list:
     # trainer), which its lockfile would refuse.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs: dict[str, Any] = {"chip_config_name": "megacore"} if slice_.generation == "v4" else {}
+    if num_slices > 1:
+        kwargs["num_slices"] = num_slices
     if slice_.chips_per_host != 4 and len(slice_.shape) == 2:
         kwargs["chips_per_host_bounds"] = (*slice_.shape, 1)
     with libtpu_quiet() as said:
@@ -91,9 +94,9 @@ def topology_devices(slice_: TpuSlice) -> list:
                                           "plugin" in text.lower()) or "libtpu" in said():
                 raise JaxtuneError(f"the TPU compiler is not installed here ({text}); {INSTALL}") from None
             raise JaxtuneError(f"{slice_.accelerator}: libtpu could not describe {slice_.topology!r}: {text}") from None
-    if len(devices) != slice_.chips:
-        raise JaxtuneError(f"{slice_.accelerator}: libtpu's {slice_.topology} has {len(devices)} devices, not "
-                           f"{slice_.chips}")
+    if len(devices) != slice_.chips * num_slices:
+        raise JaxtuneError(f"{slice_.accelerator}: libtpu's {slice_.topology} x {num_slices} has {len(devices)} "
+                           f"devices, not {slice_.chips * num_slices}")
     return list(devices)
 
 
@@ -127,6 +130,7 @@ def _read(kept) -> str:
     return kept.read().decode(errors="replace")
 
 
-def describe(slice_: TpuSlice) -> str:
-    """"v5p:4x4x4, 64 chips on 16 hosts" for reports."""
-    return f"{slice_.topology}, {slice_.chips} chips on {slice_.hosts} host{'s' if slice_.hosts > 1 else ''}"
+def describe(slice_: TpuSlice, num_slices: int = 1) -> str:
+    """"v5p:4x4x4, 64 chips on 16 hosts" (", x 2 slices over DCN" for several) for reports."""
+    several = f", x {num_slices} slices over DCN" if num_slices > 1 else ""
+    return f"{slice_.topology}, {slice_.chips} chips on {slice_.hosts} host{'s' if slice_.hosts > 1 else ''}{several}"

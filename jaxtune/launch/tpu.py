@@ -12,6 +12,7 @@ re-created and trained again, resuming from the latest checkpoint: so `--spot` n
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -101,7 +102,7 @@ def train_command(t: TpuTarget, config_name: str, overrides: list[str]) -> list[
 
 def pack_sources(config: Path, data_files: dict[str, Path], archive: Path) -> None:
     """The jaxtune package (with pyproject), the run config and its local data files, as one tar.gz."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     with tarfile.open(archive, "w:gz") as tar:
         for name in ("pyproject.toml", "README.md", "jaxtune"):
             tar.add(root / name, arcname=f"jaxtune/{name}",
@@ -120,7 +121,7 @@ def local_data_files(run) -> dict[str, Path]:
 def parse_train_args(rest: list[str]) -> tuple[Path, list[str]]:
     """`train CONFIG.toml [--set k=v ...]` after `--`."""
     if len(rest) < 2 or rest[0] != "train":
-        raise JaxtuneError("launch tpu runs `-- train CONFIG.toml [--set section.key=value ...]`")
+        raise JaxtuneError("launch runs `-- train CONFIG.toml [--set section.key=value ...]`")
     config, overrides, items = Path(rest[1]), [], rest[2:]
     while items:
         if items[0] != "--set" or len(items) < 2:
@@ -128,6 +129,14 @@ def parse_train_args(rest: list[str]) -> tuple[Path, list[str]]:
         overrides.append(items[1])
         items = items[2:]
     return config, overrides
+
+
+def needs(tool: str, flag: str, install: str) -> str:
+    """The path of `tool` on PATH, or a JaxtuneError naming the flag that needs it and how to get it."""
+    found = shutil.which(tool)
+    if found is None:
+        raise JaxtuneError(f"{flag} runs `{tool}`, which is not on PATH ({install})")
+    return found
 
 
 class Gcloud:
@@ -154,12 +163,15 @@ class Gcloud:
 
 
 def compile_check(run, accelerator: str, config_path: Path) -> str:
-    """The run's step compiled with the TPU compiler for `accelerator`'s slice (gcloud's name or jaxtune's): one
-    line with the compiler's figures when it fits, a JaxtuneError with them when it does not."""
+    """The run's step compiled with the TPU compiler for `accelerator`'s slice (gcloud's name or jaxtune's; `[mesh]
+    slices` of them over DCN): one line with the compiler's figures when it fits, a JaxtuneError with them when it
+    does not."""
     target = get_device(accelerator.replace("v5litepod", "v5e"))
     try:
         cfg, plan = plan_from_run_config(run, "tpu")
-        plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan.mesh, target)))
+        slices = plan.mesh.slices
+        every_slice = target.with_count(target.count * slices)
+        plan = plan.replace(mesh=MeshConfig(**resolve_mesh(plan.mesh, every_slice), slices=slices))
         confirmation = confirm_plan(cfg, plan, target)
     except JaxtuneError as e:  # the model not readable here, no libtpu, a slice Cloud TPU does not make
         raise JaxtuneError(f"the compile check: {e} (--no-compile-check to launch without it)") from None
