@@ -24,10 +24,10 @@ from pathlib import Path
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.launch.tpu import GCLOUD_NAMES, compile_check, local_data_files, needs, parse_train_args
-from jaxtune.train.outputs import run_directories
 from jaxtune.planner.devices import get_device
 from jaxtune.planner.slices import TpuSlice, tpu_slice
 from jaxtune.run_config import load_run_config
+from jaxtune.train.outputs import run_directories
 
 CONFIG_DIR = "/etc/jaxtune"  # where the pods see the ConfigMap's files
 # GKE's node label value for each TPU generation (cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus)
