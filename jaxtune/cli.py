@@ -446,8 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--push", metavar="OWNER/NAME", help="then upload what was written to this Hub model repo "
                         "(created if missing) with a model card (base model, method, data, final metrics); the local "
                         "copy is kept (docs/hub.md)")
-    export.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f16", help="--gguf's tensor type "
-                        "(default f16; q8_0: 8-bit blocks)")
+    export.add_argument("--type", "--gguf-type", dest="type", default="f16",
+                        choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
+                                 "q6_k"), help="--gguf's "
+                        "tensor type (default f16; q8_0: 8-bit blocks; q4_0 ... q6_k: llama-quantize's file types, "
+                        "its bytes, with an Ollama Modelfile beside the file)")
     export.set_defaults(run=cmd_export)
 
     add_launch_parsers(sub)

@@ -72,7 +72,7 @@ def pytest_addoption(parser):
 
 # Modules whose every test is the full tier's and which import what only the full tier installs (llama.cpp, built from
 # source): the everyday tier does not collect them.
-FULL_TIER_MODULES = ("test_llama_cpp.py",)
+FULL_TIER_MODULES = ("test_llama_cpp.py", "test_llama_cpp_kquants.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -143,14 +143,15 @@ def lora_adapter(model: Path, out: Path, base_model: str = "") -> Path:
 
 @pytest.mark.full
 def test_written_files_get_the_umasks_mode(tmp_path, umask):
-    """Adapters, merged models and GGUF files are created as `open()` creates them: 0666 less the umask."""
+    """Adapters, merged models, GGUF files and their Modelfiles are created as `open()` creates them: 0666 less the
+    umask."""
     model = write_random_model(tmp_path / "model")
     adapter = lora_adapter(model, tmp_path / "adapter")
     for flag, out in (("--peft", "peft"), ("--merged", "merged"), ("--gguf", "model.gguf"),
                       ("--gguf-lora", "lora.gguf")):
         assert main(["export", "--model", str(model), "--adapter", str(adapter), flag, str(tmp_path / out)]) == 0
     files = [p for d in ("adapter", "peft", "merged") for p in (tmp_path / d).iterdir()]
-    files += [tmp_path / "model.gguf", tmp_path / "lora.gguf"]
+    files += [tmp_path / "model.gguf", tmp_path / "model.Modelfile", tmp_path / "lora.gguf"]
     assert {"adapter_model.safetensors", "model.safetensors", "tokenizer.json"} <= {p.name for p in files}
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))

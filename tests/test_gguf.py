@@ -276,11 +276,12 @@ def test_generate_chat_renders_the_files_template(gguf_file, capsys):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_k_m"])
 def test_gguf_export_loads_in_transformers_as_written(kind, gguf_file, tmp_path):
     """`jaxtune export --gguf`: the model read back by transformers (its own GGUF reader and dequantisers) gives
     jaxtune's logits of the model as written; f32 gives the source model's own logits; Llama's q/k rows are
-    interleaved as llama.cpp's converter writes them; the tokenizer and chat template survive."""
+    interleaved as llama.cpp's converter writes them; the tokenizer and chat template survive; an Ollama Modelfile
+    beside the file names it."""
     source = gguf_file("llama", Q.F32)
     out = tmp_path / f"out-{kind}.gguf"
     assert main(["export", "--model", str(source), "--gguf", str(out), "--type", kind]) == 0
@@ -294,3 +295,4 @@ def test_gguf_export_loads_in_transformers_as_written(kind, gguf_file, tmp_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
     assert all(tokenizer(t).input_ids == load_tokenizer(source).encode(t) for t in TEXTS)
     assert load_tokenizer(out).chat_template == CHAT_TEMPLATE
+    assert (tmp_path / f"out-{kind}.Modelfile").read_text().startswith(f"FROM ./{out.name}\n# TEMPLATE: chatml")

@@ -1,11 +1,12 @@
 """A model as a GGUF file that llama.cpp (and Ollama, LM Studio, transformers) loads (`save_gguf`); a method that
 has a GGUF adapter form writes it itself (`Method.gguf_lora`: LoRA's `lora/gguf.py`).
 
-    save_gguf("model.gguf", cfg, params, tokenizer, kind="q8_0")   # kind: f32, f16, bf16 or q8_0
+    save_gguf("model.gguf", cfg, params, tokenizer, kind="q4_k_m")   # kind: one of KINDS
 
 The inverse of `models/gguf.py`, as llama.cpp's `convert_hf_to_gguf.py` writes it: the config as `{arch}.*`
 metadata, the tokenizer as `tokenizer.ggml.*`, the tensors under llama.cpp's names (a Llama's query and key rows
 interleaved), converted and written one at a time after a header built from shapes: no second copy of the model.
+The quantised kinds are llama-quantize's file types: its mixture of types (`gguf_mixture.py`), its bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 from jaxtune.config import ModelConfig
 from jaxtune.data.tokenizer import GGUF_CONTROL, GGUF_SPLITS, GGUF_USER_DEFINED, Tokenizer
 from jaxtune.errors import JaxtuneError
+from jaxtune.io.gguf_kquants import BLOCK_BYTES, quantize_rows
+from jaxtune.methods.gguf_mixture import MIXTURES, tensor_types
 from jaxtune.models.gguf import (
     BARE,
     ROPE_FREQS,
@@ -35,7 +38,7 @@ from jaxtune.models.hf_weights import tensor_entries
 from jaxtune.models.stacked_experts import INTERLEAVED
 from jaxtune.paths import writing
 
-KINDS = ("f32", "f16", "bf16", "q8_0")
+KINDS = ("f32", "f16", "bf16", "q8_0", *MIXTURES)
 GGUF_NORMAL, GGUF_UNUSED, GGUF_BYTE = 1, 5, 6  # llama.cpp's token types (control and user-defined: data/tokenizer.py)
 # Gemma 4's tags its converter marks user-defined, so llama.cpp renders them (its chat parser reads them)
 GEMMA4_VISIBLE = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
@@ -188,6 +191,7 @@ def _delta_net_entries(hf_name: str, shape: tuple[int, ...], produce, form: GGUF
 def _add_config(writer, cfg: ModelConfig, kind: str, form: GGUFForm) -> None:
     """The config as `{arch}.*` metadata: the keys every architecture shares, with the form's own over them (each
     key written once, in the type llama.cpp's loader checks: u32, f32, bool, string or array)."""
+    import gguf
     from gguf import LlamaFileType
 
     keys: dict[str, Any] = {
@@ -218,8 +222,11 @@ def _add_config(writer, cfg: ModelConfig, kind: str, form: GGUFForm) -> None:
             writer.add_string(key, value)
         else:
             writer.add_uint32(key, value)
-    writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
-                          "bf16": LlamaFileType.MOSTLY_BF16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[kind])
+    file_types = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
+                  "q8_0": LlamaFileType.MOSTLY_Q8_0, **{k: file_type for k, (file_type, _) in MIXTURES.items()}}
+    writer.add_file_type(file_types[kind])
+    if kind in MIXTURES:
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
 def _pre_tokenizer_name(backend: dict) -> str:
@@ -293,13 +300,23 @@ def _ggml_type(name: str, shape: tuple[int, ...], kind: str):
     return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[kind]
 
 
-def _tensor_info(name: str, shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], np.dtype, int, object]:
-    """(shape, dtype, bytes) of the array written for a tensor of `shape`, and its GGML type (block types and
+def _ggml_types(entries: list[tuple], kind: str, cfg: ModelConfig, form: GGUFForm) -> dict[str, Any]:
+    """GGML type of each tensor: llama-quantize's mixture for a quantised kind (a tensor it does not quantise as
+    the f16 file has it), else `_ggml_type`."""
+    shapes = [(name, tuple(shape)) for name, shape, _ in entries]
+    if kind not in MIXTURES:
+        return {name: _ggml_type(name, shape, kind) for name, shape in shapes}
+    mixture = tensor_types(shapes, kind, layers=cfg.num_layers, experts=cfg.num_experts or 0,
+                           big_llama=form.arch == "llama" and cfg.num_layers == 80 and cfg.num_kv_heads < cfg.num_heads)
+    return {name: mixture[name] or _ggml_type(name, shape, "f16") for name, shape in shapes}
+
+
+def _tensor_info(shape: tuple[int, ...], qtype) -> tuple[tuple[int, ...], np.dtype, int, object]:
+    """(shape, dtype, bytes) of the array written for a tensor of `shape` in `qtype`, and the type (block types and
     BF16 are written as bytes)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    qtype = _ggml_type(name, shape, kind)
     if qtype in (Q.F32, Q.F16):
         dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
         return shape, dtype, int(np.prod(shape)) * dtype.itemsize, qtype
@@ -307,20 +324,22 @@ def _tensor_info(name: str, shape: tuple[int, ...], kind: str) -> tuple[tuple[in
     return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype
 
 
-def _converted(name: str, x: np.ndarray, kind: str) -> np.ndarray:
-    """One tensor's data as written (see `_ggml_type`)."""
+def _converted(x: np.ndarray, qtype) -> np.ndarray:
+    """One tensor's data as written in `qtype`: k-quants by `io/gguf_kquants.py`, other blocks by `gguf.quants`."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    qtype = _ggml_type(name, x.shape, kind)
     x = np.asarray(x, np.float32)
+    if qtype.name in BLOCK_BYTES:
+        return quantize_rows(x, qtype.name)
     return x if qtype == Q.F32 else x.astype(np.float16) if qtype == Q.F16 else quants.quantize(x, qtype)
 
 
 def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer, kind: str = "f16",
               tensor=None, name: str = "jaxtune export") -> Path:
     """Write `params` (a plain model tree, or one with LoRA leaves and `tensor` = `methods.lora.merged_layer`) as a
-    GGUF file of `kind` (f32, f16, bf16, or q8_0: every matrix in 8-bit blocks of 32, vectors in float32)."""
+    GGUF file of `kind` (f32, f16, bf16; q8_0: every matrix in 8-bit blocks of 32, vectors in float32; q4_0, q5_0,
+    q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k: llama-quantize's file types, `gguf_mixture.py`)."""
     import gguf
 
     if kind not in KINDS:
@@ -342,7 +361,8 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
         entries.append((ROPE_FREQS, (cfg.global_head_dim // 2,), lambda: proportional_factors(
             cfg.global_head_dim, 1.0 if s is None else s.rotated_fraction)))
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    infos = [(gguf_name, _tensor_info(gguf_name, tuple(shape), kind)) for gguf_name, shape, _ in entries]
+    qtypes = _ggml_types(entries, kind, cfg, form)
+    infos = [(gguf_name, _tensor_info(tuple(shape), qtypes[gguf_name])) for gguf_name, shape, _ in entries]
     with writing(path, sum(info[2] for _, info in infos)):
         writer = gguf.GGUFWriter(str(path), form.arch)
         writer.add_name(name)
@@ -358,6 +378,6 @@ def save_gguf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer: Token
             part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
             if form.permuted_qk and part in heads:
                 x = permute_qk(x, heads[part])
-            writer.write_tensor_data(_converted(gguf_name, x, kind))
+            writer.write_tensor_data(_converted(x, qtypes[gguf_name]))
         writer.close()
     return path

@@ -24,6 +24,7 @@ from jaxtune.io import storage
 from jaxtune.io.storage import is_url
 from jaxtune.methods.base import METHODS, method_unit
 from jaxtune.methods.gguf_export import save_gguf
+from jaxtune.methods.ollama import write_modelfile
 from jaxtune.methods.peft import save_peft_adapter
 from jaxtune.methods.transform import combine
 from jaxtune.models.hf_config import load_config
@@ -86,11 +87,18 @@ def _refuse_images_in_gguf(model: str | Path) -> None:
 
 def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, kind: str = "f16", log=None) -> Path:
     """A model, with a PEFT LoRA/DoRA adapter merged in when given (a full fine-tune's model directory needs none),
-    written as a GGUF file of `kind` (f32, f16, bf16, q8_0) with its tokenizer and chat template."""
+    written as a GGUF file of `kind` (`gguf_export.KINDS`) with its tokenizer and chat template, and an Ollama
+    Modelfile beside it (`methods/ollama.py`)."""
     _refuse_images_in_gguf(model)
     cfg, params, method = load_model_with_adapter(model, adapter, base="float", log=log)
     tensor = _merged_layer(adapter, params, method, cfg)
-    return save_gguf(out, cfg, params, load_tokenizer(model), kind, tensor=tensor, name=Path(str(model)).stem)
+    tokenizer = load_tokenizer(model)
+    path = save_gguf(out, cfg, params, tokenizer, kind, tensor=tensor, name=Path(str(model)).stem)
+    modelfile = write_modelfile(path, tokenizer, Path(model) / "generation_config.json" if Path(model).is_dir()
+                                else None)
+    if log is not None:
+        log(f"wrote the Ollama Modelfile {modelfile} (ollama create NAME -f {modelfile})")
+    return path
 
 
 def export_gguf_lora(model: str | Path, adapter: str | Path, out: str | Path, log=None) -> Path:
