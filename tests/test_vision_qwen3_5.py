@@ -4,7 +4,10 @@ Full tier, on a tiny random `Qwen3_5ForConditionalGeneration` from `save_pretrai
 checks (tests/test_vision_qwen3_vl.py's helpers): logits with one image and with 3 + 1 images, left-padded; LoRA
 gradients on the attention and Gated DeltaNet projections equal PEFT's; 20 greedy tokens equal `generate`; one SFT
 and one DPO step through `fine_tune`, the adapter in PEFT and the merged export in transformers with jaxtune's
-logits. Qwen3.5-MoE's image side (`Qwen3_5MoeForConditionalGeneration`, the same tower): logits with images."""
+logits. Qwen3.5-MoE's image side (`Qwen3_5MoeForConditionalGeneration`, the same tower): its config read (everyday)
+and logits with images."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +38,28 @@ TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
 # the same layers, each MLP a mixture of 4 experts (2 a token) beside a shared expert
 MOE_TEXT = dict(TEXT, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
                 num_experts_per_tok=2)
+TOWER = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}  # Qwen3-VL's test tower, no DeepStack
 # LoRA on every projection of both kinds of layer (in_proj_b, in_proj_a: one column a value head)
 LINEAR_MODULES = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+
+
+def test_qwen3_5_moe_config_reads_as_qwen3_5s_image_side(tmp_path):
+    """A Qwen3_5MoeForConditionalGeneration config.json (model types as transformers writes them): the unit
+    `QWEN3_5_VL`, its tower without DeepStack, the text model Qwen3.5-MoE's with interleaved M-RoPE."""
+    from jaxtune.models.hf_config import config_from_hf
+    from jaxtune.models.vision.families import vision_family
+    from jaxtune.models.vision.qwen3_vl import vision_language_config_from_hf
+
+    hf = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+          "image_token_id": QWEN_IMAGE, "text_config": {**MOE_TEXT, "model_type": "qwen3_5_moe_text"},
+          "vision_config": {**TOWER, "model_type": "qwen3_5_moe_vision"}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = config_from_hf(hf)
+    assert vision_family(tmp_path) is QWEN3_5_VL
+    assert cfg.architecture == "Qwen3_5MoeForCausalLM" and cfg.num_experts == 4 and cfg.mrope_interleaved
+    assert cfg.mrope_section == (2, 1, 1)
+    side = vision_language_config_from_hf(hf, cfg.hidden_size)
+    assert side.tower.deepstack_visual_indexes == () and side.image_token_id == QWEN_IMAGE
 
 
 def save_model(directory, config_class, model_class, text: dict):
@@ -45,8 +68,7 @@ def save_model(directory, config_class, model_class, text: dict):
     import torch
     from hf_models import randomize
 
-    vision = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}
-    config = config_class(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, video_token_id=91,
+    config = config_class(text_config=text, vision_config=TOWER, image_token_id=QWEN_IMAGE, video_token_id=91,
                           vision_start_token_id=QWEN_VISION_START, vision_end_token_id=QWEN_VISION_END)
     torch.manual_seed(0)
     model = randomize(model_class(config), 0)
