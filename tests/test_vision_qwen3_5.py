@@ -4,8 +4,8 @@ Full tier, on a tiny random `Qwen3_5ForConditionalGeneration` from `save_pretrai
 checks (tests/test_vision_qwen3_vl.py's helpers): logits with one image and with 3 + 1 images, left-padded; LoRA
 gradients on the attention and Gated DeltaNet projections equal PEFT's; 20 greedy tokens equal `generate`; one SFT
 and one DPO step through `fine_tune`, the adapter in PEFT and the merged export in transformers with jaxtune's
-logits. Qwen3.5-MoE's image side (`Qwen3_5MoeForConditionalGeneration`, the same tower): its config read (everyday)
-and logits with images."""
+logits. Qwen3.5-MoE's image side (`Qwen3_5MoeForConditionalGeneration`, the same tower): its config read (everyday);
+logits with images, LoRA gradients and 20 greedy tokens."""
 
 import json
 
@@ -174,3 +174,21 @@ def test_qwen3_5_sft_and_dpo_steps_then_peft_and_merged_export(saved_qwen3_5, tm
     sft_and_dpo_then_peft_and_merged_export(
         saved_qwen3_5[0], QWEN3_5_VL, transformers.Qwen3_5ForConditionalGeneration,
         ["q_proj", "v_proj", *LINEAR_MODULES, "gate_proj", "up_proj", "down_proj"], tmp_path)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_qwen3_5_moe_greedy_decoding_with_images_equals_transformers_generate(saved_qwen3_5_moe):
+    """Qwen3.5-MoE: 20 greedy tokens after a prompt with two images (the experts routed in prefill and each decode
+    step) equal transformers' `generate`'s, each step's logits its."""
+    greedy_decoding_equals_generate(*saved_qwen3_5_moe, QWEN3_5_VL, 20)
+
+
+@pytest.mark.full
+@pytest.mark.reference
+@pytest.mark.parity
+def test_qwen3_5_moe_lora_gradients_equal_peft(saved_qwen3_5_moe, tmp_path):
+    """Qwen3.5-MoE: PEFT's LoRA on q_proj, v_proj and every Gated DeltaNet projection, with two images, through the
+    routed experts: the logits and LoRA gradients equal PEFT's."""
+    lora_gradients_equal_peft(*saved_qwen3_5_moe, QWEN3_5_VL, ["q_proj", "v_proj", *LINEAR_MODULES], 2 + 5, tmp_path)
