@@ -6,6 +6,7 @@ with Qwen3-VL's released settings equals transformers'; logits with one image an
 LoRA gradients equal PEFT's; 20 greedy tokens equal `generate`; one SFT and one DPO step through `fine_tune`, the
 adapter in PEFT and the merged export in transformers with jaxtune's logits (Qwen3.5's: test_vision_qwen3_5.py)."""
 
+import json
 
 import jax
 import jax.numpy as jnp
@@ -239,6 +240,13 @@ def test_lora_gradients_equal_peft(saved, tmp_path):
     """PEFT's LoRA on the text model's q_proj and v_proj (the tower's excluded), saved and read by
     `load_peft_adapter`: with two images in the row, the logits and d(loss)/d(LoRA A, B) equal PEFT's (float32, to
     1e-4 of the largest)."""
+    lora_gradients_equal_peft(*saved, QWEN3_VL, ["q_proj", "v_proj"], 2 * 3, tmp_path)
+
+
+def lora_gradients_equal_peft(directory, model, family, target_modules: list[str], modules: int, tmp_path):
+    """PEFT's LoRA (rank 4) on `target_modules` of the text model of transformers' `model` (the tower's excluded),
+    saved and read by `load_peft_adapter`: with two images in the row, `family`'s logits and d(loss)/d(LoRA A, B)
+    of its `modules` adapted modules equal PEFT's (float32, to 1e-4 of the largest)."""
     import copy
 
     import torch
@@ -248,9 +256,8 @@ def test_lora_gradients_equal_peft(saved, tmp_path):
     from jaxtune.methods.peft import adapter_state_dict, load_peft_adapter
     from jaxtune.spine.model import load_vision_language_model
 
-    directory, model = saved
     peft_model = randomize_peft(get_peft_model(copy.deepcopy(model), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], exclude_modules=r".*visual.*")))
+        r=4, lora_alpha=8, target_modules=target_modules, exclude_modules=r".*visual.*")))
     peft_model.save_pretrained(tmp_path / "adapter")
     cfg, params, vision, vision_params = load_vision_language_model(directory)
     method, with_adapter = load_peft_adapter(tmp_path / "adapter", params, cfg)
@@ -269,11 +276,11 @@ def test_lora_gradients_equal_peft(saved, tmp_path):
               for name, p in peft_model.named_parameters() if p.requires_grad}
 
     def logits(p):
-        return QWEN3_VL.forward(p, vision_params, jnp.asarray(tokens), images, cfg, vision, method=method)
+        return family.forward(p, vision_params, jnp.asarray(tokens), images, cfg, vision, method=method)
 
     np.testing.assert_allclose(logits(with_adapter), out.detach().numpy(), rtol=1e-5, atol=1e-4)
     ours = adapter_state_dict(jax.grad(lambda p: loss(logits(p), jax))(with_adapter), cfg, method)
-    assert set(ours) == set(theirs) and len(ours) == 4 * cfg.num_layers
+    assert set(ours) == set(theirs) and len(ours) == 2 * modules
     for name, want in theirs.items():
         assert np.abs(ours[name] - want).max() <= 1e-4 * np.abs(want).max(), name
 
@@ -285,22 +292,26 @@ def test_greedy_decoding_with_images_equals_transformers_generate(saved):
     """20 greedy tokens after a prompt with two images: the unit's prefill (M-RoPE positions, DeepStack, the rope
     deltas), then `kv_cache.decode_step`, the same tokens as transformers' `generate`, each step's logits its
     logits (the tiny model repeats itself: the logits show each step is computed alike)."""
+    greedy_decoding_equals_generate(*saved, QWEN3_VL, 20)
+
+
+def greedy_decoding_equals_generate(directory, model, family, n: int):
+    """`n` greedy tokens after a prompt with two images, `family`'s prefill then `kv_cache.decode_step`: the tokens
+    of transformers' `model.generate`, each step's logits its logits."""
     import torch
 
     from jaxtune.models.kv_cache import decode_step
     from jaxtune.spine.model import load_vision_language_model
 
-    directory, model = saved
     cfg, params, vision, vision_params = load_vision_language_model(directory)
     chosen = [pictures()[0], pictures()[4]]
     tokens, mask = image_rows([[1, 17, "image", 5, "image", 33, 8]], grids_of(chosen))
-    n = 20
     with torch.no_grad():
         out = model.generate(**torch_inputs(tokens, mask, chosen), do_sample=False, max_new_tokens=n,
                              min_new_tokens=n, pad_token_id=0, eos_token_id=None, output_logits=True,
                              return_dict_in_generate=True)
     want = out.sequences[0, tokens.shape[1]:].tolist()
-    logits, cache = jax.jit(QWEN3_VL.prefill, static_argnames=("cfg", "vision", "cache_size"))(
+    logits, cache = jax.jit(family.prefill, static_argnames=("cfg", "vision", "cache_size"))(
         params, vision_params, jnp.asarray(tokens), jnp.asarray(image_arrays(chosen, OPTIONS)[0]), cfg=cfg,
         vision=vision, cache_size=tokens.shape[1] + n)
     step = jax.jit(decode_step, static_argnames=("cfg",))
@@ -313,12 +324,12 @@ def test_greedy_decoding_with_images_equals_transformers_generate(saved):
     assert ours == want
 
 
-def _run_config(root, objective: str, train: str, steps: int):
-    """LoRA on q_proj, v_proj and the MLP's projections, `objective` on root/`train`, into root/`objective`."""
+def _run_config(root, objective: str, train: str, steps: int, target_modules: list[str]):
+    """LoRA on `target_modules`, `objective` on root/`train`, into root/`objective`."""
     from jaxtune.run_config import load_run_config
 
     text = "\n".join(["[model]", f'path = "{root / "model"}"', 'dtype = "float32"', "[method]", 'kind = "lora"',
-                      "rank = 4", 'target_modules = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]',
+                      "rank = 4", f"target_modules = {json.dumps(target_modules)}",
                       "[data]", f'train = "{root / train}"', "max_seq_len = 160", "max_images_per_row = 2",
                       "[train]", f'objective = "{objective}"', f'output_dir = "{root / objective}"',
                       f"max_steps = {steps}", "batch_size = 2", "learning_rate = 3e-2", "log_every = 1",
@@ -336,11 +347,21 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     `visual.*`) loads with PEFT onto the transformers VLM with jaxtune's logits, and `export_merged` writes the whole
     VLM, which transformers loads with the same logits; greedy generation with images (as `jaxtune generate
     --image`) equals the PEFT model's `generate`."""
+    import transformers
+
+    sft_and_dpo_then_peft_and_merged_export(
+        saved[0], QWEN3_VL, transformers.Qwen3VLForConditionalGeneration,
+        ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], tmp_path)
+
+
+def sft_and_dpo_then_peft_and_merged_export(directory, family, hf_class, target_modules: list[str], tmp_path):
+    """One LoRA SFT step (on `target_modules`) and one DPO step with images through `fine_tune` from a copy of
+    `directory`; the SFT adapter in PEFT on `hf_class` and the merged export in transformers give `family`'s logits;
+    8 greedy tokens with images (`generate_ids_with_images`) are the PEFT model's `generate`'s."""
     import shutil
     import warnings
 
     import torch
-    import transformers
     from peft import PeftModel
     from PIL import Image
     from safetensors import safe_open
@@ -357,13 +378,13 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     from jaxtune.train.loop import fine_tune
 
     root = tmp_path
-    shutil.copytree(saved[0], root / "model")
+    shutil.copytree(directory, root / "model")
     write_image_data(root)
     for name, size in zip(("red", "green", "blue"), [(40, 30), (20, 52), (64, 64)]):
         Image.open(root / f"{name}.png").resize(size).save(root / f"{name}.png")
     write_preference_data(root)
-    sft = fine_tune(_run_config(root, "sft", "data.jsonl", 1), log=lambda _: None)
-    dpo = fine_tune(_run_config(root, "dpo", "pairs.jsonl", 1), log=lambda _: None)
+    sft = fine_tune(_run_config(root, "sft", "data.jsonl", 1, target_modules), log=lambda _: None)
+    dpo = fine_tune(_run_config(root, "dpo", "pairs.jsonl", 1, target_modules), log=lambda _: None)
     assert sft.step == dpo.step == 1 and np.isfinite(sft.train_loss) and np.isfinite(dpo.train_loss)
 
     adapter = root / "sft" / "adapter"
@@ -376,7 +397,7 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     chosen = [pictures()[0], pictures()[3]]
     example = image_example(messages, chosen, image_processor(root / "model", tokenizer), tokenizer)
     tokens = np.asarray([example.ids])
-    load = transformers.Qwen3VLForConditionalGeneration.from_pretrained
+    load = hf_class.from_pretrained
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         peft_model = PeftModel.from_pretrained(load(root / "model", dtype="float32"), adapter).eval()
@@ -388,8 +409,8 @@ def test_sft_and_dpo_steps_then_peft_and_merged_export(saved, tmp_path):
     assert np.abs(want - base).max() > 1e-3  # the step trained the adapter
     cfg, params, vision, vision_params = load_vision_language_model(root / "model")
     method, params = load_peft_adapter(adapter, params, cfg)
-    ours = QWEN3_VL.forward(params, vision_params, jnp.asarray(tokens), jnp.asarray(example.pixel_values), cfg,
-                            vision, method=method)
+    ours = family.forward(params, vision_params, jnp.asarray(tokens), jnp.asarray(example.pixel_values), cfg,
+                          vision, method=method)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-4)
     merged = export_merged(root / "model", adapter, root / "merged")
     with torch.no_grad():

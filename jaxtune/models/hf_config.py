@@ -35,10 +35,11 @@ VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
-# M-RoPE's (transformers' `mrope_section`: Qwen2.5-VL's chunks in turn, Qwen3-VL's and Qwen3.5's interleaved whatever
-# the config's `mrope_interleaved` says); Qwen2.5-VL's hub releases keep the text's keys at the top
-MROPE = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
-MROPE_INTERLEAVED = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+# M-RoPE's (transformers' `mrope_section`: Qwen2.5-VL's chunks in turn, Qwen3-VL's and Qwen3.5's (MoE too)
+# interleaved whatever the config's `mrope_interleaved` says); Qwen2.5-VL's hub releases keep the text's keys at the top
+MROPE_INTERLEAVED = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                     "Qwen3_5MoeForConditionalGeneration")
+MROPE = ("Qwen2_5_VLForConditionalGeneration", *MROPE_INTERLEAVED)
 # transformers' defaults of a composite's text config, on which the released configs rely (Gemma 3's `text_config`
 # names only what differs from `Gemma3TextConfig`'s)
 COMPOSITE_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(

@@ -39,7 +39,7 @@ from jaxtune.models.vision.qwen3_vl_vision import (
 from jaxtune.models.vision.qwen_vl_weights import conv_shapes, read_tower, tower_tensor_entries
 
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")  # a config.json's, its vision_config's
-QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_vision")
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_vision", "qwen3_5_moe", "qwen3_5_moe_vision")  # the MoE's tower Qwen3.5's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,5 +135,7 @@ QWEN3_VL = VisionFamily(
     image_inputs=image_inputs, forward=functools.partial(vision_language_forward, inputs=image_inputs),
     prefill=functools.partial(vision_language_prefill, inputs=image_inputs), text_prefix="model.language_model.",
     outside_text=r".*visual.*", forward_bytes=tower_bytes)
-# Qwen3.5's image side is Qwen3-VL's without DeepStack (its text model Qwen3.5's: Gated DeltaNet layers)
-QWEN3_5_VL = dataclasses.replace(QWEN3_VL, name="qwen3_5", architectures=("Qwen3_5ForConditionalGeneration",))
+# Qwen3.5's image side (Qwen3.5-MoE's the same) is Qwen3-VL's without DeepStack; its text model Qwen3.5's (Gated
+# DeltaNet layers; the MoE's experts), read by the text families
+QWEN3_5_VL = dataclasses.replace(QWEN3_VL, name="qwen3_5", architectures=(
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"))
