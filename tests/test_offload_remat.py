@@ -73,18 +73,18 @@ def test_on_cpu_the_model_runs_it_as_full_and_says_so_once():
 
 
 @pytest.mark.parametrize("target", ["h100-80gb", "v5p-8"])
-def test_the_planner_moves_all_but_two_layer_inputs_to_the_host(target):
-    """Device bytes fall by the layer inputs moved, host bytes rise by as much; the transfers (out and back) take
-    their bytes over the device's host link, beside the compute."""
+def test_the_planner_moves_the_layer_inputs_to_the_host(target):
+    """Host memory holds every layer's input, the device two (the one the backward reads, the next arriving); the
+    transfers (out and back) take their bytes over the device's host link, beside the compute."""
     device = get_device(target)
     full, offload = (estimate(LLAMA3_8B, _plan(p, 16384, batch=device.count), device) for p in ("full", "offload"))
-    layer_input = full.saved_activations_bytes // LLAMA3_8B.num_layers
-    moved = full.saved_activations_bytes - OFFLOAD_LAYERS_ON_DEVICE * layer_input
+    moved = full.saved_activations_bytes
+    layer_input = moved // LLAMA3_8B.num_layers
     assert layer_input == 16384 * LLAMA3_8B.hidden_size * 2  # a device's row, bfloat16 [1, T, D]
     assert offload.offloaded_activations_bytes == moved
     assert offload.saved_activations_bytes == OFFLOAD_LAYERS_ON_DEVICE * layer_input
     assert offload.host_bytes - full.host_bytes == moved
-    assert offload.total_bytes < full.total_bytes
+    assert full.total_bytes - offload.total_bytes >= moved - OFFLOAD_LAYERS_ON_DEVICE * layer_input
     timed = step_time(offload)
     assert timed.offload_s == pytest.approx(2 * moved / device.host_link)
     assert timed.step_s >= step_time(full).step_s
@@ -155,3 +155,42 @@ def test_qlora_8b_fits_the_new_cards_at_a_long_context():
     free = {name: get_device(name).usable_bytes - estimate(LLAMA3_8B, plan, get_device(name)).peak_bytes
             for name in ("h100-80gb", "b200", "mi300x", "mi325x")}
     assert 0 < free["h100-80gb"] < free["b200"] < free["mi300x"] < free["mi325x"]
+
+
+def _tpu_step(accelerator: str, remat: str, mesh, seq_len: int = 2048):
+    """(the TPU compiler's memory of a small Llama's LoRA step for the slice, a row a device, and the planner's
+    estimate of it)."""
+    from jaxtune.planner.confirm import compile_step
+    from jaxtune.planner.slices import topology_devices
+    from jaxtune.presets import tiny_model_config
+
+    cfg = tiny_model_config("llama", max_position_embeddings=8192)
+    device = get_device(accelerator)
+    plan = TrainPlan(method_config("lora", rank=4, target_modules=("all-linear",)), batch_size=device.count,
+                     seq_len=seq_len, param_dtype="bfloat16", mesh=mesh,
+                     forward=ForwardOptions(compute_dtype="bfloat16", remat=remat))
+    return compile_step(cfg, plan, topology_devices(tpu_slice(device))), estimate(cfg, plan, device)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("accelerator", ["v5e-4", "v5p-8"])
+def test_the_tpu_compiler_keeps_the_layer_inputs_in_pinned_host_memory(accelerator):
+    """libtpu's compile of the offloaded step holds every layer's input in host memory, as many bytes as the
+    planner counts there; under remat "full" it holds none. (Its device bytes do not fall at these small shapes:
+    issue 53's report, docs/planner.md.)"""
+    from jaxtune.config import MeshConfig
+
+    full, _ = _tpu_step(accelerator, "full", MeshConfig(fsdp=4))
+    offload, est = _tpu_step(accelerator, "offload", MeshConfig(fsdp=4))
+    assert full.host_bytes == 0 and offload.host_bytes == est.offloaded_activations_bytes > 0
+    assert offload.backend == "tpu" and not offload.over_memory
+
+
+@pytest.mark.full
+def test_a_v7x_slice_compiles_with_libtpu():
+    """`v7x-8`: 4 chips, 8 devices, libtpu's "tpu7x:2x2x1"; the step compiles for it and fits a device's HBM."""
+    from jaxtune.config import MeshConfig
+
+    compiled, est = _tpu_step("v7x-8", "full", MeshConfig(fsdp=8), seq_len=512)
+    assert compiled.backend == "tpu" and not compiled.over_memory
+    assert 0 < compiled.total_bytes < est.device.usable_bytes

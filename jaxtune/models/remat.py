@@ -1,13 +1,12 @@
 """A layer's rematerialisation under a `Remat` policy (`remat_layer`), its 16-bit residuals kept as their bits.
 
 XLA:CPU float-normalises a scanned bfloat16 residual stack: the forward's dynamic update slice converts the whole
-stack to float32 and back at every layer (O(layers^2) work; benchmarks/README.md, issue 34), and
-the backward's dynamic slice converts the whole stack before the loop (twice its bytes, alive through every layer's
-backward). An integer stack is left alone, so under a 16-bit compute dtype a layer's backward residuals, whatever
-the policy keeps (with full remat, the layer input), are kept as their uint16 bit pattern and bitcast back in the
-backward: free on every backend, no value changed. Remat "offload" keeps its residual (the layer input) in pinned
-host memory on TPU and GPU, where no float-normalisation happens, so it keeps no bits; on a CPU, whose host memory is
-its device memory, it runs as "full" and says so once (`OFFLOAD_ON_CPU`).
+stack to float32 and back at every layer (O(layers^2) work; benchmarks/README.md, issue 34), and the backward's
+dynamic slice converts the whole stack before the loop (twice its bytes, alive through every layer's backward). An
+integer stack is left alone, so under a 16-bit compute dtype a layer's backward residuals (with full remat, the layer
+input) are kept as their uint16 bits and bitcast back in the backward: free on every backend, no value changed.
+Remat "offload" keeps the layer input in pinned host memory on TPU and GPU (no bits there: no float-normalisation);
+on a CPU, whose host memory is its device memory, it runs as "full" and says so once (`OFFLOAD_ON_CPU`).
 """
 
 from __future__ import annotations

@@ -394,10 +394,10 @@ class ActivationBytes:
     expert_streams: int = 0
 
 
-def offloaded_bytes(acts: ActivationBytes, layers: int) -> int:
-    """Of `acts.saved` under remat "full" (every layer's input), the bytes remat "offload" keeps in host memory:
-    all but `OFFLOAD_LAYERS_ON_DEVICE` layers' inputs."""
-    return acts.saved - OFFLOAD_LAYERS_ON_DEVICE * acts.saved // layers
+def offloaded(acts: ActivationBytes, layers: int) -> ActivationBytes:
+    """`acts` of remat "full" on the device under remat "offload": every layer's input is in host memory (the
+    compiler's host temporaries: the whole [L, b, T, D] stack), `OFFLOAD_LAYERS_ON_DEVICE` of them on the device."""
+    return replace(acts, saved=OFFLOAD_LAYERS_ON_DEVICE * acts.saved // layers)
 
 
 def _union(*kinds: list) -> list:

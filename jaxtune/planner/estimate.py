@@ -304,7 +304,7 @@ class Step:
     megablox: bool  # a mixture's experts run megablox (`moe.grouped_kernel`)
     held: RunBytes
     acts: act.ActivationBytes  # on the device: under remat "offload", less `offloaded`
-    offloaded: int = 0  # remat "offload": the saved activations in host memory (`act.offloaded_bytes`)
+    offloaded: int = 0  # remat "offload": the saved activations in host memory (`act.offloaded`)
 
     @property
     def unit(self) -> Method:
@@ -370,8 +370,7 @@ def step_of(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Step:
     held = run_bytes(cfg, plan, sizes, rules.tiled)
     offloaded = 0
     if plan.forward.remat.policy == "offload" and device.family != "cpu":  # a CPU runs it as "full" (`models/remat`)
-        offloaded = act.offloaded_bytes(acts, cfg.num_layers)
-        acts = replace(acts, saved=acts.saved - offloaded)
+        offloaded, acts = acts.saved, act.offloaded(acts, cfg.num_layers)
     return Step(cfg, plan, device, rules, sizes, total_rows, w, megablox, held, acts, offloaded)
 
 
@@ -469,7 +468,7 @@ def backward_workspace(step: Step) -> int:
     inputs where the base trains, and the TPU compiler's second layer under remat "full"."""
     cfg, plan, acts, w, a = step.cfg, step.plan, step.acts, step.w, step.compute_size
     remat, trains_base = plan.forward.remat.recomputes, step.unit.trains_base
-    workspace = acts.workspace + ((acts.saved + step.offloaded) // cfg.num_layers if plan.grad_accum > 1 else 0)
+    workspace = acts.workspace + ((step.offloaded or acts.saved) // cfg.num_layers if plan.grad_accum > 1 else 0)
     tpu = step.device.family == "tpu"
     # a mixture's grouped matmul: ragged_dot on TPU is dense per expert; CPU's tiles (`models/grouped_tiles.py`) hold
     # a tile's rows beside the layer's, within 8% of XLA:CPU's step for eight mixtures without a term of their own

@@ -3,11 +3,10 @@ the slice's topology and hosts, and its devices from libtpu, on any host (no TPU
 
     devices = topology_devices(tpu_slice(get_device("v5p-128")))   # 64 TpuDevices of a 4x4x4 v5p slice, 16 hosts
 
-The topology of each size is the one Cloud TPU creates (Cloud TPU docs, "TPU versions": v5e, v6e 2-D slices of
-chips, single-host up to 8 chips then 4 chips a host; v4, v5p, v7x 3-D slices counted in TensorCores, two a chip, 4
-chips a host; one JAX device a chip on v4 ("megacore") and v5p, one a TensorCore on v7x, libtpu's "tpu7x").
-`jax.experimental.topologies.get_topology_desc` turns the name into the slice's devices, whose `Mesh` compiles with
-the real TPU compiler (`planner/confirm.py`).
+Each size's topology is Cloud TPU's ("TPU versions": v5e, v6e 2-D slices of chips, single-host up to 8 chips then
+4 a host; v4, v5p, v7x 3-D slices counted in TensorCores, two a chip, 4 chips a host; a JAX device a chip on v4
+("megacore") and v5p, a TensorCore on v7x, libtpu's "tpu7x"). `jax.experimental.topologies.get_topology_desc` turns
+it into the slice's devices, whose `Mesh` compiles with the real TPU compiler (`planner/confirm.py`).
 """
 
 from __future__ import annotations

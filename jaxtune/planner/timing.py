@@ -4,10 +4,9 @@ Per micro-batch on one device (n tokens, its rows' share of a context axis, thro
 ways): FLOPs of the forward (2 n P plus attention), the backward (input gradients always, weight gradients when the
 weights train, attention recomputed), full remat's recompute, the chunked loss's logits again, a reference's or
 teacher's forward, GRPO's decode; bytes moved; the collectives of ZeRO-3, data, tensor and context (`context_bytes`).
-step = accumulation x (max(compute, memory) + tensor all-reduces and context all-gathers + the collectives not
-hidden behind `HIDDEN_COMM_SHARE` of the compute, a ring's among them, remat "offload"'s layer inputs over the host
-link beyond the compute) + the AdamW update + host transfers; compute at `MFU_CEILING` of peak (PaLM's tuned training,
-Chowdhery et al. 2022), memory at `BANDWIDTH_CEILING` of bandwidth.
+step = accumulation x (max(compute, memory, remat "offload"'s host link) + tensor all-reduces and context all-gathers
++ collectives not hidden behind `HIDDEN_COMM_SHARE` of the compute) + the AdamW update + host transfers; compute at
+`MFU_CEILING` of peak (PaLM's tuned training, Chowdhery et al. 2022), memory at `BANDWIDTH_CEILING` of bandwidth.
 """
 
 from __future__ import annotations
