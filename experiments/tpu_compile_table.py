@@ -290,6 +290,17 @@ ROWS = [
     ("gemma-3-27b-it", "lora", "sft", 2048, 8, "v5e-8", "fsdp=8", "full"),
 ]
 HELD_OUT = 27  # the last rows: compiled after the TPU rules were calibrated (issue 50's families among them)
+
+# Issue 53: remat "offload" (each layer's input in pinned host memory inside the step) beside the same step under
+# "full" (v5e-8's is above): the compiler's device bytes against the planner's, its host bytes against the planner's
+# offloaded layer inputs. Held out: compiled after the planner's offload rule was written.
+OFFLOAD_ROWS = [
+    ("llama-3.1-8b", "qlora", "sft", 8192, 8, "v5e-8", "fsdp=8", "offload"),
+    ("llama-3.1-8b", "qlora", "sft", 32768, 4, "v5p-8", "fsdp=4", "full"),
+    ("llama-3.1-8b", "qlora", "sft", 32768, 4, "v5p-8", "fsdp=4", "offload"),
+]
+ROWS += OFFLOAD_ROWS
+HELD_OUT += len(OFFLOAD_ROWS)
 GRPO_TOKENS = 256  # a rollout's new tokens
 
 
@@ -336,7 +347,8 @@ def planner_columns(est) -> dict:
     from jaxtune.planner.timing import step_time
 
     t = step_time(est)  # its FLOPs against the step's program: GRPO's rollout is a program of its own
-    return {"planner_bytes": est.compiled_bytes, "planner_fits": est.fits, "usable_bytes": est.device.usable_bytes,
+    return {"planner_bytes": est.compiled_bytes, "planner_host_bytes": est.offloaded_activations_bytes,
+            "planner_fits": est.fits, "usable_bytes": est.device.usable_bytes,
             "reserve_bytes": est.reserve_bytes, "planner_flops": (t.flops - t.rollout_flops) / est.device.count}
 
 
@@ -378,7 +390,8 @@ def measure(row) -> dict:
     out = {"label": label(row), "model": row[0], "method": row[1], "objective": row[2], "seq": row[3],
            "batch": row[4], "target": row[5], "mesh": row[6], "remat": row[7], "topology": c.topology,
            "seconds": round(seconds, 1), "compile_seconds": round(compiled.compile_seconds, 1),
-           "compiled_bytes": compiled.total_bytes, "argument_bytes": compiled.argument_bytes,
+           "compiled_bytes": compiled.total_bytes, "host_bytes": compiled.host_bytes,
+           "argument_bytes": compiled.argument_bytes,
            "temp_bytes": compiled.temp_bytes, "over_memory": compiled.over_memory, "attention": compiled.attention,
            "compiler_fits": c.fits, "program_flops": compiled.flops, "xla_flops": compiled.xla_flops,
            "xla_bytes_accessed": compiled.xla_bytes_accessed, "collectives": compiled.collectives,

@@ -312,7 +312,7 @@ def cmd_plan(args) -> None:
 
     names = ("model", "params", "config", "method", "target", "batch", "seq", "accum", "remat", "mesh", "offload",
              "rank", "bits", "compute_dtype", "param_dtype", "objective", "generate_tokens", "context_attention",
-             "images")
+             "images", "tiled_mlp")
     result = run_plan(search_plans=args.search, longest=args.longest_context, step=args.seq_step, confirm=args.confirm,
                       **{name: getattr(args, name) for name in names})
     print(json.dumps(public(result), indent=2) if args.json else render(result))
@@ -469,11 +469,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, help="rows per micro-batch over all devices (default: one a device)")
     plan.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     plan.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    plan.add_argument("--remat", choices=("none", "full", "save_matmuls"), help="default none; --search tries all")
+    plan.add_argument("--remat", choices=("none", "full", "save_matmuls", "offload"),
+                      help="default none; --search tries all (offload: on GPU and TPU targets)")
     plan.add_argument("--mesh", help="data=D,fsdp=F,expert=E,context=C,tensor=T (axes left out: 1; fsdp takes the "
                                      "rest) or DxFxT (default: every device on fsdp)")
     plan.add_argument("--context-attention", choices=("ring", "all_gather"), default="ring",
                       help="how attention crosses a context axis (default ring)")
+    plan.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
+                      help="run the MLP this many tokens a row at a time, each tile recomputed (default 0: whole)")
     plan.add_argument("--offload", action="append", default=[], metavar="WHAT",
                       help="optimizer, params, moments-bf16 (repeatable or comma-separated)")
     plan.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16, on all linear layers)")

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune.errors import ConfigError, check_choice, check_range
 
-REMAT_POLICIES = ("none", "full", "save_matmuls")
+REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 # the dtype of activations and matmuls: "auto" is what the devices multiply fast (bfloat16 on accelerators, float32
 # on CPUs, `ForwardOptions.dtype`); "float64" is the tests' reference numerics, under `jax.enable_x64`
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float64")
@@ -21,6 +22,9 @@ CONTEXT_ATTENTION = ("ring", "all_gather")
 # the name of `models.linear.matmul`'s output, which "save_matmuls" keeps: a policy that saves dots sees no dot
 # inside a custom_vjp, and the projections' matmuls are custom_vjps
 MATMUL_OUTPUT = "matmul"
+# the name of a layer's input, which "offload" sends to pinned host memory in the forward and fetches back for the
+# layer's backward (MaxText's `remat_policy = "offload"` does this to its "decoder_layer_input")
+LAYER_INPUT = "layer_input"
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,9 @@ class Remat:
 
     "none": every activation is kept. "full": only the layer input; the block is recomputed.
     "save_matmuls": outputs of the weight matmuls are kept, attention and elementwise work is recomputed.
+    "offload": as "full", but the layer input is kept in pinned host memory: copied there in the forward, back in
+    the layer's backward (XLA overlaps both with the layers' compute; TPU and GPU; a CPU's host memory is its device
+    memory, so there it runs as "full", `models/remat.py`).
     """
 
     policy: str = "none"
@@ -39,12 +46,25 @@ class Remat:
             check_choice("remat", self.policy, REMAT_POLICIES)
         object.__setattr__(self, "policy", policy)
 
+    @property
+    def recomputes(self) -> str:
+        """What the layer's backward recomputes, as the policy that keeps the same on the device: "full" for
+        "offload"."""
+        return "full" if self.policy == "offload" else self.policy
+
     def wrap(self, fn):
+        """`fn(x, *rest)`, a layer, under this policy (`jax.checkpoint`)."""
         if self.policy == "none":
             return fn
         if self.policy == "full":
             return jax.checkpoint(fn, prevent_cse=False)
         policies = jax.checkpoint_policies
+        if self.policy == "offload":
+            to_host = policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,), offload_src="device",
+                offload_dst="pinned_host")
+            named = lambda x, *rest: fn(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), x), *rest)  # noqa: E731
+            return jax.checkpoint(named, prevent_cse=False, policy=to_host)
         keep = policies.save_from_both_policies(policies.save_only_these_names(MATMUL_OUTPUT),
                                                 policies.dots_with_no_batch_dims_saveable)
         return jax.checkpoint(fn, prevent_cse=False, policy=keep)

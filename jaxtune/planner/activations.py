@@ -40,6 +40,9 @@ SOFTCAP_LOGITS_COPIES = 1
 # 16 devices an expert group: 2.2 and 10.0 GiB more temporaries for 5.7 and 11.3 GiB more of the group's tensors,
 # experiments/tpu_compile_table.py)
 EXPERT_STREAMS = ("their expert inputs", "their expert outputs", "their weighted expert inputs")
+# Remat "offload": the layer inputs on the device at once, of the [L, b, T, D] stack in host memory: the one the
+# backward reads and the next one being fetched.
+OFFLOAD_LAYERS_ON_DEVICE = 2
 
 
 @dataclass(frozen=True)
@@ -389,6 +392,12 @@ class ActivationBytes:
     logits_one: int
     logits: int
     expert_streams: int = 0
+
+
+def offloaded(acts: ActivationBytes, layers: int) -> ActivationBytes:
+    """`acts` of remat "full" on the device under remat "offload": every layer's input is in host memory (the
+    compiler's host temporaries: the whole [L, b, T, D] stack), `OFFLOAD_LAYERS_ON_DEVICE` of them on the device."""
+    return replace(acts, saved=OFFLOAD_LAYERS_ON_DEVICE * acts.saved // layers)
 
 
 def _union(*kinds: list) -> list:

@@ -82,7 +82,7 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
               offload=(), rank: int = 16, bits: int = 4, targets: str = "all-linear",
               compute_dtype: str | None = None, param_dtype: str | None = None, objective: str = "sft",
               generate_tokens: int = 0, context_attention: str = "ring",
-              images: int = 1) -> tuple[ModelConfig, TrainPlan, Device]:
+              images: int = 1, tiled_mlp: int = 0) -> tuple[ModelConfig, TrainPlan, Device]:
     """(model config, plan, device) from the values `jaxtune plan` takes. Exactly one of `model` (a Hugging Face
     directory), `params` (millions, for a standard Llama shape) or `config` (a `jaxtune train` TOML, which then
     gives every other value) names the model. `batch` (rows per micro-batch
@@ -114,7 +114,8 @@ def make_plan(*, model: str | None = None, params: float | None = None, config: 
             batch = batch_ways(resolve_mesh(mesh_cfg, device))
         plan = TrainPlan(method_cfg, batch, seq, accum, param_dtype=param_dtype or stored,
                          forward=ForwardOptions(compute_dtype or ("bfloat16" if accelerator else "float32"),
-                                                Remat(remat or "none"), context_attention=context_attention),
+                                                Remat(remat or "none"), context_attention=context_attention,
+                                                tiled_mlp=tiled_mlp),
                          mesh=mesh_cfg, offload=parse_offload(offload), objective=objective,
                          generate_tokens=generate_tokens,
                          images=image_side(model, images) if model is not None and unit.reads_images else None)

@@ -4,8 +4,9 @@ bandwidth and peak FLOP/s per device, every figure with its source (`Device.sour
 FLOP/s are dense (vendors quote recent NVIDIA parts "with sparsity", twice what a training step can reach); memory is
 the datasheet capacity read in binary units (HBM and GDDR capacities are powers of two), less what the driver, ECC
 and runtime keep (`usable_fraction`). A target is a catalogue name with an optional device count: `h100-80gb`,
-`h100-80gb-8`, `v5e-8`, `v5p-32`. TPU slice names count chips for v5e and v6e but TensorCores for v4 and v5p (two a
-chip, one JAX device a chip), so `v5p-32` is 16 devices. `cpu_device` describes this host (`host_cpu.native_bf16`).
+`h100-80gb-8`, `v5e-8`, `v5p-32`. TPU slice names count chips for v5e and v6e but TensorCores for v4, v5p and v7x (two
+a chip; one JAX device a chip on v4 and v5p, one a TensorCore on v7x), so `v5p-32` is 16 devices and `v7x-64` 64.
+`cpu_device` describes this host (`host_cpu.native_bf16`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class Device:
     memory_bytes: per device. usable_fraction: the share a JAX program's buffers can have.
     bandwidth: memory bytes/s. peak_bf16 / peak_fp32: dense matmul FLOP/s.
     interconnect: bytes/s one device can send to its peers (NVLink, ICI, RoCE), for collective time.
-    host_link: bytes/s between host and device memory, for offload (PCIe 4.0 x16: 32 GB/s raw, about 25 usable;
-    PCIe 5.0 on H100/H200: about 50), an approximation.
+    host_link: bytes/s one way between host and device memory, for offload (PCIe 4.0 x16: 32 GB/s raw, about 25
+    usable; PCIe 5.0 x16: about 50; GB200's NVLink-C2C), an approximation.
+    peak_fp8: dense fp8 matmul FLOP/s where the catalogue lists it (0: not listed; the planner plans bfloat16).
     sources: field name -> where the figure comes from.
     """
 
@@ -52,6 +54,7 @@ class Device:
     sources: tuple[tuple[str, str], ...]
     count: int = 1
     host_link: float = 25e9
+    peak_fp8: float = 0.0
 
     @property
     def usable_bytes(self) -> int:
@@ -107,6 +110,66 @@ def _gaudi(name, gib, bandwidth_tbs, bf16_tflops, fp32_tflops, net_gbs, doc) -> 
                   ))
 
 
+def _listed(name, family, gib, usable, usable_note, bandwidth_gbs, bf16_tflops, fp8_tflops, fp32_tflops, link_gbs,
+            host_gbs, cited: dict[str, str]) -> Device:
+    """A device whose every figure is cited in `cited` (field name -> source), dense FLOPs as given."""
+    return Device(name, family, gib * GiB, usable, bandwidth_gbs * 1e9, bf16_tflops * T, fp32_tflops * T,
+                  link_gbs * 1e9, host_link=host_gbs * 1e9, peak_fp8=fp8_tflops * T,
+                  sources=(("usable_fraction", usable_note), *cited.items()))
+
+
+_ROCM_USABLE = ("0.90: ROCm's runtime, rocBLAS/hipBLASLt workspaces and the driver's reservations, as for CUDA (our "
+                "assumption; XLA_PYTHON_CLIENT_MEM_FRACTION=.90 as on NVIDIA)")
+B200_DATASHEET = "NVIDIA DGX B200 datasheet (8 GPUs: 1,440 GB HBM3e, 64 TB/s, 72 PFLOPS FP8 with sparsity), per GPU"
+GB200_PAGE = ("NVIDIA GB200 NVL72 product page (72 GPUs: 13.4 TB HBM3e, 576 TB/s, 360 PFLOPS FP16/BF16 and 720 "
+              "FP8 with sparsity, 5,760 TFLOPS FP32, 130 TB/s NVLink), per GPU")
+MI300X_SHEET = "AMD Instinct MI300X data sheet"
+MI325X_SHEET = "AMD Instinct MI325X data sheet"
+TPU7X_DOC = "Cloud TPU docs, 'TPU7x (Ironwood)'"
+PCIE5_HOST = "PCIe 5.0 x16 to the host: 64 GB/s one way raw, about 50 usable (our approximation)"
+NEW_DEVICES = (
+    _listed("b200", "gpu", 180, 0.90, _NVIDIA_USABLE, 8000, 2250, 4500, 75, 900, 50, {
+        "memory": f"{B200_DATASHEET}: 180 GB", "bandwidth": f"{B200_DATASHEET}: 8 TB/s",
+        "peak_bf16": f"{B200_DATASHEET}: 4.5 PFLOPS FP16/BF16 with sparsity, 2.25 dense",
+        "peak_fp8": f"{B200_DATASHEET}: 9 PFLOPS FP8 with sparsity, 4.5 dense",
+        "peak_fp32": f"{B200_DATASHEET}: 75 TFLOPS FP32",
+        "interconnect": f"{B200_DATASHEET}: NVLink 5, 1.8 TB/s per GPU both ways, 900 GB/s one way",
+        "host_link": PCIE5_HOST}),
+    _listed("gb200", "gpu", 186, 0.90, _NVIDIA_USABLE, 8000, 2500, 5000, 80, 900, 225, {
+        "memory": f"{GB200_PAGE}: 186 GB", "bandwidth": f"{GB200_PAGE}: 8 TB/s",
+        "peak_bf16": f"{GB200_PAGE}: 5 PFLOPS FP16/BF16 with sparsity, 2.5 dense",
+        "peak_fp8": f"{GB200_PAGE}: 10 PFLOPS FP8 with sparsity, 5 dense",
+        "peak_fp32": f"{GB200_PAGE}: 80 TFLOPS FP32",
+        "interconnect": f"{GB200_PAGE}: 1.8 TB/s NVLink per GPU both ways, 900 GB/s one way",
+        "host_link": "NVIDIA GB200 NVL72 product page: NVLink-C2C, 900 GB/s both ways between a Grace CPU and its two "
+                     "GPUs: 225 GB/s one way a GPU (derived)"}),
+    _listed("mi300x", "gpu", 192, 0.90, _ROCM_USABLE, 5300, 1307.4, 2614.9, 163.4, 448, 50, {
+        "memory": f"{MI300X_SHEET}: 192 GB HBM3", "bandwidth": f"{MI300X_SHEET}: 5.3 TB/s peak",
+        "peak_bf16": f"{MI300X_SHEET}: 1,307.4 TFLOPS BF16 (dense; 2,614.9 with sparsity)",
+        "peak_fp8": f"{MI300X_SHEET}: 2,614.9 TFLOPS FP8 (dense; 5,229.8 with sparsity)",
+        "peak_fp32": f"{MI300X_SHEET}: 163.4 TFLOPS FP32 matrix",
+        "interconnect": f"{MI300X_SHEET}: 7 Infinity Fabric links of 128 GB/s both ways, 896 GB/s: 448 GB/s one way",
+        "host_link": PCIE5_HOST}),
+    _listed("mi325x", "gpu", 256, 0.90, _ROCM_USABLE, 6000, 1307.4, 2614.9, 163.4, 448, 50, {
+        "memory": f"{MI325X_SHEET}: 256 GB HBM3E", "bandwidth": f"{MI325X_SHEET}: 6 TB/s peak",
+        "peak_bf16": f"{MI325X_SHEET}: 1,307.4 TFLOPS BF16 (dense; 2,614.9 with sparsity)",
+        "peak_fp8": f"{MI325X_SHEET}: 2,614.9 TFLOPS FP8 (dense; 5,229.8 with sparsity)",
+        "peak_fp32": f"{MI325X_SHEET}: 163.4 TFLOPS FP32 matrix",
+        "interconnect": f"{MI325X_SHEET}: 7 Infinity Fabric links of 128 GB/s both ways, 896 GB/s: 448 GB/s one way",
+        "host_link": PCIE5_HOST}),
+    # a TPU7x chip is two TensorCores, each its own JAX device with half the chip's HBM and rates
+    _listed("v7x", "tpu", 96, 0.94, _TPU_USABLE, 3690, 1153.5, 2307, 1153.5 / 6, 300, 12.5, {
+        "memory": f"{TPU7X_DOC}: 192 GiB HBM per chip, two TensorCores (JAX devices) a chip: 96 GiB a device",
+        "bandwidth": f"{TPU7X_DOC}: 7,380 GB/s HBM per chip, half a device",
+        "peak_bf16": f"{TPU7X_DOC}: 2,307 TFLOPS BF16 per chip, half a device",
+        "peak_fp8": f"{TPU7X_DOC}: 4,614 TFLOPS FP8 per chip, half a device",
+        "peak_fp32": "derived: the MXU is bf16-native; a float32 matmul at HIGHEST precision is six bf16 passes, so "
+                     "peak_bf16 / 6",
+        "interconnect": f"{TPU7X_DOC}: 1,200 GB/s ICI per chip both ways: 600 one way, 300 a device",
+        "host_link": "not published: assumed as earlier TPU hosts, PCIe 4.0 x16 (about 25 GB/s usable) a chip, "
+                     "shared by its two devices"}),
+)
+
 A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (SXM4)"
 H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
 H200_DATASHEET = "NVIDIA H200 Tensor Core GPU product brief (SXM)"
@@ -127,14 +190,16 @@ CATALOGUE: dict[str, Device] = {d.name: d for d in (
     _tpu("v6e", 32, 1640, 918, 400, "Cloud TPU docs, 'TPU v6e'"),
     _gaudi("gaudi2", 96, 2.45, 432, 108, 300, "Intel Gaudi 3 AI accelerator white paper (2024), Gaudi 2 column"),
     _gaudi("gaudi3", 128, 3.7, 1835, 459, 600, "Intel Gaudi 3 AI accelerator white paper (2024)"),
+    *NEW_DEVICES,
 )}
 
 # Short names that name one catalogued device; they are listed beside it, and a plan prints the full name.
 ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "4090": "rtx-4090", "a6000": "rtx-a6000",
            "gaudi-2": "gaudi2", "gaudi-3": "gaudi3", "tpu-v4": "v4", "tpu-v5e": "v5e", "tpu-v5p": "v5p",
-           "tpu-v6e": "v6e", "v5litepod": "v5e"}
+           "tpu-v6e": "v6e", "v5litepod": "v5e", "tpu7x": "v7x", "ironwood": "v7x", "gb200-nvl72": "gb200"}
 AMBIGUOUS = {"a100": ("a100-40gb", "a100-80gb")}  # names of more than one device: refused, naming them
 CORES_PER_CHIP = {"v4": 2, "v5p": 2}  # slice names count TensorCores on these; JAX sees one device per chip
+# (v7x's names count TensorCores too, but JAX sees each as a device: a count of them is a count of devices)
 
 
 def host_memory_bytes() -> int:

@@ -108,6 +108,7 @@ class Estimate:
     phases: dict
     base_parameters: int = 0
     loading_transient_bytes: int = 0
+    offloaded_activations_bytes: int = 0  # of host_bytes: remat "offload"'s layer inputs, moved twice a micro-batch
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -178,7 +179,7 @@ class Estimate:
                         "peak": "loading" if self.loading_bytes > self.total_bytes else "step"},
             "peak_phase": self.peak_phase,
             "phases": self.phases,
-            "host_bytes": self.host_bytes,
+            "host_bytes": self.host_bytes, "offloaded_activations_bytes": self.offloaded_activations_bytes,
             "plan": {"method": p.method.kind, "method_options": json.loads(json.dumps(dataclasses.asdict(p.method))),
                      "batch_size": p.batch_size, "seq_len": p.seq_len, "grad_accum": p.grad_accum,
                      "remat": p.forward.remat.policy, "compute_dtype": p.forward.compute_dtype,
@@ -237,7 +238,7 @@ def _cast_copies(plan: TrainPlan, layer_kernels: int, head_kernel: int, a: int, 
     kernel_dtype = plan.param_dtype if frozen else "float32"
     residual = copies = 0
     kept = not frozen or (method_unit(plan.method).quantize_base is None and jnp.dtype(kernel_dtype).itemsize > 2)
-    if plan.forward.remat.policy == "none" and kept and kernel_dtype != plan.forward.compute_dtype:
+    if plan.forward.remat.recomputes == "none" and kept and kernel_dtype != plan.forward.compute_dtype:
         # a frozen float32 copy is multiplied on XLA:CPU in float32 too (activation width `a`); float32 masters
         # cast to bf16 stay bf16
         residual = layer_kernels * (a if frozen else jnp.dtype(plan.forward.compute_dtype).itemsize)
@@ -306,7 +307,8 @@ class Step:
     w: act.Widths
     megablox: bool  # a mixture's experts run megablox (`moe.grouped_kernel`)
     held: RunBytes
-    acts: act.ActivationBytes
+    acts: act.ActivationBytes  # on the device: under remat "offload", less `offloaded`
+    offloaded: int = 0  # remat "offload": the saved activations in host memory (`act.offloaded`)
 
     @property
     def unit(self) -> Method:
@@ -353,7 +355,7 @@ def step_of(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Step:
     if plan.generate_tokens and sizes["context"] > 1:
         raise JaxtuneError(f"GRPO's rollout decodes whole rows, which context = {sizes['context']} would split: use "
                            "a mesh without a context axis")
-    rows, remat = total_rows // ways, plan.forward.remat.policy
+    rows, remat = total_rows // ways, plan.forward.remat.recomputes
     prefix = method_unit(plan.method).costs.attended_tokens(plan.method)
     megablox = grouped_kernel(cfg, device.family, sizes["tensor"]) == "megablox"  # else ragged_dot, dense on TPU
     w = act.widths(cfg, rows, plan.seq_len, prefix, sizes["tensor"], megablox, sizes["expert"], sizes["context"],
@@ -370,7 +372,10 @@ def step_of(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Step:
     if kernel is not None and kernel.costs.workspace is not None:  # a fused kernel's own (splash: VMEM, not HBM)
         acts = replace(acts, attention=kernel.costs.workspace(w.b, w.heads, w.T, w.S, a))
     held = run_bytes(cfg, plan, sizes, rules.tiled)
-    return Step(cfg, plan, device, rules, sizes, total_rows, w, megablox, held, acts)
+    offloaded = 0
+    if plan.forward.remat.policy == "offload" and device.family != "cpu":  # a CPU runs it as "full" (`models/remat`)
+        offloaded, acts = acts.saved, act.offloaded(acts, cfg.num_layers)
+    return Step(cfg, plan, device, rules, sizes, total_rows, w, megablox, held, acts, offloaded)
 
 
 def _vocab_ways(step: Step) -> int:
@@ -466,8 +471,8 @@ def backward_workspace(step: Step) -> int:
     layer's saved activations under accumulation (XLA:CPU), a dense grouped matmul's (TPU), transposed weight gradients'
     inputs where the base trains, and the TPU compiler's second layer under remat "full"."""
     cfg, plan, acts, w, a = step.cfg, step.plan, step.acts, step.w, step.compute_size
-    remat, trains_base = plan.forward.remat.policy, step.unit.trains_base
-    workspace = acts.workspace + (acts.saved // cfg.num_layers if plan.grad_accum > 1 else 0)
+    remat, trains_base = plan.forward.remat.recomputes, step.unit.trains_base
+    workspace = acts.workspace + ((step.offloaded or acts.saved) // cfg.num_layers if plan.grad_accum > 1 else 0)
     tpu = step.device.family == "tpu"
     # a mixture's grouped matmul: ragged_dot on TPU is dense per expert; CPU's tiles (`models/grouped_tiles.py`) hold
     # a tile's rows beside the layer's, within 8% of XLA:CPU's step for eight mixtures without a term of their own
@@ -600,12 +605,17 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
     if device.family == "cpu" and (offload.optimizer_state or offload.frozen_params):
         offload = replace(offload, optimizer_state=False, frozen_params=False)
         notes.append("on CPU host and device memory are the same RAM: offloading moves nothing")
+    if device.family == "cpu" and plan.forward.remat.policy == "offload":
+        notes.append('remat "offload" runs as "full" on CPU: host and device memory are the same RAM')
     workspace = backward_workspace(step)
     phases = step_phases(step, logits, workspace, residual_copies, layer_copies, kv, offload)
     peak = max(phases, key=lambda k: phases[k]["total"])
     at_peak = phases[peak]
 
-    host, optimizer = 0, held.optimizer
+    host, optimizer = step.offloaded, held.optimizer
+    if step.offloaded:
+        notes.append(f'remat "offload": {step.offloaded / (1 << 30):.2f} GiB of layer inputs in pinned host memory, '
+                     "copied out in the forward and back in the backward")
     if offload.optimizer_state:
         host += held.optimizer
         optimizer = at_peak.get("optimizer", 0)
@@ -637,4 +647,4 @@ def estimate(cfg: ModelConfig, plan: TrainPlan, device: Device) -> Estimate:
         batch_bytes=held.batch, reserve_bytes=reserve, host_bytes=host, peak_phase=peak, phases=phases,
         base_parameters=held.base_parameters,
         loading_transient_bytes=held.loading_device + (held.loading_host if device.family == "cpu" else 0),
-        notes=tuple(notes + [rules.reserve_note]))
+        offloaded_activations_bytes=step.offloaded, notes=tuple(notes + [rules.reserve_note]))

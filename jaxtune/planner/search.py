@@ -24,7 +24,8 @@ from jaxtune.planner.devices import CATALOGUE, Device
 from jaxtune.planner.estimate import Estimate, estimate, zero_ways
 from jaxtune.planner.timing import StepTime, step_time
 
-REMATS = ("none", "save_matmuls", "full")
+REMATS = ("none", "save_matmuls", "full", "offload")
+OFFLOADING_FAMILIES = ("gpu", "tpu")  # where remat "offload" moves the layer inputs to pinned host memory
 GiB = 1 << 30
 
 
@@ -81,7 +82,8 @@ def _batch_splits(global_batch: int, ways: int) -> list[tuple[int, int]]:
 
 def _variants(cfg: ModelConfig, base: TrainPlan, device: Device, global_batch: int, fixed: set[str]):
     mesh_options = [base.mesh] if "mesh" in fixed else meshes(cfg, device.count, base.seq_len)
-    remat_options = [base.forward.remat.policy] if "remat" in fixed else list(REMATS)
+    remat_options = [base.forward.remat.policy] if "remat" in fixed else [
+        r for r in REMATS if r != "offload" or device.family in OFFLOADING_FAMILIES]
     varied = {name: values for name, values in method_unit(base.method).costs.searched.items() if name not in fixed}
     methods = [base.method.replace(**dict(zip(varied, values))) for values in itertools.product(*varied.values())]
     offloads = [base.offload] if "offload" in fixed else [base.offload, replace(base.offload, optimizer_state=True)]
@@ -303,6 +305,9 @@ def explain(candidate: Candidate, others: tuple[Candidate, ...] = ()) -> list[st
         lines.append(f"remat {plan.forward.remat.policy}: without remat the step needs "
                      f"{lighter.total_bytes / GiB:.1f} GiB "
                      f"({verdict})")
+    if est.offloaded_activations_bytes:
+        lines.append(f"layer inputs in pinned host memory ({est.offloaded_activations_bytes / GiB:.1f} GiB), out and "
+                     f"back over the host link each micro-batch ({t.offload_s:.3g} s beside the layers' compute)")
     if plan.offload.optimizer_state:
         lines.append(f"optimizer state in host memory ({est.host_bytes / GiB:.1f} GiB), moved each step over the "
                      f"host link ({t.host_s:.3g} s)")

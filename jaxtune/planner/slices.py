@@ -3,10 +3,10 @@ the slice's topology and hosts, and its devices from libtpu, on any host (no TPU
 
     devices = topology_devices(tpu_slice(get_device("v5p-128")))   # 64 TpuDevices of a 4x4x4 v5p slice, 16 hosts
 
-The topology of each size is the one Cloud TPU creates (Cloud TPU docs, "TPU versions": v5e, v6e 2-D slices of
-chips, single-host up to 8 chips then 4 chips a host; v4, v5p 3-D slices counted in TensorCores, two a chip, 4 chips
-a host; v4 runs one JAX device a chip, "megacore"). `jax.experimental.topologies.get_topology_desc` turns the name
-into the slice's devices, whose `Mesh` compiles with the real TPU compiler (`planner/confirm.py`).
+Each size's topology is Cloud TPU's ("TPU versions": v5e, v6e 2-D slices of chips, single-host up to 8 chips then
+4 a host; v4, v5p, v7x 3-D slices counted in TensorCores, two a chip, 4 chips a host; a JAX device a chip on v4
+("megacore") and v5p, a TensorCore on v7x, libtpu's "tpu7x"). `jax.experimental.topologies.get_topology_desc` turns
+it into the slice's devices, whose `Mesh` compiles with the real TPU compiler (`planner/confirm.py`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8)
 SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
              256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16)}
 GENERATIONS: dict[str, Mapping[int, tuple[int, ...]]] = {"v4": SHAPES_3D, "v5p": SHAPES_3D, "v5e": SHAPES_2D,
-                                                         "v6e": SHAPES_2D}
-SINGLE_HOST_CHIPS = {"v5e": 8, "v6e": 8, "v4": 4, "v5p": 4}  # the most chips one host of the generation carries
+                                                         "v6e": SHAPES_2D, "v7x": SHAPES_3D}
+# the most chips one host of the generation carries
+SINGLE_HOST_CHIPS = {"v5e": 8, "v6e": 8, "v4": 4, "v5p": 4, "v7x": 4}
+LIBTPU_NAMES = {"v7x": "tpu7x"}  # libtpu's topology names where they are not Cloud TPU's
+DEVICES_PER_CHIP = {"v7x": 2}  # JAX devices a chip, where not one
 INSTALL = 'pip install "jaxtune[tpu]" (libtpu, the TPU compiler; it runs on any Linux x86-64 host)'
 
 
 @dataclass(frozen=True)
 class TpuSlice:
-    """A Cloud TPU slice: `generation` ("v5e", ...), `chips` (= JAX devices), the topology `shape` and name libtpu
-    takes ("v5p:4x4x4"), and its hosts."""
+    """A Cloud TPU slice: `generation` ("v5e", ...), `chips`, the topology `shape` and name libtpu takes
+    ("v5p:4x4x4"), its hosts and JAX `devices` (a chip each; two on v7x)."""
 
     accelerator: str
     generation: str
@@ -45,7 +48,11 @@ class TpuSlice:
 
     @property
     def topology(self) -> str:
-        return f"{self.generation}:{'x'.join(map(str, self.shape))}"
+        return f"{LIBTPU_NAMES.get(self.generation, self.generation)}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def devices(self) -> int:
+        return self.chips * DEVICES_PER_CHIP.get(self.generation, 1)
 
     @property
     def hosts(self) -> int:
@@ -53,15 +60,16 @@ class TpuSlice:
 
 
 def tpu_slice(device: Device) -> TpuSlice:
-    """The slice of a TPU target (`get_device("v5p-128")`: 64 chips); a JaxtuneError naming the sizes Cloud TPU
-    makes for a count it does not."""
-    generation, chips = device.name, device.count
+    """The slice of a TPU target (`get_device("v5p-128")`: 64 chips; `get_device("v7x-64")`: 32 chips, 64 devices);
+    a JaxtuneError naming the sizes Cloud TPU makes for a count it does not."""
+    generation = device.name
+    chips = device.count // DEVICES_PER_CHIP.get(generation, 1)
     shapes = GENERATIONS.get(generation)
     if device.family != "tpu" or shapes is None:
         raise JaxtuneError(f"{device.target} is not a TPU slice")
     per_chip = 2 if len(next(iter(shapes.values()))) == 3 else 1  # v4, v5p names count TensorCores
     name = f"{generation}-{chips * per_chip}"
-    if chips not in shapes:
+    if chips not in shapes or chips * DEVICES_PER_CHIP.get(generation, 1) != device.count:
         sizes = ", ".join(f"{generation}-{n * per_chip}" for n in shapes)
         raise JaxtuneError(f"{name}: Cloud TPU makes no {generation} slice of {chips} chips; slices: {sizes}")
     single = SINGLE_HOST_CHIPS[generation]
@@ -94,9 +102,9 @@ def topology_devices(slice_: TpuSlice, num_slices: int = 1) -> list:
                                           "plugin" in text.lower()) or "libtpu" in said():
                 raise JaxtuneError(f"the TPU compiler is not installed here ({text}); {INSTALL}") from None
             raise JaxtuneError(f"{slice_.accelerator}: libtpu could not describe {slice_.topology!r}: {text}") from None
-    if len(devices) != slice_.chips * num_slices:
+    if len(devices) != slice_.devices * num_slices:
         raise JaxtuneError(f"{slice_.accelerator}: libtpu's {slice_.topology} x {num_slices} has {len(devices)} "
-                           f"devices, not {slice_.chips * num_slices}")
+                           f"devices, not {slice_.devices * num_slices}")
     return list(devices)
 
 

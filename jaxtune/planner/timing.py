@@ -4,9 +4,9 @@ Per micro-batch on one device (n tokens, its rows' share of a context axis, thro
 ways): FLOPs of the forward (2 n P plus attention), the backward (input gradients always, weight gradients when the
 weights train, attention recomputed), full remat's recompute, the chunked loss's logits again, a reference's or
 teacher's forward, GRPO's decode; bytes moved; the collectives of ZeRO-3, data, tensor and context (`context_bytes`).
-step = accumulation x (max(compute, memory) + tensor all-reduces and context all-gathers + the collectives not
-hidden behind `HIDDEN_COMM_SHARE` of the compute, a ring's among them) + the AdamW update + host transfers; compute
-at `MFU_CEILING` of peak (PaLM's tuned training, Chowdhery et al. 2022), memory at `BANDWIDTH_CEILING` of bandwidth.
+step = accumulation x (max(compute, memory, remat "offload"'s host link) + tensor all-reduces and context all-gathers
++ collectives not hidden behind `HIDDEN_COMM_SHARE` of the compute) + the AdamW update + host transfers; compute at
+`MFU_CEILING` of peak (PaLM's tuned training, Chowdhery et al. 2022), memory at `BANDWIDTH_CEILING` of bandwidth.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class StepTime:
     tokens_per_s: float
     bound: str
     rollout_flops: float = 0.0  # of `flops`: GRPO's rollout decode, a program of its own
+    offload_s: float = 0.0  # a micro-batch's offloaded layer inputs to host and back (`Estimate.offloaded_...`)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -60,7 +61,7 @@ class StepTime:
 def step_time(est: Estimate) -> StepTime:
     """The predicted time of one optimizer step of `est`'s plan on `est.device` (per device; all run in step)."""
     cfg, plan, dev = est.model, est.plan, est.device
-    remat, compute_dtype = plan.forward.remat.policy, plan.forward.compute_dtype
+    remat, compute_dtype = plan.forward.remat.recomputes, plan.forward.compute_dtype
     data, context, tensor = est.mesh["data"], est.mesh["context"], est.mesh["tensor"]
     zero = zero_ways(est.mesh)
     rows = rows_of(plan) // batch_ways(est.mesh)
@@ -128,7 +129,11 @@ def step_time(est: Estimate) -> StepTime:
         comm += context_sent
     comm_s = (comm + exposed) / dev.interconnect
     busy = max(compute_s, memory_s)
-    micro_s = busy + exposed / dev.interconnect + max(0.0, comm / dev.interconnect - HIDDEN_COMM_SHARE * busy)
+    # remat "offload": each layer's input out in the forward, back in the backward, overlapped with the layers'
+    # compute (a layer's copy runs while its neighbour computes): only what outlasts the compute adds time
+    offload_s = 2 * est.offloaded_activations_bytes / dev.host_link
+    micro_s = (max(busy, offload_s) + exposed / dev.interconnect
+               + max(0.0, comm / dev.interconnect - HIDDEN_COMM_SHARE * busy))
 
     update_s = 7 * 4 * est.trainable_parameters / (zero * tensor) / (dev.bandwidth * BANDWIDTH_CEILING)
     host = 0
@@ -139,11 +144,11 @@ def step_time(est: Estimate) -> StepTime:
     host_s = host / dev.host_link if host else 0.0
     step_s = plan.grad_accum * micro_s + update_s + host_s
     bound = max((("compute", compute_s), ("memory", memory_s), ("communication", comm_s)), key=lambda kv: kv[1])[0]
-    if host_s > plan.grad_accum * micro_s:
+    if host_s > plan.grad_accum * micro_s or offload_s > busy:
         bound = "host transfers"
     tokens = plan.batch_size * plan.grad_accum * plan.seq_len
     return StepTime(plan.grad_accum * flops * dev.count, compute_s, memory_s, comm_s, update_s, host_s, step_s,
-                    tokens / step_s, bound, plan.grad_accum * rollout * dev.count)
+                    tokens / step_s, bound, plan.grad_accum * rollout * dev.count, offload_s)
 
 
 def context_bytes(cfg: ModelConfig, plan: TrainPlan, sizes: dict, forwards: int) -> float:
