@@ -109,8 +109,8 @@ def test_greedy_equals_transformers_generate(arch, family):
     """20 new tokens after left-padded prompts of different lengths (past the sliding windows of 4; gpt-oss's
     sinks in the cached decode)."""
     directory, model, cfg, params = family(arch)
-    # Llama 4's chunks and temperature count cache slots, in transformers as here: left padding moves them, by as
-    # much as each library pads; rows of one length, jaxtune's prompt bucket (16), compare the model itself
+    # Llama 4's chunks and temperature count transformers' padded slots in a batch, jaxtune's positions (a prompt
+    # alone's: tests/test_generate.py): rows of one length, jaxtune's prompt bucket (16), compare the model itself
     batch = prompts(cfg.vocab_size, lengths=(16, 16, 16) if arch.startswith("llama4") else PROMPT_LENGTHS)
     ids, mask = left_padded(batch)
     n = 20

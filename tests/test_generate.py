@@ -107,6 +107,34 @@ def test_greedy_equals_transformers_generate(arch, hf_model_dir):
     assert generate(params, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=()) == ref
 
 
+def test_llama4_chunks_and_temperature_follow_positions_in_a_padded_cache():
+    """A Llama 4 shape (chunks of 4, a NoPE layer with temperature): a prompt left-padded by 3 slots (not a multiple
+    of the chunk), prefilled then decoded, gives the logits of the unpadded row's full forward."""
+    cfg = tiny_config(vocab_size=259, num_layers=2, sliding_windows=(-4, 0), nope_layers=(1,), temperature_floor=2)
+    params = numpy_random_params(cfg)
+    ids = np.asarray(prompts(cfg.vocab_size, (10,)))
+    full = np.asarray(jit_forward(params, jnp.asarray(ids), cfg))
+    padded, mask = np.pad(ids, ((0, 0), (3, 0))), np.pad(np.ones_like(ids), ((0, 0), (3, 0)))
+    assert np.abs(cached_logits(params, cfg, padded, mask, t0=10) - full[:, 6:]).max() <= 1e-4
+
+
+@pytest.mark.reference
+@pytest.mark.parity
+@pytest.mark.full
+def test_llama4_greedy_equals_transformers_generate_of_each_prompt(hf_model_dir):
+    """Prompts of lengths 7, 12 and 3 packed, then left-padded in one cache, decoded past chunk boundaries (4): each
+    row as transformers generates its prompt alone (chunks and the NoPE layer's temperature by position)."""
+    import torch
+
+    directory, model = hf_model_dir("llama4")
+    cfg, params = load_model(directory)
+    batch, n = prompts(cfg.vocab_size), 10
+    with torch.no_grad():
+        ref = [model.generate(input_ids=torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                              pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in batch]
+    assert generate(params, cfg, batch, SamplingConfig(max_new_tokens=n), eos_ids=()) == ref
+
+
 def peft_greedy(model, ids, mask, steps):
     """Greedy tokens [B, steps] from PEFT's own full forward passes, no cache, positions cumsum(mask) - 1 as HF's
     generate gives them. (transformers 5.24's `generate` with PEFT 0.21's prefix cache disagrees with that forward

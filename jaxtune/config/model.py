@@ -97,7 +97,8 @@ class ModelConfig:
 
     `sliding_windows` has one entry per layer: 0 for full causal attention, w > 0 to let a query at index i see
     keys at indices j with i - w < j <= i (Mistral; Qwen2 and Qwen3 layers marked "sliding_attention"), w < 0 for
-    chunked attention (Llama 4): j <= i in the same chunk of -w slots, j // -w == i // -w.
+    chunked attention (Llama 4): j <= i in the same chunk of -w slots, j // -w == i // -w (in a cache of padded or
+    packed prompts, by RoPE position, as transformers chunks a prompt alone).
     `qk_norm`: an RMSNorm over each head's query and key before RoPE, with weights [head_dim] (Qwen3, Gemma 3).
 
     Gemma 2 and 3: `hidden_act` "gelu_tanh"; `norm_unit_offset`, every RMSNorm scales by (1 + weight), multiplied
@@ -117,7 +118,8 @@ class ModelConfig:
 
     Llama 4: `rope_interleaved`, RoPE rotating adjacent pairs (2i, 2i + 1) rather than halves; `qk_l2_norm`, queries
     and keys of the RoPE layers scaled to unit RMS after rotation (no weight); `temperature_floor` > 0, the NoPE
-    layers' queries times log1p(floor((slot + 1) / temperature_floor)) * temperature_scale + 1.
+    layers' queries times log1p(floor((slot + 1) / temperature_floor)) * temperature_scale + 1 (in a cache, position
+    for slot).
 
     Phi-3: `fused_projections`, one `qkv_proj` [D, q + 2 kv] and one `gate_up_proj` [D, 2F] (gate first) in
     place of q/k/v_proj and gate/up_proj; `partial_rotary_factor`, RoPE on the first head_dim x factor dimensions

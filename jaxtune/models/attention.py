@@ -31,7 +31,9 @@ class AttentionMask(NamedTuple):
     by all; a `branch_segment` query also sees its segment's shared keys). k_slot_S: int32 [S], each key's slot
     (0..S-1 but where a context-parallel device holds other keys). q_span_BxT, k_span_BxS: int32 bidirectional
     spans (an image's tokens, `models.multimodal`): a query of span s >= 0 also sees the later keys of span s
-    (within the window's reach back); -1 outside any; None (no spans, nor any cost of them).
+    (within the window's reach back); -1 outside any; None (no spans, nor any cost of them). q_position_BxT,
+    k_position_BxS: int32 RoPE positions, by which chunked layers (window < 0) cut their chunks where a cache's slots
+    are not positions (left padding, packed prompts: transformers chunks by position); None: by slot.
     """
 
     q_slot_T: jax.Array
@@ -41,6 +43,8 @@ class AttentionMask(NamedTuple):
     k_slot_S: jax.Array
     q_span_BxT: jax.Array | None = None
     k_span_BxS: jax.Array | None = None
+    q_position_BxT: jax.Array | None = None
+    k_position_BxS: jax.Array | None = None
 
 
 SLIDING_SPANS = 2**30  # span ids from here up: bidirectional on sliding layers only (Gemma 4's images)
@@ -90,21 +94,25 @@ def cache_mask(start: jax.Array, T: int, valid_BxS: jax.Array) -> AttentionMask:
 
 
 def _allowed(q_slot_Q, q_segment_BxQ, k_slot_C, k_valid_BxC, k_segment_BxC, window, q_span_BxQ=None,
-             k_span_BxC=None, every_span: bool = False) -> jax.Array:
+             k_span_BxC=None, q_position_BxQ=None, k_position_BxC=None, every_span: bool = False) -> jax.Array:
     """[B, Q, C] boolean: which of Q queries may see which of C keys (causally, or within a bidirectional span:
     transformers' `blockwise_overlay` or'ed with causality, then and'ed with the window). Spans numbered from
-    SLIDING_SPANS are bidirectional on sliding layers only (window != 0), unless `every_span` (a liveness bound)."""
+    SLIDING_SPANS are bidirectional on sliding layers only (window != 0), unless `every_span` (a liveness bound).
+    Chunks (window < 0) by q_position_BxQ and k_position_BxC where given, else by slot."""
     relative_QxC = q_slot_Q[:, None] - k_slot_C[None, :]
-    chunk = jnp.maximum(-window, 1)  # window < 0: chunks of -window slots (Llama 4)
-    same_chunk_QxC = q_slot_Q[:, None] // chunk == k_slot_C[None, :] // chunk
-    window_QxC = ((window == 0) | ((window > 0) & (relative_QxC < window)) | ((window < 0) & same_chunk_QxC))
+    chunk = jnp.maximum(-window, 1)  # window < 0: chunks of -window positions (Llama 4)
+    if q_position_BxQ is None:
+        same_chunk_BxQxC = (q_slot_Q[:, None] // chunk == k_slot_C[None, :] // chunk)[None]
+    else:
+        same_chunk_BxQxC = q_position_BxQ[:, :, None] // chunk == k_position_BxC[:, None, :] // chunk
+    window_BxQxC = ((window == 0) | ((window > 0) & (relative_QxC < window))[None] | ((window < 0) & same_chunk_BxQxC))
     if q_span_BxQ is None:
-        position_BxQxC = ((relative_QxC >= 0) & window_QxC)[None]
+        position_BxQxC = (relative_QxC >= 0)[None] & window_BxQxC
     else:
         on_layer_BxQ = (q_span_BxQ < SLIDING_SPANS) | (window != 0) | every_span
         span_BxQxC = ((q_span_BxQ[:, :, None] == k_span_BxC[:, None, :]) & (q_span_BxQ[:, :, None] >= 0)
                       & on_layer_BxQ[:, :, None])
-        position_BxQxC = ((relative_QxC >= 0)[None] | span_BxQxC) & window_QxC[None]
+        position_BxQxC = ((relative_QxC >= 0)[None] | span_BxQxC) & window_BxQxC
     q_BxQx1, k_Bx1xC = q_segment_BxQ[:, :, None], k_segment_BxC[:, None, :]
     ancestor_BxQxC = ((q_BxQx1 >> BRANCH_SHIFT) == k_Bx1xC) | ((q_BxQx1 & -(2**LEAF_BITS)) == k_Bx1xC)
     shared_BxQxC = (k_Bx1xC > 0) & (q_BxQx1 >= 2**BRANCH_SHIFT) & ancestor_BxQxC  # a branch's or leaf's ancestors
@@ -122,6 +130,8 @@ class _BlockedMask(NamedTuple):
     k_segment: jax.Array  # [nk, B, bk]
     q_span: jax.Array | None  # [nq, B, bq]
     k_span: jax.Array | None  # [nk, B, bk]
+    q_position: jax.Array | None  # [nq, B, bq]
+    k_position: jax.Array | None  # [nk, B, bk]
 
 
 class _Blocked(NamedTuple):
@@ -168,7 +178,9 @@ def _blocked_mask(mask: AttentionMask, T: int, S: int) -> _BlockedMask:
         k_slot=_cut(mask.k_slot_S, 0, bk, fill=NO_SLOT), k_valid=_cut(mask.k_valid_BxS, 1, bk, fill=False),
         k_segment=_cut(mask.k_segment_BxS, 1, bk),
         q_span=None if mask.q_span_BxT is None else _cut(mask.q_span_BxT, 1, bq, fill=-1),
-        k_span=None if mask.k_span_BxS is None else _cut(mask.k_span_BxS, 1, bk, fill=-1))
+        k_span=None if mask.k_span_BxS is None else _cut(mask.k_span_BxS, 1, bk, fill=-1),
+        q_position=None if mask.q_position_BxT is None else _cut(mask.q_position_BxT, 1, bq),
+        k_position=None if mask.k_position_BxS is None else _cut(mask.k_position_BxS, 1, bk))
 
 
 def _blocked(q, k, v, mask: AttentionMask) -> _Blocked:
@@ -191,7 +203,10 @@ def live_blocks(mask: AttentionMask, T: int, S: int) -> jax.Array:
 
 
 def _window_live(m: _BlockedMask, window: jax.Array) -> jax.Array:
-    """[nq, nk] boolean: blocks some query reaches within `window` (True everywhere when window is 0)."""
+    """[nq, nk] boolean: blocks some query reaches within `window` (True everywhere when window is 0, and for chunks
+    by position, which slots do not bound)."""
+    if m.q_position is not None:
+        window = jnp.where(window < 0, 0, window)
     first_q = jnp.min(jnp.where(m.q_slot >= 0, m.q_slot, NO_SLOT), axis=-1)
     last_k = jnp.max(jnp.where(m.k_slot < NO_SLOT, m.k_slot, -NO_SLOT), axis=-1)
     return (window == 0) | (first_q[:, None] - last_k[None, :] < jnp.abs(window))  # a chunk reaches -window back
@@ -251,14 +266,15 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
     loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
 
     def query_block(_, args):
-        q_blk, q_slot, q_segment, q_span, live_C = args
+        q_blk, q_slot, q_segment, q_span, q_position, live_C = args
 
         def key_block(carry, key_args):
-            k_blk, v_blk, k_slot, k_valid, k_segment, k_span, live = key_args
+            k_blk, v_blk, k_slot, k_valid, k_segment, k_span, k_position, live = key_args
 
             def update(carry):
                 max_, norm, acc = carry
-                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window, q_span, k_span)
+                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window, q_span, k_span,
+                                   q_position, k_position)
                 s, _ = _scores(q_blk, k_blk, allowed, scale, softcap)
                 new_max = jnp.maximum(max_, jnp.max(s, axis=-1))
                 p = jnp.exp(s - new_max[..., None])
@@ -277,11 +293,12 @@ def attend_blocks(q, k, v, mask: AttentionMask, window, live_QxC, scale: float, 
             max_norm = (sink_BxKxGxQ, jnp.ones((B, K, G, bq), f32))
         init = (*max_norm, jnp.zeros((B, K, G, bq, hd), f32))
         (max_, norm, acc), _ = _scan_blocks(key_block, init, (blocks.k, blocks.v, m.k_slot, m.k_valid,
-                                                              m.k_segment, m.k_span, live_C))
+                                                              m.k_segment, m.k_span, m.k_position, live_C))
         norm = jnp.where(norm == 0, 1.0, norm)  # a query no live block reached (and no sink): output 0
         return None, (acc / norm[..., None], max_ + jnp.log(norm))
 
-    _, (out, lse) = _scan_blocks(query_block, None, (blocks.q, m.q_slot, m.q_segment, m.q_span, live_QxC))
+    _, (out, lse) = _scan_blocks(query_block, None, (blocks.q, m.q_slot, m.q_segment, m.q_span, m.q_position,
+                                                     live_QxC))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, -1)[:, :, :, :T]
     return out, lse
@@ -344,14 +361,15 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
     loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
 
     def key_block(dq, key_args):
-        k_blk, v_blk, k_slot, k_valid, k_segment, k_span, live_Q = key_args
+        k_blk, v_blk, k_slot, k_valid, k_segment, k_span, k_position, live_Q = key_args
 
         def query_block(carry, query_args):
-            q_blk, g_blk, lse_blk, delta_blk, q_slot, q_segment, q_span, live = query_args
+            q_blk, g_blk, lse_blk, delta_blk, q_slot, q_segment, q_span, q_position, live = query_args
 
             def update(carry):
                 dk, dv = carry
-                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window, q_span, k_span)
+                allowed = _allowed(q_slot, q_segment, k_slot, k_valid, k_segment, window, q_span, k_span,
+                                   q_position, k_position)
                 s, tanh = _scores(q_blk, k_blk, allowed, scale, softcap)
                 p = jnp.exp(s - lse_blk[..., None])
                 dv = dv + _contract_rows(g_blk.astype(f32), p)
@@ -367,12 +385,12 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
 
         zeros = jnp.zeros(k_blk.shape, f32)
         (dk, dv), dq_blocks = _scan_blocks(query_block, (zeros, zeros), (
-            blocks.q, g_blocks, lse_blocks, delta, m.q_slot, m.q_segment, m.q_span, live_Q))
+            blocks.q, g_blocks, lse_blocks, delta, m.q_slot, m.q_segment, m.q_span, m.q_position, live_Q))
         return dq + dq_blocks, (dk, dv)
 
     dq = jnp.zeros(blocks.q.shape, f32)
     dq, (dk, dv) = _scan_blocks(key_block, dq, (blocks.k, blocks.v, m.k_slot, m.k_valid,
-                                                 m.k_segment, m.k_span, live_QxC.T))
+                                                 m.k_segment, m.k_span, m.k_position, live_QxC.T))
     dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, -1, hd)[:, :, :, :T]
     dk, dv = (jnp.moveaxis(d, 0, 2).reshape(B, K, -1, hd)[:, :, :S] for d in (dk, dv))
     return dq, dk, dv

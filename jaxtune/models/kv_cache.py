@@ -168,6 +168,16 @@ def step_attention(q_BxKxGxh: jax.Array, k_new_BxKxh: jax.Array, v_new_BxKxh: ja
     return (out / denominator_BxKxGx1).astype(q_BxKxGxh.dtype)
 
 
+def key_positions(cache: KVCache, P: int, positions_BxT: jax.Array) -> jax.Array:
+    """[B, S] int32: the RoPE position of each slot once T new tokens at positions_BxT are written at slot `length`:
+    the prefix's slots 0..P-1 their own, a later written slot its slot less the row's offset (a row's slots and
+    positions advance together after its left padding: offset = length - next_position), the new tokens theirs."""
+    slot_S = jnp.arange(cache.size, dtype=jnp.int32)
+    offset_B = cache.length - cache.next_position_B
+    written_BxS = jnp.where(slot_S < P, slot_S, slot_S - offset_B[:, None])
+    return jax.lax.dynamic_update_slice(written_BxS, positions_BxT.astype(jnp.int32), (0, cache.length))
+
+
 def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, cache: KVCache,
            cfg: ModelConfig, method: MethodConfig | None, options: ForwardOptions, adapter_B: jax.Array | None = None,
            segment_ids_BxT: jax.Array | None = None, placed_embeddings: PlacedEmbeddings | None = None,
@@ -195,9 +205,14 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
         span_BxT = span_ids_BxT.astype(jnp.int32)
         k_span_BxS = jax.lax.dynamic_update_slice(jnp.full(valid_BxS.shape, -1, jnp.int32), span_BxT, (0, start))
         mask = mask._replace(q_span_BxT=span_BxT, k_span_BxS=k_span_BxS)
+    if any(w < 0 for w in cfg.sliding_windows):  # Llama 4's chunks: by position, as transformers cuts them
+        mask = mask._replace(q_position_BxT=positions_BxT,
+                             k_position_BxS=key_positions(cache, prefix_length(params), positions_BxT))
     live_QxC = live_blocks(mask, T, cache.size) if T > 1 else None
-    rope = rope_tables(positions_BxT, cfg, dtype, mask.q_slot_T)
-    global_rope = rope_tables(positions_BxT, cfg.global_view, dtype, mask.q_slot_T) if cfg.global_head_dim else None
+    # Llama 4's temperature by position, as transformers computes it for a prompt alone (not by padded slot)
+    temperature_at = positions_BxT if cfg.temperature_floor else mask.q_slot_T
+    rope = rope_tables(positions_BxT, cfg, dtype, temperature_at)
+    global_rope = rope_tables(positions_BxT, cfg.global_view, dtype, temperature_at) if cfg.global_head_dim else None
     slot_S = jnp.arange(cache.size)
 
     def block(x_BxTxD, layer_window_kv, full=False, source_new=None):
@@ -233,8 +248,10 @@ def extend(params: dict, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_B
             k_new, v_new = k_new.astype(dtype), v_new.astype(dtype)
             if T == 1:  # a decode step: the old slots as they are, the new key beside them (no copy of the cache)
                 chunk = jnp.maximum(-window, 1)  # window < 0: Llama 4's chunks
+                same_chunk_BxS = (positions_BxT[:, :1] // chunk == mask.k_position_BxS // chunk
+                                  if mask.k_position_BxS is not None else (start // chunk == slot_S // chunk)[None])
                 seen_BxS = cache.valid_BxS & ((window == 0) | ((window > 0) & (start - slot_S < window))
-                                              | ((window < 0) & (start // chunk == slot_S // chunk)))
+                                              | ((window < 0) & same_chunk_BxS))
                 out_BxKxGxh = step_attention(q_BxTxKxGxh[:, 0], k_new[:, 0], v_new[:, 0], k_BxKxSxh, v_BxKxSxh,
                                              seen_BxS, cfg, layer_sinks(layer, cfg))
                 return (output_projection(out_BxKxGxh.reshape(B, 1, -1), gate_BxTxQ, layer, adapters),

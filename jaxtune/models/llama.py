@@ -121,7 +121,8 @@ def project_qkv(x_BxTxD, layer, rope: LayerRope, cfg: ModelConfig, adapters: Ada
         else:
             q_BxTxHxh, k_BxTxKxh = (jnp.where(rope.rotates, n, a) for n, a in zip(normed, (q_BxTxHxh, k_BxTxKxh)))
     if rope.q_scale_T is not None:  # Llama 4's temperature, in float32 and rounded once
-        q_BxTxHxh = (q_BxTxHxh * rope.q_scale_T[None, :, None, None]).astype(q_BxTxHxh.dtype)
+        q_scale_BxT = rope.q_scale_T if rope.q_scale_T.ndim == 2 else rope.q_scale_T[None]  # a cache's: per row
+        q_BxTxHxh = (q_BxTxHxh * q_scale_BxT[:, :, None, None]).astype(q_BxTxHxh.dtype)
     v_BxTxKxh = v_BxTxV.reshape(B, T, K, hd)
     if cfg.value_norm:
         v_BxTxKxh = unscaled_rms_norm(v_BxTxKxh, cfg.rms_norm_eps)

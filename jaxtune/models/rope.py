@@ -153,7 +153,8 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array,
 
 class LayerRope(NamedTuple):
     """One layer's pick of `rope_tables`: cos and sin [B, T, R]; rotates, a bool scalar (False on NoPE layers) or
-    None where every layer rotates; q_scale_T, Llama 4's NoPE-layer query temperature (1 on other layers) or None."""
+    None where every layer rotates; q_scale_T, Llama 4's NoPE-layer query temperature (1 on other layers) [T], or a
+    cache's [B, T] (by position), or None."""
 
     cos: jax.Array
     sin: jax.Array
@@ -167,7 +168,7 @@ def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype, slots_T: jax.
     of `cfg.rope_table_of_layer`: the full layers', then the sliding layers' own when they have their own base
     (`local_rope_theta`: Gemma 3, OLMo 3; unscaled), then the identity (cos 1, sin 0) when some layers are NoPE
     (`nope_layers`); and with `temperature_floor`, each table's query scale [R, T] by the tokens' cache slots
-    `slots_T` (else None)."""
+    `slots_T` (else None), or [R, B, T] by a cache's per-row positions [B, T] in their place."""
     tables = [position_angles(positions_BxT, cfg, dtype)]
     if cfg.local_rope_theta is not None:
         local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
@@ -180,7 +181,7 @@ def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype, slots_T: jax.
     assert slots_T is not None, "a model with attention temperature needs the tokens' slots"
     floor = jnp.floor((slots_T.astype(jnp.float32) + 1.0) / cfg.temperature_floor)
     temperature_T = jnp.log1p(floor) * cfg.temperature_scale + 1.0  # float32, as transformers computes it
-    scales = jnp.ones((len(tables), slots_T.shape[0]), jnp.float32)
+    scales = jnp.ones((len(tables), *slots_T.shape), jnp.float32)
     return cos, sin, scales.at[-1].set(temperature_T)  # the NoPE layers' table is the last
 
 
