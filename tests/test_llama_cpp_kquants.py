@@ -20,7 +20,7 @@ from jaxtune.data.tokenizer import load_tokenizer
 from jaxtune.io.gguf_kquants import quantize_rows
 from jaxtune.methods.gguf_mixture import MIXTURES
 
-pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.reference]
+pytestmark = [pytest.mark.slow, pytest.mark.reference]
 HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the "
             "great lens, and wrote the weather in a leather book: wind from the north-west, a swell rising, two "
             "fishing boats returning late. In winter the storms came in from the sea and the spray reached the "
@@ -28,6 +28,7 @@ HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening at du
             "fifteen seconds, and knew where they were.")
 
 
+@pytest.mark.full
 def test_quantisers_write_ggmls_bytes():
     """Every block type jaxtune writes, on 4096 rows of weights at several scales (and the stored sample rows):
     jaxtune's bytes are ggml's (the k-quants its own, the 32-blocks the gguf package's); the everyday tier's copy
@@ -79,6 +80,7 @@ def exports(f32_export):
     return get
 
 
+@pytest.mark.full
 def test_exports_equal_llama_quantize_byte_for_byte(exports):
     """For every kind, every tensor of jaxtune's export has the type and the bytes of llama.cpp's quantisation of
     the same model (SmolLM2: the k-quants on ffn_down, the fallbacks elsewhere); the file type is llama.cpp's;
@@ -106,6 +108,7 @@ def perplexity(path, ids: list[int]) -> float:
     return float(np.exp(-np.mean(log_p[np.arange(len(ids) - 1), ids[1:]])))
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("kind", ["q4_k_m", "q5_k_m", "q6_k", "q4_0"])
 def test_llama_cpp_runs_the_exports_at_its_own_perplexity(kind, exports, f32_export):
     """llama.cpp loads jaxtune's export, continues a prompt, and scores held-out text with the perplexity of its own
