@@ -276,7 +276,7 @@ def test_generate_chat_renders_the_files_template(gguf_file, capsys):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", pytest.param("q4_k_m", marks=pytest.mark.full)])
 def test_gguf_export_loads_in_transformers_as_written(kind, gguf_file, tmp_path):
     """`jaxtune export --gguf`: the model read back by transformers (its own GGUF reader and dequantisers) gives
     jaxtune's logits of the model as written; f32 gives the source model's own logits; Llama's q/k rows are

@@ -49,6 +49,7 @@ def test_image_processor_equals_transformers(tmp_path):
         read_processing(tmp_path)
 
 
+@pytest.mark.full  # the spans' kernel mechanism stays everyday in test_vision_gemma3.py
 def test_image_spans_on_sliding_layers_only(monkeypatch):
     """Gemma 4's mask (`span_ids(sliding_only=True)`), two rows of 48 tokens in blocks of 16, images across the
     blocks' borders: on a full layer (window 0) the blockwise kernel is causal, on a sliding one (window 7) an image's

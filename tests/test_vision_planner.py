@@ -31,6 +31,7 @@ def qwen_plan(directory: Path, images: int) -> TrainPlan:
                      images=image_side(directory, images))
 
 
+@pytest.mark.full  # a cold compile of the tiny VLM's step; the plan's image side stays everyday (below)
 def test_the_image_side_meets_the_cpu_compile_of_a_tiny_qwen_vl_step(tmp_path):
     """A tiny Qwen2.5-VL whose tower's forward is the step's peak (2 rows x 4 images of 192 patches beside 64 text
     tokens): the planner's arguments (the tower's weights and the pixel arrays among them) equal XLA's, and its peak
