@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxtune.errors import JaxtuneError
 from jaxtune.models.attention import live_blocks
+from jaxtune.models.vision.qwen_vl_config import QwenTowerShape
 from jaxtune.models.vision.qwen_vl_vision import (
     frame_layout,
     linear_spec,
@@ -40,7 +41,7 @@ QWEN3_VL_NAMES: dict[tuple[str, ...], str] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(QwenTowerShape):
     """Qwen3-VL's vision transformer (`vision_config`; Qwen3.5's, without DeepStack). num_position_embeddings: a
     square grid of learned positions; deepstack_visual_indexes: the blocks whose outputs feed the text's first
     layers, in that order (none: Qwen3.5's)."""
@@ -63,28 +64,13 @@ class Qwen3VisionConfig:
     def __post_init__(self):
         if self.hidden_act not in VISION_ACTIVATIONS:
             raise JaxtuneError(f"vision hidden_act {self.hidden_act!r}: jaxtune knows {VISION_ACTIVATIONS}")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise JaxtuneError(f"vision hidden_size {self.hidden_size} over {self.num_heads} heads: the head size "
-                               "must be a multiple of 4 (its rotary halves split between rows and columns)")
+        self.check_heads()
         if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
             raise JaxtuneError(f"vision num_position_embeddings {self.num_position_embeddings}: not a square grid")
         if not all(0 <= i < self.depth for i in self.deepstack_visual_indexes):
             raise JaxtuneError(f"vision deepstack_visual_indexes {list(self.deepstack_visual_indexes)}: blocks of "
                                f"the {self.depth}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch of `pixel_values`: C * temporal_patch_size * patch_size²."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output token: spatial_merge_size²."""
-        return self.spatial_merge_size ** 2
 
     @property
     def grid_side(self) -> int:

@@ -18,8 +18,39 @@ VISION_ACTIVATIONS = ("silu",)  # the blocks' gated MLP (the merger's is GELU, e
 HF_VISION_NAMES = {"fullatt_block_indexes": "fullatt_blocks", "in_chans": "in_channels"}  # config.json's -> ours
 
 
+class QwenTowerShape:
+    """What the Qwen-VL towers' configs (Qwen2.5-VL's, Qwen3-VL's) derive alike from their fields."""
+
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+
+    def check_heads(self) -> None:
+        """A one-line error unless the head size divides into the 2D rotary's four quarters."""
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise JaxtuneError(f"vision hidden_size {self.hidden_size} over {self.num_heads} heads: the head size "
+                               "must be a multiple of 4 (its rotary halves split between rows and columns)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch of `pixel_values`: C * temporal_patch_size * patch_size²."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one output token: spatial_merge_size²."""
+        return self.spatial_merge_size ** 2
+
+
 @dataclass(frozen=True, kw_only=True)
-class QwenVisionConfig:
+class QwenVisionConfig(QwenTowerShape):
     """Qwen2.5-VL's vision transformer. window_size counts pixels: a window is window_size // merge // patch merged
     tokens on a side. fullatt_blocks: the blocks that attend over the whole image instead of within windows."""
 
@@ -41,26 +72,11 @@ class QwenVisionConfig:
     def __post_init__(self):
         if self.hidden_act not in VISION_ACTIVATIONS:
             raise JaxtuneError(f"vision hidden_act {self.hidden_act!r}: jaxtune knows {VISION_ACTIVATIONS}")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise JaxtuneError(f"vision hidden_size {self.hidden_size} over {self.num_heads} heads: the head size "
-                               "must be a multiple of 4 (its rotary halves split between rows and columns)")
+        self.check_heads()
         if self.window_size % (self.spatial_merge_size * self.patch_size):
             raise JaxtuneError(f"vision window_size {self.window_size} is not a multiple of spatial_merge_size * "
                                f"patch_size = {self.spatial_merge_size * self.patch_size}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch of `pixel_values`: C * temporal_patch_size * patch_size²."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output token: spatial_merge_size²."""
-        return self.spatial_merge_size ** 2
 
     @property
     def window_tokens(self) -> int:
