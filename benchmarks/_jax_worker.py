@@ -22,13 +22,11 @@ def model_and_batch(name: str) -> tuple:
 
     from jaxtune.config import ForwardOptions, ModelConfig, TrainConfig
     from jaxtune.config.plan import TrainPlan
-    from jaxtune.methods import method_config
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
 
-    kind, targets = M.METHODS[name]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
-    method = method_config(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets)
+    method = M.method(name)
     key = jax.random.key(0)
     params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
     trainable, frozen = partition(params, trainable_mask(params, method))

@@ -31,6 +31,18 @@ METHODS = {
     "qlora": ("qlora", ("q_proj", "v_proj")),
     "lora_qv_bf16": ("lora", ("q_proj", "v_proj")),
 }
+
+
+def method(name: str):
+    """The method options of configuration `name` (rank and alpha for the LoRA kinds; a full fine-tune has none)."""
+    from jaxtune.methods import method_config
+
+    kind, targets = METHODS[name]
+    if kind == "full":
+        return method_config(kind)
+    return method_config(kind, rank=RANK, alpha=ALPHA, target_modules=targets)
+
+
 # Mixed precision (float32 weights and optimizer, bfloat16 matmuls): jaxtune's compute_dtype, torch's autocast.
 COMPUTE_DTYPE = {"lora_qv_bf16": "bfloat16"}
 

@@ -97,12 +97,10 @@ def jax_compiled_mib(seq: int) -> float:
     configure(seq)
     from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
     from jaxtune.config.plan import TrainPlan
-    from jaxtune.methods import method_config
     from jaxtune.planner import compile_step
 
-    kind, targets = M.METHODS["lora_qv"]
     cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
-    plan = TrainPlan(method_config(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1,
+    plan = TrainPlan(M.method("lora_qv"), 1, seq, 1,
                      param_dtype="float32", forward=ForwardOptions(compute_dtype="float32", remat="full"),
                      mesh=MeshConfig(1, 1, 1))
     return compile_step(cfg, plan).total_bytes / 2**20
@@ -158,16 +156,14 @@ def context_rows() -> list[dict]:
     """Per-device compiled MiB of the LoRA step for each T, N and strategy (run under 8 fake devices)."""
     from jaxtune.config import ForwardOptions, MeshConfig, ModelConfig
     from jaxtune.config.plan import TrainPlan
-    from jaxtune.methods import method_config
     from jaxtune.planner import compile_step
 
-    kind, targets = M.METHODS["lora_qv"]
     rows = []
     for seq in CONTEXT_LENGTHS:
         cfg = ModelConfig(**M.SHAPE, max_position_embeddings=seq)
         for ways in CONTEXT_WAYS:
             for strategy in ("ring", "all_gather") if ways > 1 else ("ring",):
-                plan = TrainPlan(method_config(kind, rank=M.RANK, alpha=M.ALPHA, target_modules=targets), 1, seq, 1,
+                plan = TrainPlan(M.method("lora_qv"), 1, seq, 1,
                                  param_dtype="float32",
                                  forward=ForwardOptions(compute_dtype="float32", remat="full",
                                                         context_attention=strategy),

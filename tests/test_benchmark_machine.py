@@ -49,3 +49,15 @@ def test_one_table_per_machine_kind():
                for name, section in (("intel", intel), ("amd", amd))}
     assert jax_row["intel"].endswith("| 0.80 |") and "0.80x (target >= 1.2x)" in intel
     assert jax_row["amd"].endswith("| 1.00 |") and "1.00x (target >= 1.2x)" in amd
+
+
+def test_every_configuration_builds_its_method():
+    """Each configuration's method options are ones its kind reads (a full fine-tune takes no rank)."""
+    import sys
+
+    sys.path.insert(0, str(BENCHMARK.parent))
+    import _measure
+
+    for name, (kind, targets) in _measure.METHODS.items():
+        method = _measure.method(name)
+        assert method.kind == kind and set(targets) <= set(getattr(method, "target_modules", ()))
