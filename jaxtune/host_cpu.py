@@ -1,11 +1,11 @@
-"""This host's CPU: whether XLA:CPU multiplies bfloat16 natively here, and one warning when bfloat16 compute is slow.
+"""This host's CPU: whether XLA:CPU's bfloat16 dot kernel beats its float32 GEMM here, and one warning where not.
 
-With bfloat16 dot-product instructions (x86 AVX512_BF16 or AMX-BF16, Arm BF16) XLA:CPU multiplies bfloat16 faster
-than float32; without them every bfloat16 operand is widened to float32 and the result rounded back, slower than
-float32 (benchmarks/train_throughput.py, `--only lora_qv_bf16`). `native_bf16` reads /proc/cpuinfo (Linux; elsewhere
-the CPU counts as not native) less what `XLA_FLAGS=--xla_cpu_max_isa=...` forbids; it takes both texts as arguments
-so tests can fix them. The planner's `cpu` target (`planner/devices.cpu_device`) and `warn_if_slow_bf16` (the
-trainer's one warning a process) both ask it.
+With AMX-BF16 (or Arm BF16) XLA:CPU's bfloat16 dots run about twice the float32 rate. Elsewhere, AVX512_BF16
+included, its bfloat16 kernel is slower than its float32 GEMM, so a bfloat16 layer's products run as float32 GEMMs
+of widened operands (`models.linear.product_dtype`): bfloat16 compute saves activation memory, not time (issue 54).
+`fast_bf16_dots` reads /proc/cpuinfo (Linux; elsewhere the answer is no) less what `XLA_FLAGS=--xla_cpu_max_isa=...`
+forbids; it takes both texts as arguments so tests can fix them. The products, the planner's `cpu` target
+(`planner/devices.cpu_device`) and `warn_if_slow_bf16` (the trainer's one warning a process) ask it.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from jaxtune.errors import JaxtuneWarning
 CPUINFO = Path("/proc/cpuinfo")
 # --xla_cpu_max_isa values that turn the instructions off: XLA:CPU disables every feature newer than the cap
 # (xla/backends/cpu/codegen/cpu_features.cc, ShouldEnableX86CpuFeature); the Arm caps (NEON, SVE, SVE2) keep BF16
-CAPS_WITHOUT_AVX512_BF16 = frozenset({"SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_VNNI"})
-CAPS_WITHOUT_AMX = CAPS_WITHOUT_AVX512_BF16 | {"AVX512_BF16"}
-SLOW_BF16 = ("bfloat16 compute on a CPU without native bfloat16 dot products (no AVX512_BF16/AMX) runs at about half "
-             'the float32 speed; compute_dtype = "float32" is faster here')
+CAPS_WITHOUT_AMX = frozenset({"SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16"})
+SLOW_BF16 = ("bfloat16 compute on a CPU without AMX runs its products as float32 GEMMs (XLA:CPU's bfloat16 kernel is "
+             "slower here): it saves activation memory, not time")
 
 
 class SlowBfloat16Warning(JaxtuneWarning):
@@ -45,23 +44,30 @@ def max_isa(xla_flags: str) -> str | None:
     return values[-1].upper() if values else None
 
 
-def native_bf16(cpuinfo: str | None = None, xla_flags: str | None = None) -> bool:
-    """Whether XLA:CPU can multiply bfloat16 natively: AVX512_BF16 or AMX-BF16 that --xla_cpu_max_isa leaves on, or
-    Arm BF16. cpuinfo, xla_flags: default this host's /proc/cpuinfo and $XLA_FLAGS, read now."""
+def fast_bf16_dots(cpuinfo: str | None = None, xla_flags: str | None = None) -> bool:
+    """Whether XLA:CPU's bfloat16 dots beat its float32 GEMM here: AMX-BF16 that --xla_cpu_max_isa leaves on, or Arm
+    BF16 (unmeasured; its dot instructions). Not AVX512_BF16 alone: on a Xeon with it and no AMX the bfloat16 kernel
+    ran 150-160 GFLOP/s, the float32 GEMM 240-270 (benchmarks/README.md, issue 54). cpuinfo, xla_flags: default this
+    host's /proc/cpuinfo and $XLA_FLAGS, read once a process."""
+    if cpuinfo is None and xla_flags is None:
+        return _host_fast_bf16_dots()
     if cpuinfo is None:
         cpuinfo = CPUINFO.read_text() if CPUINFO.exists() else ""
     if xla_flags is None:
         xla_flags = os.environ.get("XLA_FLAGS", "")
-    flags, cap = cpu_flags(cpuinfo), max_isa(xla_flags)
-    return (("avx512_bf16" in flags and cap not in CAPS_WITHOUT_AVX512_BF16)
-            or ("amx_bf16" in flags and cap not in CAPS_WITHOUT_AMX)
-            or "bf16" in flags)
+    flags = cpu_flags(cpuinfo)
+    return ("amx_bf16" in flags and max_isa(xla_flags) not in CAPS_WITHOUT_AMX) or "bf16" in flags
+
+
+@functools.cache  # asked at every product a trace makes
+def _host_fast_bf16_dots() -> bool:
+    return fast_bf16_dots(CPUINFO.read_text() if CPUINFO.exists() else "", os.environ.get("XLA_FLAGS", ""))
 
 
 def warn_if_slow_bf16(compute_dtype: str, backend: str | None = None) -> None:
     """A `SlowBfloat16Warning`, once a process, when `compute_dtype` is bfloat16 on a CPU backend (default
-    `jax.default_backend()`) without native bfloat16."""
-    if compute_dtype == "bfloat16" and (backend or jax.default_backend()) == "cpu" and not native_bf16():
+    `jax.default_backend()`) without fast bfloat16 dots."""
+    if compute_dtype == "bfloat16" and (backend or jax.default_backend()) == "cpu" and not fast_bf16_dots():
         _warn_slow_bf16()
 
 

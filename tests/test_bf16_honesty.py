@@ -1,10 +1,15 @@
-"""bfloat16 honesty (issue 13): detecting native bfloat16 dot products, the one warning, the planner's CPU rate."""
+"""bfloat16 honesty (issues 13 and 54): detecting fast bfloat16 dots (AMX), the products' output dtype by CPU kind,
+the one warning, the planner's CPU rate."""
 
 import os
+import re
 import subprocess
 import sys
 import warnings
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from shapes import SMALL
 from test_train import DEMO_DATA, write_config
@@ -12,8 +17,9 @@ from test_train import DEMO_DATA, write_config
 from jaxtune import host_cpu
 from jaxtune.config import ForwardOptions, MeshConfig
 from jaxtune.config.plan import TrainPlan
-from jaxtune.host_cpu import SLOW_BF16, SlowBfloat16Warning, native_bf16, warn_if_slow_bf16
+from jaxtune.host_cpu import SLOW_BF16, SlowBfloat16Warning, fast_bf16_dots, warn_if_slow_bf16
 from jaxtune.methods import method_config
+from jaxtune.models import linear
 from jaxtune.planner import estimate, get_device, step_time
 from jaxtune.planner.devices import cpu_device
 from jaxtune.presets import write_random_model
@@ -51,28 +57,55 @@ CPU part\t: 0xd40
 
 # --- detection ----------------------------------------------------------------------------------------------------
 
-def test_zen3_with_avx2_only_is_not_native():
-    assert not native_bf16(ZEN3, "")
+def test_zen3_with_avx2_only_has_no_fast_bf16_dots():
+    assert not fast_bf16_dots(ZEN3, "")
 
 
-def test_sapphire_rapids_and_neoverse_v1_are_native():
-    assert native_bf16(SAPPHIRE_RAPIDS, "") and native_bf16(NEOVERSE_V1, "")
+def test_sapphire_rapids_amx_and_neoverse_v1_have_fast_bf16_dots():
+    assert fast_bf16_dots(SAPPHIRE_RAPIDS, "") and fast_bf16_dots(NEOVERSE_V1, "")
 
 
-@pytest.mark.parametrize("cap", ["AVX2", "avx2", "AVX", "SSE4_2", "AVX512", "AVX512_VNNI"])
-def test_xla_isa_cap_below_avx512_bf16_turns_native_off(cap):
-    assert not native_bf16(SAPPHIRE_RAPIDS, f"--xla_force_host_platform_device_count=8 --xla_cpu_max_isa={cap}")
+def test_avx512_bf16_without_amx_is_not_fast():
+    """AVX512_BF16 alone (a Xeon without AMX, Zen 4): XLA:CPU's bfloat16 kernel is slower than its float32 GEMM."""
+    no_amx = SAPPHIRE_RAPIDS.replace(" amx_bf16", "").replace(" amx_tile", "").replace(" amx_int8", "")
+    assert "avx512_bf16" in no_amx and not fast_bf16_dots(no_amx, "")
 
 
-def test_xla_isa_caps_that_keep_a_bf16_instruction():
-    assert native_bf16(SAPPHIRE_RAPIDS, "--xla_cpu_max_isa=AVX512_BF16")  # AMX off, AVX512_BF16 kept
-    assert native_bf16(SAPPHIRE_RAPIDS, "--xla_cpu_max_isa=AMX")
-    assert native_bf16(NEOVERSE_V1, "--xla_cpu_max_isa=NEON")  # the Arm caps only turn off SVE/SVE2
-    assert not native_bf16(SAPPHIRE_RAPIDS, "--xla_cpu_max_isa=AMX --xla_cpu_max_isa=AVX2")  # the last one counts
+@pytest.mark.parametrize("cap", ["AVX2", "avx2", "AVX", "SSE4_2", "AVX512", "AVX512_VNNI", "AVX512_BF16"])
+def test_xla_isa_cap_below_amx_turns_fast_bf16_dots_off(cap):
+    assert not fast_bf16_dots(SAPPHIRE_RAPIDS, f"--xla_force_host_platform_device_count=8 --xla_cpu_max_isa={cap}")
 
 
-def test_no_cpuinfo_counts_as_not_native():
-    assert not native_bf16("", "")
+def test_xla_isa_caps_that_keep_a_fast_bf16_instruction():
+    assert fast_bf16_dots(SAPPHIRE_RAPIDS, "--xla_cpu_max_isa=AMX")
+    assert fast_bf16_dots(NEOVERSE_V1, "--xla_cpu_max_isa=NEON")  # the Arm caps only turn off SVE/SVE2
+    assert not fast_bf16_dots(SAPPHIRE_RAPIDS, "--xla_cpu_max_isa=AMX --xla_cpu_max_isa=AVX2")  # the last one counts
+
+
+def test_no_cpuinfo_counts_as_not_fast():
+    assert not fast_bf16_dots("", "")
+
+
+# --- the products' output dtype -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_products_round_in_the_dot_without_fast_bf16_dots(amx, monkeypatch):
+    """Without AMX a bfloat16 layer's dots (y = x w and g w^T) return bfloat16 (XLA:CPU runs them as float32 GEMMs of
+    widened operands, rounded once: within one bfloat16 rounding of float64); with AMX, and for the float32 weight
+    gradient and a wide output (the head's logits), they return float32 (its bfloat16 kernel's)."""
+    monkeypatch.setattr(linear, "fast_bf16_dots", lambda: amx)
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(key_x, (64, 96), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(key_w, (96, 48), jnp.float32) / 10  # a float32 master weight, cast in the product
+    loss = lambda x, w, out: jnp.sum(linear.matmul(x, w, out).astype(jnp.float32) ** 2)
+    dots = lambda out: re.findall(r"dot_general .*-> tensor<(\w+)>", jax.jit(jax.grad(
+        lambda x, w: loss(x, w, out), argnums=(0, 1))).lower(x, w).as_text())
+    rounded = "bf16" if not amx else "f32"
+    assert sorted(dots(None)) == sorted([f"64x48x{rounded}", f"64x96x{rounded}", "96x48xf32"])  # y, dx, dw
+    assert sorted(dots(jnp.float32)) == ["64x48xf32", "64x96xf32", "96x48xf32"]
+    y = np.asarray(jax.jit(lambda x, w: linear.matmul(x, w))(x, w), np.float64)
+    exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.bfloat16), np.float64)
+    np.testing.assert_allclose(y, exact, rtol=2.0**-8, atol=1e-6)
 
 
 # --- the warning --------------------------------------------------------------------------------------------------
@@ -83,7 +116,7 @@ def slow_warnings(monkeypatch):
     process's once-only memory cleared before and after."""
 
     def emitted(native: bool, compute_dtype: str, calls: int = 2, backend: str = "cpu") -> list:
-        monkeypatch.setattr(host_cpu, "native_bf16", lambda: native)
+        monkeypatch.setattr(host_cpu, "fast_bf16_dots", lambda: native)
         host_cpu._warn_slow_bf16.cache_clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # so only the function's own once-guard can hold back a repeat
@@ -95,12 +128,12 @@ def slow_warnings(monkeypatch):
     host_cpu._warn_slow_bf16.cache_clear()
 
 
-def test_warning_is_emitted_once_across_calls_without_native_bf16(slow_warnings):
+def test_warning_is_emitted_once_across_calls_without_fast_bf16_dots(slow_warnings):
     caught = slow_warnings(native=False, compute_dtype="bfloat16")
     assert len(caught) == 1 and str(caught[0].message) == SLOW_BF16
 
 
-def test_no_warning_with_native_bf16_float32_compute_or_another_backend(slow_warnings):
+def test_no_warning_with_fast_bf16_dots_float32_compute_or_another_backend(slow_warnings):
     assert slow_warnings(native=True, compute_dtype="bfloat16") == []
     assert slow_warnings(native=False, compute_dtype="float32") == []
     assert slow_warnings(native=False, compute_dtype="bfloat16", backend="gpu") == []
@@ -109,7 +142,7 @@ def test_no_warning_with_native_bf16_float32_compute_or_another_backend(slow_war
 @pytest.mark.slow
 @pytest.mark.full
 def test_jaxtune_train_prints_the_warning_as_one_line(tmp_path):
-    """`jaxtune train` with bfloat16 compute and XLA capped to AVX2 (so on any x86 host no native bfloat16)."""
+    """`jaxtune train` with bfloat16 compute and XLA capped to AVX2 (so on any x86 host no AMX)."""
     model = write_random_model(tmp_path / "model", "llama", seed=0)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:16]))
@@ -130,19 +163,18 @@ def test_jaxtune_train_prints_the_warning_as_one_line(tmp_path):
 def _compute_s(compute_dtype: str, native: bool) -> float:
     plan = TrainPlan(method_config("full"), 4, 256, 1, param_dtype="float32",
                      forward=ForwardOptions(compute_dtype=compute_dtype, remat="none"), mesh=MeshConfig(1, 1, 1))
-    return step_time(estimate(SMALL, plan, cpu_device(native_bf16=native))).compute_s
+    return step_time(estimate(SMALL, plan, cpu_device(fast_bf16_dots=native))).compute_s
 
 
-def test_planner_cpu_bf16_rate_is_twice_or_half_the_float32_rate():
+def test_planner_cpu_bf16_rate_is_twice_or_the_float32_rate():
     float32 = _compute_s("float32", native=False)
     assert _compute_s("float32", native=True) == float32
     assert _compute_s("bfloat16", native=True) == pytest.approx(float32 / 2)
-    assert _compute_s("bfloat16", native=False) == pytest.approx(2 * float32)
-    assert _compute_s("bfloat16", native=False) == pytest.approx(4 * _compute_s("bfloat16", native=True))
+    assert _compute_s("bfloat16", native=False) == pytest.approx(float32)
 
 
 def test_planner_cpu_target_uses_this_hosts_detection(monkeypatch):
-    for native, ratio in ((True, 2.0), (False, 0.5)):
-        monkeypatch.setattr(host_cpu, "native_bf16", lambda native=native: native)
+    for native, ratio in ((True, 2.0), (False, 1.0)):
+        monkeypatch.setattr(host_cpu, "fast_bf16_dots", lambda native=native: native)
         device = get_device("cpu")
         assert device.peak_bf16 == ratio * device.peak_fp32

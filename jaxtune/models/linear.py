@@ -33,6 +33,7 @@ from jaxtune.models.quant import (
     dequantize_columns,
     full_shape,
 )
+from jaxtune.host_cpu import fast_bf16_dots
 from jaxtune.parallel.rules import (
     ZERO_AXES,
     context_ways,
@@ -80,6 +81,19 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False)
     return checkpoint_name(_matmul(x, w, out_dtype, transposed, accumulate), MATMUL_OUTPUT)
 
 
+def product_dtype(out_dtype, accumulate) -> jnp.dtype:
+    """The dtype a dot returns for a product accumulated in `accumulate` and rounded to `out_dtype`: `accumulate`,
+    but bfloat16 itself on a CPU without fast bfloat16 dots (`host_cpu.fast_bf16_dots`: no AMX). XLA:CPU computes a
+    bfloat16-output dot as a float32 GEMM of the widened operands (the same float32 sums, rounded once), which there
+    runs faster than its bfloat16 kernel (float32 output): the bfloat16 LoRA step 1.3x with AVX512_BF16, 1.25x
+    capped at AVX2. With AMX that kernel is the fast one (benchmarks/README.md, issue 54). A product with a wide output (the head's logits) keeps
+    its input's gradient wide too: XLA:CPU widened the head's weight for a bfloat16 one."""
+    out_dtype, accumulate = jnp.dtype(out_dtype), jnp.dtype(accumulate)
+    if out_dtype != jnp.bfloat16 or accumulate == out_dtype or platform_in_context() != "cpu" or fast_bf16_dots():
+        return accumulate
+    return out_dtype
+
+
 # einsum specs of y = x w, dx = g w^T and dw = x^T g, for w [in, out] and, transposed, w [out, in]
 _SPECS = {False: ("ti,io->to", "to,io->ti", "...i,...o->io"),
           True: ("ti,oi->to", "to,oi->ti", "...o,...i->oi")}
@@ -91,7 +105,8 @@ def _tokens(a: jax.Array) -> jax.Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _matmul(x, w, out_dtype, transposed, accumulate):
-    y = jnp.einsum(_SPECS[transposed][0], _tokens(x), w.astype(x.dtype), preferred_element_type=accumulate)
+    y = jnp.einsum(_SPECS[transposed][0], _tokens(x), w.astype(x.dtype),
+                   preferred_element_type=product_dtype(out_dtype, accumulate))
     return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
 
 
@@ -103,8 +118,10 @@ def _matmul_bwd(out_dtype, transposed, accumulate, residuals, g):
     x, w = residuals
     g = g.astype(x.dtype)
     _, dx_spec, dw_spec = _SPECS[transposed]
-    dx = jnp.einsum(dx_spec, _tokens(g), w.astype(x.dtype), preferred_element_type=accumulate)
-    dw = jnp.einsum(dw_spec, *((g, x) if transposed else (x, g)), preferred_element_type=accumulate)
+    product = product_dtype(out_dtype, accumulate)
+    dx = jnp.einsum(dx_spec, _tokens(g), w.astype(x.dtype), preferred_element_type=product)
+    x_, g_ = (x, g) if product == accumulate else (x.astype(accumulate), g.astype(accumulate))  # as y's and dx's GEMMs
+    dw = jnp.einsum(dw_spec, *((g_, x_) if transposed else (x_, g_)), preferred_element_type=accumulate)
     return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 

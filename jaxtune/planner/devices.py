@@ -6,7 +6,7 @@ the datasheet capacity read in binary units (HBM and GDDR capacities are powers 
 and runtime keep (`usable_fraction`). A target is a catalogue name with an optional device count: `h100-80gb`,
 `h100-80gb-8`, `v5e-8`, `v5p-32`. TPU slice names count chips for v5e and v6e but TensorCores for v4, v5p and v7x (two
 a chip; one JAX device a chip on v4 and v5p, one a TensorCore on v7x), so `v5p-32` is 16 devices and `v7x-64` 64.
-`cpu_device` describes this host (`host_cpu.native_bf16`).
+`cpu_device` describes this host (`host_cpu.fast_bf16_dots`).
 """
 
 from __future__ import annotations
@@ -207,23 +207,22 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cpu_device(native_bf16: bool | None = None) -> Device:
+def cpu_device(fast_bf16_dots: bool | None = None) -> Device:
     """This host as a device: its memory read at run time, nominal rates (the CPU is for checks, not speed).
 
-    native_bf16: whether XLA:CPU multiplies bfloat16 natively (AVX512_BF16/AMX, Arm BF16); default
-    `host_cpu.native_bf16()`, this host's flags less any --xla_cpu_max_isa cap. It sets peak_bf16: twice
-    peak_fp32 with it, half without (bfloat16 widened to float32 and rounded back).
+    fast_bf16_dots: whether XLA:CPU's bfloat16 dots beat its float32 GEMM here (AMX, Arm BF16); default
+    `host_cpu.fast_bf16_dots()`, this host's flags less any --xla_cpu_max_isa cap. It sets peak_bf16: twice
+    peak_fp32 with them, peak_fp32 without (bfloat16 layers' products run as float32 GEMMs there).
     """
-    if native_bf16 is None:
-        native_bf16 = host_cpu.native_bf16()
+    if fast_bf16_dots is None:
+        fast_bf16_dots = host_cpu.fast_bf16_dots()
     cores = os.cpu_count() or 1
     flops = cores * 2.5e9 * 32  # two 8-wide fp32 FMA units a core
-    bf16_source = ("2 x peak_fp32: bfloat16 dot products here (AVX512_BF16/AMX or Arm BF16) that XLA:CPU may use; "
-                   "benchmarks/README.md, 'Mixed precision': about twice the float32 rate" if native_bf16 else
-                   "peak_fp32 / 2: no bfloat16 dot products here (no AVX512_BF16/AMX, or --xla_cpu_max_isa below "
-                   "them), so XLA:CPU widens to float32 and rounds back; issue 13: 343 vs 712 tokens/s on an AVX2-only "
-                   "Zen 3")
-    peak_bf16 = flops * (2 if native_bf16 else 0.5)
+    bf16_source = ("2 x peak_fp32: AMX (or Arm BF16) that XLA:CPU's bfloat16 dots use; benchmarks/README.md, "
+                   "'Mixed precision': about twice the float32 rate" if fast_bf16_dots else
+                   "peak_fp32: no AMX here (or --xla_cpu_max_isa below it), so a bfloat16 layer's products run as "
+                   "float32 GEMMs of widened operands (models.linear.product_dtype; benchmarks/README.md, issue 54)")
+    peak_bf16 = flops * (2 if fast_bf16_dots else 1)
     return Device("cpu", "cpu", host_memory_bytes(), 0.90, 20e9, peak_bf16, flops, 20e9, sources=(
         ("memory", "this host: os.sysconf(SC_PHYS_PAGES) x SC_PAGE_SIZE, read at run time"),
         ("usable_fraction", "0.90: the OS, page cache and other processes (our assumption)"),

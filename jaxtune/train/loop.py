@@ -110,7 +110,7 @@ def fine_tune(config: RunConfig, log=print, progress=None) -> RunResult:
 def start_run(config: RunConfig, log) -> StartedRun:
     """Check the config's required keys, then make the mesh, read the model's config and tokenizer, and prepare the
     objective's data, the spine's run and its weights (read straight into their shardings). bfloat16 compute on a
-    CPU that widens it to float32 gets one warning a process (`host_cpu.warn_if_slow_bf16`); from here on, the host
+    CPU without fast bfloat16 dots gets one warning a process (`host_cpu.warn_if_slow_bf16`); from here on, the host
     memory each compile frees and large freed blocks go back to the system (`host_memory`)."""
     if not config.model.path:
         raise JaxtuneError("[model] path is not set")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtune.config.method import AdapterForward, Branch, DenseHook, ExpertHook
 from jaxtune.config.model import ModelConfig
 from jaxtune.methods.lora.layout import lora_layout
-from jaxtune.models.linear import dropout, wide
+from jaxtune.models.linear import dropout, product_dtype, wide
 from jaxtune.parallel.rules import context_ways, gathered
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def _lora_product_fwd(x, x_lora, kernel, a, b, scale):
     xa_NxR = jnp.einsum("ni,ir->nr", x_lora.reshape(x_NxI.shape), a, preferred_element_type=accumulate)
     xa_NxR = (xa_NxR * scale).astype(x.dtype)
     y_NxO = jnp.einsum("ni,io->no", jnp.concatenate([x_NxI, xa_NxR], axis=-1), jnp.concatenate([kernel, b], axis=0),
-                       preferred_element_type=accumulate)
+                       preferred_element_type=product_dtype(x.dtype, accumulate))
     return y_NxO.reshape(*x.shape[:-1], kernel.shape[-1]).astype(x.dtype), (x, x_lora, kernel, a, b, xa_NxR, scale)
 
 
@@ -102,7 +102,7 @@ def _lora_product_bwd(residuals, g):
     accumulate = _accumulation(x.dtype)
     g_NxO = g.astype(x.dtype).reshape(-1, g.shape[-1])
     x_NxI = x.reshape(-1, x.shape[-1])
-    dx_NxI = jnp.einsum("no,io->ni", g_NxO, kernel, preferred_element_type=accumulate)
+    dx_NxI = jnp.einsum("no,io->ni", g_NxO, kernel, preferred_element_type=product_dtype(x.dtype, accumulate))
     dxa_NxR = (jnp.einsum("no,ro->nr", g_NxO, b, preferred_element_type=accumulate) * scale).astype(x.dtype)
     dx_lora_NxI = jnp.einsum("nr,ir->ni", dxa_NxR, a, preferred_element_type=accumulate)
     da = _a_gradient(x_lora.reshape(x_NxI.shape), dxa_NxR, accumulate)
