@@ -47,9 +47,9 @@ def method(name: str):
 COMPUTE_DTYPE = {"lora_qv_bf16": "bfloat16"}
 
 
-def fixed_tokens(seed: int = 0) -> np.ndarray:
+def fixed_tokens(seed: int = 0, batch: int = BATCH, seq: int = SEQ, vocab: int = SHAPE["vocab_size"]) -> np.ndarray:
     """[B, T+1] int32 random token ids: inputs are [:, :-1] ... for jaxtune's pre-shifted labels, see `jax_batch`."""
-    return np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], (BATCH, SEQ + 1), dtype=np.int32)
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1), dtype=np.int32)
 
 
 def _status_kib(field: str) -> int:
