@@ -100,8 +100,11 @@ def torch_profile(name: str, steps: int, warmup: int = 2) -> dict:
     setup = _torch_worker.build(name, "sdpa")
     install_ranges(setup.model)
     phase = lambda label: torch.profiler.record_function(RANGE + label)  # noqa: E731
+    untraced = []
     for _ in range(warmup):
+        start = time.perf_counter()
         _torch_worker.train_step(setup, phase)
+        untraced.append(time.perf_counter() - start)
     times = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
@@ -111,5 +114,5 @@ def torch_profile(name: str, steps: int, warmup: int = 2) -> dict:
     totals: dict[str, float] = defaultdict(float)
     for op in torch_ops(prof.events()):
         totals[torch_category(op, M.BATCH * M.SEQ)] += op.self_s
-    return result("torch", name, steps, times, totals, adamw=setup.adamw, attn="sdpa",
-                   torch_version=torch.__version__)
+    return result("torch", name, steps, times, totals, untraced_ms=1e3 * untraced[-1], adamw=setup.adamw, attn="sdpa",
+                  torch_version=torch.__version__)

@@ -226,13 +226,20 @@ def thunk_seconds(events: list[dict]) -> dict[str, float]:
     return dict(seconds)
 
 
-def jax_categories(hlo_text: str, events: list[dict]) -> dict[str, float]:
-    """Seconds per category of a traced program (a thunk not in the program: "other")."""
+def jax_categories(hlo_text: str, events: list[dict], top: int = 0) -> tuple[dict[str, float], list[dict]]:
+    """Seconds per category of a traced program (a thunk not in the program: "other"), and its `top` thunks
+    (seconds, category, name, op_name)."""
     instructions = parse_hlo(hlo_text)
     totals: dict[str, float] = defaultdict(float)
+    thunks = []
     for name, s in thunk_seconds(events).items():
-        totals[categorize(instructions[name]) if name in instructions else "other"] += s
-    return dict(totals)
+        instruction = instructions.get(name)
+        category = categorize(instruction) if instruction else "other"
+        totals[category] += s
+        thunks.append({"s": s, "category": category, "name": name,
+                       "op_name": (instruction.dots[0] if instruction.dots else instruction.op_name) if instruction
+                       else ""})
+    return dict(totals), sorted(thunks, key=lambda t: -t["s"])[:top]
 
 
 # ---- the torch side ---------------------------------------------------------------------------------------------
@@ -297,14 +304,16 @@ def jax_profile(name: str, steps: int, warmup: int = 2, setup: tuple | None = No
         jax.block_until_ready(holder["state"])
         return time.perf_counter() - start
 
-    for _ in range(warmup):
-        step()
+    untraced = [step() for _ in range(warmup)]
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             times = [step() for _ in range(steps)]
         trace = next(Path(directory).rglob("perfetto_trace.json.gz"))
         events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    return result("jax", name, steps, times, jax_categories(compiled.as_text(), events), jax_version=jax.__version__)
+    totals, top = jax_categories(compiled.as_text(), events, top=15)
+    top = [{**t, "ms": 1e3 * t.pop("s") / steps} for t in top]  # a step's
+    return result("jax", name, steps, times, totals, untraced_ms=1e3 * untraced[-1], top_thunks=top,
+                  jax_version=jax.__version__)
 
 
 def result(framework: str, name: str, steps: int, times: list[float], totals: dict[str, float], **extra) -> dict:
@@ -352,12 +361,12 @@ def spawn(worker: str, steps: int) -> dict:
             "other_load_cores": max(others, 0.0) / wall}
 
 
-def _cell(r: dict | None, key: str) -> str:
-    if r is None:
-        return "—"
-    ms = r["wall_ms"] - r["categorized_ms"] if key == IDLE else r["wall_ms"] if key == "wall" else \
-        r["categorized_ms"] if key == "sum" else r["categories"][key]
-    return f"{ms:.1f}" if key == "wall" else f"{ms:.1f} ({ms / r['wall_ms']:.0%})"
+def _cell(r: dict, key: str) -> str:
+    if key in ("wall_ms", "untraced_ms"):
+        return f"{r[key]:.1f}" if key in r else "—"
+    ms = r["wall_ms"] - r["categorized_ms"] if key == IDLE else r["categorized_ms"] if key == "sum" else \
+        r["categories"][key]
+    return f"{ms:.1f} ({ms / r['wall_ms']:.0%})"
 
 
 def tables(reports: list[tuple[str, dict]]) -> str:
@@ -377,7 +386,8 @@ def tables(reports: list[tuple[str, dict]]) -> str:
         head = "| category | " + " | ".join(title for title, _ in columns) + " |"
         rows = [head, "|---|" + "---:|" * len(columns)]
         for key, shown in [(c, c) for c in CATEGORIES] + [("sum", "sum of the categories"), (IDLE, IDLE),
-                                                          ("wall", "wall step")]:
+                                                          ("wall_ms", "wall step"),
+                                                          ("untraced_ms", "a step without the profiler")]:
             rows.append(f"| {shown} | " + " | ".join(_cell(r, key) for _, r in columns) + " |")
         sections.append(f"#### {config} (ms a step, share of the wall step)\n\n" + "\n".join(rows))
     return "\n\n".join(sections)
