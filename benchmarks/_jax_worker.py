@@ -13,10 +13,10 @@ import time
 import _measure as M
 
 
-def model_and_batch(name: str, shape: dict = M.SHAPE, batch: int = M.BATCH, seq: int = M.SEQ) -> tuple:
-    """(cfg, plan, train config, trainable, frozen, batch) of configuration `name`: a random model of `shape` (the
-    benchmark's unless given) from `init_params` with the method applied and partitioned, and the fixed batch
-    ([A=1, batch, seq]: loss on every token, one segment per row)."""
+def model_and_batch(name: str, shape: dict | None = None, batch: int | None = None, seq: int | None = None) -> tuple:
+    """(cfg, plan, train config, trainable, frozen, batch) of configuration `name`: a random model of `shape` from
+    `init_params` with the method applied and partitioned, and the fixed batch ([A=1, batch, seq]: loss on every
+    token, one segment per row); the benchmark's SHAPE, BATCH and SEQ as they are when called, unless given."""
     import jax
     import numpy as np
 
@@ -25,6 +25,7 @@ def model_and_batch(name: str, shape: dict = M.SHAPE, batch: int = M.BATCH, seq:
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
 
+    shape, batch, seq = shape or M.SHAPE, batch or M.BATCH, seq or M.SEQ
     cfg = ModelConfig(**shape, max_position_embeddings=M.MAX_POSITIONS)
     method = M.method(name)
     key = jax.random.key(0)

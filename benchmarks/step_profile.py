@@ -402,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-json", nargs="+", metavar="JSON", help="print saved profiles side by side")
     parser.add_argument("--wait-idle", type=float, default=120.0, metavar="S",
                         help="before each worker, wait up to S seconds for other processes to go quiet")
+    parser.add_argument("--retry-busy", type=int, default=0, metavar="K",
+                        help="profile a worker up to K more times while other processes disturb it; the quietest kept")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -421,12 +423,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for config in args.configs:
         for framework in ("jax", "torch") if args.torch else ("jax",):
-            wait_for_idle(args.wait_idle)
-            record = spawn(f"{framework}:{config}", args.steps)
-            print(f"{framework}:{config}: wall {record['wall_ms']:.0f} ms a step, categories "
-                  f"{record['categorized_ms']:.0f} ms, others used {record['other_load_cores']:.2f} cores",
-                  file=sys.stderr, flush=True)
-            results.append(record)
+            tries = []
+            while not tries or (tries[-1]["other_load_cores"] >= QUIET_CORES and len(tries) <= args.retry_busy):
+                wait_for_idle(args.wait_idle)
+                tries.append(spawn(f"{framework}:{config}", args.steps))
+                print(f"{framework}:{config}: wall {tries[-1]['wall_ms']:.0f} ms a step, categories "
+                      f"{tries[-1]['categorized_ms']:.0f} ms, others used {tries[-1]['other_load_cores']:.2f} cores",
+                      file=sys.stderr, flush=True)
+            results.append(min(tries, key=lambda r: r["other_load_cores"]))
     report = {"machine": host, "machine_kind": machine_kind(host), "shape": M.SHAPE, "batch": [M.BATCH, M.SEQ],
               "steps": args.steps, "results": results}
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
