@@ -1,6 +1,6 @@
 """Where a train step's time goes, by category: jaxtune's step against PyTorch+PEFT's (issue 54).
 
-    .venv/bin/python benchmarks/step_profile.py lora_qv full --torch --steps 3
+    .venv/bin/python benchmarks/step_profile.py lora_qv full --torch --steps 4 --retry-busy 3
     .venv/bin/python benchmarks/step_profile.py --from-json before.json after.json   # side by side
 
 jaxtune: the train-throughput benchmark's step (`_jax_worker.model_and_batch`, `abstract_run(...).step`, compiled
@@ -13,10 +13,10 @@ some thunk ran, and the wall step is printed beside it.
 
 PyTorch: `_torch_worker.build`'s model and `train_step` (sdpa attention) under `torch.profiler` (CPU, shapes
 recorded). Module hooks open `record_function` ranges (RMSNorm: norm, the rotary embedding and
-`apply_rotary_pos_emb`: rope, the attention and MLP modules, the attention function: kernel, the MLP's act_fn:
-activation, PEFT's LoRA layers: lora, their base layer back to its sub-layer, lm_head up to the loss: head, clipping
-and AdamW: optimizer). A backward op takes the range of the forward op whose autograd node it runs (the same
-`sequence_nr`). Every event's self time is counted once.
+`apply_rotary_pos_emb`: rope, the attention and MLP modules, the attention function: kernel, the MLP's act_fn and
+its product with up: activation, PEFT's LoRA layers: lora, their base layer back to its sub-layer, lm_head up to the
+loss: head, clipping, AdamW and zero_grad: optimizer). A backward op takes the ranges of the forward op whose
+autograd node it runs (the same `sequence_nr`). Every event's self time is counted once.
 
 GEMMs (a dot; aten::mm, addmm, bmm) are split by sub-layer (attention projections, MLP) into forward,
 backward-input and backward-weight: a backward GEMM whose contraction runs over the step's tokens (the einsum's
@@ -44,8 +44,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _measure as M  # noqa: E402
-
-QUIET_CORES = 0.25  # as train_throughput.py's: a worker beside which other processes used more ran on a busy machine
+from train_throughput import (  # noqa: E402
+    QUIET_CORES,
+    children_cpu_s,
+    cpu_busy_s,
+    machine,
+    machine_kind,
+    wait_for_idle,
+)
 
 GEMM_PARTS = ("fwd", "bwd-input", "bwd-weight")
 CATEGORIES = (
@@ -343,8 +349,6 @@ def run_worker(worker: str, steps: int) -> dict:
 def spawn(worker: str, steps: int) -> dict:
     """One worker in a fresh interpreter (a jaxtune one under huge pages, as train_throughput.py spawns it); its
     last stdout line is its JSON result."""
-    from train_throughput import children_cpu_s, cpu_busy_s
-
     from jaxtune.host_memory import huge_pages_environment
 
     env = os.environ.copy()
@@ -376,8 +380,8 @@ def tables(reports: list[tuple[str, dict]]) -> str:
     sections = []
     for config in configs:
         columns = []
-        for label, report in reports:
-            for framework, title in (("jax", "jaxtune"), ("torch", "PyTorch+PEFT" if config != "full" else "PyTorch")):
+        for framework, title in (("jax", "jaxtune"), ("torch", "PyTorch+PEFT" if config != "full" else "PyTorch")):
+            for label, report in reports:  # a framework's before and after side by side
                 r = next((r for r in report["results"] if r["config"] == config and r["framework"] == framework),
                          None)
                 if r is not None:
@@ -417,8 +421,6 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not args.configs:
         parser.error(f"configurations: full, lora_qv, lora_all or lora_qv_bf16 (not {', '.join(unknown)})" if unknown
                      else "name one or more configurations, or --from-json")
-    from train_throughput import machine, machine_kind, wait_for_idle
-
     host = machine()
     results = []
     for config in args.configs:
