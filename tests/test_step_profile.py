@@ -139,10 +139,24 @@ def test_saved_profiles_print_side_by_side():
     assert "| wall step | 20.0 | 10.0 |" in table
 
 
-def test_a_traced_tiny_step_is_categorised():
+def _filled(fn):
+    """fn's result as numpy arrays of 0.02 (from its shapes: no XLA program compiled): the categories read the
+    program, not the weights' values, and drawing a model's random weights op by op is most of a cold test's time."""
+    import jax
+    import numpy as np
+
+    return lambda *args: jax.tree.map(lambda s: np.full(s.shape, 0.02, s.dtype), jax.eval_shape(lambda: fn(*args)))
+
+
+def test_a_traced_tiny_step_is_categorised(monkeypatch):
     sp = _profile()
     import _jax_worker
 
+    from jaxtune.methods import transform
+    from jaxtune.models import params
+
+    monkeypatch.setattr(params, "init_params", _filled(params.init_params))
+    monkeypatch.setattr(transform, "apply_method", _filled(transform.apply_method))
     shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=8)
     profile = sp.jax_profile("lora_qv", 2, warmup=1, setup=_jax_worker.model_and_batch("lora_qv", shape, 2, 24))
