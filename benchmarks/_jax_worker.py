@@ -13,10 +13,10 @@ import time
 import _measure as M
 
 
-def model_and_batch(name: str) -> tuple:
-    """(cfg, plan, train config, trainable, frozen, batch) of configuration `name`: a random model from
-    `init_params` with the method applied and partitioned, and the fixed batch ([A=1, B, T]: loss on every token,
-    one segment per row)."""
+def model_and_batch(name: str, shape: dict | None = None, batch: int | None = None, seq: int | None = None) -> tuple:
+    """(cfg, plan, train config, trainable, frozen, batch) of configuration `name`: a random model of `shape` from
+    `init_params` with the method applied and partitioned, and the fixed batch ([A=1, batch, seq]: loss on every
+    token, one segment per row); the benchmark's SHAPE, BATCH and SEQ as they are when called, unless given."""
     import jax
     import numpy as np
 
@@ -25,21 +25,22 @@ def model_and_batch(name: str) -> tuple:
     from jaxtune.methods.transform import apply_method, partition, trainable_mask
     from jaxtune.models.params import init_params
 
-    cfg = ModelConfig(**M.SHAPE, max_position_embeddings=M.MAX_POSITIONS)
+    shape, batch, seq = shape or M.SHAPE, batch or M.BATCH, seq or M.SEQ
+    cfg = ModelConfig(**shape, max_position_embeddings=M.MAX_POSITIONS)
     method = M.method(name)
     key = jax.random.key(0)
     params = apply_method(init_params(cfg, key), cfg, method, jax.random.fold_in(key, 1))
     trainable, frozen = partition(params, trainable_mask(params, method))
     tc = TrainConfig(learning_rate=M.LEARNING_RATE, schedule="constant", max_grad_norm=M.MAX_GRAD_NORM)
-    plan = TrainPlan(method, M.BATCH, M.SEQ, 1, param_dtype="float32",
+    plan = TrainPlan(method, batch, seq, 1, param_dtype="float32",
                      forward=ForwardOptions(compute_dtype=M.COMPUTE_DTYPE.get(name, "float32"), remat=M.REMAT))
-    tokens = M.fixed_tokens()
-    ones = np.ones((M.BATCH, M.SEQ), np.int32)
-    batch = {
+    tokens = M.fixed_tokens(batch=batch, seq=seq, vocab=shape["vocab_size"])
+    ones = np.ones((batch, seq), np.int32)
+    arrays = {
         "input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:], "loss_mask": ones[None].astype(np.float32),
-        "segment_ids": ones[None], "positions": np.broadcast_to(np.arange(M.SEQ, dtype=np.int32), ones.shape)[None],
+        "segment_ids": ones[None], "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), ones.shape)[None],
     }
-    return cfg, plan, tc, trainable, frozen, jax.device_put(batch)
+    return cfg, plan, tc, trainable, frozen, jax.device_put(arrays)
 
 
 def run(name: str, warmup: int, steps: int) -> dict:

@@ -47,9 +47,12 @@ def method(name: str):
 COMPUTE_DTYPE = {"lora_qv_bf16": "bfloat16"}
 
 
-def fixed_tokens(seed: int = 0) -> np.ndarray:
-    """[B, T+1] int32 random token ids: inputs are [:, :-1] ... for jaxtune's pre-shifted labels, see `jax_batch`."""
-    return np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], (BATCH, SEQ + 1), dtype=np.int32)
+def fixed_tokens(seed: int = 0, batch: int | None = None, seq: int | None = None, vocab: int | None = None
+                 ) -> np.ndarray:
+    """[B, T+1] int32 random token ids (BATCH, SEQ and SHAPE's vocabulary as they are when called, unless given):
+    inputs are [:, :-1] ... for jaxtune's pre-shifted labels, see `jax_batch`."""
+    shape = (batch or BATCH, (seq or SEQ) + 1)
+    return np.random.default_rng(seed).integers(0, vocab or SHAPE["vocab_size"], shape, dtype=np.int32)
 
 
 def _status_kib(field: str) -> int:

@@ -10,27 +10,34 @@ QLoRA needs bitsandbytes' 4-bit layers: where `import bitsandbytes` fails the re
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any, NamedTuple
 
 import _measure as M
 
 
-def run(name: str, attn: str, warmup: int, steps: int) -> dict:
-    import torch
+class TorchSetup(NamedTuple):
+    """One configuration's model (PEFT-wrapped for LoRA), trainable parameters, AdamW (and which implementation),
+    fixed input ids [B, T] and whether it trains under bfloat16 autocast."""
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    model: Any
+    params: list
+    optimizer: Any
+    adamw: str
+    input_ids: object
+    bf16: bool
+
+
+def build(name: str, attn: str) -> TorchSetup:
+    """Configuration `name`'s model, optimizer and batch with attention implementation `attn`; QLoRA is refused
+    (see `run`)."""
     import peft
+    import torch
     import transformers
 
     kind, targets = M.METHODS[name]
-    if kind == "qlora":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            return {"framework": "torch", "config": name, "variant": attn, "unavailable": f"bitsandbytes: {e}"}
-        return {"framework": "torch", "config": name, "variant": attn,
-                "unavailable": "bitsandbytes is installed but 4-bit training on CPU is not benchmarked here"}
-
+    assert kind != "qlora", "QLoRA needs bitsandbytes' 4-bit training, not benchmarked on CPU"
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=M.SHAPE["vocab_size"], hidden_size=M.SHAPE["hidden_size"],
@@ -56,26 +63,49 @@ def run(name: str, attn: str, warmup: int, steps: int) -> dict:
         optimizer = torch.optim.AdamW(params, lr=M.LEARNING_RATE, weight_decay=0.0, foreach=True)
         adamw = "foreach"
     input_ids = torch.from_numpy(M.fixed_tokens()[:, :-1].copy()).long()
+    return TorchSetup(model, params, optimizer, adamw, input_ids, M.COMPUTE_DTYPE.get(name) == "bfloat16")
+
+
+def train_step(setup: TorchSetup, phase=contextlib.nullcontext) -> float:
+    """One step (forward with transformers' loss, backward, clipping, AdamW); the loss. `phase(name)`: a context
+    the update runs in ("optimizer"; step_profile.py's profiler range)."""
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.bf16):
+        loss = setup.model(input_ids=setup.input_ids, labels=setup.input_ids, use_cache=False).loss
+    loss.backward()
+    with phase("optimizer"):
+        torch.nn.utils.clip_grad_norm_(setup.params, M.MAX_GRAD_NORM)
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def run(name: str, attn: str, warmup: int, steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    import peft
+    import transformers
+
+    kind = M.METHODS[name][0]
+    if kind == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            return {"framework": "torch", "config": name, "variant": attn, "unavailable": f"bitsandbytes: {e}"}
+        return {"framework": "torch", "config": name, "variant": attn,
+                "unavailable": "bitsandbytes is installed but 4-bit training on CPU is not benchmarked here"}
+
+    setup = build(name, attn)
     baseline = M.rss_mib()
     M.reset_peak_rss()
     losses = []
-
-    bf16 = M.COMPUTE_DTYPE.get(name) == "bfloat16"
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, M.MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-
-    timing = M.time_steps(step, warmup, steps)
+    timing = M.time_steps(lambda: losses.append(train_step(setup)), warmup, steps)
     return {
         "framework": "torch", "config": name, "variant": attn, "compile_s": None, **timing,
         "baseline_rss_mib": baseline, "train_peak_rss_mib": M.window_peak_rss_mib(), "peak_rss_mib": M.peak_rss_mib(),
-        "loss_first": losses[0], "loss_last": losses[-1], "adamw": adamw, "threads": torch.get_num_threads(),
+        "loss_first": losses[0], "loss_last": losses[-1], "adamw": setup.adamw, "threads": torch.get_num_threads(),
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "peft_version": peft.__version__, "attn_implementation": model.config._attn_implementation,
+        "peft_version": peft.__version__, "attn_implementation": setup.model.config._attn_implementation,
     }

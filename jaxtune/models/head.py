@@ -85,6 +85,7 @@ def chunk_length(B: int, T: int, V: int) -> int:
     return min(c, T)
 
 
+@jax.named_scope("head")
 def per_token(fn: Callable, *arrays_BxT: jax.Array, vocab: int):
     """fn applied to chunks of tokens: [B, T] (or a tuple of them) from arrays [B, T, ...] that fn maps chunk by
     chunk ([B, c, ...] to [B, c] or a tuple of them); fn computes the chunk's logits itself (`head_logits`), so its

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from jaxtune.config.forward import MATMUL_OUTPUT
 from jaxtune.config.method import Branch, DenseHook
+from jaxtune.host_cpu import fast_bf16_dots
 from jaxtune.models.adapters import Adapters
 from jaxtune.models.params import LINEAR_AXES
 from jaxtune.models.quant import (
@@ -33,7 +34,6 @@ from jaxtune.models.quant import (
     dequantize_columns,
     full_shape,
 )
-from jaxtune.host_cpu import fast_bf16_dots
 from jaxtune.parallel.rules import (
     ZERO_AXES,
     context_ways,
@@ -68,9 +68,9 @@ def kernel_of(module: dict, dtype) -> jax.Array:
 def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
     """x [..., in] @ w [in, out] as `out_dtype` (default x's), w cast to x's dtype; `transposed`: w is [out, in] (a
     tied head's embedding table), multiplied as stored. Below float32 (bfloat16 compute) the products are
-    accumulated in float32, forward and backward: the dots XLA runs fastest (on CPU about twice the float32 rate,
-    where a bfloat16-output dot runs at the float32 rate or below), with the rounding of torch's autocast; a float32
-    w (a master weight) gets its gradient in float32, never rounded to x's dtype.
+    accumulated in float32, forward and backward, and rounded once, as torch's autocast rounds them (which dot does
+    that fastest: `product_dtype`); a float32 w (a master weight) gets its gradient in float32, never rounded to x's
+    dtype.
 
     The products with w, x w and the backward's g w^T, are taken as [tokens, in]: inside a loop (the chunked head,
     a layer's pieces), XLA:CPU gave a [B, T, in] product that contracts w's last axis a transposed copy of w,
@@ -86,8 +86,9 @@ def product_dtype(out_dtype, accumulate) -> jnp.dtype:
     but bfloat16 itself on a CPU without fast bfloat16 dots (`host_cpu.fast_bf16_dots`: no AMX). XLA:CPU computes a
     bfloat16-output dot as a float32 GEMM of the widened operands (the same float32 sums, rounded once), which there
     runs faster than its bfloat16 kernel (float32 output): the bfloat16 LoRA step 1.3x with AVX512_BF16, 1.25x
-    capped at AVX2. With AMX that kernel is the fast one (benchmarks/README.md, issue 54). A product with a wide output (the head's logits) keeps
-    its input's gradient wide too: XLA:CPU widened the head's weight for a bfloat16 one."""
+    capped at AVX2. With AMX that kernel is the fast one (benchmarks/README.md, issue 54). A product with a wide
+    output (the head's logits) keeps its input's gradient wide too: XLA:CPU widened the head's weight for a bfloat16
+    one."""
     out_dtype, accumulate = jnp.dtype(out_dtype), jnp.dtype(accumulate)
     if out_dtype != jnp.bfloat16 or accumulate == out_dtype or platform_in_context() != "cpu" or fast_bf16_dots():
         return accumulate

@@ -159,12 +159,13 @@ def attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, mask: AttentionMask, window, live_
                                   sinks_KxG=layer_sinks(layer, cfg))
         return jnp.transpose(out, (0, 3, 1, 2, 4))
 
-    if fused is None:
-        out_BxTxKxGxh = blockwise()
-    else:
-        call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise,
-                          layer_sinks(layer, cfg))
-        out_BxTxKxGxh = KERNELS[fused.kind].attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call)
+    with jax.named_scope("kernel"):
+        if fused is None:
+            out_BxTxKxGxh = blockwise()
+        else:
+            call = KernelCall(mask, window, live_QxC, fused, cfg.attention_scale, cfg.attn_logit_softcap, blockwise,
+                              layer_sinks(layer, cfg))
+            out_BxTxKxGxh = KERNELS[fused.kind].attend(q_BxTxKxGxh, k_BxSxKxh, v_BxSxKxh, call)
     return output_projection(heads_output(out_BxTxKxGxh, cfg), gate_BxTxQ, layer, adapters)
 
 
@@ -189,9 +190,10 @@ def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live
                           else (jnp.zeros((B, 0, K, hd), x_BxTxD.dtype),) * 2)
         k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v = (jnp.transpose(a, (0, 2, 1, 3))
                                                      for a in (k_BxSxKxh, v_BxSxKxh, *prefix_BxPxKxh))
-        out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k, prefix_v,
-                                mask, window, context, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
-                                sinks_KxG=layer_sinks(layer, cfg))
+        with jax.named_scope("kernel"):
+            out = context_attention(jnp.transpose(q_BxTxKxGxh, (0, 2, 3, 1, 4)), k_BxKxTxh, v_BxKxTxh, prefix_k,
+                                    prefix_v, mask, window, context, scale=cfg.attention_scale,
+                                    softcap=cfg.attn_logit_softcap, sinks_KxG=layer_sinks(layer, cfg))
         return output_projection(heads_output(jnp.transpose(out, (0, 3, 1, 2, 4)), cfg), gate_BxTxQ, layer,
                                  adapters), kv
     if "prefix" in layer:  # learned keys/values, used as they are (no rotation), as PEFT's past_key_values
@@ -203,14 +205,17 @@ def attention(x_BxTxD, layer, rope: LayerRope, mask: AttentionMask, window, live
 
 # The activation is computed in float32 (float64) and rounded once, as torch's bfloat16 kernels compute it: in
 # bfloat16 XLA:CPU rounds after each of its five operations, converting there and back around each.
+@jax.named_scope("activation")
 def _swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
     return jax.nn.silu(gate_BxTxF.astype(wide(gate_BxTxF.dtype))).astype(gate_BxTxF.dtype) * up_BxTxF
 
 
+@jax.named_scope("activation")
 def _geglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:  # transformers' gelu_pytorch_tanh
     return jax.nn.gelu(gate_BxTxF.astype(wide(gate_BxTxF.dtype)), approximate=True).astype(gate_BxTxF.dtype) * up_BxTxF
 
 
+@jax.named_scope("activation")
 def _clamped_swiglu(gate_BxTxF: jax.Array, up_BxTxF: jax.Array, alpha: float, limit: float) -> jax.Array:
     """gpt-oss's: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); in float32 (float64)."""
     g = jnp.minimum(gate_BxTxF.astype(wide(gate_BxTxF.dtype)), limit)

@@ -1,5 +1,5 @@
 """RMSNorm as transformers' families compute it (`rms_norm`): statistics in float32, the scale's product in the
-input dtype, or in float32 for Gemma's (1 + weight) and OLMo's."""
+input dtype, or in float32 for Gemma's (1 + weight) and OLMo's. Their ops are named in the scope "norm"."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtune.models.linear import wide
 
 
+@jax.named_scope("norm")
 def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: bool = False,
              float32_scale: bool = False) -> jax.Array:
     """x / rms(x) * weight, the statistics in float32 (or wider), the product in the input dtype; with
@@ -23,6 +24,7 @@ def rms_norm(x_BxTxD: jax.Array, weight_D: jax.Array, eps: float, unit_offset: b
     return weight_D.astype(x_BxTxD.dtype) * x32.astype(x_BxTxD.dtype)
 
 
+@jax.named_scope("norm")
 def unscaled_rms_norm(x: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) over the last axis in float32 (or wider), no weight (Llama 4's query and key norm, Gemma 4's value
     and router norms)."""

@@ -1,6 +1,7 @@
 """Rotary position embeddings with Hugging Face's conventions (half-split rotation, float32 angles, the config's
 rope scaling): `rope_tables` for a batch's positions, `layer_rope` a layer's pick of them, `apply_rope`; Qwen2.5-VL's
-M-RoPE (`mrope_angles`) where the positions come as three streams [3, B, T]."""
+M-RoPE (`mrope_angles`) where the positions come as three streams [3, B, T]. The tables and the rotation are named in
+the scope "rope"."""
 
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ def position_angles(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.
     return mrope_angles(positions, cfg, dtype)
 
 
+@jax.named_scope("rope")
 def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array, interleaved: bool = False
                ) -> jax.Array:
     """Rotate the first R dimensions of each head's vector, x * cos + rotate_half(x) * sin, and pass the rest
@@ -162,6 +164,7 @@ class LayerRope(NamedTuple):
     q_scale_T: jax.Array | None
 
 
+@jax.named_scope("rope")
 def rope_tables(positions_BxT: jax.Array, cfg: ModelConfig, dtype, slots_T: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """cos and sin [R, B, T, hd] (`position_angles` of positions [B, T], or M-RoPE's streams [3, B, T]), the tables

@@ -44,6 +44,7 @@ def accumulate(loss_fn, trainable: dict, batch: dict, key: jax.Array | None = No
     return loss / denom, count, jax.tree.map(lambda g: g / denom, grads), {k: v / denom for k, v in metrics.items()}
 
 
+@jax.named_scope("optimizer")
 def apply_update(state: dict, grads: dict, loss: jax.Array, optimizer: optax.GradientTransformation,
                  schedule: optax.Schedule) -> tuple[dict, dict]:
     """The next state, or the same params and optimizer state when loss or gradients are not finite (counted in

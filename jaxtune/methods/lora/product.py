@@ -4,6 +4,7 @@ into the base GEMM as `lora_product` where `linear.folds_branch` says), DoRA's r
 
 Each adapted module (and expert stack) carries `lora_scale` [L] beside its leaves while the forward runs (alpha / r,
 rsLoRA alpha / sqrt(r), per `lora.layout`; 0 in a layer the adapter skips), sliced by the layer scan with the rest.
+The branches' own ops are named in the scope "lora" (a folded branch's rows of the base product are the projection's).
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ def _lora_product_fwd(x, x_lora, kernel, a, b, scale):
     accumulate = _accumulation(x.dtype)
     scale = jnp.asarray(scale, accumulate)
     x_NxI = x.reshape(-1, x.shape[-1])
-    xa_NxR = jnp.einsum("ni,ir->nr", x_lora.reshape(x_NxI.shape), a, preferred_element_type=accumulate)
-    xa_NxR = (xa_NxR * scale).astype(x.dtype)
-    y_NxO = jnp.einsum("ni,io->no", jnp.concatenate([x_NxI, xa_NxR], axis=-1), jnp.concatenate([kernel, b], axis=0),
-                       preferred_element_type=product_dtype(x.dtype, accumulate))
+    with jax.named_scope("lora"):  # the branch's own work; the product is the projection's
+        xa_NxR = jnp.einsum("ni,ir->nr", x_lora.reshape(x_NxI.shape), a, preferred_element_type=accumulate)
+        xa_NxR = (xa_NxR * scale).astype(x.dtype)
+        xs_NxJ, kernel_JxO = jnp.concatenate([x_NxI, xa_NxR], axis=-1), jnp.concatenate([kernel, b], axis=0)
+    y_NxO = jnp.einsum("ni,io->no", xs_NxJ, kernel_JxO, preferred_element_type=product_dtype(x.dtype, accumulate))
     return y_NxO.reshape(*x.shape[:-1], kernel.shape[-1]).astype(x.dtype), (x, x_lora, kernel, a, b, xa_NxR, scale)
 
 
@@ -103,10 +105,11 @@ def _lora_product_bwd(residuals, g):
     g_NxO = g.astype(x.dtype).reshape(-1, g.shape[-1])
     x_NxI = x.reshape(-1, x.shape[-1])
     dx_NxI = jnp.einsum("no,io->ni", g_NxO, kernel, preferred_element_type=product_dtype(x.dtype, accumulate))
-    dxa_NxR = (jnp.einsum("no,ro->nr", g_NxO, b, preferred_element_type=accumulate) * scale).astype(x.dtype)
-    dx_lora_NxI = jnp.einsum("nr,ir->ni", dxa_NxR, a, preferred_element_type=accumulate)
-    da = _a_gradient(x_lora.reshape(x_NxI.shape), dxa_NxR, accumulate)
-    db = jnp.einsum("nr,no->ro", xa_NxR, g_NxO, preferred_element_type=accumulate)
+    with jax.named_scope("lora"):
+        dxa_NxR = (jnp.einsum("no,ro->nr", g_NxO, b, preferred_element_type=accumulate) * scale).astype(x.dtype)
+        dx_lora_NxI = jnp.einsum("nr,ir->ni", dxa_NxR, a, preferred_element_type=accumulate)
+        da = _a_gradient(x_lora.reshape(x_NxI.shape), dxa_NxR, accumulate)
+        db = jnp.einsum("nr,no->ro", xa_NxR, g_NxO, preferred_element_type=accumulate)
     dkernel = jnp.einsum("ni,no->io", x_NxI, g_NxO, preferred_element_type=accumulate)
     as_x = lambda d: d.reshape(x.shape).astype(x.dtype)  # noqa: E731
     return (as_x(dx_NxI), as_x(dx_lora_NxI), dkernel.astype(kernel.dtype), da.astype(a.dtype), db.astype(b.dtype),
@@ -121,6 +124,7 @@ def _dropped(x: jax.Array, branch: Branch) -> jax.Array:
     return x if branch.dropout_key is None else dropout(x, branch.dropout_key, branch.dropout_rate)
 
 
+@jax.named_scope("lora")
 def _branch(x: jax.Array, y: jax.Array, module: dict, kernel: jax.Array | None, branch: Branch) -> jax.Array:
     """y + s (B A dropout(x) + b); DoRA: (y + s B A x) m / ||W + s B A|| (with dropout, PEFT's form). s: the
     module's `lora_scale` of this layer (0 where the layer is not adapted)."""
@@ -155,6 +159,7 @@ LORA_HOOK = DenseHook("lora_a", add=_branch, needs_kernel=lambda module: "magnit
                       product=_product, fuses=lambda module: not {"magnitude", "lora_bias"} & set(module))
 
 
+@jax.named_scope("lora")
 def _expert_branch(x_MxI: jax.Array, y_MxO: jax.Array, module: dict, product) -> jax.Array:
     """y + s (x A_e) B_e: each row's expert's LoRA, as two more grouped products (`moe.grouped_matmul`)."""
     xa_MxR = product(x_MxI, module["lora_a"])
