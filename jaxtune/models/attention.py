@@ -334,20 +334,22 @@ def _attention_fwd(q, k, v, mask, window, live_QxC, sinks_KxG, scale, softcap):
 
 def _attention_bwd(scale, softcap, residuals, g):
     q, k, v, mask, window, live_QxC, sinks_KxG, out, lse = residuals
-    dq, dk, dv = attention_grads(q, k, v, mask, window, live_QxC, out, lse, g, scale, softcap)
+    dq, dk, dv = attention_grads(q, k, v, mask, window, live_QxC, out, lse, g, scale, softcap, whole_row=True)
     dsinks = None if sinks_KxG is None else sink_grads(sinks_KxG, out, lse, g).astype(sinks_KxG.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks
 
 
 def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g, scale: float,
-                    softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    softcap: float | None, whole_row: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) in float32 (float64) of `attend_blocks`' output for the cotangent g [B, K, G, T, hd], given the
     output `out` and log-sum-exp `lse` of the whole attention (over these keys, any others and any sinks: a sink
     reaches dq, dk, dv only through lse; its own gradient is `sink_grads`).
 
     FlashAttention-2's backward: per block, p = exp(s - lse), dv += p^T g, ds = p (g v^T - rowsum(g o)),
     dq += ds k, dk += ds^T q (both scaled; with a soft cap, ds also times 1 - tanh^2); an outer loop over key
-    blocks, an inner one over query blocks."""
+    blocks, an inner one over query blocks. whole_row: these keys are all the row's (no other device's), so a row of
+    one block takes rowsum(g o) as rowsum(p dp) (equal: a sink's value is 0), which XLA:CPU fuses into dp's product
+    at its own rate (rowsum(g o) fused there made that product 2.5x slower; benchmarks/README.md, issue 54)."""
     B, K, G, T, hd = q.shape
     S = k.shape[2]
     f32 = wide(q.dtype)
@@ -356,9 +358,9 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
     live_QxC = live_QxC & _window_live(m, window)
     bq = blocks.q.shape[-2]
     g_blocks = _cut(g, 3, bq)
-    delta = _cut(jnp.sum(g.astype(f32) * out.astype(f32), axis=-1), 3, bq)  # [nq, B, K, G, bq]
     lse_blocks = _cut(lse, 3, bq)
     loop = blocks.q.shape[0] * blocks.k.shape[0] > 1
+    delta = None if whole_row and not loop else _cut(jnp.sum(g.astype(f32) * out.astype(f32), axis=-1), 3, bq)
 
     def key_block(dq, key_args):
         k_blk, v_blk, k_slot, k_valid, k_segment, k_span, k_position, live_Q = key_args
@@ -374,7 +376,8 @@ def attention_grads(q, k, v, mask: AttentionMask, window, live_QxC, out, lse, g,
                 p = jnp.exp(s - lse_blk[..., None])
                 dv = dv + _contract_rows(g_blk.astype(f32), p)
                 dp = jnp.einsum("bkgqh,bkch->bkgqc", g_blk, v_blk, preferred_element_type=f32)
-                ds = p * (dp - delta_blk[..., None]) * scale
+                row_delta = jnp.sum(p * dp, axis=-1) if delta_blk is None else delta_blk  # [B, K, G, bq]
+                ds = p * (dp - row_delta[..., None]) * scale
                 if softcap:
                     ds = ds * (1 - tanh * tanh)
                 dk = dk + _contract_rows(q_blk.astype(f32), ds)
