@@ -301,6 +301,28 @@ def _compiled_attention(T: int, block: int, monkeypatch) -> tuple[str, str]:
     return forward.lower(q, k, v).compile().as_text(), backward.lower(vjp, q).compile().as_text()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_one_block_backward_takes_the_row_sum_from_its_own_block(sinks, monkeypatch):
+    """A row of one block whose keys are the whole row's (`whole_row`) takes rowsum(g o) as rowsum(p dp): the
+    gradients never read the output (NaN here) and equal those from rowsum(g o) (a sink's value is 0); the loops
+    (several blocks) and a part of a row keep rowsum(g o)."""
+    monkeypatch.setattr(attention, "BLOCK", 64)
+    T = 13
+    mask, window = masks(T, "packed")
+    q, k, v = inputs(T, T, jnp.float32)
+    sinks_KxG = jnp.array([[0.5, -1.0], [2.0, 0.0]], jnp.float32) if sinks else None
+    live = live_blocks(mask, T, T)
+    out, lse = jax.jit(attention.attend_blocks, static_argnums=(6, 7))(q, k, v, mask, window, live, 0.125, None,
+                                                                        sinks_KxG)
+    g = jax.random.normal(jax.random.key(3), out.shape, jnp.float32)
+    grads = jax.jit(lambda out, whole_row: attention.attention_grads(q, k, v, mask, window, live, out, lse, g, 0.125,
+                                                                     None, whole_row=whole_row), static_argnums=1)
+    from_out, from_block = grads(out, False), grads(jnp.full_like(out, jnp.nan), True)
+    for got, want in zip(from_block, from_out):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    assert np.isnan(np.asarray(grads(jnp.full_like(out, jnp.nan), False)[0])).all()
+
+
 @pytest.mark.full
 def test_one_block_runs_without_loops_and_multiplies_no_score_block_transposed(monkeypatch):
     """A row that is one block (up to BLOCK tokens) computes with no loop or conditional (on XLA:CPU they cost
