@@ -85,7 +85,7 @@ def product_dtype(out_dtype, accumulate) -> jnp.dtype:
     """The dtype a dot returns for a product accumulated in `accumulate` and rounded to `out_dtype`: `accumulate`,
     but bfloat16 itself on a CPU without fast bfloat16 dots (`host_cpu.fast_bf16_dots`: no AMX). XLA:CPU computes a
     bfloat16-output dot as a float32 GEMM of the widened operands (the same float32 sums, rounded once), which there
-    runs faster than its bfloat16 kernel (float32 output): the bfloat16 LoRA step 1.3x with AVX512_BF16, 1.25x
+    runs faster than its bfloat16 kernel (float32 output): the bfloat16 LoRA step 1.18x with AVX512_BF16, 1.15x
     capped at AVX2. With AMX that kernel is the fast one (benchmarks/README.md, issue 54). A product with a wide
     output (the head's logits) keeps its input's gradient wide too: XLA:CPU widened the head's weight for a bfloat16
     one."""
