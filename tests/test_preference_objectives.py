@@ -160,7 +160,8 @@ RUNS = {  # objective: (its section, the held-out metric, a slice of what it sta
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", list(RUNS))
+@pytest.mark.parametrize("objective", [pytest.param(o, marks=pytest.mark.full) if o in ("orpo", "simpo") else o
+                                       for o in RUNS])  # their losses against TRL's stay everyday
 def test_run_learns_held_out_preferences(data, tmp_path, objective):
     """8 steps of `jaxtune train` (LoRA, 16 pairs or 16 examples a step): the held-out preference metric (pairs won
     by the chosen completion's reward; KTO: completions whose reward has their label's sign) ends >= 0.9 and above
