@@ -51,17 +51,18 @@ def fast_bf16_dots(cpuinfo: str | None = None, xla_flags: str | None = None) -> 
     host's /proc/cpuinfo and $XLA_FLAGS, read once a process."""
     if cpuinfo is None and xla_flags is None:
         return _host_fast_bf16_dots()
-    if cpuinfo is None:
-        cpuinfo = CPUINFO.read_text() if CPUINFO.exists() else ""
-    if xla_flags is None:
-        xla_flags = os.environ.get("XLA_FLAGS", "")
-    flags = cpu_flags(cpuinfo)
-    return ("amx_bf16" in flags and max_isa(xla_flags) not in CAPS_WITHOUT_AMX) or "bf16" in flags
+    flags = cpu_flags(_host_cpuinfo() if cpuinfo is None else cpuinfo)
+    cap = max_isa(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
+    return ("amx_bf16" in flags and cap not in CAPS_WITHOUT_AMX) or "bf16" in flags
 
 
 @functools.cache  # asked at every product a trace makes
 def _host_fast_bf16_dots() -> bool:
-    return fast_bf16_dots(CPUINFO.read_text() if CPUINFO.exists() else "", os.environ.get("XLA_FLAGS", ""))
+    return fast_bf16_dots(_host_cpuinfo(), os.environ.get("XLA_FLAGS", ""))
+
+
+def _host_cpuinfo() -> str:
+    return CPUINFO.read_text() if CPUINFO.exists() else ""
 
 
 def warn_if_slow_bf16(compute_dtype: str, backend: str | None = None) -> None:
