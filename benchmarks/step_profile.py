@@ -415,7 +415,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.from_json:
         several = len(args.from_json) > 1
-        print(tables([(Path(p).stem if several else "", json.loads(Path(p).read_text())) for p in args.from_json]))
+        saved = []
+        for path in args.from_json:
+            try:
+                saved.append((Path(path).stem if several else "", json.loads(Path(path).read_text())))
+            except (OSError, ValueError) as error:
+                parser.error(f"--from-json {path}: {error}")
+        print(tables(saved))
         return
     unknown = [c for c in args.configs if c not in M.METHODS or c == "qlora"]
     if unknown or not args.configs:
